@@ -1,0 +1,1 @@
+"""k2-launcher: launcher."""

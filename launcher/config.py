@@ -1,0 +1,95 @@
+"""Compose and validate the Hydra config tree in ``recipes/``.
+
+``load_config(["model=k2_tiny", "parallel=cpu4", "train.iters=10"])`` returns a read-only OmegaConf
+``DictConfig`` checked against :mod:`launcher.schema`. All entry points (``k2-train``, ``k2-plan``,
+``k2-data``, ``k2-bench``) go through it, so an unknown key, a wrong type or an unknown recipe fails
+with one :class:`ConfigError` before any process group, dataset or model is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from launcher.schema import K2Config
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. The message names the setting and the allowed values."""
+
+
+def _allowed_keys(node: DictConfig) -> list[str]:
+    return sorted(str(k) for k in node.keys())
+
+
+def _unknown_key_error(full_key: str) -> ConfigError:
+    key = full_key.rsplit(".", 1)[-1]
+    parent_path = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    schema = OmegaConf.structured(K2Config)
+    parent = OmegaConf.select(schema, parent_path) if parent_path else schema
+    allowed = _allowed_keys(parent) if isinstance(parent, DictConfig) else []
+    hint = difflib.get_close_matches(str(key), allowed, n=1)
+    msg = f"unknown config key '{full_key}'"
+    if hint:
+        msg += f" (did you mean '{(parent_path + '.') if parent_path else ''}{hint[0]}'?)"
+    msg += f"; allowed keys under '{parent_path or '<root>'}': {', '.join(allowed)}"
+    return ConfigError(msg)
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose ``recipes/<config_name>.yaml`` with Hydra ``overrides`` and validate it.
+
+    Args:
+        overrides: Hydra override strings, e.g. ``["parallel=cpu4", "train.iters=5"]``.
+        config_name: the root config in ``recipes/``.
+
+    Returns:
+        A read-only, struct-mode ``DictConfig`` with every key of :class:`launcher.schema.K2Config`.
+
+    Raises:
+        ConfigError: an unknown key or recipe, a value of the wrong type, or a Hydra parse error.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+            raw = compose(config_name=config_name, overrides=list(overrides))
+    except HydraException as e:  # unknown group option, bad override syntax, missing key
+        msg = str(e).split("\nConfig search path:")[0].strip()
+        m = re.match(r"Could not override '([^']+)'", msg)
+        if m:  # an override of a key that no recipe declares
+            raise _unknown_key_error(m.group(1)) from None
+        raise ConfigError(f"invalid override: {msg}") from None
+    except ConfigKeyError as e:
+        raise ConfigError(f"invalid override: {e}") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+    schema = OmegaConf.structured(K2Config)
+    raw_container = OmegaConf.to_container(raw, resolve=False)
+    raw_container.pop("hydra", None)
+    try:
+        cfg = OmegaConf.merge(schema, OmegaConf.create(raw_container))
+        OmegaConf.resolve(cfg)
+    except ConfigKeyError as e:
+        raise _unknown_key_error(str(getattr(e, "full_key", None) or getattr(e, "key", "?"))) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid value for '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+    OmegaConf.set_readonly(cfg, True)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (written to ``<run.dir>/config.yaml``)."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

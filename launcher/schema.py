@@ -1,0 +1,199 @@
+"""Typed schema of the Hydra config tree in ``recipes/``.
+
+Every key a recipe or a command-line override may set is declared here, with its default. The composed
+config is merged into these dataclasses by :func:`launcher.config.load_config`, so an unknown key or a
+value of the wrong type fails before any process group starts (DEVELOPERS.md, "bad input").
+
+Model keys use megatron-core's ``TransformerConfig`` / ``MLATransformerConfig`` field names wherever one
+exists, so a megatron user can read a recipe without a glossary. The few K2-specific keys that have no
+megatron equivalent say so in their comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    """K2 model family (REFERENCE.md, "Model"). Widths in elements, lengths in tokens."""
+
+    name: str = "k2_tiny"
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 384  # dense-layer SwiGLU width (K2: 18432)
+    num_attention_heads: int = 4
+    # K2/DeepSeek config name: the first k layers are dense, the rest MoE. Converted to megatron's
+    # ``moe_layer_freq`` list ([0]*k + [1]*(num_layers-k)).
+    first_k_dense_replace: int = 1
+    # MLA (megatron MLATransformerConfig names)
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 64
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 32  # "nope" part of q/k per head
+    qk_pos_emb_head_dim: int = 16  # rotary part of q/k per head
+    v_head_dim: int = 32
+    # MoE
+    num_moe_experts: Optional[int] = 8
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 64
+    moe_shared_expert_intermediate_size: Optional[int] = 64  # 1 shared expert of moe_ffn_hidden_size
+    moe_router_score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_bias_update_rate: float = 1.0e-3
+    moe_router_topk_scaling_factor: Optional[float] = 2.827
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_load_balancing_type: str = "seq_aux_loss"
+    moe_aux_loss_coeff: float = 1.0e-4
+    moe_router_dtype: Optional[str] = "fp32"
+    moe_token_dispatcher_type: str = "alltoall"
+    # Vocabulary / positions
+    vocab_size: int = 4096
+    max_position_embeddings: int = 4096
+    rope_type: str = "rope"  # "rope" while pretraining at 4K; "yarn" for the 128K extension
+    rotary_base: float = 50000.0
+    rotary_scaling_factor: float = 32.0  # YaRN factor (used when rope_type == "yarn")
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 1.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    # Norms / init / misc
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1.0e-6
+    init_method_std: float = 0.006
+    share_embeddings_and_output_weights: bool = False
+    # Project-owned core attention: record the per-head max pre-softmax logit every forward
+    # (needed by QK-Clip). On GPU this costs one extra no-grad QK^T pass per layer.
+    record_max_logits: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. DP is derived: world_size / (tp * pp). EP is carved out of the DP ranks."""
+
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual stages per PP rank (None or 1 = no interleaving)
+    ep: int = 1
+    # megatron pipeline_model_parallel_layout string, e.g. "Et|(tt|)*30L" (E=embedding, t=layer,
+    # L=loss, '|' separates virtual stages in order vpp_rank*pp + pp_rank). Mutually exclusive with
+    # first/last_stage_layers.
+    layout: Optional[str] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    use_distributed_optimizer: bool = True  # ZeRO-1 over DP
+
+
+@dataclass
+class DataConfig:
+    """Training data. ``path`` is a megatron indexed-dataset prefix (``PREFIX.bin``/``PREFIX.idx``), a
+    list of prefixes, or a blend ``[w1, prefix1, w2, prefix2, ...]``. ``None`` = the embedded stdlib
+    corpus built by ``k2-data`` into ``cache_dir``."""
+
+    name: str = "stdlib"
+    path: Optional[Any] = None
+    valid_path: Optional[Any] = None
+    tokenizer: Optional[str] = None  # a HF tokenizer.json; None = the one k2-data trained
+    cache_dir: str = "data_cache"
+    # k2-data settings for the embedded corpus
+    vocab_size: int = 4096
+    valid_fraction: float = 0.02
+    split: str = "98,2,0"  # used only when valid_path is None and path is a user dataset
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue)."""
+
+    name: str = "adamw"
+    lr: float = 3.0e-3
+    min_lr: float = 3.0e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 20
+    lr_decay_style: str = "cosine"  # megatron OptimizerParamScheduler styles: constant|linear|cosine|WSD
+    lr_wsd_decay_iters: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    """Train loop. Batch sizes in sequences; ``seq_length`` in tokens."""
+
+    iters: int = 300
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    seq_length: int = 128
+    precision: str = "fp32"  # fp32 | bf16
+    eval_interval: int = 50
+    eval_iters: int = 4
+    log_interval: int = 1
+    progress: bool = True
+    deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "k2-launcher"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    seed: int = 1234
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class LaunchConfig:
+    """Local process launch: ``k2-train`` spawns this many ranks itself when not under torchrun/srun."""
+
+    nproc_per_node: int = 1
+    master_port: int = 29533
+
+
+@dataclass
+class ClusterConfig:
+    """Target cluster for ``k2-plan``."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+
+
+@dataclass
+class PlanConfig:
+    query_tokens: Optional[Any] = None
+
+
+@dataclass
+class BenchConfig:
+    name: str = "none"
+    options: Optional[Any] = None
+
+
+@dataclass
+class K2Config:
+    """Root of the config tree (``recipes/config.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    output: str = "text"  # text | json (k2-plan, k2-bench)
+    plot: Optional[str] = None
