@@ -1,0 +1,509 @@
+"""Validated parallel dimensions and the pipeline layer table (pure Python, no process groups).
+
+:class:`ParallelDims` turns ``cfg.parallel`` + ``cfg.model`` + a world size into the numbers every
+other part of the launcher needs (TP/PP/VPP/EP/DP sizes, the ``[pp_rank][vpp_stage]`` -> decoder-layer
+table, the arguments to hand to megatron-core), in the style of torchtitan's ``ParallelDims``. It never
+touches ``torch.distributed``: ``k2-plan`` calls it for a 256-GPU recipe on a laptop, and ``k2-train``
+calls it before any process group exists so that a bad layout fails with one :class:`ConfigError`
+instead of an assertion deep inside megatron on every rank.
+
+Layer placement reproduces megatron-core 0.19.2 exactly (checked against megatron's own
+``get_transformer_layer_offset`` / ``get_num_layers_to_build`` in ``tests/test_dims.py``):
+
+* ``parallel.layout`` set: megatron's ``PipelineParallelLayerLayout`` parses the string
+  (``transformer/pipeline_parallel_layer_layout.py``); '|' separates *virtual* stages listed in the order
+  ``virtual_stage = vpp_stage * pp + pp_rank``; ``E`` = embedding, ``t`` = decoder layer, ``L`` = loss
+  (final norm + output head). The decoder layers are numbered in that virtual-stage order.
+* ``parallel.first_stage_layers`` / ``last_stage_layers`` set (megatron's
+  ``num_layers_in_first/last_pipeline_stage``): the given count is the number of layers on PP rank 0
+  (rank pp-1) *summed over its vpp virtual stages*, split evenly among them; the remaining layers are
+  split evenly over the middle PP ranks and their virtual stages (``transformer/transformer_block.py``
+  ``get_num_layers_to_build``, ``transformer/transformer_layer.py`` ``get_transformer_layer_offset``,
+  checks in ``transformer/transformer_config.py`` ``__post_init__``).
+* neither: ``num_layers / (pp * vpp)`` layers per virtual stage.
+
+In all three cases virtual stage ``i = vpp_stage * pp + pp_rank`` holds the next contiguous block of
+decoder layers after virtual stage ``i - 1``. The embedding is always on (pp_rank 0, vpp_stage 0) and the
+loss on (pp_rank pp-1, vpp_stage vpp-1) (a layout that places them elsewhere is rejected).
+
+Megatron carves expert parallelism out of the data-parallel ranks (``parallel_state.py``
+``initialize_model_parallel``: ``world_size % (expert_tp * ep * pp) == 0`` with expert TP = tp), so EP
+needs no extra GPUs: dp = world_size / (tp * pp) and ep must divide tp * dp (= dp while tp = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from launcher.config import ConfigError
+
+__all__ = ["ParallelDims", "check_microbatches"]
+
+# Layout-string syntax accepted by megatron-core 0.19.2's PipelineParallelLayerLayout.parse_str_to_list.
+_LAYOUT_SYNTAX = (
+    "E = embedding, t = decoder layer, L = loss, '|' separates virtual stages (order vpp_stage*pp + "
+    "pp_rank), '(...)*n' and 'x*n' repeat, ',' is cosmetic; e.g. 'Et|(tt|)*30L'"
+)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def _fmt(values: list[int], limit: int = 24) -> str:
+    if len(values) > limit:
+        return ", ".join(str(v) for v in values[:limit]) + ", ..."
+    return ", ".join(str(v) for v in values) if values else "none"
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Attribute access that works for a ``DictConfig``, a schema dataclass, or a ``SimpleNamespace``."""
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Parallel sizes of one run and where each decoder layer lives.
+
+    Attributes:
+        world_size: total number of ranks (processes; one per GPU, or per CPU rank on gloo).
+        tp: tensor-parallel size (only 1 is supported for now).
+        pp: pipeline-parallel size (number of PP ranks).
+        vpp: virtual stages (model chunks) per PP rank; 1 = no interleaving (config ``null`` -> 1).
+        ep: expert-parallel size, carved out of the DP ranks (megatron's ``expert_model_parallel_size``).
+        dp: data-parallel size, derived: ``world_size // (tp * pp)``.
+        num_layers: decoder layers of the model (``model.num_layers``).
+        layout: ``layout[pp_rank][vpp_stage]`` = global 0-based decoder-layer indices built by that
+            virtual stage, equal to what megatron-core builds. May be empty (e.g. K2's loss-only stage).
+        megatron_layout: value for ``TransformerConfig.pipeline_model_parallel_layout`` (the
+            ``parallel.layout`` string) or ``None`` for megatron's own split.
+        first_stage_layers: value for ``TransformerConfig.num_layers_in_first_pipeline_stage`` (layers on
+            PP rank 0 over all its virtual stages) or ``None``.
+        last_stage_layers: value for ``TransformerConfig.num_layers_in_last_pipeline_stage`` or ``None``.
+    """
+
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    ep: int
+    dp: int
+    num_layers: int
+    layout: list[list[list[int]]]
+    megatron_layout: str | None
+    first_stage_layers: int | None
+    last_stage_layers: int | None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(
+        cls,
+        parallel_cfg: Any,
+        model_cfg: Any,
+        world_size: int,
+        *,
+        world_size_from: str = "launch.nproc_per_node x nodes",
+    ) -> "ParallelDims":
+        """Validate ``parallel_cfg`` against ``model_cfg`` and ``world_size`` and build the layer table.
+
+        Args:
+            parallel_cfg: ``cfg.parallel`` (keys of :class:`launcher.schema.ParallelConfig`).
+            model_cfg: ``cfg.model``; reads ``num_layers`` and ``num_moe_experts``.
+            world_size: number of ranks the job runs on.
+            world_size_from: how the caller got ``world_size``, named in error messages
+                (e.g. ``"cluster.nodes x cluster.gpus_per_node"`` for ``k2-plan``).
+
+        Returns:
+            The validated :class:`ParallelDims`.
+
+        Raises:
+            ConfigError: one message naming the offending setting(s) and the allowed values, for: tp != 1;
+                pp/ep/vpp < 1; world size not divisible by tp * pp; vpp > 1 with pp = 1; ``parallel.layout``
+                together with ``first/last_stage_layers``; a layout megatron cannot parse, whose stage
+                count is not a multiple of pp, whose vpp disagrees with ``parallel.vpp``, whose number of
+                't' differs from ``model.num_layers``, or that does not start with E / end with L;
+                ``model.num_layers`` (after the first/last-stage overrides) not divisible over the
+                (remaining) PP x VPP stages; ``model.num_moe_experts`` not divisible by ep; ep not
+                dividing tp * dp.
+        """
+        tp = _positive_int(_get(parallel_cfg, "tp", 1), "parallel.tp")
+        if tp != 1:
+            raise ConfigError(
+                f"parallel.tp={tp} is not supported yet: tensor parallelism is not wired into the K2 "
+                "model, optimizer and CPU backend; allowed parallel.tp: 1"
+            )
+        pp = _positive_int(_get(parallel_cfg, "pp", 1), "parallel.pp")
+        ep = _positive_int(_get(parallel_cfg, "ep", 1), "parallel.ep")
+        vpp_raw = _get(parallel_cfg, "vpp", None)
+        vpp = 1 if vpp_raw is None else _positive_int(vpp_raw, "parallel.vpp")
+        world_size = _positive_int(world_size, f"world size ({world_size_from})")
+        num_layers = _positive_int(_get(model_cfg, "num_layers"), "model.num_layers")
+
+        # ---- world size over tp x pp
+        if world_size % (tp * pp) != 0:
+            allowed = _divisors(world_size // tp) if world_size % tp == 0 else []
+            raise ConfigError(
+                f"parallel.pp={pp} does not divide the world size {world_size} ({world_size_from})"
+                + (f" / parallel.tp={tp}" if tp > 1 else "")
+                + f"; allowed pp for this world size: {_fmt(allowed)}"
+            )
+        dp = world_size // (tp * pp)
+
+        if vpp > 1 and pp == 1:
+            raise ConfigError(
+                f"parallel.vpp={vpp} needs pipeline parallelism: virtual stages interleave over PP "
+                "ranks and megatron-core would build every layer in every chunk with parallel.pp=1; "
+                "set parallel.vpp=null (or 1), or parallel.pp >= 2"
+            )
+
+        # ---- layer placement
+        layout_str = _get(parallel_cfg, "layout", None)
+        first = _get(parallel_cfg, "first_stage_layers", None)
+        last = _get(parallel_cfg, "last_stage_layers", None)
+        if layout_str is not None and (first is not None or last is not None):
+            raise ConfigError(
+                f"parallel.layout={layout_str!r} cannot be combined with parallel.first_stage_layers="
+                f"{first} / parallel.last_stage_layers={last} (megatron-core rejects "
+                "pipeline_model_parallel_layout together with num_layers_in_first/last_pipeline_stage); "
+                "set either the layout or first/last_stage_layers, the others to null"
+            )
+        if layout_str is not None:
+            counts = _counts_from_layout(layout_str, pp, vpp, num_layers)
+        elif first is not None or last is not None:
+            first = _positive_int(first, "parallel.first_stage_layers", allow_none=True)
+            last = _positive_int(last, "parallel.last_stage_layers", allow_none=True)
+            counts = _counts_uneven(num_layers, pp, vpp, first, last)
+        else:
+            counts = _counts_even(num_layers, pp, vpp)
+
+        table: list[list[list[int]]] = [[[] for _ in range(vpp)] for _ in range(pp)]
+        next_layer = 0
+        for v in range(vpp):  # virtual-stage order: vpp_stage * pp + pp_rank
+            for r in range(pp):
+                table[r][v] = list(range(next_layer, next_layer + counts[r][v]))
+                next_layer += counts[r][v]
+        assert next_layer == num_layers, (next_layer, num_layers)  # guaranteed by the checks above
+
+        # ---- experts over ep, ep over the DP ranks
+        num_experts = _get(model_cfg, "num_moe_experts", None)
+        if not num_experts:
+            if ep != 1:
+                raise ConfigError(
+                    f"parallel.ep={ep} needs an MoE model but model.num_moe_experts={num_experts}; "
+                    "allowed parallel.ep for a dense model: 1"
+                )
+        elif num_experts % ep != 0:
+            allowed = [d for d in _divisors(num_experts) if dp % d == 0]
+            raise ConfigError(
+                f"model.num_moe_experts={num_experts} is not divisible by parallel.ep={ep} (each EP rank "
+                f"holds num_moe_experts / ep experts); allowed parallel.ep for this model and "
+                f"dp={dp}: {_fmt(allowed)}"
+            )
+        if (tp * dp) % (tp * ep) != 0:  # megatron: world % (expert_tp * ep * pp) == 0, expert_tp = tp
+            allowed = [d for d in _divisors(dp) if not num_experts or num_experts % d == 0]
+            raise ConfigError(
+                f"parallel.ep={ep} does not divide the data-parallel size dp={dp} (world size "
+                f"{world_size} / (tp={tp} x pp={pp})); megatron-core carves expert parallelism out of "
+                f"the DP ranks; allowed parallel.ep: {_fmt(allowed)}"
+            )
+
+        return cls(
+            world_size=world_size,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            ep=ep,
+            dp=dp,
+            num_layers=num_layers,
+            layout=table,
+            megatron_layout=layout_str,
+            first_stage_layers=first,
+            last_stage_layers=last,
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """pp * vpp: the number of model chunks in the whole pipeline."""
+        return self.pp * self.vpp
+
+    @property
+    def megatron_vpp(self) -> int | None:
+        """``virtual_pipeline_model_parallel_size`` for megatron-core: ``None`` when vpp == 1."""
+        return self.vpp if self.vpp > 1 else None
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size (replicas of each expert): tp * dp / (expert_tp * ep) = dp / ep."""
+        return self.dp // self.ep
+
+    def virtual_stage(self, pp_rank: int, vpp_stage: int) -> int:
+        """Index of (pp_rank, vpp_stage) in pipeline order: ``vpp_stage * pp + pp_rank``."""
+        self._check_stage(pp_rank, vpp_stage)
+        return vpp_stage * self.pp + pp_rank
+
+    def layers(self, pp_rank: int, vpp_stage: int) -> list[int]:
+        """Global 0-based decoder-layer indices built by (pp_rank, vpp_stage) (a copy)."""
+        self._check_stage(pp_rank, vpp_stage)
+        return list(self.layout[pp_rank][vpp_stage])
+
+    def stage_has_embedding(self, pp_rank: int, vpp_stage: int) -> bool:
+        """True for the one virtual stage that owns the input embedding: (pp_rank 0, vpp_stage 0)."""
+        self._check_stage(pp_rank, vpp_stage)
+        return pp_rank == 0 and vpp_stage == 0
+
+    def stage_has_loss(self, pp_rank: int, vpp_stage: int) -> bool:
+        """True for the one virtual stage that owns final norm, output head and loss:
+        (pp_rank pp-1, vpp_stage vpp-1)."""
+        self._check_stage(pp_rank, vpp_stage)
+        return pp_rank == self.pp - 1 and vpp_stage == self.vpp - 1
+
+    def megatron_kwargs(self) -> dict[str, Any]:
+        """The pipeline/expert keyword arguments for megatron-core's ``TransformerConfig``."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.megatron_vpp,
+            "expert_model_parallel_size": self.ep,
+            "pipeline_model_parallel_layout": self.megatron_layout,
+            "num_layers_in_first_pipeline_stage": self.first_stage_layers,
+            "num_layers_in_last_pipeline_stage": self.last_stage_layers,
+        }
+
+    def describe(self) -> str:
+        """A human-readable table: one line per PP rank, one column per virtual stage."""
+        lines = [
+            f"world {self.world_size} = tp {self.tp} x pp {self.pp} x dp {self.dp} "
+            f"(ep {self.ep} x expert-dp {self.expert_dp}); vpp {self.vpp}; {self.num_layers} layers"
+        ]
+        for r in range(self.pp):
+            cells = []
+            for v in range(self.vpp):
+                ids = self.layout[r][v]
+                parts = (["E"] if self.stage_has_embedding(r, v) else []) + (
+                    [f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])] if ids else []
+                ) + (["L"] if self.stage_has_loss(r, v) else [])
+                cells.append(f"v{v}: " + (" ".join(parts) or "(empty)"))
+            lines.append(f"pp{r}: " + " | ".join(cells))
+        return "\n".join(lines)
+
+    def _check_stage(self, pp_rank: int, vpp_stage: int) -> None:
+        if not (0 <= pp_rank < self.pp and 0 <= vpp_stage < self.vpp):
+            raise IndexError(
+                f"stage (pp_rank={pp_rank}, vpp_stage={vpp_stage}) out of range for pp={self.pp}, "
+                f"vpp={self.vpp}"
+            )
+
+
+# ---------------------------------------------------------------------- layer counts per stage
+
+
+def _counts_even(num_layers: int, pp: int, vpp: int) -> list[list[int]]:
+    """Megatron's default split: num_layers / (pp * vpp) layers per virtual stage."""
+    stages = pp * vpp
+    if num_layers % stages != 0:
+        per = (
+            f"parallel.pp={pp} x parallel.vpp={vpp} = {stages} virtual stages"
+            if vpp > 1
+            else f"parallel.pp={pp} pipeline stages"
+        )
+        raise ConfigError(
+            f"model.num_layers={num_layers} does not divide over {per} "
+            f"({num_layers} layers for {stages} stages leaves {num_layers % stages} over); pp x vpp "
+            f"must divide {num_layers} (allowed: {_fmt(_divisors(num_layers))}), or place the layers "
+            "with parallel.layout (e.g. 'Et|(tt|)*30L') or parallel.first_stage_layers/last_stage_layers"
+        )
+    per_stage = num_layers // stages
+    return [[per_stage] * vpp for _ in range(pp)]
+
+
+def _counts_uneven(
+    num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]
+) -> list[list[int]]:
+    """megatron ``num_layers_in_first/last_pipeline_stage``: the count for PP rank 0 (pp-1) is split
+    evenly over that rank's vpp virtual stages; the rest goes evenly to the middle PP ranks."""
+    given = " and ".join(
+        f"parallel.{name}={value}"
+        for name, value in (("first_stage_layers", first), ("last_stage_layers", last))
+        if value is not None
+    )
+    if pp < 2:
+        raise ConfigError(
+            f"{given} needs parallel.pp >= 2 (with pp=1 the only rank is both first and last); "
+            "set first_stage_layers and last_stage_layers to null"
+        )
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if value is not None and value % vpp != 0:
+            raise ConfigError(
+                f"parallel.{name}={value} is not divisible by parallel.vpp={vpp}: it counts the layers "
+                f"of a whole PP rank, split evenly over its {vpp} virtual stages; allowed: multiples "
+                f"of {vpp}, or use parallel.layout for an uneven split inside a rank"
+            )
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    middle_ranks = pp - (first is not None) - (last is not None)
+    if middle_ranks == 0:
+        if middle_layers != 0:
+            raise ConfigError(
+                f"{given} must add up to model.num_layers={num_layers} when parallel.pp={pp} leaves no "
+                f"middle PP ranks (they sum to {(first or 0) + (last or 0)})"
+            )
+        if vpp > 1:
+            chunks = ["t" * (first // vpp), "t" * (last // vpp)] * vpp  # order vpp_stage*pp + pp_rank
+            chunks[0], chunks[-1] = "E" + chunks[0], chunks[-1] + "L"
+            suggestion = "|".join(chunks)
+            raise ConfigError(
+                f"{given} with parallel.pp=2 and parallel.vpp={vpp} (no middle PP ranks) crash "
+                "megatron-core 0.19.2 (ZeroDivisionError in get_transformer_layer_offset); use the "
+                f"equivalent parallel.layout={suggestion!r} with first/last_stage_layers=null"
+            )
+    else:
+        stages = middle_ranks * vpp
+        if middle_layers <= 0 or middle_layers % stages != 0:
+            left = (
+                f"leaves {middle_layers} layers" if middle_layers >= 0 else f"is {-middle_layers} short"
+            )
+            raise ConfigError(
+                f"model.num_layers={num_layers} minus {given} {left} for {middle_ranks} middle PP "
+                f"ranks x parallel.vpp={vpp} = {stages} virtual stages"
+                + (f" ({middle_layers % stages} left over)" if middle_layers > 0 else "")
+                + f"; the middle layers must be a positive multiple of {stages}"
+            )
+    per_middle = middle_layers // (middle_ranks * vpp) if middle_ranks else 0
+    counts = [[per_middle] * vpp for _ in range(pp)]
+    if first is not None:
+        counts[0] = [first // vpp] * vpp
+    if last is not None:
+        counts[pp - 1] = [last // vpp] * vpp
+    return counts
+
+
+def _counts_from_layout(layout: str, pp: int, vpp: int, num_layers: int) -> list[list[int]]:
+    """Parse ``layout`` with megatron-core's ``PipelineParallelLayerLayout`` and validate it the way
+    ``TransformerConfig.__post_init__`` does (plus: E must open virtual stage 0, L close the last)."""
+    if not isinstance(layout, str) or not layout.strip():
+        raise ConfigError(f"parallel.layout={layout!r} must be a non-empty string ({_LAYOUT_SYNTAX})")
+    # Lazy: importing megatron-core costs seconds and is only needed for a custom layout. Its import
+    # warns about the missing Transformer Engine/Apex, which is noise for a config check.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout,
+        )
+
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    except Exception as e:  # megatron asserts on unknown characters; bad repeats surface the same way
+        raise ConfigError(
+            f"parallel.layout={layout!r} cannot be parsed by megatron-core: {e}; allowed syntax: "
+            f"{_LAYOUT_SYNTAX}"
+        ) from None
+    n = len(stages)
+    if n % pp != 0:
+        raise ConfigError(
+            f"parallel.layout={layout!r} has {n} virtual stages ('|'-separated), not a multiple of "
+            f"parallel.pp={pp}; allowed: pp x vpp = {pp * vpp} stages for parallel.vpp={vpp}"
+        )
+    if n // pp != vpp:
+        raise ConfigError(
+            f"parallel.layout={layout!r} has {n} virtual stages = parallel.pp={pp} x {n // pp}, but "
+            f"parallel.vpp={vpp}" + (" (null)" if vpp == 1 else "")
+            + f"; set parallel.vpp={n // pp} or give a layout with {pp * vpp} stages"
+        )
+    try:
+        parsed = PipelineParallelLayerLayout(layout, pp)
+    except Exception as e:
+        raise ConfigError(f"parallel.layout={layout!r} is rejected by megatron-core: {e}") from None
+    flat = parsed.flatten_layout
+    if LayerType.mtp in flat:
+        raise ConfigError(
+            f"parallel.layout={layout!r} contains MTP layers ('m'), which the K2 recipes do not build; "
+            "allowed layer characters: E, t, L"
+        )
+    first_stage, last_stage = parsed.layout[0][0], parsed.layout[pp - 1][vpp - 1]
+    if (
+        flat.count(LayerType.embedding) != 1
+        or flat.count(LayerType.loss) != 1
+        or not first_stage
+        or first_stage[0] != LayerType.embedding
+        or not last_stage
+        or last_stage[-1] != LayerType.loss
+    ):
+        raise ConfigError(
+            f"parallel.layout={layout!r} must contain exactly one E, as the first character of the first "
+            "virtual stage, and exactly one L, as the last character of the last virtual stage "
+            f"(e.g. 'Et|(tt|)*30L'); got {flat.count(LayerType.embedding)} E and "
+            f"{flat.count(LayerType.loss)} L"
+        )
+    n_t = flat.count(LayerType.decoder)
+    if n_t != num_layers:
+        raise ConfigError(
+            f"parallel.layout={layout!r} places {n_t} decoder layers ('t') but model.num_layers="
+            f"{num_layers}; the number of 't' must equal model.num_layers"
+        )
+    try:  # megatron's own final check (counts, MTP placement, encoder layers)
+        parsed.validate_layer_layout(num_layers=num_layers, mtp_num_layers=None)
+    except Exception as e:
+        raise ConfigError(f"parallel.layout={layout!r} is rejected by megatron-core: {e}") from None
+    return [[parsed.layout[r][v].count(LayerType.decoder) for v in range(vpp)] for r in range(pp)]
+
+
+# ---------------------------------------------------------------------- batch
+
+
+def check_microbatches(dims: ParallelDims, global_batch_size: int, micro_batch_size: int) -> int:
+    """Number of microbatches each DP rank runs per step: ``global_batch_size / (micro_batch_size * dp)``.
+
+    Args:
+        dims: the validated parallel dimensions.
+        global_batch_size: sequences per optimizer step over all DP ranks (``train.global_batch_size``).
+        micro_batch_size: sequences per forward/backward pass (``train.micro_batch_size``).
+
+    Returns:
+        ``num_microbatches`` per DP rank (>= 1).
+
+    Raises:
+        ConfigError: the global batch is not a multiple of ``micro_batch_size * dp``; or, with vpp > 1,
+            a microbatch count megatron-core's interleaved 1F1B cannot run. Its
+            ``forward_backward_pipelining_with_interleaving`` (``pipeline_parallel/schedules.py``,
+            0.19.2) requires ``pp <= microbatch_group_size_per_vp_stage <= num_microbatches`` and
+            ``num_microbatches % microbatch_group_size_per_vp_stage`` to be 0 or >= pp; with the default
+            group size (= pp, ``model_parallel_config.py``) that means ``num_microbatches >= pp`` and
+            ``num_microbatches % pp == 0``. Non-interleaved 1F1B accepts any count.
+    """
+    gbs = _positive_int(global_batch_size, "train.global_batch_size")
+    mbs = _positive_int(micro_batch_size, "train.micro_batch_size")
+    per_step = mbs * dims.dp
+    if gbs % per_step != 0:
+        raise ConfigError(
+            f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size={mbs} x dp="
+            f"{dims.dp} = {per_step}; allowed train.global_batch_size: multiples of {per_step} "
+            f"({', '.join(str(per_step * k) for k in range(1, 4))}, ...)"
+        )
+    m = gbs // per_step
+    if dims.vpp > 1 and (m < dims.pp or m % dims.pp != 0):
+        step = per_step * dims.pp
+        raise ConfigError(
+            f"train.global_batch_size={gbs} / (train.micro_batch_size={mbs} x dp={dims.dp}) = {m} "
+            f"microbatches per DP rank, but with parallel.vpp={dims.vpp} megatron-core's interleaved "
+            f"1F1B schedule needs the number of microbatches to be >= parallel.pp={dims.pp} and a "
+            f"multiple of it (microbatch_group_size_per_vp_stage defaults to pp); allowed "
+            f"train.global_batch_size: multiples of {step} ({', '.join(str(step * k) for k in range(1, 4))}"
+            ", ...)"
+        )
+    return m
