@@ -1,0 +1,113 @@
+"""Per-step metrics: ``<run.dir>/metrics.jsonl``, wandb, and a progress bar (rank 0 only).
+
+``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
+``lr``, ``loss``, ``grad_norm``, ``tokens_per_s`` (and ``val_loss`` on validation steps). wandb runs
+offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
+call in offline mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def _jsonable(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Writes metrics on the logging rank; a no-op elsewhere.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        enabled: True on global rank 0.
+        total_steps: for the progress bar.
+        wandb_cfg: ``cfg.run.wandb``.
+        config: resolved config (dict) to store with the wandb run.
+        progress: show a tqdm bar.
+        start_step: first step of this run (>0 on resume).
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        total_steps: int,
+        wandb_cfg=None,
+        config: Optional[dict] = None,
+        progress: bool = True,
+        start_step: int = 0,
+    ):
+        self.enabled = enabled
+        self._wandb = None
+        self._bar = None
+        self._fh = None
+        if not enabled:
+            return
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self._wandb = wandb.init(
+                mode=wandb_cfg.mode,
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name,
+                dir=str(self.run_dir),
+                config=config,
+                reinit="finish_previous",
+            )
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True)
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self._wandb.id if self._wandb is not None else None
+
+    def log(self, record: dict) -> None:
+        """Append one step's record (``record["step"]`` is the 1-based optimizer step)."""
+        if not self.enabled:
+            return
+        rec = {k: _jsonable(v) for k, v in record.items()}
+        self._fh.write(json.dumps(rec) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in rec.items() if k != "step"}, step=rec["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            post = {"loss": f"{rec.get('loss', float('nan')):.4f}", "tok/s": f"{rec.get('tokens_per_s', 0):.0f}"}
+            if "val_loss" in rec:
+                post["val"] = f"{rec['val_loss']:.4f}"
+            self._bar.set_postfix(post)
+
+    def message(self, text: str) -> None:
+        """A line of text for the console that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._fh is not None:
+            self._fh.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,377 @@
+"""``k2-train``: train a K2-family model with megatron-core's PP/VPP/EP/ZeRO-1 machinery.
+
+Flow (one direction): config (``launcher.config``) -> plan (``parallel.dims.ParallelDims``, microbatch
+count, data resolution; all validated before any process starts) -> build (process groups, model
+chunks, DDP, distributed optimizer, datasets) -> train (megatron's ``get_forward_backward_func``:
+interleaved 1F1B when ``parallel.vpp > 1``).
+
+``k2-train parallel=cpu4`` spawns ``launch.nproc_per_node`` local ranks itself (through
+``torch.distributed.run``) when it is not already under torchrun or srun; ``torchrun -m launcher.train
+...`` and ``srun python -m launcher.train ...`` run the same code directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from launcher.config import ConfigError, load_config, to_yaml
+
+
+@dataclass
+class Plan:
+    """Everything decided before any process group exists."""
+
+    dims: object  # parallel.dims.ParallelDims
+    num_microbatches: int  # per DP rank per step
+    data: object  # launcher.data.ResolvedData
+    tokens_per_step: int
+
+
+def make_plan(cfg, world_size: int) -> Plan:
+    """Validate the config for ``world_size`` ranks and decide the layout.
+
+    Raises:
+        ConfigError: any setting that cannot run, naming the setting and the allowed values.
+    """
+    from launcher.data import resolve_data
+    from parallel.dims import ParallelDims, check_microbatches
+
+    t, m = cfg.train, cfg.model
+    if t.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"train.precision={t.precision!r}; allowed: fp32, bf16")
+    if t.iters < 1:
+        raise ConfigError(f"train.iters={t.iters} must be >= 1")
+    if t.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"train.seq_length={t.seq_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}"
+        )
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
+    nmb = check_microbatches(dims, t.global_batch_size, t.micro_batch_size)
+    data = resolve_data(cfg)
+    return Plan(dims, nmb, data, t.global_batch_size * t.seq_length)
+
+
+# --- forward step --------------------------------------------------------------------------------------
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses and token count (megatron ``calculate_per_token_loss`` convention).
+
+    Args:
+        loss_mask: ``[b, s]`` 1 for tokens that count.
+        output_tensor: ``[b, s]`` per-token cross-entropy from GPTModel.
+
+    Returns:
+        ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``.
+    """
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    dev = next(model.parameters()).device
+    tokens = batch["tokens"].to(dev, non_blocking=True)
+    labels = batch["labels"].to(dev, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(dev, non_blocking=True)
+    position_ids = batch["position_ids"].to(dev, non_blocking=True)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, loss_mask)
+
+
+def _reduce_lm_loss(losses: list) -> tuple[float, int]:
+    """Global per-token loss: sum the last stage's ``[loss_sum, tokens]`` over microbatches and over
+    all ranks (ranks off the last stage contribute zeros)."""
+    import torch.distributed as dist
+
+    acc = torch.zeros(2, dtype=torch.float64)
+    for d in losses:
+        acc += d["lm loss"].detach().to("cpu", torch.float64)
+    if dist.is_initialized():
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        acc_d = acc.to(dev)
+        dist.all_reduce(acc_d)
+        acc = acc_d.cpu()
+    tokens = int(acc[1].item())
+    return (acc[0].item() / max(tokens, 1)), tokens
+
+
+# --- MoE metrics ----------------------------------------------------------------------------------------
+
+
+def _routers(model: list):
+    from model.router import K2Router
+
+    for chunk in model:
+        for mod in chunk.modules():
+            if isinstance(mod, K2Router):
+                yield mod
+
+
+def moe_step_metrics(model: list, num_layers: int, num_experts: int, num_microbatches: int,
+                     moe_layer_freq) -> dict:
+    """Expert-load and aux-loss metrics of the step just run (collective over all ranks).
+
+    Returns:
+        ``moe_load_max_over_mean``: max over MoE layers of (tokens of the busiest expert / mean tokens
+        per expert), 1.0 = perfectly balanced; ``moe_aux_loss``: megatron's sequence-level aux loss
+        averaged over MoE layers and microbatches.
+    """
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    if not num_experts:
+        return {}
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=dev)
+    for r in _routers(model):
+        counts[r.layer_number - 1] += r.step_tokens_per_expert.to(dev, torch.float64)
+        r.step_tokens_per_expert.zero_()
+    dist.all_reduce(counts)
+    moe_rows = counts[counts.sum(dim=1) > 0]
+    out = {}
+    if moe_rows.numel():
+        out["moe_load_max_over_mean"] = (moe_rows.max(dim=1).values / moe_rows.mean(dim=1)).max().item()
+    totals: dict = {}
+    get_moe_metrics_tracker().report(
+        loss_scale=1.0 / num_microbatches,
+        iteration=0,
+        force_initialize=True,
+        track_names=["seq_load_balancing_loss"],
+        num_layers=num_layers,
+        moe_layer_freq=moe_layer_freq,
+        total_loss_dict=totals,
+    )
+    if "seq_load_balancing_loss" in totals:
+        out["moe_aux_loss"] = float(totals["seq_load_balancing_loss"])
+    return out
+
+
+def max_attention_logit(model: list) -> float:
+    """Max pre-softmax attention logit of the step over all layers, heads and ranks (collective);
+    resets the per-layer windows."""
+    import torch.distributed as dist
+
+    from model.attention import K2CoreAttention
+
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    local = torch.tensor([float("-inf")], device=dev)
+    for chunk in model:
+        for mod in chunk.modules():
+            if isinstance(mod, K2CoreAttention):
+                local = torch.maximum(local, mod.max_logits.max().to(dev).view(1))
+                mod.reset_max_logits()
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.item()
+
+
+# --- the run --------------------------------------------------------------------------------------------
+
+
+def _microbatch_iterators(dataset, cfg, plan, dp_rank: int, start_sample: int = 0) -> list:
+    from launcher.data import MicrobatchIterator
+
+    t = cfg.train
+    return [
+        MicrobatchIterator(dataset, t.global_batch_size, t.micro_batch_size, dp_rank,
+                           plan.dims.dp, start_sample=start_sample)
+        for _ in range(plan.dims.vpp)
+    ]
+
+
+def evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank: int) -> float:
+    """Per-token validation loss over ``train.eval_iters`` global batches (the same batches at every
+    evaluation, so values are comparable across steps)."""
+    t = cfg.train
+    iters = _microbatch_iterators(valid_ds, cfg, plan, dp_rank)
+    for m in model:
+        m.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for _ in range(t.eval_iters):
+            losses = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=iters,
+                model=model,
+                num_microbatches=plan.num_microbatches,
+                seq_length=t.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                decoder_seq_length=t.seq_length,
+                forward_only=True,
+            )
+            loss, n = _reduce_lm_loss(losses)
+            total += loss * n
+            tokens += n
+    for m in model:
+        m.train()
+    return total / max(tokens, 1)
+
+
+def run(cfg, plan: Plan, env) -> dict:
+    """Train on this rank (process groups are created here). Returns the final metrics record.
+
+    Args:
+        cfg: validated config.
+        plan: from :func:`make_plan` for ``env.world_size``.
+        env: :class:`parallel.distributed.DistEnv`.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from launcher.data import build_datasets, prepare_stdlib_corpus
+    from launcher.metrics import MetricsLogger
+    from model.build import build_model_chunks, layout_independent_init, moe_layer_pattern, transformer_config
+    from parallel.distributed import build_optimizer, init_distributed, wrap_model
+
+    t = cfg.train
+    init_distributed(env, plan.dims, cfg.run.seed)
+    rank = dist.get_rank()
+    if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
+        if rank == 0:
+            prepare_stdlib_corpus(cfg.data)
+        dist.barrier()
+
+    tcfg = transformer_config(cfg, plan.dims)
+    chunks = build_model_chunks(cfg, plan.dims, tcfg)
+    if t.deterministic_init:
+        layout_independent_init(chunks, tcfg, cfg.run.seed)
+    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer)
+    optimizer, scheduler = build_optimizer(cfg, model, tcfg)
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.grad_scale_func = optimizer.scale_loss
+
+    dp_rank = ps.get_data_parallel_rank()
+    train_ds, valid_ds = build_datasets(
+        plan.data, t.seq_length, cfg.run.seed,
+        train_samples=t.iters * t.global_batch_size,
+        valid_samples=max(1, t.eval_iters) * t.global_batch_size,
+    )
+    train_iters = _microbatch_iterators(train_ds, cfg, plan, dp_rank)
+    forward_backward = get_forward_backward_func()
+
+    run_dir = Path(cfg.run.dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    from omegaconf import OmegaConf
+
+    logger = MetricsLogger(
+        str(run_dir), enabled=rank == 0, total_steps=t.iters, wandb_cfg=cfg.run.wandb,
+        config=OmegaConf.to_container(cfg, resolve=True), progress=t.progress,
+    )
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    logger.message(
+        f"k2-train: world={env.world_size} PP={plan.dims.pp} VPP={plan.dims.vpp} EP={plan.dims.ep} "
+        f"DP={plan.dims.dp}; microbatches/DP rank={plan.num_microbatches}; "
+        f"tokens/step={plan.tokens_per_step}; rank-0 params={n_params:,}; run.dir={run_dir}"
+    )
+    pattern = moe_layer_pattern(cfg.model)
+    record: dict = {}
+    consumed_tokens = 0
+    try:
+        for step in range(1, t.iters + 1):
+            t0 = time.perf_counter()
+            for m in model:
+                m.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=train_iters,
+                model=model,
+                num_microbatches=plan.num_microbatches,
+                seq_length=t.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                decoder_seq_length=t.seq_length,
+                forward_only=False,
+            )
+            update_ok, grad_norm, _ = optimizer.step()
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step(increment=1)
+            loss, n_tokens = _reduce_lm_loss(losses)
+            consumed_tokens += plan.tokens_per_step
+            dt = time.perf_counter() - t0
+            record = {
+                "step": step,
+                "consumed_tokens": consumed_tokens,
+                "lr": lr,
+                "loss": loss,
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens_per_s": plan.tokens_per_step / dt,
+                "step_time_s": dt,
+                "update_successful": bool(update_ok),
+                "max_attn_logit": max_attention_logit(model),
+            }
+            record.update(moe_step_metrics(model, cfg.model.num_layers, cfg.model.num_moe_experts,
+                                           plan.num_microbatches, pattern))
+            if t.eval_interval and (step % t.eval_interval == 0 or step == t.iters):
+                record["val_loss"] = evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank)
+                logger.message(f"step {step}: loss {loss:.4f} val_loss {record['val_loss']:.4f}")
+            logger.log(record)
+    finally:
+        logger.close()
+    return record
+
+
+# --- entry points ---------------------------------------------------------------------------------------
+
+
+def _spawn_local(cfg, overrides: list[str]) -> int:
+    """Re-launch this module under ``torch.distributed.run`` with ``launch.nproc_per_node`` ranks."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={cfg.launch.nproc_per_node}",
+        "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={cfg.launch.master_port}",
+        "-m", "launcher.train", *overrides,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
+    print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks: {' '.join(cmd[2:])}", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``k2-train`` and ``python -m launcher.train`` (Hydra overrides in ``argv``)."""
+    from launcher.data import prepare_stdlib_corpus
+    from parallel.distributed import destroy_distributed, dist_env
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    env = dist_env()
+    try:
+        cfg = load_config(overrides)
+        world = env.world_size if env.launched else cfg.launch.nproc_per_node
+        plan = make_plan(cfg, world)
+    except ConfigError as e:
+        print(f"k2-train: error: {e}", file=sys.stderr)
+        return 2
+    if not env.launched and world > 1:
+        if cfg.data.path is None:
+            prepare_stdlib_corpus(cfg.data)  # once, before the ranks start
+        return _spawn_local(cfg, overrides)
+    try:
+        run(cfg, plan, env)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

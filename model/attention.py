@@ -1,0 +1,205 @@
+"""Project-owned core attention for MLA: different q/k and v head dims, per-head max-logit recording.
+
+Why our own module (REFERENCE.md, "Open anchors"): megatron-core's local ``DotProductAttention`` rejects
+MLA's ``k_channels``/``v_channels`` (qk 192 / v 128 for K2), and megatron gets per-head max logits for
+QK-Clip only from Transformer Engine >= 2.9. This module
+
+* computes softmax(scale * q k^T + causal mask) v for q, k of head dim ``k_channels`` and v of
+  ``v_channels``,
+* records, in training forwards, the running per-head maximum of the pre-softmax logit
+  ``scale * q_i . k_j`` over unmasked (i, j) and over all microbatches since the last
+  :meth:`K2CoreAttention.reset_max_logits` (QK-Clip, K2 report section 2.1 / MuonClip),
+* on GPU runs a fused kernel through ``torch.nn.functional.scaled_dot_product_attention`` with cuDNN
+  first in the priority list (cuDNN SDPA has a kernel for qk 192 / v 128; flash does not), and gets the
+  max logits from a separate no-grad chunked ``q k^T`` pass; on CPU it uses one explicit pass that
+  yields both the output and the max logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+# Query rows per chunk in the GPU max-logit pass: bounds its extra memory to
+# b * heads * chunk * s_k fp32 values.
+_MAX_LOGIT_CHUNK = 1024
+
+
+def per_head_max_logit(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    attention_mask: Optional[torch.Tensor] = None,
+    chunk: int = _MAX_LOGIT_CHUNK,
+) -> torch.Tensor:
+    """Per-head max of ``softmax_scale * q_i . k_j`` over batch and unmasked positions.
+
+    Args:
+        query: ``[b, np, sq, hk]``.
+        key: ``[b, np, sk, hk]``.
+        softmax_scale: the scale used by the softmax (MLA: ``mscale^2 / sqrt(qk_head_dim + rope_dim)``).
+        causal: mask ``j > i`` (aligned to the end when ``sk > sq``).
+        attention_mask: optional boolean ``[b or 1, 1 or np, sq, sk]``, True = masked out (megatron's
+            convention); combined with ``causal``.
+        chunk: query rows per block (memory bound).
+
+    Returns:
+        ``[np]`` fp32 tensor; ``-inf`` for a head that saw no unmasked position.
+    """
+    b, np_, sq, _ = query.shape
+    sk = key.shape[2]
+    out = torch.full((np_,), float("-inf"), device=query.device, dtype=torch.float32)
+    kt = key.transpose(-1, -2)
+    for start in range(0, sq, chunk):
+        stop = min(sq, start + chunk)
+        scores = torch.matmul(query[:, :, start:stop], kt).float() * softmax_scale
+        mask = None
+        if causal:
+            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + (sk - sq)
+            cols = torch.arange(sk, device=query.device).unsqueeze(0)
+            mask = cols > rows
+        if attention_mask is not None:
+            am = attention_mask[..., start:stop, :]
+            mask = am if mask is None else (am | mask)
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.maximum(out, scores.amax(dim=(0, 2, 3)))
+    return out
+
+
+class K2CoreAttention(MegatronModule):
+    """Core attention (the part after the q/k/v projections) for MLA and MHA/GQA.
+
+    Built by megatron's ``MLASelfAttention`` through the layer spec with megatron's core-attention
+    signature. ``forward`` takes ``query [sq, b, np, hk]``, ``key [sk, b, ng, hk]``,
+    ``value [sk, b, ng, hv]`` and returns ``[sq, b, np * hv]``.
+
+    Attributes:
+        max_logits: ``[np]`` fp32 buffer (non-persistent): running per-head max pre-softmax logit of
+            training forwards since the last :meth:`reset_max_logits`; ``-inf`` before any.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        record_max_logits: bool = True,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("K2CoreAttention does not implement context parallelism (cp must be 1)")
+        tp_size = pg_collection.tp.size() if pg_collection is not None else 1
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_query_groups = (config.num_query_groups or config.num_attention_heads) // tp_size
+        self.k_channels = k_channels if k_channels is not None else config.kv_channels
+        self.v_channels = v_channels if v_channels is not None else config.kv_channels
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.record_max_logits = record_max_logits
+        self.register_buffer(
+            "max_logits",
+            torch.full((self.num_heads,), float("-inf"), dtype=torch.float32),
+            persistent=False,
+        )
+
+    def reset_max_logits(self) -> None:
+        """Start a new max-logit window (called by the train loop after each optimizer step)."""
+        self.max_logits.fill_(float("-inf"))
+
+    def _record(self, logits_max: torch.Tensor) -> None:
+        if self.max_logits.device != logits_max.device:
+            self.max_logits = self.max_logits.to(logits_max.device)
+        torch.maximum(self.max_logits, logits_max, out=self.max_logits)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """Attention output ``[sq, b, np * hv]`` (see class docstring for input shapes).
+
+        Raises:
+            ValueError: packed sequences (THD) or an attention bias, which this module does not take.
+        """
+        if packed_seq_params is not None:
+            raise ValueError("K2CoreAttention does not support packed sequences (THD)")
+        if attention_bias is not None:
+            raise ValueError("K2CoreAttention does not support an attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        sq, b = query.shape[0], query.shape[1]
+        rep = self.num_heads // key.shape[2]
+        if rep > 1:  # GQA: repeat k/v groups to the query heads
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hk]
+        k = key.permute(1, 2, 0, 3)  # [b, np, sk, hk]
+        v = value.permute(1, 2, 0, 3)  # [b, np, sk, hv]
+        mask = attention_mask if attention_mask is not None and not causal else None
+        record = self.record_max_logits and self.training
+        dropout = self.dropout_p if self.training else 0.0
+
+        if q.is_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backends = [
+                SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH,
+            ]
+            with sdpa_kernel(backends, set_priority=True):
+                ctx = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=None if mask is None else ~mask,
+                    dropout_p=dropout,
+                    is_causal=causal and mask is None,
+                    scale=self.softmax_scale,
+                )
+            if record:
+                with torch.no_grad():
+                    self._record(per_head_max_logit(q, k, self.softmax_scale, causal, mask))
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # [b, np, sq, sk]
+            masked = None
+            if causal:
+                sk = k.shape[2]
+                rows = torch.arange(sq, device=q.device).unsqueeze(1) + (sk - sq)
+                masked = torch.arange(sk, device=q.device).unsqueeze(0) > rows
+            if mask is not None:
+                masked = mask if masked is None else (mask | masked)
+            if masked is not None:
+                scores = scores.masked_fill(masked, float("-inf"))
+            if record:
+                with torch.no_grad():
+                    self._record(scores.detach().float().amax(dim=(0, 2, 3)))
+            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+            if dropout > 0:
+                probs = F.dropout(probs, p=dropout)
+            ctx = torch.matmul(probs, v)  # [b, np, sq, hv]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * v.shape[-1])

@@ -1,0 +1,273 @@
+"""Build the K2 model (MLA + MoE) on megatron-core from the Hydra config.
+
+Data flow: ``cfg.model`` + ``ParallelDims`` -> :func:`transformer_config` (megatron
+``MLATransformerConfig``) -> :func:`decoder_block_spec` (megatron's local GPT layer specs with our
+core attention and router swapped in) -> :func:`build_model_chunks` (one ``GPTModel`` per virtual
+pipeline stage of this rank).
+
+Structure (REFERENCE.md, "Model"): ``first_k_dense_replace`` dense SwiGLU layers, then MoE layers with
+``num_moe_experts`` routed experts (top-``moe_router_topk``), one shared expert, sigmoid router with
+expert-bias balancing and routed scaling factor, a small sequence-level aux loss; MLA attention with
+``q_lora_rank``/``kv_lora_rank``; RMSNorm; untied embedding and output head.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import zlib
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from model.attention import K2CoreAttention
+from model.router import K2Router
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def moe_layer_pattern(model_cfg) -> list[int]:
+    """megatron ``moe_layer_freq`` list: 0 = dense layer, 1 = MoE layer, one entry per layer.
+
+    Raises:
+        ValueError: ``model.first_k_dense_replace`` outside ``[0, num_layers]``.
+    """
+    k, n = int(model_cfg.first_k_dense_replace), int(model_cfg.num_layers)
+    if not 0 <= k <= n:
+        raise ValueError(
+            f"model.first_k_dense_replace={k} must be in [0, model.num_layers={n}]"
+        )
+    if not model_cfg.num_moe_experts:
+        return [0] * n
+    return [0] * k + [1] * (n - k)
+
+
+def transformer_config(cfg, dims):
+    """megatron ``MLATransformerConfig`` for ``cfg.model`` under the parallel layout ``dims``.
+
+    Args:
+        cfg: the composed config (``model``, ``train`` sections used).
+        dims: :class:`parallel.dims.ParallelDims`.
+
+    Returns:
+        ``megatron.core.transformer.transformer_config.MLATransformerConfig``.
+    """
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    m, t = cfg.model, cfg.train
+    dtype = _DTYPES[t.precision]
+    rope_scaling = float(m.rotary_scaling_factor) if m.rope_type == "yarn" else 1.0
+    # megatron's MLA multiplies the softmax scale by yarn_mscale(rotary_scaling_factor)^2 even when
+    # rope_type == "rope". K2 pretrains at 4K with plain RoPE (YaRN only for the 128K extension), so
+    # the factor is only passed when YaRN is on; the recipe keeps the YaRN numbers for that phase.
+    kw = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        qk_layernorm=True,  # MLA: RMSNorm on the compressed q and kv latents (DeepSeek-V3/K2)
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        rope_type=m.rope_type,
+        rotary_base=m.rotary_base,
+        rotary_scaling_factor=rope_scaling,
+        original_max_position_embeddings=m.original_max_position_embeddings,
+        beta_fast=m.beta_fast,
+        beta_slow=m.beta_slow,
+        mscale=m.mscale,
+        mscale_all_dim=m.mscale_all_dim,
+        # parallelism
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        expert_model_parallel_size=dims.ep,
+        pipeline_model_parallel_layout=dims.megatron_layout,
+        num_layers_in_first_pipeline_stage=dims.first_stage_layers,
+        num_layers_in_last_pipeline_stage=dims.last_stage_layers,
+        sequence_parallel=False,
+        # precision
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # loss: sum over tokens, normalised by the global token count (exact under any PP/DP/microbatch)
+        calculate_per_token_loss=True,
+        # fusions that need apex/TE or CUDA kernels: off (the compute path is plain torch)
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if m.num_moe_experts:
+        kw.update(
+            num_moe_experts=m.num_moe_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+            moe_layer_freq=moe_layer_pattern(m),
+            moe_router_score_function=m.moe_router_score_function,
+            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+            moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+            moe_router_num_groups=m.moe_router_num_groups,
+            moe_router_group_topk=m.moe_router_group_topk,
+            moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+            moe_router_dtype=m.moe_router_dtype,
+            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+        )
+    return MLATransformerConfig(**kw)
+
+
+def _swap_submodules(layer_spec, record_max_logits: bool):
+    """Copy of a megatron local layer spec with K2CoreAttention and K2Router swapped in."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = copy.deepcopy(layer_spec)
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = ModuleSpec(
+        module=K2CoreAttention, params={"record_max_logits": record_max_logits}
+    )
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, partial) and "submodules" in mlp.keywords and hasattr(
+        mlp.keywords["submodules"], "router"
+    ):
+        moe_sub = dataclasses.replace(mlp.keywords["submodules"], router=K2Router)
+        spec.submodules.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_sub})
+    return spec
+
+
+def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], record_max_logits: bool):
+    """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        tcfg, use_transformer_engine=False, normalization=tcfg.normalization,
+        vp_stage=vp_stage, pp_rank=pp_rank,
+    )
+    swapped = {}
+    layers = []
+    for s in block.layer_specs:
+        if id(s) not in swapped:
+            swapped[id(s)] = _swap_submodules(s, record_max_logits)
+        layers.append(swapped[id(s)])
+    block.layer_specs = layers
+    return block
+
+
+def build_model_chunks(cfg, dims, tcfg) -> list:
+    """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
+
+    Requires megatron ``parallel_state`` to be initialised for ``dims``.
+
+    Returns:
+        ``list[GPTModel]`` of length ``dims.vpp``; chunk ``v`` holds virtual stage ``v * pp + pp_rank``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    chunks = []
+    for v in range(dims.vpp):
+        vp_stage = v if dims.vpp > 1 else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        spec = decoder_block_spec(tcfg, vp_stage, ps.get_pipeline_model_parallel_rank(),
+                                  bool(cfg.model.record_max_logits))
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.model.vocab_size,
+            max_sequence_length=cfg.train.seq_length,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
+            position_embedding_type="none",  # MLA applies its own RoPE/YaRN on the rope head dims
+            vp_stage=vp_stage,
+        )
+        chunks.append(model)
+    return chunks
+
+
+def global_param_name(local_name: str, layer_numbers: dict[int, int], expert_offset: int) -> str:
+    """Layout-independent name of a parameter.
+
+    ``decoder.layers.<local i>.`` becomes ``decoder.layers.<global 0-based layer>.`` and
+    ``experts.local_experts.<j>.`` becomes ``experts.<global expert>.``, so the same weight has the same
+    name under any PP/VPP/EP layout.
+
+    Args:
+        local_name: name in this rank's model chunk.
+        layer_numbers: local layer index -> global 0-based layer index.
+        expert_offset: global index of this rank's first local expert (``ep_rank * experts_per_rank``).
+    """
+    parts = local_name.split(".")
+    out = []
+    i = 0
+    while i < len(parts):
+        p = parts[i]
+        if p == "layers" and i + 1 < len(parts) and parts[i - 1 : i] == ["decoder"]:
+            out += ["layers", str(layer_numbers[int(parts[i + 1])])]
+            i += 2
+            continue
+        if p == "local_experts" and i + 1 < len(parts):
+            out += ["global_experts", str(expert_offset + int(parts[i + 1]))]
+            i += 2
+            continue
+        out.append(p)
+        i += 1
+    return ".".join(out)
+
+
+@torch.no_grad()
+def layout_independent_init(chunks: list, tcfg, seed: int) -> int:
+    """Re-initialise every weight matrix from a generator seeded by its *global* name.
+
+    megatron's own init draws from per-PP-rank / per-EP-rank RNG streams, so the same seed gives
+    different weights under different layouts. Training sweeps and the parallel-equivalence tests need
+    the same model for any PP/VPP/EP layout: here each matrix ``W`` of global name ``n`` is drawn as
+    ``N(0, sigma^2)`` from ``torch.Generator().manual_seed(seed ^ crc32(n))`` with megatron's sigma
+    (``init_method_std``; ``/ sqrt(2 * num_layers)`` for the output projections ``linear_proj`` and
+    ``linear_fc2``, megatron's ``scaled_init_method_normal``). Norm weights stay 1, biases 0.
+
+    Returns:
+        number of parameters (elements) re-initialised on this rank.
+    """
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank() if tcfg.num_moe_experts else 0
+    per_rank = (tcfg.num_moe_experts or 0) // max(1, tcfg.expert_model_parallel_size)
+    sigma = tcfg.init_method_std
+    sigma_out = sigma / (2.0 * tcfg.num_layers) ** 0.5
+    count = 0
+    for chunk in chunks:
+        layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+        layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+        for name, p in chunk.named_parameters():
+            if p.dim() < 2:
+                continue
+            gname = global_param_name(name, layer_numbers, ep_rank * per_rank)
+            std = sigma_out if (".linear_proj." in gname or ".linear_fc2." in gname) else sigma
+            gen = torch.Generator(device="cpu").manual_seed((seed ^ zlib.crc32(gname.encode())) & (2**63 - 1))
+            w = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            p.copy_(w.to(device=p.device, dtype=p.dtype))
+            count += p.numel()
+    return count

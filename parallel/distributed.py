@@ -1,0 +1,177 @@
+"""Process groups, DDP wrapping and the ZeRO-1 distributed optimizer, all megatron-core's.
+
+Order of use (one direction): :func:`dist_env` (who am I: torchrun or Slurm variables) ->
+:func:`init_distributed` (torch.distributed + megatron ``parallel_state`` for a validated
+``ParallelDims``) -> :func:`wrap_model` (megatron DDP with contiguous grad buffers) ->
+:func:`build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP, and megatron's
+``OptimizerParamScheduler``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job (from torchrun's or Slurm's environment)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launched: bool  # True when under torchrun/srun (RANK or SLURM_PROCID present)
+
+
+def dist_env() -> DistEnv:
+    """Read rank / world size from torchrun (``RANK``...) or Slurm (``SLURM_PROCID``...) variables.
+
+    Under Slurm without torchrun, ``MASTER_ADDR`` must be exported by the sbatch script (see
+    ``slurm/k2_train.sbatch``); ``MASTER_PORT`` defaults to 29500.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return DistEnv(
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            True,
+        )
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        env = DistEnv(
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ["SLURM_NTASKS"]),
+            int(os.environ.get("SLURM_LOCALID", 0)),
+            True,
+        )
+        os.environ.setdefault("RANK", str(env.rank))
+        os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return env
+    return DistEnv(0, 1, 0, False)
+
+
+def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600) -> None:
+    """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and megatron's parallel_state.
+
+    Args:
+        env: from :func:`dist_env`.
+        dims: a validated :class:`parallel.dims.ParallelDims`.
+        seed: base seed; megatron derives its TP/EP/data-parallel RNG-tracker streams from it.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from parallel import cpu_backend
+
+    cpu_backend.enable()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        expert_model_parallel_size=dims.ep,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel_state and the default process group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool) -> list:
+    """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
+    ZeRO-1). bf16 chunks go through megatron's ``Float16Module`` first.
+
+    Returns:
+        ``list[megatron.core.distributed.DistributedDataParallel]``, one per chunk.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    out = []
+    for i, chunk in enumerate(chunks):
+        if tcfg.bf16:
+            chunk = Float16Module(tcfg, chunk)
+        out.append(
+            DistributedDataParallel(
+                config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=(i > 0)
+            )
+        )
+    return out
+
+
+def build_optimizer(cfg, model: list, tcfg):
+    """megatron optimizer (Adam with decoupled weight decay = AdamW) and LR scheduler.
+
+    With ``parallel.use_distributed_optimizer`` the fp32 master weights and Adam moments are sharded
+    over the DP group (ZeRO-1). Grad-norm clipping at ``optim.clip_grad`` (global norm over all ranks).
+
+    Returns:
+        ``(MegatronOptimizer, OptimizerParamScheduler)``; the scheduler counts steps (iterations).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optim
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=tcfg.bf16,
+        params_dtype=tcfg.params_dtype,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(ocfg, model)
+    iters = int(cfg.train.iters)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=min(int(o.lr_warmup_iters), iters),
+        lr_decay_steps=max(iters, 1),
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(iters, 1),
+        wd_incr_style="constant",
+        wsd_decay_steps=o.lr_wsd_decay_iters,
+        lr_wsd_decay_style="cosine" if o.lr_decay_style == "WSD" else None,
+    )
+    return optimizer, scheduler
