@@ -60,12 +60,19 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    from hydra.core.config_store import ConfigStore
+
+    # The schema is the base of the defaults list (recipes/config.yaml: "- k2_schema"), so every
+    # declared key can be overridden from the command line and recipes are type-checked as they merge.
+    ConfigStore.instance().store(name="k2_schema", node=K2Config)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
             raw = compose(config_name=config_name, overrides=list(overrides))
     except HydraException as e:  # unknown group option, bad override syntax, missing key
         msg = str(e).split("\nConfig search path:")[0].strip()
+        if e.__cause__ is not None:  # e.g. "Value 'abc' of type 'str' could not be converted to Integer"
+            msg += ": " + str(e.__cause__).split("\n")[0]
         m = re.match(r"Could not override '([^']+)'", msg)
         if m:  # an override of a key that no recipe declares
             raise _unknown_key_error(m.group(1)) from None

@@ -99,6 +99,14 @@ def transformer_config(cfg, dims):
         num_layers_in_first_pipeline_stage=dims.first_stage_layers,
         num_layers_in_last_pipeline_stage=dims.last_stage_layers,
         sequence_parallel=False,
+        # Interleaved 1F1B: overlapped, unbatched p2p (as Megatron-LM's training defaults). With PP=2
+        # the previous and next stage are the same rank, and megatron's *batched* p2p posts
+        # [send_prev(grad), send_next(activation)] on one side against [recv_prev(activation),
+        # recv_next(grad)] on the other; a backend that matches a peer's messages in posting order
+        # (gloo) then swaps activations and gradients of equal shape silently. The unbatched path
+        # splits the two directions over two communicators (megatron p2p_communication._p2p_ops).
+        overlap_p2p_comm=dims.vpp > 1,
+        batch_p2p_comm=dims.vpp <= 1,
         # precision
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -273,6 +273,16 @@ def _patch_gloo_avg() -> None:
     dist.all_reduce = all_reduce
 
 
+# --- 10. megatron's jit_fuser is torch.compile: on CPU, inductor's C++ codegen costs ~15 s per process --
+#         at the first step for microsecond-scale fusions. Run those functions eagerly instead.
+
+
+def _patch_compile() -> None:
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 
@@ -317,6 +327,7 @@ def enable() -> bool:
     _patch_missing_te()
     _patch_moe_split_sizes()
     _patch_gloo_avg()
+    _patch_compile()
     _ENABLED = True
     log.debug("megatron-core CPU backend enabled")
     return True

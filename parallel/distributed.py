@@ -164,7 +164,7 @@ def build_optimizer(cfg, model: list, tcfg):
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
-        lr_warmup_steps=min(int(o.lr_warmup_iters), iters),
+        lr_warmup_steps=min(int(o.lr_warmup_iters), iters - 1),  # megatron: warmup < decay
         lr_decay_steps=max(iters, 1),
         lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay,
