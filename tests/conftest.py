@@ -1,0 +1,48 @@
+"""Shared fixtures: a one-rank megatron world (gloo) for unit tests of modules built by megatron."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_world1():
+    """torch.distributed (gloo, world 1) + megatron parallel_state with all sizes 1.
+
+    Yields nothing; tears down at the end of the session.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from parallel import cpu_backend
+
+    cpu_backend.enable()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
