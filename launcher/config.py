@@ -43,6 +43,26 @@ def _unknown_key_error(full_key: str) -> ConfigError:
     return ConfigError(msg)
 
 
+def _one_line(msg: str) -> str:
+    """Hydra's multi-line messages ("Available options in 'parallel':\\n\\tcpu4\\n\\t...") as one line."""
+    head, _, rest = msg.partition("\n")
+    items = [ln.strip() for ln in rest.splitlines() if ln.strip()]
+    if not items:
+        return head.strip()
+    out, opts = [head.strip()], []
+    for ln in items:
+        if ln.endswith(":"):
+            if opts:
+                out[-1] += " " + ", ".join(opts)
+                opts = []
+            out.append(ln[0].lower() + ln[1:])
+        else:
+            opts.append(ln)
+    if opts:
+        out[-1] += " " + ", ".join(opts)
+    return "; ".join(out)
+
+
 def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
     """Compose ``recipes/<config_name>.yaml`` with Hydra ``overrides`` and validate it.
 
@@ -76,7 +96,7 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
         m = re.match(r"Could not override '([^']+)'", msg)
         if m:  # an override of a key that no recipe declares
             raise _unknown_key_error(m.group(1)) from None
-        raise ConfigError(f"invalid override: {msg}") from None
+        raise ConfigError(f"invalid override: {_one_line(msg)}") from None
     except ConfigKeyError as e:
         raise ConfigError(f"invalid override: {e}") from None
     finally:

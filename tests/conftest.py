@@ -46,3 +46,13 @@ def megatron_world1():
     yield
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus():
+    """The embedded stdlib corpus at the default settings (built once into data_cache/, shared with
+    the README's main job)."""
+    from launcher.config import load_config
+    from launcher.data import prepare_stdlib_corpus
+
+    return prepare_stdlib_corpus(load_config([]).data, progress=False, verbose=False)

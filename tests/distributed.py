@@ -1,0 +1,37 @@
+"""Helpers for multi-process tests: run the real trainer under torchrun (gloo) and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, free_port
+
+QUIET = ["run.wandb.mode=disabled", "train.progress=false"]
+
+
+def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
+                timeout: int = 600, env: dict | None = None) -> list[dict]:
+    """Run ``launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
+    metrics.jsonl records. Raises AssertionError with the tail of the output on failure or timeout
+    (a hang shows up as a timeout)."""
+    target = ["-m", "launcher.train"] if script is None else [str(REPO / "tests" / "scripts" / script)]
+    args = [*overrides, *QUIET, f"run.dir={run_dir}", f"launch.nproc_per_node={nproc}"]
+    if nproc == 1:
+        cmd = [sys.executable, *target, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"trainer timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
+                             f"{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}") from None
+    assert proc.returncode == 0, f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]

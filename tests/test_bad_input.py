@@ -1,0 +1,57 @@
+"""Bad input fails fast with one clear message naming the setting, before any process group starts
+(issue 2). Each case runs k2-train's real entry point in-process: it must return 2, print one
+``k2-train: error:`` line naming the setting, start no process group and create no run directory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from launcher.train import main
+
+
+CASES = {
+    "world_not_divisible_by_pp": (["parallel=cpu4", "parallel.pp=3"], ["parallel.pp=3", "world size 4"]),
+    "layers_not_divisible_over_pp_vpp": (["parallel=cpu4", "model.num_layers=5"], ["model.num_layers", "5"]),
+    "first_last_overrides_leave_remainder": (
+        ["parallel=pp2", "parallel.first_stage_layers=3", "parallel.last_stage_layers=2",
+         "model.num_layers=4"], ["first_stage_layers"]),
+    "too_few_microbatches_for_interleaving": (
+        ["parallel=cpu4", "train.global_batch_size=4", "train.micro_batch_size=2"],
+        ["microbatch", "parallel.pp"]),
+    "experts_not_divisible_by_ep": (
+        ["parallel=cpu4", "model.num_moe_experts=6", "parallel.ep=4", "launch.nproc_per_node=8"],
+        ["model.num_moe_experts=6", "parallel.ep=4"]),
+    "ep_not_dividing_dp": (["parallel=cpu4", "parallel.ep=4"], ["parallel.ep=4"]),
+    "unknown_key": (["model.num_layrs=3"], ["model.num_layrs", "model.num_layers"]),
+    "unknown_recipe": (["parallel=cpu5"], ["parallel/cpu5", "cpu4"]),
+    "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
+                        ["data.path", "/nonexistent/corpus_text_document"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_fails_fast_naming_the_setting(name, tmp_path, capsys):
+    overrides, must_name = CASES[name]
+    run_dir = tmp_path / "run"
+    t0 = time.perf_counter()
+    rc = main([*overrides, f"run.dir={run_dir}", "run.wandb.mode=disabled"])
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("k2-train: error:")]
+    assert len(lines) == 1, err
+    for word in must_name:
+        assert word in lines[0], (word, lines[0])
+    assert not dist.is_initialized()
+    assert not run_dir.exists()
+    assert elapsed < 60
+
+
+def test_tokenizer_vocab_larger_than_model(tmp_path, capsys, stdlib_corpus):
+    rc = main(["model.vocab_size=1000", f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "model.vocab_size" in err and "1000" in err and "4096" in err, err

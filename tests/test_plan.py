@@ -1,0 +1,225 @@
+"""k2-plan: parameter counts (meta-device megatron modules) and the pipeline layout.
+
+The closed forms below are written from the model numbers alone (REFERENCE.md "Model"), independently of
+model/params.py, and must equal its counts exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.config import load_config
+from launcher.plan import main
+from model.params import classify_param, count_params
+
+ROOT = Path(__file__).resolve().parents[1]
+K2_OFFICIAL_TOTAL = 1_026_470_731_056  # REFERENCE.md: the official config sum incl. embeddings
+
+
+def closed_form(*, hidden, layers, dense_layers, ffn, q_lora, kv_lora, qk, rope, v, heads, experts,
+                moe_ffn, topk, shared_ffn, vocab):
+    """(total, active) parameters of a K2-family model (untied embeddings, RMSNorm weights only,
+    no biases; MLA with RMSNorm on the q and kv latents; SwiGLU MLPs = 3 matrices)."""
+    attention = (
+        hidden  # input RMSNorm
+        + hidden * q_lora + q_lora  # q down-projection + q-latent RMSNorm
+        + q_lora * heads * (qk + rope)  # q up-projection (nope + rope parts)
+        + hidden * (kv_lora + rope) + kv_lora  # kv down-projection (+ shared rope key) + kv-latent norm
+        + kv_lora * heads * (qk + v)  # kv up-projection (k nope + v)
+        + heads * v * hidden  # output projection
+    )
+    mlp_norm = hidden
+    dense_mlp = 3 * hidden * ffn
+    router = experts * hidden
+    expert = 3 * hidden * moe_ffn
+    shared = 3 * hidden * shared_ffn
+    moe_layers = layers - dense_layers
+    outer = 2 * vocab * hidden + hidden  # embedding + output head + final norm
+    common = outer + layers * (attention + mlp_norm) + dense_layers * dense_mlp
+    total = common + moe_layers * (router + experts * expert + shared)
+    active = common + moe_layers * (router + topk * expert + shared)
+    return total, active
+
+
+K2 = dict(hidden=7168, layers=61, dense_layers=1, ffn=18432, q_lora=1536, kv_lora=512, qk=128, rope=64,
+          v=128, heads=64, experts=384, moe_ffn=2048, topk=8, shared_ffn=2048, vocab=163840)
+TINY = dict(hidden=128, layers=4, dense_layers=1, ffn=384, q_lora=64, kv_lora=32, qk=32, rope=16, v=32,
+            heads=4, experts=8, moe_ffn=64, topk=2, shared_ffn=64, vocab=4096)
+
+
+@pytest.fixture(scope="module")
+def k2_counts():
+    t0 = time.perf_counter()
+    counts = count_params(load_config(["model=kimi_k2"]))
+    return counts, time.perf_counter() - t0
+
+
+def test_k2_counts_equal_closed_form(k2_counts):
+    counts, seconds = k2_counts
+    total, active = closed_form(**K2)
+    assert counts.total == total == 1_026_408_209_408
+    assert counts.active == active == 32_861_477_888
+    assert counts.routed_expert == 3 * 7168 * 2048
+    assert counts.routed_experts == 384 * counts.routed_expert
+    assert counts.router == 384 * 7168
+    assert counts.embedding == counts.output_head == 163840 * 7168
+    assert abs(counts.total - K2_OFFICIAL_TOTAL) / K2_OFFICIAL_TOTAL < 0.005
+    assert seconds < 20, f"counting kimi_k2 took {seconds:.1f} s"
+
+
+def test_counting_creates_no_process_group(monkeypatch):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("k2-plan must not create process groups")
+
+    was_initialized = dist.is_initialized()
+    for mod, fn in ((dist, "init_process_group"), (dist, "new_group"),
+                    (ps, "initialize_model_parallel")):
+        monkeypatch.setattr(mod, fn, forbidden)
+    counts = count_params(load_config(["model=kimi_k2"]))
+    assert counts.total == closed_form(**K2)[0]
+    assert dist.is_initialized() == was_initialized
+
+
+def test_tiny_counts_equal_closed_form():
+    counts = count_params(load_config(["model=k2_tiny"]))
+    assert (counts.total, counts.active) == closed_form(**TINY)
+
+
+def test_tied_embeddings_counted_once():
+    untied = count_params(load_config(["model=k2_tiny"]))
+    tied = count_params(load_config(["model=k2_tiny", "model.share_embeddings_and_output_weights=true"]))
+    assert tied.output_head == 0
+    assert tied.total == untied.total - 4096 * 128
+
+
+def _run_cli(capsys, argv):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_json_kimi_k2_256gpu(capsys):
+    rc, out, _ = _run_cli(capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32",
+                                   "cluster.gpus_per_node=8", "output=json"])
+    assert rc == 0
+    plan = json.loads(out)  # exactly one JSON object on stdout
+    assert abs(plan["params_total"] - K2_OFFICIAL_TOTAL) / K2_OFFICIAL_TOTAL < 0.005
+    assert 32.4e9 <= plan["params_active"] <= 33.0e9
+    assert (plan["world_size"], plan["pp"], plan["vpp"], plan["ep"], plan["dp"]) == (256, 16, 2, 16, 16)
+    layout = plan["layout"]
+    assert len(layout) == 16 and all(len(stages) == 2 for stages in layout)
+    flat = sorted(i for stages in layout for ids in stages for i in ids)
+    assert flat == list(range(61))  # every layer exactly once
+    # K2 layout "Et|(tt|)*30L": pipeline order vpp_stage * pp + pp_rank
+    assert layout[0][0] == [0] and layout[1][0] == [1, 2] and layout[0][1] == [31, 32]
+    assert layout[15][1] == []
+    assert plan["embedding_stage"] == {"pp_rank": 0, "vpp_stage": 0}
+    assert plan["loss_stage"] == {"pp_rank": 15, "vpp_stage": 1}
+    # stage and rank tables add up to the model
+    assert sum(s["params"] for s in plan["stages"]) == plan["params_total"]
+    assert sum(r["params"] for r in plan["pp_ranks"]) == plan["params_total"]
+    p = plan["params"]
+    for r in plan["pp_ranks"]:  # routed experts split over ep=16, the rest replicated (tp=1)
+        n_moe = sum(1 for i in r["layers"] if i >= 1)  # layer 0 is the dense one
+        experts = n_moe * p["routed_experts_per_moe_layer"]
+        assert r["params_per_gpu"] == r["params"] - experts + experts // 16
+        assert r["bf16_param_bytes_per_gpu"] == 2 * r["params_per_gpu"]
+    assert plan["param_and_grad_bytes_total"] == 6 * plan["params_total"]
+
+
+def test_cli_text(capsys):
+    rc, out, _ = _run_cli(capsys, ["model=k2_tiny", "parallel=cpu4", "cluster.nodes=1",
+                                   "cluster.gpus_per_node=4"])
+    assert rc == 0
+    assert "params_total" in out and "params_active" in out and "pp rank" in out
+    total, active = closed_form(**TINY)
+    assert f"{total:,}" in out and f"{active:,}" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["parallel=k2_256gpu", "cluster.nodes=3"], "parallel.pp=16"),
+        (["parallel=k2_256gpu", "parallel.ep=7"], "parallel.ep=7"),
+        (["parallel=k2_256gpu", "parallel.layout=Ett|L"], "parallel.layout"),
+        (["cluster.nodes=0"], "cluster.nodes"),
+        (["output=yaml"], "output"),
+        (["cluster.gpus=4"], "cluster.gpus"),
+        (["model.first_k_dense_replace=99"], "model.first_k_dense_replace"),
+    ],
+)
+def test_bad_inputs_exit_2(capsys, overrides, named):
+    rc, out, err = _run_cli(capsys, ["model=kimi_k2", *overrides])
+    assert rc == 2
+    assert out == ""
+    assert err.startswith("k2-plan: error: ") and named in err
+
+
+_REAL_BUILD = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    warnings.simplefilter("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = sys.argv[1]
+    from launcher.config import load_config
+    from model.build import build_model_chunks, transformer_config
+    from parallel.dims import ParallelDims
+    from parallel.distributed import DistEnv, destroy_distributed, init_distributed
+
+    cfg = load_config(["model=k2_tiny", "parallel=single"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
+    init_distributed(DistEnv(0, 1, 0, False), dims, seed=1)
+    chunks = build_model_chunks(cfg, dims, transformer_config(cfg, dims))
+    sizes = {n: p.numel() for c in chunks for n, p in c.named_parameters()}
+    destroy_distributed()
+    print("SIZES=" + json.dumps(sizes))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tiny_meta_count_equals_real_single_rank_build():
+    """The meta count equals the parameters of the k2_tiny model k2-train builds on one gloo rank,
+    component by component."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _REAL_BUILD, str(_free_port())],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("SIZES="))
+    sizes = json.loads(line[len("SIZES="):])
+    counts = count_params(load_config(["model=k2_tiny"]))
+    assert sum(sizes.values()) == counts.total
+    moe_layers = [i for i, k in enumerate(counts.moe_pattern) if k]
+    per_comp: dict[str, int] = {}
+    for name, n in sizes.items():
+        comp, _ = classify_param(name, moe_layers)
+        per_comp[comp] = per_comp.get(comp, 0) + n
+    nd, nm, nl = counts.num_dense_layers, counts.num_moe_layers, counts.num_layers
+    assert per_comp == {
+        "embedding": counts.embedding,
+        "output_head": counts.output_head,
+        "final_norm": counts.final_norm,
+        "attention": nl * counts.attention,
+        "mlp_norm": nl * counts.mlp_norm,
+        "dense_mlp": nd * counts.dense_mlp,
+        "router": nm * counts.router,
+        "routed_experts": nm * counts.routed_experts,
+        "shared_experts": nm * counts.shared_experts,
+    }
