@@ -243,7 +243,7 @@ def run(cfg, plan: Plan, env) -> dict:
     rank = dist.get_rank()
     if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
         if rank == 0:
-            prepare_stdlib_corpus(cfg.data)
+            prepare_stdlib_corpus(cfg.data, progress=False, verbose=not env.spawned_by_k2_train)
         dist.barrier()
 
     tcfg = transformer_config(cfg, plan.dims)
@@ -284,6 +284,9 @@ def run(cfg, plan: Plan, env) -> dict:
     record: dict = {}
     consumed_tokens = 0
     try:
+        if t.eval_interval:
+            val0 = evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank)
+            logger.message(f"step 0: val_loss {val0:.4f} (before training)")
         for step in range(1, t.iters + 1):
             t0 = time.perf_counter()
             for m in model:
@@ -339,6 +342,7 @@ def _spawn_local(cfg, overrides: list[str]) -> int:
         "-m", "launcher.train", *overrides,
     ]
     env = dict(os.environ)
+    env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
     print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks: {' '.join(cmd[2:])}", flush=True)
     return subprocess.call(cmd, env=env)

@@ -25,6 +25,11 @@ class DistEnv:
     local_rank: int
     launched: bool  # True when under torchrun/srun (RANK or SLURM_PROCID present)
 
+    @property
+    def spawned_by_k2_train(self) -> bool:
+        """True for ranks that ``k2-train`` spawned itself (it already prepared the data)."""
+        return os.environ.get("K2_SPAWNED") == "1"
+
 
 def dist_env() -> DistEnv:
     """Read rank / world size from torchrun (``RANK``...) or Slurm (``SLURM_PROCID``...) variables.
