@@ -1,0 +1,96 @@
+"""k2-bench: registry, output formats, and the attention benchmark's accuracy figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from launcher.bench import BENCHMARKS, main, reference_attention
+
+
+def _run(capsys, argv):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_none_lists_benchmarks(capsys):
+    rc, out, _ = _run(capsys, [])
+    assert rc == 0
+    assert "attention" in out
+    rc, out, _ = _run(capsys, ["bench=none", "output=json"])
+    assert rc == 0
+    assert set(json.loads(out)["available"]) == set(BENCHMARKS)
+
+
+def test_attention_json_fp32_matches_reference(capsys):
+    rc, out, _ = _run(capsys, ["bench=attention", "output=json"])
+    assert rc == 0
+    record = json.loads(out)  # exactly one JSON object on stdout
+    assert record["bench"] == "attention"
+    for key in ("torch", "megatron_core", "device", "cpu_count"):
+        assert record["system"][key]
+    cpu = record["figures"]["cpu"]
+    assert cpu["dtype"] == "fp32" and cpu["shape_sbhd"] == [256, 2, 4, 48] and cpu["v_head_dim"] == 32
+    assert cpu["max_abs_diff"] < 1e-5
+    assert cpu["max_logit_abs_diff"] < 1e-5
+    for key in ("time_k2_ms", "time_k2_no_record_ms", "time_reference_ms", "k2_over_reference"):
+        assert cpu[key] > 0
+    assert "max_logit_overhead" in cpu
+    if torch.cuda.is_available():  # K2 shape in bf16 on the GPU
+        cuda = record["figures"]["cuda"]
+        assert cuda["shape_sbhd"] == [4096, 1, 64, 192] and cuda["v_head_dim"] == 128
+        assert cuda["k2_max_abs_diff_vs_fp32"] <= 2 * cuda["reference_max_abs_diff_vs_fp32"] + 1e-2
+        assert cuda["max_logit_abs_diff"] < 0.1
+
+
+def test_attention_text_and_options(capsys):
+    rc, out, _ = _run(capsys, ["bench=attention", "bench.options.seq_length=64", "bench.options.repeats=2",
+                               "bench.options.devices=cpu"])
+    assert rc == 0
+    assert "max_abs_diff" in out and "[64, 2, 4, 48]" in out and "megatron-core" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["+bench.options.seq_len=64"], "bench.options.seq_len"),
+        (["bench.options.dtype=fp16"], "bench.options.dtype"),
+        (["bench.options.seq_length=abc"], "bench.options.seq_length"),
+        (["bench.options.repeats=0"], "bench.options.repeats"),
+        (["output=yaml"], "output"),
+    ],
+)
+def test_bad_options_exit_2(capsys, overrides, named):
+    rc, out, err = _run(capsys, ["bench=attention", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err
+
+
+def test_unknown_bench_exit_2(capsys):
+    rc, _, err = _run(capsys, ["bench=nope"])
+    assert rc == 2 and "bench" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_requested_without_gpu(capsys):
+    rc, _, err = _run(capsys, ["bench=attention", "bench.options.devices=cuda"])
+    assert rc == 2 and "bench.options.devices" in err
+
+
+def test_reference_attention_matches_sdpa_fp64():
+    """The benchmark's reference against torch's own causal SDPA, in fp64."""
+    g = torch.Generator().manual_seed(1)
+    s, b, h, dk, dv = 33, 2, 3, 8, 5
+    q, k = (torch.randn(s, b, h, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(s, b, h, dv, generator=g, dtype=torch.float64)
+    scale = dk**-0.5
+    out, max_logit = reference_attention(q, k, v, scale)
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+    torch.testing.assert_close(out.double(), want.permute(2, 0, 1, 3).reshape(s, b, h * dv))
+    logits = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    logits = logits.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(max_logit.double(), logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
