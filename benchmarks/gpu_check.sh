@@ -13,9 +13,9 @@ COMMON=(data.path=$D/train data.valid_path=$D/valid data.tokenizer=$D/tokenizer.
         train.eval_interval=0 optim.lr_warmup_iters=0 run.seed=7 run.wandb.mode=disabled train.progress=false)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, sys; from parallel import cpu_backend; print(torch.__version__, torch.cuda.get_device_name(0), 'cpu_backend.enable() ->', cpu_backend.enable())" > "$OUT/env.txt" 2>&1
-timeout 240 python3 -m launcher.train "${COMMON[@]}" train.iters=3 run.dir="$OUT/gpu_fp32" > "$OUT/gpu_fp32.log" 2>&1; echo "fp32 rc=$?" >> "$OUT/status.txt"
-timeout 240 python3 -m launcher.train "${COMMON[@]}" train.iters=40 train.precision=bf16 run.dir="$OUT/gpu_bf16" > "$OUT/gpu_bf16.log" 2>&1; echo "bf16 rc=$?" >> "$OUT/status.txt"
+timeout 150 python3 -m launcher.train "${COMMON[@]}" train.iters=3 run.dir="$OUT/gpu_fp32" > "$OUT/gpu_fp32.log" 2>&1; echo "fp32 rc=$?" >> "$OUT/status.txt"
+timeout 150 python3 -m launcher.train "${COMMON[@]}" train.iters=40 train.precision=bf16 run.dir="$OUT/gpu_bf16" > "$OUT/gpu_bf16.log" 2>&1; echo "bf16 rc=$?" >> "$OUT/status.txt"
 if [ -f launcher/bench.py ]; then
-  timeout 180 python3 -m launcher.bench bench=attention output=json > "$OUT/bench_attention.json" 2> "$OUT/bench_attention.log"; echo "bench rc=$?" >> "$OUT/status.txt"
+  timeout 120 python3 -m launcher.bench bench=attention output=json > "$OUT/bench_attention.json" 2> "$OUT/bench_attention.log"; echo "bench rc=$?" >> "$OUT/status.txt"
 fi
 cat "$OUT/status.txt"
