@@ -18,4 +18,20 @@ timeout 150 python3 -m launcher.train "${COMMON[@]}" train.iters=40 train.precis
 if [ -f launcher/bench.py ]; then
   timeout 120 python3 -m launcher.bench bench=attention output=json > "$OUT/bench_attention.json" 2> "$OUT/bench_attention.log"; echo "bench rc=$?" >> "$OUT/status.txt"
 fi
+# one summary file (the device tool returns a limited number of files)
+python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def recs(d):
+    p = out / d / "metrics.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
+s = {"env": (out / "env.txt").read_text(), "gpu": (out / "gpu.txt").read_text(),
+     "fp32": recs("gpu_fp32"), "bf16": recs("gpu_bf16")}
+b = out / "bench_attention.json"
+if b.exists():
+    try: s["bench_attention"] = json.loads(b.read_text())
+    except ValueError: pass
+(out / "summary.json").write_text(json.dumps(s, indent=1))
+PY
+rm -rf "$OUT/gpu_fp32" "$OUT/gpu_bf16"
 cat "$OUT/status.txt"

@@ -55,24 +55,39 @@ def per_head_max_logit(
     b, np_, sq, _ = query.shape
     sk = key.shape[2]
     out = torch.full((np_,), float("-inf"), device=query.device, dtype=torch.float32)
-    kt = key.transpose(-1, -2)
-    for start in range(0, sq, chunk):
-        stop = min(sq, start + chunk)
+
+    def block_max(q_blk, k_blk, mask=None):
         # max in the compute dtype, then one fp32 conversion and scaling per head: a positive scale
-        # commutes with max, and converting/scaling the whole [b, np, chunk, sk] block in fp32 cost
+        # commutes with max, and converting/scaling whole [b, np, rows, cols] blocks in fp32 cost
         # ~10x the attention kernel itself on an H200 (bench=attention).
-        scores = torch.matmul(query[:, :, start:stop], kt)
-        mask = None
-        if causal:
-            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + (sk - sq)
-            cols = torch.arange(sk, device=query.device).unsqueeze(0)
-            mask = cols > rows
-        if attention_mask is not None:
-            am = attention_mask[..., start:stop, :]
-            mask = am if mask is None else (am | mask)
+        scores = torch.matmul(q_blk, k_blk.transpose(-1, -2))
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        out = torch.maximum(out, scores.amax(dim=(0, 2, 3)).float() * softmax_scale)
+        return scores.amax(dim=(0, 2, 3)).float() * softmax_scale
+
+    for start in range(0, sq, chunk):
+        stop = min(sq, start + chunk)
+        q_blk = query[:, :, start:stop]
+        if attention_mask is not None or not causal:
+            mask = None
+            if attention_mask is not None:
+                mask = attention_mask[..., start:stop, :]
+            if causal:
+                rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + (sk - sq)
+                cmask = torch.arange(sk, device=query.device).unsqueeze(0) > rows
+                mask = cmask if mask is None else (mask | cmask)
+            out = torch.maximum(out, block_max(q_blk, key, mask))
+            continue
+        # causal, no explicit mask: keys before the block's first row are visible to every row (no
+        # mask needed); only the diagonal block needs the triangle; keys after it are never visible.
+        past = max(0, start + (sk - sq))
+        diag_end = min(sk, stop + (sk - sq))
+        if past > 0:
+            out = torch.maximum(out, block_max(q_blk, key[:, :, :past]))
+        if diag_end > past:
+            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + (sk - sq)
+            cols = torch.arange(past, diag_end, device=query.device).unsqueeze(0)
+            out = torch.maximum(out, block_max(q_blk, key[:, :, past:diag_end], cols > rows))
     return out
 
 
