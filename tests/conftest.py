@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from pathlib import Path
@@ -36,10 +35,9 @@ def megatron_world1():
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # (no MASTER_* in os.environ: subprocess trainers must not inherit it)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
     ps.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)

@@ -25,7 +25,10 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                     "SLURM_NTASKS", "K2_SPAWNED")
+    full_env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
