@@ -237,6 +237,7 @@ def run(cfg, plan: Plan, env) -> dict:
     from launcher.metrics import MetricsLogger
     from model.build import build_model_chunks, layout_independent_init, moe_layer_pattern, transformer_config
     from parallel.distributed import build_optimizer, init_distributed, wrap_model
+    from schedules.lr import build_lr_scheduler
 
     t = cfg.train
     init_distributed(env, plan.dims, cfg.run.seed)
@@ -251,7 +252,8 @@ def run(cfg, plan: Plan, env) -> dict:
     if t.deterministic_init:
         layout_independent_init(chunks, tcfg, cfg.run.seed)
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer)
-    optimizer, scheduler = build_optimizer(cfg, model, tcfg)
+    optimizer = build_optimizer(cfg, model, tcfg)
+    scheduler = build_lr_scheduler(cfg, optimizer)
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.grad_scale_func = optimizer.scale_loss
 

@@ -137,16 +137,15 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool) -> list:
 
 
 def build_optimizer(cfg, model: list, tcfg):
-    """megatron optimizer (Adam with decoupled weight decay = AdamW) and LR scheduler.
+    """megatron optimizer (Adam with decoupled weight decay = AdamW).
 
     With ``parallel.use_distributed_optimizer`` the fp32 master weights and Adam moments are sharded
     over the DP group (ZeRO-1). Grad-norm clipping at ``optim.clip_grad`` (global norm over all ranks).
 
     Returns:
-        ``(MegatronOptimizer, OptimizerParamScheduler)``; the scheduler counts steps (iterations).
+        ``MegatronOptimizer``.
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
     ocfg = OptimizerConfig(
@@ -162,21 +161,4 @@ def build_optimizer(cfg, model: list, tcfg):
         params_dtype=tcfg.params_dtype,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(ocfg, model)
-    iters = int(cfg.train.iters)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=min(int(o.lr_warmup_iters), iters - 1),  # megatron: warmup < decay
-        lr_decay_steps=max(iters, 1),
-        lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=max(iters, 1),
-        wd_incr_style="constant",
-        wsd_decay_steps=o.lr_wsd_decay_iters,
-        lr_wsd_decay_style="cosine" if o.lr_decay_style == "WSD" else None,
-    )
-    return optimizer, scheduler
+    return get_megatron_optimizer(ocfg, model)
