@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from launcher.schema import K2Config
@@ -29,15 +29,45 @@ def _allowed_keys(node: DictConfig) -> list[str]:
     return sorted(str(k) for k in node.keys())
 
 
+# Keys that moved to the schedule group (issue 4): one source of truth for LR, weight decay, context
+# length and global batch.
+_MOVED = {
+    **{f"optim.{k}": "the learning rate and weight decay of every step come from the schedule group "
+                     "(schedule.phases.<i>.lr_start / lr_end / lr_style, schedule.weight_decay)"
+       for k in ("lr", "min_lr", "weight_decay", "lr_warmup_iters", "lr_decay_style", "lr_wsd_decay_iters")},
+    "train.global_batch_size": "the global batch is set in tokens by schedule.global_batch_tokens "
+                               "(sequences per step = global_batch_tokens / the phase's seq_length)",
+    "train.seq_length": "the context length is set per phase by schedule.phases.<i>.seq_length",
+}
+
+
+def _schema_node(path: str):
+    """The schema node at ``path``; list items (``schedule.phases.0``) resolve to their element type."""
+    node = OmegaConf.structured(K2Config)
+    for part in [p for p in path.split(".") if p]:
+        if isinstance(node, ListConfig):
+            etype = node._metadata.element_type
+            try:
+                node = OmegaConf.structured(etype)
+            except Exception:  # not a structured element type
+                return None
+            continue
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 def _unknown_key_error(full_key: str) -> ConfigError:
     key = full_key.rsplit(".", 1)[-1]
     parent_path = full_key.rsplit(".", 1)[0] if "." in full_key else ""
-    schema = OmegaConf.structured(K2Config)
-    parent = OmegaConf.select(schema, parent_path) if parent_path else schema
+    parent = _schema_node(parent_path)
     allowed = _allowed_keys(parent) if isinstance(parent, DictConfig) else []
     hint = difflib.get_close_matches(str(key), allowed, n=1)
     msg = f"unknown config key '{full_key}'"
-    if hint:
+    if full_key in _MOVED:
+        msg += f": {_MOVED[full_key]}"
+    elif hint:
         msg += f" (did you mean '{(parent_path + '.') if parent_path else ''}{hint[0]}'?)"
     msg += f"; allowed keys under '{parent_path or '<root>'}': {', '.join(allowed)}"
     return ConfigError(msg)

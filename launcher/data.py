@@ -798,15 +798,17 @@ def build_datasets(
 
     where = "data.path" if not resolved.embedded else "the embedded corpus"
     if train_ds is None or len(train_ds) == 0:
-        raise ConfigError(f"{where} yields no training sample of train.seq_length={seq_length} tokens")
+        raise ConfigError(f"{where} yields no training sample of seq_length={seq_length} tokens "
+                          "(the schedule phase's context length)")
     if valid_ds is not None and len(valid_ds) == 0:
         setting = (
             "data.valid_path" if resolved.valid_blend is not None and not resolved.embedded
             else "data.valid_fraction" if resolved.embedded else "data.split"
         )
         raise ConfigError(
-            f"the validation data ({setting}) holds fewer than train.seq_length+1={seq_length + 1} "
-            f"tokens, so it yields no validation sample; lower train.seq_length or enlarge {setting}"
+            f"the validation data ({setting}) holds fewer than seq_length+1={seq_length + 1} "
+            f"tokens, so it yields no validation sample; lower the schedule phase's seq_length or "
+            f"enlarge {setting}"
         )
     return train_ds, valid_ds
 
@@ -893,7 +895,7 @@ class MicrobatchIterator:
         self.dataset = dataset
         self.dataset_len = len(dataset)
         if self.dataset_len == 0:
-            raise ConfigError("the dataset has no samples (train.seq_length longer than the data?)")
+            raise ConfigError("the dataset has no samples (seq_length longer than the data?)")
         self.global_batch_size = gbs
         self.micro_batch_size = mbs
         self.dp_rank = int(dp_rank)

@@ -12,7 +12,7 @@ megatron equivalent say so in their comment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -108,35 +108,56 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue)."""
+    """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue). The learning
+    rate and weight decay of every step come from the ``schedule`` group (one source of truth)."""
 
     name: str = "adamw"
-    lr: float = 3.0e-3
-    min_lr: float = 3.0e-4
-    weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
-    lr_warmup_iters: int = 20
-    lr_decay_style: str = "cosine"  # megatron OptimizerParamScheduler styles: constant|linear|cosine|WSD
-    lr_wsd_decay_iters: Optional[int] = None
 
 
 @dataclass
 class TrainConfig:
-    """Train loop. Batch sizes in sequences; ``seq_length`` in tokens."""
+    """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
+    per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
 
-    iters: int = 300
-    global_batch_size: int = 16
-    micro_batch_size: int = 2
-    seq_length: int = 128
+    iters: Optional[int] = None  # cap on optimizer steps; null = run to the end of the schedule
+    micro_batch_size: int = 2  # sequences per microbatch (a schedule phase may override it)
     precision: str = "fp32"  # fp32 | bf16
     eval_interval: int = 50
     eval_iters: int = 4
     log_interval: int = 1
     progress: bool = True
     deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of the training schedule (``schedules/wsd.py`` has the rules). Set exactly one length."""
+
+    name: str = "phase"
+    tokens: Optional[int] = None  # length in tokens (0 = skipped)
+    steps: Optional[int] = None  # length in optimizer steps of schedule.global_batch_tokens (warmup)
+    until_tokens: Optional[int] = None  # end of the phase, in tokens from the start of training
+    # constant | linear | cosine | exponential | minus_sqrt | continue (the previous rule goes on)
+    lr_style: str = "constant"
+    lr_start: Optional[float] = None  # LR at the start; null = the previous phase's end LR
+    lr_end: Optional[float] = None  # LR at the end; null = lr_start (constant)
+    seq_length: Optional[int] = None  # context length in tokens; null = the previous phase's
+    rope_type: Optional[str] = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
+    micro_batch_size: Optional[int] = None  # sequences; null = the previous phase's (first: train.*)
+
+
+@dataclass
+class ScheduleConfig:
+    """Training schedule in tokens: learning rate, context length, batch (REFERENCE.md "Schedule")."""
+
+    name: str = "none"
+    global_batch_tokens: int = 2048  # tokens per optimizer step, the same in every phase
+    weight_decay: float = 0.1  # decoupled weight decay, every step (x each param group's wd_mult)
+    phases: List[PhaseConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -172,7 +193,7 @@ class ClusterConfig:
 
 @dataclass
 class PlanConfig:
-    query_tokens: Optional[Any] = None
+    query_tokens: Optional[Any] = None  # k2-plan: list of token counts -> "lr_at_tokens" in the JSON
 
 
 @dataclass
@@ -190,10 +211,11 @@ class K2Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     run: RunConfig = field(default_factory=RunConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     output: str = "text"  # text | json (k2-plan, k2-bench)
-    plot: Optional[str] = None
+    plot: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR over tokens) to this path

@@ -30,34 +30,35 @@ class Plan:
     """Everything decided before any process group exists."""
 
     dims: object  # parallel.dims.ParallelDims
-    num_microbatches: int  # per DP rank per step
+    schedule: object  # schedules.wsd.Schedule: per phase seq_length, global batch, microbatches, LR
+    steps: int  # optimizer steps of this run: the schedule's, capped by train.iters
     data: object  # launcher.data.ResolvedData
-    tokens_per_step: int
+    tokens_per_step: int  # schedule.global_batch_tokens
 
 
 def make_plan(cfg, world_size: int) -> Plan:
-    """Validate the config for ``world_size`` ranks and decide the layout.
+    """Validate the config for ``world_size`` ranks and decide the layout and the schedule.
+
+    Every schedule phase that runs a step is checked against megatron's microbatch rule here
+    (:func:`schedules.wsd.resolve_schedule` with the parallel layout).
 
     Raises:
         ConfigError: any setting that cannot run, naming the setting and the allowed values.
     """
     from launcher.data import resolve_data
-    from parallel.dims import ParallelDims, check_microbatches
+    from parallel.dims import ParallelDims
+    from schedules.wsd import resolve_schedule
 
-    t, m = cfg.train, cfg.model
+    t = cfg.train
     if t.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision={t.precision!r}; allowed: fp32, bf16")
-    if t.iters < 1:
-        raise ConfigError(f"train.iters={t.iters} must be >= 1")
-    if t.seq_length > m.max_position_embeddings:
-        raise ConfigError(
-            f"train.seq_length={t.seq_length} exceeds model.max_position_embeddings="
-            f"{m.max_position_embeddings}"
-        )
+    if t.iters is not None and t.iters < 1:
+        raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
-    nmb = check_microbatches(dims, t.global_batch_size, t.micro_batch_size)
+    schedule = resolve_schedule(cfg, dims)
+    steps = schedule.total_steps if t.iters is None else min(int(t.iters), schedule.total_steps)
     data = resolve_data(cfg)
-    return Plan(dims, nmb, data, t.global_batch_size * t.seq_length)
+    return Plan(dims, schedule, steps, data, schedule.global_batch_tokens)
 
 
 # --- forward step --------------------------------------------------------------------------------------
@@ -181,22 +182,21 @@ def max_attention_logit(model: list) -> float:
 # --- the run --------------------------------------------------------------------------------------------
 
 
-def _microbatch_iterators(dataset, cfg, plan, dp_rank: int, start_sample: int = 0) -> list:
+def _microbatch_iterators(dataset, phase, plan, dp_rank: int, start_sample: int = 0) -> list:
     from launcher.data import MicrobatchIterator
 
-    t = cfg.train
     return [
-        MicrobatchIterator(dataset, t.global_batch_size, t.micro_batch_size, dp_rank,
+        MicrobatchIterator(dataset, phase.global_batch_size, phase.micro_batch_size, dp_rank,
                            plan.dims.dp, start_sample=start_sample)
         for _ in range(plan.dims.vpp)
     ]
 
 
-def evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank: int) -> float:
-    """Per-token validation loss over ``train.eval_iters`` global batches (the same batches at every
-    evaluation, so values are comparable across steps)."""
+def evaluate(cfg, plan, phase, model, forward_backward, valid_ds, dp_rank: int) -> float:
+    """Per-token validation loss over ``train.eval_iters`` global batches of ``phase``'s shape (the same
+    batches at every evaluation within one context length, so values are comparable across steps)."""
     t = cfg.train
-    iters = _microbatch_iterators(valid_ds, cfg, plan, dp_rank)
+    iters = _microbatch_iterators(valid_ds, phase, plan, dp_rank)
     for m in model:
         m.eval()
     total, tokens = 0.0, 0
@@ -206,10 +206,10 @@ def evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank: int) -> floa
                 forward_step_func=_forward_step,
                 data_iterator=iters,
                 model=model,
-                num_microbatches=plan.num_microbatches,
-                seq_length=t.seq_length,
-                micro_batch_size=t.micro_batch_size,
-                decoder_seq_length=t.seq_length,
+                num_microbatches=phase.num_microbatches,
+                seq_length=phase.seq_length,
+                micro_batch_size=phase.micro_batch_size,
+                decoder_seq_length=phase.seq_length,
                 forward_only=True,
             )
             loss, n = _reduce_lm_loss(losses)
@@ -220,6 +220,46 @@ def evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank: int) -> floa
     return total / max(tokens, 1)
 
 
+class _PhaseData:
+    """Datasets and microbatch iterators of the current schedule phase on this rank.
+
+    The datasets are rebuilt (megatron's builder: a collective, every rank enters it at the same step)
+    only when the sequence length changes; one build serves the whole stretch of phases at that length
+    (``Schedule.context_steps``). Global batch ``j`` of the stretch reads samples ``[j*G, (j+1)*G)`` of
+    it (``G`` = the phase's global batch in sequences), so a run resumed at any step reads the same
+    samples.
+    """
+
+    def __init__(self, cfg, plan: Plan, dp_rank: int):
+        self.cfg, self.plan, self.dp_rank = cfg, plan, dp_rank
+        self.phase = None
+        self.seq_length = None
+        self.first_step = 1
+        self.train_ds = self.valid_ds = None
+        self.iters = None
+
+    def enter(self, phase, step: int) -> bool:
+        """Serve ``phase`` from ``step`` on; returns True when the datasets were rebuilt."""
+        from launcher.data import build_datasets
+
+        rebuilt = False
+        if phase.seq_length != self.seq_length:
+            first, last = self.plan.schedule.context_steps(phase)
+            last = min(last, self.plan.steps)
+            self.train_ds, self.valid_ds = build_datasets(
+                self.plan.data, phase.seq_length, self.cfg.run.seed,
+                train_samples=(last - first + 1) * phase.global_batch_size,
+                valid_samples=max(1, self.cfg.train.eval_iters) * phase.global_batch_size,
+            )
+            self.seq_length, self.first_step, rebuilt = phase.seq_length, first, True
+        self.phase = phase
+        self.iters = _microbatch_iterators(
+            self.train_ds, phase, self.plan, self.dp_rank,
+            start_sample=(step - self.first_step) * phase.global_batch_size,
+        )
+        return rebuilt
+
+
 def run(cfg, plan: Plan, env) -> dict:
     """Train on this rank (process groups are created here). Returns the final metrics record.
 
@@ -227,15 +267,28 @@ def run(cfg, plan: Plan, env) -> dict:
         cfg: validated config.
         plan: from :func:`make_plan` for ``env.world_size``.
         env: :class:`parallel.distributed.DistEnv`.
+
+    The run follows ``plan.schedule`` (schedules/wsd.py): each step runs in the phase holding its first
+    token; entering a phase with another sequence length rebuilds the datasets at that length and runs
+    ``global_batch_tokens / seq_length`` sequences per step (microbatch count recomputed), entering one
+    with another ``rope_type`` switches every MLA layer's RoPE/YaRN (``model.build.set_rope_type``); the
+    LR and weight decay of each step come from ``schedules.lr.TokenLRScheduler``. The run ends after
+    ``plan.steps`` steps (the end of the last phase, or ``train.iters``).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from launcher.data import build_datasets, prepare_stdlib_corpus
+    from launcher.data import prepare_stdlib_corpus
     from launcher.metrics import MetricsLogger
-    from model.build import build_model_chunks, layout_independent_init, moe_layer_pattern, transformer_config
+    from model.build import (
+        build_model_chunks,
+        layout_independent_init,
+        moe_layer_pattern,
+        set_rope_type,
+        transformer_config,
+    )
     from parallel.distributed import build_optimizer, init_distributed, wrap_model
     from schedules.lr import build_lr_scheduler
 
@@ -247,23 +300,22 @@ def run(cfg, plan: Plan, env) -> dict:
             prepare_stdlib_corpus(cfg.data, progress=False, verbose=not env.spawned_by_k2_train)
         dist.barrier()
 
-    tcfg = transformer_config(cfg, plan.dims)
+    sched = plan.schedule
+    first_phase = sched.step_phase(1)
+    rope_type = first_phase.rope_type
+    tcfg = transformer_config(cfg, plan.dims, rope_type=rope_type)
     chunks = build_model_chunks(cfg, plan.dims, tcfg)
     if t.deterministic_init:
         layout_independent_init(chunks, tcfg, cfg.run.seed)
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer)
-    optimizer = build_optimizer(cfg, model, tcfg)
-    scheduler = build_lr_scheduler(cfg, optimizer)
+    optimizer = build_optimizer(cfg, model, tcfg, sched)
+    scheduler = build_lr_scheduler(cfg, optimizer, sched)  # sets step 1's LR
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.grad_scale_func = optimizer.scale_loss
 
     dp_rank = ps.get_data_parallel_rank()
-    train_ds, valid_ds = build_datasets(
-        plan.data, t.seq_length, cfg.run.seed,
-        train_samples=t.iters * t.global_batch_size,
-        valid_samples=max(1, t.eval_iters) * t.global_batch_size,
-    )
-    train_iters = _microbatch_iterators(train_ds, cfg, plan, dp_rank)
+    data = _PhaseData(cfg, plan, dp_rank)
+    data.enter(first_phase, 1)
     forward_backward = get_forward_backward_func()
 
     run_dir = Path(cfg.run.dir)
@@ -273,46 +325,63 @@ def run(cfg, plan: Plan, env) -> dict:
     from omegaconf import OmegaConf
 
     logger = MetricsLogger(
-        str(run_dir), enabled=rank == 0, total_steps=t.iters, wandb_cfg=cfg.run.wandb,
+        str(run_dir), enabled=rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
         config=OmegaConf.to_container(cfg, resolve=True), progress=t.progress,
     )
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     logger.message(
         f"k2-train: world={env.world_size} PP={plan.dims.pp} VPP={plan.dims.vpp} EP={plan.dims.ep} "
-        f"DP={plan.dims.dp}; microbatches/DP rank={plan.num_microbatches}; "
-        f"tokens/step={plan.tokens_per_step}; rank-0 params={n_params:,}; run.dir={run_dir}"
+        f"DP={plan.dims.dp}; schedule={sched.name}: {plan.steps} steps x {plan.tokens_per_step:,} "
+        f"tokens; rank-0 params={n_params:,}; run.dir={run_dir}"
     )
+
+    def describe(phase) -> str:
+        return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
+                f"{phase.global_batch_size} x {phase.seq_length} = {plan.tokens_per_step:,} tokens, "
+                f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
+                f"{phase.rope_type}")
+
+    logger.message(f"step 1: {describe(first_phase)}")
     pattern = moe_layer_pattern(cfg.model)
     record: dict = {}
-    consumed_tokens = 0
     try:
         if t.eval_interval:
-            val0 = evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank)
+            val0 = evaluate(cfg, plan, first_phase, model, forward_backward, data.valid_ds, dp_rank)
             logger.message(f"step 0: val_loss {val0:.4f} (before training)")
-        for step in range(1, t.iters + 1):
+        for step in range(1, plan.steps + 1):
+            phase = sched.phase_at(scheduler.consumed_tokens)
+            if phase.index != data.phase.index:  # a phase boundary: no restart
+                data.enter(phase, step)
+                if phase.rope_type != rope_type:
+                    set_rope_type(model, tcfg, cfg.model, phase.rope_type)
+                    rope_type = phase.rope_type
+                logger.message(f"step {step}: {describe(phase)}")
             t0 = time.perf_counter()
             for m in model:
                 m.zero_grad_buffer()
             optimizer.zero_grad()
             losses = forward_backward(
                 forward_step_func=_forward_step,
-                data_iterator=train_iters,
+                data_iterator=data.iters,
                 model=model,
-                num_microbatches=plan.num_microbatches,
-                seq_length=t.seq_length,
-                micro_batch_size=t.micro_batch_size,
-                decoder_seq_length=t.seq_length,
+                num_microbatches=phase.num_microbatches,
+                seq_length=phase.seq_length,
+                micro_batch_size=phase.micro_batch_size,
+                decoder_seq_length=phase.seq_length,
                 forward_only=False,
             )
             update_ok, grad_norm, _ = optimizer.step()
-            lr = optimizer.param_groups[0]["lr"]
-            scheduler.step(increment=1)
+            lr = scheduler.lr  # this step's (set before it ran)
+            scheduler.step(plan.tokens_per_step)
             loss, n_tokens = _reduce_lm_loss(losses)
-            consumed_tokens += plan.tokens_per_step
             dt = time.perf_counter() - t0
             record = {
                 "step": step,
-                "consumed_tokens": consumed_tokens,
+                "consumed_tokens": scheduler.consumed_tokens,
+                "phase": phase.name,
+                "seq_length": phase.seq_length,
+                "global_batch_size": phase.global_batch_size,
+                "num_microbatches": phase.num_microbatches,
                 "lr": lr,
                 "loss": loss,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -322,9 +391,10 @@ def run(cfg, plan: Plan, env) -> dict:
                 "max_attn_logit": max_attention_logit(model),
             }
             record.update(moe_step_metrics(model, cfg.model.num_layers, cfg.model.num_moe_experts,
-                                           plan.num_microbatches, pattern))
-            if t.eval_interval and (step % t.eval_interval == 0 or step == t.iters):
-                record["val_loss"] = evaluate(cfg, plan, model, forward_backward, valid_ds, dp_rank)
+                                           phase.num_microbatches, pattern))
+            if t.eval_interval and (step % t.eval_interval == 0 or step == plan.steps):
+                record["val_loss"] = evaluate(cfg, plan, phase, model, forward_backward, data.valid_ds,
+                                              dp_rank)
                 logger.message(f"step {step}: loss {loss:.4f} val_loss {record['val_loss']:.4f}")
             logger.log(record)
     finally:

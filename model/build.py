@@ -44,12 +44,36 @@ def moe_layer_pattern(model_cfg) -> list[int]:
     return [0] * k + [1] * (n - k)
 
 
-def transformer_config(cfg, dims):
+def rope_fields(model_cfg, rope_type: str) -> dict:
+    """megatron ``MLATransformerConfig`` RoPE fields for ``rope_type`` (``rope`` | ``yarn``).
+
+    megatron's MLA multiplies the softmax scale by ``yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2``
+    even when ``rope_type == "rope"``. K2 pretrains at 4K with plain RoPE (YaRN only for the 128K
+    extension), so the YaRN factor (``model.rotary_scaling_factor``) is only passed when YaRN is on
+    (1.0 otherwise, which makes that mscale 1); the recipe keeps the YaRN numbers for that phase.
+    """
+    if rope_type not in ("rope", "yarn"):
+        raise ValueError(f"rope_type={rope_type!r}; allowed: rope, yarn")
+    return dict(
+        rope_type=rope_type,
+        rotary_base=model_cfg.rotary_base,
+        rotary_scaling_factor=float(model_cfg.rotary_scaling_factor) if rope_type == "yarn" else 1.0,
+        original_max_position_embeddings=model_cfg.original_max_position_embeddings,
+        beta_fast=model_cfg.beta_fast,
+        beta_slow=model_cfg.beta_slow,
+        mscale=model_cfg.mscale,
+        mscale_all_dim=model_cfg.mscale_all_dim,
+    )
+
+
+def transformer_config(cfg, dims, rope_type: Optional[str] = None):
     """megatron ``MLATransformerConfig`` for ``cfg.model`` under the parallel layout ``dims``.
 
     Args:
         cfg: the composed config (``model``, ``train`` sections used).
         dims: :class:`parallel.dims.ParallelDims`.
+        rope_type: ``rope`` | ``yarn``; None = ``model.rope_type`` (the trainer passes its first
+            schedule phase's).
 
     Returns:
         ``megatron.core.transformer.transformer_config.MLATransformerConfig``.
@@ -58,10 +82,6 @@ def transformer_config(cfg, dims):
 
     m, t = cfg.model, cfg.train
     dtype = _DTYPES[t.precision]
-    rope_scaling = float(m.rotary_scaling_factor) if m.rope_type == "yarn" else 1.0
-    # megatron's MLA multiplies the softmax scale by yarn_mscale(rotary_scaling_factor)^2 even when
-    # rope_type == "rope". K2 pretrains at 4K with plain RoPE (YaRN only for the 128K extension), so
-    # the factor is only passed when YaRN is on; the recipe keeps the YaRN numbers for that phase.
     kw = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -82,14 +102,7 @@ def transformer_config(cfg, dims):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=m.init_method_std,
-        rope_type=m.rope_type,
-        rotary_base=m.rotary_base,
-        rotary_scaling_factor=rope_scaling,
-        original_max_position_embeddings=m.original_max_position_embeddings,
-        beta_fast=m.beta_fast,
-        beta_slow=m.beta_slow,
-        mscale=m.mscale,
-        mscale_all_dim=m.mscale_all_dim,
+        **rope_fields(m, rope_type or m.rope_type),
         # parallelism
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -204,7 +217,7 @@ def build_model_chunks(cfg, dims, tcfg) -> list:
             config=tcfg,
             transformer_layer_spec=spec,
             vocab_size=cfg.model.vocab_size,
-            max_sequence_length=cfg.train.seq_length,
+            max_sequence_length=cfg.model.max_position_embeddings,  # unused: no learned positions
             pre_process=pre,
             post_process=post,
             share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
@@ -213,6 +226,70 @@ def build_model_chunks(cfg, dims, tcfg) -> list:
         )
         chunks.append(model)
     return chunks
+
+
+def set_rope_type(chunks: list, tcfg, model_cfg, rope_type: str) -> int:
+    """Switch every MLA layer of ``chunks`` to ``rope_type`` in place (a schedule phase boundary).
+
+    megatron's ``MLASelfAttention.__init__`` builds ``rotary_pos_emb`` (``RotaryEmbedding`` for
+    ``rope``, ``YarnRotaryEmbedding`` for ``yarn``) and ``softmax_scale`` =
+    ``yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``
+    from the config once, and its forward reads ``config.rope_type``. This sets the RoPE fields of
+    :func:`rope_fields` on ``tcfg`` (and on each layer's config), rebuilds each layer's rotary module with
+    the same constructor call megatron uses, and sets the new softmax scale on the layer and on its core
+    attention (:class:`model.attention.K2CoreAttention` keeps its own copy, used by the softmax and the
+    max-logit record). The rotary modules hold no parameters, so the optimizer and DDP are unaffected.
+
+    Args:
+        chunks: model chunks (``GPTModel`` or wrapped).
+        tcfg: the run's ``MLATransformerConfig``.
+        model_cfg: ``cfg.model`` (RoPE/YaRN numbers).
+        rope_type: ``rope`` | ``yarn``.
+
+    Returns:
+        number of attention layers switched.
+
+    Raises:
+        ValueError: an unknown ``rope_type``.
+    """
+    import math
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        _yarn_get_mscale,
+    )
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    fields = rope_fields(model_cfg, rope_type)
+    for k, v in fields.items():
+        setattr(tcfg, k, v)
+    count = 0
+    for chunk in chunks:
+        for mod in chunk.modules():
+            if not isinstance(mod, MultiLatentAttention):
+                continue
+            c = mod.config
+            for k, v in fields.items():
+                setattr(c, k, v)
+            cp_group = mod.pg_collection.cp
+            if rope_type == "rope":
+                mod.rotary_pos_emb = RotaryEmbedding(
+                    c.qk_pos_emb_head_dim, rotary_percent=c.rotary_percent, rotary_base=c.rotary_base,
+                    cp_group=cp_group,
+                )
+            else:
+                mod.rotary_pos_emb = YarnRotaryEmbedding(
+                    c.qk_pos_emb_head_dim, rotary_base=c.rotary_base, scaling_factor=c.rotary_scaling_factor,
+                    original_max_position_embeddings=c.original_max_position_embeddings,
+                    beta_fast=c.beta_fast, beta_slow=c.beta_slow, mscale=c.mscale,
+                    mscale_all_dim=c.mscale_all_dim, cp_group=cp_group,
+                )
+            mscale = _yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim)
+            mod.softmax_scale = mscale * mscale / math.sqrt(mod.q_head_dim)
+            mod.core_attention.softmax_scale = mod.softmax_scale
+            count += 1
+    return count
 
 
 def global_param_name(local_name: str, layer_numbers: dict[int, int], expert_offset: int) -> str:

@@ -339,7 +339,7 @@ def build_representative_model(cfg):
                 config=tcfg,
                 transformer_layer_spec=spec,
                 vocab_size=small.model.vocab_size,
-                max_sequence_length=small.train.seq_length,
+                max_sequence_length=small.model.max_position_embeddings,
                 pre_process=True,
                 post_process=True,
                 share_embeddings_and_output_weights=small.model.share_embeddings_and_output_weights,

@@ -466,13 +466,23 @@ def _counts_from_layout(layout: str, pp: int, vpp: int, num_layers: int) -> list
 # ---------------------------------------------------------------------- batch
 
 
-def check_microbatches(dims: ParallelDims, global_batch_size: int, micro_batch_size: int) -> int:
+def check_microbatches(
+    dims: ParallelDims,
+    global_batch_size: int,
+    micro_batch_size: int,
+    *,
+    gbs_name: str = "global_batch_size",
+    mbs_name: str = "train.micro_batch_size",
+) -> int:
     """Number of microbatches each DP rank runs per step: ``global_batch_size / (micro_batch_size * dp)``.
 
     Args:
         dims: the validated parallel dimensions.
-        global_batch_size: sequences per optimizer step over all DP ranks (``train.global_batch_size``).
+        global_batch_size: sequences per optimizer step over all DP ranks (a schedule phase's
+            ``schedule.global_batch_tokens / seq_length``).
         micro_batch_size: sequences per forward/backward pass (``train.micro_batch_size``).
+        gbs_name, mbs_name: how error messages name the two settings (the schedule passes the phase's
+            global batch, which it derives from ``schedule.global_batch_tokens / seq_length``).
 
     Returns:
         ``num_microbatches`` per DP rank (>= 1).
@@ -486,24 +496,24 @@ def check_microbatches(dims: ParallelDims, global_batch_size: int, micro_batch_s
             group size (= pp, ``model_parallel_config.py``) that means ``num_microbatches >= pp`` and
             ``num_microbatches % pp == 0``. Non-interleaved 1F1B accepts any count.
     """
-    gbs = _positive_int(global_batch_size, "train.global_batch_size")
-    mbs = _positive_int(micro_batch_size, "train.micro_batch_size")
+    gbs = _positive_int(global_batch_size, gbs_name)
+    mbs = _positive_int(micro_batch_size, mbs_name)
     per_step = mbs * dims.dp
     if gbs % per_step != 0:
         raise ConfigError(
-            f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size={mbs} x dp="
-            f"{dims.dp} = {per_step}; allowed train.global_batch_size: multiples of {per_step} "
+            f"{gbs_name}={gbs} is not divisible by {mbs_name}={mbs} x dp="
+            f"{dims.dp} = {per_step}; allowed {gbs_name}: multiples of {per_step} "
             f"({', '.join(str(per_step * k) for k in range(1, 4))}, ...)"
         )
     m = gbs // per_step
     if dims.vpp > 1 and (m < dims.pp or m % dims.pp != 0):
         step = per_step * dims.pp
         raise ConfigError(
-            f"train.global_batch_size={gbs} / (train.micro_batch_size={mbs} x dp={dims.dp}) = {m} "
+            f"{gbs_name}={gbs} / ({mbs_name}={mbs} x dp={dims.dp}) = {m} "
             f"microbatches per DP rank, but with parallel.vpp={dims.vpp} megatron-core's interleaved "
             f"1F1B schedule needs the number of microbatches to be >= parallel.pp={dims.pp} and a "
             f"multiple of it (microbatch_group_size_per_vp_stage defaults to pp); allowed "
-            f"train.global_batch_size: multiples of {step} ({', '.join(str(step * k) for k in range(1, 4))}"
+            f"{gbs_name}: multiples of {step} ({', '.join(str(step * k) for k in range(1, 4))}"
             ", ...)"
         )
     return m

@@ -3,8 +3,8 @@
 Order of use (one direction): :func:`dist_env` (who am I: torchrun or Slurm variables) ->
 :func:`init_distributed` (torch.distributed + megatron ``parallel_state`` for a validated
 ``ParallelDims``) -> :func:`wrap_model` (megatron DDP with contiguous grad buffers) ->
-:func:`build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP, and megatron's
-``OptimizerParamScheduler``).
+:func:`build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP; its LR and weight decay
+per step come from ``schedules.lr.TokenLRScheduler``).
 """
 
 from __future__ import annotations
@@ -136,23 +136,26 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool) -> list:
     return out
 
 
-def build_optimizer(cfg, model: list, tcfg):
+def build_optimizer(cfg, model: list, tcfg, schedule=None):
     """megatron optimizer (Adam with decoupled weight decay = AdamW).
 
     With ``parallel.use_distributed_optimizer`` the fp32 master weights and Adam moments are sharded
     over the DP group (ZeRO-1). Grad-norm clipping at ``optim.clip_grad`` (global norm over all ranks).
+    The learning rate and weight decay come from the schedule (``schedules.lr.TokenLRScheduler`` sets
+    them before every step); ``schedule`` is the resolved one (resolved from ``cfg`` when None).
 
     Returns:
         ``MegatronOptimizer``.
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from schedules.lr import optimizer_lr_settings
+    from schedules.wsd import resolve_schedule
+
     o = cfg.optim
     ocfg = OptimizerConfig(
         optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
+        **optimizer_lr_settings(schedule if schedule is not None else resolve_schedule(cfg)),
         adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,

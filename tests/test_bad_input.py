@@ -20,7 +20,7 @@ CASES = {
         ["parallel=pp2", "parallel.first_stage_layers=3", "parallel.last_stage_layers=2",
          "model.num_layers=4"], ["first_stage_layers"]),
     "too_few_microbatches_for_interleaving": (
-        ["parallel=cpu4", "train.global_batch_size=4", "train.micro_batch_size=2"],
+        ["parallel=cpu4", "schedule.global_batch_tokens=512", "train.micro_batch_size=2"],
         ["microbatch", "parallel.pp"]),
     "experts_not_divisible_by_ep": (
         ["parallel=cpu4", "model.num_moe_experts=6", "parallel.ep=4", "launch.nproc_per_node=8"],
@@ -28,6 +28,14 @@ CASES = {
     "ep_not_dividing_dp": (["parallel=cpu4", "parallel.ep=4"], ["parallel.ep=4"]),
     "unknown_key": (["model.num_layrs=3"], ["model.num_layrs", "model.num_layers"]),
     "unknown_recipe": (["parallel=cpu5"], ["parallel/cpu5", "cpu4"]),
+    "schedule_phases_out_of_order": (["schedule.phases.2.until_tokens=300000"],
+                                     ["schedule.phases.2.until_tokens", "out of order"]),
+    "schedule_context_beyond_positions": (["model.max_position_embeddings=256"],
+                                          ["schedule.phases.4.seq_length=512", "model.max_position_embeddings=256"]),
+    "schedule_batch_tokens_not_divisible": (["schedule.global_batch_tokens=2000"],
+                                            ["schedule.global_batch_tokens=2,000", "seq_length=128"]),
+    "schedule_long_phase_microbatches": (["parallel=cpu4", "schedule.phases.4.micro_batch_size=2"],
+                                         ["schedule.phases.4", "microbatch", "parallel.pp"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }

@@ -13,7 +13,7 @@ from distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["train.iters=2", "train.eval_interval=0", "optim.lr_warmup_iters=0", "run.seed=3"]
+COMMON = ["train.iters=2", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=3"]  # no warmup
 
 
 def test_zero_token_ep_rank(tmp_path, stdlib_corpus):

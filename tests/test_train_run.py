@@ -15,18 +15,19 @@ from distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = {"step", "consumed_tokens", "lr", "loss", "grad_norm", "tokens_per_s"}
+REQUIRED = {"step", "consumed_tokens", "lr", "loss", "grad_norm", "tokens_per_s", "phase", "seq_length"}
 
 
 def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
     run_dir = tmp_path / "run"
     recs = run_trainer(["train.iters=4", "train.eval_interval=2", "train.eval_iters=1",
-                        "train.global_batch_size=8"], 1, run_dir)
+                        "schedule.global_batch_tokens=1024"], 1, run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    tokens_per_step = 8 * 128
+    tokens_per_step = 8 * 128  # 8 sequences of tiny_wsd's first context length
     for r in recs:
         assert REQUIRED <= set(r), r
         assert r["consumed_tokens"] == r["step"] * tokens_per_step
+        assert (r["phase"], r["seq_length"]) == ("warmup", 128)
         assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0
         assert ("val_loss" in r) == (r["step"] % 2 == 0)
         assert 0 < r["moe_load_max_over_mean"] and r["max_attn_logit"] > 0
