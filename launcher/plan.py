@@ -22,7 +22,16 @@ Output (``output=json``: one JSON object on stdout; ``output=text``, the default
   divided over EP, TP = 1), ``bf16_param_bytes_per_gpu`` (2 B/param) and ``fp32_grad_bytes_per_gpu``
   (4 B/param, megatron's fp32 gradient-accumulation buffer);
 * ``bf16_param_bytes_total`` and ``param_and_grad_bytes_total`` (bf16 params + fp32 grads = 6 B/param;
-  REFERENCE.md "Training system": ~6 TB for K2 over 256 GPUs).
+  REFERENCE.md "Training system": ~6 TB for K2 over 256 GPUs);
+* ``schedule``: the training schedule (``schedule=...``, :meth:`schedules.wsd.Schedule.as_dict`): per
+  phase its nominal token range, the steps it runs and the exact token counts its boundaries land on
+  (rounding rule in ``schedules/wsd.py``), the LR at each boundary, seq_length, global batch in sequences
+  and microbatches per DP rank on this cluster;
+* ``lr_at_tokens`` (only with ``plan.query_tokens=[t1,t2,...]``): the LR after each of those token counts,
+  in order.
+
+``plot=PATH.png`` also writes a picture of the schedule (LR and context length over tokens, phase
+boundaries; :func:`schedules.plot.plot_schedule`).
 
 Errors: an invalid setting (``ConfigError``: unknown key, world size not divisible by ``parallel.pp``,
 experts not divisible by ``parallel.ep``, a bad ``parallel.layout``, ...) prints ``k2-plan: error: ...``
@@ -49,16 +58,28 @@ def _world_size(cfg) -> int:
     return nodes * gpn
 
 
+def _query_tokens(cfg) -> list | None:
+    from omegaconf import ListConfig, OmegaConf
+
+    q = cfg.plan.query_tokens
+    if q is None:
+        return None
+    return OmegaConf.to_container(q) if isinstance(q, ListConfig) else [q]
+
+
 def make_plan(cfg) -> dict[str, Any]:
     """The plan of ``cfg`` as a JSON-ready dict (keys listed in the module docstring).
 
     Raises:
-        ConfigError: invalid cluster / parallel / model settings, naming the setting.
+        ConfigError: invalid cluster / parallel / model / schedule settings, naming the setting.
     """
     from parallel.dims import ParallelDims
+    from schedules.wsd import lr_at_tokens, resolve_schedule
 
     world = _world_size(cfg)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=_WORLD_FROM)
+    schedule = resolve_schedule(cfg, dims)
+    query = _query_tokens(cfg)
     from model.params import count_params
 
     try:
@@ -128,6 +149,9 @@ def make_plan(cfg) -> dict[str, Any]:
         "max_params_per_gpu": max(p["params_per_gpu"] for p in pp_ranks),
         "bf16_param_bytes_total": 2 * counts.total,
         "param_and_grad_bytes_total": 6 * counts.total,
+        "schedule": schedule.as_dict(),
+        **({"lr_at_tokens": lr_at_tokens(schedule, query)} if query is not None else {}),
+        "_schedule": schedule,  # for plot=; dropped from the JSON
     }
 
 
@@ -213,8 +237,36 @@ def format_text(plan: dict[str, Any]) -> str:
         "",
         f"  bf16 params {_human(plan['bf16_param_bytes_total'], 'B')}; bf16 params + fp32 grads "
         f"{_human(plan['param_and_grad_bytes_total'], 'B')} over {plan['world_size']} ranks",
+        "",
+        *format_schedule(plan["schedule"]),
     ]
+    if "lr_at_tokens" in plan:
+        lines += ["", "  lr_at_tokens: " + ", ".join(f"{x:.6g}" for x in plan["lr_at_tokens"])]
     return "\n".join(lines)
+
+
+def format_schedule(s: dict[str, Any]) -> list[str]:
+    """Text table of :meth:`schedules.wsd.Schedule.as_dict`."""
+    B = s["global_batch_tokens"]
+    lines = [
+        f"  schedule {s['name']}: {s['total_steps']:,} steps x {B:,} tokens = {s['total_tokens_exact']:,} "
+        f"tokens (nominal {s['total_tokens']:,}); weight decay {s['weight_decay']:g}",
+        f"  {'phase':<14}{'style':<12}{'steps':>17}{'nominal tokens':>38}{'lands at (exact)':>38}"
+        f"{'LR start -> end':>22}{'ctx':>8}{'seqs':>8}{'mb x n':>10}  rope",
+    ]
+    for p in s["phases"]:
+        steps = f"{p['first_step']:,}-{p['last_step']:,}" if p["steps"] else "skipped"
+        nmb = f"{p['micro_batch_size']} x {p['num_microbatches']}" if p["num_microbatches"] else "-"
+        lines.append(
+            f"  {p['name']:<14}{p['lr_style']:<12}{steps:>17}"
+            f"{p['start_tokens']:>19,}{p['end_tokens']:>19,}"
+            f"{p['start_tokens_exact']:>19,}{p['end_tokens_exact']:>19,}"
+            f"{p['lr_at_start']:>11.3g}{p['lr_at_end']:>11.3g}{p['seq_length']:>8,}"
+            f"{p['global_batch_size']:>8,}{nmb:>10}  {p['rope_type']}"
+        )
+    lines.append("  (a step belongs to the phase holding its first token: a boundary at T tokens lands after "
+                 "step ceil(T / tokens per step); LR of step s = LR at s x tokens per step)")
+    return lines
 
 
 # ---------------------------------------------------------------------- entry points
@@ -228,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.output not in _OUTPUTS:
             raise ConfigError(f"output={cfg.output!r}; allowed: {', '.join(_OUTPUTS)}")
         plan = make_plan(cfg)
+        schedule = plan.pop("_schedule")
+        if cfg.plot:
+            from schedules.plot import plot_schedule
+
+            try:
+                plot_schedule(schedule, cfg.plot)
+            except OSError as e:
+                raise ConfigError(f"plot={cfg.plot!r}: cannot write the picture ({e})") from None
+            print(f"k2-plan: wrote {cfg.plot}", file=sys.stderr)
     except ConfigError as e:
         print(f"k2-plan: error: {e}", file=sys.stderr)
         return 2

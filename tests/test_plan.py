@@ -228,3 +228,42 @@ def test_tiny_meta_count_equals_real_single_rank_build():
         "routed_experts": nm * counts.routed_experts,
         "shared_experts": nm * counts.shared_experts,
     }
+
+
+def test_plan_json_and_plot(capsys, tmp_path):
+    """k2-plan schedule=k2_15t5: phases with nominal and landed token ranges, steps, LR at each boundary;
+    lr_at_tokens for plan.query_tokens; plot= writes a PNG (closed forms in tests/test_schedule.py)."""
+    from test_schedule import ANNEAL_END, K2_BATCH_TOKENS, T, ceil_div, k2_lr
+
+    B = K2_BATCH_TOKENS
+    png = tmp_path / "k2.png"
+    query = [0, 500 * B, 10 * T - B, 12_750 * 10**9, 15_500 * 10**9, 15_960 * 10**9, 16 * T]
+    rc = main(["schedule=k2_15t5", "output=json", f"plot={png}",
+               f"plan.query_tokens=[{','.join(map(str, query))}]"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    plan = json.loads(captured.out)
+    s = plan["schedule"]
+    assert (s["global_batch_tokens"], s["total_steps"]) == (B, ceil_div(15_960 * 10**9, B))
+    ends = [500 * B, 10 * T, 15_500 * 10**9, 15_900 * 10**9, 15_960 * 10**9, 15_960 * 10**9]
+    assert [p["name"] for p in s["phases"]] == ["warmup", "stable", "decay", "anneal_4k", "anneal_32k",
+                                                "yarn_128k"]
+    start = 0
+    for p, end in zip(s["phases"], ends):
+        assert (p["start_tokens"], p["end_tokens"]) == (start, end)
+        assert p["end_tokens_exact"] == ceil_div(end, B) * B  # where the boundary lands
+        assert p["steps"] == ceil_div(end, B) - ceil_div(start, B)
+        assert p["lr_at_start"] == pytest.approx(k2_lr(start), rel=1e-9, abs=1e-15)
+        assert p["lr_at_end"] == pytest.approx(k2_lr(end), rel=1e-9)
+        assert p["global_batch_size"] * p["seq_length"] == B
+        start = end
+    assert s["phases"][2]["first_step"] == 149_013
+    assert plan["lr_at_tokens"] == pytest.approx([k2_lr(t) for t in query], rel=1e-9, abs=1e-15)
+    assert plan["lr_at_tokens"][3] == pytest.approx(1.1e-4) and plan["lr_at_tokens"][-1] == ANNEAL_END
+    head = png.read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n" and 10_000 < png.stat().st_size < 300_000
+
+    rc = main(["schedule=k2_15t5"])  # text: the exact landing token count of the 10T boundary
+    assert rc == 0 and "10,000,026,042,368" in capsys.readouterr().out
+    assert main(["schedule=k2_15t5", "plan.query_tokens=[-1]"]) == 2
+    assert "plan.query_tokens[0]=-1" in capsys.readouterr().err
