@@ -13,6 +13,9 @@ for _msg in (
     r"Transformer Engine and Apex are not installed",
     r"MimoModelConfig is experimental",
     r"full scope is deprecated",
+    # megatron's DistributedOptimizer.zero_grad reads .grad of its fp32 shard views, which are not
+    # leaves ("throws grad-access warning", its own comment in distrib_optimizer.py); harmless
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
 ):
     _warnings.filterwarnings("ignore", message=_msg)
 _logging.getLogger("torch.utils.cpp_extension").setLevel(_logging.ERROR)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -32,8 +33,10 @@ class MetricsLogger:
         total_steps: for the progress bar.
         wandb_cfg: ``cfg.run.wandb``.
         config: resolved config (dict) to store with the wandb run.
-        progress: show a tqdm bar.
+        progress: show a tqdm bar on a terminal; elsewhere (a log file, CI) a plain line every
+            ``log_interval`` steps instead.
         start_step: first step of this run (>0 on resume).
+        log_interval: steps between plain log lines when stderr is not a terminal.
     """
 
     def __init__(
@@ -45,11 +48,14 @@ class MetricsLogger:
         config: Optional[dict] = None,
         progress: bool = True,
         start_step: int = 0,
+        log_interval: int = 10,
     ):
         self.enabled = enabled
         self._wandb = None
         self._bar = None
         self._fh = None
+        self._total = total_steps
+        self._plain_every = 0
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -68,7 +74,9 @@ class MetricsLogger:
                 config=config,
                 reinit="finish_previous",
             )
-        if progress:
+        if progress and not sys.stderr.isatty():
+            self._plain_every = max(1, int(log_interval))
+        elif progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -91,7 +99,17 @@ class MetricsLogger:
             post = {"loss": f"{rec.get('loss', float('nan')):.4f}", "tok/s": f"{rec.get('tokens_per_s', 0):.0f}"}
             if "val_loss" in rec:
                 post["val"] = f"{rec['val_loss']:.4f}"
+                self._bar.write(f"step {rec['step']}: loss {rec.get('loss', float('nan')):.4f} "
+                                f"val_loss {rec['val_loss']:.4f}")
             self._bar.set_postfix(post)
+        elif self._plain_every and (rec["step"] % self._plain_every == 0 or "val_loss" in rec
+                                    or rec["step"] == self._total):
+            line = (f"step {rec['step']}/{self._total} | loss {rec.get('loss', float('nan')):.4f} | "
+                    f"lr {rec.get('lr', 0.0):.3g} | grad_norm {rec.get('grad_norm') or 0.0:.3f} | "
+                    f"{rec.get('tokens_per_s', 0.0):,.0f} tok/s")
+            if "val_loss" in rec:
+                line += f" | val_loss {rec['val_loss']:.4f}"
+            print(line, file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
         """A line of text for the console that does not break the progress bar."""

@@ -128,7 +128,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16
     eval_interval: int = 50
     eval_iters: int = 4
-    log_interval: int = 1
+    log_interval: int = 10  # steps between log lines when not on a terminal
     progress: bool = True
     deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
 
@@ -180,7 +180,7 @@ class LaunchConfig:
     """Local process launch: ``k2-train`` spawns this many ranks itself when not under torchrun/srun."""
 
     nproc_per_node: int = 1
-    master_port: int = 29533
+    master_port: Optional[int] = None  # None = a free port
 
 
 @dataclass

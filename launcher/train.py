@@ -327,6 +327,7 @@ def run(cfg, plan: Plan, env) -> dict:
     logger = MetricsLogger(
         str(run_dir), enabled=rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
         config=OmegaConf.to_container(cfg, resolve=True), progress=t.progress,
+        log_interval=t.log_interval,
     )
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     logger.message(
@@ -395,7 +396,6 @@ def run(cfg, plan: Plan, env) -> dict:
             if t.eval_interval and (step % t.eval_interval == 0 or step == plan.steps):
                 record["val_loss"] = evaluate(cfg, plan, phase, model, forward_backward, data.valid_ds,
                                               dp_rank)
-                logger.message(f"step {step}: loss {loss:.4f} val_loss {record['val_loss']:.4f}")
             logger.log(record)
     finally:
         logger.close()
@@ -405,19 +405,59 @@ def run(cfg, plan: Plan, env) -> dict:
 # --- entry points ---------------------------------------------------------------------------------------
 
 
+def free_port() -> int:
+    """An unused TCP port on the loopback interface (so that several local runs can coexist)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spawn_local(cfg, overrides: list[str]) -> int:
-    """Re-launch this module under ``torch.distributed.run`` with ``launch.nproc_per_node`` ranks."""
+    """Re-launch this module under ``torch.distributed.run`` with ``launch.nproc_per_node`` ranks.
+
+    SIGINT/SIGTERM sent to this process are forwarded to torchrun, which stops its ranks, so killing
+    ``k2-train`` by pid leaves no orphaned rank behind. Returns torchrun's exit code.
+    """
+    import signal
+
+    port = cfg.launch.master_port or free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc_per_node={cfg.launch.nproc_per_node}",
-        "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={cfg.launch.master_port}",
+        "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
         "-m", "launcher.train", *overrides,
     ]
     env = dict(os.environ)
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
     print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks: {' '.join(cmd[2:])}", flush=True)
-    return subprocess.call(cmd, env=env)
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def check_run_dir(cfg) -> None:
+    """Refuse a ``run.dir`` that already holds a run (its metrics would be mixed with this one's).
+
+    Raises:
+        ConfigError: ``<run.dir>/metrics.jsonl`` exists.
+    """
+    metrics = Path(cfg.run.dir) / "metrics.jsonl"
+    if metrics.exists():
+        raise ConfigError(
+            f"run.dir={cfg.run.dir} already holds a run ({metrics} exists); choose a new run.dir "
+            "(e.g. run.dir=runs/try2) or delete the old one"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(overrides)
         world = env.world_size if env.launched else cfg.launch.nproc_per_node
         plan = make_plan(cfg, world)
+        if not env.launched or env.rank == 0:
+            check_run_dir(cfg)
     except ConfigError as e:
         print(f"k2-train: error: {e}", file=sys.stderr)
         return 2

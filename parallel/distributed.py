@@ -81,6 +81,12 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600) -> Non
         backend = "gloo"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if not env.launched:  # a lone process: any free port (several local runs may coexist)
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(
             backend=backend,
@@ -96,6 +102,9 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600) -> Non
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+
+    initialize_rerun_state_machine(mode=RerunMode.DISABLED)  # explicit: no "implicit init" warning
 
 
 def destroy_distributed() -> None:
