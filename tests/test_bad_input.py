@@ -68,3 +68,13 @@ def test_tokenizer_vocab_larger_than_model(tmp_path, capsys, stdlib_corpus):
     err = capsys.readouterr().err
     assert rc == 2
     assert "model.vocab_size" in err and "1000" in err and "4096" in err, err
+
+
+def test_run_dir_that_holds_a_run_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    rc = main([f"run.dir={run_dir}", "run.wandb.mode=disabled"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "run.dir" in err and "already holds a run" in err, err
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched

@@ -49,3 +49,41 @@ def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpu
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     assert any((run_dir / "wandb").glob("offline-run-*")), list(run_dir.iterdir())
+
+
+def test_sigterm_to_k2_train_stops_every_rank(tmp_path, stdlib_corpus):
+    """Killing the k2-train process (as a job manager or `timeout` does) must not orphan its ranks."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "launcher.train", "parallel=pp2", "train.iters=500",
+         "train.eval_interval=0", "train.progress=false", f"run.dir={run_dir}",
+         "run.wandb.mode=disabled"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(1)
+    assert metrics.exists(), "training did not start"
+
+    def ranks():
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        return [ln for ln in out.splitlines() if "launcher.train" in ln and str(run_dir) in ln
+                and "torch.distributed.run" not in ln and ln.split()[0] != str(p.pid)]
+
+    if not ranks():
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no rank processes found")
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    deadline = time.time() + 60
+    while time.time() < deadline and ranks():
+        time.sleep(1)
+    left = ranks()
+    if left:  # clean up before failing
+        os.killpg(p.pid, signal.SIGKILL)
+    assert not left, left
