@@ -1,0 +1,195 @@
+"""Which parameter goes to which optimizer under MuonClip, and which matrices Muon sees in each.
+
+K2 rule (REFERENCE.md "Optimizer"; K2 report section 2.1): Muon for every weight matrix of the transformer
+-- attention projections (MLA: ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
+``linear_kv_up_proj``, ``linear_proj``, each one matrix), dense and expert MLPs, shared experts --
+with each expert's matrices and the SwiGLU gate and up projections orthogonalised separately; AdamW for
+the token embedding, the output head, the router weights, norms, biases and any other non-matrix
+tensor. The MoE expert bias is a buffer, updated by megatron's aux-loss-free balancing rule, in no
+optimizer.
+
+:func:`tag_parameters` writes the decision onto each parameter (before megatron's DDP builds its buffers:
+the ZeRO-1 layout depends on it) and returns one :class:`ParamRoute` per parameter;
+:func:`route_table` turns the routes of all ranks into the table the trainer logs at start.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from optim.muon import SPLIT_ATTR, MatrixSplit
+
+#: Parameter attribute: ``"muon"`` or ``"adamw"``.
+ROUTE_ATTR = "k2_optimizer"
+#: megatron-core's attribute that puts a parameter into the layer-wise (whole-matrix) ZeRO-1 buffers.
+LAYER_WISE_ATTR = "is_managed_by_layer_wise_optimizer"
+
+
+@dataclass(frozen=True)
+class ParamRoute:
+    """One parameter's optimizer.
+
+    Attributes:
+        name: layout-independent global name (``model.build.global_param_name``).
+        shape: stored shape.
+        optimizer: ``"muon"`` or ``"adamw"``.
+        rule: why (``"matrix"``, ``"embedding"``, ``"output head"``, ``"router"``, ``"norm/bias/1-D"``...).
+        matrices: the matrices Muon orthogonalises, e.g. ``"gate [64, 128] + up [64, 128]"``; ``"-"``
+            for AdamW.
+        weight_decay: whether decoupled weight decay applies (megatron's rule: not on 1-D tensors and
+            biases).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    optimizer: str
+    rule: str
+    matrices: str
+    weight_decay: bool
+
+
+def _split_for(name: str, p: torch.Tensor, tcfg) -> tuple[Optional[MatrixSplit], list[str]]:
+    """The :class:`MatrixSplit` of a stored 2-D weight and the names of its matrices."""
+    if name.endswith("linear_fc1.weight") and tcfg.gated_linear_unit:
+        half = p.shape[0] // 2
+        return MatrixSplit(1, (half, half)), ["gate", "up"]
+    if name.endswith("linear_qkv.weight"):
+        heads = tcfg.num_attention_heads
+        groups = tcfg.num_query_groups or heads
+        d = tcfg.kv_channels
+        if p.shape[0] != groups * (heads // groups + 2) * d:
+            raise ValueError(f"{name}: shape {tuple(p.shape)} does not fit {groups} query groups")
+        return MatrixSplit(groups, (heads // groups * d, d, d)), ["q", "k", "v"]
+    return None, []
+
+
+def route(name: str, p: torch.Tensor, tcfg) -> tuple[str, str, Optional[MatrixSplit], str]:
+    """K2 optimizer of one parameter.
+
+    Args:
+        name: parameter name (local or global; only the suffix matters).
+        p: the parameter (its shape and megatron's ``is_embedding_or_output_parameter`` flag).
+        tcfg: megatron ``TransformerConfig`` (``gated_linear_unit``, heads, query groups, kv_channels).
+
+    Returns:
+        ``(optimizer, rule, split, matrices)``: ``optimizer`` is ``"muon"`` or ``"adamw"``; ``split`` the
+        :class:`MatrixSplit` for a fused 2-D weight, else None; ``matrices`` a readable description.
+    """
+    if name.endswith("word_embeddings.weight"):
+        return "adamw", "embedding", None, "-"
+    if name.endswith("output_layer.weight") or getattr(p, "is_embedding_or_output_parameter", False):
+        return "adamw", "output head", None, "-"
+    if ".router." in name:
+        return "adamw", "router", None, "-"
+    if p.dim() <= 1 or name.endswith(".bias"):
+        return "adamw", "norm/bias/1-D", None, "-"
+    if p.dim() == 2:
+        split, parts = _split_for(name, p, tcfg)
+        if split is None:
+            return "muon", "matrix", None, f"[{p.shape[0]}, {p.shape[1]}]"
+        desc = " + ".join(f"{n} [{split.groups * s}, {p.shape[1]}]" for n, s in zip(parts, split.sizes))
+        return "muon", "fused matrices", split, desc
+    if p.dim() == 3:
+        return "muon", "stacked experts", None, f"{p.shape[0]} x [{p.shape[1]}, {p.shape[2]}]"
+    return "adamw", f"{p.dim()}-D tensor", None, "-"
+
+
+def _global_names(chunk, tcfg) -> dict[int, str]:
+    """id(param) -> layout-independent global name, for one (unwrapped) GPTModel chunk."""
+    from megatron.core import parallel_state as ps
+
+    from model.build import global_param_name
+
+    ep_rank = ps.get_expert_model_parallel_rank() if tcfg.num_moe_experts else 0
+    per_rank = (tcfg.num_moe_experts or 0) // max(1, tcfg.expert_model_parallel_size)
+    layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+    layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    return {id(p): global_param_name(n, layer_numbers, ep_rank * per_rank) for n, p in chunk.named_parameters()}
+
+
+def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool) -> list[ParamRoute]:
+    """Decide and record every trainable parameter's optimizer (call before megatron's DDP wrap).
+
+    Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``"adamw"`` when ``muon`` is
+    False), :data:`optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
+    (True for Muon parameters when ``layer_wise``: they go into the whole-matrix ZeRO-1 buffers).
+
+    Args:
+        chunks: this rank's unwrapped model chunks (``GPTModel``).
+        tcfg: megatron ``TransformerConfig``.
+        muon: optimizer is MuonClip.
+        layer_wise: ZeRO-1 with megatron's layer-wise distributed optimizer (``muon`` and
+            ``parallel.use_distributed_optimizer``).
+
+    Returns:
+        this rank's routes, in parameter order.
+    """
+    routes = []
+    for chunk in chunks:
+        names = _global_names(chunk, tcfg)
+        for local, p in chunk.named_parameters():
+            if not p.requires_grad:
+                continue
+            opt, rule, split, matrices = route(local, p, tcfg)
+            if not muon:
+                opt, rule, split, matrices = "adamw", "optim=adamw", None, "-"
+            setattr(p, ROUTE_ATTR, opt)
+            if split is not None:
+                setattr(p, SPLIT_ATTR, split)
+            elif hasattr(p, SPLIT_ATTR):
+                delattr(p, SPLIT_ATTR)
+            if layer_wise:
+                setattr(p, LAYER_WISE_ATTR, opt == "muon")
+            wd = not (p.dim() == 1 or local.endswith(".bias"))
+            routes.append(ParamRoute(names[id(p)], tuple(p.shape), opt, rule, matrices, wd))
+    return routes
+
+
+def _pattern(name: str) -> str:
+    name = re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
+    return re.sub(r"\.global_experts\.\d+\.", ".global_experts.*.", name)
+
+
+def route_table(routes: Iterable[ParamRoute]) -> list[dict]:
+    """Rows of the optimizer table: routes grouped by name pattern (layer and expert index -> ``*``).
+
+    Args:
+        routes: the routes of *all* ranks (duplicates -- the same global name on several DP ranks -- are
+            counted once).
+
+    Returns:
+        ``[{"params": pattern, "count": n, "shape": [...], "optimizer": ..., "rule": ..., "matrices":
+        ..., "weight_decay": bool}]`` sorted by pattern.
+    """
+    unique = OrderedDict((r.name, r) for r in routes)
+    rows: dict[tuple, dict] = {}
+    for r in unique.values():
+        key = (_pattern(r.name), r.shape, r.optimizer, r.matrices)
+        row = rows.setdefault(key, {
+            "params": key[0], "count": 0, "shape": list(r.shape), "optimizer": r.optimizer,
+            "rule": r.rule, "matrices": r.matrices, "weight_decay": r.weight_decay,
+        })
+        row["count"] += 1
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1]))]
+
+
+def format_route_table(rows: list[dict]) -> str:
+    """The optimizer table as text (one line per row, plus element totals per optimizer)."""
+    head = ("params", "count", "shape", "optimizer", "matrices orthogonalised", "wd")
+    body = [(r["params"], str(r["count"]), "x".join(map(str, r["shape"])), r["optimizer"],
+             r["matrices"], "yes" if r["weight_decay"] else "no") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    line = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731
+    totals: dict[str, int] = {}
+    for r in rows:
+        n = r["count"]
+        for s in r["shape"]:
+            n *= s
+        totals[r["optimizer"]] = totals.get(r["optimizer"], 0) + n
+    foot = "elements: " + ", ".join(f"{k} {v:,}" for k, v in sorted(totals.items()))
+    return "\n".join([line(head), *(line(b) for b in body), foot])
