@@ -116,6 +116,19 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
+    # optim=muonclip (optim/, README "Optimizer (MuonClip)"): Muon for weight matrices, megatron
+    # OptimizerConfig names, defaults = K2 (REFERENCE.md "Optimizer")
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_num_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_coefficient_type: str = "simple"  # NS coefficients (3.4445, -4.7750, 2.0315)
+    muon_scale_mode: str = "spectral"  # update x sqrt(max(A, B)) for an A x B matrix ...
+    muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
+    muon_fp32_matmul_prec: str = "medium"  # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
+    # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
+    # megatron's equivalent: qk_clip + qk_clip_threshold.
+    qk_clip_tau: Optional[float] = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ def make_plan(cfg, world_size: int) -> Plan:
         ConfigError: any setting that cannot run, naming the setting and the allowed values.
     """
     from launcher.data import resolve_data
+    from optim.build import check_optim_config
     from parallel.dims import ParallelDims
     from schedules.wsd import resolve_schedule
 
@@ -54,6 +55,12 @@ def make_plan(cfg, world_size: int) -> Plan:
         raise ConfigError(f"train.precision={t.precision!r}; allowed: fp32, bf16")
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
+    check_optim_config(cfg)
+    if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
+        raise ConfigError(
+            f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
+            "model.record_max_logits=true (allowed with record_max_logits=false: optim.qk_clip_tau=null)"
+        )
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
     schedule = resolve_schedule(cfg, dims)
     steps = schedule.total_steps if t.iters is None else min(int(t.iters), schedule.total_steps)
@@ -159,24 +166,6 @@ def moe_step_metrics(model: list, num_layers: int, num_experts: int, num_microba
     if "seq_load_balancing_loss" in totals:
         out["moe_aux_loss"] = float(totals["seq_load_balancing_loss"])
     return out
-
-
-def max_attention_logit(model: list) -> float:
-    """Max pre-softmax attention logit of the step over all layers, heads and ranks (collective);
-    resets the per-layer windows."""
-    import torch.distributed as dist
-
-    from model.attention import K2CoreAttention
-
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    local = torch.tensor([float("-inf")], device=dev)
-    for chunk in model:
-        for mod in chunk.modules():
-            if isinstance(mod, K2CoreAttention):
-                local = torch.maximum(local, mod.max_logits.max().to(dev).view(1))
-                mod.reset_max_logits()
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    return local.item()
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -289,7 +278,10 @@ def run(cfg, plan: Plan, env) -> dict:
         set_rope_type,
         transformer_config,
     )
-    from parallel.distributed import build_optimizer, init_distributed, wrap_model
+    from optim.build import build_optimizer, uses_layer_wise, uses_muon
+    from optim.params import format_route_table, route_table, tag_parameters
+    from optim.qk_clip import QKClip
+    from parallel.distributed import init_distributed, wrap_model
     from schedules.lr import build_lr_scheduler
 
     t = cfg.train
@@ -307,8 +299,13 @@ def run(cfg, plan: Plan, env) -> dict:
     chunks = build_model_chunks(cfg, plan.dims, tcfg)
     if t.deterministic_init:
         layout_independent_init(chunks, tcfg, cfg.run.seed)
-    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer)
+    # which parameter goes to which optimizer: decided before DDP lays out its ZeRO-1 buffers
+    routes = tag_parameters(chunks, tcfg, muon=uses_muon(cfg), layer_wise=uses_layer_wise(cfg))
+    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg))
     optimizer = build_optimizer(cfg, model, tcfg, sched)
+    qk_clip = QKClip(model, optimizer, cfg.optim.qk_clip_tau, cfg.model.num_layers)
+    all_routes = [None] * dist.get_world_size()
+    dist.all_gather_object(all_routes, routes)
     scheduler = build_lr_scheduler(cfg, optimizer, sched)  # sets step 1's LR
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.grad_scale_func = optimizer.scale_loss
@@ -335,6 +332,10 @@ def run(cfg, plan: Plan, env) -> dict:
         f"DP={plan.dims.dp}; schedule={sched.name}: {plan.steps} steps x {plan.tokens_per_step:,} "
         f"tokens; rank-0 params={n_params:,}; run.dir={run_dir}"
     )
+    if rank == 0:  # the optimizer of every parameter of the model (all ranks'), also in the run dir
+        table = format_route_table(route_table(r for rank_routes in all_routes for r in rank_routes))
+        (run_dir / "optimizer_params.txt").write_text(table + "\n")
+        logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}):\n{table}")
 
     def describe(phase) -> str:
         return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
@@ -372,6 +373,7 @@ def run(cfg, plan: Plan, env) -> dict:
                 forward_only=False,
             )
             update_ok, grad_norm, _ = optimizer.step()
+            attn = qk_clip.step(apply=bool(update_ok))  # QK-Clip; reads and resets the max-logit windows
             lr = scheduler.lr  # this step's (set before it ran)
             scheduler.step(plan.tokens_per_step)
             loss, n_tokens = _reduce_lm_loss(losses)
@@ -389,7 +391,7 @@ def run(cfg, plan: Plan, env) -> dict:
                 "tokens_per_s": plan.tokens_per_step / dt,
                 "step_time_s": dt,
                 "update_successful": bool(update_ok),
-                "max_attn_logit": max_attention_logit(model),
+                **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
             }
             record.update(moe_step_metrics(model, cfg.model.num_layers, cfg.model.num_moe_experts,
                                            phase.num_microbatches, pattern))

@@ -3,8 +3,8 @@
 Order of use (one direction): :func:`dist_env` (who am I: torchrun or Slurm variables) ->
 :func:`init_distributed` (torch.distributed + megatron ``parallel_state`` for a validated
 ``ParallelDims``) -> :func:`wrap_model` (megatron DDP with contiguous grad buffers) ->
-:func:`build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP; its LR and weight decay
-per step come from ``schedules.lr.TokenLRScheduler``).
+:func:`optim.build.build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP; its LR and
+weight decay per step come from ``schedules.lr.TokenLRScheduler``).
 """
 
 from __future__ import annotations
@@ -117,14 +117,26 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool) -> list:
+def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False) -> list:
     """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
     ZeRO-1). bf16 chunks go through megatron's ``Float16Module`` first.
+
+    Args:
+        chunks: this rank's model chunks.
+        tcfg: megatron ``TransformerConfig``.
+        use_distributed_optimizer: ZeRO-1 (``parallel.use_distributed_optimizer``).
+        layer_wise: lay the grad/param buffers out for megatron's layer-wise distributed optimizer
+            (MuonClip under ZeRO-1, :mod:`optim.build`): the parameters tagged
+            ``is_managed_by_layer_wise_optimizer`` (by :func:`optim.params.tag_parameters`) are
+            bin-packed whole into the DP shards, so no matrix straddles a shard boundary; the others
+            keep the byte-range layout.
 
     Returns:
         ``list[megatron.core.distributed.DistributedDataParallel]``, one per chunk.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.transformer.module import Float16Module
 
     ddp_cfg = DistributedDataParallelConfig(
@@ -137,40 +149,18 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool) -> list:
     for i, chunk in enumerate(chunks):
         if tcfg.bf16:
             chunk = Float16Module(tcfg, chunk)
+        layout = None
+        if layer_wise and use_distributed_optimizer:
+            # bucket_size None: overlap_grad_reduce is off, so DDP uses one bucket per buffer
+            layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+                [p for p in chunk.parameters() if p.requires_grad], None,
+                ps.get_data_parallel_world_size(with_context_parallel=True), ddp_cfg,
+                expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
+            )
         out.append(
             DistributedDataParallel(
-                config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=(i > 0)
+                config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=(i > 0),
+                full_param_layout=layout,
             )
         )
     return out
-
-
-def build_optimizer(cfg, model: list, tcfg, schedule=None):
-    """megatron optimizer (Adam with decoupled weight decay = AdamW).
-
-    With ``parallel.use_distributed_optimizer`` the fp32 master weights and Adam moments are sharded
-    over the DP group (ZeRO-1). Grad-norm clipping at ``optim.clip_grad`` (global norm over all ranks).
-    The learning rate and weight decay come from the schedule (``schedules.lr.TokenLRScheduler`` sets
-    them before every step); ``schedule`` is the resolved one (resolved from ``cfg`` when None).
-
-    Returns:
-        ``MegatronOptimizer``.
-    """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from schedules.lr import optimizer_lr_settings
-    from schedules.wsd import resolve_schedule
-
-    o = cfg.optim
-    ocfg = OptimizerConfig(
-        optimizer="adam",
-        **optimizer_lr_settings(schedule if schedule is not None else resolve_schedule(cfg)),
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=tcfg.bf16,
-        params_dtype=tcfg.params_dtype,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-    return get_megatron_optimizer(ocfg, model)

@@ -29,6 +29,8 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
                      "SLURM_NTASKS", "K2_SPAWNED")
     full_env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    if nproc == 1:  # not under torchrun: the trainer would take MASTER_PORT 29500, maybe in use
+        full_env.setdefault("MASTER_PORT", str(free_port()))
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=timeout)

@@ -1,0 +1,64 @@
+"""Trainer that, when it ends, writes this rank's parameters by layout-independent global name to
+$K2_TEST_OUT/params_rank<R>.pt (fp32 tensors), and to $K2_TEST_OUT/layout_rank<R>.json the Muon
+parameters that a ZeRO-1 shard boundary cuts in the DDP buffers the run used ("cut") and in megatron's
+byte-range layout of the same parameters ("cut_by_byte_range_layout"). Used by
+tests/test_muonclip_parallel.py."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from parallel import cpu_backend  # noqa: E402
+
+cpu_backend.enable()
+
+import parallel.distributed as pdist  # noqa: E402
+from optim.params import _global_names  # noqa: E402
+
+captured = []
+layout = {"cut": [], "cut_by_byte_range_layout": []}
+_wrap_model = pdist.wrap_model
+
+
+def capturing_wrap_model(chunks, tcfg, *args, **kwargs):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from optim.build import shard_straddlers
+    from optim.params import ROUTE_ATTR
+
+    names = {}
+    for chunk in chunks:
+        names.update(_global_names(chunk, tcfg))
+        captured.extend((names[id(p)], p) for p in chunk.parameters())
+    model = _wrap_model(chunks, tcfg, *args, **kwargs)
+    muon = lambda ps_: sorted(names[id(p)] for p in ps_ if getattr(p, ROUTE_ATTR, "") == "muon")  # noqa: E731
+    for ddp in model:
+        if ddp.full_param_layout is None:
+            continue
+        layout["cut"] += muon(shard_straddlers(ddp.full_param_layout))
+        byte_range = DistributedOptimizer.compute_full_param_layout(
+            [p for p in ddp.module.parameters() if p.requires_grad], None,
+            ps.get_data_parallel_world_size(with_context_parallel=True), ddp.ddp_config,
+            expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
+        )
+        layout["cut_by_byte_range_layout"] += muon(shard_straddlers(byte_range))
+    return model
+
+
+pdist.wrap_model = capturing_wrap_model
+
+from launcher import train  # noqa: E402
+
+rc = train.main(sys.argv[1:])
+out = Path(os.environ["K2_TEST_OUT"])
+out.mkdir(parents=True, exist_ok=True)
+rank = int(os.environ.get("RANK", 0))
+torch.save({n: p.detach().float().cpu().clone() for n, p in captured}, out / f"params_rank{rank}.pt")
+(out / f"layout_rank{rank}.json").write_text(json.dumps(layout))
+sys.exit(rc)
