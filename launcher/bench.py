@@ -6,6 +6,7 @@ Usage::
     k2-bench bench=attention                   # figures as a table
     k2-bench bench=attention output=json       # one JSON object on stdout
     k2-bench bench=attention bench.options.seq_length=512
+    k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
 
 ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -284,9 +285,152 @@ def bench_attention(cfg) -> dict[str, Any]:
     return figures
 
 
+# ---------------------------------------------------------------------- bench=optimizer
+
+
+_OPTIMIZER_DEFAULTS = {
+    "model": "k2_tiny",
+    "precision": "fp32",
+    "muon_fp32_matmul_prec": "medium",
+    "warmup": 2,
+    "repeats": 10,
+    "seed": 0,
+}
+
+
+def _one_rank_world():
+    """A one-rank process group + megatron parallel state (gloo on CPU); returns a teardown function
+    (a no-op when the caller already had a world, e.g. the test session's)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    made_dist = made_ps = False
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        made_dist = True
+    if dist.get_world_size() != 1:
+        raise ConfigError("bench=optimizer runs on one rank; run k2-bench without torchrun")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+        made_ps = True
+
+    def teardown():
+        if made_ps:
+            ps.destroy_model_parallel()
+        if made_dist:
+            dist.destroy_process_group()
+
+    return teardown
+
+
+def _optimizer_case(name: str, o: dict):
+    """(optimizer, QKClip, chunks) for ``optim=name`` on the proxy model, with random gradients in
+    megatron's grad buffers (ZeRO-1 on, one rank)."""
+    import torch
+
+    from model.build import build_model_chunks, layout_independent_init, transformer_config
+    from optim.build import build_optimizer, uses_layer_wise, uses_muon
+    from optim.params import tag_parameters
+    from optim.qk_clip import QKClip
+    from parallel.dims import ParallelDims
+    from parallel.distributed import wrap_model
+
+    cfg = load_config([f"optim={name}", f"model={o['model']}", f"train.precision={o['precision']}",
+                       f"optim.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']}"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
+    tcfg = transformer_config(cfg, dims)
+    chunks = build_model_chunks(cfg, dims, tcfg)
+    layout_independent_init(chunks, tcfg, o["seed"])
+    tag_parameters(chunks, tcfg, muon=uses_muon(cfg), layer_wise=uses_layer_wise(cfg))
+    model = wrap_model(chunks, tcfg, True, layer_wise=uses_layer_wise(cfg))
+    optimizer = build_optimizer(cfg, model, tcfg)
+    for g in optimizer.param_groups:
+        g["lr"] = 1e-3  # no LR scheduler here
+    gen = torch.Generator(device="cpu").manual_seed(o["seed"])
+    for ddp in model:
+        for buf in ddp.buffers + ddp.expert_parallel_buffers:
+            buf.grad_data.copy_(torch.randn(buf.grad_data.shape, generator=gen) * 1e-3)
+    clip = QKClip(model, optimizer, 100.0, cfg.model.num_layers)
+    return optimizer, clip, chunks, cfg
+
+
+def bench_optimizer(cfg) -> dict[str, Any]:
+    """Optimizer step of optim=muonclip vs optim=adamw on the CPU proxy (one rank, ZeRO-1 on).
+
+    Both optimizers are built by the trainer's code (``optim.build``) for ``bench.options.model``
+    (default ``k2_tiny``), gradients are random and fixed, and each call is one ``optimizer.step()``
+    (grad norm, clipping, update; for MuonClip also megatron's layer-wise param sync). Calls alternate
+    round-robin in one process. Figures:
+
+    * ``time_adamw_ms``, ``time_muon_step_ms`` (MuonClip's ``optimizer.step()``: Muon for the matrices +
+      AdamW for the rest), ``time_qk_clip_ms`` (``QKClip.step()`` with every head above tau, so every
+      q/k weight is rescaled: the worst case);
+    * ``muonclip_over_adamw`` = ``(time_muon_step + time_qk_clip) / time_adamw``;
+    * ``muon_elements`` / ``adamw_elements``: parameter elements per optimizer under MuonClip.
+
+    Raises:
+        ConfigError: a bad option.
+    """
+    import torch
+
+    o = bench_options(cfg, _OPTIMIZER_DEFAULTS)
+    if o["precision"] not in _DTYPES:
+        raise ConfigError(f"bench.options.precision={o['precision']!r}; allowed: {', '.join(_DTYPES)}")
+    if o["muon_fp32_matmul_prec"] not in ("medium", "high", "highest"):
+        raise ConfigError(f"bench.options.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']!r}; "
+                          "allowed: medium (Newton-Schulz in bf16), high, highest")
+    if o["repeats"] < 1 or o["warmup"] < 0:
+        raise ConfigError("bench.options.repeats must be >= 1 and bench.options.warmup >= 0")
+    from parallel import cpu_backend
+
+    cpu_backend.enable()
+    teardown = _one_rank_world()
+    try:
+        adam, _, _, _ = _optimizer_case("adamw", o)
+        muon, clip, chunks, mcfg = _optimizer_case("muonclip", o)
+        cores = [m.core_attention for c in chunks for m in c.modules() if hasattr(m, "core_attention")]
+
+        def qk_clip():
+            for core in cores:  # every head at 2 tau: every q/k weight rescaled
+                core.max_logits.fill_(200.0)
+            clip.step()
+
+        times = time_calls({"adamw": adam.step, "muon_step": muon.step, "qk_clip": qk_clip},
+                           o["warmup"], o["repeats"], cuda=torch.cuda.is_available())
+        from optim.params import ROUTE_ATTR
+
+        counts = {"muon": 0, "adamw": 0}
+        for c in chunks:
+            for p in c.parameters():
+                counts[getattr(p, ROUTE_ATTR)] += p.numel()
+    finally:
+        teardown()
+    return {
+        "model": o["model"],
+        "precision": o["precision"],
+        "newton_schulz": "bf16" if o["muon_fp32_matmul_prec"] == "medium" else "fp32",
+        "muon_elements": counts["muon"],
+        "adamw_elements": counts["adamw"],
+        "time_adamw_ms": times["adamw"],
+        "time_muon_step_ms": times["muon_step"],
+        "time_qk_clip_ms": times["qk_clip"],
+        "muonclip_over_adamw": (times["muon_step"] + times["qk_clip"]) / times["adamw"],
+    }
+
+
 #: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
 BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
+    "optimizer": bench_optimizer,
 }
 
 

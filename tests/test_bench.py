@@ -53,6 +53,19 @@ def test_attention_text_and_options(capsys):
     assert "max_abs_diff" in out and "[64, 2, 4, 48]" in out and "megatron-core" in out
 
 
+def test_optimizer_bench_times_both_in_one_run(capsys):
+    """bench=optimizer: MuonClip vs AdamW optimizer step on the CPU proxy (numbers, not speed, checked)."""
+    rc, out, _ = _run(capsys, ["bench=optimizer", "output=json", "bench.options.repeats=1",
+                               "bench.options.warmup=0"])
+    assert rc == 0
+    fig = json.loads(out)["figures"]
+    assert fig["model"] == "k2_tiny" and fig["newton_schulz"] == "bf16"
+    assert fig["muon_elements"] > 0 and fig["adamw_elements"] > 0
+    assert min(fig["time_adamw_ms"], fig["time_muon_step_ms"], fig["time_qk_clip_ms"]) > 0
+    assert fig["muonclip_over_adamw"] == pytest.approx(
+        (fig["time_muon_step_ms"] + fig["time_qk_clip_ms"]) / fig["time_adamw_ms"])
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -61,6 +74,8 @@ def test_attention_text_and_options(capsys):
         (["bench.options.seq_length=abc"], "bench.options.seq_length"),
         (["bench.options.repeats=0"], "bench.options.repeats"),
         (["output=yaml"], "output"),
+        (["bench=optimizer", "bench.options.precision=fp16"], "bench.options.precision"),
+        (["bench=optimizer", "bench.options.muon_fp32_matmul_prec=low"], "bench.options.muon_fp32_matmul_prec"),
     ],
 )
 def test_bad_options_exit_2(capsys, overrides, named):
