@@ -57,6 +57,7 @@ __all__ = [
     "Phase",
     "Schedule",
     "decay_coefficient",
+    "lr_at_tokens",
     "resolve_schedule",
 ]
 
