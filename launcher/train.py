@@ -100,6 +100,22 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, loss_mask)
 
 
+def run_microbatches(forward_backward, iters: list, model: list, phase, forward_only: bool) -> list:
+    """One global batch through megatron's schedule (interleaved 1F1B when there are several model
+    chunks): ``phase.num_microbatches`` microbatches of ``phase.micro_batch_size`` x
+    ``phase.seq_length`` tokens per DP rank. Returns the last stage's per-microbatch loss reports."""
+    return forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=iters,
+        model=model,
+        num_microbatches=phase.num_microbatches,
+        seq_length=phase.seq_length,
+        micro_batch_size=phase.micro_batch_size,
+        decoder_seq_length=phase.seq_length,
+        forward_only=forward_only,
+    )
+
+
 def _reduce_lm_loss(losses: list) -> tuple[float, int]:
     """Global per-token loss: sum the last stage's ``[loss_sum, tokens]`` over microbatches and over
     all ranks (ranks off the last stage contribute zeros)."""
@@ -191,16 +207,7 @@ def evaluate(cfg, plan, phase, model, forward_backward, valid_ds, dp_rank: int) 
     total, tokens = 0.0, 0
     with torch.no_grad():
         for _ in range(t.eval_iters):
-            losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=iters,
-                model=model,
-                num_microbatches=phase.num_microbatches,
-                seq_length=phase.seq_length,
-                micro_batch_size=phase.micro_batch_size,
-                decoder_seq_length=phase.seq_length,
-                forward_only=True,
-            )
+            losses = run_microbatches(forward_backward, iters, model, phase, forward_only=True)
             loss, n = _reduce_lm_loss(losses)
             total += loss * n
             tokens += n
@@ -362,16 +369,7 @@ def run(cfg, plan: Plan, env) -> dict:
             for m in model:
                 m.zero_grad_buffer()
             optimizer.zero_grad()
-            losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=data.iters,
-                model=model,
-                num_microbatches=phase.num_microbatches,
-                seq_length=phase.seq_length,
-                micro_batch_size=phase.micro_batch_size,
-                decoder_seq_length=phase.seq_length,
-                forward_only=False,
-            )
+            losses = run_microbatches(forward_backward, data.iters, model, phase, forward_only=False)
             update_ok, grad_norm, _ = optimizer.step()
             attn = qk_clip.step(apply=bool(update_ok))  # QK-Clip; reads and resets the max-logit windows
             lr = scheduler.lr  # this step's (set before it ran)
