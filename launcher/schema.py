@@ -205,6 +205,18 @@ class ClusterConfig:
 
 
 @dataclass
+class SubmitConfig:
+    """``k2-submit`` (launcher/slurm.py): renders ``<run.dir>/pretrain.sbatch`` and submits it with sbatch."""
+
+    dry_run: bool = False  # print the rendered script, write and submit nothing
+    time: str = "24:00:00"  # sbatch --time (wall-clock limit of one (re)start), e.g. "24:00:00"
+    partition: Optional[str] = None  # sbatch --partition; null = the cluster's default
+    account: Optional[str] = None  # sbatch --account; null = the user's default
+    job_name: str = "k2"  # sbatch --job-name
+    signal_seconds: int = 120  # sbatch --signal=USR1@N: seconds before the time limit the ranks get USR1
+
+
+@dataclass
 class PlanConfig:
     query_tokens: Optional[Any] = None  # k2-plan: list of token counts -> "lr_at_tokens" in the JSON
 
@@ -229,6 +241,7 @@ class K2Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     output: str = "text"  # text | json (k2-plan, k2-bench)
     plot: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR over tokens) to this path
