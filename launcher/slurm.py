@@ -327,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from launcher.config import ConfigError, load_config
 
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in overrides):
+        print(__doc__.split("\n\nThe rendered script")[0])
+        return 0
     try:
         cfg = load_config(overrides)
         world = _check_submit(cfg)

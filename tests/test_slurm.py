@@ -95,8 +95,8 @@ def test_master_port_range_and_determinism():
             master_port(bad)
 
 
-def test_module_cli():
-    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # no scontrol
+def test_module_cli(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no scontrol: the parser answers
     run = lambda *a: subprocess.run([sys.executable, "-m", "launcher.slurm", *a], cwd=REPO, env=env,
                                     capture_output=True, text=True, timeout=60)
     r = run("master-port", "123456")
@@ -213,6 +213,11 @@ def test_submit_calls_sbatch(capsys, monkeypatch, tmp_path):
     script = tmp_path / "run" / "pretrain.sbatch"
     assert script.exists() and f"run.dir={tmp_path}/run" in script.read_text()
     assert (tmp_path / "args").read_text().split() == [str(REPO), "--parsable", str(script)]
+
+
+def test_help(capsys):
+    assert slurm.main(["--help"]) == 0
+    assert "submit.dry_run=true" in capsys.readouterr().out
 
 
 def test_missing_sbatch(capsys, monkeypatch, tmp_path):
