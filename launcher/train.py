@@ -100,6 +100,21 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, loss_mask)
 
 
+def _survive_preemption_notice(logger) -> None:
+    """Keep training when Slurm's advance warning (``--signal=USR1@N`` in slurm/pretrain.sbatch) arrives.
+
+    SIGUSR1's default action terminates the process, which would end every job N seconds before its
+    time limit. Until save-and-requeue on preemption exists (issue 5), the notice is logged and the
+    run continues to the limit as it would without the warning.
+    """
+    import signal
+
+    def on_usr1(signum, _frame):
+        logger.message("k2-train: SIGUSR1 (preemption notice) received; no checkpointing yet, continuing")
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+
+
 def run_microbatches(forward_backward, iters: list, model: list, phase, forward_only: bool) -> list:
     """One global batch through megatron's schedule (interleaved 1F1B when there are several model
     chunks): ``phase.num_microbatches`` microbatches of ``phase.micro_batch_size`` x
@@ -353,6 +368,7 @@ def run(cfg, plan: Plan, env) -> dict:
     logger.message(f"step 1: {describe(first_phase)}")
     pattern = moe_layer_pattern(cfg.model)
     record: dict = {}
+    _survive_preemption_notice(logger)
     try:
         if t.eval_interval:
             val0 = evaluate(cfg, plan, first_phase, model, forward_backward, data.valid_ds, dp_rank)

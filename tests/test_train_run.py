@@ -87,3 +87,26 @@ def test_sigterm_to_k2_train_stops_every_rank(tmp_path, stdlib_corpus):
     if left:  # clean up before failing
         os.killpg(p.pid, signal.SIGKILL)
     assert not left, left
+
+
+def test_sigusr1_preemption_notice_does_not_kill_the_run(tmp_path, stdlib_corpus):
+    """slurm/pretrain.sbatch asks Slurm for SIGUSR1 before the time limit; a rank must survive it."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "launcher.train", "train.iters=6", "train.eval_interval=0",
+         "train.progress=false", f"run.dir={run_dir}", "run.wandb.mode=disabled"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not metrics.exists() and p.poll() is None:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGUSR1)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    assert "SIGUSR1" in out
+    assert len(metrics.read_text().splitlines()) == 6
