@@ -54,3 +54,20 @@ def stdlib_corpus():
     from launcher.data import prepare_stdlib_corpus
 
     return prepare_stdlib_corpus(load_config([]).data, progress=False, verbose=False)
+
+
+@pytest.fixture
+def no_process_start(monkeypatch):
+    """Records (instead of doing) any start of a process group, a training run or local ranks.
+
+    Yields the list of what was attempted; a config error must leave it empty.
+    """
+    import torch.distributed as dist
+
+    from launcher import train
+
+    started: list[str] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append("pg"))
+    monkeypatch.setattr(train, "run", lambda *a, **k: started.append("run"))
+    monkeypatch.setattr(train, "_spawn_local", lambda *a, **k: started.append("spawn"))
+    return started

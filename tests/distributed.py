@@ -13,6 +13,17 @@ from conftest import REPO, free_port
 QUIET = ["run.wandb.mode=disabled", "train.progress=false"]
 
 
+def trainer_env(extra: dict | None = None) -> dict:
+    """This process's environment without any launcher's rank/rendezvous variables (torchrun, Slurm,
+    k2-train's own), so that a trainer started from a test decides them itself (a lone process picks
+    a free port), with one OpenMP thread per rank."""
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
+    env = {k: v for k, v in os.environ.items()
+           if k not in launcher_vars and not k.startswith("SLURM_")}
+    env.update({"OMP_NUM_THREADS": "1", **(extra or {})})
+    return env
+
+
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
                 timeout: int = 600, env: dict | None = None) -> list[dict]:
     """Run ``launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
@@ -25,12 +36,7 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
-                     "SLURM_NTASKS", "K2_SPAWNED")
-    full_env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    if nproc == 1:  # not under torchrun: the trainer would take MASTER_PORT 29500, maybe in use
-        full_env.setdefault("MASTER_PORT", str(free_port()))
+    full_env = trainer_env(env)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=timeout)

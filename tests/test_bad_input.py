@@ -7,9 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch.distributed as dist
 
-from launcher import train
 from launcher.train import main
 
 
@@ -42,12 +40,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_fails_fast_naming_the_setting(name, tmp_path, capsys, monkeypatch):
+def test_bad_input_fails_fast_naming_the_setting(name, tmp_path, capsys, no_process_start):
     overrides, must_name = CASES[name]
-    started = []
-    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append("pg"))
-    monkeypatch.setattr(train, "run", lambda *a, **k: started.append("run"))
-    monkeypatch.setattr(train, "_spawn_local", lambda *a, **k: started.append("spawn"))
+    started = no_process_start
     run_dir = tmp_path / "run"
     t0 = time.perf_counter()
     rc = main([*overrides, f"run.dir={run_dir}", "run.wandb.mode=disabled"])

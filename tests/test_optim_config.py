@@ -4,7 +4,6 @@ failing before any process group with one message naming the setting and its all
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from launcher import train
 from launcher.config import load_config
@@ -46,12 +45,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_optim_setting_fails_before_any_process_group(name, tmp_path, capsys, monkeypatch):
+def test_bad_optim_setting_fails_before_any_process_group(name, tmp_path, capsys, no_process_start):
     overrides, must_name = CASES[name]
-    started = []
-    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append("pg"))
-    monkeypatch.setattr(train, "run", lambda *a, **k: started.append("run"))
-    monkeypatch.setattr(train, "_spawn_local", lambda *a, **k: started.append("spawn"))
+    started = no_process_start
     rc = train.main([*overrides, f"run.dir={tmp_path / 'run'}", "run.wandb.mode=disabled"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("k2-train: error:")]

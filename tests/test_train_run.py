@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from distributed import run_trainer
+from distributed import run_trainer, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,7 @@ def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
 def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpus):
     """``k2-train parallel=pp2`` (no torchrun around it) starts 2 ranks itself; wandb runs offline."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_"))}
-    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    env = trainer_env({"WANDB_MODE": "offline"})
     p = subprocess.run(
         [sys.executable, "-m", "launcher.train", "parallel=pp2", "train.iters=2", "train.eval_interval=0",
          "train.progress=false", f"run.dir={run_dir}", "run.wandb.mode=offline",
@@ -57,8 +56,7 @@ def test_sigterm_to_k2_train_stops_every_rank(tmp_path, stdlib_corpus):
     import time
 
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env = trainer_env()
     p = subprocess.Popen(
         [sys.executable, "-m", "launcher.train", "parallel=pp2", "train.iters=500",
          "train.eval_interval=0", "train.progress=false", f"run.dir={run_dir}",
@@ -95,8 +93,7 @@ def test_sigusr1_preemption_notice_does_not_kill_the_run(tmp_path, stdlib_corpus
     import time
 
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env = trainer_env()
     p = subprocess.Popen(
         [sys.executable, "-m", "launcher.train", "train.iters=6", "train.eval_interval=0",
          "train.progress=false", f"run.dir={run_dir}", "run.wandb.mode=disabled"],
