@@ -16,6 +16,9 @@ for _msg in (
     # megatron's DistributedOptimizer.zero_grad reads .grad of its fp32 shard views, which are not
     # leaves ("throws grad-access warning", its own comment in distrib_optimizer.py); harmless
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    # torch's own distributed checkpoint, used inside megatron's torch_dist format, warns about its
+    # internal ShardedTensor use on every save/load
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 ):
     _warnings.filterwarnings("ignore", message=_msg)
 _logging.getLogger("torch.utils.cpp_extension").setLevel(_logging.ERROR)
@@ -33,4 +36,9 @@ class _DropMessages(_logging.Filter):
 _logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropMessages("GPTModel IS DEPRECATED"))
 _logging.getLogger("megatron.core.distributed.distributed_data_parallel").addFilter(
     _DropMessages("full_param_layout not provided")
+)
+# logged on every synchronous save too (megatron wraps even a synchronous torch_dist save in its async
+# machinery); k2-launcher does not use megatron's async save
+_logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
+    _DropMessages("async save is deprecated")
 )

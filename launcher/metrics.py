@@ -4,6 +4,16 @@
 ``lr``, ``loss``, ``grad_norm``, ``tokens_per_s`` (and ``val_loss`` on validation steps). wandb runs
 offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
 call in offline mode.
+
+Resume policy (issue 5). A resumed run appends to the same ``metrics.jsonl`` and continues the same wandb
+run (its id is stored in the checkpoint; ``resume="must"`` online, ``"allow"`` offline, where there is no
+server to ask). When it resumes from a checkpoint older than the last logged step (preempted between two
+saves), the steps after the checkpoint are computed again: their earlier records are moved from
+``metrics.jsonl`` to ``metrics.replayed.jsonl`` (so ``metrics.jsonl`` holds one record per step, the
+one whose weights the run continued from), and the new records carry ``"replayed": true``. wandb's own
+step counter must increase, so the x-axis of every wandb chart is the metric ``step`` (``define_metric``)
+and wandb's internal counter is left alone: a replayed step appears as a second point at the same
+``step``, marked ``replayed``, never silently dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +24,34 @@ import os
 import sys
 from pathlib import Path
 from typing import Optional
+
+#: where the records of steps re-run after a resume go (see the module docstring)
+REPLAYED_METRICS = "metrics.replayed.jsonl"
+
+
+def set_aside_replayed_metrics(run_dir, resume_step: int) -> int:
+    """Move the records of steps after ``resume_step`` from ``metrics.jsonl`` to
+    :data:`REPLAYED_METRICS` (appended). Returns the last step that had a record (``resume_step`` when
+    none is moved). Rank 0, before the logger opens the file."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return resume_step
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill: not a record
+            continue
+        (moved if int(rec.get("step", 0)) > resume_step else keep).append(line)
+    if moved:
+        with open(Path(run_dir) / REPLAYED_METRICS, "a") as fh:
+            fh.write("\n".join(moved) + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return max([resume_step] + [int(json.loads(line)["step"]) for line in moved])
 
 
 def _jsonable(v):
@@ -35,8 +73,9 @@ class MetricsLogger:
         config: resolved config (dict) to store with the wandb run.
         progress: show a tqdm bar on a terminal; elsewhere (a log file, CI) a plain line every
             ``log_interval`` steps instead.
-        start_step: first step of this run (>0 on resume).
+        start_step: steps already done (>0 on resume).
         log_interval: steps between plain log lines when stderr is not a terminal.
+        wandb_run_id: continue this wandb run (from the checkpoint) instead of starting one.
     """
 
     def __init__(
@@ -49,6 +88,7 @@ class MetricsLogger:
         progress: bool = True,
         start_step: int = 0,
         log_interval: int = 10,
+        wandb_run_id: Optional[str] = None,
     ):
         self.enabled = enabled
         self._wandb = None
@@ -65,6 +105,9 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
+            resume = None
+            if wandb_run_id is not None:
+                resume = "must" if wandb_cfg.mode == "online" else "allow"
             self._wandb = wandb.init(
                 mode=wandb_cfg.mode,
                 project=wandb_cfg.project,
@@ -73,7 +116,11 @@ class MetricsLogger:
                 dir=str(self.run_dir),
                 config=config,
                 reinit="finish_previous",
+                id=wandb_run_id,
+                resume=resume,
             )
+            self._wandb.define_metric("step")
+            self._wandb.define_metric("*", step_metric="step")
         if progress and not sys.stderr.isatty():
             self._plain_every = max(1, int(log_interval))
         elif progress:
@@ -93,7 +140,7 @@ class MetricsLogger:
         rec = {k: _jsonable(v) for k, v in record.items()}
         self._fh.write(json.dumps(rec) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if k != "step"}, step=rec["step"])
+            self._wandb.log(rec)  # x-axis: the "step" metric (module docstring: resume policy)
         if self._bar is not None:
             self._bar.update(1)
             post = {"loss": f"{rec.get('loss', float('nan')):.4f}", "tok/s": f"{rec.get('tokens_per_s', 0):.0f}"}

@@ -12,7 +12,7 @@ megatron equivalent say so in their comment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -144,6 +144,8 @@ class TrainConfig:
     log_interval: int = 10  # steps between log lines when not on a terminal
     progress: bool = True
     deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
+    # checkpoint every N optimizer steps (launcher/checkpoint.py); null = only at the end of the run
+    save_interval: Optional[int] = None
 
 
 @dataclass
@@ -183,9 +185,22 @@ class WandbConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"
+    dir: str = "runs/default"  # k2-train in a run dir with a checkpoint resumes from it (see `resume`)
     seed: int = 1234
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
+    # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
+    max_minutes: Optional[float] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint retention and format (``launcher/checkpoint.py``). When to save: ``train.save_interval``,
+    at the end of the run, and on preemption."""
+
+    keep_last: int = 2  # newest complete checkpoints kept (the one `latest` names is always kept)
+    keep_every: Optional[int] = None  # also keep every checkpoint whose step is a multiple of this
+    save_at_end: bool = True  # save when the run ends (train.iters or the end of the schedule)
 
 
 @dataclass
@@ -214,6 +229,9 @@ class SubmitConfig:
     account: Optional[str] = None  # sbatch --account; null = the user's default
     job_name: str = "k2"  # sbatch --job-name
     signal_seconds: int = 120  # sbatch --signal=USR1@N: seconds before the time limit the ranks get USR1
+    # --gpus-per-node=cluster.gpus_per_node (one task per GPU); false for CPU-only nodes (the CPU proxy,
+    # the one-node test cluster), where cluster.gpus_per_node is the number of tasks per node
+    request_gpus: bool = True
 
 
 @dataclass
@@ -238,6 +256,13 @@ class K2Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # resume (recipes/resume/: auto | never): `mode` auto = resume from <run.dir>/checkpoints/latest when
+    # there is one; never = refuse a non-empty run.dir. `resume.from=PATH` (a checkpoint, a checkpoints/
+    # directory or a run dir) resumes from there. `resume.force=true` accepts changed model / schedule /
+    # optimizer / data settings. A plain mapping: `from` is a Python keyword (checked in
+    # launcher.checkpoint.resume_settings).
+    resume: Dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False})
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,7 @@ class Plan:
     steps: int  # optimizer steps of this run: the schedule's, capped by train.iters
     data: object  # launcher.data.ResolvedData
     tokens_per_step: int  # schedule.global_batch_tokens
+    resume_from: Optional[Path] = None  # the checkpoint this run continues from (launcher.checkpoint)
 
 
 def make_plan(cfg, world_size: int) -> Plan:
@@ -50,11 +52,23 @@ def make_plan(cfg, world_size: int) -> Plan:
     from parallel.dims import ParallelDims
     from schedules.wsd import resolve_schedule
 
+    from launcher.checkpoint import plan_resume
+
     t = cfg.train
     if t.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision={t.precision!r}; allowed: fp32, bf16")
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
+    if t.save_interval is not None and t.save_interval < 1:
+        raise ConfigError(f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "
+                          "null (save only at the end and on preemption)")
+    if cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last}; allowed: an integer >= 1")
+    if cfg.checkpoint.keep_every is not None and cfg.checkpoint.keep_every < 1:
+        raise ConfigError(f"checkpoint.keep_every={cfg.checkpoint.keep_every}; allowed: an integer >= 1 "
+                          "or null")
+    if cfg.run.max_minutes is not None and not cfg.run.max_minutes > 0:
+        raise ConfigError(f"run.max_minutes={cfg.run.max_minutes}; allowed: a number > 0, or null")
     check_optim_config(cfg)
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
@@ -65,7 +79,9 @@ def make_plan(cfg, world_size: int) -> Plan:
     schedule = resolve_schedule(cfg, dims)
     steps = schedule.total_steps if t.iters is None else min(int(t.iters), schedule.total_steps)
     data = resolve_data(cfg)
-    return Plan(dims, schedule, steps, data, schedule.global_batch_tokens)
+    layout = {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp, "world_size": world_size}
+    resume_from = plan_resume(cfg, layout)
+    return Plan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from)
 
 
 # --- forward step --------------------------------------------------------------------------------------
@@ -98,21 +114,6 @@ def _forward_step(data_iterator, model):
     position_ids = batch["position_ids"].to(dev, non_blocking=True)
     output = model(tokens, position_ids, None, labels=labels)
     return output, partial(_loss_func, loss_mask)
-
-
-def _survive_preemption_notice(logger) -> None:
-    """Keep training when Slurm's advance warning (``--signal=USR1@N`` in slurm/pretrain.sbatch) arrives.
-
-    SIGUSR1's default action terminates the process, which would end every job N seconds before its
-    time limit. Until save-and-requeue on preemption exists (issue 5), the notice is logged and the
-    run continues to the limit as it would without the warning.
-    """
-    import signal
-
-    def on_usr1(signum, _frame):
-        logger.message("k2-train: SIGUSR1 (preemption notice) received; no checkpointing yet, continuing")
-
-    signal.signal(signal.SIGUSR1, on_usr1)
 
 
 def run_microbatches(forward_backward, iters: list, model: list, phase, forward_only: bool) -> list:
@@ -291,8 +292,11 @@ def run(cfg, plan: Plan, env) -> dict:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from launcher.checkpoint import load_checkpoint, read_state, remove_partial_saves, save_checkpoint
     from launcher.data import prepare_stdlib_corpus
-    from launcher.metrics import MetricsLogger
+    from launcher.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
+    from launcher.preemption import REQUEUE_MARKER, Preemption
+    from launcher.slurm import REQUEUE_EXIT_CODE
     from model.build import (
         build_model_chunks,
         layout_independent_init,
@@ -333,20 +337,41 @@ def run(cfg, plan: Plan, env) -> dict:
     tcfg.grad_scale_func = optimizer.scale_loss
 
     dp_rank = ps.get_data_parallel_rank()
-    data = _PhaseData(cfg, plan, dp_rank)
-    data.enter(first_phase, 1)
-    forward_backward = get_forward_backward_func()
-
     run_dir = Path(cfg.run.dir)
+    config_yaml = to_yaml(cfg)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / "config.yaml").write_text(config_yaml)
+        remove_partial_saves(run_dir)
+        (run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
+
+    start_step, wandb_id, resumed_note = 0, None, None
+    if plan.resume_from is not None:
+        saved = read_state(plan.resume_from)
+        same_world = saved["layout"]["world_size"] == env.world_size
+        load_checkpoint(plan.resume_from, model, optimizer, same_world=same_world)
+        scheduler.load_state_dict(saved["scheduler"])
+        start_step, wandb_id = int(saved["step"]), saved.get("wandb_run_id")
+        resumed_note = (f"resumed from {plan.resume_from} (step {start_step}, "
+                        f"{scheduler.consumed_tokens:,} tokens"
+                        f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
+    forward_backward = get_forward_backward_func()
+    phase = sched.phase_at(scheduler.consumed_tokens)
+    data = _PhaseData(cfg, plan, dp_rank)
+    data.enter(phase, start_step + 1)
+    if phase.rope_type != rope_type:
+        set_rope_type(model, tcfg, cfg.model, phase.rope_type)
+        rope_type = phase.rope_type
+
+    replayed_until = 0
+    if rank == 0 and start_step:
+        replayed_until = set_aside_replayed_metrics(run_dir, start_step)
     from omegaconf import OmegaConf
 
     logger = MetricsLogger(
         str(run_dir), enabled=rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
         config=OmegaConf.to_container(cfg, resolve=True), progress=t.progress,
-        log_interval=t.log_interval,
+        log_interval=t.log_interval, start_step=start_step, wandb_run_id=wandb_id,
     )
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     logger.message(
@@ -354,10 +379,15 @@ def run(cfg, plan: Plan, env) -> dict:
         f"DP={plan.dims.dp}; schedule={sched.name}: {plan.steps} steps x {plan.tokens_per_step:,} "
         f"tokens; rank-0 params={n_params:,}; run.dir={run_dir}"
     )
+    if resumed_note:
+        logger.message(f"k2-train: {resumed_note}"
+                       + (f"; steps {start_step + 1}..{replayed_until} are re-run (their earlier records "
+                          f"moved to {REPLAYED_METRICS})" if replayed_until > start_step else ""))
     if rank == 0:  # the optimizer of every parameter of the model (all ranks'), also in the run dir
         table = format_route_table(route_table(r for rank_routes in all_routes for r in rank_routes))
         (run_dir / "optimizer_params.txt").write_text(table + "\n")
-        logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}):\n{table}")
+        if not start_step:
+            logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}):\n{table}")
 
     def describe(phase) -> str:
         return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
@@ -365,15 +395,44 @@ def run(cfg, plan: Plan, env) -> dict:
                 f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
                 f"{phase.rope_type}")
 
-    logger.message(f"step 1: {describe(first_phase)}")
+    def save(step: int, why: str) -> None:
+        t_save = time.perf_counter()
+        state = {
+            "step": step,
+            "consumed_tokens": scheduler.consumed_tokens,
+            "phase": data.phase.name,
+            # data position: global batch j of the current context stretch reads samples [jG, (j+1)G)
+            "consumed_samples_in_context": (step - data.first_step + 1) * data.phase.global_batch_size,
+            "seq_length": data.phase.seq_length,
+            "scheduler": scheduler.state_dict(),
+            "layout": layout,
+            "optimizer": cfg.optim.name,
+            "optimizer_dp_fixed": uses_layer_wise(cfg),
+            "wandb_run_id": logger.wandb_run_id,
+            "reason": why,
+        }
+        path = save_checkpoint(run_dir, step, model, optimizer, state, config_yaml,
+                               cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+        logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t_save:.1f} s)")
+
+    layout = {"pp": plan.dims.pp, "vpp": plan.dims.vpp, "ep": plan.dims.ep, "dp": plan.dims.dp,
+              "world_size": env.world_size}
+    if start_step >= plan.steps:
+        logger.message(f"k2-train: the checkpoint is at step {start_step}, the run ends at step {plan.steps} "
+                       "(train.iters / the schedule): nothing to do")
+    else:
+        logger.message(f"step {start_step + 1}: {describe(phase)}")
     pattern = moe_layer_pattern(cfg.model)
     record: dict = {}
-    _survive_preemption_notice(logger)
+    preemption = Preemption(cfg.run.max_minutes, on_signal=lambda name: logger.message(
+        f"k2-train: {name} received; saving a checkpoint at the end of this step, then exiting with "
+        f"{REQUEUE_EXIT_CODE} (requeue)")).install()
+    preempted = False
     try:
-        if t.eval_interval:
-            val0 = evaluate(cfg, plan, first_phase, model, forward_backward, data.valid_ds, dp_rank)
+        if t.eval_interval and start_step == 0:
+            val0 = evaluate(cfg, plan, phase, model, forward_backward, data.valid_ds, dp_rank)
             logger.message(f"step 0: val_loss {val0:.4f} (before training)")
-        for step in range(1, plan.steps + 1):
+        for step in range(start_step + 1, plan.steps + 1):
             phase = sched.phase_at(scheduler.consumed_tokens)
             if phase.index != data.phase.index:  # a phase boundary: no restart
                 data.enter(phase, step)
@@ -412,9 +471,24 @@ def run(cfg, plan: Plan, env) -> dict:
             if t.eval_interval and (step % t.eval_interval == 0 or step == plan.steps):
                 record["val_loss"] = evaluate(cfg, plan, phase, model, forward_backward, data.valid_ds,
                                               dp_rank)
+            if step <= replayed_until:
+                record["replayed"] = True
             logger.log(record)
+            preempted = preemption.agreed()  # collective: every rank, every step, same answer
+            if preempted:
+                save(step, f"preempted: {preemption.reason}")
+                if rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
+                    (run_dir / REQUEUE_MARKER).write_text(f"{step}\n")
+                dist.barrier()  # the marker exists before any rank exits
+                break
+            if (t.save_interval and step % t.save_interval == 0) or (
+                    step == plan.steps and cfg.checkpoint.save_at_end):
+                save(step, "end of run" if step == plan.steps else "train.save_interval")
     finally:
+        preemption.uninstall()
         logger.close()
+    if preempted:
+        record["preempted"] = preemption.reason
     return record
 
 
@@ -433,10 +507,22 @@ def free_port() -> int:
 def _spawn_local(cfg, overrides: list[str]) -> int:
     """Re-launch this module under ``torch.distributed.run`` with ``launch.nproc_per_node`` ranks.
 
-    SIGINT/SIGTERM sent to this process are forwarded to torchrun, which stops its ranks, so killing
-    ``k2-train`` by pid leaves no orphaned rank behind. Returns torchrun's exit code.
+    Signals: SIGTERM or SIGUSR1 sent to this process reach every rank as SIGTERM (sent to torchrun's
+    worker processes directly: torchrun itself would kill them after its own 30 s grace), so the ranks
+    save a checkpoint and stop (launcher.preemption); SIGINT is forwarded to torchrun, which stops the
+    ranks at once. Killing ``k2-train`` by pid therefore leaves no orphaned rank behind.
+
+    Returns:
+        torchrun's exit code, or :data:`launcher.slurm.REQUEUE_EXIT_CODE` when the ranks stopped for
+        preemption (torchrun reports only that its workers failed; rank 0 leaves
+        ``<run.dir>/requeue``).
     """
     import signal
+
+    import psutil
+
+    from launcher.preemption import REQUEUE_MARKER
+    from launcher.slurm import REQUEUE_EXIT_CODE
 
     port = cfg.launch.master_port or free_port()
     cmd = [
@@ -452,33 +538,45 @@ def _spawn_local(cfg, overrides: list[str]) -> int:
     child = subprocess.Popen(cmd, env=env)
 
     def forward(signum, _frame):
-        child.send_signal(signum)
+        if signum == signal.SIGINT:
+            child.send_signal(signum)
+            return
+        try:
+            workers = psutil.Process(child.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            workers = []
+        if not workers:  # not started yet (or gone): torchrun stops whatever there is
+            child.send_signal(signal.SIGTERM)
+        for w in workers:
+            try:
+                w.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
 
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    old = {sig: signal.signal(sig, forward) for sig in handled}
     try:
-        return child.wait()
+        rc = child.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-
-
-def check_run_dir(cfg) -> None:
-    """Refuse a ``run.dir`` that already holds a run (its metrics would be mixed with this one's).
-
-    Raises:
-        ConfigError: ``<run.dir>/metrics.jsonl`` exists.
-    """
-    metrics = Path(cfg.run.dir) / "metrics.jsonl"
-    if metrics.exists():
-        raise ConfigError(
-            f"run.dir={cfg.run.dir} already holds a run ({metrics} exists); choose a new run.dir "
-            "(e.g. run.dir=runs/try2) or delete the old one"
-        )
+    marker = Path(cfg.run.dir) / REQUEUE_MARKER
+    if rc != 0 and marker.exists():
+        print(f"k2-train: the ranks saved step {marker.read_text().strip()} and stopped for preemption; "
+              f"exit status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+        return REQUEUE_EXIT_CODE
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``k2-train`` and ``python -m launcher.train`` (Hydra overrides in ``argv``)."""
+    """Entry point for ``k2-train`` and ``python -m launcher.train`` (Hydra overrides in ``argv``).
+
+    Returns:
+        0 when the run finished, 2 for a config error, :data:`launcher.slurm.REQUEUE_EXIT_CODE` (42) when
+        it saved a checkpoint and stopped for preemption (SIGTERM/SIGUSR1 or ``run.max_minutes``).
+    """
     from launcher.data import prepare_stdlib_corpus
+    from launcher.slurm import REQUEUE_EXIT_CODE
     from parallel.distributed import destroy_distributed, dist_env
 
     overrides = list(sys.argv[1:] if argv is None else argv)
@@ -487,8 +585,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(overrides)
         world = env.world_size if env.launched else cfg.launch.nproc_per_node
         plan = make_plan(cfg, world)
-        if not env.launched or env.rank == 0:
-            check_run_dir(cfg)
     except ConfigError as e:
         print(f"k2-train: error: {e}", file=sys.stderr)
         return 2
@@ -497,10 +593,10 @@ def main(argv: list[str] | None = None) -> int:
             prepare_stdlib_corpus(cfg.data)  # once, before the ranks start
         return _spawn_local(cfg, overrides)
     try:
-        run(cfg, plan, env)
+        record = run(cfg, plan, env)
     finally:
         destroy_distributed()
-    return 0
+    return REQUEUE_EXIT_CODE if record.get("preempted") else 0
 
 
 def cli() -> None:

@@ -25,10 +25,10 @@ def trainer_env(extra: dict | None = None) -> dict:
 
 
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
-                timeout: int = 600, env: dict | None = None) -> list[dict]:
+                timeout: int = 600, env: dict | None = None, expect_failure: bool = False) -> list[dict]:
     """Run ``launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
     metrics.jsonl records. Raises AssertionError with the tail of the output on failure or timeout
-    (a hang shows up as a timeout)."""
+    (a hang shows up as a timeout), or, with ``expect_failure``, when the run exits with status 0."""
     target = ["-m", "launcher.train"] if script is None else [str(REPO / "tests" / "scripts" / script)]
     args = [*overrides, *QUIET, f"run.dir={run_dir}", f"launch.nproc_per_node={nproc}"]
     if nproc == 1:
@@ -43,6 +43,9 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"trainer timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
                              f"{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}") from None
-    assert proc.returncode == 0, f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    if expect_failure:
+        assert proc.returncode != 0, f"trainer did not fail: {' '.join(cmd)}\n{proc.stdout[-3000:]}"
+    else:
+        assert proc.returncode == 0, f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]

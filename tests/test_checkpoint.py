@@ -1,0 +1,388 @@
+"""Checkpoints, exact resume and preemption (issue 5), on the production path (torchrun, gloo, megatron's
+dist-checkpointing and distributed optimizer).
+
+The reference is always an uninterrupted run with the same settings; "bitwise" means the per-step loss
+and grad norm floats and the final parameters are equal, not close.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from distributed import QUIET, run_trainer, trainer_env
+
+CPU4 = ["parallel=cpu4", "train.eval_interval=2", "train.eval_iters=1"]
+
+
+def _latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def _state(run_dir: Path, name: str | None = None) -> dict:
+    return json.loads((run_dir / "checkpoints" / (name or _latest(run_dir)) / "k2_state.json").read_text())
+
+
+def _by_step(recs: list[dict]) -> dict:
+    return {r["step"]: r for r in recs}
+
+
+def _model_tensors(ckpt: Path, tmp_path: Path) -> dict:
+    """All model tensors of a torch_dist checkpoint, read in this process (no process group) with
+    torch.distributed.checkpoint's converter: an independent reader of what megatron wrote."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    sd = torch.load(out, weights_only=False)
+    # the distributed optimizer's flat buffers hold uninitialised padding between parameters, so
+    # only the model tensors are compared bitwise; the optimizer state shows in every later step
+    return {k: v for k, v in sd.items() if torch.is_tensor(v) and "optimizer" not in k and "rng" not in k}
+
+
+def _assert_same_steps(got: list[dict], ref: list[dict], steps) -> None:
+    g, r = _by_step(got), _by_step(ref)
+    for s in steps:
+        assert (g[s]["loss"], g[s]["grad_norm"]) == (r[s]["loss"], r[s]["grad_norm"]), (s, g[s], r[s])
+        assert g[s]["consumed_tokens"] == r[s]["consumed_tokens"] and g[s]["lr"] == r[s]["lr"]
+        assert g[s].get("val_loss") == r[s].get("val_loss"), s
+
+
+@pytest.fixture(scope="module")
+def cpu4_reference(tmp_path_factory, stdlib_corpus):
+    """cpu4 (PP2 VPP2 EP2 DP2), 8 steps straight; checkpoint at the end."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    return run_dir, recs
+
+
+@pytest.mark.slow
+def test_bitwise_resume_cpu4_once_and_twice(cpu4_reference, tmp_path):
+    """4 + 4 and 4 + 2 + 2 steps equal 8 straight steps: every loss, grad norm, val loss, LR, and the
+    final parameters; the data position after the second resume is 8 steps' worth."""
+    ref_dir, ref = cpu4_reference
+    a = tmp_path / "a"
+    run_trainer([*CPU4, "train.iters=4"], 4, a)
+    assert _latest(a) == "iter_0000004"
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    recs_a = run_trainer([*CPU4, "train.iters=8"], 4, a)  # resumes from iter 4 automatically
+    assert [r["step"] for r in recs_a] == list(range(1, 9))
+    _assert_same_steps(recs_a, ref, range(1, 9))
+
+    run_trainer([*CPU4, "train.iters=6"], 4, b)
+    recs_b = run_trainer([*CPU4, "train.iters=8"], 4, b)
+    _assert_same_steps(recs_b, ref, range(1, 9))
+    st = _state(b)
+    tokens_per_step = ref[0]["consumed_tokens"]
+    assert st["step"] == 8 and st["consumed_tokens"] == 8 * tokens_per_step
+    assert st["consumed_samples_in_context"] == 8 * ref[0]["global_batch_size"]
+
+    want = _model_tensors(ref_dir / "checkpoints" / "iter_0000008", tmp_path)
+    assert len(want) > 50
+    for run in (a, b):
+        got = _model_tensors(run / "checkpoints" / "iter_0000008", tmp_path)
+        assert got.keys() == want.keys()
+        bad = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not bad, bad[:5]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere(cpu4_reference, tmp_path):
+    """Rank 3 alone gets SIGTERM during step 3: all ranks finish step 3, save it, exit with the requeue
+    code; the resumed run matches the uninterrupted one."""
+    _, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir, script="fault_train.py",
+                       env={"K2_FAULT": "sigterm_train:3:3"}, expect_failure=True)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert _latest(run_dir) == "iter_0000003" and _state(run_dir)["reason"] == "preempted: signal"
+    assert (run_dir / "requeue").read_text().strip() == "3"
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir)
+    assert not (run_dir / "requeue").exists()
+    _assert_same_steps(recs, ref, range(1, 9))
+
+
+@pytest.mark.slow
+def test_sigterm_during_validation_saves_after_it(cpu4_reference, tmp_path):
+    _, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir, script="fault_train.py",
+                       env={"K2_FAULT": "sigterm_eval:4:1"}, expect_failure=True)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and "val_loss" in recs[-1]
+    assert _latest(run_dir) == "iter_0000004"
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir)
+    _assert_same_steps(recs, ref, range(1, 9))
+
+
+@pytest.mark.slow
+def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
+    """Rank 2 dies after writing its shards of step 4 and before the checkpoint is made visible: latest
+    stays at step 2, the partial directory is never loaded (and is removed), the resume matches."""
+    _, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    run_trainer([*CPU4, "train.iters=8", "train.save_interval=2"], 4, run_dir, script="fault_train.py",
+                env={"K2_FAULT": "crash_save:4:2"}, expect_failure=True)
+    ckpts = run_dir / "checkpoints"
+    assert _latest(run_dir) == "iter_0000002"
+    assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
+    recs = run_trainer([*CPU4, "train.iters=8", "train.save_interval=2"], 4, run_dir)
+    assert not (ckpts / "iter_0000004.partial").exists()
+    # steps 3-4 were logged before the crash and are run again: metrics.jsonl keeps the re-run ones
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert [r.get("replayed", False) for r in recs] == [False] * 2 + [True] * 2 + [False] * 4
+    replayed = [json.loads(x) for x in (run_dir / "metrics.replayed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replayed] == [3, 4]
+    _assert_same_steps(recs, ref, range(1, 9))
+    # retention: keep_last=2 (default) plus the one latest names
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000006", "iter_0000008"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
+def test_resume_with_another_dp_size(tmp_path, stdlib_corpus, first, second):
+    """DP=2 -> DP=1 and DP=1 -> DP=2 (megatron reshards the distributed optimizer): the same data
+    order (tokens, LR) and the same losses within fp32 reduction-order tolerance."""
+    base = ["train.eval_interval=0"]
+    ref = run_trainer([*base, "train.iters=6"], first, tmp_path / "ref")
+    run_dir = tmp_path / "run"
+    run_trainer([*base, "train.iters=3"], first, run_dir)
+    recs = run_trainer([*base, "train.iters=6"], second, run_dir)
+    assert _state(run_dir)["layout"]["dp"] == second
+    r = _by_step(ref)
+    for s in range(1, 7):
+        got = _by_step(recs)[s]
+        assert got["consumed_tokens"] == r[s]["consumed_tokens"] and got["lr"] == r[s]["lr"]
+        assert got["loss"] == pytest.approx(r[s]["loss"], rel=2e-6), s
+
+
+@pytest.mark.slow
+def test_muonclip_resume_is_bitwise(tmp_path, stdlib_corpus):
+    """MuonClip's state (Muon momentum in megatron's layer-wise distributed optimizer, Adam moments,
+    QK-Clip needs none) survives a resume at DP=2."""
+    base = ["optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=0"]
+    ref = run_trainer([*base, "train.iters=6"], 2, tmp_path / "ref")
+    run_dir = tmp_path / "run"
+    run_trainer([*base, "train.iters=3"], 2, run_dir)
+    recs = run_trainer([*base, "train.iters=6"], 2, run_dir)
+    _assert_same_steps(recs, ref, range(1, 7))
+    assert any(r["qk_clipped_heads"] for r in ref)  # the clip fired, so its effect was resumed too
+
+
+@pytest.mark.slow
+def test_sigterm_to_k2_train_saves_and_exits_with_requeue_code(tmp_path, stdlib_corpus):
+    """Killing the k2-train process (as a job manager does) stops every rank after a checkpoint of the
+    same step; k2-train exits with 42 (launcher.slurm.REQUEUE_EXIT_CODE); no rank is orphaned."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "launcher.train", "parallel=pp2", "train.iters=500",
+         "train.eval_interval=0", f"run.dir={run_dir}", *QUIET], cwd=REPO, env=trainer_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    try:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 42, out[-3000:]
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert _state(run_dir)["step"] == logged[-1] and 2 <= logged[-1] < 500
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert not left, left
+
+
+@pytest.mark.slow
+def test_sigusr1_and_wall_time_budget_stop_with_a_checkpoint(tmp_path, stdlib_corpus):
+    """A single rank: Slurm's USR1 notice, and separately run.max_minutes, end the run with a checkpoint
+    and exit status 42."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "launcher.train", "train.iters=500", "train.eval_interval=0",
+                          f"run.dir={run_dir}", *QUIET], cwd=REPO, env=trainer_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not metrics.exists() and p.poll() is None:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGUSR1)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode == 42 and "SIGUSR1" in out, out[-3000:]
+    assert _state(run_dir)["reason"] == "preempted: signal"
+
+    run_dir2 = tmp_path / "budget"
+    p = subprocess.run([sys.executable, "-m", "launcher.train", "train.iters=500", "train.eval_interval=0",
+                        "run.max_minutes=0.001", f"run.dir={run_dir2}", *QUIET], cwd=REPO,
+                       env=trainer_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 42, p.stderr[-3000:]
+    st = _state(run_dir2)
+    assert st["reason"] == "preempted: run.max_minutes" and st["step"] == 1
+
+
+# --- no process group: the resume decision, retention, metrics replay, preemption flag ---------------
+
+
+def _fake_checkpoint(run_dir: Path, step: int, overrides: list[str], layout: dict) -> Path:
+    """A directory with what a complete checkpoint's non-tensor files hold (enough for the plan)."""
+    from launcher.config import load_config, to_yaml
+
+    path = run_dir / "checkpoints" / f"iter_{step:07d}"
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text("{}")
+    (path / "config.yaml").write_text(to_yaml(load_config(overrides)))
+    (path / "k2_state.json").write_text(json.dumps({"step": step, "layout": layout,
+                                                    "optimizer_dp_fixed": False}))
+    (run_dir / "checkpoints" / "latest").write_text(path.name + "\n")
+    return path
+
+
+SINGLE = {"pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": 1}
+
+
+def _plan(overrides, world=1):
+    from launcher.config import load_config
+    from launcher.train import make_plan
+
+    return make_plan(load_config(overrides), world)
+
+
+def test_auto_resume_finds_latest_and_resume_from_accepts_run_or_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    assert _plan([f"run.dir={run_dir}"]).resume_from == ck
+    other = tmp_path / "other"
+    for where in (run_dir, ck, run_dir / "checkpoints"):
+        assert _plan([f"run.dir={other}", f"resume.from={where}"]).resume_from == ck
+    assert _plan([f"run.dir={other}"]).resume_from is None  # empty dir: a fresh start
+
+
+def test_resume_refuses_partial_incomplete_and_never(tmp_path):
+    from launcher.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    partial = ck.parent / "iter_0000006.partial"
+    partial.mkdir()
+    with pytest.raises(ConfigError, match="partial save.*iter_0000004"):
+        _plan([f"run.dir={tmp_path / 'x'}", f"resume.from={partial}"])
+    (ck / "k2_state.json").unlink()
+    with pytest.raises(ConfigError, match="not a complete k2-launcher checkpoint"):
+        _plan([f"run.dir={run_dir}"])
+    with pytest.raises(ConfigError, match="resume=never and run.dir=.* is not empty"):
+        _plan([f"run.dir={run_dir}", "resume=never"])
+    with pytest.raises(ConfigError, match="unknown setting resume.frm; allowed: resume.mode, resume.from"):
+        _plan([f"run.dir={run_dir}", "+resume.frm=3"])
+
+
+@pytest.mark.parametrize("change,allowed", [
+    (["parallel=pp2"], None),  # PP 1 -> 2
+    (["parallel=cpu4"], None),  # PP, VPP, EP
+])
+def test_layout_change_names_compatible_layouts(tmp_path, change, allowed):
+    from launcher.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    world = {"parallel=pp2": 2, "parallel=cpu4": 4}[change[0]]
+    with pytest.raises(ConfigError, match=r"Compatible layouts: parallel.pp=1, parallel.vpp=1, parallel.ep=1"):
+        _plan([f"run.dir={run_dir}", *change], world)
+
+
+def test_dp_change_refused_for_layer_wise_muon_state(tmp_path):
+    from launcher.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}", "optim=muonclip"],
+                          {**SINGLE, "dp": 2, "world_size": 2})
+    st = json.loads((ck / "k2_state.json").read_text())
+    (ck / "k2_state.json").write_text(json.dumps({**st, "optimizer_dp_fixed": True}))
+    with pytest.raises(ConfigError, match="fixed DP size: run with world size 2"):
+        _plan([f"run.dir={run_dir}", "optim=muonclip"], 1)
+
+
+def test_config_change_that_alters_training_needs_force(tmp_path):
+    from launcher.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    for change, key in ((["model.moe_router_topk=3"], "model.moe_router_topk: 2 -> 3"),
+                        (["schedule.phases.1.lr_start=0.01"], "schedule.phases"),
+                        (["run.seed=7"], "run.seed: 1234 -> 7")):
+        with pytest.raises(ConfigError, match=f"would change training: .*{key}.*resume.force=true"):
+            _plan([f"run.dir={run_dir}", *change])
+        assert _plan([f"run.dir={run_dir}", *change, "resume.force=true"]).resume_from == ck
+    # settings that do not change what is computed are free
+    assert _plan([f"run.dir={run_dir}", "train.iters=100", "train.eval_interval=7",
+                  "checkpoint.keep_last=5"]).resume_from == ck
+
+
+def test_prune_keeps_last_k_every_m_and_latest(tmp_path):
+    from launcher.checkpoint import prune
+
+    root = tmp_path / "checkpoints"
+    for s in range(10, 101, 10):
+        (root / f"iter_{s:07d}").mkdir(parents=True)
+        (root / f"iter_{s:07d}" / "k2_state.json").write_text("{}")
+    (root / "latest").write_text("iter_0000040\n")  # e.g. resumed from 40 by resume.from
+    removed = prune(root, keep_last=2, keep_every=50)
+    left = sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir())
+    assert left == [40, 50, 90, 100]
+    assert len(removed) == 6
+
+
+def test_replayed_metrics_are_set_aside(tmp_path):
+    from launcher.metrics import REPLAYED_METRICS, set_aside_replayed_metrics
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
+    assert set_aside_replayed_metrics(tmp_path, 5) == 7
+    assert [json.loads(x)["step"] for x in m.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [json.loads(x)["step"] for x in (tmp_path / REPLAYED_METRICS).read_text().splitlines()] == [6, 7]
+    assert set_aside_replayed_metrics(tmp_path, 5) == 5  # nothing more to move
+
+
+def test_preemption_flag_from_signal_and_budget():
+    from launcher.preemption import Preemption
+
+    seen = []
+    p = Preemption(None, on_signal=seen.append).install()
+    try:
+        assert not p.agreed()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert p.agreed() and p.reason == "signal" and seen == ["SIGUSR1"]
+    finally:
+        p.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    q = Preemption(max_minutes=1e-6)
+    time.sleep(0.01)
+    assert q.agreed() and q.reason == "run.max_minutes"
+
+
+@pytest.mark.slow
+def test_wandb_run_id_is_stored_and_reused(tmp_path, stdlib_corpus):
+    """The resumed run continues the same wandb run (offline here: a second offline-run directory with
+    the same id, which `wandb sync` appends to the one run)."""
+    run_dir = tmp_path / "run"
+    quiet = ["train.progress=false", "train.eval_interval=0", "run.wandb.mode=offline", f"run.dir={run_dir}"]
+    for iters in (2, 4):
+        p = subprocess.run([sys.executable, "-m", "launcher.train", f"train.iters={iters}", *quiet],
+                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    ids = {_state(run_dir, n)["wandb_run_id"] for n in ("iter_0000002", "iter_0000004")}
+    assert len(ids) == 1 and None not in ids
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    rid = ids.pop()
+    assert len(runs) == 2 and all(r.name.endswith("-" + rid) for r in runs), runs
