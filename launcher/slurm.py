@@ -227,7 +227,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         f"--job-name={sub.job_name}",
         f"--nodes={cl.nodes}",
         f"--ntasks-per-node={cl.gpus_per_node}",
-        f"--gpus-per-node={cl.gpus_per_node}",
+        *([f"--gpus-per-node={cl.gpus_per_node}"] if sub.request_gpus else []),
         "--exclusive",
         f"--time={sub.time}",
         "--requeue",
@@ -248,10 +248,12 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         "# absolute run.dir on every (re)start of the job (never derived from the Slurm job id).",
         *(f"#SBATCH {a}" for a in sbatch),
         "#",
-        f"# Requeue convention: the ranks get USR1 {sub.signal_seconds} s before the time limit. A trainer that",
-        f"# exits with status {REQUEUE_EXIT_CODE} (launcher.slurm.REQUEUE_EXIT_CODE) asks to be continued: the script",
-        "# then runs `scontrol requeue $SLURM_JOB_ID`, and the job restarts from the top with the same job id,",
-        "# run.dir and log file (SLURM_RESTART_COUNT counts the restarts). Any other status ends the job.",
+        f"# Requeue convention: the ranks get USR1 {sub.signal_seconds} s before the time limit (and SIGTERM on",
+        "# scancel/requeue/preemption); they agree on a step, save a checkpoint, and exit with status",
+        f"# {REQUEUE_EXIT_CODE} (launcher.slurm.REQUEUE_EXIT_CODE), rank 0 leaving <run.dir>/requeue. Either asks",
+        "# for a continuation: the script runs `scontrol requeue $SLURM_JOB_ID`, and the job restarts from the top",
+        "# with the same job id, run.dir and log file (SLURM_RESTART_COUNT counts the restarts) and resumes from",
+        "# <run.dir>/checkpoints/latest. Any other status ends the job.",
         "set -euo pipefail",
         "",
         'cd "${K2_REPO:-$SLURM_SUBMIT_DIR}"',
@@ -279,7 +281,9 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         ' "master $MASTER_ADDR:$MASTER_PORT"',
         "rc=0",
         f"srun --kill-on-bad-exit=1 --cpu-bind=none \"$PYTHON\" -m launcher.train {quoted} || rc=$?",
-        f"if [[ $rc -eq {REQUEUE_EXIT_CODE} ]]; then",
+        # srun --kill-on-bad-exit may report a signal instead of 42 when it stops the ranks that had not
+        # exited yet; rank 0 writes the marker only after every rank finished the checkpoint
+        f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {shlex.quote(rdir + '/requeue')} ]]; then",
         '  echo "pretrain.sbatch: the trainer asked for a requeue (exit status $rc); requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
@@ -333,10 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(overrides)
         world = _check_submit(cfg)
-        from launcher.train import check_run_dir, make_plan
+        from launcher.train import make_plan
 
-        make_plan(cfg, world)
-        check_run_dir(cfg)
+        make_plan(cfg, world)  # also decides the resume (a used run.dir resumes from its checkpoint)
         text = render_sbatch(cfg, overrides)
     except (ConfigError, ValueError) as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)

@@ -247,4 +247,16 @@ def test_existing_run_refused(capsys, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     assert slurm.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "holds a run" in capsys.readouterr().err
+
+
+def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
+    """A run dir with a checkpoint is not 'used up': submitting it again continues it (auto-resume)."""
+    from test_checkpoint import SINGLE, _fake_checkpoint
+
+    run_dir = tmp_path / "run"
+    (run_dir).mkdir()
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    _fake_checkpoint(run_dir, 4, [*ONE_GPU, f"run.dir={run_dir}"], {**SINGLE, "world_size": 1})
+    assert slurm.main([*ONE_GPU, f"run.dir={run_dir}", "submit.dry_run=true"]) == 0
+    assert f"run.dir={run_dir}" in capsys.readouterr().out
