@@ -117,7 +117,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False) -> list:
+def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False,
+               delay_wgrad_compute: bool = False) -> list:
     """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
     ZeRO-1). bf16 chunks go through megatron's ``Float16Module`` first.
 
@@ -130,6 +131,10 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
             ``is_managed_by_layer_wise_optimizer`` (by :func:`optim.params.tag_parameters`) are
             bin-packed whole into the DP shards, so no matrix straddles a shard boundary; the others
             keep the byte-range layout.
+        delay_wgrad_compute: megatron DDP registers the grad-ready hooks of parameters marked
+            ``skip_backward_post_hook`` on their module (``register_wgrad_accumulation_and_reduce_hooks``)
+            instead of on autograd's accumulator; set when :func:`model.wgrad.decouple_linear_wgrad`
+            split the chunks' linear layers (``pipeline.decouple_wgrad``).
 
     Returns:
         ``list[megatron.core.distributed.DistributedDataParallel]``, one per chunk.
@@ -144,6 +149,7 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=True,
+        delay_wgrad_compute=delay_wgrad_compute,
     )
     out = []
     for i, chunk in enumerate(chunks):
