@@ -283,11 +283,19 @@ class PipelineHooks:
         Raises:
             RuntimeError: weight gradients are decoupled but DDP was not built with
                 ``delay_wgrad_compute=True`` (:func:`model.wgrad.check_ddp_hooks`).
+            NotImplementedError: decoupled weight gradients with megatron's ``overlap_grad_reduce``
+                (our DDP runs without it: ``parallel.distributed.wrap_model``). The schedule enables
+                grad sync only around the ``backward_step`` of a chunk's last microbatch, and that
+                microbatch's W runs after it, so DDP's ``register_grad_ready`` would not count it.
         """
         from model.wgrad import check_ddp_hooks
 
         if self.store is not None:
             check_ddp_hooks(model)
+            if any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in model):
+                raise NotImplementedError("pipeline.decouple_wgrad with megatron DDP's overlap_grad_reduce: "
+                                          "the last microbatch's deferred wgrads run outside the grad-sync "
+                                          "window of megatron's schedule")
         self.step = first_step - 1
         install_patches()
         inner_finalize = tcfg.finalize_model_grads_func
