@@ -93,8 +93,8 @@ class WgradStore:
         self.peak_bytes = 0
         self.max_tags_held = 0
         self._tags: dict = {}
-        #: called after each :meth:`drain` that ran items: ``on_drain(tags, n_items, nbytes, start, end)``
-        #: (``time.time()`` seconds); the pipeline trace records W events with it
+        #: called after each :meth:`drain` that ran items: ``on_drain(tags, n_items, nbytes, start, end,
+        #: where)`` (``time.time()`` seconds); the pipeline trace records W events with it
         self.on_drain: Optional[Callable] = None
 
     def __len__(self) -> int:
@@ -118,8 +118,9 @@ class WgradStore:
 
         Args:
             where: why it drains now (recorded by :attr:`on_drain`): ``after_send`` (the send of the
-                input gradient was posted), ``no_send`` (the first stage: nothing to send), ``flush``
-                (end of the pass; nothing should be left by then).
+                input gradient was posted), ``no_send`` (the first stage: nothing to send), ``late``
+                (left over when the next forward or backward starts), ``flush`` (before the grad
+                reduction / at the end of the pass). The last two should never run anything.
         """
         if not self.queue:
             return 0
