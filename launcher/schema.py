@@ -245,10 +245,12 @@ class LaunchConfig:
 
 @dataclass
 class ClusterConfig:
-    """Target cluster for ``k2-plan``."""
+    """Target cluster for ``k2-plan`` (and the peak the trainer's MFU is measured against)."""
 
     nodes: int = 1
     gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
+    peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
 
 
 @dataclass
@@ -265,7 +267,21 @@ class SubmitConfig:
 
 @dataclass
 class PlanConfig:
-    query_tokens: Optional[Any] = None  # k2-plan: list of token counts -> "lr_at_tokens" in the JSON
+    """``k2-plan`` settings (launcher/plan.py)."""
+
+    query_tokens: Optional[Any] = None  # list of token counts -> "lr_at_tokens" in the JSON
+    search: bool = False  # list the valid PP/VPP/EP layouts of the cluster, ranked by estimated step time
+    step_time_s: Optional[float] = None  # a measured step time (s) -> MFU against cluster.peak_tflops
+    # fraction of cluster.peak_tflops a stage's model FLOPs run at (GEMM efficiency; communication
+    # assumed hidden): sets the estimated step time, not the ranking of layouts
+    compute_efficiency: float = 0.5
+    # share of the optimizer states kept in host memory (megatron's optimizer_cpu_offload /
+    # optimizer_offload_fraction; K2 offloads part of them at 32 nodes). Planning only: k2-train keeps
+    # them on the GPU.
+    optimizer_offload_fraction: float = 0.0
+    # decoupled weight gradients (B = input gradient, W = weight gradient deferred, K2's schedule);
+    # planning only until the trainer has the switch
+    split_backward: bool = False
 
 
 @dataclass

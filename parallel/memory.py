@@ -17,7 +17,7 @@ trainer's (checked against a real 4-rank gloo run in ``tests/test_memory_plan.py
   buffers are unpadded (``_compute_default_per_buffer_param_layout``).
 
 Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffers are FP32,
-``grad_reduce_in_fp32`` in :func:`parallel.distributed.ddp_config`):
+``grad_reduce_in_fp32`` in :func:`parallel.distributed.ddp_config`, the trainer's):
 
 * ``params``: the parameter buffers (padded numel x 2 B for BF16, 4 B for FP32) with the distributed
   optimizer; the parameters themselves without it;
@@ -46,7 +46,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["LayoutParam", "StateBytes", "ddp_config", "rank_param_lists", "state_bytes"]
+__all__ = ["GpuMemory", "LayoutParam", "StageActivations", "StateBytes", "gpu_memory", "rank_param_lists",
+           "stage_activations", "state_bytes", "state_bytes_lower_bound"]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _ADAM_BYTES = 8  # exp_avg + exp_avg_sq, FP32
@@ -76,19 +77,6 @@ class StateBytes:
     optimizer: int
     param_numel: int
     buffer_numel: int
-
-
-def ddp_config(use_distributed_optimizer: bool):
-    """megatron ``DistributedDataParallelConfig`` of ``k2-train`` (FP32 gradient buffers, ZeRO-1 over DP
-    with ``use_distributed_optimizer``; no overlapped gradient reduction, so one bucket per buffer)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=True,
-    )
 
 
 def _route_cfg(model_cfg: Any):
@@ -133,32 +121,27 @@ class LayoutParam:
         return f"LayoutParam({self.name}, {self.shape})"
 
 
-def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any) -> list:
-    """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
-
-    Returns:
-        ``lists[pp_rank][vpp_stage]`` = list of :class:`LayoutParam`, tagged as the trainer tags the real
-        parameters (module docstring).
-    """
+def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
+                  muon: bool, layer_wise: bool, model_cfg: Any) -> list[LayoutParam]:
+    """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
+    (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
+    ep``), the final norm and output head; tagged as the trainer tags the real parameters."""
     import torch
 
     from optim.params import route
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     rcfg = _route_cfg(model_cfg)
-    local_experts = counts.num_experts // dims.ep if counts.num_experts else 0
+    local_experts = counts.num_experts // ep if counts.num_experts else 0
     specs = counts.specs
-    routes: dict[str, str] = {}  # suffix -> optimizer (the same for every layer)
 
     def make(spec, layer_index: Optional[int]):
         name = spec.name if layer_index is None else spec.name.replace("decoder.layers.0.", "decoder.layers."
                                                                         f"{layer_index}.", 1)
         p = LayoutParam(spec, name, dtype)
         if muon:
-            if spec.name not in routes:
-                routes[spec.name] = route(spec.name, p, rcfg)[0]
-            p.k2_optimizer = routes[spec.name]
-        if spec.expert is not None and dims.ep > 1:
+            p.k2_optimizer = route(spec.name, p, rcfg)[0]
+        if spec.expert is not None and ep > 1:
             p.allreduce = False  # megatron: expert parameters reduce over the expert-DP group
         if layer_wise:
             p.is_managed_by_layer_wise_optimizer = p.k2_optimizer == "muon"
@@ -166,24 +149,32 @@ def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bo
             p.shared_embedding = True
         return p
 
-    out = []
-    for r in range(dims.pp):
-        row = []
-        for v in range(dims.vpp):
-            params = []
-            if dims.stage_has_embedding(r, v):
-                params += [make(s, None) for s in specs["embedding"]]
-            for k, i in enumerate(dims.layout[r][v]):
-                kind = "moe_layer" if counts.moe_pattern[i] else "dense_layer"
-                params += [make(s, k) for s in specs[kind] if s.expert is None or s.expert < local_experts]
-            if dims.stage_has_loss(r, v):
-                for s in specs["final"]:
-                    if s.name == "output_layer.weight" and counts.tied_embeddings and dims.stage_has_embedding(r, v):
-                        continue  # tied and on the embedding stage: the embedding weight is the output weight
-                    params.append(make(s, None))
-            row.append(params)
-        out.append(row)
-    return out
+    params = [make(s, None) for s in specs["embedding"]] if has_embedding else []
+    for k, kind in enumerate(kinds):
+        params += [make(s, k) for s in specs[kind] if s.expert is None or s.expert < local_experts]
+    if has_loss:
+        for s in specs["final"]:
+            if s.name == "output_layer.weight" and counts.tied_embeddings and has_embedding:
+                continue  # tied and on the embedding stage: the embedding weight is the output weight
+            params.append(make(s, None))
+    return params
+
+
+def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any) -> list:
+    """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
+
+    Returns:
+        ``lists[pp_rank][vpp_stage]`` = list of :class:`LayoutParam`, tagged as the trainer tags the real
+        parameters (module docstring).
+    """
+    return [[_chunk_params(counts, _kinds(counts, dims, r, v), dims.stage_has_embedding(r, v),
+                           dims.stage_has_loss(r, v), dims.ep, precision=precision, muon=muon,
+                           layer_wise=layer_wise, model_cfg=model_cfg) for v in range(dims.vpp)]
+            for r in range(dims.pp)]
+
+
+def _kinds(counts, dims, r: int, v: int) -> tuple:
+    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.layout[r][v])
 
 
 def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
@@ -199,6 +190,8 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
         from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
         from megatron.core.optimizer.param_layout import FullParamLayout
 
+    from parallel.distributed import ddp_config
+
     cfg = ddp_config(use_distributed_optimizer)
     if use_distributed_optimizer:
         cls = LayerWiseDistributedOptimizer if layer_wise else DistributedOptimizer
@@ -210,8 +203,52 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
     return FullParamLayout(layouts=layouts)
 
 
+def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
+                 use_distributed_optimizer: bool, model_cfg: Any) -> tuple[int, int, list, list]:
+    """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank)`` of one chunk."""
+    layer_wise = muon and use_distributed_optimizer
+    master = _MASTER_BYTES if precision == "bf16" else 0
+    params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
+                           layer_wise=layer_wise, model_cfg=model_cfg)
+    dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
+    buffer_numel = 0
+    layout = _layout(params, dims, use_distributed_optimizer, layer_wise)
+    for key, lay in layout.layouts.items():
+        buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
+        group = dims.expert_dp if key.is_expert_parallel else dims.dp
+        acc = expert_opt if key.is_expert_parallel else dense_opt
+        for p, (start, end, bucket) in lay.param_index_map.items():
+            b_start, b_end = lay.bucket_indices[bucket]
+            is_muon = p.k2_optimizer == "muon"
+            per_elem = master + (_MUON_BYTES if is_muon else _ADAM_BYTES)
+            per_tensor = 0 if is_muon else _STEP_BYTES
+            if not use_distributed_optimizer:  # every rank updates every parameter
+                for d in range(group):
+                    acc[d] += (end - start) * per_elem + per_tensor
+                continue
+            size = (b_end - b_start) // group  # the DP shards of this bucket
+            for d in range((start - b_start) // size, (end - 1 - b_start) // size + 1):
+                lo, hi = b_start + d * size, b_start + (d + 1) * size
+                acc[d] += (min(end, hi) - max(start, lo)) * per_elem + per_tensor
+    return sum(p.nelement() for p in params), buffer_numel, dense_opt, expert_opt
+
+
+def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateBytes]]:
+    """A cheap lower bound of :func:`state_bytes`: unpadded parameters and FP32 gradients, no optimizer.
+    ``k2-plan``'s search uses it to set aside layouts that cannot fit before laying out their buffers."""
+    out = []
+    for r in range(dims.pp):
+        layers = [i for v in range(dims.vpp) for i in dims.layout[r][v]]
+        emb = any(dims.stage_has_embedding(r, v) for v in range(dims.vpp))
+        loss = any(dims.stage_has_loss(r, v) for v in range(dims.vpp))
+        n = counts.stage(layers, emb, loss, ep=dims.ep)
+        out.append([StateBytes(r, d, d % dims.expert_dp, n * _DTYPE_BYTES[precision], n * 4, 0, n, n)
+                    for d in range(dims.dp)])
+    return out
+
+
 def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: Any) -> list[list[StateBytes]]:
+                model_cfg: Any, cache: Optional[dict] = None) -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
     Args:
@@ -221,6 +258,8 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         optimizer: ``optim.name`` (``adamw`` | ``muonclip``).
         use_distributed_optimizer: ``parallel.use_distributed_optimizer`` (ZeRO-1).
         model_cfg: ``cfg.model``.
+        cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
+            search): chunks with the same layers, embedding/loss, ep, dp and expert-DP are laid out once.
 
     Returns:
         ``out[pp_rank][dp_rank]`` (the expert-DP rank of DP rank ``d`` is taken as ``d % expert_dp``; the
@@ -233,38 +272,25 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         raise ValueError(f"train.precision={precision!r}; allowed: {', '.join(_DTYPE_BYTES)}")
     if optimizer not in ("adamw", "muonclip"):
         raise ValueError(f"optim.name={optimizer!r}; allowed: adamw, muonclip")
-    muon = optimizer == "muonclip"
-    layer_wise = muon and use_distributed_optimizer
+    cache = {} if cache is None else cache
     pbytes = _DTYPE_BYTES[precision]
-    master = _MASTER_BYTES if precision == "bf16" else 0
-    lists = rank_param_lists(counts, dims, precision=precision, muon=muon, layer_wise=layer_wise,
-                             model_cfg=model_cfg)
     out = []
     for r in range(dims.pp):
         buffer_numel = param_numel = 0
-        # per DP rank of the dense buffers / per expert-DP rank of the expert buffers
-        dense_opt = [0] * dims.dp
-        expert_opt = [0] * dims.expert_dp
-        for params in lists[r]:
-            param_numel += sum(p.nelement() for p in params)
-            layout = _layout(params, dims, use_distributed_optimizer, layer_wise)
-            for key, lay in layout.layouts.items():
-                buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
-                group = dims.expert_dp if key.is_expert_parallel else dims.dp
-                acc = expert_opt if key.is_expert_parallel else dense_opt
-                for p, (start, end, bucket) in lay.param_index_map.items():
-                    b_start, b_end = lay.bucket_indices[bucket]
-                    is_muon = p.k2_optimizer == "muon"
-                    per_elem = master + (_MUON_BYTES if is_muon else _ADAM_BYTES)
-                    per_tensor = 0 if is_muon else _STEP_BYTES
-                    if not use_distributed_optimizer:  # every rank updates every parameter
-                        for d in range(group):
-                            acc[d] += (end - start) * per_elem + per_tensor
-                        continue
-                    size = (b_end - b_start) // group  # the DP shards of this bucket
-                    for d in range((start - b_start) // size, (end - 1 - b_start) // size + 1):
-                        lo, hi = b_start + d * size, b_start + (d + 1) * size
-                        acc[d] += (min(end, hi) - max(start, lo)) * per_elem + per_tensor
+        dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
+        for v in range(dims.vpp):
+            emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
+            kinds = _kinds(counts, dims, r, v)
+            key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, optimizer,
+                   use_distributed_optimizer)
+            if key not in cache:
+                cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
+                                          muon=optimizer == "muonclip",
+                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg)
+            n, b, dense, expert = cache[key]
+            param_numel, buffer_numel = param_numel + n, buffer_numel + b
+            dense_opt = [x + y for x, y in zip(dense_opt, dense)]
+            expert_opt = [x + y for x, y in zip(expert_opt, expert)]
         params_bytes = (buffer_numel if use_distributed_optimizer else param_numel) * pbytes
         row = []
         for d in range(dims.dp):
@@ -273,7 +299,6 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
                                   param_numel, buffer_numel))
         out.append(row)
     return out
-
 
 
 # ---------------------------------------------------------------------- activations
