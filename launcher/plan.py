@@ -408,6 +408,7 @@ def make_plan(cfg) -> dict[str, Any]:
         "seq_length": main.seq_length,
         "step_time_s_estimated": est,
         "mfu_estimated": mfu(step_flops, est, dims.world_size, float(cfg.cluster.peak_tflops))[1],
+        "compute_efficiency": float(cfg.plan.compute_efficiency),
         "schedule": schedule.as_dict(),
         **({"lr_at_tokens": lr_at_tokens(schedule, query)} if query is not None else {}),
         "_schedule": schedule,  # for plot=; dropped from the JSON
@@ -433,8 +434,9 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.0f}{unit}"
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f}"
+def _gib(nbytes: float) -> str:
+    g = nbytes / 2**30
+    return f"{g:.1f}" if g >= 10 or g == 0 else f"{g:.3g}"
 
 
 def _ranges(ids: list[int]) -> str:
@@ -526,20 +528,21 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
              "lm_head": "LM head"}
     pipe = plan["pipeline"]
     lines = [
-        f"  cluster: {c['nodes']} nodes x {c['gpus_per_node']} GPUs, {c['gpu_memory_gib']:g} GiB and "
+        f"  cluster: {c['nodes']} node{'s' if c['nodes'] != 1 else ''} x {c['gpus_per_node']} GPUs, {c['gpu_memory_gib']:g} GiB and "
         f"{c['peak_tflops']:g} TFLOP/s (BF16 peak) each; model-parallel group {g['shape']} = {g['gpus']} GPUs "
-        f"= {g['nodes']:g} nodes, {g['replicas']} replica{'s' if g['replicas'] != 1 else ''} (DP {plan['dp']}); "
+        f"= {g['nodes']:g} node{'s' if g['nodes'] != 1 else ''}, {g['replicas']} replica{'s' if g['replicas'] != 1 else ''} (DP {plan['dp']}); "
         f"the group is reused for any node count that is a multiple of {g['nodes']:g}",
         f"  FLOPs per token (phase {f['phase']}, {f['seq_length']:,}-token sequences): forward "
-        f"{f['forward_per_token'] / 1e9:.2f} G = " + " + ".join(
-            f"{names[k]} {v / 1e9:.2f}" for k, v in terms.items() if v) +
-        f"; training (3x) {plan['flops_per_token'] / 1e9:.2f} G; one step of {plan['global_batch_tokens']:,} "
-        f"tokens = {f['step_flops']:.3e} FLOPs",
+        f"{_human(f['forward_per_token'])} = " + " + ".join(
+            f"{names[k]} {_human(v)}" for k, v in terms.items() if v) +
+        f"; training (3x) {_human(plan['flops_per_token'])}; one step of {plan['global_batch_tokens']:,} "
+        f"tokens = {f['step_flops']:.4g} FLOPs",
         f"  pipeline ({'interleaved ' if plan['vpp'] > 1 else ''}1F1B{', B/W split' if pipe['split_backward'] else ''},"
         f" phase {pipe['phase']}): pp {plan['pp']} x vpp {plan['vpp']}, {plan['num_microbatches']:,} microbatches "
         f"of {plan['micro_batch_size']} x {plan['seq_length']:,} tokens per DP rank: bubble "
         f"{100 * plan['bubble_fraction']:.2f}% (idle / busy over the PP ranks); estimated step "
-        f"{plan['step_time_s_estimated']:.2f} s (MFU {100 * plan['mfu_estimated']:.1f}%)",
+        f"{plan['step_time_s_estimated']:.4g} s at {100 * plan['compute_efficiency']:g}% of peak per stage "
+        f"(MFU {100 * plan['mfu_estimated']:.1f}%)",
     ]
     if "mfu" in plan:
         lines.append(f"  measured step {plan['step_time_s']:g} s: {plan['model_tflops_per_gpu']:.1f} model TFLOP/s "

@@ -315,8 +315,8 @@ def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
             boxes = [(o.start, o.end - o.start) for o in result.ops if o.kind == kind and o.chunk == chunk]
             if not boxes:
                 continue
-            shade = 1.0 - 0.45 * chunk / max(1, result.vpp - 1) if result.vpp > 1 else 1.0
-            color = tuple(min(1.0, c * shade + (1 - shade) * 0.15) for c in base[kind])
+            dark = 0.4 * chunk / max(1, result.vpp - 1)  # later model chunks darker
+            color = tuple(c * (1.0 - dark) for c in base[kind])
             by_rank: dict[int, list] = {}
             for o in result.ops:
                 if o.kind == kind and o.chunk == chunk:
@@ -331,10 +331,12 @@ def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
     kinds = [("F", "forward"), ("B", "backward (input grad)" if result.split_backward else "backward")]
     if result.split_backward:
         kinds.append(("W", "weight grad"))
-    ax.legend(handles=[Patch(color=base[k], label=lbl) for k, lbl in kinds], loc="upper right",
-              fontsize=7, ncol=3)
+    if result.vpp > 1:
+        kinds.append(("", "darker: later model chunk"))
+    ax.legend(handles=[Patch(color=base.get(k, (0.3, 0.3, 0.3)), label=lbl) for k, lbl in kinds],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
     ax.set_title(title or (f"pp {result.pp} x vpp {result.vpp}, {result.num_microbatches} microbatches: "
-                           f"bubble {100 * result.bubble_fraction:.2f}%"), fontsize=9)
+                           f"bubble {100 * result.bubble_fraction:.2f}%"), fontsize=9, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

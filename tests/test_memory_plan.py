@@ -173,3 +173,33 @@ def test_activation_bytes_per_switch(megatron_world1, switch):
         measured = measure_saved_bytes(overrides, seq, mbs)
         predicted = predict_saved_bytes(overrides, seq, mbs)
         assert predicted == pytest.approx(measured, rel=0.15), (switch, predicted, measured)
+
+
+def test_switches_on_a_k2_moe_layer():
+    """What each memory.* switch does to one K2 MoE layer's activations (4,096 tokens, BF16, GPU kernels),
+    against closed forms written from REFERENCE.md's widths."""
+    from model.activations import apply_switches, layer_saved
+
+    m = load_config(["model=kimi_k2"]).model
+    T, h, H, Tk = 4096, 7168, 64, 4096 * 8
+    saved = layer_saved(m, True, 4096, 1, "bf16", True)
+    none, _ = apply_switches(saved)
+    # FP8 storage of the routed experts' input: 2 B -> 1 B + an FP32 scale per 128 elements
+    fp8, _ = apply_switches(saved, fp8_store=["moe_fc1_input"])
+    assert none - fp8 == pytest.approx(Tk * h * (2 - 1 - 4 / 128))
+    # recomputing the MLA up-projections drops q, k, v (192 + 192 + 128 per head) and the latent norms
+    rec, _ = apply_switches(saved, recompute=["mla_up_proj"])
+    assert none - rec == pytest.approx(2 * T * H * (192 + 192 + 128) + 2 * T * (1536 + 512) + 4 * T * 2)
+    # offloading core attention moves q, k, v, its output and log-sum-exp to the host
+    gpu, host = apply_switches(saved, offload=["core_attn"])
+    assert host == pytest.approx(2 * T * H * (192 + 192 + 128) + 2 * T * H * 128 + 4 * T * H)
+    assert gpu + host == pytest.approx(none)
+    # a recomputed tensor is neither stored nor offloaded
+    gpu2, host2 = apply_switches(saved, recompute=["mla_up_proj"], offload=["core_attn"])
+    assert host2 == pytest.approx(2 * T * H * 128 + 4 * T * H)
+    # the whole K2 recipe keeps well under a tenth of it on the GPU
+    k2 = load_config(["model=kimi_k2", "memory=k2"]).memory
+    gpu_k2, host_k2 = apply_switches(saved, **{k: list(k2[k]) for k in ("fp8_store", "recompute", "offload")})
+    assert gpu_k2 < none / 10 and gpu_k2 + host_k2 < none
+    with pytest.raises(ValueError, match="memory.recompute"):
+        apply_switches(saved, recompute=["attention"])
