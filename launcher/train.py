@@ -466,6 +466,11 @@ def run(cfg, plan: Plan, env) -> dict:
                 "update_successful": bool(update_ok),
                 **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
             }
+            # -- MFU (issue 7): model FLOPs of the step (model/flops.py, shared with k2-plan) over peak --
+            from model.flops import mfu, step_flops
+            record["model_tflops_per_gpu"], record["mfu"] = mfu(step_flops(
+                cfg.model, phase.seq_length, plan.tokens_per_step), dt, env.world_size, cfg.cluster.peak_tflops)
+            # -- end MFU --
             record.update(moe_step_metrics(model, cfg.model.num_layers, cfg.model.num_moe_experts,
                                            phase.num_microbatches, pattern))
             if t.eval_interval and (step % t.eval_interval == 0 or step == plan.steps):

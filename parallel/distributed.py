@@ -117,6 +117,20 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def ddp_config(use_distributed_optimizer: bool):
+    """megatron ``DistributedDataParallelConfig`` of ``k2-train`` (also what ``k2-plan`` lays the buffers out
+    with, parallel/memory.py): FP32 gradient buffers, ZeRO-1 over DP with ``use_distributed_optimizer``,
+    no overlapped gradient reduction (so one bucket per buffer)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+
+
 def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False) -> list:
     """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
     ZeRO-1). bf16 chunks go through megatron's ``Float16Module`` first.
@@ -135,16 +149,11 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
         ``list[megatron.core.distributed.DistributedDataParallel]``, one per chunk.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.transformer.module import Float16Module
 
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=True,
-    )
+    ddp_cfg = ddp_config(use_distributed_optimizer)
     out = []
     for i, chunk in enumerate(chunks):
         if tcfg.bf16:
