@@ -114,6 +114,7 @@ class MetricsLogger:
                 project=wandb_cfg.project,
                 entity=wandb_cfg.entity,
                 name=wandb_cfg.name,
+                group=wandb_cfg.get("group"),
                 dir=str(self.run_dir),
                 config=config,
                 reinit="finish_previous",

@@ -228,6 +228,18 @@ class WandbConfig:
     project: str = "k2-launcher"
     entity: Optional[str] = None
     name: Optional[str] = None
+    group: Optional[str] = None  # wandb run group (a sweep's points share one: launcher/sweep.py)
+
+
+@dataclass
+class SweepConfig:
+    """Sparsity sweep (``k2-train -m +experiment=sparsity_sweep``, launcher/sweep.py): one run per sparsity,
+    ``model.num_moe_experts = sparsity x model.moe_router_topk``, run dir ``<dir>/sparsity_<S>``."""
+
+    name: str = "none"
+    sparsities: List[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
+    val_loss_target: Optional[float] = None  # FLOPs to reach this validation loss are compared
+    dir: str = "runs/sweeps/${sweep.name}"
 
 
 @dataclass
@@ -331,6 +343,7 @@ class K2Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     submit: SubmitConfig = field(default_factory=SubmitConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     output: str = "text"  # text | json (k2-plan, k2-bench)
     plot: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR over tokens) to this path
