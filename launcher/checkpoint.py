@@ -312,12 +312,12 @@ def _sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool
     sd: dict = {}
     if len(model) == 1:
         sd["model"] = model[0].module.sharded_state_dict()
-        model_sd = sd["model"]
     else:
-        model_sd = {}
         for i, chunk in enumerate(model):
             sd[f"model{i}"] = chunk.module.sharded_state_dict()
-            model_sd.update(sd[f"model{i}"])
+    # the optimizer finds its parameters in the model tensors of ALL chunks (as Megatron-LM passes its
+    # whole state dict); a flat merge would lose chunk 0's entries to chunk 1's equal local names
+    model_sd = dict(sd)
     with _fp32_params_visible_to_checkpointing(optimizer):
         sd["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
