@@ -17,13 +17,15 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 
 * attention RMSNorm (``input_layernorm``): the layer input and the normalised ``x * rstd`` (composite
   norm: both FP32, ``2 x 4 T h``; fused CUDA norm: the input, ``B T h``) + ``rstd`` (FP32, ``4 T``)
-  [O attn_input; R layernorm drops ``x * rstd``];
+  [O attn_input: the layer input; R layernorm drops ``x * rstd`` and ``rstd``];
 * its output, the input of the q/kv down-projections, ``B T h`` [O mla_up_proj; R layernorm];
 * q latent (``B T r_q``), kv latent with the rope key (``B T (r_kv + d_r)``), their RMSNorms (as above,
   on ``r_q`` / ``r_kv``; the composite norm's FP32 input copy of a BF16 kv latent leaves out the rope key)
-  and the normalised latents fed to the up-projections (``B T (r_q + r_kv)``)
-  [O mla_up_proj; R mla_up_proj drops everything but the two latents];
-* q, k, v after the up-projections and RoPE, ``B T H (2 (d_qk + d_r) + d_v)`` [O core_attn; R mla_up_proj];
+  and the normalised latents fed to the up-projections (``B T (r_q + r_kv)``) [O mla_up_proj];
+* q, k, v after the up-projections and RoPE, ``B T H (2 (d_qk + d_r) + d_v)`` [O core_attn; R mla_up_proj
+  drops them with fused attention, which saves these very tensors (megatron's ``mla_up_proj`` recompute
+  releases their storage after the core attention and recomputes them from the normalised latents); the
+  CPU path saves contiguous copies, which stay];
 * core attention: fused (SDPA/cuDNN on GPU) the output ``B T H d_v`` + log-sum-exp ``4 T H``; unfused
   (CPU) the FP32 softmax probabilities ``4 b H s^2`` (and their copy in the compute dtype for ``p v``
   when that is BF16, ``2 b H s^2``) + a causal mask ``s^2`` (1 byte) [O core_attn];
@@ -103,16 +105,18 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
           recompute: Optional[str], input_extra: int = 0) -> list[Saved]:
     """What an RMSNorm over ``width`` saves: fused CUDA kernel = its input + FP32 rstd; torch's composite
     (CPU) = FP32 copies of the input and of ``x * rstd`` + rstd. ``recompute`` drops everything but the
-    input; ``input_extra`` more columns share the input's storage (the kv latent's rope key)."""
+    input; ``offload`` moves the input (the residual-stream sites ``attn_input`` / ``mlp_input`` name
+    the layer input only); ``input_extra`` more columns share the input's storage (the kv latent's rope
+    key)."""
     if fused:
         width_in = width + input_extra
         return [Saved(f"{prefix}.input", tokens * width_in, B, offload),
-                Saved(f"{prefix}.rstd", tokens, 4, offload, recompute=recompute)]
+                Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
     # composite: an FP32 input is saved as is (a view keeps its whole storage); a BF16 one as an FP32 copy
     width_in = width + input_extra if B == 4 else width
     return [Saved(f"{prefix}.input", tokens * width_in, 4, offload),
-            Saved(f"{prefix}.x_rstd", tokens * width, 4, offload, recompute=recompute),
-            Saved(f"{prefix}.rstd", tokens, 4, offload, recompute=recompute)]
+            Saved(f"{prefix}.x_rstd", tokens * width, 4, offload if input_extra else None, recompute=recompute),
+            Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
 
 
 def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> list[Saved]:
@@ -148,9 +152,12 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
     for name, width, extra in (("q_latent", r_q, 0), ("kv_latent", r_kv, d_r)):
         if not width:
             continue
-        out += _norm(name, T, width, B, fused_kernels, "mla_up_proj", "mla_up_proj", input_extra=extra)
-        out.append(Saved(f"{name}.norm_output", T * width, B, "mla_up_proj", recompute="mla_up_proj"))
-    out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn", recompute="mla_up_proj"))
+        out += _norm(name, T, width, B, fused_kernels, "mla_up_proj", None, input_extra=extra)
+        out.append(Saved(f"{name}.norm_output", T * width, B, "mla_up_proj"))
+    # SDPA saves the up-projections' outputs themselves, which megatron's mla_up_proj recompute releases;
+    # the CPU path's matmuls save their own contiguous copies, which it does not
+    out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn",
+                     recompute="mla_up_proj" if fused_kernels else None))
     if fused_kernels:
         out += [Saved("core_attn.output", T * H * d_v, B, "core_attn"),
                 Saved("core_attn.logsumexp", T * H, 4, "core_attn")]

@@ -8,7 +8,8 @@ optimizer states exist), and write what this rank allocated to $K2_TEST_OUT/stat
   model's storage, and the states: Adam moments, Muon momentum, step counters), each storage once;
 * ``pp_rank``, ``dp_rank``, ``expert_dp_rank``.
 
-Used by tests/test_memory_plan.py (predicted == measured). Overrides as for the trainer.
+Used by tests/test_memory_plan.py (predicted == measured): run under torchrun with the trainer's
+overrides, or :func:`measure` in an existing one-rank megatron world.
 """
 
 import json
@@ -42,19 +43,14 @@ def _torch_optimizers(opt, out: list) -> list:
     return out
 
 
-def main() -> None:
-    from launcher.config import load_config
-    from launcher.train import make_plan
+def measure(cfg, plan) -> dict:
+    """Build as ``k2-train`` does in the current megatron world, step once, return this rank's bytes."""
+    from megatron.core import parallel_state as ps
+
     from model.build import build_model_chunks, layout_independent_init, transformer_config
     from optim.build import build_optimizer, uses_layer_wise, uses_muon
     from optim.params import tag_parameters
-    from parallel.distributed import destroy_distributed, dist_env, init_distributed, wrap_model
-
-    cfg = load_config(sys.argv[1:])
-    env = dist_env()
-    plan = make_plan(cfg, env.world_size)
-    init_distributed(env, plan.dims, cfg.run.seed)
-    from megatron.core import parallel_state as ps
+    from parallel.distributed import wrap_model
 
     tcfg = transformer_config(cfg, plan.dims)
     chunks = build_model_chunks(cfg, plan.dims, tcfg)
@@ -98,9 +94,7 @@ def main() -> None:
             if ptr not in seen:
                 seen.add(ptr)
                 optim_bytes += n
-    rank = env.rank
-    out = {
-        "rank": rank,
+    return {
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
         "expert_dp_rank": ps.get_expert_data_parallel_rank(),
@@ -108,7 +102,19 @@ def main() -> None:
         "grads": grads,
         "optimizer": optim_bytes,
     }
-    Path(os.environ["K2_TEST_OUT"], f"state_rank{rank}.json").write_text(json.dumps(out))
+
+
+def main() -> None:
+    from launcher.config import load_config
+    from launcher.train import make_plan
+    from parallel.distributed import destroy_distributed, dist_env, init_distributed
+
+    cfg = load_config(sys.argv[1:])
+    env = dist_env()
+    plan = make_plan(cfg, env.world_size)
+    init_distributed(env, plan.dims, cfg.run.seed)
+    out = {"rank": env.rank, **measure(cfg, plan)}
+    Path(os.environ["K2_TEST_OUT"], f"state_rank{env.rank}.json").write_text(json.dumps(out))
     destroy_distributed()
 
 
