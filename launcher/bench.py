@@ -7,6 +7,7 @@ Usage::
     k2-bench bench=attention output=json       # one JSON object on stdout
     k2-bench bench=attention bench.options.seq_length=512
     k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
+    k2-bench bench=pipeline                    # decoupled wgrad on vs off: step time, cpu4
 
 ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -427,10 +428,18 @@ def bench_optimizer(cfg) -> dict[str, Any]:
     }
 
 
+def bench_pipeline(cfg) -> dict[str, Any]:
+    """Step time with decoupled weight gradients (pipeline.decouple_wgrad) on vs off, in one run."""
+    from launcher.bench_pipeline import bench_pipeline as run  # issue 8
+
+    return run(cfg)
+
+
 #: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
 BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
     "optimizer": bench_optimizer,
+    "pipeline": bench_pipeline,  # launcher/bench_pipeline.py (issue 8)
 }
 
 

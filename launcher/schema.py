@@ -295,6 +295,21 @@ class SubmitConfig:
     request_gpus: bool = True
 
 
+# --- pipeline (issue 8) ---------------------------------------------------------------------------------
+@dataclass
+class PipelineConfig:
+    """Pipeline schedule (``schedules/pipeline.py``, ``model/wgrad.py``; REFERENCE.md "Training system")."""
+
+    # K2's interleaved 1F1B with decoupled weight gradients: each linear layer's backward computes the
+    # input gradient now and queues the weight gradient, which runs after the send of the input gradient
+    # to the previous stage is posted and before it is waited on (megatron: delay_wgrad_compute, TE only)
+    decouple_wgrad: bool = False
+    # directory for an event trace of the schedule: one rank<R>.jsonl per rank (F, B, W, send, recv,
+    # wait per microbatch; `python -m schedules.pipeline DIR out.png` draws a step); null = no trace
+    trace: Optional[str] = None
+# --- end pipeline ---------------------------------------------------------------------------------------
+
+
 @dataclass
 class PlanConfig:
     """``k2-plan`` settings (launcher/plan.py)."""
@@ -345,5 +360,6 @@ class K2Config:
     submit: SubmitConfig = field(default_factory=SubmitConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # issue 8
     output: str = "text"  # text | json (k2-plan, k2-bench)
     plot: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR over tokens) to this path

@@ -50,6 +50,7 @@ def make_plan(cfg, world_size: int) -> Plan:
     from launcher.data import resolve_data
     from optim.build import check_optim_config
     from parallel.dims import ParallelDims
+    from schedules.pipeline import check_pipeline_config
     from schedules.wsd import resolve_schedule
 
     from launcher.checkpoint import plan_resume
@@ -70,6 +71,7 @@ def make_plan(cfg, world_size: int) -> Plan:
     if cfg.run.max_minutes is not None and not cfg.run.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={cfg.run.max_minutes}; allowed: a number > 0, or null")
     check_optim_config(cfg)
+    check_pipeline_config(cfg)  # pipeline.* (issue 8)
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
@@ -309,6 +311,7 @@ def run(cfg, plan: Plan, env) -> dict:
     from optim.qk_clip import QKClip
     from parallel.distributed import init_distributed, wrap_model
     from schedules.lr import build_lr_scheduler
+    from schedules.pipeline import setup_pipeline
 
     t = cfg.train
     init_distributed(env, plan.dims, cfg.run.seed)
@@ -327,7 +330,10 @@ def run(cfg, plan: Plan, env) -> dict:
         layout_independent_init(chunks, tcfg, cfg.run.seed)
     # which parameter goes to which optimizer: decided before DDP lays out its ZeRO-1 buffers
     routes = tag_parameters(chunks, tcfg, muon=uses_muon(cfg), layer_wise=uses_layer_wise(cfg))
-    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg))
+    # pipeline (issue 8): decoupled weight gradients are set up before DDP registers its grad hooks
+    pipeline, delay_wgrad = setup_pipeline(cfg, chunks)
+    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg),
+                       delay_wgrad_compute=delay_wgrad)
     optimizer = build_optimizer(cfg, model, tcfg, sched)
     qk_clip = QKClip(model, optimizer, cfg.optim.qk_clip_tau, cfg.model.num_layers)
     all_routes = [None] * dist.get_world_size()
@@ -356,6 +362,8 @@ def run(cfg, plan: Plan, env) -> dict:
                         f"{scheduler.consumed_tokens:,} tokens"
                         f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
     forward_backward = get_forward_backward_func()
+    if pipeline is not None:  # pipeline (issue 8): W drained during p2p, event trace
+        forward_backward = pipeline.wrap(forward_backward, tcfg, model, first_step=start_step + 1)
     phase = sched.phase_at(scheduler.consumed_tokens)
     data = _PhaseData(cfg, plan, dp_rank)
     data.enter(phase, start_step + 1)
@@ -473,6 +481,8 @@ def run(cfg, plan: Plan, env) -> dict:
             # -- end MFU --
             record.update(moe_step_metrics(model, cfg.model.num_layers, cfg.model.num_moe_experts,
                                            phase.num_microbatches, pattern))
+            if pipeline is not None:  # pipeline (issue 8): wgrad_deferred_peak_bytes
+                record.update(pipeline.step_metrics())
             if t.eval_interval and (step % t.eval_interval == 0 or step == plan.steps):
                 record["val_loss"] = evaluate(cfg, plan, phase, model, forward_backward, data.valid_ds,
                                               dp_rank)

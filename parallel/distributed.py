@@ -117,10 +117,11 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def ddp_config(use_distributed_optimizer: bool):
+def ddp_config(use_distributed_optimizer: bool, delay_wgrad_compute: bool = False):
     """megatron ``DistributedDataParallelConfig`` of ``k2-train`` (also what ``k2-plan`` lays the buffers out
     with, parallel/memory.py): FP32 gradient buffers, ZeRO-1 over DP with ``use_distributed_optimizer``,
-    no overlapped gradient reduction (so one bucket per buffer)."""
+    no overlapped gradient reduction (so one bucket per buffer); ``delay_wgrad_compute`` for
+    ``pipeline.decouple_wgrad`` (model/wgrad.py)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
@@ -128,10 +129,12 @@ def ddp_config(use_distributed_optimizer: bool):
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=True,
+        delay_wgrad_compute=delay_wgrad_compute,
     )
 
 
-def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False) -> list:
+def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False,
+               delay_wgrad_compute: bool = False) -> list:
     """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
     ZeRO-1). bf16 chunks go through megatron's ``Float16Module`` first.
 
@@ -144,6 +147,10 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
             ``is_managed_by_layer_wise_optimizer`` (by :func:`optim.params.tag_parameters`) are
             bin-packed whole into the DP shards, so no matrix straddles a shard boundary; the others
             keep the byte-range layout.
+        delay_wgrad_compute: megatron DDP registers the grad-ready hooks of parameters marked
+            ``skip_backward_post_hook`` on their module (``register_wgrad_accumulation_and_reduce_hooks``)
+            instead of on autograd's accumulator; set when :func:`model.wgrad.decouple_linear_wgrad`
+            split the chunks' linear layers (``pipeline.decouple_wgrad``).
 
     Returns:
         ``list[megatron.core.distributed.DistributedDataParallel]``, one per chunk.
@@ -153,7 +160,7 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.transformer.module import Float16Module
 
-    ddp_cfg = ddp_config(use_distributed_optimizer)
+    ddp_cfg = ddp_config(use_distributed_optimizer, delay_wgrad_compute)
     out = []
     for i, chunk in enumerate(chunks):
         if tcfg.bf16:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,9 @@ CASES = {
                                             ["schedule.global_batch_tokens=2,000", "seq_length=128"]),
     "schedule_long_phase_microbatches": (["parallel=cpu4", "schedule.phases.4.micro_batch_size=2"],
                                          ["schedule.phases.4", "microbatch", "parallel.pp"]),
+    "pipeline_trace_is_a_file": ([f"pipeline.trace={Path(__file__).resolve()}"],
+                                 ["pipeline.trace", "is a file", "directory"]),
+    "pipeline_decouple_wgrad_not_bool": (["pipeline.decouple_wgrad=maybe"], ["pipeline.decouple_wgrad"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }

@@ -109,3 +109,35 @@ def test_reference_attention_matches_sdpa_fp64():
     logits = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     logits = logits.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(max_logit.double(), logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+# --- bench=pipeline (issue 8) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["bench.options.devices=tpu"], "bench.options.devices"),
+        (["bench.options.iters=1"], "bench.options.iters"),
+        (["bench.options.parallel=cpu4", "bench.options.nproc=3"], "parallel.pp"),  # the run itself is checked
+    ],
+)
+def test_pipeline_bench_bad_options_exit_2(capsys, overrides, named, no_process_start):
+    rc, out, err = _run(capsys, ["bench=pipeline", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err
+
+
+@pytest.mark.slow
+def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus):
+    """bench=pipeline: two real trainer runs (pp2 here, to keep the test short), off then on; the same
+    losses, both step times, the deferred-bytes peak (the numbers, not the speed, are checked)."""
+    rc, out, err = _run(capsys, ["bench=pipeline", "output=json", "bench.options.parallel=pp2",
+                                 "bench.options.nproc=2", "bench.options.iters=3", "bench.options.devices=cpu"])
+    assert rc == 0, err
+    cpu = json.loads(out)["figures"]["cpu"]
+    assert cpu["parallel"] == "pp2" and cpu["ranks"] == 2 and cpu["timed_steps_per_config"] == 2
+    assert cpu["max_loss_rel_diff"] == 0.0  # the split changes no number
+    assert min(cpu["step_time_off_ms"], cpu["step_time_on_ms"]) > 0
+    assert cpu["on_over_off"] == pytest.approx(cpu["step_time_on_ms"] / cpu["step_time_off_ms"])
+    assert cpu["wgrad_deferred_peak_bytes"] > 0

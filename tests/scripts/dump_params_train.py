@@ -1,8 +1,10 @@
 """Trainer that, when it ends, writes this rank's parameters by layout-independent global name to
 $K2_TEST_OUT/params_rank<R>.pt (fp32 tensors), and to $K2_TEST_OUT/layout_rank<R>.json the Muon
 parameters that a ZeRO-1 shard boundary cuts in the DDP buffers the run used ("cut") and in megatron's
-byte-range layout of the same parameters ("cut_by_byte_range_layout"). Used by
-tests/test_muonclip_parallel.py."""
+byte-range layout of the same parameters ("cut_by_byte_range_layout"). With K2_DUMP_GRADS=1 it also
+writes $K2_TEST_OUT/grads_rank<R>.pt: per optimizer step, this rank's accumulated gradient (megatron's
+``main_grad``, before the data-parallel reduction) of every parameter by global name. Used by
+tests/test_muonclip_parallel.py and tests/test_pipeline_wgrad.py."""
 
 import json
 import os
@@ -53,6 +55,18 @@ def capturing_wrap_model(chunks, tcfg, *args, **kwargs):
 
 pdist.wrap_model = capturing_wrap_model
 
+grads = []  # per step: {global name: main_grad before the DP reduction}
+if os.environ.get("K2_DUMP_GRADS") == "1":
+    import megatron.core.distributed as mdist  # noqa: E402
+
+    _finalize = mdist.finalize_model_grads
+
+    def capturing_finalize(*args, **kwargs):
+        grads.append({n: p.main_grad.detach().float().cpu().clone() for n, p in captured})
+        return _finalize(*args, **kwargs)
+
+    mdist.finalize_model_grads = capturing_finalize
+
 from launcher import train  # noqa: E402
 
 rc = train.main(sys.argv[1:])
@@ -61,4 +75,6 @@ out.mkdir(parents=True, exist_ok=True)
 rank = int(os.environ.get("RANK", 0))
 torch.save({n: p.detach().float().cpu().clone() for n, p in captured}, out / f"params_rank{rank}.pt")
 (out / f"layout_rank{rank}.json").write_text(json.dumps(layout))
+if grads:
+    torch.save(grads, out / f"grads_rank{rank}.pt")
 sys.exit(rc)
