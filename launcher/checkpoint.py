@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from launcher.config import ConfigError
+from optim.build import leaf_optimizers
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -275,16 +276,6 @@ def set_rng_state(state: dict) -> None:
 # --- save / load ----------------------------------------------------------------------------------------
 
 
-def _leaf_optimizers(optimizer):
-    """The non-chained optimizers inside megatron's (possibly nested) ``ChainedOptimizer``."""
-    subs = getattr(optimizer, "chained_optimizers", None)
-    if subs is None:
-        yield optimizer
-        return
-    for sub in subs:
-        yield from _leaf_optimizers(sub)
-
-
 @contextlib.contextmanager
 def _fp32_params_visible_to_checkpointing(optimizer):
     """Let megatron's mixed-precision optimizer wrapper checkpoint fp32 model parameters.
@@ -300,7 +291,7 @@ def _fp32_params_visible_to_checkpointing(optimizer):
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     swapped = []
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         if (isinstance(opt, Float16OptimizerWithFloat16Params)
                 and not any(opt.float16_groups) and any(opt.fp32_from_fp32_groups)):
             swapped.append((opt, opt.float16_groups))
@@ -321,12 +312,12 @@ def _sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool
     sd: dict = {}
     if len(model) == 1:
         sd["model"] = model[0].module.sharded_state_dict()
-        model_sd = sd["model"]
     else:
-        model_sd = {}
         for i, chunk in enumerate(model):
             sd[f"model{i}"] = chunk.module.sharded_state_dict()
-            model_sd.update(sd[f"model{i}"])
+    # the optimizer finds its parameters in the model tensors of ALL chunks (as Megatron-LM passes its
+    # whole state dict); a flat merge would lose chunk 0's entries to chunk 1's equal local names
+    model_sd = dict(sd)
     with _fp32_params_visible_to_checkpointing(optimizer):
         sd["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
@@ -447,7 +438,7 @@ def _materialise_optimizer_state(optimizer) -> None:
     place instead (zeros and step 0, every value overwritten by the load), through megatron's
     ``init_state_fn`` where the optimizer has one (Adam moments, Muon momentum).
     """
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
@@ -473,7 +464,7 @@ def _restore_step_counts(optimizer) -> None:
     differs from an uninterrupted run (found by the bitwise-resume test, tests/test_checkpoint.py). The
     step megatron keeps in each param group (restored correctly) is the true count.
     """
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue

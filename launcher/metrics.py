@@ -1,7 +1,8 @@
 """Per-step metrics: ``<run.dir>/metrics.jsonl``, wandb, and a progress bar (rank 0 only).
 
 ``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
-``lr``, ``loss``, ``grad_norm``, ``tokens_per_s`` (and ``val_loss`` on validation steps). wandb runs
+``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the
+step, ``model/flops.py``, against ``cluster.peak_tflops``), and ``val_loss`` on validation steps. wandb runs
 offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
 call in offline mode.
 
@@ -113,6 +114,7 @@ class MetricsLogger:
                 project=wandb_cfg.project,
                 entity=wandb_cfg.entity,
                 name=wandb_cfg.name,
+                group=wandb_cfg.get("group"),
                 dir=str(self.run_dir),
                 config=config,
                 reinit="finish_previous",

@@ -88,6 +88,53 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True  # ZeRO-1 over DP
 
 
+# Activation-memory sites (REFERENCE.md "Training system", "Activation memory"), config group ``memory``.
+# Each name selects tensors that autograd saves for backward in every transformer layer; the model code
+# that applies them is model/memory.py. Names and the tensors they cover (shapes per microbatch, s =
+# sequence length, b = micro_batch_size, h = hidden_size, t = tokens routed to an expert):
+#
+# memory.fp8_store: kept as FP8-E4M3 with one FP32 scale per 1 x 128 tile of the last dimension, turned
+# back to the compute dtype when backward needs them (compute stays BF16/FP32, no FP8 GEMMs).
+MEMORY_FP8_SITES = {
+    "moe_fc1_input": "input of the routed experts' up-projection linear_fc1 [t, h] (the permuted tokens)",
+    "swiglu_input": "linear_fc1 output fed into SwiGLU [.., 2 x ffn] (routed experts, shared expert, dense MLP)",
+}
+# memory.recompute: the output is not kept for backward but recomputed from the input during backward.
+MEMORY_RECOMPUTE_SITES = {
+    "layernorm": "input_layernorm and pre_mlp_layernorm (RMSNorm) outputs [s, b, h] (megatron 'layernorm')",
+    "swiglu": "SwiGLU output [.., ffn] (routed experts, shared expert, dense MLP; megatron 'moe_act' "
+              "covers only grouped-GEMM experts)",
+    "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
+    "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
+}
+# memory.offload: moved to host memory in forward, brought back before their backward (GPU: side
+# streams + pinned memory, overlapped with compute; CPU: a plain copy). Works with PP and VPP.
+MEMORY_OFFLOAD_SITES = {
+    "attn_input": "what the attention-side RMSNorm (input_layernorm) saves: the layer input [s, b, h]",
+    "mla_up_proj": "what MLA's down/up projections and q/kv latent norms save: normed hidden states, "
+                   "compressed q and kv latents",
+    "core_attn": "what core attention saves: q, k, v and the softmax probabilities [b, heads, s, s]",
+    "attn_proj": "input of the attention output projection linear_proj [s, b, heads x v_head_dim]",
+    "mlp_input": "what the MLP-side RMSNorm (pre_mlp_layernorm) saves: the residual stream [s, b, h]",
+    "moe_fc1_input": "input of the routed experts' linear_fc1 [t, h]",
+    "swiglu_input": "linear_fc1 output fed into SwiGLU (routed experts, shared expert, dense MLP)",
+    "fc2_input": "SwiGLU output fed into linear_fc2 (routed experts, shared expert, dense MLP)",
+}
+
+
+@dataclass
+class MemoryConfig:
+    """Activation memory switches (REFERENCE.md "Training system"): lists of site names, see
+    ``MEMORY_FP8_SITES``, ``MEMORY_RECOMPUTE_SITES``, ``MEMORY_OFFLOAD_SITES`` above. Empty = off. All
+    three compose (an FP8-stored tensor can also be offloaded: its FP8 payload and scales move).
+    K2: ``fp8_store=[moe_fc1_input, swiglu_input]``,
+    ``recompute=[layernorm, swiglu, mla_up_proj, moe_down_proj]``, offload of the rest."""
+
+    fp8_store: List[str] = field(default_factory=list)
+    recompute: List[str] = field(default_factory=list)
+    offload: List[str] = field(default_factory=list)
+
+
 @dataclass
 class DataConfig:
     """Training data. ``path`` is a megatron indexed-dataset prefix (``PREFIX.bin``/``PREFIX.idx``), a
@@ -181,6 +228,18 @@ class WandbConfig:
     project: str = "k2-launcher"
     entity: Optional[str] = None
     name: Optional[str] = None
+    group: Optional[str] = None  # wandb run group (a sweep's points share one: launcher/sweep.py)
+
+
+@dataclass
+class SweepConfig:
+    """Sparsity sweep (``k2-train -m +experiment=sparsity_sweep``, launcher/sweep.py): one run per sparsity,
+    ``model.num_moe_experts = sparsity x model.moe_router_topk``, run dir ``<dir>/sparsity_<S>``."""
+
+    name: str = "none"
+    sparsities: List[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
+    val_loss_target: Optional[float] = None  # FLOPs to reach this validation loss are compared
+    dir: str = "runs/sweeps/${sweep.name}"
 
 
 @dataclass
@@ -213,10 +272,12 @@ class LaunchConfig:
 
 @dataclass
 class ClusterConfig:
-    """Target cluster for ``k2-plan``."""
+    """Target cluster for ``k2-plan`` (and the peak the trainer's MFU is measured against)."""
 
     nodes: int = 1
     gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
+    peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
 
 
 @dataclass
@@ -251,7 +312,21 @@ class PipelineConfig:
 
 @dataclass
 class PlanConfig:
-    query_tokens: Optional[Any] = None  # k2-plan: list of token counts -> "lr_at_tokens" in the JSON
+    """``k2-plan`` settings (launcher/plan.py)."""
+
+    query_tokens: Optional[Any] = None  # list of token counts -> "lr_at_tokens" in the JSON
+    search: bool = False  # list the valid PP/VPP/EP layouts of the cluster, ranked by estimated step time
+    step_time_s: Optional[float] = None  # a measured step time (s) -> MFU against cluster.peak_tflops
+    # fraction of cluster.peak_tflops a stage's model FLOPs run at (GEMM efficiency; communication
+    # assumed hidden): sets the estimated step time, not the ranking of layouts
+    compute_efficiency: float = 0.5
+    # share of the optimizer states kept in host memory (megatron's optimizer_cpu_offload /
+    # optimizer_offload_fraction; K2 offloads part of them at 32 nodes). Planning only: k2-train keeps
+    # them on the GPU.
+    optimizer_offload_fraction: float = 0.0
+    # decoupled weight gradients (B = input gradient, W = weight gradient deferred, K2's schedule);
+    # planning only until the trainer has the switch
+    split_backward: bool = False
 
 
 @dataclass
@@ -269,6 +344,7 @@ class K2Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -282,6 +358,7 @@ class K2Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     submit: SubmitConfig = field(default_factory=SubmitConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # issue 8
     output: str = "text"  # text | json (k2-plan, k2-bench)

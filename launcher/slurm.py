@@ -326,27 +326,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``k2-submit`` (Hydra overrides in ``argv``). Returns the exit status.
 
     0: submitted (job id on stdout) or dry run (script on stdout); 1: ``sbatch`` missing or failed;
-    2: a bad setting (``k2-submit: error: ...`` on stderr, naming it).
+    2: a bad setting (``k2-submit: error: ...`` on stderr, naming it). With ``-m`` (a sweep,
+    launcher/sweep.py): one job per unfinished point, each with its own run dir; every point is checked
+    before anything is submitted.
     """
     from launcher.config import ConfigError, load_config
+    from launcher.sweep import split_multirun
 
-    overrides = list(sys.argv[1:] if argv is None else argv)
+    multirun, overrides = split_multirun(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in overrides):
         print(__doc__.split("\n\nThe rendered script")[0])
         return 0
     try:
-        cfg = load_config(overrides)
-        world = _check_submit(cfg)
-        from launcher.train import make_plan
+        if multirun:
+            jobs = _sweep_jobs(overrides)
+        else:
+            cfg = load_config(overrides)
+            world = _check_submit(cfg)
+            from launcher.train import make_plan
 
-        make_plan(cfg, world)  # also decides the resume (a used run.dir resumes from its checkpoint)
-        text = render_sbatch(cfg, overrides)
+            make_plan(cfg, world)  # also decides the resume (a used run.dir resumes from its checkpoint)
+            jobs = [(cfg, overrides)]
+        texts = [render_sbatch(cfg, ovr) for cfg, ovr in jobs]
     except (ConfigError, ValueError) as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
-    if cfg.submit.dry_run:
-        sys.stdout.write(text)
+    if jobs and jobs[0][0].submit.dry_run:
+        sys.stdout.write("\n".join(texts))
         return 0
+    for (cfg, _), text in zip(jobs, texts):
+        rc = _submit(cfg, text)
+        if rc:
+            return rc
+    return 0
+
+
+def _sweep_jobs(overrides: Sequence[str]) -> list:
+    """``(cfg, overrides)`` of every sweep point not finished yet (all points validated first)."""
+    from launcher.config import load_config
+    from launcher.sweep import check_points, point_status, sweep_points
+
+    _, points = sweep_points(overrides)
+    cfgs = {p.name: load_config(list(p.overrides)) for p in points}
+    for p in points:
+        _check_submit(cfgs[p.name])
+    plans = check_points(points, lambda c: c.cluster.nodes * c.cluster.gpus_per_node)
+    todo = [(cfgs[p.name], list(p.overrides)) for p in points if point_status(p, plans[p.name]) != "finished"]
+    for p in points:
+        if point_status(p, plans[p.name]) == "finished":
+            print(f"{_PROG}: {p.name}: finished, not submitted", file=sys.stderr)
+    return todo
+
+
+def _submit(cfg, text: str) -> int:
+    """Write ``<run.dir>/pretrain.sbatch`` and ``sbatch`` it; the job id goes to stdout."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         print(f"{_PROG}: error: sbatch not found on PATH; run k2-submit on a Slurm login node, or add "

@@ -474,6 +474,11 @@ def run(cfg, plan: Plan, env) -> dict:
                 "update_successful": bool(update_ok),
                 **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
             }
+            # -- MFU (issue 7): model FLOPs of the step (model/flops.py, shared with k2-plan) over peak --
+            from model.flops import mfu, step_flops
+            record["model_tflops_per_gpu"], record["mfu"] = mfu(step_flops(
+                cfg.model, phase.seq_length, plan.tokens_per_step), dt, env.world_size, cfg.cluster.peak_tflops)
+            # -- end MFU --
             record.update(moe_step_metrics(model, cfg.model.num_layers, cfg.model.num_moe_experts,
                                            phase.num_microbatches, pattern))
             if pipeline is not None:  # pipeline (issue 8): wgrad_deferred_peak_bytes
@@ -579,7 +584,8 @@ def _spawn_local(cfg, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``k2-train`` and ``python -m launcher.train`` (Hydra overrides in ``argv``).
+    """Entry point for ``k2-train`` and ``python -m launcher.train`` (Hydra overrides in ``argv``; with
+    ``-m``/``--multirun`` a sweep, one run per point: launcher/sweep.py).
 
     Returns:
         0 when the run finished, 2 for a config error, :data:`launcher.slurm.REQUEUE_EXIT_CODE` (42) when
@@ -589,8 +595,16 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.slurm import REQUEUE_EXIT_CODE
     from parallel.distributed import destroy_distributed, dist_env
 
-    overrides = list(sys.argv[1:] if argv is None else argv)
+    from launcher.sweep import run_sweep, split_multirun
+
+    multirun, overrides = split_multirun(sys.argv[1:] if argv is None else argv)
     env = dist_env()
+    if multirun:
+        if env.launched:
+            print("k2-train: error: -m (a sweep) starts one run per point itself; run it outside "
+                  "torchrun/srun (or submit the points with k2-submit -m)", file=sys.stderr)
+            return 2
+        return run_sweep(overrides)
     try:
         cfg = load_config(overrides)
         world = env.world_size if env.launched else cfg.launch.nproc_per_node

@@ -63,6 +63,7 @@ from typing import Any, Iterable
 __all__ = [
     "COMPONENTS",
     "ModelParams",
+    "ParamSpec",
     "SingleRankGroup",
     "count_params",
     "count_module_params",
@@ -152,6 +153,52 @@ def count_module_params(module) -> int:
 
 
 @dataclass(frozen=True)
+class ParamSpec:
+    """Name and shape of one parameter of a block of the representative model (for memory layouts).
+
+    Attributes:
+        name: the parameter's name inside a ``GPTModel`` with the block at local layer 0, e.g.
+            ``embedding.word_embeddings.weight``, ``decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight``,
+            ``output_layer.weight``.
+        shape: its shape (TP = 1, all experts).
+        expert: index of the routed expert it belongs to, or None.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    expert: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _block_specs(model, moe_local: list[int]) -> dict[str, tuple[ParamSpec, ...]]:
+    """Parameters of the representative model in ``named_parameters`` order, per block kind:
+    ``embedding``, ``dense_layer``, ``moe_layer`` (all experts) and ``final`` (final norm + output head);
+    layer parameter names are renamed to local layer 0."""
+    blocks: dict[str, list[ParamSpec]] = {"embedding": [], "dense_layer": [], "moe_layer": [], "final": []}
+    for name, p in model.named_parameters():
+        m = _LAYER_RE.match(name)
+        if m:
+            kind = "moe_layer" if int(m.group(1)) in moe_local else "dense_layer"
+            local = f"decoder.layers.0.{m.group(2)}"
+            e = _EXPERT_RE.search(local)
+            blocks[kind].append(ParamSpec(local, tuple(p.shape), int(e.group(1)) if e else None))
+        elif name.startswith("embedding."):
+            blocks["embedding"].append(ParamSpec(name, tuple(p.shape)))
+        else:
+            blocks["final"].append(ParamSpec(name, tuple(p.shape)))
+    return {k: tuple(v) for k, v in blocks.items()}
+
+
+@dataclass(frozen=True)
 class ModelParams:
     """Parameter counts (elements) of one K2-family model, per component; see the module docstring.
 
@@ -174,6 +221,8 @@ class ModelParams:
     num_experts: int
     topk: int
     tied_embeddings: bool
+    #: parameter names/shapes per block kind (see :class:`ParamSpec`), for megatron's buffer layouts
+    specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_dense_layers(self) -> int:
@@ -402,6 +451,7 @@ def count_params(cfg) -> ModelParams:
         num_experts=num_experts,
         topk=int(m.moe_router_topk) if num_experts else 0,
         tied_embeddings=bool(m.share_embeddings_and_output_weights),
+        specs=_block_specs(model, moe_local),
     )
 
 

@@ -42,6 +42,20 @@ K2_MUON = "k2_muon"
 OPTIMIZERS = ("adamw", "muonclip")
 
 
+def leaf_optimizers(optimizer):
+    """The optimizers inside megatron's (possibly nested) ``ChainedOptimizer``, in order; none for
+    ``None``. (MuonClip: the layer-wise optimizer's Muon and Adam wrappers and the Adam
+    ``DistributedOptimizer``.)"""
+    if optimizer is None:
+        return
+    children = getattr(optimizer, "chained_optimizers", None)
+    if children is None:
+        yield optimizer
+        return
+    for child in children:
+        yield from leaf_optimizers(child)
+
+
 def check_optim_config(cfg) -> None:
     """Validate ``cfg.optim`` (called by the trainer's plan, before any process group).
 

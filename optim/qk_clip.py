@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from optim.build import leaf_optimizers
+
 
 def clip_factors(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
     """``gamma = tau / S`` where ``S > tau``, else 1 (negative, zero, ``-inf``, NaN: 1).
@@ -95,17 +97,6 @@ class _Layer:
     core: object  # model.attention.K2CoreAttention
     scales: callable  # gamma [heads] -> list of per-row factor tensors, one per weight
     weights: list  # the parameters scaled, in the order of ``scales``' output
-
-
-def _leaf_optimizers(optimizer):
-    if optimizer is None:
-        return
-    children = getattr(optimizer, "chained_optimizers", None)
-    if children is None:
-        yield optimizer
-        return
-    for child in children:
-        yield from _leaf_optimizers(child)
 
 
 class QKClip:
@@ -178,7 +169,7 @@ class QKClip:
             return None
         if not getattr(p, "main_param_sharded", False):
             return main, None, None
-        for leaf in _leaf_optimizers(optimizer):
+        for leaf in leaf_optimizers(optimizer):
             gbuf_map = getattr(leaf, "model_param_gbuf_map", None)
             if gbuf_map is not None and p in gbuf_map:
                 rng = leaf._get_model_param_range_map(p)["param"]

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from launcher.config import ConfigError
 
-__all__ = ["ParallelDims", "check_microbatches"]
+__all__ = ["ParallelDims", "balanced_layout", "check_microbatches"]
 
 # Layout-string syntax accepted by megatron-core 0.19.2's PipelineParallelLayerLayout.parse_str_to_list.
 _LAYOUT_SYNTAX = (
@@ -461,6 +461,69 @@ def _counts_from_layout(layout: str, pp: int, vpp: int, num_layers: int) -> list
     except Exception as e:
         raise ConfigError(f"parallel.layout={layout!r} is rejected by megatron-core: {e}") from None
     return [[parsed.layout[r][v].count(LayerType.decoder) for v in range(vpp)] for r in range(pp)]
+
+
+# ---------------------------------------------------------------------- layout search
+
+
+def balanced_layout(layer_costs: list[float], pp: int, vpp: int = 1, embedding_cost: float = 0.0,
+                    loss_cost: float = 0.0) -> str:
+    """A ``parallel.layout`` string that spreads contiguous decoder layers over ``pp x vpp`` virtual stages
+    so that the busiest PP rank (the sum of its ``vpp`` stages) is as cheap as possible (used by
+    ``k2-plan plan.search=true``).
+
+    In interleaved 1F1B every rank runs each of its stages once per microbatch, so the busiest rank sets
+    the pace; within a rank the work is split evenly over its stages (rounded to whole layers). The
+    embedding opens the first virtual stage and the loss (final norm + output head) closes the last, as
+    megatron requires (module docstring); stages are written in pipeline order (``vpp_stage * pp +
+    pp_rank``). For K2 on PP16 x VPP2 (LM head about two layers) rank 15 gets one layer besides the loss
+    and every other rank four: ``Et|tt|...|t|tt|...|t|L``-like, where the recipe's ``Et|(tt|)*30L`` gives
+    rank 15 two layers + the loss.
+
+    Args:
+        layer_costs: cost of each decoder layer (any unit, e.g. training FLOPs per token).
+        pp, vpp: pipeline and virtual-pipeline sizes.
+        embedding_cost, loss_cost: cost of the embedding / of the loss stage's head.
+
+    Raises:
+        ValueError: ``pp`` or ``vpp`` < 1, or a negative cost.
+    """
+    if pp < 1 or vpp < 1 or any(c < 0 for c in layer_costs) or embedding_cost < 0 or loss_cost < 0:
+        raise ValueError("balanced_layout needs pp, vpp >= 1 and non-negative costs")
+    n, S = len(layer_costs), pp * vpp
+
+    def place(cap: float) -> Optional[list[int]]:
+        """Layers per stage when no rank carries more than ``cap``: each stage of rank r takes layers, in
+        pipeline order, up to about ``(cap - fixed_r) / vpp`` (a layer goes in if at least half of it
+        fits there and all of it fits in the rank's ``cap``). None if layers are left over."""
+        counts, i = [0] * S, 0
+        fixed = [(embedding_cost if r == 0 else 0.0) + (loss_cost if r == pp - 1 else 0.0) for r in range(pp)]
+        rank_load = list(fixed)
+        for g in range(S):
+            r = g % pp
+            budget = (cap - fixed[r]) / vpp
+            load = 0.0
+            while (i < n and load + layer_costs[i] / 2 <= budget
+                   and rank_load[r] + layer_costs[i] <= cap):
+                load += layer_costs[i]
+                rank_load[r] += layer_costs[i]
+                counts[g] += 1
+                i += 1
+        return counts if i == n else None
+
+    lo, hi = 0.0, embedding_cost + loss_cost + 2 * sum(layer_costs) + 1.0
+    for _ in range(100):  # bisection on the busiest rank's load
+        mid = (lo + hi) / 2
+        if place(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    counts = place(hi)
+    assert counts is not None
+    stages = ["t" * c for c in counts]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return "|".join(stages)
 
 
 # ---------------------------------------------------------------------- batch

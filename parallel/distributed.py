@@ -117,6 +117,22 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def ddp_config(use_distributed_optimizer: bool, delay_wgrad_compute: bool = False):
+    """megatron ``DistributedDataParallelConfig`` of ``k2-train`` (also what ``k2-plan`` lays the buffers out
+    with, parallel/memory.py): FP32 gradient buffers, ZeRO-1 over DP with ``use_distributed_optimizer``,
+    no overlapped gradient reduction (so one bucket per buffer); ``delay_wgrad_compute`` for
+    ``pipeline.decouple_wgrad`` (model/wgrad.py)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+        delay_wgrad_compute=delay_wgrad_compute,
+    )
+
+
 def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False,
                delay_wgrad_compute: bool = False) -> list:
     """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
@@ -140,17 +156,11 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
         ``list[megatron.core.distributed.DistributedDataParallel]``, one per chunk.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.transformer.module import Float16Module
 
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=True,
-        delay_wgrad_compute=delay_wgrad_compute,
-    )
+    ddp_cfg = ddp_config(use_distributed_optimizer, delay_wgrad_compute)
     out = []
     for i, chunk in enumerate(chunks):
         if tcfg.bf16:

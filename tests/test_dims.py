@@ -194,6 +194,59 @@ def test_table_matches_megatron(world_size, num_layers, par, megatron, monkeypat
     assert dims.layout == megatron_table(megatron, monkeypatch, dims)
 
 
+# K2's 61 layers over PP16 (REFERENCE.md "Training system"): VPP 1 with first/last-stage overrides, VPP 2
+# and VPP 4 with layout strings (61 layers cannot be split by overrides when vpp > 1: first/last must be
+# multiples of vpp, which leaves an odd number for an even count of middle stages).
+K2_VPP4 = "Et|" + "t|" * 46 + "|" + "t|" * 14 + "|L"
+K2_LAYOUTS = [
+    dict(pp=16, first_stage_layers=1),
+    dict(pp=16, last_stage_layers=1),
+    dict(pp=16, first_stage_layers=3, last_stage_layers=2),
+    dict(pp=16, first_stage_layers=5, last_stage_layers=4),  # 52 / 14 does not divide -> error below
+    dict(pp=16, vpp=2, layout="Et|(tt|)*30L"),
+    dict(pp=16, vpp=2, layout="Ett|" + "tt|" * 14 + "t|" + "tt|" * 15 + "L"),
+    dict(pp=16, vpp=4, layout=K2_VPP4),
+]
+
+
+@pytest.mark.parametrize("par", K2_LAYOUTS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_k2_61_layers_over_pp16(par, megatron, monkeypatch):
+    if par.get("first_stage_layers") == 5:
+        with pytest.raises(ConfigError, match="middle layers must be a positive multiple of 14"):
+            _dims(256, 61, 384, ep=16, **par)
+        return
+    dims = _dims(256, 61, 384, ep=16, **par)
+    in_pipeline_order = [i for v in range(dims.vpp) for r in range(dims.pp) for i in dims.layout[r][v]]
+    assert in_pipeline_order == list(range(61))  # every layer exactly once, in order
+    assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+    if "first_stage_layers" in par:
+        assert len(dims.layout[0][0]) == par["first_stage_layers"]
+    if "last_stage_layers" in par:
+        assert len(dims.layout[15][0]) == par["last_stage_layers"]
+
+
+@pytest.mark.parametrize("vpp", [2, 4])
+def test_k2_61_layers_no_overrides_with_vpp(vpp):
+    with pytest.raises(ConfigError, match="parallel.vpp"):
+        _dims(256, 61, 384, ep=16, pp=16, vpp=vpp, first_stage_layers=vpp)
+
+
+def test_balanced_layout(megatron, monkeypatch):
+    """k2-plan's search places layers by cost; the strings are valid megatron layouts for any pp x vpp,
+    and the busiest rank carries the least possible whole-layer load for equal layers."""
+    from parallel.dims import balanced_layout
+
+    assert balanced_layout([1.0] * 61, 16, 4, 0.0, 2.2) == K2_VPP4
+    for pp, vpp in [(16, 1), (16, 2), (16, 4), (8, 3), (4, 2), (1, 1), (2, 1)]:
+        layout = balanced_layout([1.0] * 61, pp, vpp, 0.0, 2.2)
+        dims = _dims(pp * 16, 61, 384, ep=16, pp=pp, vpp=vpp if vpp > 1 else None, layout=layout)
+        assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+        loads = [sum(len(dims.layout[r][v]) for v in range(vpp)) + (2.2 if r == pp - 1 else 0) for r in range(pp)]
+        assert max(loads) <= -(-(61 + 2.2) // pp) + 0.2 + 1e-9, (pp, vpp, loads)
+    with pytest.raises(ValueError):
+        balanced_layout([1.0], 0)
+
+
 def test_megatron_crashes_on_pp2_vpp_first_and_last(megatron, monkeypatch):
     """Why ParallelDims rejects first+last_stage_layers with pp=2, vpp>1: megatron-core 0.19.2 divides
     by the number of middle PP ranks (0). If this starts passing, megatron fixed it."""

@@ -162,6 +162,14 @@ def test_cli_text(capsys):
         (["output=yaml"], "output"),
         (["cluster.gpus=4"], "cluster.gpus"),
         (["model.first_k_dense_replace=99"], "model.first_k_dense_replace"),
+        (["parallel=k2_256gpu", "cluster.nodes=48"], "cluster.nodes=48"),
+        (["cluster.peak_tflops=0"], "cluster.peak_tflops"),
+        (["cluster.gpu_memory_gib=-80"], "cluster.gpu_memory_gib"),
+        (["plan.step_time_s=0"], "plan.step_time_s"),
+        (["plan.compute_efficiency=1.5"], "plan.compute_efficiency"),
+        (["plan.optimizer_offload_fraction=2"], "plan.optimizer_offload_fraction"),
+        (["memory.recompute=[attention]"], "memory.recompute"),
+        (["output=csv"], "output"),
     ],
 )
 def test_bad_inputs_exit_2(capsys, overrides, named):
@@ -260,10 +268,97 @@ def test_plan_json_and_plot(capsys, tmp_path):
     assert s["phases"][2]["first_step"] == 149_013
     assert plan["lr_at_tokens"] == pytest.approx([k2_lr(t) for t in query], rel=1e-9, abs=1e-15)
     assert plan["lr_at_tokens"][3] == pytest.approx(1.1e-4) and plan["lr_at_tokens"][-1] == ANNEAL_END
-    head = png.read_bytes()[:8]
-    assert head == b"\x89PNG\r\n\x1a\n" and 10_000 < png.stat().st_size < 300_000
+    for picture in (png, tmp_path / "k2_schedule.png"):  # the pipeline timeline, the schedule
+        head = picture.read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n" and 10_000 < picture.stat().st_size < 300_000
 
     rc = main(["schedule=k2_15t5"])  # text: the exact landing token count of the 10T boundary
     assert rc == 0 and "10,000,026,042,368" in capsys.readouterr().out
     assert main(["schedule=k2_15t5", "plan.query_tokens=[-1]"]) == 2
     assert "plan.query_tokens[0]=-1" in capsys.readouterr().err
+
+
+def test_node_count_rule(capsys):
+    """K2's model-parallel group PP16 x EP16 = 256 GPUs = 32 nodes is reused for any multiple of 32 nodes;
+    another node count is refused with the rule and the allowed counts."""
+    rc, out, err = _run_cli(capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=48"])
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "multiple of 32" in err and "allowed cluster.nodes: 32, 64, 96" in err
+    rc, out, _ = _run_cli(capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=64", "output=json",
+                                   "train.micro_batch_size=1"])
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["model_parallel_group"] == {"gpus": 256, "nodes": 32.0, "replicas": 2,
+                                            "shape": "TP1 x PP16 x EP16"}
+    assert (plan["dp"], plan["expert_dp"], plan["num_microbatches"]) == (32, 2, 512)
+
+
+@pytest.fixture(scope="module")
+def k2_plan():
+    from launcher.plan import make_plan
+
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "train.precision=bf16", "train.micro_batch_size=1",
+                       "memory=k2", "plan.optimizer_offload_fraction=0.5", "plan.step_time_s=150"])
+    return make_plan(cfg)
+
+
+def test_k2_plan_json_keys(k2_plan):
+    """The keys the issue names, with K2's numbers."""
+    from model.flops import flops_per_token
+
+    p = k2_plan
+    for key in ("params_total", "params_active", "layout", "memory_per_gpu_bytes", "bubble_fraction",
+                "flops_per_token", "global_batch_tokens", "fits"):
+        assert key in p, key
+    mem = p["memory_per_gpu_bytes"]
+    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"])
+    assert mem["optimizer"] == pytest.approx(mem["optimizer_offloaded_to_host"])  # half offloaded
+    assert isinstance(p["fits"], bool) and p["fits"] == (mem["total"] <= 80 * 2**30)
+    assert p["global_batch_tokens"] == 67_108_864 and p["num_microbatches"] == 1024
+    assert p["flops_per_token"] == flops_per_token(load_config(["model=kimi_k2"]).model, 4096).training
+    assert 0 < p["bubble_fraction"] < 0.05
+    # MFU of a measured 150 s step: 1.379e19 FLOPs / (150 s x 256 GPUs x 989 TFLOP/s)
+    assert p["mfu"] == pytest.approx(p["flops_per_token"] * 67_108_864 / (150 * 256 * 989e12))
+    assert p["model_tflops_per_gpu"] == pytest.approx(p["mfu"] * 989)
+    # every PP rank: fullest DP rank's memory; the fullest GPU is their maximum
+    assert max(r["memory_bytes"]["total"] for r in p["pp_ranks"]) == pytest.approx(mem["total"])
+    # activations: more microbatches in flight on the first PP ranks (interleaved warm-up: 2 (p-r-1) + p + 1)
+    assert [r["memory_bytes"]["microbatches_in_flight"] for r in p["pp_ranks"]] == [
+        2 * (16 - r - 1) + 16 + 1 for r in range(16)]
+    assert p["pipeline"]["peak_in_flight_per_rank"][0] == 47
+
+
+def test_output_table(capsys):
+    rc, out, _ = _run_cli(capsys, ["model=k2_tiny", "parallel=cpu4", "cluster.nodes=1", "cluster.gpus_per_node=4",
+                                   "output=table"])
+    assert rc == 0
+    for needle in ("memory per GPU, GiB", "bubble", "FLOPs per token", "fullest GPU", "model-parallel group"):
+        assert needle in out, needle
+
+
+def test_search_small_cluster(capsys):
+    """plan.search on 1 node x 4 GPUs (k2_tiny): every valid layout once, fitting ones first, each group
+    by estimated step time; each row's layout is one k2-plan accepts."""
+    from launcher.plan import make_plan
+
+    cfg = load_config(["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4", "plan.search=true",
+                       "cluster.gpu_memory_gib=0.05"])
+    rows = make_plan(cfg)["search"]
+    assert rows and [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
+    keys = {(r["pp"], r["vpp"], r["ep"]) for r in rows}
+    assert len(keys) == len(rows)
+    assert (1, 1, 1) in keys and (2, 2, 2) in keys and (4, 1, 1) in keys
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    for group in (True, False):
+        times = [r["step_time_s_estimated"] for r in rows if r["fits"] == group]
+        assert times == sorted(times)
+    for r in rows:
+        assert r["fits"] == (r["memory_per_gpu_bytes"] <= 0.05 * 2**30)
+        rc, out, err = _run_cli(capsys, ["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4",
+                                         f"parallel.pp={r['pp']}", f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
+                                         f"parallel.ep={r['ep']}", f"parallel.layout={r['layout']}", "output=json"])
+        assert rc == 0, err
+        again = json.loads(out)
+        assert again["memory_per_gpu_bytes"]["total"] == pytest.approx(r["memory_per_gpu_bytes"])
+        assert again["bubble_fraction"] == pytest.approx(r["bubble_fraction"], rel=1e-9)

@@ -133,7 +133,8 @@ def test_render_sbatch_lines_and_run_dir(tmp_path):
     assert "submit." not in srun[0] and "SLURM_JOB_ID" not in srun[0]
     assert text.count("run.dir=") == 3  # header comment, corpus step, srun: one fixed directory
     # requeue logic: status 42 -> scontrol requeue; anything else is the job's status
-    assert f"if [[ $rc -eq {REQUEUE_EXIT_CODE} ]]" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {tmp_path}/r1/requeue ]]" in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1' in text
     assert '-m launcher.slurm first-host "$SLURM_JOB_NODELIST"' in text
     assert '-m launcher.slurm master-port "$SLURM_JOB_ID"' in text
@@ -162,10 +163,16 @@ def _run_script(tmp_path: Path, text: str, srun_status: int) -> tuple[subprocess
     return r, log.read_text()
 
 
-@pytest.mark.parametrize("status, rc, requeued", [(0, 0, False), (REQUEUE_EXIT_CODE, 0, True), (3, 3, False)])
-def test_script_requeue_convention(tmp_path, status, rc, requeued):
+@pytest.mark.parametrize("status, marker, rc, requeued", [
+    (0, False, 0, False), (REQUEUE_EXIT_CODE, False, 0, True), (3, False, 3, False),
+    (137, True, 0, True),  # srun killed the last ranks (kill-on-bad-exit) after rank 0 left the marker
+])
+def test_script_requeue_convention(tmp_path, status, marker, rc, requeued):
     shutil.which("bash") or pytest.skip("no bash")
     ov = [f"run.dir={tmp_path}/run"]
+    if marker:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "requeue").write_text("7\n")
     r, calls = _run_script(tmp_path, render_sbatch(load_config(ov), ov), status)
     assert r.returncode == rc, r.stderr
     assert ("scontrol requeue 10001" in calls) == requeued

@@ -90,3 +90,30 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
     ref = run_trainer([x for x in JOB if not x.startswith(("cluster.", "submit."))], 2, tmp_path / "ref")
     assert recs[-1]["loss"] == ref[-1]["loss"] and recs[-1]["grad_norm"] == ref[-1]["grad_norm"]
     assert json.loads((run_dir / "checkpoints" / "iter_0000014" / "k2_state.json").read_text())["step"] == 14
+
+
+def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdlib_corpus):
+    """`k2-submit -m` submits one job per sparsity point, each into its own run dir; a second submission
+    of the finished sweep submits nothing."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "+experiment=sparsity_sweep", "parallel=single", "sweep.sparsities=[2,4]",
+            "train.iters=3", "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled",
+            "cluster.nodes=1", "cluster.gpus_per_node=1", "submit.request_gpus=false", "submit.time=30",
+            f"sweep.dir={sweep_dir}"]
+    env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
+    submit = [sys.executable, "-c", "from launcher.slurm import cli; cli()", *args]
+    sub = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert sub.returncode == 0, sub.stderr
+    jobs = sub.stdout.split()
+    assert len(jobs) == 2, sub.stdout
+    _wait(lambda: all(slurm.job_field(j, "JobState") in ("COMPLETED", "FAILED", "CANCELLED") for j in jobs),
+          600, f"jobs {jobs}", every=1)
+    assert [slurm.job_field(j, "JobState") for j in jobs] == ["COMPLETED", "COMPLETED"]
+    for s in (2, 4):
+        run_dir = sweep_dir / f"sparsity_{s}"
+        assert (run_dir / "pretrain.sbatch").read_text().count(f"run.dir={run_dir}") >= 1
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs] == [1, 2, 3]
+    again = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.strip() == "", again.stdout + again.stderr
+    assert again.stderr.count("finished, not submitted") == 2

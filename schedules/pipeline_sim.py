@@ -1,0 +1,342 @@
+"""Pipeline-schedule simulator: megatron-core's (interleaved) 1F1B order, per-stage costs, bubble, timeline.
+
+Why our own code: megatron-core runs the schedule but does not predict it; nothing in megatron-core,
+Megatron-Bridge or torchtitan simulates a schedule from per-stage costs. The *order* of the operations is
+megatron's, taken from its own functions (``megatron.core.pipeline_parallel.schedules``
+``get_pp_rank_microbatches`` and ``get_schedule_table``, 0.19.2), so the simulated schedule is the one
+``k2-train`` runs:
+
+* PP rank ``r`` runs ``warmup_r`` forward passes, then alternates one forward and one backward (1F1B),
+  then the remaining backward passes. With ``vpp > 1`` (interleaved 1F1B) ``warmup_r = 2 (pp - r - 1) +
+  (vpp - 1) G`` (``G`` = ``microbatch_group_size_per_vp_stage``, megatron's default ``pp``), counted in
+  (microbatch, model chunk) units; forward ``k`` runs the chunk/microbatch of ``schedule_table[k]`` and
+  backward ``k`` the same microbatch on chunk ``vpp - 1 - chunk``. Without virtual stages ``warmup_r =
+  pp - r - 1``.
+* Virtual stage ``g = chunk * pp + r`` (megatron's order). ``F(g, j)`` needs ``F(g-1, j)``; ``B(g, j)``
+  needs ``B(g+1, j)`` (the last stage's backward follows its own forward). Point-to-point transfers take
+  ``p2p_time`` (default 0).
+* Decoupled weight gradients (``split_backward=True``; K2 report "Training system", zero-bubble
+  pipelines' B/W split, megatron's ``delay_wgrad_compute``): ``B`` computes only the input gradient (what
+  the previous stage waits for); the weight gradient ``W(g, j)`` is queued on the rank and runs whenever
+  the rank's next F/B cannot start yet (it would otherwise idle), and at the end. Without the split, ``B``
+  costs input + weight gradient.
+
+Every rank runs its operations one at a time, in its own order, each as soon as its inputs are there
+(discrete-event simulation). Results, per rank: busy time and idle time; the makespan; the *bubble
+fraction* = total idle / total busy over the ranks (for equal stages: ``(pp - 1) / (vpp * m)``, the bubble
+over the ideal time; with unequal stages it also counts the waiting caused by the imbalance); the peak
+activation memory held for backward (stage activation bytes from the forward's end until the backward's
+end, or the weight gradient's end when split); the timeline of every operation.
+
+Units: the costs are in any time unit (``k2-plan`` passes seconds); memory in bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import types
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+__all__ = ["Op", "PipelineResult", "rank_order", "simulate"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation in the timeline.
+
+    Attributes:
+        kind: ``"F"`` forward, ``"B"`` backward (input + weight gradient, or input gradient only when
+            split), ``"W"`` weight gradient (split only).
+        rank: PP rank.
+        chunk: model chunk on the rank (``vpp_stage``).
+        stage: virtual stage ``chunk * pp + rank``.
+        microbatch: 0-based microbatch.
+        start, end: times.
+    """
+
+    kind: str
+    rank: int
+    chunk: int
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class PipelineResult:
+    """Output of :func:`simulate` (see the module docstring)."""
+
+    pp: int
+    vpp: int
+    num_microbatches: int
+    split_backward: bool
+    makespan: float
+    busy: list[float]  # per rank
+    ops: list[Op] = field(repr=False)
+    peak_activation_bytes: list[float] = field(default_factory=list)  # per rank
+    peak_in_flight: list[int] = field(default_factory=list)  # per rank: most (chunk, microbatch) held
+
+    def peak_bytes(self, per_stage: Sequence[float]) -> list[float]:
+        """Per rank, the most bytes held at once when each (virtual stage, microbatch) holds
+        ``per_stage[stage]`` from the end of its forward to the end of its backward (or of its weight
+        gradient when split); frees count before allocations at equal times."""
+        events = []
+        for o in self.ops:
+            if o.kind == "F":
+                events.append((o.end, 1, o.rank, per_stage[o.stage]))
+            elif (o.kind == "B" and not self.split_backward) or o.kind == "W":
+                events.append((o.end, -1, o.rank, -per_stage[o.stage]))
+        held, peak = [0.0] * self.pp, [0.0] * self.pp
+        for _, _, r, delta in sorted(events):
+            held[r] += delta
+            peak[r] = max(peak[r], held[r])
+        return peak
+
+    @property
+    def idle(self) -> list[float]:
+        """Idle time per rank: makespan - busy."""
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Total idle time over total busy time, over all PP ranks."""
+        return sum(self.idle) / sum(self.busy)
+
+    def as_dict(self, timeline: bool = False) -> dict:
+        out = {
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "num_microbatches": self.num_microbatches,
+            "split_backward": self.split_backward,
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "busy_per_rank": self.busy,
+            "peak_in_flight_per_rank": self.peak_in_flight,
+            "peak_activation_bytes_per_rank": self.peak_activation_bytes,
+        }
+        if timeline:
+            out["timeline"] = [[o.kind, o.rank, o.chunk, o.microbatch, o.start, o.end] for o in self.ops]
+        return out
+
+
+def _megatron_schedule():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.pipeline_parallel import schedules
+    return schedules
+
+
+def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
+               group_size: Optional[int] = None) -> list[tuple[str, int, int]]:
+    """The forward/backward order megatron-core runs on PP rank ``rank``: ``[(kind, chunk, microbatch)]``.
+
+    Args:
+        pp, vpp: pipeline and virtual-pipeline sizes.
+        num_microbatches: microbatches per step (per DP rank).
+        rank: PP rank.
+        group_size: ``microbatch_group_size_per_vp_stage`` (None = megatron's default, ``pp``).
+
+    Raises:
+        ValueError: a count megatron's interleaved schedule rejects (``check_microbatches`` in
+            ``parallel/dims.py`` gives the configuration-level message).
+    """
+    s = _megatron_schedule()
+    g = pp if group_size is None else group_size
+    if vpp > 1:
+        if not (pp <= g <= num_microbatches) or 0 < num_microbatches % g < pp:
+            raise ValueError(f"interleaved 1F1B needs pp <= group <= microbatches and microbatches % group "
+                             f"in {{0}} or >= pp (pp={pp}, group={g}, microbatches={num_microbatches})")
+        table = s.get_schedule_table(num_microbatches, vpp, g)
+    else:
+        table = [(j, 0) for j in range(num_microbatches)]
+    comm = types.SimpleNamespace(
+        pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+    )
+    total, _, warmup, remaining = s.get_pp_rank_microbatches(num_microbatches, vpp, g, p2p_communicator=comm)
+    fwd = [("F", c, j) for j, c in table]
+    bwd = [("B", vpp - 1 - c, j) for j, c in table]
+    order = fwd[:warmup]
+    for k in range(remaining):
+        order += [fwd[warmup + k], bwd[k]]
+    order += bwd[remaining:]
+    assert len(order) == 2 * total
+    return order
+
+
+def simulate(
+    pp: int,
+    vpp: int,
+    num_microbatches: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Optional[Sequence[float]] = None,
+    *,
+    split_backward: bool = False,
+    p2p_time: float = 0.0,
+    activation_bytes: Optional[Sequence[float]] = None,
+    group_size: Optional[int] = None,
+    max_deferred_w: int = 1,
+) -> PipelineResult:
+    """Simulate one step of megatron's (interleaved) 1F1B schedule.
+
+    Args:
+        pp, vpp: pipeline and virtual-pipeline sizes.
+        num_microbatches: microbatches per step (per DP rank).
+        forward: per virtual stage (``pp * vpp`` values, pipeline order ``chunk * pp + rank``) the time of
+            one microbatch's forward.
+        backward: per virtual stage the time of one microbatch's input-gradient backward.
+        weight: per virtual stage the time of one microbatch's weight gradient (None = 0); without
+            ``split_backward`` it is added to ``backward``.
+        split_backward: decouple the weight gradient (W) from B (module docstring).
+        p2p_time: transfer time between consecutive stages.
+        activation_bytes: per virtual stage the bytes one microbatch's forward keeps for its backward.
+        group_size: megatron's ``microbatch_group_size_per_vp_stage`` (None = pp).
+        max_deferred_w: with ``split_backward``, the most weight gradients a rank holds back before it
+            runs the oldest one ahead of its next F/B. 1 (default, K2): each W runs right after its B,
+            or earlier in a gap; larger values let W fill later gaps (zero-bubble style) at the cost of
+            activations held longer.
+
+    Returns:
+        :class:`PipelineResult`.
+
+    Raises:
+        ValueError: wrong lengths, negative costs, or a microbatch count the schedule rejects.
+    """
+    S = pp * vpp
+    w = list(weight) if weight is not None else [0.0] * S
+    act = list(activation_bytes) if activation_bytes is not None else [0.0] * S
+    for name, seq in (("forward", forward), ("backward", backward), ("weight", w), ("activation_bytes", act)):
+        if len(seq) != S:
+            raise ValueError(f"{name} needs pp * vpp = {S} values (one per virtual stage), got {len(seq)}")
+        if any(x < 0 for x in seq):
+            raise ValueError(f"{name} has a negative value")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
+    b_cost = list(backward) if split_backward else [b + x for b, x in zip(backward, w)]
+
+    orders = [rank_order(pp, vpp, num_microbatches, r, group_size) for r in range(pp)]
+    pos = [0] * pp  # next op index per rank
+    free = [0.0] * pp
+    busy = [0.0] * pp
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
+    wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    ops: list[Op] = []
+    def deps(kind: str, stage: int, mb: int) -> Optional[float]:
+        """When the inputs of (kind, stage, mb) are there; None if an input is not scheduled yet."""
+        if kind == "F":
+            if stage == 0:
+                return 0.0
+            t = done.get(("F", stage - 1, mb))
+            return None if t is None else t + p2p_time
+        own = done.get(("F", stage, mb))
+        if own is None:
+            return None
+        if stage == S - 1:
+            return own
+        t = done.get(("B", stage + 1, mb))
+        return None if t is None else max(own, t + p2p_time)
+
+    def run(r: int, kind: str, chunk: int, mb: int, start: float) -> None:
+        stage = chunk * pp + r
+        dur = forward[stage] if kind == "F" else b_cost[stage] if kind == "B" else w[stage]
+        end = start + dur
+        ops.append(Op(kind, r, chunk, stage, mb, start, end))
+        done[(kind, stage, mb)] = end
+        free[r] = end
+        busy[r] += dur
+        if kind == "B" and split_backward:
+            wqueue[r].append((chunk, mb))
+
+    heap = [(0.0, r) for r in range(pp)]
+    blocked: set[int] = set()
+    while heap or blocked:
+        if not heap:
+            raise RuntimeError("pipeline simulation deadlocked (megatron's order cannot make progress)")
+        t, r = heapq.heappop(heap)
+        if pos[r] == len(orders[r]):
+            if wqueue[r]:  # cooldown: the remaining weight gradients
+                c, j = wqueue[r].pop(0)
+                run(r, "W", c, j, t)
+                heapq.heappush(heap, (free[r], r))
+            continue
+        kind, chunk, mb = orders[r][pos[r]]
+        ready = deps(kind, chunk * pp + r, mb)
+        if len(wqueue[r]) >= max_deferred_w:  # bound the weight gradients held back
+            c, j = wqueue[r].pop(0)
+            run(r, "W", c, j, t)
+        elif ready is not None and ready <= t:
+            run(r, kind, chunk, mb, t)
+            pos[r] += 1
+        elif wqueue[r]:  # the next F/B would wait: fill the gap with a deferred weight gradient
+            c, j = wqueue[r].pop(0)
+            run(r, "W", c, j, t)
+        elif ready is not None:
+            run(r, kind, chunk, mb, ready)
+            pos[r] += 1
+        else:
+            blocked.add(r)
+            continue
+        heapq.heappush(heap, (free[r], r))
+        for q in list(blocked):  # a rank waiting on an unscheduled input may go on now
+            kq, cq, jq = orders[q][pos[q]]
+            if deps(kq, cq * pp + q, jq) is not None:
+                blocked.discard(q)
+                heapq.heappush(heap, (free[q], q))
+
+    makespan = max(o.end for o in ops)
+    result = PipelineResult(pp, vpp, num_microbatches, split_backward, makespan, busy, ops)
+    result.peak_activation_bytes = result.peak_bytes(act)
+    result.peak_in_flight = [int(x) for x in result.peak_bytes([1] * S)]
+    return result
+
+
+def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
+    """Draw the per-rank timeline of ``result`` into ``path`` (PNG): one row per PP rank, forward /
+    backward / weight-gradient boxes coloured by kind and shaded by model chunk, idle time blank.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    base = {"F": (0.20, 0.45, 0.80), "B": (0.85, 0.40, 0.20), "W": (0.30, 0.65, 0.35)}
+    fig, ax = plt.subplots(figsize=(14, 0.35 * result.pp + 1.6))
+    for kind in "FBW":
+        for chunk in range(result.vpp):
+            boxes = [(o.start, o.end - o.start) for o in result.ops if o.kind == kind and o.chunk == chunk]
+            if not boxes:
+                continue
+            dark = 0.4 * chunk / max(1, result.vpp - 1)  # later model chunks darker
+            color = tuple(c * (1.0 - dark) for c in base[kind])
+            by_rank: dict[int, list] = {}
+            for o in result.ops:
+                if o.kind == kind and o.chunk == chunk:
+                    by_rank.setdefault(o.rank, []).append((o.start, o.end - o.start))
+            for r, bars in by_rank.items():
+                ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=color, edgecolor="none")
+    ax.set_ylim(result.pp - 0.5, -0.5)
+    ax.set_yticks(range(result.pp))
+    ax.set_yticklabels([f"pp {r}" for r in range(result.pp)], fontsize=7)
+    ax.set_xlim(0, result.makespan)
+    ax.set_xlabel("time (s)")
+    kinds = [("F", "forward"), ("B", "backward (input grad)" if result.split_backward else "backward")]
+    if result.split_backward:
+        kinds.append(("W", "weight grad"))
+    if result.vpp > 1:
+        kinds.append(("", "darker: later model chunk"))
+    ax.legend(handles=[Patch(color=base.get(k, (0.3, 0.3, 0.3)), label=lbl) for k, lbl in kinds],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
+    ax.set_title(title or (f"pp {result.pp} x vpp {result.vpp}, {result.num_microbatches} microbatches: "
+                           f"bubble {100 * result.bubble_fraction:.2f}%"), fontsize=9, loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
