@@ -4,7 +4,9 @@ against off, in one benchmark run.
 Each configuration is a real ``k2-train`` run (``torch.distributed.run`` with ``nproc`` local ranks; on a
 CPU-only machine gloo, the CPU proxy) of ``iters`` steps at the stable LR; the runs alternate off, on,
 off, on, ... for ``rounds`` rounds so that a drift of the machine hits both alike. The figure is the median
-``step_time_s`` (``metrics.jsonl``) over all steps but the first of each run. On gloo/CPU no gain is
+``step_time_s`` (``metrics.jsonl``) over all steps but the first of each run, and, less sensitive to other
+load on a shared machine, the CPU seconds of the forward-backward pass summed over the ranks (both runs
+write a ``pipeline.trace``, whose ``end`` events carry them). On gloo/CPU no gain is
 expected (the p2p transfers are host copies that do not overlap with compute the way NCCL transfers on a
 side stream do); the point is that the split costs little. With ``devices=auto`` and at least ``nproc``
 CUDA devices the same pair of runs is repeated on GPU (NCCL).
@@ -46,6 +48,7 @@ def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
         f"train.iters={o['iters']}", "train.eval_interval=0", "schedule.phases.0.steps=0",
         "checkpoint.save_at_end=false", "run.wandb.mode=disabled", "train.progress=false",
         f"run.dir={run_dir}", f"pipeline.decouple_wgrad={str(decouple).lower()}",
+        f"pipeline.trace={run_dir / 'trace'}",  # for the CPU seconds per pass (both configurations)
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={o['nproc']}", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "launcher.train", *overrides]
@@ -58,17 +61,29 @@ def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"bench=pipeline: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from schedules.pipeline import read_trace
+
+    cpu: dict[int, float] = {}  # step -> CPU seconds of the training pass, summed over the ranks
+    for events in read_trace(str(run_dir / "trace")).values():
+        for e in events:
+            if e["kind"] == "end" and e["pass"] == "train":
+                cpu[e["step"]] = cpu.get(e["step"], 0.0) + e["cpu_s"]
+    for rec in recs:
+        rec["pass_cpu_s"] = cpu[rec["step"]]
+    return recs
 
 
 def _case(o: dict, cuda: bool, tmp: Path) -> dict[str, Any]:
     times: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     losses: dict[bool, list[float]] = {}
     peak = 0
     for r in range(o["rounds"]):
         for decouple in (False, True):
             recs = _run(o, decouple, tmp / f"{'cuda' if cuda else 'cpu'}-r{r}-{int(decouple)}", cuda)
             times[decouple] += [rec["step_time_s"] for rec in recs[1:]]
+            cpu[decouple] += [rec["pass_cpu_s"] for rec in recs[1:]]
             losses[decouple] = [rec["loss"] for rec in recs]
             if decouple:
                 peak = max(peak, max(rec.get("wgrad_deferred_peak_bytes", 0) for rec in recs))
@@ -85,6 +100,11 @@ def _case(o: dict, cuda: bool, tmp: Path) -> dict[str, Any]:
         "fastest_step_off_ms": off_min,
         "fastest_step_on_ms": on_min,
         "fastest_on_over_off": on_min / off_min,
+        # CPU seconds of a step's forward-backward pass summed over the ranks (what other load on the
+        # machine changes least)
+        "pass_cpu_s_off": statistics.median(cpu[False]),
+        "pass_cpu_s_on": statistics.median(cpu[True]),
+        "pass_cpu_on_over_off": statistics.median(cpu[True]) / statistics.median(cpu[False]),
         "max_loss_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True])),
         "wgrad_deferred_peak_bytes": peak,
     }
@@ -96,6 +116,8 @@ def bench_pipeline(cfg) -> dict[str, Any]:
     Figures per case (``cpu``; ``cuda`` when at least ``nproc`` GPUs are present): ``step_time_off_ms``,
     ``step_time_on_ms`` (medians over the timed steps of all rounds), ``on_over_off`` (ratio), the same
     for the fastest step of each (``fastest_*``: less sensitive to other load on a shared machine),
+    ``pass_cpu_s_off`` / ``_on`` (CPU seconds of the forward-backward pass summed over the ranks, from the
+    ``pipeline.trace`` both runs write) and their ratio,
     ``max_loss_rel_diff`` (the per-step losses of the two runs; 0 = identical training),
     ``wgrad_deferred_peak_bytes`` (most bytes of deferred wgrad inputs held at once on any rank).
 

@@ -35,8 +35,9 @@ chunk = VPP stage on the rank), ``stage`` (virtual pipeline stage ``chunk * pp +
 (deferred weight gradients of one (chunk, microbatch): ``n_wgrads``, ``bytes``, ``where`` =
 ``after_send`` | ``no_send`` | ``late`` | ``flush``), ``send`` / ``recv`` (posted: ``what`` = ``act``
 or ``grad``, ``peer`` global rank, ``req`` request id), ``wait`` (``req``, ``label``), ``finalize``
-(``pending`` W items when the grad reduction starts), ``end`` (``pending``, ``wgrad_peak_bytes``,
-``wgrad_max_tags_held``). F/B/W are the planner's F/B/W model (``k2-plan``'s bubble simulator).
+(``pending`` W items when the grad reduction starts), ``end`` (the whole pass from ``start``:
+``pending``, ``wgrad_peak_bytes``, ``wgrad_max_tags_held``, ``cpu_s`` = CPU seconds the rank's process
+used in the pass, all threads). F/B/W are the planner's F/B/W model (``k2-plan``'s bubble simulator).
 """
 
 from __future__ import annotations
@@ -316,6 +317,7 @@ class PipelineHooks:
             if self.store is not None:
                 self.store.reset_peak()
             _ACTIVE = self
+            start, cpu0 = time.time(), time.process_time()
             try:
                 out = forward_backward(**kwargs)
             finally:
@@ -325,8 +327,8 @@ class PipelineHooks:
             if self.store is not None:
                 self.last_peak_bytes = self.store.peak_bytes
                 self.last_max_tags_held = self.store.max_tags_held
-            self._event("end", pending=pending, wgrad_peak_bytes=self.last_peak_bytes,
-                        wgrad_max_tags_held=self.last_max_tags_held)
+            self._event("end", start=start, pending=pending, wgrad_peak_bytes=self.last_peak_bytes,
+                        wgrad_max_tags_held=self.last_max_tags_held, cpu_s=time.process_time() - cpu0)
             if self.trace is not None:
                 self.trace.flush()
             if pending:

@@ -141,3 +141,5 @@ def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus):
     assert min(cpu["step_time_off_ms"], cpu["step_time_on_ms"]) > 0
     assert cpu["on_over_off"] == pytest.approx(cpu["step_time_on_ms"] / cpu["step_time_off_ms"])
     assert cpu["wgrad_deferred_peak_bytes"] > 0
+    assert min(cpu["pass_cpu_s_off"], cpu["pass_cpu_s_on"]) > 0
+    assert cpu["pass_cpu_on_over_off"] == pytest.approx(cpu["pass_cpu_s_on"] / cpu["pass_cpu_s_off"])
