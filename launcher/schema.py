@@ -88,6 +88,53 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True  # ZeRO-1 over DP
 
 
+# Activation-memory sites (REFERENCE.md "Training system", "Activation memory"), config group ``memory``.
+# Each name selects tensors that autograd saves for backward in every transformer layer; the model code
+# that applies them is model/memory.py. Names and the tensors they cover (shapes per microbatch, s =
+# sequence length, b = micro_batch_size, h = hidden_size, t = tokens routed to an expert):
+#
+# memory.fp8_store: kept as FP8-E4M3 with one FP32 scale per 1 x 128 tile of the last dimension, turned
+# back to the compute dtype when backward needs them (compute stays BF16/FP32, no FP8 GEMMs).
+MEMORY_FP8_SITES = {
+    "moe_fc1_input": "input of the routed experts' up-projection linear_fc1 [t, h] (the permuted tokens)",
+    "swiglu_input": "linear_fc1 output fed into SwiGLU [.., 2 x ffn] (routed experts, shared expert, dense MLP)",
+}
+# memory.recompute: the output is not kept for backward but recomputed from the input during backward.
+MEMORY_RECOMPUTE_SITES = {
+    "layernorm": "input_layernorm and pre_mlp_layernorm (RMSNorm) outputs [s, b, h] (megatron 'layernorm')",
+    "swiglu": "SwiGLU output [.., ffn] (routed experts, shared expert, dense MLP; megatron 'moe_act' "
+              "covers only grouped-GEMM experts)",
+    "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
+    "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
+}
+# memory.offload: moved to host memory in forward, brought back before their backward (GPU: side
+# streams + pinned memory, overlapped with compute; CPU: a plain copy). Works with PP and VPP.
+MEMORY_OFFLOAD_SITES = {
+    "attn_input": "what the attention-side RMSNorm (input_layernorm) saves: the layer input [s, b, h]",
+    "mla_up_proj": "what MLA's down/up projections and q/kv latent norms save: normed hidden states, "
+                   "compressed q and kv latents",
+    "core_attn": "what core attention saves: q, k, v and the softmax probabilities [b, heads, s, s]",
+    "attn_proj": "input of the attention output projection linear_proj [s, b, heads x v_head_dim]",
+    "mlp_input": "what the MLP-side RMSNorm (pre_mlp_layernorm) saves: the residual stream [s, b, h]",
+    "moe_fc1_input": "input of the routed experts' linear_fc1 [t, h]",
+    "swiglu_input": "linear_fc1 output fed into SwiGLU (routed experts, shared expert, dense MLP)",
+    "fc2_input": "SwiGLU output fed into linear_fc2 (routed experts, shared expert, dense MLP)",
+}
+
+
+@dataclass
+class MemoryConfig:
+    """Activation memory switches (REFERENCE.md "Training system"): lists of site names, see
+    ``MEMORY_FP8_SITES``, ``MEMORY_RECOMPUTE_SITES``, ``MEMORY_OFFLOAD_SITES`` above. Empty = off. All
+    three compose (an FP8-stored tensor can also be offloaded: its FP8 payload and scales move).
+    K2: ``fp8_store=[moe_fc1_input, swiglu_input]``,
+    ``recompute=[layernorm, swiglu, mla_up_proj, moe_down_proj]``, offload of the rest."""
+
+    fp8_store: List[str] = field(default_factory=list)
+    recompute: List[str] = field(default_factory=list)
+    offload: List[str] = field(default_factory=list)
+
+
 @dataclass
 class DataConfig:
     """Training data. ``path`` is a megatron indexed-dataset prefix (``PREFIX.bin``/``PREFIX.idx``), a
@@ -236,6 +283,7 @@ class K2Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     run: RunConfig = field(default_factory=RunConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

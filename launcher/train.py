@@ -46,6 +46,7 @@ def make_plan(cfg, world_size: int) -> Plan:
         ConfigError: any setting that cannot run, naming the setting and the allowed values.
     """
     from launcher.data import resolve_data
+    from model.memory import check_memory_config
     from optim.build import check_optim_config
     from parallel.dims import ParallelDims
     from schedules.wsd import resolve_schedule
@@ -56,6 +57,7 @@ def make_plan(cfg, world_size: int) -> Plan:
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     check_optim_config(cfg)
+    check_memory_config(cfg)  # issue 6: memory.* site names (model/memory.py)
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "

@@ -34,6 +34,11 @@ CASES = {
                                             ["schedule.global_batch_tokens=2,000", "seq_length=128"]),
     "schedule_long_phase_microbatches": (["parallel=cpu4", "schedule.phases.4.micro_batch_size=2"],
                                          ["schedule.phases.4", "microbatch", "parallel.pp"]),
+    "memory_unknown_fp8_site": (["memory.fp8_store=[moe_fc2_input]"],
+                                ["memory.fp8_store", "moe_fc2_input", "moe_fc1_input, swiglu_input"]),
+    "memory_unknown_recompute_site": (["memory.recompute=[core_attn]"],
+                                      ["memory.recompute", "core_attn", "moe_down_proj"]),
+    "memory_unknown_offload_site": (["memory.offload=[everything]"], ["memory.offload", "attn_input"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }
