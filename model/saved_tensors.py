@@ -1,0 +1,456 @@
+"""What autograd saves for backward: FP8 storage, CPU offload and a byte meter, on saved-tensor hooks.
+
+REFERENCE.md "Training system", "Activation memory". One mechanism serves the three uses:
+
+* **FP8 storage** (``Policy.fp8``): a saved tensor is replaced by its FP8-E4M3 1 x 128 tiles
+  (``model/fp8_storage.py``) when it is saved, and turned back into the compute dtype when backward
+  unpacks it. Compute is untouched (BF16 on GPU, FP32 on CPU); no FP8 GEMMs.
+* **CPU offload** (``Policy.offload``): a saved tensor (or its FP8 payload) is copied to host memory when
+  the scope that saved it ends (:meth:`SavedTensorScope.commit`) and its device copy is dropped; before
+  its backward it is copied back. On GPU both copies run on their own CUDA streams into/out of pinned
+  memory, so they overlap with compute: the device-to-host copy with the next layer's forward, the
+  host-to-device copy of layer ``i - 1`` with the backward of layer ``i`` (a prefetch started by a grad
+  hook on layer ``i``'s output, see :func:`chain_prefetch`). On CPU it is a plain copy.
+* **Meter** (:class:`SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
+  host, measured from what the hooks hold -- not estimated.
+
+Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
+``model/memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
+storage belongs to this site" -- and ``region(policy)`` blocks -- "everything saved inside belongs to this
+site". Matching by storage makes a site independent of *which* autograd function saves the tensor (a
+megatron ``Linear``, a ``CheckpointWithoutOutput`` that saves its inputs, a torch op saving a view), so a
+scope can wrap any module, e.g. the stored inputs of a decoupled weight-gradient computation.
+
+Why our own hooks and not megatron's fine-grained activation offloading
+(``megatron.core.pipeline_parallel.fine_grained_activation_offload``, megatron-core 0.19.2): it raises
+without Transformer Engine (``PipelineOffloadManager.__enter__`` needs TE's ``cpu_offload``), handles CUDA
+tensors only, offloads the routed experts only in ``TEGroupedMLP`` (not ``SequentialMLP``), needs its own
+per-microbatch bookkeeping in the schedules, and has no FP8 storage. torch's saved-tensor hooks are the
+one extension point here (only the innermost pair of hooks is active, so FP8, offload and the meter must
+be one pair: this module).
+
+Recompute interplay: a tensor whose storage was released by megatron's ``CheckpointWithoutOutput``
+(``discard_output_and_register_recompute``) before the scope commits is not offloaded (it will be
+recomputed; the recompute restores the same storage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to do with the saved tensors of one site.
+
+    Attributes:
+        site: the site name (``launcher/schema.py`` ``MEMORY_*_SITES``), used by the meter.
+        fp8: store as FP8-E4M3 1 x 128 tiles.
+        offload: move to host memory until backward.
+        recompute: keep nothing; backward calls this (see :func:`mark_recompute`).
+    """
+
+    site: str
+    fp8: bool = False
+    offload: bool = False
+    recompute: Optional[Callable[[], torch.Tensor]] = None  # see mark_recompute
+
+    @property
+    def transforms(self) -> bool:
+        return self.fp8 or self.offload or self.recompute is not None
+
+
+_TLS = threading.local()
+
+
+def _stack() -> list:
+    s = getattr(_TLS, "scopes", None)
+    if s is None:
+        s = _TLS.scopes = []
+    return s
+
+
+def current_scope() -> Optional["SavedTensorScope"]:
+    """The innermost open scope of this thread (None outside any; backward never has one)."""
+    s = _stack()
+    return s[-1] if s else None
+
+
+def mark(tensor: Optional[torch.Tensor], policy: Optional[Policy]) -> None:
+    """In the current scope, saved tensors sharing ``tensor``'s storage belong to ``policy``'s site.
+    A no-op outside a scope (e.g. during a recompute in backward) or with ``policy=None``."""
+    scope = current_scope()
+    if scope is not None and policy is not None and tensor is not None:
+        scope.mark(tensor, policy)
+
+
+def mark_recompute(tensor: torch.Tensor, recompute: Callable[[], torch.Tensor], site: str) -> bool:
+    """In the current scope, saved tensors sharing ``tensor``'s storage are not kept: backward gets them
+    from ``recompute()`` (called under ``torch.no_grad``; it must return a tensor equal to ``tensor``, same
+    shape, dtype and strides). A saved view of ``tensor`` is taken from the recomputed tensor with the
+    view's shape, strides and offset.
+
+    This is the output-discarding recompute (megatron's ``CheckpointWithoutOutput``) done through the
+    saved-tensor hooks: nothing is freed or restored behind autograd's back, and the inputs the recompute
+    reads may themselves be FP8-stored or offloaded.
+
+    Returns:
+        False outside a scope (then the tensor is saved as usual).
+    """
+    scope = current_scope()
+    if scope is None:
+        return False
+    if not tensor.is_contiguous():
+        raise ValueError("mark_recompute needs a contiguous tensor (its saved views are rebuilt by strides)")
+    scope.mark(tensor, Policy(site, recompute=recompute))
+    return True
+
+
+@contextlib.contextmanager
+def region(policy: Optional[Policy]) -> Iterator[None]:
+    """Inside the block, every tensor saved in the current scope belongs to ``policy``'s site."""
+    scope = current_scope()
+    if scope is None or policy is None:
+        yield
+        return
+    scope.regions.append(policy)
+    try:
+        yield
+    finally:
+        scope.regions.pop()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+class _Streams:
+    """The two side streams of the offload copies (created on first use, one pair per process)."""
+
+    d2h = None
+    h2d = None
+
+    @classmethod
+    def get(cls):
+        if cls.d2h is None:
+            cls.d2h, cls.h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        return cls.d2h, cls.h2d
+
+
+class _Saved:
+    """One saved tensor as held by the hooks: the tensor, its FP8 tiles, or their host copies."""
+
+    __slots__ = ("policy", "tensor", "fp8", "host", "group", "key", "device", "view")
+
+    def __init__(self, tensor: torch.Tensor, policy: Optional[Policy], group: "SavedTensorScope"):
+        self.policy = policy
+        self.group = group
+        self.key = _storage_key(tensor)
+        self.device = tensor.device
+        self.host = None  # list of host tensors once offloaded
+        self.view = None
+        if policy is not None and policy.recompute is not None:
+            self.fp8 = self.tensor = None
+            self.view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        elif policy is not None and policy.fp8 and tensor.is_floating_point() and tensor.dim() > 0 \
+                and tensor.shape[-1] > 0:
+            self.fp8 = quantize_tiles(tensor)
+            self.tensor = None
+        else:
+            self.fp8 = None
+            self.tensor = tensor
+
+    def payload(self) -> list:
+        if self.view is not None:
+            return []
+        return [self.fp8.data, self.fp8.scale] if self.fp8 is not None else [self.tensor]
+
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.payload())
+
+    def released(self) -> bool:
+        """True when the tensor's storage was released by a recompute checkpoint (it will come back)."""
+        return self.tensor is not None and self.tensor.untyped_storage().size() == 0
+
+    def offload(self, stream) -> None:
+        host = []
+        for t in self.payload():
+            if _is_cuda(t):
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                with torch.cuda.stream(stream):
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(stream)  # the caching allocator must not reuse t before the copy
+            else:
+                h = t.clone()  # CPU: a plain copy
+            host.append(h)
+        self.host = host
+        self.tensor = None
+        if self.fp8 is not None:
+            self.fp8 = FP8Tiles(None, None, self.fp8.dtype)
+
+    def reload(self, stream) -> None:
+        if self.host is None:
+            return
+        out = []
+        for h in self.host:
+            if self.device.type == "cuda":
+                d = torch.empty(h.shape, dtype=h.dtype, device=self.device)  # allocated on the main stream
+                with torch.cuda.stream(stream):
+                    d.copy_(h, non_blocking=True)
+                    d.record_stream(stream)
+            else:
+                d = h
+            out.append(d)
+        if self.fp8 is not None:
+            self.fp8 = FP8Tiles(out[0], out[1], self.fp8.dtype)
+        else:
+            self.tensor = out[0]
+        self.host = None
+
+    def get(self) -> torch.Tensor:
+        """The tensor for backward (waits for its reload; dequantizes FP8)."""
+        if self.view is not None:
+            if self.tensor is None:  # recomputed once, shared by every consumer that saved it
+                with torch.no_grad():
+                    self.tensor = self.policy.recompute()
+            full = self.tensor
+            shape, stride, offset = self.view
+            if tuple(full.shape) == shape and tuple(full.stride()) == stride and offset == 0:
+                return full
+            return full.as_strided(shape, stride, offset)
+        self.group._ensure_reloaded()
+        if self.fp8 is not None:
+            return dequantize_tiles(self.fp8)
+        return self.tensor
+
+
+def _pack(tensor: torch.Tensor):
+    scope = current_scope()
+    if scope is None or isinstance(tensor, torch.nn.Parameter):
+        return tensor
+    return scope.pack(tensor)
+
+
+def _unpack(packed):
+    return packed.get() if isinstance(packed, _Saved) else packed
+
+
+class SavedTensorScope:
+    """One group of saved tensors (a transformer layer's forward): a context manager.
+
+    While open, every tensor autograd saves in this thread passes through :meth:`pack`. On exit the
+    group is committed: tensors of offload sites go to host memory (their storage released by a
+    recompute checkpoint excepted), and the meter, if one is open, counts what stays saved.
+
+    Args:
+        name: for messages (e.g. ``"layer 3"``).
+    """
+
+    def __init__(self, name: str = ""):
+        self.name = name
+        self.marks: dict[int, Policy] = {}
+        self.regions: list[Policy] = []
+        self.saved: list[_Saved] = []
+        self._dedup: dict[tuple, _Saved] = {}
+        self.state = "open"  # open -> committed -> (offloaded -> reloading) -> reloaded
+        self.d2h_event = None
+        self.h2d_event = None
+        self.prev: Optional[SavedTensorScope] = None  # the group backward reaches next (prefetch)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+    # -- forward
+    def __enter__(self) -> "SavedTensorScope":
+        _stack().append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        popped = _stack().pop()
+        assert popped is self, "saved-tensor scopes closed out of order"
+        self.commit()
+
+    def mark(self, tensor: torch.Tensor, policy: Policy) -> None:
+        # keyed by storage address; the weak reference tells a live mark from one whose tensor died and
+        # whose memory now holds another tensor
+        self.marks[_storage_key(tensor)] = (policy, weakref.ref(tensor))
+
+    def policy_of(self, tensor: torch.Tensor) -> Optional[Policy]:
+        """The site of a saved tensor: its storage's mark, else the innermost open region, else None."""
+        hit = self.marks.get(_storage_key(tensor))
+        if hit is not None and hit[1]() is not None:
+            return hit[0]
+        return self.regions[-1] if self.regions else None
+
+    def pack(self, tensor: torch.Tensor):
+        policy = self.policy_of(tensor)
+        meter = SavedBytesMeter.active()
+        if (policy is None or not policy.transforms) and meter is None:
+            return tensor  # nothing to do: autograd keeps the tensor as usual
+        key = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+               tensor.dtype, tensor._version)
+        # the same tensor saved twice (e.g. by two consumers): one copy. An FP8 entry does not hold the
+        # tensor, whose memory may then be reused by a new one with the same key: the weak reference
+        # tells them apart.
+        hit = self._dedup.get(key)
+        if hit is not None and hit[1]() is not None:
+            return hit[0]
+        s = _Saved(tensor, policy, self)
+        self._dedup[key] = (s, weakref.ref(tensor))
+        self.saved.append(s)
+        return s
+
+    def commit(self) -> None:
+        """End of the forward of this group: start the offload copies, report to the meter."""
+        self._dedup.clear()
+        self.marks.clear()
+        to_host = [s for s in self.saved
+                   if s.policy is not None and s.policy.offload and s.view is None and not s.released()]
+        meter = SavedBytesMeter.active()
+        if meter is not None:
+            meter.count(self.saved, offloaded=set(map(id, to_host)))
+        self.saved = to_host  # the rest stay referenced by autograd only
+        if not to_host:
+            self.state = "reloaded"
+            return
+        if any(_is_cuda(t) for s in to_host for t in s.payload()):
+            d2h, _ = _Streams.get()
+            d2h.wait_stream(torch.cuda.current_stream())  # the tensors are complete on the main stream
+            for s in to_host:
+                s.offload(d2h)
+            self.d2h_event = torch.cuda.Event()
+            self.d2h_event.record(d2h)
+        else:
+            for s in to_host:
+                s.offload(None)
+        self.state = "offloaded"
+
+    # -- backward
+    def reload_async(self) -> None:
+        """Start bringing this group's offloaded tensors back (no wait)."""
+        if self.state != "offloaded":
+            return
+        self.state = "reloading"
+        if self.d2h_event is not None:
+            _, h2d = _Streams.get()
+            h2d.wait_event(self.d2h_event)
+            for s in self.saved:
+                s.reload(h2d)
+            self.h2d_event = torch.cuda.Event()
+            self.h2d_event.record(h2d)
+        else:
+            for s in self.saved:
+                s.reload(None)
+
+    def _ensure_reloaded(self) -> None:
+        if self.state == "offloaded":
+            self.reload_async()
+        if self.state == "reloading":
+            if self.h2d_event is not None:
+                torch.cuda.current_stream().wait_event(self.h2d_event)
+            self.state = "reloaded"
+            self.saved = []
+
+
+def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
+    """Register the reload of ``scope`` and the prefetch of ``scope.prev`` on ``output``'s gradient.
+
+    ``output`` is the tensor the group's forward produced (a transformer layer's output): its gradient
+    arrives when backward reaches this group, which is when its tensors are needed; the previous group
+    (``scope.prev``, the layer below in the same model chunk) is needed next, so its host-to-device copy
+    starts now and overlaps with this group's backward.
+    """
+    if scope.state != "offloaded" and (scope.prev is None or scope.prev.state != "offloaded"):
+        return
+    if not (isinstance(output, torch.Tensor) and output.requires_grad):
+        return
+    prev = scope.prev
+
+    def hook(grad):
+        scope.reload_async()
+        if prev is not None:
+            prev.reload_async()
+        return None
+
+    output.register_hook(hook)
+    scope.prev = None  # the hook holds it; no chain of references through the scopes
+
+
+class SavedBytesMeter:
+    """Counts the bytes saved for backward, per site, as the scopes commit (``k2-bench bench=memory``).
+
+    Use ``with meter.measure(): <one forward>``: it opens a root :class:`SavedTensorScope` so that saved
+    tensors outside any layer scope are counted too (under the site ``other``). Per saved tensor:
+
+    * kept as is: its storage's bytes, each storage counted once (two views, or a tensor saved twice,
+      cost one storage); a storage released by a recompute checkpoint counts 0 (it is recomputed);
+    * FP8: the tiles' bytes (1 per element + 4 per 128-element tile);
+    * offloaded: 0 on device, its (FP8 or plain) bytes on host;
+    * recomputed (:func:`mark_recompute`): 0.
+
+    Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`).
+
+    Attributes:
+        device_bytes: ``{site: bytes}`` kept on the device.
+        host_bytes: ``{site: bytes}`` offloaded to host memory.
+        forwards: number of ``measure()`` blocks run.
+    """
+
+    _active: Optional["SavedBytesMeter"] = None
+
+    def __init__(self):
+        self.device_bytes: dict[str, int] = {}
+        self.host_bytes: dict[str, int] = {}
+        self.forwards = 0
+        self._storages: dict[int, torch.UntypedStorage] = {}
+
+    @classmethod
+    def active(cls) -> Optional["SavedBytesMeter"]:
+        return cls._active
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if SavedBytesMeter._active is not None:
+            raise RuntimeError("SavedBytesMeter.measure() blocks cannot nest")
+        SavedBytesMeter._active = self
+        try:
+            with SavedTensorScope("root"):
+                yield
+            self.forwards += 1
+        finally:
+            SavedBytesMeter._active = None
+            self._storages.clear()  # (held only so that a freed address is not mistaken for a seen one)
+
+    def count(self, saved: list, offloaded: set) -> None:
+        for s in saved:
+            site = s.policy.site if s.policy is not None else "other"
+            if s.view is not None:  # recomputed in backward: nothing kept
+                continue
+            if id(s) in offloaded:
+                self.host_bytes[site] = self.host_bytes.get(site, 0) + s.payload_bytes()
+            elif s.fp8 is not None:
+                self.device_bytes[site] = self.device_bytes.get(site, 0) + s.payload_bytes()
+            elif not s.released() and s.key not in self._storages:
+                storage = s.tensor.untyped_storage()
+                self._storages[s.key] = storage
+                self.device_bytes[site] = self.device_bytes.get(site, 0) + storage.nbytes()
+
+    def per_forward(self) -> dict:
+        """``{"device": {site: bytes}, "host": {site: bytes}, "device_total": .., "host_total": ..}``,
+        averaged over the measured forwards."""
+        n = max(self.forwards, 1)
+        dev = {k: v / n for k, v in sorted(self.device_bytes.items())}
+        host = {k: v / n for k, v in sorted(self.host_bytes.items())}
+        return {"device": dev, "host": host, "device_total": sum(dev.values()), "host_total": sum(host.values())}
