@@ -7,6 +7,7 @@ Usage::
     k2-bench bench=attention output=json       # one JSON object on stdout
     k2-bench bench=attention bench.options.seq_length=512
     k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
+    k2-bench bench=memory                      # saved bytes / step time: memory none|fp8|recompute|offload|all
 
 ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -31,6 +32,7 @@ import time
 import warnings
 from typing import Any, Callable
 
+from launcher.bench_memory import bench_memory
 from launcher.config import ConfigError, load_config
 
 _OUTPUTS = ("text", "json")
@@ -431,6 +433,7 @@ def bench_optimizer(cfg) -> dict[str, Any]:
 BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
     "optimizer": bench_optimizer,
+    "memory": bench_memory,
 }
 
 

@@ -149,17 +149,51 @@ class _Streams:
         return cls.d2h, cls.h2d
 
 
-class _Saved:
-    """One saved tensor as held by the hooks: the tensor, its FP8 tiles, or their host copies."""
+class _StorageCopy:
+    """One device storage's bytes in host memory, and back. A storage is copied once however many saved
+    views of it a scope holds, and each view is rebuilt on the copy, so aliasing survives the trip.
 
-    __slots__ = ("policy", "tensor", "fp8", "host", "group", "key", "device", "view")
+    GPU: the device-to-host copy runs on ``stream`` into pinned memory and the device storage is marked
+    as in use by that stream (``record_stream``), so the caching allocator does not hand it out again
+    before the copy is done; CPU: a plain copy.
+    """
+
+    def __init__(self, storage: torch.UntypedStorage, stream):
+        self.device = storage.device
+        self.nbytes = storage.nbytes()
+        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        if self.device.type == "cuda":
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.host.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+        else:
+            self.host = src.clone()
+        self.dev = None
+
+    def reload(self, stream) -> None:
+        if self.device.type == "cuda":
+            self.dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)  # main stream
+            with torch.cuda.stream(stream):
+                self.dev.copy_(self.host, non_blocking=True)
+                self.dev.record_stream(stream)
+        else:
+            self.dev = self.host
+
+    def view(self, dtype, shape, stride, offset) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=self.device).set_(self.dev.untyped_storage(), offset, shape, stride)
+
+
+class _Saved:
+    """One saved tensor as held by the hooks: the tensor, its FP8 tiles, a recompute, or host copies."""
+
+    __slots__ = ("policy", "tensor", "fp8", "host", "group", "key", "view")
 
     def __init__(self, tensor: torch.Tensor, policy: Optional[Policy], group: "SavedTensorScope"):
         self.policy = policy
         self.group = group
         self.key = _storage_key(tensor)
-        self.device = tensor.device
-        self.host = None  # list of host tensors once offloaded
+        self.host = None  # [(storage copy, dtype, shape, stride, offset)] once offloaded
         self.view = None
         if policy is not None and policy.recompute is not None:
             self.fp8 = self.tensor = None
@@ -173,46 +207,33 @@ class _Saved:
             self.tensor = tensor
 
     def payload(self) -> list:
+        """The tensors held on the device (none for a recompute)."""
         if self.view is not None:
             return []
         return [self.fp8.data, self.fp8.scale] if self.fp8 is not None else [self.tensor]
 
-    def payload_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.payload())
-
     def released(self) -> bool:
-        """True when the tensor's storage was released by a recompute checkpoint (it will come back)."""
+        """True when the tensor's storage was released behind autograd's back (megatron's
+        ``CheckpointWithoutOutput`` does that; it refills it before use): nothing to offload."""
         return self.tensor is not None and self.tensor.untyped_storage().size() == 0
 
-    def offload(self, stream) -> None:
+    def offload(self, copies: dict, stream) -> None:
         host = []
         for t in self.payload():
-            if _is_cuda(t):
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                with torch.cuda.stream(stream):
-                    h.copy_(t, non_blocking=True)
-                    t.record_stream(stream)  # the caching allocator must not reuse t before the copy
-            else:
-                h = t.clone()  # CPU: a plain copy
-            host.append(h)
+            key = _storage_key(t)
+            if key not in copies:
+                copies[key] = _StorageCopy(t.untyped_storage(), stream)
+            host.append((copies[key], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
         self.host = host
         self.tensor = None
         if self.fp8 is not None:
             self.fp8 = FP8Tiles(None, None, self.fp8.dtype)
 
-    def reload(self, stream) -> None:
+    def restore(self) -> None:
+        """Views on the reloaded storages (after the group's reload)."""
         if self.host is None:
             return
-        out = []
-        for h in self.host:
-            if self.device.type == "cuda":
-                d = torch.empty(h.shape, dtype=h.dtype, device=self.device)  # allocated on the main stream
-                with torch.cuda.stream(stream):
-                    d.copy_(h, non_blocking=True)
-                    d.record_stream(stream)
-            else:
-                d = h
-            out.append(d)
+        out = [copy.view(dtype, shape, stride, offset) for copy, dtype, shape, stride, offset in self.host]
         if self.fp8 is not None:
             self.fp8 = FP8Tiles(out[0], out[1], self.fp8.dtype)
         else:
@@ -220,7 +241,7 @@ class _Saved:
         self.host = None
 
     def get(self) -> torch.Tensor:
-        """The tensor for backward (waits for its reload; dequantizes FP8)."""
+        """The tensor for backward (waits for its reload; dequantizes FP8; recomputes)."""
         if self.view is not None:
             if self.tensor is None:  # recomputed once, shared by every consumer that saved it
                 with torch.no_grad():
@@ -231,6 +252,7 @@ class _Saved:
                 return full
             return full.as_strided(shape, stride, offset)
         self.group._ensure_reloaded()
+        self.restore()
         if self.fp8 is not None:
             return dequantize_tiles(self.fp8)
         return self.tensor
@@ -264,7 +286,8 @@ class SavedTensorScope:
         self.regions: list[Policy] = []
         self.saved: list[_Saved] = []
         self._dedup: dict[tuple, _Saved] = {}
-        self.state = "open"  # open -> committed -> (offloaded -> reloading) -> reloaded
+        self.state = "open"  # open -> (offloaded -> reloading ->) reloaded
+        self.copies: list = []
         self.d2h_event = None
         self.h2d_event = None
         self.prev: Optional[SavedTensorScope] = None  # the group backward reaches next (prefetch)
@@ -321,38 +344,40 @@ class SavedTensorScope:
         meter = SavedBytesMeter.active()
         if meter is not None:
             meter.count(self.saved, offloaded=set(map(id, to_host)))
-        self.saved = to_host  # the rest stay referenced by autograd only
+        self.saved = []  # what is not offloaded stays referenced by autograd only
         if not to_host:
             self.state = "reloaded"
             return
-        if any(_is_cuda(t) for s in to_host for t in s.payload()):
-            d2h, _ = _Streams.get()
-            d2h.wait_stream(torch.cuda.current_stream())  # the tensors are complete on the main stream
-            for s in to_host:
-                s.offload(d2h)
+        cuda = any(_is_cuda(t) for s in to_host for t in s.payload())
+        stream = None
+        if cuda:
+            stream, _ = _Streams.get()
+            stream.wait_stream(torch.cuda.current_stream())  # the tensors are complete on the main stream
+        copies: dict = {}
+        for s in to_host:
+            s.offload(copies, stream)
+        self.copies = list(copies.values())
+        if cuda:
             self.d2h_event = torch.cuda.Event()
-            self.d2h_event.record(d2h)
-        else:
-            for s in to_host:
-                s.offload(None)
+            self.d2h_event.record(stream)
         self.state = "offloaded"
 
     # -- backward
     def reload_async(self) -> None:
-        """Start bringing this group's offloaded tensors back (no wait)."""
+        """Start bringing this group's offloaded storages back (no wait)."""
         if self.state != "offloaded":
             return
         self.state = "reloading"
         if self.d2h_event is not None:
             _, h2d = _Streams.get()
             h2d.wait_event(self.d2h_event)
-            for s in self.saved:
-                s.reload(h2d)
+            for c in self.copies:
+                c.reload(h2d)
             self.h2d_event = torch.cuda.Event()
             self.h2d_event.record(h2d)
         else:
-            for s in self.saved:
-                s.reload(None)
+            for c in self.copies:
+                c.reload(None)
 
     def _ensure_reloaded(self) -> None:
         if self.state == "offloaded":
@@ -361,7 +386,7 @@ class SavedTensorScope:
             if self.h2d_event is not None:
                 torch.cuda.current_stream().wait_event(self.h2d_event)
             self.state = "reloaded"
-            self.saved = []
+            self.copies = []  # the views hold the reloaded storages
 
 
 def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
@@ -395,9 +420,9 @@ class SavedBytesMeter:
     tensors outside any layer scope are counted too (under the site ``other``). Per saved tensor:
 
     * kept as is: its storage's bytes, each storage counted once (two views, or a tensor saved twice,
-      cost one storage); a storage released by a recompute checkpoint counts 0 (it is recomputed);
+      cost one storage);
     * FP8: the tiles' bytes (1 per element + 4 per 128-element tile);
-    * offloaded: 0 on device, its (FP8 or plain) bytes on host;
+    * offloaded: 0 on device, its storage's (or the FP8 tiles') bytes on host, each storage once;
     * recomputed (:func:`mark_recompute`): 0.
 
     Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`).
@@ -414,7 +439,7 @@ class SavedBytesMeter:
         self.device_bytes: dict[str, int] = {}
         self.host_bytes: dict[str, int] = {}
         self.forwards = 0
-        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._storages: dict[tuple, torch.UntypedStorage] = {}
 
     @classmethod
     def active(cls) -> Optional["SavedBytesMeter"]:
@@ -434,18 +459,18 @@ class SavedBytesMeter:
             self._storages.clear()  # (held only so that a freed address is not mistaken for a seen one)
 
     def count(self, saved: list, offloaded: set) -> None:
+        """Count one committing scope's saved tensors (``offloaded``: ids of those going to host)."""
         for s in saved:
             site = s.policy.site if s.policy is not None else "other"
-            if s.view is not None:  # recomputed in backward: nothing kept
+            if s.view is not None or s.released():  # recomputed in backward: nothing kept
                 continue
-            if id(s) in offloaded:
-                self.host_bytes[site] = self.host_bytes.get(site, 0) + s.payload_bytes()
-            elif s.fp8 is not None:
-                self.device_bytes[site] = self.device_bytes.get(site, 0) + s.payload_bytes()
-            elif not s.released() and s.key not in self._storages:
-                storage = s.tensor.untyped_storage()
-                self._storages[s.key] = storage
-                self.device_bytes[site] = self.device_bytes.get(site, 0) + storage.nbytes()
+            where = self.host_bytes if id(s) in offloaded else self.device_bytes
+            for t in s.payload():
+                storage = t.untyped_storage()
+                key = (id(s) in offloaded, storage.data_ptr())
+                if key not in self._storages:  # each storage once
+                    self._storages[key] = storage
+                    where[site] = where.get(site, 0) + storage.nbytes()
 
     def per_forward(self) -> dict:
         """``{"device": {site: bytes}, "host": {site: bytes}, "device_total": .., "host_total": ..}``,
