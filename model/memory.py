@@ -171,14 +171,13 @@ def _install_layer(layer, first: bool, chain: _Chain, options: MemoryOptions) ->
         def enter(_m, _a):
             scope = current_scope()
             if scope is not None:
-                scope.regions.append(policy)
-                attn._k2_region_scope = scope
+                scope.push_region(policy)
+            attn._k2_region_scope = scope
 
         def leave(_m, _a, _o):
-            scope = getattr(attn, "_k2_region_scope", None)
+            scope, attn._k2_region_scope = getattr(attn, "_k2_region_scope", None), None
             if scope is not None:
-                scope.regions.pop()
-                attn._k2_region_scope = None
+                scope.pop_region()
 
         attn.core_attention.register_forward_pre_hook(enter)
         attn.core_attention.register_forward_hook(leave, always_call=True)
@@ -188,10 +187,10 @@ def install(chunks: list, options: MemoryOptions) -> int:
     """Apply ``options`` to built model chunks (before DDP wrapping or after: modules are the same).
 
     Sets the options on the K2 MLPs (``model/mlp.py``: SwiGLU / MoE down-projection recompute, FP8 and
-    offload sites of the MLPs) and, when FP8 storage, offload or attribution is on, makes each transformer
-    layer's forward a :class:`model.saved_tensors.SavedTensorScope` and marks the input sites. megatron's
-    own recomputes (``layernorm``, ``mla_up_proj``) come from :func:`megatron_recompute_fields` in the
-    ``TransformerConfig``.
+    offload sites of the MLPs) and, when any switch or attribution is on, makes each transformer layer's
+    forward a :class:`model.saved_tensors.SavedTensorScope` (chained for the offload prefetch) and marks
+    the input sites. Where megatron recomputes (``layernorm``, ``mla_up_proj``) is set by
+    :func:`megatron_recompute_fields` in the ``TransformerConfig``.
 
     Returns:
         number of transformer layers given a saved-tensor scope.

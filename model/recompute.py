@@ -12,8 +12,9 @@ process, a forward/backward of ``k2_tiny`` without recompute followed by two wit
 segmentation fault in backward (the norm's saved input is found released when its recompute runs), and
 ``mla_up_proj`` after other runs fails with "setStorage ... out of bounds for storage of size 0" in core
 attention's backward: a released storage read before the grad hook refilled it. Which run fails depends
-on Python's garbage collection (``gc.disable()`` hides it), consistent with the refill hooks, registered
-on Python tensor objects, being lost with those objects.
+on Python's garbage collection (with ``gc.disable()`` it passes) and not on megatron's C++
+``share_storage`` (a plain storage copy in its place fails the same way); we did not find the root
+cause.
 
 :class:`CheckpointWithoutOutput` here has megatron's interface and semantics but releases nothing behind
 autograd's back: its function's own backward keeps only the inputs (a reentrant checkpoint,

@@ -1,37 +1,40 @@
-"""What autograd saves for backward: FP8 storage, CPU offload and a byte meter, on saved-tensor hooks.
+"""What autograd saves for backward: FP8 storage, CPU offload, recompute and a byte meter, on one pair of
+saved-tensor hooks.
 
-REFERENCE.md "Training system", "Activation memory". One mechanism serves the three uses:
+REFERENCE.md "Training system", "Activation memory". One mechanism serves all uses:
 
 * **FP8 storage** (``Policy.fp8``): a saved tensor is replaced by its FP8-E4M3 1 x 128 tiles
   (``model/fp8_storage.py``) when it is saved, and turned back into the compute dtype when backward
   unpacks it. Compute is untouched (BF16 on GPU, FP32 on CPU); no FP8 GEMMs.
-* **CPU offload** (``Policy.offload``): a saved tensor (or its FP8 payload) is copied to host memory when
-  the scope that saved it ends (:meth:`SavedTensorScope.commit`) and its device copy is dropped; before
-  its backward it is copied back. On GPU both copies run on their own CUDA streams into/out of pinned
-  memory, so they overlap with compute: the device-to-host copy with the next layer's forward, the
-  host-to-device copy of layer ``i - 1`` with the backward of layer ``i`` (a prefetch started by a grad
-  hook on layer ``i``'s output, see :func:`chain_prefetch`). On CPU it is a plain copy.
+* **CPU offload** (``Policy.offload``): a saved tensor's storage (or its FP8 tiles) is copied to host
+  memory when the scope that saved it ends (:meth:`SavedTensorScope.commit`) and the device copy is
+  dropped; before its backward it is copied back. On GPU both copies run on their own CUDA streams
+  into/out of pinned memory, so they overlap with compute: the device-to-host copy with the next layer's
+  forward, the host-to-device copy of layer ``i - 1`` with the backward of layer ``i`` (a prefetch started
+  when backward reaches layer ``i``'s output, :func:`chain_prefetch`). On CPU it is a plain copy.
+* **Recompute** (``Policy.recompute``, :func:`mark_recompute`): nothing is kept; backward gets the tensor
+  from a function of other saved tensors (``model/recompute.py``).
 * **Meter** (:class:`SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
   host, measured from what the hooks hold -- not estimated.
 
 Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
 ``model/memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
-storage belongs to this site" -- and ``region(policy)`` blocks -- "everything saved inside belongs to this
-site". Matching by storage makes a site independent of *which* autograd function saves the tensor (a
-megatron ``Linear``, a ``CheckpointWithoutOutput`` that saves its inputs, a torch op saving a view), so a
-scope can wrap any module, e.g. the stored inputs of a decoupled weight-gradient computation.
+storage belongs to this site", valid while ``tensor`` lives -- and regions
+(:meth:`SavedTensorScope.push_region` / ``pop_region``) -- "everything saved meanwhile belongs to this
+site". Matching by storage makes a site independent of *which* autograd
+function saves the tensor (a megatron ``Linear``, a checkpoint saving its inputs, a torch op saving a
+view), so a scope can wrap any module, e.g. the stored inputs of a decoupled weight-gradient computation.
+Parameters are never touched.
 
 Why our own hooks and not megatron's fine-grained activation offloading
 (``megatron.core.pipeline_parallel.fine_grained_activation_offload``, megatron-core 0.19.2): it raises
 without Transformer Engine (``PipelineOffloadManager.__enter__`` needs TE's ``cpu_offload``), handles CUDA
 tensors only, offloads the routed experts only in ``TEGroupedMLP`` (not ``SequentialMLP``), needs its own
-per-microbatch bookkeeping in the schedules, and has no FP8 storage. torch's saved-tensor hooks are the
-one extension point here (only the innermost pair of hooks is active, so FP8, offload and the meter must
-be one pair: this module).
+per-microbatch bookkeeping in the schedules, and has no FP8 storage. torch applies only the innermost
+pair of saved-tensor hooks, so FP8, offload, recompute and the meter must be one pair: this module.
 
-Recompute interplay: a tensor whose storage was released by megatron's ``CheckpointWithoutOutput``
-(``discard_output_and_register_recompute``) before the scope commits is not offloaded (it will be
-recomputed; the recompute restores the same storage).
+A saved tensor whose storage was released behind autograd's back before the scope commits (megatron's
+``CheckpointWithoutOutput`` does that; it refills the storage before use) is neither offloaded nor counted.
 """
 
 from __future__ import annotations
@@ -112,20 +115,6 @@ def mark_recompute(tensor: torch.Tensor, recompute: Callable[[], torch.Tensor], 
         raise ValueError("mark_recompute needs a contiguous tensor (its saved views are rebuilt by strides)")
     scope.mark(tensor, Policy(site, recompute=recompute))
     return True
-
-
-@contextlib.contextmanager
-def region(policy: Optional[Policy]) -> Iterator[None]:
-    """Inside the block, every tensor saved in the current scope belongs to ``policy``'s site."""
-    scope = current_scope()
-    if scope is None or policy is None:
-        yield
-        return
-    scope.regions.append(policy)
-    try:
-        yield
-    finally:
-        scope.regions.pop()
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -305,6 +294,13 @@ class SavedTensorScope:
         assert popped is self, "saved-tensor scopes closed out of order"
         self.commit()
 
+    def push_region(self, policy: Policy) -> None:
+        """Until :meth:`pop_region`, saved tensors without a mark belong to ``policy``'s site."""
+        self.regions.append(policy)
+
+    def pop_region(self) -> None:
+        self.regions.pop()
+
     def mark(self, tensor: torch.Tensor, policy: Policy) -> None:
         # keyed by storage address; the weak reference tells a live mark from one whose tensor died and
         # whose memory now holds another tensor
@@ -403,13 +399,17 @@ def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
         return
     prev = scope.prev
 
-    def hook(grad):
+    def hook(*_):
         scope.reload_async()
         if prev is not None:
             prev.reload_async()
         return None
 
-    output.register_hook(hook)
+    # on the autograd node (it lives as long as the graph), not on the Python tensor object
+    if output.grad_fn is not None:
+        output.grad_fn.register_prehook(hook)
+    else:
+        output.register_hook(hook)
     scope.prev = None  # the hook holds it; no chain of references through the scopes
 
 

@@ -109,3 +109,21 @@ def test_reference_attention_matches_sdpa_fp64():
     logits = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     logits = logits.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(max_logit.double(), logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_memory_bench_five_settings_in_one_run(capsys):
+    """bench=memory: one JSON object keyed by the five settings, each with saved_bytes and step_s,
+    measured through the hooks (one rank here to keep it short; the documented run is cpu4)."""
+    rc, out, _ = _run(capsys, ["bench=memory", "output=json", "bench.options.parallel=single",
+                               "bench.options.warmup=0", "bench.options.steps=1"])
+    assert rc == 0
+    fig = json.loads(out)["figures"]
+    assert list(fig) == ["none", "fp8", "recompute", "offload", "all"]
+    for f in fig.values():
+        assert f["saved_bytes"] > 0 and f["step_s"] > 0
+    none = fig["none"]["saved_bytes"]
+    assert fig["fp8"]["fp8_sites_cut"] >= 0.45
+    assert fig["fp8"]["saved_bytes"] < none and fig["recompute"]["saved_bytes"] < none
+    assert fig["offload"]["saved_bytes"] < none and fig["offload"]["host_bytes"] > 0
+    assert fig["all"]["saved_bytes"] < min(fig[s]["saved_bytes"] for s in ("fp8", "recompute", "offload"))

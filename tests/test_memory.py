@@ -159,3 +159,41 @@ def test_scope_mechanics_on_a_plain_function():
     assert scoped["device_total"] < plain["device_total"]
     torch.testing.assert_close(gx2, gx, rtol=0.07, atol=0.07 * gx.abs().max().item())
     assert ((gw2 - gw).norm() / gw.norm()) < FP8_GRAD_BOUND
+
+
+def test_offload_prefetch_chain():
+    """Backward reaching layer 2 starts the reload of layer 1 (the next one backward needs): by the time
+    layer 2's own backward runs, layer 1's offloaded tensors are already on their way back."""
+    from model.saved_tensors import Policy, SavedTensorScope, chain_prefetch, mark
+
+    seen = {}
+
+    class Probe(torch.autograd.Function):  # layer 2's op: records layer 1's state when its backward runs
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 3.0
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["layer1_state"] = s1.state
+            (t,) = ctx.saved_tensors
+            return g * 3.0
+
+    x = torch.randn(32, 64, requires_grad=True)
+    policy = Policy("attn_input", offload=True)
+    s1 = SavedTensorScope("layer 1")
+    with s1:
+        mark(x, policy)
+        h1 = torch.sin(x)  # saves x: offloaded
+    chain_prefetch(h1, s1)
+    s2 = SavedTensorScope("layer 2")
+    s2.prev = s1
+    with s2:
+        mark(h1, policy)
+        h2 = Probe.apply(h1)
+    chain_prefetch(h2, s2)
+    assert s1.state == "offloaded" and s2.state == "offloaded"
+    h2.sum().backward()
+    assert seen["layer1_state"] in ("reloading", "reloaded")  # prefetched before it was needed
+    assert torch.equal(x.grad, torch.cos(x.detach()) * 3.0)
