@@ -6,12 +6,13 @@ Settings (``memory.*``, REFERENCE.md "Training system"; the lists are those of `
 * ``none``: nothing; ``fp8``: ``fp8_store`` only; ``recompute``: ``recompute`` only; ``offload``: ``offload``
   only; ``all``: the three together (``memory=k2``).
 
-Each rank runs, for each setting in turn, the trainer's own pieces (``model.build``, megatron DDP, the
-distributed optimizer, megatron's interleaved 1F1B schedule, ``launcher.train._forward_step``) on
-synthetic tokens with the same initial weights: ``warmup`` untimed steps, ``steps`` timed steps (the
-median is reported), then one step in which every microbatch forward runs inside a
-:class:`model.saved_tensors.SavedBytesMeter`: what the saved-tensor hooks hold after each layer's forward
-(kept tensors by storage, FP8 tiles, host copies; recomputed tensors count 0) -- measured, not estimated.
+Each rank builds one model per setting with the trainer's own pieces (``model.build``, megatron DDP, the
+distributed optimizer, megatron's interleaved 1F1B schedule, ``launcher.train._forward_step``), same
+initial weights, synthetic tokens; runs ``warmup`` untimed steps each, then ``steps`` timed steps
+round-robin over the settings (median reported; a change of machine load hits all alike), then one step
+each in which every microbatch forward runs inside a :class:`model.saved_tensors.SavedBytesMeter`: what
+the saved-tensor hooks hold after each layer's forward (kept tensors by storage, FP8 tiles, host copies;
+recomputed tensors count 0) -- measured, not estimated.
 
 ``saved_bytes`` = bytes kept on the device per microbatch of ``micro_batch_size`` sequences, summed over
 the model's layers (all ranks of one pipeline; averaged over the DP replicas); ``host_bytes`` = bytes
@@ -69,18 +70,14 @@ def _synthetic_iterators(vocab: int, phase, dp_rank: int, vpp: int, seed: int) -
     return [batches() for _ in range(vpp)]
 
 
-def _run_setting(setting: str, base: list[str], dims, phase, o: dict) -> dict:
-    """One setting on this rank: step times and the metered step's saved bytes (this rank's totals)."""
-    import torch
-    import torch.distributed as dist
+def _build_setting(setting: str, base: list[str], dims, phase, o: dict):
+    """One setting on this rank: the model, its optimizer and data. Returns ``step(forward_step)``."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from launcher.train import _forward_step
     from model.build import build_model_chunks, layout_independent_init, transformer_config
     from model.memory import MemoryOptions
-    from model.saved_tensors import SavedBytesMeter
     from optim.build import build_optimizer
     from optim.params import tag_parameters
     from parallel.distributed import wrap_model
@@ -111,24 +108,41 @@ def _run_setting(setting: str, base: list[str], dims, phase, o: dict) -> dict:
                          forward_only=False)
         optimizer.step()
 
+    return step
+
+
+def _measure(base: list[str], dims, phase, o: dict) -> dict:
+    """All settings on this rank: timed steps round-robin over the settings (so a change of machine load
+    hits them alike), then one metered step each."""
+    import torch.distributed as dist
+
+    from launcher.train import _forward_step
+    from model.saved_tensors import SavedBytesMeter
+
+    steps = {s: _build_setting(s, base, dims, phase, o) for s in SETTINGS}
     for _ in range(o["warmup"]):
-        step(_forward_step)
-    times = []
+        for s in SETTINGS:
+            steps[s](_forward_step)
+    times: dict = {s: [] for s in SETTINGS}
     for _ in range(o["steps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(_forward_step)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    meter = SavedBytesMeter()
+        for s in SETTINGS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[s](_forward_step)
+            dist.barrier()
+            times[s].append(time.perf_counter() - t0)
+    out = {}
+    for s in SETTINGS:
+        meter = SavedBytesMeter()
 
-    def metered(data_iterator, m):
-        with meter.measure():
-            return _forward_step(data_iterator, m)
+        def metered(data_iterator, m, meter=meter):
+            with meter.measure():
+                return _forward_step(data_iterator, m)
 
-    step(metered)
-    return {"step_s": statistics.median(times), "device": dict(meter.device_bytes),
-            "host": dict(meter.host_bytes), "forwards": meter.forwards}
+        steps[s](metered)
+        out[s] = {"step_s": statistics.median(times[s]), "device": dict(meter.device_bytes),
+                  "host": dict(meter.host_bytes), "forwards": meter.forwards}
+    return out
 
 
 def _worker(rank: int, world: int, port: int, base: list[str], o: dict, out_path: str) -> None:
@@ -152,7 +166,7 @@ def _worker(rank: int, world: int, port: int, base: list[str], o: dict, out_path
     phase = resolve_schedule(cfg, dims).step_phase(1)
     init_distributed(dist_env(), dims, o["seed"])
     try:
-        results = {s: _run_setting(s, base, dims, phase, o) for s in SETTINGS}
+        results = _measure(base, dims, phase, o)
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
         if rank == 0:
