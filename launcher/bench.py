@@ -8,6 +8,7 @@ Usage::
     k2-bench bench=attention bench.options.seq_length=512
     k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
     k2-bench bench=pipeline                    # decoupled wgrad on vs off: step time, cpu4
+    k2-bench bench=memory                      # saved bytes / step time: memory none|fp8|recompute|offload|all
 
 ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -32,6 +33,7 @@ import time
 import warnings
 from typing import Any, Callable
 
+from launcher.bench_memory import bench_memory
 from launcher.config import ConfigError, load_config
 
 _OUTPUTS = ("text", "json")
@@ -440,6 +442,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
     "optimizer": bench_optimizer,
     "pipeline": bench_pipeline,  # launcher/bench_pipeline.py (issue 8)
+    "memory": bench_memory,
 }
 
 

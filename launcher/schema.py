@@ -101,7 +101,7 @@ MEMORY_FP8_SITES = {
 }
 # memory.recompute: the output is not kept for backward but recomputed from the input during backward.
 MEMORY_RECOMPUTE_SITES = {
-    "layernorm": "input_layernorm and pre_mlp_layernorm (RMSNorm) outputs [s, b, h] (megatron 'layernorm')",
+    "layernorm": "input_layernorm and pre_mlp_layernorm (RMSNorm) outputs [s, b, h] (as megatron's 'layernorm')",
     "swiglu": "SwiGLU output [.., ffn] (routed experts, shared expert, dense MLP; megatron 'moe_act' "
               "covers only grouped-GEMM experts)",
     "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",

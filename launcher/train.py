@@ -48,6 +48,7 @@ def make_plan(cfg, world_size: int) -> Plan:
         ConfigError: any setting that cannot run, naming the setting and the allowed values.
     """
     from launcher.data import resolve_data
+    from model.memory import check_memory_config
     from optim.build import check_optim_config
     from parallel.dims import ParallelDims
     from schedules.pipeline import check_pipeline_config
@@ -72,6 +73,7 @@ def make_plan(cfg, world_size: int) -> Plan:
         raise ConfigError(f"run.max_minutes={cfg.run.max_minutes}; allowed: a number > 0, or null")
     check_optim_config(cfg)
     check_pipeline_config(cfg)  # pipeline.* (issue 8)
+    check_memory_config(cfg)  # issue 6: memory.* site names (model/memory.py)
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "

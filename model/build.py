@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from model.attention import K2CoreAttention
+from model.memory import MemoryOptions, install as install_memory, megatron_recompute_fields
+from model.mlp import K2MLP, K2SequentialMLP, build_k2_shared_experts
+from model.recompute import K2MLASelfAttention, K2TransformerLayer
 from model.router import K2Router
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -134,6 +137,8 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # activation memory (model/memory.py): megatron's own selective recompute of layernorm / mla_up_proj
+        **megatron_recompute_fields(MemoryOptions.from_config(cfg)),
     )
     if m.num_moe_experts:
         kw.update(
@@ -160,10 +165,22 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
 
 
 def _swap_submodules(layer_spec, record_max_logits: bool):
-    """Copy of a megatron local layer spec with K2CoreAttention and K2Router swapped in."""
+    """Copy of a megatron local layer spec with K2's modules swapped in: K2CoreAttention, K2Router, the
+    K2 MLPs (``model/mlp.py``: megatron's MLP / SequentialMLP / SharedExpertMLP with the activation
+    memory switches) and megatron's TransformerLayer / MLASelfAttention with our recompute checkpoint
+    (``model/recompute.py``)."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     spec = copy.deepcopy(layer_spec)
+    # megatron's layer / MLA classes with our output-discarding checkpoint (model/recompute.py)
+    if spec.module is not TransformerLayer or spec.submodules.self_attention.module is not MLASelfAttention:
+        raise ValueError(f"unexpected layer spec: {spec.module}, {spec.submodules.self_attention.module}")
+    spec.module = K2TransformerLayer
+    spec.submodules.self_attention.module = K2MLASelfAttention
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = ModuleSpec(
         module=K2CoreAttention, params={"record_max_logits": record_max_logits}
@@ -172,8 +189,20 @@ def _swap_submodules(layer_spec, record_max_logits: bool):
     if isinstance(mlp, partial) and "submodules" in mlp.keywords and hasattr(
         mlp.keywords["submodules"], "router"
     ):
-        moe_sub = dataclasses.replace(mlp.keywords["submodules"], router=K2Router)
+        sub = mlp.keywords["submodules"]
+        experts, shared = sub.experts, sub.shared_experts
+        if not (isinstance(experts, partial) and experts.func is SequentialMLP):
+            raise ValueError(f"expected megatron's local SequentialMLP experts in the spec, got {experts}")
+        moe_sub = dataclasses.replace(
+            sub, router=K2Router, experts=partial(K2SequentialMLP, *experts.args, **experts.keywords),
+            shared_experts=(None if shared is None else
+                            partial(build_k2_shared_experts, *shared.args, **shared.keywords)),
+        )
         spec.submodules.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_sub})
+    elif isinstance(mlp, partial) and getattr(mlp.func, "__self__", None) is MLP:  # MLP.as_mlp_submodule
+        spec.submodules.mlp = partial(K2MLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    else:
+        raise ValueError(f"unexpected MLP in megatron's local layer spec: {mlp}")
     return spec
 
 
@@ -195,10 +224,12 @@ def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], re
     return block
 
 
-def build_model_chunks(cfg, dims, tcfg) -> list:
+def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
-    Requires megatron ``parallel_state`` to be initialised for ``dims``.
+    Requires megatron ``parallel_state`` to be initialised for ``dims``. The activation memory switches
+    (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/memory.py``); the
+    megatron part of them must already be in ``tcfg`` (:func:`transformer_config` puts it there).
 
     Returns:
         ``list[GPTModel]`` of length ``dims.vpp``; chunk ``v`` holds virtual stage ``v * pp + pp_rank``.
@@ -225,6 +256,7 @@ def build_model_chunks(cfg, dims, tcfg) -> list:
             vp_stage=vp_stage,
         )
         chunks.append(model)
+    install_memory(chunks, memory if memory is not None else MemoryOptions.from_config(cfg))
     return chunks
 
 

@@ -38,6 +38,11 @@ CASES = {
     "pipeline_trace_is_a_file": ([f"pipeline.trace={Path(__file__).resolve()}"],
                                  ["pipeline.trace", "is a file", "directory"]),
     "pipeline_decouple_wgrad_not_bool": (["pipeline.decouple_wgrad=maybe"], ["pipeline.decouple_wgrad"]),
+    "memory_unknown_fp8_site": (["memory.fp8_store=[moe_fc2_input]"],
+                                ["memory.fp8_store", "moe_fc2_input", "moe_fc1_input, swiglu_input"]),
+    "memory_unknown_recompute_site": (["memory.recompute=[core_attn]"],
+                                      ["memory.recompute", "core_attn", "moe_down_proj"]),
+    "memory_unknown_offload_site": (["memory.offload=[everything]"], ["memory.offload", "attn_input"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }

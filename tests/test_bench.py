@@ -143,3 +143,19 @@ def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus):
     assert cpu["wgrad_deferred_peak_bytes"] > 0
     assert min(cpu["pass_cpu_s_off"], cpu["pass_cpu_s_on"]) > 0
     assert cpu["pass_cpu_on_over_off"] == pytest.approx(cpu["pass_cpu_s_on"] / cpu["pass_cpu_s_off"])
+@pytest.mark.slow
+def test_memory_bench_five_settings_in_one_run(capsys):
+    """bench=memory: one JSON object keyed by the five settings, each with saved_bytes and step_s,
+    measured through the hooks (one rank here to keep it short; the documented run is cpu4)."""
+    rc, out, _ = _run(capsys, ["bench=memory", "output=json", "bench.options.parallel=single",
+                               "bench.options.warmup=0", "bench.options.steps=1"])
+    assert rc == 0
+    fig = json.loads(out)["figures"]
+    assert list(fig) == ["none", "fp8", "recompute", "offload", "all"]
+    for f in fig.values():
+        assert f["saved_bytes"] > 0 and f["step_s"] > 0
+    none = fig["none"]["saved_bytes"]
+    assert fig["fp8"]["fp8_sites_cut"] >= 0.45
+    assert fig["fp8"]["saved_bytes"] < none and fig["recompute"]["saved_bytes"] < none
+    assert fig["offload"]["saved_bytes"] < none and fig["offload"]["host_bytes"] > 0
+    assert fig["all"]["saved_bytes"] < min(fig[s]["saved_bytes"] for s in ("fp8", "recompute", "offload"))

@@ -15,8 +15,7 @@ from parallel import cpu_backend  # noqa: E402
 
 cpu_backend.enable()
 
-from megatron.core.transformer.moe import experts as moe_experts  # noqa: E402
-
+from model.mlp import K2SequentialMLP  # noqa: E402  (the routed experts of the K2 build)
 from model.router import K2Router  # noqa: E402
 
 SKEW = 10.0
@@ -34,7 +33,7 @@ def skewed_gating(self, input):
 
 K2Router.gating = skewed_gating
 
-_orig_forward = moe_experts.SequentialMLP.forward
+_orig_forward = K2SequentialMLP.forward
 
 
 def counting_forward(self, permuted_local_hidden_states, tokens_per_expert, *args, **kwargs):
@@ -43,7 +42,7 @@ def counting_forward(self, permuted_local_hidden_states, tokens_per_expert, *arg
     return _orig_forward(self, permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
 
 
-moe_experts.SequentialMLP.forward = counting_forward
+K2SequentialMLP.forward = counting_forward
 
 from launcher import train  # noqa: E402
 

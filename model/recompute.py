@@ -1,0 +1,150 @@
+"""Selective recompute: megatron's output-discarding checkpoint, done through the saved-tensor hooks.
+
+REFERENCE.md "Training system", "Activation memory": K2 recomputes cheap, memory-heavy stages (RMSNorm,
+SwiGLU, MLA up-projection, MoE down-projection) instead of keeping their outputs for backward.
+
+megatron-core's ``recompute_modules`` ``layernorm`` and ``mla_up_proj`` choose *what* to recompute (the
+two RMSNorms of a layer; MLA's up-projections + RoPE) and run it under
+``tensor_parallel.CheckpointWithoutOutput``: the function runs without autograd, its output's storage is
+released after the consumers' forward (``storage.resize_(0)``) and refilled by a grad hook on a later
+tensor (``discard_output_and_register_recompute``). On the CPU proxy that mechanism fails: in one
+process, a forward/backward of ``k2_tiny`` without recompute followed by two with ``layernorm`` ends in a
+segmentation fault in backward (the norm's saved input is found released when its recompute runs), and
+``mla_up_proj`` after other runs fails with "setStorage ... out of bounds for storage of size 0" in core
+attention's backward: a released storage read before the grad hook refilled it. Which run fails depends
+on Python's garbage collection (with ``gc.disable()`` it passes) and not on megatron's C++
+``share_storage`` (a plain storage copy in its place fails the same way); we did not find the root
+cause.
+
+:class:`CheckpointWithoutOutput` here has megatron's interface and semantics but releases nothing behind
+autograd's back: its function's own backward keeps only the inputs (a reentrant checkpoint,
+:class:`_OutputRecompute`), and its outputs are marked with
+:func:`model.saved_tensors.mark_recompute`, so every consumer that saves an output for backward gets it
+recomputed from those inputs instead of keeping it. No grad hook, no storage resizing; the saved inputs
+go through the same hooks as every saved tensor (FP8 storage, offload). :class:`K2TransformerLayer` and
+:class:`K2MLASelfAttention` are megatron's classes with this checkpoint in place of megatron's (megatron
+creates one per forward in ``input_layernorm_checkpoint`` / ``pre_mlp_norm_checkpoint`` /
+``qkv_up_checkpoint``); everything else, including where megatron checkpoints, is megatron's.
+:func:`recompute_output` is the same for one function call (SwiGLU, ``model/mlp.py``).
+
+Outside a :class:`model.saved_tensors.SavedTensorScope` (the model installs one per layer when any of
+these is on, ``model/memory.py``) the outputs are saved as usual: correct, without the saving.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from model.saved_tensors import mark_recompute
+
+
+class _OutputRecompute(torch.autograd.Function):
+    """``fn(*inputs)`` (one tensor or a tuple) saving only ``inputs``; backward re-runs ``fn`` with autograd.
+    ``fn`` must be deterministic (no dropout)."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        inputs = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and need else t
+                  for t, need in zip(saved, needs)]
+        with torch.enable_grad():
+            outs = ctx.fn(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *(t.grad if isinstance(t, torch.Tensor) and need else None
+                        for t, need in zip(inputs, needs)))
+
+
+class _Recomputed:
+    """Recompute of a node's outputs, shared by the consumers of all of them: one ``fn`` call serves every
+    output (e.g. MLA's q, k, v), each handed out once."""
+
+    def __init__(self, node):
+        self.node = node
+        self.pending: Optional[dict] = None
+
+    def output(self, i: int) -> torch.Tensor:
+        if self.pending is None or i not in self.pending:
+            outs = self.node.fn(*self.node.saved_tensors)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            self.pending = dict(enumerate(outs))
+        return self.pending.pop(i)
+
+
+def recompute_output(fn: Callable, *inputs: Optional[torch.Tensor], site: str):
+    """``fn(*inputs)``, keeping only ``inputs`` for backward (see the module docstring).
+
+    Args:
+        fn: deterministic function of ``inputs`` (may use module parameters) returning a tensor or a
+            tuple of tensors (each contiguous).
+        inputs: tensors (or None) passed to ``fn``.
+        site: the recompute site (``launcher/schema.py`` ``MEMORY_RECOMPUTE_SITES``), for the meter.
+
+    Returns:
+        ``fn(*inputs)``; without grad mode just that.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*inputs)
+    outs = _OutputRecompute.apply(fn, *inputs)
+    single = isinstance(outs, torch.Tensor)
+    seq = (outs,) if single else outs
+    shared = _Recomputed(seq[0].grad_fn)
+    for i, out in enumerate(seq):
+        mark_recompute(out, lambda i=i: shared.output(i), site)
+    return outs
+
+
+class CheckpointWithoutOutput:
+    """Drop-in for megatron's ``tensor_parallel.CheckpointWithoutOutput`` (same two calls) on
+    :func:`recompute_output`: the outputs are never kept by their consumers, so there is nothing to
+    release or refill."""
+
+    def __init__(self, site: str):
+        self.site = site
+
+    def checkpoint(self, run_function: Callable, *args):
+        return recompute_output(run_function, *args, site=self.site)
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Nothing to do (megatron releases the outputs here)."""
+
+
+def _checkpoint_slot(name: str, site: str) -> property:
+    """A property for megatron's per-forward ``self.<name> = tensor_parallel.CheckpointWithoutOutput()``:
+    the assigned megatron object is replaced by ours."""
+
+    def get(self):
+        return self.__dict__.get("_k2_" + name)
+
+    def set_(self, value):
+        self.__dict__["_k2_" + name] = None if value is None else CheckpointWithoutOutput(site)
+
+    return property(get, set_)
+
+
+class K2TransformerLayer(TransformerLayer):
+    """megatron ``TransformerLayer``; its ``layernorm`` recompute (``recompute_modules``) runs on
+    :class:`CheckpointWithoutOutput` (this module)."""
+
+    input_layernorm_checkpoint = _checkpoint_slot("input_layernorm_checkpoint", "layernorm")
+    pre_mlp_norm_checkpoint = _checkpoint_slot("pre_mlp_norm_checkpoint", "layernorm")
+
+
+class K2MLASelfAttention(MLASelfAttention):
+    """megatron ``MLASelfAttention``; its ``mla_up_proj`` recompute (``recompute_modules``) runs on
+    :class:`CheckpointWithoutOutput` (this module)."""
+
+    qkv_up_checkpoint = _checkpoint_slot("qkv_up_checkpoint", "mla_up_proj")

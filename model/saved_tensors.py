@@ -1,0 +1,481 @@
+"""What autograd saves for backward: FP8 storage, CPU offload, recompute and a byte meter, on one pair of
+saved-tensor hooks.
+
+REFERENCE.md "Training system", "Activation memory". One mechanism serves all uses:
+
+* **FP8 storage** (``Policy.fp8``): a saved tensor is replaced by its FP8-E4M3 1 x 128 tiles
+  (``model/fp8_storage.py``) when it is saved, and turned back into the compute dtype when backward
+  unpacks it. Compute is untouched (BF16 on GPU, FP32 on CPU); no FP8 GEMMs.
+* **CPU offload** (``Policy.offload``): a saved tensor's storage (or its FP8 tiles) is copied to host
+  memory when the scope that saved it ends (:meth:`SavedTensorScope.commit`) and the device copy is
+  dropped; before its backward it is copied back. On GPU both copies run on their own CUDA streams
+  into/out of pinned memory, so they overlap with compute: the device-to-host copy with the next layer's
+  forward, the host-to-device copy of layer ``i - 1`` with the backward of layer ``i`` (a prefetch started
+  when backward reaches layer ``i``'s output, :func:`chain_prefetch`). On CPU it is a plain copy.
+* **Recompute** (``Policy.recompute``, :func:`mark_recompute`): nothing is kept; backward gets the tensor
+  from a function of other saved tensors (``model/recompute.py``).
+* **Meter** (:class:`SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
+  host, measured from what the hooks hold -- not estimated.
+
+Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
+``model/memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
+storage belongs to this site", valid while ``tensor`` lives -- and regions
+(:meth:`SavedTensorScope.push_region` / ``pop_region``) -- "everything saved meanwhile belongs to this
+site". Matching by storage makes a site independent of *which* autograd
+function saves the tensor (a megatron ``Linear``, a checkpoint saving its inputs, a torch op saving a
+view), so a scope can wrap any module, e.g. the stored inputs of a decoupled weight-gradient computation.
+Parameters are never touched.
+
+Why our own hooks and not megatron's fine-grained activation offloading
+(``megatron.core.pipeline_parallel.fine_grained_activation_offload``, megatron-core 0.19.2): it raises
+without Transformer Engine (``PipelineOffloadManager.__enter__`` needs TE's ``cpu_offload``), handles CUDA
+tensors only, offloads the routed experts only in ``TEGroupedMLP`` (not ``SequentialMLP``), needs its own
+per-microbatch bookkeeping in the schedules, and has no FP8 storage. torch applies only the innermost
+pair of saved-tensor hooks, so FP8, offload, recompute and the meter must be one pair: this module.
+
+A saved tensor whose storage was released behind autograd's back before the scope commits (megatron's
+``CheckpointWithoutOutput`` does that; it refills the storage before use) is neither offloaded nor counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to do with the saved tensors of one site.
+
+    Attributes:
+        site: the site name (``launcher/schema.py`` ``MEMORY_*_SITES``), used by the meter.
+        fp8: store as FP8-E4M3 1 x 128 tiles.
+        offload: move to host memory until backward.
+        recompute: keep nothing; backward calls this (see :func:`mark_recompute`).
+    """
+
+    site: str
+    fp8: bool = False
+    offload: bool = False
+    recompute: Optional[Callable[[], torch.Tensor]] = None  # see mark_recompute
+
+    @property
+    def transforms(self) -> bool:
+        return self.fp8 or self.offload or self.recompute is not None
+
+
+_TLS = threading.local()
+
+
+def _stack() -> list:
+    s = getattr(_TLS, "scopes", None)
+    if s is None:
+        s = _TLS.scopes = []
+    return s
+
+
+def current_scope() -> Optional["SavedTensorScope"]:
+    """The innermost open scope of this thread (None outside any; backward never has one)."""
+    s = _stack()
+    return s[-1] if s else None
+
+
+def mark(tensor: Optional[torch.Tensor], policy: Optional[Policy]) -> None:
+    """In the current scope, saved tensors sharing ``tensor``'s storage belong to ``policy``'s site.
+    A no-op outside a scope (e.g. during a recompute in backward) or with ``policy=None``."""
+    scope = current_scope()
+    if scope is not None and policy is not None and tensor is not None:
+        scope.mark(tensor, policy)
+
+
+def mark_recompute(tensor: torch.Tensor, recompute: Callable[[], torch.Tensor], site: str) -> bool:
+    """In the current scope, saved tensors sharing ``tensor``'s storage are not kept: backward gets them
+    from ``recompute()`` (called under ``torch.no_grad``; it must return a tensor equal to ``tensor``, same
+    shape, dtype and strides). A saved view of ``tensor`` is taken from the recomputed tensor with the
+    view's shape, strides and offset.
+
+    This is the output-discarding recompute (megatron's ``CheckpointWithoutOutput``) done through the
+    saved-tensor hooks: nothing is freed or restored behind autograd's back, and the inputs the recompute
+    reads may themselves be FP8-stored or offloaded.
+
+    Returns:
+        False outside a scope (then the tensor is saved as usual).
+    """
+    scope = current_scope()
+    if scope is None:
+        return False
+    if not tensor.is_contiguous():
+        raise ValueError("mark_recompute needs a contiguous tensor (its saved views are rebuilt by strides)")
+    scope.mark(tensor, Policy(site, recompute=recompute))
+    return True
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+class _Streams:
+    """The two side streams of the offload copies (created on first use, one pair per process)."""
+
+    d2h = None
+    h2d = None
+
+    @classmethod
+    def get(cls):
+        if cls.d2h is None:
+            cls.d2h, cls.h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        return cls.d2h, cls.h2d
+
+
+class _StorageCopy:
+    """One device storage's bytes in host memory, and back. A storage is copied once however many saved
+    views of it a scope holds, and each view is rebuilt on the copy, so aliasing survives the trip.
+
+    GPU: the device-to-host copy runs on ``stream`` into pinned memory and the device storage is marked
+    as in use by that stream (``record_stream``), so the caching allocator does not hand it out again
+    before the copy is done; CPU: a plain copy.
+    """
+
+    def __init__(self, storage: torch.UntypedStorage, stream):
+        self.device = storage.device
+        self.nbytes = storage.nbytes()
+        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        if self.device.type == "cuda":
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.host.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+        else:
+            self.host = src.clone()
+        self.dev = None
+
+    def reload(self, stream) -> None:
+        if self.device.type == "cuda":
+            self.dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)  # main stream
+            with torch.cuda.stream(stream):
+                self.dev.copy_(self.host, non_blocking=True)
+                self.dev.record_stream(stream)
+        else:
+            self.dev = self.host
+
+    def view(self, dtype, shape, stride, offset) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=self.device).set_(self.dev.untyped_storage(), offset, shape, stride)
+
+
+class _Saved:
+    """One saved tensor as held by the hooks: the tensor, its FP8 tiles, a recompute, or host copies."""
+
+    __slots__ = ("policy", "tensor", "fp8", "host", "group", "key", "view")
+
+    def __init__(self, tensor: torch.Tensor, policy: Optional[Policy], group: "SavedTensorScope"):
+        self.policy = policy
+        self.group = group
+        self.key = _storage_key(tensor)
+        self.host = None  # [(storage copy, dtype, shape, stride, offset)] once offloaded
+        self.view = None
+        if policy is not None and policy.recompute is not None:
+            self.fp8 = self.tensor = None
+            self.view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        elif policy is not None and policy.fp8 and tensor.is_floating_point() and tensor.dim() > 0 \
+                and tensor.shape[-1] > 0:
+            self.fp8 = quantize_tiles(tensor)
+            self.tensor = None
+        else:
+            self.fp8 = None
+            self.tensor = tensor
+
+    def payload(self) -> list:
+        """The tensors held on the device (none for a recompute)."""
+        if self.view is not None:
+            return []
+        return [self.fp8.data, self.fp8.scale] if self.fp8 is not None else [self.tensor]
+
+    def released(self) -> bool:
+        """True when the tensor's storage was released behind autograd's back (megatron's
+        ``CheckpointWithoutOutput`` does that; it refills it before use): nothing to offload."""
+        return self.tensor is not None and self.tensor.untyped_storage().size() == 0
+
+    def offload(self, copies: dict, stream) -> None:
+        host = []
+        for t in self.payload():
+            key = _storage_key(t)
+            if key not in copies:
+                copies[key] = _StorageCopy(t.untyped_storage(), stream)
+            host.append((copies[key], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+        self.host = host
+        self.tensor = None
+        if self.fp8 is not None:
+            self.fp8 = FP8Tiles(None, None, self.fp8.dtype)
+
+    def restore(self) -> None:
+        """Views on the reloaded storages (after the group's reload)."""
+        if self.host is None:
+            return
+        out = [copy.view(dtype, shape, stride, offset) for copy, dtype, shape, stride, offset in self.host]
+        if self.fp8 is not None:
+            self.fp8 = FP8Tiles(out[0], out[1], self.fp8.dtype)
+        else:
+            self.tensor = out[0]
+        self.host = None
+
+    def get(self) -> torch.Tensor:
+        """The tensor for backward (waits for its reload; dequantizes FP8; recomputes)."""
+        if self.view is not None:
+            if self.tensor is None:  # recomputed once, shared by every consumer that saved it
+                with torch.no_grad():
+                    self.tensor = self.policy.recompute()
+            full = self.tensor
+            shape, stride, offset = self.view
+            if tuple(full.shape) == shape and tuple(full.stride()) == stride and offset == 0:
+                return full
+            return full.as_strided(shape, stride, offset)
+        self.group._ensure_reloaded()
+        self.restore()
+        if self.fp8 is not None:
+            return dequantize_tiles(self.fp8)
+        return self.tensor
+
+
+def _pack(tensor: torch.Tensor):
+    scope = current_scope()
+    if scope is None or isinstance(tensor, torch.nn.Parameter):
+        return tensor
+    return scope.pack(tensor)
+
+
+def _unpack(packed):
+    return packed.get() if isinstance(packed, _Saved) else packed
+
+
+class SavedTensorScope:
+    """One group of saved tensors (a transformer layer's forward): a context manager.
+
+    While open, every tensor autograd saves in this thread passes through :meth:`pack`. On exit the
+    group is committed: tensors of offload sites go to host memory (their storage released by a
+    recompute checkpoint excepted), and the meter, if one is open, counts what stays saved.
+
+    Args:
+        name: for messages (e.g. ``"layer 3"``).
+    """
+
+    def __init__(self, name: str = ""):
+        self.name = name
+        self.marks: dict[int, Policy] = {}
+        self.regions: list[Policy] = []
+        self.saved: list[_Saved] = []
+        self._dedup: dict[tuple, _Saved] = {}
+        self.state = "open"  # open -> (offloaded -> reloading ->) reloaded
+        self.copies: list = []
+        self.d2h_event = None
+        self.h2d_event = None
+        self.prev: Optional[SavedTensorScope] = None  # the group backward reaches next (prefetch)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+    # -- forward
+    def __enter__(self) -> "SavedTensorScope":
+        _stack().append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        popped = _stack().pop()
+        assert popped is self, "saved-tensor scopes closed out of order"
+        self.commit()
+
+    def push_region(self, policy: Policy) -> None:
+        """Until :meth:`pop_region`, saved tensors without a mark belong to ``policy``'s site."""
+        self.regions.append(policy)
+
+    def pop_region(self) -> None:
+        self.regions.pop()
+
+    def mark(self, tensor: torch.Tensor, policy: Policy) -> None:
+        # keyed by storage address; the weak reference tells a live mark from one whose tensor died and
+        # whose memory now holds another tensor
+        self.marks[_storage_key(tensor)] = (policy, weakref.ref(tensor))
+
+    def policy_of(self, tensor: torch.Tensor) -> Optional[Policy]:
+        """The site of a saved tensor: its storage's mark, else the innermost open region, else None."""
+        hit = self.marks.get(_storage_key(tensor))
+        if hit is not None and hit[1]() is not None:
+            return hit[0]
+        return self.regions[-1] if self.regions else None
+
+    def pack(self, tensor: torch.Tensor):
+        policy = self.policy_of(tensor)
+        meter = SavedBytesMeter.active()
+        if (policy is None or not policy.transforms) and meter is None:
+            return tensor  # nothing to do: autograd keeps the tensor as usual
+        key = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+               tensor.dtype, tensor._version)
+        # the same tensor saved twice (e.g. by two consumers): one copy. An FP8 entry does not hold the
+        # tensor, whose memory may then be reused by a new one with the same key: the weak reference
+        # tells them apart.
+        hit = self._dedup.get(key)
+        if hit is not None and hit[1]() is not None:
+            return hit[0]
+        s = _Saved(tensor, policy, self)
+        self._dedup[key] = (s, weakref.ref(tensor))
+        self.saved.append(s)
+        return s
+
+    def commit(self) -> None:
+        """End of the forward of this group: start the offload copies, report to the meter."""
+        self._dedup.clear()
+        self.marks.clear()
+        to_host = [s for s in self.saved
+                   if s.policy is not None and s.policy.offload and s.view is None and not s.released()]
+        meter = SavedBytesMeter.active()
+        if meter is not None:
+            meter.count(self.saved, offloaded=set(map(id, to_host)))
+        self.saved = []  # what is not offloaded stays referenced by autograd only
+        if not to_host:
+            self.state = "reloaded"
+            return
+        cuda = any(_is_cuda(t) for s in to_host for t in s.payload())
+        stream = None
+        if cuda:
+            stream, _ = _Streams.get()
+            stream.wait_stream(torch.cuda.current_stream())  # the tensors are complete on the main stream
+        copies: dict = {}
+        for s in to_host:
+            s.offload(copies, stream)
+        self.copies = list(copies.values())
+        if cuda:
+            self.d2h_event = torch.cuda.Event()
+            self.d2h_event.record(stream)
+        self.state = "offloaded"
+
+    # -- backward
+    def reload_async(self) -> None:
+        """Start bringing this group's offloaded storages back (no wait)."""
+        if self.state != "offloaded":
+            return
+        self.state = "reloading"
+        if self.d2h_event is not None:
+            _, h2d = _Streams.get()
+            h2d.wait_event(self.d2h_event)
+            for c in self.copies:
+                c.reload(h2d)
+            self.h2d_event = torch.cuda.Event()
+            self.h2d_event.record(h2d)
+        else:
+            for c in self.copies:
+                c.reload(None)
+
+    def _ensure_reloaded(self) -> None:
+        if self.state == "offloaded":
+            self.reload_async()
+        if self.state == "reloading":
+            if self.h2d_event is not None:
+                torch.cuda.current_stream().wait_event(self.h2d_event)
+            self.state = "reloaded"
+            self.copies = []  # the views hold the reloaded storages
+
+
+def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
+    """Register the reload of ``scope`` and the prefetch of ``scope.prev`` on ``output``'s gradient.
+
+    ``output`` is the tensor the group's forward produced (a transformer layer's output): its gradient
+    arrives when backward reaches this group, which is when its tensors are needed; the previous group
+    (``scope.prev``, the layer below in the same model chunk) is needed next, so its host-to-device copy
+    starts now and overlaps with this group's backward.
+    """
+    if scope.state != "offloaded" and (scope.prev is None or scope.prev.state != "offloaded"):
+        return
+    if not (isinstance(output, torch.Tensor) and output.requires_grad):
+        return
+    prev = scope.prev
+
+    def hook(*_):
+        scope.reload_async()
+        if prev is not None:
+            prev.reload_async()
+        return None
+
+    # on the autograd node (it lives as long as the graph), not on the Python tensor object
+    if output.grad_fn is not None:
+        output.grad_fn.register_prehook(hook)
+    else:
+        output.register_hook(hook)
+    scope.prev = None  # the hook holds it; no chain of references through the scopes
+
+
+class SavedBytesMeter:
+    """Counts the bytes saved for backward, per site, as the scopes commit (``k2-bench bench=memory``).
+
+    Use ``with meter.measure(): <one forward>``: it opens a root :class:`SavedTensorScope` so that saved
+    tensors outside any layer scope are counted too (under the site ``other``). Per saved tensor:
+
+    * kept as is: its storage's bytes, each storage counted once (two views, or a tensor saved twice,
+      cost one storage);
+    * FP8: the tiles' bytes (1 per element + 4 per 128-element tile);
+    * offloaded: 0 on device, its storage's (or the FP8 tiles') bytes on host, each storage once;
+    * recomputed (:func:`mark_recompute`): 0.
+
+    Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`).
+
+    Attributes:
+        device_bytes: ``{site: bytes}`` kept on the device.
+        host_bytes: ``{site: bytes}`` offloaded to host memory.
+        forwards: number of ``measure()`` blocks run.
+    """
+
+    _active: Optional["SavedBytesMeter"] = None
+
+    def __init__(self):
+        self.device_bytes: dict[str, int] = {}
+        self.host_bytes: dict[str, int] = {}
+        self.forwards = 0
+        self._storages: dict[tuple, torch.UntypedStorage] = {}
+
+    @classmethod
+    def active(cls) -> Optional["SavedBytesMeter"]:
+        return cls._active
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if SavedBytesMeter._active is not None:
+            raise RuntimeError("SavedBytesMeter.measure() blocks cannot nest")
+        SavedBytesMeter._active = self
+        try:
+            with SavedTensorScope("root"):
+                yield
+            self.forwards += 1
+        finally:
+            SavedBytesMeter._active = None
+            self._storages.clear()  # (held only so that a freed address is not mistaken for a seen one)
+
+    def count(self, saved: list, offloaded: set) -> None:
+        """Count one committing scope's saved tensors (``offloaded``: ids of those going to host)."""
+        for s in saved:
+            site = s.policy.site if s.policy is not None else "other"
+            if s.view is not None or s.released():  # recomputed in backward: nothing kept
+                continue
+            where = self.host_bytes if id(s) in offloaded else self.device_bytes
+            for t in s.payload():
+                storage = t.untyped_storage()
+                key = (id(s) in offloaded, storage.data_ptr())
+                if key not in self._storages:  # each storage once
+                    self._storages[key] = storage
+                    where[site] = where.get(site, 0) + storage.nbytes()
+
+    def per_forward(self) -> dict:
+        """``{"device": {site: bytes}, "host": {site: bytes}, "device_total": .., "host_total": ..}``,
+        averaged over the measured forwards."""
+        n = max(self.forwards, 1)
+        dev = {k: v / n for k, v in sorted(self.device_bytes.items())}
+        host = {k: v / n for k, v in sorted(self.host_bytes.items())}
+        return {"device": dev, "host": host, "device_total": sum(dev.values()), "host_total": sum(host.values())}
