@@ -285,14 +285,10 @@ def make_plan(cfg) -> dict[str, Any]:
     _check_numbers(cfg)
     if cfg.output not in _OUTPUTS:
         raise ConfigError(f"output={cfg.output!r}; allowed: {', '.join(_OUTPUTS)}")
-    mem_cfg = _memory_cfg(cfg)
-    if mem_cfg is not None:
-        from model.activations import SITES
+    if _memory_cfg(cfg) is not None:
+        from model.memory import check_memory_config
 
-        for key, allowed in SITES.items():
-            for name in list(mem_cfg[key] or []):
-                if name not in allowed:
-                    raise ConfigError(f"memory.{key} has {name!r}; allowed: {', '.join(allowed)} (a list, [] = off)")
+        check_memory_config(cfg)  # the trainer's own check: same sites, same message
     _check_model_parallel_group(cfg, world)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=_WORLD_FROM)
     schedule = resolve_schedule(cfg, dims)

@@ -17,15 +17,16 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 
 * attention RMSNorm (``input_layernorm``): the layer input and the normalised ``x * rstd`` (composite
   norm: both FP32, ``2 x 4 T h``; fused CUDA norm: the input, ``B T h``) + ``rstd`` (FP32, ``4 T``)
-  [O attn_input: the layer input; R layernorm drops ``x * rstd`` and ``rstd``];
-* its output, the input of the q/kv down-projections, ``B T h`` [O mla_up_proj; R layernorm];
+  [O attn_input: the layer input (a BF16 input's FP32 copy is a storage of its own, not moved); R layernorm
+  drops ``x * rstd``, ``rstd`` and the FP32 copy: the recompute saves the input itself];
+* its output, the input of the q/kv down-projections, ``B T h`` [O mla_up_proj; R layernorm, which wins:
+  a recomputed tensor is never offloaded];
 * q latent (``B T r_q``), kv latent with the rope key (``B T (r_kv + d_r)``), their RMSNorms (as above,
   on ``r_q`` / ``r_kv``; the composite norm's FP32 input copy of a BF16 kv latent leaves out the rope key)
   and the normalised latents fed to the up-projections (``B T (r_q + r_kv)``) [O mla_up_proj];
 * q, k, v after the up-projections and RoPE, ``B T H (2 (d_qk + d_r) + d_v)`` [O core_attn; R mla_up_proj
-  drops them with fused attention, which saves these very tensors (megatron's ``mla_up_proj`` recompute
-  releases their storage after the core attention and recomputes them from the normalised latents); the
-  CPU path saves contiguous copies, which stay];
+  drops them: core attention saves these tensors (SDPA) or views of them (CPU), and the recompute
+  (model/recompute.py) rebuilds every output of the up-projections from the normalised latents];
 * core attention: fused (SDPA/cuDNN on GPU) the output ``B T H d_v`` + log-sum-exp ``4 T H``; unfused
   (CPU) the FP32 softmax probabilities ``4 b H s^2`` (and their copy in the compute dtype for ``p v``
   when that is BF16, ``2 b H s^2``) + a causal mask ``s^2`` (1 byte) [O core_attn];
@@ -36,14 +37,14 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 * dense / shared-expert SwiGLU of width ``f`` on ``T`` tokens and each routed expert's on its tokens
   (``Tk`` in all): ``linear_fc1`` output ``2 f`` [F swiglu_input; O swiglu_input]; SwiGLU internals
   ``silu(gate)`` and ``up`` (``2 f``; routed experts also the output before the probability scaling,
-  ``f``) [R swiglu]; ``linear_fc2`` input ``f`` [O fc2_input; R swiglu];
+  ``f``, not saved with moe_down_proj) [R swiglu]; ``linear_fc2`` input ``f`` [O fc2_input; R swiglu];
 * routed experts' permuted input ``B Tk h`` [F moe_fc1_input; O moe_fc1_input]; router (FP32 scores
   and INT64 routing map ``16 T E``, top-k values and indices ``12 Tk``, ``8 T``, ``16 E + 4``);
   permutation indices ``32 Tk``; expert probabilities ``4 Tk``;
-* ``moe_down_proj``: the routed experts' ``linear_fc2`` output. megatron-core 0.19.2's ``SequentialMLP``
-  scales by the router probabilities *before* ``linear_fc2``, so that output is not saved and the
-  recompute site has nothing to drop in this code path (it does with probabilities applied after the
-  down-projection, as in K2's own implementation).
+* ``moe_down_proj``: megatron-core 0.19.2's ``SequentialMLP`` scales by the router probabilities *before*
+  ``linear_fc2`` (saving the SwiGLU output before the scaling); with the switch on, the routed experts
+  scale ``linear_fc2``'s output instead (K2's placement, ``model/mlp.py``), and that output ``[Tk, h]``,
+  saved for the probabilities' gradient, is recomputed: neither is kept.
 
 Embedding stage: the token ids (INT64, ``8 T``). Loss stage: the final RMSNorm (as above), the output
 head's input ``B T h``, the cross-entropy's FP32 softmax ``4 T V`` and labels/mask ``9 T``.
@@ -80,7 +81,10 @@ class Saved:
         bytes_per_element: storage size of one element.
         offload: the ``memory.offload`` site that moves it to host, or None.
         fp8: the ``memory.fp8_store`` site that stores it as FP8, or None.
-        recompute: the ``memory.recompute`` site whose recomputation drops it, or None.
+        recompute: the ``memory.recompute`` site whose recomputation drops it (or a tuple of sites, any of
+            which drops it), or None.
+        only_with: the ``memory.recompute`` site without which the tensor is not saved at all (the
+            recompute checkpoint's own saved input), or None.
     """
 
     name: str
@@ -88,7 +92,8 @@ class Saved:
     bytes_per_element: float
     offload: Optional[str] = None
     fp8: Optional[str] = None
-    recompute: Optional[str] = None
+    recompute: Optional[str | tuple] = None
+    only_with: Optional[str] = None
 
     @property
     def nbytes(self) -> float:
@@ -112,18 +117,26 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
         width_in = width + input_extra
         return [Saved(f"{prefix}.input", tokens * width_in, B, offload),
                 Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
-    # composite: an FP32 input is saved as is (a view keeps its whole storage); a BF16 one as an FP32 copy
+    # composite: an FP32 input is saved as is (a view keeps its whole storage); a BF16 one as an FP32 copy,
+    # a new storage that the offload sites (which match the input's storage) do not move. Recomputed, the
+    # norm's internals are not saved; its checkpoint saves the BF16 input itself.
     width_in = width + input_extra if B == 4 else width
-    return [Saved(f"{prefix}.input", tokens * width_in, 4, offload),
-            Saved(f"{prefix}.x_rstd", tokens * width, 4, offload if input_extra else None, recompute=recompute),
-            Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
+    if B == 4:
+        saved_input = [Saved(f"{prefix}.input", tokens * width_in, 4, offload)]
+    else:
+        saved_input = [Saved(f"{prefix}.input_fp32_copy", tokens * width_in, 4, recompute=recompute)]
+        if recompute is not None:
+            saved_input.append(Saved(f"{prefix}.input", tokens * width_in, B, offload, only_with=recompute))
+    return saved_input + [Saved(f"{prefix}.x_rstd", tokens * width, 4, recompute=recompute),
+                          Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
 
 
 def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> list[Saved]:
     out = [Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input"),
            Saved(f"{prefix}.silu_and_up", tokens * 2 * width, B, recompute="swiglu")]
     if routed:
-        out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B, recompute="swiglu"))
+        # with moe_down_proj the probabilities multiply fc2's output instead (model/mlp.py): not saved
+        out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B, recompute=("swiglu", "moe_down_proj")))
     out.append(Saved(f"{prefix}.fc2_input", tokens * width, B, "fc2_input", recompute="swiglu"))
     return out
 
@@ -154,10 +167,9 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
             continue
         out += _norm(name, T, width, B, fused_kernels, "mla_up_proj", None, input_extra=extra)
         out.append(Saved(f"{name}.norm_output", T * width, B, "mla_up_proj"))
-    # SDPA saves the up-projections' outputs themselves, which megatron's mla_up_proj recompute releases;
-    # the CPU path's matmuls save their own contiguous copies, which it does not
-    out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn",
-                     recompute="mla_up_proj" if fused_kernels else None))
+    # core attention saves the up-projections' outputs (SDPA) or views of them (the CPU path), which the
+    # mla_up_proj recompute drops (model/recompute.py marks every output of the recomputed function)
+    out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn", recompute="mla_up_proj"))
     if fused_kernels:
         out += [Saved("core_attn.output", T * H * d_v, B, "core_attn"),
                 Saved("core_attn.logsumexp", T * H, 4, "core_attn")]
@@ -219,7 +231,10 @@ def apply_switches(saved: Iterable[Saved], fp8_store: Iterable[str] = (), recomp
             raise ValueError(f"memory.{key} has {sorted(unknown)}; allowed: {', '.join(SITES[key])}")
     gpu = host = 0.0
     for x in saved:
-        if x.recompute is not None and x.recompute in recompute:
+        sites = (x.recompute,) if isinstance(x.recompute, str) else (x.recompute or ())
+        if any(site in recompute for site in sites):
+            continue
+        if x.only_with is not None and x.only_with not in recompute:
             continue
         nbytes = x.nbytes
         if x.fp8 is not None and x.fp8 in fp8_store:

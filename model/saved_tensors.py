@@ -304,7 +304,15 @@ class SavedTensorScope:
     def mark(self, tensor: torch.Tensor, policy: Policy) -> None:
         # keyed by storage address; the weak reference tells a live mark from one whose tensor died and
         # whose memory now holds another tensor
-        self.marks[_storage_key(tensor)] = (policy, weakref.ref(tensor))
+        key = _storage_key(tensor)
+        hit = self.marks.get(key)
+        if (hit is not None and hit[1]() is not None and hit[0].recompute is not None
+                and policy.recompute is None):
+            # a recompute mark wins over a later FP8/offload mark of the same storage (e.g. the RMSNorm
+            # output that recompute=layernorm drops is also the input marked by offload=mla_up_proj):
+            # what can be rebuilt is kept nowhere, neither on the device nor on the host
+            return
+        self.marks[key] = (policy, weakref.ref(tensor))
 
     def policy_of(self, tensor: torch.Tensor) -> Optional[Policy]:
         """The site of a saved tensor: its storage's mark, else the innermost open region, else None."""

@@ -6,14 +6,14 @@
   every rank;
 * activation bytes of one microbatch: predicted from the saved-tensor inventory, measured through
   ``torch.autograd.graph.saved_tensors_hooks`` on the CPU proxy (each storage once, parameters excluded):
-  within 15%, with no memory switch and -- once the ``memory.*`` switches of issue 6 are installed by
-  ``model.build.build_model_chunks`` -- with each FP8-storage and recompute switch;
+  within 15% with no memory switch (plain hooks written in the test; the meter of model/saved_tensors.py
+  must count the same), within 10% with each FP8-storage, recompute and offload switch and with
+  ``memory=k2`` (device and host bytes, through the meter);
 * K2's figure (REFERENCE.md "Training system"): BF16 parameters + FP32 gradients ~ 6 TB over 256 GPUs.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -114,20 +114,14 @@ ODD = ["model.hidden_size=112", "model.ffn_hidden_size=200", "model.q_lora_rank=
        "model.moe_shared_expert_intermediate_size=36", "model.num_moe_experts=6", "model.moe_router_topk=2"]
 
 
-def _meter():
-    """issue 6's ``model.saved_tensors.SavedBytesMeter`` when merged: the only way to see what autograd
-    saves once its saved-tensor scopes are installed (only the innermost saved-tensor hooks are active)."""
-    try:
-        return importlib.import_module("model.saved_tensors").SavedBytesMeter
-    except (ImportError, AttributeError):
-        return None
-
-
-def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int) -> tuple[int, int]:
+def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
+                        meter: bool = True) -> tuple[int, int]:
     """Bytes autograd keeps for backward after one microbatch's forward of the k2_tiny family built as
     ``k2-train`` builds it (one rank), on the device and offloaded to host: every storage a saved tensor
-    lives in, once; parameters excluded. Measured with saved-tensor hooks (issue 6's meter, which also
-    sees FP8 payloads and offloaded copies, once its switches are installed)."""
+    lives in, once; parameters excluded. ``meter=True``: model/saved_tensors.py's ``SavedBytesMeter``
+    (the only way to see FP8 payloads and offloaded copies: torch applies only the innermost saved-tensor
+    hooks, which are the memory switches' own); ``meter=False``: plain ``saved_tensors_hooks`` written
+    here, an independent count (valid without switches)."""
     import torch
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -146,9 +140,10 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch_size, seq_length), generator=gen)
     position_ids = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, seq_length)
-    meter_cls = _meter()
-    if meter_cls is not None:
-        meter = meter_cls()
+    if meter:
+        from model.saved_tensors import SavedBytesMeter
+
+        meter = SavedBytesMeter()
         with meter.measure():
             loss = model(tokens, position_ids, None, labels=tokens)
         loss.sum().backward()
@@ -190,18 +185,14 @@ CASES = [([], 128, 2), (["train.precision=bf16"], 128, 2), (ODD, 96, 2), (ODD + 
 
 @pytest.mark.parametrize("overrides,seq,mbs", CASES, ids=["fp32", "bf16", "odd-fp32", "odd-bf16-s256"])
 def test_activation_bytes_without_switches(megatron_world1, overrides, seq, mbs):
-    (measured, host), (predicted, _) = measure_saved_bytes(overrides, seq, mbs), predict_saved_bytes(overrides, seq, mbs)
+    measured, host = measure_saved_bytes(overrides, seq, mbs, meter=False)
+    predicted, _ = predict_saved_bytes(overrides, seq, mbs)
     assert host == 0
+    # the meter counts the same (to 0.1%: the plain count keys storages by address, so a saved tensor that
+    # dies during the forward and whose memory a later one reuses is counted once)
+    metered, metered_host = measure_saved_bytes(overrides, seq, mbs, meter=True)
+    assert metered_host == 0 and metered == pytest.approx(measured, rel=1e-3)
     assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
-
-
-def _switches_installed() -> bool:
-    """True once the memory switches of issue 6 exist (``model.memory.install``, applied by
-    ``model.build.build_model_chunks`` from ``cfg.memory``)."""
-    try:
-        return hasattr(importlib.import_module("model.memory"), "install")
-    except ImportError:
-        return False
 
 
 SWITCHES = [["memory.fp8_store=[moe_fc1_input]"], ["memory.fp8_store=[swiglu_input]"],
@@ -212,17 +203,14 @@ SWITCHES = [["memory.fp8_store=[moe_fc1_input]"], ["memory.fp8_store=[swiglu_inp
             ["memory=k2"]]
 
 
-@pytest.mark.skipif(not _switches_installed() or _meter() is None,
-                    reason="the memory.* switches (issue 6: model.memory.install, model.saved_tensors."
-                    "SavedBytesMeter) are not in this branch yet; this test runs once they are merged")
 @pytest.mark.parametrize("switch", SWITCHES, ids=lambda s: "+".join(x.split("=")[1] for x in s))
 def test_activation_bytes_per_switch(megatron_world1, switch):
-    """Each FP8-storage / recompute / offload switch: predicted device and host bytes within 15% of the
+    """Each FP8-storage / recompute / offload switch: predicted device and host bytes within 10% of the
     measured ones."""
     for overrides, seq, mbs in [(switch, 128, 2), (ODD + switch + ["train.precision=bf16"], 256, 1)]:
         measured, predicted = measure_saved_bytes(overrides, seq, mbs), predict_saved_bytes(overrides, seq, mbs)
         for what, m, p in zip(("device", "host"), measured, predicted):
-            assert p == pytest.approx(m, rel=0.15, abs=1024), (switch, what, p, m)
+            assert p == pytest.approx(m, rel=0.10, abs=1024), (switch, what, p, m)
 
 
 def test_switches_on_a_k2_moe_layer():

@@ -6,7 +6,8 @@ off and on (same seed, same data, 3 optimizer steps, fp32):
 * every rank's accumulated gradients (megatron's ``main_grad`` before the data-parallel reduction, at
   each step) and its parameters after 3 steps are equal with and without the split -- on ``cpu4``
   (PP2 x VPP2 x EP2 x DP2, ZeRO-1: interleaved 1F1B, unbatched overlapped p2p, expert wgrads) and on PP4
-  without EP or VPP (1F1B, batched p2p);
+  without EP or VPP (1F1B, batched p2p), and on ``cpu4`` with ``memory=k2`` (the stored inputs go through
+  FP8 storage, offload and recompute);
 * the event trace (``pipeline.trace``) shows, for every rank, step and microbatch, the W of that
   microbatch after the send of its input gradient was posted and before that send was waited on (the
   first virtual stage, which sends nothing, runs W right after its B), no F or B between a B and its W
@@ -34,6 +35,9 @@ COMMON = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0",
 LAYOUTS = {
     "cpu4": ["parallel=cpu4"],  # PP2 x VPP2 x EP2 x DP2, ZeRO-1
     "pp4": ["parallel=pp2", "parallel.pp=4", "launch.nproc_per_node=4"],  # PP4, no VPP, no EP, DP1
+    # with activation memory as K2 trains (issue 6): the deferred wgrads read their inputs through the
+    # FP8-storage / offload / recompute hooks, which must give the same values whenever W runs
+    "cpu4-memory_k2": ["parallel=cpu4", "memory=k2"],
 }
 
 
