@@ -71,3 +71,13 @@ def no_process_start(monkeypatch):
     monkeypatch.setattr(train, "run", lambda *a, **k: started.append("run"))
     monkeypatch.setattr(train, "_spawn_local", lambda *a, **k: started.append("spawn"))
     return started
+
+
+@pytest.fixture(scope="session")
+def three_step_runs(tmp_path_factory, stdlib_corpus):
+    """``run(layout_overrides, nproc, decouple_wgrad)`` -> tests/distributed.py ``three_step_run``, each
+    distinct run once per session (shared by the wgrad and activation-memory tests)."""
+    from distributed import three_step_run
+
+    root, cache = tmp_path_factory.mktemp("three_step_runs"), {}
+    return lambda layout, nproc, decouple_wgrad: three_step_run(root, list(layout), nproc, decouple_wgrad, cache)

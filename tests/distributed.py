@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from conftest import REPO, free_port
 
 QUIET = ["run.wandb.mode=disabled", "train.progress=false"]
@@ -49,3 +51,37 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
         assert proc.returncode == 0, f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# schedule.phases.0.steps=0: the stable LR 3e-3 from step 1, so steps 2-3 see updated weights
+THREE_STEPS = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7",
+               "checkpoint.save_at_end=false"]
+
+
+def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bool, cache: dict) -> dict:
+    """3 optimizer steps of the trainer (THREE_STEPS) with the pipeline trace and a dump of every rank's
+    gradients per step and final parameters (tests/scripts/dump_params_train.py). Runs that several
+    test files need (e.g. cpu4 with memory=none/k2 and the wgrad split off) run once per session:
+    ``cache`` maps the arguments to the result.
+
+    Returns:
+        ``{"records": metrics.jsonl records, "traces": {rank: events}, "dumps": {rank: (grads, params)}}``.
+    """
+    key = (tuple(layout), nproc, decouple_wgrad)
+    if key in cache:
+        return cache[key]
+    out = root / f"run{len(cache)}"
+    recs = run_trainer(
+        [*layout, *THREE_STEPS, f"pipeline.decouple_wgrad={str(decouple_wgrad).lower()}",
+         f"pipeline.trace={out / 'trace'}"],
+        nproc, out / "run", script="dump_params_train.py",
+        env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"},
+    )
+    traces = {}
+    for path in sorted((out / "trace").glob("rank*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        traces[events[0]["rank"]] = events
+    dumps = {r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
+             for r in range(nproc)}
+    cache[key] = {"records": recs, "traces": traces, "dumps": dumps}
+    return cache[key]

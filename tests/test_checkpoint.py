@@ -69,33 +69,28 @@ def cpu4_reference(tmp_path_factory, stdlib_corpus):
 
 @pytest.mark.slow
 def test_bitwise_resume_cpu4_once_and_twice(cpu4_reference, tmp_path):
-    """4 + 4 and 4 + 2 + 2 steps equal 8 straight steps: every loss, grad norm, val loss, LR, and the
-    final parameters; the data position after the second resume is 8 steps' worth."""
+    """4 steps, resumed to 6, resumed again to 8, equal 8 straight steps: every loss, grad norm, val loss,
+    LR, and the final parameters; the data position after the second resume is 8 steps' worth."""
     ref_dir, ref = cpu4_reference
-    a = tmp_path / "a"
-    run_trainer([*CPU4, "train.iters=4"], 4, a)
-    assert _latest(a) == "iter_0000004"
-    b = tmp_path / "b"
-    shutil.copytree(a, b)
-    recs_a = run_trainer([*CPU4, "train.iters=8"], 4, a)  # resumes from iter 4 automatically
-    assert [r["step"] for r in recs_a] == list(range(1, 9))
-    _assert_same_steps(recs_a, ref, range(1, 9))
-
-    run_trainer([*CPU4, "train.iters=6"], 4, b)
-    recs_b = run_trainer([*CPU4, "train.iters=8"], 4, b)
-    _assert_same_steps(recs_b, ref, range(1, 9))
-    st = _state(b)
+    run = tmp_path / "run"
+    run_trainer([*CPU4, "train.iters=4"], 4, run)
+    assert _latest(run) == "iter_0000004"
+    recs = run_trainer([*CPU4, "train.iters=6"], 4, run)  # resumes from iter 4 automatically
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    _assert_same_steps(recs, ref, range(1, 7))
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run)  # and from iter 6
+    _assert_same_steps(recs, ref, range(1, 9))
+    st = _state(run)
     tokens_per_step = ref[0]["consumed_tokens"]
     assert st["step"] == 8 and st["consumed_tokens"] == 8 * tokens_per_step
     assert st["consumed_samples_in_context"] == 8 * ref[0]["global_batch_size"]
 
     want = _model_tensors(ref_dir / "checkpoints" / "iter_0000008", tmp_path)
     assert len(want) > 50
-    for run in (a, b):
-        got = _model_tensors(run / "checkpoints" / "iter_0000008", tmp_path)
-        assert got.keys() == want.keys()
-        bad = [k for k in want if not torch.equal(got[k], want[k])]
-        assert not bad, bad[:5]
+    got = _model_tensors(run / "checkpoints" / "iter_0000008", tmp_path)
+    assert got.keys() == want.keys()
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, bad[:5]
 
 
 @pytest.mark.slow
@@ -121,9 +116,9 @@ def test_sigterm_during_validation_saves_after_it(cpu4_reference, tmp_path):
     recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir, script="fault_train.py",
                        env={"K2_FAULT": "sigterm_eval:4:1"}, expect_failure=True)
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and "val_loss" in recs[-1]
-    assert _latest(run_dir) == "iter_0000004"
-    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir)
-    _assert_same_steps(recs, ref, range(1, 9))
+    assert _latest(run_dir) == "iter_0000004" and _state(run_dir)["reason"] == "preempted: signal"
+    _assert_same_steps(recs, ref, range(1, 5))  # validation finished before the save
+    # (resuming from a preemption save: test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere)
 
 
 @pytest.mark.slow
@@ -149,20 +144,30 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000006", "iter_0000008"]
 
 
+@pytest.fixture(scope="module")
+def dp_references(tmp_path_factory, stdlib_corpus):
+    """6 steps at DP=1 and at DP=2 (PP1), each with a checkpoint at step 3: {dp: (run dir, records)}."""
+    root = tmp_path_factory.mktemp("dp")
+    base = ["train.eval_interval=0", "train.save_interval=3", "train.iters=6"]
+    return {dp: (root / f"dp{dp}", run_trainer(base, dp, root / f"dp{dp}")) for dp in (1, 2)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
-def test_resume_with_another_dp_size(tmp_path, stdlib_corpus, first, second):
-    """DP=2 -> DP=1 and DP=1 -> DP=2 (megatron reshards the distributed optimizer): the same data
-    order (tokens, LR) and the same losses within fp32 reduction-order tolerance."""
-    base = ["train.eval_interval=0"]
-    ref = run_trainer([*base, "train.iters=6"], first, tmp_path / "ref")
+def test_resume_with_another_dp_size(dp_references, tmp_path, first, second):
+    """DP=2 -> DP=1 and DP=1 -> DP=2 (megatron reshards the distributed optimizer): the step-3 checkpoint
+    of a run at one DP size resumed at the other gives the same data order (tokens, LR) and the same
+    losses within fp32 reduction-order tolerance as the run at the first DP size."""
+    ref_dir, ref = dp_references[first]
+    ckpt = ref_dir / "checkpoints" / "iter_0000003"
+    assert ckpt.is_dir()
     run_dir = tmp_path / "run"
-    run_trainer([*base, "train.iters=3"], first, run_dir)
-    recs = run_trainer([*base, "train.iters=6"], second, run_dir)
+    recs = run_trainer(["train.eval_interval=0", "train.iters=6", f"resume.from={ckpt}"], second, run_dir)
+    assert [r["step"] for r in recs] == [4, 5, 6]
     assert _state(run_dir)["layout"]["dp"] == second
     r = _by_step(ref)
-    for s in range(1, 7):
-        got = _by_step(recs)[s]
+    for got in recs:
+        s = got["step"]
         assert got["consumed_tokens"] == r[s]["consumed_tokens"] and got["lr"] == r[s]["lr"]
         assert got["loss"] == pytest.approx(r[s]["loss"], rel=2e-6), s
 
@@ -171,12 +176,12 @@ def test_resume_with_another_dp_size(tmp_path, stdlib_corpus, first, second):
 def test_muonclip_resume_is_bitwise(tmp_path, stdlib_corpus):
     """MuonClip's state (Muon momentum in megatron's layer-wise distributed optimizer, Adam moments,
     QK-Clip needs none) survives a resume at DP=2."""
-    base = ["optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=0"]
-    ref = run_trainer([*base, "train.iters=6"], 2, tmp_path / "ref")
+    base = ["optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=0", "train.iters=6"]
+    ref = run_trainer([*base, "train.save_interval=3"], 2, tmp_path / "ref")
     run_dir = tmp_path / "run"
-    run_trainer([*base, "train.iters=3"], 2, run_dir)
-    recs = run_trainer([*base, "train.iters=6"], 2, run_dir)
-    _assert_same_steps(recs, ref, range(1, 7))
+    recs = run_trainer([*base, f"resume.from={tmp_path / 'ref' / 'checkpoints' / 'iter_0000003'}"], 2, run_dir)
+    assert [r["step"] for r in recs] == [4, 5, 6]
+    _assert_same_steps(recs, ref, range(4, 7))
     assert any(r["qk_clipped_heads"] for r in ref)  # the clip fired, so its effect was resumed too
 
 

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_trainer
-
 pytestmark = pytest.mark.slow
 
-COMMON = ["parallel=cpu4", "train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7"]
 
-
-def test_everything_on_trains_like_baseline_on_cpu4(tmp_path, stdlib_corpus):
-    base = run_trainer([*COMMON, "memory=none"], 4, tmp_path / "none")
-    k2 = run_trainer([*COMMON, "memory=k2"], 4, tmp_path / "k2")
+def test_everything_on_trains_like_baseline_on_cpu4(three_step_runs):
+    # the same runs as tests/test_pipeline_wgrad.py's cpu4 layouts with the split off (once per session)
+    base = three_step_runs(["parallel=cpu4"], 4, False)["records"]  # memory=none (the default)
+    k2 = three_step_runs(["parallel=cpu4", "memory=k2"], 4, False)["records"]
     assert [r["step"] for r in k2] == [1, 2, 3]
     first, first_ref = k2[0], base[0]
     assert first["loss"] == pytest.approx(first_ref["loss"], rel=1e-6)

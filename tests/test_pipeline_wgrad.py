@@ -19,19 +19,11 @@ off and on (same seed, same data, 3 optimizer steps, fp32):
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-from distributed import run_trainer
-
 pytestmark = pytest.mark.slow
 
-# schedule.phases.0.steps=0: the stable LR 3e-3 from step 1, so steps 2-3 see updated weights
-COMMON = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7",
-          "checkpoint.save_at_end=false"]
 LAYOUTS = {
     "cpu4": ["parallel=cpu4"],  # PP2 x VPP2 x EP2 x DP2, ZeRO-1
     "pp4": ["parallel=pp2", "parallel.pp=4", "launch.nproc_per_node=4"],  # PP4, no VPP, no EP, DP1
@@ -41,27 +33,11 @@ LAYOUTS = {
 }
 
 
-def _run(tmp: Path, layout: str, decouple: bool) -> dict:
-    out = tmp / f"{layout}-{'on' if decouple else 'off'}"
-    recs = run_trainer(
-        [*LAYOUTS[layout], *COMMON, f"pipeline.decouple_wgrad={str(decouple).lower()}",
-         f"pipeline.trace={out / 'trace'}"],
-        4, out / "run", script="dump_params_train.py",
-        env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"},
-    )
-    traces = {}
-    for path in sorted((out / "trace").glob("rank*.jsonl")):
-        events = [json.loads(line) for line in path.read_text().splitlines()]
-        traces[events[0]["rank"]] = events
-    dumps = {r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
-             for r in range(4)}
-    return {"records": recs, "traces": traces, "dumps": dumps}
-
-
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def runs(request, tmp_path_factory, stdlib_corpus):
-    tmp = tmp_path_factory.mktemp(request.param)
-    return request.param, _run(tmp, request.param, False), _run(tmp, request.param, True)
+def runs(request, three_step_runs):
+    """(layout, split off, split on): 3 steps each (tests/distributed.py THREE_STEPS, shared per session)."""
+    layout = LAYOUTS[request.param]
+    return request.param, three_step_runs(layout, 4, False), three_step_runs(layout, 4, True)
 
 
 def test_gradients_and_parameters_equal_with_and_without_split(runs):
