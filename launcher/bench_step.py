@@ -48,6 +48,9 @@ DEFAULTS = {
     "size": "auto",  # auto (k2 on CUDA, tiny on CPU) | k2 | tiny
     "seq_length": 0,  # 0 = auto: 4096 (k2) / 128 (tiny)
     "micro_batch_size": 1,
+    # microbatches per optimizer step (gradient accumulation): the optimizer step (Muon's Newton-Schulz
+    # above all) is amortised over them as in training; 0 = auto: 8 on CUDA, 1 on CPU
+    "microbatches": 0,
     "precision": "auto",  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     "memory": "k2_no_offload",  # k2_no_offload | k2 | none
     "attention_backend": "sdpa",  # core attention of the K2 cases: sdpa | eager | te | auto
@@ -81,7 +84,8 @@ def _options(cfg) -> dict:
     for key, allowed in checks:
         if o[key] not in allowed:
             raise ConfigError(f"bench.options.{key}={o[key]!r}; allowed: {', '.join(allowed)}")
-    for key, low in (("seq_length", 0), ("micro_batch_size", 1), ("warmup", 0), ("repeats", 0), ("resident", 0)):
+    for key, low in (("seq_length", 0), ("micro_batch_size", 1), ("microbatches", 0), ("warmup", 0),
+                     ("repeats", 0), ("resident", 0)):
         if o[key] < low:
             raise ConfigError(f"bench.options.{key}={o[key]}; allowed: an integer >= {low}")
     if 0 < o["resident"] < 3:
@@ -95,6 +99,7 @@ def _options(cfg) -> dict:
     o["size"] = size
     o["precision"] = o["precision"] if o["precision"] != "auto" else ("bf16" if cuda else "fp32")
     o["seq_length"] = o["seq_length"] or (4096 if size == "k2" else 128)
+    o["microbatches"] = o["microbatches"] or (8 if cuda else 1)
     o["warmup"] = o["warmup"] or (3 if cuda else 1)
     o["repeats"] = o["repeats"] or (10 if cuda else 2)
     return o
@@ -142,13 +147,34 @@ def _batch(vocab: int, o: dict, device):
             "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s)}
 
 
+def _seed(o: dict) -> None:
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(o["seed"])
+    model_parallel_cuda_manual_seed(o["seed"])
+
+
+def _init(chunks: list, tcfg, o: dict) -> None:
+    """Same weights in every case: on CPU the layout-independent init (``model.build``); on CUDA
+    megatron's own init on the device, from the same seed in every case (same parameters in the same
+    order; the CPU-side init would take minutes at K2 widths)."""
+    import torch
+
+    from model.build import layout_independent_init
+
+    if not torch.cuda.is_available():
+        layout_independent_init(chunks, tcfg, o["seed"])
+
+
 class _Case:
-    """One built case: ``step()`` runs one training step; ``metered_step(meter)`` one with the forward
-    inside ``meter.measure()``; ``release()`` drops its model and optimizer."""
+    """One built case: ``step()`` runs one training step; ``metered_step(meter)`` one with the (first)
+    forward inside ``meter.measure()``; ``release()`` drops its model and optimizer. ``optimizer_s``: the
+    optimizer part (optimizer step + QK-Clip) of the last step, seconds."""
 
     def __init__(self, step: Callable[[Callable], None]):
         self._step = step
-        self.persistent_bytes = None
+        self.optimizer_s = 0.0
 
     def step(self) -> None:
         self._step(None)
@@ -174,6 +200,7 @@ def _build_baseline(o: dict, base: list[str], device) -> _Case:
     cfg = load_config(base + ["memory=none"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     tcfg = transformer_config(cfg, dims)
+    _seed(o)
     block = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization=tcfg.normalization)
     for spec in block.layer_specs:  # the only swap: megatron's DotProductAttention rejects MLA's head dims
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
@@ -181,27 +208,35 @@ def _build_baseline(o: dict, base: list[str], device) -> _Case:
     model = GPTModel(config=tcfg, transformer_layer_spec=block, vocab_size=cfg.model.vocab_size,
                      max_sequence_length=cfg.model.max_position_embeddings, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="none")
-    layout_independent_init([model], tcfg, o["seed"])
+    _init([model], tcfg, o)
     model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=o["lr"])
     batch = _batch(cfg.model.vocab_size, o, device)
 
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    n_mb = o["microbatches"]
+
     def step(meter):
         opt.zero_grad(set_to_none=True)
-        # the aux-loss gradient scale megatron's schedule sets for one microbatch (shape [1], as there)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
-        if meter is not None:
-            with meter.measure():
+        # the aux-loss gradient scale megatron's schedule sets (shape [1], as there)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / n_mb, device=device))
+        for i in range(n_mb):
+            if meter is not None and i == 0:
+                with meter.measure():
+                    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            else:
                 out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        else:
-            out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss = (out.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-        loss.backward()
+            loss = (out.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum() / n_mb
+            loss.backward()
+        _sync(device.type == "cuda")
+        t0 = time.perf_counter()
         opt.step()
+        _sync(device.type == "cuda")
+        case.optimizer_s = time.perf_counter() - t0
 
-    return _Case(step)
+    case = _Case(step)
+    return case
 
 
 def _build_k2(o: dict, base: list[str], overrides: list[str]) -> _Case:
@@ -221,8 +256,9 @@ def _build_k2(o: dict, base: list[str], overrides: list[str]) -> _Case:
     cfg = load_config(base + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     tcfg = transformer_config(cfg, dims)
+    _seed(o)
     chunks = build_model_chunks(cfg, dims, tcfg, MemoryOptions.from_config(cfg))
-    layout_independent_init(chunks, tcfg, o["seed"])
+    _init(chunks, tcfg, o)
     tag_parameters(chunks, tcfg, muon=uses_muon(cfg), layer_wise=uses_layer_wise(cfg))
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg))
     optimizer = build_optimizer(cfg, model, tcfg)
@@ -240,22 +276,35 @@ def _build_k2(o: dict, base: list[str], overrides: list[str]) -> _Case:
 
     forward_backward = get_forward_backward_func()
 
+    cuda = dev.type == "cuda"
+
     def step(meter):
         fwd = _forward_step
         if meter is not None:
+            first = [True]
+
             def fwd(it, m):
+                if not first[0]:
+                    return _forward_step(it, m)
+                first[0] = False
                 with meter.measure():
                     return _forward_step(it, m)
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(forward_step_func=fwd, data_iterator=[_Same()], model=model, num_microbatches=1,
-                         seq_length=o["seq_length"], micro_batch_size=o["micro_batch_size"],
-                         decoder_seq_length=o["seq_length"], forward_only=False)
+        forward_backward(forward_step_func=fwd, data_iterator=[_Same()], model=model,
+                         num_microbatches=o["microbatches"], seq_length=o["seq_length"],
+                         micro_batch_size=o["micro_batch_size"], decoder_seq_length=o["seq_length"],
+                         forward_only=False)
+        _sync(cuda)
+        t0 = time.perf_counter()
         ok, _, _ = optimizer.step()
         clip.step(apply=bool(ok))
+        _sync(cuda)
+        case.optimizer_s = time.perf_counter() - t0
 
-    return _Case(step)
+    case = _Case(step)
+    return case
 
 
 def gemm_peak_tflops(cuda: bool, repeats: int = 10) -> dict:
@@ -318,7 +367,7 @@ def bench_step(cfg) -> dict[str, Any]:
     teardown = _one_rank_world()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model_cfg = load_config(base).model
-    tokens = o["micro_batch_size"] * o["seq_length"]
+    tokens = o["microbatches"] * o["micro_batch_size"] * o["seq_length"]
     flops = step_flops(model_cfg, o["seq_length"], tokens)
     names = ["baseline", *cases]
     resident = o["resident"] or (3 if cuda else len(names))
@@ -326,6 +375,7 @@ def bench_step(cfg) -> dict[str, Any]:
     per_group = max(1, resident - 2)
     groups = [toggled[i:i + per_group] for i in range(0, len(toggled), per_group)] or [[]]
     samples: dict[str, list[float]] = {n: [] for n in names}
+    opt_samples: dict[str, list[float]] = {n: [] for n in names}
     saved: dict[str, float] = {}
     persistent: dict[str, int] = {}
     step_peak: dict[str, int] = {}
@@ -362,6 +412,7 @@ def bench_step(cfg) -> dict[str, Any]:
                     case.step()
                     _sync(cuda)
                     samples[n].append(time.perf_counter() - t0)
+                    opt_samples[n].append(case.optimizer_s)
             for n in group:
                 live.pop(n).release()
             _free(cuda)
@@ -374,7 +425,8 @@ def bench_step(cfg) -> dict[str, Any]:
     for n in names:
         step_s = statistics.median(samples[n])
         tflops = flops / step_s / 1e12
-        f = {"step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
+        f = {"step_ms": step_s * 1e3, "optimizer_ms": statistics.median(opt_samples[n]) * 1e3,
+             "tokens_per_s": tokens / step_s, "model_tflops": tflops,
              "mfu": tflops / peak["gemm_peak_tflops"], "saved_activation_bytes": int(saved[n]),
              "timed_steps": len(samples[n])}
         if cuda:
@@ -391,7 +443,8 @@ def bench_step(cfg) -> dict[str, Any]:
         "config": {"size": o["size"], "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
                    "num_moe_experts": model_cfg.num_moe_experts, "moe_router_topk": model_cfg.moe_router_topk,
                    "vocab_size": model_cfg.vocab_size, "seq_length": o["seq_length"],
-                   "micro_batch_size": o["micro_batch_size"], "tokens_per_step": tokens,
+                   "micro_batch_size": o["micro_batch_size"], "microbatches": o["microbatches"],
+                   "tokens_per_step": tokens,
                    "precision": o["precision"], "memory": o["memory"],
                    "attention_backend": o["attention_backend"], "model_flops_per_step": flops,
                    "peak_memory": ("torch.cuda.max_memory_allocated growth over a step + persistent bytes"
