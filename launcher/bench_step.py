@@ -177,9 +177,14 @@ class _Case:
         self.optimizer_s = 0.0
 
     def step(self) -> None:
-        self._step(None)
+        self.metered_step(None)
 
     def metered_step(self, meter) -> None:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        # megatron's process-wide aux-loss gradient scale: each step sets its own (a scalar left by an
+        # earlier plain backward would not take the schedule's [1]-shaped copy)
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         self._step(meter)
 
     def release(self) -> None:
