@@ -9,6 +9,7 @@ Usage::
     k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
     k2-bench bench=pipeline                    # decoupled wgrad on vs off: step time, cpu4
     k2-bench bench=memory                      # saved bytes / step time: memory none|fp8|recompute|offload|all
+    k2-bench bench=step                        # full K2 step vs plain megatron-core, each feature toggled
 
 ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -430,6 +431,13 @@ def bench_optimizer(cfg) -> dict[str, Any]:
     }
 
 
+def bench_step(cfg) -> dict[str, Any]:
+    """One K2 training step vs a plain megatron-core step, each K2 feature toggled off (one process)."""
+    from launcher.bench_step import bench_step as run  # issue 10
+
+    return run(cfg)
+
+
 def bench_pipeline(cfg) -> dict[str, Any]:
     """Step time with decoupled weight gradients (pipeline.decouple_wgrad) on vs off, in one run."""
     from launcher.bench_pipeline import bench_pipeline as run  # issue 8
@@ -443,6 +451,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "optimizer": bench_optimizer,
     "pipeline": bench_pipeline,  # launcher/bench_pipeline.py (issue 8)
     "memory": bench_memory,
+    "step": bench_step,  # launcher/bench_step.py (issue 10)
 }
 
 

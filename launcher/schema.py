@@ -68,6 +68,15 @@ class ModelConfig:
     # Project-owned core attention: record the per-head max pre-softmax logit every forward
     # (needed by QK-Clip). On GPU this costs one extra no-grad QK^T pass per layer.
     record_max_logits: bool = True
+    # Core attention backend (model/attention.py): auto = te when Transformer Engine imports and CUDA is
+    # present, sdpa (fused SDPA, cuDNN first, + a chunked max-logit pass) on CUDA without TE, eager on
+    # CPU; sdpa | eager | te force one (sdpa also runs on CPU).
+    attention_backend: str = "auto"
+    # Routed experts as grouped GEMMs (torch._grouped_mm, model/grouped_mlp.py) instead of megatron's
+    # SequentialMLP loop; same parameters and checkpoints. null = auto: on with CUDA and bf16, off on CPU.
+    # (megatron's field of the same name selects Transformer Engine's grouped experts; the K2 build
+    # passes false to megatron and swaps in its own module.)
+    moe_grouped_gemm: Optional[bool] = None
 
 
 @dataclass

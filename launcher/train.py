@@ -48,6 +48,7 @@ def make_plan(cfg, world_size: int) -> Plan:
         ConfigError: any setting that cannot run, naming the setting and the allowed values.
     """
     from launcher.data import resolve_data
+    from model.backends import check_backend_config
     from model.memory import check_memory_config
     from optim.build import check_optim_config
     from parallel.dims import ParallelDims
@@ -74,6 +75,7 @@ def make_plan(cfg, world_size: int) -> Plan:
     check_optim_config(cfg)
     check_pipeline_config(cfg)  # pipeline.* (issue 8)
     check_memory_config(cfg)  # issue 6: memory.* site names (model/memory.py)
+    check_backend_config(cfg)  # issue 10: attention backend, grouped experts (model/backends.py)
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "

@@ -9,15 +9,28 @@ QK-Clip only from Transformer Engine >= 2.9. This module
 * records, in training forwards, the running per-head maximum of the pre-softmax logit
   ``scale * q_i . k_j`` over unmasked (i, j) and over all microbatches since the last
   :meth:`K2CoreAttention.reset_max_logits` (QK-Clip, K2 report section 2.1 / MuonClip),
-* on GPU runs a fused kernel through ``torch.nn.functional.scaled_dot_product_attention`` with cuDNN
-  first in the priority list (cuDNN SDPA has a kernel for qk 192 / v 128; flash does not), and gets the
-  max logits from a separate no-grad chunked ``q k^T`` pass; on CPU it uses one explicit pass that
-  yields both the output and the max logits.
+* has two backends (``model.attention_backend``; ``auto`` = ``sdpa`` on CUDA, ``eager`` on CPU):
+
+  - ``sdpa``: a fused kernel through ``torch.nn.functional.scaled_dot_product_attention``, on CUDA with
+    cuDNN first in the priority list (cuDNN SDPA has a kernel for qk 192 / v 128; flash does not; the
+    memory-efficient kernel is ~9x slower), and the max logits from a separate no-grad chunked
+    ``q k^T`` pass (:func:`per_head_max_logit`: ``b x heads x chunk x s`` scores at a time, max taken in
+    the compute dtype). It runs on CPU too (torch's CPU SDPA), so the CPU tests exercise this path's
+    logic;
+  - ``eager``: one explicit pass (scores materialised in the compute dtype, softmax in fp32) that yields
+    both the output and the max logits.
+
+  Both record the same max logits: the maximum of ``scale * (q_i . k_j)`` equals ``scale * max(q_i . k_j)``
+  exactly in floating point (rounding is monotonic and the scale positive).
+
+With Transformer Engine (``te``, :class:`K2TEDotProductAttention`): megatron's ``TEDotProductAttention``
+with TE's ``return_max_logit`` (TE >= 2.9), exposed under this module's ``max_logits`` interface.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional
 
 import torch
@@ -116,8 +129,12 @@ class K2CoreAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
         record_max_logits: bool = True,
+        backend: str = "auto",
     ):
         super().__init__(config=config)
+        if backend not in ("auto", "sdpa", "eager"):
+            raise ValueError(f"K2CoreAttention backend={backend!r}; allowed: auto, sdpa, eager")
+        self.backend = backend
         if config.context_parallel_size != 1:
             raise ValueError("K2CoreAttention does not implement context parallelism (cp must be 1)")
         tp_size = pg_collection.tp.size() if pg_collection is not None else 1
@@ -180,25 +197,23 @@ class K2CoreAttention(MegatronModule):
         record = self.record_max_logits and self.training
         dropout = self.dropout_p if self.training else 0.0
 
-        if q.is_cuda:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = self.backend if self.backend != "auto" else ("sdpa" if q.is_cuda else "eager")
+        if backend == "sdpa":
+            sdpa = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=None if mask is None else ~mask,
+                           dropout_p=dropout, is_causal=causal and mask is None, scale=self.softmax_scale)
+            if q.is_cuda:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            backends = [
-                SDPBackend.CUDNN_ATTENTION,
-                SDPBackend.FLASH_ATTENTION,
-                SDPBackend.EFFICIENT_ATTENTION,
-                SDPBackend.MATH,
-            ]
-            with sdpa_kernel(backends, set_priority=True):
-                ctx = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=None if mask is None else ~mask,
-                    dropout_p=dropout,
-                    is_causal=causal and mask is None,
-                    scale=self.softmax_scale,
-                )
+                backends = [
+                    SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH,
+                ]
+                with sdpa_kernel(backends, set_priority=True):
+                    ctx = sdpa()
+            else:
+                ctx = sdpa()
             if record:
                 with torch.no_grad():
                     self._record(per_head_max_logit(q, k, self.softmax_scale, causal, mask))
@@ -215,9 +230,66 @@ class K2CoreAttention(MegatronModule):
                 scores = scores.masked_fill(masked, float("-inf"))
             if record:
                 with torch.no_grad():
-                    self._record(scores.detach().float().amax(dim=(0, 2, 3)))
+                    self._record(scores.detach().amax(dim=(0, 2, 3)).float())
             probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
             if dropout > 0:
                 probs = F.dropout(probs, p=dropout)
             ctx = torch.matmul(probs, v)  # [b, np, sq, hv]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * v.shape[-1])
+
+
+_TE_CLASS = None
+
+
+def te_core_attention_class():
+    """:class:`K2TEDotProductAttention`: megatron's ``TEDotProductAttention`` (Transformer Engine's fused
+    attention; needs TE >= 2.9 for ``return_max_logit``) with :class:`K2CoreAttention`'s max-logit
+    interface (``max_logits``, ``reset_max_logits``, ``num_heads``, ``softmax_scale``), for QK-Clip
+    (``optim/qk_clip.py``). Built on first use (TE is optional). The model config must have
+    ``log_max_attention_logit=True`` (``model/build.py`` sets it), which makes megatron request the max
+    logit from TE and keep the running max in ``current_max_attn_logits``.
+
+    Not tested here (no TE on this project's machines): tests/test_te_path.py runs where TE is installed.
+    """
+    global _TE_CLASS
+    if _TE_CLASS is not None:
+        return _TE_CLASS
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    class K2TEDotProductAttention(TEDotProductAttention):
+        is_k2_max_logit_attention = True
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type="p2p",
+                     pg_collection=None, record_max_logits: bool = True, backend: str = "te"):
+            if not (config.log_max_attention_logit or config.qk_clip):
+                raise ValueError("K2TEDotProductAttention needs config.log_max_attention_logit=True")
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                             k_channels=k_channels, v_channels=v_channels, cp_comm_type=cp_comm_type,
+                             pg_collection=pg_collection)
+            tp = pg_collection.tp.size() if pg_collection is not None else 1
+            self.num_heads = config.num_attention_heads // tp
+            self.record_max_logits = record_max_logits
+            self.k2_softmax_scale = softmax_scale
+
+        @property
+        def max_logits(self) -> torch.Tensor:
+            """``[np]`` fp32 running max since the last reset (``-inf`` before any forward)."""
+            m = self.current_max_attn_logits
+            if m is None:
+                dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+                return torch.full((self.num_heads,), float("-inf"), dtype=torch.float32, device=dev)
+            return m.float().reshape(-1)
+
+        def reset_max_logits(self) -> None:
+            self.current_max_attn_logits = None
+
+    _TE_CLASS = K2TEDotProductAttention
+    return _TE_CLASS
+
+
+def is_max_logit_attention(module) -> bool:
+    """True for a core attention that records per-head max logits (:class:`K2CoreAttention` or the TE
+    adapter of :func:`te_core_attention_class`)."""
+    return isinstance(module, K2CoreAttention) or getattr(module, "is_k2_max_logit_attention", False)

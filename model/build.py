@@ -22,7 +22,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from model.attention import K2CoreAttention
+from model.attention import K2CoreAttention, te_core_attention_class
+from model.backends import resolve_attention_backend, resolve_grouped_experts
+from model.grouped_mlp import K2GroupedMLP
 from model.memory import MemoryOptions, install as install_memory, megatron_recompute_fields
 from model.mlp import K2MLP, K2SequentialMLP, build_k2_shared_experts
 from model.recompute import K2MLASelfAttention, K2TransformerLayer
@@ -137,6 +139,8 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # Transformer Engine's fused attention returns the per-head max logits (QK-Clip) only when asked
+        log_max_attention_logit=resolve_attention_backend(m.attention_backend) == "te",
         # activation memory (model/memory.py): megatron's own selective recompute of layernorm / mla_up_proj
         **megatron_recompute_fields(MemoryOptions.from_config(cfg)),
     )
@@ -164,11 +168,17 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
     return MLATransformerConfig(**kw)
 
 
-def _swap_submodules(layer_spec, record_max_logits: bool):
-    """Copy of a megatron local layer spec with K2's modules swapped in: K2CoreAttention, K2Router, the
-    K2 MLPs (``model/mlp.py``: megatron's MLP / SequentialMLP / SharedExpertMLP with the activation
-    memory switches) and megatron's TransformerLayer / MLASelfAttention with our recompute checkpoint
-    (``model/recompute.py``)."""
+def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str = "eager",
+                     grouped_experts: bool = False):
+    """Copy of a megatron local layer spec with K2's modules swapped in: K2CoreAttention (its
+    ``attention_backend``: ``sdpa`` | ``eager``; ``te``: the Transformer Engine adapter,
+    :func:`model.attention.te_core_attention_class`), K2Router, the K2 MLPs (``model/mlp.py``: megatron's
+    MLP / SequentialMLP / SharedExpertMLP with the activation memory switches; routed experts as
+    :class:`model.grouped_mlp.K2GroupedMLP` with ``grouped_experts``) and megatron's TransformerLayer /
+    MLASelfAttention with our recompute checkpoint (``model/recompute.py``).
+
+    megatron's ``moe_grouped_gemm`` stays False in the ``TransformerConfig``: in megatron-core 0.19.2 it
+    selects Transformer Engine's grouped experts; our grouped module is chosen here instead."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -182,8 +192,9 @@ def _swap_submodules(layer_spec, record_max_logits: bool):
     spec.module = K2TransformerLayer
     spec.submodules.self_attention.module = K2MLASelfAttention
     attn = spec.submodules.self_attention.submodules
+    core = te_core_attention_class() if attention_backend == "te" else K2CoreAttention
     attn.core_attention = ModuleSpec(
-        module=K2CoreAttention, params={"record_max_logits": record_max_logits}
+        module=core, params={"record_max_logits": record_max_logits, "backend": attention_backend}
     )
     mlp = spec.submodules.mlp
     if isinstance(mlp, partial) and "submodules" in mlp.keywords and hasattr(
@@ -194,7 +205,9 @@ def _swap_submodules(layer_spec, record_max_logits: bool):
         if not (isinstance(experts, partial) and experts.func is SequentialMLP):
             raise ValueError(f"expected megatron's local SequentialMLP experts in the spec, got {experts}")
         moe_sub = dataclasses.replace(
-            sub, router=K2Router, experts=partial(K2SequentialMLP, *experts.args, **experts.keywords),
+            sub, router=K2Router,
+            experts=partial(K2GroupedMLP if grouped_experts else K2SequentialMLP, *experts.args,
+                            **experts.keywords),
             shared_experts=(None if shared is None else
                             partial(build_k2_shared_experts, *shared.args, **shared.keywords)),
         )
@@ -206,8 +219,10 @@ def _swap_submodules(layer_spec, record_max_logits: bool):
     return spec
 
 
-def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], record_max_logits: bool):
-    """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in."""
+def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], record_max_logits: bool,
+                       attention_backend: str = "eager", grouped_experts: bool = False):
+    """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in
+    (``attention_backend``, ``grouped_experts``: see :func:`_swap_submodules`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(
@@ -218,7 +233,7 @@ def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], re
     layers = []
     for s in block.layer_specs:
         if id(s) not in swapped:
-            swapped[id(s)] = _swap_submodules(s, record_max_logits)
+            swapped[id(s)] = _swap_submodules(s, record_max_logits, attention_backend, grouped_experts)
         layers.append(swapped[id(s)])
     block.layer_specs = layers
     return block
@@ -227,7 +242,10 @@ def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], re
 def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
-    Requires megatron ``parallel_state`` to be initialised for ``dims``. The activation memory switches
+    Requires megatron ``parallel_state`` to be initialised for ``dims``. Core attention and routed
+    experts follow ``model.attention_backend`` and ``model.moe_grouped_gemm`` (``auto`` / null: resolved
+    for this process's device, :func:`model.backends.resolve_attention_backend`,
+    :func:`model.backends.resolve_grouped_experts`). The activation memory switches
     (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/memory.py``); the
     megatron part of them must already be in ``tcfg`` (:func:`transformer_config` puts it there).
 
@@ -237,13 +255,15 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) 
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    backend = resolve_attention_backend(cfg.model.attention_backend)
+    grouped = resolve_grouped_experts(cfg.model.moe_grouped_gemm, cfg.train.precision)
     chunks = []
     for v in range(dims.vpp):
         vp_stage = v if dims.vpp > 1 else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         spec = decoder_block_spec(tcfg, vp_stage, ps.get_pipeline_model_parallel_rank(),
-                                  bool(cfg.model.record_max_logits))
+                                  bool(cfg.model.record_max_logits), backend, grouped)
         model = GPTModel(
             config=tcfg,
             transformer_layer_spec=spec,

@@ -39,7 +39,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["WgradStore", "WgradItem", "decouple_linear_wgrad", "decoupled_modules", "check_ddp_hooks"]
+__all__ = ["WgradStore", "WgradItem", "DeferredWgrad", "decouple_linear_wgrad", "decoupled_modules",
+           "check_ddp_hooks", "split_store", "accumulate_weight_grad", "run_wgrad_hooks"]
 
 #: attribute set on every linear module whose backward is split
 _SPLIT_ATTR = "_k2_wgrad_store"
@@ -71,6 +72,27 @@ class WgradItem:
     def __post_init__(self):
         self.nbytes = (self.input.numel() * self.input.element_size()
                        + self.grad_output.numel() * self.grad_output.element_size())
+
+
+@dataclass
+class DeferredWgrad:
+    """A deferred weight-gradient computation given as a function (the grouped-GEMM experts,
+    ``model/grouped_mlp.py``: one grouped GEMM for all local experts' weights, then each linear's hooks).
+
+    Attributes:
+        run: computes and accumulates the gradients and runs the DDP hooks (:func:`accumulate_weight_grad`,
+            :func:`run_wgrad_hooks`).
+        tensors: the tensors it holds (for the byte accounting).
+        tag: as :attr:`WgradItem.tag`.
+    """
+
+    run: Callable[[], None]
+    tensors: list
+    tag: Optional[tuple]
+    nbytes: int = 0
+
+    def __post_init__(self):
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class WgradStore:
@@ -155,13 +177,33 @@ def _accumulate(param: Optional[torch.Tensor], grad: torch.Tensor) -> None:
         param.grad = param.grad + grad
 
 
-def _run_wgrad(item: WgradItem) -> None:
+def split_store(module) -> Optional["WgradStore"]:
+    """The :class:`WgradStore` of a linear layer whose backward :func:`decouple_linear_wgrad` split, or
+    None."""
+    return getattr(module, _SPLIT_ATTR, None)
+
+
+def accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add a deferred weight gradient ``[out, in]`` to ``weight.grad`` (as autograd's AccumulateGrad)."""
+    _accumulate(weight, grad)
+
+
+def run_wgrad_hooks(module) -> None:
+    """The DDP grad-ready hooks of a split module's parameters (after their gradients are set)."""
+    for hook in getattr(module, "_k2_wgrad_hooks", ()):
+        hook()
+
+
+def _run_wgrad(item) -> None:
     """The weight (and bias) gradient of one item, then the DDP hooks of the module's parameters.
 
     Same products as megatron's ``LinearWithGradAccumulationAndAsyncCommunication.backward``:
     ``grad_output.t().matmul(input)`` (or accumulated into ``main_grad`` when fused) and
-    ``grad_output.sum(dim=0)``.
+    ``grad_output.sum(dim=0)``. A :class:`DeferredWgrad` runs its function.
     """
+    if isinstance(item, DeferredWgrad):
+        item.run()
+        return
     weight = item.weight
     if item.accumulate_into_main_grad:
         weight.main_grad.addmm_(item.grad_output.t().to(weight.main_grad.dtype),
@@ -171,8 +213,7 @@ def _run_wgrad(item: WgradItem) -> None:
         _accumulate(weight, item.grad_output.t().matmul(item.input))
     if item.bias is not None and item.bias.requires_grad:
         _accumulate(item.bias, item.grad_output.sum(dim=0))
-    for hook in getattr(item.module, "_k2_wgrad_hooks", ()):
-        hook()  # megatron DDP's backward post-hook: main_grad += param.grad; param.grad = None
+    run_wgrad_hooks(item.module)  # megatron DDP's backward post-hook: main_grad += param.grad; grad = None
 
 
 def _custom_fwd_bwd():

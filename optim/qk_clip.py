@@ -117,7 +117,7 @@ class QKClip:
     def __init__(self, model: list, optimizer, tau: Optional[float], num_layers: int):
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-        from model.attention import K2CoreAttention
+        from model.attention import is_max_logit_attention
 
         self.tau = tau
         self.num_layers = num_layers
@@ -126,7 +126,7 @@ class QKClip:
         for chunk in model:
             for mod in chunk.modules():
                 core = getattr(mod, "core_attention", None)
-                if not isinstance(core, K2CoreAttention):
+                if not is_max_logit_attention(core):
                     continue
                 cfg = mod.config
                 if cfg.tensor_model_parallel_size != 1:

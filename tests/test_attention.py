@@ -21,7 +21,7 @@ def reference_attention(q, k, v, scale):
     return out, ref_max
 
 
-def make_module(heads=4, dk=48, dv=32, record=True):
+def make_module(heads=4, dk=48, dv=32, record=True, backend="auto"):
     from types import SimpleNamespace
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -34,7 +34,7 @@ def make_module(heads=4, dk=48, dv=32, record=True):
     mod = K2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
                           attention_type="self", softmax_scale=1.0 / math.sqrt(dk),
                           k_channels=dk, v_channels=dv, pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
-                          record_max_logits=record)
+                          record_max_logits=record, backend=backend)
     return mod
 
 
@@ -101,3 +101,79 @@ def test_chunked_max_logit_equals_unchunked():
     _, ref = reference_attention(q, k, torch.zeros(2, 3, 37, 1), 0.3)
     torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(chunked, full)
+
+
+def eager_attention(q, k, v, scale):
+    """The eager reference in the compute dtype (fp32 here), written out: scores, causal mask, softmax,
+    and the per-head max logit ``scale * max(q_i . k_j)`` over unmasked pairs. q, k ``[b, h, s, dk]``."""
+    s = q.shape[2]
+    raw = torch.matmul(q, k.transpose(-1, -2))
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    raw = raw.masked_fill(mask, float("-inf"))
+    max_logit = raw.amax(dim=(0, 2, 3)) * scale
+    out = torch.matmul(torch.softmax(raw * scale, dim=-1), v)
+    return out, max_logit
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_backends_match_eager_reference_outputs_gradients_and_exact_max_logit(megatron_world1, backend):
+    """The GPU code path (fused SDPA + separate chunked max-logit pass) run on CPU, and the eager path:
+    outputs and q/k/v gradients equal an eager reference to fp32 rounding; the max logit equals it
+    exactly (the same q k^T products, max before or after the positive scale is the same number)."""
+    torch.manual_seed(3)
+    b, h, s, dk, dv = 2, 4, 23, 48, 32  # MLA-like: qk head dim != v head dim
+    mod = make_module(h, dk, dv, backend=backend)
+    mod.train()
+    q, k, v = (torch.randn(s, b, h, d, requires_grad=True) for d in (dk, dk, dv))
+    with torch.no_grad():
+        q[5, 0, 1] *= 15  # one head with a large logit
+    out = mod(q, k, v, None)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qr, kr, vr = (t.detach().permute(1, 2, 0, 3).clone().requires_grad_() for t in (q, k, v))
+    ref, ref_max = eager_attention(qr, kr, vr, mod.softmax_scale)
+    ref = ref.permute(2, 0, 1, 3).reshape(s, b, h * dv)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for got, want in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(got.grad, want.grad.permute(2, 0, 1, 3), rtol=1e-5, atol=1e-6)
+    assert torch.equal(mod.max_logits, ref_max.float())
+
+
+def test_sdpa_and_eager_modules_agree(megatron_world1):
+    torch.manual_seed(4)
+    q, k, v = torch.randn(16, 1, 4, 48), torch.randn(16, 1, 4, 48), torch.randn(16, 1, 4, 32)
+    a, e = make_module(backend="sdpa"), make_module(backend="eager")
+    a.train(), e.train()
+    torch.testing.assert_close(a(q, k, v, None), e(q, k, v, None), rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.max_logits, e.max_logits)
+
+
+def test_unknown_backend_rejected(megatron_world1):
+    with pytest.raises(ValueError, match="backend"):
+        make_module(backend="flash")
+
+
+def test_te_core_attention_adapter():
+    """Transformer Engine path (only where TE is installed; skipped here -- not counted as tested)."""
+    pytest.importorskip("transformer_engine")
+    if not torch.cuda.is_available():
+        pytest.skip("TE's fused attention needs CUDA")
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from model.attention import is_max_logit_attention, te_core_attention_class
+
+    h, dk, dv, s = 4, 64, 64, 128
+    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=h, attention_dropout=0.0,
+                            log_max_attention_logit=True, bf16=True, params_dtype=torch.bfloat16)
+    cls = te_core_attention_class()
+    mod = cls(cfg, 1, AttnMaskType.causal, "self", softmax_scale=dk ** -0.5, k_channels=dk, v_channels=dv)
+    assert is_max_logit_attention(mod)
+    q, k, v = (torch.randn(s, 1, h, d, device="cuda", dtype=torch.bfloat16) for d in (dk, dk, dv))
+    mod(q, k, v, None)
+    _, ref_max = reference_attention(q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0, 3),
+                                     v.float().permute(1, 2, 0, 3), dk ** -0.5)
+    torch.testing.assert_close(mod.max_logits.double().cpu(), ref_max.cpu(), rtol=2e-2, atol=2e-2)
+    mod.reset_max_logits()
+    assert torch.isneginf(mod.max_logits).all()

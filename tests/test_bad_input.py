@@ -43,9 +43,26 @@ CASES = {
     "memory_unknown_recompute_site": (["memory.recompute=[core_attn]"],
                                       ["memory.recompute", "core_attn", "moe_down_proj"]),
     "memory_unknown_offload_site": (["memory.offload=[everything]"], ["memory.offload", "attn_input"]),
+    "attention_backend_unknown": (["model.attention_backend=flash"],
+                                  ["model.attention_backend", "flash", "sdpa"]),
+    "grouped_gemm_unaligned_width": (["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size=60"],
+                                     ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60", "multiple of 8"]),
+    "grouped_gemm_with_tp": (["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
+                             ["model.moe_grouped_gemm=true", "parallel.tp=2"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }
+
+try:  # (only where it is bad input: no Transformer Engine or no CUDA)
+    from model.backends import te_available as _te
+    import torch as _torch
+
+    _TE_HERE = _torch.cuda.is_available() and _te()
+except Exception:
+    _TE_HERE = False
+if not _TE_HERE:
+    CASES["attention_backend_te_without_te"] = (["model.attention_backend=te"],
+                                                ["model.attention_backend=te", "Transformer Engine"])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

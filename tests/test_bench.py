@@ -159,3 +159,55 @@ def test_memory_bench_five_settings_in_one_run(capsys):
     assert fig["fp8"]["saved_bytes"] < none and fig["recompute"]["saved_bytes"] < none
     assert fig["offload"]["saved_bytes"] < none and fig["offload"]["host_bytes"] > 0
     assert fig["all"]["saved_bytes"] < min(fig[s]["saved_bytes"] for s in ("fp8", "recompute", "offload"))
+
+
+# --- bench=step (issue 10) ------------------------------------------------------------------------------
+
+
+def test_step_bench_cases_figures_and_ratios(capsys, tmp_path):
+    """bench=step on CPU (tiny config): the baseline, the full K2 step and each toggled case, with
+    consistent figures and ratios; the JSON written to json_out is the printed record."""
+    out_path = tmp_path / "step.json"
+    rc, out, err = _run(capsys, ["bench=step", "output=json", "bench.options.repeats=1",
+                                 "bench.options.seq_length=64", f"bench.options.json_out={out_path}"])
+    assert rc == 0, err
+    record = json.loads(out)
+    assert json.loads(out_path.read_text())["figures"] == record["figures"]
+    fig = record["figures"]
+    cases = fig["cases"]
+    assert list(cases) == ["baseline", "k2", "k2_no_qk_clip", "k2_no_muon", "k2_no_fp8_store",
+                           "k2_no_recompute", "k2_no_grouped_gemm"]
+    assert fig["config"]["tokens_per_step"] == 64 and fig["gemm_peak_tflops"] > 0
+    base = cases["baseline"]
+    for name, c in cases.items():
+        assert c["timed_steps"] == 1 and c["step_ms"] > 0
+        assert c["tokens_per_s"] == pytest.approx(64 / (c["step_ms"] / 1e3))
+        assert c["model_tflops"] == pytest.approx(fig["config"]["model_flops_per_step"] / (c["step_ms"] / 1e3) / 1e12)
+        assert c["mfu"] == pytest.approx(c["model_tflops"] / fig["gemm_peak_tflops"])
+        assert c["tokens_per_s_over_baseline"] == pytest.approx(base["step_ms"] / c["step_ms"])
+        assert c["saved_activation_bytes_over_baseline"] == pytest.approx(
+            c["saved_activation_bytes"] / base["saved_activation_bytes"])
+    # the memory features show in the measured saved bytes
+    k2 = cases["k2"]["saved_activation_bytes"]
+    assert k2 < cases["k2_no_fp8_store"]["saved_activation_bytes"]
+    assert k2 < cases["k2_no_recompute"]["saved_activation_bytes"]
+    assert k2 < base["saved_activation_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["bench.options.size=huge"], "bench.options.size"),
+        (["bench.options.memory=all"], "bench.options.memory"),
+        (["bench.options.precision=fp16"], "bench.options.precision"),
+        (["bench.options.resident=2"], "bench.options.resident"),
+        (["bench.options.repeats=-1"], "bench.options.repeats"),
+        (["bench.options.attention_backend=flash"], "bench.options.attention_backend"),
+        (["bench.options.json_out=/nonexistent/dir/step.json"], "bench.options.json_out"),
+        (["+bench.options.steps=3"], "bench.options.steps"),
+    ],
+)
+def test_step_bench_bad_options_exit_2(capsys, overrides, named):
+    rc, out, err = _run(capsys, ["bench=step", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err

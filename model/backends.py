@@ -1,0 +1,94 @@
+"""Which compute path the model takes on this machine: core-attention backend and routed-experts module.
+
+Config keys (``launcher/schema.py``): ``model.attention_backend`` (``auto`` | ``sdpa`` | ``eager`` | ``te``)
+and ``model.moe_grouped_gemm`` (null = auto | true | false). ``auto`` is resolved per process from what
+is present: CUDA, Transformer Engine (the ``gpu`` extra), the precision. :func:`check_backend_config` is the
+trainer's validation (``launcher.train.make_plan``), before any process group. This module imports no
+megatron (it runs in the plan).
+
+GPU path without Transformer Engine (README "GPU path"): BF16 through megatron's mixed-precision wrapper
+(``Float16Module``, ``parallel/distributed.py``), core attention on SDPA with cuDNN first
+(``model/attention.py``), routed experts as grouped GEMMs (``model/grouped_mlp.py``). With TE: TE's fused
+attention with ``return_max_logit`` (:func:`model.attention.te_core_attention_class`); the rest of the
+model stays on megatron's local modules (TE linears, norms and TE's grouped experts are not wired).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: ``model.attention_backend`` values
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch module imports."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing CUDA libraries)
+        return False
+    return True
+
+
+def resolve_attention_backend(setting: str, cuda: Optional[bool] = None, te: Optional[bool] = None) -> str:
+    """The core-attention backend for ``model.attention_backend``: ``auto`` -> ``te`` when Transformer
+    Engine imports and CUDA is present, ``sdpa`` on CUDA without it, ``eager`` on CPU; others as given.
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    if setting not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention_backend={setting!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
+    if setting != "auto":
+        return setting
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return "eager"
+    te = te_available() if te is None else te
+    return "te" if te else "sdpa"
+
+
+def resolve_grouped_experts(setting: Optional[bool], precision: str, cuda: Optional[bool] = None) -> bool:
+    """``model.moe_grouped_gemm``: True/False as given; None (auto) = grouped on CUDA in bf16, megatron's
+    sequential experts otherwise. The CPU proxy keeps ``SequentialMLP`` by default: its order of
+    operations is what the bitwise-equality tests of other features (offload, wgrad split, parallel
+    layouts) compare against, and on CPU ``torch._grouped_mm`` is itself a loop over the experts."""
+    if setting is not None:
+        return bool(setting)
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return bool(cuda) and precision == "bf16"
+
+
+def check_backend_config(cfg) -> None:
+    """Validate ``model.attention_backend`` and ``model.moe_grouped_gemm`` for this machine.
+
+    Raises:
+        launcher.config.ConfigError: an unknown backend; ``te`` without Transformer Engine or CUDA;
+            grouped experts with widths ``torch._grouped_mm`` cannot take (``model.hidden_size`` and
+            ``model.moe_ffn_hidden_size`` must be multiples of 8: 16-byte rows in bf16) or with
+            ``parallel.tp > 1`` (expert tensor parallelism), or a torch without ``_grouped_mm``.
+    """
+    from launcher.config import ConfigError
+
+    m = cfg.model
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"model.attention_backend={m.attention_backend!r}; allowed: "
+                          f"{', '.join(ATTENTION_BACKENDS)} (auto = te with Transformer Engine on CUDA, sdpa "
+                          "on CUDA without it, eager on CPU)")
+    if m.attention_backend == "te" and not (torch.cuda.is_available() and te_available()):
+        raise ConfigError("model.attention_backend=te needs Transformer Engine (the gpu extra) and a CUDA "
+                          "device; allowed here: auto, sdpa, eager")
+    if not m.num_moe_experts or not resolve_grouped_experts(m.moe_grouped_gemm, cfg.train.precision):
+        return
+    why = "model.moe_grouped_gemm=true" if m.moe_grouped_gemm else "model.moe_grouped_gemm=null (auto: CUDA, bf16)"
+    if not hasattr(torch, "_grouped_mm"):
+        raise ConfigError(f"{why} needs torch._grouped_mm (torch >= 2.8); allowed: model.moe_grouped_gemm=false")
+    for key in ("hidden_size", "moe_ffn_hidden_size"):
+        if int(m[key]) % 8:
+            raise ConfigError(f"{why} needs model.{key} a multiple of 8 (16-byte rows for torch._grouped_mm), "
+                              f"got {m[key]}; allowed: such a width, or model.moe_grouped_gemm=false")
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"{why} does not support expert tensor parallelism (parallel.tp={cfg.parallel.tp}); "
+                          "allowed: parallel.tp=1, or model.moe_grouped_gemm=false")
