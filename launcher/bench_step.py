@@ -467,4 +467,7 @@ def bench_step(cfg) -> dict[str, Any]:
                   "figures": figures}
         with open(o["json_out"], "w") as fh:
             json.dump(record, fh, indent=1)
+    from model.build import reset_moe_process_state
+
+    reset_moe_process_state()  # leave no 3-layer MoE tracker / aux-loss scale to the rest of the process
     return figures

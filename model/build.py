@@ -239,6 +239,23 @@ def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], re
     return block
 
 
+def reset_moe_process_state() -> None:
+    """Forget megatron-core's process-wide MoE state left by an earlier model in this process.
+
+    megatron keeps the router metrics in one global tracker whose per-layer tensors are sized by the
+    first model that logs to it (``moe_logging.get_moe_metrics_tracker``), and the aux-loss gradient scale
+    in a class attribute (``MoEAuxLossAutoScaler.main_loss_backward_scale``) whose shape the schedule then
+    assumes. A second model in the same process (benchmarks, tests) with more layers indexed past the
+    tracker's tensors ("index 3 is out of bounds for dimension 0 with size 3"), and a scalar left by a
+    plain backward broke the schedule's ``[1]``-shaped copy. Every model we build starts from none of it.
+    """
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
@@ -255,6 +272,7 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) 
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    reset_moe_process_state()
     backend = resolve_attention_backend(cfg.model.attention_backend)
     grouped = resolve_grouped_experts(cfg.model.moe_grouped_gemm, cfg.train.precision)
     chunks = []

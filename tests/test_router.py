@@ -106,3 +106,27 @@ def test_step_token_counts(megatron_world1):
     with torch.no_grad():  # eval / no-grad forwards are not counted
         router.routing(torch.zeros(10, 1, E))
     assert router.step_tokens_per_expert.sum().item() == 20
+
+
+def test_second_model_with_more_layers_in_one_process(megatron_world1):
+    """megatron's router metrics tracker and aux-loss scale are process-wide; a model built after one
+    with fewer MoE layers (bench=step's 3-layer models, then a 4-layer test model) must train, not index
+    past the tracker's per-layer tensors (model.build.reset_moe_process_state)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from launcher.config import load_config
+    from model.build import build_model_chunks, transformer_config
+    from parallel.dims import ParallelDims
+
+    for layers in (2, 4):
+        cfg = load_config(["model=k2_tiny", f"model.num_layers={layers}"])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        model = build_model_chunks(cfg, dims, transformer_config(cfg, dims))[0]
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 32))
+        loss = model(tokens, torch.arange(32).expand(2, 32), None, labels=tokens)
+        loss.sum().backward()
+        sizes = {len(e.values) for e in get_moe_metrics_tracker()._metrics.values()}
+        assert sizes == {layers}  # the tracker was started afresh for this model
