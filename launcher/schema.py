@@ -72,6 +72,10 @@ class ModelConfig:
     # present, sdpa (fused SDPA, cuDNN first, + a chunked max-logit pass) on CUDA without TE, eager on
     # CPU; sdpa | eager | te force one (sdpa also runs on CPU).
     attention_backend: str = "auto"
+    # How the sdpa backend gets QK-Clip's per-head max logit: torch = a chunked q k^T pass in torch (scores
+    # written to memory and read back); triton = one Triton kernel keeping only running maxima
+    # (model/max_logit_kernel.py; CUDA; opt-in until measured on a GPU).
+    max_logit_kernel: str = "torch"
     # Routed experts as grouped GEMMs (torch._grouped_mm, model/grouped_mlp.py) instead of megatron's
     # SequentialMLP loop; same parameters and checkpoints. null = auto: on with CUDA and bf16, off on CPU.
     # (megatron's field of the same name selects Transformer Engine's grouped experts; the K2 build

@@ -130,11 +130,15 @@ class K2CoreAttention(MegatronModule):
         pg_collection=None,
         record_max_logits: bool = True,
         backend: str = "auto",
+        max_logit_kernel: str = "torch",
     ):
         super().__init__(config=config)
         if backend not in ("auto", "sdpa", "eager"):
             raise ValueError(f"K2CoreAttention backend={backend!r}; allowed: auto, sdpa, eager")
+        if max_logit_kernel not in ("torch", "triton"):
+            raise ValueError(f"K2CoreAttention max_logit_kernel={max_logit_kernel!r}; allowed: torch, triton")
         self.backend = backend
+        self.max_logit_kernel = max_logit_kernel
         if config.context_parallel_size != 1:
             raise ValueError("K2CoreAttention does not implement context parallelism (cp must be 1)")
         tp_size = pg_collection.tp.size() if pg_collection is not None else 1
@@ -154,6 +158,16 @@ class K2CoreAttention(MegatronModule):
             torch.full((self.num_heads,), float("-inf"), dtype=torch.float32),
             persistent=False,
         )
+
+    def _max_logit(self, q, k, causal: bool, mask) -> torch.Tensor:
+        """The sdpa path's per-head max logit ``[np]``: the Triton kernel (``max_logit_kernel=triton``,
+        no explicit mask, where it runs) or the chunked torch pass."""
+        if self.max_logit_kernel == "triton" and mask is None:
+            from model.max_logit_kernel import available, per_head_max_logit_triton
+
+            if available(q.device):
+                return per_head_max_logit_triton(q, k, self.softmax_scale, causal)
+        return per_head_max_logit(q, k, self.softmax_scale, causal, mask)
 
     def reset_max_logits(self) -> None:
         """Start a new max-logit window (called by the train loop after each optimizer step)."""
@@ -216,7 +230,7 @@ class K2CoreAttention(MegatronModule):
                 ctx = sdpa()
             if record:
                 with torch.no_grad():
-                    self._record(per_head_max_logit(q, k, self.softmax_scale, causal, mask))
+                    self._record(self._max_logit(q, k, causal, mask))
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # [b, np, sq, sk]
             masked = None

@@ -77,6 +77,17 @@ def check_backend_config(cfg) -> None:
         raise ConfigError(f"model.attention_backend={m.attention_backend!r}; allowed: "
                           f"{', '.join(ATTENTION_BACKENDS)} (auto = te with Transformer Engine on CUDA, sdpa "
                           "on CUDA without it, eager on CPU)")
+    if m.max_logit_kernel not in ("torch", "triton"):
+        raise ConfigError(f"model.max_logit_kernel={m.max_logit_kernel!r}; allowed: torch, triton")
+    if m.max_logit_kernel == "triton":
+        from model.max_logit_kernel import triton as _triton
+
+        if _triton is None or not torch.cuda.is_available():
+            raise ConfigError("model.max_logit_kernel=triton needs Triton and a CUDA device; allowed here: torch")
+        if resolve_attention_backend(m.attention_backend) != "sdpa":
+            raise ConfigError(f"model.max_logit_kernel=triton is the sdpa backend's; model.attention_backend="
+                              f"{m.attention_backend} resolves to {resolve_attention_backend(m.attention_backend)}; "
+                              "allowed: model.attention_backend=sdpa (or auto on CUDA without TE)")
     if m.attention_backend == "te" and not (torch.cuda.is_available() and te_available()):
         raise ConfigError("model.attention_backend=te needs Transformer Engine (the gpu extra) and a CUDA "
                           "device; allowed here: auto, sdpa, eager")

@@ -169,9 +169,10 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
 
 
 def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str = "eager",
-                     grouped_experts: bool = False):
+                     grouped_experts: bool = False, max_logit_kernel: str = "torch"):
     """Copy of a megatron local layer spec with K2's modules swapped in: K2CoreAttention (its
-    ``attention_backend``: ``sdpa`` | ``eager``; ``te``: the Transformer Engine adapter,
+    ``attention_backend``: ``sdpa`` | ``eager``; ``te``: the Transformer Engine adapter; the sdpa
+    backend's ``max_logit_kernel``: ``torch`` | ``triton``,
     :func:`model.attention.te_core_attention_class`), K2Router, the K2 MLPs (``model/mlp.py``: megatron's
     MLP / SequentialMLP / SharedExpertMLP with the activation memory switches; routed experts as
     :class:`model.grouped_mlp.K2GroupedMLP` with ``grouped_experts``) and megatron's TransformerLayer /
@@ -194,7 +195,8 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
     attn = spec.submodules.self_attention.submodules
     core = te_core_attention_class() if attention_backend == "te" else K2CoreAttention
     attn.core_attention = ModuleSpec(
-        module=core, params={"record_max_logits": record_max_logits, "backend": attention_backend}
+        module=core, params={"record_max_logits": record_max_logits, "backend": attention_backend,
+                             **({"max_logit_kernel": max_logit_kernel} if core is K2CoreAttention else {})}
     )
     mlp = spec.submodules.mlp
     if isinstance(mlp, partial) and "submodules" in mlp.keywords and hasattr(
@@ -220,9 +222,10 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
 
 
 def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], record_max_logits: bool,
-                       attention_backend: str = "eager", grouped_experts: bool = False):
+                       attention_backend: str = "eager", grouped_experts: bool = False,
+                       max_logit_kernel: str = "torch"):
     """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in
-    (``attention_backend``, ``grouped_experts``: see :func:`_swap_submodules`)."""
+    (``attention_backend``, ``grouped_experts``, ``max_logit_kernel``: see :func:`_swap_submodules`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(
@@ -233,7 +236,8 @@ def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], re
     layers = []
     for s in block.layer_specs:
         if id(s) not in swapped:
-            swapped[id(s)] = _swap_submodules(s, record_max_logits, attention_backend, grouped_experts)
+            swapped[id(s)] = _swap_submodules(s, record_max_logits, attention_backend, grouped_experts,
+                                              max_logit_kernel)
         layers.append(swapped[id(s)])
     block.layer_specs = layers
     return block
@@ -281,7 +285,8 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) 
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         spec = decoder_block_spec(tcfg, vp_stage, ps.get_pipeline_model_parallel_rank(),
-                                  bool(cfg.model.record_max_logits), backend, grouped)
+                                  bool(cfg.model.record_max_logits), backend, grouped,
+                                  cfg.model.max_logit_kernel)
         model = GPTModel(
             config=tcfg,
             transformer_layer_spec=spec,

@@ -45,6 +45,7 @@ CASES = {
     "memory_unknown_offload_site": (["memory.offload=[everything]"], ["memory.offload", "attn_input"]),
     "attention_backend_unknown": (["model.attention_backend=flash"],
                                   ["model.attention_backend", "flash", "sdpa"]),
+    "max_logit_kernel_unknown": (["model.max_logit_kernel=cuda"], ["model.max_logit_kernel", "torch, triton"]),
     "grouped_gemm_unaligned_width": (["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size=60"],
                                      ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60", "multiple of 8"]),
     "grouped_gemm_with_tp": (["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
@@ -61,6 +62,8 @@ try:  # (only where it is bad input: no Transformer Engine or no CUDA)
 except Exception:
     _TE_HERE = False
 if not _TE_HERE:
+    CASES["max_logit_kernel_triton_without_cuda"] = (["model.max_logit_kernel=triton"],
+                                                     ["model.max_logit_kernel=triton", "CUDA"])
     CASES["attention_backend_te_without_te"] = (["model.attention_backend=te"],
                                                 ["model.attention_backend=te", "Transformer Engine"])
 

@@ -64,3 +64,22 @@ def test_matches_float64_reference_and_the_torch_path(kernel_results, i):
     torch.testing.assert_close(got.float(), per_head_max_logit(q, k, scale, causal), rtol=1e-5, atol=1e-4)
     if causal and sk == sq:  # without the mask the huge late keys would dominate
         assert (got < _reference(q, k, scale, False) / 10).all()
+
+
+def test_sdpa_attention_uses_the_kernel_when_selected(megatron_world1, monkeypatch):
+    """K2CoreAttention(backend=sdpa, max_logit_kernel=triton) records what the kernel returns where it can
+    run (made to look so here) and the torch pass otherwise (CPU without the interpreter)."""
+    import model.max_logit_kernel as mlk
+    from test_attention import make_module
+
+    mod = make_module(backend="sdpa")
+    mod.max_logit_kernel = "triton"
+    q, k, v = torch.randn(16, 1, 4, 48), torch.randn(16, 1, 4, 48), torch.randn(16, 1, 4, 32)
+    mod(q, k, v, None)
+    torch_max = mod.max_logits.clone()  # no CUDA, no interpreter: the torch pass
+    assert torch.isfinite(torch_max).all()
+    mod.reset_max_logits()
+    monkeypatch.setattr(mlk, "available", lambda device: True)
+    monkeypatch.setattr(mlk, "per_head_max_logit_triton", lambda q, k, scale, causal: torch.full((4,), 7.0))
+    mod(q, k, v, None)
+    assert torch.equal(mod.max_logits, torch.full((4,), 7.0))
