@@ -198,12 +198,16 @@ def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype
         attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
     )
 
-    def make(record: bool):
+    def make(record: bool, max_logit_kernel: str = "torch"):
         m = K2CoreAttention(tcfg, 1, AttnMaskType.causal, "self", k_channels=dk, v_channels=dv,
-                            record_max_logits=record)
+                            record_max_logits=record, max_logit_kernel=max_logit_kernel)
         return m.to(device).train()  # max logits are recorded in training forwards
 
+    from model.max_logit_kernel import available as triton_max_logit_available
+
     k2_rec, k2_plain = make(True), make(False)
+    # the Triton max-logit kernel (model.max_logit_kernel=triton) where it runs: CUDA
+    k2_tri = make(True, "triton") if device == "cuda" and triton_max_logit_available(q.device) else None
     scale = k2_rec.softmax_scale  # 1 / sqrt(dk)
     with torch.no_grad():
         out_k2 = k2_rec(q, k, v, None)
@@ -216,19 +220,21 @@ def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype
             "max_abs_diff": (out_k2.float() - out_ref.float()).abs().max().item(),
             "max_logit_abs_diff": (k2_rec.max_logits - ref_max).abs().max().item(),
         }
+        calls = {
+            "k2_record": lambda: k2_rec(q, k, v, None),
+            "k2_no_record": lambda: k2_plain(q, k, v, None),
+            "reference": lambda: reference_attention(q, k, v, scale),
+        }
+        if k2_tri is not None:
+            k2_tri(q, k, v, None)
+            figures["max_logit_abs_diff_triton"] = (k2_tri.max_logits - ref_max).abs().max().item()
+            calls["k2_record_triton"] = lambda: k2_tri(q, k, v, None)
         if dtype != torch.float32:  # how far each is from the fp32 answer on the same inputs
             out_32, _ = reference_attention(q.float(), k.float(), v.float(), scale)
             figures["k2_max_abs_diff_vs_fp32"] = (out_k2.float() - out_32).abs().max().item()
             figures["reference_max_abs_diff_vs_fp32"] = (out_ref.float() - out_32).abs().max().item()
             del out_32
-        times = time_calls(
-            {
-                "k2_record": lambda: k2_rec(q, k, v, None),
-                "k2_no_record": lambda: k2_plain(q, k, v, None),
-                "reference": lambda: reference_attention(q, k, v, scale),
-            },
-            warmup, repeats, cuda=device == "cuda",
-        )
+        times = time_calls(calls, warmup, repeats, cuda=device == "cuda")
     flops = 2 * b * h * s * s * (dk + dv)  # q k^T and p v over the full square (no causal skipping)
     figures.update(
         time_k2_ms=times["k2_record"],
@@ -238,6 +244,9 @@ def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype
         max_logit_overhead=times["k2_record"] / times["k2_no_record"] - 1.0,
         k2_tflops=flops / (times["k2_record"] * 1e-3) / 1e12,
     )
+    if "k2_record_triton" in times:
+        figures.update(time_k2_triton_ms=times["k2_record_triton"],
+                       max_logit_overhead_triton=times["k2_record_triton"] / times["k2_no_record"] - 1.0)
     return figures
 
 
@@ -252,7 +261,9 @@ def bench_attention(cfg) -> dict[str, Any]:
     * with bf16 also each one's max |diff| against the fp32 reference on the same (bf16) inputs;
     * ``time_k2_ms`` (record_max_logits=True), ``time_k2_no_record_ms``, ``time_reference_ms``: forward,
       training mode, no autograd graph; ``k2_over_reference`` = time ratio;
-      ``max_logit_overhead`` = ``time_k2 / time_k2_no_record - 1`` (fraction);
+      ``max_logit_overhead`` = ``time_k2 / time_k2_no_record - 1`` (fraction); on CUDA with Triton also
+      ``time_k2_triton_ms``, ``max_logit_overhead_triton`` and ``max_logit_abs_diff_triton`` for
+      ``max_logit_kernel=triton`` (model/max_logit_kernel.py);
       ``k2_tflops`` = ``2 b h s^2 (dk + dv)`` / time (dense square count).
 
     Raises:
