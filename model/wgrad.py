@@ -167,8 +167,9 @@ class WgradStore:
         return n
 
 
-def _accumulate(param: Optional[torch.Tensor], grad: torch.Tensor) -> None:
-    """What autograd's AccumulateGrad does for a leaf: ``param.grad += grad`` (or set it)."""
+def accumulate_weight_grad(param: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does for a leaf: ``param.grad += grad`` (or set it); a weight
+    ``[out, in]`` or a bias ``[out]``; nothing for ``param=None``."""
     if param is None:
         return
     if param.grad is None:
@@ -181,11 +182,6 @@ def split_store(module) -> Optional["WgradStore"]:
     """The :class:`WgradStore` of a linear layer whose backward :func:`decouple_linear_wgrad` split, or
     None."""
     return getattr(module, _SPLIT_ATTR, None)
-
-
-def accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add a deferred weight gradient ``[out, in]`` to ``weight.grad`` (as autograd's AccumulateGrad)."""
-    _accumulate(weight, grad)
 
 
 def run_wgrad_hooks(module) -> None:
@@ -210,9 +206,9 @@ def _run_wgrad(item) -> None:
                                 item.input.to(weight.main_grad.dtype))
         weight.grad_added_to_main_grad = True
     else:
-        _accumulate(weight, item.grad_output.t().matmul(item.input))
+        accumulate_weight_grad(weight, item.grad_output.t().matmul(item.input))
     if item.bias is not None and item.bias.requires_grad:
-        _accumulate(item.bias, item.grad_output.sum(dim=0))
+        accumulate_weight_grad(item.bias, item.grad_output.sum(dim=0))
     run_wgrad_hooks(item.module)  # megatron DDP's backward post-hook: main_grad += param.grad; grad = None
 
 
