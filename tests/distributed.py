@@ -26,6 +26,19 @@ def trainer_env(extra: dict | None = None) -> dict:
     return env
 
 
+def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]:
+    """Command that runs ``target`` (``["-m", module]`` or ``[script]``) with ``args`` on ``nproc`` local
+    gloo ranks: one plain process for one rank; otherwise ranks forked from one interpreter that has
+    imported torch and megatron-core (tests/fork_ranks.py says why), or torchrun itself with
+    ``K2_TEST_LAUNCHER=torchrun``."""
+    if nproc == 1:
+        return [sys.executable, *target, *args]
+    if os.environ.get("K2_TEST_LAUNCHER", "fork") == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
+    return [sys.executable, str(REPO / "tests" / "fork_ranks.py"), str(nproc), "0", *target, *args]
+
+
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
                 timeout: int = 600, env: dict | None = None, expect_failure: bool = False) -> list[dict]:
     """Run ``launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
@@ -33,11 +46,7 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     (a hang shows up as a timeout), or, with ``expect_failure``, when the run exits with status 0."""
     target = ["-m", "launcher.train"] if script is None else [str(REPO / "tests" / "scripts" / script)]
     args = [*overrides, *QUIET, f"run.dir={run_dir}", f"launch.nproc_per_node={nproc}"]
-    if nproc == 1:
-        cmd = [sys.executable, *target, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
+    cmd = rank_launch_cmd(nproc, target, args)
     full_env = trainer_env(env)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO
 from launcher.config import load_config
 from model.params import count_params
 from parallel.dims import ParallelDims
@@ -43,11 +42,10 @@ def _predict(overrides: list[str], world: int):
     (["parallel=cpu4", "optim=muonclip", "train.precision=bf16"], 4),  # layer-wise ZeRO-1 + FP32 masters
 ], ids=["adamw-fp32-cpu4", "muonclip-bf16-cpu4"])
 def test_state_bytes_equal_trainer_allocation(tmp_path, overrides, nproc):
-    from distributed import trainer_env
+    from distributed import rank_launch_cmd, trainer_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(REPO / "tests" / "scripts" / "measure_state_bytes.py"), *overrides, "run.wandb.mode=disabled"]
+    cmd = rank_launch_cmd(nproc, [str(REPO / "tests" / "scripts" / "measure_state_bytes.py")],
+                          [*overrides, "run.wandb.mode=disabled"])
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env({"K2_TEST_OUT": str(tmp_path)}), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
