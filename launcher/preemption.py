@@ -27,14 +27,15 @@ class Preemption:
 
     Args:
         max_minutes: ``run.max_minutes`` (None = no budget), counted from construction.
-        on_signal: called with the signal name from the handler (logging on rank 0).
+        on_signal: called with the signal name from the handler (logging on rank 0); the attribute
+            ``on_signal`` may be replaced later (e.g. once the metrics logger exists).
     """
 
     def __init__(self, max_minutes: Optional[float] = None, on_signal=None):
         self.signal_name: Optional[str] = None
         self.reason: Optional[str] = None
         self._deadline = None if max_minutes is None else time.monotonic() + 60.0 * float(max_minutes)
-        self._on_signal = on_signal
+        self.on_signal = on_signal
         self._previous = {}
 
     def install(self) -> "Preemption":
@@ -49,8 +50,8 @@ class Preemption:
 
     def _handler(self, signum, _frame) -> None:
         self.signal_name = signal.Signals(signum).name
-        if self._on_signal is not None:
-            self._on_signal(self.signal_name)
+        if self.on_signal is not None:
+            self.on_signal(self.signal_name)
 
     def local_request(self) -> int:
         """1 when this rank got a signal or its budget ran out, else 0."""

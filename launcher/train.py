@@ -281,6 +281,11 @@ class _PhaseData:
 def run(cfg, plan: Plan, env) -> dict:
     """Train on this rank (process groups are created here). Returns the final metrics record.
 
+    Preemption (launcher/preemption.py): the SIGTERM/SIGUSR1 handlers and the ``run.max_minutes`` clock
+    start first thing, so a signal during start-up (process groups, model build, checkpoint load) is
+    honoured at the first step boundary -- a checkpoint and exit status 42 -- instead of killing the rank
+    with the signal's default action, and the budget counts the start-up too.
+
     Args:
         cfg: validated config.
         plan: from :func:`make_plan` for ``env.world_size``.
@@ -293,6 +298,23 @@ def run(cfg, plan: Plan, env) -> dict:
     LR and weight decay of each step come from ``schedules.lr.TokenLRScheduler``. The run ends after
     ``plan.steps`` steps (the end of the last phase, or ``train.iters``).
     """
+    from launcher.preemption import Preemption
+    from launcher.slurm import REQUEUE_EXIT_CODE
+
+    def startup_notice(name: str) -> None:  # (replaced by the metrics logger once it exists)
+        if env.rank == 0:
+            print(f"k2-train: {name} received during start-up; saving a checkpoint after the first step, "
+                  f"then exiting with {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+
+    preemption = Preemption(cfg.run.max_minutes, on_signal=startup_notice).install()
+    try:
+        return _train(cfg, plan, env, preemption)
+    finally:
+        preemption.uninstall()
+
+
+def _train(cfg, plan: Plan, env, preemption) -> dict:
+    """:func:`run` with its preemption handler installed."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
@@ -301,7 +323,7 @@ def run(cfg, plan: Plan, env) -> dict:
     from launcher.checkpoint import load_checkpoint, read_state, remove_partial_saves, save_checkpoint
     from launcher.data import prepare_stdlib_corpus
     from launcher.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
-    from launcher.preemption import REQUEUE_MARKER, Preemption
+    from launcher.preemption import REQUEUE_MARKER
     from launcher.slurm import REQUEUE_EXIT_CODE
     from model.build import (
         build_model_chunks,
@@ -436,9 +458,9 @@ def run(cfg, plan: Plan, env) -> dict:
         logger.message(f"step {start_step + 1}: {describe(phase)}")
     pattern = moe_layer_pattern(cfg.model)
     record: dict = {}
-    preemption = Preemption(cfg.run.max_minutes, on_signal=lambda name: logger.message(
+    preemption.on_signal = lambda name: logger.message(
         f"k2-train: {name} received; saving a checkpoint at the end of this step, then exiting with "
-        f"{REQUEUE_EXIT_CODE} (requeue)")).install()
+        f"{REQUEUE_EXIT_CODE} (requeue)")
     preempted = False
     try:
         if t.eval_interval and start_step == 0:
@@ -504,7 +526,6 @@ def run(cfg, plan: Plan, env) -> dict:
                     step == plan.steps and cfg.checkpoint.save_at_end):
                 save(step, "end of run" if step == plan.steps else "train.save_interval")
     finally:
-        preemption.uninstall()
         logger.close()
     if preempted:
         record["preempted"] = preemption.reason
