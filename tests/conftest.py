@@ -76,7 +76,8 @@ def no_process_start(monkeypatch):
 @pytest.fixture(scope="session")
 def three_step_runs(tmp_path_factory, stdlib_corpus):
     """``run(layout_overrides, nproc, decouple_wgrad)`` -> tests/distributed.py ``three_step_run``, each
-    distinct run once per session (shared by the wgrad and activation-memory tests)."""
+    distinct run once per session (shared by the parallel-equivalence, MuonClip, grouped-experts, wgrad
+    and activation-memory tests)."""
     from distributed import three_step_run
 
     root, cache = tmp_path_factory.mktemp("three_step_runs"), {}

@@ -66,6 +66,11 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
 THREE_STEPS = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7",
                "checkpoint.save_at_end=false"]
 
+# MuonClip with Newton-Schulz in fp32 (so that runs at different DP sizes compare to fp32 tolerance, see
+# tests/test_muonclip_parallel.py) and model.ffn_hidden_size=320 (megatron's byte-range ZeRO-1 at DP=2
+# would cut layer 2's linear_kv_up_proj): the MuonClip runs of three_step_run
+MUONCLIP_FP32 = ["optim=muonclip", "optim.muon_fp32_matmul_prec=highest", "model.ffn_hidden_size=320"]
+
 
 def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bool, cache: dict) -> dict:
     """3 optimizer steps of the trainer (THREE_STEPS) with the pipeline trace and a dump of every rank's
@@ -74,7 +79,8 @@ def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bo
     ``cache`` maps the arguments to the result.
 
     Returns:
-        ``{"records": metrics.jsonl records, "traces": {rank: events}, "dumps": {rank: (grads, params)}}``.
+        ``{"records": metrics.jsonl records, "traces": {rank: events}, "dumps": {rank: (grads, params)},
+        "dump_dir": the script's output directory (also ``layout_rank<R>.json``)}``.
     """
     key = (tuple(layout), nproc, decouple_wgrad)
     if key in cache:
@@ -92,5 +98,5 @@ def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bo
         traces[events[0]["rank"]] = events
     dumps = {r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
              for r in range(nproc)}
-    cache[key] = {"records": recs, "traces": traces, "dumps": dumps}
+    cache[key] = {"records": recs, "traces": traces, "dumps": dumps, "dump_dir": out / "dump"}
     return cache[key]

@@ -22,7 +22,9 @@ import torch
 from conftest import REPO
 from distributed import QUIET, run_trainer, trainer_env
 
-CPU4 = ["parallel=cpu4", "train.eval_interval=2", "train.eval_iters=1"]
+# MuonClip with a tau small enough that QK-Clip fires: the resumed state includes Muon's momentum in
+# megatron's layer-wise ZeRO-1 layout (EP and DP shards) and the Adam moments of the other parameters
+CPU4 = ["parallel=cpu4", "optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=2", "train.eval_iters=1"]
 
 
 def _latest(run_dir: Path) -> str:
@@ -60,26 +62,27 @@ def _assert_same_steps(got: list[dict], ref: list[dict], steps) -> None:
 
 @pytest.fixture(scope="module")
 def cpu4_reference(tmp_path_factory, stdlib_corpus):
-    """cpu4 (PP2 VPP2 EP2 DP2), 8 steps straight; checkpoint at the end."""
+    """cpu4 (PP2 VPP2 EP2 DP2, MuonClip), 8 steps straight, a checkpoint every 2 steps (all kept)."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir)
+    recs = run_trainer([*CPU4, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"], 4, run_dir)
     assert [r["step"] for r in recs] == list(range(1, 9))
+    assert any(r["qk_clipped_heads"] for r in recs)  # QK-Clip fired, so its effect is resumed too
     return run_dir, recs
 
 
 @pytest.mark.slow
 def test_bitwise_resume_cpu4_once_and_twice(cpu4_reference, tmp_path):
-    """4 steps, resumed to 6, resumed again to 8, equal 8 straight steps: every loss, grad norm, val loss,
-    LR, and the final parameters; the data position after the second resume is 8 steps' worth."""
+    """The reference's step-4 checkpoint resumed to 6 (a run that then stops with its own end-of-run
+    checkpoint), resumed again to 8, equals 8 straight steps: every loss, grad norm, val loss, LR, and the
+    final parameters; the data position after the second resume is 8 steps' worth."""
     ref_dir, ref = cpu4_reference
     run = tmp_path / "run"
-    run_trainer([*CPU4, "train.iters=4"], 4, run)
-    assert _latest(run) == "iter_0000004"
-    recs = run_trainer([*CPU4, "train.iters=6"], 4, run)  # resumes from iter 4 automatically
-    assert [r["step"] for r in recs] == list(range(1, 7))
-    _assert_same_steps(recs, ref, range(1, 7))
-    recs = run_trainer([*CPU4, "train.iters=8"], 4, run)  # and from iter 6
-    _assert_same_steps(recs, ref, range(1, 9))
+    recs = run_trainer([*CPU4, "train.iters=6", f"resume.from={ref_dir / 'checkpoints' / 'iter_0000004'}"], 4, run)
+    assert [r["step"] for r in recs] == [5, 6] and _latest(run) == "iter_0000006"
+    _assert_same_steps(recs, ref, range(5, 7))
+    recs = run_trainer([*CPU4, "train.iters=8"], 4, run)  # resumes from its own iter 6 automatically
+    assert [r["step"] for r in recs] == [5, 6, 7, 8]
+    _assert_same_steps(recs, ref, range(5, 9))
     st = _state(run)
     tokens_per_step = ref[0]["consumed_tokens"]
     assert st["step"] == 8 and st["consumed_tokens"] == 8 * tokens_per_step
@@ -173,19 +176,6 @@ def test_resume_with_another_dp_size(dp_references, tmp_path, first, second):
 
 
 @pytest.mark.slow
-def test_muonclip_resume_is_bitwise(tmp_path, stdlib_corpus):
-    """MuonClip's state (Muon momentum in megatron's layer-wise distributed optimizer, Adam moments,
-    QK-Clip needs none) survives a resume at DP=2."""
-    base = ["optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=0", "train.iters=6"]
-    ref = run_trainer([*base, "train.save_interval=3"], 2, tmp_path / "ref")
-    run_dir = tmp_path / "run"
-    recs = run_trainer([*base, f"resume.from={tmp_path / 'ref' / 'checkpoints' / 'iter_0000003'}"], 2, run_dir)
-    assert [r["step"] for r in recs] == [4, 5, 6]
-    _assert_same_steps(recs, ref, range(4, 7))
-    assert any(r["qk_clipped_heads"] for r in ref)  # the clip fired, so its effect was resumed too
-
-
-@pytest.mark.slow
 def test_sigterm_to_k2_train_saves_and_exits_with_requeue_code(tmp_path, stdlib_corpus):
     """Killing the k2-train process (as a job manager does) stops every rank after a checkpoint of the
     same step; k2-train exits with 42 (launcher.slurm.REQUEUE_EXIT_CODE); no rank is orphaned."""
@@ -212,29 +202,44 @@ def test_sigterm_to_k2_train_saves_and_exits_with_requeue_code(tmp_path, stdlib_
 
 
 @pytest.mark.slow
-def test_sigusr1_and_wall_time_budget_stop_with_a_checkpoint(tmp_path, stdlib_corpus):
-    """A single rank: Slurm's USR1 notice, and separately run.max_minutes, end the run with a checkpoint
-    and exit status 42."""
+def test_sigusr1_during_startup_then_wall_time_budget_stop_with_checkpoints_in_one_wandb_run(tmp_path, stdlib_corpus):
+    """A single rank. Slurm's USR1 notice arriving during start-up (after the process group, before the
+    first step) ends the run after step 1 with a checkpoint and exit status 42 -- not killed by the
+    signal's default action. The resumed run stops again at run.max_minutes after one more step, with a
+    checkpoint and 42, and continues the same wandb run (offline here: a second offline-run directory with
+    the same id, which `wandb sync` appends to the one run)."""
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "launcher.train", "train.iters=500", "train.eval_interval=0",
-                          f"run.dir={run_dir}", *QUIET], cwd=REPO, env=trainer_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not metrics.exists() and p.poll() is None:
-        time.sleep(0.2)
-    p.send_signal(signal.SIGUSR1)
-    out, _ = p.communicate(timeout=180)
-    assert p.returncode == 42 and "SIGUSR1" in out, out[-3000:]
-    assert _state(run_dir)["reason"] == "preempted: signal"
+    common = [sys.executable, "-m", "launcher.train", "train.iters=500", "train.eval_interval=0",
+              "train.progress=false", "run.wandb.mode=offline", f"run.dir={run_dir}"]
+    p = subprocess.Popen(common, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    try:
+        seen = []
+        for line in p.stdout:  # printed inside run(), after the process group exists, before the build
+            seen.append(line)
+            if line.startswith("k2-data:"):
+                break
+        assert not (run_dir / "metrics.jsonl").exists(), "the run started its steps before the signal"
+        p.send_signal(signal.SIGUSR1)
+        out = "".join(seen) + p.communicate(timeout=180)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 42 and "SIGUSR1 received during start-up" in out, out[-3000:]
+    first = _state(run_dir)
+    assert first["reason"] == "preempted: signal" and first["step"] == 1
 
-    run_dir2 = tmp_path / "budget"
-    p = subprocess.run([sys.executable, "-m", "launcher.train", "train.iters=500", "train.eval_interval=0",
-                        "run.max_minutes=0.001", f"run.dir={run_dir2}", *QUIET], cwd=REPO,
-                       env=trainer_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run([*common, "run.max_minutes=0.001"], cwd=REPO, env=trainer_env(), capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 42, p.stderr[-3000:]
-    st = _state(run_dir2)
-    assert st["reason"] == "preempted: run.max_minutes" and st["step"] == 1
+    st = _state(run_dir)
+    assert st["reason"] == "preempted: run.max_minutes" and st["step"] == 2
+
+    ids = {first["wandb_run_id"], st["wandb_run_id"]}
+    assert len(ids) == 1 and None not in ids
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    rid = ids.pop()
+    assert len(runs) == 2 and all(r.name.endswith("-" + rid) for r in runs), runs
 
 
 # --- no process group: the resume decision, retention, metrics replay, preemption flag ---------------
@@ -374,20 +379,3 @@ def test_preemption_flag_from_signal_and_budget():
     q = Preemption(max_minutes=1e-6)
     time.sleep(0.01)
     assert q.agreed() and q.reason == "run.max_minutes"
-
-
-@pytest.mark.slow
-def test_wandb_run_id_is_stored_and_reused(tmp_path, stdlib_corpus):
-    """The resumed run continues the same wandb run (offline here: a second offline-run directory with
-    the same id, which `wandb sync` appends to the one run)."""
-    run_dir = tmp_path / "run"
-    quiet = ["train.progress=false", "train.eval_interval=0", "run.wandb.mode=offline", f"run.dir={run_dir}"]
-    for iters in (2, 4):
-        p = subprocess.run([sys.executable, "-m", "launcher.train", f"train.iters={iters}", *quiet],
-                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-    ids = {_state(run_dir, n)["wandb_run_id"] for n in ("iter_0000002", "iter_0000004")}
-    assert len(ids) == 1 and None not in ids
-    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    rid = ids.pop()
-    assert len(runs) == 2 and all(r.name.endswith("-" + rid) for r in runs), runs

@@ -20,36 +20,30 @@ import json
 import pytest
 import torch
 
-from distributed import run_trainer
+from distributed import MUONCLIP_FP32
 
 pytestmark = pytest.mark.slow
 
-# model.ffn_hidden_size=320: megatron's byte-range ZeRO-1 at DP=2 would cut layer 2's linear_kv_up_proj
-COMMON = ["optim=muonclip", "optim.muon_fp32_matmul_prec=highest", "model.ffn_hidden_size=320",
-          "train.iters=3", "train.eval_interval=0",
-          "schedule.phases.0.steps=0", "run.seed=7"]
 
-
-def _run(tmp_path, nproc: int, extra=()) -> tuple[list[dict], dict, dict]:
-    """(metrics records, {global name: weight} merged over ranks, layout report merged over ranks)."""
-    out = tmp_path / "out"
-    recs = run_trainer([*extra, *COMMON], nproc, tmp_path, script="dump_params_train.py",
-                       env={"K2_TEST_OUT": str(out)})
+def _run(three_step_runs, nproc: int, extra=()) -> tuple[list[dict], dict, dict]:
+    """(metrics records, {global name: weight} merged over ranks, layout report merged over ranks) of
+    3 steps with MUONCLIP_FP32 (tests/distributed.py: THREE_STEPS, shared per session)."""
+    run = three_step_runs([*extra, *MUONCLIP_FP32], nproc, False)
     weights: dict = {}
     layout = {"cut": set(), "cut_by_byte_range_layout": set()}
     for r in range(nproc):
-        for name, w in torch.load(out / f"params_rank{r}.pt").items():
+        for name, w in run["dumps"][r][1].items():
             if name in weights:  # DP replicas hold the same weights, bit for bit
                 assert torch.equal(weights[name], w), name
             weights[name] = w
-        for key, names in json.loads((out / f"layout_rank{r}.json").read_text()).items():
+        for key, names in json.loads((run["dump_dir"] / f"layout_rank{r}.json").read_text()).items():
             layout[key] |= set(names)
-    return recs, weights, layout
+    return run["records"], weights, layout
 
 
 @pytest.fixture(scope="module")
-def single_rank(tmp_path_factory, stdlib_corpus):
-    return _run(tmp_path_factory.mktemp("muon_dp1"), 1)
+def single_rank(three_step_runs):
+    return _run(three_step_runs, 1)
 
 
 def _assert_same_weights(ref: dict, got: dict):
@@ -76,10 +70,10 @@ def _assert_run(single_rank, got_run):
     return layout
 
 
-def test_dp2_matches_single_rank(tmp_path, single_rank):
-    layout = _assert_run(single_rank, _run(tmp_path, 2))
+def test_dp2_matches_single_rank(three_step_runs, single_rank):
+    layout = _assert_run(single_rank, _run(three_step_runs, 2))
     assert layout["cut_by_byte_range_layout"], "test model has no matrix that plain ZeRO-1 would cut"
 
 
-def test_cpu4_matches_single_rank(tmp_path, single_rank):
-    _assert_run(single_rank, _run(tmp_path, 4, ["parallel=cpu4"]))
+def test_cpu4_matches_single_rank(three_step_runs, single_rank):
+    _assert_run(single_rank, _run(three_step_runs, 4, ["parallel=cpu4"]))

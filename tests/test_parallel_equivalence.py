@@ -10,17 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_trainer
-
 pytestmark = pytest.mark.slow
-
-# schedule.phases.0.steps=0 skips tiny_wsd's warmup: the stable LR 3e-3 from step 1 (no warmup)
-COMMON = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7"]
-
-
-@pytest.fixture(scope="module")
-def single_rank(tmp_path_factory, stdlib_corpus):
-    return run_trainer(COMMON, 1, tmp_path_factory.mktemp("single"))
 
 
 def _assert_same(ref: list[dict], got: list[dict]):
@@ -33,11 +23,11 @@ def _assert_same(ref: list[dict], got: list[dict]):
     assert ref[2]["loss"] < ref[0]["loss"]
 
 
-def test_cpu4_matches_single_rank(tmp_path, single_rank):
-    got = run_trainer(["parallel=cpu4", *COMMON], 4, tmp_path)
-    _assert_same(single_rank, got)
+# 3 steps each with tests/distributed.py THREE_STEPS (tiny_wsd without its warmup: the stable LR 3e-3 from
+# step 1), shared per session with the other tests that need the same runs (three_step_runs)
+def test_cpu4_matches_single_rank(three_step_runs):
+    _assert_same(three_step_runs([], 1, False)["records"], three_step_runs(["parallel=cpu4"], 4, False)["records"])
 
 
-def test_pp2_without_vpp_matches_single_rank(tmp_path, single_rank):
-    got = run_trainer(["parallel=pp2", *COMMON], 2, tmp_path)
-    _assert_same(single_rank, got)
+def test_pp2_without_vpp_matches_single_rank(three_step_runs):
+    _assert_same(three_step_runs([], 1, False)["records"], three_step_runs(["parallel=pp2"], 2, False)["records"])
