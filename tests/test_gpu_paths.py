@@ -1,0 +1,67 @@
+"""The CUDA-only branches of the GPU path (issue 10), checked on CPU where a CPU run can show them:
+BF16 under megatron's mixed-precision wrapper, the offload streams' ordering, where the model's modules
+land, the BF16 baseline of bench=step, ``torch._grouped_mm``'s CUDA requirements on our calls, and the
+Triton max-logit kernel compiled for Hopper. What no CPU run can show (speed, cuDNN's kernel choice,
+CUDA memory) is measured by ``benchmarks/gpu_session.sh`` on a GPU."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# --- BF16: megatron's Float16Module casts every floating buffer, our fp32 accumulators included ---------
+
+
+def test_max_logits_stay_fp32_after_bf16_cast(megatron_world1):
+    """train.precision=bf16 wraps the model in megatron's Float16Module (``module.bfloat16()``), which
+    casts the max-logit buffer too; the recorded running max must stay the exact fp32 value of the sdpa
+    path (QK-Clip compares it with tau)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from model.attention import K2CoreAttention, per_head_max_logit
+
+    b, h, s, dk, dv = 1, 4, 16, 48, 32
+    scale = 1.0 / math.sqrt(dk)
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=h, attention_dropout=0.0,
+                            use_cpu_initialization=True)
+    mod = K2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                          softmax_scale=scale, k_channels=dk, v_channels=dv,
+                          pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
+                          record_max_logits=True, backend="sdpa").bfloat16().train()
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(s, b, h, dk, generator=gen).bfloat16() * 3 for _ in range(2))
+    v = torch.randn(s, b, h, dv, generator=gen).bfloat16()
+    mod(q, k, v, None)
+    expected = per_head_max_logit(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), scale, causal=True)
+    assert mod.max_logits.dtype == torch.float32
+    assert torch.equal(mod.max_logits, expected)  # not rounded to bf16
+    assert not torch.equal(expected, expected.bfloat16().float())  # (the case shows the rounding)
+
+
+def test_router_step_counts_stay_exact_after_bf16_cast(megatron_world1):
+    """The per-step expert token counts (moe_load_max_over_mean) are summed in fp32 after the bf16 cast:
+    in bf16, 257 tokens would count as 256."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from model.router import K2Router
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="none", moe_router_dtype="fp32", use_cpu_initialization=True,
+        add_bias_linear=False,
+    )
+    router = K2Router(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    router.set_layer_number(2)
+    router.bfloat16().train()
+    router.step_tokens_per_expert.zero_()
+    router.routing(torch.zeros(257, 1, 8))  # ties: experts 0 and 1 take every token
+    assert router.step_tokens_per_expert.dtype == torch.float32
+    assert router.step_tokens_per_expert.tolist() == [257, 257, 0, 0, 0, 0, 0, 0]
+
