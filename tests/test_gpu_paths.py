@@ -65,3 +65,45 @@ def test_router_step_counts_stay_exact_after_bf16_cast(megatron_world1):
     assert router.step_tokens_per_expert.dtype == torch.float32
     assert router.step_tokens_per_expert.tolist() == [257, 257, 0, 0, 0, 0, 0, 0]
 
+
+# --- offload on CUDA: the host-to-device copies wait for the compute stream ------------------------------
+
+
+def test_offload_reload_waits_for_the_compute_stream(monkeypatch):
+    """The reloaded device buffers come from the compute stream's allocator pool, which may hand out
+    memory that kernels already queued on that stream still use; the copies into them (on the
+    host-to-device stream) must be ordered after that work. Recorded with stand-in streams."""
+    from model import saved_tensors as st
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append((self.name, "wait_stream", other.name))
+
+        def wait_event(self, event):
+            log.append((self.name, "wait_event"))
+
+    class Event:
+        def record(self, stream=None):
+            log.append((stream.name, "record"))
+
+    class Copy:
+        def reload(self, stream):
+            log.append((stream.name, "copy"))
+
+    compute, d2h, h2d = Stream("compute"), Stream("d2h"), Stream("h2d")
+    monkeypatch.setattr(st._Streams, "get", classmethod(lambda cls: (d2h, h2d)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: compute)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    scope = st.SavedTensorScope("layer 1")
+    scope.state, scope.d2h_event, scope.copies = "offloaded", object(), [Copy(), Copy()]
+    scope.reload_async()
+    assert ("h2d", "wait_event") in log  # after the device-to-host copy ...
+    first_copy = log.index(("h2d", "copy"))
+    assert ("h2d", "wait_stream", "compute") in log[:first_copy]  # ... and after the queued compute work
+    assert log[-1] == ("h2d", "record")
+
