@@ -107,3 +107,28 @@ def test_offload_reload_waits_for_the_compute_stream(monkeypatch):
     assert ("h2d", "wait_stream", "compute") in log[:first_copy]  # ... and after the queued compute work
     assert log[-1] == ("h2d", "record")
 
+
+# --- where the model lives: every module on the current CUDA device ------------------------------------
+
+
+def test_model_chunks_are_moved_to_the_current_device(megatron_world1, monkeypatch):
+    """On CUDA megatron creates its layers on ``torch.cuda.current_device()`` but torch's RMSNorm modules
+    and the router weight on the host; without the distributed optimizer (whose parameter buffer moves
+    the parameters) the first forward would mix devices. Shown with the meta device standing in for
+    the current CUDA device."""
+    from launcher.config import load_config
+    from model.build import build_model_chunks, transformer_config
+    from parallel.dims import ParallelDims
+
+    cfg = load_config(["model=k2_tiny", "model.num_layers=2", "model.attention_backend=eager",
+                       "model.moe_grouped_gemm=false"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
+    tcfg = transformer_config(cfg, dims)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("meta"))
+    chunks = build_model_chunks(cfg, dims, tcfg)
+    monkeypatch.undo()
+    tensors = [(n, t) for c in chunks for n, t in [*c.named_parameters(), *c.named_buffers()]]
+    assert any(".layernorm." in n or "layernorm.weight" in n for n, _ in tensors)
+    assert [n for n, t in tensors if t.device.type != "meta"] == []
+
