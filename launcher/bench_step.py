@@ -214,7 +214,10 @@ def _build_baseline(o: dict, base: list[str], device) -> _Case:
                      max_sequence_length=cfg.model.max_position_embeddings, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="none")
     _init([model], tcfg, o)
-    model.to(device)
+    # all parameters in the compute dtype, as megatron's mixed-precision wrapper would leave them: megatron
+    # creates its linears in params_dtype, but torch's RMSNorm modules (megatron's WrappedTorchNorm) are
+    # created in fp32, which in bf16 sends every norm to torch's unfused mixed-dtype rms_norm
+    model.to(device=device, dtype=tcfg.params_dtype)
     opt = torch.optim.SGD(model.parameters(), lr=o["lr"])
     batch = _batch(cfg.model.vocab_size, o, device)
 

@@ -132,3 +132,22 @@ def test_model_chunks_are_moved_to_the_current_device(megatron_world1, monkeypat
     assert any(".layernorm." in n or "layernorm.weight" in n for n, _ in tensors)
     assert [n for n, t in tensors if t.device.type != "meta"] == []
 
+
+# --- bench=step's baseline in bf16 ---------------------------------------------------------------------
+
+
+def test_step_bench_baseline_parameters_in_the_compute_dtype(megatron_world1):
+    """The plain megatron-core baseline of bench=step holds every parameter in the compute dtype (the
+    K2 cases get that from megatron's Float16Module); fp32 norm weights would put its RMSNorms on
+    torch's unfused mixed-dtype path on GPU."""
+    from launcher.bench_step import DEFAULTS, _base_overrides, _build_baseline
+
+    o = dict(DEFAULTS, size="tiny", precision="bf16", seq_length=16, microbatches=1, warmup=1, repeats=1)
+    case = _build_baseline(o, _base_overrides(o), torch.device("cpu"))
+    cells = [c.cell_contents for c in case._step.__closure__]  # (the step function holds the model)
+    model = next(c for c in cells if isinstance(c, torch.nn.Module))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert any("layernorm" in n for n in dtypes)
+    assert {n for n, d in dtypes.items() if d != torch.bfloat16} == set()
+    case.step()  # and it trains in bf16
+
