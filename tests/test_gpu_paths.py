@@ -151,3 +151,87 @@ def test_step_bench_baseline_parameters_in_the_compute_dtype(megatron_world1):
     assert {n for n, d in dtypes.items() if d != torch.bfloat16} == set()
     case.step()  # and it trains in bf16
 
+
+# --- torch._grouped_mm: our calls meet the CUDA kernel's requirements ----------------------------------
+
+
+def test_grouped_gemm_calls_meet_the_cuda_requirements(megatron_world1, monkeypatch):
+    """Every ``torch._grouped_mm`` call of the grouped experts in bf16 (forward, input gradient, weight
+    gradient; experts with no tokens; FP8 storage and recompute of the expert activations) passes the
+    checks of the CUDA kernel: BF16 operands (its CUTLASS path), the stride/shape checks of torch's meta
+    function (which mirror ``_grouped_mm_cuda``), 16-byte aligned data pointers (checked on CUDA only),
+    and an output of the same contiguous layout as on CPU (CUDA pads rows to 16 bytes)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import model.grouped_mlp as gm
+    from model.memory import MemoryOptions
+    from model.saved_tensors import SavedTensorScope
+
+    e, hidden, ffn = 4, 64, 24  # multiples of 8 (K2: 7168 / 2048)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=2,
+                            num_moe_experts=e, moe_ffn_hidden_size=ffn, gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+                            params_dtype=torch.bfloat16, bf16=True, gradient_accumulation_fusion=False)
+    mod = gm.K2GroupedMLP(e, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    calls = []
+    real = gm._grouped_mm
+
+    def checked(a, b, offs):
+        assert a.dtype == b.dtype == torch.bfloat16 and offs.dtype == torch.int32
+        assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (a, b, offs)]
+        out_meta = torch._grouped_mm(meta[0], meta[1], offs=meta[2])  # raises where CUDA would
+        out = real(a, b, offs)
+        assert out_meta.shape == out.shape and out_meta.stride() == out.stride()
+        calls.append((a.dim(), b.dim()))
+        return out
+
+    monkeypatch.setattr(gm, "_grouped_mm", checked)
+    k2 = MemoryOptions(fp8_store=frozenset({"moe_fc1_input", "swiglu_input"}),
+                       recompute=frozenset({"swiglu", "moe_down_proj"}))
+    gen = torch.Generator().manual_seed(0)
+    # (recompute=moe_down_proj re-runs fc2's forward in backward: one more 2d x 3d call)
+    for counts, memory, forward_calls in (([5, 0, 9, 2], None, 2), ([0, 7, 0, 3], k2, 3)):
+        calls.clear()
+        t = sum(counts)
+        x = torch.randn(t, hidden, generator=gen).bfloat16().requires_grad_()
+        probs = torch.rand(t, generator=gen).requires_grad_()
+        mod.memory = memory
+        with SavedTensorScope("layer 1"):
+            y, _ = mod(x, torch.tensor(counts), probs)
+        y.float().pow(2).sum().backward()
+        # fc1 and fc2: forward (2d x 3d), input gradient (2d x 3d), weight gradient (2d x 2d)
+        assert sorted(calls) == [(2, 2)] * 2 + [(2, 3)] * (2 + forward_calls)
+        for j in (i for i, c in enumerate(counts) if c == 0):  # no tokens: zero weight gradient
+            assert not mod.local_experts[j].linear_fc1.weight.grad.any()
+        mod.zero_grad(set_to_none=True)
+
+
+# --- the Triton max-logit kernel compiles for Hopper ---------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_max_logit_kernel_compiles_for_sm90(causal):
+    """model.max_logit_kernel=triton on an H100/H200: the kernel compiles to a cubin for sm_90 with K2's
+    head dim (192, tiles of 256) in bf16 (Triton's CPU interpreter, which the numerical tests use,
+    does not run the compiler). Ahead-of-time, no GPU needed."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model.max_logit_kernel import _block_max_kernel
+
+    ints = ["stride_qb", "stride_qh", "stride_qs", "stride_qd", "stride_kb", "stride_kh", "stride_ks",
+            "stride_kd", "H", "SQ", "D", "OFFSET", "NUM_M"]
+    const = {"SK": 4096, "CAUSAL": causal, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 256, "IEEE": False}
+    sig = {"Q": "*bf16", "K": "*bf16", "Out": "*fp32", **{n: "i32" for n in ints},
+           **{n: "constexpr" for n in const}}
+    names = list(sig)
+    src = ASTSource(fn=_block_max_kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024  # fits an H100/H200 SM
