@@ -40,7 +40,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from launcher.config import ConfigError, load_config
 
@@ -172,8 +172,9 @@ class _Case:
     forward inside ``meter.measure()``; ``release()`` drops its model and optimizer. ``optimizer_s``: the
     optimizer part (optimizer step + QK-Clip) of the last step, seconds."""
 
-    def __init__(self, step: Callable[[Callable], None]):
+    def __init__(self, step: Callable[[Callable], None], unlink: Optional[Callable[[], None]] = None):
         self._step = step
+        self._unlink = unlink
         self.optimizer_s = 0.0
 
     def step(self) -> None:
@@ -188,7 +189,9 @@ class _Case:
         self._step(meter)
 
     def release(self) -> None:
-        self._step = None
+        if self._unlink is not None:
+            self._unlink()
+        self._step = self._unlink = None
 
 
 def _build_baseline(o: dict, base: list[str], device) -> _Case:
@@ -311,8 +314,31 @@ def _build_k2(o: dict, base: list[str], overrides: list[str]) -> _Case:
         _sync(cuda)
         case.optimizer_s = time.perf_counter() - t0
 
-    case = _Case(step)
+    case = _Case(step, lambda: _unlink(chunks, tcfg))
     return case
+
+
+def _unlink(chunks: list, tcfg) -> None:
+    """Break the reference cycles of a released K2 case that Python's garbage collector cannot see, so
+    that its model, gradient buffers and optimizer states are freed (on a GPU the next group of cases
+    would not fit otherwise). Each runs through autograd's C++ graph nodes into megatron DDP's gradient
+    hooks, whose closures hold the DDP module: tensors that keep an autograd graph as attributes of the
+    model's modules or their helper objects (megatron's token dispatcher keeps the routing probabilities
+    of the last forward), and the model config's link to the optimizer (``grad_scale_func``; megatron's
+    fp32 distributed optimizer holds its parameter shards as autograd views of the parameters)."""
+    import torch
+
+    tcfg.grad_scale_func = None
+    tcfg.finalize_model_grads_func = None
+    for chunk in chunks:
+        for mod in chunk.modules():
+            helpers = [v for v in vars(mod).values()
+                       if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
+                       and not callable(v)]
+            for obj in (mod, *helpers):
+                for key, value in list(vars(obj).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(obj, key, None)
 
 
 def gemm_peak_tflops(cuda: bool, repeats: int = 10) -> dict:

@@ -152,6 +152,35 @@ def test_step_bench_baseline_parameters_in_the_compute_dtype(megatron_world1):
     case.step()  # and it trains in bf16
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_step_bench_released_case_is_freed(megatron_world1, monkeypatch, precision):
+    """bench=step keeps 3 cases resident on a GPU and releases each group of toggled cases before the
+    next: a released K2 case's model (and with it its gradient buffers and optimizer states) must be
+    freed, else the third group does not fit in an H200's memory."""
+    import gc
+    import weakref
+
+    import model.build
+    from launcher.bench_step import DEFAULTS, _base_overrides, _build_k2, case_overrides
+
+    built = []
+    real = model.build.build_model_chunks
+
+    def recording(*args, **kwargs):
+        chunks = real(*args, **kwargs)
+        built.extend(weakref.ref(c) for c in chunks)
+        return chunks
+
+    monkeypatch.setattr(model.build, "build_model_chunks", recording)
+    o = dict(DEFAULTS, size="tiny", precision=precision, seq_length=16, microbatches=1, warmup=1, repeats=1)
+    case = _build_k2(o, _base_overrides(o), case_overrides(o)["k2_no_muon"])
+    case.step()
+    case.release()
+    del case
+    gc.collect()
+    assert built and all(ref() is None for ref in built)
+
+
 # --- torch._grouped_mm: our calls meet the CUDA kernel's requirements ----------------------------------
 
 
