@@ -39,6 +39,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -431,7 +432,13 @@ def bench_step(cfg) -> dict[str, Any]:
         meter = SavedBytesMeter()
         case.metered_step(meter)
         saved[name] = meter.per_forward()["device_total"] + meter.per_forward()["host_total"]
+        progress(f"{name} built and warmed up" + (f", {persistent[name] / 2**30:.1f} GiB held" if cuda else ""))
         return case
+
+    started = time.perf_counter()
+
+    def progress(text: str) -> None:  # (stderr: a long GPU run shows how far it got)
+        print(f"bench=step [{time.perf_counter() - started:.0f} s] {text}", file=sys.stderr, flush=True)
 
     try:
         peak = gemm_peak_tflops(cuda)
@@ -450,6 +457,7 @@ def bench_step(cfg) -> dict[str, Any]:
             for n in group:
                 live.pop(n).release()
             _free(cuda)
+            progress(f"timed {', '.join(live)} and {', '.join(group) or 'no toggled case'}")
     finally:
         live = {}
         _free(cuda)
