@@ -35,7 +35,7 @@ bench() {  # name, time limit (s), k2-bench overrides...
 }
 
 bench attention 100 bench=attention bench.options.devices=cuda
-bench step_k2 300 bench=step bench.options.size=k2 bench.options.repeats=6
+bench step_k2 330 bench=step bench.options.size=k2 bench.options.warmup=2 bench.options.repeats=5
 bench step_tiny 90 bench=step bench.options.size=tiny bench.options.memory=k2 bench.options.precision=bf16 \
     bench.options.seq_length=512 bench.options.microbatches=2 bench.options.warmup=1 bench.options.repeats=2 \
     bench.options.resident=8
