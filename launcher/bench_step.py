@@ -39,8 +39,9 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from launcher.config import ConfigError, load_config
 
@@ -172,8 +173,9 @@ class _Case:
     forward inside ``meter.measure()``; ``release()`` drops its model and optimizer. ``optimizer_s``: the
     optimizer part (optimizer step + QK-Clip) of the last step, seconds."""
 
-    def __init__(self, step: Callable[[Callable], None]):
+    def __init__(self, step: Callable[[Callable], None], unlink: Optional[Callable[[], None]] = None):
         self._step = step
+        self._unlink = unlink
         self.optimizer_s = 0.0
 
     def step(self) -> None:
@@ -188,7 +190,9 @@ class _Case:
         self._step(meter)
 
     def release(self) -> None:
-        self._step = None
+        if self._unlink is not None:
+            self._unlink()
+        self._step = self._unlink = None
 
 
 def _build_baseline(o: dict, base: list[str], device) -> _Case:
@@ -214,7 +218,10 @@ def _build_baseline(o: dict, base: list[str], device) -> _Case:
                      max_sequence_length=cfg.model.max_position_embeddings, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="none")
     _init([model], tcfg, o)
-    model.to(device)
+    # all parameters in the compute dtype, as megatron's mixed-precision wrapper would leave them: megatron
+    # creates its linears in params_dtype, but torch's RMSNorm modules (megatron's WrappedTorchNorm) are
+    # created in fp32, which in bf16 sends every norm to torch's unfused mixed-dtype rms_norm
+    model.to(device=device, dtype=tcfg.params_dtype)
     opt = torch.optim.SGD(model.parameters(), lr=o["lr"])
     batch = _batch(cfg.model.vocab_size, o, device)
 
@@ -308,8 +315,31 @@ def _build_k2(o: dict, base: list[str], overrides: list[str]) -> _Case:
         _sync(cuda)
         case.optimizer_s = time.perf_counter() - t0
 
-    case = _Case(step)
+    case = _Case(step, lambda: _unlink(chunks, tcfg))
     return case
+
+
+def _unlink(chunks: list, tcfg) -> None:
+    """Break the reference cycles of a released K2 case that Python's garbage collector cannot see, so
+    that its model, gradient buffers and optimizer states are freed (on a GPU the next group of cases
+    would not fit otherwise). Each runs through autograd's C++ graph nodes into megatron DDP's gradient
+    hooks, whose closures hold the DDP module: tensors that keep an autograd graph as attributes of the
+    model's modules or their helper objects (megatron's token dispatcher keeps the routing probabilities
+    of the last forward), and the model config's link to the optimizer (``grad_scale_func``; megatron's
+    fp32 distributed optimizer holds its parameter shards as autograd views of the parameters)."""
+    import torch
+
+    tcfg.grad_scale_func = None
+    tcfg.finalize_model_grads_func = None
+    for chunk in chunks:
+        for mod in chunk.modules():
+            helpers = [v for v in vars(mod).values()
+                       if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
+                       and not callable(v)]
+            for obj in (mod, *helpers):
+                for key, value in list(vars(obj).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(obj, key, None)
 
 
 def gemm_peak_tflops(cuda: bool, repeats: int = 10) -> dict:
@@ -402,7 +432,13 @@ def bench_step(cfg) -> dict[str, Any]:
         meter = SavedBytesMeter()
         case.metered_step(meter)
         saved[name] = meter.per_forward()["device_total"] + meter.per_forward()["host_total"]
+        progress(f"{name} built and warmed up" + (f", {persistent[name] / 2**30:.1f} GiB held" if cuda else ""))
         return case
+
+    started = time.perf_counter()
+
+    def progress(text: str) -> None:  # (stderr: a long GPU run shows how far it got)
+        print(f"bench=step [{time.perf_counter() - started:.0f} s] {text}", file=sys.stderr, flush=True)
 
     try:
         peak = gemm_peak_tflops(cuda)
@@ -421,6 +457,7 @@ def bench_step(cfg) -> dict[str, Any]:
             for n in group:
                 live.pop(n).release()
             _free(cuda)
+            progress(f"timed {', '.join(live)} and {', '.join(group) or 'no toggled case'}")
     finally:
         live = {}
         _free(cuda)

@@ -174,9 +174,11 @@ class K2CoreAttention(MegatronModule):
         self.max_logits.fill_(float("-inf"))
 
     def _record(self, logits_max: torch.Tensor) -> None:
-        if self.max_logits.device != logits_max.device:
-            self.max_logits = self.max_logits.to(logits_max.device)
-        torch.maximum(self.max_logits, logits_max, out=self.max_logits)
+        # kept in fp32 on the logits' device: megatron's Float16Module (train.precision=bf16) casts every
+        # floating buffer to bf16, which would round the running max (and QK-Clip's tau / S) to 8 bits
+        if self.max_logits.device != logits_max.device or self.max_logits.dtype != torch.float32:
+            self.max_logits = self.max_logits.to(device=logits_max.device, dtype=torch.float32)
+        torch.maximum(self.max_logits, logits_max.float(), out=self.max_logits)
 
     def forward(
         self,

@@ -298,6 +298,12 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) 
             position_embedding_type="none",  # MLA applies its own RoPE/YaRN on the rope head dims
             vp_stage=vp_stage,
         )
+        if torch.cuda.is_available():
+            # megatron creates its layers on the current device, but torch's RMSNorm modules (megatron's
+            # WrappedTorchNorm: input/pre-MLP/q/kv/final norms) and the router weight on the host; only the
+            # distributed optimizer's parameter buffer would move them (megatron-LM's get_model moves each
+            # chunk the same way)
+            model.to(torch.cuda.current_device())
         chunks.append(model)
     install_memory(chunks, memory if memory is not None else MemoryOptions.from_config(cfg))
     return chunks

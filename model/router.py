@@ -79,8 +79,11 @@ class K2Router(TopKRouter):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                counts = routing_map.sum(dim=0).to(self.step_tokens_per_expert.dtype)
-                if self.step_tokens_per_expert.device != counts.device:
-                    self.step_tokens_per_expert = self.step_tokens_per_expert.to(counts.device)
+                counts = routing_map.sum(dim=0).to(torch.float32)
+                # fp32 on the counts' device: megatron's Float16Module (train.precision=bf16) casts the
+                # buffer to bf16, where counts above 256 no longer add up exactly
+                buf = self.step_tokens_per_expert
+                if buf.device != counts.device or buf.dtype != torch.float32:
+                    self.step_tokens_per_expert = buf.to(device=counts.device, dtype=torch.float32)
                 self.step_tokens_per_expert += counts
         return probs, routing_map

@@ -375,6 +375,10 @@ class SavedTensorScope:
         if self.d2h_event is not None:
             _, h2d = _Streams.get()
             h2d.wait_event(self.d2h_event)
+            # the device buffers are allocated on the compute stream, whose caching allocator may hand
+            # out memory that kernels already queued there still read or write (freed in program order,
+            # not yet executed): the copies into it start after that queued work
+            h2d.wait_stream(torch.cuda.current_stream())
             for c in self.copies:
                 c.reload(h2d)
             self.h2d_event = torch.cuda.Event()
