@@ -76,6 +76,12 @@ class K2Router(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """megatron's routing; returns ``(probs, routing_map)``, each ``[num_tokens, num_experts]``."""
+        local = self.local_tokens_per_expert
+        if local is not None and local.dtype != torch.float32:
+            # megatron's own counter for the expert-bias update (K2's aux-loss-free balancing) is cast to
+            # bf16 by its Float16Module like every buffer (megatron restores only expert_bias to fp32:
+            # _maintain_float32_expert_bias); in bf16, counts above 256 no longer add up exactly
+            self.local_tokens_per_expert = local.float()
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():

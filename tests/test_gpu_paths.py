@@ -44,8 +44,8 @@ def test_max_logits_stay_fp32_after_bf16_cast(megatron_world1):
 
 
 def test_router_step_counts_stay_exact_after_bf16_cast(megatron_world1):
-    """The per-step expert token counts (moe_load_max_over_mean) are summed in fp32 after the bf16 cast:
-    in bf16, 257 tokens would count as 256."""
+    """The per-step expert token counts (moe_load_max_over_mean) and megatron's counts for the expert-bias
+    update are summed in fp32 after the bf16 cast: in bf16, 257 tokens would count as 256."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -64,6 +64,8 @@ def test_router_step_counts_stay_exact_after_bf16_cast(megatron_world1):
     router.routing(torch.zeros(257, 1, 8))  # ties: experts 0 and 1 take every token
     assert router.step_tokens_per_expert.dtype == torch.float32
     assert router.step_tokens_per_expert.tolist() == [257, 257, 0, 0, 0, 0, 0, 0]
+    assert router.local_tokens_per_expert.dtype == torch.float32
+    assert router.local_tokens_per_expert.tolist() == [257, 257, 0, 0, 0, 0, 0, 0]
 
 
 # --- offload on CUDA: the host-to-device copies wait for the compute stream ------------------------------
