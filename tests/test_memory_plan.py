@@ -45,7 +45,7 @@ def test_state_bytes_equal_trainer_allocation(tmp_path, overrides, nproc):
     from distributed import rank_launch_cmd, trainer_env
 
     cmd = rank_launch_cmd(nproc, [str(REPO / "tests" / "scripts" / "measure_state_bytes.py")],
-                          [*overrides, "run.wandb.mode=disabled"])
+                          [*overrides, "run.wandb.mode=disabled", f"run.dir={tmp_path / 'run'}"])
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env({"K2_TEST_OUT": str(tmp_path)}), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -61,13 +61,15 @@ def test_state_bytes_equal_trainer_allocation(tmp_path, overrides, nproc):
     ["optim=muonclip", "parallel.use_distributed_optimizer=false"],  # no ZeRO-1: full states
     ["optim=adamw", "train.precision=bf16"],  # ZeRO-1 over one rank: BF16 params + FP32 masters
 ], ids=["muonclip-fp32-no-zero", "adamw-bf16"])
-def test_state_bytes_equal_allocation_one_rank(megatron_world1, overrides):
+def test_state_bytes_equal_allocation_one_rank(megatron_world1, overrides, tmp_path):
     """The same on one rank, in this process (megatron_world1): the paths the 4-rank runs do not take."""
     from launcher.train import make_plan
 
     measure = _load_script().measure
 
-    cfg = load_config(["parallel=single", *overrides])
+    # (a run dir of its own: the default runs/<model>-<parallel> may hold the user's run, which make_plan
+    # would resume from)
+    cfg = load_config(["parallel=single", *overrides, f"run.dir={tmp_path / 'run'}"])
     m = measure(cfg, make_plan(cfg, 1))
     p = _predict(["parallel=single", *overrides], 1)[0][0]
     assert (p.params, p.grads, p.optimizer) == (m["params"], m["grads"], m["optimizer"]), m
