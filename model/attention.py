@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from model.fp32_buffers import fp32_buffer
+
 # Query rows per chunk in the GPU max-logit pass: bounds its extra memory to
 # b * heads * chunk * s_k fp32 values.
 _MAX_LOGIT_CHUNK = 1024
@@ -174,11 +176,9 @@ class K2CoreAttention(MegatronModule):
         self.max_logits.fill_(float("-inf"))
 
     def _record(self, logits_max: torch.Tensor) -> None:
-        # kept in fp32 on the logits' device: megatron's Float16Module (train.precision=bf16) casts every
-        # floating buffer to bf16, which would round the running max (and QK-Clip's tau / S) to 8 bits
-        if self.max_logits.device != logits_max.device or self.max_logits.dtype != torch.float32:
-            self.max_logits = self.max_logits.to(device=logits_max.device, dtype=torch.float32)
-        torch.maximum(self.max_logits, logits_max.float(), out=self.max_logits)
+        # fp32 on the logits' device, whatever the BF16 wrapper did to the buffer (model/fp32_buffers.py)
+        buf = fp32_buffer(self, "max_logits", logits_max.device)
+        torch.maximum(buf, logits_max.float(), out=buf)
 
     def forward(
         self,

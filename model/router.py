@@ -21,6 +21,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from model.fp32_buffers import fp32_buffer
+
 
 def stable_topk(scores: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with ties resolved to the lowest index.
@@ -76,20 +78,13 @@ class K2Router(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """megatron's routing; returns ``(probs, routing_map)``, each ``[num_tokens, num_experts]``."""
-        local = self.local_tokens_per_expert
-        if local is not None and local.dtype != torch.float32:
-            # megatron's own counter for the expert-bias update (K2's aux-loss-free balancing) is cast to
-            # bf16 by its Float16Module like every buffer (megatron restores only expert_bias to fp32:
-            # _maintain_float32_expert_bias); in bf16, counts above 256 no longer add up exactly
-            self.local_tokens_per_expert = local.float()
+        # both token counters stay fp32 under the BF16 wrapper (model/fp32_buffers.py): megatron's own one
+        # feeds the expert-bias update (K2's aux-loss-free balancing), ours the expert-load metric
+        if self.local_tokens_per_expert is not None:
+            fp32_buffer(self, "local_tokens_per_expert")
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 counts = routing_map.sum(dim=0).to(torch.float32)
-                # fp32 on the counts' device: megatron's Float16Module (train.precision=bf16) casts the
-                # buffer to bf16, where counts above 256 no longer add up exactly
-                buf = self.step_tokens_per_expert
-                if buf.device != counts.device or buf.dtype != torch.float32:
-                    self.step_tokens_per_expert = buf.to(device=counts.device, dtype=torch.float32)
-                self.step_tokens_per_expert += counts
+                fp32_buffer(self, "step_tokens_per_expert", counts.device).add_(counts)
         return probs, routing_map
