@@ -36,7 +36,7 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
     if os.environ.get("K2_TEST_LAUNCHER", "fork") == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                 "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
-    return [sys.executable, str(REPO / "tests" / "fork_ranks.py"), str(nproc), "0", *target, *args]
+    return [sys.executable, str(REPO / "tests" / "fork_ranks.py"), str(nproc), *target, *args]
 
 
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,

@@ -14,7 +14,7 @@ test_slurm_real.py).
 Like torchrun: when a rank fails, the others get SIGTERM (SIGKILL 30 s later); the exit status is the
 first failed rank's, 0 when all succeed.
 
-Usage: python tests/fork_ranks.py NPROC MASTER_PORT (-m MODULE | SCRIPT) [ARGS...]   (MASTER_PORT 0: pick one)
+Usage: python tests/fork_ranks.py NPROC (-m MODULE | SCRIPT) [ARGS...]
 """
 
 from __future__ import annotations
@@ -74,16 +74,23 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str]) -> int:
     return 0
 
 
+def _signal_all(pids, signum: int) -> None:
+    for pid in list(pids):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def main(argv: list[str]) -> int:
-    nproc, port, target = int(argv[0]), int(argv[1]), argv[2:]
+    import socket
+
+    nproc, target = int(argv[0]), argv[1:]
     sys.path[0] = os.getcwd()  # as under python -m: the repository (cwd), not tests/, comes first
     _preimport()
-    if port == 0:  # chosen now, after the imports: a port picked before them stays free for seconds
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    with socket.socket() as sock:  # the master port, chosen after the imports (less time for a clash)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
@@ -105,20 +112,12 @@ def main(argv: list[str]) -> int:
                 os._exit(code)
         children[pid] = rank
 
-    def forward(signum, _frame):  # like torchrun: a signal to the launcher reaches every rank
-        for pid in children:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, forward)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # like torchrun: they reach every rank
+        signal.signal(sig, lambda signum, _frame: _signal_all(children, signum))
     status, deadline = 0, None
     while children:
         if deadline is not None and time.time() > deadline:
-            for pid in children:
-                os.kill(pid, signal.SIGKILL)
+            _signal_all(children, signal.SIGKILL)
             deadline = float("inf")
         pid, raw = os.waitpid(-1, os.WNOHANG) if deadline is not None else os.waitpid(-1, 0)
         if pid == 0:
@@ -128,11 +127,7 @@ def main(argv: list[str]) -> int:
         code = os.waitstatus_to_exitcode(raw)
         if code != 0 and status == 0:
             status = code if code > 0 else 128 - code
-            for other in children:  # torchrun stops the other ranks of a failed group
-                try:
-                    os.kill(other, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            _signal_all(children, signal.SIGTERM)  # torchrun stops the other ranks of a failed group
             deadline = time.time() + 30
     return status
 
