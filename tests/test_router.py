@@ -108,6 +108,20 @@ def test_step_token_counts(megatron_world1):
     assert router.step_tokens_per_expert.sum().item() == 20
 
 
+def test_step_counts_stay_exact_after_bf16_cast(megatron_world1):
+    """The per-step expert token counts (moe_load_max_over_mean) and megatron's counts for the expert-bias
+    update are summed in fp32 after megatron's BF16 wrapper cast the buffers (model/fp32_buffers.py): in
+    bf16, 257 tokens would count as 256."""
+    router = make_router()
+    router.bfloat16().train()
+    router.step_tokens_per_expert.zero_()
+    router.routing(torch.zeros(257, 1, E))  # ties: experts 0 and 1 take every token
+    assert router.step_tokens_per_expert.dtype == torch.float32
+    assert router.step_tokens_per_expert.tolist() == [257, 257, 0, 0, 0, 0, 0, 0]
+    assert router.local_tokens_per_expert.dtype == torch.float32
+    assert router.local_tokens_per_expert.tolist() == [257, 257, 0, 0, 0, 0, 0, 0]
+
+
 def test_second_model_with_more_layers_in_one_process(megatron_world1):
     """megatron's router metrics tracker and aux-loss scale are process-wide; a model built after one
     with fewer MoE layers (bench=step's 3-layer models, then a 4-layer test model) must train, not index
