@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's GPU figures in one device-tool call (../shared/device/README.md), ~6 min on one H200
+# GPU figures in one device-tool call, ~6 min on one H200
 # (at most ~9 min: every step has its own timeout, so one failure does not lose the others):
 #   1. bench=attention on CUDA: K2 shape (64 heads, qk 192 / v 128, s 4096, bf16), torch and Triton
 #      max-logit passes (time_k2_ms, max_logit_overhead, time_k2_triton_ms, max_logit_overhead_triton);
@@ -9,8 +9,8 @@
 #      GEMMs in bf16): a smoke test of every CUDA branch.
 # Results in $OUT: status.txt (progress, GPU, rc per step, summary), <step>.json (the k2-bench JSON
 # record), <step>.log (stderr; the tail is printed on failure).
-#   here:   ../shared/device/prepare_wheels.sh        (once: .whl/, git-ignored)
-#   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+#   here:   scripts/offline_wheels.sh     (once: .whl/, git-ignored), then copy the checkout with .whl/
+#   there:  bash benchmarks/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -20,15 +20,15 @@ log() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$S"; }
 
 log "installing wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
-export PYTHONPATH=/tmp/site:$PWD WANDB_MODE=disabled PYTHONUNBUFFERED=1
+export PYTHONPATH="/tmp/site:$(bash scripts/checkout_path.sh)" WANDB_MODE=disabled PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$S"
-python3 -c "import torch; from parallel import cpu_backend; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'cpu_backend.enable() ->', cpu_backend.enable())" 2>&1 | tail -3 | tee -a "$S"
+python3 -c "import torch; from k2.parallel import cpu_backend; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'cpu_backend.enable() ->', cpu_backend.enable())" 2>&1 | tail -3 | tee -a "$S"
 
 bench() {  # name, time limit (s), k2-bench overrides...
     local name=$1 limit=$2 rc
     shift 2
     log "start $name (limit $limit s)"
-    timeout -k 10 "$limit" python3 -m launcher.bench output=json "$@" > "$OUT/$name.json" 2> "$OUT/$name.log"
+    timeout -k 10 "$limit" python3 -m k2.launcher.bench output=json "$@" > "$OUT/$name.json" 2> "$OUT/$name.log"
     rc=$?
     log "end $name rc=$rc$([ $rc -eq 124 ] && echo ' (timed out)')"
     if [ $rc -ne 0 ]; then grep -v -i warn "$OUT/$name.log" | tail -20; fi

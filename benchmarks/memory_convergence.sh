@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 acceptance: training with every activation-memory switch on (memory=k2: FP8 storage of the MoE
+# Convergence check of the activation-memory switches: training with every activation-memory switch on (memory=k2: FP8 storage of the MoE
 # fc1 inputs and SwiGLU inputs, recompute of RMSNorm / SwiGLU / MLA up-projection / MoE down-projection,
 # offload of the rest) for 200 steps of the README's main job (k2_tiny, parallel=cpu4, the tiny_wsd
 # schedule, the stdlib corpus) stays within 2 % of the baseline (memory=none) validation loss.
@@ -8,12 +8,12 @@
 #   usage: bash benchmarks/memory_convergence.sh [OUT_DIR]     (default runs/memory_convergence)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY=${K2_PYTHON:-python}
+PY=${K2_PYTHON:-.venv/bin/python}
 OUT=${1:-runs/memory_convergence}
 rm -rf "$OUT/none" "$OUT/k2"
 mkdir -p "$OUT"
 for mem in none k2; do
-  "$PY" -m launcher.train parallel=cpu4 train.iters=200 memory=$mem run.dir="$OUT/$mem" \
+  "$PY" -m k2.launcher.train parallel=cpu4 train.iters=200 memory=$mem run.dir="$OUT/$mem" \
     run.wandb.mode=disabled train.progress=false > "$OUT/$mem.log" 2>&1
 done
 "$PY" - "$OUT" <<'PY'

@@ -1,44 +1,20 @@
-"""k2-launcher: entry points (k2-train, k2-plan, k2-data, k2-bench), config, data, metrics.
+"""The launcher: k2-launcher's building blocks, training loop, tools and command-line entry points.
 
-Importing this package silences library messages that carry no action for a k2-launcher user (a CPU
-run has no Apex/Transformer Engine by design; megatron's experimental-API notices). Everything else,
-including every other warning, is left as it is.
+Sub-packages, in import order (each imports only from those before it and from ``k2.config`` ...
+``k2.optim``; ``k2.config`` states the whole order):
+
+* building blocks, independent of each other: :mod:`k2.launcher.datasets` (the embedded corpus, data
+  settings, megatron GPT datasets, microbatches), :mod:`k2.launcher.checkpointing` (dist-checkpoints,
+  resume decisions, RNG state), :mod:`k2.launcher.planning` (memory per GPU, pipeline bubble, layout
+  search: ``k2-plan``'s engine);
+* :mod:`k2.launcher.training` -- ``Trainer``, ``TrainState``, metrics, preemption, local rank launch;
+* :mod:`k2.launcher.benchmarks` (``k2-bench``) and :mod:`k2.launcher.tools` (sparsity sweep, Slurm);
+* :mod:`k2.launcher.cli` -- error line, exit status 2 for a bad setting, 42 for a requeue, the filters
+  for library messages that carry no action for a user;
+* entry modules, thin: ``train`` (``k2-train``), ``plan`` (``k2-plan``), ``data`` (``k2-data``), ``bench``
+  (``k2-bench``), ``submit`` (``k2-submit``), ``sweep_report`` (``k2-sweep-report``).
 """
 
-import logging as _logging
-import warnings as _warnings
+from k2.launcher.quiet import quiet_libraries
 
-for _msg in (
-    r"Apex is not installed",
-    r"Transformer Engine and Apex are not installed",
-    r"MimoModelConfig is experimental",
-    r"full scope is deprecated",
-    # megatron's DistributedOptimizer.zero_grad reads .grad of its fp32 shard views, which are not
-    # leaves ("throws grad-access warning", its own comment in distrib_optimizer.py); harmless
-    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
-    # torch's own distributed checkpoint, used inside megatron's torch_dist format, warns about its
-    # internal ShardedTensor use on every save/load
-    r"Please use DTensor instead and we are deprecating ShardedTensor",
-):
-    _warnings.filterwarnings("ignore", message=_msg)
-_logging.getLogger("torch.utils.cpp_extension").setLevel(_logging.ERROR)
-
-
-class _DropMessages(_logging.Filter):
-    def __init__(self, *needles):
-        super().__init__()
-        self.needles = needles
-
-    def filter(self, record):
-        return not any(n in record.getMessage() for n in self.needles)
-
-
-_logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropMessages("GPTModel IS DEPRECATED"))
-_logging.getLogger("megatron.core.distributed.distributed_data_parallel").addFilter(
-    _DropMessages("full_param_layout not provided")
-)
-# logged on every synchronous save too (megatron wraps even a synchronous torch_dist save in its async
-# machinery); k2-launcher does not use megatron's async save
-_logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
-    _DropMessages("async save is deprecated")
-)
+quiet_libraries()  # before anything below imports megatron-core

@@ -1,6 +1,6 @@
 """Project-owned core attention for MLA: different q/k and v head dims, per-head max-logit recording.
 
-Why our own module (REFERENCE.md, "Open anchors"): megatron-core's local ``DotProductAttention`` rejects
+Why our own module (docs/k2_reference.md, "Open anchors"): megatron-core's local ``DotProductAttention`` rejects
 MLA's ``k_channels``/``v_channels`` (qk 192 / v 128 for K2), and megatron gets per-head max logits for
 QK-Clip only from Transformer Engine >= 2.9. This module
 
@@ -9,7 +9,7 @@ QK-Clip only from Transformer Engine >= 2.9. This module
 * records, in training forwards, the running per-head maximum of the pre-softmax logit
   ``scale * q_i . k_j`` over unmasked (i, j) and over all microbatches since the last
   :meth:`K2CoreAttention.reset_max_logits` (QK-Clip, K2 report section 2.1 / MuonClip),
-* has two backends (``model.attention_backend``; ``auto`` = ``sdpa`` on CUDA, ``eager`` on CPU):
+* has two backends (``k2.model.attention_backend``; ``auto`` = ``sdpa`` on CUDA, ``eager`` on CPU):
 
   - ``sdpa``: a fused kernel through ``torch.nn.functional.scaled_dot_product_attention``, on CUDA with
     cuDNN first in the priority list (cuDNN SDPA has a kernel for qk 192 / v 128; flash does not; the
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from model.fp32_buffers import fp32_buffer
+from k2.model.fp32_buffers import fp32_buffer
 
 # Query rows per chunk in the GPU max-logit pass: bounds its extra memory to
 # b * heads * chunk * s_k fp32 values.
@@ -165,7 +165,7 @@ class K2CoreAttention(MegatronModule):
         """The sdpa path's per-head max logit ``[np]``: the Triton kernel (``max_logit_kernel=triton``,
         no explicit mask, where it runs) or the chunked torch pass."""
         if self.max_logit_kernel == "triton" and mask is None:
-            from model.max_logit_kernel import available, per_head_max_logit_triton
+            from k2.model.max_logit_kernel import available, per_head_max_logit_triton
 
             if available(q.device):
                 return per_head_max_logit_triton(q, k, self.softmax_scale, causal)
@@ -265,7 +265,7 @@ def te_core_attention_class():
     ``log_max_attention_logit=True`` (``model/build.py`` sets it), which makes megatron request the max
     logit from TE and keep the running max in ``current_max_attn_logits``.
 
-    Not tested here (no TE on this project's machines): tests/test_te_path.py runs where TE is installed.
+    Not tested here (no TE on this project's machines): the TE case of tests/unit/model/test_attention.py runs where TE is installed.
     """
     global _TE_CLASS
     if _TE_CLASS is not None:

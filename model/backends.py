@@ -1,15 +1,15 @@
 """Which compute path the model takes on this machine: core-attention backend and routed-experts module.
 
-Config keys (``launcher/schema.py``): ``model.attention_backend`` (``auto`` | ``sdpa`` | ``eager`` | ``te``)
-and ``model.moe_grouped_gemm`` (null = auto | true | false). ``auto`` is resolved per process from what
+Config keys (``config/schema.py``): ``k2.model.attention_backend`` (``auto`` | ``sdpa`` | ``eager`` | ``te``)
+and ``k2.model.moe_grouped_gemm`` (null = auto | true | false). ``auto`` is resolved per process from what
 is present: CUDA, Transformer Engine (the ``gpu`` extra), the precision. :func:`check_backend_config` is the
-trainer's validation (``launcher.train.make_plan``), before any process group. This module imports no
+trainer's validation (``k2.launcher.training.prepare.prepare_run``), before any process group. This module imports no
 megatron (it runs in the plan).
 
 GPU path without Transformer Engine (README "GPU path"): BF16 through megatron's mixed-precision wrapper
 (``Float16Module``, ``parallel/distributed.py``), core attention on SDPA with cuDNN first
 (``model/attention.py``), routed experts as grouped GEMMs (``model/grouped_mlp.py``). With TE: TE's fused
-attention with ``return_max_logit`` (:func:`model.attention.te_core_attention_class`); the rest of the
+attention with ``return_max_logit`` (:func:`k2.model.attention.te_core_attention_class`); the rest of the
 model stays on megatron's local modules (TE linears, norms and TE's grouped experts are not wired).
 """
 
@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-#: ``model.attention_backend`` values
-ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
+from k2.config import ConfigError
+from k2.config.validate import ATTENTION_BACKENDS
 
 
 def te_available() -> bool:
@@ -33,7 +33,7 @@ def te_available() -> bool:
 
 
 def resolve_attention_backend(setting: str, cuda: Optional[bool] = None, te: Optional[bool] = None) -> str:
-    """The core-attention backend for ``model.attention_backend``: ``auto`` -> ``te`` when Transformer
+    """The core-attention backend for ``k2.model.attention_backend``: ``auto`` -> ``te`` when Transformer
     Engine imports and CUDA is present, ``sdpa`` on CUDA without it, ``eager`` on CPU; others as given.
 
     Raises:
@@ -51,7 +51,7 @@ def resolve_attention_backend(setting: str, cuda: Optional[bool] = None, te: Opt
 
 
 def resolve_grouped_experts(setting: Optional[bool], precision: str, cuda: Optional[bool] = None) -> bool:
-    """``model.moe_grouped_gemm``: True/False as given; None (auto) = grouped on CUDA in bf16, megatron's
+    """``k2.model.moe_grouped_gemm``: True/False as given; None (auto) = grouped on CUDA in bf16, megatron's
     sequential experts otherwise. The CPU proxy keeps ``SequentialMLP`` by default: its order of
     operations is what the bitwise-equality tests of other features (offload, wgrad split, parallel
     layouts) compare against, and on CPU ``torch._grouped_mm`` is itself a loop over the experts."""
@@ -62,25 +62,19 @@ def resolve_grouped_experts(setting: Optional[bool], precision: str, cuda: Optio
 
 
 def check_backend_config(cfg) -> None:
-    """Validate ``model.attention_backend`` and ``model.moe_grouped_gemm`` for this machine.
+    """Check that this machine can run ``k2.model.attention_backend``, ``k2.model.max_logit_kernel`` and
+    ``k2.model.moe_grouped_gemm`` (their allowed values are :mod:`k2.config.validate`'s).
 
     Raises:
-        launcher.config.ConfigError: an unknown backend; ``te`` without Transformer Engine or CUDA;
-            grouped experts with widths ``torch._grouped_mm`` cannot take (``model.hidden_size`` and
-            ``model.moe_ffn_hidden_size`` must be multiples of 8: 16-byte rows in bf16) or with
+        ConfigError: ``te`` without Transformer Engine or CUDA; the Triton max-logit kernel without
+            Triton and CUDA or with another backend than sdpa;
+            grouped experts with widths ``torch._grouped_mm`` cannot take (``k2.model.hidden_size`` and
+            ``k2.model.moe_ffn_hidden_size`` must be multiples of 8: 16-byte rows in bf16) or with
             ``parallel.tp > 1`` (expert tensor parallelism), or a torch without ``_grouped_mm``.
     """
-    from launcher.config import ConfigError
-
     m = cfg.model
-    if m.attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"model.attention_backend={m.attention_backend!r}; allowed: "
-                          f"{', '.join(ATTENTION_BACKENDS)} (auto = te with Transformer Engine on CUDA, sdpa "
-                          "on CUDA without it, eager on CPU)")
-    if m.max_logit_kernel not in ("torch", "triton"):
-        raise ConfigError(f"model.max_logit_kernel={m.max_logit_kernel!r}; allowed: torch, triton")
     if m.max_logit_kernel == "triton":
-        from model.max_logit_kernel import triton as _triton
+        from k2.model.max_logit_kernel import triton as _triton
 
         if _triton is None or not torch.cuda.is_available():
             raise ConfigError("model.max_logit_kernel=triton needs Triton and a CUDA device; allowed here: torch")

@@ -5,7 +5,7 @@ Data flow: ``cfg.model`` + ``ParallelDims`` -> :func:`transformer_config` (megat
 core attention and router swapped in) -> :func:`build_model_chunks` (one ``GPTModel`` per virtual
 pipeline stage of this rank).
 
-Structure (REFERENCE.md, "Model"): ``first_k_dense_replace`` dense SwiGLU layers, then MoE layers with
+Structure (docs/k2_reference.md, "Model"): ``first_k_dense_replace`` dense SwiGLU layers, then MoE layers with
 ``num_moe_experts`` routed experts (top-``moe_router_topk``), one shared expert, sigmoid router with
 expert-bias balancing and routed scaling factor, a small sequence-level aux loss; MLA attention with
 ``q_lora_rank``/``kv_lora_rank``; RMSNorm; untied embedding and output head.
@@ -22,13 +22,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from model.attention import K2CoreAttention, te_core_attention_class
-from model.backends import resolve_attention_backend, resolve_grouped_experts
-from model.grouped_mlp import K2GroupedMLP
-from model.memory import MemoryOptions, install as install_memory, megatron_recompute_fields
-from model.mlp import K2MLP, K2SequentialMLP, build_k2_shared_experts
-from model.recompute import K2MLASelfAttention, K2TransformerLayer
-from model.router import K2Router
+from k2.model.activation_memory import MemoryOptions, megatron_recompute_fields
+from k2.model.activation_memory import install as install_memory
+from k2.model.attention import K2CoreAttention, te_core_attention_class
+from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
+from k2.model.grouped_mlp import K2GroupedMLP
+from k2.model.mlp import K2MLP, K2SequentialMLP, build_k2_shared_experts
+from k2.model.recompute import K2MLASelfAttention, K2TransformerLayer
+from k2.model.router import K2Router
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,7 +38,7 @@ def moe_layer_pattern(model_cfg) -> list[int]:
     """megatron ``moe_layer_freq`` list: 0 = dense layer, 1 = MoE layer, one entry per layer.
 
     Raises:
-        ValueError: ``model.first_k_dense_replace`` outside ``[0, num_layers]``.
+        ValueError: ``k2.model.first_k_dense_replace`` outside ``[0, num_layers]``.
     """
     k, n = int(model_cfg.first_k_dense_replace), int(model_cfg.num_layers)
     if not 0 <= k <= n:
@@ -54,7 +55,7 @@ def rope_fields(model_cfg, rope_type: str) -> dict:
 
     megatron's MLA multiplies the softmax scale by ``yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2``
     even when ``rope_type == "rope"``. K2 pretrains at 4K with plain RoPE (YaRN only for the 128K
-    extension), so the YaRN factor (``model.rotary_scaling_factor``) is only passed when YaRN is on
+    extension), so the YaRN factor (``k2.model.rotary_scaling_factor``) is only passed when YaRN is on
     (1.0 otherwise, which makes that mscale 1); the recipe keeps the YaRN numbers for that phase.
     """
     if rope_type not in ("rope", "yarn"):
@@ -76,8 +77,8 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
 
     Args:
         cfg: the composed config (``model``, ``train`` sections used).
-        dims: :class:`parallel.dims.ParallelDims`.
-        rope_type: ``rope`` | ``yarn``; None = ``model.rope_type`` (the trainer passes its first
+        dims: :class:`k2.parallel.dims.ParallelDims`.
+        rope_type: ``rope`` | ``yarn``; None = ``k2.model.rope_type`` (the trainer passes its first
             schedule phase's).
 
     Returns:
@@ -141,7 +142,7 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
         use_cpu_initialization=not torch.cuda.is_available(),
         # Transformer Engine's fused attention returns the per-head max logits (QK-Clip) only when asked
         log_max_attention_logit=resolve_attention_backend(m.attention_backend) == "te",
-        # activation memory (model/memory.py): megatron's own selective recompute of layernorm / mla_up_proj
+        # activation memory (model/activation_memory.py): megatron's own selective recompute of layernorm / mla_up_proj
         **megatron_recompute_fields(MemoryOptions.from_config(cfg)),
     )
     if m.num_moe_experts:
@@ -173,9 +174,9 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
     """Copy of a megatron local layer spec with K2's modules swapped in: K2CoreAttention (its
     ``attention_backend``: ``sdpa`` | ``eager``; ``te``: the Transformer Engine adapter; the sdpa
     backend's ``max_logit_kernel``: ``torch`` | ``triton``,
-    :func:`model.attention.te_core_attention_class`), K2Router, the K2 MLPs (``model/mlp.py``: megatron's
+    :func:`k2.model.attention.te_core_attention_class`), K2Router, the K2 MLPs (``model/mlp.py``: megatron's
     MLP / SequentialMLP / SharedExpertMLP with the activation memory switches; routed experts as
-    :class:`model.grouped_mlp.K2GroupedMLP` with ``grouped_experts``) and megatron's TransformerLayer /
+    :class:`k2.model.grouped_mlp.K2GroupedMLP` with ``grouped_experts``) and megatron's TransformerLayer /
     MLASelfAttention with our recompute checkpoint (``model/recompute.py``).
 
     megatron's ``moe_grouped_gemm`` stays False in the ``TransformerConfig``: in megatron-core 0.19.2 it
@@ -264,10 +265,10 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) 
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
     Requires megatron ``parallel_state`` to be initialised for ``dims``. Core attention and routed
-    experts follow ``model.attention_backend`` and ``model.moe_grouped_gemm`` (``auto`` / null: resolved
-    for this process's device, :func:`model.backends.resolve_attention_backend`,
-    :func:`model.backends.resolve_grouped_experts`). The activation memory switches
-    (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/memory.py``); the
+    experts follow ``k2.model.attention_backend`` and ``k2.model.moe_grouped_gemm`` (``auto`` / null: resolved
+    for this process's device, :func:`k2.model.backends.resolve_attention_backend`,
+    :func:`k2.model.backends.resolve_grouped_experts`). The activation memory switches
+    (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/activation_memory.py``); the
     megatron part of them must already be in ``tcfg`` (:func:`transformer_config` puts it there).
 
     Returns:
@@ -318,7 +319,7 @@ def set_rope_type(chunks: list, tcfg, model_cfg, rope_type: str) -> int:
     from the config once, and its forward reads ``config.rope_type``. This sets the RoPE fields of
     :func:`rope_fields` on ``tcfg`` (and on each layer's config), rebuilds each layer's rotary module with
     the same constructor call megatron uses, and sets the new softmax scale on the layer and on its core
-    attention (:class:`model.attention.K2CoreAttention` keeps its own copy, used by the softmax and the
+    attention (:class:`k2.model.attention.K2CoreAttention` keeps its own copy, used by the softmax and the
     max-logit record). The rotary modules hold no parameters, so the optimizer and DDP are unaffected.
 
     Args:

@@ -22,13 +22,13 @@ head dims, ``r_q`` / ``r_kv`` the q / kv LoRA ranks, ``s`` the sequence length, 
 * shared expert, per MoE layer: ``2 x 3 h f_s``;
 * LM head: ``2 h V``.
 
-Kimi K2 at ``s = 4096`` (tests/test_flops.py checks each term): forward 68.49 GFLOP per token = MLA
+Kimi K2 at ``s = 4096`` (tests/unit/model/test_flops.py checks each term): forward 68.49 GFLOP per token = MLA
 projections 12.34 + core attention 5.12 + dense FFN 0.79 + router 0.33 + routed experts 42.28 + shared
 expert 5.28 + LM head 2.35; training 205.47 GFLOP per token (about 6 x 32.9B active parameters, minus the
 embedding lookup, plus attention); one 67,108,864-token global batch costs 1.379e19 FLOPs.
 
 Compared with Megatron-LM's ``megatron.training.training.num_floating_point_operations`` (shipped in the
-megatron-core wheel; ``tests/test_flops.py`` calls it): the same terms, except that megatron also counts
+megatron-core wheel; ``tests/unit/model/test_flops.py`` calls it): the same terms, except that megatron also counts
 ``6 (r_q + r_kv)`` per layer and token for the q/kv latent RMSNorms and does *not* count the router
 (``2 h E``). Nothing else in megatron-core counts FLOPs.
 """
@@ -146,14 +146,14 @@ def flops_per_token(model_cfg: Any, seq_length: int) -> FlopsPerToken:
     """Forward FLOPs per token of ``model_cfg`` at ``seq_length`` (formula in the module docstring).
 
     Args:
-        model_cfg: ``cfg.model`` (:class:`launcher.schema.ModelConfig` keys).
+        model_cfg: ``cfg.model`` (:class:`k2.config.schema.ModelConfig` keys).
         seq_length: tokens per sequence (sets the causal-attention term).
 
     Returns:
         :class:`FlopsPerToken`.
 
     Raises:
-        ValueError: ``seq_length < 1`` or ``model.first_k_dense_replace`` out of range.
+        ValueError: ``seq_length < 1`` or ``k2.model.first_k_dense_replace`` out of range.
     """
     if int(seq_length) < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")

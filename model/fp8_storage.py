@@ -1,6 +1,6 @@
 """FP8-E4M3 storage of activations: 1 x 128 tiles along the last dimension, one FP32 scale per tile.
 
-REFERENCE.md "Training system", "Activation memory": K2 keeps the MoE up-projection inputs and the SwiGLU
+docs/k2_reference.md "Training system", "Activation memory": K2 keeps the MoE up-projection inputs and the SwiGLU
 inputs that autograd saves for backward in FP8-E4M3 with 1 x 128 tiles and FP32 scales; compute stays
 in BF16 (no FP8 GEMMs). This module is only the number format: :func:`quantize_tiles` turns a tensor
 into an FP8 payload plus scales, :func:`dequantize_tiles` turns it back. Where it is applied (which

@@ -4,16 +4,16 @@ Why our own module: megatron-core 0.19.2 trains routed experts either with ``TEG
 Engine's grouped GEMM) or with ``SequentialMLP`` (a Python loop of one ``MLP`` per local expert, ``2 x E``
 small GEMMs per forward and ``4 x E`` per backward); ``torch._grouped_mm`` appears only in its inference
 code. On a GPU without TE the loop leaves the expert GEMMs far below the GEMM peak (``torch._grouped_mm``
-runs K2's expert shapes at 700-780 TFLOP/s on an H200; ``../shared/notes/megatron_on_cpu.md``).
+runs K2's expert shapes at 700-780 TFLOP/s on an H200; ``docs/megatron_on_cpu.md``).
 
-:class:`K2GroupedMLP` is :class:`model.mlp.K2SequentialMLP` (megatron's ``SequentialMLP`` with the
+:class:`K2GroupedMLP` is :class:`k2.model.mlp.K2SequentialMLP` (megatron's ``SequentialMLP`` with the
 activation-memory switches) with the same parameters -- ``local_experts.<j>.linear_fc1.weight``
 ``[2 x ffn, h]`` and ``local_experts.<j>.linear_fc2.weight`` ``[h, ffn]`` per expert -- so expert
 parallelism, megatron's DDP / ZeRO-1 buffers, MuonClip (Newton-Schulz per matrix), distributed
 checkpoints and the decoupled weight gradient (``model/wgrad.py``) see exactly what they see with
 ``SequentialMLP``, and checkpoints are interchangeable between the two. Only the forward differs: the
 local experts' fc1 is one grouped GEMM over all permuted tokens, SwiGLU runs on all of them at once, and
-fc2 is one more grouped GEMM (:func:`model.mlp.mlp_forward` with grouped linears in place of the per-expert
+fc2 is one more grouped GEMM (:func:`k2.model.mlp.mlp_forward` with grouped linears in place of the per-expert
 ones, so every memory switch applies as in the sequential module).
 
 Cost of keeping per-expert parameters: each grouped GEMM stacks the ``E`` local weight matrices into one
@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from model.mlp import K2SequentialMLP, mlp_forward
+from k2.model.mlp import K2SequentialMLP, mlp_forward
+from k2.model.wgrad import split_store
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
     ``forward(ctx, x [T, in], offs [E] int32, empty, linears, store, *weights [out, in])`` -> ``[T, out]``.
     Saves only ``x`` (through ``ctx.save_for_backward``, so the saved-tensor hooks of activation memory
     apply to it); the weights are re-stacked in backward. With ``store`` (a
-    :class:`model.wgrad.WgradStore`: the experts' linear layers were split by
-    ``model.wgrad.decouple_linear_wgrad``) backward returns the input gradient only and queues the
+    :class:`k2.model.wgrad.WgradStore`: the experts' linear layers were split by
+    ``k2.model.wgrad.decouple_linear_wgrad``) backward returns the input gradient only and queues the
     grouped weight gradient, which accumulates into each weight and then runs each linear's DDP hooks,
     as a split linear layer does.
     """
@@ -89,7 +90,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if not any(need_w):
             return (grad_x, None, None, None, None, *([None] * len(need_w)))
         if ctx.store is not None:
-            from model.wgrad import DeferredWgrad, accumulate_weight_grad, run_wgrad_hooks
+            from k2.model.wgrad import DeferredWgrad, accumulate_weight_grad, run_wgrad_hooks
 
             weights, linears, offs, empty = ctx.weights, ctx.linears, ctx.offs, ctx.empty
 
@@ -107,10 +108,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
 class _GroupedLinear:
     """The ``linear_fc1`` / ``linear_fc2`` of all local experts as one callable with megatron's
-    ``(output, bias)`` return (what :func:`model.mlp.mlp_forward` calls)."""
+    ``(output, bias)`` return (what :func:`k2.model.mlp.mlp_forward` calls)."""
 
     def __init__(self, linears: list, offs: torch.Tensor, empty: Optional[torch.Tensor]):
-        from model.wgrad import split_store
 
         self.linears, self.offs, self.empty = linears, offs, empty
         self.weights = [lin.weight for lin in linears]
@@ -126,7 +126,7 @@ class _GroupedLinear:
 
 
 class _Experts:
-    """What :func:`model.mlp.mlp_forward` reads from an ``MLP``: ``linear_fc1`` and ``linear_fc2``."""
+    """What :func:`k2.model.mlp.mlp_forward` reads from an ``MLP``: ``linear_fc1`` and ``linear_fc2``."""
 
     def __init__(self, linear_fc1, linear_fc2):
         self.linear_fc1, self.linear_fc2 = linear_fc1, linear_fc2
@@ -134,7 +134,7 @@ class _Experts:
 
 class K2GroupedMLP(K2SequentialMLP):
     """Routed experts with megatron ``SequentialMLP``'s parameters and interface, computed as grouped
-    GEMMs (see the module docstring). Selected by ``model.moe_grouped_gemm`` (``model/build.py``).
+    GEMMs (see the module docstring). Selected by ``k2.model.moe_grouped_gemm`` (``model/build.py``).
 
     ``forward(permuted_local_hidden_states [T, h], tokens_per_expert [E], permuted_probs [T])`` ->
     ``([T, h], None)``; tokens grouped by local expert as megatron's token dispatchers deliver them.
@@ -142,7 +142,7 @@ class K2GroupedMLP(K2SequentialMLP):
     Raises:
         ValueError: fp8/fp4 GEMMs, ``moe_apply_probs_on_input``, expert tensor parallelism, biases, or
             widths whose rows are not 16-byte aligned (``torch._grouped_mm`` needs ``hidden_size`` and
-            ``moe_ffn_hidden_size`` multiples of 8 in bf16, of 4 in fp32; ``launcher.train.make_plan``
+            ``moe_ffn_hidden_size`` multiples of 8 in bf16, of 4 in fp32; ``k2.launcher.training.prepare.prepare_run``
             asks for multiples of 8).
         RuntimeError: forward hooks on the experts' linear layers (the grouped forward does not call
             those modules, so their hooks would be skipped silently).

@@ -1,9 +1,9 @@
 """Per-head max pre-softmax logit for QK-Clip without materialising the scores: one Triton kernel.
 
-Why our own kernel: QK-Clip (K2 report section 2.1, REFERENCE.md) needs, per head, the maximum of
+Why our own kernel: QK-Clip (K2 report section 2.1, docs/k2_reference.md) needs, per head, the maximum of
 ``scale * q_i . k_j`` over the unmasked positions of every microbatch. cuDNN's SDPA (the only fused
 kernel for MLA's qk 192 / v 128 head dims without Transformer Engine) does not return it, and
-:func:`model.attention.per_head_max_logit` gets it from a chunked ``q k^T`` in torch, which writes every
+:func:`k2.model.attention.per_head_max_logit` gets it from a chunked ``q k^T`` in torch, which writes every
 score block to memory and reads it back for the max: on one H200 that pass cost 2.9x the attention
 forward kernel itself (README, "Core attention on one H200"). This kernel computes the same ``q k^T``
 tiles in registers (``tl.dot``, FP32 accumulation) and keeps only a running row maximum, like the
@@ -11,7 +11,7 @@ first half of a flash-attention forward without the softmax: ``b x heads x ceil(
 maxima go to memory, nothing else. Causal masking skips the key tiles above the diagonal.
 
 Status: opt-in (``model.max_logit_kernel=triton``) until it is measured on a GPU; tested here with
-Triton's CPU interpreter (``TRITON_INTERPRET=1``) against a float64 reference (``tests/test_max_logit_kernel.py``).
+Triton's CPU interpreter (``TRITON_INTERPRET=1``) against a float64 reference (``tests/unit/model/test_max_logit_kernel.py``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def per_head_max_logit_triton(query: torch.Tensor, key: torch.Tensor, softmax_sc
                               block_m: int = 64, block_n: int = 64) -> torch.Tensor:
     """Per-head max of ``softmax_scale * q_i . k_j`` over batch and unmasked positions (causal or none).
 
-    Same contract as :func:`model.attention.per_head_max_logit` without ``attention_mask``; the dot
+    Same contract as :func:`k2.model.attention.per_head_max_logit` without ``attention_mask``; the dot
     products accumulate in FP32 (BF16 inputs: not rounded to BF16 before the max, so the result can
     differ from the torch path by one BF16 rounding of the logit; FP32 inputs: IEEE FP32 products, no
     TF32).

@@ -11,11 +11,11 @@ keep megatron's ``MLP`` parameters and state-dict layout:
 * :class:`K2SharedExpertMLP` -- the shared expert (megatron ``SharedExpertMLP``: gate, overlap);
 * :class:`K2SequentialMLP` -- the routed experts (megatron ``SequentialMLP``, one ``MLP`` per expert).
 
-Switches (``model/memory.py`` :class:`~model.memory.MemoryOptions`, REFERENCE.md "Training system"):
+Switches (``model/activation_memory.py`` :class:`~k2.model.activation_memory.MemoryOptions`, docs/k2_reference.md "Training system"):
 
 * ``recompute=swiglu``: SwiGLU (with the probability scale where megatron applies it) keeps only its
   input, and its output, which ``linear_fc2`` saves for the weight gradient, is recomputed from that
-  input when fc2's backward needs it (:func:`model.recompute.recompute_output`).
+  input when fc2's backward needs it (:func:`k2.model.recompute.recompute_output`).
 * ``recompute=moe_down_proj``: routed experts compute ``p * fc2(act(fc1(x)))`` -- the K2 / DeepSeek-V3
   placement of the gate, ``h' = sum_i g_i FFN_i(x)``, equal to megatron's ``fc2(p * act)`` because fc2 is
   linear without bias -- and the down-projection output ``[t, h]``, which the multiply by ``p`` saves
@@ -36,8 +36,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from model.recompute import recompute_output
-from model.saved_tensors import mark, mark_recompute
+from k2.model.recompute import recompute_output
+from k2.model.saved_tensors import mark, mark_recompute
 
 
 def swiglu(u: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -58,7 +58,7 @@ def mlp_forward(mlp: MLP, hidden_states: torch.Tensor, probs: Optional[torch.Ten
         mlp: a megatron ``MLP`` (its ``linear_fc1``/``linear_fc2``, no biases).
         hidden_states: ``[..., h]``; for a routed expert ``[t, h]``, its ``t`` tokens.
         probs: ``[t]`` router probabilities of a routed expert (None otherwise).
-        memory: :class:`model.memory.MemoryOptions` or None (all off).
+        memory: :class:`k2.model.activation_memory.MemoryOptions` or None (all off).
         routed: True for a routed expert.
 
     Returns:
@@ -101,7 +101,7 @@ def mlp_forward(mlp: MLP, hidden_states: torch.Tensor, probs: Optional[torch.Ten
 class K2MLP(MLP):
     """megatron ``MLP`` whose forward is :func:`mlp_forward` (dense layers).
 
-    ``memory`` (:class:`model.memory.MemoryOptions`) is set by ``model.memory.install``; None = all off.
+    ``memory`` (:class:`k2.model.activation_memory.MemoryOptions`) is set by ``k2.model.activation_memory.install``; None = all off.
     """
 
     memory = None

@@ -1,12 +1,12 @@
 """Parameter counts of a K2-family model, taken from the megatron-core modules ``k2-train`` builds.
 
 :func:`count_params` builds, on ``torch.device("meta")`` (shapes only, no memory), a *representative*
-``GPTModel`` with the exact specs of :mod:`model.build` (``transformer_config`` ->
+``GPTModel`` with the exact specs of :mod:`k2.model.build` (``transformer_config`` ->
 ``decoder_block_spec``: megatron's local MLA ``MLASelfAttention`` with our ``K2CoreAttention``, RMSNorm,
 SwiGLU MLP, ``MoELayer`` with ``K2Router``, ``SequentialMLP`` routed experts and the shared expert) that
 holds the embedding, the output head, the final norm, **one dense layer** (if the model has any) and
 **one MoE layer** (if any), at full width and with *all* routed experts. It reads the parameter shapes
-of that model and multiplies the per-layer numbers by the layer counts (``model.first_k_dense_replace``
+of that model and multiplies the per-layer numbers by the layer counts (``k2.model.first_k_dense_replace``
 dense layers, the rest MoE). For Kimi K2 this builds about 1,200 meta modules instead of 1T parameters
 and takes well under a second (plus importing megatron).
 
@@ -39,7 +39,7 @@ parameters and are not counted). Components, named after megatron's parameter na
 * ``shared_experts`` (per MoE layer): ``mlp.shared_experts.*``, SwiGLU of
   ``moe_shared_expert_intermediate_size``.
 
-Totals (K2 report convention, REFERENCE.md "Model"):
+Totals (K2 report convention, docs/k2_reference.md "Model"):
 
 * ``params_total`` = embedding + output head + final norm + every layer (all routed experts).
 * ``params_active`` (per token) = embedding + output head + final norm + ``attention`` + ``mlp_norm`` of
@@ -59,6 +59,9 @@ import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+from k2.model.build import moe_layer_pattern
+from k2.parallel.dims import ParallelDims
 
 __all__ = [
     "COMPONENTS",
@@ -328,7 +331,7 @@ class ModelParams:
 
 
 def _reduced_config(cfg, num_layers: int, first_k_dense: int):
-    """``cfg`` with ``model.num_layers`` / ``first_k_dense_replace`` replaced and the single layout."""
+    """``cfg`` with ``k2.model.num_layers`` / ``first_k_dense_replace`` replaced and the single layout."""
     from omegaconf import OmegaConf
 
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -366,9 +369,8 @@ def build_representative_model(cfg):
     import torch
 
     with _quiet():  # importing megatron warns about the missing Transformer Engine / Apex
-        from model.build import decoder_block_spec, moe_layer_pattern, transformer_config
-        from parallel import cpu_backend
-    from parallel.dims import ParallelDims
+        from k2.model.build import decoder_block_spec, moe_layer_pattern, transformer_config
+        from k2.parallel import cpu_backend
 
     pattern = moe_layer_pattern(cfg.model)  # validates first_k_dense_replace
     has_dense, has_moe = 0 in pattern, 1 in pattern
@@ -403,13 +405,13 @@ def count_params(cfg) -> ModelParams:
     """Per-component parameter counts of ``cfg.model`` from megatron modules built on the meta device.
 
     Args:
-        cfg: composed config (:func:`launcher.config.load_config`).
+        cfg: composed config (:func:`k2.config.load_config`).
 
     Returns:
         :class:`ModelParams`.
 
     Raises:
-        ValueError: ``model.first_k_dense_replace`` out of range, or a parameter whose name the
+        ValueError: ``k2.model.first_k_dense_replace`` out of range, or a parameter whose name the
             classification does not know.
     """
     model, moe_local = build_representative_model(cfg)
@@ -433,7 +435,6 @@ def count_params(cfg) -> ModelParams:
             f"routed experts are not all the same size ({sums['routed_experts']} != {num_experts} x "
             f"{expert0})"
         )
-    from model.build import moe_layer_pattern
 
     return ModelParams(
         embedding=sums["embedding"],
@@ -456,6 +457,6 @@ def count_params(cfg) -> ModelParams:
 
 
 if __name__ == "__main__":  # quick look: python -m model.params model=kimi_k2
-    from launcher.config import load_config
+    from k2.config.load import load_config
 
     print(count_params(load_config(sys.argv[1:])).as_dict())

@@ -1,6 +1,6 @@
 """Selective recompute: megatron's output-discarding checkpoint, done through the saved-tensor hooks.
 
-REFERENCE.md "Training system", "Activation memory": K2 recomputes cheap, memory-heavy stages (RMSNorm,
+docs/k2_reference.md "Training system", "Activation memory": K2 recomputes cheap, memory-heavy stages (RMSNorm,
 SwiGLU, MLA up-projection, MoE down-projection) instead of keeping their outputs for backward.
 
 megatron-core's ``recompute_modules`` ``layernorm`` and ``mla_up_proj`` choose *what* to recompute (the
@@ -19,7 +19,7 @@ cause.
 :class:`CheckpointWithoutOutput` here has megatron's interface and semantics but releases nothing behind
 autograd's back: its function's own backward keeps only the inputs (a reentrant checkpoint,
 :class:`_OutputRecompute`), and its outputs are marked with
-:func:`model.saved_tensors.mark_recompute`, so every consumer that saves an output for backward gets it
+:func:`k2.model.saved_tensors.mark_recompute`, so every consumer that saves an output for backward gets it
 recomputed from those inputs instead of keeping it. No grad hook, no storage resizing; the saved inputs
 go through the same hooks as every saved tensor (FP8 storage, offload). :class:`K2TransformerLayer` and
 :class:`K2MLASelfAttention` are megatron's classes with this checkpoint in place of megatron's (megatron
@@ -27,8 +27,8 @@ creates one per forward in ``input_layernorm_checkpoint`` / ``pre_mlp_norm_check
 ``qkv_up_checkpoint``); everything else, including where megatron checkpoints, is megatron's.
 :func:`recompute_output` is the same for one function call (SwiGLU, ``model/mlp.py``).
 
-Outside a :class:`model.saved_tensors.SavedTensorScope` (the model installs one per layer when any of
-these is on, ``model/memory.py``) the outputs are saved as usual: correct, without the saving.
+Outside a :class:`k2.model.saved_tensors.SavedTensorScope` (the model installs one per layer when any of
+these is on, ``model/activation_memory.py``) the outputs are saved as usual: correct, without the saving.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from model.saved_tensors import mark_recompute
+from k2.model.saved_tensors import mark_recompute
 
 
 class _OutputRecompute(torch.autograd.Function):
@@ -91,7 +91,7 @@ def recompute_output(fn: Callable, *inputs: Optional[torch.Tensor], site: str):
         fn: deterministic function of ``inputs`` (may use module parameters) returning a tensor or a
             tuple of tensors (each contiguous).
         inputs: tensors (or None) passed to ``fn``.
-        site: the recompute site (``launcher/schema.py`` ``MEMORY_RECOMPUTE_SITES``), for the meter.
+        site: the recompute site (``config/schema.py`` ``MEMORY_RECOMPUTE_SITES``), for the meter.
 
     Returns:
         ``fn(*inputs)``; without grad mode just that.

@@ -1,6 +1,6 @@
 """K2 router: megatron's sigmoid top-k router with a deterministic tie rule.
 
-K2 routing (REFERENCE.md, "Model"; DeepSeek-V3 section 2.1.2): ``s = sigmoid(x W_r^T)``; experts chosen
+K2 routing (docs/k2_reference.md, "Model"; DeepSeek-V3 section 2.1.2): ``s = sigmoid(x W_r^T)``; experts chosen
 by top-k of ``s + b`` (``b`` the aux-loss-free expert bias); gates = chosen ``s`` normalised to sum 1,
 times the routed scaling factor (2.827). megatron-core's ``TopKRouter`` implements exactly that; we only
 replace *how the top-k indices are selected*: ``torch.topk`` does not define which index wins a tie (CUDA
@@ -21,7 +21,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from model.fp32_buffers import fp32_buffer
+from k2.model.fp32_buffers import fp32_buffer
 
 
 def stable_topk(scores: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """What autograd saves for backward: FP8 storage, CPU offload, recompute and a byte meter, on one pair of
 saved-tensor hooks.
 
-REFERENCE.md "Training system", "Activation memory". One mechanism serves all uses:
+docs/k2_reference.md "Training system", "Activation memory". One mechanism serves all uses:
 
 * **FP8 storage** (``Policy.fp8``): a saved tensor is replaced by its FP8-E4M3 1 x 128 tiles
   (``model/fp8_storage.py``) when it is saved, and turned back into the compute dtype when backward
@@ -18,7 +18,7 @@ REFERENCE.md "Training system", "Activation memory". One mechanism serves all us
   host, measured from what the hooks hold -- not estimated.
 
 Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
-``model/memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
+``model/activation_memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
 storage belongs to this site", valid while ``tensor`` lives -- and regions
 (:meth:`SavedTensorScope.push_region` / ``pop_region``) -- "everything saved meanwhile belongs to this
 site". Matching by storage makes a site independent of *which* autograd
@@ -47,7 +47,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
+from k2.model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Policy:
     """What to do with the saved tensors of one site.
 
     Attributes:
-        site: the site name (``launcher/schema.py`` ``MEMORY_*_SITES``), used by the meter.
+        site: the site name (``config/schema.py`` ``MEMORY_*_SITES``), used by the meter.
         fp8: store as FP8-E4M3 1 x 128 tiles.
         offload: move to host memory until backward.
         recompute: keep nothing; backward calls this (see :func:`mark_recompute`).

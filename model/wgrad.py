@@ -1,6 +1,6 @@
 """Decoupled weight gradients: the backward of megatron's linear layers split into dgrad now, wgrad later.
 
-K2 report, "Training system" (REFERENCE.md): in the interleaved 1F1B schedule each microbatch's backward
+K2 report, "Training system" (docs/k2_reference.md): in the interleaved 1F1B schedule each microbatch's backward
 computes the input gradient first, hands it to the previous pipeline stage, and computes the weight
 gradients while that send/receive is in flight. This module is the model side of that: the backward of
 each linear layer of the decoder (MLA's q/kv down and up projections and output projection, the dense
@@ -311,7 +311,7 @@ def decouple_linear_wgrad(chunks: list, store: WgradStore) -> list:
     ``linear_fc2``. (The router's gate, the embedding and the output head keep their backward.)
 
     Call it on the unwrapped model chunks *before* megatron's DDP wraps them, and build the DDP with
-    ``delay_wgrad_compute=True`` (``parallel.distributed.wrap_model``): the parameters are marked
+    ``delay_wgrad_compute=True`` (``k2.parallel.distributed.wrap_model``): the parameters are marked
     ``skip_backward_post_hook``, so DDP registers their grad-ready hooks on the module
     (``register_wgrad_accumulation_and_reduce_hooks``) instead of on autograd's accumulator.
 

@@ -2,14 +2,14 @@
 
 Both are megatron-core's optimizers:
 
-* ``adamw``: megatron's Adam with decoupled weight decay; with ``parallel.use_distributed_optimizer``
+* ``adamw``: megatron's Adam with decoupled weight decay; with ``k2.parallel.use_distributed_optimizer``
   its ``DistributedOptimizer`` (ZeRO-1: fp32 master weights and moments sharded over DP by byte ranges).
-* ``muonclip``: :class:`optim.muon.K2Muon` registered in megatron's emerging-optimizer registry as
-  :data:`K2_MUON`, for the parameters :mod:`optim.params` routes to Muon, megatron's Adam for the rest.
+* ``muonclip``: :class:`k2.optim.muon.K2Muon` registered in megatron's emerging-optimizer registry as
+  :data:`K2_MUON`, for the parameters :mod:`k2.optim.params` routes to Muon, megatron's Adam for the rest.
   Newton-Schulz needs whole matrices, and megatron's byte-range ZeRO-1 shards cut matrices at shard
-  boundaries; so with ``parallel.use_distributed_optimizer`` the Muon matrices go into megatron's
+  boundaries; so with ``k2.parallel.use_distributed_optimizer`` the Muon matrices go into megatron's
   *layer-wise* distributed optimizer: DDP gets a layout (``LayerWiseDistributedOptimizer.
-  compute_full_param_layout``, see :func:`parallel.distributed.wrap_model`) that bin-packs whole
+  compute_full_param_layout``, see :func:`k2.parallel.distributed.wrap_model`) that bin-packs whole
   parameters into the DP shards, its reduce-scatter leaves each rank the DP-summed gradient of the whole
   matrices it owns, the owner runs the Muon step, and the updated weights are all-gathered. Every rank
   thus applies the update a single rank would apply to the full DP-averaged gradient. The Adam
@@ -24,22 +24,21 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
   (``bf16=True`` in the *optimizer* config; the model's precision is unchanged).
 * Its Muon routes every 2-D non-embedding weight to Muon (the router too), orthogonalises the fused
   SwiGLU ``linear_fc1`` as one matrix, normalises with eps 1e-7, and its fused-QKV split flag is not
-  copied to the fp32 master copies: :mod:`optim.muon` / :mod:`optim.params` replace those rules, and
+  copied to the fp32 master copies: :mod:`k2.optim.muon` / :mod:`k2.optim.params` replace those rules, and
   :func:`build_optimizer` copies the split onto the master copies.
 * ``qk_clip.clip_qk`` assumes Transformer Engine's max logits and the ``DDP -> Float16Module ->
   GPTModel`` nesting, and its MLA rule takes ``sqrt`` of ``tau / S`` for negative ``S`` (NaN):
-  :mod:`optim.qk_clip` is ours.
+  :mod:`k2.optim.qk_clip` is ours.
 """
 
 from __future__ import annotations
 
-import math
+from k2.optim.muon import SPLIT_ATTR, K2Muon
+from k2.optim.params import ROUTE_ATTR
+from k2.schedules.lr import optimizer_lr_settings
 
-from launcher.config import ConfigError
-
-#: Name of :class:`optim.muon.K2Muon` in megatron's emerging-optimizer registry.
+#: Name of :class:`k2.optim.muon.K2Muon` in megatron's emerging-optimizer registry.
 K2_MUON = "k2_muon"
-OPTIMIZERS = ("adamw", "muonclip")
 
 
 def leaf_optimizers(optimizer):
@@ -56,59 +55,23 @@ def leaf_optimizers(optimizer):
         yield from leaf_optimizers(child)
 
 
-def check_optim_config(cfg) -> None:
-    """Validate ``cfg.optim`` (called by the trainer's plan, before any process group).
-
-    Raises:
-        ConfigError: naming the setting and its allowed values.
-    """
-    from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
-    from typing import get_args
-
-    o = cfg.optim
-    if o.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={o.name!r}; allowed: {', '.join(OPTIMIZERS)}")
-    if o.qk_clip_tau is not None and not (o.qk_clip_tau > 0 and math.isfinite(o.qk_clip_tau)):
-        raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
-    if o.name != "muonclip":
-        return
-    coeffs = [c for c in get_args(NSCoeffT) if c != "custom"]
-    if o.muon_coefficient_type not in coeffs:
-        raise ConfigError(f"optim.muon_coefficient_type={o.muon_coefficient_type!r}; allowed: {', '.join(coeffs)}")
-    if o.muon_num_ns_steps < 1:
-        raise ConfigError(f"optim.muon_num_ns_steps={o.muon_num_ns_steps}; allowed: an integer >= 1")
-    if not 0.0 <= o.muon_momentum < 1.0:
-        raise ConfigError(f"optim.muon_momentum={o.muon_momentum}; allowed: 0 <= value < 1")
-    scale_modes = ("spectral", "shape_scaling", "unit_rms_norm")
-    if o.muon_scale_mode not in scale_modes:
-        raise ConfigError(f"optim.muon_scale_mode={o.muon_scale_mode!r}; allowed: {', '.join(scale_modes)}")
-    precs = ("medium", "high", "highest")
-    if o.muon_fp32_matmul_prec not in precs:
-        raise ConfigError(
-            f"optim.muon_fp32_matmul_prec={o.muon_fp32_matmul_prec!r}; allowed: {', '.join(precs)} "
-            "(medium = Newton-Schulz in bf16)"
-        )
+def uses_muon(optim_cfg) -> bool:
+    """True for ``optim=muonclip`` (``optim_cfg``: the ``optim`` section)."""
+    return optim_cfg.name == "muonclip"
 
 
-def uses_muon(cfg) -> bool:
-    """True for ``optim=muonclip``."""
-    return cfg.optim.name == "muonclip"
-
-
-def uses_layer_wise(cfg) -> bool:
-    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (MuonClip + distributed
-    optimizer)."""
-    return uses_muon(cfg) and bool(cfg.parallel.use_distributed_optimizer)
+def uses_layer_wise(optim_cfg, use_distributed_optimizer: bool) -> bool:
+    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (MuonClip +
+    ``k2.parallel.use_distributed_optimizer``)."""
+    return uses_muon(optim_cfg) and bool(use_distributed_optimizer)
 
 
 def _register_k2_muon() -> None:
-    """Add :class:`optim.muon.K2Muon` to megatron's emerging-optimizer registry (its documented extension
-    point), with the K2 routing: every parameter :mod:`optim.params` did not tag ``"muon"`` -> Adam."""
+    """Add :class:`k2.optim.muon.K2Muon` to megatron's emerging-optimizer registry (its documented extension
+    point), with the K2 routing: every parameter :mod:`k2.optim.params` did not tag ``"muon"`` -> Adam."""
     from megatron.core.optimizer import emerging_optimizers as eo
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
-    from optim.muon import K2Muon
-    from optim.params import ROUTE_ATTR
 
     if K2_MUON in eo._EMERGING_OPTIMIZERS:
         return
@@ -135,9 +98,8 @@ def _register_k2_muon() -> None:
 
 
 def _copy_splits_to_master_params(model: list) -> int:
-    """Copy each Muon weight's :class:`optim.muon.MatrixSplit` onto the fp32 master copy megatron's
+    """Copy each Muon weight's :class:`k2.optim.muon.MatrixSplit` onto the fp32 master copy megatron's
     mixed-precision wrapper made of it (the copy is what K2Muon steps). Returns how many were copied."""
-    from optim.muon import SPLIT_ATTR
 
     n = 0
     for chunk in model:
@@ -150,36 +112,36 @@ def _copy_splits_to_master_params(model: list) -> int:
     return n
 
 
-def build_optimizer(cfg, model: list, tcfg, schedule=None):
+def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
     """The run's megatron optimizer (see the module docstring).
 
     The learning rate and weight decay of every param group come from the schedule
-    (``schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike).
+    (``k2.schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike).
 
     Args:
-        cfg: validated config (``optim``, ``parallel.use_distributed_optimizer``).
-        model: DDP-wrapped chunks from :func:`parallel.distributed.wrap_model`; their parameters must
-            have been tagged by :func:`optim.params.tag_parameters` first.
+        optim_cfg: the ``optim`` section.
+        model: DDP-wrapped chunks from :func:`k2.parallel.distributed.wrap_model`; their parameters must
+            have been tagged by :func:`k2.optim.params.tag_parameters` first.
         tcfg: megatron ``TransformerConfig`` (precision).
-        schedule: the resolved ``schedules.wsd.Schedule`` (resolved from ``cfg`` when None).
+        schedule: the resolved :class:`k2.schedules.wsd.Schedule` (its peak and final LR; the
+            scheduler sets every step's LR and weight decay).
+        use_distributed_optimizer: ``k2.parallel.use_distributed_optimizer`` (ZeRO-1 over DP).
 
     Returns:
-        ``MegatronOptimizer`` (a ``ChainedOptimizer``); grad-norm clipping at ``optim.clip_grad`` over
+        ``MegatronOptimizer`` (a ``ChainedOptimizer``); grad-norm clipping at ``k2.optim.clip_grad`` over
         all parameters of both optimizers (global norm over all ranks).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from schedules.lr import optimizer_lr_settings
-    from schedules.wsd import resolve_schedule
 
-    o = cfg.optim
-    dist_opt = bool(cfg.parallel.use_distributed_optimizer)
+    o = optim_cfg
+    dist_opt = bool(use_distributed_optimizer)
     common = dict(
-        **optimizer_lr_settings(schedule if schedule is not None else resolve_schedule(cfg)),
+        **optimizer_lr_settings(schedule),
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype, use_distributed_optimizer=dist_opt,
     )
-    if not uses_muon(cfg):
+    if not uses_muon(o):
         return get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common), model)
     _register_k2_muon()
     ocfg = OptimizerConfig(

@@ -1,4 +1,4 @@
-"""K2's Muon update for weight matrices (REFERENCE.md "Optimizer"; K2 report section 2.1 "MuonClip",
+"""K2's Muon update for weight matrices (docs/k2_reference.md "Optimizer"; K2 report section 2.1 "MuonClip",
 Algorithm 1; "Muon is Scalable for LLM Training" section 2, eq. 3-4).
 
 For one weight matrix ``W`` of shape ``A x B`` with gradient ``G`` at step ``t``::
@@ -29,8 +29,8 @@ What is reused and what is ours:
   ``[E, out, in]`` (each expert separately). megatron's own ``TensorParallelMuon`` orthogonalises
   ``linear_fc1`` as one ``2*ffn x h`` matrix, and reads its QKV split from a parameter attribute that
   megatron's bf16 optimizer does not copy to the fp32 master copy it actually steps (so in bf16 the QKV
-  is not split either); here the split travels with the master copy (:func:`optim.params.tag_matrices`
-  and :func:`optim.build.build_optimizer`).
+  is not split either); here the split travels with the master copy (:func:`k2.optim.params.tag_matrices`
+  and :func:`k2.optim.build.build_optimizer`).
 """
 
 from __future__ import annotations

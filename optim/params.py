@@ -1,6 +1,6 @@
 """Which parameter goes to which optimizer under MuonClip, and which matrices Muon sees in each.
 
-K2 rule (REFERENCE.md "Optimizer"; K2 report section 2.1): Muon for every weight matrix of the transformer
+K2 rule (docs/k2_reference.md "Optimizer"; K2 report section 2.1): Muon for every weight matrix of the transformer
 -- attention projections (MLA: ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
 ``linear_kv_up_proj``, ``linear_proj``, each one matrix), dense and expert MLPs, shared experts --
 with each expert's matrices and the SwiGLU gate and up projections orthogonalised separately; AdamW for
@@ -22,7 +22,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from optim.muon import SPLIT_ATTR, MatrixSplit
+from k2.model.build import global_param_name
+from k2.optim.muon import SPLIT_ATTR, MatrixSplit
 
 #: Parameter attribute: ``"muon"`` or ``"adamw"``.
 ROUTE_ATTR = "k2_optimizer"
@@ -35,7 +36,7 @@ class ParamRoute:
     """One parameter's optimizer.
 
     Attributes:
-        name: layout-independent global name (``model.build.global_param_name``).
+        name: layout-independent global name (``k2.model.build.global_param_name``).
         shape: stored shape.
         optimizer: ``"muon"`` or ``"adamw"``.
         rule: why (``"matrix"``, ``"embedding"``, ``"output head"``, ``"router"``, ``"norm/bias/1-D"``...).
@@ -103,7 +104,6 @@ def _global_names(chunk, tcfg) -> dict[int, str]:
     """id(param) -> layout-independent global name, for one (unwrapped) GPTModel chunk."""
     from megatron.core import parallel_state as ps
 
-    from model.build import global_param_name
 
     ep_rank = ps.get_expert_model_parallel_rank() if tcfg.num_moe_experts else 0
     per_rank = (tcfg.num_moe_experts or 0) // max(1, tcfg.expert_model_parallel_size)
@@ -116,7 +116,7 @@ def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool) -> list[Par
     """Decide and record every trainable parameter's optimizer (call before megatron's DDP wrap).
 
     Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``"adamw"`` when ``muon`` is
-    False), :data:`optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
+    False), :data:`k2.optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
     (True for Muon parameters when ``layer_wise``: they go into the whole-matrix ZeRO-1 buffers).
 
     Args:
@@ -124,7 +124,7 @@ def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool) -> list[Par
         tcfg: megatron ``TransformerConfig``.
         muon: optimizer is MuonClip.
         layer_wise: ZeRO-1 with megatron's layer-wise distributed optimizer (``muon`` and
-            ``parallel.use_distributed_optimizer``).
+            ``k2.parallel.use_distributed_optimizer``).
 
     Returns:
         this rank's routes, in parameter order.

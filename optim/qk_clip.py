@@ -1,4 +1,4 @@
-"""QK-Clip (K2 report section 2.1, "MuonClip", Algorithm 1; REFERENCE.md "Optimizer").
+"""QK-Clip (K2 report section 2.1, "MuonClip", Algorithm 1; docs/k2_reference.md "Optimizer").
 
 After each optimizer step, for every attention head ``h`` with the largest pre-softmax logit of the step
 ``S_h = max scale * q_i . k_j`` (over all microbatches, positions and data-parallel ranks; ``scale`` the
@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-from optim.build import leaf_optimizers
+from k2.model.attention import is_max_logit_attention
+from k2.optim.build import leaf_optimizers
 
 
 def clip_factors(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
@@ -104,7 +105,7 @@ class QKClip:
 
     Args:
         model: this rank's model chunks (DDP-wrapped or not); their core attention must be
-            :class:`model.attention.K2CoreAttention` recording max logits.
+            :class:`k2.model.attention.K2CoreAttention` recording max logits.
         optimizer: the megatron optimizer (its master copies are scaled too); None = weights only.
         tau: threshold; None = only report the max logits (and reset the windows).
         num_layers: total decoder layers of the model (for the per-layer table).
@@ -117,7 +118,6 @@ class QKClip:
     def __init__(self, model: list, optimizer, tau: Optional[float], num_layers: int):
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-        from model.attention import is_max_logit_attention
 
         self.tau = tau
         self.num_layers = num_layers

@@ -1,1 +1,3 @@
-"""k2-launcher: parallel."""
+"""Parallel layout (layer 2, above ``k2.config``): validated PP/VPP/EP/DP sizes and layer placement
+(``dims``, ``layout``), process groups and DDP wrapping (``distributed``), and the CPU (gloo) backend that
+lets megatron-core's real code run without CUDA (``cpu_backend``)."""

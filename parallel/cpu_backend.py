@@ -9,7 +9,7 @@ runs on CPU for tests and the CPU proxy. It is
 * active only when CUDA is unavailable (:func:`enable` is a no-op on a GPU machine),
 * version-guarded: on any megatron-core other than :data:`SUPPORTED_MEGATRON` it raises, because every
   patch below names a place in that version's source,
-* one module, each patch numbered as in ``shared/notes/megatron_on_cpu.md`` (items 1-6), plus 9
+* one module, each patch numbered as in ``docs/megatron_on_cpu.md`` (items 1-6), plus 9
   (gloo has no ReduceOp.AVG) and 10 (eager jit_fuser). Item 7 of the notes (DotProductAttention rejects
   MLA's k/v channels) is covered by our own core attention (``model/attention.py``) and item 8 does not
   arise (no ``moe_act`` recompute; QK-Clip is our own, ``optim/qk_clip.py``).

@@ -3,8 +3,8 @@
 Order of use (one direction): :func:`dist_env` (who am I: torchrun or Slurm variables) ->
 :func:`init_distributed` (torch.distributed + megatron ``parallel_state`` for a validated
 ``ParallelDims``) -> :func:`wrap_model` (megatron DDP with contiguous grad buffers) ->
-:func:`optim.build.build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP; its LR and
-weight decay per step come from ``schedules.lr.TokenLRScheduler``).
+:func:`k2.optim.build.build_optimizer` (megatron's distributed optimizer = ZeRO-1 over DP; its LR and
+weight decay per step come from ``k2.schedules.lr.TokenLRScheduler``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from k2.parallel import cpu_backend
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,13 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600) -> Non
 
     Args:
         env: from :func:`dist_env`.
-        dims: a validated :class:`parallel.dims.ParallelDims`.
+        dims: a validated :class:`k2.parallel.dims.ParallelDims`.
         seed: base seed; megatron derives its TP/EP/data-parallel RNG-tracker streams from it.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from parallel import cpu_backend
 
     cpu_backend.enable()
     if torch.cuda.is_available():
@@ -119,7 +120,7 @@ def destroy_distributed() -> None:
 
 def ddp_config(use_distributed_optimizer: bool, delay_wgrad_compute: bool = False):
     """megatron ``DistributedDataParallelConfig`` of ``k2-train`` (also what ``k2-plan`` lays the buffers out
-    with, parallel/memory.py): FP32 gradient buffers, ZeRO-1 over DP with ``use_distributed_optimizer``,
+    with, launcher/planning/memory.py): FP32 gradient buffers, ZeRO-1 over DP with ``use_distributed_optimizer``,
     no overlapped gradient reduction (so one bucket per buffer); ``delay_wgrad_compute`` for
     ``pipeline.decouple_wgrad`` (model/wgrad.py)."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -141,15 +142,15 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
     Args:
         chunks: this rank's model chunks.
         tcfg: megatron ``TransformerConfig``.
-        use_distributed_optimizer: ZeRO-1 (``parallel.use_distributed_optimizer``).
+        use_distributed_optimizer: ZeRO-1 (``k2.parallel.use_distributed_optimizer``).
         layer_wise: lay the grad/param buffers out for megatron's layer-wise distributed optimizer
-            (MuonClip under ZeRO-1, :mod:`optim.build`): the parameters tagged
-            ``is_managed_by_layer_wise_optimizer`` (by :func:`optim.params.tag_parameters`) are
+            (MuonClip under ZeRO-1, :mod:`k2.optim.build`): the parameters tagged
+            ``is_managed_by_layer_wise_optimizer`` (by :func:`k2.optim.params.tag_parameters`) are
             bin-packed whole into the DP shards, so no matrix straddles a shard boundary; the others
             keep the byte-range layout.
         delay_wgrad_compute: megatron DDP registers the grad-ready hooks of parameters marked
             ``skip_backward_post_hook`` on their module (``register_wgrad_accumulation_and_reduce_hooks``)
-            instead of on autograd's accumulator; set when :func:`model.wgrad.decouple_linear_wgrad`
+            instead of on autograd's accumulator; set when :func:`k2.model.wgrad.decouple_linear_wgrad`
             split the chunks' linear layers (``pipeline.decouple_wgrad``).
 
     Returns:

@@ -1,1 +1,4 @@
-"""k2-launcher: schedules."""
+"""Schedules (layer 4, above ``k2.model``): the training schedule counted in tokens (``wsd``: phases, LR
+rule; ``resolve``: validation of ``cfg.schedule`` for a layout), the LR / weight-decay scheduler
+(``lr``), its plot, megatron's pipeline schedule hooked for decoupled weight gradients (``pipeline``) and
+a simulator of its order (``pipeline_sim``)."""

@@ -1,6 +1,6 @@
 """Learning rate and weight decay of every optimizer step, from the token-based schedule (schedules/wsd.py).
 
-:class:`TokenLRScheduler` replaces megatron-core's step-based ``OptimizerParamScheduler`` (REFERENCE.md
+:class:`TokenLRScheduler` replaces megatron-core's step-based ``OptimizerParamScheduler`` (docs/k2_reference.md
 "Open anchors": megatron's WSD has one decay phase counted in iterations or samples; K2's schedule is
 several phases counted in tokens). It keeps what megatron's scheduler does to the optimizer: it writes
 ``param_group['lr']`` (filling it in place when it is a tensor) and ``param_group['weight_decay']`` of
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schedules.wsd import Schedule, resolve_schedule
+from k2.schedules.wsd import Schedule
 
 
 def optimizer_lr_settings(schedule: Schedule) -> dict[str, float]:
@@ -46,7 +46,7 @@ class TokenLRScheduler:
     construction the param groups hold step 1's LR, after :meth:`step` the next step's.
 
     Args:
-        schedule: from :func:`schedules.wsd.resolve_schedule`.
+        schedule: from :func:`k2.schedules.resolve.resolve_schedule`.
         optimizer: anything with ``param_groups`` (a megatron optimizer, a ``torch.optim`` optimizer).
         consumed_tokens: tokens already trained (a resume point); 0 for a fresh run.
 
@@ -102,8 +102,3 @@ class TokenLRScheduler:
         self.consumed_tokens = int(state["consumed_tokens"])
         self.steps = int(state.get("steps", 0))
         self._apply()
-
-
-def build_lr_scheduler(cfg, optimizer, schedule: Schedule | None = None) -> TokenLRScheduler:
-    """The run's :class:`TokenLRScheduler` for ``cfg.schedule`` (resolved here unless ``schedule`` is given)."""
-    return TokenLRScheduler(schedule if schedule is not None else resolve_schedule(cfg), optimizer)

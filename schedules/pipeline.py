@@ -1,10 +1,10 @@
 """Pipeline schedule hook: deferred weight gradients drained while the input gradient is in flight, and
 an event trace of the schedule (config group ``pipeline``).
 
-K2 report, "Training system" (REFERENCE.md): in interleaved 1F1B, each microbatch's backward computes
+K2 report, "Training system" (docs/k2_reference.md): in interleaved 1F1B, each microbatch's backward computes
 the input gradient first, hands it to the previous stage, and computes the weight gradients while that
 send/receive is in flight. The model side (``model/wgrad.py``) queues each linear layer's weight
-gradient (W) in a per-rank :class:`model.wgrad.WgradStore` during the backward (B, input gradient only);
+gradient (W) in a per-rank :class:`k2.model.wgrad.WgradStore` during the backward (B, input gradient only);
 this module runs megatron-core's own schedules (``get_forward_backward_func``: interleaved 1F1B with
 VPP, 1F1B without, no pipelining on one stage) and hooks them where the send of an input gradient is
 *posted*:
@@ -19,7 +19,7 @@ VPP, 1F1B without, no pipelining on one stage) and hooks them where the send of 
   megatron-core has no hook there (its ``delay_wgrad_compute`` is TE-only and lives in the combined-1F1B
   EP-overlap schedule), hence the wrappers, which replace the module globals and leave megatron's
   schedule code itself untouched.
-* ``schedules.forward_step`` / ``schedules.backward_step`` (module globals the schedules call) are
+* ``k2.schedules.forward_step`` / ``k2.schedules.backward_step`` (module globals the schedules call) are
   wrapped to know which (model chunk, microbatch) runs and to time F and B. A backward whose stage has
   no input gradient to send (the first virtual stage) drains its W right after B.
 * ``config.finalize_model_grads_func`` (the DP grad reduce-scatter of the distributed optimizer, the
@@ -49,6 +49,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from k2.config import ConfigError
+from k2.model.wgrad import WgradStore, check_ddp_hooks, decouple_linear_wgrad
+
 __all__ = ["PipelineHooks", "PipelineTrace", "check_pipeline_config", "read_trace", "draw_trace",
            "setup_pipeline"]
 
@@ -57,22 +60,20 @@ _ORIG: dict = {}  # megatron's functions replaced by install_patches()
 _TAG = "_k2_tag"  # attribute on activations / input gradients: (chunk, microbatch)
 
 
-def check_pipeline_config(cfg) -> None:
-    """Validate ``cfg.pipeline`` (called by the trainer's plan, before any process group).
+def check_pipeline_config(pipeline_cfg) -> None:
+    """``pipeline.trace`` must not name an existing file (it is a directory, created when missing); the
+    config-only rules of the section are :func:`k2.config.validate.check_pipeline`'s.
+
+    Args:
+        pipeline_cfg: the ``pipeline`` section.
 
     Raises:
-        launcher.config.ConfigError: ``pipeline.trace`` names an existing file (it must be a directory,
-            created when missing).
+        ConfigError: ``pipeline.trace`` is a file.
     """
-    from launcher.config import ConfigError
-
-    trace = cfg.pipeline.trace
-    if trace is not None:
-        if not str(trace).strip():
-            raise ConfigError("pipeline.trace=''; allowed: a directory path (created if missing) or null")
-        if Path(trace).exists() and not Path(trace).is_dir():
-            raise ConfigError(f"pipeline.trace={trace} is a file; allowed: a directory path (one "
-                              "rank<R>.jsonl per rank is written there, created if missing) or null")
+    trace = pipeline_cfg.trace
+    if trace is not None and Path(trace).exists() and not Path(trace).is_dir():
+        raise ConfigError(f"pipeline.trace={trace} is a file; allowed: a directory path (one "
+                          "rank<R>.jsonl per rank is written there, created if missing) or null")
 
 
 # --- tags: which (chunk, microbatch) a tensor belongs to -------------------------------------------------
@@ -159,7 +160,7 @@ class PipelineHooks:
     """Deferred-wgrad draining and the event trace around megatron-core's pipeline schedules.
 
     Args:
-        store: the rank's :class:`model.wgrad.WgradStore` (None: weight gradients are not decoupled).
+        store: the rank's :class:`k2.model.wgrad.WgradStore` (None: weight gradients are not decoupled).
         trace: a :class:`PipelineTrace` (None: no trace).
     """
 
@@ -283,13 +284,12 @@ class PipelineHooks:
 
         Raises:
             RuntimeError: weight gradients are decoupled but DDP was not built with
-                ``delay_wgrad_compute=True`` (:func:`model.wgrad.check_ddp_hooks`).
+                ``delay_wgrad_compute=True`` (:func:`k2.model.wgrad.check_ddp_hooks`).
             NotImplementedError: decoupled weight gradients with megatron's ``overlap_grad_reduce``
-                (our DDP runs without it: ``parallel.distributed.wrap_model``). The schedule enables
+                (our DDP runs without it: ``k2.parallel.distributed.wrap_model``). The schedule enables
                 grad sync only around the ``backward_step`` of a chunk's last microbatch, and that
                 microbatch's W runs after it, so DDP's ``register_grad_ready`` would not count it.
         """
-        from model.wgrad import check_ddp_hooks
 
         if self.store is not None:
             check_ddp_hooks(model)
@@ -339,15 +339,15 @@ class PipelineHooks:
 
 
 def install_patches() -> None:
-    """Replace megatron-core's ``schedules.forward_step`` / ``backward_step`` and
+    """Replace megatron-core's ``k2.schedules.forward_step`` / ``backward_step`` and
     ``p2p_communication._p2p_ops`` / ``_batched_p2p_ops`` with wrappers that call the active
     :class:`PipelineHooks` (pass-through when none is active). Idempotent."""
     if _ORIG:
         return
+    from inspect import signature
+
     from megatron.core.pipeline_parallel import p2p_communication as p2p
     from megatron.core.pipeline_parallel import schedules
-
-    from inspect import signature
 
     _ORIG.update(forward_step=schedules.forward_step, backward_step=schedules.backward_step,
                  p2p_ops=p2p._p2p_ops, batched_p2p_ops=p2p._batched_p2p_ops,
@@ -391,7 +391,7 @@ def uninstall_patches() -> None:
     _ORIG.clear()
 
 
-def setup_pipeline(cfg, chunks: list):
+def setup_pipeline(pipeline_cfg, chunks: list):
     """The trainer's entry: decouple the linear layers' weight gradients of ``chunks`` when
     ``pipeline.decouple_wgrad`` (before DDP wraps them) and build the hooks.
 
@@ -399,13 +399,12 @@ def setup_pipeline(cfg, chunks: list):
         ``(PipelineHooks or None, delay_wgrad_compute)``: None when neither ``pipeline.decouple_wgrad``
         nor ``pipeline.trace`` is set; ``delay_wgrad_compute`` is what megatron's DDP must be built with.
     """
-    p = cfg.pipeline
+    p = pipeline_cfg
     if not p.decouple_wgrad and p.trace is None:
         return None, False
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from model.wgrad import WgradStore, decouple_linear_wgrad
 
     store = None
     if p.decouple_wgrad:

@@ -15,7 +15,7 @@ megatron's, taken from its own functions (``megatron.core.pipeline_parallel.sche
 * Virtual stage ``g = chunk * pp + r`` (megatron's order). ``F(g, j)`` needs ``F(g-1, j)``; ``B(g, j)``
   needs ``B(g+1, j)`` (the last stage's backward follows its own forward). Point-to-point transfers take
   ``p2p_time`` (default 0).
-* Decoupled weight gradients (``split_backward=True``; K2 report "Training system", zero-bubble
+* Decoupled weight gradients (``decouple_wgrad=True``; K2 report "Training system", zero-bubble
   pipelines' B/W split, megatron's ``delay_wgrad_compute``): ``B`` computes only the input gradient (what
   the previous stage waits for); the weight gradient ``W(g, j)`` is queued on the rank and runs whenever
   the rank's next F/B cannot start yet (it would otherwise idle), and at the end. Without the split, ``B``
@@ -71,7 +71,7 @@ class PipelineResult:
     pp: int
     vpp: int
     num_microbatches: int
-    split_backward: bool
+    decouple_wgrad: bool
     makespan: float
     busy: list[float]  # per rank
     ops: list[Op] = field(repr=False)
@@ -86,7 +86,7 @@ class PipelineResult:
         for o in self.ops:
             if o.kind == "F":
                 events.append((o.end, 1, o.rank, per_stage[o.stage]))
-            elif (o.kind == "B" and not self.split_backward) or o.kind == "W":
+            elif (o.kind == "B" and not self.decouple_wgrad) or o.kind == "W":
                 events.append((o.end, -1, o.rank, -per_stage[o.stage]))
         held, peak = [0.0] * self.pp, [0.0] * self.pp
         for _, _, r, delta in sorted(events):
@@ -109,7 +109,7 @@ class PipelineResult:
             "pp": self.pp,
             "vpp": self.vpp,
             "num_microbatches": self.num_microbatches,
-            "split_backward": self.split_backward,
+            "decouple_wgrad": self.decouple_wgrad,
             "makespan": self.makespan,
             "bubble_fraction": self.bubble_fraction,
             "busy_per_rank": self.busy,
@@ -176,7 +176,7 @@ def simulate(
     backward: Sequence[float],
     weight: Optional[Sequence[float]] = None,
     *,
-    split_backward: bool = False,
+    decouple_wgrad: bool = False,
     p2p_time: float = 0.0,
     activation_bytes: Optional[Sequence[float]] = None,
     group_size: Optional[int] = None,
@@ -191,12 +191,12 @@ def simulate(
             one microbatch's forward.
         backward: per virtual stage the time of one microbatch's input-gradient backward.
         weight: per virtual stage the time of one microbatch's weight gradient (None = 0); without
-            ``split_backward`` it is added to ``backward``.
-        split_backward: decouple the weight gradient (W) from B (module docstring).
+            ``decouple_wgrad`` it is added to ``backward``.
+        decouple_wgrad: decouple the weight gradient (W) from B (module docstring).
         p2p_time: transfer time between consecutive stages.
         activation_bytes: per virtual stage the bytes one microbatch's forward keeps for its backward.
         group_size: megatron's ``microbatch_group_size_per_vp_stage`` (None = pp).
-        max_deferred_w: with ``split_backward``, the most weight gradients a rank holds back before it
+        max_deferred_w: with ``decouple_wgrad``, the most weight gradients a rank holds back before it
             runs the oldest one ahead of its next F/B. 1 (default, K2): each W runs right after its B,
             or earlier in a gap; larger values let W fill later gaps (zero-bubble style) at the cost of
             activations held longer.
@@ -217,82 +217,105 @@ def simulate(
             raise ValueError(f"{name} has a negative value")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
-    b_cost = list(backward) if split_backward else [b + x for b, x in zip(backward, w)]
-
+    b_cost = list(backward) if decouple_wgrad else [b + x for b, x in zip(backward, w)]
     orders = [rank_order(pp, vpp, num_microbatches, r, group_size) for r in range(pp)]
-    pos = [0] * pp  # next op index per rank
-    free = [0.0] * pp
-    busy = [0.0] * pp
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
-    wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
-    ops: list[Op] = []
-    def deps(kind: str, stage: int, mb: int) -> Optional[float]:
+    sim = _Simulation(pp, orders, list(forward), b_cost, w, decouple_wgrad, p2p_time, max_deferred_w)
+    sim.run_all()
+    makespan = max(o.end for o in sim.ops)
+    result = PipelineResult(pp, vpp, num_microbatches, decouple_wgrad, makespan, sim.busy, sim.ops)
+    result.peak_activation_bytes = result.peak_bytes(act)
+    result.peak_in_flight = [int(x) for x in result.peak_bytes([1] * S)]
+    return result
+
+
+class _Simulation:
+    """The event loop of :func:`simulate`: each PP rank runs the ops of megatron's order in turn, as soon
+    as their inputs are there (the previous stage's forward, the next stage's backward, plus
+    ``p2p_time``); deferred weight gradients fill the gaps (at most ``max_deferred_w`` held back)."""
+
+    def __init__(self, pp, orders, forward, b_cost, w, decouple_wgrad, p2p_time, max_deferred_w):
+        self.pp, self.orders, self.forward, self.b_cost, self.w = pp, orders, forward, b_cost, w
+        self.decouple_wgrad, self.p2p_time, self.max_deferred_w = decouple_wgrad, p2p_time, max_deferred_w
+        self.last_stage = len(forward) - 1
+        self.pos = [0] * pp  # next op index per rank
+        self.free = [0.0] * pp
+        self.busy = [0.0] * pp
+        self.done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
+        self.wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+        self.ops: list[Op] = []
+
+    def deps(self, kind: str, stage: int, mb: int) -> Optional[float]:
         """When the inputs of (kind, stage, mb) are there; None if an input is not scheduled yet."""
         if kind == "F":
             if stage == 0:
                 return 0.0
-            t = done.get(("F", stage - 1, mb))
-            return None if t is None else t + p2p_time
-        own = done.get(("F", stage, mb))
+            t = self.done.get(("F", stage - 1, mb))
+            return None if t is None else t + self.p2p_time
+        own = self.done.get(("F", stage, mb))
         if own is None:
             return None
-        if stage == S - 1:
+        if stage == self.last_stage:
             return own
-        t = done.get(("B", stage + 1, mb))
-        return None if t is None else max(own, t + p2p_time)
+        t = self.done.get(("B", stage + 1, mb))
+        return None if t is None else max(own, t + self.p2p_time)
 
-    def run(r: int, kind: str, chunk: int, mb: int, start: float) -> None:
-        stage = chunk * pp + r
-        dur = forward[stage] if kind == "F" else b_cost[stage] if kind == "B" else w[stage]
+    def run(self, r: int, kind: str, chunk: int, mb: int, start: float) -> None:
+        stage = chunk * self.pp + r
+        dur = self.forward[stage] if kind == "F" else self.b_cost[stage] if kind == "B" else self.w[stage]
         end = start + dur
-        ops.append(Op(kind, r, chunk, stage, mb, start, end))
-        done[(kind, stage, mb)] = end
-        free[r] = end
-        busy[r] += dur
-        if kind == "B" and split_backward:
-            wqueue[r].append((chunk, mb))
+        self.ops.append(Op(kind, r, chunk, stage, mb, start, end))
+        self.done[(kind, stage, mb)] = end
+        self.free[r] = end
+        self.busy[r] += dur
+        if kind == "B" and self.decouple_wgrad:
+            self.wqueue[r].append((chunk, mb))
 
-    heap = [(0.0, r) for r in range(pp)]
-    blocked: set[int] = set()
-    while heap or blocked:
-        if not heap:
-            raise RuntimeError("pipeline simulation deadlocked (megatron's order cannot make progress)")
-        t, r = heapq.heappop(heap)
-        if pos[r] == len(orders[r]):
-            if wqueue[r]:  # cooldown: the remaining weight gradients
-                c, j = wqueue[r].pop(0)
-                run(r, "W", c, j, t)
-                heapq.heappush(heap, (free[r], r))
-            continue
-        kind, chunk, mb = orders[r][pos[r]]
-        ready = deps(kind, chunk * pp + r, mb)
-        if len(wqueue[r]) >= max_deferred_w:  # bound the weight gradients held back
-            c, j = wqueue[r].pop(0)
-            run(r, "W", c, j, t)
+    def run_oldest_w(self, r: int, t: float) -> None:
+        c, j = self.wqueue[r].pop(0)
+        self.run(r, "W", c, j, t)
+
+    def step(self, r: int, t: float) -> bool:
+        """Rank ``r`` is free at ``t``: run its next op (or a deferred W). False when it must wait for
+        an input that is not scheduled yet."""
+        if self.pos[r] == len(self.orders[r]):
+            return True  # (run_all handles the cooldown W)
+        kind, chunk, mb = self.orders[r][self.pos[r]]
+        ready = self.deps(kind, chunk * self.pp + r, mb)
+        if len(self.wqueue[r]) >= self.max_deferred_w:  # bound the weight gradients held back
+            self.run_oldest_w(r, t)
         elif ready is not None and ready <= t:
-            run(r, kind, chunk, mb, t)
-            pos[r] += 1
-        elif wqueue[r]:  # the next F/B would wait: fill the gap with a deferred weight gradient
-            c, j = wqueue[r].pop(0)
-            run(r, "W", c, j, t)
+            self.run(r, kind, chunk, mb, t)
+            self.pos[r] += 1
+        elif self.wqueue[r]:  # the next F/B would wait: fill the gap with a deferred weight gradient
+            self.run_oldest_w(r, t)
         elif ready is not None:
-            run(r, kind, chunk, mb, ready)
-            pos[r] += 1
+            self.run(r, kind, chunk, mb, ready)
+            self.pos[r] += 1
         else:
-            blocked.add(r)
-            continue
-        heapq.heappush(heap, (free[r], r))
-        for q in list(blocked):  # a rank waiting on an unscheduled input may go on now
-            kq, cq, jq = orders[q][pos[q]]
-            if deps(kq, cq * pp + q, jq) is not None:
-                blocked.discard(q)
-                heapq.heappush(heap, (free[q], q))
+            return False
+        return True
 
-    makespan = max(o.end for o in ops)
-    result = PipelineResult(pp, vpp, num_microbatches, split_backward, makespan, busy, ops)
-    result.peak_activation_bytes = result.peak_bytes(act)
-    result.peak_in_flight = [int(x) for x in result.peak_bytes([1] * S)]
-    return result
+    def run_all(self) -> None:
+        heap = [(0.0, r) for r in range(self.pp)]
+        blocked: set[int] = set()
+        while heap or blocked:
+            if not heap:
+                raise RuntimeError("pipeline simulation deadlocked (megatron's order cannot make progress)")
+            t, r = heapq.heappop(heap)
+            if self.pos[r] == len(self.orders[r]):
+                if self.wqueue[r]:  # cooldown: the remaining weight gradients
+                    self.run_oldest_w(r, t)
+                    heapq.heappush(heap, (self.free[r], r))
+                continue
+            if not self.step(r, t):
+                blocked.add(r)
+                continue
+            heapq.heappush(heap, (self.free[r], r))
+            for q in list(blocked):  # a rank waiting on an unscheduled input may go on now
+                kq, cq, jq = self.orders[q][self.pos[q]]
+                if self.deps(kq, cq * self.pp + q, jq) is not None:
+                    blocked.discard(q)
+                    heapq.heappush(heap, (self.free[q], q))
 
 
 def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
@@ -328,8 +351,8 @@ def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
     ax.set_yticklabels([f"pp {r}" for r in range(result.pp)], fontsize=7)
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time (s)")
-    kinds = [("F", "forward"), ("B", "backward (input grad)" if result.split_backward else "backward")]
-    if result.split_backward:
+    kinds = [("F", "forward"), ("B", "backward (input grad)" if result.decouple_wgrad else "backward")]
+    if result.decouple_wgrad:
         kinds.append(("W", "weight grad"))
     if result.vpp > 1:
         kinds.append(("", "darker: later model chunk"))

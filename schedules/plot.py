@@ -9,7 +9,7 @@ Uses matplotlib (Agg backend, no display needed).
 
 from __future__ import annotations
 
-from schedules.wsd import Schedule
+from k2.schedules.wsd import Schedule
 
 
 def _tokens_unit(total: float) -> tuple[float, str]:
@@ -59,8 +59,28 @@ def plot_schedule(schedule: Schedule, path: str, title: str | None = None) -> st
         gridspec_kw={"width_ratios": [2.2, 1], "height_ratios": [2.3, 1]},
     )
     (ax_lr, ax_lrz), (ax_ctx, ax_ctxz) = axes
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
 
+    _draw_lr(schedule, running, zoom, div, (ax_lr, ax_lrz))
+    _label_phases(schedule, running, zoom, div, (ax_lr, ax_lrz))
+    _draw_context(schedule, running, final, zoom, div, unit, (ax_ctx, ax_ctxz))
+
+    fig.suptitle(title or (
+        f"schedule {schedule.name}: learning rate and context length over {end / div:,.4g}{unit} tokens; "
+        f"{schedule.total_steps:,} steps of {schedule.global_batch_tokens:,} tokens; weight decay "
+        f"{schedule.weight_decay:g}"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+
+
+def _draw_lr(schedule: Schedule, running: list, zoom: tuple, div: float, axes: tuple) -> None:
+    """The LR curve over the whole run and over the zoom, the phases shaded."""
+    ax_lr, ax_lrz = axes
+    end, colors = schedule.end_tokens, _COLORS
     for ax, (lo, hi) in ((ax_lr, (0.0, float(end))), (ax_lrz, zoom)):
         xs, ys = _lr_curve(schedule, lo, min(hi, end))
         if hi > end:
@@ -82,7 +102,14 @@ def plot_schedule(schedule: Schedule, path: str, title: str | None = None) -> st
     ax_lr.set_ylabel("learning rate")
     ax_lrz.set_title("zoom: end of the run", fontsize=9)
 
-    # phase names and LR at each boundary (boundaries inside the zoom are labelled there only)
+    ax_lr.set_ylabel("learning rate")
+    ax_lrz.set_title("zoom: end of the run", fontsize=9)
+
+
+def _label_phases(schedule: Schedule, running: list, zoom: tuple, div: float, axes: tuple) -> None:
+    """Phase names and the LR at each boundary (boundaries inside the zoom are labelled there only)."""
+    ax_lr, ax_lrz = axes
+    end, colors = schedule.end_tokens, _COLORS
     for ax, (lo, hi) in ((ax_lr, (0.0, zoom[0])), (ax_lrz, zoom)):
         width = (ax.get_xlim()[1] - ax.get_xlim()[0]) * div
         ytop = ax.get_ylim()[1]
@@ -109,7 +136,12 @@ def plot_schedule(schedule: Schedule, path: str, title: str | None = None) -> st
                 ax.annotate(f"{lr:.3g}", (x / div, lr), textcoords="offset points",
                             xytext=(-3, -12) if last else (3, 5), ha="right" if last else "left", fontsize=7)
 
-    # context length per phase
+
+
+def _draw_context(schedule: Schedule, running: list, final, zoom: tuple, div: float, unit: str, axes: tuple) -> None:
+    """The context length and global batch of each phase, and the final setting (YaRN) at the end."""
+    ax_ctx, ax_ctxz = axes
+    end, colors = schedule.end_tokens, _COLORS
     for ax, (lo, hi) in ((ax_ctx, (0.0, float(end))), (ax_ctxz, zoom)):
         for k, p in enumerate(running):
             a, b = max(p.start_tokens, lo), min(p.end_tokens, hi)
@@ -133,11 +165,3 @@ def plot_schedule(schedule: Schedule, path: str, title: str | None = None) -> st
         ax.grid(alpha=0.25)
     ax_ctx.set_ylabel("context length")
 
-    fig.suptitle(title or (
-        f"schedule {schedule.name}: learning rate and context length over {end / div:,.4g}{unit} tokens; "
-        f"{schedule.total_steps:,} steps of {schedule.global_batch_tokens:,} tokens; weight decay "
-        f"{schedule.weight_decay:g}"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path

@@ -2,22 +2,76 @@
 
 from __future__ import annotations
 
-import socket
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from support import REPO, free_port  # noqa: F401 (REPO: for tests that import it from here)
 
 
-def free_port() -> int:
-    """An unused TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The multi-process files that take longest, heaviest first (seconds on 2 CPU cores, summed over the
+# file's tests). With `--dist loadfile --no-loadscope-reorder` the xdist workers take whole files in
+# this order, so the long ones start first and the short unit files fill the gaps at the end (longest
+# processing time first); without the ordering a long file started last decides the wall time.
+_HEAVY_FIRST = {
+    "tests/integration/test_checkpoint.py": 250,
+    "tests/integration/test_slurm_real.py": 220,
+    "tests/integration/test_bench_runs.py": 160,
+    "tests/integration/test_sweep.py": 115,
+    "tests/integration/test_pipeline_wgrad.py": 60,
+    "tests/integration/test_schedule_run.py": 50,
+    "tests/integration/test_train_run.py": 45,
+    "tests/unit/launcher/test_bench.py": 40,
+}
+
+
+@pytest.fixture(autouse=True)
+def _library_warning_filters():
+    """pytest records every warning of a test under its own filters; the product's filters for
+    library messages that need no action apply inside tests too, so the summary lists only the rest."""
+    from k2.launcher.quiet import ignore_library_warnings
+
+    ignore_library_warnings()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the heaviest test files first (stable: every other file keeps its collection order)."""
+    items.sort(key=lambda item: -_HEAVY_FIRST.get(item.nodeid.split("::")[0], 0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory):
+    """The session's fork server (tests/support/zygote.py): started here, stopped at the end of the
+    session; trainer launches of tests/support/distributed.py go through it. Skipped with
+    ``K2_TEST_LAUNCHER=fork|torchrun``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from support.distributed import FORK_SERVER_ENV, SUPPORT, trainer_env
+
+    if os.environ.get("K2_TEST_LAUNCHER", "server") != "server":
+        yield None
+        return
+    path = str(tmp_path_factory.mktemp("fork_server") / "socket")
+    proc = subprocess.Popen([sys.executable, str(SUPPORT / "zygote.py"), path], cwd=REPO, env=trainer_env(),
+                            stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    ready = proc.stdout.readline().strip() == "ready"
+    while ready and not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.05)
+    if not ready or proc.poll() is not None:
+        raise RuntimeError("the tests' fork server did not start (tests/support/zygote.py)")
+    os.environ[FORK_SERVER_ENV] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(FORK_SERVER_ENV, None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +83,7 @@ def megatron_world1():
     import torch
     import torch.distributed as dist
 
-    from parallel import cpu_backend
+    from k2.parallel import cpu_backend
 
     cpu_backend.enable()
     from megatron.core import parallel_state as ps
@@ -50,8 +104,8 @@ def megatron_world1():
 def stdlib_corpus():
     """The embedded stdlib corpus at the default settings (built once into data_cache/, shared with
     the README's main job)."""
-    from launcher.config import load_config
-    from launcher.data import prepare_stdlib_corpus
+    from k2.config.load import load_config
+    from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 
     return prepare_stdlib_corpus(load_config([]).data, progress=False, verbose=False)
 
@@ -64,21 +118,25 @@ def no_process_start(monkeypatch):
     """
     import torch.distributed as dist
 
-    from launcher import train
+    from k2.launcher import train
+    from k2.launcher.training import trainer
 
     started: list[str] = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append("pg"))
-    monkeypatch.setattr(train, "run", lambda *a, **k: started.append("run"))
-    monkeypatch.setattr(train, "_spawn_local", lambda *a, **k: started.append("spawn"))
+    monkeypatch.setattr(trainer, "run", lambda *a, **k: started.append("run"))
+    monkeypatch.setattr(train, "spawn_local_ranks", lambda *a, **k: started.append("spawn"))
     return started
 
 
 @pytest.fixture(scope="session")
 def three_step_runs(tmp_path_factory, stdlib_corpus):
-    """``run(layout_overrides, nproc, decouple_wgrad)`` -> tests/distributed.py ``three_step_run``, each
+    """``run(layout_overrides, nproc, decouple_wgrad)`` -> tests/support/distributed.py ``three_step_run``, each
     distinct run once per session (shared by the parallel-equivalence, MuonClip, grouped-experts, wgrad
     and activation-memory tests)."""
-    from distributed import three_step_run
+    from support.distributed import three_step_run
 
-    root, cache = tmp_path_factory.mktemp("three_step_runs"), {}
+    # (the base temp dir's parent is shared by all xdist workers of the session)
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if shared.name.startswith("popen-gw") else shared
+    root, cache = shared / "three_step_runs", {}
     return lambda layout, nproc, decouple_wgrad: three_step_run(root, list(layout), nproc, decouple_wgrad, cache)

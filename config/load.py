@@ -1,0 +1,157 @@
+"""Compose the Hydra config tree (``k2.recipes``) into one validated, read-only config.
+
+``load_config(["model=k2_tiny", "parallel=cpu4", "train.iters=10"])`` returns a read-only OmegaConf
+``DictConfig`` merged into the typed schema (:mod:`k2.config.schema`) and checked by
+:func:`k2.config.validate.validate`. Every entry point goes through it, so an unknown key, a wrong type,
+an unknown recipe or a value outside its range fails with one :class:`ConfigError` before any process
+group, dataset or model is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import re
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from k2.config.errors import ConfigError
+from k2.config.schema import K2Config
+from k2.config.validate import validate
+
+#: The config tree: the ``k2.recipes`` package (the repository's ``recipes/`` folder, installed as package
+#: data), so that an installed wheel composes configs from any working directory.
+RECIPES_DIR = Path(importlib.util.find_spec("k2.recipes").submodule_search_locations[0])
+
+
+def _allowed_keys(node: DictConfig) -> list[str]:
+    return sorted(str(k) for k in node.keys())
+
+
+# Keys that no longer exist, with where their setting lives now: the schedule group is the one source of
+# truth for LR, weight decay, context length and global batch; the pipeline group for the wgrad split.
+_MOVED = {
+    **{f"optim.{k}": "the learning rate and weight decay of every step come from the schedule group "
+                     "(schedule.phases.<i>.lr_start / lr_end / lr_style, schedule.weight_decay)"
+       for k in ("lr", "min_lr", "weight_decay", "lr_warmup_iters", "lr_decay_style", "lr_wsd_decay_iters")},
+    "train.global_batch_size": "the global batch is set in tokens by schedule.global_batch_tokens "
+                               "(sequences per step = global_batch_tokens / the phase's seq_length)",
+    "train.seq_length": "the context length is set per phase by schedule.phases.<i>.seq_length",
+    "plan.split_backward": "k2-plan plans the trainer's own setting pipeline.decouple_wgrad (decoupled weight "
+                           "gradients)",
+}
+
+
+def _schema_node(path: str):
+    """The schema node at ``path``; list items (``schedule.phases.0``) resolve to their element type."""
+    node = OmegaConf.structured(K2Config)
+    for part in [p for p in path.split(".") if p]:
+        if isinstance(node, ListConfig):
+            etype = node._metadata.element_type
+            try:
+                node = OmegaConf.structured(etype)
+            except Exception:  # not a structured element type
+                return None
+            continue
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _unknown_key_error(full_key: str) -> ConfigError:
+    key = full_key.rsplit(".", 1)[-1]
+    parent_path = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    parent = _schema_node(parent_path)
+    allowed = _allowed_keys(parent) if isinstance(parent, DictConfig) else []
+    hint = difflib.get_close_matches(str(key), allowed, n=1)
+    msg = f"unknown config key '{full_key}'"
+    if full_key in _MOVED:
+        msg += f": {_MOVED[full_key]}"
+    elif hint:
+        msg += f" (did you mean '{(parent_path + '.') if parent_path else ''}{hint[0]}'?)"
+    msg += f"; allowed keys under '{parent_path or '<root>'}': {', '.join(allowed)}"
+    return ConfigError(msg)
+
+
+def _one_line(msg: str) -> str:
+    """Hydra's multi-line messages ("Available options in 'parallel':\\n\\tcpu4\\n\\t...") as one line."""
+    head, _, rest = msg.partition("\n")
+    items = [ln.strip() for ln in rest.splitlines() if ln.strip()]
+    if not items:
+        return head.strip()
+    out, opts = [head.strip()], []
+    for ln in items:
+        if ln.endswith(":"):
+            if opts:
+                out[-1] += " " + ", ".join(opts)
+                opts = []
+            out.append(ln[0].lower() + ln[1:])
+        else:
+            opts.append(ln)
+    if opts:
+        out[-1] += " " + ", ".join(opts)
+    return "; ".join(out)
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose ``recipes/<config_name>.yaml`` with Hydra ``overrides`` and validate it.
+
+    Args:
+        overrides: Hydra override strings, e.g. ``["parallel=cpu4", "train.iters=5"]``.
+        config_name: the root config in ``recipes/``.
+
+    Returns:
+        A read-only, struct-mode ``DictConfig`` with every key of :class:`k2.config.schema.K2Config`.
+
+    Raises:
+        ConfigError: an unknown key or recipe, a value of the wrong type, a Hydra parse error, or a
+            value that breaks a rule of :mod:`k2.config.validate`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    # The schema is the base of the defaults list (recipes/config.yaml: "- k2_schema"), so every
+    # declared key can be overridden from the command line and recipes are type-checked as they merge.
+    ConfigStore.instance().store(name="k2_schema", node=K2Config)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+            raw = compose(config_name=config_name, overrides=list(overrides))
+    except HydraException as e:  # unknown group option, bad override syntax, missing key
+        msg = str(e).split("\nConfig search path:")[0].strip()
+        if e.__cause__ is not None:  # e.g. "Value 'abc' of type 'str' could not be converted to Integer"
+            msg += ": " + str(e.__cause__).split("\n")[0]
+        m = re.match(r"Could not override '([^']+)'", msg)
+        if m:  # an override of a key that no recipe declares
+            raise _unknown_key_error(m.group(1)) from None
+        raise ConfigError(f"invalid override: {_one_line(msg)}") from None
+    except ConfigKeyError as e:
+        raise ConfigError(f"invalid override: {e}") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+    schema = OmegaConf.structured(K2Config)
+    raw_container = OmegaConf.to_container(raw, resolve=False)
+    raw_container.pop("hydra", None)
+    try:
+        cfg = OmegaConf.merge(schema, OmegaConf.create(raw_container))
+        OmegaConf.resolve(cfg)
+    except ConfigKeyError as e:
+        raise _unknown_key_error(str(getattr(e, "full_key", None) or getattr(e, "key", "?"))) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid value for '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+    OmegaConf.set_readonly(cfg, True)
+    OmegaConf.set_struct(cfg, True)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (written to ``<run.dir>/config.yaml``)."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

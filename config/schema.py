@@ -1,0 +1,373 @@
+"""Typed schema of the Hydra config tree in ``recipes/``.
+
+Every key a recipe or a command-line override may set is declared here, with its default. The composed
+config is merged into these dataclasses by :func:`k2.config.load_config`, so an unknown key or a
+value of the wrong type fails before any process group starts (DEVELOPERS.md, "bad input").
+
+Model keys use megatron-core's ``TransformerConfig`` / ``MLATransformerConfig`` field names wherever one
+exists, so a megatron user can read a recipe without a glossary. The few K2-specific keys that have no
+megatron equivalent say so in their comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    """K2 model family (docs/k2_reference.md, "Model"). Widths in elements, lengths in tokens."""
+
+    name: str = "k2_tiny"
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 384  # dense-layer SwiGLU width (K2: 18432)
+    num_attention_heads: int = 4
+    # K2/DeepSeek config name: the first k layers are dense, the rest MoE. Converted to megatron's
+    # ``moe_layer_freq`` list ([0]*k + [1]*(num_layers-k)).
+    first_k_dense_replace: int = 1
+    # MLA (megatron MLATransformerConfig names)
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 64
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 32  # "nope" part of q/k per head
+    qk_pos_emb_head_dim: int = 16  # rotary part of q/k per head
+    v_head_dim: int = 32
+    # MoE
+    num_moe_experts: Optional[int] = 8
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 64
+    moe_shared_expert_intermediate_size: Optional[int] = 64  # 1 shared expert of moe_ffn_hidden_size
+    moe_router_score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_bias_update_rate: float = 1.0e-3
+    moe_router_topk_scaling_factor: Optional[float] = 2.827
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_load_balancing_type: str = "seq_aux_loss"
+    moe_aux_loss_coeff: float = 1.0e-4
+    moe_router_dtype: Optional[str] = "fp32"
+    moe_token_dispatcher_type: str = "alltoall"
+    # Vocabulary / positions
+    vocab_size: int = 4096
+    max_position_embeddings: int = 4096
+    rope_type: str = "rope"  # "rope" while pretraining at 4K; "yarn" for the 128K extension
+    rotary_base: float = 50000.0
+    rotary_scaling_factor: float = 32.0  # YaRN factor (used when rope_type == "yarn")
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 1.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    # Norms / init / misc
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1.0e-6
+    init_method_std: float = 0.006
+    share_embeddings_and_output_weights: bool = False
+    # Project-owned core attention: record the per-head max pre-softmax logit every forward
+    # (needed by QK-Clip). On GPU this costs one extra no-grad QK^T pass per layer.
+    record_max_logits: bool = True
+    # Core attention backend (model/attention.py): auto = te when Transformer Engine imports and CUDA is
+    # present, sdpa (fused SDPA, cuDNN first, + a chunked max-logit pass) on CUDA without TE, eager on
+    # CPU; sdpa | eager | te force one (sdpa also runs on CPU).
+    attention_backend: str = "auto"
+    # How the sdpa backend gets QK-Clip's per-head max logit: torch = a chunked q k^T pass in torch (scores
+    # written to memory and read back); triton = one Triton kernel keeping only running maxima
+    # (model/max_logit_kernel.py; CUDA; opt-in until measured on a GPU).
+    max_logit_kernel: str = "torch"
+    # Routed experts as grouped GEMMs (torch._grouped_mm, model/grouped_mlp.py) instead of megatron's
+    # SequentialMLP loop; same parameters and checkpoints. null = auto: on with CUDA and bf16, off on CPU.
+    # (megatron's field of the same name selects Transformer Engine's grouped experts; the K2 build
+    # passes false to megatron and swaps in its own module.)
+    moe_grouped_gemm: Optional[bool] = None
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. DP is derived: world_size / (tp * pp). EP is carved out of the DP ranks."""
+
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual stages per PP rank (None or 1 = no interleaving)
+    ep: int = 1
+    # megatron pipeline_model_parallel_layout string, e.g. "Et|(tt|)*30L" (E=embedding, t=layer,
+    # L=loss, '|' separates virtual stages in order vpp_rank*pp + pp_rank). Mutually exclusive with
+    # first/last_stage_layers.
+    layout: Optional[str] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    use_distributed_optimizer: bool = True  # ZeRO-1 over DP
+
+
+# Activation-memory sites (docs/k2_reference.md "Training system", "Activation memory"), config group ``memory``.
+# Each name selects tensors that autograd saves for backward in every transformer layer; the model code
+# that applies them is model/activation_memory.py. Names and the tensors they cover (shapes per microbatch, s =
+# sequence length, b = micro_batch_size, h = hidden_size, t = tokens routed to an expert):
+#
+# memory.fp8_store: kept as FP8-E4M3 with one FP32 scale per 1 x 128 tile of the last dimension, turned
+# back to the compute dtype when backward needs them (compute stays BF16/FP32, no FP8 GEMMs).
+MEMORY_FP8_SITES = {
+    "moe_fc1_input": "input of the routed experts' up-projection linear_fc1 [t, h] (the permuted tokens)",
+    "swiglu_input": "linear_fc1 output fed into SwiGLU [.., 2 x ffn] (routed experts, shared expert, dense MLP)",
+}
+# memory.recompute: the output is not kept for backward but recomputed from the input during backward.
+MEMORY_RECOMPUTE_SITES = {
+    "layernorm": "input_layernorm and pre_mlp_layernorm (RMSNorm) outputs [s, b, h] (as megatron's 'layernorm')",
+    "swiglu": "SwiGLU output [.., ffn] (routed experts, shared expert, dense MLP; megatron 'moe_act' "
+              "covers only grouped-GEMM experts)",
+    "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
+    "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
+}
+# memory.offload: moved to host memory in forward, brought back before their backward (GPU: side
+# streams + pinned memory, overlapped with compute; CPU: a plain copy). Works with PP and VPP.
+MEMORY_OFFLOAD_SITES = {
+    "attn_input": "what the attention-side RMSNorm (input_layernorm) saves: the layer input [s, b, h]",
+    "mla_up_proj": "what MLA's down/up projections and q/kv latent norms save: normed hidden states, "
+                   "compressed q and kv latents",
+    "core_attn": "what core attention saves: q, k, v and the softmax probabilities [b, heads, s, s]",
+    "attn_proj": "input of the attention output projection linear_proj [s, b, heads x v_head_dim]",
+    "mlp_input": "what the MLP-side RMSNorm (pre_mlp_layernorm) saves: the residual stream [s, b, h]",
+    "moe_fc1_input": "input of the routed experts' linear_fc1 [t, h]",
+    "swiglu_input": "linear_fc1 output fed into SwiGLU (routed experts, shared expert, dense MLP)",
+    "fc2_input": "SwiGLU output fed into linear_fc2 (routed experts, shared expert, dense MLP)",
+}
+
+
+@dataclass
+class MemoryConfig:
+    """Activation memory switches (docs/k2_reference.md "Training system"): lists of site names, see
+    ``MEMORY_FP8_SITES``, ``MEMORY_RECOMPUTE_SITES``, ``MEMORY_OFFLOAD_SITES`` above. Empty = off. All
+    three compose (an FP8-stored tensor can also be offloaded: its FP8 payload and scales move).
+    K2: ``fp8_store=[moe_fc1_input, swiglu_input]``,
+    ``recompute=[layernorm, swiglu, mla_up_proj, moe_down_proj]``, offload of the rest."""
+
+    fp8_store: List[str] = field(default_factory=list)
+    recompute: List[str] = field(default_factory=list)
+    offload: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    """Training data. ``path`` is a megatron indexed-dataset prefix (``PREFIX.bin``/``PREFIX.idx``), a
+    list of prefixes, or a blend ``[w1, prefix1, w2, prefix2, ...]``. ``None`` = the embedded stdlib
+    corpus built by ``k2-data`` into ``cache_dir``."""
+
+    name: str = "stdlib"
+    path: Optional[Any] = None
+    valid_path: Optional[Any] = None
+    tokenizer: Optional[str] = None  # a HF tokenizer.json; None = the one k2-data trained
+    cache_dir: str = "data_cache"
+    # k2-data settings for the embedded corpus
+    vocab_size: int = 4096
+    valid_fraction: float = 0.02
+    split: str = "98,2,0"  # used only when valid_path is None and path is a user dataset
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue). The learning
+    rate and weight decay of every step come from the ``schedule`` group (one source of truth)."""
+
+    name: str = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+    # optim=muonclip (optim/, README "Optimizer (MuonClip)"): Muon for weight matrices, megatron
+    # OptimizerConfig names, defaults = K2 (docs/k2_reference.md "Optimizer")
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_num_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_coefficient_type: str = "simple"  # NS coefficients (3.4445, -4.7750, 2.0315)
+    muon_scale_mode: str = "spectral"  # update x sqrt(max(A, B)) for an A x B matrix ...
+    muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
+    muon_fp32_matmul_prec: str = "medium"  # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
+    # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
+    # megatron's equivalent: qk_clip + qk_clip_threshold.
+    qk_clip_tau: Optional[float] = None
+
+
+@dataclass
+class TrainConfig:
+    """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
+    per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
+
+    iters: Optional[int] = None  # cap on optimizer steps; null = run to the end of the schedule
+    micro_batch_size: int = 2  # sequences per microbatch (a schedule phase may override it)
+    precision: str = "fp32"  # fp32 | bf16
+    eval_interval: int = 50
+    eval_iters: int = 4
+    log_interval: int = 10  # steps between log lines when not on a terminal
+    progress: bool = True
+    deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
+    # checkpoint every N optimizer steps (launcher/checkpointing/); null = only at the end of the run
+    save_interval: Optional[int] = None
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of the training schedule (``schedules/wsd.py`` has the rules). Set exactly one length."""
+
+    name: str = "phase"
+    tokens: Optional[int] = None  # length in tokens (0 = skipped)
+    steps: Optional[int] = None  # length in optimizer steps of schedule.global_batch_tokens (warmup)
+    until_tokens: Optional[int] = None  # end of the phase, in tokens from the start of training
+    # constant | linear | cosine | exponential | minus_sqrt | continue (the previous rule goes on)
+    lr_style: str = "constant"
+    lr_start: Optional[float] = None  # LR at the start; null = the previous phase's end LR
+    lr_end: Optional[float] = None  # LR at the end; null = lr_start (constant)
+    seq_length: Optional[int] = None  # context length in tokens; null = the previous phase's
+    rope_type: Optional[str] = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
+    micro_batch_size: Optional[int] = None  # sequences; null = the previous phase's (first: train.*)
+
+
+@dataclass
+class ScheduleConfig:
+    """Training schedule in tokens: learning rate, context length, batch (docs/k2_reference.md "Schedule")."""
+
+    name: str = "none"
+    global_batch_tokens: int = 2048  # tokens per optimizer step, the same in every phase
+    weight_decay: float = 0.1  # decoupled weight decay, every step (x each param group's wd_mult)
+    phases: List[PhaseConfig] = field(default_factory=list)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "k2-launcher"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    group: Optional[str] = None  # wandb run group (a sweep's points share one: launcher/tools/sweep.py)
+
+
+@dataclass
+class SweepConfig:
+    """Sparsity sweep (``k2-train -m +experiment=sparsity_sweep``, launcher/tools/sweep.py): one run per sparsity,
+    ``model.num_moe_experts = sparsity x model.moe_router_topk``, run dir ``<dir>/sparsity_<S>``."""
+
+    name: str = "none"
+    sparsities: List[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
+    val_loss_target: Optional[float] = None  # FLOPs to reach this validation loss are compared
+    dir: str = "runs/sweeps/${sweep.name}"
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"  # k2-train in a run dir with a checkpoint resumes from it (see `resume`)
+    seed: int = 1234
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
+    # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
+    max_minutes: Optional[float] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint retention and format (``launcher/checkpointing/``). When to save: ``train.save_interval``,
+    at the end of the run, and on preemption."""
+
+    keep_last: int = 2  # newest complete checkpoints kept (the one `latest` names is always kept)
+    keep_every: Optional[int] = None  # also keep every checkpoint whose step is a multiple of this
+    save_at_end: bool = True  # save when the run ends (train.iters or the end of the schedule)
+
+
+@dataclass
+class LaunchConfig:
+    """Local process launch: ``k2-train`` spawns this many ranks itself when not under torchrun/srun."""
+
+    nproc_per_node: int = 1
+    master_port: Optional[int] = None  # None = a free port
+
+
+@dataclass
+class ClusterConfig:
+    """Target cluster for ``k2-plan`` (and the peak the trainer's MFU is measured against)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
+    peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
+
+
+@dataclass
+class SubmitConfig:
+    """``k2-submit`` (launcher/tools/sbatch.py): renders ``<run.dir>/pretrain.sbatch`` and submits it with sbatch."""
+
+    dry_run: bool = False  # print the rendered script, write and submit nothing
+    time: str = "24:00:00"  # sbatch --time (wall-clock limit of one (re)start), e.g. "24:00:00"
+    partition: Optional[str] = None  # sbatch --partition; null = the cluster's default
+    account: Optional[str] = None  # sbatch --account; null = the user's default
+    job_name: str = "k2"  # sbatch --job-name
+    signal_seconds: int = 120  # sbatch --signal=USR1@N: seconds before the time limit the ranks get USR1
+    # --gpus-per-node=cluster.gpus_per_node (one task per GPU); false for CPU-only nodes (the CPU proxy,
+    # the one-node test cluster), where cluster.gpus_per_node is the number of tasks per node
+    request_gpus: bool = True
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline schedule (``schedules/pipeline.py``, ``model/wgrad.py``; docs/k2_reference.md "Training system")."""
+
+    # K2's interleaved 1F1B with decoupled weight gradients: each linear layer's backward computes the
+    # input gradient now and queues the weight gradient, which runs after the send of the input gradient
+    # to the previous stage is posted and before it is waited on (megatron: delay_wgrad_compute, TE only)
+    decouple_wgrad: bool = False
+    # directory for an event trace of the schedule: one rank<R>.jsonl per rank (F, B, W, send, recv,
+    # wait per microbatch; `python -m schedules.pipeline DIR out.png` draws a step); null = no trace
+    trace: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    """``k2-plan`` settings (launcher/planning/)."""
+
+    query_tokens: Optional[Any] = None  # list of token counts -> "lr_at_tokens" in the JSON
+    search: bool = False  # list the valid PP/VPP/EP layouts of the cluster, ranked by estimated step time
+    step_time_s: Optional[float] = None  # a measured step time (s) -> MFU against cluster.peak_tflops
+    # fraction of cluster.peak_tflops a stage's model FLOPs run at (GEMM efficiency; communication
+    # assumed hidden): sets the estimated step time, not the ranking of layouts
+    compute_efficiency: float = 0.5
+    # share of the optimizer states kept in host memory (megatron's optimizer_cpu_offload /
+    # optimizer_offload_fraction; K2 offloads part of them at 32 nodes). Planning only: k2-train keeps
+    # them on the GPU.
+    optimizer_offload_fraction: float = 0.0
+
+
+@dataclass
+class BenchConfig:
+    name: str = "none"
+    options: Optional[Any] = None
+
+
+@dataclass
+class K2Config:
+    """Root of the config tree (``recipes/config.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # resume (recipes/resume/: auto | never): `mode` auto = resume from <run.dir>/checkpoints/latest when
+    # there is one; never = refuse a non-empty run.dir. `resume.from=PATH` (a checkpoint, a checkpoints/
+    # directory or a run dir) resumes from there. `resume.force=true` accepts changed model / schedule /
+    # optimizer / data settings. A plain mapping: `from` is a Python keyword (checked in
+    # k2.config.validate.resume_settings).
+    resume: Dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False})
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    output: str = "text"  # text | json (k2-plan, k2-bench)
+    plot: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR over tokens) to this path

@@ -1,0 +1,275 @@
+"""Every rule that depends on the config alone, run by :func:`k2.config.load_config` for every tool.
+
+Each section checks itself (:data:`SECTION_CHECKS`: the function receives only its own section) and the
+rules that span sections live in one place (:func:`check_cross_section`), as Megatron-Bridge's
+``finalize()`` per section plus ``ConfigContainer.validate()`` do. Rules that need the machine (files,
+CUDA, Transformer Engine) or a world size stay with the module that owns them: the parallel layout
+(:class:`k2.parallel.dims.ParallelDims`), the schedule against that layout
+(:func:`k2.schedules.resolve.resolve_schedule`), the data files (``k2.launcher.datasets.resolve``), the
+compute backends on this machine (:func:`k2.model.backends.check_backend_config`), the checkpoint to
+resume from (``k2.launcher.checkpointing.resume``).
+
+Every error is a :class:`k2.config.ConfigError` naming the setting and the allowed values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+from k2.config.errors import ConfigError
+from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
+
+__all__ = [
+    "ATTENTION_BACKENDS", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "OUTPUTS", "PRECISIONS",
+    "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
+    "resume_settings", "validate",
+]
+
+PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "muonclip")
+#: ``k2.model.attention_backend``: auto = te with Transformer Engine on CUDA, sdpa on CUDA without it, eager
+#: on CPU (``k2.model.backends``)
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
+MAX_LOGIT_KERNELS = ("torch", "triton")
+WANDB_MODES = ("offline", "online", "disabled")
+#: ``output=``: ``k2-plan`` takes all three, ``k2-bench`` text and json
+OUTPUTS = ("text", "table", "json")
+#: the byte-level BPE tokenizer of the embedded corpus: 256 byte ids + <|endoftext|> + <|pad|>
+MIN_EMBEDDED_VOCAB = 256 + 2
+#: ``resume.*`` keys and their defaults (``resume`` is a plain mapping because ``from`` is a Python keyword
+#: and cannot be a dataclass field)
+RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
+RESUME_MODES = ("auto", "never")
+_MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+_MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
+_MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
+                 "offload": MEMORY_OFFLOAD_SITES}
+#: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
+
+
+def _require(ok: bool, setting: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{setting}={value!r}; allowed: {allowed}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------- one section each
+
+
+def check_model(m) -> None:
+    """``model.*``: the compute-backend names (which of them this machine can run is checked by
+    :func:`k2.model.backends.check_backend_config`)."""
+    _require(m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend", m.attention_backend,
+             f"{', '.join(ATTENTION_BACKENDS)} (auto = te with Transformer Engine on CUDA, sdpa on CUDA "
+             "without it, eager on CPU)")
+    _require(m.max_logit_kernel in MAX_LOGIT_KERNELS, "model.max_logit_kernel", m.max_logit_kernel,
+             ", ".join(MAX_LOGIT_KERNELS))
+
+
+def check_train(t) -> None:
+    """``train.*``: precision, step counts, intervals."""
+    _require(t.precision in PRECISIONS, "train.precision", t.precision, ", ".join(PRECISIONS))
+    if t.iters is not None and t.iters < 1:
+        raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
+    if t.save_interval is not None and t.save_interval < 1:
+        raise ConfigError(f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "
+                          "null (save only at the end and on preemption)")
+
+
+def check_checkpoint(c) -> None:
+    """``checkpoint.*``: retention."""
+    _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
+    _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
+             "an integer >= 1 or null")
+
+
+def check_run(r) -> None:
+    """``run.*``: wall-time budget, wandb mode."""
+    if r.max_minutes is not None and not r.max_minutes > 0:
+        raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
+    _require(r.wandb.mode in WANDB_MODES, "run.wandb.mode", r.wandb.mode, ", ".join(WANDB_MODES))
+
+
+def check_optim(o) -> None:
+    """``optim.*``: the optimizer, QK-Clip's tau and, for MuonClip, the Muon settings (K2 report section
+    2.1; the Newton-Schulz coefficient names are emerging-optimizers')."""
+    _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
+    if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
+        raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
+    if o.name != "muonclip":
+        return
+    from typing import get_args
+
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
+
+    coeffs = [c for c in get_args(NSCoeffT) if c != "custom"]
+    _require(o.muon_coefficient_type in coeffs, "optim.muon_coefficient_type", o.muon_coefficient_type,
+             ", ".join(coeffs))
+    _require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
+    _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
+    _require(o.muon_scale_mode in _MUON_SCALE_MODES, "optim.muon_scale_mode", o.muon_scale_mode,
+             ", ".join(_MUON_SCALE_MODES))
+    _require(o.muon_fp32_matmul_prec in _MUON_MATMUL_PRECISIONS, "optim.muon_fp32_matmul_prec",
+             o.muon_fp32_matmul_prec,
+             f"{', '.join(_MUON_MATMUL_PRECISIONS)} (medium = Newton-Schulz in bf16)")
+
+
+def check_memory(mem) -> None:
+    """``memory.*``: known activation-memory site names (``k2.config.schema``), each at most once."""
+    for key, allowed in _MEMORY_SITES.items():
+        names = list(mem[key] or [])
+        for name in names:
+            if name not in allowed:
+                raise ConfigError(f"memory.{key} has {name!r}; allowed: {', '.join(allowed)} (a list, [] = off)")
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigError(f"memory.{key} lists {', '.join(dup)} more than once; allowed: each site once")
+
+
+def check_pipeline(p) -> None:
+    """``pipeline.*``: the trace directory is a path (whether it names a file is checked by
+    :func:`k2.schedules.pipeline.check_pipeline_config`, which looks at the file system)."""
+    if p.trace is not None and not str(p.trace).strip():
+        raise ConfigError("pipeline.trace=''; allowed: a directory path (created if missing) or null")
+
+
+def check_data(d) -> None:
+    """``data.*``: the embedded corpus's own settings when ``data.path`` is null (the syntax and the
+    files of a user dataset are checked by ``k2.launcher.datasets.resolve``)."""
+    if d.path is not None:
+        return
+    if not isinstance(d.vocab_size, int) or d.vocab_size < MIN_EMBEDDED_VOCAB:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} is too small for the byte-level BPE tokenizer of the embedded "
+            f"corpus: it needs at least {MIN_EMBEDDED_VOCAB} (256 bytes + <|endoftext|> + <|pad|>)")
+    vf = d.valid_fraction
+    if not _finite(vf) or not 0.0 < float(vf) < 1.0:
+        raise ConfigError(f"data.valid_fraction={vf} must be in (0, 1): the share of stdlib files held out "
+                          "for validation (e.g. 0.02)")
+    if d.valid_path is not None:
+        raise ConfigError("data.valid_path is set but data.path is null (the embedded stdlib corpus has its "
+                          "own validation split); set data.path too, or data.valid_path=null")
+    if d.tokenizer is not None:
+        raise ConfigError(f"data.tokenizer={d.tokenizer} is set but data.path is null: the embedded stdlib "
+                          "corpus uses the tokenizer k2-data trains; set data.tokenizer=null or give data.path")
+
+
+def check_cluster(c) -> None:
+    """``cluster.*``: the target cluster of ``k2-plan`` / ``k2-submit`` and the MFU peak."""
+    for key in ("nodes", "gpus_per_node"):
+        if c[key] < 1:
+            raise ConfigError(f"cluster.{key}={c[key]} must be an integer >= 1")
+    _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
+             "a number > 0 (GiB)")
+    _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
+             "a number > 0 (dense BF16 TFLOP/s per GPU)")
+
+
+def check_plan(p) -> None:
+    """``plan.*``: ``k2-plan``'s numbers."""
+    _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
+             p.compute_efficiency, "0 < value <= 1")
+    _require(_finite(p.optimizer_offload_fraction) and 0 <= p.optimizer_offload_fraction <= 1,
+             "plan.optimizer_offload_fraction", p.optimizer_offload_fraction, "0 <= value <= 1")
+    if p.step_time_s is not None:
+        _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
+                 "seconds > 0, or null")
+
+
+def check_submit(s) -> None:
+    """``submit.*``: the ``#SBATCH`` settings of ``k2-submit``."""
+    if s.signal_seconds < 1:
+        raise ConfigError(f"submit.signal_seconds={s.signal_seconds} must be an integer >= 1 (seconds)")
+    if not _SLURM_TIME.fullmatch(str(s.time)):
+        raise ConfigError(f"submit.time={s.time!r} is not a Slurm time limit; allowed forms: MM, MM:SS, "
+                          "HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (e.g. 24:00:00)")
+    for key in ("job_name", "partition", "account"):
+        value = s[key]
+        if value is not None and (not str(value) or re.search(r"\s", str(value))):
+            raise ConfigError(f"submit.{key}={value!r} must be a non-empty string without whitespace")
+
+
+def resume_settings(raw) -> dict:
+    """``resume`` (a mapping, or a bare mode string) with the defaults of :data:`RESUME_KEYS` filled in.
+
+    Raises:
+        ConfigError: an unknown key or mode, or ``resume=never`` together with ``resume.from``.
+    """
+    if raw is None:
+        raw = {}
+    if isinstance(raw, str):
+        raw = {"mode": raw}
+    settings = dict(RESUME_KEYS)
+    for k, v in dict(raw).items():
+        if k not in RESUME_KEYS:
+            raise ConfigError(f"unknown setting resume.{k}; allowed: "
+                              f"{', '.join('resume.' + n for n in RESUME_KEYS)}")
+        settings[k] = v
+    if settings["mode"] not in RESUME_MODES:
+        raise ConfigError(f"resume={settings['mode']!r}; allowed: {', '.join(RESUME_MODES)} "
+                          "(or resume.from=PATH to resume from a given checkpoint)")
+    if settings["mode"] == "never" and settings["from"] is not None:
+        raise ConfigError("resume=never contradicts resume.from; set one of them")
+    return settings
+
+
+def check_sweep(s) -> None:
+    """``sweep.*``: the sparsities of a sweep are distinct integers >= 1 (empty = no sweep)."""
+    sparsities = list(s.sparsities or [])
+    if sparsities and (min(sparsities) < 1 or len(set(sparsities)) != len(sparsities)):
+        raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
+
+
+#: section name -> its check (receives only that section)
+SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
+    "model": check_model,
+    "train": check_train,
+    "checkpoint": check_checkpoint,
+    "run": check_run,
+    "optim": check_optim,
+    "memory": check_memory,
+    "pipeline": check_pipeline,
+    "data": check_data,
+    "cluster": check_cluster,
+    "plan": check_plan,
+    "submit": check_submit,
+    "resume": resume_settings,
+    "sweep": check_sweep,
+}
+
+
+# --------------------------------------------------------------------------- rules across sections
+
+
+def check_cross_section(cfg) -> None:
+    """The rules that involve more than one section, all in one place."""
+    _require(cfg.output in OUTPUTS, "output", cfg.output, ", ".join(OUTPUTS))
+    if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
+        raise ConfigError(
+            f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
+            "model.record_max_logits=true (allowed with record_max_logits=false: optim.qk_clip_tau=null)")
+    if cfg.data.path is None and int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
+        raise ConfigError(
+            f"data.vocab_size={cfg.data.vocab_size} (the embedded corpus tokenizer) exceeds "
+            f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding table; set "
+            f"model.vocab_size={cfg.data.vocab_size} (or larger) or data.vocab_size<={cfg.model.vocab_size}")
+    if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
+        raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
+                          "model.num_moe_experts=null")
+
+
+def validate(cfg) -> None:
+    """Run every section's check, then the cross-section rules (``load_config`` calls it).
+
+    Raises:
+        ConfigError: the first rule broken, naming the setting and the allowed values.
+    """
+    for name, check in SECTION_CHECKS.items():
+        check(cfg[name])
+    check_cross_section(cfg)

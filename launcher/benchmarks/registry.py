@@ -1,0 +1,83 @@
+"""``k2-bench``: micro-benchmarks of the launcher's own components, on CPU and (when present) CUDA.
+
+Usage::
+
+    k2-bench                                   # bench=none: list the benchmarks
+    k2-bench bench=attention                   # figures as a table
+    k2-bench bench=attention output=json       # one JSON object on stdout
+    k2-bench bench=attention bench.options.seq_length=512
+    k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
+    k2-bench bench=pipeline                    # decoupled wgrad on vs off: step time, cpu4
+    k2-bench bench=memory                      # saved bytes / step time: memory none|fp8|recompute|offload|all
+    k2-bench bench=step                        # full K2 step vs plain megatron-core, each feature toggled
+
+The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
+:data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
+benchmark's options (defaults in the recipe and in the function; an unknown option or a bad value is a
+:class:`k2.config.ConfigError`: ``k2-bench: error: ...``, exit status 2).
+
+JSON output: ``{"bench": name, "system": {...}, "options": {...}, "figures": {...}}`` with ``system`` =
+torch and megatron-core versions, Python, device name, CPU count, torch threads, CUDA/cuDNN versions.
+Times are milliseconds (median of ``repeats`` timed calls after ``warmup`` untimed ones; CUDA timed with
+``torch.cuda.synchronize`` around each call).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from k2.config.errors import ConfigError
+from k2.launcher.benchmarks.activation_memory import bench_memory
+from k2.launcher.benchmarks.attention import bench_attention
+from k2.launcher.benchmarks.common import describe, system_info
+from k2.launcher.benchmarks.optimizer import bench_optimizer
+
+
+def bench_step(cfg) -> dict[str, Any]:
+    """One K2 training step vs a plain megatron-core step, each K2 feature toggled off (one process)."""
+    from k2.launcher.benchmarks.step import bench_step as run
+
+    return run(cfg)
+
+
+def bench_pipeline(cfg) -> dict[str, Any]:
+    """Step time with decoupled weight gradients (pipeline.decouple_wgrad) on vs off, in one run."""
+    from k2.launcher.benchmarks.pipeline import bench_pipeline as run
+
+    return run(cfg)
+
+
+#: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
+BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "attention": bench_attention,
+    "optimizer": bench_optimizer,
+    "pipeline": bench_pipeline,  # k2.launcher.benchmarks.pipeline
+    "memory": bench_memory,
+    "step": bench_step,  # k2.launcher.benchmarks.step
+}
+
+
+def run_bench(cfg) -> dict[str, Any]:
+    """The JSON record of ``cfg.bench.name`` (``none``: the list of benchmarks).
+
+    Raises:
+        ConfigError: unknown benchmark name or a bad option.
+    """
+    name = cfg.bench.name
+    if name == "none":
+        return {"bench": "none", "available": {k: describe(fn) for k, fn in BENCHMARKS.items()}}
+    if name not in BENCHMARKS:
+        raise ConfigError(f"bench.name={name!r}; available: none, {', '.join(BENCHMARKS)}")
+    with warnings.catch_warnings():  # importing megatron warns about the missing TE/Apex
+        warnings.simplefilter("ignore")
+        figures = BENCHMARKS[name](cfg)
+    options = cfg.bench.options
+    from omegaconf import OmegaConf
+
+    return {
+        "bench": name,
+        "system": system_info(),
+        "options": OmegaConf.to_container(options) if options is not None else None,
+        "figures": figures,
+    }

@@ -1,0 +1,123 @@
+"""Which checkpoint a run continues from, decided before any process group exists (:func:`plan_resume`),
+and whether it may: a resume must not silently change what training computes, and the optimizer formats
+reshard over DP only (:func:`check_resume_compatible`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from k2.config.errors import ConfigError
+from k2.config.validate import resume_settings
+from k2.launcher.checkpointing.paths import CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint, read_state
+
+#: config sections whose change alters what training computes; refused on resume unless resume.force.
+GUARDED = ("model", "schedule", "optim", "data", "run.seed", "train.precision")
+
+
+
+def _select(container: dict, dotted: str):
+    node = container
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _diff(a, b, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}.{k}")
+        return out
+    return [] if a == b else [f"{prefix}: {a!r} -> {b!r}"]
+
+
+def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dict, force: bool,
+                            path) -> list[str]:
+    """Refuse a resume that would silently change training or that the checkpoint cannot serve.
+
+    Args:
+        state: the checkpoint's ``k2_state.json``.
+        saved_cfg / cfg: the resolved configs (dicts) of the checkpoint's run and of this run.
+        layout: this run's ``{"pp", "vpp", "ep", "dp", "world_size"}``.
+        force: ``resume.force``: accept changes of guarded settings (never a layout change).
+
+    Returns:
+        The accepted changes of guarded settings (to be logged), empty when none.
+
+    Raises:
+        ConfigError: PP, VPP or EP differ (the optimizer formats reshard over DP only), the DP size
+            differs with the layer-wise (Muon) optimizer, or a guarded setting (:data:`GUARDED`) differs
+            and ``force`` is false.
+    """
+    saved = state["layout"]
+    fixed = [k for k in ("pp", "vpp", "ep") if saved[k] != layout[k]]
+    if fixed:
+        raise ConfigError(
+            f"checkpoint {path} was written with PP={saved['pp']} VPP={saved['vpp']} EP={saved['ep']} "
+            f"(DP={saved['dp']}); this run has PP={layout['pp']} VPP={layout['vpp']} EP={layout['ep']}. "
+            f"Compatible layouts: parallel.pp={saved['pp']}, parallel.vpp={saved['vpp']}, "
+            f"parallel.ep={saved['ep']} with any DP that divides the run (AdamW); the optimizer "
+            "checkpoint formats reshard over DP only"
+        )
+    if saved["dp"] != layout["dp"] and state.get("optimizer_dp_fixed"):
+        raise ConfigError(
+            f"checkpoint {path} holds the layer-wise (Muon) optimizer state of DP={saved['dp']}; megatron's "
+            f"LayerWiseDistributedOptimizer checkpoints are for a fixed DP size: run with world size "
+            f"{saved['world_size']} (DP={saved['dp']})"
+        )
+    changes = []
+    for key in GUARDED:
+        changes += _diff(_select(saved_cfg, key), _select(cfg, key), key)
+    if changes and not force:
+        raise ConfigError(
+            f"resuming from {path} would change training: {'; '.join(changes[:6])}"
+            f"{' ...' if len(changes) > 6 else ''}. Restore those settings, start a new run.dir, or "
+            "accept the change with resume.force=true"
+        )
+    return changes
+
+
+def plan_resume(cfg, layout: dict) -> Optional[Path]:
+    """Decide, before any process group exists, which checkpoint this run resumes from.
+
+    ``resume.from=PATH`` -> that checkpoint; ``resume=auto`` (default) -> ``<run.dir>/checkpoints/latest``
+    when it exists; otherwise a fresh start, which needs a run dir without a previous run (``resume=never``
+    refuses any non-empty run dir).
+
+    Raises:
+        ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`, :func:`check_resume_compatible`;
+            a fresh start into a run dir that holds metrics but no checkpoint.
+    """
+    from omegaconf import OmegaConf
+
+    settings = resume_settings(cfg.resume)
+    run_dir = Path(cfg.run.dir)
+    if settings["mode"] == "never":
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise ConfigError(f"resume=never and run.dir={run_dir} is not empty; choose a new run.dir "
+                              "or drop resume=never to resume from its latest checkpoint")
+        return None
+    if settings["from"] is not None:
+        path = Path(str(settings["from"]))
+        if path.is_dir() and (path / LATEST).exists():  # a checkpoints/ directory: its latest
+            path = path / (path / LATEST).read_text().strip()
+        elif path.is_dir() and (path / CHECKPOINTS / LATEST).exists():  # a run dir: its latest
+            path = latest_checkpoint(path)
+    else:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            if (run_dir / "metrics.jsonl").exists():
+                raise ConfigError(
+                    f"run.dir={run_dir} holds a run (metrics.jsonl) but no complete checkpoint to resume "
+                    "from; choose a new run.dir, delete the old one, or set train.save_interval"
+                )
+            return None
+    state = read_state(path)
+    saved_cfg = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=True)
+    check_resume_compatible(state, saved_cfg, OmegaConf.to_container(cfg, resolve=True), layout,
+                            bool(settings["force"]), path)
+    return path

@@ -1,0 +1,261 @@
+"""Saving and loading checkpoints with megatron-core dist-checkpointing (``torch_dist``), and their
+retention. The visibility protocol and what a checkpoint holds: :mod:`k2.launcher.checkpointing`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from k2.launcher.checkpointing.paths import (
+    CONFIG_FILE,
+    LATEST,
+    PARTIAL_SUFFIX,
+    STATE_FILE,
+    checkpoints_dir,
+    complete_checkpoint_names,
+    iter_name,
+    read_state,
+)
+from k2.launcher.checkpointing.rng import rng_state, set_rng_state
+from k2.optim.build import leaf_optimizers
+
+#: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.
+OPTIM_SHARDING = "dp_reshardable"
+
+
+@contextlib.contextmanager
+def _fp32_params_visible_to_checkpointing(optimizer):
+    """Let megatron's mixed-precision optimizer wrapper checkpoint fp32 model parameters.
+
+    ``Float16OptimizerWithFloat16Params.sharded_state_dict`` (megatron-core 0.19.2) maps optimizer state to
+    model tensors through its ``float16_groups`` only; parameters that are fp32 in the model sit in
+    ``fp32_from_fp32_groups`` and fail with "Param id 0 does not match any model sharded param". The
+    MuonClip path always uses that wrapper, also for an fp32 model (optim/build.py: megatron's
+    layer-wise optimizer needs it), so for a wrapper that holds no 16-bit parameter at all the fp32 groups
+    -- the same tensors, in the same order as its inner optimizer's parameters -- stand in for the
+    float16 groups while the state dict is built.
+    """
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    swapped = []
+    for opt in leaf_optimizers(optimizer):
+        if (isinstance(opt, Float16OptimizerWithFloat16Params)
+                and not any(opt.float16_groups) and any(opt.fp32_from_fp32_groups)):
+            swapped.append((opt, opt.float16_groups))
+            opt.float16_groups = opt.fp32_from_fp32_groups
+    try:
+        yield
+    finally:
+        for opt, groups in swapped:
+            opt.float16_groups = groups
+
+
+def _sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool) -> dict:
+    """Megatron-LM's checkpoint structure: ``model`` (one chunk) or ``model0..``, ``optimizer``, and one
+    ``rng_state`` object per global rank."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd: dict = {}
+    if len(model) == 1:
+        sd["model"] = model[0].module.sharded_state_dict()
+    else:
+        for i, chunk in enumerate(model):
+            sd[f"model{i}"] = chunk.module.sharded_state_dict()
+    # the optimizer finds its parameters in the model tensors of ALL chunks (as Megatron-LM passes its
+    # whole state dict); a flat merge would lose chunk 0's entries to chunk 1's equal local names
+    model_sd = dict(sd)
+    with _fp32_params_visible_to_checkpointing(optimizer):
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
+    if with_rng:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        sd["rng_state"] = ShardedObject("rng_state", rng_state() if not is_loading else None,
+                                        (world,), (rank,), replica_id=0)
+    return sd
+
+
+def _in_process_write_results() -> None:
+    """Make megatron's torch_dist writer report its write results through an in-process queue.
+
+    megatron-core 0.19.2 (``filesystem_async.get_write_results_queue``) hands the writer's results back
+    through a ``multiprocessing`` Manager queue, i.e. a helper process started with ``spawn`` on the first
+    save of every rank. For a synchronous save (ours) the writer runs in the rank's own threads, so a
+    plain ``queue.Queue`` carries the same results. The helper process is harmful here: Slurm sends
+    SIGTERM to every process of a job step on requeue/preemption, which kills it and with it the very
+    save the signal asked for (found by tests/integration/test_slurm_real.py); it also costs a Python start per rank
+    and makes any script that wraps the trainer need an ``if __name__ == "__main__"`` guard.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _before_commit(step: int) -> None:
+    """Runs on every rank after its tensors are written and before the checkpoint is made visible. A
+    no-op; tests replace it to kill a rank mid-save (tests/support/scripts/crash_in_save_train.py)."""
+
+
+def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, config_yaml: str,
+                    keep_last: int, keep_every: Optional[int]) -> Path:
+    """Write checkpoint ``iter_<step>`` on every rank and make it ``latest`` once all ranks are done.
+
+    Args:
+        run_dir: ``run.dir``.
+        step: the optimizer step just completed (1-based).
+        model: the DDP-wrapped model chunks; optimizer: the megatron optimizer.
+        state: JSON-able run state for ``k2_state.json`` (rank 0's value is written).
+        config_yaml: the resolved config.
+        keep_last / keep_every: retention (see :func:`prune`).
+
+    Returns:
+        The path of the complete checkpoint.
+
+    Collective: every rank must call it at the same step.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    root = checkpoints_dir(run_dir)
+    final = root / iter_name(step)
+    partial = root / (iter_name(step) + PARTIAL_SUFFIX)
+    if dist.get_rank() == 0:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
+    _in_process_write_results()
+    dist_checkpointing.save(sd, str(partial), validate_access_integrity=True)
+    _before_commit(step)
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+        (partial / CONFIG_FILE).write_text(config_yaml)
+        if final.exists():  # re-save of the same step (e.g. after a resume that replayed it)
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(final.name + "\n")
+        os.replace(tmp, root / LATEST)
+        prune(root, keep_last, keep_every)
+    dist.barrier()
+    return final
+
+
+def prune(root: Path, keep_last: int, keep_every: Optional[int]) -> list[str]:
+    """Delete complete checkpoints except the newest ``keep_last`` and every step that is a multiple of
+    ``keep_every``; the one ``latest`` names is always kept. Returns the names removed."""
+    root = Path(root)
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+    names = complete_checkpoint_names(root)
+    keep = set(names[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep |= {n for n in names if int(n.split("_")[1]) % keep_every == 0}
+    if latest:
+        keep.add(latest)
+    removed = [n for n in names if n not in keep]
+    for n in removed:
+        shutil.rmtree(root / n, ignore_errors=True)
+    return removed
+
+
+def remove_partial_saves(run_dir) -> list[str]:
+    """Delete ``iter_*.partial`` leftovers of killed saves (rank 0, before training). Returns their names."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    gone = [p.name for p in root.iterdir() if p.name.endswith(PARTIAL_SUFFIX)]
+    for n in gone:
+        shutil.rmtree(root / n, ignore_errors=True)
+    return gone
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give every parameter of a fresh optimizer its (zero) state before a load.
+
+    megatron-core 0.19.2's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` first calls its
+    ``state_dict()``, which without Apex/Transformer Engine reads ``state[p]["step"]`` of every parameter
+    and asserts they agree -- it fails (assert / KeyError 'step') on a fresh optimizer, i.e. on every
+    resume on CPU or on a GPU without TE. Megatron's own remedy (``_init_optimizer_states_with_dummy_values``)
+    runs an optimizer step, which applies weight decay to the parameters; here the state is created in
+    place instead (zeros and step 0, every value overwritten by the load), through megatron's
+    ``init_state_fn`` where the optimizer has one (Adam moments, Muon momentum).
+    """
+    for opt in leaf_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        init_fn = getattr(opt, "init_state_fn", None)
+        if init_fn is not None:
+            init_fn(inner, getattr(opt, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if isinstance(inner, torch.optim.Adam) or isinstance(inner, torch.optim.AdamW):
+                    st.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
+                    st.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+                    st.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _restore_step_counts(optimizer) -> None:
+    """Give each parameter its own, correct Adam ``step`` after a load.
+
+    megatron-core 0.19.2's ``DistributedOptimizer.load_state_dict`` on the path without Apex/TE (i)
+    puts ONE ``step`` tensor into the state of every parameter, which torch's Adam then increments in
+    place once per parameter, and (ii) copies the per-parameter ``step`` of the ``dp_reshardable``
+    parameter state over it, which loads as 0. Either way the bias correction of every later update
+    differs from an uninterrupted run (found by the bitwise-resume test, tests/integration/test_checkpoint.py). The
+    step megatron keeps in each param group (restored correctly) is the true count.
+    """
+    for opt in leaf_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            step = group.get("step")
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st and isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = (torch.tensor(float(step), dtype=st["step"].dtype,
+                                               device=st["step"].device)
+                                  if step is not None else st["step"].detach().clone())
+
+
+def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
+    """Load model chunks, optimizer and (when the world size is the checkpoint's) this rank's RNG state.
+
+    Returns:
+        The checkpoint's ``k2_state.json``.
+
+    Collective: every rank calls it. Megatron's dist-checkpointing reads each rank's tensors, resharding
+    the model for the current layout and the optimizer for the current DP size.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    state = read_state(path)
+    _materialise_optimizer_state(optimizer)
+    sd = _sharded_state_dict(model, optimizer, is_loading=True, with_rng=same_world)
+    loaded = dist_checkpointing.load(sd, str(path))
+    if len(model) == 1:
+        model[0].module.load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_step_counts(optimizer)
+    if same_world:
+        set_rng_state(loaded["rng_state"])
+    return state

@@ -1,0 +1,297 @@
+"""Validation of the ``data`` settings against the files on disk, before any heavy work or process group.
+
+:func:`resolve_data` checks the blend syntax of ``data.path`` / ``data.valid_path`` (one prefix, a list, or
+``[w1, prefix1, w2, prefix2, ...]``), that every ``PREFIX.bin`` / ``PREFIX.idx`` pair exists and agrees,
+``data.split``, the tokenizer and its vocabulary against ``model.vocab_size``; it returns
+:class:`ResolvedData` for :func:`k2.launcher.datasets.gpt.build_datasets`. The embedded corpus's settings
+alone are checked by :func:`k2.config.validate.check_data`. Errors are :class:`ConfigError` naming the
+setting (and the missing file).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from k2.config.errors import ConfigError
+from k2.launcher.datasets.corpus import stdlib_corpus_dir
+from k2.launcher.datasets.tokenizer import HFTokenizer
+
+_NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+Blend = tuple[list[str], Optional[list[float]]]  # megatron's (prefixes, weights or None)
+
+
+@dataclass
+class ResolvedData:
+    """Validated data settings, ready for :func:`build_datasets`.
+
+    Attributes:
+        train_blend: ``(prefixes, weights)`` in megatron's blend form; ``weights`` None = in
+            proportion to dataset size.
+        valid_blend: the same for ``data.valid_path`` (or the embedded valid split); None when the
+            validation data is carved out of ``train_blend`` by ``split``.
+        split: megatron split string ``"train,valid,test"`` used when ``valid_blend`` is None.
+        tokenizer_path: absolute path of the ``tokenizer.json``.
+        tokenizer_vocab_size: ids of that tokenizer (<= ``k2.model.vocab_size``).
+        index_cache_dir: ``<data.cache_dir>/index_cache``: megatron's cached sample/shuffle indices.
+        embedded: True for the stdlib corpus (``data.path=null``), which
+            :func:`prepare_stdlib_corpus` must have built before :func:`build_datasets`.
+        stats: per prefix, ``(documents, tokens)`` read from its ``.idx`` (user data only).
+    """
+
+    train_blend: Blend
+    valid_blend: Optional[Blend]
+    split: Optional[str]
+    tokenizer_path: str
+    tokenizer_vocab_size: int
+    index_cache_dir: str
+    embedded: bool = False
+    stats: dict = field(default_factory=dict)
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float)):
+        return True
+    return isinstance(x, str) and bool(_NUMBER_RE.match(x.strip()))
+
+
+def _norm_prefix(p: str) -> str:
+    p = os.path.expanduser(p.strip())
+    for suffix in (".bin", ".idx"):
+        if p.endswith(suffix):
+            p = p[: -len(suffix)]
+    return os.path.abspath(p)
+
+
+def parse_blend(value: Any, key: str) -> Blend:
+    """Parse one prefix, a list of prefixes or a blend ``[w1, prefix1, w2, prefix2, ...]``.
+
+    Args:
+        value: the setting's value (str, list, or an OmegaConf ListConfig).
+        key: the setting's name, for messages (``data.path`` / ``data.valid_path``).
+
+    Returns:
+        ``(absolute prefixes, weights or None)``; a trailing ``.bin``/``.idx`` on a prefix is dropped.
+
+    Raises:
+        ConfigError: empty list, odd-length blend, non-numeric / negative / zero / non-finite weight,
+            a number where a prefix belongs, or a value that is neither a string nor a list.
+    """
+    value = _plain(value)
+    if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{key} is an empty string; give a dataset prefix (PREFIX.bin/PREFIX.idx)")
+        return [_norm_prefix(value)], None
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"{key}={value!r} must be a dataset prefix, a list of prefixes or a blend "
+            f"[weight1, prefix1, weight2, prefix2, ...]"
+        )
+    items = list(value)
+    if not items:
+        raise ConfigError(f"{key} is an empty list; give at least one dataset prefix")
+    numeric = [_is_number(x) for x in items]
+    if not any(numeric):
+        bad = [x for x in items if not isinstance(x, str) or not x.strip()]
+        if bad:
+            raise ConfigError(f"{key}: every prefix must be a non-empty string, got {bad[0]!r}")
+        return [_norm_prefix(x) for x in items], None
+    # a weighted blend
+    form = "a blend is [weight1, prefix1, weight2, prefix2, ...]"
+    if len(items) % 2:
+        raise ConfigError(
+            f"{key} has {len(items)} entries but {form} (an even number of entries): {items}"
+        )
+    prefixes, weights = [], []
+    for i in range(0, len(items), 2):
+        w, p = items[i], items[i + 1]
+        if not _is_number(w):
+            raise ConfigError(
+                f"{key}: weight at position {i} is {w!r}, which is not a number; {form}: {items}"
+            )
+        if _is_number(p) or not isinstance(p, str) or not p.strip():
+            raise ConfigError(
+                f"{key}: expected a dataset prefix at position {i + 1}, got {p!r}; {form}: {items}"
+            )
+        wf = float(w)
+        if not math.isfinite(wf) or wf < 0:
+            raise ConfigError(f"{key}: weight {w!r} of '{p}' is negative or not finite; weights must be > 0")
+        if wf == 0:
+            raise ConfigError(f"{key}: weight of '{p}' is 0; remove the entry instead (weights must be > 0)")
+        prefixes.append(_norm_prefix(p))
+        weights.append(wf)
+    return prefixes, weights
+
+
+def _read_idx_lengths(idx_path: str) -> tuple[np.ndarray, int]:
+    """Sequence lengths (int32) and token dtype itemsize from a megatron ``.idx`` (format version 1)."""
+    import struct
+
+    with open(idx_path, "rb") as f:
+        header = f.read(34)
+    if len(header) < 34 or header[:9] != b"MMIDIDX\x00\x00":
+        raise ValueError("not a megatron indexed-dataset index (bad header)")
+    (version,) = struct.unpack("<Q", header[9:17])
+    if version != 1:
+        raise ValueError(f"unsupported .idx version {version}")
+    code = header[17]
+    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}.get(code)
+    if itemsize is None:
+        raise ValueError(f"unknown token dtype code {code}")
+    (count,) = struct.unpack("<Q", header[18:26])
+    lengths = np.fromfile(idx_path, dtype=np.int32, count=count, offset=34)
+    if lengths.size != count:
+        raise ValueError("truncated .idx")
+    return lengths, itemsize
+
+
+def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
+    for p in blend[0]:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(p + ext):
+                raise ConfigError(
+                    f"{key}: dataset prefix '{p}' is incomplete: missing file {p + ext} (a megatron "
+                    f"indexed dataset is PREFIX.bin + PREFIX.idx, e.g. written by k2-data or "
+                    f"megatron's tools/preprocess_data.py)"
+                )
+        if p in stats:
+            continue
+        try:
+            lengths, itemsize = _read_idx_lengths(p + ".idx")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}: cannot read {p}.idx: {e}") from None
+        tokens = int(lengths.sum(dtype=np.int64))
+        if lengths.size == 0 or tokens == 0:
+            raise ConfigError(f"{key}: dataset '{p}' holds no tokens")
+        bin_bytes = os.path.getsize(p + ".bin")
+        if bin_bytes != tokens * itemsize:
+            raise ConfigError(
+                f"{key}: {p}.bin has {bin_bytes} bytes but {p}.idx describes {tokens} tokens of "
+                f"{itemsize} bytes ({tokens * itemsize} bytes); the pair is truncated or mismatched"
+            )
+        stats[p] = (int(lengths.size), tokens)
+
+
+def _parse_split(split: Any) -> list[float]:
+    s = str(split)
+    parts = [x.strip() for x in re.split(r"[,/]", s)]
+    if not 1 <= len(parts) <= 3 or not all(_NUMBER_RE.match(x) for x in parts):
+        raise ConfigError(
+            f"data.split={s!r} must be 1 to 3 non-negative numbers 'train,valid,test' "
+            f"(e.g. '98,2,0'; quote it on the command line: data.split='98,2,0')"
+        )
+    v = [float(x) for x in parts] + [0.0] * (3 - len(parts))
+    if v[0] <= 0:
+        raise ConfigError(f"data.split={s!r} gives the training split no share (first number must be > 0)")
+    return v
+
+
+def resolve_data(cfg: Any) -> ResolvedData:
+    """Validate the ``data`` settings against each other and ``k2.model.vocab_size``; no heavy work.
+
+    ``data.path`` null selects the embedded stdlib corpus (``data.vocab_size``, ``data.valid_fraction``,
+    built by :func:`prepare_stdlib_corpus`; ``data.tokenizer`` / ``data.valid_path`` must then be null).
+    Otherwise ``data.path`` is one prefix, a list of prefixes or a blend ``[w1, prefix1, w2, ...]``;
+    ``data.valid_path`` the same or null (then ``data.split`` carves validation out of the train
+    blend); ``data.tokenizer`` the ``tokenizer.json`` that produced the token ids.
+
+    Checks: blend syntax; both ``PREFIX.bin`` and ``PREFIX.idx`` exist, the ``.idx`` is readable and
+    the ``.bin`` size agrees with it; ``data.split`` parses and leaves every used split documents; the
+    tokenizer exists, loads and has an EOD token; its vocab size <= ``k2.model.vocab_size``.
+
+    Args:
+        cfg: the full config (``load_config`` result); ``cfg.data`` and ``cfg.model.vocab_size`` are read.
+
+    Returns:
+        :class:`ResolvedData`.
+
+    Raises:
+        ConfigError: one message naming the offending setting (and the missing file, or both vocab
+            sizes and what to set).
+    """
+    data = cfg.data
+    model_vocab = int(cfg.model.vocab_size)
+    cache_dir = os.path.abspath(os.path.expanduser(str(data.cache_dir)))
+    index_cache_dir = os.path.join(cache_dir, "index_cache")
+
+    if data.path is None:  # the embedded corpus; its settings are checked by k2.config.validate
+        d = stdlib_corpus_dir(data)
+        return ResolvedData(
+            train_blend=([os.path.join(d, "train")], None),
+            valid_blend=([os.path.join(d, "valid")], None),
+            split=None,
+            tokenizer_path=os.path.join(d, "tokenizer.json"),
+            tokenizer_vocab_size=int(data.vocab_size),
+            index_cache_dir=index_cache_dir,
+            embedded=True,
+        )
+
+    stats: dict = {}
+    train_blend = parse_blend(data.path, "data.path")
+    valid_blend = None if data.valid_path is None else parse_blend(data.valid_path, "data.valid_path")
+    _check_prefixes(train_blend, "data.path", stats)
+    if valid_blend is not None:
+        _check_prefixes(valid_blend, "data.valid_path", stats)
+        split = None
+    else:
+        vec = _parse_split(data.split)
+        split = ",".join(f"{x:g}" for x in vec)
+        total = sum(vec)
+        beg, end = vec[0] / total, (vec[0] + vec[1]) / total
+        for p in train_blend[0]:  # megatron slices each prefix's documents by the split bookends
+            n = stats[p][0]
+            if int(round(beg * n)) == 0:
+                raise ConfigError(
+                    f"data.split={data.split!r} leaves no training documents in '{p}' ({n} documents)"
+                )
+            if vec[1] > 0 and int(round(end * n)) - int(round(beg * n)) == 0:
+                raise ConfigError(
+                    f"data.split={data.split!r} leaves no validation documents in '{p}' ({n} "
+                    f"documents); raise the valid share or give data.valid_path"
+                )
+
+    if data.tokenizer is None:
+        raise ConfigError(
+            "data.tokenizer is null but data.path is set: give the tokenizer.json that produced the "
+            "token ids of data.path (data.tokenizer=/path/to/tokenizer.json)"
+        )
+    tok_path = os.path.abspath(os.path.expanduser(str(data.tokenizer)))
+    if not os.path.isfile(tok_path):
+        raise ConfigError(f"data.tokenizer: file not found: {tok_path}")
+    try:
+        tok = HFTokenizer(tok_path)
+    except ValueError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    if tok.vocab_size > model_vocab:
+        raise ConfigError(
+            f"data.tokenizer {tok_path} has {tok.vocab_size} ids but model.vocab_size={model_vocab}: "
+            f"token ids would overflow the embedding table; set model.vocab_size={tok.vocab_size} "
+            f"(or larger)"
+        )
+    return ResolvedData(
+        train_blend=train_blend,
+        valid_blend=valid_blend,
+        split=split,
+        tokenizer_path=tok_path,
+        tokenizer_vocab_size=tok.vocab_size,
+        index_cache_dir=index_cache_dir,
+        embedded=False,
+        stats=stats,
+    )

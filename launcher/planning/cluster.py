@@ -1,0 +1,242 @@
+"""``k2-plan``'s engine: a layout, memory per GPU, pipeline bubble and FLOPs for a cluster, before any GPU.
+
+For ``cluster.nodes x cluster.gpus_per_node`` GPUs (``cluster.gpu_memory_gib`` each, ``cluster.peak_tflops``
+dense BF16 peak) and any model / parallel / memory / schedule config, without a GPU or a process group:
+
+* **Layout** (:class:`k2.parallel.dims.ParallelDims`, megatron-core 0.19.2's placement): PP/VPP/EP/DP for
+  the world size, which decoder layers each ``[pp_rank][vpp_stage]`` builds and which stage holds the
+  embedding / the loss. K2's rule: the model-parallel group (TP x PP x EP GPUs; K2: PP16 x EP16 = 256
+  GPUs = 32 nodes) is reused for any node count that is a multiple of it; another node count is refused.
+  ``plan.search=true`` ranks every valid (pp, vpp, ep) (:mod:`k2.launcher.planning.search`).
+* **Memory per GPU** (:mod:`k2.launcher.planning.memory`): parameters, FP32 gradient buffers and
+  optimizer states as megatron lays them out, activations in flight in the simulated schedule with the
+  ``memory.*`` switches; reported for the fullest GPU over the phases that run.
+* **Pipeline bubble** (:mod:`k2.schedules.pipeline_sim`, :mod:`k2.launcher.planning.analysis`):
+  megatron's (interleaved) 1F1B order simulated with per-stage costs from the layout's FLOPs;
+  ``pipeline.decouple_wgrad=true`` plans the trainer's decoupled weight gradients.
+* **FLOPs and MFU** (:mod:`k2.model.flops`, the formula ``k2-train`` logs MFU with).
+
+:func:`plan_cluster` returns a :class:`ClusterPlan`; its ``report`` is the JSON record of ``output=json``
+(keys: ``params_total``, ``params_active``, ``params``, ``world_size``, ``tp``/``pp``/``vpp``/``ep``/``dp``/
+``expert_dp``, ``cluster``, ``model_parallel_group``, ``layout``, ``embedding_stage`` / ``loss_stage``,
+``stages``, ``pp_ranks``, ``memory_per_gpu_bytes``, ``gpu_memory_bytes``, ``fits``, ``bubble_fraction``,
+``pipeline``, ``flops_per_token``, ``flops``, ``global_batch_tokens``, ``num_microbatches``,
+``step_time_s_estimated``, ``mfu_estimated``, with ``plan.step_time_s`` also ``model_tflops_per_gpu``
+and ``mfu``, with ``plan.search`` the ranked ``search`` list, the ``schedule``, and ``lr_at_tokens``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import ListConfig, OmegaConf
+
+from k2.config import ConfigError
+from k2.launcher.planning.analysis import analyse_layout
+from k2.launcher.planning.search import WORLD_FROM, search_layouts
+from k2.model.flops import mfu
+from k2.model.params import ModelParams, count_params
+from k2.parallel.dims import ParallelDims
+from k2.schedules.pipeline_sim import PipelineResult
+from k2.schedules.resolve import lr_at_tokens, resolve_schedule
+from k2.schedules.wsd import Schedule
+
+__all__ = ["ClusterPlan", "check_model_parallel_group", "plan_cluster"]
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """The plan of one config for one cluster.
+
+    Attributes:
+        report: the JSON-ready record (module docstring lists its keys); bytes, FLOPs, seconds.
+        schedule: the resolved training schedule (``plot=`` draws it).
+        pipeline: the simulated schedule of the main phase (``plot=`` draws its per-rank timeline).
+    """
+
+    report: dict[str, Any]
+    schedule: Schedule
+    pipeline: PipelineResult
+
+
+def check_model_parallel_group(cfg, world: int) -> None:
+    """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group
+    (TP x PP x EP GPUs; K2: PP16 x EP16 = 256 GPUs = 32 nodes) is reused for any node count that is a
+    multiple of it.
+
+    Raises:
+        ConfigError: ``world`` is not a multiple of the group, naming the allowed ``cluster.nodes``.
+    """
+    par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
+    group = int(par.tp or 1) * int(par.pp or 1) * int(par.ep or 1)
+    if group < 1 or world % group == 0:
+        return
+    step = math.lcm(group, gpn) // gpn
+    raise ConfigError(
+        f"cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node={gpn} = {world} GPUs is not a multiple "
+        f"of the model-parallel group parallel.pp={par.pp} x parallel.ep={par.ep} = {group} GPUs "
+        f"({group / gpn:g} nodes); the group is reused for any node count that is a multiple of {step} "
+        f"(allowed cluster.nodes: {step}, {2 * step}, {3 * step}, ...)"
+    )
+
+
+def plan_cluster(cfg) -> ClusterPlan:
+    """Plan ``cfg`` (a validated config) on its ``cluster``.
+
+    Raises:
+        ConfigError: a layout that does not fit the world size, a schedule the layout cannot run, a model
+            setting megatron cannot build, naming the setting.
+    """
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    check_model_parallel_group(cfg, world)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM)
+    schedule = resolve_schedule(cfg, dims)
+    try:
+        counts = count_params(cfg)
+    except ValueError as e:  # e.g. model.first_k_dense_replace out of range
+        raise ConfigError(str(e)) from None
+    a = analyse_layout(cfg, dims, counts, schedule)
+    report = {
+        **_identity(cfg, dims, counts),
+        "stages": _stages(dims, counts),
+        "pp_ranks": _pp_ranks(dims, counts, a["worst"]["memory"]),
+    }
+    report["max_params_per_gpu"] = max(p["params_per_gpu"] for p in report["pp_ranks"])
+    report.update(_memory(counts, schedule, a))
+    report.update(_pipeline_and_flops(cfg, dims, schedule, a))
+    if cfg.plan.step_time_s is not None:
+        tflops, frac = mfu(report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size,
+                           float(cfg.cluster.peak_tflops))
+        report.update(step_time_s=float(cfg.plan.step_time_s), model_tflops_per_gpu=tflops, mfu=frac)
+    if cfg.plan.search:
+        report["search"] = search_layouts(cfg, world, counts)
+    return ClusterPlan(report, schedule, a["main"]["sim"])
+
+
+def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
+    """Model, cluster, parallel sizes and the layer table."""
+    gpn = cfg.cluster.gpus_per_node
+    group = dims.tp * dims.pp * dims.ep
+    return {
+        "model": cfg.model.name,
+        "parallel": cfg.parallel.name,
+        "world_size": dims.world_size,
+        "nodes": cfg.cluster.nodes,
+        "gpus_per_node": gpn,
+        "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
+                    "gpu_memory_gib": float(cfg.cluster.gpu_memory_gib),
+                    "peak_tflops": float(cfg.cluster.peak_tflops)},
+        "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
+                                 "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "vpp": dims.vpp,
+        "ep": dims.ep,
+        "dp": dims.dp,
+        "expert_dp": dims.expert_dp,
+        "num_layers": dims.num_layers,
+        "params_total": counts.total,
+        "params_active": counts.active,
+        "params": counts.as_dict(),
+        "megatron_layout": dims.megatron_layout,
+        "layout": dims.layout,
+        "embedding_stage": {"pp_rank": 0, "vpp_stage": 0},
+        "loss_stage": {"pp_rank": dims.pp - 1, "vpp_stage": dims.vpp - 1},
+    }
+
+
+def _stages(dims: ParallelDims, counts: ModelParams) -> list[dict[str, Any]]:
+    """One row per virtual stage, in pipeline order: its layers and parameters."""
+    stages = []
+    for v in range(dims.vpp):
+        for r in range(dims.pp):
+            layers = dims.layers(r, v)
+            emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
+            stages.append({
+                "virtual_stage": dims.virtual_stage(r, v),
+                "pp_rank": r,
+                "vpp_stage": v,
+                "layers": layers,
+                "num_moe_layers": sum(counts.moe_pattern[i] for i in layers),
+                "has_embedding": emb,
+                "has_loss": loss,
+                "params": counts.stage(layers, emb, loss),
+            })
+    return stages
+
+
+def _pp_ranks(dims: ParallelDims, counts: ModelParams, memory: list) -> list[dict[str, Any]]:
+    """One row per PP rank (all its virtual stages): parameters per GPU and the memory of its fullest GPU."""
+    rows = []
+    for r in range(dims.pp):
+        layers = [i for v in range(dims.vpp) for i in dims.layout[r][v]]
+        emb = any(dims.stage_has_embedding(r, v) for v in range(dims.vpp))
+        loss = any(dims.stage_has_loss(r, v) for v in range(dims.vpp))
+        per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
+        rows.append({
+            "pp_rank": r,
+            "layers": layers,
+            "num_layers": len(layers),
+            "has_embedding": emb,
+            "has_loss": loss,
+            "params": counts.stage(layers, emb, loss),
+            "params_per_gpu": per_gpu,
+            "bf16_param_bytes_per_gpu": 2 * per_gpu,
+            "fp32_grad_bytes_per_gpu": 4 * per_gpu,
+            "memory_bytes": memory[r].as_dict(),
+        })
+    return rows
+
+
+def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
+    """Bytes: totals over the cluster, the fullest GPU over the phases that run, the fit."""
+    mem, worst_phase = a["worst_gpu"], a["worst"]["phases"][0]
+    all_states = [x for row in a["states"] for x in row]
+    return {
+        "bf16_param_bytes_total": 2 * counts.total,
+        "param_and_grad_bytes_total": 6 * counts.total,
+        "memory_per_gpu_bytes": {
+            "params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+            "activations": mem.activations, "total": mem.total,
+            "optimizer_offloaded_to_host": mem.optimizer_offloaded,
+            "activations_offloaded_to_host_peak": mem.activations_offloaded_peak,
+            "microbatches_in_flight": mem.in_flight, "pp_rank": mem.pp_rank,
+            "phase": worst_phase,
+            "seq_length": next(p.seq_length for p in schedule.phases if p.name == worst_phase),
+        },
+        "allocated_param_and_grad_bytes_mean_per_gpu": sum(x.params + x.grads for x in all_states)
+        / len(all_states),
+        "gpu_memory_bytes": a["capacity_bytes"],
+        "fits": a["fits"],
+    }
+
+
+def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) -> dict[str, Any]:
+    """The main phase's simulated pipeline, FLOPs, estimated step time and MFU; the schedule."""
+    main, main_res = a["main_phase"], a["main"]
+    fl, sim = main_res["flops"], main_res["sim"]
+    tokens_per_step = schedule.global_batch_tokens
+    step_flops = fl.training * tokens_per_step
+    est = main_res["makespan"]
+    query = cfg.plan.query_tokens
+    if query is not None:
+        query = OmegaConf.to_container(query) if isinstance(query, ListConfig) else [query]
+    return {
+        "bubble_fraction": main_res["bubble"],
+        "pipeline": {**sim.as_dict(), "phase": main.name,
+                     "decouple_wgrad": bool(cfg.pipeline.decouple_wgrad),
+                     "peak_activation_bytes_per_rank": sim.peak_activation_bytes},
+        "flops_per_token": fl.training,
+        "flops": {**fl.as_dict(), "phase": main.name, "step_flops": step_flops},
+        "global_batch_tokens": tokens_per_step,
+        "num_microbatches": main.num_microbatches,
+        "micro_batch_size": main.micro_batch_size,
+        "seq_length": main.seq_length,
+        "step_time_s_estimated": est,
+        "mfu_estimated": mfu(step_flops, est, dims.world_size, float(cfg.cluster.peak_tflops))[1],
+        "compute_efficiency": float(cfg.plan.compute_efficiency),
+        "schedule": schedule.as_dict(),
+        **({"lr_at_tokens": lr_at_tokens(schedule, query)} if query is not None else {}),
+    }

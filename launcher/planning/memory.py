@@ -1,0 +1,432 @@
+"""GPU memory per rank before a job runs: parameters, gradient buffers, optimizer states, activations.
+
+State bytes (parameters, gradients, optimizer) are what megatron-core allocates for the layout, computed
+with megatron's *own* buffer-layout functions so that padding and ZeRO-1 sharding are exactly the
+trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/test_memory_plan.py``):
+
+* each PP rank's model chunks get their parameter list (names and shapes from
+  :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU),
+  as :class:`LayoutParam` stand-ins tagged like the trainer tags the parameters (``allreduce=False`` on expert parameters when
+  ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` on the Muon matrices of ``optim=muonclip``, routed by
+  :func:`k2.optim.params.route`);
+* megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1, ``optim=adamw``) or
+  ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole matrices bin-packed into the DP
+  shards, ``optim=muonclip``) lays each chunk's parameters into DDP's contiguous buffers: one buffer per
+  (dtype, expert) group, a parameter starting on a 64-element boundary, each buffer padded to a multiple
+  of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without ``k2.parallel.use_distributed_optimizer`` the
+  buffers are unpadded (``_compute_default_per_buffer_param_layout``).
+
+Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffers are FP32,
+``grad_reduce_in_fp32`` in :func:`k2.parallel.distributed.ddp_config`, the trainer's):
+
+* ``params``: the parameter buffers (padded numel x 2 B for BF16, 4 B for FP32) with the distributed
+  optimizer; the parameters themselves without it;
+* ``grads``: the gradient buffers, padded numel x 4 B;
+* ``optimizer``: for each parameter the elements this DP rank updates (its overlap with the rank's shard:
+  ``buffer / dp`` per bucket, the expert buffers over the expert-DP group ``dp / ep``; the layer-wise
+  layout gives whole matrices to one rank; all of it without the distributed optimizer): an FP32 master
+  copy (4 B/element, only for BF16 parameters: FP32 parameters are their own master copy), AdamW's two
+  moments (8 B/element) or Muon's momentum (4 B/element), and the optimizer's per-tensor step counter
+  (a 4-byte scalar per (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optimizer_offload_fraction`` of it lives in
+  host memory (megatron's ``optimizer_cpu_offload``; K2 offloads part of the states at 32 nodes).
+
+K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over
+256 GPUs, 24 GB per GPU on average.
+
+Activation bytes come from :func:`k2.model.activation_bytes.layer_activation_bytes` (bytes one microbatch's
+forward keeps for its backward, per layer, with the ``memory.*`` switches) times what the pipeline holds:
+:func:`k2.schedules.pipeline_sim.simulate` tracks, per PP rank, the activations of every (model chunk,
+microbatch) from the end of its forward to the end of its backward and reports the peak.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from k2.model.activation_bytes import apply_switches, layer_saved, stage_saved
+from k2.model.build import moe_layer_pattern
+from k2.optim.params import route
+from k2.parallel.distributed import ddp_config
+from k2.schedules.pipeline_sim import simulate
+
+__all__ = ["GpuMemory", "LayoutParam", "StageActivations", "StateBytes", "gpu_memory", "rank_param_lists",
+           "stage_activations", "state_bytes", "state_bytes_lower_bound"]
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_ADAM_BYTES = 8  # exp_avg + exp_avg_sq, FP32
+_MUON_BYTES = 4  # momentum, FP32
+_MASTER_BYTES = 4  # FP32 master copy of a BF16 parameter
+_STEP_BYTES = 4  # torch AdamW's per-tensor 'step' (a float32 scalar tensor); Muon keeps none
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Parameter, gradient and optimizer bytes of one GPU.
+
+    Attributes:
+        pp_rank, dp_rank, expert_dp_rank: the GPU's coordinates.
+        params: parameter bytes (DDP's param buffers, or the parameters).
+        grads: DDP's FP32 gradient buffers.
+        optimizer: master copies + optimizer states + step counters, before any CPU offload.
+        param_numel: elements of this GPU's parameters (unpadded).
+        buffer_numel: elements of its DDP buffers (padded).
+    """
+
+    pp_rank: int
+    dp_rank: int
+    expert_dp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    param_numel: int
+    buffer_numel: int
+
+
+def _route_cfg(model_cfg: Any):
+    """What :func:`k2.optim.params.route` reads from megatron's ``TransformerConfig`` (SwiGLU is always on)."""
+    return types.SimpleNamespace(gated_linear_unit=True, num_attention_heads=model_cfg.num_attention_heads,
+                                 num_query_groups=None, kv_channels=None)
+
+
+class LayoutParam:
+    """Stand-in for a ``torch.nn.Parameter`` in megatron's buffer-layout functions, which read only
+    ``requires_grad``, ``dtype``, ``data.nelement()`` and attributes (``allreduce``,
+    ``is_managed_by_layer_wise_optimizer``, ``shared_embedding``). A plain object: tens of thousands of
+    them (K2 on few GPUs) cost milliseconds, where meta tensors cost seconds.
+
+    Attributes:
+        spec: the :class:`k2.model.params.ParamSpec`.
+        name: full parameter name in its chunk (``decoder.layers.<local i>....``).
+        k2_optimizer: ``"muon"`` or ``"adamw"``.
+    """
+
+    requires_grad = True
+
+    def __init__(self, spec, name: str, dtype):
+        self.spec, self.name, self.dtype = spec, name, dtype
+        self.shape = spec.shape
+        self._numel = spec.numel
+        self.k2_optimizer = "adamw"
+
+    @property
+    def data(self) -> "LayoutParam":
+        return self
+
+    def nelement(self) -> int:
+        return self._numel
+
+    numel = nelement
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"LayoutParam({self.name}, {self.shape})"
+
+
+def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
+                  muon: bool, layer_wise: bool, model_cfg: Any) -> list[LayoutParam]:
+    """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
+    (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
+    ep``), the final norm and output head; tagged as the trainer tags the real parameters."""
+    import torch
+
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    rcfg = _route_cfg(model_cfg)
+    local_experts = counts.num_experts // ep if counts.num_experts else 0
+    specs = counts.specs
+
+    def make(spec, layer_index: Optional[int]):
+        name = spec.name if layer_index is None else spec.name.replace("decoder.layers.0.", "decoder.layers."
+                                                                        f"{layer_index}.", 1)
+        p = LayoutParam(spec, name, dtype)
+        if muon:
+            p.k2_optimizer = route(spec.name, p, rcfg)[0]
+        if spec.expert is not None and ep > 1:
+            p.allreduce = False  # megatron: expert parameters reduce over the expert-DP group
+        if layer_wise:
+            p.is_managed_by_layer_wise_optimizer = p.k2_optimizer == "muon"
+        if counts.tied_embeddings and name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            p.shared_embedding = True
+        return p
+
+    params = [make(s, None) for s in specs["embedding"]] if has_embedding else []
+    for k, kind in enumerate(kinds):
+        params += [make(s, k) for s in specs[kind] if s.expert is None or s.expert < local_experts]
+    if has_loss:
+        for s in specs["final"]:
+            if s.name == "output_layer.weight" and counts.tied_embeddings and has_embedding:
+                continue  # tied and on the embedding stage: the embedding weight is the output weight
+            params.append(make(s, None))
+    return params
+
+
+def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any) -> list:
+    """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
+
+    Returns:
+        ``lists[pp_rank][vpp_stage]`` = list of :class:`LayoutParam`, tagged as the trainer tags the real
+        parameters (module docstring).
+    """
+    return [[_chunk_params(counts, _kinds(counts, dims, r, v), dims.stage_has_embedding(r, v),
+                           dims.stage_has_loss(r, v), dims.ep, precision=precision, muon=muon,
+                           layer_wise=layer_wise, model_cfg=model_cfg) for v in range(dims.vpp)]
+            for r in range(dims.pp)]
+
+
+def _kinds(counts, dims, r: int, v: int) -> tuple:
+    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.layout[r][v])
+
+
+def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
+    """megatron's ``FullParamLayout`` of one chunk (the call ``DistributedDataParallel.__init__`` makes,
+    or the one :func:`k2.parallel.distributed.wrap_model` passes in for the layer-wise optimizer)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed.param_and_grad_buffer import (
+            _compute_default_per_buffer_param_layout,
+            group_params_for_buffers,
+        )
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+        from megatron.core.optimizer.param_layout import FullParamLayout
+
+
+    cfg = ddp_config(use_distributed_optimizer)
+    if use_distributed_optimizer:
+        cls = LayerWiseDistributedOptimizer if layer_wise else DistributedOptimizer
+        return cls.compute_full_param_layout(params, None, dims.dp, cfg,
+                                             expert_data_parallel_world_size=dims.expert_dp)
+    layouts = {}
+    for key, (group, _) in group_params_for_buffers(params, cfg.grad_reduce_in_fp32).items():
+        layouts[key] = _compute_default_per_buffer_param_layout(group, None)
+    return FullParamLayout(layouts=layouts)
+
+
+def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
+                 use_distributed_optimizer: bool, model_cfg: Any) -> tuple[int, int, list, list]:
+    """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank)`` of one chunk."""
+    layer_wise = muon and use_distributed_optimizer
+    master = _MASTER_BYTES if precision == "bf16" else 0
+    params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
+                           layer_wise=layer_wise, model_cfg=model_cfg)
+    dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
+    buffer_numel = 0
+    layout = _layout(params, dims, use_distributed_optimizer, layer_wise)
+    for key, lay in layout.layouts.items():
+        buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
+        group = dims.expert_dp if key.is_expert_parallel else dims.dp
+        acc = expert_opt if key.is_expert_parallel else dense_opt
+        for p, (start, end, bucket) in lay.param_index_map.items():
+            b_start, b_end = lay.bucket_indices[bucket]
+            is_muon = p.k2_optimizer == "muon"
+            per_elem = master + (_MUON_BYTES if is_muon else _ADAM_BYTES)
+            per_tensor = 0 if is_muon else _STEP_BYTES
+            if not use_distributed_optimizer:  # every rank updates every parameter
+                for d in range(group):
+                    acc[d] += (end - start) * per_elem + per_tensor
+                continue
+            size = (b_end - b_start) // group  # the DP shards of this bucket
+            for d in range((start - b_start) // size, (end - 1 - b_start) // size + 1):
+                lo, hi = b_start + d * size, b_start + (d + 1) * size
+                acc[d] += (min(end, hi) - max(start, lo)) * per_elem + per_tensor
+    return sum(p.nelement() for p in params), buffer_numel, dense_opt, expert_opt
+
+
+def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateBytes]]:
+    """A cheap lower bound of :func:`state_bytes`: unpadded parameters and FP32 gradients, no optimizer.
+    ``k2-plan``'s search uses it to set aside layouts that cannot fit before laying out their buffers."""
+    out = []
+    for r in range(dims.pp):
+        layers = [i for v in range(dims.vpp) for i in dims.layout[r][v]]
+        emb = any(dims.stage_has_embedding(r, v) for v in range(dims.vpp))
+        loss = any(dims.stage_has_loss(r, v) for v in range(dims.vpp))
+        n = counts.stage(layers, emb, loss, ep=dims.ep)
+        out.append([StateBytes(r, d, d % dims.expert_dp, n * _DTYPE_BYTES[precision], n * 4, 0, n, n)
+                    for d in range(dims.dp)])
+    return out
+
+
+def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
+                model_cfg: Any, cache: Optional[dict] = None) -> list[list[StateBytes]]:
+    """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
+
+    Args:
+        counts: :func:`k2.model.params.count_params` of the model.
+        dims: :class:`k2.parallel.dims.ParallelDims`.
+        precision: ``train.precision`` (``bf16`` | ``fp32``).
+        optimizer: ``k2.optim.name`` (``adamw`` | ``muonclip``).
+        use_distributed_optimizer: ``k2.parallel.use_distributed_optimizer`` (ZeRO-1).
+        model_cfg: ``cfg.model``.
+        cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
+            search): chunks with the same layers, embedding/loss, ep, dp and expert-DP are laid out once.
+
+    Returns:
+        ``out[pp_rank][dp_rank]`` (the expert-DP rank of DP rank ``d`` is taken as ``d % expert_dp``; the
+        expert part is the same for every expert-DP rank up to one matrix).
+
+    Raises:
+        ValueError: an unknown precision or optimizer.
+    """
+    if precision not in _DTYPE_BYTES:
+        raise ValueError(f"train.precision={precision!r}; allowed: {', '.join(_DTYPE_BYTES)}")
+    if optimizer not in ("adamw", "muonclip"):
+        raise ValueError(f"optim.name={optimizer!r}; allowed: adamw, muonclip")
+    cache = {} if cache is None else cache
+    pbytes = _DTYPE_BYTES[precision]
+    out = []
+    for r in range(dims.pp):
+        buffer_numel = param_numel = 0
+        dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
+        for v in range(dims.vpp):
+            emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
+            kinds = _kinds(counts, dims, r, v)
+            key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, optimizer,
+                   use_distributed_optimizer)
+            if key not in cache:
+                cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
+                                          muon=optimizer == "muonclip",
+                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg)
+            n, b, dense, expert = cache[key]
+            param_numel, buffer_numel = param_numel + n, buffer_numel + b
+            dense_opt = [x + y for x, y in zip(dense_opt, dense)]
+            expert_opt = [x + y for x, y in zip(expert_opt, expert)]
+        params_bytes = (buffer_numel if use_distributed_optimizer else param_numel) * pbytes
+        row = []
+        for d in range(dims.dp):
+            e = d % dims.expert_dp
+            row.append(StateBytes(r, d, e, params_bytes, buffer_numel * 4, dense_opt[d] + expert_opt[e],
+                                  param_numel, buffer_numel))
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes of one microbatch on one virtual stage.
+
+    Attributes:
+        gpu: bytes kept on the GPU for the backward: saved tensors after FP8 storage / recompute /
+            offload, plus the stage's output ``[s, b, h]``, which megatron's schedule keeps until the
+            backward (``deallocate_pipeline_outputs`` is off in ``k2-train``), plus, when ``attn_input`` is
+            offloaded, the stage's received input, which the schedule also keeps.
+        host: bytes offloaded to host memory.
+        offload_staging: the largest offloaded bytes of one layer of the stage (a layer's tensors are on
+            the GPU while they are copied out or back in).
+    """
+
+    gpu: float
+    host: float
+    offload_staging: float
+
+
+def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size: int, precision: str,
+                      memory_cfg: Any = None, fused_kernels: bool = True) -> list[StageActivations]:
+    """Per virtual stage (pipeline order ``vpp_stage * pp + pp_rank``) the activation bytes of one microbatch.
+
+    Args:
+        model_cfg: ``cfg.model``.
+        dims: :class:`k2.parallel.dims.ParallelDims`.
+        seq_length, micro_batch_size: the microbatch (tokens per sequence, sequences).
+        precision: ``train.precision``.
+        memory_cfg: ``cfg.memory`` (``fp8_store`` / ``recompute`` / ``offload`` site lists) or None (off).
+        fused_kernels: GPU kernels (fused RMSNorm, SDPA); False = the CPU proxy's composite ones.
+
+    Raises:
+        ValueError: an unknown ``memory.*`` site.
+    """
+
+    sw = {k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k, None)) or [])
+          if memory_cfg is not None else [] for k in ("fp8_store", "recompute", "offload")}
+    pattern = moe_layer_pattern(model_cfg)
+    per_kind = {}
+    for kind in set(pattern):
+        per_kind[kind] = apply_switches(
+            layer_saved(model_cfg, bool(kind), seq_length, micro_batch_size, precision, fused_kernels), **sw)
+    B = 2 if precision == "bf16" else 4
+    hidden_bytes = seq_length * micro_batch_size * int(model_cfg.hidden_size) * B
+    out = []
+    for v in range(dims.vpp):
+        for r in range(dims.pp):
+            emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
+            gpu, host = apply_switches(
+                stage_saved(model_cfg, seq_length, micro_batch_size, precision, fused_kernels, emb, loss), **sw)
+            staging = 0.0
+            for i in dims.layout[r][v]:
+                g, h = per_kind[pattern[i]]
+                gpu, host, staging = gpu + g, host + h, max(staging, h)
+            if not loss:  # the stage's output, kept by the schedule (deallocate_pipeline_outputs=False)
+                gpu += hidden_bytes
+            if not emb and "attn_input" in sw["offload"]:
+                gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
+            out.append(StageActivations(gpu, host, staging))
+    return out
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Memory of the fullest GPU of one PP rank, in bytes (see the module docstring).
+
+    ``optimizer`` is what stays on the GPU after ``optimizer_offload_fraction``; ``activations`` is the
+    peak of the microbatches the schedule holds (+ two layers' worth of offload staging when offloading);
+    ``in_flight`` how many (model chunk, microbatch) pairs that peak holds.
+    """
+
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: float
+    optimizer_offloaded: float
+    activations: float
+    activations_offloaded_peak: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pp_rank": self.pp_rank,
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "optimizer_offloaded_to_host": self.optimizer_offloaded,
+            "activations": self.activations,
+            "activations_offloaded_to_host_peak": self.activations_offloaded_peak,
+            "microbatches_in_flight": self.in_flight,
+            "total": self.total,
+        }
+
+
+def gpu_memory(states: list[list[StateBytes]], acts: list[StageActivations], sim, dims,
+               optimizer_offload_fraction: float = 0.0) -> list[GpuMemory]:
+    """Per PP rank, the fullest of its GPUs: states (:func:`state_bytes`) + the activations the simulated
+    schedule ``sim`` (:func:`k2.schedules.pipeline_sim.simulate` run with ``activation_bytes`` = each stage's
+    ``gpu`` bytes) holds at its peak."""
+
+    host = simulate(dims.pp, dims.vpp, sim.num_microbatches, [1.0] * dims.num_virtual_stages,
+                    [1.0] * dims.num_virtual_stages, activation_bytes=[a.host for a in acts]) if any(
+        a.host for a in acts) else None
+    out = []
+    for r in range(dims.pp):
+        worst = max(states[r], key=lambda x: x.params + x.grads + x.optimizer)
+        staging = max(acts[v * dims.pp + r].offload_staging for v in range(dims.vpp))
+        out.append(GpuMemory(
+            pp_rank=r,
+            params=worst.params,
+            grads=worst.grads,
+            optimizer=worst.optimizer * (1.0 - optimizer_offload_fraction),
+            optimizer_offloaded=worst.optimizer * optimizer_offload_fraction,
+            activations=sim.peak_activation_bytes[r] + 2 * staging,
+            activations_offloaded_peak=host.peak_activation_bytes[r] if host else 0.0,
+            in_flight=sim.peak_in_flight[r],
+        ))
+    return out

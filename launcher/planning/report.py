@@ -1,0 +1,188 @@
+"""The text tables of ``k2-plan`` (``output=text``) from the plan's JSON record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _human(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def _gib(nbytes: float) -> str:
+    g = nbytes / 2**30
+    return f"{g:.1f}" if g >= 10 or g == 0 else f"{g:.3g}"
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], None
+    for k, i in enumerate(ids):
+        if start is None:
+            start = i
+        if k + 1 == len(ids) or ids[k + 1] != i + 1:
+            out.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ",".join(out)
+
+
+def format_text(plan: dict[str, Any]) -> str:
+    """Readable tables of :func:`make_plan`'s dict."""
+    p = plan["params"]
+    lines = [
+        f"k2-plan: model={plan['model']} parallel={plan['parallel']} on {plan['nodes']} "
+        f"node{'s' if plan['nodes'] != 1 else ''} x "
+        f"{plan['gpus_per_node']} GPUs = {plan['world_size']} ranks",
+        f"  tp {plan['tp']} x pp {plan['pp']} x dp {plan['dp']} (ep {plan['ep']} x expert-dp "
+        f"{plan['expert_dp']}); vpp {plan['vpp']}; {plan['num_layers']} layers ({p['num_dense_layers']} "
+        f"dense, {p['num_moe_layers']} MoE); layout {plan['megatron_layout'] or '(megatron default)'}",
+        "",
+        f"  params_total  {plan['params_total']:>20,}  ({_human(plan['params_total'])})",
+        f"  params_active {plan['params_active']:>20,}  ({_human(plan['params_active'])} per token)",
+        "",
+        f"  {'component':<34}{'params each':>18}{'x count':>9}{'total':>20}",
+    ]
+    nd, nm = p["num_dense_layers"], p["num_moe_layers"]
+    rows = [
+        ("embedding", p["embedding"], 1),
+        ("attention + input norm (per layer)", p["attention_per_layer"], plan["num_layers"]),
+        ("pre-MLP norm (per layer)", p["mlp_norm_per_layer"], plan["num_layers"]),
+        ("dense MLP (per dense layer)", p["dense_mlp_per_layer"], nd),
+        ("router (per MoE layer)", p["router_per_moe_layer"], nm),
+        (f"routed expert (x{p['num_experts']} per MoE layer)", p["routed_expert_each"],
+         nm * p["num_experts"]),
+        ("shared expert(s) (per MoE layer)", p["shared_experts_per_moe_layer"], nm),
+        ("final norm", p["final_norm"], 1),
+        ("output head", p["output_head"], 1),
+    ]
+    for name, each, count in rows:
+        if count and (each or name in ("output head",)):
+            lines.append(f"  {name:<34}{each:>18,}{count:>9,}{each * count:>20,}")
+    lines += [
+        "",
+        f"  {'pp rank':<8}"
+        + "".join(f"{'vpp ' + str(v):<14}" for v in range(plan["vpp"]))
+        + f"{'params (stage)':>18}{'params/GPU':>16}{'bf16 GiB/GPU':>14}{'fp32 grad GiB':>16}",
+    ]
+    for r, rank in enumerate(plan["pp_ranks"]):
+        cells = []
+        for v in range(plan["vpp"]):
+            ids = plan["layout"][r][v]
+            parts = (["E"] if (r, v) == (0, 0) else []) + ([_ranges(ids)] if ids else [])
+            if (r, v) == (plan["pp"] - 1, plan["vpp"] - 1):
+                parts.append("L")
+            cells.append(f"{' '.join(parts) or '-':<14}")
+        lines.append(
+            f"  {r:<8}" + "".join(cells) + f"{rank['params']:>18,}{rank['params_per_gpu']:>16,}"
+            f"{_gib(rank['bf16_param_bytes_per_gpu']):>14}{_gib(rank['fp32_grad_bytes_per_gpu']):>16}"
+        )
+    lines += [
+        "  (E = embedding, L = final norm + output head + loss; layers are global 0-based indices; "
+        "params/GPU divides routed experts over ep)",
+        "",
+        f"  bf16 params {_human(plan['bf16_param_bytes_total'], 'B')}; bf16 params + fp32 grads "
+        f"{_human(plan['param_and_grad_bytes_total'], 'B')} over {plan['world_size']} ranks",
+        "",
+        *format_cluster(plan),
+        "",
+        *format_schedule(plan["schedule"]),
+    ]
+    if "lr_at_tokens" in plan:
+        lines += ["", "  lr_at_tokens: " + ", ".join(f"{x:.6g}" for x in plan["lr_at_tokens"])]
+    if "search" in plan:
+        lines += ["", *format_search(plan["search"], plan["gpu_memory_bytes"])]
+    return "\n".join(lines)
+
+
+def format_cluster(plan: dict[str, Any]) -> list[str]:
+    """Cluster, FLOPs, pipeline bubble and memory per GPU of :func:`make_plan`'s dict, as text."""
+    c, g, f = plan["cluster"], plan["model_parallel_group"], plan["flops"]
+    terms = f["forward_terms_per_token"]
+    names = {"mla_projections": "MLA proj", "core_attention": "core attn", "dense_mlp": "dense FFN",
+             "router": "router", "routed_experts": "routed experts", "shared_experts": "shared expert",
+             "lm_head": "LM head"}
+    pipe = plan["pipeline"]
+    lines = [
+        f"  cluster: {c['nodes']} node{'s' if c['nodes'] != 1 else ''} x {c['gpus_per_node']} GPUs, {c['gpu_memory_gib']:g} GiB and "
+        f"{c['peak_tflops']:g} TFLOP/s (BF16 peak) each; model-parallel group {g['shape']} = {g['gpus']} GPUs "
+        f"= {g['nodes']:g} node{'s' if g['nodes'] != 1 else ''}, {g['replicas']} replica{'s' if g['replicas'] != 1 else ''} (DP {plan['dp']}); "
+        f"the group is reused for any node count that is a multiple of {g['nodes']:g}",
+        f"  FLOPs per token (phase {f['phase']}, {f['seq_length']:,}-token sequences): forward "
+        f"{_human(f['forward_per_token'])} = " + " + ".join(
+            f"{names[k]} {_human(v)}" for k, v in terms.items() if v) +
+        f"; training (3x) {_human(plan['flops_per_token'])}; one step of {plan['global_batch_tokens']:,} "
+        f"tokens = {f['step_flops']:.4g} FLOPs",
+        f"  pipeline ({'interleaved ' if plan['vpp'] > 1 else ''}1F1B{', B/W split' if pipe['decouple_wgrad'] else ''},"
+        f" phase {pipe['phase']}): pp {plan['pp']} x vpp {plan['vpp']}, {plan['num_microbatches']:,} microbatches "
+        f"of {plan['micro_batch_size']} x {plan['seq_length']:,} tokens per DP rank: bubble "
+        f"{100 * plan['bubble_fraction']:.2f}% (idle / busy over the PP ranks); estimated step "
+        f"{plan['step_time_s_estimated']:.4g} s at {100 * plan['compute_efficiency']:g}% of peak per stage "
+        f"(MFU {100 * plan['mfu_estimated']:.1f}%)",
+    ]
+    if "mfu" in plan:
+        lines.append(f"  measured step {plan['step_time_s']:g} s: {plan['model_tflops_per_gpu']:.1f} model TFLOP/s "
+                     f"per GPU, MFU {100 * plan['mfu']:.1f}%")
+    m = plan["memory_per_gpu_bytes"]
+    lines += [
+        "",
+        f"  memory per GPU, GiB (phase {m['phase']}, {m['seq_length']:,}-token sequences: the fullest; "
+        "the fullest DP rank of each PP rank; + host = offloaded to CPU memory)",
+        f"  {'pp rank':<8}{'params':>9}{'grads':>9}{'optimizer':>11}{'+ host':>9}{'activations':>13}"
+        f"{'+ host':>9}{'in flight':>11}{'total':>9}",
+    ]
+    for r in plan["pp_ranks"]:
+        x = r["memory_bytes"]
+        lines.append(
+            f"  {r['pp_rank']:<8}{_gib(x['params']):>9}{_gib(x['grads']):>9}{_gib(x['optimizer']):>11}"
+            f"{_gib(x['optimizer_offloaded_to_host']):>9}{_gib(x['activations']):>13}"
+            f"{_gib(x['activations_offloaded_to_host_peak']):>9}{x['microbatches_in_flight']:>11}"
+            f"{_gib(x['total']):>9}"
+        )
+    verdict = "fits" if plan["fits"] else "does NOT fit"
+    lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB: "
+                 f"{verdict}")
+    return lines
+
+
+def format_search(rows: list[dict[str, Any]], capacity: float) -> list[str]:
+    """Text table of ``plan.search``'s ranked layouts."""
+    lines = [f"  layouts of this cluster ({len(rows)} valid): those that fit first, each group by estimated "
+             "step time ('>' = at least: parameters and gradients alone exceed the GPU)",
+             f"  {'rank':<6}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}{'microbatches':>14}{'bubble %':>10}"
+             f"{'step s':>9}{'GiB/GPU':>9}  fits  layout"]
+    for r in rows:
+        lines.append(
+            f"  {r['rank']:<6}{r['pp']:>4}{r['vpp']:>5}{r['ep']:>5}{r['dp']:>6}{r['num_microbatches']:>14,}"
+            f"{100 * r['bubble_fraction']:>10.2f}{r['step_time_s_estimated']:>9.2f}"
+            f"{('>' if r['memory_lower_bound'] else '') + _gib(r['memory_per_gpu_bytes']):>9}  "
+            f"{'yes ' if r['fits'] else 'NO  '}  {r['layout']}"
+        )
+    return lines
+
+
+def format_schedule(s: dict[str, Any]) -> list[str]:
+    """Text table of :meth:`k2.schedules.wsd.Schedule.as_dict`."""
+    B = s["global_batch_tokens"]
+    lines = [
+        f"  schedule {s['name']}: {s['total_steps']:,} steps x {B:,} tokens = {s['total_tokens_exact']:,} "
+        f"tokens (nominal {s['total_tokens']:,}); weight decay {s['weight_decay']:g}",
+        f"  {'phase':<14}{'style':<12}{'steps':>17}{'nominal tokens':>38}{'lands at (exact)':>38}"
+        f"{'LR start -> end':>22}{'ctx':>8}{'seqs':>8}{'mb x n':>10}  rope",
+    ]
+    for p in s["phases"]:
+        steps = f"{p['first_step']:,}-{p['last_step']:,}" if p["steps"] else "skipped"
+        nmb = f"{p['micro_batch_size']} x {p['num_microbatches']}" if p["num_microbatches"] else "-"
+        lines.append(
+            f"  {p['name']:<14}{p['lr_style']:<12}{steps:>17}"
+            f"{p['start_tokens']:>19,}{p['end_tokens']:>19,}"
+            f"{p['start_tokens_exact']:>19,}{p['end_tokens_exact']:>19,}"
+            f"{p['lr_at_start']:>11.3g}{p['lr_at_end']:>11.3g}{p['seq_length']:>8,}"
+            f"{p['global_batch_size']:>8,}{nmb:>10}  {p['rope_type']}"
+        )
+    lines.append("  (a step belongs to the phase holding its first token: a boundary at T tokens lands after "
+                 "step ceil(T / tokens per step); LR of step s = LR at s x tokens per step)")
+    return lines

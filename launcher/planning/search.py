@@ -1,0 +1,64 @@
+"""``plan.search=true``: every valid (PP, VPP, EP) of a cluster with a cost-balanced layout, ranked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k2.config.errors import ConfigError
+from k2.launcher.planning.analysis import analyse_layout
+from k2.model.flops import flops_per_token
+from k2.parallel.dims import ParallelDims
+from k2.parallel.layout import balanced_layout
+from k2.schedules.resolve import resolve_schedule
+
+#: how k2-plan names its world size in error messages
+WORLD_FROM = "cluster.nodes x cluster.gpus_per_node"
+_SEARCH_VPP = (1, 2, 3, 4)  # virtual stages per PP rank tried by plan.search
+_SEARCH_MICROBATCHES = 4  # plan.search simulates min(m, 4 pp) microbatches and extrapolates (docstring)
+
+
+def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
+    """``plan.search=true``: every valid (pp, vpp, ep) for the world size, with a cost-balanced layout
+    (:func:`k2.parallel.layout.balanced_layout`): the layouts that fit in memory first, each group ranked by
+    estimated step time (``fits`` marks them). EP changes memory only here: the all-to-all is not
+    modelled."""
+    from omegaconf import OmegaConf
+
+
+    L = int(cfg.model.num_layers)
+    experts = int(cfg.model.num_moe_experts or 0)
+    rows, cache = [], {}
+    base = OmegaConf.to_container(cfg, resolve=True)
+    fl = flops_per_token(cfg.model, resolve_schedule(cfg).phases[0].seq_length)
+    layer_costs = [fl.layer(i) for i in range(L)]
+    for pp in [d for d in range(1, world + 1) if world % d == 0]:
+        for vpp in _SEARCH_VPP:
+            if (vpp > 1 and pp < 2) or pp * vpp > L + 1:
+                continue
+            layout = balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head)
+            dp = world // pp
+            for ep in [d for d in range(1, dp + 1) if dp % d == 0 and (experts % d == 0 if experts else d == 1)]:
+                par = dict(base["parallel"], pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, layout=layout,
+                           first_stage_layers=None, last_stage_layers=None)
+                c = OmegaConf.merge(cfg, {"parallel": par})
+                try:
+                    dims = ParallelDims.from_config(c.parallel, c.model, world, world_size_from=WORLD_FROM)
+                    schedule = resolve_schedule(c, dims)
+                except ConfigError:  # e.g. the batch does not split into whole microbatches
+                    continue
+                a = analyse_layout(c, dims, counts, schedule,
+                                   max_microbatches=_SEARCH_MICROBATCHES * pp, cache=cache, prune=True)
+                rows.append({
+                    "pp": pp, "vpp": vpp, "ep": ep, "dp": dims.dp, "layout": layout,
+                    "num_microbatches": a["main"]["num_microbatches"],
+                    "bubble_fraction": a["main"]["bubble"],
+                    "step_time_s_estimated": a["main"]["makespan"],
+                    "memory_per_gpu_bytes": a["worst_gpu"].total,
+                    "memory_lower_bound": a["memory_lower_bound"],
+                    "fits": a["fits"],
+                })
+    rows.sort(key=lambda r: (not r["fits"], r["step_time_s_estimated"], r["memory_per_gpu_bytes"]))
+    for i, r in enumerate(rows, 1):
+        r["rank"] = i
+    return rows

@@ -1,0 +1,81 @@
+"""``k2-submit``: check a config for a Slurm cluster, render its batch script and submit it.
+
+Example (prints the script, submits nothing)::
+
+    k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 run.dir=/shared/runs/k2 submit.dry_run=true
+
+``k2-submit`` takes the same Hydra overrides as ``k2-train`` and validates them for the world size
+``cluster.nodes * cluster.gpus_per_node`` exactly as ``k2-train`` does
+(:func:`k2.launcher.training.prepare.prepare_run`: layout, schedule, data, the checkpoint a used
+``run.dir`` resumes from), writes ``<run.dir>/pretrain.sbatch`` (:func:`k2.launcher.tools.sbatch.render_sbatch`)
+and runs ``sbatch`` on it from the current directory; the job id goes to stdout. ``submit.*`` keys set the
+``#SBATCH`` lines. With ``-m`` (a sweep, :mod:`k2.launcher.tools.sweep`): one job per unfinished point,
+each with its own run dir; every point is checked before anything is submitted.
+
+Exit status: 0 submitted (or ``submit.dry_run=true``: the script on stdout); 1 ``sbatch`` missing or
+refused; 2 a bad setting (``k2-submit: error: ...`` on stderr, naming it).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from k2.config import load_config
+from k2.launcher.cli import run_main
+from k2.launcher.tools.sbatch import check_submittable, render_sbatch, submit_script
+from k2.launcher.tools.sweep import check_points, point_status, split_multirun, sweep_points
+from k2.launcher.training.prepare import prepare_run
+
+PROG = "k2-submit"
+
+
+def _sweep_jobs(overrides: Sequence[str]) -> list:
+    """``(cfg, overrides)`` of every sweep point not finished yet (all points validated first)."""
+    _, points = sweep_points(overrides)
+    cfgs = {p.name: load_config(list(p.overrides)) for p in points}
+    for p in points:
+        check_submittable(cfgs[p.name])
+    plans = check_points(points, lambda c: c.cluster.nodes * c.cluster.gpus_per_node)
+    todo = []
+    for p in points:
+        if point_status(p, plans[p.name]) == "finished":
+            print(f"{PROG}: {p.name}: finished, not submitted", file=sys.stderr)
+        else:
+            todo.append((cfgs[p.name], list(p.overrides)))
+    return todo
+
+
+def _submit(args: list[str]) -> int:
+    multirun, overrides = split_multirun(args)
+    if any(a in ("-h", "--help") for a in overrides):
+        print(__doc__.split("\n\nExit status")[0])
+        return 0
+    if multirun:
+        jobs = _sweep_jobs(overrides)
+    else:
+        cfg = load_config(overrides)
+        prepare_run(cfg, check_submittable(cfg))  # also decides the resume of a used run.dir
+        jobs = [(cfg, overrides)]
+    texts = [render_sbatch(cfg, ovr) for cfg, ovr in jobs]
+    if jobs and jobs[0][0].submit.dry_run:
+        sys.stdout.write("\n".join(texts))
+        return 0
+    for (cfg, _), text in zip(jobs, texts):
+        rc = submit_script(cfg, text)
+        if rc:
+            return rc
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``k2-submit [-m] [HYDRA_OVERRIDE ...]``; the exit status of the module docstring."""
+    return run_main(PROG, _submit, argv)
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

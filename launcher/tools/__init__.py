@@ -1,0 +1,3 @@
+"""Tools around training runs: the sparsity sweep (``sweep``, ``sweep_report``) and Slurm submission
+(``sbatch``, ``hostlist``).
+"""

@@ -1,0 +1,180 @@
+"""Per-step metrics: ``<run.dir>/metrics.jsonl``, wandb, and a progress bar (rank 0 only).
+
+``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
+``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the
+step, ``model/flops.py``, against ``cluster.peak_tflops``), and ``val_loss`` on validation steps. wandb runs
+offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
+call in offline mode.
+
+Resume policy. A resumed run appends to the same ``metrics.jsonl`` and continues the same wandb
+run (its id is stored in the checkpoint; ``resume="must"`` online, ``"allow"`` offline, where there is no
+server to ask). When it resumes from a checkpoint older than the last logged step (preempted between two
+saves), the steps after the checkpoint are computed again: their earlier records are moved from
+``metrics.jsonl`` to ``metrics.replayed.jsonl`` (so ``metrics.jsonl`` holds one record per step, the
+one whose weights the run continued from), and the new records carry ``"replayed": true``. wandb's own
+step counter must increase, so the x-axis of every wandb chart is the metric ``step`` (``define_metric``)
+and wandb's internal counter is left alone: a replayed step appears as a second point at the same
+``step``, marked ``replayed``, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+#: where the records of steps re-run after a resume go (see the module docstring)
+REPLAYED_METRICS = "metrics.replayed.jsonl"
+
+
+def set_aside_replayed_metrics(run_dir, resume_step: int) -> int:
+    """Move the records of steps after ``resume_step`` from ``metrics.jsonl`` to
+    :data:`REPLAYED_METRICS` (appended). Returns the last step that had a record (``resume_step`` when
+    none is moved). Rank 0, before the logger opens the file."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return resume_step
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill: not a record
+            continue
+        (moved if int(rec.get("step", 0)) > resume_step else keep).append(line)
+    if moved:
+        with open(Path(run_dir) / REPLAYED_METRICS, "a") as fh:
+            fh.write("\n".join(moved) + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return max([resume_step] + [int(json.loads(line)["step"]) for line in moved])
+
+
+def _jsonable(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Writes metrics on the logging rank; a no-op elsewhere.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        enabled: True on global rank 0.
+        total_steps: for the progress bar.
+        wandb_cfg: ``cfg.run.wandb``.
+        config: resolved config (dict) to store with the wandb run.
+        progress: show a tqdm bar on a terminal; elsewhere (a log file, CI) a plain line every
+            ``log_interval`` steps instead.
+        start_step: steps already done (>0 on resume).
+        log_interval: steps between plain log lines when stderr is not a terminal.
+        wandb_run_id: continue this wandb run (from the checkpoint) instead of starting one.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        total_steps: int,
+        wandb_cfg=None,
+        config: Optional[dict] = None,
+        progress: bool = True,
+        start_step: int = 0,
+        log_interval: int = 10,
+        wandb_run_id: Optional[str] = None,
+    ):
+        self.enabled = enabled
+        self._wandb = None
+        self._bar = None
+        self._fh = None
+        self._total = total_steps
+        self._plain_every = 0
+        if not enabled:
+            return
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            resume = None
+            if wandb_run_id is not None:
+                resume = "must" if wandb_cfg.mode == "online" else "allow"
+            self._wandb = wandb.init(
+                mode=wandb_cfg.mode,
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name,
+                group=wandb_cfg.get("group"),
+                dir=str(self.run_dir),
+                config=config,
+                reinit="finish_previous",
+                id=wandb_run_id,
+                resume=resume,
+            )
+            self._wandb.define_metric("step")
+            self._wandb.define_metric("*", step_metric="step")
+        if progress and not sys.stderr.isatty():
+            self._plain_every = max(1, int(log_interval))
+        elif progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True)
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self._wandb.id if self._wandb is not None else None
+
+    def log(self, record: dict) -> None:
+        """Append one step's record (``record["step"]`` is the 1-based optimizer step)."""
+        if not self.enabled:
+            return
+        rec = {k: _jsonable(v) for k, v in record.items()}
+        self._fh.write(json.dumps(rec) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(rec)  # x-axis: the "step" metric (module docstring: resume policy)
+        if self._bar is not None:
+            self._bar.update(1)
+            post = {"loss": f"{rec.get('loss', float('nan')):.4f}", "tok/s": f"{rec.get('tokens_per_s', 0):.0f}"}
+            if "val_loss" in rec:
+                post["val"] = f"{rec['val_loss']:.4f}"
+                self._bar.write(f"step {rec['step']}: loss {rec.get('loss', float('nan')):.4f} "
+                                f"val_loss {rec['val_loss']:.4f}")
+            self._bar.set_postfix(post)
+        elif self._plain_every and (rec["step"] % self._plain_every == 0 or "val_loss" in rec
+                                    or rec["step"] == self._total):
+            line = (f"step {rec['step']}/{self._total} | loss {rec.get('loss', float('nan')):.4f} | "
+                    f"lr {rec.get('lr', 0.0):.3g} | grad_norm {rec.get('grad_norm') or 0.0:.3f} | "
+                    f"{rec.get('tokens_per_s', 0.0):,.0f} tok/s")
+            if "val_loss" in rec:
+                line += f" | val_loss {rec['val_loss']:.4f}"
+            print(line, file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line of text for the console that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._fh is not None:
+            self._fh.close()
+        if self._wandb is not None:
+            self._wandb.finish()

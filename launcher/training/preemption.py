@@ -1,0 +1,81 @@
+"""Preemption: turn SIGTERM / SIGUSR1 on any rank, or a wall-time budget, into one agreed stop.
+
+Slurm sends USR1 ``--signal=USR1@N`` seconds before the time limit (slurm/pretrain.sbatch) and SIGTERM to
+every task on ``scancel`` / ``scontrol requeue`` / preemption; ``k2-train`` run by hand passes SIGTERM on
+to its ranks. A handler only sets a flag; at each step boundary :meth:`Preemption.agreed` all-reduces
+the flags (MAX) so every rank sees the same answer at the same step, saves the same checkpoint and
+exits with :data:`REQUEUE_EXIT_CODE`, which the sbatch script turns into a requeue.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: Exit status with which a trainer asks for the job to be requeued (it saved a checkpoint on a signal or
+#: at ``run.max_minutes``). The batch script runs ``scontrol requeue $SLURM_JOB_ID`` when ``srun`` returns
+#: it; any other status ends the job with it. 42 collides with no status of Python (1, 2), a signal
+#: (128+N) or srun's own failures (1, 255).
+REQUEUE_EXIT_CODE = 42
+#: ``<run.dir>/requeue``: written by rank 0 when the run stopped for preemption (holds the step), so that
+#: ``k2-train``'s own launcher can report the requeue exit code even though torchrun reports only that
+#: its workers failed. Removed when the next run starts.
+REQUEUE_MARKER = "requeue"
+
+
+class Preemption:
+    """Signal flag + wall-time budget of this rank.
+
+    Args:
+        max_minutes: ``run.max_minutes`` (None = no budget), counted from construction.
+        on_signal: called with the signal name from the handler (logging on rank 0); the attribute
+            ``on_signal`` may be replaced later (e.g. once the metrics logger exists).
+    """
+
+    def __init__(self, max_minutes: Optional[float] = None, on_signal=None):
+        self.signal_name: Optional[str] = None
+        self.reason: Optional[str] = None
+        self._deadline = None if max_minutes is None else time.monotonic() + 60.0 * float(max_minutes)
+        self.on_signal = on_signal
+        self._previous = {}
+
+    def install(self) -> "Preemption":
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handler(self, signum, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        if self.on_signal is not None:
+            self.on_signal(self.signal_name)
+
+    def local_request(self) -> int:
+        """1 when this rank got a signal or its budget ran out, else 0."""
+        if self.signal_name is not None:
+            return 1
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            return 2
+        return 0
+
+    def agreed(self) -> bool:
+        """Collective (every rank, same step): True when any rank asks to stop. Sets :attr:`reason`."""
+        import torch.distributed as dist
+
+        flag = self.local_request()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            t = torch.tensor([flag], dtype=torch.int32, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        if flag:
+            self.reason = {1: "signal", 2: "run.max_minutes"}[flag]
+        return bool(flag)

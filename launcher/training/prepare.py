@@ -1,0 +1,66 @@
+"""Everything a training run decides before any process group exists (``k2-train``, ``k2-submit``, the
+sweep all call :func:`prepare_run`, so they refuse the same settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from k2.launcher.checkpointing.resume import plan_resume
+from k2.launcher.datasets.resolve import ResolvedData, resolve_data
+from k2.model.backends import check_backend_config
+from k2.parallel.dims import ParallelDims
+from k2.schedules.pipeline import check_pipeline_config
+from k2.schedules.resolve import resolve_schedule
+from k2.schedules.wsd import Schedule
+
+__all__ = ["RunPlan", "prepare_run"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The decisions of :func:`prepare_run`.
+
+    Attributes:
+        dims: the parallel layout for the world size.
+        schedule: per phase seq_length, global batch, microbatches per DP rank, LR rule.
+        steps: optimizer steps of this run: the schedule's, capped by ``train.iters``.
+        data: the validated data settings.
+        tokens_per_step: ``schedule.global_batch_tokens``.
+        resume_from: the checkpoint this run continues from, or None for a fresh start.
+    """
+
+    dims: ParallelDims
+    schedule: Schedule
+    steps: int
+    data: ResolvedData
+    tokens_per_step: int
+    resume_from: Optional[Path] = None
+
+    @property
+    def layout(self) -> dict:
+        """``{"pp", "vpp", "ep", "dp", "world_size"}``, as a checkpoint records it."""
+        d = self.dims
+        return {"pp": d.pp, "vpp": d.vpp, "ep": d.ep, "dp": d.dp, "world_size": d.world_size}
+
+
+def prepare_run(cfg, world_size: int) -> RunPlan:
+    """Check a validated config for ``world_size`` ranks on this machine and decide the run.
+
+    On top of :func:`k2.config.validate.validate` (done by ``load_config``): the pipeline trace path, the
+    compute backends this machine can run, the parallel layout, every schedule phase that runs a step
+    against megatron's microbatch rule, the data files, and the checkpoint to resume from.
+
+    Raises:
+        ConfigError: any setting that cannot run, naming the setting and the allowed values.
+    """
+    check_pipeline_config(cfg.pipeline)
+    check_backend_config(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
+    schedule = resolve_schedule(cfg, dims)
+    iters = cfg.train.iters
+    steps = schedule.total_steps if iters is None else min(int(iters), schedule.total_steps)
+    data = resolve_data(cfg)
+    layout = {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp, "world_size": world_size}
+    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, plan_resume(cfg, layout))

@@ -1,0 +1,335 @@
+"""The training loop of one rank: :class:`Trainer` (``k2-train`` runs :func:`run` on every rank).
+
+Flow, in the order of :meth:`Trainer.train`: process groups, the model chunks, DDP, the distributed
+optimizer, QK-Clip and the LR scheduler (:meth:`Trainer.build`); the checkpoint this run continues from
+(:meth:`Trainer.restore`); the metrics logger; then one optimizer step after another in megatron's
+pipeline schedule (``get_forward_backward_func``: interleaved 1F1B when ``parallel.vpp > 1``), each in
+the schedule phase that holds its first token, with evaluation, preemption and checkpoints at step
+boundaries. What a checkpoint records besides the tensors is :class:`TrainState`.
+
+The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
+length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per
+step (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's
+RoPE/YaRN (:func:`k2.model.build.set_rope_type`); the LR and weight decay of each step come from
+:class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last
+phase, or ``train.iters``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from omegaconf import OmegaConf
+
+from k2.config import to_yaml
+from k2.launcher.checkpointing.paths import read_state
+from k2.launcher.checkpointing.store import load_checkpoint, remove_partial_saves, save_checkpoint
+from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
+from k2.launcher.training.moe_metrics import moe_step_metrics
+from k2.launcher.training.phase_data import PhaseData
+from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
+from k2.launcher.training.prepare import RunPlan
+from k2.launcher.training.state import TrainState
+from k2.launcher.training.step import evaluate, reduce_lm_loss, run_microbatches
+from k2.model.build import (
+    build_model_chunks,
+    layout_independent_init,
+    moe_layer_pattern,
+    set_rope_type,
+    transformer_config,
+)
+from k2.model.flops import mfu, step_flops
+from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
+from k2.optim.params import format_route_table, route_table, tag_parameters
+from k2.optim.qk_clip import QKClip
+from k2.parallel.distributed import DistEnv, init_distributed, wrap_model
+from k2.schedules.lr import TokenLRScheduler
+from k2.schedules.pipeline import setup_pipeline
+
+__all__ = ["Trainer", "run"]
+
+
+def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
+    """Train on this rank (process groups are created here). Returns the last step's metrics record
+    (with ``"preempted": <reason>`` when the run stopped for preemption).
+
+    The SIGTERM / SIGUSR1 handlers and the ``run.max_minutes`` clock (:class:`Preemption`) start first
+    thing, so a signal during start-up (process groups, model build, checkpoint load) is honoured at the
+    first step boundary -- a checkpoint and exit status 42 -- instead of killing the rank with the
+    signal's default action, and the budget counts the start-up too.
+
+    Args:
+        cfg: a validated config.
+        plan: from :func:`k2.launcher.training.prepare.prepare_run` for ``env.world_size``.
+        env: this process's rank and world (:func:`k2.parallel.distributed.dist_env`).
+    """
+    def startup_notice(name: str) -> None:  # (replaced by the metrics logger once it exists)
+        if env.rank == 0:
+            print(f"k2-train: {name} received during start-up; saving a checkpoint after the first step, "
+                  f"then exiting with {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+
+    preemption = Preemption(cfg.run.max_minutes, on_signal=startup_notice).install()
+    try:
+        return Trainer(cfg, plan, env, preemption).train()
+    finally:
+        preemption.uninstall()
+
+
+class Trainer:
+    """One rank's run: build, restore, then train step by step (:meth:`train` is the outline).
+
+    Args:
+        cfg: a validated config; plan: the run's decisions; env: rank and world; preemption: the
+            installed signal / wall-time flag, agreed on by all ranks at every step boundary.
+    """
+
+    def __init__(self, cfg, plan: RunPlan, env: DistEnv, preemption: Preemption):
+        self.cfg, self.plan, self.env, self.preemption = cfg, plan, env, preemption
+        self.run_dir = Path(cfg.run.dir)
+        self.config_yaml = to_yaml(cfg)
+        self.rank = 0
+        self.record: dict = {}
+
+    # ------------------------------------------------------------------ the outline
+
+    def train(self) -> dict:
+        """Build, restore, train to ``plan.steps`` (or a preemption); returns the last record."""
+        self.build()
+        self.prepare_run_dir()
+        resumed_note = self.restore()
+        self.open_logger(resumed_note)
+        preempted = False
+        try:
+            self.evaluate_before_training()
+            for step in range(self.state.step + 1, self.plan.steps + 1):
+                phase = self.enter_phase(step)
+                self.record = self.train_step(step, phase)
+                self.maybe_evaluate(step, phase)
+                self.logger.log(self.record)
+                preempted = self.stop_for_preemption(step)
+                if preempted:
+                    break
+                self.maybe_save(step)
+        finally:
+            self.logger.close()
+        if preempted:
+            self.record["preempted"] = self.preemption.reason
+        return self.record
+
+    # ------------------------------------------------------------------ start-up
+
+    def build(self) -> None:
+        """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
+        scheduler, the pipeline hooks and the run state."""
+        cfg, plan = self.cfg, self.plan
+        init_distributed(self.env, plan.dims, cfg.run.seed)
+        self.rank = dist.get_rank()
+        if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
+            if self.rank == 0:
+                prepare_stdlib_corpus(cfg.data, progress=False, verbose=not self.env.spawned_by_k2_train)
+            dist.barrier()
+        self.rope_type = plan.schedule.step_phase(1).rope_type
+        self.tcfg = transformer_config(cfg, plan.dims, rope_type=self.rope_type)
+        self.chunks = build_model_chunks(cfg, plan.dims, self.tcfg)
+        if cfg.train.deterministic_init:
+            layout_independent_init(self.chunks, self.tcfg, cfg.run.seed)
+        dist_opt = cfg.parallel.use_distributed_optimizer
+        layer_wise = uses_layer_wise(cfg.optim, dist_opt)
+        # which parameter goes to which optimizer: decided before DDP lays out its ZeRO-1 buffers
+        routes = tag_parameters(self.chunks, self.tcfg, muon=uses_muon(cfg.optim), layer_wise=layer_wise)
+        # decoupled weight gradients are set up before DDP registers its grad hooks
+        self.pipeline, delay_wgrad = setup_pipeline(cfg.pipeline, self.chunks)
+        self.model = wrap_model(self.chunks, self.tcfg, dist_opt, layer_wise=layer_wise,
+                                delay_wgrad_compute=delay_wgrad)
+        self.optimizer = build_optimizer(cfg.optim, self.model, self.tcfg, plan.schedule, dist_opt)
+        self.qk_clip = QKClip(self.model, self.optimizer, cfg.optim.qk_clip_tau, cfg.model.num_layers)
+        self.all_routes = [None] * dist.get_world_size()
+        dist.all_gather_object(self.all_routes, routes)
+        scheduler = TokenLRScheduler(plan.schedule, self.optimizer)  # sets step 1's LR
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.tcfg.grad_scale_func = self.optimizer.scale_loss
+        self.data = PhaseData(cfg.run.seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank())
+        self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
+
+    def prepare_run_dir(self) -> None:
+        """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save and the requeue marker of
+        the previous run are removed."""
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+            remove_partial_saves(self.run_dir)
+            (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
+
+    def restore(self) -> str | None:
+        """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state`; enter the phase
+        of the next step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
+        note = None
+        if self.plan.resume_from is not None:
+            saved = read_state(self.plan.resume_from)
+            same_world = saved["layout"]["world_size"] == self.env.world_size
+            load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
+            self.state.load_state_dict(saved)
+            note = (f"resumed from {self.plan.resume_from} (step {self.state.step}, "
+                    f"{self.state.scheduler.consumed_tokens:,} tokens"
+                    f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
+        self.forward_backward = get_forward_backward_func()
+        if self.pipeline is not None:  # W drained during p2p, event trace
+            self.forward_backward = self.pipeline.wrap(self.forward_backward, self.tcfg, self.model,
+                                                       first_step=self.state.step + 1)
+        phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
+        self.data.enter(phase, self.state.step + 1)
+        self._switch_rope(phase)
+        return note
+
+    def open_logger(self, resumed_note: str | None) -> None:
+        """The metrics logger (rank 0 writes), and the start-up lines: the layout, what was resumed, which
+        optimizer each parameter gets (also ``<run.dir>/optimizer_params.txt``)."""
+        cfg, plan, start = self.cfg, self.plan, self.state.step
+        self.replayed_until = start
+        if self.rank == 0 and start:
+            self.replayed_until = set_aside_replayed_metrics(self.run_dir, start)
+        self.logger = MetricsLogger(
+            str(self.run_dir), enabled=self.rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
+            config=OmegaConf.to_container(cfg, resolve=True), progress=cfg.train.progress,
+            log_interval=cfg.train.log_interval, start_step=start, wandb_run_id=self.state.wandb_run_id,
+        )
+        self.state.wandb_run_id = self.logger.wandb_run_id
+        n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
+        d = plan.dims
+        self.logger.message(
+            f"k2-train: world={self.env.world_size} PP={d.pp} VPP={d.vpp} EP={d.ep} DP={d.dp}; "
+            f"schedule={plan.schedule.name}: {plan.steps} steps x {plan.tokens_per_step:,} tokens; "
+            f"rank-0 params={n_params:,}; run.dir={self.run_dir}")
+        if resumed_note:
+            self.logger.message(
+                f"k2-train: {resumed_note}"
+                + (f"; steps {start + 1}..{self.replayed_until} are re-run (their earlier records moved to "
+                   f"{REPLAYED_METRICS})" if self.replayed_until > start else ""))
+        if self.rank == 0:  # the optimizer of every parameter of the model (all ranks')
+            table = format_route_table(route_table(r for rank_routes in self.all_routes for r in rank_routes))
+            (self.run_dir / "optimizer_params.txt").write_text(table + "\n")
+            if not start:
+                self.logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}):\n{table}")
+        if start >= plan.steps:
+            self.logger.message(f"k2-train: the checkpoint is at step {start}, the run ends at step "
+                                f"{plan.steps} (train.iters / the schedule): nothing to do")
+        else:
+            self.logger.message(f"step {start + 1}: {self._describe(self.data.phase)}")
+        self.preemption.on_signal = lambda name: self.logger.message(
+            f"k2-train: {name} received; saving a checkpoint at the end of this step, then exiting with "
+            f"{REQUEUE_EXIT_CODE} (requeue)")
+
+    # ------------------------------------------------------------------ one step
+
+    def evaluate_before_training(self) -> None:
+        """A fresh run's validation loss at step 0 (the curve's first point)."""
+        if self.cfg.train.eval_interval and self.state.step == 0:
+            self.logger.message(f"step 0: val_loss {self._evaluate(self.data.phase):.4f} (before training)")
+
+    def enter_phase(self, step: int):
+        """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets and
+        RoPE without a restart."""
+        phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
+        if phase.index != self.data.phase.index:
+            self.data.enter(phase, step)
+            self._switch_rope(phase)
+            self.logger.message(f"step {step}: {self._describe(phase)}")
+        return phase
+
+    def train_step(self, step: int, phase) -> dict:
+        """One optimizer step: forward-backward over the global batch, the optimizer, QK-Clip, the LR of
+        the next step. Returns the step's metrics record (``metrics.jsonl``)."""
+        t0 = time.perf_counter()
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        attn = self.qk_clip.step(apply=bool(update_ok))  # reads and resets the max-logit windows
+        scheduler = self.state.scheduler
+        lr = scheduler.lr  # this step's (set before it ran)
+        scheduler.step(self.plan.tokens_per_step)
+        self.state.step = step
+        loss, _ = reduce_lm_loss(losses)
+        dt = time.perf_counter() - t0
+        record = {
+            "step": step,
+            "consumed_tokens": scheduler.consumed_tokens,
+            "phase": phase.name,
+            "seq_length": phase.seq_length,
+            "global_batch_size": phase.global_batch_size,
+            "num_microbatches": phase.num_microbatches,
+            "lr": lr,
+            "loss": loss,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": self.plan.tokens_per_step / dt,
+            "step_time_s": dt,
+            "update_successful": bool(update_ok),
+            **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
+        }
+        # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
+        record["model_tflops_per_gpu"], record["mfu"] = mfu(
+            step_flops(self.cfg.model, phase.seq_length, self.plan.tokens_per_step), dt,
+            self.env.world_size, self.cfg.cluster.peak_tflops)
+        m = self.cfg.model
+        record.update(moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
+                                       moe_layer_pattern(m)))
+        if self.pipeline is not None:  # wgrad_deferred_peak_bytes
+            record.update(self.pipeline.step_metrics())
+        if step <= self.replayed_until:
+            record["replayed"] = True
+        return record
+
+    def maybe_evaluate(self, step: int, phase) -> None:
+        """Validation loss every ``train.eval_interval`` steps and at the last step (into the record)."""
+        every = self.cfg.train.eval_interval
+        if every and (step % every == 0 or step == self.plan.steps):
+            self.record["val_loss"] = self._evaluate(phase)
+
+    def stop_for_preemption(self, step: int) -> bool:
+        """Collective: when any rank got SIGTERM / SIGUSR1 or ran out of ``run.max_minutes``, save this
+        step, leave the requeue marker (rank 0) and return True on every rank."""
+        if not self.preemption.agreed():
+            return False
+        self.save(step, f"preempted: {self.preemption.reason}")
+        if self.rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
+            (self.run_dir / REQUEUE_MARKER).write_text(f"{step}\n")
+        dist.barrier()  # the marker exists before any rank exits
+        return True
+
+    def maybe_save(self, step: int) -> None:
+        """A checkpoint every ``train.save_interval`` steps and at the end (``checkpoint.save_at_end``)."""
+        every, last = self.cfg.train.save_interval, step == self.plan.steps
+        if (every and step % every == 0) or (last and self.cfg.checkpoint.save_at_end):
+            self.save(step, "end of run" if last else "train.save_interval")
+
+    def save(self, step: int, why: str) -> None:
+        """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
+        t0 = time.perf_counter()
+        c = self.cfg.checkpoint
+        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.state.state_dict(why),
+                               self.config_yaml, c.keep_last, c.keep_every)
+        self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _evaluate(self, phase) -> float:
+        return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
+                        self.data.valid_ds, self.data.dp_rank)
+
+    def _switch_rope(self, phase) -> None:
+        if phase.rope_type != self.rope_type:
+            set_rope_type(self.model, self.tcfg, self.cfg.model, phase.rope_type)
+            self.rope_type = phase.rope_type
+
+    def _describe(self, phase) -> str:
+        return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
+                f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "
+                f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
+                f"{phase.rope_type}")

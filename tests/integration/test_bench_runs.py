@@ -1,0 +1,45 @@
+"""k2-bench runs that start ranks: bench=pipeline (decoupled wgrad off and on, real k2-train runs) and
+bench=memory (five activation-memory settings on a parallel layout).
+"""
+
+from __future__ import annotations
+
+import json
+import pytest
+from k2.launcher.bench import main
+from support.helpers import run_tool
+
+
+@pytest.mark.slow
+def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus):
+    """bench=pipeline: two real trainer runs (pp2 here, to keep the test short), off then on; the same
+    losses, both step times, the deferred-bytes peak (the numbers, not the speed, are checked)."""
+    rc, out, err = run_tool(capsys, main, ["bench=pipeline", "output=json", "bench.options.parallel=pp2",
+                                 "bench.options.nproc=2", "bench.options.iters=3", "bench.options.devices=cpu"])
+    assert rc == 0, err
+    cpu = json.loads(out)["figures"]["cpu"]
+    assert cpu["parallel"] == "pp2" and cpu["ranks"] == 2 and cpu["timed_steps_per_config"] == 2
+    assert cpu["max_loss_rel_diff"] == 0.0  # the split changes no number
+    assert min(cpu["step_time_off_ms"], cpu["step_time_on_ms"]) > 0
+    assert cpu["on_over_off"] == pytest.approx(cpu["step_time_on_ms"] / cpu["step_time_off_ms"])
+    assert cpu["wgrad_deferred_peak_bytes"] > 0
+    assert min(cpu["pass_cpu_s_off"], cpu["pass_cpu_s_on"]) > 0
+    assert cpu["pass_cpu_on_over_off"] == pytest.approx(cpu["pass_cpu_s_on"] / cpu["pass_cpu_s_off"])
+
+
+@pytest.mark.slow
+def test_memory_bench_five_settings_in_one_run(capsys):
+    """bench=memory: one JSON object keyed by the five settings, each with saved_bytes and step_s,
+    measured through the hooks (one rank here to keep it short; the documented run is cpu4)."""
+    rc, out, _ = run_tool(capsys, main, ["bench=memory", "output=json", "bench.options.parallel=single",
+                               "bench.options.warmup=0", "bench.options.steps=1"])
+    assert rc == 0
+    fig = json.loads(out)["figures"]
+    assert list(fig) == ["none", "fp8", "recompute", "offload", "all"]
+    for f in fig.values():
+        assert f["saved_bytes"] > 0 and f["step_s"] > 0
+    none = fig["none"]["saved_bytes"]
+    assert fig["fp8"]["fp8_sites_cut"] >= 0.45
+    assert fig["fp8"]["saved_bytes"] < none and fig["recompute"]["saved_bytes"] < none
+    assert fig["offload"]["saved_bytes"] < none and fig["offload"]["host_bytes"] > 0
+    assert fig["all"]["saved_bytes"] < min(fig[s]["saved_bytes"] for s in ("fp8", "recompute", "offload"))

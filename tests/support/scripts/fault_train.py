@@ -1,0 +1,49 @@
+"""``k2.launcher.train`` with one injected fault, for tests/integration/test_checkpoint.py. ``$K2_FAULT`` =
+``KIND:STEP:RANK``:
+
+* ``sigterm_train`` -- global rank RANK sends itself SIGTERM in the middle of training step STEP (after
+  the step started, before its microbatches run), as a preempting job manager would;
+* ``sigterm_eval`` -- the same during the validation that follows step STEP;
+* ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
+  tensors and before the checkpoint is made visible (a node lost mid-save).
+"""
+
+import os
+import signal
+import sys
+
+
+import k2.launcher.checkpointing.store as store
+import k2.launcher.training.step as step
+import k2.launcher.training.trainer as trainer
+from k2.launcher import train
+
+KIND, STEP, RANK = os.environ["K2_FAULT"].split(":")
+STEP, RANK = int(STEP), int(RANK)
+ME = int(os.environ.get("RANK", "0"))
+train_steps = 0
+_run_microbatches = trainer.run_microbatches
+
+
+def run_microbatches(forward_backward, iters, model, phase, forward_only):
+    global train_steps
+    if not forward_only:
+        train_steps += 1
+        if KIND == "sigterm_train" and train_steps == STEP and ME == RANK:
+            os.kill(os.getpid(), signal.SIGTERM)
+    elif KIND == "sigterm_eval" and train_steps == STEP and ME == RANK:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _run_microbatches(forward_backward, iters, model, phase, forward_only)
+
+
+def before_commit(step):
+    if KIND == "crash_save" and step == STEP and ME == RANK:
+        os._exit(1)
+
+
+trainer.run_microbatches = run_microbatches  # the training step's
+step.run_microbatches = run_microbatches  # evaluate()'s
+store._before_commit = before_commit
+
+if __name__ == "__main__":  # megatron's checkpoint writer starts a multiprocessing manager (spawn)
+    sys.exit(train.main(sys.argv[1:]))

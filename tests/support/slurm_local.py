@@ -1,0 +1,138 @@
+"""A real one-node Slurm cluster on localhost for tests (Debian's slurm-wlm 22.05 + munge, run as root).
+
+How it was found to work on these machines: docs/slurm_local.md. ``LocalSlurm.start`` installs
+the packages with apt-get when ``slurmctld`` is missing, starts munged, writes a slurm.conf into a
+temporary directory, starts slurmctld and slurmd with absolute paths, and waits until the node is idle;
+``stop`` kills the daemons by their pid files. Environment for the client commands: :attr:`env`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+PACKAGES = ["slurm-wlm", "munge"]
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm cannot run here; the message says which step failed and its output."""
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def ensure_installed(timeout: int = 900) -> None:
+    """apt-get install slurm-wlm munge when slurmctld is not on PATH (needs root and Debian's registry)."""
+    if shutil.which("slurmctld") and shutil.which("munged"):
+        return
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("slurmctld is not installed and installing it needs root (apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    p = _run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, timeout=timeout)
+    if p.returncode != 0:  # stale package lists on a fresh machine
+        _run(["apt-get", "update", "-q"], env=env, timeout=timeout)
+        p = _run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, timeout=timeout)
+    if p.returncode != 0 or not shutil.which("slurmctld"):
+        raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
+
+
+class LocalSlurm:
+    """One node (this host, all its CPUs) in one default partition; state under ``root``."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = self.root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self._pidfiles = [self.root / "slurmctld.pid", self.root / "slurmd.pid"]
+
+    def _write_conf(self) -> None:
+        mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+        r = self.root
+        for d in ("state", "spool", "log"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        self.conf.write_text("\n".join([
+            "ClusterName=k2test",
+            f"SlurmctldHost={self.host}",
+            "SlurmUser=root",
+            "AuthType=auth/munge",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "MpiDefault=none",
+            "MailProg=/bin/true",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            "KillWait=60",
+            "MinJobAge=600",
+            "SchedulerType=sched/backfill",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            "SlurmctldPort=26817",
+            "SlurmdPort=26818",
+            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory={mem_mib * 9 // 10} State=UNKNOWN",
+            f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+            "",
+        ]))
+
+    def _start_munge(self) -> None:
+        if _run(["sh", "-c", "munge -n | unmunge"]).returncode == 0:
+            return
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        p = _run(["su", "-s", "/bin/sh", "munge", "-c", "munged"])
+        time.sleep(1)
+        check = _run(["sh", "-c", "munge -n | unmunge"])
+        if "STATUS:" not in check.stdout or "Success" not in check.stdout:
+            raise SlurmUnavailable(f"munged did not start: {p.stderr}{check.stdout}{check.stderr}")
+
+    def start(self, timeout: float = 60) -> "LocalSlurm":
+        ensure_installed()
+        self._start_munge()
+        self._write_conf()
+        for daemon in ("slurmctld", "slurmd"):
+            p = _run([daemon, "-f", str(self.conf)], env=self.env)
+            if p.returncode != 0:
+                raise SlurmUnavailable(f"{daemon} failed to start: {p.stderr[-2000:]}")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = _run(["sinfo", "-h", "-o", "%T"], env=self.env).stdout.strip()
+            if state in ("idle", "mixed"):
+                return self
+            time.sleep(1)
+        logs = "".join((self.root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
+                       if (self.root / "log" / f).exists())
+        self.stop()
+        raise SlurmUnavailable(f"the node did not become idle within {timeout} s: {logs}")
+
+    def stop(self) -> None:
+        for pidfile in self._pidfiles:
+            try:
+                os.kill(int(pidfile.read_text().strip()), 15)
+            except (OSError, ValueError):
+                pass
+
+    # --- client helpers --------------------------------------------------------------------------------
+
+    def scontrol(self, *args: str) -> str:
+        p = _run(["scontrol", *args], env=self.env)
+        if p.returncode != 0:
+            raise RuntimeError(f"scontrol {' '.join(args)}: {p.stderr}")
+        return p.stdout
+
+    def job_field(self, job_id: str, field: str) -> str:
+        """A ``Key=Value`` field of ``scontrol show job`` (e.g. JobState, Restarts, ExitCode)."""
+        for token in self.scontrol("show", "job", job_id).split():
+            if token.startswith(field + "="):
+                return token.split("=", 1)[1]
+        return ""

@@ -1,0 +1,182 @@
+"""k2-bench: registry, output formats, and the attention benchmark's accuracy figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k2.launcher.benchmarks.registry import BENCHMARKS
+from k2.launcher.bench import main
+from k2.launcher.benchmarks.attention import reference_attention
+
+from support.helpers import run_tool
+
+
+
+
+def test_none_lists_benchmarks(capsys):
+    rc, out, _ = run_tool(capsys, main, [])
+    assert rc == 0
+    assert "attention" in out
+    rc, out, _ = run_tool(capsys, main, ["bench=none", "output=json"])
+    assert rc == 0
+    assert set(json.loads(out)["available"]) == set(BENCHMARKS)
+
+
+def test_attention_json_fp32_matches_reference(capsys):
+    rc, out, _ = run_tool(capsys, main, ["bench=attention", "output=json"])
+    assert rc == 0
+    record = json.loads(out)  # exactly one JSON object on stdout
+    assert record["bench"] == "attention"
+    for key in ("torch", "megatron_core", "device", "cpu_count"):
+        assert record["system"][key]
+    cpu = record["figures"]["cpu"]
+    assert cpu["dtype"] == "fp32" and cpu["shape_sbhd"] == [256, 2, 4, 48] and cpu["v_head_dim"] == 32
+    assert cpu["max_abs_diff"] < 1e-5
+    assert cpu["max_logit_abs_diff"] < 1e-5
+    for key in ("time_k2_ms", "time_k2_no_record_ms", "time_reference_ms", "k2_over_reference"):
+        assert cpu[key] > 0
+    assert "max_logit_overhead" in cpu
+    if torch.cuda.is_available():  # K2 shape in bf16 on the GPU
+        cuda = record["figures"]["cuda"]
+        assert cuda["shape_sbhd"] == [4096, 1, 64, 192] and cuda["v_head_dim"] == 128
+        assert cuda["k2_max_abs_diff_vs_fp32"] <= 2 * cuda["reference_max_abs_diff_vs_fp32"] + 1e-2
+        assert cuda["max_logit_abs_diff"] < 0.1
+
+
+def test_attention_text_and_options(capsys):
+    rc, out, _ = run_tool(capsys, main, ["bench=attention", "bench.options.seq_length=64", "bench.options.repeats=2",
+                               "bench.options.devices=cpu"])
+    assert rc == 0
+    assert "max_abs_diff" in out and "[64, 2, 4, 48]" in out and "megatron-core" in out
+
+
+def test_optimizer_bench_times_both_in_one_run(capsys):
+    """bench=optimizer: MuonClip vs AdamW optimizer step on the CPU proxy (numbers, not speed, checked)."""
+    rc, out, _ = run_tool(capsys, main, ["bench=optimizer", "output=json", "bench.options.repeats=1",
+                               "bench.options.warmup=0"])
+    assert rc == 0
+    fig = json.loads(out)["figures"]
+    assert fig["model"] == "k2_tiny" and fig["newton_schulz"] == "bf16"
+    assert fig["muon_elements"] > 0 and fig["adamw_elements"] > 0
+    assert min(fig["time_adamw_ms"], fig["time_muon_step_ms"], fig["time_qk_clip_ms"]) > 0
+    assert fig["muonclip_over_adamw"] == pytest.approx(
+        (fig["time_muon_step_ms"] + fig["time_qk_clip_ms"]) / fig["time_adamw_ms"])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["+bench.options.seq_len=64"], "bench.options.seq_len"),
+        (["bench.options.dtype=fp16"], "bench.options.dtype"),
+        (["bench.options.seq_length=abc"], "bench.options.seq_length"),
+        (["bench.options.repeats=0"], "bench.options.repeats"),
+        (["output=yaml"], "output"),
+        (["bench=optimizer", "bench.options.precision=fp16"], "bench.options.precision"),
+        (["bench=optimizer", "bench.options.muon_fp32_matmul_prec=low"], "bench.options.muon_fp32_matmul_prec"),
+    ],
+)
+def test_bad_options_exit_2(capsys, overrides, named):
+    rc, out, err = run_tool(capsys, main, ["bench=attention", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err
+
+
+def test_unknown_bench_exit_2(capsys):
+    rc, _, err = run_tool(capsys, main, ["bench=nope"])
+    assert rc == 2 and "bench" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_requested_without_gpu(capsys):
+    rc, _, err = run_tool(capsys, main, ["bench=attention", "bench.options.devices=cuda"])
+    assert rc == 2 and "bench.options.devices" in err
+
+
+def test_reference_attention_matches_sdpa_fp64():
+    """The benchmark's reference against torch's own causal SDPA, in fp64."""
+    g = torch.Generator().manual_seed(1)
+    s, b, h, dk, dv = 33, 2, 3, 8, 5
+    q, k = (torch.randn(s, b, h, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(s, b, h, dv, generator=g, dtype=torch.float64)
+    scale = dk**-0.5
+    out, max_logit = reference_attention(q, k, v, scale)
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+    torch.testing.assert_close(out.double(), want.permute(2, 0, 1, 3).reshape(s, b, h * dv))
+    logits = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    logits = logits.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(max_logit.double(), logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+# --- bench=pipeline ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["bench.options.devices=tpu"], "bench.options.devices"),
+        (["bench.options.iters=1"], "bench.options.iters"),
+        (["bench.options.parallel=cpu4", "bench.options.nproc=3"], "parallel.pp"),  # the run itself is checked
+    ],
+)
+def test_pipeline_bench_bad_options_exit_2(capsys, overrides, named, no_process_start):
+    rc, out, err = run_tool(capsys, main, ["bench=pipeline", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err
+
+
+
+
+# --- bench=step ----------------------------------------------------------------------------------
+
+
+def test_step_bench_cases_figures_and_ratios(capsys, tmp_path):
+    """bench=step on CPU (tiny config): the baseline, the full K2 step and each toggled case, with
+    consistent figures and ratios; the JSON written to json_out is the printed record."""
+    out_path = tmp_path / "step.json"
+    rc, out, err = run_tool(capsys, main, ["bench=step", "output=json", "bench.options.repeats=1",
+                                 "bench.options.seq_length=64", f"bench.options.json_out={out_path}"])
+    assert rc == 0, err
+    record = json.loads(out)
+    assert json.loads(out_path.read_text())["figures"] == record["figures"]
+    fig = record["figures"]
+    cases = fig["cases"]
+    assert list(cases) == ["baseline", "k2", "k2_no_qk_clip", "k2_no_muon", "k2_no_fp8_store",
+                           "k2_no_recompute", "k2_no_grouped_gemm"]
+    assert fig["config"]["tokens_per_step"] == 64 and fig["gemm_peak_tflops"] > 0
+    base = cases["baseline"]
+    for name, c in cases.items():
+        assert c["timed_steps"] == 1 and c["step_ms"] > 0
+        assert c["tokens_per_s"] == pytest.approx(64 / (c["step_ms"] / 1e3))
+        assert c["model_tflops"] == pytest.approx(fig["config"]["model_flops_per_step"] / (c["step_ms"] / 1e3) / 1e12)
+        assert c["mfu"] == pytest.approx(c["model_tflops"] / fig["gemm_peak_tflops"])
+        assert c["tokens_per_s_over_baseline"] == pytest.approx(base["step_ms"] / c["step_ms"])
+        assert c["saved_activation_bytes_over_baseline"] == pytest.approx(
+            c["saved_activation_bytes"] / base["saved_activation_bytes"])
+    # the memory features show in the measured saved bytes
+    k2 = cases["k2"]["saved_activation_bytes"]
+    assert k2 < cases["k2_no_fp8_store"]["saved_activation_bytes"]
+    assert k2 < cases["k2_no_recompute"]["saved_activation_bytes"]
+    assert k2 < base["saved_activation_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["bench.options.size=huge"], "bench.options.size"),
+        (["bench.options.memory=all"], "bench.options.memory"),
+        (["bench.options.precision=fp16"], "bench.options.precision"),
+        (["bench.options.resident=2"], "bench.options.resident"),
+        (["bench.options.repeats=-1"], "bench.options.repeats"),
+        (["bench.options.attention_backend=flash"], "bench.options.attention_backend"),
+        (["bench.options.json_out=/nonexistent/dir/step.json"], "bench.options.json_out"),
+        (["+bench.options.steps=3"], "bench.options.steps"),
+    ],
+)
+def test_step_bench_bad_options_exit_2(capsys, overrides, named):
+    rc, out, err = run_tool(capsys, main, ["bench=step", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err

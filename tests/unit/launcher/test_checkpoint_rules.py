@@ -1,0 +1,148 @@
+"""Resume decisions, retention, replayed metrics and the preemption flag, in-process (no ranks start): which
+checkpoint a run continues from, what it refuses, which checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+import pytest
+
+
+def _fake_checkpoint(run_dir: Path, step: int, overrides: list[str], layout: dict) -> Path:
+    """A directory with what a complete checkpoint's non-tensor files hold (enough for the plan)."""
+    from k2.config.load import load_config, to_yaml
+
+    path = run_dir / "checkpoints" / f"iter_{step:07d}"
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text("{}")
+    (path / "config.yaml").write_text(to_yaml(load_config(overrides)))
+    (path / "k2_state.json").write_text(json.dumps({"step": step, "layout": layout,
+                                                    "optimizer_dp_fixed": False}))
+    (run_dir / "checkpoints" / "latest").write_text(path.name + "\n")
+    return path
+
+
+SINGLE = {"pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": 1}
+
+
+def _plan(overrides, world=1):
+    from k2.config.load import load_config
+    from k2.launcher.training.prepare import prepare_run
+
+    return prepare_run(load_config(overrides), world)
+
+
+def test_auto_resume_finds_latest_and_resume_from_accepts_run_or_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    assert _plan([f"run.dir={run_dir}"]).resume_from == ck
+    other = tmp_path / "other"
+    for where in (run_dir, ck, run_dir / "checkpoints"):
+        assert _plan([f"run.dir={other}", f"resume.from={where}"]).resume_from == ck
+    assert _plan([f"run.dir={other}"]).resume_from is None  # empty dir: a fresh start
+
+
+def test_resume_refuses_partial_incomplete_and_never(tmp_path):
+    from k2.config.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    partial = ck.parent / "iter_0000006.partial"
+    partial.mkdir()
+    with pytest.raises(ConfigError, match="partial save.*iter_0000004"):
+        _plan([f"run.dir={tmp_path / 'x'}", f"resume.from={partial}"])
+    (ck / "k2_state.json").unlink()
+    with pytest.raises(ConfigError, match="not a complete k2-launcher checkpoint"):
+        _plan([f"run.dir={run_dir}"])
+    with pytest.raises(ConfigError, match="resume=never and run.dir=.* is not empty"):
+        _plan([f"run.dir={run_dir}", "resume=never"])
+    with pytest.raises(ConfigError, match="unknown setting resume.frm; allowed: resume.mode, resume.from"):
+        _plan([f"run.dir={run_dir}", "+resume.frm=3"])
+
+
+@pytest.mark.parametrize("change,allowed", [
+    (["parallel=pp2"], None),  # PP 1 -> 2
+    (["parallel=cpu4"], None),  # PP, VPP, EP
+])
+def test_layout_change_names_compatible_layouts(tmp_path, change, allowed):
+    from k2.config.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    world = {"parallel=pp2": 2, "parallel=cpu4": 4}[change[0]]
+    with pytest.raises(ConfigError, match=r"Compatible layouts: parallel.pp=1, parallel.vpp=1, parallel.ep=1"):
+        _plan([f"run.dir={run_dir}", *change], world)
+
+
+def test_dp_change_refused_for_layer_wise_muon_state(tmp_path):
+    from k2.config.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}", "optim=muonclip"],
+                          {**SINGLE, "dp": 2, "world_size": 2})
+    st = json.loads((ck / "k2_state.json").read_text())
+    (ck / "k2_state.json").write_text(json.dumps({**st, "optimizer_dp_fixed": True}))
+    with pytest.raises(ConfigError, match="fixed DP size: run with world size 2"):
+        _plan([f"run.dir={run_dir}", "optim=muonclip"], 1)
+
+
+def test_config_change_that_alters_training_needs_force(tmp_path):
+    from k2.config.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    for change, key in ((["model.moe_router_topk=3"], "model.moe_router_topk: 2 -> 3"),
+                        (["schedule.phases.1.lr_start=0.01"], "schedule.phases"),
+                        (["run.seed=7"], "run.seed: 1234 -> 7")):
+        with pytest.raises(ConfigError, match=f"would change training: .*{key}.*resume.force=true"):
+            _plan([f"run.dir={run_dir}", *change])
+        assert _plan([f"run.dir={run_dir}", *change, "resume.force=true"]).resume_from == ck
+    # settings that do not change what is computed are free
+    assert _plan([f"run.dir={run_dir}", "train.iters=100", "train.eval_interval=7",
+                  "checkpoint.keep_last=5"]).resume_from == ck
+
+
+def test_prune_keeps_last_k_every_m_and_latest(tmp_path):
+    from k2.launcher.checkpointing.store import prune
+
+    root = tmp_path / "checkpoints"
+    for s in range(10, 101, 10):
+        (root / f"iter_{s:07d}").mkdir(parents=True)
+        (root / f"iter_{s:07d}" / "k2_state.json").write_text("{}")
+    (root / "latest").write_text("iter_0000040\n")  # e.g. resumed from 40 by resume.from
+    removed = prune(root, keep_last=2, keep_every=50)
+    left = sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir())
+    assert left == [40, 50, 90, 100]
+    assert len(removed) == 6
+
+
+def test_replayed_metrics_are_set_aside(tmp_path):
+    from k2.launcher.training.metrics import REPLAYED_METRICS, set_aside_replayed_metrics
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
+    assert set_aside_replayed_metrics(tmp_path, 5) == 7
+    assert [json.loads(x)["step"] for x in m.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [json.loads(x)["step"] for x in (tmp_path / REPLAYED_METRICS).read_text().splitlines()] == [6, 7]
+    assert set_aside_replayed_metrics(tmp_path, 5) == 5  # nothing more to move
+
+
+def test_preemption_flag_from_signal_and_budget():
+    from k2.launcher.training.preemption import Preemption
+
+    seen = []
+    p = Preemption(None, on_signal=seen.append).install()
+    try:
+        assert not p.agreed()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert p.agreed() and p.reason == "signal" and seen == ["SIGUSR1"]
+    finally:
+        p.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    q = Preemption(max_minutes=1e-6)
+    time.sleep(0.01)
+    assert q.agreed() and q.reason == "run.max_minutes"

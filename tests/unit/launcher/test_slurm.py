@@ -1,0 +1,271 @@
+"""launcher/tools/sbatch.py: hostlist expansion, master port, the rendered batch script and k2-submit.
+
+No Slurm is installed or started here: ``sbatch`` / ``scontrol`` are absent or small fake scripts on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k2.launcher import submit
+from k2.config.load import load_config
+from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
+from k2.launcher.tools.hostlist import expand_hostlist, first_host, master_port
+from k2.launcher.tools.sbatch import render_sbatch
+
+from support import REPO
+EXAMPLE = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "run.dir=/shared/runs/k2",
+           "submit.dry_run=true"]
+ONE_GPU = ["cluster.nodes=1", "cluster.gpus_per_node=1"]  # k2_tiny's schedule plans on one rank
+
+
+# --- hostlists ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expr, hosts", [
+    ("nodeA,nodeB[001,003],nodeC", ["nodeA", "nodeB001", "nodeB003", "nodeC"]),
+    ("linux[1,2]", ["linux1", "linux2"]),
+    ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
+    ("node[01-03]", ["node01", "node02", "node03"]),
+    ("rack[0-1]_blade[0-1]", ["rack0_blade0", "rack0_blade1", "rack1_blade0", "rack1_blade1"]),
+    ("single", ["single"]),
+    ("host-1.example.com", ["host-1.example.com"]),
+    ("a,b", ["a", "b"]),
+    ("n[1-3,7,09-11]", ["n1", "n2", "n3", "n7", "n09", "n10", "n11"]),  # mixed ranges and single numbers
+    ("n[8-10]", ["n8", "n9", "n10"]),  # unpadded range grows in width
+    ("x[1-2]y,z[001-002]", ["x1y", "x2y", "z001", "z002"]),  # suffix after brackets; padding widths per group
+    ("r[00-01]n[1,3]", ["r00n1", "r00n3", "r01n1", "r01n3"]),
+    ("n[5]", ["n5"]),
+    ("[1-2]", ["1", "2"]),
+    (" a , b[1-2] ", ["a", "b1", "b2"]),
+])
+def test_expand_hostlist(expr, hosts):
+    assert expand_hostlist(expr) == hosts
+
+
+@pytest.mark.parametrize("expr, why", [
+    ("", "empty"), ("   ", "empty"), ("a,,b", "empty item"), ("a,", "empty item"),
+    ("node[1-3", "without"), ("node1-3]", "without"), ("a[[1]]", "nested"), ("n[3-1]", "reversed"),
+    ("n[]", "empty"), ("n[a-b]", "not N"), ("n[1-]", "not N"), ("n[1--3]", "not N"),
+])
+def test_expand_hostlist_errors(expr, why):
+    with pytest.raises(ValueError, match=why) as e:
+        expand_hostlist(expr)
+    assert repr(expr) in str(e.value)
+
+
+def _fake_bin(tmp_path: Path, name: str, body: str) -> Path:
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    f = d / name
+    f.write_text("#!/bin/sh\n" + body + "\n")
+    f.chmod(0o755)
+    return d
+
+
+def test_first_host_without_scontrol(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
+    assert first_host("nodeB[003,001],nodeA") == "nodeB003"
+
+
+def test_first_host_uses_scontrol_and_falls_back(monkeypatch, tmp_path):
+    d = _fake_bin(tmp_path, "scontrol", 'echo fromscontrol; echo other')
+    monkeypatch.setenv("PATH", str(d))
+    assert first_host("n[1-2]") == "fromscontrol"
+    _fake_bin(tmp_path, "scontrol", "exit 1")  # a failing scontrol: the parser decides
+    assert first_host("n[1-2]") == "n1"
+
+
+# --- master port ----------------------------------------------------------------------------------------
+
+
+def test_master_port_range_and_determinism():
+    for job in [0, 1, 9999, 10000, 123456, 2**31 - 1, 10**12]:
+        p = master_port(job)
+        assert 1024 < p < 32768 and p == master_port(job)
+    assert master_port(123456) == 20000 + 3456
+    assert len({master_port(j) for j in range(10000)}) == 10000
+    for bad in (-1, "12", 1.5, True):
+        with pytest.raises(ValueError):
+            master_port(bad)
+
+
+def test_module_cli(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no scontrol: the parser answers
+    run = lambda *a: subprocess.run([sys.executable, "-m", "k2.launcher.tools.hostlist", *a], cwd=REPO, env=env,
+                                    capture_output=True, text=True, timeout=60)
+    r = run("master-port", "123456")
+    assert r.returncode == 0 and r.stdout == "23456\n"
+    r = run("first-host", "gpu[008-010],x")
+    assert r.returncode == 0 and r.stdout == "gpu008\n"
+    r = run("first-host", "gpu[2-1]")
+    assert r.returncode == 2 and "reversed range" in r.stderr
+    assert run("master-port", "-3").returncode == 2
+    assert run("bogus").returncode == 2
+
+
+# --- the rendered script --------------------------------------------------------------------------------
+
+
+def _sbatch_lines(text: str) -> list[str]:
+    return [ln[len("#SBATCH "):] for ln in text.splitlines() if ln.startswith("#SBATCH ")]
+
+
+def test_render_sbatch_lines_and_run_dir(tmp_path):
+    ov = ["parallel=pp2", "cluster.nodes=2", "cluster.gpus_per_node=4", f"run.dir={tmp_path}/r1",
+          "submit.time=02:30:00", "submit.partition=batch", "submit.account=proj7",
+          "submit.job_name=k2-test", "submit.signal_seconds=300", "train.iters=5"]
+    text = render_sbatch(load_config(ov), ov)
+    lines = _sbatch_lines(text)
+    for want in ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--requeue",
+                 "--signal=USR1@300", "--time=02:30:00", "--job-name=k2-test", "--partition=batch",
+                 "--account=proj7", f"--output={tmp_path}/r1/slurm-%j.out"]:
+        assert want in lines, (want, lines)
+    srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    assert len(srun) == 1
+    assert "-m k2.launcher.train parallel=pp2 cluster.nodes=2 cluster.gpus_per_node=4 train.iters=5 " \
+           f"run.dir={tmp_path}/r1 " in srun[0]
+    assert "submit." not in srun[0] and "SLURM_JOB_ID" not in srun[0]
+    assert text.count("run.dir=") == 3  # header comment, corpus step, srun: one fixed directory
+    # requeue logic: status 42 -> scontrol requeue; anything else is the job's status
+    assert f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {tmp_path}/r1/requeue ]]" in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1' in text
+    assert '-m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST"' in text
+    assert '-m k2.launcher.tools.hostlist master-port "$SLURM_JOB_ID"' in text
+
+
+def test_render_defaults_relative_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = render_sbatch(load_config([]), [])
+    lines = _sbatch_lines(text)
+    assert "--time=24:00:00" in lines and "--signal=USR1@120" in lines and "--job-name=k2" in lines
+    assert not any(ln.startswith(("--partition", "--account")) for ln in lines)
+    assert f"run.dir={tmp_path}/runs/k2_tiny-single" in text  # resolved interpolation, made absolute
+
+
+def _run_script(tmp_path: Path, text: str, srun_status: int) -> tuple[subprocess.CompletedProcess, str]:
+    """Run the rendered script with fake srun / scontrol / python that log their arguments."""
+    log = tmp_path / "calls.log"
+    d = _fake_bin(tmp_path, "srun", f'echo "srun $*" >> {log}; exit {srun_status}')
+    _fake_bin(tmp_path, "scontrol", f'echo "scontrol $*" >> {log}; [ "$1" = show ] && echo nodeX; exit 0')
+    _fake_bin(tmp_path, "python", f'echo "python $*" >> {log}; echo 20001')
+    env = {"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path), "K2_PYTHON": str(d / "python"),
+           "SLURM_JOB_ID": "10001", "SLURM_JOB_NODELIST": "nodeX", "SLURM_JOB_NUM_NODES": "1"}
+    script = tmp_path / "pretrain.sbatch"
+    script.write_text(text)
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    return r, log.read_text()
+
+
+@pytest.mark.parametrize("status, marker, rc, requeued", [
+    (0, False, 0, False), (REQUEUE_EXIT_CODE, False, 0, True), (3, False, 3, False),
+    (137, True, 0, True),  # srun killed the last ranks (kill-on-bad-exit) after rank 0 left the marker
+])
+def test_script_requeue_convention(tmp_path, status, marker, rc, requeued):
+    shutil.which("bash") or pytest.skip("no bash")
+    ov = [f"run.dir={tmp_path}/run"]
+    if marker:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "requeue").write_text("7\n")
+    r, calls = _run_script(tmp_path, render_sbatch(load_config(ov), ov), status)
+    assert r.returncode == rc, r.stderr
+    assert ("scontrol requeue 10001" in calls) == requeued
+    assert f"-m k2.launcher.train run.dir={tmp_path}/run" in calls
+
+
+def test_rendered_script_bash_syntax(tmp_path):
+    ov = ["cluster.nodes=2", "submit.partition=p", "run.wandb.name='it is $HOME'"]
+    f = tmp_path / "s.sbatch"
+    text = render_sbatch(load_config(ov), ov)
+    f.write_text(text)
+    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    assert "run.wandb.name='it is $HOME'" in shlex.split(srun)  # quoted for the shell, reaches Hydra as is
+
+
+# --- k2-submit ------------------------------------------------------------------------------------------
+
+
+def test_checked_in_example_is_fresh(capsys, monkeypatch, tmp_path):
+    """slurm/pretrain.sbatch == `k2-submit <EXAMPLE>` (regenerate it with that command when this fails)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: a dry run never needs one
+    assert submit.main(EXAMPLE) == 0
+    out = capsys.readouterr().out
+    assert out == (REPO / "slurm" / "pretrain.sbatch").read_text(), (
+        "slurm/pretrain.sbatch is stale; regenerate: k2-submit " + " ".join(EXAMPLE) + " > slurm/pretrain.sbatch"
+    )
+    assert "--nodes=32" in _sbatch_lines(out) and "--ntasks-per-node=8" in _sbatch_lines(out)
+
+
+def test_dry_run_writes_and_submits_nothing(capsys, monkeypatch, tmp_path):
+    d = _fake_bin(tmp_path, "sbatch", f"touch {tmp_path}/submitted; echo 77")
+    monkeypatch.setenv("PATH", f"{d}:/usr/bin:/bin")
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash\n")
+    assert not (tmp_path / "submitted").exists() and not (tmp_path / "run").exists()
+
+
+def test_submit_calls_sbatch(capsys, monkeypatch, tmp_path):
+    d = _fake_bin(tmp_path, "sbatch", f'echo "$PWD $*" > {tmp_path}/args; echo "4242;cluster"')
+    monkeypatch.setenv("PATH", f"{d}:/usr/bin:/bin")
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run"]) == 0
+    assert capsys.readouterr().out == "4242\n"
+    script = tmp_path / "run" / "pretrain.sbatch"
+    assert script.exists() and f"run.dir={tmp_path}/run" in script.read_text()
+    assert (tmp_path / "args").read_text().split() == [str(REPO), "--parsable", str(script)]
+
+
+def test_help(capsys):
+    assert submit.main(["--help"]) == 0
+    assert "submit.dry_run=true" in capsys.readouterr().out
+
+
+def test_missing_sbatch(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run"]) == 1
+    assert "sbatch not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3"], "parallel.pp"),  # 24 ranks, PP16
+    (["cluster.nodes=0"], "cluster.nodes"),
+    (["cluster.gpus_per_node=8"], "schedule.global_batch_tokens"),  # k2_tiny's batch on 8 ranks
+    (["submit.time=tomorrow"], "submit.time"),
+    (["submit.signal_seconds=0"], "submit.signal_seconds"),
+    (["submit.job_name=a b"], "submit.job_name"),
+    (["submit.bogus=1"], "submit.bogus"),
+    (["train.precision=fp8"], "train.precision"),
+])
+def test_bad_config_exit_2(capsys, monkeypatch, tmp_path, overrides, named):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert submit.main([*ONE_GPU, *overrides, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k2-submit: error: ") and named in err, err
+
+
+def test_existing_run_refused(capsys, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 2
+    assert "holds a run" in capsys.readouterr().err
+
+
+def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
+    """A run dir with a checkpoint is not 'used up': submitting it again continues it (auto-resume)."""
+    from test_checkpoint_rules import SINGLE, _fake_checkpoint
+
+    run_dir = tmp_path / "run"
+    (run_dir).mkdir()
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    _fake_checkpoint(run_dir, 4, [*ONE_GPU, f"run.dir={run_dir}"], {**SINGLE, "world_size": 1})
+    assert submit.main([*ONE_GPU, f"run.dir={run_dir}", "submit.dry_run=true"]) == 0
+    assert f"run.dir={run_dir}" in capsys.readouterr().out

@@ -1,0 +1,60 @@
+"""The CPU backend is inert on a CUDA machine and refuses other megatron-core versions. Each check runs
+in a process of its own that has not enabled the backend (a fork of the tests' fork server, or a fresh
+interpreter), since the patches are process-wide."""
+
+from __future__ import annotations
+
+import subprocess
+
+from support import REPO
+from support.distributed import rank_launch_cmd, trainer_env
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(rank_launch_cmd(1, ["-c", code], []), cwd=REPO, env=trainer_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_does_nothing_when_cuda_is_available():
+    p = _run(
+        "import torch\n"
+        "from k2.parallel import cpu_backend\n"
+        "cpu_backend.cuda_available = lambda: True\n"
+        "orig = (torch.cuda.current_device, torch.Tensor.type, torch.cuda.Stream)\n"
+        "assert cpu_backend.enable() is False\n"
+        "assert not cpu_backend.is_enabled()\n"
+        "assert (torch.cuda.current_device, torch.Tensor.type, torch.cuda.Stream) == orig\n"
+        "print('inert')\n"
+    )
+    assert p.returncode == 0 and "inert" in p.stdout, p.stderr[-2000:]
+
+
+def test_refuses_another_megatron_version():
+    p = _run(
+        "import importlib.metadata as md\n"
+        "real = md.version\n"
+        "md.version = lambda name: '0.20.0' if name == 'megatron-core' else real(name)\n"
+        "from k2.parallel import cpu_backend\n"
+        "try:\n"
+        "    cpu_backend.enable()\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    assert "refused:" in p.stdout and "0.19.2" in p.stdout and "0.20.0" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def test_patches_make_megatron_cuda_calls_host_calls():
+    p = _run(
+        "import torch\n"
+        "from k2.parallel import cpu_backend\n"
+        "assert cpu_backend.enable() is True\n"
+        "t = torch.empty(3, device=torch.cuda.current_device())\n"
+        "assert t.device.type == 'cpu'\n"
+        "assert torch.zeros(2, device='cuda').device.type == 'cpu'\n"
+        "assert torch.ones(2).float().type() == 'torch.cuda.FloatTensor'\n"
+        "assert torch.ones(2).type(torch.float64).dtype == torch.float64\n"
+        "s = torch.cuda.get_rng_state(); a = torch.rand(1); torch.cuda.set_rng_state(s); b = torch.rand(1)\n"
+        "assert torch.equal(a, b)\n"
+        "print('ok')\n"
+    )
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
