@@ -5,20 +5,26 @@
 k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run the same code as one rank each.
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
-Exit status: 0 when the run finished, 2 for a bad setting, 42 (``REQUEUE_EXIT_CODE``) when it saved a
+Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
+(:mod:`k2.launcher.checkpointing.run_lock`), 42 (``REQUEUE_EXIT_CODE``) when it saved a
 checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import sys
 from typing import Optional, Sequence
 
 from k2.config import load_config
+from k2.launcher.checkpointing.resume import plan_resume
+from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock
 from k2.launcher.cli import BAD_SETTING_EXIT, REQUEUE_EXIT_CODE, error, run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.tools.sweep import run_sweep, split_multirun
-from k2.launcher.training.launch import spawn_local_ranks
+from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
 from k2.launcher.training.prepare import prepare_run
 from k2.parallel.distributed import destroy_distributed, dist_env
 
@@ -36,11 +42,24 @@ def _train(args: list[str]) -> int:
         return run_sweep(overrides)
     cfg = load_config(overrides)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
-    plan = prepare_run(cfg, world)
+    plan = prepare_run(cfg, world)  # every setting first: a bad one exits 2 before run.dir is created
+    # one owner per run dir (k2.launcher.checkpointing.run_lock): this process, when it spawns the ranks
+    # or is global rank 0 of its own launch; taken before anything in the run dir is written
+    owner = env.rank == 0 and os.environ.get(LOCK_HELD_ENV) != "1"
+    with (RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext()):
+        if owner:  # decided again under the lock: a previous owner may have saved or pruned since
+            plan = dataclasses.replace(plan, resume_from=plan_resume(cfg, plan.layout))
+        return _run(cfg, plan, overrides, env)
+
+
+def _run(cfg, plan, overrides: list[str], env) -> int:
+    world = plan.dims.world_size
     if not env.launched and world > 1:
         if cfg.data.path is None:
             prepare_stdlib_corpus(cfg.data)  # once, before the ranks start
         return spawn_local_ranks(cfg, overrides)
+    if env.spawned_by_k2_train:
+        exit_with_parent()  # no rank outlives k2-train (k2.launcher.training.launch)
     # imported here, not at the top: the trainer imports megatron-core (~6 s of CPU), which a process that
     # only checks the settings and starts the local ranks (or a sweep) does not need
     from k2.launcher.training.trainer import run
@@ -49,7 +68,11 @@ def _train(args: list[str]) -> int:
         record = run(cfg, plan, env)
     finally:
         destroy_distributed()
-    return REQUEUE_EXIT_CODE if record.get("preempted") else 0
+    if record.get("preempted") and not env.spawned_by_k2_train:
+        return REQUEUE_EXIT_CODE
+    # ranks spawned by k2-train exit 0 after a preemption save, so that torchrun prints no failure; the
+    # parent turns the requeue marker the save left into REQUEUE_EXIT_CODE (spawn_local_ranks)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,6 +11,7 @@ from typing import Optional
 from k2.config.errors import ConfigError
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint, read_state
+from k2.launcher.checkpointing.run_lock import OWNER_LOCK
 
 #: config sections whose change alters what training computes; refused on resume unless resume.force.
 GUARDED = ("model", "schedule", "optim", "data", "run.seed", "train.precision")
@@ -97,7 +98,8 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
     settings = resume_settings(cfg.resume)
     run_dir = Path(cfg.run.dir)
     if settings["mode"] == "never":
-        if run_dir.exists() and any(run_dir.iterdir()):
+        # (the owner's lock file, k2.launcher.checkpointing.run_lock, is not a previous run)
+        if run_dir.exists() and any(p.name != OWNER_LOCK for p in run_dir.iterdir()):
             raise ConfigError(f"resume=never and run.dir={run_dir} is not empty; choose a new run.dir "
                               "or drop resume=never to resume from its latest checkpoint")
         return None

@@ -1,22 +1,32 @@
 """Starting training processes from ``k2-train`` itself: local ranks under torchrun, a child run, and the
-signals passed on to them (so that killing the parent by pid leaves nothing running unattended)."""
+signals passed on to them (so that killing the parent by pid leaves nothing running unattended).
+
+Signals go only to the rank processes (torchrun's direct children), never to what a rank started
+itself (wandb's service, megatron's checkpoint-writer helpers): those end with their rank. When the
+parent dies without passing anything on (``kill -9``), the kernel kills torchrun
+(``PR_SET_PDEATHSIG``) and each rank kills itself as soon as its parent is gone
+(:func:`exit_with_parent`), so no rank outlives its launcher.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import psutil
 
+from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
 
-__all__ = ["forwarding_signals", "free_port", "spawn_local_ranks"]
+__all__ = ["exit_with_parent", "forwarding_signals", "free_port", "spawn_local_ranks"]
 
 #: signals a launcher passes on to the processes it started
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -38,7 +48,9 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
         to_workers: ``child`` is torchrun: SIGTERM and SIGUSR1 go to its worker processes directly as
             SIGTERM (torchrun itself would kill them after its own 30 s grace, before they could save a
             checkpoint); SIGINT goes to torchrun, which stops the ranks at once. Otherwise every signal
-            goes to ``child`` as it came.
+            goes to ``child`` as it came. Only torchrun's direct children (the ranks) are signalled:
+            a rank's own helpers (wandb's service) would die of SIGTERM and take the rank's logger
+            with them before it saved.
 
     The previous handlers are restored on exit.
     """
@@ -47,7 +59,7 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
             child.send_signal(signum)
             return
         try:
-            workers = psutil.Process(child.pid).children(recursive=True)
+            workers = psutil.Process(child.pid).children(recursive=False)
         except psutil.NoSuchProcess:
             workers = []
         if not workers:  # not started yet (or gone): torchrun stops whatever there is
@@ -66,16 +78,55 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
             signal.signal(sig, handler)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn``: the kernel SIGKILLs this child when the thread that started it exits (Linux;
+    elsewhere nothing is set). k2-train starts torchrun from its main thread and waits on it there."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
+    """In a rank spawned by ``k2-train``: a daemon thread that SIGKILLs this process as soon as its
+    parent (torchrun) is gone, i.e. when this process is re-parented (checked every ``poll_s`` seconds).
+
+    A thread rather than ``PR_SET_PDEATHSIG`` in the rank: that signal fires when the parent *thread*
+    that forked the rank exits, which in torchrun need not be the one that lives as long as torchrun.
+    A rank that finds itself already re-parented (its parent died before this call) is killed at once.
+
+    Returns:
+        the started thread.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            ppid = os.getppid()
+            if ppid != parent or ppid == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait(poll_s)
+
+    t = threading.Thread(target=watch, name="k2-exit-with-parent", daemon=True)
+    t.start()
+    return t
+
+
 def spawn_local_ranks(cfg, overrides: list[str]) -> int:
     """Re-launch ``k2.launcher.train`` under ``torch.distributed.run`` with ``launch.nproc_per_node`` ranks.
 
     Signals: see :func:`forwarding_signals` (the ranks save a checkpoint and stop on SIGTERM / SIGUSR1:
     :mod:`k2.launcher.training.preemption`). Killing ``k2-train`` by pid therefore leaves no orphaned
-    rank behind.
+    rank behind, with any signal (module docstring). The caller holds the run directory's lock
+    (:class:`k2.launcher.checkpointing.run_lock.RunDirLock`); the ranks are told not to take it.
 
     Returns:
-        torchrun's exit code, or :data:`REQUEUE_EXIT_CODE` when the ranks stopped for preemption
-        (torchrun reports only that its workers failed; rank 0 leaves ``<run.dir>/requeue``).
+        torchrun's exit code, or :data:`REQUEUE_EXIT_CODE` when the ranks stopped for preemption: the
+        ranks it spawns exit 0 after a preemption save (so that torchrun reports no failure) and rank 0
+        leaves ``<run.dir>/requeue``, which this function turns into the requeue status.
     """
     port = cfg.launch.master_port or free_port()
     cmd = [
@@ -86,13 +137,14 @@ def spawn_local_ranks(cfg, overrides: list[str]) -> int:
     ]
     env = dict(os.environ)
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
+    env[LOCK_HELD_ENV] = "1"  # this process owns the run dir for them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
     print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks: {' '.join(cmd[2:])}", flush=True)
-    child = subprocess.Popen(cmd, env=env)
+    child = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     with forwarding_signals(child, to_workers=True):
         rc = child.wait()
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
-    if rc != 0 and marker.exists():
+    if marker.exists():
         print(f"k2-train: the ranks saved step {marker.read_text().strip()} and stopped for preemption; "
               f"exit status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
         return REQUEUE_EXIT_CODE

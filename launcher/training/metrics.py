@@ -6,6 +6,10 @@ step, ``model/flops.py``, against ``cluster.peak_tflops``), and ``val_loss`` on 
 offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
 call in offline mode.
 
+A logger never costs a checkpoint: any failure of wandb (its service killed by a job manager's SIGTERM,
+a lost connection, a full disk) prints one warning, turns wandb off for the rest of the process and
+training, saving and ``metrics.jsonl`` go on.
+
 Resume policy. A resumed run appends to the same ``metrics.jsonl`` and continues the same wandb
 run (its id is stored in the checkpoint; ``resume="must"`` online, ``"allow"`` offline, where there is no
 server to ask). When it resumes from a checkpoint older than the last logged step (preempted between two
@@ -63,6 +67,17 @@ def _jsonable(v):
     return v
 
 
+def _teardown_wandb() -> None:
+    """After a wandb failure: release its service connection, which also unregisters wandb's exit hook
+    (that hook would otherwise print a second traceback of the same lost connection at exit)."""
+    try:
+        import wandb
+
+        wandb.teardown()
+    except Exception:  # noqa: BLE001 - the connection is already broken; nothing more to report
+        pass
+
+
 class MetricsLogger:
     """Writes metrics on the logging rank; a no-op elsewhere.
 
@@ -97,32 +112,14 @@ class MetricsLogger:
         self._fh = None
         self._total = total_steps
         self._plain_every = 0
+        self._wandb_id = wandb_run_id
         if not enabled:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
-            os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
-
-            resume = None
-            if wandb_run_id is not None:
-                resume = "must" if wandb_cfg.mode == "online" else "allow"
-            self._wandb = wandb.init(
-                mode=wandb_cfg.mode,
-                project=wandb_cfg.project,
-                entity=wandb_cfg.entity,
-                name=wandb_cfg.name,
-                group=wandb_cfg.get("group"),
-                dir=str(self.run_dir),
-                config=config,
-                reinit="finish_previous",
-                id=wandb_run_id,
-                resume=resume,
-            )
-            self._wandb.define_metric("step")
-            self._wandb.define_metric("*", step_metric="step")
+            self._call_wandb("init", self._init_wandb, wandb_cfg, config, wandb_run_id)
         if progress and not sys.stderr.isatty():
             self._plain_every = max(1, int(log_interval))
         elif progress:
@@ -131,9 +128,45 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True)
 
+    def _init_wandb(self, wandb_cfg, config: Optional[dict], wandb_run_id: Optional[str]) -> None:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        resume = None
+        if wandb_run_id is not None:
+            resume = "must" if wandb_cfg.mode == "online" else "allow"
+        self._wandb = wandb.init(
+            mode=wandb_cfg.mode,
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            name=wandb_cfg.name,
+            group=wandb_cfg.get("group"),
+            dir=str(self.run_dir),
+            config=config,
+            reinit="finish_previous",
+            id=wandb_run_id,
+            resume=resume,
+        )
+        self._wandb_id = self._wandb.id
+        self._wandb.define_metric("step")
+        self._wandb.define_metric("*", step_metric="step")
+
+    def _call_wandb(self, what: str, fn, *args) -> None:
+        """Run one wandb call; on any exception warn once, stop using wandb, and carry on."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - whatever wandb raises, the run must go on
+            self._wandb = None
+            _teardown_wandb()
+            print(f"k2-train: warning: wandb failed in {what} ({type(e).__name__}: {e}); wandb logging is off "
+                  f"for the rest of this process, training and {self.run_dir / 'metrics.jsonl'} go on",
+                  file=sys.stderr, flush=True)
+
     @property
     def wandb_run_id(self) -> Optional[str]:
-        return self._wandb.id if self._wandb is not None else None
+        """The wandb run's id (kept in checkpoints so that a resume continues it); None without wandb.
+        Still the run's id after wandb failed, so that the next start continues the same run."""
+        return self._wandb_id
 
     def log(self, record: dict) -> None:
         """Append one step's record (``record["step"]`` is the 1-based optimizer step)."""
@@ -141,8 +174,8 @@ class MetricsLogger:
             return
         rec = {k: _jsonable(v) for k, v in record.items()}
         self._fh.write(json.dumps(rec) + "\n")
-        if self._wandb is not None:
-            self._wandb.log(rec)  # x-axis: the "step" metric (module docstring: resume policy)
+        if self._wandb is not None:  # x-axis: the "step" metric (module docstring: resume policy)
+            self._call_wandb("log", self._wandb.log, rec)
         if self._bar is not None:
             self._bar.update(1)
             post = {"loss": f"{rec.get('loss', float('nan')):.4f}", "tok/s": f"{rec.get('tokens_per_s', 0):.0f}"}
@@ -170,6 +203,7 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
+        """Close the progress bar, ``metrics.jsonl`` and the wandb run (a wandb failure only warns)."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -177,4 +211,5 @@ class MetricsLogger:
         if self._fh is not None:
             self._fh.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._call_wandb("finish", self._wandb.finish)
+            self._wandb = None

@@ -38,6 +38,8 @@ class Preemption:
 
     def __init__(self, max_minutes: Optional[float] = None, on_signal=None):
         self.signal_name: Optional[str] = None
+        #: the step in progress (set by the training loop; 0 before the first), for log lines
+        self.step = 0
         self.reason: Optional[str] = None
         self._deadline = None if max_minutes is None else time.monotonic() + 60.0 * float(max_minutes)
         self.on_signal = on_signal

@@ -108,14 +108,16 @@ class Trainer:
         try:
             self.evaluate_before_training()
             for step in range(self.state.step + 1, self.plan.steps + 1):
+                self.preemption.step = step  # named by a signal's log line
                 phase = self.enter_phase(step)
                 self.record = self.train_step(step, phase)
                 self.maybe_evaluate(step, phase)
                 self.logger.log(self.record)
-                preempted = self.stop_for_preemption(step)
+                saved = self.maybe_save(step)
+                # agreed after the periodic save: a signal that arrives while step N saves stops at N
+                preempted = step < self.plan.steps and self.stop_for_preemption(step, saved)
                 if preempted:
                     break
-                self.maybe_save(step)
         finally:
             self.logger.close()
         if preempted:
@@ -222,8 +224,8 @@ class Trainer:
         else:
             self.logger.message(f"step {start + 1}: {self._describe(self.data.phase)}")
         self.preemption.on_signal = lambda name: self.logger.message(
-            f"k2-train: {name} received; saving a checkpoint at the end of this step, then exiting with "
-            f"{REQUEUE_EXIT_CODE} (requeue)")
+            f"k2-train: {name} received during step {self.preemption.step}; saving a checkpoint at the end "
+            f"of step {self.preemption.step}, then exiting with {REQUEUE_EXIT_CODE} (requeue)")
 
     # ------------------------------------------------------------------ one step
 
@@ -292,22 +294,30 @@ class Trainer:
         if every and (step % every == 0 or step == self.plan.steps):
             self.record["val_loss"] = self._evaluate(phase)
 
-    def stop_for_preemption(self, step: int) -> bool:
+    def stop_for_preemption(self, step: int, saved: bool = False) -> bool:
         """Collective: when any rank got SIGTERM / SIGUSR1 or ran out of ``run.max_minutes``, save this
-        step, leave the requeue marker (rank 0) and return True on every rank."""
+        step (unless ``saved``: its periodic checkpoint was just written), leave the requeue marker
+        (rank 0) and return True on every rank."""
         if not self.preemption.agreed():
             return False
-        self.save(step, f"preempted: {self.preemption.reason}")
+        why = f"preempted: {self.preemption.reason}"
+        if saved:
+            self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
+        else:
+            self.save(step, why)
         if self.rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
             (self.run_dir / REQUEUE_MARKER).write_text(f"{step}\n")
         dist.barrier()  # the marker exists before any rank exits
         return True
 
-    def maybe_save(self, step: int) -> None:
-        """A checkpoint every ``train.save_interval`` steps and at the end (``checkpoint.save_at_end``)."""
+    def maybe_save(self, step: int) -> bool:
+        """A checkpoint every ``train.save_interval`` steps and at the end (``checkpoint.save_at_end``).
+        Returns True when it saved."""
         every, last = self.cfg.train.save_interval, step == self.plan.steps
         if (every and step % every == 0) or (last and self.cfg.checkpoint.save_at_end):
             self.save(step, "end of run" if last else "train.save_interval")
+            return True
+        return False
 
     def save(self, step: int, why: str) -> None:
         """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""

@@ -1,6 +1,8 @@
 """A real Slurm, not a mock: a one-node slurmctld + slurmd on localhost (tests/support/slurm_local.py),
 the rendered slurm pretrain script submitted with ``k2-submit`` (sbatch), requeued mid-run with
-``scontrol requeue``; the job must finish with the same final loss as an uninterrupted run.
+``scontrol requeue`` (SIGTERM to every process of the step, wandb's service included) and then given the
+time-limit notice (USR1 from ``scancel --signal=USR1``), with wandb in its default offline mode; the job
+must finish with the same losses as an uninterrupted run, bit for bit.
 
 Needs root (apt-get, munged, slurmd); CI runs as root. Where Slurm cannot start, the test fails with the
 step that failed, unless ``K2_ALLOW_NO_SLURM=1`` (then it skips, naming the reason).
@@ -23,8 +25,8 @@ from support.slurm_local import LocalSlurm, SlurmUnavailable
 pytestmark = pytest.mark.slow
 
 JOB = ["parallel=pp2", "cluster.nodes=1", "cluster.gpus_per_node=2", "submit.request_gpus=false",
-       "submit.time=30", "submit.signal_seconds=60", "train.iters=8", "train.save_interval=2",
-       "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled"]
+       "submit.time=30", "submit.signal_seconds=60", "train.iters=10", "train.save_interval=2",
+       "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline"]
 
 
 @pytest.fixture(scope="module")
@@ -67,29 +69,40 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
         f = run_dir / f"slurm-{job}.out"
         return f.read_text()[-tail:] if f.exists() else "(no log)"
 
+    def restart_now(restarts: int) -> None:  # skip the requeue's BeginTime delay
+        _wait(lambda: slurm.job_field(job, "Restarts") == str(restarts)
+              and slurm.job_field(job, "JobState") == "PENDING", 120, f"restart {restarts} to pend: {log()}")
+        slurm.scontrol("update", f"jobid={job}", "StartTime=now")
+
     try:
         _wait(lambda: steps_logged() >= 3, 300, f"step 3 of job {job}: {log()}")
-        slurm.scontrol("requeue", job)  # the ranks get SIGTERM: they save, exit; Slurm requeues
-        _wait(lambda: slurm.job_field(job, "JobState") == "PENDING", 120, "the requeued job to pend")
-        slurm.scontrol("update", f"jobid={job}", "StartTime=now")  # skip the requeue's BeginTime delay
+        slurm.scontrol("requeue", job)  # every process of the step gets SIGTERM: the ranks save, exit 42
+        restart_now(1)
+        saved = steps_logged()  # the step the SIGTERM saved
+        _wait(lambda: "resumed from" in log() and steps_logged() >= saved + 1, 300,
+              f"a step after the restart: {log()}")
+        # the time-limit notice (what --signal=USR1@N sends): the ranks save the step in progress, exit 42
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
+        restart_now(2)
         _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
               f"job {job} to finish: {log()}", every=1)
     finally:
         if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
             subprocess.run(["scancel", job], env=slurm.env)
     assert slurm.job_field(job, "JobState") == "COMPLETED", log()
-    assert slurm.job_field(job, "Restarts") == "1", log()
+    assert slurm.job_field(job, "Restarts") == "2", log()
     out = log(tail=10**7)
-    assert "restart 0" in out and "restart 1" in out and "resumed from" in out, out[-4000:]
-    # the SIGTERM of the requeue was turned into a checkpoint of the step in progress, so nothing was
-    # re-run after the restart
-    assert "SIGTERM received" in out and "preempted: signal" in out and "are re-run" not in out, out[-4000:]
+    assert "restart 0" in out and "restart 1" in out and "restart 2" in out and "resumed from" in out, out[-4000:]
+    # the SIGTERM of the requeue and the USR1 were each turned into a checkpoint of the step in progress,
+    # so nothing was re-run after a restart; wandb dying of the step's SIGTERM cost nothing
+    assert "SIGTERM received" in out and "SIGUSR1 received" in out, out[-4000:]
+    assert out.count("preempted: signal") == 2 and "are re-run" not in out, out[-4000:]
 
     recs = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert [r["step"] for r in recs] == list(range(1, 11))
     ref = run_trainer([x for x in JOB if not x.startswith(("cluster.", "submit."))], 2, tmp_path / "ref")
-    assert recs[-1]["loss"] == ref[-1]["loss"] and recs[-1]["grad_norm"] == ref[-1]["grad_norm"]
-    assert json.loads((run_dir / "checkpoints" / "iter_0000008" / "k2_state.json").read_text())["step"] == 8
+    assert [(r["loss"], r["grad_norm"]) for r in recs] == [(r["loss"], r["grad_norm"]) for r in ref]
+    assert json.loads((run_dir / "checkpoints" / "iter_0000010" / "k2_state.json").read_text())["step"] == 10
 
 
 def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdlib_corpus):

@@ -51,10 +51,12 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
                 timeout: int = 600, env: dict | None = None, expect_failure: bool = False) -> list[dict]:
     """Run ``k2.launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
-    metrics.jsonl records. Raises AssertionError with the tail of the output on failure or timeout
+    metrics.jsonl records. :data:`QUIET` is added except for the keys ``overrides`` sets (e.g.
+    ``run.wandb.mode=offline``). Raises AssertionError with the tail of the output on failure or timeout
     (a hang shows up as a timeout), or, with ``expect_failure``, when the run exits with status 0."""
     target = ["-m", "k2.launcher.train"] if script is None else [str(SCRIPTS / script)]
-    args = [*overrides, *QUIET, f"run.dir={run_dir}", f"launch.nproc_per_node={nproc}"]
+    quiet = [q for q in QUIET if not any(o.startswith(q.split("=")[0] + "=") for o in overrides)]
+    args = [*overrides, *quiet, f"run.dir={run_dir}", f"launch.nproc_per_node={nproc}"]
     cmd = rank_launch_cmd(nproc, target, args)
     full_env = trainer_env(env)
     try:

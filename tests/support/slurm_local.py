@@ -1,9 +1,11 @@
 """A real one-node Slurm cluster on localhost for tests (Debian's slurm-wlm 22.05 + munge, run as root).
 
 How it was found to work on these machines: docs/slurm_local.md. ``LocalSlurm.start`` installs
-the packages with apt-get when ``slurmctld`` is missing, starts munged, writes a slurm.conf into a
-temporary directory, starts slurmctld and slurmd with absolute paths, and waits until the node is idle;
-``stop`` kills the daemons by their pid files. Environment for the client commands: :attr:`env`.
+the packages with apt-get when ``slurmctld`` is missing, starts munged (unless one already answers),
+writes a slurm.conf into a temporary directory, starts slurmctld and slurmd with absolute paths, and
+waits until the node is idle; ``stop`` stops what ``start`` started -- slurmctld, slurmd, and munged
+when it was not running before -- by their pid files, and waits for them to exit. The installed packages
+stay. Environment for the client commands: :attr:`env`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from pathlib import Path
 
 PACKAGES = ["slurm-wlm", "munge"]
+#: where Debian's munged writes its pid
+MUNGED_PIDFILE = Path("/run/munge/munged.pid")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -41,6 +45,14 @@ def ensure_installed(timeout: int = 900) -> None:
         raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
 class LocalSlurm:
     """One node (this host, all its CPUs) in one default partition; state under ``root``."""
 
@@ -50,6 +62,7 @@ class LocalSlurm:
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._pidfiles = [self.root / "slurmctld.pid", self.root / "slurmd.pid"]
+        self._started_munged = False
 
     def _write_conf(self) -> None:
         mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
@@ -91,6 +104,7 @@ class LocalSlurm:
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
         p = _run(["su", "-s", "/bin/sh", "munge", "-c", "munged"])
+        self._started_munged = p.returncode == 0
         time.sleep(1)
         check = _run(["sh", "-c", "munge -n | unmunge"])
         if "STATUS:" not in check.stdout or "Success" not in check.stdout:
@@ -115,12 +129,28 @@ class LocalSlurm:
         self.stop()
         raise SlurmUnavailable(f"the node did not become idle within {timeout} s: {logs}")
 
-    def stop(self) -> None:
-        for pidfile in self._pidfiles:
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM slurmctld, slurmd and (when :meth:`start` started it) munged; wait up to ``timeout``
+        seconds for each to exit, then SIGKILL what is left."""
+        pidfiles = list(self._pidfiles) + ([MUNGED_PIDFILE] if self._started_munged else [])
+        pids = []
+        for pidfile in pidfiles:
             try:
-                os.kill(int(pidfile.read_text().strip()), 15)
+                pid = int(pidfile.read_text().strip())
+                os.kill(pid, 15)
+                pids.append(pid)
             except (OSError, ValueError):
                 pass
+        deadline = time.time() + timeout
+        for pid in pids:
+            while _alive(pid) and time.time() < deadline:
+                time.sleep(0.2)
+            if _alive(pid):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+        self._started_munged = False
 
     # --- client helpers --------------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@
 * ``sigterm_train`` -- global rank RANK sends itself SIGTERM in the middle of training step STEP (after
   the step started, before its microbatches run), as a preempting job manager would;
 * ``sigterm_eval`` -- the same during the validation that follows step STEP;
+* ``sigusr1_save`` -- rank RANK sends itself SIGUSR1 (Slurm's time-limit notice) inside the save of
+  step STEP, after writing its tensors;
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
 """
@@ -39,6 +41,8 @@ def run_microbatches(forward_backward, iters, model, phase, forward_only):
 def before_commit(step):
     if KIND == "crash_save" and step == STEP and ME == RANK:
         os._exit(1)
+    if KIND == "sigusr1_save" and step == STEP and ME == RANK:
+        os.kill(os.getpid(), signal.SIGUSR1)
 
 
 trainer.run_microbatches = run_microbatches  # the training step's
