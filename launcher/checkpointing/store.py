@@ -200,9 +200,10 @@ def verify_checkpoint(path, level: str) -> float:
         The seconds it took (the slowest rank's share decides).
 
     Raises:
-        ConfigError: on every rank, naming the checkpoint, each damaged file, the checkpoints next to it
+        ConfigError: on rank 0, naming the checkpoint, each damaged file, the checkpoints next to it
             that verify and the ``resume.from=...`` override to use one
             (:func:`k2.launcher.checkpointing.paths.damaged_checkpoint_error`).
+        SystemExit: status 2 on the other ranks (the same verdict, without repeating the line).
     """
     import torch.distributed as dist
 
@@ -211,8 +212,10 @@ def verify_checkpoint(path, level: str) -> float:
     everyone = [None] * world
     dist.all_gather_object(everyone, verify(path, level, rank, world))
     problems = sorted({p for part in everyone for p in part})
-    if problems:
+    if problems and rank == 0:
         raise damaged_checkpoint_error(path, problems)
+    if problems:  # rank 0 prints the one error line; the others exit with the same status (2) silently
+        raise SystemExit(2)
     seconds = time.perf_counter() - t0
     if rank == 0 and level != "none" and is_legacy(path):
         print(f"k2-train: warning: checkpoint {path} has no manifest (written by an older k2-launcher): "

@@ -130,7 +130,7 @@ def test_one_byte_changed_in_any_file_is_found_by_its_checksum(saved_run, tmp_pa
 
 def test_flipped_byte_in_a_shard_is_refused_at_resume_by_the_ranks(saved_run, tmp_path):
     """The checksum check runs in the ranks (each hashes its share, all agree) before the model is
-    built: every rank exits 2; rank 0's error names the checkpoint, the file and the override."""
+    built: every rank exits 2; rank 0's one error line names the checkpoint, the file and the override."""
     run_dir, ckpt = _copy(saved_run, tmp_path)
     _flip_byte(ckpt / "__1_0.distcp")
     _plan(run_dir)  # the size check before any process group passes
@@ -142,6 +142,7 @@ def test_flipped_byte_in_a_shard_is_refused_at_resume_by_the_ranks(saved_run, tm
     line = next((x for x in out.splitlines() if f"checkpoint {ckpt} is damaged" in x), None)
     assert line and line.startswith("k2-train: error: "), out[-3000:]
     assert "__1_0.distcp: content changed" in line, line
+    assert out.count("is damaged or incomplete") == 1, out[-3000:]  # rank 0 alone reports
     _assert_offers_older(line, run_dir)
     assert json.loads((ckpt / "k2_state.json").read_text())["step"] == 2  # nothing was trained or saved
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [OLDER, LATEST, "latest"]
