@@ -33,7 +33,8 @@ that work here reshard over DP only (``dp_reshardable``; the layer-wise Muon opt
 So a resume may change the DP size (AdamW) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
 says so before any process starts.
 
-Modules: ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness), ``resume`` (which checkpoint, and whether it may serve this run),
-``rng`` (per-rank RNG state), ``store`` (save, load, retention). The run state in ``k2_state.json`` is
+Modules: ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),
+``resume`` (which checkpoint, and whether it may serve this run), ``rng`` (per-rank RNG state),
+``store`` (save, load, verification on resume, retention). The run state in ``k2_state.json`` is
 defined by :class:`k2.launcher.training.state.TrainState`.
 """

@@ -1,18 +1,19 @@
 """What a complete checkpoint holds, recorded in it, and the check of a checkpoint against that record.
 
-``k2_manifest.json`` lists every other file of the checkpoint directory with its size in bytes and its
-xxh3-64 checksum (``xxhash``; about 5 GB/s on one core of the 2-core CI machine, so hashing runs at the
-speed the files are read). It is written last, atomically (write to a temporary name, then rename),
-after every rank hashed the files it wrote (:func:`rank_share`) and rank 0 gathered the entries; a
-checkpoint whose manifest is missing, unreadable or disagrees with the files is damaged or incomplete.
+``k2_manifest.json`` lists every other file of the checkpoint directory with its size in bytes and
+its xxh3-64 checksum (``xxhash``: 5-5.7 GB/s on one core of a loaded 2-core machine, several times
+zlib.crc32's speed, so hashing runs about as fast as the files are read). It is written last and
+atomically (a temporary name, then a rename), after every rank hashed the files it wrote
+(:func:`rank_share`) and rank 0 gathered the entries; a checkpoint whose manifest is missing,
+unreadable or disagrees with its files is damaged or incomplete. The manifest carries a checksum of
+its own file list, so an edit of the manifest itself is found too.
 
-The manifest carries a checksum of its own file list, so an edit of the manifest itself is found too.
-Checkpoints written before manifests existed (no manifest, and ``k2_state.json`` without ``"manifest":
-true``) are accepted with a warning that they cannot be verified (:func:`check_structure` returns no problem,
-:func:`is_legacy` tells them apart).
+Checkpoints written before manifests existed (no manifest, and ``k2_state.json`` without
+``"manifest": true``) are accepted with a warning that they cannot be verified (:func:`check_structure`
+checks only their required files; :func:`is_legacy` tells them apart).
 
 Levels of :func:`verify` (``checkpoint.verify``): ``checksum`` (every file present, its size and its
-checksum), ``size`` (present and its size; a stat per file), ``none`` (nothing beyond ``k2_state.json``).
+checksum), ``size`` (present and its size; a stat per file), ``none`` (no check against the manifest).
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
     if changes and not force:
         raise ConfigError(
             f"resuming from {path} would change training: {'; '.join(changes[:8])}"
-            f"{f'; ... ({len(changes) - 8} more)' if len(changes) > 8 else ''}. Restore those settings, start a new run.dir, or "
-            "accept the change with resume.force=true"
+            f"{f'; ... ({len(changes) - 8} more)' if len(changes) > 8 else ''}. Restore those settings, "
+            "start a new run.dir, or accept the change with resume.force=true"
         )
     return changes
 
@@ -112,8 +112,9 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
     refuses any non-empty run dir).
 
     Raises:
-        ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`, :func:`check_resume_compatible`;
-            a fresh start into a run dir that holds metrics but no checkpoint.
+        ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`,
+            :func:`check_resume_compatible`; a checkpoint whose files disagree with its manifest
+            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`); a fresh start into a run dir that holds metrics but no checkpoint.
     """
     from omegaconf import OmegaConf
 
