@@ -92,6 +92,19 @@ def test_truncated_shard_is_refused_naming_checkpoint_and_file(saved_run, tmp_pa
     _assert_offers_older(msg, run_dir)
 
 
+def test_k2_train_refuses_a_damaged_checkpoint_with_one_line_and_exit_2(saved_run, tmp_path, capsys):
+    """The CLI contract: k2-train exits 2 with one ``k2-train: error:`` line before any rank starts."""
+    from k2.launcher.train import main
+
+    run_dir, ckpt = _copy(saved_run, tmp_path)
+    (ckpt / "__0_0.distcp").unlink()
+    assert main([*RUN, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"k2-train: error: checkpoint {ckpt} is damaged"), err
+    assert "__0_0.distcp: missing" in err[0] and "spawning" not in out.out
+
+
 def test_deleted_dot_metadata_is_refused(saved_run, tmp_path):
     run_dir, ckpt = _copy(saved_run, tmp_path)
     (ckpt / ".metadata").unlink()

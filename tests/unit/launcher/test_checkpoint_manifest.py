@@ -114,3 +114,15 @@ def test_verify_checkpoint_refuses_with_the_file_named(tmp_path, megatron_world1
                                           r"changed .*no other checkpoint in .* verifies"):
         verify_checkpoint(d, "checksum")
     assert verify_checkpoint(d, "size") >= 0  # the size is kept: found by the checksum only
+
+
+def test_checkpoint_of_an_older_version_loads_with_a_warning(tmp_path, megatron_world1, capsys):
+    from k2.launcher.checkpointing.store import verify_checkpoint
+
+    d = _checkpoint(tmp_path)
+    (d / "k2_manifest.json").unlink()
+    (d / "k2_state.json").write_text("{}")  # no "manifest": true
+    verify_checkpoint(d, "checksum")
+    assert f"warning: checkpoint {d} has no manifest" in capsys.readouterr().out
+    verify_checkpoint(d, "none")
+    assert capsys.readouterr().out == ""
