@@ -273,6 +273,9 @@ class CheckpointConfig:
     keep_last: int = 2  # newest complete checkpoints kept (the one `latest` names is always kept)
     keep_every: Optional[int] = None  # also keep every checkpoint whose step is a multiple of this
     save_at_end: bool = True  # save when the run ends (train.iters or the end of the schedule)
+    # what resume checks against the checkpoint's manifest before loading it: "checksum" (every file's
+    # size and xxh3-64 checksum, read in parallel by the ranks), "size" (a stat per file), "none"
+    verify: str = "checksum"
 
 
 @dataclass

@@ -22,8 +22,8 @@ from k2.config.errors import ConfigError
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 __all__ = [
-    "ATTENTION_BACKENDS", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "OUTPUTS", "PRECISIONS",
-    "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
+    "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
+    "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
     "resume_settings", "validate",
 ]
 
@@ -42,6 +42,8 @@ MIN_EMBEDDED_VOCAB = 256 + 2
 #: and cannot be a dataclass field)
 RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
 RESUME_MODES = ("auto", "never")
+#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
+CHECKPOINT_VERIFY_LEVELS = ("checksum", "size", "none")
 _MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 _MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
@@ -83,10 +85,12 @@ def check_train(t) -> None:
 
 
 def check_checkpoint(c) -> None:
-    """``checkpoint.*``: retention."""
+    """``checkpoint.*``: retention and the verification on resume."""
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
     _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
              "an integer >= 1 or null")
+    _require(c.verify in CHECKPOINT_VERIFY_LEVELS, "checkpoint.verify", c.verify,
+             ", ".join(CHECKPOINT_VERIFY_LEVELS))
 
 
 def check_run(r) -> None:

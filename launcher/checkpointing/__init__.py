@@ -7,14 +7,18 @@ Layout of ``<run.dir>/checkpoints/``::
         common.pt, metadata.json
         k2_state.json        step, tokens, schedule/data position, layout, wandb run id (rank 0)
         config.yaml          the resolved config of the run that wrote it
+        k2_manifest.json     every other file with its size and xxh3-64 checksum (written last)
     iter_0000008.partial/    a save in progress (or killed mid-way): never loaded, removed on start
     latest                   text: the directory name of the newest complete checkpoint
 
 Visibility protocol (a killed job must never leave a checkpoint that looks complete): every
 rank writes into ``iter_N.partial``; after megatron's save returns on all ranks (its own barriers) and
-one more barrier, rank 0 writes ``k2_state.json`` and ``config.yaml``, renames the directory to
+one more barrier, every rank hashes the shards it wrote and rank 0 gathers the entries, writes
+``k2_state.json`` and ``config.yaml``, then the manifest (atomically), renames the directory to
 ``iter_N`` (atomic on one file system) and only then replaces ``latest`` (write-to-temp + rename). A
-crash at any point before the rename of ``latest`` leaves the previous checkpoint as latest.
+crash at any point before the rename of ``latest`` leaves the previous checkpoint as latest. Resume
+checks the checkpoint against its manifest (``checkpoint.verify``; :mod:`.manifest`): sizes before any
+process group, checksums in the ranks, in parallel, before the model is built.
 
 What is in a checkpoint: model parameters of every chunk (megatron sharded state dict: global
 layer numbers, experts by global index), the optimizer (megatron's ``DistributedOptimizer`` in the
@@ -29,7 +33,8 @@ that work here reshard over DP only (``dp_reshardable``; the layer-wise Muon opt
 So a resume may change the DP size (AdamW) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
 says so before any process starts.
 
-Modules: ``paths`` (names, completeness), ``resume`` (which checkpoint, and whether it may serve this run),
-``rng`` (per-rank RNG state), ``store`` (save, load, retention). The run state in ``k2_state.json`` is
+Modules: ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),
+``resume`` (which checkpoint, and whether it may serve this run), ``rng`` (per-rank RNG state),
+``store`` (save, load, verification on resume, retention). The run state in ``k2_state.json`` is
 defined by :class:`k2.launcher.training.state.TrainState`.
 """

@@ -1,6 +1,6 @@
 """Names and completeness of checkpoints in ``<run.dir>/checkpoints/`` (the layout of
-:mod:`k2.launcher.checkpointing`): ``iter_NNNNNNN`` directories, ``latest``, and ``k2_state.json``, whose
-presence marks a complete checkpoint.
+:mod:`k2.launcher.checkpointing`): ``iter_NNNNNNN`` directories, ``latest``, ``k2_state.json``, and the
+manifest (:mod:`k2.launcher.checkpointing.manifest`) against which a checkpoint is judged complete.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Optional
 
 from k2.config.errors import ConfigError
+from k2.launcher.checkpointing.manifest import STATE_FILE, check_structure
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-STATE_FILE = "k2_state.json"
 CONFIG_FILE = "config.yaml"
 PARTIAL_SUFFIX = ".partial"
 
@@ -56,17 +56,59 @@ def read_state(path) -> dict:
     if not path.is_dir():
         raise ConfigError(f"checkpoint {path} does not exist")
     if not state_file.exists() or not (path / "metadata.json").exists():
-        raise ConfigError(f"{path} is not a complete k2-launcher checkpoint (no {STATE_FILE} or "
-                          "metadata.json); complete ones in its directory: "
-                          f"{', '.join(complete_checkpoint_names(path.parent)) or 'none'}")
+        missing = STATE_FILE if not state_file.exists() else "metadata.json"
+        raise ConfigError(f"{path} is not a complete k2-launcher checkpoint ({missing} is missing)"
+                          f"{_alternatives(path)}")
     try:
         return json.loads(state_file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"checkpoint {path}: {STATE_FILE} is corrupt ({e})") from None
 
 
-def complete_checkpoint_names(root: Path) -> list[str]:
+def saved_checkpoint_names(root: Path) -> list[str]:
+    """Names of the ``iter_*`` directories under ``root`` that hold a ``k2_state.json`` (saves that
+    reached their last step, complete or damaged since), sorted by step."""
+    root = Path(root)
     if not root.is_dir():
         return []
     return sorted(p.name for p in root.iterdir()
                   if p.is_dir() and p.name.startswith("iter_") and (p / STATE_FILE).exists())
+
+
+def complete_checkpoint_names(root: Path) -> list[str]:
+    """Names of the checkpoints under ``root`` that pass
+    :func:`k2.launcher.checkpointing.manifest.check_structure` (every file of the manifest present at its
+    size; checksums are not read), sorted by step."""
+    return [n for n in saved_checkpoint_names(root) if not check_structure(Path(root) / n)]
+
+
+def _alternatives(path: Path) -> str:
+    """``; checkpoints in <dir> that verify ...: a, b; resume from one with resume.from=<newest>``."""
+    names = [n for n in complete_checkpoint_names(path.parent) if n != path.name]
+    if not names:
+        return (f"; no other checkpoint in {path.parent} verifies: start a new run.dir, or delete the "
+                "damaged checkpoint (and checkpoints/latest) to start afresh")
+    return (f"; checkpoints in {path.parent} that verify (files and sizes): {', '.join(names)}; resume "
+            f"from one with resume.from={path.parent / names[-1]}")
+
+
+def damaged_checkpoint_error(path, problems: list[str]) -> ConfigError:
+    """The error for a damaged or incomplete checkpoint: names it, each problem file (at most 5 listed),
+    the checkpoints next to it that verify and the ``resume.from=...`` override that uses the newest."""
+    path = Path(path)
+    shown = "; ".join(problems[:5]) + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else "")
+    return ConfigError(f"checkpoint {path} is damaged or incomplete: {shown}{_alternatives(path)}")
+
+
+def check_checkpoint_files(path, level: str) -> None:
+    """Without reading file contents: refuse a checkpoint whose files disagree with its manifest
+    (``level`` is ``checkpoint.verify``; ``none`` skips the check).
+
+    Raises:
+        ConfigError: :func:`damaged_checkpoint_error`.
+    """
+    if level == "none":
+        return
+    problems = check_structure(path)
+    if problems:
+        raise damaged_checkpoint_error(path, problems)

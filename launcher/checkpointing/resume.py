@@ -10,7 +10,14 @@ from typing import Optional
 
 from k2.config.errors import ConfigError
 from k2.config.validate import resume_settings
-from k2.launcher.checkpointing.paths import CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint, read_state
+from k2.launcher.checkpointing.paths import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    LATEST,
+    check_checkpoint_files,
+    latest_checkpoint,
+    read_state,
+)
 from k2.launcher.checkpointing.run_lock import OWNER_LOCK
 
 #: config sections whose change alters what training computes; refused on resume unless resume.force.
@@ -27,13 +34,29 @@ def _select(container: dict, dotted: str):
     return node
 
 
+_ABSENT = "<absent>"
+
+
 def _diff(a, b, prefix: str) -> list[str]:
+    """``["key: old -> new", ...]`` for every leaf that differs, with dotted keys and list items by
+    index (``schedule.phases.1.steps: 100 -> 120``); a key or item on one side only shows ``<absent>``."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
-        for k in sorted(set(a) | set(b)):
-            out += _diff(a.get(k), b.get(k), f"{prefix}.{k}")
+        for k in sorted(set(a) | set(b), key=str):
+            out += _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}.{k}")
         return out
-    return [] if a == b else [f"{prefix}: {a!r} -> {b!r}"]
+    if isinstance(a, list) and isinstance(b, list):
+        out = []
+        for i in range(max(len(a), len(b))):
+            out += _diff(a[i] if i < len(a) else _ABSENT, b[i] if i < len(b) else _ABSENT, f"{prefix}.{i}")
+        return out
+    if a == b:
+        return []
+    return [f"{prefix}: {_show(a)} -> {_show(b)}"]
+
+
+def _show(value) -> str:
+    return value if value is _ABSENT else repr(value)
 
 
 def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dict, force: bool,
@@ -75,9 +98,9 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
         changes += _diff(_select(saved_cfg, key), _select(cfg, key), key)
     if changes and not force:
         raise ConfigError(
-            f"resuming from {path} would change training: {'; '.join(changes[:6])}"
-            f"{' ...' if len(changes) > 6 else ''}. Restore those settings, start a new run.dir, or "
-            "accept the change with resume.force=true"
+            f"resuming from {path} would change training: {'; '.join(changes[:8])}"
+            f"{f'; ... ({len(changes) - 8} more)' if len(changes) > 8 else ''}. Restore those settings, "
+            "start a new run.dir, or accept the change with resume.force=true"
         )
     return changes
 
@@ -90,8 +113,9 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
     refuses any non-empty run dir).
 
     Raises:
-        ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`, :func:`check_resume_compatible`;
-            a fresh start into a run dir that holds metrics but no checkpoint.
+        ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`,
+            :func:`check_resume_compatible`; a checkpoint whose files disagree with its manifest
+            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`); a fresh start into a run dir that holds metrics but no checkpoint.
     """
     from omegaconf import OmegaConf
 
@@ -119,6 +143,7 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
                 )
             return None
     state = read_state(path)
+    check_checkpoint_files(path, str(cfg.checkpoint.verify))
     saved_cfg = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=True)
     check_resume_compatible(state, saved_cfg, OmegaConf.to_container(cfg, resolve=True), layout,
                             bool(settings["force"]), path)

@@ -8,20 +8,31 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from k2.config.errors import ConfigError
 from k2.launcher.checkpointing.paths import (
     CONFIG_FILE,
     LATEST,
     PARTIAL_SUFFIX,
     STATE_FILE,
     checkpoints_dir,
-    complete_checkpoint_names,
+    damaged_checkpoint_error,
     iter_name,
     read_state,
+    saved_checkpoint_names,
+)
+from k2.launcher.checkpointing.manifest import (
+    checkpoint_files,
+    file_entries,
+    is_legacy,
+    rank_share,
+    verify,
+    write_manifest,
 )
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
 from k2.optim.build import leaf_optimizers
@@ -136,12 +147,20 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
     dist.barrier()
     sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
     _in_process_write_results()
-    dist_checkpointing.save(sd, str(partial), validate_access_integrity=True)
+    try:
+        dist_checkpointing.save(sd, str(partial), validate_access_integrity=True)
+    except Exception as e:  # e.g. disk full: name the place; latest still names the previous checkpoint
+        raise CheckpointSaveError(f"saving checkpoint step {step} into {partial} failed on rank "
+                                  f"{dist.get_rank()}: {type(e).__name__}: {e}") from e
     _before_commit(step)
     dist.barrier()  # every rank's shards are on disk
+    entries = _gather_file_entries(partial)
     if dist.get_rank() == 0:
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+        (partial / STATE_FILE).write_text(json.dumps({**state, "manifest": True}, indent=1, sort_keys=True)
+                                          + "\n")
         (partial / CONFIG_FILE).write_text(config_yaml)
+        rest = [n for n in checkpoint_files(partial) if n not in entries]  # the two just written
+        write_manifest(partial, {**entries, **file_entries(partial, rest)})  # last: marks it complete
         if final.exists():  # re-save of the same step (e.g. after a resume that replayed it)
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -153,12 +172,65 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
     return final
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed (the message names the checkpoint directory and the rank); the previous checkpoint
+    stays ``latest``."""
+
+
+def _gather_file_entries(directory: Path) -> dict:
+    """Collective: every rank hashes its share of the files in ``directory``
+    (:func:`k2.launcher.checkpointing.manifest.rank_share`: the shards it wrote); rank 0 gets the union
+    ``{name: {"size", "xxh3_64"}}``, the other ranks an empty dict."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = file_entries(directory, rank_share(checkpoint_files(directory), rank, world))
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return {k: v for part in gathered for k, v in part.items()} if rank == 0 else {}
+
+
+def verify_checkpoint(path, level: str) -> float:
+    """Collective: check the checkpoint at ``path`` against its manifest before it is loaded, each rank
+    hashing its share of the files (``level`` is ``checkpoint.verify``: checksum, size or none); every
+    rank gets the same verdict. Rank 0 prints a warning for a checkpoint without a manifest (written
+    before manifests existed: it cannot be verified, and is loaded as it is).
+
+    Returns:
+        The seconds it took (the slowest rank's share decides).
+
+    Raises:
+        ConfigError: on rank 0, naming the checkpoint, each damaged file, the checkpoints next to it
+            that verify and the ``resume.from=...`` override to use one
+            (:func:`k2.launcher.checkpointing.paths.damaged_checkpoint_error`).
+        SystemExit: status 2 on the other ranks (the same verdict, without repeating the line).
+    """
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, verify(path, level, rank, world))
+    problems = sorted({p for part in everyone for p in part})
+    if problems and rank == 0:
+        raise damaged_checkpoint_error(path, problems)
+    if problems:  # rank 0 prints the one error line; the others exit with the same status (2) silently
+        raise SystemExit(2)
+    seconds = time.perf_counter() - t0
+    if rank == 0 and level != "none" and is_legacy(path):
+        print(f"k2-train: warning: checkpoint {path} has no manifest (written by an older k2-launcher): "
+              "its files cannot be verified; loading it as it is", flush=True)
+    elif rank == 0 and level != "none":
+        print(f"k2-train: checkpoint {path} verified ({level}, {world} ranks) in {seconds:.2f} s", flush=True)
+    return seconds
+
+
 def prune(root: Path, keep_last: int, keep_every: Optional[int]) -> list[str]:
     """Delete complete checkpoints except the newest ``keep_last`` and every step that is a multiple of
     ``keep_every``; the one ``latest`` names is always kept. Returns the names removed."""
     root = Path(root)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
-    names = complete_checkpoint_names(root)
+    names = saved_checkpoint_names(root)
     keep = set(names[-keep_last:]) if keep_last > 0 else set()
     if keep_every:
         keep |= {n for n in names if int(n.split("_")[1]) % keep_every == 0}
@@ -247,7 +319,12 @@ def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
     state = read_state(path)
     _materialise_optimizer_state(optimizer)
     sd = _sharded_state_dict(model, optimizer, is_loading=True, with_rng=same_world)
-    loaded = dist_checkpointing.load(sd, str(path))
+    try:
+        loaded = dist_checkpointing.load(sd, str(path))
+    except Exception as e:  # e.g. damage that checkpoint.verify=size / none does not look for
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {first}); "
+                          "if it is damaged, checkpoint.verify=checksum names the file") from e
     if len(model) == 1:
         model[0].module.load_state_dict(loaded["model"], strict=True)
     else:

@@ -28,7 +28,12 @@ from omegaconf import OmegaConf
 
 from k2.config import to_yaml
 from k2.launcher.checkpointing.paths import read_state
-from k2.launcher.checkpointing.store import load_checkpoint, remove_partial_saves, save_checkpoint
+from k2.launcher.checkpointing.store import (
+    load_checkpoint,
+    remove_partial_saves,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
 from k2.launcher.training.moe_metrics import moe_step_metrics
@@ -132,6 +137,8 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         init_distributed(self.env, plan.dims, cfg.run.seed)
         self.rank = dist.get_rank()
+        if plan.resume_from is not None:  # before the heavy work: damage is refused first
+            verify_checkpoint(plan.resume_from, cfg.checkpoint.verify)
         if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
             if self.rank == 0:
                 prepare_stdlib_corpus(cfg.data, progress=False, verbose=not self.env.spawned_by_k2_train)

@@ -13,12 +13,14 @@ import pytest
 
 
 def _fake_checkpoint(run_dir: Path, step: int, overrides: list[str], layout: dict) -> Path:
-    """A directory with what a complete checkpoint's non-tensor files hold (enough for the plan)."""
+    """A directory with what a complete checkpoint's non-tensor files hold (enough for the plan), without
+    a manifest (as a checkpoint of an older k2-launcher: accepted unverified)."""
     from k2.config.load import load_config, to_yaml
 
     path = run_dir / "checkpoints" / f"iter_{step:07d}"
     path.mkdir(parents=True)
     (path / "metadata.json").write_text("{}")
+    (path / ".metadata").write_bytes(b"")
     (path / "config.yaml").write_text(to_yaml(load_config(overrides)))
     (path / "k2_state.json").write_text(json.dumps({"step": step, "layout": layout,
                                                     "optimizer_dp_fixed": False}))
@@ -96,11 +98,16 @@ def test_config_change_that_alters_training_needs_force(tmp_path):
     run_dir = tmp_path / "run"
     ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
     for change, key in ((["model.moe_router_topk=3"], "model.moe_router_topk: 2 -> 3"),
-                        (["schedule.phases.1.lr_start=0.01"], "schedule.phases"),
+                        (["schedule.phases.1.lr_start=0.01"], r"schedule.phases.1.lr_start: \S+ -> 0.01"),
                         (["run.seed=7"], "run.seed: 1234 -> 7")):
         with pytest.raises(ConfigError, match=f"would change training: .*{key}.*resume.force=true"):
             _plan([f"run.dir={run_dir}", *change])
         assert _plan([f"run.dir={run_dir}", *change, "resume.force=true"]).resume_from == ck
+    # each changed key once, as `key: old -> new` (dotted, list items by index), not the whole section
+    with pytest.raises(ConfigError) as e:
+        _plan([f"run.dir={run_dir}", "schedule.phases.1.lr_start=0.002", "schedule.phases.0.steps=30"])
+    changes = str(e.value).split("would change training: ")[1].split(". Restore")[0].split("; ")
+    assert changes == ["schedule.phases.0.steps: 20 -> 30", "schedule.phases.1.lr_start: 0.003 -> 0.002"], changes
     # settings that do not change what is computed are free
     assert _plan([f"run.dir={run_dir}", "train.iters=100", "train.eval_interval=7",
                   "checkpoint.keep_last=5"]).resume_from == ck
