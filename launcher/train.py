@@ -24,6 +24,21 @@ from k2.parallel.distributed import destroy_distributed, dist_env
 
 PROG = "k2-train"
 
+USAGE = """usage: k2-train [-m] [HYDRA_OVERRIDE ...]
+
+Train a K2-family model. Outside torchrun/srun it starts launch.nproc_per_node local ranks itself; under
+torchrun or srun it runs as one rank. A run.dir holding a checkpoint is resumed from its latest one (a
+finished run prints "nothing to do"). -m runs a sweep, one training per point. Outputs: <run.dir>/
+metrics.jsonl, checkpoints/, config.yaml, wandb/. Exit status 42: a checkpoint was saved for preemption.
+
+examples:
+  k2-train parallel=cpu4                                  # 4 CPU ranks, the k2_tiny demo (300 steps)
+  k2-train parallel=cpu4 run.dir=runs/try1 train.iters=50 train.save_interval=10
+  k2-train parallel=pp2 schedule.phases.1.lr_start=1e-3 optim=muonclip
+  k2-train data.path=/data/corpus_text_document data.tokenizer=/data/tokenizer.json
+  k2-train -m +experiment=sparsity_sweep                  # the sparsity sweep, point after point
+"""
+
 
 def _train(args: list[str]) -> int:
     multirun, overrides = split_multirun(args)
@@ -37,6 +52,10 @@ def _train(args: list[str]) -> int:
     cfg = load_config(overrides)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
     plan = prepare_run(cfg, world)
+    if plan.nothing_to_do:  # a finished run run again: no rank starts
+        if env.rank == 0:
+            print(f"{PROG}: {plan.nothing_to_do}", flush=True)
+        return 0
     if not env.launched and world > 1:
         if cfg.data.path is None:
             prepare_stdlib_corpus(cfg.data)  # once, before the ranks start
@@ -54,7 +73,7 @@ def _train(args: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-train [HYDRA_OVERRIDE ...]``; returns the exit status (module docstring)."""
-    return run_main(PROG, _train, argv)
+    return run_main(PROG, _train, argv, usage=USAGE)
 
 
 def cli() -> None:

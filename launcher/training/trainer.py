@@ -182,7 +182,7 @@ class Trainer:
         if self.pipeline is not None:  # W drained during p2p, event trace
             self.forward_backward = self.pipeline.wrap(self.forward_backward, self.tcfg, self.model,
                                                        first_step=self.state.step + 1)
-        phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
+        phase = self._phase_after_restore()
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
         return note
@@ -318,6 +318,14 @@ class Trainer:
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
 
     # ------------------------------------------------------------------ helpers
+
+    def _phase_after_restore(self):
+        """The phase of the next step; for a checkpoint at the schedule's end (which
+        :func:`k2.launcher.train` reports as "nothing to do" before any rank starts), the phase of its
+        last step, so that a trainer started directly still reaches that message instead of failing."""
+        schedule = self.plan.schedule
+        phase = schedule.phase_at(self.state.scheduler.consumed_tokens)
+        return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
 
     def _evaluate(self, phase) -> float:
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
