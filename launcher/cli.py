@@ -2,6 +2,8 @@
 
 * A bad setting (:class:`k2.config.ConfigError`) prints one line ``<tool>: error: <message>`` on stderr
   and exits with :data:`BAD_SETTING_EXIT` (2), before any process group or heavy work starts.
+* A training run whose loss or gradient norm became NaN / inf exits with :data:`DIVERGED_EXIT` (3) after
+  one line naming the step, its LR and the last checkpoint.
 * A run that saved a checkpoint and stopped for preemption exits with
   :data:`k2.launcher.training.preemption.REQUEUE_EXIT_CODE` (42; the Slurm script requeues on it).
 * ``-h`` / ``--help`` anywhere in the arguments prints the tool's usage (:func:`help_text`: what it does,
@@ -20,11 +22,14 @@ from k2.config import ConfigError
 from k2.launcher.quiet import quiet_libraries
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 
-__all__ = ["BAD_SETTING_EXIT", "HELP_FLAGS", "REQUEUE_EXIT_CODE", "error", "help_text", "quiet_libraries",
+__all__ = ["BAD_SETTING_EXIT", "DIVERGED_EXIT", "HELP_FLAGS", "REQUEUE_EXIT_CODE", "error", "help_text", "quiet_libraries",
            "run_main"]
 
 #: Exit status of a tool given a bad setting (argparse's convention).
 BAD_SETTING_EXIT = 2
+
+#: Exit status of ``k2-train`` when the loss or gradient norm became NaN / inf (nothing of that step saved).
+DIVERGED_EXIT = 3
 
 
 def error(prog: str, message: object) -> None:

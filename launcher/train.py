@@ -5,7 +5,8 @@
 k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run the same code as one rank each.
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
-Exit status: 0 when the run finished, 2 for a bad setting, 42 (``REQUEUE_EXIT_CODE``) when it saved a
+Exit status: 0 when the run finished, 2 for a bad setting, 3 when the loss or gradient norm became NaN /
+inf (``k2.launcher.cli.DIVERGED_EXIT``), 42 (``REQUEUE_EXIT_CODE``) when it saved a
 checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``).
 """
 
@@ -15,7 +16,7 @@ import sys
 from typing import Optional, Sequence
 
 from k2.config import load_config
-from k2.launcher.cli import BAD_SETTING_EXIT, REQUEUE_EXIT_CODE, error, run_main
+from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.tools.sweep import run_sweep, split_multirun
 from k2.launcher.training.launch import spawn_local_ranks
@@ -29,7 +30,8 @@ USAGE = """usage: k2-train [-m] [HYDRA_OVERRIDE ...]
 Train a K2-family model. Outside torchrun/srun it starts launch.nproc_per_node local ranks itself; under
 torchrun or srun it runs as one rank. A run.dir holding a checkpoint is resumed from its latest one (a
 finished run prints "nothing to do"). -m runs a sweep, one training per point. Outputs: <run.dir>/
-metrics.jsonl, checkpoints/, config.yaml, wandb/. Exit status 42: a checkpoint was saved for preemption.
+metrics.jsonl, checkpoints/, config.yaml, wandb/. Exit status 3: the loss or gradient norm became NaN /
+inf; 42: a checkpoint was saved for preemption (the Slurm script requeues).
 
 examples:
   k2-train parallel=cpu4                                  # 4 CPU ranks, the k2_tiny demo (300 steps)
@@ -62,10 +64,15 @@ def _train(args: list[str]) -> int:
         return spawn_local_ranks(cfg, overrides)
     # imported here, not at the top: the trainer imports megatron-core (~6 s of CPU), which a process that
     # only checks the settings and starts the local ranks (or a sweep) does not need
+    from k2.launcher.training.step import TrainingDiverged
     from k2.launcher.training.trainer import run
 
     try:
         record = run(cfg, plan, env)
+    except TrainingDiverged as e:  # every rank stops at the same step; one line says why
+        if env.rank == 0:
+            error(PROG, e)
+        return DIVERGED_EXIT
     finally:
         destroy_distributed()
     return REQUEUE_EXIT_CODE if record.get("preempted") else 0

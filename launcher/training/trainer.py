@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
 from k2.config import to_yaml
-from k2.launcher.checkpointing.paths import read_state
+from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
 from k2.launcher.checkpointing.store import load_checkpoint, remove_partial_saves, save_checkpoint
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
@@ -36,7 +36,7 @@ from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.state import TrainState
-from k2.launcher.training.step import evaluate, reduce_lm_loss, run_microbatches
+from k2.launcher.training.step import check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.model.build import (
     build_model_chunks,
     layout_independent_init,
@@ -257,6 +257,7 @@ class Trainer:
         scheduler.step(self.plan.tokens_per_step)
         self.state.step = step
         loss, _ = reduce_lm_loss(losses)
+        self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
         record = {
             "step": step,
@@ -318,6 +319,12 @@ class Trainer:
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
 
     # ------------------------------------------------------------------ helpers
+
+    def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
+        """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
+        so all ranks stop at the same step), before anything of the step is saved."""
+        last = latest_checkpoint(self.run_dir) or self.plan.resume_from
+        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm), last)
 
     def _phase_after_restore(self):
         """The phase of the next step; for a checkpoint at the schedule's end (which

@@ -48,3 +48,27 @@ def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpu
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     assert any((run_dir / "wandb").glob("offline-run-*")), list(run_dir.iterdir())
+
+
+def test_divergence_stops_with_step_lr_and_last_checkpoint(tmp_path, stdlib_corpus):
+    """An LR of 1e20 from step 1: step 1 is finite and saved, step 2's loss / gradient norm are not; the
+    run exits with DIVERGED_EXIT after one line naming step 2, its LR and the step-1 checkpoint, and saves
+    nothing of step 2."""
+    from k2.launcher.cli import DIVERGED_EXIT
+
+    run_dir = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "k2.launcher.train", "train.iters=4", "train.save_interval=1",
+         "train.eval_interval=0", "schedule.phases.0.steps=0", "schedule.phases.1.lr_start=1e20",
+         "schedule.global_batch_tokens=1024", "train.progress=false", "run.wandb.mode=disabled",
+         f"run.dir={run_dir}"],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == DIVERGED_EXIT, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    lines = [x for x in p.stderr.splitlines() if x.startswith("k2-train: error:")]
+    assert len(lines) == 1, p.stderr[-4000:]
+    ck = run_dir / "checkpoints" / "iter_0000001"
+    assert "training diverged at step 2 (lr 1e+20)" in lines[0] and f"last checkpoint is {ck}" in lines[0]
+    assert "Traceback" not in p.stderr, p.stderr[-4000:]
+    assert sorted(x.name for x in (run_dir / "checkpoints").iterdir()) == ["iter_0000001", "latest"]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1]
