@@ -22,8 +22,8 @@ from k2.config import ConfigError
 from k2.launcher.quiet import quiet_libraries
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 
-__all__ = ["BAD_SETTING_EXIT", "DIVERGED_EXIT", "HELP_FLAGS", "REQUEUE_EXIT_CODE", "error", "help_text", "quiet_libraries",
-           "run_main"]
+__all__ = ["BAD_SETTING_EXIT", "DIVERGED_EXIT", "HELP_FLAGS", "REQUEUE_EXIT_CODE", "error", "help_text",
+           "quiet_libraries", "run_main"]
 
 #: Exit status of a tool given a bad setting (argparse's convention).
 BAD_SETTING_EXIT = 2
@@ -70,7 +70,8 @@ def help_text(prog: str, usage: str) -> str:
             f"config tree: {root} (config.yaml composes one recipe of each group)\n"
             "every key, its default and units: config/schema.py of k2-launcher (k2.config.schema)\n"
             f"recipes per group:\n{group_lines}\n\n"
-            f"exit status: 0 done, {BAD_SETTING_EXIT} a bad setting (one line '{prog}: error: ...' on stderr)\n")
+            f"exit status: 0 done, {BAD_SETTING_EXIT} a bad setting (one line '{prog}: error: ...' on "
+            "stderr)\n")
 
 
 def run_main(prog: str, body: Callable[[list[str]], int], argv: Optional[Sequence[str]] = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,13 +112,14 @@ class TrainingDiverged(RuntimeError):
 
 
 def check_finite(step: int, lr: float, loss: float, grad_norm: Optional[float],
-                 last_checkpoint: Optional[Path]) -> None:
+                 last_checkpoint: Callable[[], Optional[Path]]) -> None:
     """Stop the run when ``loss`` or ``grad_norm`` (both global: the same on every rank) is not finite.
 
     Args:
         step: the step just run (1-based); lr: its learning rate; loss: its per-token loss;
         grad_norm: its global gradient norm (None when the optimizer reports none);
-        last_checkpoint: the newest complete checkpoint of the run, or None.
+        last_checkpoint: returns the newest complete checkpoint of the run, or None (called only for a
+            diverged step).
 
     Raises:
         TrainingDiverged: a NaN / inf value; nothing of this step is saved.
@@ -127,8 +128,8 @@ def check_finite(step: int, lr: float, loss: float, grad_norm: Optional[float],
            if value is not None and not math.isfinite(value)]
     if not bad:
         return
-    where = (f"the last checkpoint is {last_checkpoint} (resume.from={last_checkpoint} with a lower LR and "
-             "resume.force=true continues from it)" if last_checkpoint is not None
+    last = last_checkpoint()
+    where = (f"the last checkpoint is {last}" if last is not None
              else "no checkpoint was saved before it (train.save_interval)")
     raise TrainingDiverged(f"training diverged at step {step} (lr {lr:.6g}): {', '.join(bad)}; "
                            f"the step is not saved; {where}")

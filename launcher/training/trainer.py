@@ -95,6 +95,7 @@ class Trainer:
         self.config_yaml = to_yaml(cfg)
         self.rank = 0
         self.record: dict = {}
+        self.started = time.perf_counter()  # for the end-of-run summary
 
     # ------------------------------------------------------------------ the outline
 
@@ -116,6 +117,7 @@ class Trainer:
                 if preempted:
                     break
                 self.maybe_save(step)
+            self.summarize(preempted)
         finally:
             self.logger.close()
         if preempted:
@@ -228,9 +230,14 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def evaluate_before_training(self) -> None:
-        """A fresh run's validation loss at step 0 (the curve's first point)."""
+        """A fresh run's validation loss at step 0 (the curve's first point), also a ``"step": 0`` record
+        of ``metrics.jsonl``."""
         if self.cfg.train.eval_interval and self.state.step == 0:
-            self.logger.message(f"step 0: val_loss {self._evaluate(self.data.phase):.4f} (before training)")
+            phase = self.data.phase
+            val_loss = self._evaluate(phase)
+            self.logger.message(f"step 0: val_loss {val_loss:.4f} (before training)")
+            self.logger.log_before_training({"step": 0, "consumed_tokens": 0, "phase": phase.name,
+                                             "seq_length": phase.seq_length, "val_loss": val_loss})
 
     def enter_phase(self, step: int):
         """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets and
@@ -318,13 +325,35 @@ class Trainer:
                                self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
 
+    def summarize(self, preempted: bool) -> None:
+        """Rank 0, at the end of the run (finished or preempted): steps run, tokens, wall time, the last
+        validation loss, and where every output is."""
+        if self.rank != 0:
+            return
+        first, last = self.plan.resume_step + 1, self.state.step
+        ran = max(0, last - first + 1)
+        val = self.record.get("val_loss")
+        wandb_dir = self.run_dir / "wandb" if self.cfg.run.wandb.mode != "disabled" else None
+        lines = [
+            f"k2-train: {'stopped for preemption' if preempted else 'done'}: {ran} steps run"
+            + (f" ({first}..{last})" if ran else "") + f" of {self.plan.steps}, "
+            f"{self.state.scheduler.consumed_tokens:,} tokens in total, "
+            f"{time.perf_counter() - self.started:.1f} s wall time"
+            + (f", final val_loss {val:.4f}" if val is not None else ""),
+            f"  metrics:     {self.run_dir / 'metrics.jsonl'}",
+            f"  checkpoints: {self.run_dir / 'checkpoints'} (latest: "
+            f"{getattr(latest_checkpoint(self.run_dir), 'name', 'none')})",
+            f"  wandb:       {wandb_dir if wandb_dir is not None else 'off (run.wandb.mode=disabled)'}",
+        ]
+        self.logger.message("\n".join(lines))
+
     # ------------------------------------------------------------------ helpers
 
     def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
         """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
         so all ranks stop at the same step), before anything of the step is saved."""
-        last = latest_checkpoint(self.run_dir) or self.plan.resume_from
-        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm), last)
+        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm),
+                     lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
 
     def _phase_after_restore(self):
         """The phase of the next step; for a checkpoint at the schedule's end (which
