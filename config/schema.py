@@ -373,4 +373,5 @@ class K2Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     output: str = "text"  # text | json (k2-plan, k2-bench)
-    plot: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR over tokens) to this path
+    plot: Optional[str] = None  # k2-plan: write a PNG of the per-rank pipeline timeline to this path
+    plot_schedule: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR, context over tokens) here

@@ -27,6 +27,19 @@ from k2.launcher.cli import run_main
 PROG = "k2-bench"
 OUTPUTS = ("text", "json")
 
+USAGE = """usage: k2-bench [HYDRA_OVERRIDE ...]
+
+Micro-benchmarks of the launcher's components on CPU and (when present) CUDA. Without bench=NAME it
+lists the benchmarks. output=json prints one JSON record; bench.options.* set a benchmark's options.
+
+examples:
+  k2-bench                                   # list the benchmarks
+  k2-bench bench=attention output=json       # core attention, one JSON object
+  k2-bench bench=optimizer                   # MuonClip vs AdamW optimizer step, CPU proxy
+  k2-bench bench=memory                      # saved bytes / step time per memory setting
+  k2-bench bench=step bench.options.json_out=step.json
+"""
+
 
 def _bench(args: list[str]) -> int:
     cfg = load_config(args)
@@ -46,7 +59,7 @@ def _bench(args: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-bench [HYDRA_OVERRIDE ...]``; 0, or 2 for a bad setting."""
-    return run_main(PROG, _bench, argv)
+    return run_main(PROG, _bench, argv, usage=USAGE)
 
 
 def cli() -> None:

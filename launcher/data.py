@@ -12,7 +12,7 @@ from k2.launcher.datasets.resolve import resolve_data
 
 PROG = "k2-data"
 
-_USAGE = """usage: k2-data [HYDRA_OVERRIDE ...]
+USAGE = """usage: k2-data [HYDRA_OVERRIDE ...]
 
 Prepare the embedded default corpus (data.path=null): the Python standard library's own *.py files,
 a byte-level BPE tokenizer (data.vocab_size) and megatron .bin/.idx train/valid splits, written to
@@ -27,9 +27,6 @@ examples:
 
 
 def _data(args: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in args):
-        print(_USAGE, end="")
-        return 0
     cfg = load_config(args)
     resolved = resolve_data(cfg)
     if resolved.embedded:
@@ -68,7 +65,7 @@ def _data(args: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-data [HYDRA_OVERRIDE ...]``: corpus summary out; 0, or 2 for a bad setting."""
-    return run_main(PROG, _data, argv)
+    return run_main(PROG, _data, argv, usage=USAGE)
 
 
 def cli() -> None:

@@ -7,7 +7,7 @@ Example::
 
 What it reports: :mod:`k2.launcher.planning.cluster`. Output: tables (``output=text``, the default, or
 ``table``) or one JSON object on stdout (``output=json``); ``plot=PATH.png`` also draws the per-rank
-pipeline timeline there and the LR schedule into ``PATH_schedule.png``. A bad setting prints one line
+pipeline timeline into ``PATH.png``, ``plot_schedule=PATH.png`` the LR schedule (either, both or none). A bad setting prints one line
 ``k2-plan: error: ...`` to stderr and exits with status 2.
 """
 
@@ -26,40 +26,57 @@ from k2.schedules.plot import plot_schedule
 
 PROG = "k2-plan"
 
+USAGE = """usage: k2-plan [HYDRA_OVERRIDE ...]
 
-def schedule_plot_path(path: str) -> str:
-    """Where ``plot=PATH.png`` puts the schedule picture: ``PATH_schedule.png`` next to the timeline."""
-    stem, dot, ext = path.rpartition(".")
-    return f"{stem}_schedule.{ext}" if dot and "/" not in ext else f"{path}_schedule.png"
+Check a configuration for a cluster of cluster.nodes x cluster.gpus_per_node GPUs without starting
+anything: the layout per pipeline rank, memory per GPU (fits against cluster.gpu_memory_gib), the
+pipeline bubble, FLOPs and MFU, the schedule's phases. output=json prints one JSON object;
+plot=PATH.png draws the pipeline timeline, plot_schedule=PATH.png the LR schedule; plan.search=true
+ranks every valid layout.
+
+examples:
+  k2-plan model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 cluster.gpus_per_node=8 output=json
+  k2-plan model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 plan.search=true
+  k2-plan schedule=k2_15t5 plot_schedule=k2_15t5_schedule.png
+"""
 
 
-def _plot(plan: ClusterPlan, path: str) -> None:
-
+def _plot_timeline(plan: ClusterPlan, path: str) -> None:
+    """``plot=PATH``: the per-rank pipeline timeline of the main phase."""
     r = plan.report
-    schedule_png = schedule_plot_path(path)
     try:
         plot_timeline(plan.pipeline, path, title=(
             f"{r['model']} on {r['world_size']} GPUs: pp {r['pp']} x vpp {r['vpp']}, "
             f"{r['num_microbatches']} microbatches of {r['micro_batch_size']} x "
             f"{r['seq_length']} tokens, bubble {100 * r['bubble_fraction']:.2f}%"))
-        plot_schedule(plan.schedule, schedule_png)
     except OSError as e:
         raise ConfigError(f"plot={path!r}: cannot write the picture ({e})") from None
-    print(f"{PROG}: wrote {path} (pipeline timeline) and {schedule_png} (schedule)", file=sys.stderr)
+    print(f"{PROG}: wrote {path} (pipeline timeline)", file=sys.stderr)
+
+
+def _plot_schedule(plan: ClusterPlan, path: str) -> None:
+    """``plot_schedule=PATH``: the LR and context length over tokens."""
+    try:
+        plot_schedule(plan.schedule, path)
+    except OSError as e:
+        raise ConfigError(f"plot_schedule={path!r}: cannot write the picture ({e})") from None
+    print(f"{PROG}: wrote {path} (schedule)", file=sys.stderr)
 
 
 def _plan(args: list[str]) -> int:
     cfg = load_config(args)
     plan = plan_cluster(cfg)
     if cfg.plot:
-        _plot(plan, cfg.plot)
+        _plot_timeline(plan, cfg.plot)
+    if cfg.plot_schedule:
+        _plot_schedule(plan, cfg.plot_schedule)
     print(json.dumps(plan.report) if cfg.output == "json" else format_text(plan.report))
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-plan [HYDRA_OVERRIDE ...]``; 0, or 2 for a bad setting."""
-    return run_main(PROG, _plan, argv)
+    return run_main(PROG, _plan, argv, usage=USAGE)
 
 
 def cli() -> None:

@@ -3,7 +3,8 @@
 Importing any part of ``k2.launcher`` installs them (``k2/launcher/__init__.py``), so they are in place
 before megatron-core is first imported. What is dropped: a CPU run has no Apex / Transformer Engine by
 design; megatron's experimental-API and deprecation notices; megatron asking for a rank before any
-process group exists (``k2-plan`` never starts one); megatron log lines named below. Every other warning
+process group exists (``k2-plan`` never starts one); torch's distributed-checkpoint notices on every
+resume; megatron log lines named below. Every other warning
 is left as it is. This module imports nothing of k2-launcher.
 """
 
@@ -28,6 +29,11 @@ _IGNORED_WARNINGS = (
     r"Please use DTensor instead and we are deprecating ShardedTensor",
     # megatron-core's logging asks for the rank at import time, before any process group exists
     r"Could not determine rank from torch.distributed",
+    # torch's distributed checkpoint on every resume: megatron reads the checkpoint's metadata without a
+    # process group on purpose, and calls load() with positional arguments
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
+    r"single process",
+    r"The argument order of load has been changed",
 )
 
 # logger name -> substrings of messages dropped from it
@@ -37,6 +43,8 @@ _DROPPED_LOG_MESSAGES = {
     # logged on every synchronous save too (megatron wraps even a synchronous torch_dist save in its
     # async machinery); k2-launcher does not use megatron's async save
     "megatron.core.dist_checkpointing.strategies.torch": ("async save is deprecated",),
+    # every run, at megatron's default (no rerun of suspicious steps, which k2-launcher does not use)
+    "megatron.core.rerun_state_machine": ("RerunStateMachine initialized in mode RerunMode.DISABLED",),
 }
 
 

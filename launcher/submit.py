@@ -29,6 +29,20 @@ from k2.launcher.training.prepare import prepare_run
 
 PROG = "k2-submit"
 
+USAGE = """usage: k2-submit [-m] [HYDRA_OVERRIDE ...]
+
+Check k2-train's overrides for cluster.nodes x cluster.gpus_per_node ranks, write
+<run.dir>/pretrain.sbatch and submit it with sbatch (the job id goes to stdout). submit.dry_run=true
+prints the script and submits nothing; submit.time, submit.partition, submit.account, submit.job_name,
+submit.signal_seconds set the #SBATCH lines. -m submits one job per unfinished sweep point. Exit
+status 1: sbatch missing or refused.
+
+examples:
+  k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 run.dir=/shared/runs/k2 submit.dry_run=true
+  k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 run.dir=/shared/runs/k2 submit.time=04:00:00
+  k2-submit -m +experiment=sparsity_sweep
+"""
+
 
 def _sweep_jobs(overrides: Sequence[str]) -> list:
     """``(cfg, overrides)`` of every sweep point not finished yet (all points validated first)."""
@@ -48,9 +62,6 @@ def _sweep_jobs(overrides: Sequence[str]) -> list:
 
 def _submit(args: list[str]) -> int:
     multirun, overrides = split_multirun(args)
-    if any(a in ("-h", "--help") for a in overrides):
-        print(__doc__.split("\n\nExit status")[0])
-        return 0
     if multirun:
         jobs = _sweep_jobs(overrides)
     else:
@@ -70,7 +81,7 @@ def _submit(args: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-submit [-m] [HYDRA_OVERRIDE ...]``; the exit status of the module docstring."""
-    return run_main(PROG, _submit, argv)
+    return run_main(PROG, _submit, argv, usage=USAGE)
 
 
 def cli() -> None:

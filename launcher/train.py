@@ -6,7 +6,8 @@ k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run the sam
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
 Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
-(:mod:`k2.launcher.checkpointing.run_lock`), 42 (``REQUEUE_EXIT_CODE``) when it saved a
+(:mod:`k2.launcher.checkpointing.run_lock`), 3 when the loss or gradient norm became NaN / inf
+(``k2.launcher.cli.DIVERGED_EXIT``), 42 (``REQUEUE_EXIT_CODE``) when it saved a
 checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``).
 """
 
@@ -21,7 +22,7 @@ from typing import Optional, Sequence
 from k2.config import load_config
 from k2.launcher.checkpointing.resume import plan_resume
 from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock
-from k2.launcher.cli import BAD_SETTING_EXIT, REQUEUE_EXIT_CODE, error, run_main
+from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.tools.sweep import run_sweep, split_multirun
 from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
@@ -29,6 +30,22 @@ from k2.launcher.training.prepare import prepare_run
 from k2.parallel.distributed import destroy_distributed, dist_env
 
 PROG = "k2-train"
+
+USAGE = """usage: k2-train [-m] [HYDRA_OVERRIDE ...]
+
+Train a K2-family model. Outside torchrun/srun it starts launch.nproc_per_node local ranks itself; under
+torchrun or srun it runs as one rank. A run.dir holding a checkpoint is resumed from its latest one (a
+finished run prints "nothing to do"). -m runs a sweep, one training per point. Outputs: <run.dir>/
+metrics.jsonl, checkpoints/, config.yaml, wandb/. Exit status 3: the loss or gradient norm became NaN /
+inf; 42: a checkpoint was saved for preemption (the Slurm script requeues).
+
+examples:
+  k2-train parallel=cpu4                                  # 4 CPU ranks, the k2_tiny demo (300 steps)
+  k2-train parallel=cpu4 run.dir=runs/try1 train.iters=50 train.save_interval=10
+  k2-train parallel=pp2 schedule.phases.1.lr_start=1e-3 optim=muonclip
+  k2-train data.path=/data/corpus_text_document data.tokenizer=/data/tokenizer.json
+  k2-train -m +experiment=sparsity_sweep                  # the sparsity sweep, point after point
+"""
 
 
 def _train(args: list[str]) -> int:
@@ -43,6 +60,10 @@ def _train(args: list[str]) -> int:
     cfg = load_config(overrides)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
     plan = prepare_run(cfg, world)  # every setting first: a bad one exits 2 before run.dir is created
+    if plan.nothing_to_do:  # a finished run run again: no rank starts
+        if env.rank == 0:
+            print(f"{PROG}: {plan.nothing_to_do}", flush=True)
+        return 0
     # one owner per run dir (k2.launcher.checkpointing.run_lock): this process, when it spawns the ranks
     # or is global rank 0 of its own launch; taken before anything in the run dir is written
     owner = env.rank == 0 and os.environ.get(LOCK_HELD_ENV) != "1"
@@ -62,10 +83,15 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         exit_with_parent()  # no rank outlives k2-train (k2.launcher.training.launch)
     # imported here, not at the top: the trainer imports megatron-core (~6 s of CPU), which a process that
     # only checks the settings and starts the local ranks (or a sweep) does not need
+    from k2.launcher.training.step import TrainingDiverged
     from k2.launcher.training.trainer import run
 
     try:
         record = run(cfg, plan, env)
+    except TrainingDiverged as e:  # every rank stops at the same step; one line says why
+        if env.rank == 0:
+            error(PROG, e)
+        return DIVERGED_EXIT
     finally:
         destroy_distributed()
     if record.get("preempted") and not env.spawned_by_k2_train:
@@ -77,7 +103,7 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-train [HYDRA_OVERRIDE ...]``; returns the exit status (module docstring)."""
-    return run_main(PROG, _train, argv)
+    return run_main(PROG, _train, argv, usage=USAGE)
 
 
 def cli() -> None:

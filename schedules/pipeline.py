@@ -482,6 +482,6 @@ if __name__ == "__main__":  # python -m schedules.pipeline TRACE_DIR OUT.png [ST
     import sys
 
     if len(sys.argv) not in (3, 4):
-        print("usage: python -m schedules.pipeline TRACE_DIR OUT.png [STEP]", file=sys.stderr)
+        print("usage: python -m k2.schedules.pipeline TRACE_DIR OUT.png [STEP]", file=sys.stderr)
         sys.exit(2)
     print(draw_trace(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else None))

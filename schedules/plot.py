@@ -1,4 +1,4 @@
-"""Picture of a schedule (``k2-plan plot=PATH.png``): learning rate and context length over tokens.
+"""Picture of a schedule (``k2-plan plot_schedule=PATH.png``): learning rate and context length over tokens.
 
 Top row: the LR over the whole run (left) and a zoom on the last phases (right; K2's 460B-token anneal
 is 3% of the run and would otherwise be a few pixels wide), phase boundaries dotted and named, the LR

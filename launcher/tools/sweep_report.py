@@ -52,6 +52,8 @@ def collect(sweep_dir) -> list[dict]:
         params = count_params(cfg)
         flops, curve, per_token, prev_tokens = 0.0, [], {}, 0
         for r in recs:  # each step's tokens at its own context length
+            if r["step"] == 0:  # the evaluation before training: no FLOPs yet (a log-FLOPs curve)
+                continue
             seq = int(r["seq_length"])
             if seq not in per_token:
                 per_token[seq] = flops_per_token(cfg.model, seq).training

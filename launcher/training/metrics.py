@@ -2,7 +2,9 @@
 
 ``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
 ``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the
-step, ``model/flops.py``, against ``cluster.peak_tflops``), and ``val_loss`` on validation steps. wandb runs
+step, ``model/flops.py``, against ``cluster.peak_tflops``), and ``val_loss`` on validation steps. A fresh
+run with validation on starts with one record ``{"step": 0, "consumed_tokens": 0, "phase", "seq_length",
+"val_loss"}``: the validation loss before training (no ``loss``; readers of training steps skip step 0). wandb runs
 offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
 call in offline mode.
 
@@ -192,6 +194,16 @@ class MetricsLogger:
             if "val_loss" in rec:
                 line += f" | val_loss {rec['val_loss']:.4f}"
             print(line, file=sys.stderr, flush=True)
+
+    def log_before_training(self, record: dict) -> None:
+        """Append the record of the evaluation before step 1 (``"step": 0``, ``val_loss``) to
+        ``metrics.jsonl`` and wandb; the progress bar does not move."""
+        if not self.enabled:
+            return
+        rec = {k: _jsonable(v) for k, v in record.items()}
+        self._fh.write(json.dumps(rec) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(rec)
 
     def message(self, text: str) -> None:
         """A line of text for the console that does not break the progress bar."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data
 from k2.model.backends import check_backend_config
@@ -29,6 +30,7 @@ class RunPlan:
         data: the validated data settings.
         tokens_per_step: ``schedule.global_batch_tokens``.
         resume_from: the checkpoint this run continues from, or None for a fresh start.
+        resume_step: the last step that checkpoint trained (0 for a fresh start).
     """
 
     dims: ParallelDims
@@ -37,6 +39,16 @@ class RunPlan:
     data: ResolvedData
     tokens_per_step: int
     resume_from: Optional[Path] = None
+    resume_step: int = 0
+
+    @property
+    def nothing_to_do(self) -> Optional[str]:
+        """The line to print when the checkpoint already reaches the run's last step (a finished run run
+        again, or ``train.iters`` lowered), else None: such a run starts no rank and exits 0."""
+        if self.resume_from is None or self.resume_step < self.steps:
+            return None
+        return (f"the checkpoint {self.resume_from} is at step {self.resume_step}, the run ends at step "
+                f"{self.steps} (train.iters / the schedule): nothing to do")
 
     @property
     def layout(self) -> dict:
@@ -63,4 +75,6 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     steps = schedule.total_steps if iters is None else min(int(iters), schedule.total_steps)
     data = resolve_data(cfg)
     layout = {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp, "world_size": world_size}
-    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, plan_resume(cfg, layout))
+    resume_from = plan_resume(cfg, layout)
+    resume_step = 0 if resume_from is None else int(read_state(resume_from)["step"])
+    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from, resume_step)

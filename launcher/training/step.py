@@ -1,9 +1,12 @@
 """One global batch through megatron's pipeline schedule: the forward step, the loss, its reduction over
-ranks, and the validation loss."""
+ranks, the validation loss, and the divergence check of a step's loss and gradient norm."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -100,3 +103,33 @@ def evaluate(eval_iters: int, plan, phase, model, forward_backward, valid_ds, dp
     for m in model:
         m.train()
     return total / max(tokens, 1)
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite; the message names the step, its LR and the last
+    checkpoint. ``k2-train`` prints it as its one error line and exits with
+    :data:`k2.launcher.cli.DIVERGED_EXIT`."""
+
+
+def check_finite(step: int, lr: float, loss: float, grad_norm: Optional[float],
+                 last_checkpoint: Callable[[], Optional[Path]]) -> None:
+    """Stop the run when ``loss`` or ``grad_norm`` (both global: the same on every rank) is not finite.
+
+    Args:
+        step: the step just run (1-based); lr: its learning rate; loss: its per-token loss;
+        grad_norm: its global gradient norm (None when the optimizer reports none);
+        last_checkpoint: returns the newest complete checkpoint of the run, or None (called only for a
+            diverged step).
+
+    Raises:
+        TrainingDiverged: a NaN / inf value; nothing of this step is saved.
+    """
+    bad = [f"{name} {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
+           if value is not None and not math.isfinite(value)]
+    if not bad:
+        return
+    last = last_checkpoint()
+    where = (f"the last checkpoint is {last}" if last is not None
+             else "no checkpoint was saved before it (train.save_interval)")
+    raise TrainingDiverged(f"training diverged at step {step} (lr {lr:.6g}): {', '.join(bad)}; "
+                           f"the step is not saved; {where}")

@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
 from k2.config import to_yaml
-from k2.launcher.checkpointing.paths import read_state
+from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
     remove_partial_saves,
@@ -41,7 +41,7 @@ from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.state import TrainState
-from k2.launcher.training.step import evaluate, reduce_lm_loss, run_microbatches
+from k2.launcher.training.step import check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.model.build import (
     build_model_chunks,
     layout_independent_init,
@@ -100,6 +100,7 @@ class Trainer:
         self.config_yaml = to_yaml(cfg)
         self.rank = 0
         self.record: dict = {}
+        self.started = time.perf_counter()  # for the end-of-run summary
 
     # ------------------------------------------------------------------ the outline
 
@@ -123,6 +124,7 @@ class Trainer:
                 preempted = step < self.plan.steps and self.stop_for_preemption(step, saved)
                 if preempted:
                     break
+            self.summarize(preempted)
         finally:
             self.logger.close()
         if preempted:
@@ -191,7 +193,7 @@ class Trainer:
         if self.pipeline is not None:  # W drained during p2p, event trace
             self.forward_backward = self.pipeline.wrap(self.forward_backward, self.tcfg, self.model,
                                                        first_step=self.state.step + 1)
-        phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
+        phase = self._phase_after_restore()
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
         return note
@@ -237,9 +239,14 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def evaluate_before_training(self) -> None:
-        """A fresh run's validation loss at step 0 (the curve's first point)."""
+        """A fresh run's validation loss at step 0 (the curve's first point), also a ``"step": 0`` record
+        of ``metrics.jsonl``."""
         if self.cfg.train.eval_interval and self.state.step == 0:
-            self.logger.message(f"step 0: val_loss {self._evaluate(self.data.phase):.4f} (before training)")
+            phase = self.data.phase
+            val_loss = self._evaluate(phase)
+            self.logger.message(f"step 0: val_loss {val_loss:.4f} (before training)")
+            self.logger.log_before_training({"step": 0, "consumed_tokens": 0, "phase": phase.name,
+                                             "seq_length": phase.seq_length, "val_loss": val_loss})
 
     def enter_phase(self, step: int):
         """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets and
@@ -266,6 +273,7 @@ class Trainer:
         scheduler.step(self.plan.tokens_per_step)
         self.state.step = step
         loss, _ = reduce_lm_loss(losses)
+        self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
         record = {
             "step": step,
@@ -334,7 +342,43 @@ class Trainer:
                                self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
 
+    def summarize(self, preempted: bool) -> None:
+        """Rank 0, at the end of the run (finished or preempted): steps run, tokens, wall time, the last
+        validation loss, and where every output is."""
+        if self.rank != 0:
+            return
+        first, last = self.plan.resume_step + 1, self.state.step
+        ran = max(0, last - first + 1)
+        val = self.record.get("val_loss")
+        wandb_dir = self.run_dir / "wandb" if self.cfg.run.wandb.mode != "disabled" else None
+        lines = [
+            f"k2-train: {'stopped for preemption' if preempted else 'done'}: {ran} steps run"
+            + (f" ({first}..{last})" if ran else "") + f" of {self.plan.steps}, "
+            f"{self.state.scheduler.consumed_tokens:,} tokens in total, "
+            f"{time.perf_counter() - self.started:.1f} s wall time"
+            + (f", final val_loss {val:.4f}" if val is not None else ""),
+            f"  metrics:     {self.run_dir / 'metrics.jsonl'}",
+            f"  checkpoints: {self.run_dir / 'checkpoints'} (latest: "
+            f"{getattr(latest_checkpoint(self.run_dir), 'name', 'none')})",
+            f"  wandb:       {wandb_dir if wandb_dir is not None else 'off (run.wandb.mode=disabled)'}",
+        ]
+        self.logger.message("\n".join(lines))
+
     # ------------------------------------------------------------------ helpers
+
+    def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
+        """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
+        so all ranks stop at the same step), before anything of the step is saved."""
+        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm),
+                     lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
+
+    def _phase_after_restore(self):
+        """The phase of the next step; for a checkpoint at the schedule's end (which
+        :func:`k2.launcher.train` reports as "nothing to do" before any rank starts), the phase of its
+        last step, so that a trainer started directly still reaches that message instead of failing."""
+        schedule = self.plan.schedule
+        phase = schedule.phase_at(self.state.scheduler.consumed_tokens)
+        return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
 
     def _evaluate(self, phase) -> float:
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,

@@ -28,6 +28,7 @@ def _sweep(args, **kw) -> subprocess.CompletedProcess:
 
 
 def _steps(run_dir: Path) -> list[int]:
+    """The steps of metrics.jsonl, the evaluation before training (step 0) included."""
     return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -45,7 +46,7 @@ def test_sweep_runs_resumes_after_kill_and_reports(tmp_path, stdlib_corpus):
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 42, out[-3000:]
     first = sweep_dir / "sparsity_2"
-    assert _steps(first) == list(range(1, 9))
+    assert _steps(first) == list(range(0, 9))  # step 0: the validation loss before training
     done_first = (first / "metrics.jsonl").read_text()
     assert not (sweep_dir / "sparsity_8").exists()
 
@@ -54,7 +55,7 @@ def test_sweep_runs_resumes_after_kill_and_reports(tmp_path, stdlib_corpus):
     assert "sparsity_2 (E=4): finished" in again.stdout and "sparsity_4 (E=8): partial" in again.stdout
     assert (first / "metrics.jsonl").read_text() == done_first  # not re-run
     for s in (2, 4, 8):
-        assert _steps(sweep_dir / f"sparsity_{s}") == list(range(1, 9))
+        assert _steps(sweep_dir / f"sparsity_{s}") == list(range(0, 9))
 
     rep = subprocess.run([sys.executable, "-c", "from k2.launcher.sweep_report import cli; cli()",
                           str(sweep_dir)], cwd=REPO, env=trainer_env(), capture_output=True, text=True,

@@ -19,10 +19,23 @@ REQUIRED = {"step", "consumed_tokens", "lr", "loss", "grad_norm", "tokens_per_s"
 
 
 def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
+    """One record per step, the validation loss before training as a step-0 record, and the end-of-run
+    summary (steps, tokens, wall time, final val loss, where the outputs are) on rank 0's stdout."""
     run_dir = tmp_path / "run"
+    out = tmp_path / "stdout.txt"
     recs = run_trainer(["train.iters=4", "train.eval_interval=2", "train.eval_iters=1",
-                        "schedule.global_batch_tokens=1024"], 1, run_dir)
+                        "schedule.global_batch_tokens=1024"], 1, run_dir, stdout_to=out)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first.keys() == {"step", "consumed_tokens", "phase", "seq_length", "val_loss"}, first
+    assert (first["step"], first["consumed_tokens"], first["seq_length"]) == (0, 0, 128)
+    assert 7.5 < first["val_loss"] < 9  # ~ln 4096 = 8.32 at init
+    text = out.read_text()
+    summary = text[text.index("k2-train: done: "):]
+    assert "4 steps run (1..4) of 4, 4,096 tokens in total" in summary and "s wall time" in summary
+    assert f"final val_loss {recs[-1]['val_loss']:.4f}" in summary
+    for where in (run_dir / "metrics.jsonl", run_dir / "checkpoints", "latest: iter_0000004", "wandb:"):
+        assert str(where) in summary, summary
     tokens_per_step = 8 * 128  # 8 sequences of tiny_wsd's first context length
     for r in recs:
         assert REQUIRED <= set(r), r
@@ -35,16 +48,61 @@ def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
 
 
 def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpus):
-    """``k2-train parallel=pp2`` (no torchrun around it) starts 2 ranks itself; wandb runs offline."""
+    """``k2-train parallel=pp2`` (no torchrun around it) starts 2 ranks itself; wandb runs offline; the
+    summary names the wandb dir. The same command again, on the finished run, is "nothing to do": exit 0,
+    no rank started, metrics.jsonl untouched."""
     run_dir = tmp_path / "run"
     env = trainer_env({"WANDB_MODE": "offline"})
-    p = subprocess.run(
-        [sys.executable, "-m", "k2.launcher.train", "parallel=pp2", "train.iters=2", "train.eval_interval=0",
-         "train.progress=false", f"run.dir={run_dir}", "run.wandb.mode=offline",
-         f"launch.master_port={29700 + os.getpid() % 200}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "k2.launcher.train", "parallel=pp2", "train.iters=2",
+           "train.eval_interval=0", "train.progress=false", f"run.dir={run_dir}", "run.wandb.mode=offline",
+           f"launch.master_port={29700 + os.getpid() % 200}"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "spawning 2 local ranks" in p.stdout
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert f"wandb:       {run_dir / 'wandb'}" in p.stdout, p.stdout[-2000:]
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    recs = [json.loads(x) for x in metrics.splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     assert any((run_dir / "wandb").glob("offline-run-*")), list(run_dir.iterdir())
+
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "is at step 2, the run ends at step 2" in again.stdout and "nothing to do" in again.stdout
+    assert "spawning" not in again.stdout and (run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_divergence_stops_with_step_lr_and_last_checkpoint_then_resumes_quietly(tmp_path, stdlib_corpus):
+    """Step 1 half-way up the warmup, step 2 at its peak, 1e20: steps 1-2 are finite and saved, step 3's
+    loss / gradient norm are not; the run exits with DIVERGED_EXIT after one line naming step 3, its LR
+    and the step-2 checkpoint, and saves nothing of step 3. A run resuming from the step-1 checkpoint
+    (another run dir, one step) prints no library warning (torch's dist-checkpoint notices, megatron's
+    rerun-machine line)."""
+    from k2.launcher.cli import DIVERGED_EXIT
+
+    run_dir = tmp_path / "run"
+    common = [sys.executable, "-m", "k2.launcher.train", "train.iters=4", "train.save_interval=1",
+              "train.eval_interval=0", "schedule.phases.0.steps=2", "schedule.phases.1.lr_start=1e20",
+              "schedule.global_batch_tokens=1024", "train.progress=false", "run.wandb.mode=disabled"]
+    p = subprocess.run([*common, f"run.dir={run_dir}"],
+                       cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == DIVERGED_EXIT, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    lines = [x for x in p.stderr.splitlines() if x.startswith("k2-train: error:")]
+    assert len(lines) == 1, p.stderr[-4000:]
+    ck = run_dir / "checkpoints" / "iter_0000002"
+    assert "training diverged at step 3 (lr 1e+20)" in lines[0] and f"last checkpoint is {ck}" in lines[0]
+    assert "Traceback" not in p.stderr, p.stderr[-4000:]
+    assert sorted(x.name for x in (run_dir / "checkpoints").iterdir()) == ["iter_0000001", "iter_0000002",
+                                                                           "latest"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+
+    ck1 = run_dir / "checkpoints" / "iter_0000001"
+    again = subprocess.run([*common, "train.iters=2", "train.save_interval=null",
+                            "checkpoint.save_at_end=false", f"resume.from={ck1}",
+                            f"run.dir={tmp_path / 'again'}"],
+                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resumed from {ck1} (step 1" in again.stdout
+    warnings = [x for x in again.stderr.splitlines() if "warn" in x.lower()]
+    assert not warnings, again.stderr[-4000:]

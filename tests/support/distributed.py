@@ -49,10 +49,13 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
 
 
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
-                timeout: int = 600, env: dict | None = None, expect_failure: bool = False) -> list[dict]:
+                timeout: int = 600, env: dict | None = None, expect_failure: bool = False,
+                stdout_to: Path | None = None) -> list[dict]:
     """Run ``k2.launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
-    metrics.jsonl records. :data:`QUIET` is added except for the keys ``overrides`` sets (e.g.
-    ``run.wandb.mode=offline``). Raises AssertionError with the tail of the output on failure or timeout
+    metrics.jsonl records of the training steps (step >= 1; the ``"step": 0`` record of the evaluation
+    before training is left out: read metrics.jsonl for it). :data:`QUIET` is added except for the keys
+    ``overrides`` sets (e.g. ``run.wandb.mode=offline``). Raises AssertionError with the tail of the
+    output on failure or timeout
     (a hang shows up as a timeout), or, with ``expect_failure``, when the run exits with status 0."""
     target = ["-m", "k2.launcher.train"] if script is None else [str(SCRIPTS / script)]
     quiet = [q for q in QUIET if not any(o.startswith(q.split("=")[0] + "=") for o in overrides)]
@@ -65,12 +68,14 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"trainer timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
                              f"{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}") from None
+    if stdout_to is not None:  # for tests of what the run prints
+        Path(stdout_to).write_text(proc.stdout)
     if expect_failure:
         assert proc.returncode != 0, f"trainer did not fail: {' '.join(cmd)}\n{proc.stdout[-3000:]}"
     else:
         assert proc.returncode == 0, f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] > 0]
 
 
 # schedule.phases.0.steps=0: the stable LR 3e-3 from step 1, so steps 2-3 see updated weights

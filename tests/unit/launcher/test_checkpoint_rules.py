@@ -153,3 +153,35 @@ def test_preemption_flag_from_signal_and_budget():
     q = Preemption(max_minutes=1e-6)
     time.sleep(0.01)
     assert q.agreed() and q.reason == "run.max_minutes"
+
+
+@pytest.mark.parametrize("step,overrides", [
+    (300, []),  # the end of tiny_wsd: no phase holds the next step's first token
+    (2, ["train.iters=2"]),  # train.iters reached, inside the schedule
+])
+def test_finished_run_run_again_is_nothing_to_do(tmp_path, capsys, monkeypatch, step, overrides):
+    """k2-train on a run dir whose checkpoint is at the run's last step prints "nothing to do" and exits
+    0 without starting a trainer; a trainer started directly (torchrun) finds the phase of that last
+    step instead of failing on the phase after the schedule's end."""
+    from types import SimpleNamespace
+
+    from k2.launcher import train
+    from k2.launcher.training import trainer
+
+    run_dir = tmp_path / "run"
+    ck = _fake_checkpoint(run_dir, step, [f"run.dir={run_dir}"], SINGLE)
+
+    def no_trainer(*a, **k):
+        raise AssertionError("a trainer was started for a finished run")
+
+    monkeypatch.setattr(trainer, "run", no_trainer)
+    assert train.main([f"run.dir={run_dir}", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {ck} is at step {step}, the run ends at step {step}" in out and "nothing to do" in out
+
+    plan = _plan([f"run.dir={run_dir}", *overrides])
+    t = trainer.Trainer.__new__(trainer.Trainer)
+    t.plan = plan
+    consumed = step * plan.tokens_per_step
+    t.state = SimpleNamespace(step=step, scheduler=SimpleNamespace(consumed_tokens=consumed))
+    assert t._phase_after_restore() is plan.schedule.step_phase(step)

@@ -511,3 +511,23 @@ def test_index_cache_writer_holds_the_build_lock(tmp_path, corpus_cache, corpus,
     monkeypatch.setattr(BlendedMegatronDatasetBuilder, "build", probe)
     build_datasets(resolved, seq_length=32, seed=5, train_samples=8, valid_samples=8)
     assert seen == [holds]
+
+
+def test_token_ids_outside_the_vocabulary_name_the_file(tmp_path, corpus, capsys):
+    """Random bytes in a user .bin (same size, so the .idx still agrees): every tool refuses the data
+    before any rank starts, naming the file, the id and its position; a clean file passes the scan."""
+    prefix, tokpath = _user_data(tmp_path, corpus)
+    settings = [f"data.path='{prefix}'", f"data.tokenizer='{tokpath}'"]
+    _resolve(tmp_path, *settings)  # the copy of the corpus is clean
+    size = os.path.getsize(prefix + ".bin")
+    noise = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    noise[1000:1002] = 0xFF  # token 500 is 65535 whatever the rest (uint16 ids)
+    noise[:1000] = 0  # tokens before it are id 0
+    Path(prefix + ".bin").write_bytes(noise.tobytes())
+    with pytest.raises(ConfigError) as e:
+        _resolve(tmp_path, *settings)
+    msg = str(e.value)
+    assert f"{prefix}.bin holds token id 65535 at token 500" in msg and f"ids 0..{VOCAB - 1}" in msg
+    assert data_entry.main([f"data.cache_dir={tmp_path}/c", *settings]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k2-data: error: ") and f"{prefix}.bin" in err[0]

@@ -237,13 +237,13 @@ def test_tiny_meta_count_equals_real_single_rank_build():
 
 def test_plan_json_and_plot(capsys, tmp_path):
     """k2-plan schedule=k2_15t5: phases with nominal and landed token ranges, steps, LR at each boundary;
-    lr_at_tokens for plan.query_tokens; plot= writes a PNG (closed forms in tests/unit/schedules/test_schedule.py)."""
+    lr_at_tokens for plan.query_tokens; plot= and plot_schedule= each write the PNG they name (closed forms in tests/unit/schedules/test_schedule.py)."""
     from support.k2_schedule import ANNEAL_END, K2_BATCH_TOKENS, T, ceil_div, k2_lr
 
     B = K2_BATCH_TOKENS
-    png = tmp_path / "k2.png"
+    png, schedule_png = tmp_path / "timeline.png", tmp_path / "lr.png"
     query = [0, 500 * B, 10 * T - B, 12_750 * 10**9, 15_500 * 10**9, 15_960 * 10**9, 16 * T]
-    rc = main(["schedule=k2_15t5", "output=json", f"plot={png}",
+    rc = main(["schedule=k2_15t5", "output=json", f"plot={png}", f"plot_schedule={schedule_png}",
                f"plan.query_tokens=[{','.join(map(str, query))}]"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
@@ -265,9 +265,11 @@ def test_plan_json_and_plot(capsys, tmp_path):
     assert s["phases"][2]["first_step"] == 149_013
     assert plan["lr_at_tokens"] == pytest.approx([k2_lr(t) for t in query], rel=1e-9, abs=1e-15)
     assert plan["lr_at_tokens"][3] == pytest.approx(1.1e-4) and plan["lr_at_tokens"][-1] == ANNEAL_END
-    for picture in (png, tmp_path / "k2_schedule.png"):  # the pipeline timeline, the schedule
+    for picture in (png, schedule_png):  # each setting writes the file it names, nothing else
         head = picture.read_bytes()[:8]
         assert head == b"\x89PNG\r\n\x1a\n" and 10_000 < picture.stat().st_size < 300_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr.png", "timeline.png"]
+    assert png.read_bytes() != schedule_png.read_bytes()
 
     rc = main(["schedule=k2_15t5"])  # text: the exact landing token count of the 10T boundary
     assert rc == 0 and "10,000,026,042,368" in capsys.readouterr().out

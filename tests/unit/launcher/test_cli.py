@@ -1,0 +1,27 @@
+"""The command-line contract the entry modules share (``k2.launcher.cli``): ``--help`` on every tool."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from support.helpers import run_tool
+
+TOOLS = ["train", "plan", "data", "bench", "submit"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_exits_0_with_usage_config_tree_and_examples(capsys, tool, flag):
+    """``k2-<tool> --help`` (also after overrides) prints its usage, the config tree and the recipes of
+    each group, and example overrides; nothing runs and nothing reaches Hydra's parser."""
+    from k2.config.load import RECIPES_DIR
+
+    main = importlib.import_module(f"k2.launcher.{tool}").main
+    rc, out, err = run_tool(capsys, main, ["model=kimi_k2", flag])
+    assert rc == 0, err
+    assert out.startswith(f"usage: k2-{tool} ")
+    assert str(RECIPES_DIR) in out and "k2_tiny, kimi_k2" in out  # the tree and a group's recipes
+    assert "examples:" in out and f"k2-{tool} " in out.split("examples:")[1]
+    assert "group.key=value" in out and "error" not in err
