@@ -132,7 +132,7 @@ def case_overrides(o: dict) -> dict[str, list[str]]:
     def memory(drop: str = "") -> list[str]:
         return [f"memory.{k}=[{','.join(v if k != drop else [])}]" for k, v in mem.items()]
 
-    full = [f"optim=muonclip", f"optim.qk_clip_tau={o['qk_clip_tau']}", "model.record_max_logits=true",
+    full = ["optim=muonclip", f"optim.qk_clip_tau={o['qk_clip_tau']}", "model.record_max_logits=true",
             "model.moe_grouped_gemm=true", f"model.attention_backend={o['attention_backend']}"]
     cases = {"k2": full + memory()}
     cases["k2_no_qk_clip"] = full + ["optim.qk_clip_tau=null", "model.record_max_logits=false"] + memory()

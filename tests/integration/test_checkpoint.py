@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from support import REPO, SCRIPTS
-from support.distributed import QUIET, run_trainer, trainer_env
+from support.distributed import run_trainer, trainer_env
 
 # MuonClip with a tau small enough that QK-Clip fires: the resumed state includes Muon's momentum in
 # megatron's layer-wise ZeRO-1 layout (EP and DP shards) and the Adam moments of the other parameters

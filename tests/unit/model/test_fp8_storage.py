@@ -111,7 +111,6 @@ def test_last_dim_not_a_multiple_of_128(shape):
     assert t.data.shape == x.shape and t.scale.shape == (*shape[:-1], math.ceil(shape[-1] / TILE))
     y = dequantize_tiles(t)
     assert y.shape == x.shape
-    n = shape[-1]
     flat = [a.reshape(-1, a.shape[-1]) for a in (x, t.data, t.scale, y)]
     for r in range(flat[0].shape[0]):
         check_row(*(a[r] for a in flat))
