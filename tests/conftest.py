@@ -13,13 +13,14 @@ from support import REPO, free_port  # noqa: F401 (REPO: for tests that import i
 # this order, so the long ones start first and the short unit files fill the gaps at the end (longest
 # processing time first); without the ordering a long file started last decides the wall time.
 _HEAVY_FIRST = {
-    "tests/integration/test_checkpoint.py": 250,
-    "tests/integration/test_slurm_real.py": 220,
+    "tests/integration/test_checkpoint.py": 400,
+    "tests/integration/test_slurm_real.py": 300,
+    "tests/integration/test_train_run.py": 170,
     "tests/integration/test_bench_runs.py": 160,
     "tests/integration/test_sweep.py": 115,
+    "tests/integration/test_checkpoint_integrity.py": 90,
     "tests/integration/test_pipeline_wgrad.py": 60,
     "tests/integration/test_schedule_run.py": 50,
-    "tests/integration/test_train_run.py": 45,
     "tests/unit/launcher/test_bench.py": 40,
 }
 

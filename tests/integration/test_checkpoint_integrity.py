@@ -147,7 +147,9 @@ def test_flipped_byte_in_a_shard_is_refused_at_resume_by_the_ranks(saved_run, tm
     run_dir, ckpt = _copy(saved_run, tmp_path)
     _flip_byte(ckpt / "__1_0.distcp")
     _plan(run_dir)  # the size check before any process group passes
-    args = [*RUN, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
+    # one step more than the checkpoint holds: a finished run is "nothing to do" and loads nothing
+    more = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]
+    args = [*more, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
     proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
                           env=trainer_env(), capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
