@@ -207,6 +207,19 @@ class ParallelDims:
         self._check_stage(pp_rank, vpp_stage)
         return pp_rank == self.pp - 1 and vpp_stage == self.vpp - 1
 
+    def pp_rank_contents(self, pp_rank: int) -> tuple[list[int], bool, bool]:
+        """What PP rank ``pp_rank`` holds over all its virtual stages: its decoder layer indices (in
+        stage order), whether it holds the embedding, whether it holds the loss (final norm, output head).
+
+        Raises:
+            IndexError: ``pp_rank`` outside ``[0, pp)``.
+        """
+        self._check_stage(pp_rank, 0)
+        layers = [i for v in range(self.vpp) for i in self.layout[pp_rank][v]]
+        emb = any(self.stage_has_embedding(pp_rank, v) for v in range(self.vpp))
+        loss = any(self.stage_has_loss(pp_rank, v) for v in range(self.vpp))
+        return layers, emb, loss
+
     def megatron_kwargs(self) -> dict[str, Any]:
         """The pipeline/expert keyword arguments for megatron-core's ``TransformerConfig``."""
         return {

@@ -171,9 +171,7 @@ def _pp_ranks(dims: ParallelDims, counts: ModelParams, memory: list) -> list[dic
     """One row per PP rank (all its virtual stages): parameters per GPU and the memory of its fullest GPU."""
     rows = []
     for r in range(dims.pp):
-        layers = [i for v in range(dims.vpp) for i in dims.layout[r][v]]
-        emb = any(dims.stage_has_embedding(r, v) for v in range(dims.vpp))
-        loss = any(dims.stage_has_loss(r, v) for v in range(dims.vpp))
+        layers, emb, loss = dims.pp_rank_contents(r)
         per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
         rows.append({
             "pp_rank": r,

@@ -242,9 +242,7 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
     ``k2-plan``'s search uses it to set aside layouts that cannot fit before laying out their buffers."""
     out = []
     for r in range(dims.pp):
-        layers = [i for v in range(dims.vpp) for i in dims.layout[r][v]]
-        emb = any(dims.stage_has_embedding(r, v) for v in range(dims.vpp))
-        loss = any(dims.stage_has_loss(r, v) for v in range(dims.vpp))
+        layers, emb, loss = dims.pp_rank_contents(r)
         n = counts.stage(layers, emb, loss, ep=dims.ep)
         out.append([StateBytes(r, d, d % dims.expert_dp, n * _DTYPE_BYTES[precision], n * 4, 0, n, n)
                     for d in range(dims.dp)])
