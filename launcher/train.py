@@ -1,7 +1,7 @@
 """``k2-train``: train a K2-family model with megatron-core's PP/VPP/EP/ZeRO-1 machinery.
 
-``k2-train parallel=cpu4`` spawns ``launch.nproc_per_node`` local ranks itself (through
-``torch.distributed.run``) when it is not already under torchrun or srun; ``torchrun -m
+``k2-train parallel=cpu4`` spawns ``launch.nproc_per_node`` local ranks itself (forked after one import
+of the trainer: :mod:`k2.launcher.training.fork_ranks`) when it is not already under torchrun or srun; ``torchrun -m
 k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run the same code as one rank each.
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
@@ -96,8 +96,9 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         destroy_distributed()
     if record.get("preempted") and not env.spawned_by_k2_train:
         return REQUEUE_EXIT_CODE
-    # ranks spawned by k2-train exit 0 after a preemption save, so that torchrun prints no failure; the
-    # parent turns the requeue marker the save left into REQUEUE_EXIT_CODE (spawn_local_ranks)
+    # ranks spawned by k2-train exit 0 after a preemption save, so that their launcher does not take the
+    # first rank to finish for a failure and stop the others mid-save; the parent turns the requeue
+    # marker the save left into REQUEUE_EXIT_CODE (spawn_local_ranks)
     return 0
 
 

@@ -1,7 +1,7 @@
 """``k2-bench bench=pipeline``: step time with decoupled weight gradients (``pipeline.decouple_wgrad``) on
 against off, in one benchmark run.
 
-Each configuration is a real ``k2-train`` run (``torch.distributed.run`` with ``nproc`` local ranks; on a
+Each configuration is a real ``k2-train`` run (``nproc`` local ranks, started by k2-train itself; on a
 CPU-only machine gloo, the CPU proxy) of ``iters`` steps at the stable LR; the runs alternate off, on,
 off, on, ... for ``rounds`` rounds so that a drift of the machine hits both alike. The figure is the median
 ``step_time_s`` (``metrics.jsonl``) over all steps but the first of each run, and, less sensitive to other
@@ -42,11 +42,6 @@ _REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     overrides = [
         f"parallel={o['parallel']}", f"model={o['model']}", f"launch.nproc_per_node={o['nproc']}",
         f"train.iters={o['iters']}", "train.eval_interval=0", "schedule.phases.0.steps=0",
@@ -54,8 +49,7 @@ def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
         f"run.dir={run_dir}", f"pipeline.decouple_wgrad={str(decouple).lower()}",
         f"pipeline.trace={run_dir / 'trace'}",  # for the CPU seconds per pass (both configurations)
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={o['nproc']}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "k2.launcher.train", *overrides]
+    cmd = [sys.executable, "-m", "k2.launcher.train", *overrides]
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // o["nproc"]))

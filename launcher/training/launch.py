@@ -1,11 +1,12 @@
-"""Starting training processes from ``k2-train`` itself: local ranks under torchrun, a child run, and the
-signals passed on to them (so that killing the parent by pid leaves nothing running unattended).
+"""Starting training processes from ``k2-train`` itself: local ranks (forked by
+:mod:`k2.launcher.training.fork_ranks` from one process that imported the trainer once), a child run, and
+the signals passed on to them (so that killing the parent by pid leaves nothing running unattended).
 
-Signals go only to the rank processes (torchrun's direct children), never to what a rank started
+Signals go only to the rank processes (the rank launcher's direct children), never to what a rank started
 itself (wandb's service, megatron's checkpoint-writer helpers): those end with their rank. When the
-parent dies without passing anything on (``kill -9``), the kernel kills torchrun
-(``PR_SET_PDEATHSIG``) and each rank kills itself as soon as its parent is gone
-(:func:`exit_with_parent`), so no rank outlives its launcher.
+parent dies without passing anything on (``kill -9``), the kernel kills the rank launcher
+(``PR_SET_PDEATHSIG``), which takes its ranks with it the same way, and each rank kills itself as soon as
+its parent is gone (:func:`exit_with_parent`), so no rank outlives its launcher.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
 
     Args:
         child: the started process.
-        to_workers: ``child`` is torchrun: SIGTERM and SIGUSR1 go to its worker processes directly as
-            SIGTERM (torchrun itself would kill them after its own 30 s grace, before they could save a
-            checkpoint); SIGINT goes to torchrun, which stops the ranks at once. Otherwise every signal
-            goes to ``child`` as it came. Only torchrun's direct children (the ranks) are signalled:
+        to_workers: ``child`` is the rank launcher: SIGTERM and SIGUSR1 go to its rank processes directly
+            as SIGTERM (a launcher that stopped a failed group would kill the others after a 30 s grace,
+            before they could save a checkpoint); SIGINT goes to the launcher, which passes it on to every
+            rank (they stop at once). Otherwise every signal
+            goes to ``child`` as it came. Only the launcher's direct children (the ranks) are signalled:
             a rank's own helpers (wandb's service) would die of SIGTERM and take the rank's logger
             with them before it saved.
 
@@ -62,7 +64,7 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
             workers = psutil.Process(child.pid).children(recursive=False)
         except psutil.NoSuchProcess:
             workers = []
-        if not workers:  # not started yet (or gone): torchrun stops whatever there is
+        if not workers:  # not started yet (or gone): the launcher stops whatever there is
             child.send_signal(signal.SIGTERM)
         for w in workers:
             try:
@@ -83,7 +85,7 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def _die_with_parent() -> None:
     """``preexec_fn``: the kernel SIGKILLs this child when the thread that started it exits (Linux;
-    elsewhere nothing is set). k2-train starts torchrun from its main thread and waits on it there."""
+    elsewhere nothing is set). k2-train starts the rank launcher from its main thread and waits on it there."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
@@ -92,11 +94,13 @@ def _die_with_parent() -> None:
 
 def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
     """In a rank spawned by ``k2-train``: a daemon thread that SIGKILLs this process as soon as its
-    parent (torchrun) is gone, i.e. when this process is re-parented (checked every ``poll_s`` seconds).
+    parent (the rank launcher, or torchrun) is gone, i.e. when this process is re-parented (checked every
+    ``poll_s`` seconds).
 
-    A thread rather than ``PR_SET_PDEATHSIG`` in the rank: that signal fires when the parent *thread*
-    that forked the rank exits, which in torchrun need not be the one that lives as long as torchrun.
-    A rank that finds itself already re-parented (its parent died before this call) is killed at once.
+    A thread as well as the launcher's ``PR_SET_PDEATHSIG``: that signal fires when the parent *thread*
+    that forked the rank exits, which in another launcher (torchrun) need not be the one that lives as
+    long as the launcher. A rank that finds itself already re-parented (its parent died before this call)
+    is killed at once.
 
     Returns:
         the started thread.
@@ -116,7 +120,8 @@ def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
 
 
 def spawn_local_ranks(cfg, overrides: list[str]) -> int:
-    """Re-launch ``k2.launcher.train`` under ``torch.distributed.run`` with ``launch.nproc_per_node`` ranks.
+    """Start ``launch.nproc_per_node`` local ranks of ``k2.launcher.train`` with ``overrides``, forked by
+    :mod:`k2.launcher.training.fork_ranks` (one import of the trainer for all of them), and wait for them.
 
     Signals: see :func:`forwarding_signals` (the ranks save a checkpoint and stop on SIGTERM / SIGUSR1:
     :mod:`k2.launcher.training.preemption`). Killing ``k2-train`` by pid therefore leaves no orphaned
@@ -124,22 +129,20 @@ def spawn_local_ranks(cfg, overrides: list[str]) -> int:
     (:class:`k2.launcher.checkpointing.run_lock.RunDirLock`); the ranks are told not to take it.
 
     Returns:
-        torchrun's exit code, or :data:`REQUEUE_EXIT_CODE` when the ranks stopped for preemption: the
-        ranks it spawns exit 0 after a preemption save (so that torchrun reports no failure) and rank 0
-        leaves ``<run.dir>/requeue``, which this function turns into the requeue status.
+        the first failed rank's exit status (e.g. 3 when training diverged), or
+        :data:`REQUEUE_EXIT_CODE` when the ranks stopped for preemption: the ranks exit 0 after a
+        preemption save and rank 0 leaves ``<run.dir>/requeue``, which this function turns into the
+        requeue status; 0 when the run finished.
     """
     port = cfg.launch.master_port or free_port()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={cfg.launch.nproc_per_node}",
-        "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-        "-m", "k2.launcher.train", *overrides,
-    ]
+    cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(cfg.launch.nproc_per_node),
+           f"--master-port={port}", "-m", "k2.launcher.train", *overrides]
     env = dict(os.environ)
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
     env[LOCK_HELD_ENV] = "1"  # this process owns the run dir for them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
-    print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks: {' '.join(cmd[2:])}", flush=True)
+    print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks (forked after one import of the "
+          f"trainer; rendezvous 127.0.0.1:{port}): {' '.join(cmd[2:])}", flush=True)
     child = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     with forwarding_signals(child, to_workers=True):
         rc = child.wait()

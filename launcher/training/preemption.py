@@ -13,8 +13,6 @@ import signal
 import time
 from typing import Optional
 
-import torch
-
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: Exit status with which a trainer asks for the job to be requeued (it saved a checkpoint on a signal or
 #: at ``run.max_minutes``). The batch script runs ``scontrol requeue $SLURM_JOB_ID`` when ``srun`` returns
@@ -22,8 +20,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: (128+N) or srun's own failures (1, 255).
 REQUEUE_EXIT_CODE = 42
 #: ``<run.dir>/requeue``: written by rank 0 when the run stopped for preemption (holds the step), so that
-#: ``k2-train``'s own launcher can report the requeue exit code even though torchrun reports only that
-#: its workers failed. Removed when the next run starts.
+#: ``k2-train``'s own launcher can report the requeue exit code although its ranks exit 0 (a launcher
+#: treats a non-zero rank as a failure and stops the others). Removed when the next run starts.
 REQUEUE_MARKER = "requeue"
 
 
@@ -70,6 +68,9 @@ class Preemption:
 
     def agreed(self) -> bool:
         """Collective (every rank, same step): True when any rank asks to stop. Sets :attr:`reason`."""
+        # (torch imported here: the command-line tools import this module for REQUEUE_EXIT_CODE, and
+        # k2-data / k2-submit / the Slurm script's helpers should not pay torch's ~3 s import for it)
+        import torch
         import torch.distributed as dist
 
         flag = self.local_request()

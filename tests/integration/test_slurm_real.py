@@ -42,14 +42,16 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _wait(pred, timeout: float, what: str, every: float = 0.5):
+def _wait(pred, timeout: float, what, every: float = 0.5):
+    """Poll ``pred`` every ``every`` s until it is truthy; ``what()`` (called only on a timeout, so the
+    job's log and Slurm's state in the message are those of that moment) names what was awaited."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         v = pred()
         if v:
             return v
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what()}")
 
 
 def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_path, stdlib_corpus):
@@ -69,27 +71,33 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
         f = run_dir / f"slurm-{job}.out"
         return f.read_text()[-tail:] if f.exists() else "(no log)"
 
-    def restart_now(restarts: int) -> None:  # skip the requeue's BeginTime delay
+    def restart_now(restarts: int) -> None:
+        """Skip the requeue's BeginTime delay, but only once the previous run of the job has left the
+        node: that delay is what keeps slurmd's clean-up of the old run (same job id) away from the new
+        one, and starting the job while the node still completes it lets that clean-up kill the new
+        batch script before it prints a line."""
         _wait(lambda: slurm.job_field(job, "Restarts") == str(restarts)
-              and slurm.job_field(job, "JobState") == "PENDING", 120, f"restart {restarts} to pend: {log()}")
+              and slurm.job_field(job, "JobState") == "PENDING", 120, lambda: f"restart {restarts} to pend: {log()}")
+        _wait(lambda: slurm.node_state() == "idle", 120,
+              lambda: f"the node to finish restart {restarts - 1} of job {job}: {slurm.diagnose(job)}")
         slurm.scontrol("update", f"jobid={job}", "StartTime=now")
 
     try:
-        _wait(lambda: steps_logged() >= 3, 300, f"step 3 of job {job}: {log()}")
+        _wait(lambda: steps_logged() >= 3, 300, lambda: f"step 3 of job {job}: {log()}")
         slurm.scontrol("requeue", job)  # every process of the step gets SIGTERM: the ranks save, exit 42
         restart_now(1)
         saved = steps_logged()  # the step the SIGTERM saved
         _wait(lambda: "resumed from" in log() and steps_logged() >= saved + 1, 300,
-              f"a step after the restart: {log()}")
+              lambda: f"a step after the restart: {log()}")
         # the time-limit notice (what --signal=USR1@N sends): the ranks save the step in progress, exit 42
         subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
         restart_now(2)
         _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
-              f"job {job} to finish: {log()}", every=1)
+              lambda: f"job {job} to finish: {log()}", every=1)
     finally:
         if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
             subprocess.run(["scancel", job], env=slurm.env)
-    assert slurm.job_field(job, "JobState") == "COMPLETED", log()
+    assert slurm.job_field(job, "JobState") == "COMPLETED", log() + slurm.diagnose(job)
     assert slurm.job_field(job, "Restarts") == "2", log()
     out = log(tail=10**7)
     assert "restart 0" in out and "restart 1" in out and "restart 2" in out and "resumed from" in out, out[-4000:]
@@ -120,7 +128,7 @@ def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdli
     jobs = sub.stdout.split()
     assert len(jobs) == 2, sub.stdout
     _wait(lambda: all(slurm.job_field(j, "JobState") in ("COMPLETED", "FAILED", "CANCELLED") for j in jobs),
-          600, f"jobs {jobs}", every=1)
+          600, lambda: f"jobs {jobs}", every=1)
     assert [slurm.job_field(j, "JobState") for j in jobs] == ["COMPLETED", "COMPLETED"]
     for s in (2, 4):
         run_dir = sweep_dir / f"sparsity_{s}"

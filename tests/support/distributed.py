@@ -35,7 +35,8 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
     gloo ranks (one plain process for one rank). By default the launch is forked by the session's fork
     server (tests/support/zygote.py: torch and megatron-core imported once per session); with
     ``K2_TEST_LAUNCHER=fork`` the ranks are forked from one fresh interpreter per launch
-    (tests/support/fork_ranks.py), with ``K2_TEST_LAUNCHER=torchrun`` torchrun starts them."""
+    (k2.launcher.training.fork_ranks, what k2-train itself runs), with ``K2_TEST_LAUNCHER=torchrun``
+    torchrun starts them."""
     mode = os.environ.get("K2_TEST_LAUNCHER", "server")
     server = os.environ.get(FORK_SERVER_ENV)
     if mode == "server" and server:
@@ -45,7 +46,7 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
     if mode == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                 "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
-    return [sys.executable, str(SUPPORT / "fork_ranks.py"), str(nproc), *target, *args]
+    return [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), *target, *args]
 
 
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,

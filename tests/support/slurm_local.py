@@ -160,6 +160,20 @@ class LocalSlurm:
             raise RuntimeError(f"scontrol {' '.join(args)}: {p.stderr}")
         return p.stdout
 
+    def node_state(self) -> str:
+        """The node's state as ``sinfo`` prints it (``idle``, ``allocated``, ``completing``, ...)."""
+        return _run(["sinfo", "-h", "-o", "%T"], env=self.env).stdout.strip()
+
+    def diagnose(self, job_id: str, tail: int = 3000) -> str:
+        """What to print when a job did not do what a test expected: ``scontrol show job`` and the last
+        ``tail`` characters of the slurmctld and slurmd logs."""
+        parts = [_run(["scontrol", "show", "job", job_id], env=self.env).stdout]
+        for f in ("slurmctld.log", "slurmd.log"):
+            path = self.root / "log" / f
+            if path.exists():
+                parts.append(f"--- {f} (tail) ---\n" + path.read_text(errors="replace")[-tail:])
+        return "\n".join(parts)
+
     def job_field(self, job_id: str, field: str) -> str:
         """A ``Key=Value`` field of ``scontrol show job`` (e.g. JobState, Restarts, ExitCode)."""
         for token in self.scontrol("show", "job", job_id).split():

@@ -2,12 +2,13 @@
 then forks every trainer launch of the tests (:func:`serve`); a launch is a tiny client process
 (``zygote_client.py``) that costs no import.
 
-Why (tests only): importing torch + megatron-core costs ~7.5 s of CPU per interpreter. tests/support/
-fork_ranks.py already shares that import among the ranks of one launch; the fork server shares it
+Why (tests only): importing torch + megatron-core costs ~7.5 s of CPU per interpreter. k2-train's rank
+launcher (k2.launcher.training.fork_ranks) already shares that import among the ranks of one launch; the
+fork server shares it
 among all the launches of the session (about 40). What runs is unchanged: the client hands the server
 its command (nproc, ``-m MODULE`` or a script, arguments), working directory, environment and its stdin /
 stdout / stderr (file descriptors passed over a Unix socket); the server forks a launcher that takes
-them over and forks the ranks exactly as fork_ranks.py does (:func:`fork_ranks.launch`). The client
+them over and forks the ranks exactly as k2-train's launcher does (:func:`fork_ranks.launch`). The client
 exits with the launcher's exit status; SIGTERM / SIGINT / SIGUSR1 sent to the client reach the ranks;
 when the client dies (a test's timeout), the launcher kills its ranks.
 
@@ -25,15 +26,14 @@ import signal
 import socket
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fork_ranks  # noqa: E402
+from k2.launcher.training import fork_ranks
 
 
 def _preimport() -> None:
     # nothing here may start a thread or touch the network (the server forks afterwards)
     import warnings
 
-    fork_ranks._preimport()
+    fork_ranks.preimport()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import k2.launcher.train  # noqa: F401

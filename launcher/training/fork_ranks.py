@@ -1,0 +1,209 @@
+"""Local ranks forked from one process that has imported the trainer once: what ``k2-train`` runs to
+start ``launch.nproc_per_node`` ranks on one machine (:func:`k2.launcher.training.launch.spawn_local_ranks`).
+
+Why not torchrun's fresh interpreters: importing torch + megatron-core + the trainer costs ~8 s of CPU
+per process, paid by every rank of every launch (a 4-rank CPU run spends most of its start-up there;
+an 8-GPU node pays it 8 times). Forked ranks share one import. What each rank runs is unchanged: the
+same module (``-m k2.launcher.train``) with the environment contract torchrun gives it (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
+the ranks rendezvous over TCP as before. Fork safety: this process only imports (no thread, no CUDA
+context, no OpenMP pool exists when it forks; :func:`preimport` checks the first two), so each rank
+starts from a clean runtime and initialises CUDA / gloo / NCCL itself. Multi-node runs do not come here:
+there srun (or torchrun) starts one process per rank.
+
+Like torchrun: SIGTERM / SIGINT / SIGUSR1 sent to this process reach every rank; when a rank fails, the
+others get SIGTERM (SIGKILL 30 s later); the exit status is the first failed rank's (so ``k2-train``
+passes a rank's own status on: 2 for a bad setting, 3 for divergence), 0 when all succeed. Every rank
+gets SIGKILL when this process dies (``PR_SET_PDEATHSIG``).
+
+Usage: ``python -m k2.launcher.training.fork_ranks NPROC [--master-port=PORT] (-m MODULE | -c CODE |
+SCRIPT) [ARGS...]`` (a free port on 127.0.0.1 when none is given).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+__all__ = ["launch", "main", "preimport"]
+
+#: seconds between SIGTERM and SIGKILL for the other ranks of a failed launch (torchrun's default)
+STOP_GRACE_S = 30.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def preimport() -> None:
+    """Import what every rank imports first (torch, megatron-core, the trainer), once, before forking.
+
+    Raises:
+        RuntimeError: an import started a thread or initialised CUDA (forking would then be unsafe).
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.pipeline_parallel  # noqa: F401
+
+        import k2.launcher.training.trainer  # noqa: F401
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError("fork_ranks: CUDA was initialised before the ranks were forked")
+    extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if extra:
+        raise RuntimeError(f"fork_ranks: threads running before the ranks were forked: {extra}")
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when the thread that forked it exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_rank(rank: int, nproc: int, port: int, target: list[str], rank_env: bool) -> int:
+    """Run ``target`` as ``python`` would (``-m MODULE``, ``-c CODE`` or ``SCRIPT``) in this forked
+    process; returns its exit status."""
+    import runpy
+
+    if rank_env:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})
+    if target[0] == "-c":
+        sys.argv = ["-c", *target[2:]]
+        sys.path[0] = ""
+        runner = lambda: exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: E731
+    elif target[0] == "-m":
+        sys.argv = [target[1], *target[2:]]
+        runner = lambda: runpy.run_module(target[1], run_name="__main__", alter_sys=True)  # noqa: E731
+    else:  # (python SCRIPT puts the script's directory first on sys.path, python -m the cwd)
+        sys.argv = list(target)
+        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
+        runner = lambda: runpy.run_path(target[0], run_name="__main__")  # noqa: E731
+    try:
+        runner()
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _signal_all(pids, signum: int) -> None:
+    for pid in list(pids):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Optional[socket.socket] = None,
+           rank_env: bool = True) -> int:
+    """Fork ``nproc`` ranks of ``target`` from this process and wait for them (module docstring).
+
+    Args:
+        nproc: ranks to start (>= 1).
+        target: ``["-m", MODULE, *args]``, ``["-c", CODE, *args]`` or ``[SCRIPT, *args]``.
+        port: ``MASTER_PORT`` on 127.0.0.1; a free one when None (chosen after the imports: less time
+            for another process to take it).
+        watch: a connected socket whose peer going away (EOF) kills every rank and returns 1 (a process
+            that asked for this launch over the socket died).
+        rank_env: give each rank torchrun's environment; False runs one plain process, as ``python -m``.
+
+    While it waits, SIGTERM / SIGINT / SIGUSR1 sent to this process go to every rank (the previous
+    handlers are restored on return).
+
+    Returns:
+        the first failed rank's exit status (128 + N for a rank killed by signal N), 0 when all succeed.
+    """
+    port = port or _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children: dict[int, int] = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:  # the rank
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_DFL)
+            _die_with_parent()
+            code = 1
+            try:
+                code = _run_rank(rank, nproc, port, target, rank_env)
+            except BaseException:  # noqa: BLE001 - report and exit as an uncaught exception would
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # as under torchrun: every rank gets them
+    previous = {sig: signal.signal(sig, lambda signum, _frame: _signal_all(children, signum)) for sig in forwarded}
+    try:
+        return _wait(children, watch)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(children: dict[int, int], watch: Optional[socket.socket]) -> int:
+    """Reap ``children`` (pid -> rank); the status rules of :func:`launch`."""
+    status, deadline = 0, None
+    while children:
+        if watch is not None and select.select([watch], [], [], 0)[0] and not watch.recv(1, socket.MSG_PEEK):
+            _signal_all(children, signal.SIGKILL)
+            watch, status, deadline = None, status or 1, float("inf")
+        if deadline is not None and time.time() > deadline:
+            _signal_all(children, signal.SIGKILL)
+            deadline = float("inf")
+        polling = deadline is not None or watch is not None
+        pid, raw = os.waitpid(-1, os.WNOHANG) if polling else os.waitpid(-1, 0)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        children.pop(pid, None)
+        code = os.waitstatus_to_exitcode(raw)
+        if code != 0 and status == 0:
+            status = code if code > 0 else 128 - code
+            _signal_all(children, signal.SIGTERM)  # the other ranks of a failed group stop
+            deadline = time.time() + STOP_GRACE_S
+    return status
+
+
+def main(argv: list[str]) -> int:
+    """The command line of the module docstring; returns the exit status."""
+    if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
+        print(__doc__.rsplit("Usage: ", 1)[1].strip(), file=sys.stderr)
+        return 2
+    nproc, rest, port = int(argv[0]), argv[1:], None
+    if rest and rest[0].startswith("--master-port="):
+        port, rest = int(rest[0].split("=", 1)[1]), rest[1:]
+    sys.path[0] = os.getcwd()  # as under python -m: the working directory first
+    preimport()
+    return launch(nproc, rest, port=port)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

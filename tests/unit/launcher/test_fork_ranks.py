@@ -1,0 +1,74 @@
+"""k2-train's rank launcher (k2.launcher.training.fork_ranks), driven with tiny ``-c`` ranks: the
+environment contract torchrun gives a rank, the first failed rank's status as the launch's, the other
+ranks stopped, signals passed on. (The ranks here import nothing: :func:`launch` forks whatever this
+launcher process has imported; the trainer's own launches are tested in tests/integration.)"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from support import REPO
+
+# (each rank writes a line with one os.write: print's two writes could interleave between ranks)
+LAUNCH = "import sys; from k2.launcher.training.fork_ranks import launch; sys.exit(launch({n}, {target!r}{port}))"
+
+
+def _launch(n: int, code: str, port: int | None = None, **kw) -> subprocess.Popen:
+    target = ["-c", code, "arg1"]
+    src = LAUNCH.format(n=n, target=target, port=f", port={port}" if port else "")
+    return subprocess.Popen([sys.executable, "-c", src], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_each_rank_gets_torchruns_environment_and_its_arguments():
+    code = ("import json, os, sys; os.write(1, (json.dumps({k: os.environ[k] for k in ('RANK', 'LOCAL_RANK', "
+            "'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT')} | "
+            "{'argv': sys.argv, 'ppid': os.getppid()}) + '\\n').encode())")
+    p = _launch(3, code, port=34567)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    recs = sorted((json.loads(x) for x in out.splitlines()), key=lambda r: r["RANK"])
+    assert [r["RANK"] for r in recs] == ["0", "1", "2"] and [r["LOCAL_RANK"] for r in recs] == ["0", "1", "2"]
+    assert {(r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"], r["MASTER_ADDR"], r["MASTER_PORT"])
+            for r in recs} == {("3", "3", "0", "127.0.0.1", "34567")}
+    assert all(r["argv"] == ["-c", "arg1"] for r in recs)
+    assert {r["ppid"] for r in recs} == {p.pid}  # forked by the launcher itself
+
+
+def test_first_failed_rank_sets_the_status_and_stops_the_others():
+    """Rank 1 exits 3 (k2-train's divergence status); rank 0 would sleep for 120 s: it gets SIGTERM, and
+    the launch ends at once with 3, not with rank 0's signal."""
+    code = ("import os, sys, time; r = int(os.environ['RANK'])\n"
+            "if r == 1: time.sleep(0.5); sys.exit(3)\n"
+            "time.sleep(120)")
+    t0 = time.time()
+    p = _launch(2, code)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 3, err
+    assert time.time() - t0 < 30  # rank 0 was stopped, not waited for
+
+
+def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal():
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL) if os.environ['RANK'] == '0' else None"
+    p = _launch(2, code)
+    p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank():
+    """SIGTERM sent to the launcher is passed on: each rank says so and exits 0, and so does the launch."""
+    code = ("import os, signal, sys, time; r = int(os.environ['RANK'])\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (os.write(1, f'rank {r} got SIGTERM\\n'.encode()), "
+            "os._exit(0)))\n"
+            "os.write(1, f'rank {r} ready\\n'.encode()); time.sleep(120)")
+    p = _launch(2, code)
+    ready = [p.stdout.readline(), p.stdout.readline()]
+    assert sorted(ready) == ["rank 0 ready\n", "rank 1 ready\n"], ready
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert sorted(out.splitlines()) == ["rank 0 got SIGTERM", "rank 1 got SIGTERM"]
