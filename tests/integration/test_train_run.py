@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from support import REPO
-from support.distributed import run_trainer, trainer_env
+from support.distributed import rank_launch_cmd, run_trainer, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,9 @@ def test_divergence_stops_with_step_lr_and_last_checkpoint_then_resumes_quietly(
     common = [sys.executable, "-m", "k2.launcher.train", "train.iters=4", "train.save_interval=1",
               "train.eval_interval=0", "schedule.phases.0.steps=2", "schedule.phases.1.lr_start=1e20",
               "schedule.global_batch_tokens=1024", "train.progress=false", "run.wandb.mode=disabled"]
-    p = subprocess.run([*common, f"run.dir={run_dir}"],
+    # (the diverging run is forked by the session's fork server: the same k2-train process, without
+    # another ~10 s import; the resumed run below is a fresh interpreter, whose start-up must be quiet)
+    p = subprocess.run(rank_launch_cmd(1, common[1:3], [*common[3:], f"run.dir={run_dir}"]),
                        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == DIVERGED_EXIT, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
     lines = [x for x in p.stderr.splitlines() if x.startswith("k2-train: error:")]
