@@ -22,8 +22,10 @@ def moe_step_metrics(model: list, num_layers: int, num_experts: int, num_microba
 
     Returns:
         ``moe_load_max_over_mean``: max over MoE layers of (tokens of the busiest expert / mean tokens
-        per expert), 1.0 = perfectly balanced; ``moe_aux_loss``: megatron's sequence-level aux loss
-        averaged over MoE layers and microbatches.
+        per expert), 1.0 = perfectly balanced; ``moe_routed_tokens``: token-to-expert assignments per
+        MoE layer, averaged over the MoE layers (= the step's tokens x top-k when every token was routed
+        exactly once, i.e. no recompute counted a forward twice); ``moe_aux_loss``: megatron's
+        sequence-level aux loss averaged over MoE layers and microbatches.
     """
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -40,6 +42,7 @@ def moe_step_metrics(model: list, num_layers: int, num_experts: int, num_microba
     out = {}
     if moe_rows.numel():
         out["moe_load_max_over_mean"] = (moe_rows.max(dim=1).values / moe_rows.mean(dim=1)).max().item()
+        out["moe_routed_tokens"] = moe_rows.sum(dim=1).mean().item()
     totals: dict = {}
     get_moe_metrics_tracker().report(
         loss_scale=1.0 / num_microbatches,

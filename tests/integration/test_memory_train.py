@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from k2.config.load import load_config
+
 pytestmark = pytest.mark.slow
 
 
@@ -21,7 +23,11 @@ def test_everything_on_trains_like_baseline_on_cpu4(three_step_runs):
     assert [r["step"] for r in k2] == [1, 2, 3]
     first, first_ref = k2[0], base[0]
     assert first["loss"] == pytest.approx(first_ref["loss"], rel=1e-6)
-    # router metrics of the same forward: recorded once (a recompute must not double them)
+    # router metrics of the same forward: recorded once (a recompute must not double them): every MoE
+    # layer routed each of the step's tokens to exactly top-k experts, with and without the recomputes
+    topk = load_config(["parallel=cpu4"]).model.moe_router_topk
+    for rec in (first, first_ref):
+        assert rec["moe_routed_tokens"] == rec["consumed_tokens"] * topk, rec
     assert first["moe_load_max_over_mean"] == first_ref["moe_load_max_over_mean"]
     assert first["moe_aux_loss"] == pytest.approx(first_ref["moe_aux_loss"], rel=1e-6)
     assert first["grad_norm"] == pytest.approx(first_ref["grad_norm"], rel=0.02)

@@ -62,7 +62,8 @@ def _assert_same_weights(ref: dict, got: dict):
 def _assert_run(single_rank, got_run):
     ref_recs, ref_w, _ = single_rank
     recs, weights, layout = got_run
-    for r, g in zip(ref_recs, recs):
+    assert len(recs) == len(ref_recs) > 0
+    for r, g in zip(ref_recs, recs, strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
     assert ref_recs[2]["loss"] < ref_recs[0]["loss"]  # it trains
     _assert_same_weights(ref_w, weights)

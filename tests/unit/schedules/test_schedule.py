@@ -228,3 +228,30 @@ def test_resume_restores_the_next_steps_lr_once(k2):
     restored.load_state_dict({"consumed_tokens": 200_000 * B, "steps": 200_000})
     assert restored.lr == pytest.approx(k2_lr(200_001 * B), rel=1e-12)
 
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "exponential", "minus_sqrt"])
+def test_wsd_decay_styles_equal_megatrons_scheduler_step_by_step(style):
+    """Warmup 10 steps, stable 20, decay 30 with ``style``: every step's LR equals megatron-core's own
+    ``OptimizerParamScheduler`` (``lr_decay_style="WSD"``, ``lr_wsd_decay_style=style``) at that step,
+    an implementation of the curves independent of ours (``decay_coefficient``)."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s = _schedule("[{name:w,steps:10,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
+                  "{name:c,steps:20,lr_style:constant},"
+                  f"{{name:d,steps:30,lr_style:{style},lr_end:1.0e-4}}]")
+    assert s.total_steps == 60
+    opt = SimpleNamespace(param_groups=[{"params": []}])
+    ref = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=10,
+                                  lr_decay_steps=60, lr_decay_style="WSD", start_wd=0.0, end_wd=0.0,
+                                  wd_incr_steps=60, wd_incr_style="constant", wsd_decay_steps=30,
+                                  lr_wsd_decay_style=style)
+    ours, theirs = [], []
+    for step in range(1, 61):
+        ref.step(1)
+        ours.append(s.step_lr(step))
+        theirs.append(ref.get_lr(opt.param_groups[0]))
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-18)
+    assert len(set(ours[30:])) == 30  # the decay really decays, step by step
