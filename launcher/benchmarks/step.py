@@ -196,6 +196,7 @@ def bench_step(cfg) -> dict[str, Any]:
     saved: dict[str, float] = {}
     persistent: dict[str, int] = {}
     step_peak: dict[str, int] = {}
+    features: dict[str, dict] = {}
 
     def build(name: str) -> Case:
         sync(cuda)
@@ -211,6 +212,8 @@ def bench_step(cfg) -> dict[str, Any]:
             case.step()
             sync(cuda)
             step_peak[name] = torch.cuda.max_memory_allocated() - start
+        if case.features is not None:
+            features[name] = case.features
         meter = SavedBytesMeter()
         case.metered_step(meter)
         saved[name] = meter.per_forward()["device_total"] + meter.per_forward()["host_total"]
@@ -253,6 +256,8 @@ def bench_step(cfg) -> dict[str, Any]:
              "tokens_per_s": tokens / step_s, "model_tflops": tflops,
              "mfu": tflops / peak["gemm_peak_tflops"], "saved_activation_bytes": int(saved[n]),
              "timed_steps": len(samples[n])}
+        if n in features:
+            f["features"] = features[n]
         if cuda:
             f["peak_memory_bytes"] = int(persistent[n] + step_peak[n])
             f["persistent_bytes"] = int(persistent[n])

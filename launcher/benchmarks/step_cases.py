@@ -61,6 +61,7 @@ class Case:
         self._step = step
         self._unlink = unlink
         self.optimizer_s = 0.0
+        self.features: Optional[dict] = None  # K2 cases: built_features
 
     def step(self) -> None:
         self.metered_step(None)
@@ -190,7 +191,32 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
         case.optimizer_s = time.perf_counter() - t0
 
     case = Case(step, lambda: _unlink(chunks, tcfg))
+    case.features = built_features(chunks, optimizer, clip)
     return case
+
+
+def built_features(chunks: list, optimizer, clip) -> dict:
+    """What a built K2 case really runs, read from the built objects (not from its overrides), so that a
+    toggle that changed nothing shows: ``muon_elements`` (parameter elements updated by
+    :class:`k2.optim.muon.K2Muon`), ``qk_clip`` (QK-Clip applies after the step: a tau is set),
+    ``max_logit_recording`` (core-attention modules recording max logits), ``grouped_experts``
+    (:class:`k2.model.grouped_mlp.K2GroupedMLP` modules). (The memory switches show in each case's
+    measured saved-activation bytes.)"""
+    from k2.model.grouped_mlp import K2GroupedMLP
+    from k2.optim.build import leaf_optimizers
+    from k2.optim.muon import K2Muon
+
+    muon = 0
+    for leaf in leaf_optimizers(optimizer):
+        inner = leaf
+        while not isinstance(inner, K2Muon) and getattr(inner, "optimizer", None) is not None:
+            inner = inner.optimizer
+        if isinstance(inner, K2Muon):
+            muon += sum(p.numel() for g in inner.param_groups for p in g["params"])
+    mods = [m for c in chunks for m in c.modules()]
+    return {"muon_elements": int(muon), "qk_clip": clip.tau is not None,
+            "max_logit_recording": sum(isinstance(m, K2CoreAttention) and bool(m.record_max_logits) for m in mods),
+            "grouped_experts": sum(isinstance(m, K2GroupedMLP) for m in mods)}
 
 
 def _unlink(chunks: list, tcfg) -> None:

@@ -156,11 +156,40 @@ def test_step_bench_cases_figures_and_ratios(capsys, tmp_path):
         assert c["tokens_per_s_over_baseline"] == pytest.approx(base["step_ms"] / c["step_ms"])
         assert c["saved_activation_bytes_over_baseline"] == pytest.approx(
             c["saved_activation_bytes"] / base["saved_activation_bytes"])
+    # each toggle turns off what it names and nothing else (read from the built objects)
+    on = cases["k2"]["features"]
+    assert on["muon_elements"] > 0 and on["qk_clip"] and on["max_logit_recording"] > 0 and on["grouped_experts"] > 0
+    off = {"k2_no_qk_clip": {"qk_clip": False, "max_logit_recording": 0},
+           "k2_no_muon": {"muon_elements": 0, "qk_clip": True},  # QK-Clip still clips (after AdamW)
+           "k2_no_grouped_gemm": {"grouped_experts": 0},
+           "k2_no_fp8_store": {}, "k2_no_recompute": {}}
+    for name, changed in off.items():
+        assert cases[name]["features"] == {**on, **changed}, name
+    assert "features" not in base  # (the megatron baseline is not a K2 build)
+    assert all(c["mfu"] < 1 for c in cases.values())  # the measured GEMM peak bounds every step
     # the memory features show in the measured saved bytes
     k2 = cases["k2"]["saved_activation_bytes"]
     assert k2 < cases["k2_no_fp8_store"]["saved_activation_bytes"]
     assert k2 < cases["k2_no_recompute"]["saved_activation_bytes"]
     assert k2 < base["saved_activation_bytes"]
+
+
+def test_step_bench_memory_k2_adds_a_no_offload_case_that_drops_only_offload():
+    """bench.options.memory=k2 (the documented GPU run): the cases gain ``k2_no_offload``, whose overrides
+    differ from ``k2``'s in ``memory.offload`` alone (emptied); with the default (``k2_no_offload``)
+    offload is never on, so there is no such case."""
+    from k2.config.load import load_config
+    from k2.launcher.benchmarks.step import case_overrides
+
+    k2mem = load_config(["memory=k2"]).memory
+    assert list(k2mem.offload)  # memory=k2 offloads something
+    with_offload = case_overrides({"memory": "k2", "qk_clip_tau": 100.0, "attention_backend": "torch"})
+    assert "k2_no_offload" in with_offload
+    full, no_off = with_offload["k2"], with_offload["k2_no_offload"]
+    diff = sorted(set(full) ^ set(no_off))
+    assert diff == sorted([f"memory.offload=[{','.join(k2mem.offload)}]", "memory.offload=[]"]), diff
+    default = case_overrides({"memory": "k2_no_offload", "qk_clip_tau": 100.0, "attention_backend": "torch"})
+    assert "k2_no_offload" not in default and "k2_no_fp8_store" in default
 
 
 @pytest.mark.parametrize(
