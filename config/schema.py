@@ -65,6 +65,10 @@ class ModelConfig:
     layernorm_epsilon: float = 1.0e-6
     init_method_std: float = 0.006
     share_embeddings_and_output_weights: bool = False
+    # Dropout probabilities (megatron's hidden_dropout after attention and MLP, attention_dropout on the
+    # attention probabilities). K2 and DeepSeek-V3 pretrain without dropout: 0.0 in both recipes.
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     # Project-owned core attention: record the per-head max pre-softmax logit every forward
     # (needed by QK-Clip). On GPU this costs one extra no-grad QK^T pass per layer.
     record_max_logits: bool = True

@@ -72,6 +72,9 @@ def check_model(m) -> None:
              "without it, eager on CPU)")
     _require(m.max_logit_kernel in MAX_LOGIT_KERNELS, "model.max_logit_kernel", m.max_logit_kernel,
              ", ".join(MAX_LOGIT_KERNELS))
+    for key in ("hidden_dropout", "attention_dropout"):
+        v = getattr(m, key)
+        _require(_finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")
 
 
 def check_train(t) -> None:

@@ -105,8 +105,8 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         **rope_fields(m, rope_type or m.rope_type),
         # parallelism
