@@ -6,6 +6,8 @@
 * ``sigterm_eval`` -- the same during the validation that follows step STEP;
 * ``sigusr1_save`` -- rank RANK sends itself SIGUSR1 (Slurm's time-limit notice) inside the save of
   step STEP, after writing its tensors;
+* ``sigusr1_before_pg`` -- rank RANK sends itself SIGUSR1 just before the process groups are created
+  (STEP is unused): a notice that arrives while the trainer is still starting;
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
 """
@@ -45,6 +47,16 @@ def before_commit(step):
         os.kill(os.getpid(), signal.SIGUSR1)
 
 
+_init_distributed = trainer.init_distributed
+
+
+def init_distributed(*args, **kwargs):
+    if KIND == "sigusr1_before_pg" and ME == RANK:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return _init_distributed(*args, **kwargs)
+
+
+trainer.init_distributed = init_distributed
 trainer.run_microbatches = run_microbatches  # the training step's
 step.run_microbatches = run_microbatches  # evaluate()'s
 store._before_commit = before_commit
