@@ -37,9 +37,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from k2.config.validate import CONVERT_MODEL_TYPES
+
 #: HF checkpoints this converter reads and writes (``config.json``'s ``architectures`` / ``model_type``)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+MODEL_TYPES = CONVERT_MODEL_TYPES  # deepseek_v3, kimi_k2 (k2.config.validate)
 
 
 @dataclass(frozen=True)

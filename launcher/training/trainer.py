@@ -30,6 +30,7 @@ from k2.config import to_yaml
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
+    load_model_weights,
     remove_partial_saves,
     save_checkpoint,
     verify_checkpoint,
@@ -181,7 +182,12 @@ class Trainer:
         """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state`; enter the phase
         of the next step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
         note = None
-        if self.plan.resume_from is not None:
+        if self.plan.resume_from is not None and read_state(self.plan.resume_from).get("weights_only"):
+            load_model_weights(self.plan.resume_from, self.model)  # k2-convert import: a fresh run
+            self.optimizer.reload_model_params()  # the fp32 master copies follow (megatron's own call)
+            note = (f"initialised from the weights in {self.plan.resume_from} (imported from "
+                    f"{read_state(self.plan.resume_from).get('source')}): step 0, new optimizer state")
+        elif self.plan.resume_from is not None:
             saved = read_state(self.plan.resume_from)
             same_world = saved["layout"]["world_size"] == self.env.world_size
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
