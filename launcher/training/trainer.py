@@ -37,6 +37,7 @@ from k2.launcher.checkpointing.store import (
 )
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
+from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
@@ -347,6 +348,8 @@ class Trainer:
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.state.state_dict(why),
                                self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
+        if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
+            self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
     def summarize(self, preempted: bool) -> None:
         """Rank 0, at the end of the run (finished or preempted): steps run, tokens, wall time, the last

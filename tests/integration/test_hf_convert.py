@@ -2,7 +2,7 @@
 VPP2 x EP2 x DP2 after a switch to YaRN, and 1 rank with plain RoPE) exported to HF directories that
 ``transformers``' ``DeepseekV3ForCausalLM`` loads and that give our model's logits; HF -> ours (``cpu4``)
 -> HF bit for bit; and runs started from an imported checkpoint at 1 rank and at ``cpu4`` with the same
-losses.
+losses; ``checkpoint.export_hf=true`` exports at the end of a run.
 
 Trainer launches: 3 (a cpu4 run of 2 steps, then a 1-rank and a cpu4 run of 3 steps from the import);
 everything else runs in this process."""
@@ -118,17 +118,19 @@ def test_export_import_round_trip_and_training_from_an_import(yarn_cpu4_run, tmp
     # k2-train from the import at 1 rank and at cpu4: a fresh run (step 0), the same losses
     runs = {}
     for layout, nproc in (("single", 1), ("cpu4", 4)):
-        runs[layout] = run_trainer([f"parallel={layout}", f"resume.from={imported}", *FROM_IMPORT], nproc,
-                                   tmp_path / f"from_import_{layout}")
+        export = ["checkpoint.export_hf=true"] if layout == "single" else []
+        runs[layout] = run_trainer([f"parallel={layout}", f"resume.from={imported}", *FROM_IMPORT, *export],
+                                   nproc, tmp_path / f"from_import_{layout}")
     for layout in runs:
         assert [r["step"] for r in runs[layout]] == [1, 2, 3]
     single, cpu4 = ([r["loss"] for r in runs[k]] for k in ("single", "cpu4"))
     assert single == pytest.approx(cpu4, rel=1e-5), (single, cpu4)
     assert len(set(single)) == 3  # the weights changed between steps
 
-    # ours saved at 1 rank (plain RoPE) -> HF: transformers gives our logits
+    # ours saved at 1 rank (plain RoPE), exported at the end of its run (checkpoint.export_hf=true) ->
+    # transformers gives our logits
     ckpt_1 = tmp_path / "from_import_single" / "checkpoints" / "iter_0000003"
-    hf_1 = tmp_path / "hf_1rank"
-    export_hf(ckpt_1, hf_1)
+    hf_1 = tmp_path / "from_import_single" / "hf" / "iter_0000003"
+    assert not (tmp_path / "from_import_cpu4" / "hf").exists()
     assert json.loads((hf_1 / "config.json").read_text())["rope_scaling"] is None
     _assert_same_logits(ckpt_1, hf_1, "rope")

@@ -219,3 +219,10 @@ def test_k2_convert_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert lines[1].startswith(f"k2-convert: error: convert.checkpoint={tmp_path}: no checkpoint there")
     assert lines[2] == f"k2-convert: error: hf={tmp_path / 'nothing'}: no such directory"
     assert len(lines) == 3
+
+
+def test_export_hf_at_end_needs_the_end_of_run_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.export_hf=true .* needs checkpoint.save_at_end=true"):
+        _cfg(tmp_path, "checkpoint.export_hf=true", "checkpoint.save_at_end=false")
+    with pytest.raises(ConfigError, match=r"convert.model_type='llama'; allowed: deepseek_v3, kimi_k2"):
+        _cfg(tmp_path, "convert.model_type=llama")
