@@ -226,3 +226,16 @@ def test_export_hf_at_end_needs_the_end_of_run_checkpoint(tmp_path):
         _cfg(tmp_path, "checkpoint.export_hf=true", "checkpoint.save_at_end=false")
     with pytest.raises(ConfigError, match=r"convert.model_type='llama'; allowed: deepseek_v3, kimi_k2"):
         _cfg(tmp_path, "convert.model_type=llama")
+
+
+def test_a_weights_only_checkpoint_serves_any_layout_and_checks_only_the_model():
+    from k2.launcher.checkpointing.resume import check_resume_compatible
+
+    state = {"step": 0, "weights_only": True, "layout": {"pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": 1}}
+    saved = {"model": {"qk_head_dim": 32}, "optim": {"name": "adamw"}, "schedule": {"name": "tiny_wsd"}}
+    cpu4 = {"pp": 2, "vpp": 2, "ep": 2, "dp": 2, "world_size": 4}
+    other_run = {"model": {"qk_head_dim": 32}, "optim": {"name": "muonclip"}, "schedule": {"name": "k2_15t5"}}
+    assert check_resume_compatible(state, saved, other_run, cpu4, False, "ckpt") == []
+    other_model = {**other_run, "model": {"qk_head_dim": 64}}
+    with pytest.raises(ConfigError, match=r"holds the weights of another model config: model.qk_head_dim: 32 -> 64"):
+        check_resume_compatible(state, saved, other_model, cpu4, False, "ckpt")
