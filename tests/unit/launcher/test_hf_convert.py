@@ -239,3 +239,32 @@ def test_a_weights_only_checkpoint_serves_any_layout_and_checks_only_the_model()
     other_model = {**other_run, "model": {"qk_head_dim": 64}}
     with pytest.raises(ConfigError, match=r"holds the weights of another model config: model.qk_head_dim: 32 -> 64"):
         check_resume_compatible(state, saved, other_model, cpu4, False, "ckpt")
+
+
+#: Kimi-K2-Base's config.json as published (its model fields; auto_map and token ids left out)
+KIMI_K2_BASE_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "rope_theta": 50000.0, "attention_bias": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
+
+
+def test_kimi_k2_base_config_matches_the_kimi_k2_recipe_and_not_k2_tiny(tmp_path):
+    from k2.launcher.hf.hf_config import check_hf_config
+
+    check_hf_config(KIMI_K2_BASE_CONFIG, _cfg(tmp_path, "model=kimi_k2").model, "config.json")
+    ours = hf_config(_cfg(tmp_path, "model=kimi_k2").model, "yarn", "bf16", "kimi_k2")
+    assert {k: ours[k] for k in KIMI_K2_BASE_CONFIG if k != "quantization_config"} == {
+        k: v for k, v in KIMI_K2_BASE_CONFIG.items() if k != "quantization_config"}
+    with pytest.raises(ConfigError, match=r"num_hidden_layers=61 vs model.num_layers=4; hidden_size=7168 vs "
+                                          r"model.hidden_size=128"):
+        check_hf_config(KIMI_K2_BASE_CONFIG, _cfg(tmp_path).model, "config.json")
