@@ -56,7 +56,7 @@ def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def _assert_same_logits(ckpt: Path, hf_dir: Path, rope_type: str) -> None:
     """Max |ours - transformers'| relative to the largest |logit| is <= 1e-4, on 2 x 96 random tokens;
-    our model with the other RoPE variant is far from transformers' (the check can tell them apart)."""
+    our model with the other RoPE variant is 10x the tolerance away (the check tells them apart)."""
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
     tokens = torch.randint(0, vocab, (2, 96), generator=torch.Generator().manual_seed(3))
     ours, theirs = _our_logits(ckpt, tokens, rope_type), _hf_logits(hf_dir, tokens)
@@ -64,7 +64,7 @@ def _assert_same_logits(ckpt: Path, hf_dir: Path, rope_type: str) -> None:
     rel = float((ours - theirs).abs().max() / scale)
     assert rel <= 1e-4, rel
     other = _our_logits(ckpt, tokens, "rope" if rope_type == "yarn" else "yarn")
-    assert float((other - theirs).abs().max() / scale) > 1e-2
+    assert float((other - theirs).abs().max() / scale) > 1e-3  # 10x the tolerance (measured: 4e-3 .. 0.13)
 
 
 def _tensors(hf_dir: Path) -> dict:
