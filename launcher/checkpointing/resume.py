@@ -63,6 +63,10 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
                             path) -> list[str]:
     """Refuse a resume that would silently change training or that the checkpoint cannot serve.
 
+    A weights-only checkpoint (``"weights_only": true`` in ``k2_state.json``, written by ``k2-convert
+    import``) is checked for the ``model`` settings alone: it holds no optimizer or schedule state, and
+    megatron reshards model tensors for any layout.
+
     Args:
         state: the checkpoint's ``k2_state.json``.
         saved_cfg / cfg: the resolved configs (dicts) of the checkpoint's run and of this run.
@@ -71,10 +75,6 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
 
     Returns:
         The accepted changes of guarded settings (to be logged), empty when none.
-
-    A weights-only checkpoint (``"weights_only": true`` in ``k2_state.json``, written by ``k2-convert
-    import``) is checked for the ``model`` settings alone: it holds no optimizer or schedule state, and
-    megatron reshards model tensors for any layout.
 
     Raises:
         ConfigError: PP, VPP or EP differ (the optimizer formats reshard over DP only), the DP size

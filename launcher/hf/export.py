@@ -217,7 +217,6 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
     precision = dtype or str(cfg.train.precision)
     config = hf_config(m, rope_type_at(cfg, int(state["step"])), precision, model_type, token_ids)
     (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {k: v for k, v in token_ids.items()} | {"do_sample": False}, indent=1) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps({**token_ids, "do_sample": False}, indent=1) + "\n")
     os.replace(tmp, out)
     return ExportReport(out, len(shards), len(all_tensors), total, largest, group_bytes, tokenizer)

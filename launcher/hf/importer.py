@@ -202,7 +202,8 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
         raise ConfigError(f"run.dir={cfg.run.dir} already holds checkpoints; import into a new run.dir")
     dtype = _DTYPES[str(cfg.train.precision)]
     reader = _Reader(hf_dir, weight_map, block_size(hf))
-    sd, nbytes = _sharded_dict(tensor_groups(cfg.model), reader, dtype, int(cfg.model.num_moe_experts or 0))
+    groups = tensor_groups(cfg.model)
+    sd, nbytes = _sharded_dict(groups, reader, dtype, int(cfg.model.num_moe_experts or 0))
     final = root / iter_name(0)
     partial = root / (iter_name(0) + PARTIAL_SUFFIX)
     if partial.exists():
@@ -223,4 +224,4 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
     tmp = root / (LATEST + ".tmp")
     tmp.write_text(final.name + "\n")
     os.replace(tmp, root / LATEST)
-    return ImportReport(final, sum(len(ts) for _, ts in tensor_groups(cfg.model)), reader.fp8, nbytes)
+    return ImportReport(final, sum(len(ts) for _, ts in groups), reader.fp8, nbytes)

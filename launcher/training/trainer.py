@@ -180,16 +180,17 @@ class Trainer:
             (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
 
     def restore(self) -> str | None:
-        """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state`; enter the phase
+        """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state` (a weights-only
+        checkpoint of ``k2-convert import``: the model alone, the run starts at step 0); enter the phase
         of the next step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
         note = None
-        if self.plan.resume_from is not None and read_state(self.plan.resume_from).get("weights_only"):
-            load_model_weights(self.plan.resume_from, self.model)  # k2-convert import: a fresh run
+        saved = read_state(self.plan.resume_from) if self.plan.resume_from is not None else None
+        if saved is not None and saved.get("weights_only"):  # k2-convert import: a fresh run from weights
+            load_model_weights(self.plan.resume_from, self.model)
             self.optimizer.reload_model_params()  # the fp32 master copies follow (megatron's own call)
             note = (f"initialised from the weights in {self.plan.resume_from} (imported from "
-                    f"{read_state(self.plan.resume_from).get('source')}): step 0, new optimizer state")
-        elif self.plan.resume_from is not None:
-            saved = read_state(self.plan.resume_from)
+                    f"{saved.get('source')}): step 0, new optimizer state")
+        elif saved is not None:
             same_world = saved["layout"]["world_size"] == self.env.world_size
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
             self.state.load_state_dict(saved)
