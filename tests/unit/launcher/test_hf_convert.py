@@ -131,7 +131,11 @@ def test_fp8_k2_checkpoint_imports_and_exports_back(tmp_path, megatron_world1):
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["rope_scaling"] is None
     assert (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]) == (32, 16, 32)
     assert (config["n_routed_experts"], config["n_shared_experts"], config["routed_scaling_factor"]) == (8, 1, 2.827)
-    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    from transformers import AutoTokenizer  # the run's tokenizer.json travels with the export
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    text = "def f(x):\n    return x"
+    assert tok.decode(tok(text)["input_ids"]) == text and tok.eos_token_id == config["eos_token_id"]
 
 
 def _assert_nothing_complete(run_dir: Path) -> None:
