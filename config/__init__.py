@@ -16,10 +16,12 @@ Layers of the project; imports point only down this list (``tests/unit/test_laye
 5. ``k2.optim`` -- MuonClip and the optimizers under ZeRO-1;
 6. the launcher's building blocks, which do not import each other: ``k2.launcher.datasets``,
    ``k2.launcher.checkpointing``, ``k2.launcher.planning``;
-7. ``k2.launcher.training`` -- the training loop;
-8. ``k2.launcher.benchmarks`` and ``k2.launcher.tools`` (sweep, Slurm submission);
-9. ``k2.launcher.cli`` -- the command-line contract shared by the entry modules;
-10. the entry modules ``k2.launcher.{train,plan,data,bench,submit,sweep_report}`` (parse, call, print).
+7. ``k2.launcher.hf`` -- Hugging Face checkpoints in and out (uses checkpointing and datasets);
+8. ``k2.launcher.training`` -- the training loop;
+9. ``k2.launcher.benchmarks`` and ``k2.launcher.tools`` (sweep, Slurm submission);
+10. ``k2.launcher.cli`` -- the command-line contract shared by the entry modules;
+11. the entry modules ``k2.launcher.{train,plan,data,bench,submit,sweep_report,convert}`` (parse, call,
+    print).
 """
 
 from k2.config.errors import ConfigError

@@ -280,6 +280,24 @@ class CheckpointConfig:
     # what resume checks against the checkpoint's manifest before loading it: "checksum" (every file's
     # size and xxh3-64 checksum, read in parallel by the ranks), "size" (a stat per file), "none"
     verify: str = "checksum"
+    # at the end of the run, also export the last checkpoint as a Hugging Face directory
+    # <run.dir>/hf (k2-convert export; launcher/hf/): config.json, safetensors shards, tokenizer
+    export_hf: bool = False
+
+
+@dataclass
+class ConvertConfig:
+    """``k2-convert`` (launcher/hf/): Hugging Face DeepSeek-V3 / Kimi K2 checkpoints in and out. On the
+    command line ``hf=``, ``out=`` and ``checkpoint=`` are short for ``convert.hf=`` ..."""
+
+    hf: Optional[str] = None  # import: the HF directory (config.json + safetensors index and shards)
+    checkpoint: Optional[str] = None  # export: a checkpoint, a checkpoints/ dir or a run dir (its latest)
+    out: Optional[str] = None  # export: the HF directory to create (must not exist)
+    # config.json's model_type: deepseek_v3 (loads in transformers without custom code) | kimi_k2 (K2's
+    # own label; the pinned transformers does not register it)
+    model_type: str = "deepseek_v3"
+    shard_bytes: int = 2147483648  # export: target bytes per safetensors shard (2 GiB)
+    dtype: Optional[str] = None  # export: fp32 | bf16; null = the checkpoint's dtype
 
 
 @dataclass
@@ -370,6 +388,7 @@ class K2Config:
     # k2.config.validate.resume_settings).
     resume: Dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False})
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     submit: SubmitConfig = field(default_factory=SubmitConfig)

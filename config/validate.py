@@ -22,7 +22,7 @@ from k2.config.errors import ConfigError
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
+    "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
     "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
     "resume_settings", "validate",
 ]
@@ -94,6 +94,19 @@ def check_checkpoint(c) -> None:
              "an integer >= 1 or null")
     _require(c.verify in CHECKPOINT_VERIFY_LEVELS, "checkpoint.verify", c.verify,
              ", ".join(CHECKPOINT_VERIFY_LEVELS))
+
+
+#: ``convert.model_type``: config.json's model_type of an export (launcher/hf/hf_config.py)
+CONVERT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+def check_convert(c) -> None:
+    """``convert.*`` (``k2-convert``): the model type, shard size and export dtype."""
+    _require(c.model_type in CONVERT_MODEL_TYPES, "convert.model_type", c.model_type,
+             ", ".join(CONVERT_MODEL_TYPES))
+    _require(c.shard_bytes >= 1, "convert.shard_bytes", c.shard_bytes, "an integer >= 1 (bytes)")
+    _require(c.dtype is None or c.dtype in PRECISIONS, "convert.dtype", c.dtype,
+             f"{', '.join(PRECISIONS)} or null (the checkpoint's dtype)")
 
 
 def check_run(r) -> None:
@@ -238,6 +251,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "model": check_model,
     "train": check_train,
     "checkpoint": check_checkpoint,
+    "convert": check_convert,
     "run": check_run,
     "optim": check_optim,
     "memory": check_memory,
@@ -266,6 +280,9 @@ def check_cross_section(cfg) -> None:
             f"data.vocab_size={cfg.data.vocab_size} (the embedded corpus tokenizer) exceeds "
             f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding table; set "
             f"model.vocab_size={cfg.data.vocab_size} (or larger) or data.vocab_size<={cfg.model.vocab_size}")
+    if cfg.checkpoint.export_hf and not cfg.checkpoint.save_at_end:
+        raise ConfigError("checkpoint.export_hf=true exports the checkpoint saved at the end of the run: "
+                          "it needs checkpoint.save_at_end=true")
     if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
         raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
                           "model.num_moe_experts=null")

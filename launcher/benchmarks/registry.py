@@ -10,6 +10,7 @@ Usage::
     k2-bench bench=pipeline                    # decoupled wgrad on vs off: step time, cpu4
     k2-bench bench=memory                      # saved bytes / step time: memory none|fp8|recompute|offload|all
     k2-bench bench=step                        # full K2 step vs plain megatron-core, each feature toggled
+    k2-bench bench=hf_convert                  # k2-convert import/export peak RSS vs largest group / model
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -48,6 +49,13 @@ def bench_pipeline(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
+def bench_hf_convert(cfg) -> dict[str, Any]:
+    """Peak host memory of k2-convert import / export against the largest tensor group and the model."""
+    from k2.launcher.benchmarks.hf_convert import bench_hf_convert as run
+
+    return run(cfg)
+
+
 #: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
 BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
@@ -55,6 +63,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "pipeline": bench_pipeline,  # k2.launcher.benchmarks.pipeline
     "memory": bench_memory,
     "step": bench_step,  # k2.launcher.benchmarks.step
+    "hf_convert": bench_hf_convert,  # k2.launcher.benchmarks.hf_convert
 }
 
 

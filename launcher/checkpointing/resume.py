@@ -63,6 +63,10 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
                             path) -> list[str]:
     """Refuse a resume that would silently change training or that the checkpoint cannot serve.
 
+    A weights-only checkpoint (``"weights_only": true`` in ``k2_state.json``, written by ``k2-convert
+    import``) is checked for the ``model`` settings alone: it holds no optimizer or schedule state, and
+    megatron reshards model tensors for any layout.
+
     Args:
         state: the checkpoint's ``k2_state.json``.
         saved_cfg / cfg: the resolved configs (dicts) of the checkpoint's run and of this run.
@@ -77,6 +81,13 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
             differs with the layer-wise (Muon) optimizer, or a guarded setting (:data:`GUARDED`) differs
             and ``force`` is false.
     """
+    if state.get("weights_only"):  # model weights alone (k2-convert import): any layout, a fresh run
+        changes = _diff(_select(saved_cfg, "model"), _select(cfg, "model"), "model")
+        if changes and not force:
+            raise ConfigError(
+                f"{path} holds the weights of another model config: {'; '.join(changes[:8])}. Use the "
+                "model settings it was imported with, or accept the change with resume.force=true")
+        return changes
     saved = state["layout"]
     fixed = [k for k in ("pp", "vpp", "ep") if saved[k] != layout[k]]
     if fixed:

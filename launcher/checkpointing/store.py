@@ -93,7 +93,7 @@ def _sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool
     return sd
 
 
-def _in_process_write_results() -> None:
+def use_in_process_write_results() -> None:
     """Make megatron's torch_dist writer report its write results through an in-process queue.
 
     megatron-core 0.19.2 (``filesystem_async.get_write_results_queue``) hands the writer's results back
@@ -146,7 +146,7 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
         partial.mkdir(parents=True)
     dist.barrier()
     sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
-    _in_process_write_results()
+    use_in_process_write_results()
     try:
         dist_checkpointing.save(sd, str(partial), validate_access_integrity=True)
     except Exception as e:  # e.g. disk full: name the place; latest still names the previous checkpoint
@@ -302,6 +302,35 @@ def _restore_step_counts(optimizer) -> None:
                     st["step"] = (torch.tensor(float(step), dtype=st["step"].dtype,
                                                device=st["step"].device)
                                   if step is not None else st["step"].detach().clone())
+
+
+def model_sharded_state_dict(chunks: list) -> dict:
+    """megatron's sharded state dict of the model chunks alone (``model`` / ``model0..``, as in a full
+    checkpoint); ``chunks`` are bare ``GPTModel`` chunks or DDP-wrapped ones."""
+    bare = [getattr(c, "module", c) for c in chunks]
+    if len(bare) == 1:
+        return {"model": bare[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(bare)}
+
+
+def load_model_weights(path, chunks: list) -> None:
+    """Load the model tensors of the checkpoint at ``path`` into ``chunks`` (bare or DDP-wrapped), for
+    this run's layout whatever layout wrote it (megatron reshards model tensors); nothing else is read.
+
+    Collective: every rank calls it. Raises ConfigError when the checkpoint cannot be loaded.
+    """
+    from megatron.core import dist_checkpointing
+
+    sd = model_sharded_state_dict(chunks)
+    try:
+        loaded = dist_checkpointing.load(sd, str(path))
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"checkpoint {path}: model weights could not be loaded ({type(e).__name__}: "
+                          f"{first})") from e
+    bare = [getattr(c, "module", c) for c in chunks]
+    for i, chunk in enumerate(bare):
+        chunk.load_state_dict(loaded["model" if len(bare) == 1 else f"model{i}"], strict=True)
 
 
 def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:

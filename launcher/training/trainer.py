@@ -30,12 +30,14 @@ from k2.config import to_yaml
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
+    load_model_weights,
     remove_partial_saves,
     save_checkpoint,
     verify_checkpoint,
 )
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
+from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
@@ -178,11 +180,17 @@ class Trainer:
             (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
 
     def restore(self) -> str | None:
-        """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state`; enter the phase
+        """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state` (a weights-only
+        checkpoint of ``k2-convert import``: the model alone, the run starts at step 0); enter the phase
         of the next step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
         note = None
-        if self.plan.resume_from is not None:
-            saved = read_state(self.plan.resume_from)
+        saved = read_state(self.plan.resume_from) if self.plan.resume_from is not None else None
+        if saved is not None and saved.get("weights_only"):  # k2-convert import: a fresh run from weights
+            load_model_weights(self.plan.resume_from, self.model)
+            self.optimizer.reload_model_params()  # the fp32 master copies follow (megatron's own call)
+            note = (f"initialised from the weights in {self.plan.resume_from} (imported from "
+                    f"{saved.get('source')}): step 0, new optimizer state")
+        elif saved is not None:
             same_world = saved["layout"]["world_size"] == self.env.world_size
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
             self.state.load_state_dict(saved)
@@ -341,6 +349,8 @@ class Trainer:
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.state.state_dict(why),
                                self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
+        if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
+            self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
     def summarize(self, preempted: bool) -> None:
         """Rank 0, at the end of the run (finished or preempted): steps run, tokens, wall time, the last
