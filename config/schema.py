@@ -119,6 +119,9 @@ MEMORY_RECOMPUTE_SITES = {
               "covers only grouped-GEMM experts)",
     "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
     "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
+    "layer": "the whole transformer layer: only its input [s, b, h] is kept (offload=attn_input moves it to "
+             "host), the layer is re-run in backward (megatron's recompute_granularity=full, one layer at a "
+             "time); the other sites then act only on what the layer input is",
 }
 # memory.offload: moved to host memory in forward, brought back before their backward (GPU: side
 # streams + pinned memory, overlapped with compute; CPU: a plain copy). Works with PP and VPP.
@@ -293,6 +296,9 @@ class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
+    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
+    # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
+    host_memory_gib: float = 2048.0
     peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
 
 

@@ -173,6 +173,8 @@ def check_cluster(c) -> None:
              "a number > 0 (GiB)")
     _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
              "a number > 0 (dense BF16 TFLOP/s per GPU)")
+    _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
+             "a number > 0 (GiB of host memory per node, e.g. 2048)")
 
 
 def check_plan(p) -> None:
