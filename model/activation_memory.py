@@ -27,6 +27,7 @@ import torch
 
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 from k2.model.mlp import K2MLP, K2SequentialMLP
+from k2.model.recompute import K2TransformerLayer
 from k2.model.saved_tensors import Policy, SavedTensorScope, chain_prefetch, mark
 
 _GROUPS = {
@@ -182,6 +183,8 @@ def install(chunks: list, options: MemoryOptions) -> int:
         for mod in chunk.modules():
             if isinstance(mod, (K2MLP, K2SequentialMLP)):
                 mod.memory = options
+            if isinstance(mod, K2TransformerLayer):  # whole-layer recompute (model/recompute.py)
+                mod.recompute_whole_layer = options.recomputes("layer")
         if not options.needs_scopes:
             continue
         for block in [m for m in chunk.modules() if isinstance(m, TransformerBlock)]:
