@@ -212,6 +212,16 @@ class TrainConfig:
 
 
 @dataclass
+class PhaseMemoryConfig:
+    """A schedule phase's ``memory.*`` overrides (``schedule.phases.<i>.memory``): site lists as in
+    :class:`MemoryConfig`; null = the previous phase's."""
+
+    fp8_store: Optional[List[str]] = None
+    recompute: Optional[List[str]] = None
+    offload: Optional[List[str]] = None
+
+
+@dataclass
 class PhaseConfig:
     """One phase of the training schedule (``schedules/wsd.py`` has the rules). Set exactly one length."""
 
@@ -226,6 +236,9 @@ class PhaseConfig:
     seq_length: Optional[int] = None  # context length in tokens; null = the previous phase's
     rope_type: Optional[str] = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
     micro_batch_size: Optional[int] = None  # sequences; null = the previous phase's (first: train.*)
+    # activation memory from this phase on: memory.fp8_store / recompute / offload (site lists, as in the
+    # memory group); a key left null = the previous phase's (first: the memory group's)
+    memory: "PhaseMemoryConfig" = field(default_factory=lambda: PhaseMemoryConfig())
 
 
 @dataclass

@@ -10,7 +10,8 @@ boundaries. What a checkpoint records besides the tensors is :class:`TrainState`
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
 length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per
 step (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's
-RoPE/YaRN (:func:`k2.model.build.set_rope_type`); the LR and weight decay of each step come from
+RoPE/YaRN (:func:`k2.model.build.set_rope_type`); one that turns whole-layer recompute on or off switches it
+(:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
 :class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last
 phase, or ``train.iters``).
 """
@@ -38,6 +39,7 @@ from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
+from k2.launcher.training.phase_memory import apply_phase_memory
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.state import TrainState
@@ -196,6 +198,7 @@ class Trainer:
         phase = self._phase_after_restore()
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
+        apply_phase_memory(self.chunks, phase)
         return note
 
     def open_logger(self, resumed_note: str | None) -> None:
@@ -255,6 +258,7 @@ class Trainer:
         if phase.index != self.data.phase.index:
             self.data.enter(phase, step)
             self._switch_rope(phase)
+            apply_phase_memory(self.chunks, phase)  # whole-layer recompute on or off
             self.logger.message(f"step {step}: {self._describe(phase)}")
         return phase
 
@@ -282,6 +286,7 @@ class Trainer:
             "seq_length": phase.seq_length,
             "global_batch_size": phase.global_batch_size,
             "num_microbatches": phase.num_microbatches,
+            "layer_recompute": "layer" in (phase.memory or {}).get("recompute", ()),
             "lr": lr,
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
