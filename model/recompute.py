@@ -40,7 +40,7 @@ import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from k2.model.saved_tensors import mark_recompute
+from k2.model.saved_tensors import SavedTensorScope, mark_recompute
 
 
 class _OutputRecompute(torch.autograd.Function):
@@ -161,8 +161,8 @@ class _LayerRecompute(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(ctx.needs_input_grad[1])
         _RERUN.depth = getattr(_RERUN, "depth", 0) + 1
-        try:
-            with torch.enable_grad():
+        try:  # in a scope of its own: FP8 storage and the selective recompute sites act, offload does not
+            with torch.enable_grad(), SavedTensorScope("layer re-run", offload=False):
                 out = ctx.fn(x)
         finally:
             _RERUN.depth -= 1
@@ -176,8 +176,8 @@ def recompute_layer(fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: t
     ``hidden_states [s, b, h]`` is saved (through the saved-tensor hooks: offload ``attn_input`` moves it
     to host); backward re-runs ``fn`` with autograd and back-propagates through the re-run.
 
-    The re-run is outside the layer's saved-tensor scope, so the selective sites, FP8 storage and offload do
-    not act on its tensors (they live one layer at a time). Side effects happen once: megatron's router
+    The re-run has a saved-tensor scope of its own in which FP8 storage and the selective recompute sites act
+    on its tensors (they live one layer at a time) and offload does not (they are used right away). Side effects happen once: megatron's router
     counts (``local_tokens_per_expert``), its aux loss and :class:`k2.model.router.K2Router`'s token counts
     run only with grad enabled, i.e. in the re-run; the max-logit recording only outside it
     (:func:`recomputing`). Decoupled weight gradients (``model/wgrad.py``) are queued by the re-run's

@@ -267,10 +267,13 @@ class SavedTensorScope:
 
     Args:
         name: for messages (e.g. ``"layer 3"``).
+        offload: False = the offload sites stay on the device (a whole-layer recompute's re-run in backward,
+            whose tensors are used right away); FP8 storage and recompute still apply.
     """
 
-    def __init__(self, name: str = ""):
+    def __init__(self, name: str = "", offload: bool = True):
         self.name = name
+        self.offload_enabled = offload
         self.marks: dict[int, Policy] = {}
         self.regions: list[Policy] = []
         self.saved: list[_Saved] = []
@@ -343,8 +346,8 @@ class SavedTensorScope:
         """End of the forward of this group: start the offload copies, report to the meter."""
         self._dedup.clear()
         self.marks.clear()
-        to_host = [s for s in self.saved
-                   if s.policy is not None and s.policy.offload and s.view is None and not s.released()]
+        to_host = [s for s in self.saved if self.offload_enabled and s.policy is not None and s.policy.offload
+                   and s.view is None and not s.released()]
         meter = SavedBytesMeter.active()
         if meter is not None:
             meter.count(self.saved, offloaded=set(map(id, to_host)))

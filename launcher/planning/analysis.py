@@ -29,14 +29,13 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
 
     B = the weight GEMMs' forward FLOPs + twice core attention's (it has no weights) + the FLOPs of
     recomputed GEMMs (``memory.recompute``: ``mla_up_proj`` redoes the q/kv up-projections,
-    ``moe_down_proj`` the routed experts' down-projection, ``layer`` the whole layer's forward, in place of
-    the other two); W = the weight GEMMs' forward FLOPs.
+    ``moe_down_proj`` the routed experts' down-projection, ``layer`` the whole layer's forward); W = the weight GEMMs' forward FLOPs.
     """
     rate = tflops * 1e12
     F, B, W = [], [], []
-    whole = "layer" in recompute  # the layer's forward again; the selective sites do not run in the re-run
-    up = fl.attention_up_proj if "mla_up_proj" in recompute and not whole else 0
-    down = fl.routed_experts / 3 if "moe_down_proj" in recompute and not whole else 0  # fc2 = 1/3 of the GEMMs
+    whole = "layer" in recompute  # the layer's forward again (its selective sites act in the re-run too)
+    up = fl.attention_up_proj if "mla_up_proj" in recompute else 0
+    down = fl.routed_experts / 3 if "moe_down_proj" in recompute else 0  # fc2 = 1/3 of the SwiGLU GEMMs
     for v in range(dims.vpp):
         for r in range(dims.pp):
             f = b = w = 0.0

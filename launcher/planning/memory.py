@@ -311,9 +311,9 @@ class StageActivations:
 
     Attributes:
         gpu: bytes kept on the GPU for the backward: saved tensors after FP8 storage / recompute /
-            offload, plus the stage's output ``[s, b, h]``, which megatron's schedule keeps until the
-            backward (``deallocate_pipeline_outputs`` is off in ``k2-train``), plus, when ``attn_input`` is
-            offloaded, the stage's received input, which the schedule also keeps.
+            offload, plus, when ``attn_input`` is offloaded, the stage's received input, which megatron's
+            schedule keeps until the backward (the stage's output it frees once sent:
+            ``deallocate_pipeline_outputs``, on in ``k2-train``).
         host: bytes offloaded to host memory.
         offload_staging: the largest offloaded bytes of one layer of the stage (a layer's tensors are on
             the GPU while they are copied out or back in).
@@ -353,7 +353,9 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
         if whole_layer:  # the layer input alone; the re-run in backward holds the rest, unswitched
             per_kind[kind] = apply_switches(layer_recompute_saved(model_cfg, seq_length, micro_batch_size,
                                                                   precision), offload=sw["offload"])
-            working[kind] = apply_switches(saved)[0]
+            # the re-run: FP8 storage and the selective recompute sites act, offload does not
+            working[kind] = apply_switches(saved, fp8_store=sw["fp8_store"],
+                                           recompute=[x for x in sw["recompute"] if x != "layer"])[0]
         else:
             per_kind[kind] = apply_switches(saved, **sw)
     B = 2 if precision == "bf16" else 4
@@ -369,8 +371,8 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
                 g, h = per_kind[pattern[i]]
                 gpu, host, staging = gpu + g, host + h, max(staging, h)
                 rerun = max(rerun, working.get(pattern[i], 0.0))
-            if not loss:  # the stage's output, kept by the schedule (deallocate_pipeline_outputs=False)
-                gpu += hidden_bytes
+            # the stage's output is not counted: megatron's schedule frees its data once it is sent
+            # (deallocate_pipeline_outputs, on in k2-train as in Megatron-LM's training)
             if not emb and "attn_input" in sw["offload"]:
                 gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
             out.append(StageActivations(gpu, host, staging, rerun))

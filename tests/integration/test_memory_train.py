@@ -28,3 +28,26 @@ def test_everything_on_trains_like_baseline_on_cpu4(three_step_runs):
     for r, r_ref in zip(k2[1:], base[1:]):
         assert r["loss"] == pytest.approx(r_ref["loss"], rel=2e-3)
     assert k2[-1]["loss"] < k2[0]["loss"]  # it learns
+
+
+# stable ends after 2 steps (4,096 tokens): step 3 runs in the decay phase
+TWO_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=4096"]
+
+
+def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
+    """Whole-layer recompute on PP2 x VPP2 x EP2 x DP2 with decoupled weight gradients: a run that turns it
+    on at the decay phase (schedule.phases.2.memory) equals, step for step, one that has it from the start,
+    within FP32 rounding; and both equal memory=none for the steps before (same LR: the plain cpu4 run)."""
+    switched = three_step_runs([*TWO_THEN_DECAY, "schedule.phases.2.memory.recompute=[layer]"], 4, True)["records"]
+    always = three_step_runs([*TWO_THEN_DECAY, "memory.recompute=[layer]"], 4, True)["records"]
+    plain = three_step_runs(["parallel=cpu4"], 4, True)["records"]  # shared with test_pipeline_wgrad.py
+    assert [r["layer_recompute"] for r in switched] == [False, False, True]
+    assert [r["layer_recompute"] for r in always] == [True, True, True]
+    assert [r["phase"] for r in switched] == ["stable", "stable", "decay"]
+    for a, b in zip(switched, always):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["max_attn_logit"] == pytest.approx(b["max_attn_logit"], rel=1e-5)
+    for a, b in zip(always[:2], plain[:2]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["moe_load_max_over_mean"] == pytest.approx(b["moe_load_max_over_mean"], rel=1e-6)

@@ -97,3 +97,24 @@ def test_host_memory_setting_checked(capsys, value):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("k2-plan: error: ") and "cluster.host_memory_gib" in err
     assert err.count("\n") == 1
+
+
+def test_k2_plans_and_fits_every_phase_on_its_cluster(capsys):
+    """K2's run as model=kimi_k2 selects it (train=k2, memory=k2, k2_15t5 with whole-layer recompute in the
+    32K anneal) on K2's 32 x 8 H800 GPUs: every phase from warmup to the 32K anneal fits 80 GiB per GPU
+    and 2,048 GiB per node."""
+    rc = main(["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "cluster.gpus_per_node=8",
+               "output=json"])
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {r["phase"]: r for r in plan["phases"]}
+    assert list(rows) == ["warmup", "stable", "decay", "anneal_4k", "anneal_32k"]
+    for r in rows.values():
+        assert r["device_peak_bytes"] <= 80 * 2**30 and r["host_bytes_per_node"] <= 2048 * 2**30, r
+        assert r["fits"] and r["micro_batch_size"] == 1
+    assert plan["fits"] is True and plan["memory_per_gpu_bytes"]["params"] < plan["memory_per_gpu_bytes"]["grads"]
+    k32, k4 = rows["anneal_32k"], rows["stable"]
+    assert "layer" in k32["memory"]["recompute"] and "layer" not in k4["memory"]["recompute"]
+    # what the whole-layer recompute costs: the 32K step re-runs every layer's forward in backward
+    assert k32["recompute_time_s_estimated"] > 3 * k4["recompute_time_s_estimated"] > 0
+    assert k32["recompute_time_s_estimated"] < 0.5 * k32["step_time_s_estimated"]

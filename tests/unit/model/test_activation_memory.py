@@ -144,14 +144,18 @@ def test_router_metrics_recorded_once_per_forward(runs):
 
 @pytest.mark.parametrize("setting", ["layer", "layer_all"])
 def test_layer_recompute_keeps_only_layer_inputs(runs, setting):
-    """Whole-layer recompute: gradients equal to the plain run within FP32 rounding (the re-run is outside
-    the layer's scope, so even with FP8 storage on nothing inside a layer is stored as FP8); each layer
-    keeps only its input [s, b, h] (FP32 here), on the device or, with offload=attn_input, on the host;
-    router counts, aux losses and QK-Clip's max logits recorded once per forward."""
+    """Whole-layer recompute: gradients equal to the plain run within FP32 rounding (alone) or within the
+    FP8 bound (with memory=k2: FP8 storage acts in the re-run); each layer keeps only its input [s, b, h]
+    (FP32 here), on the device or, with offload=attn_input, on the host; router counts, aux losses and
+    QK-Clip's max logits recorded once per forward."""
     run, ref = runs[setting], runs["none"]
     assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     errs = _rel_errors(run, ref)
-    assert max(errs.values()) < 1e-5, max(errs.items(), key=lambda kv: kv[1])
+    bound = 1e-5 if setting == "layer" else FP8_GRAD_BOUND
+    assert max(errs.values()) < bound, max(errs.items(), key=lambda kv: kv[1])
+    if setting == "layer_all":  # the same error as FP8 storage without layer recompute: the re-run stores FP8
+        all_errs = _rel_errors(runs["all"], ref)
+        assert max(errs.values()) == pytest.approx(max(all_errs.values()), rel=0.5)
     layer_inputs = 4 * SEQ * MBS * 128 * 4  # 4 layers x [s, b, h] x FP32
     where = "host" if setting == "layer_all" else "device"
     assert run["bytes"][where]["attn_input"] == layer_inputs
