@@ -118,3 +118,17 @@ def test_k2_plans_and_fits_every_phase_on_its_cluster(capsys):
     # what the whole-layer recompute costs: the 32K step re-runs every layer's forward in backward
     assert k32["recompute_time_s_estimated"] > 3 * k4["recompute_time_s_estimated"] > 0
     assert k32["recompute_time_s_estimated"] < 0.5 * k32["step_time_s_estimated"]
+
+
+@pytest.mark.parametrize("size, nodes", [("1node", 1), ("4node", 4)])
+def test_small_cluster_sweeps_fit(size, nodes):
+    """The sparsity sweeps for one and four 8-GPU nodes: k2-plan says the sweep's largest point (the most
+    experts: the most parameters per GPU) fits every phase, on the cluster the parallel recipe names."""
+    cfg = load_config([f"+experiment=sparsity_sweep_{size}"])
+    assert cfg.model.name == f"k2_{size}" and cfg.parallel.name == f"k2_{size}"
+    assert list(cfg.sweep.sparsities) == [8, 16, 32, 48] and cfg.model.moe_router_topk == 8
+    experts = max(cfg.sweep.sparsities) * cfg.model.moe_router_topk
+    plan = _plan([f"+experiment=sparsity_sweep_{size}", f"model.num_moe_experts={experts}"])
+    assert (plan["world_size"], plan["nodes"], plan["params"]["num_experts"]) == (8 * nodes, nodes, 384)
+    assert plan["fits"] and all(r["fits"] for r in plan["phases"])
+    assert plan["memory_per_gpu_bytes"]["total"] < 80 * 2**30
