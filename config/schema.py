@@ -209,6 +209,11 @@ class TrainConfig:
     deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
     # checkpoint every N optimizer steps (launcher/checkpointing/); null = only at the end of the run
     save_interval: Optional[int] = None
+    # on the first step of each phase, count the bytes the transformer layers keep for backward (the
+    # saved-tensor meter, model/saved_tensors.py) -> saved_bytes_per_microbatch in metrics.jsonl (rank 0's
+    # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
+    # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
+    measure_saved_bytes: bool = False
 
 
 @dataclass

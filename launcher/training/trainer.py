@@ -18,6 +18,7 @@ phase, or ``train.iters``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from k2.model.build import (
     transformer_config,
 )
 from k2.model.flops import mfu, step_flops
+from k2.model.saved_tensors import SavedBytesMeter
 from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
 from k2.optim.params import format_route_table, route_table, tag_parameters
 from k2.optim.qk_clip import QKClip
@@ -168,6 +170,8 @@ class Trainer:
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self.data = PhaseData(cfg.run.seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank())
+        # train.measure_saved_bytes: the steps that open a phase
+        self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
 
     def prepare_run_dir(self) -> None:
@@ -269,7 +273,9 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
+        meter = SavedBytesMeter() if self.cfg.train.measure_saved_bytes and step in self.phase_first_steps else None
+        with meter.measure(root=False) if meter is not None else contextlib.nullcontext():
+            losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         attn = self.qk_clip.step(apply=bool(update_ok))  # reads and resets the max-logit windows
         scheduler = self.state.scheduler
@@ -304,6 +310,9 @@ class Trainer:
                                        moe_layer_pattern(m)))
         if self.pipeline is not None:  # wgrad_deferred_peak_bytes
             record.update(self.pipeline.step_metrics())
+        if meter is not None:  # rank 0's layers: kept for backward per microbatch (all its model chunks)
+            per = meter.per_forward()
+            record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
         if step <= self.replayed_until:
             record["replayed"] = True
         return record
