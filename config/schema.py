@@ -123,6 +123,9 @@ MEMORY_RECOMPUTE_SITES = {
               "covers only grouped-GEMM experts)",
     "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
     "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
+    "layer": "the whole transformer layer: only its input [s, b, h] is kept (offload=attn_input moves it to "
+             "host), the layer is re-run in backward (megatron's recompute_granularity=full, one layer at a "
+             "time); the other sites then act only on what the layer input is",
 }
 # memory.offload: moved to host memory in forward, brought back before their backward (GPU: side
 # streams + pinned memory, overlapped with compute; CPU: a plain copy). Works with PP and VPP.
@@ -210,6 +213,21 @@ class TrainConfig:
     deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
     # checkpoint every N optimizer steps (launcher/checkpointing/); null = only at the end of the run
     save_interval: Optional[int] = None
+    # on the first step of each phase, count the bytes the transformer layers keep for backward (the
+    # saved-tensor meter, model/saved_tensors.py) -> saved_bytes_per_microbatch in metrics.jsonl (rank 0's
+    # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
+    # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
+    measure_saved_bytes: bool = False
+
+
+@dataclass
+class PhaseMemoryConfig:
+    """A schedule phase's ``memory.*`` overrides (``schedule.phases.<i>.memory``): site lists as in
+    :class:`MemoryConfig`; null = the previous phase's."""
+
+    fp8_store: Optional[List[str]] = None
+    recompute: Optional[List[str]] = None
+    offload: Optional[List[str]] = None
 
 
 @dataclass
@@ -227,6 +245,9 @@ class PhaseConfig:
     seq_length: Optional[int] = None  # context length in tokens; null = the previous phase's
     rope_type: Optional[str] = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
     micro_batch_size: Optional[int] = None  # sequences; null = the previous phase's (first: train.*)
+    # activation memory from this phase on: memory.fp8_store / recompute / offload (site lists, as in the
+    # memory group); a key left null = the previous phase's (first: the memory group's)
+    memory: "PhaseMemoryConfig" = field(default_factory=lambda: PhaseMemoryConfig())
 
 
 @dataclass
@@ -315,6 +336,9 @@ class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
+    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
+    # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
+    host_memory_gib: float = 2048.0
     peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
 
 

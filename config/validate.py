@@ -24,7 +24,7 @@ from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECO
 __all__ = [
     "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
     "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
-    "resume_settings", "validate",
+    "check_phase_memory", "check_schedule_memory", "resume_settings", "validate",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -140,16 +140,43 @@ def check_optim(o) -> None:
              f"{', '.join(_MUON_MATMUL_PRECISIONS)} (medium = Newton-Schulz in bf16)")
 
 
-def check_memory(mem) -> None:
-    """``memory.*``: known activation-memory site names (``k2.config.schema``), each at most once."""
+def check_memory(mem, prefix: str = "memory") -> None:
+    """``memory.*``: known activation-memory site names (``k2.config.schema``), each at most once.
+    ``prefix`` names the section in the message (a schedule phase's override:
+    ``schedule.phases.<i>.memory``); keys the mapping lacks are not checked."""
     for key, allowed in _MEMORY_SITES.items():
-        names = list(mem[key] or [])
+        if key not in mem or mem[key] is None:
+            continue
+        names = list(mem[key])
         for name in names:
             if name not in allowed:
-                raise ConfigError(f"memory.{key} has {name!r}; allowed: {', '.join(allowed)} (a list, [] = off)")
+                raise ConfigError(f"{prefix}.{key} has {name!r}; allowed: {', '.join(allowed)} (a list, [] = off)")
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
-            raise ConfigError(f"memory.{key} lists {', '.join(dup)} more than once; allowed: each site once")
+            raise ConfigError(f"{prefix}.{key} lists {', '.join(dup)} more than once; allowed: each site once")
+
+
+def check_phase_memory(overrides, key: str) -> None:
+    """A schedule phase's ``memory`` override (``schedule.phases.<i>.memory``): a mapping of known
+    ``memory.*`` keys (:data:`k2.config.schema.MEMORY_FP8_SITES` ... lists) with known site names.
+
+    Raises:
+        ConfigError: not a mapping, an unknown key, an unknown or repeated site, naming the setting.
+    """
+    if overrides is None:
+        return
+    if not hasattr(overrides, "keys"):
+        raise ConfigError(f"{key}={overrides!r}; allowed: a mapping of {', '.join(_MEMORY_SITES)} "
+                          "(site lists), or null")
+    for k in overrides.keys():
+        if k not in _MEMORY_SITES:
+            raise ConfigError(f"unknown setting {key}.{k}; allowed: "
+                              f"{', '.join(f'{key}.{n}' for n in _MEMORY_SITES)}")
+        v = overrides[k]
+        if v is not None and (isinstance(v, str) or not hasattr(v, "__iter__")):
+            raise ConfigError(f"{key}.{k}={v!r}; allowed: a list of sites ([] = off), or null (the previous "
+                              "phase's)")
+    check_memory(overrides, prefix=key)
 
 
 def check_pipeline(p) -> None:
@@ -189,6 +216,8 @@ def check_cluster(c) -> None:
              "a number > 0 (GiB)")
     _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
              "a number > 0 (dense BF16 TFLOP/s per GPU)")
+    _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
+             "a number > 0 (GiB of host memory per node, e.g. 2048)")
 
 
 def check_plan(p) -> None:
@@ -246,6 +275,13 @@ def check_sweep(s) -> None:
         raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
 
 
+def check_schedule_memory(s) -> None:
+    """``schedule.phases.<i>.memory``: every phase's activation-memory override (:func:`check_phase_memory`;
+    the rest of the schedule is checked by :func:`k2.schedules.resolve.resolve_schedule`)."""
+    for i, phase in enumerate(list(s.phases or [])):
+        check_phase_memory(phase.get("memory") if hasattr(phase, "get") else None, f"schedule.phases.{i}.memory")
+
+
 #: section name -> its check (receives only that section)
 SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "model": check_model,
@@ -255,6 +291,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "run": check_run,
     "optim": check_optim,
     "memory": check_memory,
+    "schedule": check_schedule_memory,
     "pipeline": check_pipeline,
     "data": check_data,
     "cluster": check_cluster,

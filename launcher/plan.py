@@ -2,8 +2,7 @@
 
 Example::
 
-    k2-plan model=kimi_k2 parallel=k2_256gpu memory=k2 train.precision=bf16 train.micro_batch_size=1 \\
-        plan.optimizer_offload_fraction=1 plot=k2.png            # + output=json, plan.search=true
+    k2-plan model=kimi_k2 parallel=k2_256gpu plot=k2.png      # K2's run; + output=json, plan.search=true
 
 What it reports: :mod:`k2.launcher.planning.cluster`. Output: tables (``output=text``, the default, or
 ``table``) or one JSON object on stdout (``output=json``); ``plot=PATH.png`` also draws the per-rank
@@ -29,8 +28,9 @@ PROG = "k2-plan"
 USAGE = """usage: k2-plan [HYDRA_OVERRIDE ...]
 
 Check a configuration for a cluster of cluster.nodes x cluster.gpus_per_node GPUs without starting
-anything: the layout per pipeline rank, memory per GPU (fits against cluster.gpu_memory_gib), the
-pipeline bubble, FLOPs and MFU, the schedule's phases. output=json prints one JSON object;
+anything: the layout per pipeline rank, memory per GPU and per phase (fits against
+cluster.gpu_memory_gib and, per node, cluster.host_memory_gib), the pipeline bubble, FLOPs and MFU, the
+schedule's phases. output=json prints one JSON object;
 plot=PATH.png draws the pipeline timeline, plot_schedule=PATH.png the LR schedule; plan.search=true
 ranks every valid layout.
 

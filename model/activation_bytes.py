@@ -49,6 +49,10 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 Embedding stage: the token ids (INT64, ``8 T``). Loss stage: the final RMSNorm (as above), the output
 head's input ``B T h``, the cross-entropy's FP32 softmax ``4 T V`` and labels/mask ``9 T``.
 
+Whole-layer recompute (``memory.recompute`` site ``layer``): a layer keeps only its input ``B T h`` [O
+attn_input] (:func:`layer_recompute_saved`); its backward re-runs it and holds, for that one layer, what
+:func:`layer_saved` lists under the FP8 and selective recompute switches (no offload).
+
 Switches: FP8 storage keeps 1 byte per element + one FP32 scale per 128 elements (``1 x 128`` tiles);
 recompute drops the tensor; offload moves it to host memory (counted in ``offloaded``, not on the GPU).
 """
@@ -60,7 +64,7 @@ from typing import Any, Iterable, Optional
 
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
-__all__ = ["Saved", "SITES", "apply_switches", "layer_saved", "stage_saved"]
+__all__ = ["Saved", "SITES", "apply_switches", "layer_recompute_saved", "layer_saved", "stage_saved"]
 
 #: memory.* site names (config/schema.py, the one list of them).
 SITES = {
@@ -195,6 +199,16 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
     if f_s:
         out += _swiglu("shared", T, int(f_s), B, routed=False)
     return out
+
+
+def layer_recompute_saved(model_cfg: Any, seq_length: int, micro_batch_size: int, precision: str) -> list[Saved]:
+    """What one transformer layer keeps for backward with ``memory.recompute`` site ``layer`` (whole-layer
+    recompute, ``model/recompute.py``): its input ``[s, b, h]`` alone (offload site ``attn_input``). The
+    layer's other tensors exist only while its backward re-runs it: :func:`layer_saved` with FP8 storage and
+    the selective recompute sites but no offload (``model/recompute.py``), one layer at a time."""
+    B = 2 if precision == "bf16" else 4
+    T = int(seq_length) * int(micro_batch_size)
+    return [Saved("layer.input", T * int(_get(model_cfg, "hidden_size")), B, "attn_input")]
 
 
 def stage_saved(model_cfg: Any, seq_length: int, micro_batch_size: int, precision: str, fused_kernels: bool,

@@ -27,6 +27,7 @@ import torch
 
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 from k2.model.mlp import K2MLP, K2SequentialMLP
+from k2.model.recompute import K2TransformerLayer
 from k2.model.saved_tensors import Policy, SavedTensorScope, chain_prefetch, mark
 
 _GROUPS = {
@@ -162,6 +163,19 @@ def _install_layer(layer, first: bool, chain: _Chain, options: MemoryOptions) ->
         attn.core_attention.register_forward_hook(leave, always_call=True)
 
 
+def set_layer_recompute(chunks: list, on: bool) -> int:
+    """Switch whole-layer recompute (``memory.recompute`` site ``layer``, ``model/recompute.py``) on every
+    transformer layer of ``chunks`` (read by each training forward: a switch between steps needs no
+    rebuild). Returns the number of layers set."""
+    n = 0
+    for chunk in chunks:
+        for mod in chunk.modules():
+            if isinstance(mod, K2TransformerLayer):
+                mod.recompute_whole_layer = bool(on)
+                n += 1
+    return n
+
+
 def install(chunks: list, options: MemoryOptions) -> int:
     """Apply ``options`` to built model chunks (before DDP wrapping or after: modules are the same).
 
@@ -182,6 +196,8 @@ def install(chunks: list, options: MemoryOptions) -> int:
         for mod in chunk.modules():
             if isinstance(mod, (K2MLP, K2SequentialMLP)):
                 mod.memory = options
+    set_layer_recompute(chunks, options.recomputes("layer"))  # whole-layer recompute (model/recompute.py)
+    for chunk in chunks:
         if not options.needs_scopes:
             continue
         for block in [m for m in chunk.modules() if isinstance(m, TransformerBlock)]:

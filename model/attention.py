@@ -39,6 +39,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from k2.model.fp32_buffers import fp32_buffer
+from k2.model.recompute import recomputing
 
 # Query rows per chunk in the GPU max-logit pass: bounds its extra memory to
 # b * heads * chunk * s_k fp32 values.
@@ -210,7 +211,8 @@ class K2CoreAttention(MegatronModule):
         k = key.permute(1, 2, 0, 3)  # [b, np, sk, hk]
         v = value.permute(1, 2, 0, 3)  # [b, np, sk, hv]
         mask = attention_mask if attention_mask is not None and not causal else None
-        record = self.record_max_logits and self.training
+        # once per forward: not again when whole-layer recompute re-runs the layer in backward
+        record = self.record_max_logits and self.training and not recomputing()
         dropout = self.dropout_p if self.training else 0.0
 
         backend = self.backend if self.backend != "auto" else ("sdpa" if q.is_cuda else "eager")

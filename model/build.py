@@ -126,6 +126,9 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
         # splits the two directions over two communicators (megatron p2p_communication._p2p_ops).
         overlap_p2p_comm=dims.vpp > 1,
         batch_p2p_comm=dims.vpp <= 1,
+        # a stage's output is freed once sent (its grad_fn is all the backward needs), as Megatron-LM's
+        # training sets it: the schedule does not hold one [s, b, h] per microbatch in flight
+        deallocate_pipeline_outputs=True,
         # precision
         params_dtype=dtype,
         pipeline_dtype=dtype,

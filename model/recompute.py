@@ -33,13 +33,14 @@ these is on, ``model/activation_memory.py``) the outputs are saved as usual: cor
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from k2.model.saved_tensors import mark_recompute
+from k2.model.saved_tensors import SavedTensorScope, mark_recompute
 
 
 class _OutputRecompute(torch.autograd.Function):
@@ -135,12 +136,90 @@ def _checkpoint_slot(name: str, site: str) -> property:
     return property(get, set_)
 
 
+_RERUN = threading.local()
+
+
+def recomputing() -> bool:
+    """True while a whole-layer recompute re-runs a layer in backward (:func:`recompute_layer`): code with
+    side effects that must happen once per forward (QK-Clip's max-logit recording) skips them then."""
+    return getattr(_RERUN, "depth", 0) > 0
+
+
+class _LayerRecompute(torch.autograd.Function):
+    """``fn(x)`` keeping only ``x`` for backward; backward re-runs ``fn`` with autograd on (megatron's
+    ``tensor_parallel.checkpoint``, reentrant, without RNG bookkeeping: K2 has no dropout)."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        out = fn(x)  # under no_grad (autograd's custom Function forward): nothing inside is saved
+        ctx.save_for_backward(x)  # after fn: the input's site marks (offload=attn_input) are set by then
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(ctx.needs_input_grad[1])
+        _RERUN.depth = getattr(_RERUN, "depth", 0) + 1
+        try:  # in a scope of its own: FP8 storage and the selective recompute sites act, offload does not
+            with torch.enable_grad(), SavedTensorScope("layer re-run", offload=False):
+                out = ctx.fn(x)
+        finally:
+            _RERUN.depth -= 1
+        torch.autograd.backward(out, grad)
+        return None, x.grad if ctx.needs_input_grad[1] else None
+
+
+def recompute_layer(fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+    """Whole-layer recompute (``memory.recompute`` site ``layer``; megatron's ``recompute_granularity=full``
+    with one layer per checkpoint): ``fn(hidden_states)`` runs without autograd and only
+    ``hidden_states [s, b, h]`` is saved (through the saved-tensor hooks: offload ``attn_input`` moves it
+    to host); backward re-runs ``fn`` with autograd and back-propagates through the re-run.
+
+    The re-run has a saved-tensor scope of its own in which FP8 storage and the selective recompute sites act
+    on its tensors (they live one layer at a time) and offload does not (they are used right away). Side effects happen once: megatron's router
+    counts (``local_tokens_per_expert``), its aux loss and :class:`k2.model.router.K2Router`'s token counts
+    run only with grad enabled, i.e. in the re-run; the max-logit recording only outside it
+    (:func:`recomputing`). Decoupled weight gradients (``model/wgrad.py``) are queued by the re-run's
+    backward as by a plain one.
+
+    Args:
+        fn: the layer's forward from its input (deterministic; may use parameters and other tensors it
+            closes over, which stay referenced until backward).
+        hidden_states: the layer input ``[s, b, h]``.
+
+    Returns:
+        ``fn(hidden_states)``; without grad mode just that.
+    """
+    if not torch.is_grad_enabled():
+        return fn(hidden_states)
+    return _LayerRecompute.apply(fn, hidden_states)
+
+
 class K2TransformerLayer(TransformerLayer):
     """megatron ``TransformerLayer``; its ``layernorm`` recompute (``recompute_modules``) runs on
-    :class:`CheckpointWithoutOutput` (this module)."""
+    :class:`CheckpointWithoutOutput` (this module), and with ``recompute_whole_layer`` (set by
+    ``k2.model.activation_memory.install`` for ``memory.recompute`` site ``layer``) a training forward is
+    :func:`recompute_layer`."""
 
     input_layernorm_checkpoint = _checkpoint_slot("input_layernorm_checkpoint", "layernorm")
     pre_mlp_norm_checkpoint = _checkpoint_slot("pre_mlp_norm_checkpoint", "layernorm")
+    recompute_whole_layer = False
+
+    def forward(self, *args, **kwargs):
+        if not (self.recompute_whole_layer and self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        if "hidden_states" in kwargs:  # how megatron's TransformerBlock calls its layers
+            hidden, rest = kwargs.pop("hidden_states"), args
+        else:
+            hidden, rest = args[0], args[1:]
+        context = kwargs.get("context")
+
+        def run(x):
+            out, _ = TransformerLayer.forward(self, x, *rest, **kwargs)
+            return out
+
+        return recompute_layer(run, hidden), context
 
 
 class K2MLASelfAttention(MLASelfAttention):

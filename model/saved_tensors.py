@@ -267,10 +267,13 @@ class SavedTensorScope:
 
     Args:
         name: for messages (e.g. ``"layer 3"``).
+        offload: False = the offload sites stay on the device (a whole-layer recompute's re-run in backward,
+            whose tensors are used right away); FP8 storage and recompute still apply.
     """
 
-    def __init__(self, name: str = ""):
+    def __init__(self, name: str = "", offload: bool = True):
         self.name = name
+        self.offload_enabled = offload  # (False also keeps the group out of the meter: a backward re-run)
         self.marks: dict[int, Policy] = {}
         self.regions: list[Policy] = []
         self.saved: list[_Saved] = []
@@ -323,7 +326,7 @@ class SavedTensorScope:
 
     def pack(self, tensor: torch.Tensor):
         policy = self.policy_of(tensor)
-        meter = SavedBytesMeter.active()
+        meter = SavedBytesMeter.active() if self.offload_enabled else None
         if (policy is None or not policy.transforms) and meter is None:
             return tensor  # nothing to do: autograd keeps the tensor as usual
         key = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
@@ -343,9 +346,9 @@ class SavedTensorScope:
         """End of the forward of this group: start the offload copies, report to the meter."""
         self._dedup.clear()
         self.marks.clear()
-        to_host = [s for s in self.saved
-                   if s.policy is not None and s.policy.offload and s.view is None and not s.released()]
-        meter = SavedBytesMeter.active()
+        to_host = [s for s in self.saved if self.offload_enabled and s.policy is not None and s.policy.offload
+                   and s.view is None and not s.released()]
+        meter = SavedBytesMeter.active() if self.offload_enabled else None
         if meter is not None:
             meter.count(self.saved, offloaded=set(map(id, to_host)))
         self.saved = []  # what is not offloaded stays referenced by autograd only
@@ -458,12 +461,15 @@ class SavedBytesMeter:
         return cls._active
 
     @contextlib.contextmanager
-    def measure(self) -> Iterator[None]:
+    def measure(self, root: bool = True) -> Iterator[None]:
+        """Count what the scopes committing inside the block keep. ``root=False``: only the layer scopes
+        (no root scope: tensors saved outside the layers are not counted, nor held until the block ends;
+        ``k2-train``'s ``train.measure_saved_bytes`` measures a whole training step so)."""
         if SavedBytesMeter._active is not None:
             raise RuntimeError("SavedBytesMeter.measure() blocks cannot nest")
         SavedBytesMeter._active = self
         try:
-            with SavedTensorScope("root"):
+            with SavedTensorScope("root") if root else contextlib.nullcontext():
                 yield
             self.forwards += 1
         finally:

@@ -89,8 +89,9 @@ def resolve_schedule(cfg: Any, dims: Any = None) -> Schedule:
     if recs[-1]["end"] <= 0:
         raise ConfigError("the schedule has no tokens: every phase in schedule.phases has length 0")
     segments = _lr_segments(recs)
-    phases = tuple(_phase(rec, segments[rec["segment"]], B, _microbatches(rec, raw, dims, B))
-                   for rec in recs)
+    memories = _phase_memories(raw, _get(cfg, "memory"))
+    phases = tuple(_phase(rec, segments[rec["segment"]], B, _microbatches(rec, raw, dims, B), memories[i])
+                   for i, rec in enumerate(recs))
     return Schedule(name=str(_get(s, "name", "")), global_batch_tokens=B, weight_decay=float(wd),
                     phases=phases, _segments=segments)
 
@@ -262,7 +263,31 @@ def _microbatches(rec: dict, raw: list, dims: Any, B: int) -> Optional[int]:
         ) from None
 
 
-def _phase(rec: dict, seg: LRSegment, B: int, num_microbatches: Optional[int]) -> Phase:
+_MEMORY_KEYS = ("fp8_store", "recompute", "offload")
+
+
+def _phase_memories(raw: list, base: Any) -> list[dict]:
+    """Each phase's ``memory.*`` site lists: ``base`` (the memory group; None = all off) with the
+    ``schedule.phases.<i>.memory`` overrides of that phase and the ones before it (a key left out or null =
+    the previous phase's).
+
+    Raises:
+        ConfigError: an unknown key or site in an override (:func:`k2.config.validate.check_phase_memory`).
+    """
+    from k2.config.validate import check_phase_memory
+
+    current = {k: list(_get(base, k) or []) for k in _MEMORY_KEYS}
+    out = []
+    for i, ph in enumerate(raw):
+        over = _get(ph, "memory")
+        check_phase_memory(over, f"schedule.phases.{i}.memory")
+        if over is not None:
+            current = {k: (list(over[k]) if k in over and over[k] is not None else v) for k, v in current.items()}
+        out.append({k: list(v) for k, v in current.items()})
+    return out
+
+
+def _phase(rec: dict, seg: LRSegment, B: int, num_microbatches: Optional[int], memory: dict) -> Phase:
     """The resolved :class:`Phase`: its LR at both ends (as written, unless inside a continued rule) and
     its first and last step (the rounding rule of :mod:`k2.schedules.wsd`)."""
     lr_start, lr_end = seg.lr(rec["start"]), seg.lr(rec["end"])
@@ -278,7 +303,7 @@ def _phase(rec: dict, seg: LRSegment, B: int, num_microbatches: Optional[int]) -
         seq_length=rec["seq_length"], rope_type=rec["rope_type"],
         micro_batch_size=rec["micro_batch_size"], global_batch_size=rec["global_batch_size"],
         first_step=first if runs else None, last_step=last if runs else None,
-        num_microbatches=num_microbatches,
+        num_microbatches=num_microbatches, memory=memory,
     )
 
 

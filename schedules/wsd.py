@@ -23,7 +23,10 @@ A schedule (``cfg.schedule``, ``recipes/schedule/``) is a list of phases. Each p
   the 32K phase);
 * ``seq_length`` (context length, tokens), ``rope_type`` (``rope`` | ``yarn``) and ``micro_batch_size``
   (sequences), each defaulting to the previous phase's (the first phase: ``model.rope_type``,
-  ``train.micro_batch_size``).
+  ``train.micro_batch_size``);
+* ``memory``: overrides of ``memory.fp8_store`` / ``recompute`` / ``offload`` from this phase on (each key
+  left out = the previous phase's; the first phase starts from the ``memory`` group), e.g. whole-layer
+  recompute for K2's 32K anneal.
 
 Units and rules (all integers are tokens unless named steps):
 
@@ -104,6 +107,8 @@ class Phase:
             docstring); ``None`` when it gets no step (zero length, or shorter than a step and inside one).
         num_microbatches: per DP rank per step (``None`` when no parallel layout was given or the phase
             gets no step).
+        memory: the ``memory.*`` site lists the phase runs with (``{"fp8_store": [...], "recompute": [...],
+            "offload": [...]}``: the memory group's, with the overrides of this and earlier phases).
     """
 
     index: int
@@ -120,6 +125,7 @@ class Phase:
     first_step: Optional[int]
     last_step: Optional[int]
     num_microbatches: Optional[int] = None
+    memory: Optional[dict] = None
 
     @property
     def tokens(self) -> int:
@@ -279,6 +285,7 @@ class Schedule:
                 "global_batch_size": p.global_batch_size,
                 "micro_batch_size": p.micro_batch_size,
                 "num_microbatches": p.num_microbatches,
+                "memory": p.memory,
                 "steps": p.steps,
                 "first_step": p.first_step,
                 "last_step": p.last_step,

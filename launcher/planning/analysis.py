@@ -29,10 +29,11 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
 
     B = the weight GEMMs' forward FLOPs + twice core attention's (it has no weights) + the FLOPs of
     recomputed GEMMs (``memory.recompute``: ``mla_up_proj`` redoes the q/kv up-projections,
-    ``moe_down_proj`` the routed experts' down-projection); W = the weight GEMMs' forward FLOPs.
+    ``moe_down_proj`` the routed experts' down-projection, ``layer`` the whole layer's forward); W = the weight GEMMs' forward FLOPs.
     """
     rate = tflops * 1e12
     F, B, W = [], [], []
+    whole = "layer" in recompute  # the layer's forward again (its selective sites act in the re-run too)
     up = fl.attention_up_proj if "mla_up_proj" in recompute else 0
     down = fl.routed_experts / 3 if "moe_down_proj" in recompute else 0  # fc2 = 1/3 of the SwiGLU GEMMs
     for v in range(dims.vpp):
@@ -42,6 +43,7 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
                 gemm = fl.layer_gemm(i)
                 f += fl.layer(i)
                 b += gemm + 2 * fl.attention_core + up + (down if fl.moe_pattern[i] else 0)
+                b += fl.layer(i) if whole else 0
                 w += gemm
             if dims.stage_has_loss(r, v):
                 f, b, w = f + fl.lm_head, b + fl.lm_head, w + fl.lm_head
@@ -51,14 +53,54 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     return F, B, W
 
 
+def phase_memory(cfg, phase):
+    """The ``memory.*`` settings ``phase`` runs with: its own (a schedule phase may override them, already
+    resolved on :class:`k2.schedules.wsd.Phase`), else ``cfg.memory``; None for a config without one."""
+    own = getattr(phase, "memory", None)
+    return own if own is not None else memory_cfg(cfg)
+
+
+def _memory_key(mem) -> tuple:
+    if mem is None:
+        return ()
+    get = (lambda k: mem.get(k)) if hasattr(mem, "get") else (lambda k: getattr(mem, k, None))
+    return tuple(tuple(sorted(get(k) or ())) for k in ("fp8_store", "recompute", "offload"))
+
+
+def pp_rank_of(rank: int, dims) -> int:
+    """PP rank of global rank ``rank``: megatron-core's rank order ``tp-cp-ep-dp-pp`` (``RankGenerator``'s
+    default, the one :func:`k2.parallel.distributed.init_distributed` uses) puts PP outermost."""
+    return rank // (dims.world_size // dims.pp)
+
+
+def host_bytes_per_node(memory: list, dims, gpus_per_node: int) -> float:
+    """The most host bytes any node holds: the sum, over the node's ``gpus_per_node`` consecutive ranks, of
+    each GPU's offloaded bytes (the fullest DP rank of its PP rank, :attr:`GpuMemory.host`)."""
+    nodes = max(1, dims.world_size // gpus_per_node)
+    return max(sum(memory[pp_rank_of(r, dims)].host
+                   for r in range(n * gpus_per_node, min((n + 1) * gpus_per_node, dims.world_size)))
+               for n in range(nodes))
+
+
+def recompute_seconds(B: list, B_plain: list, dims, num_microbatches: int) -> float:
+    """Extra compute of the recompute switches in one step on the busiest PP rank: its backward costs
+    with recompute minus without, times the microbatches (steady state: the step grows by that much)."""
+    return num_microbatches * max(
+        sum(B[v * dims.pp + r] - B_plain[v * dims.pp + r] for v in range(dims.vpp)) for r in range(dims.pp))
+
+
 def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None = None,
                    cache: dict | None = None, prune: bool = False) -> dict[str, Any]:
-    """Bubble, estimated step time, memory per GPU and fit of one layout (``k2-plan`` and its search).
+    """Bubble, estimated step time, memory per GPU and host per node, and the fit, of every phase of one
+    layout (``k2-plan`` and its search).
 
-    The schedule of the main phase (:func:`main_phase`) is simulated with megatron's order
-    (:func:`k2.schedules.pipeline_sim.simulate`, stage costs from :func:`stage_costs` at
-    ``cluster.peak_tflops x plan.compute_efficiency``). Memory (:mod:`k2.launcher.planning.memory`) is the fullest
-    GPU over the phases that run (activations grow with the context: K2's 32K anneal).
+    Every phase that runs a step is planned with its own context length, microbatch and ``memory.*``
+    settings (:func:`phase_memory`); phases with the same ones share one simulation. Each is simulated
+    with megatron's order (:func:`k2.schedules.pipeline_sim.simulate`, stage costs from :func:`stage_costs`
+    at ``cluster.peak_tflops x plan.compute_efficiency``); memory (:mod:`k2.launcher.planning.memory`)
+    is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`). The
+    layout fits only when every phase fits both ``cluster.gpu_memory_gib`` per GPU and
+    ``cluster.host_memory_gib`` per node.
 
     With ``max_microbatches`` (the search), at most that many microbatches are simulated (a multiple of
     pp) and the rest of the step is extrapolated at the busiest rank's per-microbatch time; exact for
@@ -67,13 +109,19 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     whose parameters and gradients alone exceed the GPU memory gets the cheap lower bound
     (:func:`k2.launcher.planning.memory.state_bytes_lower_bound`; ``"memory_lower_bound": True``) instead of its
     megatron buffer layouts.
+
+    Returns:
+        a dict: ``main_phase`` / ``main`` (the phase running the most steps and its result), ``worst`` /
+        ``worst_gpu`` (the phase with the fullest GPU), ``phases`` (one row per running phase, in order:
+        :func:`_phase_row`), ``fits``, ``capacity_bytes``, ``host_capacity_bytes``, ``results``, ``states``,
+        ``memory_lower_bound``.
     """
 
-    mem_cfg = memory_cfg(cfg)
-    recompute = list(mem_cfg.recompute or []) if mem_cfg is not None else []
     tflops = float(cfg.cluster.peak_tflops) * float(cfg.plan.compute_efficiency)
     split = bool(cfg.pipeline.decouple_wgrad)
     capacity = float(cfg.cluster.gpu_memory_gib) * 2**30
+    host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
+    gpn = int(cfg.cluster.gpus_per_node)
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
     lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
     if not lower_bound:
@@ -82,14 +130,19 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
                              model_cfg=cfg.model, cache=cache)
     main = main_phase(schedule)
     results: dict[Any, dict] = {}
+    keys = {}
     for phase in [p for p in schedule.phases if p.steps]:
-        key = (phase.seq_length, phase.micro_batch_size, phase.num_microbatches)
+        mem_cfg = phase_memory(cfg, phase)
+        key = (phase.seq_length, phase.micro_batch_size, phase.num_microbatches, _memory_key(mem_cfg))
+        keys[phase.index] = key
         if key in results:
             results[key]["phases"].append(phase.name)
             continue
+        recompute = _memory_key(mem_cfg)[1] if mem_cfg is not None else ()
         fl = flops_per_token(cfg.model, phase.seq_length)
         tokens = phase.seq_length * phase.micro_batch_size
         F, B, W = stage_costs(fl, dims, tokens, tflops, recompute)
+        _, B_plain, _ = stage_costs(fl, dims, tokens, tflops, ())
         m = phase.num_microbatches
         m_sim = m
         if max_microbatches is not None and m > max_microbatches:
@@ -106,11 +159,40 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         mem = gpu_memory(states, acts, sim, dims, float(cfg.plan.optimizer_offload_fraction))
         results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan,
                         "bubble": (dims.pp * makespan - sum(busy)) / sum(busy), "memory": mem,
-                        "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m}
-    main_res = results[(main.seq_length, main.micro_batch_size, main.num_microbatches)]
+                        "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
+                        "memory_settings": mem_cfg, "recompute_s": recompute_seconds(B, B_plain, dims, m),
+                        "host_per_node": host_bytes_per_node(mem, dims, gpn)}
+    phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
+              for p in schedule.phases if p.steps]
+    main_res = results[keys[main.index]]
     worst_key = max(results, key=lambda k: max(g.total for g in results[k]["memory"]))
     worst = results[worst_key]
     worst_gpu = max(worst["memory"], key=lambda g: g.total)
     return {"main_phase": main, "main": main_res, "worst": worst, "worst_gpu": worst_gpu,
-            "fits": worst_gpu.total <= capacity and not lower_bound, "capacity_bytes": capacity,
+            "fits": all(row["fits"] for row in phases), "capacity_bytes": capacity,
+            "host_capacity_bytes": host_capacity, "phases": phases,
             "results": results, "states": states, "memory_lower_bound": lower_bound}
+
+
+def _settings(mem) -> dict:
+    keys = ("fp8_store", "recompute", "offload")
+    return dict(zip(keys, (list(x) for x in _memory_key(mem)))) if mem is not None else {k: [] for k in keys}
+
+
+def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bound: bool) -> dict[str, Any]:
+    """One phase of the plan (JSON ``phases``): its fullest GPU, the host memory of its fullest node, the
+    fit of both, its estimated step time and what recompute adds to it. Bytes and seconds."""
+    gpu = max(res["memory"], key=lambda g: g.total)
+    fits_gpu = gpu.total <= capacity and not lower_bound
+    fits_host = res["host_per_node"] <= host_capacity
+    return {
+        "phase": phase.name, "steps": phase.steps, "seq_length": phase.seq_length,
+        "micro_batch_size": phase.micro_batch_size, "num_microbatches": phase.num_microbatches,
+        "memory": _settings(res["memory_settings"]),
+        "device_peak_bytes": gpu.total, "device_pp_rank": gpu.pp_rank,
+        "activation_bytes": gpu.activations, "microbatches_in_flight": gpu.in_flight,
+        "host_bytes_per_gpu_peak": max(g.host for g in res["memory"]),
+        "host_bytes_per_node": res["host_per_node"],
+        "fits_gpu": fits_gpu, "fits_host": fits_host, "fits": fits_gpu and fits_host,
+        "step_time_s_estimated": res["makespan"], "recompute_time_s_estimated": res["recompute_s"],
+    }

@@ -10,7 +10,9 @@ dense BF16 peak) and any model / parallel / memory / schedule config, without a 
   ``plan.search=true`` ranks every valid (pp, vpp, ep) (:mod:`k2.launcher.planning.search`).
 * **Memory per GPU** (:mod:`k2.launcher.planning.memory`): parameters, FP32 gradient buffers and
   optimizer states as megatron lays them out, activations in flight in the simulated schedule with the
-  ``memory.*`` switches; reported for the fullest GPU over the phases that run.
+  ``memory.*`` switches; reported for the fullest GPU over the phases that run, and per phase (``phases``:
+  the fullest GPU and the host memory of the fullest node of each phase that runs, against
+  ``cluster.gpu_memory_gib`` and ``cluster.host_memory_gib``; ``fits`` only when every phase fits both).
 * **Pipeline bubble** (:mod:`k2.schedules.pipeline_sim`, :mod:`k2.launcher.planning.analysis`):
   megatron's (interleaved) 1F1B order simulated with per-stage costs from the layout's FLOPs;
   ``pipeline.decouple_wgrad=true`` plans the trainer's decoupled weight gradients.
@@ -19,7 +21,8 @@ dense BF16 peak) and any model / parallel / memory / schedule config, without a 
 :func:`plan_cluster` returns a :class:`ClusterPlan`; its ``report`` is the JSON record of ``output=json``
 (keys: ``params_total``, ``params_active``, ``params``, ``world_size``, ``tp``/``pp``/``vpp``/``ep``/``dp``/
 ``expert_dp``, ``cluster``, ``model_parallel_group``, ``layout``, ``embedding_stage`` / ``loss_stage``,
-``stages``, ``pp_ranks``, ``memory_per_gpu_bytes``, ``gpu_memory_bytes``, ``fits``, ``bubble_fraction``,
+``stages``, ``pp_ranks``, ``memory_per_gpu_bytes``, ``gpu_memory_bytes``, ``host_memory_bytes_per_node``,
+``phases``, ``fits``, ``bubble_fraction``,
 ``pipeline``, ``flops_per_token``, ``flops``, ``global_batch_tokens``, ``num_microbatches``,
 ``step_time_s_estimated``, ``mfu_estimated``, with ``plan.step_time_s`` also ``model_tflops_per_gpu``
 and ``mfu``, with ``plan.search`` the ranked ``search`` list, the ``schedule``, and ``lr_at_tokens``).
@@ -127,6 +130,7 @@ def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
         "gpus_per_node": gpn,
         "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
                     "gpu_memory_gib": float(cfg.cluster.gpu_memory_gib),
+                    "host_memory_gib": float(cfg.cluster.host_memory_gib),
                     "peak_tflops": float(cfg.cluster.peak_tflops)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
                                  "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},
@@ -207,6 +211,8 @@ def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
         "allocated_param_and_grad_bytes_mean_per_gpu": sum(x.params + x.grads for x in all_states)
         / len(all_states),
         "gpu_memory_bytes": a["capacity_bytes"],
+        "host_memory_bytes_per_node": a["host_capacity_bytes"],
+        "phases": a["phases"],
         "fits": a["fits"],
     }
 

@@ -46,11 +46,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from k2.model.activation_bytes import apply_switches, layer_saved, stage_saved
+from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
 from k2.parallel.distributed import ddp_config
-from k2.schedules.pipeline_sim import simulate
 
 __all__ = ["GpuMemory", "LayoutParam", "StageActivations", "StateBytes", "gpu_memory", "rank_param_lists",
            "stage_activations", "state_bytes", "state_bytes_lower_bound"]
@@ -312,17 +311,20 @@ class StageActivations:
 
     Attributes:
         gpu: bytes kept on the GPU for the backward: saved tensors after FP8 storage / recompute /
-            offload, plus the stage's output ``[s, b, h]``, which megatron's schedule keeps until the
-            backward (``deallocate_pipeline_outputs`` is off in ``k2-train``), plus, when ``attn_input`` is
-            offloaded, the stage's received input, which the schedule also keeps.
+            offload, plus, when ``attn_input`` is offloaded, the stage's received input, which megatron's
+            schedule keeps until the backward (the stage's output it frees once sent:
+            ``deallocate_pipeline_outputs``, on in ``k2-train``).
         host: bytes offloaded to host memory.
         offload_staging: the largest offloaded bytes of one layer of the stage (a layer's tensors are on
             the GPU while they are copied out or back in).
+        recompute_working: with whole-layer recompute (``memory.recompute`` site ``layer``), the bytes
+            one layer's re-run holds during its backward (the largest layer of the stage); else 0.
     """
 
     gpu: float
     host: float
     offload_staging: float
+    recompute_working: float = 0.0
 
 
 def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size: int, precision: str,
@@ -344,10 +346,18 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
     sw = {k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k, None)) or [])
           if memory_cfg is not None else [] for k in ("fp8_store", "recompute", "offload")}
     pattern = moe_layer_pattern(model_cfg)
-    per_kind = {}
+    per_kind, working = {}, {}
+    whole_layer = "layer" in sw["recompute"]
     for kind in set(pattern):
-        per_kind[kind] = apply_switches(
-            layer_saved(model_cfg, bool(kind), seq_length, micro_batch_size, precision, fused_kernels), **sw)
+        saved = layer_saved(model_cfg, bool(kind), seq_length, micro_batch_size, precision, fused_kernels)
+        if whole_layer:  # the layer input alone; the re-run in backward holds the rest, unswitched
+            per_kind[kind] = apply_switches(layer_recompute_saved(model_cfg, seq_length, micro_batch_size,
+                                                                  precision), offload=sw["offload"])
+            # the re-run: FP8 storage and the selective recompute sites act, offload does not
+            working[kind] = apply_switches(saved, fp8_store=sw["fp8_store"],
+                                           recompute=[x for x in sw["recompute"] if x != "layer"])[0]
+        else:
+            per_kind[kind] = apply_switches(saved, **sw)
     B = 2 if precision == "bf16" else 4
     hidden_bytes = seq_length * micro_batch_size * int(model_cfg.hidden_size) * B
     out = []
@@ -356,15 +366,16 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             gpu, host = apply_switches(
                 stage_saved(model_cfg, seq_length, micro_batch_size, precision, fused_kernels, emb, loss), **sw)
-            staging = 0.0
+            staging = rerun = 0.0
             for i in dims.layout[r][v]:
                 g, h = per_kind[pattern[i]]
                 gpu, host, staging = gpu + g, host + h, max(staging, h)
-            if not loss:  # the stage's output, kept by the schedule (deallocate_pipeline_outputs=False)
-                gpu += hidden_bytes
+                rerun = max(rerun, working.get(pattern[i], 0.0))
+            # the stage's output is not counted: megatron's schedule frees its data once it is sent
+            # (deallocate_pipeline_outputs, on in k2-train as in Megatron-LM's training)
             if not emb and "attn_input" in sw["offload"]:
                 gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
-            out.append(StageActivations(gpu, host, staging))
+            out.append(StageActivations(gpu, host, staging, rerun))
     return out
 
 
@@ -373,7 +384,8 @@ class GpuMemory:
     """Memory of the fullest GPU of one PP rank, in bytes (see the module docstring).
 
     ``optimizer`` is what stays on the GPU after ``optimizer_offload_fraction``; ``activations`` is the
-    peak of the microbatches the schedule holds (+ two layers' worth of offload staging when offloading);
+    peak of the microbatches the schedule holds (+ two layers' worth of offload staging when offloading,
+    + one layer's re-run with whole-layer recompute);
     ``in_flight`` how many (model chunk, microbatch) pairs that peak holds.
     """
 
@@ -390,6 +402,11 @@ class GpuMemory:
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations
 
+    @property
+    def host(self) -> float:
+        """Bytes this GPU keeps in host memory: offloaded optimizer states + offloaded activations at peak."""
+        return self.optimizer_offloaded + self.activations_offloaded_peak
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "pp_rank": self.pp_rank,
@@ -401,6 +418,7 @@ class GpuMemory:
             "activations_offloaded_to_host_peak": self.activations_offloaded_peak,
             "microbatches_in_flight": self.in_flight,
             "total": self.total,
+            "host": self.host,
         }
 
 
@@ -410,21 +428,21 @@ def gpu_memory(states: list[list[StateBytes]], acts: list[StageActivations], sim
     schedule ``sim`` (:func:`k2.schedules.pipeline_sim.simulate` run with ``activation_bytes`` = each stage's
     ``gpu`` bytes) holds at its peak."""
 
-    host = simulate(dims.pp, dims.vpp, sim.num_microbatches, [1.0] * dims.num_virtual_stages,
-                    [1.0] * dims.num_virtual_stages, activation_bytes=[a.host for a in acts]) if any(
-        a.host for a in acts) else None
+    # host bytes held over the same simulated timeline (from a forward's end to its backward's end)
+    host = sim.peak_bytes([a.host for a in acts]) if any(a.host for a in acts) else None
     out = []
     for r in range(dims.pp):
         worst = max(states[r], key=lambda x: x.params + x.grads + x.optimizer)
         staging = max(acts[v * dims.pp + r].offload_staging for v in range(dims.vpp))
+        rerun = max(acts[v * dims.pp + r].recompute_working for v in range(dims.vpp))
         out.append(GpuMemory(
             pp_rank=r,
             params=worst.params,
             grads=worst.grads,
             optimizer=worst.optimizer * (1.0 - optimizer_offload_fraction),
             optimizer_offloaded=worst.optimizer * optimizer_offload_fraction,
-            activations=sim.peak_activation_bytes[r] + 2 * staging,
-            activations_offloaded_peak=host.peak_activation_bytes[r] if host else 0.0,
+            activations=sim.peak_activation_bytes[r] + 2 * staging + rerun,
+            activations_offloaded_peak=host[r] if host else 0.0,
             in_flight=sim.peak_in_flight[r],
         ))
     return out

@@ -142,9 +142,29 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
             f"{_gib(x['activations_offloaded_to_host_peak']):>9}{x['microbatches_in_flight']:>11}"
             f"{_gib(x['total']):>9}"
         )
-    verdict = "fits" if plan["fits"] else "does NOT fit"
-    lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB: "
-                 f"{verdict}")
+    lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB")
+    lines += ["", *format_phases(plan)]
+    return lines
+
+
+def format_phases(plan: dict[str, Any]) -> list[str]:
+    """Every phase that runs: its fullest GPU and the host memory of its fullest node, against the
+    cluster's; the verdict of the plan (every phase fits both)."""
+    c = plan["cluster"]
+    lines = [f"  per phase: fullest GPU (of {c['gpu_memory_gib']:g} GiB) and host memory of the fullest node "
+             f"(of {c['host_memory_gib']:g} GiB); recompute = what the memory.recompute sites add to the step",
+             f"  {'phase':<14}{'ctx':>8}{'mb x n':>11}{'GPU GiB':>9}{'pp rank':>9}{'host GiB/node':>15}"
+             f"{'step s':>9}{'recompute s':>13}  fits  recompute sites"]
+    for p in plan["phases"]:
+        verdict = "yes" if p["fits"] else ("NO (GPU)" if not p["fits_gpu"] else "NO (host)")
+        lines.append(
+            f"  {p['phase']:<14}{p['seq_length']:>8,}{str(p['micro_batch_size']) + ' x ' + str(p['num_microbatches']):>11}"
+            f"{_gib(p['device_peak_bytes']):>9}{p['device_pp_rank']:>9}{_gib(p['host_bytes_per_node']):>15}"
+            f"{p['step_time_s_estimated']:>9.4g}{p['recompute_time_s_estimated']:>13.3g}  {verdict:<5} "
+            f"{','.join(p['memory']['recompute']) or '-'}")
+    lines.append(f"  the plan {'fits' if plan['fits'] else 'does NOT fit'}: "
+                 + ("every phase fits the GPU and the host memory" if plan["fits"] else
+                    "phases " + ", ".join(p["phase"] for p in plan["phases"] if not p["fits"]) + " do not"))
     return lines
 
 

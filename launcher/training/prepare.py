@@ -10,6 +10,7 @@ from typing import Optional
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data
+from k2.launcher.training.phase_memory import check_phase_memory_switches
 from k2.model.backends import check_backend_config
 from k2.parallel.dims import ParallelDims
 from k2.schedules.pipeline import check_pipeline_config
@@ -71,6 +72,7 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     check_backend_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
     schedule = resolve_schedule(cfg, dims)
+    check_phase_memory_switches(schedule, cfg.get("memory"))
     iters = cfg.train.iters
     steps = schedule.total_steps if iters is None else min(int(iters), schedule.total_steps)
     data = resolve_data(cfg)

@@ -10,13 +10,15 @@ boundaries. What a checkpoint records besides the tensors is :class:`TrainState`
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
 length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per
 step (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's
-RoPE/YaRN (:func:`k2.model.build.set_rope_type`); the LR and weight decay of each step come from
+RoPE/YaRN (:func:`k2.model.build.set_rope_type`); one that turns whole-layer recompute on or off switches it
+(:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
 :class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last
 phase, or ``train.iters``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_as
 from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
+from k2.launcher.training.phase_memory import apply_phase_memory
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.state import TrainState
@@ -52,6 +55,7 @@ from k2.model.build import (
     transformer_config,
 )
 from k2.model.flops import mfu, step_flops
+from k2.model.saved_tensors import SavedBytesMeter
 from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
 from k2.optim.params import format_route_table, route_table, tag_parameters
 from k2.optim.qk_clip import QKClip
@@ -168,6 +172,8 @@ class Trainer:
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self.data = PhaseData(cfg.run.seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank())
+        # train.measure_saved_bytes: the steps that open a phase
+        self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
 
     def prepare_run_dir(self) -> None:
@@ -204,6 +210,7 @@ class Trainer:
         phase = self._phase_after_restore()
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
+        apply_phase_memory(self.chunks, phase)
         return note
 
     def open_logger(self, resumed_note: str | None) -> None:
@@ -263,6 +270,7 @@ class Trainer:
         if phase.index != self.data.phase.index:
             self.data.enter(phase, step)
             self._switch_rope(phase)
+            apply_phase_memory(self.chunks, phase)  # whole-layer recompute on or off
             self.logger.message(f"step {step}: {self._describe(phase)}")
         return phase
 
@@ -273,7 +281,9 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
+        meter = SavedBytesMeter() if self.cfg.train.measure_saved_bytes and step in self.phase_first_steps else None
+        with meter.measure(root=False) if meter is not None else contextlib.nullcontext():
+            losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         attn = self.qk_clip.step(apply=bool(update_ok))  # reads and resets the max-logit windows
         scheduler = self.state.scheduler
@@ -290,6 +300,7 @@ class Trainer:
             "seq_length": phase.seq_length,
             "global_batch_size": phase.global_batch_size,
             "num_microbatches": phase.num_microbatches,
+            "layer_recompute": "layer" in (phase.memory or {}).get("recompute", ()),
             "lr": lr,
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -307,6 +318,9 @@ class Trainer:
                                        moe_layer_pattern(m)))
         if self.pipeline is not None:  # wgrad_deferred_peak_bytes
             record.update(self.pipeline.step_metrics())
+        if meter is not None:  # rank 0's layers: kept for backward per microbatch (all its model chunks)
+            per = meter.per_forward()
+            record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
         if step <= self.replayed_until:
             record["replayed"] = True
         return record

@@ -34,3 +34,54 @@ def test_everything_on_trains_like_baseline_on_cpu4(three_step_runs):
     for r, r_ref in zip(k2[1:], base[1:]):
         assert r["loss"] == pytest.approx(r_ref["loss"], rel=2e-3)
     assert k2[-1]["loss"] < k2[0]["loss"]  # it learns
+
+
+# stable ends after 2 steps (4,096 tokens): step 3 runs in the decay phase; layernorm recompute throughout
+# (a memory switch, so that the layers have saved-tensor scopes to measure), the saved-bytes metric on
+TWO_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=4096", "train.measure_saved_bytes=true"]
+
+
+def _planned_rank0_bytes(layer_recompute: bool) -> float:
+    """The planner's bytes per microbatch kept by the layers of PP rank 0 (both its model chunks) of cpu4
+    (k2_tiny, FP32, 2 x 128 tokens, CPU kernels): model/activation_bytes.py."""
+    from k2.config.load import load_config
+    from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved
+    from k2.model.build import moe_layer_pattern
+    from k2.parallel.dims import ParallelDims
+
+    cfg = load_config(["parallel=cpu4"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
+    pattern = moe_layer_pattern(cfg.model)
+    layers = [i for v in range(dims.vpp) for i in dims.layout[0][v]]
+    if layer_recompute:
+        return len(layers) * sum(apply_switches(layer_recompute_saved(cfg.model, 128, 2, "fp32")))
+    return sum(sum(apply_switches(layer_saved(cfg.model, bool(pattern[i]), 128, 2, "fp32", False),
+                                  recompute=["layernorm"])) for i in layers)
+
+
+def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
+    """Whole-layer recompute on PP2 x VPP2 x EP2 x DP2 with decoupled weight gradients: a run that turns it
+    on at the decay phase (schedule.phases.2.memory) equals, step for step, one that has it from the start,
+    within FP32 rounding, and both equal memory=none for the steps before (same LR: the plain cpu4 run).
+    The bytes rank 0's layers keep per microbatch drop at the boundary to what the planner predicts."""
+    switched = three_step_runs([*TWO_THEN_DECAY, "memory.recompute=[layernorm]",
+                                "schedule.phases.2.memory.recompute=[layernorm,layer]"], 4, True)["records"]
+    always = three_step_runs([*TWO_THEN_DECAY, "memory.recompute=[layernorm,layer]"], 4, True)["records"]
+    plain = three_step_runs(["parallel=cpu4"], 4, True)["records"]  # shared with test_pipeline_wgrad.py
+    assert [r["layer_recompute"] for r in switched] == [False, False, True]
+    assert [r["layer_recompute"] for r in always] == [True, True, True]
+    assert [r["phase"] for r in switched] == ["stable", "stable", "decay"]
+    for a, b in zip(switched, always):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["max_attn_logit"] == pytest.approx(b["max_attn_logit"], rel=1e-5)
+    for a, b in zip(always[:2], plain[:2]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["moe_load_max_over_mean"] == pytest.approx(b["moe_load_max_over_mean"], rel=1e-6)
+    # measured on the first step of each phase (steps 1 and 3)
+    before, after = switched[0]["saved_bytes_per_microbatch"], switched[2]["saved_bytes_per_microbatch"]
+    assert "saved_bytes_per_microbatch" not in switched[1]
+    assert after == pytest.approx(_planned_rank0_bytes(True), rel=1e-6)  # the layer inputs, exactly
+    assert after == always[0]["saved_bytes_per_microbatch"]
+    assert before == pytest.approx(_planned_rank0_bytes(False), rel=0.10)
+    assert after < 0.2 * before

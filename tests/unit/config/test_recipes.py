@@ -78,3 +78,22 @@ def test_k2_tiny_is_the_same_family():
                 "rotary_base", "share_embeddings_and_output_weights"):
         assert m[key] == K2[key], key
     assert m.moe_shared_expert_intermediate_size == m.moe_ffn_hidden_size  # one shared expert
+
+
+def test_kimi_k2_selects_k2_training_and_memory_settings():
+    """model=kimi_k2 picks K2's training recipe (BF16, one sequence per microbatch) and memory=k2, as it
+    picks its schedule and optimizer; the command line still wins. Expected values typed in from
+    docs/k2_reference.md "Training system", not read from the recipes."""
+    cfg = load_config(["model=kimi_k2"])
+    assert (cfg.train.precision, cfg.train.micro_batch_size, cfg.train.iters) == ("bf16", 1, None)
+    assert sorted(cfg.memory.fp8_store) == ["moe_fc1_input", "swiglu_input"]
+    assert sorted(cfg.memory.recompute) == ["layernorm", "mla_up_proj", "moe_down_proj", "swiglu"]
+    assert "attn_input" in cfg.memory.offload
+    # cadence for K2's 237,823 steps: hundreds of validation points and checkpoints, not one per step
+    steps = 237_823
+    assert 100 <= steps // cfg.train.eval_interval <= 1000
+    assert 100 <= steps // cfg.train.save_interval <= 2000
+    over = load_config(["model=kimi_k2", "train=tiny", "memory=none", "train.micro_batch_size=2"])
+    assert (over.train.precision, over.train.micro_batch_size, list(over.memory.recompute)) == ("fp32", 2, [])
+    tiny = load_config([])  # k2_tiny keeps the CPU proxy's
+    assert (tiny.train.precision, tiny.train.micro_batch_size, list(tiny.memory.offload)) == ("fp32", 2, [])

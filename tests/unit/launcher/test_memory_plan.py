@@ -140,7 +140,7 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
 
 def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int) -> tuple[float, float]:
     """(device, host) bytes of the same microbatch from model/activation_bytes.py (CPU kernels)."""
-    from k2.model.activation_bytes import apply_switches, layer_saved, stage_saved
+    from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
     from k2.model.build import moe_layer_pattern
 
     cfg = load_config(["model=k2_tiny", *overrides])
@@ -149,7 +149,11 @@ def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     p = cfg.train.precision
     gpu, host = apply_switches(stage_saved(cfg.model, seq_length, micro_batch_size, p, False, True, True), **sw)
     for kind in moe_layer_pattern(cfg.model):
-        g, h = apply_switches(layer_saved(cfg.model, bool(kind), seq_length, micro_batch_size, p, False), **sw)
+        if "layer" in sw.get("recompute", ()):  # whole-layer recompute: the layer input alone
+            g, h = apply_switches(layer_recompute_saved(cfg.model, seq_length, micro_batch_size, p),
+                                  offload=sw["offload"])
+        else:
+            g, h = apply_switches(layer_saved(cfg.model, bool(kind), seq_length, micro_batch_size, p, False), **sw)
         gpu, host = gpu + g, host + h
     return gpu, host
 
@@ -174,7 +178,7 @@ SWITCHES = [["memory.fp8_store=[moe_fc1_input]"], ["memory.fp8_store=[swiglu_inp
             ["memory.recompute=[moe_down_proj]"],
             ["memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj]"],
             ["memory.offload=[mlp_input,moe_fc1_input,swiglu_input,fc2_input]"],
-            ["memory=k2"]]
+            ["memory=k2"], ["memory.recompute=[layer]"], ["memory=k2", "memory.recompute=[layer]"]]
 
 
 @pytest.mark.parametrize("switch", SWITCHES, ids=lambda s: "+".join(x.split("=")[1] for x in s))

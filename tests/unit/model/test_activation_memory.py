@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k2.config.load import load_config
 from k2.launcher.benchmarks.activation_memory import SETTINGS, memory_overrides
 
 SEQ, MBS = 128, 2
@@ -23,17 +24,20 @@ SEQ, MBS = 128, 2
 FP8_GRAD_BOUND = 2.0 ** -4
 
 
-def _run(setting: str) -> dict:
+def _run(overrides: list[str]) -> dict:
+    from unittest import mock
+
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from k2.config.load import load_config
+    from k2.model.attention import K2CoreAttention
+
     from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
     from k2.model.activation_memory import MemoryOptions
     from k2.model.router import K2Router
     from k2.model.saved_tensors import SavedBytesMeter
     from k2.parallel.dims import ParallelDims
 
-    cfg = load_config(memory_overrides(setting))
+    cfg = load_config(overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     tcfg = transformer_config(cfg, dims)
     (model,) = build_model_chunks(cfg, dims, tcfg, MemoryOptions.from_config(cfg, attribute=True))
@@ -43,10 +47,11 @@ def _run(setting: str) -> dict:
     pos = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
     get_moe_metrics_tracker().clear()
     meter = SavedBytesMeter()
-    with meter.measure():
-        out = model(tokens, pos, None, labels=tokens)
-    loss = out.float().mean()
-    loss.backward()
+    with mock.patch.object(K2CoreAttention, "_record", autospec=True, side_effect=K2CoreAttention._record) as rec:
+        with meter.measure():
+            out = model(tokens, pos, None, labels=tokens)
+        loss = out.float().mean()
+        loss.backward()
     routers = [m for m in model.modules() if isinstance(m, K2Router)]
     aux = get_moe_metrics_tracker().metrics["seq_load_balancing_loss"].values.clone()
     return {
@@ -57,13 +62,20 @@ def _run(setting: str) -> dict:
         "bias_counts": [r.local_tokens_per_expert.clone() for r in routers],
         "aux": aux,
         "topk": cfg.model.moe_router_topk,
+        "max_logit_records": rec.call_count,
+        "max_logits": [m.max_logits.clone() for m in model.modules() if isinstance(m, K2CoreAttention)],
     }
 
 
 @pytest.fixture(scope="module")
 def runs(megatron_world1):
     torch.manual_seed(0)
-    return {s: _run(s) for s in SETTINGS}
+    runs = {s: _run(memory_overrides(s)) for s in SETTINGS}
+    k2 = load_config(["memory=k2"]).memory
+    # whole-layer recompute alone, and with every K2 switch (its input offloaded: attn_input)
+    runs["layer"] = _run(["memory=none", "memory.recompute=[layer]"])
+    runs["layer_all"] = _run(["memory=k2", f"memory.recompute=[layer,{','.join(k2.recompute)}]"])
+    return runs
 
 
 def _rel_errors(run: dict, ref: dict) -> dict:
@@ -128,6 +140,33 @@ def test_router_metrics_recorded_once_per_forward(runs):
             assert torch.equal(b.to(c.dtype), c)
         torch.testing.assert_close(run["aux"], ref["aux"], rtol=1e-5, atol=0)
         assert (run["aux"] > 0).sum() == 3  # the three MoE layers recorded, once each
+
+
+@pytest.mark.parametrize("setting", ["layer", "layer_all"])
+def test_layer_recompute_keeps_only_layer_inputs(runs, setting):
+    """Whole-layer recompute: gradients equal to the plain run within FP32 rounding (alone) or within the
+    FP8 bound (with memory=k2: FP8 storage acts in the re-run); each layer keeps only its input [s, b, h]
+    (FP32 here), on the device or, with offload=attn_input, on the host; router counts, aux losses and
+    QK-Clip's max logits recorded once per forward."""
+    run, ref = runs[setting], runs["none"]
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    errs = _rel_errors(run, ref)
+    bound = 1e-5 if setting == "layer" else FP8_GRAD_BOUND
+    assert max(errs.values()) < bound, max(errs.items(), key=lambda kv: kv[1])
+    if setting == "layer_all":  # the same error as FP8 storage without layer recompute: the re-run stores FP8
+        all_errs = _rel_errors(runs["all"], ref)
+        assert max(errs.values()) == pytest.approx(max(all_errs.values()), rel=0.5)
+    layer_inputs = 4 * SEQ * MBS * 128 * 4  # 4 layers x [s, b, h] x FP32
+    where = "host" if setting == "layer_all" else "device"
+    assert run["bytes"][where]["attn_input"] == layer_inputs
+    assert set(run["bytes"]["device"]) <= {"other", "attn_input"}  # nothing else of a layer is kept
+    assert run["bytes"]["device"]["other"] < ref["bytes"]["device"]["other"]
+    for c, c_ref in zip(run["counts"], ref["counts"]):
+        assert torch.equal(c, c_ref) and c.sum().item() == SEQ * MBS * run["topk"]
+    torch.testing.assert_close(run["aux"], ref["aux"], rtol=1e-5, atol=0)
+    assert run["max_logit_records"] == ref["max_logit_records"] == 4  # once per layer, not again in backward
+    for m, m_ref in zip(run["max_logits"], ref["max_logits"]):
+        torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=0)
 
 
 def test_scope_mechanics_on_a_plain_function():
