@@ -265,9 +265,21 @@ def test_plan_json_and_plot(capsys, tmp_path):
     assert s["phases"][2]["first_step"] == 149_013
     assert plan["lr_at_tokens"] == pytest.approx([k2_lr(t) for t in query], rel=1e-9, abs=1e-15)
     assert plan["lr_at_tokens"][3] == pytest.approx(1.1e-4) and plan["lr_at_tokens"][-1] == ANNEAL_END
+    import matplotlib.image as mpimg
+    import numpy as np
+
     for picture in (png, schedule_png):  # each setting writes the file it names, nothing else
         head = picture.read_bytes()[:8]
         assert head == b"\x89PNG\r\n\x1a\n" and 10_000 < picture.stat().st_size < 300_000
+    # decoded: the LR picture draws each phase in its own colour (schedules/plot.py's cycle)
+    img = mpimg.imread(schedule_png)[..., :3]
+    drawn = [c for c in ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+             if np.all(np.abs(img - np.array([int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)])) < 0.03,
+                       axis=-1).sum() > 30]
+    # stable, decay, anneal_4k, anneal_32k (warmup is 0.03% of the tokens, too thin to show; yarn_128k has
+    # no tokens)
+    assert {"#ff7f0e", "#2ca02c", "#d62728", "#9467bd"} <= set(drawn), drawn
+    assert (mpimg.imread(png)[..., :3] < 0.9).any(axis=-1).mean() > 0.02  # the timeline has boxes in it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lr.png", "timeline.png"]
     assert png.read_bytes() != schedule_png.read_bytes()
 

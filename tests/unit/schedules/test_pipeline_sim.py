@@ -106,10 +106,21 @@ def test_peak_activation_bytes():
 def test_timeline_plot(tmp_path):
     from k2.schedules.pipeline_sim import plot_timeline
 
-    res = simulate(4, 2, 8, [1.0] * 8, [2.0] * 8, [1.0] * 8, decouple_wgrad=True)
-    png = tmp_path / "t.png"
-    plot_timeline(res, str(png))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    def pixels(path, rgb):  # decoded pixels of one colour (plot_timeline's chunk-0 colours)
+        img = mpimg.imread(path)[..., :3]
+        return int(np.all(np.abs(img - np.array(rgb)) < 0.02, axis=-1).sum())
+
+    colours = {"F": (0.20, 0.45, 0.80), "B": (0.85, 0.40, 0.20), "W": (0.30, 0.65, 0.35)}
+    for split in (True, False):
+        res = simulate(4, 2, 8, [1.0] * 8, [2.0] * 8, [1.0] * 8, decouple_wgrad=split)
+        png = tmp_path / f"t{split}.png"
+        plot_timeline(res, str(png))
+        seen = {k: pixels(png, c) for k, c in colours.items()}
+        assert seen["F"] > 500 and seen["B"] > 500, seen
+        assert (seen["W"] > 500) if split else (seen["W"] < 50), seen  # W boxes only when split (legend aside)
 
 
 def test_k2_vpp2_beats_vpp1_at_256_gpus():
