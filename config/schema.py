@@ -185,6 +185,15 @@ class OptimConfig:
     muon_scale_mode: str = "spectral"  # update x sqrt(max(A, B)) for an A x B matrix ...
     muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
     muon_fp32_matmul_prec: str = "medium"  # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    # Moonshot's parameter rules (Moonlight examples/toy_train.py: every parameter with ndim >= 2 except
+    # the token embedding and the output head goes to Muon, and every parameter is decayed; "Muon is
+    # Scalable", arXiv 2502.16982, appendix D: decaying the RMSNorm gamma matters for stability).
+    # optimizer of the MoE router weight [experts, hidden] under optim=muonclip: muon (Moonlight, megatron's
+    # default routing, Megatron-Bridge's Kimi-K2 recipe) | adamw
+    router_optimizer: str = "muon"
+    # decoupled weight decay on every parameter, norm weights and biases included (Moonlight); false =
+    # megatron's default (no decay for 1-D tensors and biases)
+    decay_all_params: bool = True
     # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
     # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
     # megatron's equivalent: qk_clip + qk_clip_threshold.

@@ -23,12 +23,14 @@ from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECO
 
 __all__ = [
     "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
-    "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
+    "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "ROUTER_OPTIMIZERS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
     "resume_settings", "validate",
 ]
 
 PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "muonclip")
+#: ``optim.router_optimizer``: the MoE router weight's optimizer under MuonClip
+ROUTER_OPTIMIZERS = ("muon", "adamw")
 #: ``k2.model.attention_backend``: auto = te with Transformer Engine on CUDA, sdpa on CUDA without it, eager
 #: on CPU (``k2.model.backends``)
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
@@ -104,6 +106,8 @@ def check_optim(o) -> None:
     """``optim.*``: the optimizer, QK-Clip's tau and, for MuonClip, the Muon settings (K2 report section
     2.1; the Newton-Schulz coefficient names are emerging-optimizers')."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
+    _require(o.router_optimizer in ROUTER_OPTIMIZERS, "optim.router_optimizer", o.router_optimizer,
+             ", ".join(ROUTER_OPTIMIZERS))
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
     if o.name != "muonclip":

@@ -2,7 +2,8 @@
 
 Both are megatron-core's optimizers:
 
-* ``adamw``: megatron's Adam with decoupled weight decay; with ``k2.parallel.use_distributed_optimizer``
+* ``adamw``: megatron's Adam with decoupled weight decay (on every parameter by default, Moonlight's rule:
+  :mod:`k2.optim.params`); with ``k2.parallel.use_distributed_optimizer``
   its ``DistributedOptimizer`` (ZeRO-1: fp32 master weights and moments sharded over DP by byte ranges).
 * ``muonclip``: :class:`k2.optim.muon.K2Muon` registered in megatron's emerging-optimizer registry as
   :data:`K2_MUON`, for the parameters :mod:`k2.optim.params` routes to Muon, megatron's Adam for the rest.
@@ -22,7 +23,7 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
   ``grad`` copy; ``ChainedOptimizer`` rejects them). The wrapper (``Float16OptimizerWithFloat16Params``)
   handles fp32 parameters as their own master copy, so the layer-wise path always asks for it
   (``bf16=True`` in the *optimizer* config; the model's precision is unchanged).
-* Its Muon routes every 2-D non-embedding weight to Muon (the router too), orthogonalises the fused
+* Its Muon routes every 2-D non-embedding weight to Muon (the router too, as K2 does), orthogonalises the fused
   SwiGLU ``linear_fc1`` as one matrix, normalises with eps 1e-7, and its fused-QKV split flag is not
   copied to the fp32 master copies: :mod:`k2.optim.muon` / :mod:`k2.optim.params` replace those rules, and
   :func:`build_optimizer` copies the split onto the master copies.
@@ -116,7 +117,8 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
     """The run's megatron optimizer (see the module docstring).
 
     The learning rate and weight decay of every param group come from the schedule
-    (``k2.schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike).
+    (``k2.schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike); which
+    parameters are decayed is ``optim.decay_all_params`` (:func:`k2.optim.params.weight_decayed`).
 
     Args:
         optim_cfg: the ``optim`` section.
@@ -135,6 +137,9 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
 
 
     o = optim_cfg
+    # optim.decay_all_params (k2.optim.params.weight_decayed): megatron's documented way to decay every
+    # parameter is an empty override dict; None selects its default (wd_mult 0 on 1-D tensors and biases).
+    overrides = {} if o.decay_all_params else None
     dist_opt = bool(use_distributed_optimizer)
     common = dict(
         **optimizer_lr_settings(schedule),
@@ -142,7 +147,8 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype, use_distributed_optimizer=dist_opt,
     )
     if not uses_muon(o):
-        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common), model)
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common), model,
+                                      config_overrides=overrides)
     _register_k2_muon()
     ocfg = OptimizerConfig(
         optimizer=K2_MUON,
@@ -159,7 +165,7 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
         **common,
     )
-    optimizer = get_megatron_optimizer(ocfg, model)
+    optimizer = get_megatron_optimizer(ocfg, model, config_overrides=overrides)
     _copy_splits_to_master_params(model)
     return optimizer
 

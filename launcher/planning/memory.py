@@ -128,7 +128,7 @@ class LayoutParam:
 
 
 def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
-                  muon: bool, layer_wise: bool, model_cfg: Any) -> list[LayoutParam]:
+                  muon: bool, layer_wise: bool, model_cfg: Any, router_optimizer: str = "muon") -> list[LayoutParam]:
     """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
     (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
     ep``), the final norm and output head; tagged as the trainer tags the real parameters."""
@@ -145,7 +145,7 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
                                                                         f"{layer_index}.", 1)
         p = LayoutParam(spec, name, dtype)
         if muon:
-            p.k2_optimizer = route(spec.name, p, rcfg)[0]
+            p.k2_optimizer = route(spec.name, p, rcfg, router_optimizer)[0]
         if spec.expert is not None and ep > 1:
             p.allreduce = False  # megatron: expert parameters reduce over the expert-DP group
         if layer_wise:
@@ -165,7 +165,8 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
     return params
 
 
-def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any) -> list:
+def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any,
+                     router_optimizer: str = "muon") -> list:
     """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
 
     Returns:
@@ -174,7 +175,8 @@ def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bo
     """
     return [[_chunk_params(counts, _kinds(counts, dims, r, v), dims.stage_has_embedding(r, v),
                            dims.stage_has_loss(r, v), dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg) for v in range(dims.vpp)]
+                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer)
+             for v in range(dims.vpp)]
             for r in range(dims.pp)]
 
 
@@ -208,12 +210,13 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
 
 
 def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
-                 use_distributed_optimizer: bool, model_cfg: Any) -> tuple[int, int, list, list]:
+                 use_distributed_optimizer: bool, model_cfg: Any,
+                 router_optimizer: str = "muon") -> tuple[int, int, list, list]:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank)`` of one chunk."""
     layer_wise = muon and use_distributed_optimizer
     master = _MASTER_BYTES if precision == "bf16" else 0
     params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg)
+                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = 0
     layout = _layout(params, dims, use_distributed_optimizer, layer_wise)
@@ -250,7 +253,8 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
 
 
 def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: Any, cache: Optional[dict] = None) -> list[list[StateBytes]]:
+                model_cfg: Any, cache: Optional[dict] = None,
+                router_optimizer: str = "muon") -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
     Args:
@@ -262,6 +266,7 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         model_cfg: ``cfg.model``.
         cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
             search): chunks with the same layers, embedding/loss, ep, dp and expert-DP are laid out once.
+        router_optimizer: ``optim.router_optimizer`` (:func:`k2.optim.params.route`).
 
     Returns:
         ``out[pp_rank][dp_rank]`` (the expert-DP rank of DP rank ``d`` is taken as ``d % expert_dp``; the
@@ -284,11 +289,12 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
             key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, optimizer,
-                   use_distributed_optimizer)
+                   use_distributed_optimizer, router_optimizer)
             if key not in cache:
                 cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
                                           muon=optimizer == "muonclip",
-                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg)
+                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg,
+                                          router_optimizer=router_optimizer)
             n, b, dense, expert = cache[key]
             param_numel, buffer_numel = param_numel + n, buffer_numel + b
             dense_opt = [x + y for x, y in zip(dense_opt, dense)]
