@@ -194,6 +194,11 @@ class OptimConfig:
     # decoupled weight decay on every parameter, norm weights and biases included (Moonlight); false =
     # megatron's default (no decay for 1-D tensors and biases)
     decay_all_params: bool = True
+    # ZeRO-1 of the Muon matrices (with parallel.use_distributed_optimizer): byte_range = megatron's standard
+    # byte-range distributed optimizer, unpadded, a matrix a shard boundary cuts gathered for Newton-Schulz
+    # (Distributed Muon, "Muon is Scalable" section 2.3; optim/distributed_muon.py) | layer_wise =
+    # megatron's layer-wise distributed optimizer (whole matrices bin-packed into padded DP shards)
+    muon_zero1: str = "byte_range"
     # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
     # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
     # megatron's equivalent: qk_clip + qk_clip_threshold.

@@ -23,7 +23,7 @@ from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECO
 
 __all__ = [
     "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
-    "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "ROUTER_OPTIMIZERS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
+    "MUON_ZERO1", "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "ROUTER_OPTIMIZERS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
     "resume_settings", "validate",
 ]
 
@@ -31,6 +31,8 @@ PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "muonclip")
 #: ``optim.router_optimizer``: the MoE router weight's optimizer under MuonClip
 ROUTER_OPTIMIZERS = ("muon", "adamw")
+#: ``optim.muon_zero1``: how ZeRO-1 shards the Muon matrices (k2.optim.build)
+MUON_ZERO1 = ("byte_range", "layer_wise")
 #: ``k2.model.attention_backend``: auto = te with Transformer Engine on CUDA, sdpa on CUDA without it, eager
 #: on CPU (``k2.model.backends``)
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
@@ -123,6 +125,7 @@ def check_optim(o) -> None:
     _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
     _require(o.muon_scale_mode in _MUON_SCALE_MODES, "optim.muon_scale_mode", o.muon_scale_mode,
              ", ".join(_MUON_SCALE_MODES))
+    _require(o.muon_zero1 in MUON_ZERO1, "optim.muon_zero1", o.muon_zero1, ", ".join(MUON_ZERO1))
     _require(o.muon_fp32_matmul_prec in _MUON_MATMUL_PRECISIONS, "optim.muon_fp32_matmul_prec",
              o.muon_fp32_matmul_prec,
              f"{', '.join(_MUON_MATMUL_PRECISIONS)} (medium = Newton-Schulz in bf16)")

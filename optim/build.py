@@ -35,7 +35,7 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
 from __future__ import annotations
 
 from k2.optim.muon import SPLIT_ATTR, K2Muon
-from k2.optim.params import ROUTE_ATTR
+from k2.optim.params import LAYER_WISE_ATTR, ROUTE_ATTR
 from k2.schedules.lr import optimizer_lr_settings
 
 #: Name of :class:`k2.optim.muon.K2Muon` in megatron's emerging-optimizer registry.
@@ -61,10 +61,17 @@ def uses_muon(optim_cfg) -> bool:
     return optim_cfg.name == "muonclip"
 
 
-def uses_layer_wise(optim_cfg, use_distributed_optimizer: bool) -> bool:
-    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (MuonClip +
-    ``k2.parallel.use_distributed_optimizer``)."""
+def uses_zero1_muon(optim_cfg, use_distributed_optimizer: bool) -> bool:
+    """True when the Muon matrices are sharded by ZeRO-1 (MuonClip + ``k2.parallel.use_distributed_optimizer``):
+    they then sit in DDP buffers of their own (:func:`k2.optim.params.tag_parameters`)."""
     return uses_muon(optim_cfg) and bool(use_distributed_optimizer)
+
+
+def uses_layer_wise(optim_cfg, use_distributed_optimizer: bool) -> bool:
+    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (:func:`uses_zero1_muon` and
+    ``optim.muon_zero1=layer_wise``); False for the byte-range Distributed Muon
+    (:mod:`k2.optim.distributed_muon`)."""
+    return uses_zero1_muon(optim_cfg, use_distributed_optimizer) and optim_cfg.muon_zero1 == "layer_wise"
 
 
 def _register_k2_muon() -> None:
@@ -150,12 +157,13 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         return get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common), model,
                                       config_overrides=overrides)
     _register_k2_muon()
+    layer_wise = uses_layer_wise(o, dist_opt)
     ocfg = OptimizerConfig(
         optimizer=K2_MUON,
         # layer-wise ZeRO-1: bf16=True selects megatron's mixed-precision wrapper, which fp32 parameters
         # also need there (module docstring); it keeps fp32 parameters as their own master copy.
-        bf16=True if dist_opt else tcfg.bf16,
-        use_layer_wise_distributed_optimizer=dist_opt,
+        bf16=True if layer_wise else tcfg.bf16,
+        use_layer_wise_distributed_optimizer=layer_wise,
         muon_momentum=o.muon_momentum,
         muon_nesterov=o.muon_nesterov,
         muon_num_ns_steps=o.muon_num_ns_steps,
@@ -165,9 +173,82 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
         **common,
     )
+    if dist_opt and not layer_wise:
+        return _byte_range_muonclip(ocfg, model, overrides)
     optimizer = get_megatron_optimizer(ocfg, model, config_overrides=overrides)
     _copy_splits_to_master_params(model)
     return optimizer
+
+
+def _muon_kwargs(config) -> dict:
+    """:class:`k2.optim.muon.K2Muon`'s arguments from megatron's ``OptimizerConfig``."""
+    return dict(
+        lr=config.lr, momentum=config.muon_momentum, weight_decay=config.weight_decay,
+        nesterov=config.muon_nesterov, coefficient_type=config.muon_coefficient_type,
+        num_ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
+        extra_scale_factor=config.muon_extra_scale_factor, fp32_matmul_prec=config.muon_fp32_matmul_prec,
+    )
+
+
+def _byte_range_muonclip(ocfg, model: list, overrides):
+    """MuonClip on megatron's byte-range ``DistributedOptimizer`` (``optim.muon_zero1=byte_range``).
+
+    megatron's own ``get_megatron_optimizer`` loop, with the Muon/AdamW split added: for dense and for
+    expert parameters (their DP group: the expert-DP group), one
+    :class:`k2.optim.distributed_muon.DistributedMuonOptimizer` over the buffers holding the Muon
+    matrices and one megatron Adam ``DistributedOptimizer`` over the other buffers, chained.
+    """
+    import copy
+
+    from megatron.core.optimizer import (
+        ChainedOptimizer,
+        _get_megatron_optimizer_based_on_param_groups,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_rank
+
+    from k2.optim.distributed_muon import DistributedK2Muon, DistributedMuonOptimizer
+
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model, True)
+    adam_cfg = copy.copy(ocfg)
+    adam_cfg.optimizer = "adam"
+    groups = _get_param_groups(model, ocfg, get_standard_config_overrides(ocfg) if overrides is None else overrides)
+    parts = []
+    for expert in (False, True):
+        if expert:
+            mp, dp, gloo = (pgs["expt_tp_pp_with_egtp_remat_group"], pgs["intra_expt_dp_group"],
+                            pgs["intra_expt_dp_group_gloo"])
+        else:
+            mp, dp, gloo = pgs["mp_group"], pgs["intra_dp_cp_group"], pgs["intra_dp_cp_group_gloo"]
+        mine = [g for g in groups if g["is_expert_parallel"] == expert]
+        if not mine:
+            continue
+        tp = ProcessGroupCollection.use_mpu_process_groups()
+        for muon in (True, False):
+            sub = [{**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == muon]}
+                   for g in mine]
+            buffers = {}
+            for i, chunk in enumerate(model):
+                bufs = [b for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
+                        if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon]
+                if bufs:
+                    buffers[i] = bufs
+            if muon:
+                opt = DistributedMuonOptimizer(DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model,
+                                               buffers, dp, gloo, get_pg_rank(mp))
+                opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+                opt.tp_group, opt.expert_tp_group = tp.tp, getattr(tp, "expt_tp", tp.tp)
+            else:
+                opt = _get_megatron_optimizer_based_on_param_groups(
+                    config=adam_cfg, model_chunks=model, param_groups=sub, per_model_buffers=buffers,
+                    model_parallel_group=mp, data_parallel_group=dp, data_parallel_group_gloo=gloo,
+                    data_parallel_group_idx=get_pg_rank(mp), intra_dist_opt_group=pgs["intra_dist_opt_group"],
+                    distributed_optimizer_instance_id=0)
+                opt.config = ocfg  # megatron's ChainedOptimizer expects one config
+            parts.append(opt)
+    return ChainedOptimizer(parts)
 
 
 def shard_straddlers(full_param_layout) -> list:

@@ -35,7 +35,9 @@ from k2.optim.muon import SPLIT_ATTR, MatrixSplit
 
 #: Parameter attribute: ``"muon"`` or ``"adamw"``.
 ROUTE_ATTR = "k2_optimizer"
-#: megatron-core's attribute that puts a parameter into the layer-wise (whole-matrix) ZeRO-1 buffers.
+#: megatron-core's buffer key (``BufferKey.is_managed_by_layer_wise_optimizer``): True puts a parameter into
+#: DDP buffers apart from the others; under ZeRO-1 the Muon matrices go there, owned by the Muon
+#: optimizer (byte-range :mod:`k2.optim.distributed_muon` or megatron's layer-wise one).
 LAYER_WISE_ATTR = "is_managed_by_layer_wise_optimizer"
 
 
@@ -139,20 +141,19 @@ def _global_names(chunk, tcfg) -> dict[int, str]:
     return {id(p): global_param_name(n, layer_numbers, ep_rank * per_rank) for n, p in chunk.named_parameters()}
 
 
-def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool, *, router_optimizer: str = "muon",
+def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_optimizer: str = "muon",
                    decay_all_params: bool = True) -> list[ParamRoute]:
     """Decide and record every trainable parameter's optimizer (call before megatron's DDP wrap).
 
     Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``"adamw"`` when ``muon`` is
     False), :data:`k2.optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
-    (True for Muon parameters when ``layer_wise``: they go into the whole-matrix ZeRO-1 buffers).
+    (True for Muon parameters when ``zero1_muon``: they go into DDP buffers of their own).
 
     Args:
         chunks: this rank's unwrapped model chunks (``GPTModel``).
         tcfg: megatron ``TransformerConfig``.
         muon: optimizer is MuonClip.
-        layer_wise: ZeRO-1 with megatron's layer-wise distributed optimizer (``muon`` and
-            ``k2.parallel.use_distributed_optimizer``).
+        zero1_muon: the Muon matrices are sharded by ZeRO-1 (:func:`k2.optim.build.uses_zero1_muon`).
         router_optimizer: ``optim.router_optimizer`` (:func:`route`).
         decay_all_params: ``optim.decay_all_params`` (:func:`weight_decayed`; shown in the table only:
             :func:`k2.optim.build.build_optimizer` applies it).
@@ -174,7 +175,7 @@ def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool, *, router_o
                 setattr(p, SPLIT_ATTR, split)
             elif hasattr(p, SPLIT_ATTR):
                 delattr(p, SPLIT_ATTR)
-            if layer_wise:
+            if zero1_muon:
                 setattr(p, LAYER_WISE_ATTR, opt == "muon")
             wd = weight_decayed(local, p, decay_all_params)
             routes.append(ParamRoute(names[id(p)], tuple(p.shape), opt, rule, matrices, wd))

@@ -9,7 +9,7 @@ from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.benchmarks.common import DTYPES, bench_options, one_rank_world, time_calls
 from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
+from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
 from k2.optim.params import param_rules, tag_parameters
 from k2.optim.qk_clip import QKClip
 from k2.parallel import cpu_backend
@@ -40,7 +40,7 @@ def _optimizer_case(name: str, o: dict):
     chunks = build_model_chunks(cfg, dims, tcfg)
     layout_independent_init(chunks, tcfg, o["seed"])
     tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer),
+                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
                    **param_rules(cfg.optim))
     model = wrap_model(chunks, tcfg, True, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
     optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), True)

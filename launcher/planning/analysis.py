@@ -79,7 +79,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     if not lower_bound:
         states = state_bytes(counts, dims, precision=cfg.train.precision, optimizer=cfg.optim.name,
                              use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-                             model_cfg=cfg.model, cache=cache, router_optimizer=cfg.optim.router_optimizer)
+                             model_cfg=cfg.model, cache=cache, router_optimizer=cfg.optim.router_optimizer,
+                             muon_zero1=cfg.optim.muon_zero1)
     main = main_phase(schedule)
     results: dict[Any, dict] = {}
     for phase in [p for p in schedule.phases if p.steps]:

@@ -185,6 +185,7 @@ def _kinds(counts, dims, r: int, v: int) -> tuple:
 
 
 def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
+    """``layer_wise``: megatron's layer-wise layout (``optim.muon_zero1=layer_wise``), else the byte-range one."""
     """megatron's ``FullParamLayout`` of one chunk (the call ``DistributedDataParallel.__init__`` makes,
     or the one :func:`k2.parallel.distributed.wrap_model` passes in for the layer-wise optimizer)."""
     with warnings.catch_warnings():
@@ -210,16 +211,16 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
 
 
 def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
-                 use_distributed_optimizer: bool, model_cfg: Any,
-                 router_optimizer: str = "muon") -> tuple[int, int, list, list]:
+                 use_distributed_optimizer: bool, model_cfg: Any, router_optimizer: str = "muon",
+                 muon_zero1: str = "byte_range") -> tuple[int, int, list, list]:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank)`` of one chunk."""
-    layer_wise = muon and use_distributed_optimizer
+    own_buffers = muon and use_distributed_optimizer  # the Muon matrices in DDP buffers of their own
     master = _MASTER_BYTES if precision == "bf16" else 0
     params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer)
+                           layer_wise=own_buffers, model_cfg=model_cfg, router_optimizer=router_optimizer)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = 0
-    layout = _layout(params, dims, use_distributed_optimizer, layer_wise)
+    layout = _layout(params, dims, use_distributed_optimizer, own_buffers and muon_zero1 == "layer_wise")
     for key, lay in layout.layouts.items():
         buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
         group = dims.expert_dp if key.is_expert_parallel else dims.dp
@@ -253,8 +254,8 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
 
 
 def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: Any, cache: Optional[dict] = None,
-                router_optimizer: str = "muon") -> list[list[StateBytes]]:
+                model_cfg: Any, cache: Optional[dict] = None, router_optimizer: str = "muon",
+                muon_zero1: str = "byte_range") -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
     Args:
@@ -267,6 +268,7 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
             search): chunks with the same layers, embedding/loss, ep, dp and expert-DP are laid out once.
         router_optimizer: ``optim.router_optimizer`` (:func:`k2.optim.params.route`).
+        muon_zero1: ``optim.muon_zero1`` (``byte_range`` | ``layer_wise``: the Muon matrices' ZeRO-1 layout).
 
     Returns:
         ``out[pp_rank][dp_rank]`` (the expert-DP rank of DP rank ``d`` is taken as ``d % expert_dp``; the
@@ -289,12 +291,12 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
             key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, optimizer,
-                   use_distributed_optimizer, router_optimizer)
+                   use_distributed_optimizer, router_optimizer, muon_zero1)
             if key not in cache:
                 cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
                                           muon=optimizer == "muonclip",
                                           use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg,
-                                          router_optimizer=router_optimizer)
+                                          router_optimizer=router_optimizer, muon_zero1=muon_zero1)
             n, b, dense, expert = cache[key]
             param_numel, buffer_numel = param_numel + n, buffer_numel + b
             dense_opt = [x + y for x, y in zip(dense_opt, dense)]

@@ -47,7 +47,7 @@ def measure(cfg, plan) -> dict:
     from megatron.core import parallel_state as ps
 
     from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
+    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
     from k2.optim.params import param_rules, tag_parameters
     from k2.parallel.distributed import wrap_model
 
@@ -55,7 +55,7 @@ def measure(cfg, plan) -> dict:
     chunks = build_model_chunks(cfg, plan.dims, tcfg)
     layout_independent_init(chunks, tcfg, cfg.run.seed)
     tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer),
+                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
                    **param_rules(cfg.optim))
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
     optimizer = build_optimizer(cfg.optim, model, tcfg, plan.schedule, cfg.parallel.use_distributed_optimizer)

@@ -69,7 +69,7 @@ def test_optimizer_table_shows_both_rules(megatron_world1):
     from k2.parallel.dims import ParallelDims
 
     tcfg = transformer_config(cfg, ParallelDims.from_config(cfg.parallel, cfg.model, 1))
-    rows = route_table(tag_parameters(chunks, tcfg, muon=True, layer_wise=True))
+    rows = route_table(tag_parameters(chunks, tcfg, muon=True, zero1_muon=True))
     by = {r["params"]: r for r in rows}
     router = by["decoder.layers.*.mlp.router.weight"]
     assert (router["optimizer"], router["rule"], router["weight_decay"]) == ("muon", "router", True)
@@ -79,7 +79,7 @@ def test_optimizer_table_shows_both_rules(megatron_world1):
     assert line.split()[3] == "muon" and line.split()[-1] == "yes"
     norm = next(x for x in text if x.startswith("decoder.final_layernorm.weight"))
     assert norm.split()[3] == "adamw" and norm.split()[-1] == "yes"
-    off = route_table(tag_parameters(chunks, tcfg, muon=True, layer_wise=True, router_optimizer="adamw",
+    off = route_table(tag_parameters(chunks, tcfg, muon=True, zero1_muon=True, router_optimizer="adamw",
                                      decay_all_params=False))
     by_off = {r["params"]: r for r in off}
     assert by_off["decoder.layers.*.mlp.router.weight"]["optimizer"] == "adamw"

@@ -81,16 +81,17 @@ def test_mla_rule_per_row_and_negative_head_untouched(megatron_world1):
     assert torch.equal(kv1[v_rows], kv0[v_rows])
 
 
-@pytest.mark.parametrize("optim", ["muonclip", "adamw"])
-def test_master_copies_scaled_too(megatron_world1, optim):
+@pytest.mark.parametrize("optim,zero1", [("muonclip", "byte_range"), ("muonclip", "layer_wise"), ("adamw", "-")])
+def test_master_copies_scaled_too(megatron_world1, optim, zero1):
     """bf16 weights: the fp32 master copy the optimizer steps is scaled with the weight -- whole copies
-    (MuonClip, layer-wise ZeRO-1) and the distributed optimizer's flat shard (AdamW)."""
-    cfg, chunks, model, optimizer = build_one_rank([f"optim={optim}", "train.precision=bf16"])
+    (MuonClip, layer-wise ZeRO-1) and the distributed optimizer's flat shard (AdamW, byte-range MuonClip)."""
+    extra = [f"optim.muon_zero1={zero1}"] if optim == "muonclip" else []
+    cfg, chunks, model, optimizer = build_one_rank([f"optim={optim}", "train.precision=bf16", *extra])
     a = _attn(chunks[0], 0)
     w = a.linear_kv_up_proj.weight
     main = w.main_param
     assert main is not None and main.dtype == torch.float32 and main.data_ptr() != w.data_ptr()
-    assert getattr(w, "main_param_sharded", False) == (optim == "adamw")
+    assert getattr(w, "main_param_sharded", False) == (zero1 != "layer_wise")
     w0, main0 = w.detach().float().clone(), main.detach().clone()
     a.core_attention.max_logits.copy_(torch.tensor([400.0, 1.0, 1.0, 1.0]))
     QKClip(model, optimizer, 100.0, num_layers=2).step()
