@@ -7,14 +7,20 @@ Both are megatron-core's optimizers:
   its ``DistributedOptimizer`` (ZeRO-1: fp32 master weights and moments sharded over DP by byte ranges).
 * ``muonclip``: :class:`k2.optim.muon.K2Muon` registered in megatron's emerging-optimizer registry as
   :data:`K2_MUON`, for the parameters :mod:`k2.optim.params` routes to Muon, megatron's Adam for the rest.
-  Newton-Schulz needs whole matrices, and megatron's byte-range ZeRO-1 shards cut matrices at shard
-  boundaries; so with ``k2.parallel.use_distributed_optimizer`` the Muon matrices go into megatron's
-  *layer-wise* distributed optimizer: DDP gets a layout (``LayerWiseDistributedOptimizer.
-  compute_full_param_layout``, see :func:`k2.parallel.distributed.wrap_model`) that bin-packs whole
-  parameters into the DP shards, its reduce-scatter leaves each rank the DP-summed gradient of the whole
-  matrices it owns, the owner runs the Muon step, and the updated weights are all-gathered. Every rank
-  thus applies the update a single rank would apply to the full DP-averaged gradient. The Adam
-  parameters keep the byte-range ``DistributedOptimizer``.
+  With ``k2.parallel.use_distributed_optimizer`` the Muon matrices sit in DDP buffers of their own and
+  ZeRO-1 shards them one of two ways (``optim.muon_zero1``); either way every rank applies the update a
+  single rank would apply to the full DP-averaged gradient, and the Adam parameters keep megatron's
+  byte-range ``DistributedOptimizer``:
+
+  - ``byte_range`` (default; Distributed Muon, "Muon is Scalable" section 2.3): megatron's standard
+    byte-range ``DistributedOptimizer`` layout, unpadded, running :mod:`k2.optim.distributed_muon` (a matrix
+    that a shard boundary cuts is gathered, orthogonalised whole, and each owner keeps its slice), built
+    by megatron's own per-(dense, expert) loop with the Muon/AdamW split (:func:`_byte_range_muonclip`).
+  - ``layer_wise``: megatron's *layer-wise* distributed optimizer: DDP gets a layout
+    (``LayerWiseDistributedOptimizer.compute_full_param_layout``, see
+    :func:`k2.parallel.distributed.wrap_model`) that bin-packs whole parameters into padded DP shards,
+    the owner of a matrix runs its Muon step, and the updated weights are all-gathered. It costs up to
+    2x the parameter + gradient bytes (K2's PP rank 0) and cannot resume at another DP size.
 
 What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each checked by a test):
 

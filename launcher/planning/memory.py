@@ -7,13 +7,15 @@ trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/test_
 * each PP rank's model chunks get their parameter list (names and shapes from
   :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU),
   as :class:`LayoutParam` stand-ins tagged like the trainer tags the parameters (``allreduce=False`` on expert parameters when
-  ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` on the Muon matrices of ``optim=muonclip``, routed by
+  ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` -- megatron's buffer key that gives them buffers of
+  their own -- on the Muon matrices of ``optim=muonclip`` under ZeRO-1, routed by
   :func:`k2.optim.params.route`);
-* megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1, ``optim=adamw``) or
-  ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole matrices bin-packed into the DP
-  shards, ``optim=muonclip``) lays each chunk's parameters into DDP's contiguous buffers: one buffer per
-  (dtype, expert) group, a parameter starting on a 64-element boundary, each buffer padded to a multiple
-  of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without ``k2.parallel.use_distributed_optimizer`` the
+* megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1: ``optim=adamw``, and
+  ``optim=muonclip`` with ``optim.muon_zero1=byte_range``, the Distributed Muon of
+  :mod:`k2.optim.distributed_muon`) or ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole
+  matrices bin-packed into the DP shards, ``optim.muon_zero1=layer_wise``) lays each chunk's parameters
+  into DDP's contiguous buffers: one buffer per (dtype, expert, Muon) group, a parameter starting on a
+  64-element boundary, each buffer padded to a multiple of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without ``k2.parallel.use_distributed_optimizer`` the
   buffers are unpadded (``_compute_default_per_buffer_param_layout``).
 
 Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffers are FP32,
