@@ -199,6 +199,10 @@ class OptimConfig:
     # (Distributed Muon, "Muon is Scalable" section 2.3; optim/distributed_muon.py) | layer_wise =
     # megatron's layer-wise distributed optimizer (whole matrices bin-packed into padded DP shards)
     muon_zero1: str = "byte_range"
+    # share of the optimizer states (FP32 master weights, AdamW moments, Muon momentum) kept in host memory
+    # (pinned with CUDA) between optimizer steps, by k2-train and in k2-plan's figures (K2 offloads part of
+    # them at 32 nodes; optim/offload.py). Needs the distributed optimizer (byte-range for MuonClip).
+    offload_fraction: float = 0.0
     # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
     # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
     # megatron's equivalent: qk_clip + qk_clip_threshold.
@@ -348,10 +352,6 @@ class PlanConfig:
     # fraction of cluster.peak_tflops a stage's model FLOPs run at (GEMM efficiency; communication
     # assumed hidden): sets the estimated step time, not the ranking of layouts
     compute_efficiency: float = 0.5
-    # share of the optimizer states kept in host memory (megatron's optimizer_cpu_offload /
-    # optimizer_offload_fraction; K2 offloads part of them at 32 nodes). Planning only: k2-train keeps
-    # them on the GPU.
-    optimizer_offload_fraction: float = 0.0
 
 
 @dataclass

@@ -110,6 +110,8 @@ def check_optim(o) -> None:
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
     _require(o.router_optimizer in ROUTER_OPTIMIZERS, "optim.router_optimizer", o.router_optimizer,
              ", ".join(ROUTER_OPTIMIZERS))
+    _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
+             o.offload_fraction, "0 <= value <= 1")
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
     if o.name != "muonclip":
@@ -186,8 +188,6 @@ def check_plan(p) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
     _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
              p.compute_efficiency, "0 < value <= 1")
-    _require(_finite(p.optimizer_offload_fraction) and 0 <= p.optimizer_offload_fraction <= 1,
-             "plan.optimizer_offload_fraction", p.optimizer_offload_fraction, "0 <= value <= 1")
     if p.step_time_s is not None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
@@ -270,6 +270,12 @@ def check_cross_section(cfg) -> None:
             f"data.vocab_size={cfg.data.vocab_size} (the embedded corpus tokenizer) exceeds "
             f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding table; set "
             f"model.vocab_size={cfg.data.vocab_size} (or larger) or data.vocab_size<={cfg.model.vocab_size}")
+    if cfg.optim.offload_fraction > 0 and not cfg.parallel.use_distributed_optimizer:
+        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} needs the distributed optimizer "
+                          "(allowed: parallel.use_distributed_optimizer=true, or optim.offload_fraction=0)")
+    if cfg.optim.offload_fraction > 0 and cfg.optim.name == "muonclip" and cfg.optim.muon_zero1 != "byte_range":
+        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} with optim=muonclip needs "
+                          "optim.muon_zero1=byte_range (allowed with layer_wise: optim.offload_fraction=0)")
     if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
         raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
                           "model.num_moe_experts=null")

@@ -3,7 +3,7 @@
 Example::
 
     k2-plan model=kimi_k2 parallel=k2_256gpu memory=k2 train.precision=bf16 train.micro_batch_size=1 \\
-        plan.optimizer_offload_fraction=1 plot=k2.png            # + output=json, plan.search=true
+        optim.offload_fraction=1 plot=k2.png      # + output=json, plan.search=true
 
 What it reports: :mod:`k2.launcher.planning.cluster`. Output: tables (``output=text``, the default, or
 ``table``) or one JSON object on stdout (``output=json``); ``plot=PATH.png`` also draws the per-rank

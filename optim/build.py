@@ -160,8 +160,8 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype, use_distributed_optimizer=dist_opt,
     )
     if not uses_muon(o):
-        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common), model,
-                                      config_overrides=overrides)
+        return _with_offload(o, get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16,
+                                                                       **common), model, config_overrides=overrides))
     _register_k2_muon()
     layer_wise = uses_layer_wise(o, dist_opt)
     ocfg = OptimizerConfig(
@@ -180,10 +180,24 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         **common,
     )
     if dist_opt and not layer_wise:
-        return _byte_range_muonclip(ocfg, model, overrides)
+        return _with_offload(o, _byte_range_muonclip(ocfg, model, overrides))
     optimizer = get_megatron_optimizer(ocfg, model, config_overrides=overrides)
     _copy_splits_to_master_params(model)
     return optimizer
+
+
+def _with_offload(optim_cfg, optimizer):
+    """``optimizer`` (megatron's ``ChainedOptimizer``) as a :class:`k2.optim.offload.OffloadedOptimizer` when
+    ``optim.offload_fraction > 0`` (its distributed optimizers' states in host memory between steps)."""
+    if not optim_cfg.offload_fraction:
+        return optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from k2.optim.offload import OffloadedOptimizer, StateOffload
+
+    leaves = [x for x in leaf_optimizers(optimizer) if isinstance(x, DistributedOptimizer)]
+    return OffloadedOptimizer(list(optimizer.chained_optimizers),
+                              StateOffload(leaves, float(optim_cfg.offload_fraction)))
 
 
 def _muon_kwargs(config) -> dict:

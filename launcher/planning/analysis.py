@@ -104,7 +104,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
                   for r in range(dims.pp)]
         makespan = sim.makespan + (m - m_sim) * max(period)
         busy = [x * m for x in period]
-        mem = gpu_memory(states, acts, sim, dims, float(cfg.plan.optimizer_offload_fraction))
+        mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction))
         results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan,
                         "bubble": (dims.pp * makespan - sum(busy)) / sum(busy), "memory": mem,
                         "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m}

@@ -29,7 +29,7 @@ Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffer
   layout gives whole matrices to one rank; all of it without the distributed optimizer): an FP32 master
   copy (4 B/element, only for BF16 parameters: FP32 parameters are their own master copy), AdamW's two
   moments (8 B/element) or Muon's momentum (4 B/element), and the optimizer's per-tensor step counter
-  (a 4-byte scalar per (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optimizer_offload_fraction`` of it lives in
+  (a 4-byte scalar per (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optim.offload_fraction`` of it lives in
   host memory (megatron's ``optimizer_cpu_offload``; K2 offloads part of the states at 32 nodes).
 
 K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over

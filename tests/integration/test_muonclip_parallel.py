@@ -80,5 +80,14 @@ def test_cpu4_matches_single_rank(three_step_runs, single_rank):
     _assert_run(single_rank, _run(three_step_runs, 4, ["parallel=cpu4"]), straddles=True)
 
 
+def test_dp2_offload_bitwise_identical(three_step_runs):
+    """optim.offload_fraction=1 (the momentum in host memory between steps): the same losses and weights
+    as the run without, bit for bit."""
+    ref_recs, ref_w, _ = _run(three_step_runs, 2)
+    recs, weights, _ = _run(three_step_runs, 2, ["optim.offload_fraction=1"])
+    assert [r["loss"] for r in recs] == [r["loss"] for r in ref_recs]
+    assert set(weights) == set(ref_w) and all(torch.equal(weights[n], ref_w[n]) for n in ref_w)
+
+
 def test_dp2_layer_wise_matches_single_rank(three_step_runs, single_rank):
     _assert_run(single_rank, _run(three_step_runs, 2, ["optim.muon_zero1=layer_wise"]), straddles=False)

@@ -47,3 +47,15 @@ def build_one_rank(overrides: list[str], layers: int = 2):
     model = wrap_model(chunks, tcfg, dist_opt, layer_wise=layer_wise)
     optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), dist_opt)
     return cfg, chunks, model, optimizer
+
+
+def measure_state_bytes_script():
+    """tests/support/scripts/measure_state_bytes.py as a module (its ``measure`` runs in this process)."""
+    import importlib.util
+
+    from support import SCRIPTS
+
+    spec = importlib.util.spec_from_file_location("measure_state_bytes", SCRIPTS / "measure_state_bytes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
