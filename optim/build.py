@@ -231,43 +231,51 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
 
     from k2.optim.distributed_muon import DistributedK2Muon, DistributedMuonOptimizer
 
+    import torch
+
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model, True)
+    tp = ProcessGroupCollection.use_mpu_process_groups()
     adam_cfg = copy.copy(ocfg)
     adam_cfg.optimizer = "adam"
+    # megatron aligns the param groups over all ranks (its checkpoints need the same optimizer structure
+    # everywhere); so is the set of parts: a part with parameters on no rank (e.g. AdamW for experts,
+    # whose weights are all Muon matrices) is left out everywhere
     groups = _get_param_groups(model, ocfg, get_standard_config_overrides(ocfg) if overrides is None else overrides)
+    keys = [(expert, muon) for expert in (False, True) for muon in (True, False)]
+    split = {(e, m): [{**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == m]}
+                      for g in groups if g["is_expert_parallel"] == e] for e, m in keys}
+    counts = torch.tensor([sum(len(g["params"]) for g in split[k]) for k in keys],
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(counts)
     parts = []
-    for expert in (False, True):
+    for (expert, muon), n in zip(keys, counts.tolist()):
+        if not n:
+            continue
         if expert:
             mp, dp, gloo = (pgs["expt_tp_pp_with_egtp_remat_group"], pgs["intra_expt_dp_group"],
                             pgs["intra_expt_dp_group_gloo"])
         else:
             mp, dp, gloo = pgs["mp_group"], pgs["intra_dp_cp_group"], pgs["intra_dp_cp_group_gloo"]
-        mine = [g for g in groups if g["is_expert_parallel"] == expert]
-        if not mine:
-            continue
-        tp = ProcessGroupCollection.use_mpu_process_groups()
-        for muon in (True, False):
-            sub = [{**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == muon]}
-                   for g in mine]
-            buffers = {}
-            for i, chunk in enumerate(model):
-                bufs = [b for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
-                        if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon]
-                if bufs:
-                    buffers[i] = bufs
-            if muon:
-                opt = DistributedMuonOptimizer(DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model,
-                                               buffers, dp, gloo, get_pg_rank(mp))
-                opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-                opt.tp_group, opt.expert_tp_group = tp.tp, getattr(tp, "expt_tp", tp.tp)
-            else:
-                opt = _get_megatron_optimizer_based_on_param_groups(
-                    config=adam_cfg, model_chunks=model, param_groups=sub, per_model_buffers=buffers,
-                    model_parallel_group=mp, data_parallel_group=dp, data_parallel_group_gloo=gloo,
-                    data_parallel_group_idx=get_pg_rank(mp), intra_dist_opt_group=pgs["intra_dist_opt_group"],
-                    distributed_optimizer_instance_id=0)
-                opt.config = ocfg  # megatron's ChainedOptimizer expects one config
-            parts.append(opt)
+        buffers = {}
+        for i, chunk in enumerate(model):
+            bufs = [b for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
+                    if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon]
+            if bufs:
+                buffers[i] = bufs
+        sub = split[(expert, muon)]
+        if muon:
+            opt = DistributedMuonOptimizer(DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model,
+                                           buffers, dp, gloo, get_pg_rank(mp))
+            opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+            opt.tp_group, opt.expert_tp_group = tp.tp, getattr(tp, "expt_tp", tp.tp)
+        else:
+            opt = _get_megatron_optimizer_based_on_param_groups(
+                config=adam_cfg, model_chunks=model, param_groups=sub, per_model_buffers=buffers,
+                model_parallel_group=mp, data_parallel_group=dp, data_parallel_group_gloo=gloo,
+                data_parallel_group_idx=get_pg_rank(mp), intra_dist_opt_group=pgs["intra_dist_opt_group"],
+                distributed_optimizer_instance_id=0)
+            opt.config = ocfg  # megatron's ChainedOptimizer expects one config
+        parts.append(opt)
     return ChainedOptimizer(parts)
 
 

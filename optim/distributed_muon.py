@@ -196,6 +196,32 @@ class DistributedMuonOptimizer(DistributedOptimizer):
         """Muon's one state tensor per shard."""
         return ("momentum_buffer",)
 
+    def state_dict(self):
+        """The non-parameter state (param groups), as megatron's ``state_dict``.
+
+        megatron's reads the per-tensor ``step`` torch's Adam keeps (without Apex/Transformer Engine) and
+        its ``load_state_dict`` expects one in every param group; Muon keeps none, so the groups carry
+        ``step`` 0 (unused by Muon).
+        """
+        inner = self.optimizer.state_dict()
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in inner["param_groups"]]
+        return {"optimizer": {**{k: v for k, v in inner.items() if k not in ("state", "param_groups")},
+                              "param_groups": groups}}
+
+    def load_state_dict(self, state_dict) -> None:
+        """megatron's ``load_state_dict``, without the ``step`` it adds to every state (Muon keeps none)."""
+        super().load_state_dict(state_dict)
+        for st in self.optimizer.state.values():
+            st.pop("step", None)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors) -> None:
+        """megatron's copy of one parameter's loaded shard into the master shard and its momentum; the
+        ``step`` its ``load_state_dict`` has just added to the state (torch Adam's, absent from Muon's
+        checkpoint) is dropped first, else megatron looks it up in the loaded tensors (KeyError)."""
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]].pop("step", None)
+        super()._set_main_param_and_optimizer_states(model_param, tensors)
+
     def start_param_sync_for_bucket_group_subset(self) -> None:
         """All-gather the parameters of this optimizer's own buckets (megatron's ``start_param_sync``)."""
         mine = {id(b) for buffer in self.buffers for b in buffer.buckets}
