@@ -209,10 +209,13 @@ class DistributedMuonOptimizer(DistributedOptimizer):
                               "param_groups": groups}}
 
     def load_state_dict(self, state_dict) -> None:
-        """megatron's ``load_state_dict``, without the ``step`` it adds to every state (Muon keeps none)."""
+        """megatron's ``load_state_dict``, without the ``step`` it adds to every state and param group
+        (Muon keeps none; megatron's ``ChainedOptimizer`` requires the groups' steps to agree)."""
         super().load_state_dict(state_dict)
         for st in self.optimizer.state.values():
             st.pop("step", None)
+        for group in self.optimizer.param_groups:
+            group.pop("step", None)
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors) -> None:
         """megatron's copy of one parameter's loaded shard into the master shard and its momentum; the
