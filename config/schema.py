@@ -191,8 +191,9 @@ class OptimConfig:
     # optimizer of the MoE router weight [experts, hidden] under optim=muonclip: muon (Moonlight, megatron's
     # default routing, Megatron-Bridge's Kimi-K2 recipe) | adamw
     router_optimizer: str = "muon"
-    # decoupled weight decay on every parameter, norm weights and biases included (Moonlight); false =
-    # megatron's default (no decay for 1-D tensors and biases)
+    # decoupled weight decay on every parameter, norm weights and biases included (Moonlight; K2's rule,
+    # the muonclip recipe's default); false = megatron's default (no decay for 1-D tensors and biases),
+    # the adamw recipe's (the CPU proxy's baseline)
     decay_all_params: bool = True
     # ZeRO-1 of the Muon matrices (with parallel.use_distributed_optimizer): byte_range = megatron's standard
     # byte-range distributed optimizer, unpadded, a matrix a shard boundary cuts gathered for Newton-Schulz

@@ -2,7 +2,7 @@
 
 Both are megatron-core's optimizers:
 
-* ``adamw``: megatron's Adam with decoupled weight decay (on every parameter by default, Moonlight's rule:
+* ``adamw``: megatron's Adam with decoupled weight decay (which parameters: ``optim.decay_all_params``,
   :mod:`k2.optim.params`); with ``k2.parallel.use_distributed_optimizer``
   its ``DistributedOptimizer`` (ZeRO-1: fp32 master weights and moments sharded over DP by byte ranges).
 * ``muonclip``: :class:`k2.optim.muon.K2Muon` registered in megatron's emerging-optimizer registry as

@@ -10,9 +10,9 @@ separately; AdamW for the token embedding, the output head, norms, biases and an
 tensor. The MoE expert bias is a buffer, updated by megatron's aux-loss-free balancing rule, in no
 optimizer.
 
-Weight decay (``optim.decay_all_params``, default true): Moonlight decays every parameter, and "Muon is
-Scalable" (arXiv 2502.16982, appendix D) calls decaying the RMSNorm gamma important for stability;
-false gives megatron's default (no decay for 1-D tensors and biases, its ``get_standard_config_overrides``).
+Weight decay (``optim.decay_all_params``, true in the muonclip recipe, false in the adamw baseline):
+Moonlight decays every parameter, and "Muon is Scalable" (arXiv 2502.16982, appendix D) calls decaying
+the RMSNorm gamma important for stability; false gives megatron's default (no decay for 1-D tensors and biases, its ``get_standard_config_overrides``).
 :func:`weight_decayed` is the rule; :func:`k2.optim.build.build_optimizer` gives megatron the matching
 param-group overrides.
 
