@@ -40,6 +40,8 @@ _MOVED = {
     "train.global_batch_size": "the global batch is set in tokens by schedule.global_batch_tokens "
                                "(sequences per step = global_batch_tokens / the phase's seq_length)",
     "train.seq_length": "the context length is set per phase by schedule.phases.<i>.seq_length",
+    "plan.optimizer_offload_fraction": "optim.offload_fraction (one setting for k2-plan and k2-train: the "
+                                       "share of the optimizer states kept in host memory)",
     "plan.split_backward": "k2-plan plans the trainer's own setting pipeline.decouple_wgrad (decoupled weight "
                            "gradients)",
 }

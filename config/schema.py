@@ -192,6 +192,25 @@ class OptimConfig:
     muon_scale_mode: str = "spectral"  # update x sqrt(max(A, B)) for an A x B matrix ...
     muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
     muon_fp32_matmul_prec: str = "medium"  # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    # Moonshot's parameter rules (Moonlight examples/toy_train.py: every parameter with ndim >= 2 except
+    # the token embedding and the output head goes to Muon, and every parameter is decayed; "Muon is
+    # Scalable", arXiv 2502.16982, appendix D: decaying the RMSNorm gamma matters for stability).
+    # optimizer of the MoE router weight [experts, hidden] under optim=muonclip: muon (Moonlight, megatron's
+    # default routing, Megatron-Bridge's Kimi-K2 recipe) | adamw
+    router_optimizer: str = "muon"
+    # decoupled weight decay on every parameter, norm weights and biases included (Moonlight; K2's rule,
+    # the muonclip recipe's default); false = megatron's default (no decay for 1-D tensors and biases),
+    # the adamw recipe's (the CPU proxy's baseline)
+    decay_all_params: bool = True
+    # ZeRO-1 of the Muon matrices (with parallel.use_distributed_optimizer): byte_range = megatron's standard
+    # byte-range distributed optimizer, unpadded, a matrix a shard boundary cuts gathered for Newton-Schulz
+    # (Distributed Muon, "Muon is Scalable" section 2.3; optim/distributed_muon.py) | layer_wise =
+    # megatron's layer-wise distributed optimizer (whole matrices bin-packed into padded DP shards)
+    muon_zero1: str = "byte_range"
+    # share of the optimizer states (FP32 master weights, AdamW moments, Muon momentum) kept in host memory
+    # (pinned with CUDA) between optimizer steps, by k2-train and in k2-plan's figures (K2 offloads part of
+    # them at 32 nodes; optim/offload.py). Needs the distributed optimizer (byte-range for MuonClip).
+    offload_fraction: float = 0.0
     # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
     # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
     # megatron's equivalent: qk_clip + qk_clip_threshold.
@@ -380,10 +399,6 @@ class PlanConfig:
     # fraction of cluster.peak_tflops a stage's model FLOPs run at (GEMM efficiency; communication
     # assumed hidden): sets the estimated step time, not the ranking of layouts
     compute_efficiency: float = 0.5
-    # share of the optimizer states kept in host memory (megatron's optimizer_cpu_offload /
-    # optimizer_offload_fraction; K2 offloads part of them at 32 nodes). Planning only: k2-train keeps
-    # them on the GPU.
-    optimizer_offload_fraction: float = 0.0
 
 
 @dataclass

@@ -22,13 +22,18 @@ from k2.config.errors import ConfigError
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS",
-    "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "SECTION_CHECKS", "WANDB_MODES", "check_cross_section",
-    "check_phase_memory", "check_schedule_memory", "resume_settings", "validate",
+    "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB",
+    "MUON_ZERO1", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "ROUTER_OPTIMIZERS",
+    "SECTION_CHECKS", "WANDB_MODES", "check_cross_section", "check_phase_memory", "check_schedule_memory",
+    "resume_settings", "validate",
 ]
 
 PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "muonclip")
+#: ``optim.router_optimizer``: the MoE router weight's optimizer under MuonClip
+ROUTER_OPTIMIZERS = ("muon", "adamw")
+#: ``optim.muon_zero1``: how ZeRO-1 shards the Muon matrices (k2.optim.build)
+MUON_ZERO1 = ("byte_range", "layer_wise")
 #: ``k2.model.attention_backend``: auto = te with Transformer Engine on CUDA, sdpa on CUDA without it, eager
 #: on CPU (``k2.model.backends``)
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
@@ -120,6 +125,10 @@ def check_optim(o) -> None:
     """``optim.*``: the optimizer, QK-Clip's tau and, for MuonClip, the Muon settings (K2 report section
     2.1; the Newton-Schulz coefficient names are emerging-optimizers')."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
+    _require(o.router_optimizer in ROUTER_OPTIMIZERS, "optim.router_optimizer", o.router_optimizer,
+             ", ".join(ROUTER_OPTIMIZERS))
+    _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
+             o.offload_fraction, "0 <= value <= 1")
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
     if o.name != "muonclip":
@@ -135,6 +144,7 @@ def check_optim(o) -> None:
     _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
     _require(o.muon_scale_mode in _MUON_SCALE_MODES, "optim.muon_scale_mode", o.muon_scale_mode,
              ", ".join(_MUON_SCALE_MODES))
+    _require(o.muon_zero1 in MUON_ZERO1, "optim.muon_zero1", o.muon_zero1, ", ".join(MUON_ZERO1))
     _require(o.muon_fp32_matmul_prec in _MUON_MATMUL_PRECISIONS, "optim.muon_fp32_matmul_prec",
              o.muon_fp32_matmul_prec,
              f"{', '.join(_MUON_MATMUL_PRECISIONS)} (medium = Newton-Schulz in bf16)")
@@ -224,8 +234,6 @@ def check_plan(p) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
     _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
              p.compute_efficiency, "0 < value <= 1")
-    _require(_finite(p.optimizer_offload_fraction) and 0 <= p.optimizer_offload_fraction <= 1,
-             "plan.optimizer_offload_fraction", p.optimizer_offload_fraction, "0 <= value <= 1")
     if p.step_time_s is not None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
@@ -320,6 +328,12 @@ def check_cross_section(cfg) -> None:
     if cfg.checkpoint.export_hf and not cfg.checkpoint.save_at_end:
         raise ConfigError("checkpoint.export_hf=true exports the checkpoint saved at the end of the run: "
                           "it needs checkpoint.save_at_end=true")
+    if cfg.optim.offload_fraction > 0 and not cfg.parallel.use_distributed_optimizer:
+        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} needs the distributed optimizer "
+                          "(allowed: parallel.use_distributed_optimizer=true, or optim.offload_fraction=0)")
+    if cfg.optim.offload_fraction > 0 and cfg.optim.name == "muonclip" and cfg.optim.muon_zero1 != "byte_range":
+        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} with optim=muonclip needs "
+                          "optim.muon_zero1=byte_range (allowed with layer_wise: optim.offload_fraction=0)")
     if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
         raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
                           "model.num_moe_experts=null")

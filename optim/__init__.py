@@ -3,5 +3,7 @@
 Modules (one direction): :mod:`k2.optim.muon` (the K2 Muon update on top of emerging-optimizers' Newton-Schulz)
 -> :mod:`k2.optim.params` (which parameter goes to which optimizer, and how a stored tensor splits into the
 matrices Muon orthogonalises) -> :mod:`k2.optim.build` (megatron's optimizers assembled for ZeRO-1) ->
-:mod:`k2.optim.qk_clip` (per-head weight rescaling from the recorded max logits).
+:mod:`k2.optim.qk_clip` (per-head weight rescaling from the recorded max logits). Beside them:
+:mod:`k2.optim.distributed_muon` (Muon on megatron's byte-range ZeRO-1 shards) and :mod:`k2.optim.offload`
+(optimizer states in host memory between steps), both used by :mod:`k2.optim.build`.
 """

@@ -2,18 +2,25 @@
 
 Both are megatron-core's optimizers:
 
-* ``adamw``: megatron's Adam with decoupled weight decay; with ``k2.parallel.use_distributed_optimizer``
+* ``adamw``: megatron's Adam with decoupled weight decay (which parameters: ``optim.decay_all_params``,
+  :mod:`k2.optim.params`); with ``k2.parallel.use_distributed_optimizer``
   its ``DistributedOptimizer`` (ZeRO-1: fp32 master weights and moments sharded over DP by byte ranges).
 * ``muonclip``: :class:`k2.optim.muon.K2Muon` registered in megatron's emerging-optimizer registry as
   :data:`K2_MUON`, for the parameters :mod:`k2.optim.params` routes to Muon, megatron's Adam for the rest.
-  Newton-Schulz needs whole matrices, and megatron's byte-range ZeRO-1 shards cut matrices at shard
-  boundaries; so with ``k2.parallel.use_distributed_optimizer`` the Muon matrices go into megatron's
-  *layer-wise* distributed optimizer: DDP gets a layout (``LayerWiseDistributedOptimizer.
-  compute_full_param_layout``, see :func:`k2.parallel.distributed.wrap_model`) that bin-packs whole
-  parameters into the DP shards, its reduce-scatter leaves each rank the DP-summed gradient of the whole
-  matrices it owns, the owner runs the Muon step, and the updated weights are all-gathered. Every rank
-  thus applies the update a single rank would apply to the full DP-averaged gradient. The Adam
-  parameters keep the byte-range ``DistributedOptimizer``.
+  With ``k2.parallel.use_distributed_optimizer`` the Muon matrices sit in DDP buffers of their own and
+  ZeRO-1 shards them one of two ways (``optim.muon_zero1``); either way every rank applies the update a
+  single rank would apply to the full DP-averaged gradient, and the Adam parameters keep megatron's
+  byte-range ``DistributedOptimizer``:
+
+  - ``byte_range`` (default; Distributed Muon, "Muon is Scalable" section 2.3): megatron's standard
+    byte-range ``DistributedOptimizer`` layout, unpadded, running :mod:`k2.optim.distributed_muon` (a matrix
+    that a shard boundary cuts is gathered, orthogonalised whole, and each owner keeps its slice), built
+    by megatron's own per-(dense, expert) loop with the Muon/AdamW split (:func:`_byte_range_muonclip`).
+  - ``layer_wise``: megatron's *layer-wise* distributed optimizer: DDP gets a layout
+    (``LayerWiseDistributedOptimizer.compute_full_param_layout``, see
+    :func:`k2.parallel.distributed.wrap_model`) that bin-packs whole parameters into padded DP shards,
+    the owner of a matrix runs its Muon step, and the updated weights are all-gathered. It costs up to
+    2x the parameter + gradient bytes (K2's PP rank 0) and cannot resume at another DP size.
 
 What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each checked by a test):
 
@@ -22,7 +29,7 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
   ``grad`` copy; ``ChainedOptimizer`` rejects them). The wrapper (``Float16OptimizerWithFloat16Params``)
   handles fp32 parameters as their own master copy, so the layer-wise path always asks for it
   (``bf16=True`` in the *optimizer* config; the model's precision is unchanged).
-* Its Muon routes every 2-D non-embedding weight to Muon (the router too), orthogonalises the fused
+* Its Muon routes every 2-D non-embedding weight to Muon (the router too, as K2 does), orthogonalises the fused
   SwiGLU ``linear_fc1`` as one matrix, normalises with eps 1e-7, and its fused-QKV split flag is not
   copied to the fp32 master copies: :mod:`k2.optim.muon` / :mod:`k2.optim.params` replace those rules, and
   :func:`build_optimizer` copies the split onto the master copies.
@@ -34,7 +41,7 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
 from __future__ import annotations
 
 from k2.optim.muon import SPLIT_ATTR, K2Muon
-from k2.optim.params import ROUTE_ATTR
+from k2.optim.params import LAYER_WISE_ATTR, ROUTE_ATTR
 from k2.schedules.lr import optimizer_lr_settings
 
 #: Name of :class:`k2.optim.muon.K2Muon` in megatron's emerging-optimizer registry.
@@ -60,10 +67,17 @@ def uses_muon(optim_cfg) -> bool:
     return optim_cfg.name == "muonclip"
 
 
-def uses_layer_wise(optim_cfg, use_distributed_optimizer: bool) -> bool:
-    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (MuonClip +
-    ``k2.parallel.use_distributed_optimizer``)."""
+def uses_zero1_muon(optim_cfg, use_distributed_optimizer: bool) -> bool:
+    """True when the Muon matrices are sharded by ZeRO-1 (MuonClip + ``k2.parallel.use_distributed_optimizer``):
+    they then sit in DDP buffers of their own (:func:`k2.optim.params.tag_parameters`)."""
     return uses_muon(optim_cfg) and bool(use_distributed_optimizer)
+
+
+def uses_layer_wise(optim_cfg, use_distributed_optimizer: bool) -> bool:
+    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (:func:`uses_zero1_muon` and
+    ``optim.muon_zero1=layer_wise``); False for the byte-range Distributed Muon
+    (:mod:`k2.optim.distributed_muon`)."""
+    return uses_zero1_muon(optim_cfg, use_distributed_optimizer) and optim_cfg.muon_zero1 == "layer_wise"
 
 
 def _register_k2_muon() -> None:
@@ -116,7 +130,8 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
     """The run's megatron optimizer (see the module docstring).
 
     The learning rate and weight decay of every param group come from the schedule
-    (``k2.schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike).
+    (``k2.schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike); which
+    parameters are decayed is ``optim.decay_all_params`` (:func:`k2.optim.params.weight_decayed`).
 
     Args:
         optim_cfg: the ``optim`` section.
@@ -135,6 +150,9 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
 
 
     o = optim_cfg
+    # optim.decay_all_params (k2.optim.params.weight_decayed): megatron's documented way to decay every
+    # parameter is an empty override dict; None selects its default (wd_mult 0 on 1-D tensors and biases).
+    overrides = {} if o.decay_all_params else None
     dist_opt = bool(use_distributed_optimizer)
     common = dict(
         **optimizer_lr_settings(schedule),
@@ -142,14 +160,16 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype, use_distributed_optimizer=dist_opt,
     )
     if not uses_muon(o):
-        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common), model)
+        return _with_offload(o, get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16,
+                                                                       **common), model, config_overrides=overrides))
     _register_k2_muon()
+    layer_wise = uses_layer_wise(o, dist_opt)
     ocfg = OptimizerConfig(
         optimizer=K2_MUON,
         # layer-wise ZeRO-1: bf16=True selects megatron's mixed-precision wrapper, which fp32 parameters
         # also need there (module docstring); it keeps fp32 parameters as their own master copy.
-        bf16=True if dist_opt else tcfg.bf16,
-        use_layer_wise_distributed_optimizer=dist_opt,
+        bf16=True if layer_wise else tcfg.bf16,
+        use_layer_wise_distributed_optimizer=layer_wise,
         muon_momentum=o.muon_momentum,
         muon_nesterov=o.muon_nesterov,
         muon_num_ns_steps=o.muon_num_ns_steps,
@@ -159,9 +179,104 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
         muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
         **common,
     )
-    optimizer = get_megatron_optimizer(ocfg, model)
+    if dist_opt and not layer_wise:
+        return _with_offload(o, _byte_range_muonclip(ocfg, model, overrides))
+    optimizer = get_megatron_optimizer(ocfg, model, config_overrides=overrides)
     _copy_splits_to_master_params(model)
     return optimizer
+
+
+def _with_offload(optim_cfg, optimizer):
+    """``optimizer`` (megatron's ``ChainedOptimizer``) as a :class:`k2.optim.offload.OffloadedOptimizer` when
+    ``optim.offload_fraction > 0`` (its distributed optimizers' states in host memory between steps)."""
+    if not optim_cfg.offload_fraction:
+        return optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from k2.optim.offload import OffloadedOptimizer, StateOffload
+
+    leaves = [x for x in leaf_optimizers(optimizer) if isinstance(x, DistributedOptimizer)]
+    return OffloadedOptimizer(list(optimizer.chained_optimizers),
+                              StateOffload(leaves, float(optim_cfg.offload_fraction)))
+
+
+def _muon_kwargs(config) -> dict:
+    """:class:`k2.optim.muon.K2Muon`'s arguments from megatron's ``OptimizerConfig``."""
+    return dict(
+        lr=config.lr, momentum=config.muon_momentum, weight_decay=config.weight_decay,
+        nesterov=config.muon_nesterov, coefficient_type=config.muon_coefficient_type,
+        num_ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
+        extra_scale_factor=config.muon_extra_scale_factor, fp32_matmul_prec=config.muon_fp32_matmul_prec,
+    )
+
+
+def _byte_range_muonclip(ocfg, model: list, overrides):
+    """MuonClip on megatron's byte-range ``DistributedOptimizer`` (``optim.muon_zero1=byte_range``).
+
+    megatron's own ``get_megatron_optimizer`` loop, with the Muon/AdamW split added: for dense and for
+    expert parameters (their DP group: the expert-DP group), one
+    :class:`k2.optim.distributed_muon.DistributedMuonOptimizer` over the buffers holding the Muon
+    matrices and one megatron Adam ``DistributedOptimizer`` over the other buffers, chained.
+    """
+    import copy
+
+    from megatron.core.optimizer import (
+        ChainedOptimizer,
+        _get_megatron_optimizer_based_on_param_groups,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_rank
+
+    from k2.optim.distributed_muon import DistributedK2Muon, DistributedMuonOptimizer
+
+    import torch
+
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model, True)
+    tp = ProcessGroupCollection.use_mpu_process_groups()
+    adam_cfg = copy.copy(ocfg)
+    adam_cfg.optimizer = "adam"
+    # megatron aligns the param groups over all ranks (its checkpoints need the same optimizer structure
+    # everywhere); so is the set of parts: a part with parameters on no rank (e.g. AdamW for experts,
+    # whose weights are all Muon matrices) is left out everywhere
+    groups = _get_param_groups(model, ocfg, get_standard_config_overrides(ocfg) if overrides is None else overrides)
+    keys = [(expert, muon) for expert in (False, True) for muon in (True, False)]
+    split = {(e, m): [{**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == m]}
+                      for g in groups if g["is_expert_parallel"] == e] for e, m in keys}
+    counts = torch.tensor([sum(len(g["params"]) for g in split[k]) for k in keys],
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(counts)
+    parts = []
+    for (expert, muon), n in zip(keys, counts.tolist()):
+        if not n:
+            continue
+        if expert:
+            mp, dp, gloo = (pgs["expt_tp_pp_with_egtp_remat_group"], pgs["intra_expt_dp_group"],
+                            pgs["intra_expt_dp_group_gloo"])
+        else:
+            mp, dp, gloo = pgs["mp_group"], pgs["intra_dp_cp_group"], pgs["intra_dp_cp_group_gloo"]
+        buffers = {}
+        for i, chunk in enumerate(model):
+            bufs = [b for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
+                    if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon]
+            if bufs:
+                buffers[i] = bufs
+        sub = split[(expert, muon)]
+        if muon:
+            opt = DistributedMuonOptimizer(DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model,
+                                           buffers, dp, gloo, get_pg_rank(mp))
+            opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+            opt.tp_group, opt.expert_tp_group = tp.tp, getattr(tp, "expt_tp", tp.tp)
+        else:
+            opt = _get_megatron_optimizer_based_on_param_groups(
+                config=adam_cfg, model_chunks=model, param_groups=sub, per_model_buffers=buffers,
+                model_parallel_group=mp, data_parallel_group=dp, data_parallel_group_gloo=gloo,
+                data_parallel_group_idx=get_pg_rank(mp), intra_dist_opt_group=pgs["intra_dist_opt_group"],
+                distributed_optimizer_instance_id=0)
+            opt.config = ocfg  # megatron's ChainedOptimizer expects one config
+        parts.append(opt)
+    return ChainedOptimizer(parts)
 
 
 def shard_straddlers(full_param_layout) -> list:

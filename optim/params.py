@@ -1,12 +1,20 @@
 """Which parameter goes to which optimizer under MuonClip, and which matrices Muon sees in each.
 
-K2 rule (docs/k2_reference.md "Optimizer"; K2 report section 2.1): Muon for every weight matrix of the transformer
--- attention projections (MLA: ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
-``linear_kv_up_proj``, ``linear_proj``, each one matrix), dense and expert MLPs, shared experts --
-with each expert's matrices and the SwiGLU gate and up projections orthogonalised separately; AdamW for
-the token embedding, the output head, the router weights, norms, biases and any other non-matrix
+K2 rule (docs/k2_reference.md "Optimizer"; K2 report section 2.1; Moonshot's reference code, Moonlight
+``examples/toy_train.py``: every parameter with ndim >= 2 except the token embedding and the output head):
+Muon for every weight matrix of the transformer -- attention projections (MLA: ``linear_q_down_proj``,
+``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``, each one matrix),
+dense and expert MLPs, shared experts, the MoE router weight (``optim.router_optimizer``, default
+``muon``) -- with each expert's matrices and the SwiGLU gate and up projections orthogonalised
+separately; AdamW for the token embedding, the output head, norms, biases and any other non-matrix
 tensor. The MoE expert bias is a buffer, updated by megatron's aux-loss-free balancing rule, in no
 optimizer.
+
+Weight decay (``optim.decay_all_params``, true in the muonclip recipe, false in the adamw baseline):
+Moonlight decays every parameter, and "Muon is Scalable" (arXiv 2502.16982, appendix D) calls decaying
+the RMSNorm gamma important for stability; false gives megatron's default (no decay for 1-D tensors and biases, its ``get_standard_config_overrides``).
+:func:`weight_decayed` is the rule; :func:`k2.optim.build.build_optimizer` gives megatron the matching
+param-group overrides.
 
 :func:`tag_parameters` writes the decision onto each parameter (before megatron's DDP builds its buffers:
 the ZeRO-1 layout depends on it) and returns one :class:`ParamRoute` per parameter;
@@ -27,7 +35,9 @@ from k2.optim.muon import SPLIT_ATTR, MatrixSplit
 
 #: Parameter attribute: ``"muon"`` or ``"adamw"``.
 ROUTE_ATTR = "k2_optimizer"
-#: megatron-core's attribute that puts a parameter into the layer-wise (whole-matrix) ZeRO-1 buffers.
+#: megatron-core's buffer key (``BufferKey.is_managed_by_layer_wise_optimizer``): True puts a parameter into
+#: DDP buffers apart from the others; under ZeRO-1 the Muon matrices go there, owned by the Muon
+#: optimizer (byte-range :mod:`k2.optim.distributed_muon` or megatron's layer-wise one).
 LAYER_WISE_ATTR = "is_managed_by_layer_wise_optimizer"
 
 
@@ -42,8 +52,7 @@ class ParamRoute:
         rule: why (``"matrix"``, ``"embedding"``, ``"output head"``, ``"router"``, ``"norm/bias/1-D"``...).
         matrices: the matrices Muon orthogonalises, e.g. ``"gate [64, 128] + up [64, 128]"``; ``"-"``
             for AdamW.
-        weight_decay: whether decoupled weight decay applies (megatron's rule: not on 1-D tensors and
-            biases).
+        weight_decay: whether decoupled weight decay applies (:func:`weight_decayed`).
     """
 
     name: str
@@ -69,13 +78,32 @@ def _split_for(name: str, p: torch.Tensor, tcfg) -> tuple[Optional[MatrixSplit],
     return None, []
 
 
-def route(name: str, p: torch.Tensor, tcfg) -> tuple[str, str, Optional[MatrixSplit], str]:
+def weight_decayed(name: str, p, decay_all_params: bool = True) -> bool:
+    """Whether decoupled weight decay applies to parameter ``name``.
+
+    ``decay_all_params`` (``optim.decay_all_params``; Moonlight ``examples/toy_train.py``, "Muon is
+    Scalable" appendix D): every parameter. Otherwise megatron-core's default rule
+    (``get_standard_config_overrides``): not on 1-D tensors (norm weights) and biases.
+    """
+    return decay_all_params or not (p.dim() == 1 or name.endswith(".bias"))
+
+
+def param_rules(optim_cfg) -> dict:
+    """The ``optim`` section's parameter rules as keyword arguments of :func:`tag_parameters`:
+    ``{"router_optimizer": ..., "decay_all_params": ...}``."""
+    return {"router_optimizer": optim_cfg.router_optimizer, "decay_all_params": bool(optim_cfg.decay_all_params)}
+
+
+def route(name: str, p: torch.Tensor, tcfg,
+          router_optimizer: str = "muon") -> tuple[str, str, Optional[MatrixSplit], str]:
     """K2 optimizer of one parameter.
 
     Args:
         name: parameter name (local or global; only the suffix matters).
         p: the parameter (its shape and megatron's ``is_embedding_or_output_parameter`` flag).
         tcfg: megatron ``TransformerConfig`` (``gated_linear_unit``, heads, query groups, kv_channels).
+        router_optimizer: ``optim.router_optimizer``: ``"muon"`` (Moonlight's rule: the router weight
+            ``[experts, hidden]`` is one matrix) or ``"adamw"``.
 
     Returns:
         ``(optimizer, rule, split, matrices)``: ``optimizer`` is ``"muon"`` or ``"adamw"``; ``split`` the
@@ -85,14 +113,15 @@ def route(name: str, p: torch.Tensor, tcfg) -> tuple[str, str, Optional[MatrixSp
         return "adamw", "embedding", None, "-"
     if name.endswith("output_layer.weight") or getattr(p, "is_embedding_or_output_parameter", False):
         return "adamw", "output head", None, "-"
-    if ".router." in name:
+    if ".router." in name and router_optimizer != "muon":
         return "adamw", "router", None, "-"
     if p.dim() <= 1 or name.endswith(".bias"):
         return "adamw", "norm/bias/1-D", None, "-"
     if p.dim() == 2:
         split, parts = _split_for(name, p, tcfg)
         if split is None:
-            return "muon", "matrix", None, f"[{p.shape[0]}, {p.shape[1]}]"
+            rule = "router" if ".router." in name else "matrix"
+            return "muon", rule, None, f"[{p.shape[0]}, {p.shape[1]}]"
         desc = " + ".join(f"{n} [{split.groups * s}, {p.shape[1]}]" for n, s in zip(parts, split.sizes))
         return "muon", "fused matrices", split, desc
     if p.dim() == 3:
@@ -112,19 +141,22 @@ def _global_names(chunk, tcfg) -> dict[int, str]:
     return {id(p): global_param_name(n, layer_numbers, ep_rank * per_rank) for n, p in chunk.named_parameters()}
 
 
-def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool) -> list[ParamRoute]:
+def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_optimizer: str = "muon",
+                   decay_all_params: bool = True) -> list[ParamRoute]:
     """Decide and record every trainable parameter's optimizer (call before megatron's DDP wrap).
 
     Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``"adamw"`` when ``muon`` is
     False), :data:`k2.optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
-    (True for Muon parameters when ``layer_wise``: they go into the whole-matrix ZeRO-1 buffers).
+    (True for Muon parameters when ``zero1_muon``: they go into DDP buffers of their own).
 
     Args:
         chunks: this rank's unwrapped model chunks (``GPTModel``).
         tcfg: megatron ``TransformerConfig``.
         muon: optimizer is MuonClip.
-        layer_wise: ZeRO-1 with megatron's layer-wise distributed optimizer (``muon`` and
-            ``k2.parallel.use_distributed_optimizer``).
+        zero1_muon: the Muon matrices are sharded by ZeRO-1 (:func:`k2.optim.build.uses_zero1_muon`).
+        router_optimizer: ``optim.router_optimizer`` (:func:`route`).
+        decay_all_params: ``optim.decay_all_params`` (:func:`weight_decayed`; shown in the table only:
+            :func:`k2.optim.build.build_optimizer` applies it).
 
     Returns:
         this rank's routes, in parameter order.
@@ -135,7 +167,7 @@ def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool) -> list[Par
         for local, p in chunk.named_parameters():
             if not p.requires_grad:
                 continue
-            opt, rule, split, matrices = route(local, p, tcfg)
+            opt, rule, split, matrices = route(local, p, tcfg, router_optimizer)
             if not muon:
                 opt, rule, split, matrices = "adamw", "optim=adamw", None, "-"
             setattr(p, ROUTE_ATTR, opt)
@@ -143,9 +175,9 @@ def tag_parameters(chunks: list, tcfg, muon: bool, layer_wise: bool) -> list[Par
                 setattr(p, SPLIT_ATTR, split)
             elif hasattr(p, SPLIT_ATTR):
                 delattr(p, SPLIT_ATTR)
-            if layer_wise:
+            if zero1_muon:
                 setattr(p, LAYER_WISE_ATTR, opt == "muon")
-            wd = not (p.dim() == 1 or local.endswith(".bias"))
+            wd = weight_decayed(local, p, decay_all_params)
             routes.append(ParamRoute(names[id(p)], tuple(p.shape), opt, rule, matrices, wd))
     return routes
 

@@ -184,10 +184,11 @@ class QKClip:
         if master is None:
             return
         main, start, end = master
+        # (the master copy may live in host memory between steps: optim.offload_fraction)
         if start is None:
-            main.mul_(rows.to(main.dtype))
+            main.mul_(rows.to(main.device, main.dtype))
         else:
-            main.mul_(rows.expand(p.shape).reshape(-1)[start:end].to(main.dtype))
+            main.mul_(rows.expand(p.shape).reshape(-1)[start:end].to(main.device, main.dtype))
 
     @torch.no_grad()
     def step(self, apply: bool = True) -> dict:

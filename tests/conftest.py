@@ -16,8 +16,9 @@ _HEAVY_FIRST = {
     "tests/integration/test_checkpoint.py": 400,
     "tests/integration/test_slurm_real.py": 300,
     "tests/integration/test_train_run.py": 170,
-    "tests/integration/test_bench_runs.py": 160,
+    "tests/integration/test_bench_runs.py": 240,
     "tests/integration/test_sweep.py": 115,
+    "tests/integration/test_muonclip_parallel.py": 110,
     "tests/integration/test_checkpoint_integrity.py": 90,
     "tests/integration/test_pipeline_wgrad.py": 60,
     "tests/integration/test_memory_train.py": 90,  # + two cpu4 runs of whole-layer recompute (~90 s)

@@ -93,7 +93,7 @@ def _build_setting(setting: str, base: list[str], dims, phase, o: dict):
     tcfg = transformer_config(cfg, dims, rope_type=phase.rope_type)
     chunks = build_model_chunks(cfg, dims, tcfg, MemoryOptions.from_config(cfg, attribute=True))
     layout_independent_init(chunks, tcfg, o["seed"])
-    tag_parameters(chunks, tcfg, muon=False, layer_wise=False)
+    tag_parameters(chunks, tcfg, muon=False, zero1_muon=False)
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer)
     optimizer = build_optimizer(cfg.optim, model, tcfg, sched, cfg.parallel.use_distributed_optimizer)
     for g in optimizer.param_groups:

@@ -14,8 +14,8 @@ from k2.launcher.training.step import forward_step
 from k2.model.activation_memory import MemoryOptions
 from k2.model.attention import K2CoreAttention
 from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
-from k2.optim.params import tag_parameters
+from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
+from k2.optim.params import param_rules, tag_parameters
 from k2.optim.qk_clip import QKClip
 from k2.parallel.dims import ParallelDims
 from k2.parallel.distributed import wrap_model
@@ -146,7 +146,8 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
     chunks = build_model_chunks(cfg, dims, tcfg, MemoryOptions.from_config(cfg))
     _init(chunks, tcfg, o)
     tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
+                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
+                   **param_rules(cfg.optim))
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
     optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), cfg.parallel.use_distributed_optimizer)
     for g in optimizer.param_groups:

@@ -22,15 +22,15 @@ process group, checksums in the ranks, in parallel, before the model is built.
 
 What is in a checkpoint: model parameters of every chunk (megatron sharded state dict: global
 layer numbers, experts by global index), the optimizer (megatron's ``DistributedOptimizer`` in the
-``dp_reshardable`` format: fp32 master weights, Adam moments; Muon momentum through the layer-wise
-optimizer), the LR/schedule position (``k2.schedules.lr.TokenLRScheduler`` state: tokens consumed, steps),
+``dp_reshardable`` format: fp32 master weights, Adam moments, Muon momentum; megatron's layer-wise optimizer
+with ``optim.muon_zero1=layer_wise``), the LR/schedule position (``k2.schedules.lr.TokenLRScheduler`` state: tokens consumed, steps),
 the data position (the step: global batch ``j`` of a context stretch reads samples ``[jG, (j+1)G)``, see
 ``k2.launcher.training.phase_data.PhaseData``), the RNG state of every rank (torch CPU/CUDA generators, Python,
 NumPy, megatron's model-parallel RNG-tracker streams) and the wandb run id.
 
 Resharding: megatron's dist-checkpointing reshards model tensors for any layout; its optimizer formats
 that work here reshard over DP only (``dp_reshardable``; the layer-wise Muon optimizer: the same DP).
-So a resume may change the DP size (AdamW) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
+So a resume may change the DP size (AdamW, MuonClip's byte-range Distributed Muon) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
 says so before any process starts.
 
 Modules: ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),

@@ -95,7 +95,7 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
             f"checkpoint {path} was written with PP={saved['pp']} VPP={saved['vpp']} EP={saved['ep']} "
             f"(DP={saved['dp']}); this run has PP={layout['pp']} VPP={layout['vpp']} EP={layout['ep']}. "
             f"Compatible layouts: parallel.pp={saved['pp']}, parallel.vpp={saved['vpp']}, "
-            f"parallel.ep={saved['ep']} with any DP that divides the run (AdamW); the optimizer "
+            f"parallel.ep={saved['ep']} with any DP that divides the run; the optimizer "
             "checkpoint formats reshard over DP only"
         )
     if saved["dp"] != layout["dp"] and state.get("optimizer_dp_fixed"):

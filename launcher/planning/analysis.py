@@ -127,7 +127,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     if not lower_bound:
         states = state_bytes(counts, dims, precision=cfg.train.precision, optimizer=cfg.optim.name,
                              use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-                             model_cfg=cfg.model, cache=cache)
+                             model_cfg=cfg.model, cache=cache, router_optimizer=cfg.optim.router_optimizer,
+                             muon_zero1=cfg.optim.muon_zero1)
     main = main_phase(schedule)
     results: dict[Any, dict] = {}
     keys = {}
@@ -156,7 +157,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
                   for r in range(dims.pp)]
         makespan = sim.makespan + (m - m_sim) * max(period)
         busy = [x * m for x in period]
-        mem = gpu_memory(states, acts, sim, dims, float(cfg.plan.optimizer_offload_fraction))
+        mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction))
         results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan,
                         "bubble": (dims.pp * makespan - sum(busy)) / sum(busy), "memory": mem,
                         "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,

@@ -7,13 +7,15 @@ trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/test_
 * each PP rank's model chunks get their parameter list (names and shapes from
   :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU),
   as :class:`LayoutParam` stand-ins tagged like the trainer tags the parameters (``allreduce=False`` on expert parameters when
-  ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` on the Muon matrices of ``optim=muonclip``, routed by
+  ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` -- megatron's buffer key that gives them buffers of
+  their own -- on the Muon matrices of ``optim=muonclip`` under ZeRO-1, routed by
   :func:`k2.optim.params.route`);
-* megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1, ``optim=adamw``) or
-  ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole matrices bin-packed into the DP
-  shards, ``optim=muonclip``) lays each chunk's parameters into DDP's contiguous buffers: one buffer per
-  (dtype, expert) group, a parameter starting on a 64-element boundary, each buffer padded to a multiple
-  of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without ``k2.parallel.use_distributed_optimizer`` the
+* megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1: ``optim=adamw``, and
+  ``optim=muonclip`` with ``optim.muon_zero1=byte_range``, the Distributed Muon of
+  :mod:`k2.optim.distributed_muon`) or ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole
+  matrices bin-packed into the DP shards, ``optim.muon_zero1=layer_wise``) lays each chunk's parameters
+  into DDP's contiguous buffers: one buffer per (dtype, expert, Muon) group, a parameter starting on a
+  64-element boundary, each buffer padded to a multiple of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without ``k2.parallel.use_distributed_optimizer`` the
   buffers are unpadded (``_compute_default_per_buffer_param_layout``).
 
 Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffers are FP32,
@@ -27,7 +29,7 @@ Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffer
   layout gives whole matrices to one rank; all of it without the distributed optimizer): an FP32 master
   copy (4 B/element, only for BF16 parameters: FP32 parameters are their own master copy), AdamW's two
   moments (8 B/element) or Muon's momentum (4 B/element), and the optimizer's per-tensor step counter
-  (a 4-byte scalar per (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optimizer_offload_fraction`` of it lives in
+  (a 4-byte scalar per (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optim.offload_fraction`` of it lives in
   host memory (megatron's ``optimizer_cpu_offload``; K2 offloads part of the states at 32 nodes).
 
 K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over
@@ -127,7 +129,7 @@ class LayoutParam:
 
 
 def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
-                  muon: bool, layer_wise: bool, model_cfg: Any) -> list[LayoutParam]:
+                  muon: bool, layer_wise: bool, model_cfg: Any, router_optimizer: str = "muon") -> list[LayoutParam]:
     """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
     (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
     ep``), the final norm and output head; tagged as the trainer tags the real parameters."""
@@ -144,7 +146,7 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
                                                                         f"{layer_index}.", 1)
         p = LayoutParam(spec, name, dtype)
         if muon:
-            p.k2_optimizer = route(spec.name, p, rcfg)[0]
+            p.k2_optimizer = route(spec.name, p, rcfg, router_optimizer)[0]
         if spec.expert is not None and ep > 1:
             p.allreduce = False  # megatron: expert parameters reduce over the expert-DP group
         if layer_wise:
@@ -164,7 +166,8 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
     return params
 
 
-def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any) -> list:
+def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any,
+                     router_optimizer: str = "muon") -> list:
     """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
 
     Returns:
@@ -173,7 +176,8 @@ def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bo
     """
     return [[_chunk_params(counts, _kinds(counts, dims, r, v), dims.stage_has_embedding(r, v),
                            dims.stage_has_loss(r, v), dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg) for v in range(dims.vpp)]
+                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer)
+             for v in range(dims.vpp)]
             for r in range(dims.pp)]
 
 
@@ -182,6 +186,7 @@ def _kinds(counts, dims, r: int, v: int) -> tuple:
 
 
 def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
+    """``layer_wise``: megatron's layer-wise layout (``optim.muon_zero1=layer_wise``), else the byte-range one."""
     """megatron's ``FullParamLayout`` of one chunk (the call ``DistributedDataParallel.__init__`` makes,
     or the one :func:`k2.parallel.distributed.wrap_model` passes in for the layer-wise optimizer)."""
     with warnings.catch_warnings():
@@ -207,15 +212,16 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
 
 
 def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
-                 use_distributed_optimizer: bool, model_cfg: Any) -> tuple[int, int, list, list]:
+                 use_distributed_optimizer: bool, model_cfg: Any, router_optimizer: str = "muon",
+                 muon_zero1: str = "byte_range") -> tuple[int, int, list, list]:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank)`` of one chunk."""
-    layer_wise = muon and use_distributed_optimizer
+    own_buffers = muon and use_distributed_optimizer  # the Muon matrices in DDP buffers of their own
     master = _MASTER_BYTES if precision == "bf16" else 0
     params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg)
+                           layer_wise=own_buffers, model_cfg=model_cfg, router_optimizer=router_optimizer)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = 0
-    layout = _layout(params, dims, use_distributed_optimizer, layer_wise)
+    layout = _layout(params, dims, use_distributed_optimizer, own_buffers and muon_zero1 == "layer_wise")
     for key, lay in layout.layouts.items():
         buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
         group = dims.expert_dp if key.is_expert_parallel else dims.dp
@@ -249,7 +255,8 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
 
 
 def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: Any, cache: Optional[dict] = None) -> list[list[StateBytes]]:
+                model_cfg: Any, cache: Optional[dict] = None, router_optimizer: str = "muon",
+                muon_zero1: str = "byte_range") -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
     Args:
@@ -261,6 +268,8 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         model_cfg: ``cfg.model``.
         cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
             search): chunks with the same layers, embedding/loss, ep, dp and expert-DP are laid out once.
+        router_optimizer: ``optim.router_optimizer`` (:func:`k2.optim.params.route`).
+        muon_zero1: ``optim.muon_zero1`` (``byte_range`` | ``layer_wise``: the Muon matrices' ZeRO-1 layout).
 
     Returns:
         ``out[pp_rank][dp_rank]`` (the expert-DP rank of DP rank ``d`` is taken as ``d % expert_dp``; the
@@ -283,11 +292,12 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
             key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, optimizer,
-                   use_distributed_optimizer)
+                   use_distributed_optimizer, router_optimizer, muon_zero1)
             if key not in cache:
                 cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
                                           muon=optimizer == "muonclip",
-                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg)
+                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg,
+                                          router_optimizer=router_optimizer, muon_zero1=muon_zero1)
             n, b, dense, expert = cache[key]
             param_numel, buffer_numel = param_numel + n, buffer_numel + b
             dense_opt = [x + y for x, y in zip(dense_opt, dense)]

@@ -56,8 +56,8 @@ from k2.model.build import (
 )
 from k2.model.flops import mfu, step_flops
 from k2.model.saved_tensors import SavedBytesMeter
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
-from k2.optim.params import format_route_table, route_table, tag_parameters
+from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
+from k2.optim.params import format_route_table, param_rules, route_table, tag_parameters
 from k2.optim.qk_clip import QKClip
 from k2.parallel.distributed import DistEnv, init_distributed, wrap_model
 from k2.schedules.lr import TokenLRScheduler
@@ -159,7 +159,9 @@ class Trainer:
         dist_opt = cfg.parallel.use_distributed_optimizer
         layer_wise = uses_layer_wise(cfg.optim, dist_opt)
         # which parameter goes to which optimizer: decided before DDP lays out its ZeRO-1 buffers
-        routes = tag_parameters(self.chunks, self.tcfg, muon=uses_muon(cfg.optim), layer_wise=layer_wise)
+        routes = tag_parameters(self.chunks, self.tcfg, muon=uses_muon(cfg.optim),
+                                zero1_muon=uses_zero1_muon(cfg.optim, dist_opt),
+                                **param_rules(cfg.optim))
         # decoupled weight gradients are set up before DDP registers its grad hooks
         self.pipeline, delay_wgrad = setup_pipeline(cfg.pipeline, self.chunks)
         self.model = wrap_model(self.chunks, self.tcfg, dist_opt, layer_wise=layer_wise,

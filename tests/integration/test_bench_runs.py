@@ -1,5 +1,6 @@
-"""k2-bench runs that start ranks: bench=pipeline (decoupled wgrad off and on, real k2-train runs) and
-bench=memory (five activation-memory settings on a parallel layout).
+"""k2-bench runs that start ranks: bench=pipeline (decoupled wgrad off and on, real k2-train runs),
+bench=memory (five activation-memory settings on a parallel layout) and bench=optimizer's DP=2 ZeRO-1
+cases (byte-range Distributed Muon with and without offload, layer-wise).
 """
 
 from __future__ import annotations
@@ -43,3 +44,20 @@ def test_memory_bench_five_settings_in_one_run(capsys):
     assert fig["fp8"]["saved_bytes"] < none and fig["recompute"]["saved_bytes"] < none
     assert fig["offload"]["saved_bytes"] < none and fig["offload"]["host_bytes"] > 0
     assert fig["all"]["saved_bytes"] < min(fig[s]["saved_bytes"] for s in ("fp8", "recompute", "offload"))
+
+
+@pytest.mark.slow
+def test_optimizer_bench_dp2_zero1_cases_in_one_run(capsys):
+    """bench=optimizer on DP=2: the byte-range step (with a straddling matrix gathered), the same with the
+    optimizer states offloaded, and megatron's layer-wise step, timed in one run, with their ratios (the
+    numbers, not the speed, are checked)."""
+    rc, out, err = run_tool(capsys, main, ["bench=optimizer", "output=json", "bench.options.repeats=1",
+                                          "bench.options.warmup=0"])
+    assert rc == 0, err
+    fig = json.loads(out)["figures"]
+    assert fig["dp2_straddling_muon_matrices"] >= 1
+    t = {k: fig[f"time_dp2_{k}_ms"] for k in ("byte_range", "byte_range_offload", "layer_wise")}
+    assert min(t.values()) > 0
+    assert fig["byte_range_over_layer_wise"] == pytest.approx(t["byte_range"] / t["layer_wise"])
+    assert fig["offload_over_no_offload"] == pytest.approx(t["byte_range_offload"] / t["byte_range"])
+    assert fig["gpu"].startswith("no GPU was lent") or "CUDA" in fig["gpu"]

@@ -23,7 +23,7 @@ from support import REPO, SCRIPTS
 from support.distributed import run_trainer, trainer_env
 
 # MuonClip with a tau small enough that QK-Clip fires: the resumed state includes Muon's momentum in
-# megatron's layer-wise ZeRO-1 layout (EP and DP shards) and the Adam moments of the other parameters
+# megatron's byte-range ZeRO-1 shards (EP and DP) and the Adam moments of the other parameters
 CPU4 = ["parallel=cpu4", "optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=2", "train.eval_iters=1"]
 
 
@@ -164,25 +164,31 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000006", "iter_0000008"]
 
 
+# MuonClip (Distributed Muon on the byte-range ZeRO-1 shards, whose momentum megatron reshards, and
+# AdamW's moments for the embedding, head and norms), Newton-Schulz in fp32 so that the DP reduction
+# order moves the losses by fp32 rounding only (tests/integration/test_muonclip_parallel.py)
+DP_RESUME = ["optim=muonclip", "optim.muon_fp32_matmul_prec=highest", "train.eval_interval=0"]
+
+
 @pytest.fixture(scope="module")
 def dp_references(tmp_path_factory, stdlib_corpus):
     """6 steps at DP=1 and at DP=2 (PP1), each with a checkpoint at step 3: {dp: (run dir, records)}."""
     root = tmp_path_factory.mktemp("dp")
-    base = ["train.eval_interval=0", "train.save_interval=3", "train.iters=6"]
+    base = [*DP_RESUME, "train.save_interval=3", "train.iters=6"]
     return {dp: (root / f"dp{dp}", run_trainer(base, dp, root / f"dp{dp}")) for dp in (1, 2)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
 def test_resume_with_another_dp_size(dp_references, tmp_path, first, second):
-    """DP=2 -> DP=1 and DP=1 -> DP=2 (megatron reshards the distributed optimizer): the step-3 checkpoint
+    """MuonClip, DP=2 -> DP=1 and DP=1 -> DP=2 (megatron reshards the distributed optimizers): the step-3 checkpoint
     of a run at one DP size resumed at the other gives the same data order (tokens, LR) and the same
     losses within fp32 reduction-order tolerance as the run at the first DP size."""
     ref_dir, ref = dp_references[first]
     ckpt = ref_dir / "checkpoints" / "iter_0000003"
     assert ckpt.is_dir()
     run_dir = tmp_path / "run"
-    recs = run_trainer(["train.eval_interval=0", "train.iters=6", f"resume.from={ckpt}"], second, run_dir)
+    recs = run_trainer([*DP_RESUME, "train.iters=6", f"resume.from={ckpt}"], second, run_dir)
     assert [r["step"] for r in recs] == [4, 5, 6]
     assert _state(run_dir)["layout"]["dp"] == second
     r = _by_step(ref)

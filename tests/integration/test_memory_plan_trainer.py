@@ -14,7 +14,7 @@ from support.helpers import predict_state_bytes
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,nproc", [
     (["parallel=cpu4", "optim=adamw"], 4),  # byte-range ZeRO-1, FP32 parameters (own master copy)
-    (["parallel=cpu4", "optim=muonclip", "train.precision=bf16"], 4),  # layer-wise ZeRO-1 + FP32 masters
+    (["parallel=cpu4", "optim=muonclip", "train.precision=bf16"], 4),  # byte-range Distributed Muon + FP32 masters
 ], ids=["adamw-fp32-cpu4", "muonclip-bf16-cpu4"])
 def test_state_bytes_equal_trainer_allocation(tmp_path, overrides, nproc):
     from support.distributed import rank_launch_cmd, trainer_env

@@ -1,11 +1,11 @@
 """MuonClip under ZeRO-1: 3 steps on 1 rank, on DP=2 and on cpu4 (PP2 x VPP2 x EP2 x DP2) give the same
 weights (the real trainer, megatron's distributed optimizer on, gloo).
 
-Every rank must apply exactly the update one rank would apply to the DP-averaged full gradient: the
-Muon matrices go through megatron's layer-wise ZeRO-1 layout (whole matrices per DP shard). The runs
-also report which Muon matrices a shard boundary cuts -- none in the layout used, at least one in
-megatron's byte-range ZeRO-1 layout of the same model -- so the test model does contain a matrix that
-a plain ZeRO-1 split would cut.
+Every rank must apply exactly the update one rank would apply to the DP-averaged full gradient. With the
+default ``optim.muon_zero1=byte_range`` (Distributed Muon on megatron's byte-range layout,
+optim/distributed_muon.py) the runs report which Muon matrices a shard boundary cuts, and the DP=2 and
+cpu4 runs assert that at least one is cut (gathered, orthogonalised whole, sliced); with
+``optim.muon_zero1=layer_wise`` (megatron's layer-wise layout) none is.
 
 Newton-Schulz runs in fp32 here (``optim.muon_fp32_matmul_prec=highest``): in bf16 the last-bit
 differences of the DP reduction order (DP=1 sums 8 microbatches, DP=2 two sums of 4) flip bf16 roundings
@@ -59,7 +59,7 @@ def _assert_same_weights(ref: dict, got: dict):
         assert (got[name] - want).abs().max().item() < 1e-4, name
 
 
-def _assert_run(single_rank, got_run):
+def _assert_run(single_rank, got_run, *, straddles: bool):
     ref_recs, ref_w, _ = single_rank
     recs, weights, layout = got_run
     assert len(recs) == len(ref_recs) > 0
@@ -67,14 +67,28 @@ def _assert_run(single_rank, got_run):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
     assert ref_recs[2]["loss"] < ref_recs[0]["loss"]  # it trains
     _assert_same_weights(ref_w, weights)
-    assert layout["cut"] == set(), layout["cut"]  # no Muon matrix is split between two DP ranks
+    # byte-range: some Muon matrix straddles two DP shards (the gathered case); layer-wise: none
+    assert bool(layout["cut"]) is straddles, layout["cut"]
+    assert layout["cut_by_byte_range_layout"], "test model has no matrix that byte-range ZeRO-1 cuts"
     return layout
 
 
 def test_dp2_matches_single_rank(three_step_runs, single_rank):
-    layout = _assert_run(single_rank, _run(three_step_runs, 2))
-    assert layout["cut_by_byte_range_layout"], "test model has no matrix that plain ZeRO-1 would cut"
+    _assert_run(single_rank, _run(three_step_runs, 2), straddles=True)
 
 
 def test_cpu4_matches_single_rank(three_step_runs, single_rank):
-    _assert_run(single_rank, _run(three_step_runs, 4, ["parallel=cpu4"]))
+    _assert_run(single_rank, _run(three_step_runs, 4, ["parallel=cpu4"]), straddles=True)
+
+
+def test_dp2_offload_bitwise_identical(three_step_runs):
+    """optim.offload_fraction=1 (the momentum in host memory between steps): the same losses and weights
+    as the run without, bit for bit."""
+    ref_recs, ref_w, _ = _run(three_step_runs, 2)
+    recs, weights, _ = _run(three_step_runs, 2, ["optim.offload_fraction=1"])
+    assert [r["loss"] for r in recs] == [r["loss"] for r in ref_recs]
+    assert set(weights) == set(ref_w) and all(torch.equal(weights[n], ref_w[n]) for n in ref_w)
+
+
+def test_dp2_layer_wise_matches_single_rank(three_step_runs, single_rank):
+    _assert_run(single_rank, _run(three_step_runs, 2, ["optim.muon_zero1=layer_wise"]), straddles=False)

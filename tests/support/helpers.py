@@ -21,4 +21,41 @@ def predict_state_bytes(overrides: list[str], world: int):
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
     return state_bytes(count_params(cfg), dims, precision=cfg.train.precision, optimizer=cfg.optim.name,
                        use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-                       model_cfg=cfg.model)
+                       model_cfg=cfg.model, router_optimizer=cfg.optim.router_optimizer,
+                       muon_zero1=cfg.optim.muon_zero1)
+
+
+def build_one_rank(overrides: list[str], layers: int = 2):
+    """This process's one-rank model and optimizer, built as the trainer builds them (needs the
+    ``megatron_world1`` fixture): ``(cfg, chunks, DDP-wrapped model, megatron optimizer)``. Dense layers
+    only unless ``overrides`` set ``model.first_k_dense_replace`` (fast)."""
+    from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
+    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
+    from k2.optim.params import param_rules, tag_parameters
+    from k2.parallel.distributed import wrap_model
+    from k2.schedules.resolve import resolve_schedule
+
+    cfg = load_config([f"model.num_layers={layers}", f"model.first_k_dense_replace={layers}", *overrides])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
+    tcfg = transformer_config(cfg, dims)
+    chunks = build_model_chunks(cfg, dims, tcfg)
+    layout_independent_init(chunks, tcfg, 3)
+    dist_opt = cfg.parallel.use_distributed_optimizer
+    layer_wise = uses_layer_wise(cfg.optim, dist_opt)
+    tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim), zero1_muon=uses_zero1_muon(cfg.optim, dist_opt),
+                   **param_rules(cfg.optim))
+    model = wrap_model(chunks, tcfg, dist_opt, layer_wise=layer_wise)
+    optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), dist_opt)
+    return cfg, chunks, model, optimizer
+
+
+def measure_state_bytes_script():
+    """tests/support/scripts/measure_state_bytes.py as a module (its ``measure`` runs in this process)."""
+    import importlib.util
+
+    from support import SCRIPTS
+
+    spec = importlib.util.spec_from_file_location("measure_state_bytes", SCRIPTS / "measure_state_bytes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,6 +6,8 @@ optimizer states exist), and write what this rank allocated to $K2_TEST_OUT/stat
 * ``grads``: bytes of DDP's gradient buffers;
 * ``optimizer``: bytes of every tensor the optimizers hold (fp32 master copies that are not views of the
   model's storage, and the states: Adam moments, Muon momentum, step counters), each storage once;
+* ``optimizer_device``: the part of ``optimizer`` not kept in host memory by ``optim.offload_fraction``
+  (k2.optim.offload: the storages its ``host_storages`` names);
 * ``pp_rank``, ``dp_rank``, ``expert_dp_rank``.
 
 Used by tests/unit/launcher/test_memory_plan.py (predicted == measured): run under torchrun with the trainer's
@@ -47,15 +49,16 @@ def measure(cfg, plan) -> dict:
     from megatron.core import parallel_state as ps
 
     from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
-    from k2.optim.params import tag_parameters
+    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
+    from k2.optim.params import param_rules, tag_parameters
     from k2.parallel.distributed import wrap_model
 
     tcfg = transformer_config(cfg, plan.dims)
     chunks = build_model_chunks(cfg, plan.dims, tcfg)
     layout_independent_init(chunks, tcfg, cfg.run.seed)
     tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
+                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
+                   **param_rules(cfg.optim))
     model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
     optimizer = build_optimizer(cfg.optim, model, tcfg, plan.schedule, cfg.parallel.use_distributed_optimizer)
     for m in model:
@@ -85,7 +88,9 @@ def measure(cfg, plan) -> dict:
             if ptr not in seen:  # parameters outside DDP's param buffers (no distributed optimizer)
                 seen.add(ptr)
                 params += n
-    optim_bytes = 0
+    optim_bytes = host_bytes = 0
+    offload = getattr(optimizer, "offload", None)
+    host = offload.host_storages() if offload is not None else set()
     for opt in _torch_optimizers(optimizer, []):
         tensors = [p for g in opt.param_groups for p in g["params"]]
         tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -94,6 +99,7 @@ def measure(cfg, plan) -> dict:
             if ptr not in seen:
                 seen.add(ptr)
                 optim_bytes += n
+                host_bytes += n if ptr in host else 0
     return {
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
@@ -101,6 +107,7 @@ def measure(cfg, plan) -> dict:
         "params": params,
         "grads": grads,
         "optimizer": optim_bytes,
+        "optimizer_device": optim_bytes - host_bytes,
     }
 
 

@@ -56,7 +56,7 @@ def test_attention_text_and_options(capsys):
 def test_optimizer_bench_times_both_in_one_run(capsys):
     """bench=optimizer: MuonClip vs AdamW optimizer step on the CPU proxy (numbers, not speed, checked)."""
     rc, out, _ = run_tool(capsys, main, ["bench=optimizer", "output=json", "bench.options.repeats=1",
-                               "bench.options.warmup=0"])
+                               "bench.options.warmup=0", "bench.options.dp2=false"])
     assert rc == 0
     fig = json.loads(out)["figures"]
     assert fig["model"] == "k2_tiny" and fig["newton_schulz"] == "bf16"

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from support import SCRIPTS
 from k2.config.load import load_config
 from k2.model.params import count_params
 from k2.parallel.dims import ParallelDims
 
 # ---------------------------------------------------------------------------- states
 
-from support.helpers import predict_state_bytes
+from support.helpers import measure_state_bytes_script, predict_state_bytes
 
 
 
@@ -39,7 +38,7 @@ def test_state_bytes_equal_allocation_one_rank(megatron_world1, overrides, tmp_p
     """The same on one rank, in this process (megatron_world1): the paths the 4-rank runs do not take."""
     from k2.launcher.training.prepare import prepare_run
 
-    measure = _load_script().measure
+    measure = measure_state_bytes_script().measure
 
     # (a run dir of its own: the default runs/<model>-<parallel> may hold the user's run, which prepare_run
     # would resume from)
@@ -49,15 +48,6 @@ def test_state_bytes_equal_allocation_one_rank(megatron_world1, overrides, tmp_p
     assert (p.params, p.grads, p.optimizer) == (m["params"], m["grads"], m["optimizer"]), m
 
 
-def _load_script():
-    """tests/support/scripts/measure_state_bytes.py as a module."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("measure_state_bytes",
-                                                  SCRIPTS / "measure_state_bytes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_k2_param_and_grad_bytes():

@@ -166,7 +166,7 @@ def test_cli_text(capsys):
         (["cluster.gpu_memory_gib=-80"], "cluster.gpu_memory_gib"),
         (["plan.step_time_s=0"], "plan.step_time_s"),
         (["plan.compute_efficiency=1.5"], "plan.compute_efficiency"),
-        (["plan.optimizer_offload_fraction=2"], "plan.optimizer_offload_fraction"),
+        (["optim.offload_fraction=2"], "optim.offload_fraction"),
         (["memory.recompute=[attention]"], "memory.recompute"),
         (["output=csv"], "output"),
     ],
@@ -309,7 +309,7 @@ def k2_plan():
     from k2.launcher.planning.cluster import plan_cluster
 
     cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "train.precision=bf16", "train.micro_batch_size=1",
-                       "memory=k2", "plan.optimizer_offload_fraction=0.5", "plan.step_time_s=150"])
+                       "memory=k2", "optim.offload_fraction=0.5", "plan.step_time_s=150"])
     return plan_cluster(cfg).report
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from k2.optim.qk_clip import QKClip, clip_factors, mla_row_scales, qkv_row_scales
+from support.helpers import build_one_rank
 
 
 def test_clip_factors_leave_small_negative_and_empty_heads_alone():
@@ -15,28 +16,6 @@ def test_clip_factors_leave_small_negative_and_empty_heads_alone():
     g = clip_factors(s, 100.0)
     assert g.tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.25]
     assert not torch.isnan(clip_factors(torch.tensor([float("nan"), -1e30]), 100.0)).any()
-
-
-def _build(overrides: list[str], layers: int = 2):
-    """This process's one-rank model (DDP-wrapped) and optimizer (dense layers only: fast)."""
-    from k2.config.load import load_config
-    from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.schedules.resolve import resolve_schedule
-    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon
-    from k2.optim.params import tag_parameters
-    from k2.parallel.dims import ParallelDims
-    from k2.parallel.distributed import wrap_model
-
-    cfg = load_config([f"model.num_layers={layers}", f"model.first_k_dense_replace={layers}", *overrides])
-    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
-    tcfg = transformer_config(cfg, dims)
-    chunks = build_model_chunks(cfg, dims, tcfg)
-    layout_independent_init(chunks, tcfg, 3)
-    tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
-    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
-    optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), cfg.parallel.use_distributed_optimizer)
-    return cfg, chunks, model, optimizer
 
 
 def _attn(chunk, layer: int):
@@ -52,7 +31,7 @@ def _forward(model, tokens):
 def test_mla_clip_brings_clipped_heads_to_tau_and_leaves_others(megatron_world1):
     """One layer (a clipped layer changes the input of the layers after it): re-running the batch gives
     max logit tau for every clipped head and the same logits for the others."""
-    cfg, chunks, model, optimizer = _build(["optim=muonclip"], layers=1)
+    cfg, chunks, model, optimizer = build_one_rank(["optim=muonclip"], layers=1)
     model[0].train()
     a = _attn(chunks[0], 0)
     a.linear_q_up_proj.weight.data.mul_(40.0)  # large logits
@@ -79,7 +58,7 @@ def test_mla_clip_brings_clipped_heads_to_tau_and_leaves_others(megatron_world1)
 def test_mla_rule_per_row_and_negative_head_untouched(megatron_world1):
     """Injected max logits [-5, 0, 150, 50], tau 100: only head 2 changes, by sqrt(g) on q_nope/k_nope
     rows and g on q_rope rows (g = 2/3); value rows, kv_down and the other heads are bit-identical."""
-    cfg, chunks, model, optimizer = _build(["optim=muonclip"])
+    cfg, chunks, model, optimizer = build_one_rank(["optim=muonclip"])
     m = cfg.model
     a = _attn(chunks[0], 1)
     q0, kv0 = a.linear_q_up_proj.weight.detach().clone(), a.linear_kv_up_proj.weight.detach().clone()
@@ -102,16 +81,17 @@ def test_mla_rule_per_row_and_negative_head_untouched(megatron_world1):
     assert torch.equal(kv1[v_rows], kv0[v_rows])
 
 
-@pytest.mark.parametrize("optim", ["muonclip", "adamw"])
-def test_master_copies_scaled_too(megatron_world1, optim):
+@pytest.mark.parametrize("optim,zero1", [("muonclip", "byte_range"), ("muonclip", "layer_wise"), ("adamw", "-")])
+def test_master_copies_scaled_too(megatron_world1, optim, zero1):
     """bf16 weights: the fp32 master copy the optimizer steps is scaled with the weight -- whole copies
-    (MuonClip, layer-wise ZeRO-1) and the distributed optimizer's flat shard (AdamW)."""
-    cfg, chunks, model, optimizer = _build([f"optim={optim}", "train.precision=bf16"])
+    (MuonClip, layer-wise ZeRO-1) and the distributed optimizer's flat shard (AdamW, byte-range MuonClip)."""
+    extra = [f"optim.muon_zero1={zero1}"] if optim == "muonclip" else []
+    cfg, chunks, model, optimizer = build_one_rank([f"optim={optim}", "train.precision=bf16", *extra])
     a = _attn(chunks[0], 0)
     w = a.linear_kv_up_proj.weight
     main = w.main_param
     assert main is not None and main.dtype == torch.float32 and main.data_ptr() != w.data_ptr()
-    assert getattr(w, "main_param_sharded", False) == (optim == "adamw")
+    assert getattr(w, "main_param_sharded", False) == (zero1 != "layer_wise")
     w0, main0 = w.detach().float().clone(), main.detach().clone()
     a.core_attention.max_logits.copy_(torch.tensor([400.0, 1.0, 1.0, 1.0]))
     QKClip(model, optimizer, 100.0, num_layers=2).step()
@@ -161,15 +141,15 @@ def test_k2_routing_and_matrix_splits(megatron_world1):
     from k2.optim.muon import SPLIT_ATTR, MatrixSplit
     from k2.optim.params import ROUTE_ATTR
 
-    cfg, chunks, model, optimizer = _build(["optim=muonclip", "train.precision=bf16",
+    cfg, chunks, model, optimizer = build_one_rank(["optim=muonclip", "train.precision=bf16",
                                             "model.first_k_dense_replace=1"])
     params = dict(chunks[0].named_parameters())
     route = {n: getattr(p, ROUTE_ATTR) for n, p in params.items()}
     adamw = {n for n, r in route.items() if r == "adamw"}
-    assert {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.1.mlp.router.weight",
+    assert {"embedding.word_embeddings.weight", "output_layer.weight",
             "decoder.final_layernorm.weight", "decoder.layers.0.self_attention.q_layernorm.weight"} <= adamw
-    assert all(params[n].dim() == 1 for n in adamw if "embedding" not in n and "output" not in n
-               and "router" not in n)
+    assert route["decoder.layers.1.mlp.router.weight"] == "muon"  # Moonlight's rule (optim.router_optimizer)
+    assert all(params[n].dim() == 1 for n in adamw if "embedding" not in n and "output" not in n)
     for n in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"):
         assert route[f"decoder.layers.0.self_attention.{n}.weight"] == "muon"
         assert not hasattr(params[f"decoder.layers.0.self_attention.{n}.weight"], SPLIT_ATTR)  # one matrix
