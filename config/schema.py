@@ -167,6 +167,23 @@ class DataConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """``k2-data prepare.input=...``: tokenize a raw-text corpus into megatron indexed datasets
+    (``launcher/datasets/preprocess.py``). The tokenizer is ``data.tokenizer`` or, when that is null, a
+    byte-level BPE of ``data.vocab_size`` ids trained on the input."""
+
+    input: Optional[Any] = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
+    output: Optional[str] = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
+    text_key: str = "text"  # the JSONL field / Parquet column holding the document
+    text_document: str = "file"  # plain text: file = one document per file; paragraph = per blank-line block
+    workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
+    bad_records: str = "error"  # error = stop at the first bad record (file:line); skip = report and skip
+    shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
+    chunk_documents: int = 1024  # records per unit of work; the build resumes at a chunk boundary
+    progress: bool = True  # progress bar on stderr (documents/s, tokens/s, ETA)
+
+
+@dataclass
 class OptimConfig:
     """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue). The learning
     rate and weight decay of every step come from the ``schedule`` group (one source of truth)."""
@@ -353,6 +370,7 @@ class K2Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)

@@ -20,6 +20,7 @@ import numpy as np
 
 from k2.config.errors import ConfigError
 from k2.launcher.datasets.corpus import stdlib_corpus_dir
+from k2.launcher.datasets.preprocess import unfinished_build
 from k2.launcher.datasets.tokenizer import HFTokenizer
 
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -209,6 +210,11 @@ def check_token_ids(bin_path: str, dtype, vocab_size: int, what: str) -> None:
 
 def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
     for p in blend[0]:
+        unfinished = unfinished_build(p)
+        if unfinished is not None:
+            raise ConfigError(
+                f"{key}: dataset prefix '{p}' is an unfinished k2-data build ({unfinished} exists): run the "
+                f"same k2-data prepare command again to finish it")
         for ext in (".bin", ".idx"):
             if not os.path.isfile(p + ext):
                 raise ConfigError(
