@@ -278,7 +278,7 @@ def check_cross_section(cfg) -> None:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
             "model.record_max_logits=true (allowed with record_max_logits=false: optim.qk_clip_tau=null)")
-    if cfg.data.path is None and int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
+    if cfg.data.path is None and cfg.prepare.input is None and int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
         raise ConfigError(
             f"data.vocab_size={cfg.data.vocab_size} (the embedded corpus tokenizer) exceeds "
             f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding table; set "
