@@ -25,10 +25,8 @@ Units: a document is one record (a JSONL line, a Parquet row, a text file or par
 
 from __future__ import annotations
 
-import collections
 import glob
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -48,6 +46,7 @@ from k2.launcher.datasets.sources import (
     read_records,
     record_text,
 )
+from k2.launcher.datasets.tokenize_pool import TokenizerPool
 from k2.launcher.datasets.tokenizer import HFTokenizer, train_byte_level_bpe
 
 __all__ = ["PREPARE_FORMAT", "PreparedCorpus", "prepare_corpus", "unfinished_build", "work_dir"]
@@ -98,80 +97,6 @@ def token_dtype(vocab_size: int):
     """The ``.bin`` token dtype for ``vocab_size`` ids: megatron-core's ``DType.optimal_dtype`` rule
     (uint16 below 65,500 ids, else int32), restated so that the tokenizing processes need no torch."""
     return np.uint16 if vocab_size < 65500 else np.int32
-
-
-# --------------------------------------------------------------------------- the tokenizing step
-
-_WORKER: dict = {}
-
-
-def _init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dtype_name: str) -> None:
-    """Per tokenizing process: the tokenizer and what :func:`_tokenize_chunk` needs (set once)."""
-    tok = HFTokenizer(tokenizer_path)
-    _WORKER.update(tok=tok.backend, eod=tok.eod, paths=paths, kinds=kinds, text_key=text_key,
-                   dtype=np.dtype(dtype_name))
-
-
-def _tokenize_chunk(records: list) -> tuple:
-    """One chunk of records -> ``(tokens [sum of lengths], lengths [documents] int64, bad records
-    [(where, why)], empty documents skipped)``; every document's ids end with the EOD id."""
-    w = _WORKER
-    texts, bad, empty = [], [], 0
-    for fi, line, raw in records:
-        try:
-            text = record_text(w["paths"][fi], w["kinds"][fi], line, raw, w["text_key"])
-        except BadRecord as e:
-            bad.append((e.where, e.why))
-            continue
-        if text:
-            texts.append(text)
-        else:
-            empty += 1
-    flat: list = []
-    lengths = np.empty(len(texts), dtype=np.int64)
-    eod = w["eod"]
-    for i, enc in enumerate(w["tok"].encode_batch(texts, add_special_tokens=False)):
-        ids = enc.ids
-        flat.extend(ids)
-        flat.append(eod)
-        lengths[i] = len(ids) + 1
-    return np.asarray(flat, dtype=w["dtype"]), lengths, bad, empty
-
-
-class _Tokenizers:
-    """``prepare.workers`` tokenizing processes (or this process for 1), fed chunks in order with at
-    most two chunks per process in flight, so memory stays bounded for any corpus size."""
-
-    def __init__(self, workers: int, initargs: tuple):
-        self.workers = workers
-        self.pool = None
-        if workers > 1:
-            # spawn: fresh processes (no torch imported, tokenizers' own thread pool usable in each)
-            self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, initargs)
-        else:
-            _init_worker(*initargs)
-
-    def map_ordered(self, chunks):
-        """Yield ``(extra, result)`` for every ``(extra, records)`` of ``chunks``, in order."""
-        if self.pool is None:
-            for extra, records in chunks:
-                yield extra, _tokenize_chunk(records)
-            return
-        window: collections.deque = collections.deque()
-        it = iter(chunks)
-        for extra, records in it:
-            window.append((extra, self.pool.apply_async(_tokenize_chunk, (records,))))
-            if len(window) >= 2 * self.workers:
-                e, r = window.popleft()
-                yield e, r.get()
-        while window:
-            e, r = window.popleft()
-            yield e, r.get()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
 
 
 # --------------------------------------------------------------------------- settings and state
@@ -449,7 +374,7 @@ def _tokenize_all(cfg, files, work, tok_path, dtype, progress, log) -> tuple[int
     show = bool(p.progress) if progress is None else progress
     initargs = (tok_path, [f.path for f in files], [f.kind for f in files], str(p.text_key),
                 np.dtype(dtype).name)
-    pool = _Tokenizers(int(p.workers), initargs)
+    pool = TokenizerPool(int(p.workers), initargs)
     t0, docs, toks, printed = time.time(), 0, 0, 0
     try:
         with tqdm(total=files_bytes, unit="B", unit_scale=True, desc="k2-data: tokenize", disable=not show,

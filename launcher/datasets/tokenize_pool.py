@@ -1,0 +1,120 @@
+"""The tokenizing processes of ``k2-data prepare`` (:mod:`k2.launcher.datasets.preprocess`).
+
+One process reads the records in order; :class:`TokenizerPool` turns chunks of them into token ids in
+``prepare.workers`` processes (``multiprocessing``) and hands the results back in input order,
+so the output does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+
+from k2.launcher.datasets.sources import BadRecord, record_text
+from k2.launcher.datasets.tokenizer import HFTokenizer
+
+__all__ = ["TokenizerPool", "init_worker", "tokenize_chunk"]
+
+WORKER_STATE: dict = {}
+
+
+def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dtype_name: str,
+                single_threaded: bool = False) -> None:
+    """Per tokenizing process: the tokenizer and what :func:`tokenize_chunk` needs (set once).
+    ``single_threaded``: a worker process of several, which turns off ``tokenizers``' own thread pool
+    (the processes already use the cores; a forked process must not use the parent's pool anyway)."""
+    if single_threaded:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        _exit_with_parent()
+    tok = HFTokenizer(tokenizer_path)
+    WORKER_STATE.update(tok=tok.backend, eod=tok.eod, paths=paths, kinds=kinds, text_key=text_key,
+                        dtype=np.dtype(dtype_name))
+
+
+def _exit_with_parent() -> None:
+    """A worker whose parent died (``kill -9`` of ``k2-data``) exits within a second instead of waiting
+    forever on its task queue (it holds that queue's write end too, so it never sees end-of-file)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="k2-data-parent-watch").start()
+
+
+def tokenize_chunk(records: list) -> tuple:
+    """One chunk of records -> ``(tokens [sum of lengths], lengths [documents] int64, bad records
+    [(where, why)], empty documents skipped)``; every document's ids end with the EOD id."""
+    w = WORKER_STATE
+    texts, bad, empty = [], [], 0
+    for fi, line, raw in records:
+        try:
+            text = record_text(w["paths"][fi], w["kinds"][fi], line, raw, w["text_key"])
+        except BadRecord as e:
+            bad.append((e.where, e.why))
+            continue
+        if text:
+            texts.append(text)
+        else:
+            empty += 1
+    ids = [e.ids for e in w["tok"].encode_batch(texts, add_special_tokens=False)]  # GIL released inside
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    tokens = np.empty(int(lengths.sum()), dtype=w["dtype"])
+    ends = np.cumsum(lengths)
+    eod_at = np.zeros(tokens.size, dtype=bool)
+    eod_at[ends - 1] = True
+    tokens[eod_at] = w["eod"]
+    tokens[~eod_at] = np.fromiter(itertools.chain.from_iterable(ids), dtype=w["dtype"],
+                                  count=tokens.size - len(ids))
+    return tokens, lengths, bad, empty
+
+
+class TokenizerPool:
+    """Tokenizes chunks in order with bounded memory (at most ``2 x`` the parallel tasks in flight).
+
+    ``workers`` > 1: that many processes, each single-threaded, forked from ``multiprocessing``'s fork
+    server (a fresh interpreter that imported only this module: no torch, no inherited file locks or
+    threads of the caller; spawn where the platform has no fork server). ``workers`` = 1: this process, with two threads, so that one chunk's
+    JSON parsing runs while ``tokenizers`` encodes the previous one on all cores (``encode_batch``
+    releases the GIL).
+    """
+
+    def __init__(self, workers: int, initargs: tuple):
+        if workers > 1:
+            if "forkserver" in multiprocessing.get_all_start_methods():
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload([__name__])
+            else:
+                ctx = multiprocessing.get_context("spawn")
+            self.executor = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=ctx, initializer=init_worker,
+                initargs=(*initargs, True))
+            self.in_flight = 2 * workers
+        else:
+            init_worker(*initargs)
+            self.executor = concurrent.futures.ThreadPoolExecutor(2)
+            self.in_flight = 3
+
+    def map_ordered(self, chunks):
+        """Yield ``(extra, result)`` for every ``(extra, records)`` of ``chunks``, in order."""
+        window: collections.deque = collections.deque()
+        for extra, records in chunks:
+            window.append((extra, self.executor.submit(tokenize_chunk, records)))
+            if len(window) >= self.in_flight:
+                e, r = window.popleft()
+                yield e, r.result()
+        while window:
+            e, r = window.popleft()
+            yield e, r.result()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
