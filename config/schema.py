@@ -226,6 +226,15 @@ class TrainConfig:
 
 
 @dataclass
+class PhaseDataConfig:
+    """The data of one schedule phase (``schedule.phases.<i>.data``), the ``data.path`` / ``data.valid_path``
+    forms; null = the previous phase's (the first phase: ``data.*``). The tokenizer is ``data.tokenizer``."""
+
+    path: Optional[Any] = None  # a prefix, a list of prefixes or a blend [w1, prefix1, w2, prefix2, ...]
+    valid_path: Optional[Any] = None  # null = the previous phase's validation set
+
+
+@dataclass
 class PhaseConfig:
     """One phase of the training schedule (``schedules/wsd.py`` has the rules). Set exactly one length."""
 
@@ -240,6 +249,8 @@ class PhaseConfig:
     seq_length: Optional[int] = None  # context length in tokens; null = the previous phase's
     rope_type: Optional[str] = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
     micro_batch_size: Optional[int] = None  # sequences; null = the previous phase's (first: train.*)
+    # this phase's data blend (and validation set); null = the previous phase's (first: data.path)
+    data: PhaseDataConfig = field(default_factory=PhaseDataConfig)
 
 
 @dataclass
