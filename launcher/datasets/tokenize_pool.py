@@ -12,6 +12,7 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import os
+import signal
 import threading
 import time
 
@@ -26,29 +27,36 @@ WORKER_STATE: dict = {}
 
 
 def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dtype_name: str,
-                single_threaded: bool = False) -> None:
+                owner: int = 0) -> None:
     """Per tokenizing process: the tokenizer and what :func:`tokenize_chunk` needs (set once).
-    ``single_threaded``: a worker process of several, which turns off ``tokenizers``' own thread pool
-    (the processes already use the cores; a forked process must not use the parent's pool anyway)."""
-    if single_threaded:
+    ``owner``: the pid of the ``k2-data`` process, in a worker process of several; such a worker turns
+    off ``tokenizers``' own thread pool (the processes already use the cores) and exits with its owner."""
+    if owner:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        _exit_with_parent()
+        _exit_with_owner(owner)
     tok = HFTokenizer(tokenizer_path)
     WORKER_STATE.update(tok=tok.backend, eod=tok.eod, paths=paths, kinds=kinds, text_key=text_key,
                         dtype=np.dtype(dtype_name))
 
 
-def _exit_with_parent() -> None:
-    """A worker whose parent died (``kill -9`` of ``k2-data``) exits within a second instead of waiting
-    forever on its task queue (it holds that queue's write end too, so it never sees end-of-file)."""
-    parent = os.getppid()
+def _exit_with_owner(owner: int) -> None:
+    """A worker whose ``k2-data`` process died (``kill -9``) exits within a second instead of waiting
+    forever on its task queue (it holds that queue's write end too, so it never sees end-of-file), and
+    stops the fork server that dead process had started (which would otherwise stay, orphaned)."""
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while True:
             time.sleep(1.0)
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+        server = os.getppid()
+        if server not in (1, owner):
+            os.kill(server, signal.SIGTERM)
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="k2-data-parent-watch").start()
+    threading.Thread(target=watch, daemon=True, name="k2-data-owner-watch").start()
 
 
 def tokenize_chunk(records: list) -> tuple:
@@ -97,7 +105,7 @@ class TokenizerPool:
                 ctx = multiprocessing.get_context("spawn")
             self.executor = concurrent.futures.ProcessPoolExecutor(
                 workers, mp_context=ctx, initializer=init_worker,
-                initargs=(*initargs, True))
+                initargs=(*initargs, os.getpid()))
             self.in_flight = 2 * workers
         else:
             init_worker(*initargs)

@@ -219,9 +219,15 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_build(tmp_path, docs, tokeniz
     deadline = time.time() + 120
     while not (work / "chunk_0000004.npz").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
+    import psutil
+
+    helpers = psutil.Process(proc.pid).children(recursive=True)  # fork server, workers, resource tracker
+    assert len(helpers) >= 3
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    _, alive = psutil.wait_procs(helpers, timeout=20)  # the workers exit with their k2-data process
+    assert not [p for p in alive if "resource_tracker" not in " ".join(p.cmdline())], alive
     # killed: no complete-looking dataset, and the prefix is refused as an unfinished build
     assert not Path(str(killed) + ".bin").exists() and not Path(str(killed) + ".manifest.json").exists()
     assert 5 <= len(list(work.glob("chunk_*.npz"))) < 15
