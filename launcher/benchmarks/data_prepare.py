@@ -80,7 +80,8 @@ def bench_data(cfg) -> dict[str, Any]:
     """Tokens/s of ``k2-data prepare`` (1 and ``workers`` processes) over the tokenizer's raw
     ``encode_batch`` on the same JSONL input in one run; peak RSS of a streamed build at two corpus sizes.
 
-    Options: ``corpus_mb`` (MB of JSONL timed), ``rss_mb`` (the smaller RSS corpus), ``vocab_size`` (of
+    Options: ``corpus_mb`` (MB of JSONL timed), ``rss_mb`` (the smaller RSS corpus; 0 = no RSS runs),
+    ``vocab_size`` (of
     the byte-level BPE trained for the benchmark), ``workers``, ``chunk_documents``.
     """
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, outside the clock)
@@ -126,6 +127,8 @@ def bench_data(cfg) -> dict[str, Any]:
         for w, dt in e2e.items():
             figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
             figures[f"k2_data_workers{w}_over_raw"] = raw_s / dt
+        if o["rss_mb"] <= 0:  # rss_mb=0: throughput only
+            return figures
         # memory: a streamed build of a corpus 4x larger uses no more memory
         rss = {}
         for mult in (1, 4):
@@ -134,6 +137,6 @@ def bench_data(cfg) -> dict[str, Any]:
             rss[mult] = (path.stat().st_size, _peak_rss_mb(_prepare_args(
                 path, root / f"rss_out{mult}" / "c", tok_path, 1, int(o["chunk_documents"]),
                 int(o["vocab_size"]))))
-        figures["rss"] = {f"corpus_{b / 1e6:.0f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()}
+        figures["rss"] = {f"corpus_{b / 1e6:.2f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()}
         figures["rss_growth_for_4x_corpus"] = rss[4][1] / rss[1][1]
     return figures

@@ -254,8 +254,7 @@ def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbos
             )
         train_texts = [t for t, v in zip(texts, is_valid) if not v]
         tok = train_byte_level_bpe(train_texts, vocab_size, length=len(train_texts))
-        # a literal "<|endoftext|>" inside a source file is text, not a document boundary
-        tok.encode_special_tokens = True
+        # (encode_special_tokens is on: a literal "<|endoftext|>" in a source file is text, not a boundary)
         tok_path = os.path.join(tmp, "tokenizer.json")
         tok.save(tok_path)
         eod = tok.token_to_id(EOD_TOKEN)
