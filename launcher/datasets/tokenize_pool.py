@@ -1,7 +1,7 @@
 """The tokenizing processes of ``k2-data prepare`` (:mod:`k2.launcher.datasets.preprocess`).
 
 One process reads the records in order; :class:`TokenizerPool` turns chunks of them into token ids in
-``prepare.workers`` processes (``multiprocessing``) and hands the results back in input order,
+``prepare.workers`` processes (``multiprocessing``, forked) and hands the results back in input order,
 so the output does not depend on the number of workers.
 """
 
@@ -12,7 +12,6 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import os
-import signal
 import threading
 import time
 
@@ -41,8 +40,8 @@ def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dt
 
 def _exit_with_owner(owner: int) -> None:
     """A worker whose ``k2-data`` process died (``kill -9``) exits within a second instead of waiting
-    forever on its task queue (it holds that queue's write end too, so it never sees end-of-file), and
-    stops the fork server that dead process had started (which would otherwise stay, orphaned)."""
+    forever on its task queue (it holds that queue's write end too, so it never sees end-of-file; and,
+    forked, a copy of the build's lock file descriptor, which it must not keep)."""
 
     def watch() -> None:
         while True:
@@ -50,11 +49,7 @@ def _exit_with_owner(owner: int) -> None:
             try:
                 os.kill(owner, 0)
             except ProcessLookupError:
-                break
-        server = os.getppid()
-        if server not in (1, owner):
-            os.kill(server, signal.SIGTERM)
-        os._exit(1)
+                os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="k2-data-owner-watch").start()
 
@@ -89,40 +84,53 @@ def tokenize_chunk(records: list) -> tuple:
 class TokenizerPool:
     """Tokenizes chunks in order with bounded memory (at most ``2 x`` the parallel tasks in flight).
 
-    ``workers`` > 1: that many processes, each single-threaded, forked from ``multiprocessing``'s fork
-    server (a fresh interpreter that imported only this module: no torch, no inherited file locks or
-    threads of the caller; spawn where the platform has no fork server). ``workers`` = 1: this process, with two threads, so that one chunk's
-    JSON parsing runs while ``tokenizers`` encodes the previous one on all cores (``encode_batch``
-    releases the GIL).
+    ``workers`` > 1: that many processes, each single-threaded, forked (as megatron-LM's
+    ``preprocess_data.py`` does) when the pool is created, before this process starts any thread of its
+    own; spawned where the platform cannot fork. ``workers`` = 1: this process, with two threads, so
+    that one chunk's JSON parsing runs while ``tokenizers`` encodes the previous one on all cores
+    (``encode_batch`` releases the GIL).
     """
 
     def __init__(self, workers: int, initargs: tuple):
+        self.pool = self.threads = None
         if workers > 1:
-            if "forkserver" in multiprocessing.get_all_start_methods():
-                ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload([__name__])
-            else:
-                ctx = multiprocessing.get_context("spawn")
-            self.executor = concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=ctx, initializer=init_worker,
-                initargs=(*initargs, os.getpid()))
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            saved = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited: no "forked after parallelism" notice
+            try:
+                self.pool = multiprocessing.get_context(method).Pool(workers, init_worker,
+                                                                     (*initargs, os.getpid()))
+            finally:
+                if saved is None:
+                    os.environ.pop("TOKENIZERS_PARALLELISM")
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = saved
             self.in_flight = 2 * workers
         else:
             init_worker(*initargs)
-            self.executor = concurrent.futures.ThreadPoolExecutor(2)
+            self.threads = concurrent.futures.ThreadPoolExecutor(2)
             self.in_flight = 3
+
+    def _submit(self, records):
+        if self.pool is not None:
+            return self.pool.apply_async(tokenize_chunk, (records,)).get
+        return self.threads.submit(tokenize_chunk, records).result
 
     def map_ordered(self, chunks):
         """Yield ``(extra, result)`` for every ``(extra, records)`` of ``chunks``, in order."""
         window: collections.deque = collections.deque()
         for extra, records in chunks:
-            window.append((extra, self.executor.submit(tokenize_chunk, records)))
+            window.append((extra, self._submit(records)))
             if len(window) >= self.in_flight:
-                e, r = window.popleft()
-                yield e, r.result()
+                e, get = window.popleft()
+                yield e, get()
         while window:
-            e, r = window.popleft()
-            yield e, r.result()
+            e, get = window.popleft()
+            yield e, get()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+        if self.threads is not None:
+            self.threads.shutdown(wait=True, cancel_futures=True)

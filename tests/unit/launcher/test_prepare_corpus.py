@@ -221,13 +221,13 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_build(tmp_path, docs, tokeniz
         time.sleep(0.05)
     import psutil
 
-    helpers = psutil.Process(proc.pid).children(recursive=True)  # fork server, workers, resource tracker
-    assert len(helpers) >= 3
+    helpers = psutil.Process(proc.pid).children(recursive=True)  # the 2 worker processes
+    assert len(helpers) >= 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     _, alive = psutil.wait_procs(helpers, timeout=20)  # the workers exit with their k2-data process
-    assert not [p for p in alive if "resource_tracker" not in " ".join(p.cmdline())], alive
+    assert not alive, alive
     # killed: no complete-looking dataset, and the prefix is refused as an unfinished build
     assert not Path(str(killed) + ".bin").exists() and not Path(str(killed) + ".manifest.json").exists()
     assert 5 <= len(list(work.glob("chunk_*.npz"))) < 15
