@@ -25,7 +25,7 @@ directories or globs) into megatron indexed datasets at prepare.output (PREFIX.b
 PREFIX_00000.bin/.idx ... with prepare.shard_documents) plus PREFIX.manifest.json, with data.tokenizer
 or a byte-level BPE of data.vocab_size ids trained on the input (PREFIX.tokenizer.json). Settings:
 prepare.text_key (text), prepare.text_document (file|paragraph, for .txt), prepare.workers (1),
-prepare.bad_records (error|skip), prepare.shard_documents (null), prepare.chunk_documents (1024).
+prepare.bad_records (error|skip), prepare.shard_documents (null), prepare.chunk_documents (2048).
 A killed build resumes where it stopped when run again; the output does not depend on the workers.
 
 examples:

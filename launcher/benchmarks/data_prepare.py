@@ -30,7 +30,7 @@ from typing import Any
 
 from k2.launcher.benchmarks.common import bench_options
 
-DEFAULTS = {"corpus_mb": 2.0, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2, "chunk_documents": 256}
+DEFAULTS = {"corpus_mb": 2.0, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2, "chunk_documents": 2048}
 
 
 def _docstrings() -> list[str]:
