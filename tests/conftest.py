@@ -21,8 +21,8 @@ _HEAVY_FIRST = {
     "tests/integration/test_checkpoint_integrity.py": 90,
     "tests/integration/test_pipeline_wgrad.py": 60,
     "tests/integration/test_schedule_run.py": 50,
-    "tests/integration/test_phase_data.py": 60,
-    "tests/unit/launcher/test_prepare_corpus.py": 30,
+    "tests/integration/test_phase_data.py": 95,
+    "tests/unit/launcher/test_prepare_corpus.py": 20,
     "tests/unit/launcher/test_bench.py": 40,
 }
 
