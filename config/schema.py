@@ -174,6 +174,23 @@ class DataConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """``k2-data prepare.input=...``: tokenize a raw-text corpus into megatron indexed datasets
+    (``launcher/datasets/preprocess.py``). The tokenizer is ``data.tokenizer`` or, when that is null, a
+    byte-level BPE of ``data.vocab_size`` ids trained on the input."""
+
+    input: Optional[Any] = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
+    output: Optional[str] = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
+    text_key: str = "text"  # the JSONL field / Parquet column holding the document
+    text_document: str = "file"  # plain text: file = one document per file; paragraph = per blank-line block
+    workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
+    bad_records: str = "error"  # error = stop at the first bad record (file:line); skip = report and skip
+    shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
+    chunk_documents: int = 2048  # records per encode_batch call and per committed chunk (resume granularity)
+    progress: bool = True  # progress bar on stderr (documents/s, tokens/s, ETA)
+
+
+@dataclass
 class OptimConfig:
     """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue). The learning
     rate and weight decay of every step come from the ``schedule`` group (one source of truth)."""
@@ -250,6 +267,15 @@ class PhaseMemoryConfig:
 
 
 @dataclass
+class PhaseDataConfig:
+    """The data of one schedule phase (``schedule.phases.<i>.data``), the ``data.path`` / ``data.valid_path``
+    forms; null = the previous phase's (the first phase: ``data.*``). The tokenizer is ``data.tokenizer``."""
+
+    path: Optional[Any] = None  # a prefix, a list of prefixes or a blend [w1, prefix1, w2, prefix2, ...]
+    valid_path: Optional[Any] = None  # null = the previous phase's validation set
+
+
+@dataclass
 class PhaseConfig:
     """One phase of the training schedule (``schedules/wsd.py`` has the rules). Set exactly one length."""
 
@@ -267,6 +293,8 @@ class PhaseConfig:
     # activation memory from this phase on: memory.fp8_store / recompute / offload (site lists, as in the
     # memory group); a key left null = the previous phase's (first: the memory group's)
     memory: "PhaseMemoryConfig" = field(default_factory=lambda: PhaseMemoryConfig())
+    # this phase's data blend (and validation set); null = the previous phase's (first: data.path)
+    data: PhaseDataConfig = field(default_factory=PhaseDataConfig)
 
 
 @dataclass
@@ -414,6 +442,7 @@ class K2Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)

@@ -22,10 +22,10 @@ from k2.config.errors import ConfigError
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 __all__ = [
-    "ATTENTION_BACKENDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB",
-    "MUON_ZERO1", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES", "ROUTER_OPTIMIZERS",
-    "SECTION_CHECKS", "WANDB_MODES", "check_cross_section", "check_phase_memory", "check_schedule_memory",
-    "resume_settings", "validate",
+    "ATTENTION_BACKENDS", "BAD_RECORDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS",
+    "MIN_EMBEDDED_VOCAB", "MUON_ZERO1", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES",
+    "ROUTER_OPTIMIZERS", "SECTION_CHECKS", "TEXT_DOCUMENTS", "WANDB_MODES", "check_cross_section",
+    "check_phase_memory", "check_prepare", "check_schedule_memory", "resume_settings", "validate",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -212,9 +212,28 @@ def check_data(d) -> None:
     if d.valid_path is not None:
         raise ConfigError("data.valid_path is set but data.path is null (the embedded stdlib corpus has its "
                           "own validation split); set data.path too, or data.valid_path=null")
-    if d.tokenizer is not None:
-        raise ConfigError(f"data.tokenizer={d.tokenizer} is set but data.path is null: the embedded stdlib "
-                          "corpus uses the tokenizer k2-data trains; set data.tokenizer=null or give data.path")
+
+
+#: ``prepare.text_document`` and ``prepare.bad_records`` (k2.launcher.datasets.sources / .preprocess)
+TEXT_DOCUMENTS = ("file", "paragraph")
+BAD_RECORDS = ("error", "skip")
+
+
+def check_prepare(p) -> None:
+    """``prepare.*`` (``k2-data prepare.input=...``): the values alone; the input files are checked by
+    ``k2.launcher.datasets.sources``."""
+    if p.input is None:
+        return
+    if p.output is None or not str(p.output).strip():
+        raise ConfigError("prepare.input is set but prepare.output is null: give the dataset prefix to write "
+                          "(prepare.output=/data/corpus_text_document -> .bin/.idx)")
+    _require(bool(str(p.text_key).strip()), "prepare.text_key", p.text_key, "a JSONL field / Parquet column name")
+    _require(p.text_document in TEXT_DOCUMENTS, "prepare.text_document", p.text_document, ", ".join(TEXT_DOCUMENTS))
+    _require(p.bad_records in BAD_RECORDS, "prepare.bad_records", p.bad_records, ", ".join(BAD_RECORDS))
+    _require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
+    _require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
+    _require(p.shard_documents is None or p.shard_documents >= 1, "prepare.shard_documents",
+             p.shard_documents, "null (one dataset) or an integer >= 1 (documents per shard)")
 
 
 def check_cluster(c) -> None:
@@ -302,6 +321,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "schedule": check_schedule_memory,
     "pipeline": check_pipeline,
     "data": check_data,
+    "prepare": check_prepare,
     "cluster": check_cluster,
     "plan": check_plan,
     "submit": check_submit,
@@ -320,7 +340,7 @@ def check_cross_section(cfg) -> None:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
             "model.record_max_logits=true (allowed with record_max_logits=false: optim.qk_clip_tau=null)")
-    if cfg.data.path is None and int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
+    if cfg.data.path is None and cfg.prepare.input is None and int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
         raise ConfigError(
             f"data.vocab_size={cfg.data.vocab_size} (the embedded corpus tokenizer) exceeds "
             f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding table; set "
@@ -334,6 +354,10 @@ def check_cross_section(cfg) -> None:
     if cfg.optim.offload_fraction > 0 and cfg.optim.name == "muonclip" and cfg.optim.muon_zero1 != "byte_range":
         raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} with optim=muonclip needs "
                           "optim.muon_zero1=byte_range (allowed with layer_wise: optim.offload_fraction=0)")
+    if cfg.data.path is None and cfg.data.tokenizer is not None and cfg.prepare.input is None:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is set but data.path is null: the embedded "
+                          "stdlib corpus uses the tokenizer k2-data trains; set data.tokenizer=null or give "
+                          "data.path (or prepare.input, to tokenize a raw-text corpus with it)")
     if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
         raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
                           "model.num_moe_experts=null")

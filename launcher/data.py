@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 from k2.config import load_config
 from k2.launcher.cli import run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+from k2.launcher.datasets.preprocess import prepare_corpus
 from k2.launcher.datasets.resolve import resolve_data
 
 PROG = "k2-data"
@@ -19,15 +20,27 @@ a byte-level BPE tokenizer (data.vocab_size) and megatron .bin/.idx train/valid 
 <data.cache_dir>/stdlib-<pyver>-v<vocab>/. Idempotent. With data.path set, validate the user data
 (data.path, data.valid_path, data.tokenizer, data.split) and print its size instead.
 
+With prepare.input set, tokenize a raw-text corpus (JSONL, also .gz/.zst; Parquet; plain text; files,
+directories or globs) into megatron indexed datasets at prepare.output (PREFIX.bin/.idx, or
+PREFIX_00000.bin/.idx ... with prepare.shard_documents) plus PREFIX.manifest.json, with data.tokenizer
+or a byte-level BPE of data.vocab_size ids trained on the input (PREFIX.tokenizer.json). Settings:
+prepare.text_key (text), prepare.text_document (file|paragraph, for .txt), prepare.workers (1),
+prepare.bad_records (error|skip), prepare.shard_documents (null), prepare.chunk_documents (2048).
+A killed build resumes where it stopped when run again; the output does not depend on the workers.
+
 examples:
   k2-data
   k2-data data.vocab_size=8192 model.vocab_size=8192 data.cache_dir=/scratch/k2
   k2-data data.path=/data/web_text_document data.tokenizer=/data/tokenizer.json
+  k2-data prepare.input='/data/web/*.jsonl.zst' prepare.output=/data/web_text_document \
+      prepare.workers=8 data.tokenizer=/data/tokenizer.json
 """
 
 
 def _data(args: list[str]) -> int:
     cfg = load_config(args)
+    if cfg.prepare.input is not None:
+        return _prepare(cfg)
     resolved = resolve_data(cfg)
     if resolved.embedded:
         paths = prepare_stdlib_corpus(cfg.data)
@@ -60,6 +73,22 @@ def _data(args: list[str]) -> int:
         if resolved.valid_blend is None:
             print(f"k2-data: validation carved from data.path by data.split={resolved.split}")
         print(f"k2-data: tokenizer {resolved.tokenizer_path} ({resolved.tokenizer_vocab_size} ids): OK")
+    return 0
+
+
+def _prepare(cfg) -> int:
+    out = prepare_corpus(cfg)
+    m = out.manifest
+    for d in m["datasets"]:
+        print(f"k2-data: {d['prefix']}: {d['documents']:,d} documents, {d['tokens']:,d} tokens")
+    bad = m["bad_records"]["count"]
+    print(f"k2-data: {m['documents']:,d} documents, {m['tokens']:,d} tokens (EOD included) from "
+          f"{len(m['inputs'])} input files"
+          + (f"; {bad} bad records skipped" if bad else "")
+          + (f"; {m['empty_documents_skipped']} empty texts skipped" if m["empty_documents_skipped"] else ""))
+    path = out.prefixes[0] if len(out.prefixes) == 1 else "[" + ",".join(out.prefixes) + "]"
+    print(f"k2-data: manifest {out.manifest_path}; train on it with data.path={path} "
+          f"data.tokenizer={out.tokenizer_path} model.vocab_size>={m['tokenizer']['vocab_size']}")
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import run_main
+from k2.launcher.datasets.resolve import phase_data_settings
 from k2.launcher.planning.cluster import ClusterPlan, plan_cluster
 from k2.launcher.planning.report import format_text
 from k2.schedules.pipeline_sim import plot_timeline
@@ -30,7 +31,7 @@ USAGE = """usage: k2-plan [HYDRA_OVERRIDE ...]
 Check a configuration for a cluster of cluster.nodes x cluster.gpus_per_node GPUs without starting
 anything: the layout per pipeline rank, memory per GPU and per phase (fits against
 cluster.gpu_memory_gib and, per node, cluster.host_memory_gib), the pipeline bubble, FLOPs and MFU, the
-schedule's phases. output=json prints one JSON object;
+schedule's phases and the data blend of each. output=json prints one JSON object;
 plot=PATH.png draws the pipeline timeline, plot_schedule=PATH.png the LR schedule; plan.search=true
 ranks every valid layout.
 
@@ -63,14 +64,34 @@ def _plot_schedule(plan: ClusterPlan, path: str) -> None:
     print(f"{PROG}: wrote {path} (schedule)", file=sys.stderr)
 
 
+def phase_data_rows(cfg) -> list[dict]:
+    """Per schedule phase: its name and the ``data.path`` / ``data.valid_path`` it trains and validates on
+    (null = the embedded corpus; a valid_path of null carves validation out of the path by data.split)."""
+    return [{"phase": ph.name, "data_path": path, "valid_path": valid}
+            for ph, (path, valid) in zip(cfg.schedule.phases, phase_data_settings(cfg))]
+
+
+def _format_phase_data(rows: list[dict]) -> str:
+    lines = ["data per phase (schedule.phases.<i>.data; null = the embedded corpus):"]
+    width = max(len(r["phase"]) for r in rows)
+    for r in rows:
+        valid = "" if r["valid_path"] is None else f"  valid: {json.dumps(r['valid_path'])}"
+        lines.append(f"  {r['phase']:{width}s}  {json.dumps(r['data_path'])}{valid}")
+    return "\n".join(lines)
+
+
 def _plan(args: list[str]) -> int:
     cfg = load_config(args)
     plan = plan_cluster(cfg)
+    plan.report["phase_data"] = phase_data_rows(cfg)
     if cfg.plot:
         _plot_timeline(plan, cfg.plot)
     if cfg.plot_schedule:
         _plot_schedule(plan, cfg.plot_schedule)
-    print(json.dumps(plan.report) if cfg.output == "json" else format_text(plan.report))
+    if cfg.output == "json":
+        print(json.dumps(plan.report))
+    else:
+        print(format_text(plan.report) + "\n\n" + _format_phase_data(plan.report["phase_data"]))
     return 0
 
 

@@ -11,6 +11,7 @@ Usage::
     k2-bench bench=memory                      # saved bytes / step time: memory none|fp8|recompute|offload|all
     k2-bench bench=step                        # full K2 step vs plain megatron-core, each feature toggled
     k2-bench bench=hf_convert                  # k2-convert import/export peak RSS vs largest group / model
+    k2-bench bench=data                        # k2-data prepare tokens/s vs raw encode_batch; peak RSS
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -32,6 +33,7 @@ from k2.config.errors import ConfigError
 from k2.launcher.benchmarks.activation_memory import bench_memory
 from k2.launcher.benchmarks.attention import bench_attention
 from k2.launcher.benchmarks.common import describe, system_info
+from k2.launcher.benchmarks.data_prepare import bench_data
 from k2.launcher.benchmarks.optimizer import bench_optimizer
 
 
@@ -64,6 +66,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "memory": bench_memory,
     "step": bench_step,  # k2.launcher.benchmarks.step
     "hf_convert": bench_hf_convert,  # k2.launcher.benchmarks.hf_convert
+    "data": bench_data,  # k2.launcher.benchmarks.data_prepare
 }
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from k2.config.validate import check_data
 from k2.launcher.datasets.locks import file_lock
-from k2.launcher.datasets.tokenizer import EOD_TOKEN, PAD_TOKEN
+from k2.launcher.datasets.tokenizer import EOD_TOKEN, PAD_TOKEN, train_byte_level_bpe
 
 CORPUS_FORMAT = 1  # bump when the corpus layout or tokenization changes (forces a rebuild)
 _ENCODE_CHUNK = 64  # documents per tokenizers.encode_batch call (parallel inside tokenizers)
@@ -154,22 +154,6 @@ def _paths(directory: str, manifest: dict, rebuilt: bool) -> CorpusPaths:
     )
 
 
-def _train_tokenizer(texts: Sequence[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN, PAD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
-
-
 def _encode_chunk(tok, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of a chunk of documents (no EOD). Separate function so tests can inject a crash."""
     return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -269,9 +253,8 @@ def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbos
                 flush=True,
             )
         train_texts = [t for t, v in zip(texts, is_valid) if not v]
-        tok = _train_tokenizer(train_texts, vocab_size)
-        # a literal "<|endoftext|>" inside a source file is text, not a document boundary
-        tok.encode_special_tokens = True
+        tok = train_byte_level_bpe(train_texts, vocab_size, length=len(train_texts))
+        # (encode_special_tokens is on: a literal "<|endoftext|>" in a source file is text, not a boundary)
         tok_path = os.path.join(tmp, "tokenizer.json")
         tok.save(tok_path)
         eod = tok.token_to_id(EOD_TOKEN)

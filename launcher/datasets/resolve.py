@@ -14,12 +14,14 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
 
 from k2.config.errors import ConfigError
 from k2.launcher.datasets.corpus import stdlib_corpus_dir
+from k2.launcher.datasets.preprocess import unfinished_build
 from k2.launcher.datasets.tokenizer import HFTokenizer
 
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -209,6 +211,11 @@ def check_token_ids(bin_path: str, dtype, vocab_size: int, what: str) -> None:
 
 def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
     for p in blend[0]:
+        unfinished = unfinished_build(p)
+        if unfinished is not None:
+            raise ConfigError(
+                f"{key}: dataset prefix '{p}' is an unfinished k2-data build ({unfinished} exists): run the "
+                f"same k2-data prepare command again to finish it")
         for ext in (".bin", ".idx"):
             if not os.path.isfile(p + ext):
                 raise ConfigError(
@@ -345,3 +352,65 @@ def resolve_data(cfg: Any) -> ResolvedData:
         embedded=False,
         stats=stats,
     )
+
+
+# --------------------------------------------------------------------------- per schedule phase
+
+
+def phase_data_settings(cfg: Any) -> list[tuple[Any, Any]]:
+    """Per schedule phase, the ``(data.path, data.valid_path)`` it trains and validates on: its own
+    ``schedule.phases.<i>.data.path`` / ``.valid_path``, else the previous phase's (the first phase:
+    ``data.path`` / ``data.valid_path``). Reads the config only (no file is opened)."""
+    path, valid = _plain(cfg.data.path), _plain(cfg.data.valid_path)
+    out = []
+    for ph in cfg.schedule.phases:
+        d = ph.get("data") if hasattr(ph, "get") else getattr(ph, "data", None)
+        if d is not None and d.get("path") is not None:
+            path = _plain(d.get("path"))
+        if d is not None and d.get("valid_path") is not None:
+            valid = _plain(d.get("valid_path"))
+        out.append((path, valid))
+    return out
+
+
+def resolve_phase_data(cfg: Any, base: ResolvedData) -> tuple[ResolvedData, ...]:
+    """:class:`ResolvedData` of every schedule phase (index = ``Phase.index``), validated like
+    ``data.path`` (files, token ids, split); phases with the same settings share one object, and a
+    schedule that names no phase data gets ``base`` for every phase.
+
+    Raises:
+        ConfigError: a phase names data while ``data.path`` is null (the embedded corpus: give
+            ``data.path`` and ``data.tokenizer`` explicitly), or a phase's data fails a check of
+            :func:`resolve_data` (the message names ``schedule.phases.<i>.data``).
+    """
+    settings = phase_data_settings(cfg)
+    first = (_plain(cfg.data.path), _plain(cfg.data.valid_path))
+    if all(s == first for s in settings):
+        return tuple(base for _ in settings)
+    named = next(i for i, s in enumerate(settings) if s != first)
+    if base.embedded:
+        raise ConfigError(
+            f"schedule.phases.{named}.data names its own data but data.path is null (the embedded corpus): "
+            f"set data.path and data.tokenizer too (the embedded corpus's prefix and tokenizer.json are "
+            f"under {stdlib_corpus_dir(cfg.data)})")
+    resolved: dict = {repr(first): base}
+    out = []
+    for i, (path, valid) in enumerate(settings):
+        key = repr((path, valid))
+        if key not in resolved:
+            data = SimpleNamespace(**{k: cfg.data[k] for k in ("cache_dir", "split", "tokenizer", "vocab_size",
+                                                                "valid_fraction")}, path=path, valid_path=valid)
+            view = SimpleNamespace(data=data, model=cfg.model)
+            try:
+                resolved[key] = resolve_data(view)
+            except ConfigError as e:
+                raise ConfigError(f"schedule.phases.{i}.data: {e}") from None
+        out.append(resolved[key])
+    return tuple(out)
+
+
+def blend_key(resolved: ResolvedData) -> tuple:
+    """What makes two :class:`ResolvedData` read the same samples (prefixes, weights, validation, split)."""
+    t, v = resolved.train_blend, resolved.valid_blend
+    return (tuple(t[0]), tuple(t[1] or ()), None if v is None else (tuple(v[0]), tuple(v[1] or ())),
+            resolved.split)

@@ -37,6 +37,29 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, length: Optional[int] = None):
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` ids (GPT-2's byte-level
+    pre-tokenizer, no prefix space; special tokens ``<|endoftext|>`` = EOD and ``<|pad|>`` first, ids 0
+    and 1) on ``texts``, streamed once (``tokenizers``' ``BpeTrainer.train_from_iterator``; it keeps word
+    counts, not the texts). A literal ``<|endoftext|>`` in a later input is encoded as text
+    (``encode_special_tokens``), not as a document boundary. ``length``: the number of texts, if known.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    tok.encode_special_tokens = True
+    return tok
+
+
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` (``tokenizer.json``) with megatron's tokenizer attributes.
 

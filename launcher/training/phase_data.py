@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from k2.launcher.datasets.gpt import build_datasets
 from k2.launcher.datasets.microbatches import MicrobatchIterator
+from k2.launcher.datasets.resolve import blend_key
 from k2.launcher.training.prepare import RunPlan
 
 __all__ = ["PhaseData", "microbatch_iterators"]
@@ -23,11 +24,15 @@ def microbatch_iterators(dataset, phase, plan: RunPlan, dp_rank: int, start_samp
 class PhaseData:
     """Datasets and microbatch iterators of the current schedule phase on this rank.
 
-    The datasets are rebuilt (megatron's builder: a collective, every rank enters it at the same step)
-    only when the sequence length changes; one build serves the whole stretch of phases at that length
-    (``Schedule.context_steps``). Global batch ``j`` of the stretch reads samples ``[j*G, (j+1)*G)`` of
-    it (``G`` = the phase's global batch in sequences), so a run resumed at any step reads the same
-    samples.
+    A *stretch* is a run of consecutive phases with the same sequence length and the same data
+    (``plan.phase_data``: a phase may name its own blend and validation set); phases that get no step
+    do not interrupt it. The datasets are rebuilt (megatron's builder: a collective, every rank enters
+    it at the same step) only when a step enters another stretch, without a restart. Each blend keeps
+    its own data position: global batch ``j`` of a stretch reads samples ``[o + j*G, o + (j+1)*G)`` of
+    its datasets, where ``G`` is the phase's global batch in sequences and ``o`` the samples that earlier
+    stretches of the same blend and sequence length read, so a blend that comes back continues where it
+    stopped. All of it follows from the step, so a run resumed at any step -- before, at or after a
+    switch -- reads the same samples.
 
     Args:
         seed: ``run.seed`` (megatron's dataset shuffle seed).
@@ -36,33 +41,60 @@ class PhaseData:
         dp_rank: this rank's data-parallel index.
 
     Attributes:
-        phase: the phase served now; first_step: first step of its context stretch; train_ds / valid_ds:
-        megatron GPT datasets at the phase's sequence length; iters: one iterator per model chunk.
+        phase: the phase served now; first_step: first step of its stretch; samples_before: ``o`` above;
+        data: the :class:`ResolvedData` served now; train_ds / valid_ds: megatron GPT datasets at the
+        phase's sequence length; iters: one iterator per model chunk.
     """
 
     def __init__(self, seed: int, eval_iters: int, plan: RunPlan, dp_rank: int):
         self.seed, self.eval_iters, self.plan, self.dp_rank = int(seed), int(eval_iters), plan, dp_rank
         self.phase = None
-        self.seq_length = None
+        self.key = None
         self.first_step = 1
+        self.samples_before = 0
+        self.data = None
         self.train_ds = self.valid_ds = None
         self.iters = None
+
+    def phase_data(self, phase):
+        """The :class:`ResolvedData` ``phase`` trains on."""
+        return self.plan.phase_data[phase.index] if self.plan.phase_data else self.plan.data
+
+    def _key(self, phase) -> tuple:
+        return phase.seq_length, blend_key(self.phase_data(phase))
+
+    def stretches(self) -> list[tuple[tuple, int, int]]:
+        """``(key, first step, last step)`` of every stretch up to ``plan.steps``, in order."""
+        out: list = []
+        for p in self.plan.schedule.phases:
+            if p.first_step is None or p.first_step > self.plan.steps:
+                continue
+            last = min(p.last_step, self.plan.steps)
+            if out and out[-1][0] == self._key(p):
+                out[-1] = (out[-1][0], out[-1][1], last)
+            else:
+                out.append((self._key(p), p.first_step, last))
+        return out
 
     def enter(self, phase, step: int) -> bool:
         """Serve ``phase`` from ``step`` on; returns True when the datasets were rebuilt."""
         rebuilt = False
-        if phase.seq_length != self.seq_length:
-            first, last = self.plan.schedule.context_steps(phase)
-            last = min(last, self.plan.steps)
+        key = self._key(phase)
+        if key != self.key:
+            G = phase.global_batch_size
+            same = [s for s in self.stretches() if s[0] == key]
+            first, last = next((a, b) for _, a, b in same if a <= step <= b)
+            self.samples_before = sum(b - a + 1 for _, a, b in same if b < first) * G
+            self.data = self.phase_data(phase)
             self.train_ds, self.valid_ds = build_datasets(
-                self.plan.data, phase.seq_length, self.seed,
-                train_samples=(last - first + 1) * phase.global_batch_size,
-                valid_samples=max(1, self.eval_iters) * phase.global_batch_size,
+                self.data, phase.seq_length, self.seed,
+                train_samples=sum(b - a + 1 for _, a, b in same) * G,
+                valid_samples=max(1, self.eval_iters) * G,
             )
-            self.seq_length, self.first_step, rebuilt = phase.seq_length, first, True
+            self.key, self.first_step, rebuilt = key, first, True
         self.phase = phase
         self.iters = microbatch_iterators(
             self.train_ds, phase, self.plan, self.dp_rank,
-            start_sample=(step - self.first_step) * phase.global_batch_size,
+            start_sample=self.samples_before + (step - self.first_step) * phase.global_batch_size,
         )
         return rebuilt

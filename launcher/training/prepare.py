@@ -11,6 +11,7 @@ from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data
 from k2.launcher.training.phase_memory import check_phase_memory_switches
+from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.model.backends import check_backend_config
 from k2.parallel.dims import ParallelDims
 from k2.schedules.pipeline import check_pipeline_config
@@ -32,6 +33,8 @@ class RunPlan:
         tokens_per_step: ``schedule.global_batch_tokens``.
         resume_from: the checkpoint this run continues from, or None for a fresh start.
         resume_step: the last step that checkpoint trained (0 for a fresh start).
+        phase_data: the validated data of every schedule phase (by ``Phase.index``): ``data`` unless a
+            phase names its own ``schedule.phases.<i>.data``.
     """
 
     dims: ParallelDims
@@ -41,6 +44,7 @@ class RunPlan:
     tokens_per_step: int
     resume_from: Optional[Path] = None
     resume_step: int = 0
+    phase_data: tuple = ()
 
     @property
     def nothing_to_do(self) -> Optional[str]:
@@ -63,7 +67,7 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
 
     On top of :func:`k2.config.validate.validate` (done by ``load_config``): the pipeline trace path, the
     compute backends this machine can run, the parallel layout, every schedule phase that runs a step
-    against megatron's microbatch rule, the data files, and the checkpoint to resume from.
+    against megatron's microbatch rule, the data files (of every phase), and the checkpoint to resume from.
 
     Raises:
         ConfigError: any setting that cannot run, naming the setting and the allowed values.
@@ -76,7 +80,9 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     iters = cfg.train.iters
     steps = schedule.total_steps if iters is None else min(int(iters), schedule.total_steps)
     data = resolve_data(cfg)
+    phase_data = resolve_phase_data(cfg, data)
     layout = {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp, "world_size": world_size}
     resume_from = plan_resume(cfg, layout)
     resume_step = 0 if resume_from is None else int(read_state(resume_from)["step"])
-    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from, resume_step)
+    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from, resume_step,
+                   phase_data)

@@ -6,7 +6,8 @@ consumed, through the LR scheduler), the data position (global batch ``j`` of a 
 samples ``[j G, (j + 1) G)``), the layout and optimizer the tensors were written with, and the wandb run
 that the metrics continue.
 
-``k2_state.json`` keys: ``step``, ``consumed_tokens``, ``phase``, ``consumed_samples_in_context``,
+``k2_state.json`` keys: ``step``, ``consumed_tokens``, ``phase``, ``consumed_samples_in_context`` (of the
+phase's blend at its sequence length), ``data_path`` (the prefixes of that blend),
 ``seq_length``, ``scheduler`` (:meth:`k2.schedules.lr.TokenLRScheduler.state_dict`), ``layout`` (``pp``,
 ``vpp``, ``ep``, ``dp``, ``world_size``), ``optimizer`` (``k2.optim.name``), ``optimizer_dp_fixed`` (True for
 MuonClip's layer-wise ZeRO-1, whose state resumes only at the same DP size), ``wandb_run_id``, ``reason``.
@@ -57,7 +58,9 @@ class TrainState:
             "step": self.step,
             "consumed_tokens": self.scheduler.consumed_tokens,
             "phase": phase.name,
-            "consumed_samples_in_context": (self.step - self.data.first_step + 1) * phase.global_batch_size,
+            "consumed_samples_in_context": self.data.samples_before
+            + (self.step - self.data.first_step + 1) * phase.global_batch_size,
+            "data_path": self.data.data.train_blend[0],
             "seq_length": phase.seq_length,
             "scheduler": self.scheduler.state_dict(),
             "layout": self.layout,

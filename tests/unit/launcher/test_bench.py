@@ -209,3 +209,19 @@ def test_step_bench_bad_options_exit_2(capsys, overrides, named):
     rc, out, err = run_tool(capsys, main, ["bench=step", *overrides])
     assert rc == 2 and out == ""
     assert err.startswith("k2-bench: error: ") and named in err
+
+
+def test_data_bench_reports_both_throughputs(capsys):
+    """bench=data: k2-data prepare with 1 and 2 workers and the raw encode_batch over the same tokens in
+    one run (numbers present and consistent, not their speed). The peak-RSS pair (two k2-data processes,
+    each importing torch) is left out here (rss_mb=0) to keep the suite's time; k2-bench runs it."""
+    rc, out, _ = run_tool(capsys, main, ["bench=data", "output=json", "bench.options.corpus_mb=0.2",
+                                         "bench.options.rss_mb=0", "bench.options.vocab_size=512"])
+    assert rc == 0
+    f = json.loads(out)["figures"]
+    assert f["tokens"] > 0 and f["documents"] > 0 and len(f["raw_encode_batch_s"]) == 2
+    for w in (1, 2):
+        ratio = f[f"k2_data_workers{w}_over_raw"]
+        assert ratio > 0
+        assert f[f"k2_data_workers{w}_tokens_per_s"] == pytest.approx(ratio * f["raw_encode_batch_tokens_per_s"])
+    assert "rss" not in f
