@@ -28,6 +28,9 @@ _HEAVY_FIRST = {
     "tests/integration/test_phase_data.py": 95,
     "tests/unit/launcher/test_prepare_corpus.py": 20,
     "tests/unit/launcher/test_bench.py": 40,
+    "tests/integration/test_resume_rng_context.py": 45,
+    "tests/integration/test_startup_signal.py": 20,
+    "tests/unit/schedules/test_trace_plot.py": 10,
 }
 
 

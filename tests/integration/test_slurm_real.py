@@ -72,14 +72,16 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
         return f.read_text()[-tail:] if f.exists() else "(no log)"
 
     def restart_now(restarts: int) -> None:
-        """Skip the requeue's BeginTime delay, but only once the previous run of the job has left the
-        node: that delay is what keeps slurmd's clean-up of the old run (same job id) away from the new
-        one, and starting the job while the node still completes it lets that clean-up kill the new
-        batch script before it prints a line."""
+        """Skip most of the requeue's BeginTime delay. That delay is what keeps the new run (same job id)
+        clear of the old one's end: slurmd revokes the old run's credential when it kills it and refuses
+        a batch launch whose credential is not newer, at 1-second resolution ("Job 1 already killed, do
+        not launch batch job": the job fails without running a line). So the new run starts only once
+        the node is idle and a few seconds have passed."""
         _wait(lambda: slurm.job_field(job, "Restarts") == str(restarts)
               and slurm.job_field(job, "JobState") == "PENDING", 120, lambda: f"restart {restarts} to pend: {log()}")
         _wait(lambda: slurm.node_state() == "idle", 120,
               lambda: f"the node to finish restart {restarts - 1} of job {job}: {slurm.diagnose(job)}")
+        time.sleep(3)
         slurm.scontrol("update", f"jobid={job}", "StartTime=now")
 
     try:
