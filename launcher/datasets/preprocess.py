@@ -47,7 +47,7 @@ from k2.launcher.datasets.sources import (
     record_text,
 )
 from k2.launcher.datasets.tokenize_pool import TokenizerPool
-from k2.launcher.datasets.tokenizer import HFTokenizer, train_byte_level_bpe
+from k2.launcher.datasets.tokenizer import HFTokenizer, load_user_tokenizer, train_byte_level_bpe
 
 __all__ = ["PREPARE_FORMAT", "PreparedCorpus", "prepare_corpus", "unfinished_build", "work_dir"]
 
@@ -118,20 +118,7 @@ def _user_tokenizer(cfg: Any) -> Optional[HFTokenizer]:
     """``data.tokenizer`` loaded and checked against ``model.vocab_size``, or None (train one)."""
     if cfg.data.tokenizer is None:
         return None
-    path = os.path.abspath(os.path.expanduser(str(cfg.data.tokenizer)))
-    if not os.path.isfile(path):
-        raise ConfigError(f"data.tokenizer: file not found: {path}")
-    try:
-        tok = HFTokenizer(path)
-    except ValueError as e:
-        raise ConfigError(f"data.tokenizer: {e}") from None
-    model_vocab = int(cfg.model.vocab_size)
-    if tok.vocab_size > model_vocab:
-        raise ConfigError(
-            f"data.tokenizer {path} has {tok.vocab_size} ids but model.vocab_size={model_vocab}: token ids "
-            f"would overflow the embedding table; set model.vocab_size={tok.vocab_size} (or larger) or use "
-            f"a smaller tokenizer")
-    return tok
+    return load_user_tokenizer(cfg.data.tokenizer, int(cfg.model.vocab_size))
 
 
 def _key(cfg: Any, files: list[InputFile], hashes: list[str], user_tok: Optional[HFTokenizer]) -> dict:

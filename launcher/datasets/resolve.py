@@ -22,7 +22,7 @@ import numpy as np
 from k2.config.errors import ConfigError
 from k2.launcher.datasets.corpus import stdlib_corpus_dir
 from k2.launcher.datasets.preprocess import unfinished_build
-from k2.launcher.datasets.tokenizer import HFTokenizer
+from k2.launcher.datasets.tokenizer import load_user_tokenizer
 
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
@@ -325,19 +325,8 @@ def resolve_data(cfg: Any) -> ResolvedData:
             "data.tokenizer is null but data.path is set: give the tokenizer.json that produced the "
             "token ids of data.path (data.tokenizer=/path/to/tokenizer.json)"
         )
-    tok_path = os.path.abspath(os.path.expanduser(str(data.tokenizer)))
-    if not os.path.isfile(tok_path):
-        raise ConfigError(f"data.tokenizer: file not found: {tok_path}")
-    try:
-        tok = HFTokenizer(tok_path)
-    except ValueError as e:
-        raise ConfigError(f"data.tokenizer: {e}") from None
-    if tok.vocab_size > model_vocab:
-        raise ConfigError(
-            f"data.tokenizer {tok_path} has {tok.vocab_size} ids but model.vocab_size={model_vocab}: "
-            f"token ids would overflow the embedding table; set model.vocab_size={tok.vocab_size} "
-            f"(or larger)"
-        )
+    tok = load_user_tokenizer(data.tokenizer, model_vocab)
+    tok_path = tok.path
     for key, blend in (("data.path", train_blend), ("data.valid_path", valid_blend)):
         for p in (blend or ([], None))[0]:
             check_token_ids(p + ".bin", _read_idx_header(p + ".idx")[1], tok.vocab_size,

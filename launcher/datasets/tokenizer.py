@@ -154,3 +154,31 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
+
+
+def load_user_tokenizer(path, model_vocab: int) -> "HFTokenizer":
+    """``data.tokenizer``: the ``tokenizer.json`` at ``path`` (``~`` expanded), checked against the model.
+
+    Args:
+        path: the setting's value.
+        model_vocab: ``model.vocab_size`` (ids of the embedding table).
+
+    Raises:
+        ConfigError: the file is missing or not a usable tokenizer (no end-of-document token), or it has
+            more ids than ``model.vocab_size`` (token ids would overflow the embedding table).
+    """
+    from k2.config.errors import ConfigError
+
+    full = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.isfile(full):
+        raise ConfigError(f"data.tokenizer: file not found: {full}")
+    try:
+        tok = HFTokenizer(full)
+    except ValueError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    if tok.vocab_size > int(model_vocab):
+        raise ConfigError(
+            f"data.tokenizer {full} has {tok.vocab_size} ids but model.vocab_size={model_vocab}: token ids "
+            f"would overflow the embedding table; set model.vocab_size={tok.vocab_size} (or larger) or use "
+            f"a smaller tokenizer")
+    return tok

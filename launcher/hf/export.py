@@ -34,11 +34,9 @@ from k2.launcher.checkpointing.manifest import check_structure
 from k2.launcher.checkpointing.paths import CONFIG_FILE, damaged_checkpoint_error, read_state
 from k2.launcher.hf.dist import ensure_process_group
 from k2.launcher.hf.hf_config import hf_config
-from k2.launcher.hf.mapping import Tensor, numel, tensor_groups
+from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, numel, tensor_groups
 
-INDEX_FILE = "model.safetensors.index.json"
 PARTIAL_SUFFIX = ".partial"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -184,7 +182,7 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
     if out.exists():
         raise ConfigError(f"convert.out={out} exists; choose a new directory (an export never overwrites)")
     m = cfg.model
-    cast = _DTYPES[dtype] if dtype is not None else None
+    cast = getattr(torch, DTYPE_NAMES[dtype]) if dtype is not None else None
     ensure_process_group()
     meta = dist_checkpointing.load_tensors_metadata(str(path))
     groups = tensor_groups(m)

@@ -46,11 +46,9 @@ from k2.launcher.checkpointing.store import use_in_process_write_results
 from k2.launcher.hf.dist import ensure_process_group
 from k2.launcher.hf.fp8 import FP8_DTYPES, SCALE_SUFFIX, block_size, dequantize
 from k2.launcher.hf.hf_config import check_hf_config
-from k2.launcher.hf.mapping import Tensor, tensor_groups
+from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, tensor_groups
 
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -200,7 +198,7 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
     root = checkpoints_dir(cfg.run.dir)
     if saved_checkpoint_names(root) or (root / LATEST).exists():
         raise ConfigError(f"run.dir={cfg.run.dir} already holds checkpoints; import into a new run.dir")
-    dtype = _DTYPES[str(cfg.train.precision)]
+    dtype = getattr(torch, DTYPE_NAMES[str(cfg.train.precision)])
     reader = _Reader(hf_dir, weight_map, block_size(hf))
     groups = tensor_groups(cfg.model)
     sd, nbytes = _sharded_dict(groups, reader, dtype, int(cfg.model.num_moe_experts or 0))

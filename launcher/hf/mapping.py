@@ -42,6 +42,10 @@ from k2.config.validate import CONVERT_MODEL_TYPES
 #: HF checkpoints this converter reads and writes (``config.json``'s ``architectures`` / ``model_type``)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPES = CONVERT_MODEL_TYPES  # deepseek_v3, kimi_k2 (k2.config.validate)
+#: a sharded HF checkpoint's index: ``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``
+INDEX_FILE = "model.safetensors.index.json"
+#: the dtype names of ``convert.dtype`` / ``train.precision`` -> torch dtype names
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
