@@ -19,9 +19,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from k2.config import load_config
+from k2.config import ConfigError, load_config
 from k2.launcher.checkpointing.resume import plan_resume
-from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock
+from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock, raise_if_busy
 from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.tools.sweep import run_sweep, split_multirun
@@ -59,14 +59,20 @@ def _train(args: list[str]) -> int:
         return run_sweep(overrides)
     cfg = load_config(overrides)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
-    plan = prepare_run(cfg, world)  # every setting first: a bad one exits 2 before run.dir is created
+    could_own = env.rank == 0 and os.environ.get(LOCK_HELD_ENV) != "1"
+    try:
+        plan = prepare_run(cfg, world)  # every setting first: a bad one exits 2 before run.dir is created
+    except ConfigError:
+        if could_own:  # a run dir another trainer is writing right now: say that, not what it holds
+            raise_if_busy(cfg.run.dir)
+        raise
     if plan.nothing_to_do:  # a finished run run again: no rank starts
         if env.rank == 0:
             print(f"{PROG}: {plan.nothing_to_do}", flush=True)
         return 0
     # one owner per run dir (k2.launcher.checkpointing.run_lock): this process, when it spawns the ranks
     # or is global rank 0 of its own launch; taken before anything in the run dir is written
-    owner = env.rank == 0 and os.environ.get(LOCK_HELD_ENV) != "1"
+    owner = could_own
     with (RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext()):
         if owner:  # decided again under the lock: a previous owner may have saved or pruned since
             plan = dataclasses.replace(plan, resume_from=plan_resume(cfg, plan.layout))

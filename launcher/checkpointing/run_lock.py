@@ -25,7 +25,7 @@ from typing import Optional
 
 from k2.config.errors import ConfigError
 
-__all__ = ["LOCK_HELD_ENV", "OWNER_LOCK", "RunDirBusy", "RunDirLock"]
+__all__ = ["LOCK_HELD_ENV", "OWNER_LOCK", "RunDirBusy", "RunDirLock", "raise_if_busy"]
 
 #: the lock file's name inside the run directory
 OWNER_LOCK = ".owner.lock"
@@ -93,6 +93,15 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def raise_if_busy(run_dir) -> None:
+    """Raise :class:`RunDirBusy` when another process owns ``run_dir``; nothing when it has no lock file
+    or nobody holds it. For a refusal decided before the lock was taken: a run dir that another trainer
+    is writing at that moment (e.g. its first metrics, no checkpoint yet) must be reported as busy, not
+    judged by its half-written state."""
+    if (Path(run_dir) / OWNER_LOCK).exists():
+        RunDirLock.acquire(run_dir).release()
 
 
 def _read_owner(fd: int, wait_s: float) -> str:
