@@ -26,6 +26,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 from typing import Any
 
 from k2.launcher.benchmarks.common import bench_options
@@ -33,7 +34,9 @@ from k2.launcher.benchmarks.common import bench_options
 DEFAULTS = {"corpus_mb": 2.0, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2, "chunk_documents": 2048}
 
 
-def _docstrings() -> list[str]:
+def stdlib_docstrings(limit: Optional[int] = None) -> list[str]:
+    """Docstrings of the stdlib's top-level modules (module, class and function ones), in file order:
+    real text with unicode and code, the benchmark's (and the tests') corpus. ``limit``: at most this many."""
     out = []
     for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
@@ -42,6 +45,8 @@ def _docstrings() -> list[str]:
             continue
         out += [ast.get_docstring(n) for n in ast.walk(tree)
                 if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n)]
+        if limit is not None and len(out) >= limit:
+            return out[:limit]
     return out
 
 
@@ -91,7 +96,7 @@ def bench_data(cfg) -> dict[str, Any]:
     from k2.launcher.datasets.tokenizer import train_byte_level_bpe
 
     o = bench_options(cfg, DEFAULTS)
-    docs = _docstrings()
+    docs = stdlib_docstrings()
     with tempfile.TemporaryDirectory(prefix="k2-bench-data-") as tmp:
         root = Path(tmp)
         tok_path = root / "tokenizer.json"

@@ -13,10 +13,11 @@ megatron-core 0.19.2 touches these tokenizer attributes (``megatron/core/dataset
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence
+
+from k2.launcher.datasets.sources import file_sha256
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -27,14 +28,6 @@ _PAD_CANDIDATES = (PAD_TOKEN, "<pad>", "[PAD]", "<|padding|>")
 
 # megatron's sentinel for "no pad token" (megatron/core/datasets/megatron_dataset.py::_PAD_TOKEN_ID)
 NO_PAD_ID = -1
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, length: Optional[int] = None):
@@ -110,7 +103,7 @@ class HFTokenizer:
         self.unique_identifiers: "OrderedDict[str, str]" = OrderedDict()
         self.unique_identifiers["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
         self.unique_identifiers["tokenizer_path"] = path
-        self.unique_identifiers["sha256"] = _file_sha256(path)
+        self.unique_identifiers["sha256"] = file_sha256(path)
 
     def _lookup(self, explicit: Optional[str], candidates: Sequence[str]) -> Optional[int]:
         for tok in (explicit,) if explicit is not None else candidates:

@@ -7,14 +7,12 @@ the file / setting."""
 
 from __future__ import annotations
 
-import ast
 import gzip
 import json
 import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -27,30 +25,15 @@ from k2.config.load import load_config
 from k2.launcher import data as data_entry
 from k2.launcher.datasets import preprocess as P
 from k2.launcher.datasets.resolve import resolve_data
+from k2.launcher.benchmarks.data_prepare import stdlib_docstrings
 from k2.launcher.datasets.tokenizer import EOD_TOKEN, HFTokenizer, train_byte_level_bpe
 
 VOCAB = 600
 
 
-def _docstrings(limit: int) -> list[str]:
-    """Docstrings of the stdlib's top-level modules, in file order (real text with unicode, code, etc.)."""
-    out = []
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            tree = ast.parse(p.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
-                out.append(ast.get_docstring(node))
-                if len(out) == limit:
-                    return out
-    return out
-
-
 @pytest.fixture(scope="module")
 def docs() -> list[str]:
-    return _docstrings(300)
+    return stdlib_docstrings(300)
 
 
 @pytest.fixture(scope="module")
