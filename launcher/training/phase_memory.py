@@ -12,7 +12,6 @@ that changes them is refused up front (naming the phase setting) rather than sil
 from __future__ import annotations
 
 from k2.config.errors import ConfigError
-from k2.model.activation_memory import set_layer_recompute
 
 __all__ = ["apply_phase_memory", "check_phase_memory_switches"]
 
@@ -49,5 +48,9 @@ def check_phase_memory_switches(schedule, memory_cfg) -> None:
 
 def apply_phase_memory(chunks: list, phase) -> None:
     """Set whole-layer recompute on every transformer layer of ``chunks`` as ``phase`` asks."""
+    # imported here: k2-train's parent process runs the check above before any rank starts and must not
+    # pay the model's import of torch and megatron-core for it
+    from k2.model.activation_memory import set_layer_recompute
+
     if phase.memory is not None:
         set_layer_recompute(chunks, "layer" in phase.memory["recompute"])

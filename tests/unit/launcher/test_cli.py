@@ -25,3 +25,17 @@ def test_help_exits_0_with_usage_config_tree_and_examples(capsys, tool, flag):
     assert str(RECIPES_DIR) in out and "k2_tiny, kimi_k2" in out  # the tree and a group's recipes
     assert "examples:" in out and f"k2-{tool} " in out.split("examples:")[1]
     assert "group.key=value" in out and "error" not in err
+
+
+def test_k2_train_refuses_a_bad_setting_without_importing_megatron():
+    """k2-train's parent checks every setting (``prepare_run``) before it imports the trainer: a bad
+    setting is one error line and exit 2, and megatron-core (several seconds of CPU per process) was
+    never imported for it. A fresh interpreter, since this test session has imported everything."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom k2.launcher.train import main\nrc = main(['train.save_interval=0'])\n"
+            "print(rc, sorted(m for m in ('megatron.core', 'k2.model.activation_memory') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith("k2-train: error: train.save_interval=0"), proc.stderr
