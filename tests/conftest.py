@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 
-import pytest
+import os
+
+# one intra-op thread per test process (also under a bare `python -m pytest`; scripts/k2 test sets it
+# too): xdist workers and trainer ranks outnumber the cores, and spinning OpenMP threads waste CPU
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 from support import REPO, free_port  # noqa: F401 (REPO: for tests that import it from here)
 

@@ -373,3 +373,22 @@ def test_search_small_cluster(capsys):
         again = json.loads(out)
         assert again["memory_per_gpu_bytes"]["total"] == pytest.approx(r["memory_per_gpu_bytes"])
         assert again["bubble_fraction"] == pytest.approx(r["bubble_fraction"], rel=1e-9)
+
+
+def test_search_kimi_k2_on_32_nodes_matches_the_readme():
+    """README ("Planning"): ``k2-plan model=kimi_k2 parallel=k2_256gpu plan.search=true`` on 32 nodes lists
+    111 valid (PP, VPP, EP) layouts, 12 of which fit every phase of K2's schedule, K2's own PP16 x VPP2 x
+    EP16 among them (68.7 GiB on the fullest GPU, ~121 s per step). Each fitting row fits both the GPU
+    and the host (the search's verdict is the planner's, not a separate rule)."""
+    from k2.launcher.planning.cluster import plan_cluster
+
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "plan.search=true"])
+    rows = plan_cluster(cfg).report["search"]
+    fit = [r for r in rows if r["fits"]]
+    assert (len(rows), len(fit)) == (111, 12)
+    assert rows[: len(fit)] == fit  # the fitting layouts first
+    assert all(r["memory_per_gpu_bytes"] <= 80 * 2**30 for r in fit)
+    k2 = [r for r in fit if (r["pp"], r["vpp"], r["ep"]) == (16, 2, 16)]
+    assert len(k2) == 1
+    assert round(k2[0]["memory_per_gpu_bytes"] / 2**30, 1) == 68.7
+    assert round(k2[0]["step_time_s_estimated"]) == 121
