@@ -24,7 +24,10 @@ from support.distributed import run_trainer, trainer_env
 
 # MuonClip with a tau small enough that QK-Clip fires: the resumed state includes Muon's momentum in
 # megatron's byte-range ZeRO-1 shards (EP and DP) and the Adam moments of the other parameters
-CPU4 = ["parallel=cpu4", "optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=2", "train.eval_iters=1"]
+# microbatches of 4 sequences: 2 per DP rank (interleaved 1F1B still runs), half the passes of the default
+# (checkpoint, resume and signal behaviour do not depend on the microbatch count)
+CPU4 = ["parallel=cpu4", "optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=2", "train.eval_iters=1",
+        "train.micro_batch_size=4"]
 
 
 def _latest(run_dir: Path) -> str:
