@@ -60,16 +60,18 @@ def _item_bytes(item) -> int:
 
 def file_buckets(items: list, file_bytes: int) -> list[list]:
     """Consecutive write items per file, each file at most ``file_bytes`` of tensor data (a larger
-    tensor is a file alone; serialised objects count 0 bytes)."""
+    tensor is a file alone; serialised objects count 0 bytes and go with the next tensor, or the last)."""
     buckets, cur, size = [], [], 0
     for item in items:
         b = _item_bytes(item)
-        if cur and size + b > file_bytes:
+        if size and size + b > file_bytes:
             buckets.append(cur)
             cur, size = [], 0
         cur.append(item)
         size += b
-    if cur:
+    if cur and not size and buckets:  # trailing objects: with the last tensors
+        buckets[-1] += cur
+    elif cur:
         buckets.append(cur)
     return buckets
 
