@@ -125,8 +125,11 @@ def _child(verb: str, args: dict) -> None:
     from k2.launcher.hf.export import export_hf
     from k2.launcher.hf.importer import import_hf
 
-    import megatron.core.dist_checkpointing  # noqa: F401  (imported before the baseline)
-    import safetensors.torch  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401  (the modules a conversion uses, imported before
+    import safetensors.torch  # noqa: F401     the baseline: their code is not what it holds)
+
+    import k2.launcher.hf.lazy_save  # noqa: F401
+    import k2.parallel.dims  # noqa: F401
 
     cfg = load_config(args["overrides"])
     ensure_process_group()
