@@ -20,11 +20,14 @@ checked from the shard headers before anything is written; then megatron's torch
 the tensors one at a time (:func:`k2.launcher.hf.lazy_save.save_lazily`) and each is read from its HF
 shard (opened for that read and closed after it: safetensors memory-maps a shard, and the pages read
 stay resident while it is open), FP8-dequantised, cast, ``[gate; up]`` concatenated, written. The
-``.distcp`` files hold at most ``convert.shard_bytes`` each. Host memory bound (bytes):
-``max(convert.shard_bytes, T) + 3 * T_read`` plus ~1 KB of metadata per tensor, where ``T`` is the
-largest stored tensor (an expert's ``[1, 2F, H]`` ``linear_fc1`` chunk, the embedding, ...) and
-``T_read`` the largest tensor as read and converted (FP8: the FP32 dequantised copy and its scale
-grid). Never the whole model: ``k2-bench bench=hf_convert`` measures it.
+``.distcp`` files hold at most ``convert.shard_bytes`` of tensors each. Host memory bound (bytes):
+``max(convert.shard_bytes, T) + 3 * T_read + P``, where ``T`` is the largest stored tensor (an
+expert's ``[1, 2F, H]`` ``linear_fc1`` chunk, the embedding, ...), ``T_read`` the largest tensor as read
+and converted (FP8: the FP32 dequantised copy and its scale grid), and ``P`` megatron's and torch DCP's
+planning state, which grows with the number of checkpoint items (tensor chunks and ``_extra_state``
+objects), not their bytes: ~13 MB for 658 items measured, i.e. ~20 KB an item (Kimi K2: ~10^5 items,
+about 2 GB, against 2 TB of BF16 weights). Never the whole model: ``k2-bench bench=hf_convert``
+measures it, tests/unit/launcher/test_hf_convert.py keeps it.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ class _Reader:
                     if x.get_dtype() in FP8_HEADER_DTYPES:
                         fp8 += 1
                         name = t.hf + SCALE_SUFFIX
-                        scales.setdefault(self._shard(name, t.hf), []).append((name, scale_shape(t.shape, self.block)))
+                        want = (name, scale_shape(t.shape, self.block))
+                        scales.setdefault(self._shard(name, t.hf), []).append(want)
         for shard, want in sorted(scales.items()):
             with safe_open(str(self.hf_dir / shard), framework="pt") as f:
                 for name, shape in want:
@@ -219,7 +223,8 @@ def _resolver(groups, reader: _Reader, dtype):
         else:
             gate = parts["gate"]
             half = gate.shape[-2]
-            x = torch.empty((*gate.shape[:-2], 2 * half, gate.shape[-1]), dtype=torch.float32 if gate.fp32 else dtype)
+            x = torch.empty((*gate.shape[:-2], 2 * half, gate.shape[-1]),
+                            dtype=torch.float32 if gate.fp32 else dtype)
             x[..., :half, :] = reader.read(gate, dtype)
             x[..., half:, :] = reader.read(parts["up"], dtype)
         return x.unsqueeze(0) if expert is not None else x

@@ -22,7 +22,8 @@ DCP's pickled ``.metadata``, ``metadata.json``): ``dist_checkpointing.load`` rea
 Host memory: torch DCP's writer keeps the tensors of the file it is writing until the file is
 complete (torch 2.11 ``_write_files_from_queue`` collects them in a dict), so the peak is one file's
 tensors -- at most ``file_bytes``, or one tensor when a tensor is larger -- plus what ``resolve`` holds
-while making one tensor, plus a few hundred bytes of metadata per tensor. Never the whole state.
+while making one tensor, plus the planning state of megatron (sharding validation) and torch DCP (plans,
+metadata), which grows with the number of items, not their bytes. Never the whole state.
 """
 
 from __future__ import annotations
