@@ -122,6 +122,20 @@ class _Reader:
                               "(the model config expects it)")
         return shard
 
+    def _open(self, shard: str):
+        """``safe_open`` of ``shard`` (a context manager).
+
+        Raises:
+            ConfigError: the file is not a readable safetensors file (truncated, damaged header).
+        """
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            return safe_open(str(self.hf_dir / shard), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"hf={self.hf_dir}: shard {shard} is not a readable safetensors file "
+                              f"({type(e).__name__}: {e})") from None
+
     def check(self, tensors: list[Tensor]) -> int:
         """Every tensor of ``tensors`` is in the index and its shard with the model's shape, and every FP8
         one has a scale tensor of one entry per block; read from the shard headers only (no tensor
@@ -130,14 +144,12 @@ class _Reader:
         Raises:
             ConfigError: a tensor (or its FP8 scales) is missing, or its shape is not the model's.
         """
-        from safetensors import safe_open
-
         by_shard: dict = {}
         for t in tensors:
             by_shard.setdefault(self._shard(t.hf), []).append(t)
         fp8, scales = 0, {}
         for shard, ts in sorted(by_shard.items()):
-            with safe_open(str(self.hf_dir / shard), framework="pt") as f:
+            with self._open(shard) as f:
                 names = set(f.keys())
                 for t in ts:
                     if t.hf not in names:
@@ -153,7 +165,7 @@ class _Reader:
                         want = (name, scale_shape(t.shape, self.block))
                         scales.setdefault(self._shard(name, t.hf), []).append(want)
         for shard, want in sorted(scales.items()):
-            with safe_open(str(self.hf_dir / shard), framework="pt") as f:
+            with self._open(shard) as f:
                 for name, shape in want:
                     got = tuple(f.get_slice(name).get_shape())
                     if got != shape:
@@ -163,14 +175,12 @@ class _Reader:
 
     def read(self, t: Tensor, dtype) -> torch.Tensor:
         """HF tensor ``t`` (shape ``t.shape``) as ``dtype`` (FP32 for the expert bias), FP8 dequantised."""
-        from safetensors import safe_open
-
         shard = self._shard(t.hf)
-        with safe_open(str(self.hf_dir / shard), framework="pt") as f:
+        with self._open(shard) as f:
             x = f.get_tensor(t.hf)
         if x.dtype in FP8_DTYPES:
             name = t.hf + SCALE_SUFFIX
-            with safe_open(str(self.hf_dir / self._shard(name, t.hf)), framework="pt") as f:
+            with self._open(self._shard(name, t.hf)) as f:
                 scale = f.get_tensor(name)
             x = dequantize(x, scale, self.block, torch.float32)
         return x.to(torch.float32 if t.fp32 else dtype)

@@ -366,3 +366,17 @@ def test_import_holds_a_few_tensor_groups_not_the_model(tmp_path):
     r = convert_in_child("import", {"hf": str(tmp_path / "hf"), "overrides": overrides})
     assert (tmp_path / "run" / "checkpoints" / "iter_0000000" / "k2_manifest.json").is_file()
     assert max(r["peak_rss_bytes"], r["maxrss_rise_bytes"]) < model_bytes / 3, (r, model_bytes, group_bytes)
+
+
+def test_a_truncated_hf_shard_is_one_error_naming_it_before_anything_is_written(tmp_path):
+    from k2.launcher.hf.importer import import_hf
+
+    cfg = _cfg(tmp_path)
+    write_hf_dir(tmp_path / "hf", cfg.model, fp8=False)
+    shard = tmp_path / "hf" / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"shard model-00002-of-00002\.safetensors is not a readable "
+                                          r"safetensors file"):
+        import_hf(tmp_path / "hf", cfg, world_size=1)
+    _assert_nothing_complete(tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints" / "iter_0000000.partial").exists()
