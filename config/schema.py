@@ -364,7 +364,7 @@ class ConvertConfig:
     # config.json's model_type: deepseek_v3 (loads in transformers without custom code) | kimi_k2 (K2's
     # own label; the pinned transformers does not register it)
     model_type: str = "deepseek_v3"
-    shard_bytes: int = 2147483648  # export: target bytes per safetensors shard (2 GiB)
+    shard_bytes: int = 2147483648  # bytes per safetensors shard (export) / at most per .distcp file (import)
     dtype: Optional[str] = None  # export: fp32 | bf16; null = the checkpoint's dtype
 
 

@@ -3,11 +3,15 @@ tensor group and the whole model, measured in one run.
 
 A synthetic K2-family HF checkpoint (random FP32 weights, written shard by shard) of a model large
 enough that the whole model (hundreds of MB) and its largest tensor group (a few MB) are far apart is
-imported into a k2-launcher checkpoint, which is then exported back; each direction runs in a fresh
-child process that samples its resident set every 2 ms from after the imports of torch / megatron and
-the process group to the end: the largest rise is what the conversion itself held. Figures:
-``model_bytes``, ``largest_group_bytes``, ``shard_bytes``, and per direction ``peak_rss_bytes`` (the
-difference), ``vs_model`` and ``vs_largest_group`` (its ratios), ``seconds``.
+imported into a k2-launcher checkpoint (``.distcp`` files of at most ``shard_bytes``), which is then
+exported back (safetensors shards of ``shard_bytes``); each direction runs in a fresh child process
+that samples its resident set every 2 ms from after the imports of torch / megatron and the process
+group to the end: the largest rise is what the conversion itself held (the child's ``ru_maxrss``
+rise over the same span is reported too: exact, but blind below the start-up's own peak). Figures:
+``model_bytes``, ``largest_group_bytes`` (a layer's attention + norms + router + shared expert, one
+routed expert, the embedding or the head), ``largest_tensor_bytes`` (as stored), ``shard_bytes``, and
+per direction ``peak_rss_bytes`` (the rise), ``maxrss_rise_bytes``, ``vs_model`` and
+``vs_largest_group`` (ratios of the rise), ``seconds``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 from k2.launcher.benchmarks.common import bench_options
 
-_DEFAULTS = {
+DEFAULTS = {
     "hidden_size": 512,
     "num_layers": 4,
     "num_moe_experts": 32,
@@ -33,17 +37,21 @@ _DEFAULTS = {
 }
 
 
-def _model_overrides(o: dict) -> list[str]:
+def model_overrides(o: dict) -> list[str]:
+    """The config overrides of the synthetic model (and ``convert.shard_bytes``) for the options ``o``
+    (keys of :data:`DEFAULTS`)."""
     h, f = o["hidden_size"], o["moe_ffn_hidden_size"]
     return [f"model.hidden_size={h}", f"model.num_layers={o['num_layers']}",
             f"model.num_moe_experts={o['num_moe_experts']}", f"model.moe_ffn_hidden_size={f}",
             f"model.moe_shared_expert_intermediate_size={f}", f"model.ffn_hidden_size={3 * h}",
-            f"model.vocab_size={o['vocab_size']}", f"data.vocab_size={o['vocab_size']}"]
+            f"model.vocab_size={o['vocab_size']}", f"data.vocab_size={o['vocab_size']}",
+            f"convert.shard_bytes={o['shard_bytes']}"]
 
 
-def write_synthetic_hf(path: Path, m, shard_bytes: int, seed: int) -> tuple[int, int]:
+def write_synthetic_hf(path: Path, m, shard_bytes: int, seed: int) -> tuple[int, int, int]:
     """A K2-family HF directory of random FP32 weights for the model config ``m``, written one shard at
-    a time. Returns ``(model bytes, largest tensor group bytes)``."""
+    a time. Returns ``(model bytes, largest tensor group bytes, largest stored tensor bytes)`` (a
+    ``[gate; up]`` pair is one stored tensor)."""
     import torch
     from safetensors.torch import save_file
 
@@ -54,6 +62,7 @@ def write_synthetic_hf(path: Path, m, shard_bytes: int, seed: int) -> tuple[int,
     g = torch.Generator().manual_seed(seed)
     groups = tensor_groups(m)
     weight_map, shard, size, k, total, largest = {}, {}, 0, 0, 0, 0
+    stored = max(numel(t.shape) * 4 * (2 if t.part else 1) for _, ts in groups for t in ts)
 
     def flush():
         nonlocal shard, size, k
@@ -75,7 +84,7 @@ def write_synthetic_hf(path: Path, m, shard_bytes: int, seed: int) -> tuple[int,
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(hf_config(m, "rope", "fp32")))
-    return total, largest
+    return total, largest, stored
 
 
 class _RssSampler:
@@ -107,17 +116,24 @@ class _RssSampler:
 
 
 def _child(verb: str, args: dict) -> None:
-    """One conversion in this (child) process; prints ``{"peak_rss_bytes", "seconds"}``."""
+    """One conversion in this (child) process; prints ``{"peak_rss_bytes", "maxrss_rise_bytes",
+    "seconds"}`` (``ru_maxrss`` is in KiB on Linux)."""
+    import resource
+
     from k2.config.load import load_config
     from k2.launcher.hf.dist import ensure_process_group
     from k2.launcher.hf.export import export_hf
     from k2.launcher.hf.importer import import_hf
 
-    import megatron.core.dist_checkpointing  # noqa: F401  (imported before the baseline)
-    import safetensors.torch  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401  (the modules a conversion uses, imported before
+    import safetensors.torch  # noqa: F401     the baseline: their code is not what it holds)
+
+    import k2.launcher.hf.lazy_save  # noqa: F401
+    import k2.parallel.dims  # noqa: F401
 
     cfg = load_config(args["overrides"])
     ensure_process_group()
+    maxrss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sampler = _RssSampler().start()
     t0 = time.perf_counter()
     if verb == "import":
@@ -125,10 +141,17 @@ def _child(verb: str, args: dict) -> None:
     else:
         export_hf(args["checkpoint"], args["out"], shard_bytes=args["shard_bytes"])
     seconds = time.perf_counter() - t0
-    print(json.dumps({"peak_rss_bytes": sampler.finish(), "seconds": seconds}))
+    maxrss_rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss0) * 1024
+    print(json.dumps({"peak_rss_bytes": sampler.finish(), "maxrss_rise_bytes": maxrss_rise, "seconds": seconds}))
 
 
-def _run_child(verb: str, args: dict) -> dict:
+def convert_in_child(verb: str, args: dict) -> dict:
+    """Run ``import`` (``args``: ``hf``, ``overrides``) or ``export`` (``checkpoint``, ``out``,
+    ``overrides``, ``shard_bytes``) in a fresh Python process; its figures (:func:`_child`).
+
+    Raises:
+        RuntimeError: the conversion failed (with the end of its stderr).
+    """
     proc = subprocess.run([sys.executable, "-m", "k2.launcher.benchmarks.hf_convert", verb, json.dumps(args)],
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -140,20 +163,21 @@ def bench_hf_convert(cfg) -> dict[str, Any]:
     """Peak host memory of import and export against the largest tensor group and the whole model."""
     from k2.config.load import load_config
 
-    o = bench_options(cfg, _DEFAULTS)
+    o = bench_options(cfg, DEFAULTS)
     with tempfile.TemporaryDirectory(prefix="k2_bench_hf_") as tmp:
         tmp = Path(tmp)
-        overrides = [*_model_overrides(o), f"run.dir={tmp / 'run'}"]
+        overrides = [*model_overrides(o), f"run.dir={tmp / 'run'}"]
         m = load_config(overrides).model
-        model_bytes, group_bytes = write_synthetic_hf(tmp / "hf", m, o["shard_bytes"], o["seed"])
+        model_bytes, group_bytes, tensor_bytes = write_synthetic_hf(tmp / "hf", m, o["shard_bytes"], o["seed"])
         figures: dict[str, Any] = {"model_bytes": model_bytes, "largest_group_bytes": group_bytes,
-                                   "shard_bytes": o["shard_bytes"]}
-        imp = _run_child("import", {"hf": str(tmp / "hf"), "overrides": overrides})
-        exp = _run_child("export", {"checkpoint": str(tmp / "run" / "checkpoints" / "iter_0000000"),
+                                   "largest_tensor_bytes": tensor_bytes, "shard_bytes": o["shard_bytes"]}
+        imp = convert_in_child("import", {"hf": str(tmp / "hf"), "overrides": overrides})
+        exp = convert_in_child("export", {"checkpoint": str(tmp / "run" / "checkpoints" / "iter_0000000"),
                                     "out": str(tmp / "out"), "overrides": overrides,
                                     "shard_bytes": o["shard_bytes"]})
         for name, r in (("import", imp), ("export", exp)):
-            figures[name] = {"peak_rss_bytes": r["peak_rss_bytes"], "seconds": round(r["seconds"], 2),
+            figures[name] = {"peak_rss_bytes": r["peak_rss_bytes"], "maxrss_rise_bytes": r["maxrss_rise_bytes"],
+                             "seconds": round(r["seconds"], 2),
                              "vs_model": round(r["peak_rss_bytes"] / model_bytes, 3),
                              "vs_largest_group": round(r["peak_rss_bytes"] / group_bytes, 2)}
     return figures

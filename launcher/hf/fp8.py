@@ -14,6 +14,8 @@ import torch
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
+#: the same dtypes as a safetensors header names them
+FP8_HEADER_DTYPES = ("F8_E4M3",)
 
 
 def block_size(hf_config: dict) -> tuple[int, int]:
@@ -21,6 +23,13 @@ def block_size(hf_config: dict) -> tuple[int, int]:
     q = hf_config.get("quantization_config") or {}
     b = q.get("weight_block_size") or [128, 128]
     return int(b[0]), int(b[1])
+
+
+def scale_shape(shape, block: tuple[int, int] = (128, 128)) -> tuple[int, int]:
+    """Shape of the ``weight_scale_inv`` of an ``[M, N]`` weight: one entry per block, the edge blocks
+    partial: ``(ceil(M / bm), ceil(N / bn))``."""
+    (m, n), (bm, bn) = shape, block
+    return -(-int(m) // bm), -(-int(n) // bn)
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -32,7 +41,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     """
     m, n = weight.shape
     bm, bn = block
-    want = (-(-m // bm), -(-n // bn))
+    want = scale_shape((m, n), block)
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scale shape {tuple(scale_inv.shape)}, expected {want} for a [{m}, {n}] weight "
                          f"in {bm} x {bn} blocks")

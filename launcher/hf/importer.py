@@ -14,11 +14,20 @@ numbers, experts by global index), so the same checkpoint serves any PP / VPP / 
 from its start) and checks only the ``model`` settings against it. The manifest and the atomic
 ``.partial`` -> rename protocol are the trainer's (:mod:`k2.launcher.checkpointing`).
 
-Memory: the HF side streams (one tensor at a time, plus its scales); the checkpoint is written by one
-megatron ``dist_checkpointing.save``, which takes the whole state dict, so the converted weights of the
-whole model are in host memory at once (in ``train.precision``). A converter that writes the
-checkpoint group by group needs a save that resolves tensors lazily (torch DCP's planner can; megatron's
-writer collects all tensors before writing) -- not done.
+Streaming: the checkpoint's structure (keys, global shapes, expert chunks, dtypes) is planned from the
+table alone (``meta`` tensors, no storage); every HF tensor's presence and shape (and FP8 scales) are
+checked from the shard headers before anything is written; then megatron's torch_dist writer asks for
+the tensors one at a time (:func:`k2.launcher.hf.lazy_save.save_lazily`) and each is read from its HF
+shard (opened for that read and closed after it: safetensors memory-maps a shard, and the pages read
+stay resident while it is open), FP8-dequantised, cast, ``[gate; up]`` concatenated, written. The
+``.distcp`` files hold at most ``convert.shard_bytes`` of tensors each. Host memory bound (bytes):
+``max(convert.shard_bytes, T) + 3 * T_read + P``, where ``T`` is the largest stored tensor (an
+expert's ``[1, 2F, H]`` ``linear_fc1`` chunk, the embedding, ...), ``T_read`` the largest tensor as read
+and converted (FP8: the FP32 dequantised copy and its scale grid), and ``P`` megatron's and torch DCP's
+planning state, which grows with the number of checkpoint items (tensor chunks and ``_extra_state``
+objects), not their bytes: ~13 MB for 658 items measured, i.e. ~20 KB an item (Kimi K2: ~10^5 items,
+about 2 GB, against 2 TB of BF16 weights). Never the whole model: ``k2-bench bench=hf_convert``
+measures it, tests/unit/launcher/test_hf_convert.py keeps it.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -42,11 +52,10 @@ from k2.launcher.checkpointing.paths import (
     iter_name,
     saved_checkpoint_names,
 )
-from k2.launcher.checkpointing.store import use_in_process_write_results
 from k2.launcher.hf.dist import ensure_process_group
-from k2.launcher.hf.fp8 import FP8_DTYPES, SCALE_SUFFIX, block_size, dequantize
+from k2.launcher.hf.fp8 import FP8_DTYPES, FP8_HEADER_DTYPES, SCALE_SUFFIX, block_size, dequantize, scale_shape
 from k2.launcher.hf.hf_config import check_hf_config
-from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, tensor_groups
+from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, numel, tensor_groups
 
 SINGLE_FILE = "model.safetensors"
 
@@ -98,78 +107,139 @@ def read_hf_dir(hf_dir: Path) -> tuple[dict, dict]:
 
 
 class _Reader:
-    """Reads one HF tensor at a time (``safe_open`` per shard, kept open), FP8 dequantised."""
+    """Reads HF tensors on demand, FP8 dequantised; each read opens the shard(s) it needs with
+    ``safe_open`` and closes them after (a shard kept open keeps every page read from it resident)."""
 
     def __init__(self, hf_dir: Path, weight_map: dict, block: tuple[int, int]):
         self.hf_dir, self.weight_map, self.block = hf_dir, weight_map, block
-        self.files: dict = {}
-        self.fp8 = 0
+
+    def _shard(self, name: str, needed_by: Optional[str] = None) -> str:
+        shard = self.weight_map.get(name)
+        if shard is None:
+            if needed_by is not None:
+                raise ConfigError(f"hf={self.hf_dir}: FP8 tensor {needed_by} has no {name}")
+            raise ConfigError(f"hf={self.hf_dir}: tensor {name} is missing from the checkpoint's index "
+                              "(the model config expects it)")
+        return shard
 
     def _open(self, shard: str):
-        from safetensors import safe_open
-
-        if shard not in self.files:
-            self.files[shard] = safe_open(str(self.hf_dir / shard), framework="pt")
-        return self.files[shard]
-
-    def read(self, t: Tensor, dtype) -> torch.Tensor:
-        """HF tensor ``t`` as ``dtype`` (FP32 for the expert bias).
+        """``safe_open`` of ``shard`` (a context manager).
 
         Raises:
-            ConfigError: the tensor (or its FP8 scales) is missing, or its shape is not the model's.
+            ConfigError: the file is not a readable safetensors file (truncated, damaged header).
         """
-        shard = self.weight_map.get(t.hf)
-        if shard is None:
-            raise ConfigError(f"hf={self.hf_dir}: tensor {t.hf} is missing from the checkpoint's index "
-                              "(the model config expects it)")
-        f = self._open(shard)
-        x = f.get_tensor(t.hf)
-        if tuple(x.shape) != t.shape:
-            raise ConfigError(f"hf={self.hf_dir}: tensor {t.hf} in {shard} has shape {list(x.shape)}, the "
-                              f"model config expects {list(t.shape)}")
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            return safe_open(str(self.hf_dir / shard), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"hf={self.hf_dir}: shard {shard} is not a readable safetensors file "
+                              f"({type(e).__name__}: {e})") from None
+
+    def check(self, tensors: list[Tensor]) -> int:
+        """Every tensor of ``tensors`` is in the index and its shard with the model's shape, and every FP8
+        one has a scale tensor of one entry per block; read from the shard headers only (no tensor
+        data). Returns how many are FP8.
+
+        Raises:
+            ConfigError: a tensor (or its FP8 scales) is missing, or its shape is not the model's.
+        """
+        by_shard: dict = {}
+        for t in tensors:
+            by_shard.setdefault(self._shard(t.hf), []).append(t)
+        fp8, scales = 0, {}
+        for shard, ts in sorted(by_shard.items()):
+            with self._open(shard) as f:
+                names = set(f.keys())
+                for t in ts:
+                    if t.hf not in names:
+                        raise ConfigError(f"hf={self.hf_dir}: tensor {t.hf} is listed for {shard} by the "
+                                          "index but is not in that file")
+                    x = f.get_slice(t.hf)
+                    if tuple(x.get_shape()) != t.shape:
+                        raise ConfigError(f"hf={self.hf_dir}: tensor {t.hf} in {shard} has shape "
+                                          f"{list(x.get_shape())}, the model config expects {list(t.shape)}")
+                    if x.get_dtype() in FP8_HEADER_DTYPES:
+                        fp8 += 1
+                        name = t.hf + SCALE_SUFFIX
+                        want = (name, scale_shape(t.shape, self.block))
+                        scales.setdefault(self._shard(name, t.hf), []).append(want)
+        for shard, want in sorted(scales.items()):
+            with self._open(shard) as f:
+                for name, shape in want:
+                    got = tuple(f.get_slice(name).get_shape())
+                    if got != shape:
+                        raise ConfigError(f"hf={self.hf_dir}: {name}: scale shape {got}, expected {shape} "
+                                          f"({self.block[0]} x {self.block[1]} blocks)")
+        return fp8
+
+    def read(self, t: Tensor, dtype) -> torch.Tensor:
+        """HF tensor ``t`` (shape ``t.shape``) as ``dtype`` (FP32 for the expert bias), FP8 dequantised."""
+        shard = self._shard(t.hf)
+        with self._open(shard) as f:
+            x = f.get_tensor(t.hf)
         if x.dtype in FP8_DTYPES:
-            scale_name = t.hf + SCALE_SUFFIX
-            scale_shard = self.weight_map.get(scale_name)
-            if scale_shard is None:
-                raise ConfigError(f"hf={self.hf_dir}: FP8 tensor {t.hf} has no {scale_name}")
-            try:
-                x = dequantize(x, self._open(scale_shard).get_tensor(scale_name), self.block, torch.float32)
-            except ValueError as e:
-                raise ConfigError(f"hf={self.hf_dir}: {scale_name}: {e}") from None
-            self.fp8 += 1
+            name = t.hf + SCALE_SUFFIX
+            with self._open(self._shard(name, t.hf)) as f:
+                scale = f.get_tensor(name)
+            x = dequantize(x, scale, self.block, torch.float32)
         return x.to(torch.float32 if t.fp32 else dtype)
 
 
-def _sharded_dict(groups, reader: _Reader, dtype, num_experts: int) -> tuple[dict, int]:
-    """megatron's sharded state dict of the model, from the HF tensors: ``{name: ShardedTensor |
-    ShardedObject}`` and its bytes. ``[gate; up]`` halves are concatenated (dim -2) into ``linear_fc1``;
-    expert ``e`` becomes the ``[1, ...]`` slice ``e`` of its ``[E, ...]`` key; every linear layer gets the
-    (empty) ``._extra_state`` object its model asks for."""
+def _sharded_dict(groups, dtype, num_experts: int) -> tuple[dict, int]:
+    """megatron's sharded state dict of the model, planned from the table: ``{name: ShardedTensor |
+    ShardedObject}`` with ``meta`` tensors (shape and dtype, no data), and the model's bytes. A
+    ``[gate; up]`` pair is one ``linear_fc1`` tensor; expert ``e`` is the ``[1, ...]`` chunk ``e`` of its
+    ``[E, ...]`` key; every linear layer gets the (empty) ``._extra_state`` object its model asks for."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     sd, nbytes = {}, 0
     for _, tensors in groups:
-        halves: dict = {}
         for t in tensors:
-            x = reader.read(t, dtype)
-            slot = (t.key, t.expert)
-            if t.part is not None:
-                halves.setdefault(slot, {})[t.part] = x
-                if len(halves[slot]) < 2:
-                    continue
-                x = torch.cat([halves[slot]["gate"], halves.pop(slot)["up"]], dim=-2)
-            name = t.key if t.expert is None else f"{t.key}/{t.expert}"
+            if t.part == "up":  # the gate row stands for the whole [gate; up] tensor
+                continue
+            d = torch.float32 if t.fp32 else dtype
             if t.expert is None:
-                sd[name] = ShardedTensor.from_rank_offsets(t.key, x, replica_id=0)
-            else:
-                sd[name] = ShardedTensor.from_rank_offsets(t.key, x.unsqueeze(0), (0, t.expert, num_experts),
+                name = t.key
+                sd[name] = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.key_shape, dtype=d, device="meta"),
                                                            replica_id=0)
-            nbytes += x.numel() * x.element_size()
+            else:
+                name = f"{t.key}/{t.expert}"
+                data = torch.empty((1, *t.key_shape[1:]), dtype=d, device="meta")
+                sd[name] = ShardedTensor.from_rank_offsets(t.key, data, (0, t.expert, num_experts), replica_id=0)
+            nbytes += numel(sd[name].local_shape) * sd[name].data.element_size()
             if t.linear:
                 extra = t.key.rsplit(".", 1)[0] + "._extra_state"
                 shape, offset = ((num_experts,), (t.expert,)) if t.expert is not None else ((1,), (0,))
                 sd[f"{extra}/{offset[0]}"] = ShardedObject(extra, None, shape, offset, replica_id=0)
     return sd, nbytes
+
+
+def _resolver(groups, reader: _Reader, dtype):
+    """``resolve(key, offsets)`` for :func:`k2.launcher.hf.lazy_save.save_lazily`: the tensor (chunk) of
+    our key ``key`` at global ``offsets`` made from its HF tensor(s): ``[gate; up]`` halves written into
+    one tensor (dim -2), an expert's chunk ``[1, ...]`` (its index is ``offsets[0]``)."""
+    slots: dict = {}
+    for _, tensors in groups:
+        for t in tensors:
+            slots.setdefault((t.key, t.expert), {})[t.part] = t
+    expert_keys = {key for key, e in slots if e is not None}
+
+    def resolve(key: str, offsets: tuple) -> torch.Tensor:
+        expert = offsets[0] if key in expert_keys else None
+        parts = slots[(key, expert)]
+        if None in parts:
+            x = reader.read(parts[None], dtype)
+        else:
+            gate = parts["gate"]
+            half = gate.shape[-2]
+            x = torch.empty((*gate.shape[:-2], 2 * half, gate.shape[-1]),
+                            dtype=torch.float32 if gate.fp32 else dtype)
+            x[..., :half, :] = reader.read(gate, dtype)
+            x[..., half:, :] = reader.read(parts["up"], dtype)
+        return x.unsqueeze(0) if expert is not None else x
+
+    return resolve
 
 
 def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
@@ -187,8 +257,7 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
             :func:`check_hf_config`), a layout that does not divide, or a run dir that already holds
             checkpoints. Nothing that looks complete is left behind on any error.
     """
-    from megatron.core import dist_checkpointing
-
+    from k2.launcher.hf.lazy_save import save_lazily
     from k2.parallel.dims import ParallelDims
 
     hf_dir = Path(hf_dir)
@@ -201,16 +270,19 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
     dtype = getattr(torch, DTYPE_NAMES[str(cfg.train.precision)])
     reader = _Reader(hf_dir, weight_map, block_size(hf))
     groups = tensor_groups(cfg.model)
-    sd, nbytes = _sharded_dict(groups, reader, dtype, int(cfg.model.num_moe_experts or 0))
+    fp8 = reader.check([t for _, ts in groups for t in ts])
+    sd, nbytes = _sharded_dict(groups, dtype, int(cfg.model.num_moe_experts or 0))
     final = root / iter_name(0)
     partial = root / (iter_name(0) + PARTIAL_SUFFIX)
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     ensure_process_group()
-    use_in_process_write_results()
-    dist_checkpointing.save({"model": sd}, str(partial), validate_access_integrity=True)
-    del sd
+    try:
+        save_lazily({"model": sd}, partial, _resolver(groups, reader, dtype), int(cfg.convert.shard_bytes))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     state = {"step": 0, "weights_only": True, "source": str(hf_dir.resolve()), "consumed_tokens": 0,
              "layout": {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp,
                         "world_size": world_size},
@@ -222,4 +294,4 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
     tmp = root / (LATEST + ".tmp")
     tmp.write_text(final.name + "\n")
     os.replace(tmp, root / LATEST)
-    return ImportReport(final, sum(len(ts) for _, ts in groups), reader.fp8, nbytes)
+    return ImportReport(final, sum(len(ts) for _, ts in groups), fp8, nbytes)
