@@ -18,6 +18,21 @@ import time
 from pathlib import Path
 
 PACKAGES = ["slurm-wlm", "munge"]
+#: slurm.conf lines every test cluster shares (docs/slurm_local.md: what worked here, as root)
+BASE_CONF = [
+    "SlurmUser=root",
+    "AuthType=auth/munge",
+    "ProctrackType=proctrack/linuxproc",
+    "TaskPlugin=task/none",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_Core",
+    "MpiDefault=none",
+    "MailProg=/bin/true",
+    "ReturnToService=2",
+    "JobRequeue=1",
+    "MinJobAge=600",
+    "SchedulerType=sched/backfill",
+]
 #: where Debian's munged writes its pid
 MUNGED_PIDFILE = Path("/run/munge/munged.pid")
 
@@ -45,7 +60,8 @@ def ensure_installed(timeout: int = 900) -> None:
         raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
     except OSError:
@@ -72,19 +88,8 @@ class LocalSlurm:
         self.conf.write_text("\n".join([
             "ClusterName=k2test",
             f"SlurmctldHost={self.host}",
-            "SlurmUser=root",
-            "AuthType=auth/munge",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "MpiDefault=none",
-            "MailProg=/bin/true",
-            "ReturnToService=2",
-            "JobRequeue=1",
+            *BASE_CONF,
             "KillWait=60",
-            "MinJobAge=600",
-            "SchedulerType=sched/backfill",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -143,9 +148,9 @@ class LocalSlurm:
                 pass
         deadline = time.time() + timeout
         for pid in pids:
-            while _alive(pid) and time.time() < deadline:
+            while alive(pid) and time.time() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
+            if alive(pid):
                 try:
                     os.kill(pid, 9)
                 except OSError:
