@@ -374,6 +374,10 @@ class LaunchConfig:
 
     nproc_per_node: int = 1
     master_port: Optional[int] = None  # None = a free port
+    # seconds every rank of a multi-rank launch waits at the rendezvous (MASTER_ADDR:MASTER_PORT) for the
+    # others, e.g. a node that starts late; then the ranks that came stop with an error naming the
+    # missing ranks and nodes (k2.parallel.rendezvous)
+    rendezvous_timeout_s: int = 600
 
 
 @dataclass

@@ -251,6 +251,13 @@ def check_cluster(c) -> None:
              "a number > 0 (GiB of host memory per node, e.g. 2048)")
 
 
+def check_launch(la) -> None:
+    """``launch.*``: the rendezvous of a multi-rank launch."""
+    if la.rendezvous_timeout_s < 1:
+        raise ConfigError(f"launch.rendezvous_timeout_s={la.rendezvous_timeout_s} must be an integer >= 1 "
+                          "(seconds)")
+
+
 def check_plan(p) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
     _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
@@ -328,6 +335,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "data": check_data,
     "prepare": check_prepare,
     "cluster": check_cluster,
+    "launch": check_launch,
     "plan": check_plan,
     "submit": check_submit,
     "resume": resume_settings,

@@ -1,0 +1,98 @@
+"""The rendezvous of a multi-node job: every rank meets at ``MASTER_ADDR:MASTER_PORT`` within
+``launch.rendezvous_timeout_s``, or every rank that came stops with one error naming the ranks and the
+nodes that did not.
+
+torch's own ``env://`` rendezvous waits the process group's timeout and then says only how many ranks
+joined ("Timed out ... waiting for clients. 2/4 clients joined"), not which node is missing. Here rank 0
+starts torch's ``TCPStore`` (the same store ``env://`` would create; it is then handed to
+``init_process_group``), every rank writes its node name under ``k2/rendezvous/<rank>`` and waits for all
+the others' keys. On a timeout the ranks that joined know who they are, and the job's node list
+(``SLURM_JOB_NODELIST``, expanded as Slurm does) says which nodes never showed up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+from k2.parallel.hostlist import expand_hostlist
+
+__all__ = ["RendezvousTimeout", "node_name", "rendezvous"]
+
+_KEY = "k2/rendezvous/"
+
+
+class RendezvousTimeout(RuntimeError):
+    """Not every rank reached the rendezvous in time; the message names the missing ranks and nodes."""
+
+
+def node_name() -> str:
+    """This rank's node: Slurm's ``SLURMD_NODENAME`` when set, else the short hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def _missing_nodes(joined: dict[int, str]) -> str:
+    """The part of the message that names the nodes: those of the job's node list not heard from."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return ""
+    try:
+        expected = expand_hostlist(nodelist)
+    except ValueError:
+        return f"; the job's nodes: {nodelist}"
+    silent = [h for h in expected if h not in set(joined.values())]
+    return (f"; nodes of SLURM_JOB_NODELIST={nodelist} with no rank at the rendezvous: "
+            f"{', '.join(silent) or 'none'}")
+
+
+def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_s: float):
+    """Meet every rank at ``MASTER_ADDR:MASTER_PORT`` (module docstring).
+
+    Args:
+        rank, world_size: this process's global rank and the job's number of ranks.
+        timeout_s: seconds to wait for every rank (``launch.rendezvous_timeout_s``), counted from this
+            rank's arrival; rank 0's node being late is waited for as long.
+        collective_timeout_s: the store's timeout afterwards (the process group's own timeout: gloo
+            exchanges its addresses and megatron creates its groups through this store).
+
+    Returns:
+        the ``torch.distributed.TCPStore`` for ``init_process_group(store=...)``.
+
+    Raises:
+        RendezvousTimeout: rank 0 could not be reached, or some rank did not arrive, within ``timeout_s``;
+            the message names ``MASTER_ADDR:MASTER_PORT``, the ranks and nodes that joined and those
+            that did not.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    where = f"rendezvous at MASTER_ADDR:MASTER_PORT={addr}:{port}"
+    limit = datetime.timedelta(seconds=timeout_s)
+    start = time.monotonic()
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=limit,
+                              wait_for_workers=False)
+    except (RuntimeError, OSError) as e:  # (torch's DistStoreError is a RuntimeError)
+        raise RendezvousTimeout(
+            f"{where}: rank {rank} on {node_name()} could not reach rank 0's store within {timeout_s:g} s "
+            f"(launch.rendezvous_timeout_s): is the node {addr} up? ({str(e).splitlines()[0]})"
+            f"{_missing_nodes({rank: node_name()})}") from None
+    store.set(f"{_KEY}{rank}", node_name())
+    left = datetime.timedelta(seconds=max(1.0, timeout_s - (time.monotonic() - start)))
+    try:
+        store.wait([f"{_KEY}{r}" for r in range(world_size)], left)
+    except (RuntimeError, OSError):
+        joined = {r: store.get(f"{_KEY}{r}").decode() for r in range(world_size) if store.check([f"{_KEY}{r}"])}
+        missing = [r for r in range(world_size) if r not in joined]
+        by_node: dict[str, list[int]] = {}
+        for r, h in sorted(joined.items()):
+            by_node.setdefault(h, []).append(r)
+        present = "; ".join(f"{h}: ranks {', '.join(map(str, rs))}" for h, rs in by_node.items())
+        raise RendezvousTimeout(
+            f"{where}: {len(joined)} of {world_size} ranks arrived within {timeout_s:g} s "
+            f"(launch.rendezvous_timeout_s); missing ranks {', '.join(map(str, missing))}; arrived: {present}"
+            f"{_missing_nodes(joined)}") from None
+    store.set_timeout(datetime.timedelta(seconds=collective_timeout_s))
+    return store
