@@ -69,9 +69,9 @@ def _losses(records):
 class Job:
     """One ``k2-submit`` job on the two-node cluster and what the test reads of it."""
 
-    def __init__(self, cluster: TwoNodeSlurm, run_dir: Path, overrides=JOB):
+    def __init__(self, cluster: TwoNodeSlurm, run_dir: Path, overrides=JOB, env: dict | None = None):
         self.cluster, self.run_dir = cluster, run_dir
-        env = trainer_env({**cluster.env, "OMP_NUM_THREADS": "1"})
+        env = trainer_env({**cluster.env, "OMP_NUM_THREADS": "1", **(env or {})})
         sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *overrides,
                               f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=120)
@@ -220,4 +220,58 @@ def test_lost_node_ends_the_job_and_the_requeued_job_resumes(two_nodes, referenc
     assert state == "COMPLETED", out[-4000:] + two_nodes.diagnose(job.id)
     assert f"resumed from {latest}" in out or "resumed from" in out, out[-4000:]
     assert _losses(job.records()) == _losses(reference)
+    _no_ranks_left(two_nodes)
+
+
+def test_a_node_that_never_starts_fails_the_rendezvous_naming_it(two_nodes, tmp_path):
+    """The second node's ranks never start (their Python is a ``sleep`` there): the first node's ranks wait
+    ``launch.rendezvous_timeout_s``, then stop with one line naming the missing ranks and node, and the job
+    fails (srun's --kill-on-bad-exit ends the sleepers)."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\n[ "$(hostname)" = {NODES[1]} ] && exec sleep 600\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    timeout_s = 20
+    job = Job(two_nodes, tmp_path / "run", [*JOB, "train.iters=2", f"launch.rendezvous_timeout_s={timeout_s}"],
+              env={"K2_PYTHON": str(python)})
+    try:
+        wait_for(lambda: _ranks(NODES[0]), 300, lambda: f"the ranks of job {job.id} on {NODES[0]}: {job.log()}")
+        t0 = time.time()
+        state = job.wait_done(timeout=timeout_s + 120)
+        waited_s = time.time() - t0
+    finally:
+        job.cancel_if_running()
+    out = job.log()
+    print(f"late node: the job failed {waited_s:.1f} s after its first node's ranks started")
+    assert state == "FAILED", out
+    want = (f"k2-train: error: rendezvous at MASTER_ADDR:MASTER_PORT={NODES[0]}:", f"2 of 4 ranks arrived "
+            f"within {timeout_s} s (launch.rendezvous_timeout_s); missing ranks 1, 3; arrived: {NODES[0]}: ranks "
+            f"0, 2; nodes of SLURM_JOB_NODELIST=k2node[1-2] with no rank at the rendezvous: {NODES[1]}")
+    assert all(w in out for w in want), out
+    assert waited_s >= timeout_s - 15, waited_s  # (the ranks had imported the trainer before the clock ran)
+    _no_ranks_left(two_nodes)
+
+
+def test_the_time_limit_notice_saves_and_requeues(two_nodes, tmp_path):
+    """Slurm's own ``--signal=USR1@N`` (not scancel): a one-rank job with a 3-minute limit and the notice
+    90 s before it (Slurm sends it up to a minute early) is still training when the notice comes; the rank
+    saves the step in progress, exits 42 and the script requeues the job, before the limit would kill it."""
+    limit_min, notice_s = 3, 90
+    long_run = ["parallel=single", "schedule.phases.1.until_tokens=20_000_000", "train.save_interval=null",
+                "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled", "cluster.nodes=1",
+                "cluster.gpus_per_node=1", "submit.request_gpus=false", f"submit.time={limit_min}",
+                f"submit.signal_seconds={notice_s}"]
+    job = Job(two_nodes, tmp_path / "run", long_run)
+    try:
+        wait_for(lambda: job.cluster.job_field(job.id, "Restarts") == "1", limit_min * 60 + 60,
+                 lambda: f"job {job.id} to be requeued by its time-limit notice: {job.log()}", every=2)
+        out = job.log(tail=10**7)
+    finally:
+        subprocess.run(["scancel", job.id], env=two_nodes.env)
+    assert "SIGUSR1 received" in out and "preempted: signal" in out, out[-4000:]
+    assert "the trainer asked for a requeue (exit status 42)" in out, out[-4000:]
+    assert "TIME LIMIT" not in out and "DUE TO TIME" not in out, out[-4000:]
+    ckpts = job.run_dir / "checkpoints"
+    saved = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "k2_state.json").read_text())["step"]
+    assert saved == job.steps() >= 1, (saved, job.steps())  # the step in progress, nothing lost
+    wait_for(lambda: job.state() in DONE, 60, lambda: f"job {job.id} to be cancelled")
     _no_ranks_left(two_nodes)
