@@ -5,7 +5,8 @@ nodes that did not.
 torch's own ``env://`` rendezvous waits the process group's timeout and then says only how many ranks
 joined ("Timed out ... waiting for clients. 2/4 clients joined"), not which node is missing. Here rank 0
 starts torch's ``TCPStore`` (the same store ``env://`` would create; it is then handed to
-``init_process_group``), every rank writes its node name under ``k2/rendezvous/<rank>`` and waits for all
+``init_process_group``; under torchrun every rank uses its agent's store instead), every rank writes its
+node name under ``k2/rendezvous/<restart>/<rank>`` and waits for all
 the others' keys. On a timeout the ranks that joined know who they are, and the job's node list
 (``SLURM_JOB_NODELIST``, expanded as Slurm does) says which nodes never showed up.
 """
@@ -71,20 +72,24 @@ def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_
     where = f"rendezvous at MASTER_ADDR:MASTER_PORT={addr}:{port}"
     limit = datetime.timedelta(seconds=timeout_s)
     start = time.monotonic()
+    # under torchrun its agent already serves a store at MASTER_PORT: every rank is a client of it (as in
+    # torch's env:// rendezvous), and the keys carry the agent's restart count
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    key = f"{_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=limit,
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent_store, timeout=limit,
                               wait_for_workers=False)
     except (RuntimeError, OSError) as e:  # (torch's DistStoreError is a RuntimeError)
         raise RendezvousTimeout(
             f"{where}: rank {rank} on {node_name()} could not reach rank 0's store within {timeout_s:g} s "
             f"(launch.rendezvous_timeout_s): is the node {addr} up? ({str(e).splitlines()[0]})"
             f"{_missing_nodes({rank: node_name()})}") from None
-    store.set(f"{_KEY}{rank}", node_name())
+    store.set(f"{key}{rank}", node_name())
     left = datetime.timedelta(seconds=max(1.0, timeout_s - (time.monotonic() - start)))
     try:
-        store.wait([f"{_KEY}{r}" for r in range(world_size)], left)
+        store.wait([f"{key}{r}" for r in range(world_size)], left)
     except (RuntimeError, OSError):
-        joined = {r: store.get(f"{_KEY}{r}").decode() for r in range(world_size) if store.check([f"{_KEY}{r}"])}
+        joined = {r: store.get(f"{key}{r}").decode() for r in range(world_size) if store.check([f"{key}{r}"])}
         missing = [r for r in range(world_size) if r not in joined]
         by_node: dict[str, list[int]] = {}
         for r, h in sorted(joined.items()):

@@ -49,8 +49,9 @@ BRIDGE = "k2slurm-br"
 #: seconds without an answer from a node's slurmd before slurmctld marks the node DOWN (and requeues
 #: its jobs): short, so that the lost-node test is quick; long enough for a loaded 2-core machine
 SLURMD_TIMEOUT_S = 20
-#: seconds between the SIGTERM and the SIGKILL slurmstepd sends a job's tasks when it is killed
-KILL_WAIT_S = 15
+#: seconds between the SIGTERM and the SIGKILL slurmstepd sends a job's tasks when it is killed (enough
+#: for the ranks to finish the step in progress and save it on a loaded machine)
+KILL_WAIT_S = 30
 
 
 class NamespacesRefused(SlurmUnavailable):
@@ -78,11 +79,12 @@ def netns_pids(node: str) -> list[int]:
     return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
 
 
-def _kill_and_wait(pids, timeout: float = 20) -> None:
-    """SIGTERM ``pids``, then SIGKILL what is left after ``timeout`` seconds; returns when all are gone."""
+def _kill_and_wait(pids, timeout: float = 20, first: int = signal.SIGTERM) -> None:
+    """Send ``first`` to ``pids``, then SIGKILL what is left after ``timeout`` seconds; returns when all
+    are gone."""
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, first)
         except OSError:
             pass
     deadline = time.time() + timeout
@@ -231,7 +233,7 @@ class TwoNodeSlurm(LocalSlurm):
         """``node`` fails as a machine does: its cable is pulled (the others get no reset, only silence),
         then every process on it (slurmd, slurmstepd, the job's ranks) is SIGKILLed."""
         self.set_link(node, False)
-        _kill_and_wait(netns_pids(node), timeout=0)
+        _kill_and_wait(netns_pids(node), timeout=0, first=signal.SIGKILL)
 
     def restore_node(self, node: str) -> None:
         """``node`` comes back: cable plugged, slurmd started (ReturnToService=2 puts it back in service)."""
