@@ -110,6 +110,11 @@ class TwoNodeSlurm(LocalSlurm):
         self.munge_socket = self.munge_dir / "munge.socket"
         self.env = {**self.env, "MUNGE_SOCKET": str(self.munge_socket)}
 
+    @staticmethod
+    def hosts_file(node: str) -> Path:
+        """``node``'s ``/etc/hosts`` (``ip netns exec`` also mounts it: ``/etc/netns/<netns>/hosts``)."""
+        return Path("/etc/netns") / netns(node) / "hosts"
+
     def pidfile(self, node: str) -> Path:
         return self.root / f"slurmd-{node}.pid"
 
@@ -134,9 +139,8 @@ class TwoNodeSlurm(LocalSlurm):
             _must(["ip", "-n", ns, "addr", "add", f"{ADDRS[node]}/24", "dev", "eth0"])
             _must(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _must(["ip", "-n", ns, "link", "set", "lo", "up"])
-            etc = Path("/etc/netns") / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text("127.0.0.1 localhost\n" + hosts)
+            self.hosts_file(node).parent.mkdir(parents=True, exist_ok=True)
+            self.hosts_file(node).write_text("127.0.0.1 localhost\n" + hosts)
 
     def _remove_network(self) -> None:
         for node in NODES:
@@ -196,8 +200,11 @@ class TwoNodeSlurm(LocalSlurm):
     def start_slurmd(self, node: str) -> None:
         """Start ``node``'s slurmd in its namespaces (it daemonises; its pid goes to :meth:`pidfile`)."""
         (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
-        p = _run(["ip", "netns", "exec", netns(node), "unshare", "--uts", "sh", "-c",
-                  f'hostname {node} && exec slurmd -f "$SLURM_CONF" -N {node}'], env=self.env)
+        # (not `ip netns exec`: it mounts a fresh /sys for the namespace, without the cgroup file systems
+        # slurmd needs; a mount namespace of our own gets the node's /etc/hosts instead)
+        p = _run(["nsenter", f"--net=/run/netns/{netns(node)}", "unshare", "--mount", "--uts", "sh", "-c",
+                  f"mount --bind {self.hosts_file(node)} /etc/hosts && hostname {node} && "
+                  f'exec slurmd -f "$SLURM_CONF" -N {node}'], env=self.env)
         if p.returncode != 0:
             raise SlurmUnavailable(f"slurmd -N {node} failed to start: {p.stderr[-2000:]}")
 
