@@ -48,6 +48,25 @@ def _missing_nodes(joined: dict[int, str]) -> str:
             f"{', '.join(silent) or 'none'}")
 
 
+def _who_came(store, key: str, rank: int, world_size: int, where: str, timeout_s: float) -> str:
+    """The message of a rendezvous that timed out: the ranks and nodes that came and those that did not.
+    Rank 0 (the store's server) lingers a moment first, so that the others can still read the store."""
+    try:
+        joined = {r: store.get(f"{key}{r}").decode() for r in range(world_size) if store.check([f"{key}{r}"])}
+    except (RuntimeError, OSError):  # rank 0 stopped first and took its store with it
+        joined, where = {rank: node_name()}, where + "(rank 0's store is gone; this rank's view) "
+    if rank == 0:
+        time.sleep(3.0)
+    missing = [r for r in range(world_size) if r not in joined]
+    by_node: dict[str, list[int]] = {}
+    for r, h in sorted(joined.items()):
+        by_node.setdefault(h, []).append(r)
+    present = "; ".join(f"{h}: ranks {', '.join(map(str, rs))}" for h, rs in by_node.items())
+    return (f"{where}{len(joined)} of {world_size} ranks arrived within {timeout_s:g} s "
+            f"(launch.rendezvous_timeout_s); missing ranks {', '.join(map(str, missing))}; arrived: {present}"
+            f"{_missing_nodes(joined)}")
+
+
 def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_s: float):
     """Meet every rank at ``MASTER_ADDR:MASTER_PORT`` (module docstring).
 
@@ -85,19 +104,12 @@ def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_
             f"(launch.rendezvous_timeout_s): is the node {addr} up? ({str(e).splitlines()[0]})"
             f"{_missing_nodes({rank: node_name()})}") from None
     store.set(f"{key}{rank}", node_name())
-    left = datetime.timedelta(seconds=max(1.0, timeout_s - (time.monotonic() - start)))
-    try:
-        store.wait([f"{key}{r}" for r in range(world_size)], left)
-    except (RuntimeError, OSError):
-        joined = {r: store.get(f"{key}{r}").decode() for r in range(world_size) if store.check([f"{key}{r}"])}
-        missing = [r for r in range(world_size) if r not in joined]
-        by_node: dict[str, list[int]] = {}
-        for r, h in sorted(joined.items()):
-            by_node.setdefault(h, []).append(r)
-        present = "; ".join(f"{h}: ranks {', '.join(map(str, rs))}" for h, rs in by_node.items())
-        raise RendezvousTimeout(
-            f"{where}: {len(joined)} of {world_size} ranks arrived within {timeout_s:g} s "
-            f"(launch.rendezvous_timeout_s); missing ranks {', '.join(map(str, missing))}; arrived: {present}"
-            f"{_missing_nodes(joined)}") from None
+    # polled, not store.wait(timeout): a timed-out wait leaves the client's connection unusable, and the
+    # store is still needed to say who came
+    keys = [f"{key}{r}" for r in range(world_size)]
+    while not store.check(keys):
+        if time.monotonic() - start >= timeout_s:
+            raise RendezvousTimeout(_who_came(store, key, rank, world_size, f"{where}: ", timeout_s))
+        time.sleep(0.2)
     store.set_timeout(datetime.timedelta(seconds=collective_timeout_s))
     return store

@@ -236,17 +236,17 @@ def test_a_node_that_never_starts_fails_the_rendezvous_naming_it(two_nodes, tmp_
     try:
         wait_for(lambda: _ranks(NODES[0]), 300, lambda: f"the ranks of job {job.id} on {NODES[0]}: {job.log()}")
         t0 = time.time()
-        state = job.wait_done(timeout=timeout_s + 120)
+        state = job.wait_done(timeout=timeout_s + KILL_WAIT_S + 150)
         waited_s = time.time() - t0
     finally:
         job.cancel_if_running()
-    out = job.log()
+    out = job.log(tail=10**7)
     print(f"late node: the job failed {waited_s:.1f} s after its first node's ranks started")
     assert state == "FAILED", out
     want = (f"k2-train: error: rendezvous at MASTER_ADDR:MASTER_PORT={NODES[0]}:", f"2 of 4 ranks arrived "
             f"within {timeout_s} s (launch.rendezvous_timeout_s); missing ranks 1, 3; arrived: {NODES[0]}: ranks "
             f"0, 2; nodes of SLURM_JOB_NODELIST=k2node[1-2] with no rank at the rendezvous: {NODES[1]}")
-    assert all(w in out for w in want), out
+    assert all(w in out for w in want) and "Traceback" not in out, out[-6000:]
     assert waited_s >= timeout_s - 15, waited_s  # (the ranks had imported the trainer before the clock ran)
     _no_ranks_left(two_nodes)
 
@@ -256,7 +256,8 @@ def test_the_time_limit_notice_saves_and_requeues(two_nodes, tmp_path):
     90 s before it (Slurm sends it up to a minute early) is still training when the notice comes; the rank
     saves the step in progress, exits 42 and the script requeues the job, before the limit would kill it."""
     limit_min, notice_s = 3, 90
-    long_run = ["parallel=single", "schedule.phases.1.until_tokens=20_000_000", "train.save_interval=null",
+    long_run = ["parallel=single", "schedule.phases.1.until_tokens=20_000_000", "schedule.phases.2.until_tokens=30_000_000",
+                "train.save_interval=null",
                 "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled", "cluster.nodes=1",
                 "cluster.gpus_per_node=1", "submit.request_gpus=false", f"submit.time={limit_min}",
                 f"submit.signal_seconds={notice_s}"]
