@@ -74,7 +74,7 @@ class Job:
         env = trainer_env({**cluster.env, "OMP_NUM_THREADS": "1", **(env or {})})
         sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *overrides,
                               f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=120)
+                             timeout=600)  # (k2-submit took > 120 s once on the loaded 2-core machine)
         assert sub.returncode == 0, sub.stderr
         self.id = sub.stdout.strip().splitlines()[0]
 
