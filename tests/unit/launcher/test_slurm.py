@@ -253,6 +253,7 @@ def test_missing_sbatch(capsys, monkeypatch, tmp_path):
     (["submit.signal_seconds=0"], "submit.signal_seconds"),
     (["submit.job_name=a b"], "submit.job_name"),
     (["submit.distribution=plane"], "submit.distribution"),
+    (["launch.rendezvous_timeout_s=0"], "launch.rendezvous_timeout_s"),
     (["submit.bogus=1"], "submit.bogus"),
     (["train.precision=fp8"], "train.precision"),
 ])
