@@ -374,6 +374,10 @@ class LaunchConfig:
 
     nproc_per_node: int = 1
     master_port: Optional[int] = None  # None = a free port
+    # seconds every rank of a multi-rank launch waits at the rendezvous (MASTER_ADDR:MASTER_PORT) for the
+    # others, e.g. a node that starts late; then the ranks that came stop with an error naming the
+    # missing ranks and nodes (k2.parallel.rendezvous)
+    rendezvous_timeout_s: int = 600
 
 
 @dataclass
@@ -402,6 +406,11 @@ class SubmitConfig:
     # --gpus-per-node=cluster.gpus_per_node (one task per GPU); false for CPU-only nodes (the CPU proxy,
     # the one-node test cluster), where cluster.gpus_per_node is the number of tasks per node
     request_gpus: bool = True
+    # srun --distribution: how the ranks (SLURM_PROCID) are laid over the nodes. null = Slurm's default,
+    # block (ranks 0..gpus_per_node-1 on the first node, ...: with PP outermost in megatron's rank order,
+    # a pipeline stage's TP/EP/DP ranks share a node); cyclic deals them round-robin (rank r on node
+    # r % nodes: the ranks of one stage on different nodes)
+    distribution: Optional[str] = None
 
 
 @dataclass

@@ -53,6 +53,8 @@ _MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 _MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
                  "offload": MEMORY_OFFLOAD_SITES}
+#: srun --distribution values k2-submit accepts (the node-level part of srun's option)
+SRUN_DISTRIBUTIONS = ("block", "cyclic")
 #: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 
@@ -249,6 +251,13 @@ def check_cluster(c) -> None:
              "a number > 0 (GiB of host memory per node, e.g. 2048)")
 
 
+def check_launch(la) -> None:
+    """``launch.*``: the rendezvous of a multi-rank launch."""
+    if la.rendezvous_timeout_s < 1:
+        raise ConfigError(f"launch.rendezvous_timeout_s={la.rendezvous_timeout_s} must be an integer >= 1 "
+                          "(seconds)")
+
+
 def check_plan(p) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
     _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
@@ -265,6 +274,9 @@ def check_submit(s) -> None:
     if not _SLURM_TIME.fullmatch(str(s.time)):
         raise ConfigError(f"submit.time={s.time!r} is not a Slurm time limit; allowed forms: MM, MM:SS, "
                           "HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (e.g. 24:00:00)")
+    if s.distribution is not None and s.distribution not in SRUN_DISTRIBUTIONS:
+        raise ConfigError(f"submit.distribution={s.distribution!r} is not one of "
+                          f"{', '.join(SRUN_DISTRIBUTIONS)} or null (Slurm's default, block)")
     for key in ("job_name", "partition", "account"):
         value = s[key]
         if value is not None and (not str(value) or re.search(r"\s", str(value))):
@@ -323,6 +335,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "data": check_data,
     "prepare": check_prepare,
     "cluster": check_cluster,
+    "launch": check_launch,
     "plan": check_plan,
     "submit": check_submit,
     "resume": resume_settings,

@@ -34,7 +34,8 @@ USAGE = """usage: k2-submit [-m] [HYDRA_OVERRIDE ...]
 Check k2-train's overrides for cluster.nodes x cluster.gpus_per_node ranks, write
 <run.dir>/pretrain.sbatch and submit it with sbatch (the job id goes to stdout). submit.dry_run=true
 prints the script and submits nothing; submit.time, submit.partition, submit.account, submit.job_name,
-submit.signal_seconds set the #SBATCH lines. -m submits one job per unfinished sweep point. Exit
+submit.signal_seconds set the #SBATCH lines; submit.distribution=cyclic lays the ranks round-robin over
+the nodes (srun --distribution). -m submits one job per unfinished sweep point. Exit
 status 1: sbatch missing or refused.
 
 examples:

@@ -8,7 +8,8 @@ With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.l
 Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
 (:mod:`k2.launcher.checkpointing.run_lock`), 3 when the loss or gradient norm became NaN / inf
 (``k2.launcher.cli.DIVERGED_EXIT``), 42 (``REQUEUE_EXIT_CODE``) when it saved a
-checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``).
+checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``), 1 when not every
+rank reached the rendezvous within ``launch.rendezvous_timeout_s`` (the error names the missing nodes).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from k2.launcher.tools.sweep import run_sweep, split_multirun
 from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
 from k2.launcher.training.prepare import prepare_run
 from k2.parallel.distributed import destroy_distributed, dist_env
+from k2.parallel.rendezvous import RendezvousTimeout
 
 PROG = "k2-train"
 
@@ -98,6 +100,9 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         if env.rank == 0:
             error(PROG, e)
         return DIVERGED_EXIT
+    except RendezvousTimeout as e:  # every rank that came says who is missing (rank 0 may be the one)
+        error(PROG, e)
+        return 1
     finally:
         destroy_distributed()
     if record.get("preempted") and not env.spawned_by_k2_train:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from k2.parallel import cpu_backend
+from k2.parallel.rendezvous import rendezvous
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,21 @@ def dist_env() -> DistEnv:
     return DistEnv(0, 1, 0, False)
 
 
-def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600) -> None:
+def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
+                     rendezvous_timeout_s: float = 600) -> None:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and megatron's parallel_state.
 
     Args:
         env: from :func:`dist_env`.
         dims: a validated :class:`k2.parallel.dims.ParallelDims`.
         seed: base seed; megatron derives its TP/EP/data-parallel RNG-tracker streams from it.
+        timeout_s: the process group's timeout (seconds a collective may wait for a peer).
+        rendezvous_timeout_s: seconds every rank of a launched job waits for the others to arrive
+            (:func:`k2.parallel.rendezvous.rendezvous`, ``launch.rendezvous_timeout_s``).
+
+    Raises:
+        k2.parallel.rendezvous.RendezvousTimeout: not every rank arrived in time (names the missing
+            ranks and nodes).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -89,11 +98,15 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600) -> Non
                 sock.bind(("127.0.0.1", 0))
                 os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
         os.environ.setdefault("MASTER_PORT", "29500")
+        store = None
+        if env.launched and env.world_size > 1:
+            store = rendezvous(env.rank, env.world_size, rendezvous_timeout_s, timeout_s)
         dist.init_process_group(
             backend=backend,
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            store=store,
         )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,

@@ -20,6 +20,7 @@ from support import REPO, free_port  # noqa: F401 (REPO: for tests that import i
 # processing time first); without the ordering a long file started last decides the wall time.
 _HEAVY_FIRST = {
     "tests/integration/test_checkpoint.py": 400,
+    "tests/integration/test_slurm_two_nodes.py": 1100,  # five Slurm jobs + a 4-rank reference (measured at load ~20)
     "tests/integration/test_slurm_real.py": 300,
     "tests/integration/test_train_run.py": 170,
     "tests/integration/test_bench_runs.py": 240,

@@ -52,7 +52,8 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     ``--requeue``, ``--signal=USR1@submit.signal_seconds`` (to the ranks, seconds before the time limit),
     ``--output=<run.dir>/slurm-%j.out`` (appended to across requeues), and ``--partition`` /
     ``--account`` when set. The body builds the embedded corpus once when ``data.path`` is null, sets
-    ``MASTER_ADDR`` / ``MASTER_PORT``, runs ``srun python -m k2.launcher.train`` with
+    ``MASTER_ADDR`` / ``MASTER_PORT``, runs ``srun python -m k2.launcher.train`` (with
+    ``--distribution=submit.distribution`` when set) with
     :func:`train_overrides` and requeues the job when the ranks exit with :data:`REQUEUE_EXIT_CODE`.
     The script ``cd``s to ``$K2_WORKDIR`` (default: the submit directory, where ``k2-submit`` ran) and
     runs ``$K2_PYTHON``: :func:`submit_script` sets it to the interpreter that ran ``k2-submit`` (which has
@@ -89,6 +90,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         sbatch.append(f"--partition={sub.partition}")
     if sub.account:
         sbatch.append(f"--account={sub.account}")
+    distribution = f" --distribution={sub.distribution}" if sub.distribution else ""
     shown = " ".join(shlex.quote(o) for o in overrides if _key_of(o) != "submit.dry_run")
     lines = [
         "#!/bin/bash",
@@ -130,7 +132,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         'echo "pretrain.sbatch: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes,"'
         ' "master $MASTER_ADDR:$MASTER_PORT"',
         "rc=0",
-        f"srun --kill-on-bad-exit=1 --cpu-bind=none \"$PYTHON\" -m k2.launcher.train {quoted} || rc=$?",
+        f"srun --kill-on-bad-exit=1 --cpu-bind=none{distribution} \"$PYTHON\" -m k2.launcher.train {quoted} || rc=$?",
         # srun --kill-on-bad-exit may report a signal instead of 42 when it stops the ranks that had not
         # exited yet; rank 0 writes the marker only after every rank finished the checkpoint
         f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {shlex.quote(rdir + '/requeue')} ]]; then",

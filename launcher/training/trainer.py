@@ -143,7 +143,7 @@ class Trainer:
         """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
         scheduler, the pipeline hooks and the run state."""
         cfg, plan = self.cfg, self.plan
-        init_distributed(self.env, plan.dims, cfg.run.seed)
+        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s)
         self.rank = dist.get_rank()
         if plan.resume_from is not None:  # before the heavy work: damage is refused first
             verify_checkpoint(plan.resume_from, cfg.checkpoint.verify)

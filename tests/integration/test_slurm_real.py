@@ -14,13 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from support import REPO
 from support.distributed import run_trainer, trainer_env
-from support.slurm_local import LocalSlurm, SlurmUnavailable
+from support.slurm_local import LocalSlurm, SlurmUnavailable, wait_for as _wait
 
 pytestmark = pytest.mark.slow
 
@@ -42,18 +41,6 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _wait(pred, timeout: float, what, every: float = 0.5):
-    """Poll ``pred`` every ``every`` s until it is truthy; ``what()`` (called only on a timeout, so the
-    job's log and Slurm's state in the message are those of that moment) names what was awaited."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what()}")
-
-
 def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_path, stdlib_corpus):
     run_dir = tmp_path / "run"
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
@@ -71,29 +58,16 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
         f = run_dir / f"slurm-{job}.out"
         return f.read_text()[-tail:] if f.exists() else "(no log)"
 
-    def restart_now(restarts: int) -> None:
-        """Skip most of the requeue's BeginTime delay. That delay is what keeps the new run (same job id)
-        clear of the old one's end: slurmd revokes the old run's credential when it kills it and refuses
-        a batch launch whose credential is not newer, at 1-second resolution ("Job 1 already killed, do
-        not launch batch job": the job fails without running a line). So the new run starts only once
-        the node is idle and a few seconds have passed."""
-        _wait(lambda: slurm.job_field(job, "Restarts") == str(restarts)
-              and slurm.job_field(job, "JobState") == "PENDING", 120, lambda: f"restart {restarts} to pend: {log()}")
-        _wait(lambda: slurm.node_state() == "idle", 120,
-              lambda: f"the node to finish restart {restarts - 1} of job {job}: {slurm.diagnose(job)}")
-        time.sleep(3)
-        slurm.scontrol("update", f"jobid={job}", "StartTime=now")
-
     try:
         _wait(lambda: steps_logged() >= 3, 300, lambda: f"step 3 of job {job}: {log()}")
         slurm.scontrol("requeue", job)  # every process of the step gets SIGTERM: the ranks save, exit 42
-        restart_now(1)
+        slurm.restart_now(job, 1, log)
         saved = steps_logged()  # the step the SIGTERM saved
         _wait(lambda: "resumed from" in log() and steps_logged() >= saved + 1, 300,
               lambda: f"a step after the restart: {log()}")
         # the time-limit notice (what --signal=USR1@N sends): the ranks save the step in progress, exit 42
         subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
-        restart_now(2)
+        slurm.restart_now(job, 2, log)
         _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
               lambda: f"job {job} to finish: {log()}", every=1)
     finally:

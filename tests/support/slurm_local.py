@@ -18,8 +18,36 @@ import time
 from pathlib import Path
 
 PACKAGES = ["slurm-wlm", "munge"]
+#: slurm.conf lines every test cluster shares (docs/slurm_local.md: what worked here, as root)
+BASE_CONF = [
+    "SlurmUser=root",
+    "AuthType=auth/munge",
+    "ProctrackType=proctrack/linuxproc",
+    "TaskPlugin=task/none",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_Core",
+    "MpiDefault=none",
+    "MailProg=/bin/true",
+    "ReturnToService=2",
+    "JobRequeue=1",
+    "MinJobAge=600",
+    "SchedulerType=sched/backfill",
+]
 #: where Debian's munged writes its pid
 MUNGED_PIDFILE = Path("/run/munge/munged.pid")
+
+
+def wait_for(pred, timeout: float, what, every: float = 0.5):
+    """Poll ``pred`` every ``every`` s until it is truthy and return its value; ``what()`` (called only on a
+    timeout, so the job's log and Slurm's state in the message are those of that moment) names what was
+    awaited in the AssertionError."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what()}")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -45,7 +73,8 @@ def ensure_installed(timeout: int = 900) -> None:
         raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
     except OSError:
@@ -72,19 +101,8 @@ class LocalSlurm:
         self.conf.write_text("\n".join([
             "ClusterName=k2test",
             f"SlurmctldHost={self.host}",
-            "SlurmUser=root",
-            "AuthType=auth/munge",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "MpiDefault=none",
-            "MailProg=/bin/true",
-            "ReturnToService=2",
-            "JobRequeue=1",
+            *BASE_CONF,
             "KillWait=60",
-            "MinJobAge=600",
-            "SchedulerType=sched/backfill",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -143,9 +161,9 @@ class LocalSlurm:
                 pass
         deadline = time.time() + timeout
         for pid in pids:
-            while _alive(pid) and time.time() < deadline:
+            while alive(pid) and time.time() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
+            if alive(pid):
                 try:
                     os.kill(pid, 9)
                 except OSError:
@@ -173,6 +191,21 @@ class LocalSlurm:
             if path.exists():
                 parts.append(f"--- {f} (tail) ---\n" + path.read_text(errors="replace")[-tail:])
         return "\n".join(parts)
+
+    def restart_now(self, job_id: str, restarts: int, log=lambda: "") -> None:
+        """Once job ``job_id`` was requeued for the ``restarts``-th time, skip most of the requeue's BeginTime
+        delay. That delay is what keeps the new run (same job id) clear of the old one's end: slurmd revokes
+        the old run's credential when it kills it and refuses a batch launch whose credential is not
+        newer, at 1-second resolution ("Job 1 already killed, do not launch batch job": the job fails
+        without running a line). So the new run starts only once every node is idle and a few seconds have
+        passed. ``log()`` goes into the message of a timeout."""
+        wait_for(lambda: self.job_field(job_id, "Restarts") == str(restarts)
+                 and self.job_field(job_id, "JobState") == "PENDING", 120,
+                 lambda: f"restart {restarts} of job {job_id} to pend: {log()}")
+        wait_for(lambda: self.node_state() == "idle", 120,
+                 lambda: f"the nodes to finish restart {restarts - 1} of job {job_id}: {self.diagnose(job_id)}")
+        time.sleep(3)
+        self.scontrol("update", f"jobid={job_id}", "StartTime=now")
 
     def job_field(self, job_id: str, field: str) -> str:
         """A ``Key=Value`` field of ``scontrol show job`` (e.g. JobState, Restarts, ExitCode)."""

@@ -142,6 +142,16 @@ def test_render_sbatch_lines_and_run_dir(tmp_path):
     assert '-m k2.launcher.tools.hostlist master-port "$SLURM_JOB_ID"' in text
 
 
+def test_render_distribution():
+    """submit.distribution goes to srun (null: no option, Slurm's block default)."""
+    ov = ["parallel=cpu4", "cluster.nodes=2", "cluster.gpus_per_node=2", "submit.request_gpus=false"]
+    srun = lambda text: [ln for ln in text.splitlines() if ln.startswith("srun ")][0]  # noqa: E731
+    assert "--distribution" not in srun(render_sbatch(load_config(ov), ov))
+    ov.append("submit.distribution=cyclic")
+    assert srun(render_sbatch(load_config(ov), ov)).startswith(
+        "srun --kill-on-bad-exit=1 --cpu-bind=none --distribution=cyclic ")
+
+
 def test_render_defaults_relative_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = render_sbatch(load_config([]), [])
@@ -242,6 +252,8 @@ def test_missing_sbatch(capsys, monkeypatch, tmp_path):
     (["submit.time=tomorrow"], "submit.time"),
     (["submit.signal_seconds=0"], "submit.signal_seconds"),
     (["submit.job_name=a b"], "submit.job_name"),
+    (["submit.distribution=plane"], "submit.distribution"),
+    (["launch.rendezvous_timeout_s=0"], "launch.rendezvous_timeout_s"),
     (["submit.bogus=1"], "submit.bogus"),
     (["train.precision=fp8"], "train.precision"),
 ])
