@@ -36,8 +36,9 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
   (input of the router, the shared expert and the dense FFN) ``B T h`` [R layernorm];
 * dense / shared-expert SwiGLU of width ``f`` on ``T`` tokens and each routed expert's on its tokens
   (``Tk`` in all): ``linear_fc1`` output ``2 f`` [F swiglu_input; O swiglu_input]; SwiGLU internals
-  ``silu(gate)`` and ``up`` (``2 f``; routed experts also the output before the probability scaling,
-  ``f``, not saved with moe_down_proj) [R swiglu]; ``linear_fc2`` input ``f`` [O fc2_input; R swiglu];
+  ``silu(gate)`` (``f``: the product's other factor ``up`` is a view of the ``linear_fc1`` output, the same
+  storage; routed experts also the output before the probability scaling, ``f``, not saved with
+  moe_down_proj) [R swiglu]; ``linear_fc2`` input ``f`` [O fc2_input; R swiglu];
 * routed experts' permuted input ``B Tk h`` [F moe_fc1_input; O moe_fc1_input]; router (FP32 scores
   and INT64 routing map ``16 T E``, top-k values and indices ``12 Tk``, ``8 T``, ``16 E + 4``);
   permutation indices ``32 Tk``; expert probabilities ``4 Tk``;
@@ -137,7 +138,7 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
 
 def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> list[Saved]:
     out = [Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input"),
-           Saved(f"{prefix}.silu_and_up", tokens * 2 * width, B, recompute="swiglu")]
+           Saved(f"{prefix}.silu_output", tokens * width, B, recompute="swiglu")]
     if routed:
         # with moe_down_proj the probabilities multiply fc2's output instead (model/mlp.py): not saved
         out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B, recompute=("swiglu", "moe_down_proj")))

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from k2.model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
 
@@ -354,6 +355,8 @@ class SavedTensorScope:
         self.saved = []  # what is not offloaded stays referenced by autograd only
         if not to_host:
             self.state = "reloaded"
+            if meter is not None:
+                meter.update_peak()
             return
         cuda = any(_is_cuda(t) for s in to_host for t in s.payload())
         stream = None
@@ -368,6 +371,8 @@ class SavedTensorScope:
             self.d2h_event = torch.cuda.Event()
             self.d2h_event.record(stream)
         self.state = "offloaded"
+        if meter is not None:
+            meter.hold_host([c.host.untyped_storage() for c in self.copies])
 
     # -- backward
     def reload_async(self) -> None:
@@ -429,7 +434,8 @@ def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
 
 
 class SavedBytesMeter:
-    """Counts the bytes saved for backward, per site, as the scopes commit (``k2-bench bench=memory``).
+    """Counts the bytes saved for backward, per site, as the scopes commit (``k2-bench bench=memory``), and
+    the most of them alive at once (the pipeline schedule's peak in flight).
 
     Use ``with meter.measure(): <one forward>``: it opens a root :class:`SavedTensorScope` so that saved
     tensors outside any layer scope are counted too (under the site ``other``). Per saved tensor:
@@ -440,12 +446,21 @@ class SavedBytesMeter:
     * offloaded: 0 on device, its storage's (or the FP8 tiles') bytes on host, each storage once;
     * recomputed (:func:`mark_recompute`): 0.
 
-    Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`).
+    Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`). The meter holds
+    no storage (weak references, ``torch.multiprocessing.reductions.StorageWeakRef``): what backward frees
+    is freed, so a whole training step (forwards and backwards interleaved by the pipeline schedule) can
+    be measured, and a freed address that a later saved tensor reuses counts as a new storage.
+
+    Alive bytes (:meth:`alive`, ``peak_device`` / ``peak_host``, taken at every commit, where they grow):
+    on the device, the storages counted on the device plus those of offloaded tensors that something else
+    still holds (e.g. a pipeline stage's received input, kept by megatron's schedule until its backward);
+    on the host, the offloaded copies.
 
     Attributes:
         device_bytes: ``{site: bytes}`` kept on the device.
         host_bytes: ``{site: bytes}`` offloaded to host memory.
         forwards: number of ``measure()`` blocks run.
+        peak_device, peak_host: the most saved bytes alive at once on the device / on the host.
     """
 
     _active: Optional["SavedBytesMeter"] = None
@@ -454,7 +469,9 @@ class SavedBytesMeter:
         self.device_bytes: dict[str, int] = {}
         self.host_bytes: dict[str, int] = {}
         self.forwards = 0
-        self._storages: dict[tuple, torch.UntypedStorage] = {}
+        self.peak_device = self.peak_host = 0
+        self._counted: dict[tuple, StorageWeakRef] = {}  # (offloaded, address) -> the storage counted there
+        self._alive: dict[tuple, tuple] = {}  # ("device" | "host", address) -> (weak ref, bytes)
 
     @classmethod
     def active(cls) -> Optional["SavedBytesMeter"]:
@@ -463,8 +480,8 @@ class SavedBytesMeter:
     @contextlib.contextmanager
     def measure(self, root: bool = True) -> Iterator[None]:
         """Count what the scopes committing inside the block keep. ``root=False``: only the layer scopes
-        (no root scope: tensors saved outside the layers are not counted, nor held until the block ends;
-        ``k2-train``'s ``train.measure_saved_bytes`` measures a whole training step so)."""
+        (no root scope: tensors saved outside the layers are not counted; ``k2-train``'s
+        ``train.measure_saved_bytes`` measures a whole training step so)."""
         if SavedBytesMeter._active is not None:
             raise RuntimeError("SavedBytesMeter.measure() blocks cannot nest")
         SavedBytesMeter._active = self
@@ -474,7 +491,19 @@ class SavedBytesMeter:
             self.forwards += 1
         finally:
             SavedBytesMeter._active = None
-            self._storages.clear()  # (held only so that a freed address is not mistaken for a seen one)
+            self._counted.clear()
+
+    @staticmethod
+    def _new(table: dict, key: tuple) -> bool:
+        """True when no live storage was seen at ``key`` (an address whose storage died is new again)."""
+        hit = table.get(key)
+        ref = hit[0] if isinstance(hit, tuple) else hit
+        return ref is None or ref.expired()
+
+    def _hold(self, where: str, storage: torch.UntypedStorage) -> None:
+        key = (where, storage.data_ptr())
+        if storage.nbytes() and self._new(self._alive, key):
+            self._alive[key] = (StorageWeakRef(storage), storage.nbytes())
 
     def count(self, saved: list, offloaded: set) -> None:
         """Count one committing scope's saved tensors (``offloaded``: ids of those going to host)."""
@@ -482,13 +511,37 @@ class SavedBytesMeter:
             site = s.policy.site if s.policy is not None else "other"
             if s.view is not None or s.released():  # recomputed in backward: nothing kept
                 continue
-            where = self.host_bytes if id(s) in offloaded else self.device_bytes
+            to_host = id(s) in offloaded
+            where = self.host_bytes if to_host else self.device_bytes
             for t in s.payload():
                 storage = t.untyped_storage()
-                key = (id(s) in offloaded, storage.data_ptr())
-                if key not in self._storages:  # each storage once
-                    self._storages[key] = storage
+                self._hold("device", storage)  # an offloaded one only while something else holds it
+                key = (to_host, storage.data_ptr())
+                if self._new(self._counted, key):  # each storage once
+                    self._counted[key] = StorageWeakRef(storage)
                     where[site] = where.get(site, 0) + storage.nbytes()
+
+    def hold_host(self, storages: list) -> None:
+        """The host copies of one scope's offloaded storages (after :meth:`count`); updates the peaks."""
+        for storage in storages:
+            self._hold("host", storage)
+        self.update_peak()
+
+    def alive(self) -> tuple[int, int]:
+        """``(device, host)`` bytes of the counted storages alive now (see the class docstring)."""
+        dev = host = 0
+        for key, (ref, n) in list(self._alive.items()):
+            if ref.expired():
+                del self._alive[key]
+            elif key[0] == "device":
+                dev += n
+            else:
+                host += n
+        return dev, host
+
+    def update_peak(self) -> None:
+        dev, host = self.alive()
+        self.peak_device, self.peak_host = max(self.peak_device, dev), max(self.peak_host, host)
 
     def per_forward(self) -> dict:
         """``{"device": {site: bytes}, "host": {site: bytes}, "device_total": .., "host_total": ..}``,
