@@ -471,7 +471,8 @@ class SavedBytesMeter:
         self.forwards = 0
         self.peak_device = self.peak_host = 0
         self._counted: dict[tuple, StorageWeakRef] = {}  # (offloaded, address) -> the storage counted there
-        self._alive: dict[tuple, tuple] = {}  # ("device" | "host", address) -> (weak ref, bytes)
+        self._alive: dict[tuple, tuple] = {}  # ("device" | "host", address) -> (weak ref, bytes, serial)
+        self.serial = 0  # storages held so far (:meth:`alive`'s ``since``)
 
     @classmethod
     def active(cls) -> Optional["SavedBytesMeter"]:
@@ -503,7 +504,8 @@ class SavedBytesMeter:
     def _hold(self, where: str, storage: torch.UntypedStorage) -> None:
         key = (where, storage.data_ptr())
         if storage.nbytes() and self._new(self._alive, key):
-            self._alive[key] = (StorageWeakRef(storage), storage.nbytes())
+            self._alive[key] = (StorageWeakRef(storage), storage.nbytes(), self.serial)
+            self.serial += 1
 
     def count(self, saved: list, offloaded: set) -> None:
         """Count one committing scope's saved tensors (``offloaded``: ids of those going to host)."""
@@ -527,12 +529,16 @@ class SavedBytesMeter:
             self._hold("host", storage)
         self.update_peak()
 
-    def alive(self) -> tuple[int, int]:
-        """``(device, host)`` bytes of the counted storages alive now (see the class docstring)."""
+    def alive(self, since: int = 0) -> tuple[int, int]:
+        """``(device, host)`` bytes of the counted storages alive now (see the class docstring); with
+        ``since`` (an earlier :attr:`serial`), only those held since then (e.g. one microbatch's forward,
+        whatever earlier ones backward freed meanwhile)."""
         dev = host = 0
-        for key, (ref, n) in list(self._alive.items()):
+        for key, (ref, n, serial) in list(self._alive.items()):
             if ref.expired():
                 del self._alive[key]
+            elif serial < since:
+                continue
             elif key[0] == "device":
                 dev += n
             else:
