@@ -30,8 +30,8 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 * core attention: fused (SDPA/cuDNN on GPU) the output ``B T H d_v`` + log-sum-exp ``4 T H``; unfused
   (CPU) the FP32 softmax probabilities ``4 b H s^2`` (and their copy in the compute dtype for ``p v``
   when that is BF16, ``2 b H s^2``) + a causal mask ``s^2`` (1 byte) [O core_attn];
-* RoPE tables (FP32, ``4 x 4 s d_r``, independent of the batch) [R mla_up_proj: RoPE is applied inside the
-  recomputed up-projections];
+* RoPE tables (FP32, ``4 x 4 s d_r``, independent of the batch) [R mla_up_proj in FP32: RoPE is applied
+  inside the recomputed up-projections; in BF16 they are kept, as measured];
 * ``linear_proj`` input, ``B T H d_v`` [O attn_proj];
 * MLP RMSNorm (``pre_mlp_layernorm``) as the attention one [O mlp_input; R layernorm], and its output
   (input of the router, the shared expert and the dense FFN) ``B T h`` [R layernorm];
@@ -182,8 +182,9 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
     else:
         out += [Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn"),
                 Saved("core_attn.causal_mask", s * s, 1, "core_attn")]
-    # (applied inside the up-projections' function: not kept when mla_up_proj recomputes it)
-    out.append(Saved("rope_tables", 4 * s * d_r, 4, recompute="mla_up_proj"))
+    # FP32: applied inside the up-projections' function, not kept when mla_up_proj recomputes it; BF16:
+    # kept (measured on the CPU proxy, tests/unit/launcher/test_memory_plan.py)
+    out.append(Saved("rope_tables", 4 * s * d_r, 4, recompute="mla_up_proj" if B == 4 else None))
     out.append(Saved("attn_proj.input", T * H * d_v, B, "attn_proj"))
     out += _norm("mlp_norm", T, h, B, fused_kernels, "mlp_input", "layernorm")
     out.append(Saved("mlp_norm.output", T * h, B, recompute="layernorm"))
