@@ -14,7 +14,7 @@ docs/k2_reference.md "Training system", "Activation memory". One mechanism serve
   when backward reaches layer ``i``'s output, :func:`chain_prefetch`). On CPU it is a plain copy.
 * **Recompute** (``Policy.recompute``, :func:`mark_recompute`): nothing is kept; backward gets the tensor
   from a function of other saved tensors (``model/recompute.py``).
-* **Meter** (:class:`SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
+* **Meter** (:class:`k2.model.saved_bytes_meter.SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
   host, measured from what the hooks hold -- not estimated.
 
 Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
@@ -39,14 +39,12 @@ A saved tensor whose storage was released behind autograd's back before the scop
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from k2.model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
 
@@ -80,6 +78,19 @@ def _stack() -> list:
     if s is None:
         s = _TLS.scopes = []
     return s
+
+
+_METER: dict = {}  # {"meter": the SavedBytesMeter whose measure() block is open}
+
+
+def active_meter():
+    """The :class:`k2.model.saved_bytes_meter.SavedBytesMeter` whose ``measure()`` block is open, or None."""
+    return _METER.get("meter")
+
+
+def set_active_meter(meter) -> None:
+    """Open (a meter) or close (None) the metering of the scopes that commit from now on."""
+    _METER["meter"] = meter
 
 
 def current_scope() -> Optional["SavedTensorScope"]:
@@ -327,7 +338,7 @@ class SavedTensorScope:
 
     def pack(self, tensor: torch.Tensor):
         policy = self.policy_of(tensor)
-        meter = SavedBytesMeter.active() if self.offload_enabled else None
+        meter = active_meter() if self.offload_enabled else None
         if (policy is None or not policy.transforms) and meter is None:
             return tensor  # nothing to do: autograd keeps the tensor as usual
         key = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
@@ -349,7 +360,7 @@ class SavedTensorScope:
         self.marks.clear()
         to_host = [s for s in self.saved if self.offload_enabled and s.policy is not None and s.policy.offload
                    and s.view is None and not s.released()]
-        meter = SavedBytesMeter.active() if self.offload_enabled else None
+        meter = active_meter() if self.offload_enabled else None
         if meter is not None:
             meter.count(self.saved, offloaded=set(map(id, to_host)))
         self.saved = []  # what is not offloaded stays referenced by autograd only
@@ -431,128 +442,3 @@ def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
     else:
         output.register_hook(hook)
     scope.prev = None  # the hook holds it; no chain of references through the scopes
-
-
-class SavedBytesMeter:
-    """Counts the bytes saved for backward, per site, as the scopes commit (``k2-bench bench=memory``), and
-    the most of them alive at once (the pipeline schedule's peak in flight).
-
-    Use ``with meter.measure(): <one forward>``: it opens a root :class:`SavedTensorScope` so that saved
-    tensors outside any layer scope are counted too (under the site ``other``). Per saved tensor:
-
-    * kept as is: its storage's bytes, each storage counted once (two views, or a tensor saved twice,
-      cost one storage);
-    * FP8: the tiles' bytes (1 per element + 4 per 128-element tile);
-    * offloaded: 0 on device, its storage's (or the FP8 tiles') bytes on host, each storage once;
-    * recomputed (:func:`mark_recompute`): 0.
-
-    Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`). The meter holds
-    no storage (weak references, ``torch.multiprocessing.reductions.StorageWeakRef``): what backward frees
-    is freed, so a whole training step (forwards and backwards interleaved by the pipeline schedule) can
-    be measured, and a freed address that a later saved tensor reuses counts as a new storage.
-
-    Alive bytes (:meth:`alive`, ``peak_device`` / ``peak_host``, taken at every commit, where they grow):
-    on the device, the storages counted on the device plus those of offloaded tensors that something else
-    still holds (e.g. a pipeline stage's received input, kept by megatron's schedule until its backward);
-    on the host, the offloaded copies.
-
-    Attributes:
-        device_bytes: ``{site: bytes}`` kept on the device.
-        host_bytes: ``{site: bytes}`` offloaded to host memory.
-        forwards: number of ``measure()`` blocks run.
-        peak_device, peak_host: the most saved bytes alive at once on the device / on the host.
-    """
-
-    _active: Optional["SavedBytesMeter"] = None
-
-    def __init__(self):
-        self.device_bytes: dict[str, int] = {}
-        self.host_bytes: dict[str, int] = {}
-        self.forwards = 0
-        self.peak_device = self.peak_host = 0
-        self._counted: dict[tuple, StorageWeakRef] = {}  # (offloaded, address) -> the storage counted there
-        self._alive: dict[tuple, tuple] = {}  # ("device" | "host", address) -> (weak ref, bytes, serial)
-        self.serial = 0  # storages held so far (:meth:`alive`'s ``since``)
-
-    @classmethod
-    def active(cls) -> Optional["SavedBytesMeter"]:
-        return cls._active
-
-    @contextlib.contextmanager
-    def measure(self, root: bool = True) -> Iterator[None]:
-        """Count what the scopes committing inside the block keep. ``root=False``: only the layer scopes
-        (no root scope: tensors saved outside the layers are not counted; ``k2-train``'s
-        ``train.measure_saved_bytes`` measures a whole training step so)."""
-        if SavedBytesMeter._active is not None:
-            raise RuntimeError("SavedBytesMeter.measure() blocks cannot nest")
-        SavedBytesMeter._active = self
-        try:
-            with SavedTensorScope("root") if root else contextlib.nullcontext():
-                yield
-            self.forwards += 1
-        finally:
-            SavedBytesMeter._active = None
-            self._counted.clear()
-
-    @staticmethod
-    def _new(table: dict, key: tuple) -> bool:
-        """True when no live storage was seen at ``key`` (an address whose storage died is new again)."""
-        hit = table.get(key)
-        ref = hit[0] if isinstance(hit, tuple) else hit
-        return ref is None or ref.expired()
-
-    def _hold(self, where: str, storage: torch.UntypedStorage) -> None:
-        key = (where, storage.data_ptr())
-        if storage.nbytes() and self._new(self._alive, key):
-            self._alive[key] = (StorageWeakRef(storage), storage.nbytes(), self.serial)
-            self.serial += 1
-
-    def count(self, saved: list, offloaded: set) -> None:
-        """Count one committing scope's saved tensors (``offloaded``: ids of those going to host)."""
-        for s in saved:
-            site = s.policy.site if s.policy is not None else "other"
-            if s.view is not None or s.released():  # recomputed in backward: nothing kept
-                continue
-            to_host = id(s) in offloaded
-            where = self.host_bytes if to_host else self.device_bytes
-            for t in s.payload():
-                storage = t.untyped_storage()
-                self._hold("device", storage)  # an offloaded one only while something else holds it
-                key = (to_host, storage.data_ptr())
-                if self._new(self._counted, key):  # each storage once
-                    self._counted[key] = StorageWeakRef(storage)
-                    where[site] = where.get(site, 0) + storage.nbytes()
-
-    def hold_host(self, storages: list) -> None:
-        """The host copies of one scope's offloaded storages (after :meth:`count`); updates the peaks."""
-        for storage in storages:
-            self._hold("host", storage)
-        self.update_peak()
-
-    def alive(self, since: int = 0) -> tuple[int, int]:
-        """``(device, host)`` bytes of the counted storages alive now (see the class docstring); with
-        ``since`` (an earlier :attr:`serial`), only those held since then (e.g. one microbatch's forward,
-        whatever earlier ones backward freed meanwhile)."""
-        dev = host = 0
-        for key, (ref, n, serial) in list(self._alive.items()):
-            if ref.expired():
-                del self._alive[key]
-            elif serial < since:
-                continue
-            elif key[0] == "device":
-                dev += n
-            else:
-                host += n
-        return dev, host
-
-    def update_peak(self) -> None:
-        dev, host = self.alive()
-        self.peak_device, self.peak_host = max(self.peak_device, dev), max(self.peak_host, host)
-
-    def per_forward(self) -> dict:
-        """``{"device": {site: bytes}, "host": {site: bytes}, "device_total": .., "host_total": ..}``,
-        averaged over the measured forwards."""
-        n = max(self.forwards, 1)
-        dev = {k: v / n for k, v in sorted(self.device_bytes.items())}
-        host = {k: v / n for k, v in sorted(self.host_bytes.items())}
-        return {"device": dev, "host": host, "device_total": sum(dev.values()), "host_total": sum(host.values())}

@@ -51,7 +51,8 @@ def measure(cfg, dims, seq_length: int, micro_batch_size: int, num_microbatches:
 
     from k2.launcher.training.step import forward_step
     from k2.model.build import build_model_chunks, transformer_config
-    from k2.model.saved_tensors import SavedBytesMeter, SavedTensorScope
+    from k2.model.saved_bytes_meter import SavedBytesMeter
+    from k2.model.saved_tensors import SavedTensorScope
     from k2.parallel.distributed import wrap_model
 
     torch.manual_seed(0)

@@ -106,7 +106,7 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch_size, seq_length), generator=gen)
     position_ids = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, seq_length)
     if meter:
-        from k2.model.saved_tensors import SavedBytesMeter
+        from k2.model.saved_bytes_meter import SavedBytesMeter
 
         meter = SavedBytesMeter()
         with meter.measure():

@@ -49,7 +49,7 @@ def test_layer_recompute_switched_on_a_built_model(megatron_world1):
     rounding), saved bytes per microbatch down to the layer inputs."""
     from k2.model.activation_memory import MemoryOptions, set_layer_recompute
     from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.model.saved_tensors import SavedBytesMeter
+    from k2.model.saved_bytes_meter import SavedBytesMeter
     from k2.parallel.dims import ParallelDims
 
     cfg = load_config(["memory=none"])
