@@ -30,14 +30,16 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 * core attention: fused (SDPA/cuDNN on GPU) the output ``B T H d_v`` + log-sum-exp ``4 T H``; unfused
   (CPU) the FP32 softmax probabilities ``4 b H s^2`` (and their copy in the compute dtype for ``p v``
   when that is BF16, ``2 b H s^2``) + a causal mask ``s^2`` (1 byte) [O core_attn];
-* RoPE tables (FP32, ``4 x 4 s d_r``, independent of the batch);
+* RoPE tables (FP32, ``4 x 4 s d_r``, independent of the batch) [R mla_up_proj in FP32: RoPE is applied
+  inside the recomputed up-projections; in BF16 they are kept, as measured];
 * ``linear_proj`` input, ``B T H d_v`` [O attn_proj];
 * MLP RMSNorm (``pre_mlp_layernorm``) as the attention one [O mlp_input; R layernorm], and its output
   (input of the router, the shared expert and the dense FFN) ``B T h`` [R layernorm];
 * dense / shared-expert SwiGLU of width ``f`` on ``T`` tokens and each routed expert's on its tokens
   (``Tk`` in all): ``linear_fc1`` output ``2 f`` [F swiglu_input; O swiglu_input]; SwiGLU internals
-  ``silu(gate)`` and ``up`` (``2 f``; routed experts also the output before the probability scaling,
-  ``f``, not saved with moe_down_proj) [R swiglu]; ``linear_fc2`` input ``f`` [O fc2_input; R swiglu];
+  ``silu(gate)`` (``f``: the product's other factor ``up`` is a view of the ``linear_fc1`` output, the same
+  storage; routed experts also the output before the probability scaling, ``f``, not saved with
+  moe_down_proj) [R swiglu]; ``linear_fc2`` input ``f`` [O fc2_input; R swiglu];
 * routed experts' permuted input ``B Tk h`` [F moe_fc1_input; O moe_fc1_input]; router (FP32 scores
   and INT64 routing map ``16 T E``, top-k values and indices ``12 Tk``, ``8 T``, ``16 E + 4``);
   permutation indices ``32 Tk``; expert probabilities ``4 Tk``;
@@ -137,7 +139,7 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
 
 def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> list[Saved]:
     out = [Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input"),
-           Saved(f"{prefix}.silu_and_up", tokens * 2 * width, B, recompute="swiglu")]
+           Saved(f"{prefix}.silu_output", tokens * width, B, recompute="swiglu")]
     if routed:
         # with moe_down_proj the probabilities multiply fc2's output instead (model/mlp.py): not saved
         out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B, recompute=("swiglu", "moe_down_proj")))
@@ -180,7 +182,9 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
     else:
         out += [Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn"),
                 Saved("core_attn.causal_mask", s * s, 1, "core_attn")]
-    out.append(Saved("rope_tables", 4 * s * d_r, 4))
+    # FP32: applied inside the up-projections' function, not kept when mla_up_proj recomputes it; BF16:
+    # kept (measured on the CPU proxy, tests/unit/launcher/test_memory_plan.py)
+    out.append(Saved("rope_tables", 4 * s * d_r, 4, recompute="mla_up_proj" if B == 4 else None))
     out.append(Saved("attn_proj.input", T * H * d_v, B, "attn_proj"))
     out += _norm("mlp_norm", T, h, B, fused_kernels, "mlp_input", "layernorm")
     out.append(Saved("mlp_norm.output", T * h, B, recompute="layernorm"))

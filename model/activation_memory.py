@@ -47,7 +47,7 @@ class MemoryOptions:
 
     Attributes:
         fp8_store, recompute, offload: site names (validated by :func:`k2.config.validate.check_memory`).
-        attribute: mark every site even when it is off, so that a :class:`~k2.model.saved_tensors.SavedBytesMeter`
+        attribute: mark every site even when it is off, so that a :class:`~k2.model.saved_bytes_meter.SavedBytesMeter`
             can report bytes per site (``k2-bench bench=memory``); training leaves it False.
     """
 

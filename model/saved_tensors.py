@@ -14,7 +14,7 @@ docs/k2_reference.md "Training system", "Activation memory". One mechanism serve
   when backward reaches layer ``i``'s output, :func:`chain_prefetch`). On CPU it is a plain copy.
 * **Recompute** (``Policy.recompute``, :func:`mark_recompute`): nothing is kept; backward gets the tensor
   from a function of other saved tensors (``model/recompute.py``).
-* **Meter** (:class:`SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
+* **Meter** (:class:`k2.model.saved_bytes_meter.SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
   host, measured from what the hooks hold -- not estimated.
 
 Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
@@ -39,11 +39,10 @@ A saved tensor whose storage was released behind autograd's back before the scop
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -79,6 +78,19 @@ def _stack() -> list:
     if s is None:
         s = _TLS.scopes = []
     return s
+
+
+_METER: dict = {}  # {"meter": the SavedBytesMeter whose measure() block is open}
+
+
+def active_meter():
+    """The :class:`k2.model.saved_bytes_meter.SavedBytesMeter` whose ``measure()`` block is open, or None."""
+    return _METER.get("meter")
+
+
+def set_active_meter(meter) -> None:
+    """Open (a meter) or close (None) the metering of the scopes that commit from now on."""
+    _METER["meter"] = meter
 
 
 def current_scope() -> Optional["SavedTensorScope"]:
@@ -326,7 +338,7 @@ class SavedTensorScope:
 
     def pack(self, tensor: torch.Tensor):
         policy = self.policy_of(tensor)
-        meter = SavedBytesMeter.active() if self.offload_enabled else None
+        meter = active_meter() if self.offload_enabled else None
         if (policy is None or not policy.transforms) and meter is None:
             return tensor  # nothing to do: autograd keeps the tensor as usual
         key = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
@@ -348,12 +360,14 @@ class SavedTensorScope:
         self.marks.clear()
         to_host = [s for s in self.saved if self.offload_enabled and s.policy is not None and s.policy.offload
                    and s.view is None and not s.released()]
-        meter = SavedBytesMeter.active() if self.offload_enabled else None
+        meter = active_meter() if self.offload_enabled else None
         if meter is not None:
             meter.count(self.saved, offloaded=set(map(id, to_host)))
         self.saved = []  # what is not offloaded stays referenced by autograd only
         if not to_host:
             self.state = "reloaded"
+            if meter is not None:
+                meter.update_peak()
             return
         cuda = any(_is_cuda(t) for s in to_host for t in s.payload())
         stream = None
@@ -368,6 +382,8 @@ class SavedTensorScope:
             self.d2h_event = torch.cuda.Event()
             self.d2h_event.record(stream)
         self.state = "offloaded"
+        if meter is not None:
+            meter.hold_host([c.host.untyped_storage() for c in self.copies])
 
     # -- backward
     def reload_async(self) -> None:
@@ -426,74 +442,3 @@ def chain_prefetch(output: torch.Tensor, scope: SavedTensorScope) -> None:
     else:
         output.register_hook(hook)
     scope.prev = None  # the hook holds it; no chain of references through the scopes
-
-
-class SavedBytesMeter:
-    """Counts the bytes saved for backward, per site, as the scopes commit (``k2-bench bench=memory``).
-
-    Use ``with meter.measure(): <one forward>``: it opens a root :class:`SavedTensorScope` so that saved
-    tensors outside any layer scope are counted too (under the site ``other``). Per saved tensor:
-
-    * kept as is: its storage's bytes, each storage counted once (two views, or a tensor saved twice,
-      cost one storage);
-    * FP8: the tiles' bytes (1 per element + 4 per 128-element tile);
-    * offloaded: 0 on device, its storage's (or the FP8 tiles') bytes on host, each storage once;
-    * recomputed (:func:`mark_recompute`): 0.
-
-    Parameters are never counted (autograd's hooks do not see them, see :func:`_pack`).
-
-    Attributes:
-        device_bytes: ``{site: bytes}`` kept on the device.
-        host_bytes: ``{site: bytes}`` offloaded to host memory.
-        forwards: number of ``measure()`` blocks run.
-    """
-
-    _active: Optional["SavedBytesMeter"] = None
-
-    def __init__(self):
-        self.device_bytes: dict[str, int] = {}
-        self.host_bytes: dict[str, int] = {}
-        self.forwards = 0
-        self._storages: dict[tuple, torch.UntypedStorage] = {}
-
-    @classmethod
-    def active(cls) -> Optional["SavedBytesMeter"]:
-        return cls._active
-
-    @contextlib.contextmanager
-    def measure(self, root: bool = True) -> Iterator[None]:
-        """Count what the scopes committing inside the block keep. ``root=False``: only the layer scopes
-        (no root scope: tensors saved outside the layers are not counted, nor held until the block ends;
-        ``k2-train``'s ``train.measure_saved_bytes`` measures a whole training step so)."""
-        if SavedBytesMeter._active is not None:
-            raise RuntimeError("SavedBytesMeter.measure() blocks cannot nest")
-        SavedBytesMeter._active = self
-        try:
-            with SavedTensorScope("root") if root else contextlib.nullcontext():
-                yield
-            self.forwards += 1
-        finally:
-            SavedBytesMeter._active = None
-            self._storages.clear()  # (held only so that a freed address is not mistaken for a seen one)
-
-    def count(self, saved: list, offloaded: set) -> None:
-        """Count one committing scope's saved tensors (``offloaded``: ids of those going to host)."""
-        for s in saved:
-            site = s.policy.site if s.policy is not None else "other"
-            if s.view is not None or s.released():  # recomputed in backward: nothing kept
-                continue
-            where = self.host_bytes if id(s) in offloaded else self.device_bytes
-            for t in s.payload():
-                storage = t.untyped_storage()
-                key = (id(s) in offloaded, storage.data_ptr())
-                if key not in self._storages:  # each storage once
-                    self._storages[key] = storage
-                    where[site] = where.get(site, 0) + storage.nbytes()
-
-    def per_forward(self) -> dict:
-        """``{"device": {site: bytes}, "host": {site: bytes}, "device_total": .., "host_total": ..}``,
-        averaged over the measured forwards."""
-        n = max(self.forwards, 1)
-        dev = {k: v / n for k, v in sorted(self.device_bytes.items())}
-        host = {k: v / n for k, v in sorted(self.host_bytes.items())}
-        return {"device": dev, "host": host, "device_total": sum(dev.values()), "host_total": sum(host.values())}

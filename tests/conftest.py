@@ -29,6 +29,7 @@ _HEAVY_FIRST = {
     "tests/integration/test_checkpoint_integrity.py": 90,
     "tests/integration/test_pipeline_wgrad.py": 60,
     "tests/integration/test_memory_train.py": 90,  # + two cpu4 runs of whole-layer recompute (~90 s)
+    "tests/integration/test_activation_plan_measured.py": 110,  # one cpu4 launch, 9 builds + steps (80-190 s)
     "tests/integration/test_schedule_run.py": 50,
     "tests/integration/test_hf_convert_runs.py": 85,
     "tests/unit/launcher/test_hf_convert.py": 45,  # + an import in a child process (~15 s)

@@ -10,7 +10,7 @@ Each rank builds one model per setting with the trainer's own pieces (``k2.model
 distributed optimizer, megatron's interleaved 1F1B schedule, ``k2.launcher.training.step.forward_step``), same
 initial weights, synthetic tokens; runs ``warmup`` untimed steps each, then ``steps`` timed steps
 round-robin over the settings (median reported; a change of machine load hits all alike), then one step
-each in which every microbatch forward runs inside a :class:`k2.model.saved_tensors.SavedBytesMeter`: what
+each in which every microbatch forward runs inside a :class:`k2.model.saved_bytes_meter.SavedBytesMeter`: what
 the saved-tensor hooks hold after each layer's forward (kept tensors by storage, FP8 tiles, host copies;
 recomputed tensors count 0) -- measured, not estimated.
 
@@ -34,7 +34,7 @@ from k2.launcher.benchmarks.common import bench_options
 from k2.launcher.training.step import forward_step
 from k2.model.activation_memory import MemoryOptions
 from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-from k2.model.saved_tensors import SavedBytesMeter
+from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.optim.build import build_optimizer
 from k2.optim.params import tag_parameters
 from k2.parallel.dims import ParallelDims

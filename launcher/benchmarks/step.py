@@ -27,7 +27,7 @@ Figures per case: ``step_ms``, ``tokens_per_s``, ``model_tflops`` (``model/flops
 formula: recompute is not model FLOPs), ``mfu`` (against ``gemm_peak_tflops``, a BF16 8192^3 matmul timed
 in the same run on GPU, an FP32 1024^3 one on CPU), ``saved_activation_bytes`` (what autograd keeps for
 backward over one forward, measured through the saved-tensor hooks:
-:class:`k2.model.saved_tensors.SavedBytesMeter`), on GPU ``peak_memory_bytes`` (the case's persistent bytes
+:class:`k2.model.saved_bytes_meter.SavedBytesMeter`), on GPU ``peak_memory_bytes`` (the case's persistent bytes
 -- weights, gradient buffers, optimizer states, measured as the allocation growth over its build and
 warmup -- plus the growth of ``torch.cuda.max_memory_allocated`` over one step), and ``*_over_baseline``
 ratios. Needs no data files, network or wandb.
@@ -49,7 +49,7 @@ from k2.launcher.benchmarks.step_cases import Case, build_baseline, build_k2, fr
 from k2.model.backends import ATTENTION_BACKENDS, check_backend_config
 from k2.model.build import reset_moe_process_state
 from k2.model.flops import step_flops
-from k2.model.saved_tensors import SavedBytesMeter
+from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.parallel import cpu_backend
 
 DEFAULTS = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from k2.launcher.planning.offload import offloads_anything
 from k2.launcher.planning.memory import gpu_memory, stage_activations, state_bytes, state_bytes_lower_bound
 from k2.model.flops import flops_per_token
 from k2.schedules.pipeline_sim import simulate
@@ -197,3 +198,30 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
         "fits_gpu": fits_gpu, "fits_host": fits_host, "fits": fits_gpu and fits_host,
         "step_time_s_estimated": res["makespan"], "recompute_time_s_estimated": res["recompute_s"],
     }
+
+
+def check_host_memory(cfg, dims, schedule) -> None:
+    """``k2-train``'s check, before any process group starts, that every phase's host memory per node
+    (offloaded optimizer states + the peak of offloaded activations, :func:`analyse_layout`'s
+    ``host_bytes_per_node``) fits ``cluster.host_memory_gib``. A run that offloads nothing is not planned
+    (its host bytes are 0). ``k2-plan`` reports the same figures as ``fits: false`` instead of an error.
+
+    Raises:
+        ConfigError: naming ``cluster.host_memory_gib``, the phase, the GiB it needs per node and the GiB
+            available.
+    """
+    from k2.config.errors import ConfigError
+    from k2.model.params import count_params
+
+    if not offloads_anything(cfg, schedule):
+        return
+    a = analyse_layout(cfg, dims, count_params(cfg), schedule)
+    worst = max(a["phases"], key=lambda row: row["host_bytes_per_node"])
+    if not worst["fits_host"]:
+        need, have = worst["host_bytes_per_node"] / 2**30, float(cfg.cluster.host_memory_gib)
+        gib = lambda x: f"{x:,.1f}" if x >= 1 else f"{x:.3g}"  # noqa: E731
+        raise ConfigError(
+            f"cluster.host_memory_gib={have:g}: phase '{worst['phase']}' needs {gib(need)} GiB of host memory "
+            f"per node ({int(cfg.cluster.gpus_per_node)} GPUs: offloaded optimizer states and activations), "
+            f"{gib(have)} GiB available (allowed: cluster.host_memory_gib >= {gib(need)}, or offload less: "
+            "memory.offload, optim.offload_fraction)")

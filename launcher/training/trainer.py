@@ -55,7 +55,7 @@ from k2.model.build import (
     transformer_config,
 )
 from k2.model.flops import mfu, step_flops
-from k2.model.saved_tensors import SavedBytesMeter
+from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
 from k2.optim.params import format_route_table, param_rules, route_table, tag_parameters
 from k2.optim.qk_clip import QKClip

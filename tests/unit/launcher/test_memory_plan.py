@@ -79,13 +79,14 @@ ODD = ["model.hidden_size=112", "model.ffn_hidden_size=200", "model.q_lora_rank=
 
 
 def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
-                        meter: bool = True) -> tuple[int, int]:
+                        meter: bool = True, per_site: bool = False):
     """Bytes autograd keeps for backward after one microbatch's forward of the k2_tiny family built as
     ``k2-train`` builds it (one rank), on the device and offloaded to host: every storage a saved tensor
     lives in, once; parameters excluded. ``meter=True``: model/saved_tensors.py's ``SavedBytesMeter``
     (the only way to see FP8 payloads and offloaded copies: torch applies only the innermost saved-tensor
     hooks, which are the memory switches' own); ``meter=False``: plain ``saved_tensors_hooks`` written
-    here, an independent count (valid without switches)."""
+    here, an independent count (valid without switches). ``per_site``: the meter's ``per_forward()`` dict
+    (bytes by site) instead of the ``(device, host)`` totals."""
     import torch
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -105,14 +106,14 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch_size, seq_length), generator=gen)
     position_ids = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, seq_length)
     if meter:
-        from k2.model.saved_tensors import SavedBytesMeter
+        from k2.model.saved_bytes_meter import SavedBytesMeter
 
         meter = SavedBytesMeter()
         with meter.measure():
             loss = model(tokens, position_ids, None, labels=tokens)
         loss.sum().backward()
         per = meter.per_forward()
-        return int(per["device_total"]), int(per["host_total"])
+        return per if per_site else (int(per["device_total"]), int(per["host_total"]))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -128,14 +129,18 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     return sum(storages.values()), 0
 
 
-def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int) -> tuple[float, float]:
-    """(device, host) bytes of the same microbatch from model/activation_bytes.py (CPU kernels)."""
+def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
+                        offload: list[str] | None = None) -> tuple[float, float]:
+    """(device, host) bytes of the same microbatch from model/activation_bytes.py (CPU kernels);
+    ``offload``: these ``memory.offload`` sites instead of the config's."""
     from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
     from k2.model.build import moe_layer_pattern
 
     cfg = load_config(["model=k2_tiny", *overrides])
     mem = cfg.get("memory")
     sw = {k: list(mem[k] or []) for k in ("fp8_store", "recompute", "offload")} if mem is not None else {}
+    if offload is not None:
+        sw["offload"] = list(offload)
     p = cfg.train.precision
     gpu, host = apply_switches(stage_saved(cfg.model, seq_length, micro_batch_size, p, False, True, True), **sw)
     for kind in moe_layer_pattern(cfg.model):
@@ -171,14 +176,45 @@ SWITCHES = [["memory.fp8_store=[moe_fc1_input]"], ["memory.fp8_store=[swiglu_inp
             ["memory=k2"], ["memory.recompute=[layer]"], ["memory=k2", "memory.recompute=[layer]"]]
 
 
+_METERED: dict = {}
+
+
+def metered(overrides: list[str], seq_length: int, micro_batch_size: int) -> dict:
+    """:func:`measure_saved_bytes` through the meter, per site (``SavedBytesMeter.per_forward``); each
+    shape's memory=none measured once per session."""
+    key = (tuple(overrides), seq_length, micro_batch_size)
+    if key not in _METERED:
+        per = measure_saved_bytes(overrides, seq_length, micro_batch_size, per_site=True)
+        _METERED[key] = per
+    return _METERED[key]
+
+
+def _shapes(switch: list[str]) -> list:
+    return [(switch, 128, 2), (ODD + switch + ["train.precision=bf16"], 256, 1)]
+
+
 @pytest.mark.parametrize("switch", SWITCHES, ids=lambda s: "+".join(x.split("=")[1] for x in s))
 def test_activation_bytes_per_switch(megatron_world1, switch):
     """Each FP8-storage / recompute / offload switch: predicted device and host bytes within 10% of the
-    measured ones."""
-    for overrides, seq, mbs in [(switch, 128, 2), (ODD + switch + ["train.precision=bf16"], 256, 1)]:
-        measured, predicted = measure_saved_bytes(overrides, seq, mbs), predict_saved_bytes(overrides, seq, mbs)
-        for what, m, p in zip(("device", "host"), measured, predicted):
+    measured ones; and what the switch changes against memory=none (device bytes dropped, host bytes added
+    per offload site) within 10% of the measured change, so that a planner ignoring one switch fails even
+    where the switch moves only a few percent of the total."""
+    from k2.model.activation_bytes import SITES
+
+    for overrides, seq, mbs in _shapes(switch):
+        none_overrides = [o for o in overrides if o not in switch]
+        got, plain = metered(overrides, seq, mbs), metered(none_overrides, seq, mbs)
+        predicted, predicted_plain = predict_saved_bytes(overrides, seq, mbs), predict_saved_bytes(none_overrides, seq, mbs)
+        for what, m, p in zip(("device", "host"), (got["device_total"], got["host_total"]), predicted):
             assert p == pytest.approx(m, rel=0.10, abs=1024), (switch, what, p, m)
+        dropped_m = plain["device_total"] - got["device_total"]
+        dropped_p = predicted_plain[0] - predicted[0]
+        assert dropped_m > 0 and dropped_p == pytest.approx(dropped_m, rel=0.10), (switch, dropped_p, dropped_m)
+        for site in load_config(["model=k2_tiny", *overrides]).memory.offload or ():  # each site's host bytes
+            assert site in SITES["offload"]
+            site_p = predict_saved_bytes(overrides, seq, mbs, offload=[site])[1]
+            site_m = got["host"].get(site, 0)
+            assert site_p == pytest.approx(site_m, rel=0.10, abs=1024), (switch, site, site_p, site_m)
 
 
 def test_switches_on_a_k2_moe_layer():
@@ -196,6 +232,10 @@ def test_switches_on_a_k2_moe_layer():
     # recomputing the MLA up-projections drops q, k, v (192 + 192 + 128 per head)
     rec, _ = apply_switches(saved, recompute=["mla_up_proj"])
     assert none - rec == pytest.approx(2 * T * H * (192 + 192 + 128))
+    # recomputing the MoE down-projection (K2's placement of the probability scaling after linear_fc2,
+    # model/mlp.py) drops the routed experts' SwiGLU output before the scaling: [Tk, 2048] BF16
+    down, _ = apply_switches(saved, recompute=["moe_down_proj"])
+    assert none - down == pytest.approx(2 * Tk * 2048)
     # offloading core attention moves q, k, v, its output and log-sum-exp to the host
     gpu, host = apply_switches(saved, offload=["core_attn"])
     assert host == pytest.approx(2 * T * H * (192 + 192 + 128) + 2 * T * H * 128 + 4 * T * H)

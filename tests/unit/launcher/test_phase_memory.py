@@ -49,7 +49,7 @@ def test_layer_recompute_switched_on_a_built_model(megatron_world1):
     rounding), saved bytes per microbatch down to the layer inputs."""
     from k2.model.activation_memory import MemoryOptions, set_layer_recompute
     from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.model.saved_tensors import SavedBytesMeter
+    from k2.model.saved_bytes_meter import SavedBytesMeter
     from k2.parallel.dims import ParallelDims
 
     cfg = load_config(["memory=none"])
@@ -79,3 +79,37 @@ def test_layer_recompute_switched_on_a_built_model(megatron_world1):
     # outside the layers (embedding, loss) the same; inside only the inputs
     assert switched_bytes["device_total"] < 0.5 * plain_bytes["device_total"]
     assert switched_bytes["device_total"] >= layer_inputs
+
+
+def test_k2_train_refuses_host_memory_too_small(tmp_path, capsys, no_process_start):
+    """memory=k2 offloads activations to host memory: with cluster.host_memory_gib below what the plan needs
+    per node, k2-train stops with one error naming the setting, the GiB needed (k2-plan's own figure for the
+    fullest phase) and the GiB available, before any process group or rank starts; k2-plan keeps reporting
+    the layout as not fitting (host). With the figure above the need, the check passes."""
+    import json
+
+    from k2.launcher.train import main as train_main
+
+    layout = ["parallel=cpu4", "memory=k2", "cluster.nodes=1", "cluster.gpus_per_node=4"]
+    assert main([*layout, "cluster.host_memory_gib=0.001", "output=json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    need = max(row["host_bytes_per_node"] for row in plan["phases"]) / 2**30
+    assert 0.001 < need < 1 and plan["fits"] is False
+    assert {row["fits_host"] for row in plan["phases"]} == {False}
+    run_dir = tmp_path / "run"
+    rc = train_main([*layout, "cluster.host_memory_gib=0.001", f"run.dir={run_dir}", "run.wandb.mode=disabled"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("k2-train: error:")]
+    assert rc == 2 and len(lines) == 1, err
+    import re
+
+    named = re.search(r"cluster\.host_memory_gib=0\.001: phase '(\w+)' needs ([0-9.e-]+) GiB .*, ([0-9.e-]+) GiB available",
+                      lines[0])
+    assert named, lines[0]
+    assert float(named[2]) == pytest.approx(need, rel=5e-3) and float(named[3]) == 0.001
+    assert named[1] in {row["phase"] for row in plan["phases"]}
+    assert no_process_start == [] and not run_dir.exists()
+    # enough host memory: prepare_run accepts it (k2-train would start its ranks)
+    from k2.launcher.training.prepare import prepare_run
+
+    prepare_run(load_config([*layout, f"cluster.host_memory_gib={need * 1.01}", f"run.dir={run_dir}"]), 4)

@@ -34,7 +34,7 @@ def _run(overrides: list[str]) -> dict:
     from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
     from k2.model.activation_memory import MemoryOptions
     from k2.model.router import K2Router
-    from k2.model.saved_tensors import SavedBytesMeter
+    from k2.model.saved_bytes_meter import SavedBytesMeter
     from k2.parallel.dims import ParallelDims
 
     cfg = load_config(overrides)
@@ -172,7 +172,8 @@ def test_layer_recompute_keeps_only_layer_inputs(runs, setting):
 def test_scope_mechanics_on_a_plain_function():
     """The hooks on their own: FP8 + offload of a marked tensor, recompute of another, the meter."""
     from k2.model.recompute import recompute_output
-    from k2.model.saved_tensors import Policy, SavedBytesMeter, SavedTensorScope, mark
+    from k2.model.saved_bytes_meter import SavedBytesMeter
+    from k2.model.saved_tensors import Policy, SavedTensorScope, mark
 
     x = torch.randn(64, 256, requires_grad=True)
     w = torch.randn(256, 256, requires_grad=True)

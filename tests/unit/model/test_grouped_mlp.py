@@ -102,7 +102,7 @@ def test_memory_switches_apply_as_in_the_sequential_module(megatron_world1):
     from k2.model.grouped_mlp import K2GroupedMLP
     from k2.model.activation_memory import MemoryOptions
     from k2.model.mlp import K2SequentialMLP
-    from k2.model.saved_tensors import SavedBytesMeter
+    from k2.model.saved_bytes_meter import SavedBytesMeter
 
     sites = frozenset({"moe_fc1_input", "swiglu_input"})
     no_fp8 = MemoryOptions(recompute=frozenset({"swiglu", "moe_down_proj"}),
