@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k2.launcher.planning.offload import offloads_anything
+from k2.launcher.planning.phase_settings import offloads_anything, phase_memory
 from k2.launcher.planning.memory import gpu_memory, stage_activations, state_bytes, state_bytes_lower_bound
 from k2.model.flops import flops_per_token
 from k2.schedules.pipeline_sim import simulate
@@ -16,11 +16,6 @@ def main_phase(schedule):
     """The phase that runs the most steps (bubble, FLOPs and step time are reported for it)."""
     running = [p for p in schedule.phases if p.steps]
     return max(running, key=lambda p: (p.steps, -p.index))
-
-
-def memory_cfg(cfg):
-    """The ``memory`` section of ``cfg``, or None for a config without one."""
-    return cfg.get("memory") if hasattr(cfg, "get") else getattr(cfg, "memory", None)
 
 
 def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[list, list, list]:
@@ -52,13 +47,6 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
             B.append(b * tokens / rate)
             W.append(w * tokens / rate)
     return F, B, W
-
-
-def phase_memory(cfg, phase):
-    """The ``memory.*`` settings ``phase`` runs with: its own (a schedule phase may override them, already
-    resolved on :class:`k2.schedules.wsd.Phase`), else ``cfg.memory``; None for a config without one."""
-    own = getattr(phase, "memory", None)
-    return own if own is not None else memory_cfg(cfg)
 
 
 def _memory_key(mem) -> tuple:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
-from k2.launcher.planning.offload import offloads_anything
+from k2.launcher.planning.phase_settings import offloads_anything
 from k2.launcher.training.phase_memory import check_phase_memory_switches
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.model.backends import check_backend_config

@@ -1,0 +1,30 @@
+"""The memory settings each schedule phase runs with, and whether a run keeps anything in host memory:
+config only (no model, no megatron-core), so that ``k2-train`` can decide before its ranks start whether
+it must plan host memory (:func:`k2.launcher.planning.analysis.check_host_memory`) without paying the
+planner's import of the model (several CPU-seconds) for a run that offloads nothing, or a bad setting."""
+
+from __future__ import annotations
+
+
+def memory_cfg(cfg):
+    """The ``memory`` section of ``cfg``, or None for a config without one."""
+    return cfg.get("memory") if hasattr(cfg, "get") else getattr(cfg, "memory", None)
+
+
+def phase_memory(cfg, phase):
+    """The ``memory.*`` settings ``phase`` runs with: its own (a schedule phase may override them, already
+    resolved on :class:`k2.schedules.wsd.Phase`), else ``cfg.memory``; None for a config without one."""
+    own = getattr(phase, "memory", None)
+    return own if own is not None else memory_cfg(cfg)
+
+
+def offloads_anything(cfg, schedule) -> bool:
+    """True when ``optim.offload_fraction`` > 0 or a running phase of ``schedule`` (:func:`phase_memory`)
+    offloads an activation site."""
+    if float(cfg.optim.offload_fraction) > 0:
+        return True
+    for phase in schedule.phases:
+        mem = phase_memory(cfg, phase) if phase.steps else None
+        if mem is not None and list(mem.get("offload") or []):
+            return True
+    return False
