@@ -15,6 +15,7 @@ Sub-packages, in import order (each imports only from those before it and from `
   (``k2-bench``), ``submit`` (``k2-submit``), ``sweep_report`` (``k2-sweep-report``).
 """
 
+import k2.parallel  # noqa: F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)
 from k2.launcher.quiet import quiet_libraries
 
 quiet_libraries()  # before anything below imports megatron-core

@@ -7,3 +7,5 @@ matrices Muon orthogonalises) -> :mod:`k2.optim.build` (megatron's optimizers as
 :mod:`k2.optim.distributed_muon` (Muon on megatron's byte-range ZeRO-1 shards) and :mod:`k2.optim.offload`
 (optimizer states in host memory between steps), both used by :mod:`k2.optim.build`.
 """
+
+import k2.parallel  # noqa: E402,F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import sys
 
 import torch
 
@@ -281,9 +283,13 @@ def _patch_gloo_avg() -> None:
 
 
 def _patch_compile() -> None:
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True
+    # (without importing dynamo when nothing imported it yet: k2.parallel.eager_fusions leaves
+    # megatron-core's import-time decorations eager, and importing dynamo costs ~1 s of CPU per process;
+    # its config reads TORCH_COMPILE_DISABLE when it is first imported)
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True
+    else:
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
 
 # --- entry point ---------------------------------------------------------------------------------------

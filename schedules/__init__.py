@@ -2,3 +2,5 @@
 rule; ``resolve``: validation of ``cfg.schedule`` for a layout), the LR / weight-decay scheduler
 (``lr``), its plot, megatron's pipeline schedule hooked for decoupled weight gradients (``pipeline``) and
 a simulator of its order (``pipeline_sim``)."""
+
+import k2.parallel  # noqa: E402,F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)

@@ -11,6 +11,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
+import k2.parallel  # noqa: E402,F401 (before any test module imports megatron-core: k2.parallel.eager_fusions)
+
 from support import REPO, free_port  # noqa: F401 (REPO: for tests that import it from here)
 
 
@@ -18,27 +20,32 @@ from support import REPO, free_port  # noqa: F401 (REPO: for tests that import i
 # file's tests). With `--dist loadfile --no-loadscope-reorder` the xdist workers take whole files in
 # this order, so the long ones start first and the short unit files fill the gaps at the end (longest
 # processing time first); without the ordering a long file started last decides the wall time.
-_HEAVY_FIRST = {
-    "tests/integration/test_checkpoint.py": 400,
-    "tests/integration/test_slurm_two_nodes.py": 1100,  # five Slurm jobs + a 4-rank reference (measured at load ~20)
-    "tests/integration/test_slurm_real.py": 300,
-    "tests/integration/test_train_run.py": 170,
-    "tests/integration/test_bench_runs.py": 240,
-    "tests/integration/test_sweep.py": 115,
-    "tests/integration/test_muonclip_parallel.py": 110,
-    "tests/integration/test_checkpoint_integrity.py": 90,
-    "tests/integration/test_pipeline_wgrad.py": 60,
-    "tests/integration/test_memory_train.py": 90,  # + two cpu4 runs of whole-layer recompute (~90 s)
-    "tests/integration/test_activation_plan_measured.py": 110,  # one cpu4 launch, 9 builds + steps (80-190 s)
-    "tests/integration/test_schedule_run.py": 50,
-    "tests/integration/test_hf_convert_runs.py": 85,
-    "tests/unit/launcher/test_hf_convert.py": 45,  # + an import in a child process (~15 s)
-    "tests/integration/test_phase_data.py": 95,
-    "tests/unit/launcher/test_prepare_corpus.py": 20,
-    "tests/unit/launcher/test_bench.py": 40,
-    "tests/integration/test_resume_rng_context.py": 45,
+_HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8)
+    "tests/integration/test_slurm_two_nodes.py": 780,  # four Slurm jobs + a 4-rank reference
+    "tests/integration/test_slurm_real.py": 590,
+    "tests/integration/test_checkpoint.py": 470,
+    "tests/integration/test_preemption_cli.py": 350,
+    "tests/integration/test_bench_runs.py": 245,
+    "tests/integration/test_sweep.py": 200,
+    "tests/unit/launcher/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build
+    "tests/integration/test_phase_data.py": 145,
+    "tests/integration/test_pipeline_wgrad.py": 145,
+    "tests/integration/test_train_run.py": 125,
+    "tests/integration/test_schedule_run.py": 115,
+    "tests/integration/test_activation_plan_measured.py": 115,  # one cpu4 launch, 9 builds + steps
+    "tests/unit/launcher/test_bench.py": 108,
+    "tests/integration/test_muonclip_parallel.py": 107,
+    "tests/integration/test_hf_convert_runs.py": 105,
+    "tests/integration/test_memory_train.py": 105,
+    "tests/unit/launcher/test_plan.py": 87,
+    "tests/unit/launcher/test_data.py": 78,
+    "tests/unit/launcher/test_hf_convert.py": 68,  # + an import in a child process
+    "tests/unit/config/test_validate.py": 63,
+    "tests/integration/test_checkpoint_integrity.py": 38,
+    "tests/integration/test_resume_rng_context.py": 35,
     "tests/integration/test_startup_signal.py": 20,
-    "tests/unit/schedules/test_trace_plot.py": 10,
+    "tests/unit/launcher/test_prepare_corpus.py": 40,
+    "tests/unit/schedules/test_trace_plot.py": 12,
 }
 
 

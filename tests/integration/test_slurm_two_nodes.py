@@ -1,7 +1,7 @@
 """Two real Slurm nodes on one machine (tests/support/slurm_two_nodes.py: two network namespaces on a
 bridge, each with its own hostname and slurmd), driven through ``k2-submit`` as a user would: a 2-node
-x 2-rank CPU job (gloo over the veth links) whose losses equal a 1-node 4-rank run bit for bit, the same
-job requeued mid-run, and one node lost mid-step (link pulled, its slurmd and ranks killed) and brought
+x 2-rank CPU job (gloo over the veth links) whose losses equal a 1-node 4-rank run bit for bit across a
+requeue mid-run, and one node lost mid-step (link pulled, its slurmd and ranks killed) and brought
 back.
 
 Rank placement: ``parallel=cpu4`` is PP2 x VPP2 x EP2 (DP2); megatron's rank order (tp-cp-ep-dp-pp) puts
@@ -149,16 +149,25 @@ def _stage0_ranks() -> set[int]:
     return {group[0] for group in gen.get_ranks("pp")}
 
 
-def test_two_nodes_match_one_node_bitwise(two_nodes, reference, tmp_path):
+def test_two_nodes_match_one_node_bitwise_across_a_requeue(two_nodes, reference, tmp_path):
+    """A 2-node x 2-rank job as placed (cyclic), named (each node's hostname), wired (MASTER_ADDR, the
+    link in use) and requeued mid-run with ``scontrol requeue`` (SIGTERM to every rank on both nodes:
+    they save and exit 42; the requeued job resumes): every step's loss and grad norm, before and after
+    the requeue, equals the 1-node 4-rank run bit for bit. (One job for both: a job start costs every rank
+    a fresh interpreter, the suite's time.)"""
     job = Job(two_nodes, tmp_path / "run")
     try:
-        wait_for(lambda: job.steps() >= 1, 300, lambda: f"step 1 of job {job.id}: {job.log()}")
+        wait_for(lambda: job.steps() >= 2, 300, lambda: f"step 2 of job {job.id}: {job.log()}")
         placed = {n: _ranks(n) for n in NODES}
         peers = _tcp_peers(NODES[1])
+        two_nodes.scontrol("requeue", job.id)  # SIGTERM to every rank on both nodes: they save, exit 42
+        two_nodes.restart_now(job.id, 1, job.log)
         state = job.wait_done()
     finally:
         job.cancel_if_running()
-    assert state == "COMPLETED", job.log() + two_nodes.diagnose(job.id)
+    out = job.log(tail=10**7)
+    assert state == "COMPLETED" and job.cluster.job_field(job.id, "Restarts") == "1", \
+        out[-4000:] + two_nodes.diagnose(job.id)
     # cyclic: ranks 0, 2 on the first node, 1, 3 on the second, each process on its node's hostname
     assert {n: sorted(r) for n, r in placed.items()} == {NODES[0]: [0, 2], NODES[1]: [1, 3]}, placed
     assert all(r["hostname"] == n for n, ranks in placed.items() for r in ranks.values()), placed
@@ -167,22 +176,7 @@ def test_two_nodes_match_one_node_bitwise(two_nodes, reference, tmp_path):
     assert stage0 == {0, 1} and {n for n, r in placed.items() if set(r) & stage0} == set(NODES)
     # MASTER_ADDR is the first host of the node list, on both nodes, and node 2 talks to node 1 over the link
     assert {r["MASTER_ADDR"] for ranks in placed.values() for r in ranks.values()} == {NODES[0]}
-    assert f"master {NODES[0]}:" in job.log(tail=10**7) and ADDRS[NODES[0]] in peers, (job.log(), peers)
-    assert _losses(job.records()) == _losses(reference)
-    _no_ranks_left(two_nodes)
-
-
-def test_requeue_mid_run_resumes_exactly(two_nodes, reference, tmp_path):
-    job = Job(two_nodes, tmp_path / "run")
-    try:
-        wait_for(lambda: job.steps() >= 2, 300, lambda: f"step 2 of job {job.id}: {job.log()}")
-        two_nodes.scontrol("requeue", job.id)  # SIGTERM to every rank on both nodes: they save, exit 42
-        two_nodes.restart_now(job.id, 1, job.log)
-        state = job.wait_done()
-    finally:
-        job.cancel_if_running()
-    out = job.log(tail=10**7)
-    assert state == "COMPLETED" and job.cluster.job_field(job.id, "Restarts") == "1", out[-4000:]
+    assert f"master {NODES[0]}:" in out and ADDRS[NODES[0]] in peers, (out[-4000:], peers)
     assert "SIGTERM received" in out and "resumed from" in out and "are re-run" not in out, out[-4000:]
     assert _losses(job.records()) == _losses(reference)
     _no_ranks_left(two_nodes)

@@ -12,7 +12,10 @@ import torch
 
 from support import REPO, SCRIPTS, free_port
 
-QUIET = ["run.wandb.mode=disabled", "train.progress=false"]
+#: added to every run_trainer launch unless the test sets the key: no wandb, no progress bar, and one
+#: validation batch per evaluation (a test compares runs made with the same setting; at the recipe's
+#: four, the evaluations before and after training cost more CPU than a short run's steps)
+QUIET = ["run.wandb.mode=disabled", "train.progress=false", "train.eval_iters=1"]
 SUPPORT = Path(__file__).resolve().parent
 #: the session's fork server socket (set by the ``fork_server`` fixture of tests/conftest.py)
 FORK_SERVER_ENV = "K2_TEST_FORK_SERVER"

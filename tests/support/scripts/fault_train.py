@@ -1,5 +1,5 @@
-"""``k2.launcher.train`` with one injected fault, for tests/integration/test_checkpoint.py. ``$K2_FAULT`` =
-``KIND:STEP:RANK``:
+"""``k2.launcher.train`` with one injected fault, for tests/integration/test_checkpoint.py and
+test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
 
 * ``sigterm_train`` -- global rank RANK sends itself SIGTERM in the middle of training step STEP (after
   the step started, before its microbatches run), as a preempting job manager would;
