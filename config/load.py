@@ -121,7 +121,8 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
         config_name: the root config in ``recipes/``.
 
     Returns:
-        A read-only, struct-mode ``DictConfig`` with every key of :class:`k2.config.schema.K2Config`.
+        A read-only, struct-mode ``DictConfig`` with every key of :class:`k2.config.schema.K2Config`;
+        calls with the same arguments in one process share one (composed once, see ``_compose``).
 
     Raises:
         ConfigError: an unknown key or recipe, a value of the wrong type, a Hydra parse error, or a

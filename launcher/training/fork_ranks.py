@@ -58,7 +58,7 @@ def preimport() -> None:
         import megatron.core.dist_checkpointing  # noqa: F401
         import megatron.core.dist_checkpointing.strategies.fully_parallel  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
-        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 (~0.6 s: torch.compile of its fusions)
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 (the fusions' modules)
         import megatron.core.optimizer  # noqa: F401
         import megatron.core.pipeline_parallel  # noqa: F401
         import tokenizers  # noqa: F401
@@ -144,7 +144,6 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
     Returns:
         the first failed rank's exit status (128 + N for a rank killed by signal N), 0 when all succeed.
     """
-    port = port or _free_port()
     if target[:2] == ["-m", TRAINER_MODULE] and not set(target[2:]) & {"-m", "--multirun"}:
         from k2.config import ConfigError, load_config
 
@@ -152,6 +151,9 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
             load_config(target[2:])
         except ConfigError:
             pass  # each rank reports it as usual
+    # the port last, right before the fork: the less time between releasing it and rank 0's bind, the
+    # less chance another process takes it (an ephemeral port: any new connection on the host may)
+    port = port or _free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
