@@ -19,6 +19,7 @@ anywhere else, or when those packages were imported before :func:`install` ran (
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -36,6 +37,14 @@ def _eager_compile(model=None, **_options):
     return model
 
 
+@functools.cache
+def _without_cuda() -> bool:
+    """Decided once, at the first module of :data:`PACKAGES` (the CPU backend's own test)."""
+    from k2.parallel.cpu_backend import cuda_available
+
+    return not cuda_available()
+
+
 class _EagerCompileOnImport(importlib.abc.MetaPathFinder):
     """Finds the modules of :data:`PACKAGES` as the path finder would, with a loader that runs each one
     while ``torch.compile`` is :func:`_eager_compile` (only without CUDA); answers nothing else."""
@@ -49,10 +58,10 @@ class _EagerCompileOnImport(importlib.abc.MetaPathFinder):
         run_module = spec.loader.exec_module  # (the loader object is this spec's own)
 
         def exec_module(module):
+            if not _without_cuda():
+                return run_module(module)
             import torch
 
-            if torch.cuda.is_available():
-                return run_module(module)
             compile_, torch.compile = torch.compile, _eager_compile
             try:
                 run_module(module)

@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from k2.config.load import load_config
@@ -79,13 +77,6 @@ ODD = ["model.hidden_size=112", "model.ffn_hidden_size=200", "model.q_lora_rank=
        "model.moe_shared_expert_intermediate_size=36", "model.num_moe_experts=6", "model.moe_router_topk=2"]
 
 
-@functools.cache
-def _k2_tiny(*overrides: str):
-    """``load_config(["model=k2_tiny", *overrides])`` once per distinct overrides in this module: the
-    per-switch checks ask for the same few configs about 150 times (~0.3 s of CPU each; read-only)."""
-    return load_config(["model=k2_tiny", *overrides])
-
-
 def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
                         meter: bool = True, per_site: bool = False):
     """Bytes autograd keeps for backward after one microbatch's forward of the k2_tiny family built as
@@ -100,7 +91,7 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
 
     from k2.model.build import build_model_chunks, transformer_config
 
-    cfg = _k2_tiny(*overrides)
+    cfg = load_config(["model=k2_tiny", *overrides])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
@@ -144,7 +135,7 @@ def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
     from k2.model.build import moe_layer_pattern
 
-    cfg = _k2_tiny(*overrides)
+    cfg = load_config(["model=k2_tiny", *overrides])
     mem = cfg.get("memory")
     sw = {k: list(mem[k] or []) for k in ("fp8_store", "recompute", "offload")} if mem is not None else {}
     if offload is not None:
@@ -218,7 +209,7 @@ def test_activation_bytes_per_switch(megatron_world1, switch):
         dropped_m = plain["device_total"] - got["device_total"]
         dropped_p = predicted_plain[0] - predicted[0]
         assert dropped_m > 0 and dropped_p == pytest.approx(dropped_m, rel=0.10), (switch, dropped_p, dropped_m)
-        for site in _k2_tiny(*overrides).memory.offload or ():  # each site's host bytes
+        for site in load_config(["model=k2_tiny", *overrides]).memory.offload or ():  # each site's host bytes
             assert site in SITES["offload"]
             site_p = predict_saved_bytes(overrides, seq, mbs, offload=[site])[1]
             site_m = got["host"].get(site, 0)
