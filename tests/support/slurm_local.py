@@ -58,17 +58,31 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
 
+#: held while one test process installs the packages: the one-node and two-node Slurm files run on
+#: different xdist workers, and a second ``apt-get`` started meanwhile fails on dpkg's lock
+INSTALL_LOCK = Path("/tmp/k2-tests-slurm-install.lock")
+
+
 def ensure_installed(timeout: int = 900) -> None:
-    """apt-get install slurm-wlm munge when slurmctld is not on PATH (needs root and Debian's registry)."""
+    """apt-get install slurm-wlm munge when slurmctld is not on PATH (needs root and Debian's registry).
+    One process installs at a time (:data:`INSTALL_LOCK`); the others wait for it and find the packages
+    installed, and apt-get itself waits up to ``timeout`` s for a dpkg lock held by anything else."""
+    import fcntl
+
     if shutil.which("slurmctld") and shutil.which("munged"):
         return
     if os.geteuid() != 0:
         raise SlurmUnavailable("slurmctld is not installed and installing it needs root (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    p = _run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, timeout=timeout)
-    if p.returncode != 0:  # stale package lists on a fresh machine
-        _run(["apt-get", "update", "-q"], env=env, timeout=timeout)
-        p = _run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, timeout=timeout)
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        if shutil.which("slurmctld") and shutil.which("munged"):  # another worker installed them
+            return
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        apt = ["apt-get", "-o", f"DPkg::Lock::Timeout={timeout}"]
+        p = _run([*apt, "install", "-y", "-q", *PACKAGES], env=env, timeout=timeout)
+        if p.returncode != 0:  # stale package lists on a fresh machine
+            _run([*apt, "update", "-q"], env=env, timeout=timeout)
+            p = _run([*apt, "install", "-y", "-q", *PACKAGES], env=env, timeout=timeout)
     if p.returncode != 0 or not shutil.which("slurmctld"):
         raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {p.stdout[-2000:]}{p.stderr[-2000:]}")
 
