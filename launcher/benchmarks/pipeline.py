@@ -41,6 +41,13 @@ _DEFAULTS = {
 _REPO = Path(__file__).resolve().parents[1]
 
 
+def trainer_command(overrides: list[str], nproc: int) -> list[str]:
+    """The command line of one configuration's run: ``k2-train`` with ``overrides`` (which set
+    ``launch.nproc_per_node=nproc``: k2-train forks its ``nproc`` local ranks itself). A module-level
+    function so that a caller that launches trainers its own way (the tests' fork server) can replace it."""
+    return [sys.executable, "-m", "k2.launcher.train", *overrides]
+
+
 def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
     overrides = [
         f"parallel={o['parallel']}", f"model={o['model']}", f"launch.nproc_per_node={o['nproc']}",
@@ -49,7 +56,7 @@ def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
         f"run.dir={run_dir}", f"pipeline.decouple_wgrad={str(decouple).lower()}",
         f"pipeline.trace={run_dir / 'trace'}",  # for the CPU seconds per pass (both configurations)
     ]
-    cmd = [sys.executable, "-m", "k2.launcher.train", *overrides]
+    cmd = trainer_command(overrides, o["nproc"])
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // o["nproc"]))

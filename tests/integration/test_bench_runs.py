@@ -12,9 +12,16 @@ from support.helpers import run_tool
 
 
 @pytest.mark.slow
-def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus):
+def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus, monkeypatch):
     """bench=pipeline: two real trainer runs (pp2 here, to keep the test short), off then on; the same
-    losses, both step times, the deferred-bytes peak (the numbers, not the speed, are checked)."""
+    losses, both step times, the deferred-bytes peak (the numbers, not the speed, are checked). The two
+    runs' ranks are forked by the tests' fork server (tests/support/distributed.py ``rank_launch_cmd``)
+    instead of two fresh k2-train interpreters (k2-train's own launch: tests/integration/test_train_run.py)."""
+    from k2.launcher.benchmarks import pipeline
+    from support.distributed import rank_launch_cmd
+
+    monkeypatch.setattr(pipeline, "trainer_command",
+                        lambda overrides, nproc: rank_launch_cmd(nproc, ["-m", "k2.launcher.train"], overrides))
     rc, out, err = run_tool(capsys, main, ["bench=pipeline", "output=json", "bench.options.parallel=pp2",
                                  "bench.options.nproc=2", "bench.options.iters=3", "bench.options.devices=cpu"])
     assert rc == 0, err
