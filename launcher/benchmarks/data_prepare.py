@@ -6,13 +6,18 @@ benchmark writes a JSONL corpus of real text (the docstrings of the standard lib
 ``corpus_mb`` MB), times that raw encode once before and once after the ``k2-data`` builds (the median
 of the two is the reference: the machine may be shared), and times
 :func:`k2.launcher.datasets.preprocess.prepare_corpus` over the same file with 1 and 2 worker processes
-(reading, JSON parsing, tokenizing, committing chunks, the megatron ``IndexedDatasetBuilder`` output,
+(reading, JSON parsing, tokenizing, committing chunks, the megatron indexed-dataset output,
 the manifest; the one-time import of megatron-core is done before the clock starts). Tokens counted
 are the tokenizer's ids without the EOD tokens, so both sides count the same thing.
 
 Memory: the build streams. Peak RSS (``ru_maxrss`` of a separate ``k2-data`` process, 1 worker) is
 measured for corpora of ``rss_mb`` and 4 x ``rss_mb`` MB: streamed, it stays flat while the corpus grows,
-so it does not depend on the corpus fitting in memory.
+so it does not depend on the corpus fitting in memory. With ``memory_limit_mb`` > 0 a third build runs
+inside a memory cgroup limited to that many MB (cgroup v2 ``memory.max`` or v1
+``memory.limit_in_bytes``, needs root; the figure says why when none can be made) over a corpus of
+``2 x memory_limit_mb`` MB: a build that held the corpus would be killed by the kernel's OOM killer, a
+streamed one finishes (its exit status and peak RSS are reported). The limit must leave room for the
+process itself (importing torch and megatron-core: ~450 MB charged to the cgroup here).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import Any
 
 from k2.launcher.benchmarks.common import bench_options
 
-DEFAULTS = {"corpus_mb": 2.0, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2, "chunk_documents": 2048}
+DEFAULTS = {"corpus_mb": 2.0, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2, "chunk_documents": 2048,
+            "memory_limit_mb": 0}
+_CGROUP_V2, _CGROUP_V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
 
 
 def stdlib_docstrings(limit: Optional[int] = None) -> list[str]:
@@ -71,14 +78,72 @@ def _prepare_args(inp: Path, out: Path, tok: Path, workers: int, chunk: int, voc
             f"model.vocab_size={vocab}"]
 
 
-def _peak_rss_mb(args: list[str]) -> float:
-    """Peak resident memory (MB) of a ``k2-data`` process run with ``args`` (``wait4``'s ``ru_maxrss``)."""
-    proc = subprocess.Popen([sys.executable, "-m", "k2.launcher.data", *args], stdout=subprocess.DEVNULL)
+def _peak_rss_mb(args: list[str], cgroup: Optional[Path] = None) -> tuple[float, int]:
+    """``(peak resident memory in MB, exit status)`` of a ``k2-data`` process run with ``args``
+    (``wait4``'s ``ru_maxrss``), inside the memory cgroup directory ``cgroup`` when given (the child
+    writes its pid into ``cgroup.procs`` before it runs k2-data). Raises RuntimeError when k2-data fails
+    outside a cgroup."""
+    cmd = [sys.executable, "-m", "k2.launcher.data", *args]
+    if cgroup is not None:  # (a shell: it joins the cgroup, then becomes k2-data; no preexec_fn in Python)
+        cmd = ["sh", "-c", f'echo $$ > "{cgroup / "cgroup.procs"}" && exec "$@"', "sh", *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if cgroup else None)
     _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise RuntimeError(f"k2-data {' '.join(args)} failed ({proc.returncode})")
-    return usage.ru_maxrss / 1024
+    code = os.waitstatus_to_exitcode(status)
+    if code and cgroup is None:
+        raise RuntimeError(f"k2-data {' '.join(args)} failed ({code})")
+    return usage.ru_maxrss / 1024, code
+
+
+def _memory_cgroup(limit_mb: float) -> tuple[Optional[Path], str]:
+    """A new memory cgroup limited to ``limit_mb`` MB: ``(its directory, "cgroup v2" / "cgroup v1")``, or
+    ``(None, why not)`` where this machine gives none (no cgroup file system, not root, no memory
+    controller)."""
+    limit = str(int(limit_mb * 2**20))
+    name = f"k2-bench-data-{os.getpid()}"
+    try:
+        if (_CGROUP_V2 / "cgroup.controllers").exists():
+            if "memory" not in (_CGROUP_V2 / "cgroup.subtree_control").read_text().split():
+                return None, "cgroup v2 without the memory controller enabled for child groups"
+            d = _CGROUP_V2 / name
+            d.mkdir()
+            (d / "memory.max").write_text(limit)
+            if (d / "memory.swap.max").exists():  # no swapping around the limit either
+                (d / "memory.swap.max").write_text("0")
+            return d, "cgroup v2"
+        if (_CGROUP_V1 / "memory.limit_in_bytes").exists():
+            d = _CGROUP_V1 / name
+            d.mkdir()
+            (d / "memory.limit_in_bytes").write_text(limit)
+            if (d / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no swapping around it
+                (d / "memory.memsw.limit_in_bytes").write_text(limit)
+            return d, "cgroup v1"
+    except OSError as e:
+        return None, f"could not create a memory cgroup ({e})"
+    return None, "no cgroup memory controller at /sys/fs/cgroup"
+
+
+def _limited_build(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict:
+    """The build of a ``2 x memory_limit_mb`` MB corpus inside a cgroup of ``memory_limit_mb`` MB."""
+    limit = float(o["memory_limit_mb"])
+    cgroup, how = _memory_cgroup(limit)
+    if cgroup is None:
+        return {"skipped": how}
+    try:
+        path = root / "limited.jsonl"
+        write_jsonl_corpus(path, 2 * limit, docs)
+        t0 = time.perf_counter()
+        rss, code = _peak_rss_mb(_prepare_args(path, root / "limited_out" / "c", tok_path, int(o["workers"]),
+                                               int(o["chunk_documents"]), int(o["vocab_size"])), cgroup)
+        return {"cgroup": how, "memory_limit_mb": limit, "corpus_mb": round(path.stat().st_size / 2**20, 1),
+                "exit_status": code, "finished": code == 0, "peak_rss_mb": round(rss, 1),
+                "build_s": round(time.perf_counter() - t0, 1)}
+    finally:
+        for _ in range(50):  # (the cgroup can be removed once its last process is gone)
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def bench_data(cfg) -> dict[str, Any]:
@@ -87,7 +152,8 @@ def bench_data(cfg) -> dict[str, Any]:
 
     Options: ``corpus_mb`` (MB of JSONL timed), ``rss_mb`` (the smaller RSS corpus; 0 = no RSS runs),
     ``vocab_size`` (of
-    the byte-level BPE trained for the benchmark), ``workers``, ``chunk_documents``.
+    the byte-level BPE trained for the benchmark), ``workers``, ``chunk_documents``, ``memory_limit_mb``
+    (> 0: the memory-limited build of the module docstring, ``figures["memory_limited"]``).
     """
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, outside the clock)
 
@@ -132,16 +198,16 @@ def bench_data(cfg) -> dict[str, Any]:
         for w, dt in e2e.items():
             figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
             figures[f"k2_data_workers{w}_over_raw"] = raw_s / dt
-        if o["rss_mb"] <= 0:  # rss_mb=0: throughput only
-            return figures
-        # memory: a streamed build of a corpus 4x larger uses no more memory
-        rss = {}
-        for mult in (1, 4):
-            path = root / f"rss_{mult}.jsonl"
-            write_jsonl_corpus(path, o["rss_mb"] * mult, docs)
-            rss[mult] = (path.stat().st_size, _peak_rss_mb(_prepare_args(
-                path, root / f"rss_out{mult}" / "c", tok_path, 1, int(o["chunk_documents"]),
-                int(o["vocab_size"]))))
-        figures["rss"] = {f"corpus_{b / 1e6:.2f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()}
-        figures["rss_growth_for_4x_corpus"] = rss[4][1] / rss[1][1]
+        if o["rss_mb"] > 0:  # memory: a streamed build of a corpus 4x larger uses no more memory
+            rss = {}
+            for mult in (1, 4):
+                path = root / f"rss_{mult}.jsonl"
+                write_jsonl_corpus(path, o["rss_mb"] * mult, docs)
+                rss[mult] = (path.stat().st_size, _peak_rss_mb(_prepare_args(
+                    path, root / f"rss_out{mult}" / "c", tok_path, 1, int(o["chunk_documents"]),
+                    int(o["vocab_size"])))[0])
+            figures["rss"] = {f"corpus_{b / 1e6:.2f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()}
+            figures["rss_growth_for_4x_corpus"] = rss[4][1] / rss[1][1]
+        if o["memory_limit_mb"] > 0:
+            figures["memory_limited"] = _limited_build(o, root, docs, tok_path)
     return figures

@@ -6,10 +6,12 @@ the properties a long build on a shared cluster needs:
 * inputs and records: :mod:`k2.launcher.datasets.sources` (JSONL / Parquet / text, compressed or not);
 * the tokenizer: ``data.tokenizer`` (a HF ``tokenizer.json``) or a byte-level BPE of ``data.vocab_size``
   ids trained on the input first (:func:`k2.launcher.datasets.tokenizer.train_byte_level_bpe`);
-* output: megatron-core's ``IndexedDatasetBuilder`` (``PREFIX.bin`` / ``PREFIX.idx``, or shards
+* output: megatron-core's indexed-dataset format (``PREFIX.bin`` / ``PREFIX.idx``, or shards
   ``PREFIX_00000.bin/.idx``, ... of ``prepare.shard_documents`` documents), each document's ids followed
-  by one end-of-document (EOD) token, and ``PREFIX.manifest.json`` (documents, tokens, the sha256 of
-  every input and of the tokenizer, the datasets written);
+  by one end-of-document (EOD) token, written in constant memory by
+  :class:`k2.launcher.datasets.indexed_writer.IndexedDatasetWriter` (the same bytes as megatron-core's
+  ``IndexedDatasetBuilder``, whose memory grows with the documents), and ``PREFIX.manifest.json``
+  (documents, tokens, the sha256 of every input and of the tokenizer, the datasets written);
 * parallel: the records are read in order by one process and tokenized in chunks of
   ``prepare.chunk_documents`` records by ``prepare.workers`` processes; chunks are written in input
   order, so the output bytes do not depend on the number of workers;
@@ -389,36 +391,38 @@ def _tokenize_all(cfg, files, work, tok_path, dtype, progress, log) -> tuple[int
 
 
 def _assemble(prefix, work, trained_tok, dtype, shard_documents) -> tuple[list, dict]:
-    """Write the datasets from the committed chunks into ``PREFIX.partial/out/`` with megatron-core's
-    ``IndexedDatasetBuilder``. Returns ``(datasets [{prefix, documents, tokens}], outputs {name: bytes})``."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    """Write the datasets from the committed chunks into ``PREFIX.partial/out/`` (one megatron indexed
+    dataset, or shards of ``shard_documents`` documents), in memory of one chunk whatever the corpus size
+    (:class:`k2.launcher.datasets.indexed_writer.IndexedDatasetWriter`). Returns ``(datasets [{prefix,
+    documents, tokens}], outputs {name: bytes})``."""
+    from k2.launcher.datasets.indexed_writer import IndexedDatasetWriter
 
     base = os.path.basename(prefix)
     out = os.path.join(work, "out")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    n_chunks = _committed_chunks(work)
-    sharded = shard_documents is not None
     datasets: list = []
-    builder, name = None, None
+    writer = None
 
     def finish():
-        if builder is not None:
-            builder.finalize(os.path.join(out, name + ".idx"))
+        if writer is not None:
+            writer.finalize()
+            datasets.append({"prefix": os.path.basename(writer.prefix), "documents": writer.documents,
+                             "tokens": writer.tokens})
 
-    for k in range(n_chunks):
+    for k in range(_committed_chunks(work)):
         tokens, lengths, _, _ = _load_chunk(work, k)
-        ends = np.cumsum(lengths)
-        for i in range(lengths.size):
-            if builder is None or (sharded and datasets[-1]["documents"] == shard_documents):
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        lo = 0  # the first document of this chunk not yet written
+        while lo < lengths.size:
+            if writer is None or (shard_documents is not None and writer.documents == shard_documents):
                 finish()
-                name = f"{base}_{len(datasets):05d}" if sharded else base
-                builder = IndexedDatasetBuilder(os.path.join(out, name + ".bin"), dtype=dtype)
-                datasets.append({"prefix": name, "documents": 0, "tokens": 0})
-            lo, hi = int(ends[i] - lengths[i]), int(ends[i])
-            builder.add_document(tokens[lo:hi], [hi - lo])
-            datasets[-1]["documents"] += 1
-            datasets[-1]["tokens"] += hi - lo
+                name = f"{base}_{len(datasets):05d}" if shard_documents is not None else base
+                writer = IndexedDatasetWriter(os.path.join(out, name), dtype)
+            hi = lengths.size if shard_documents is None else min(lengths.size,
+                                                                  lo + shard_documents - writer.documents)
+            writer.add_documents(tokens[ends[lo]:ends[hi]], lengths[lo:hi])
+            lo = hi
     finish()
     if trained_tok is not None:
         shutil.copyfile(trained_tok, os.path.join(out, base + ".tokenizer.json"))

@@ -1,0 +1,95 @@
+"""A megatron indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``) written in constant memory.
+
+Why not megatron-core's ``IndexedDatasetBuilder``: it keeps one Python int per document in two lists
+(``sequence_lengths``, ``document_indices``) and at ``finalize`` builds a third (the byte offsets, via
+``_IndexWriter._sequence_pointers``) before converting each to a numpy array: about 100 bytes per
+document, so the memory of a build grows with the corpus (a 1.1 GB JSONL corpus of 4.4 M documents was
+killed by a 600 MB memory limit in ``finalize``; a 100 M-document dataset would need ~10 GB). This writer
+writes the same bytes -- megatron-core's index format, version 1, one sequence per document, read back
+by megatron's ``IndexedDataset`` -- with the per-document lengths spooled to a temporary file next to the
+output and the offsets and document indices generated block by block at the end, so its memory is one
+block (``BLOCK`` documents) whatever the corpus size. Format, from megatron-core's ``_IndexWriter``: the
+header ``MMIDIDX\\0\\0``, version ``<Q`` 1, the dtype code ``<B``, the sequence count ``<Q``, the document
+count + 1 ``<Q``, then the sequence lengths (int32), the sequence byte offsets into ``.bin`` (int64) and
+the document indices (int64, ``0 .. documents``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+__all__ = ["IndexedDatasetWriter"]
+
+#: documents per block when the index is written (int64 offsets: 8 MB per array block)
+BLOCK = 1 << 20
+
+
+class IndexedDatasetWriter:
+    """Write one megatron indexed dataset, documents appended in bulk.
+
+    Args:
+        prefix: the output path without suffix; writes ``prefix.bin``, ``prefix.idx`` (and, until
+            :meth:`finalize`, ``prefix.lengths.tmp``).
+        dtype: the token dtype (numpy; megatron's ``DType`` codes: uint8, int8, int16, int32, int64,
+            float64, float32, uint16).
+
+    Raises:
+        ValueError: from :meth:`add_documents`, a length array that does not sum to the token count.
+    """
+
+    def __init__(self, prefix: str, dtype) -> None:
+        from megatron.core.datasets.indexed_dataset import DType
+
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        self._code = DType.code_from_dtype(self.dtype.type)
+        self._bin = open(prefix + ".bin", "wb")  # noqa: SIM115 (closed by finalize)
+        self._lengths_path = prefix + ".lengths.tmp"
+        self._lengths = open(self._lengths_path, "wb")  # noqa: SIM115 (closed by finalize)
+        self.documents = 0
+        self.tokens = 0
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: ``tokens`` [sum(lengths)] (their ids back to back, cast to the dataset's
+        dtype), ``lengths`` [documents] (tokens per document, each < 2**31)."""
+        lengths = np.asarray(lengths)
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())} tokens, {tokens.size} given")
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._lengths.write(lengths.astype(np.int32).tobytes())
+        self.documents += int(lengths.size)
+        self.tokens += int(tokens.size)
+
+    def finalize(self) -> None:
+        """Close ``prefix.bin`` and write ``prefix.idx`` (module docstring), in blocks."""
+        from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+        self._bin.close()
+        self._lengths.close()
+        n, itemsize = self.documents, self.dtype.itemsize
+        with open(self.prefix + ".idx", "wb") as idx, open(self._lengths_path, "rb") as spool:
+            idx.write(_INDEX_HEADER + struct.pack("<Q", 1) + struct.pack("<B", self._code))
+            idx.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+            for block in _blocks(spool):  # sequence lengths
+                idx.write(block.tobytes())
+            spool.seek(0)
+            offset = 0
+            for block in _blocks(spool):  # byte offset of each sequence in .bin
+                ends = np.cumsum(block, dtype=np.int64) * itemsize + offset
+                idx.write((ends - block.astype(np.int64) * itemsize).tobytes())
+                offset = int(ends[-1])
+            for lo in range(0, n + 1, BLOCK):  # document indices: one sequence per document
+                idx.write(np.arange(lo, min(n + 1, lo + BLOCK), dtype=np.int64).tobytes())
+        os.remove(self._lengths_path)
+
+
+def _blocks(f):
+    """The int32 lengths of the spool file ``f``, ``BLOCK`` at a time."""
+    while True:
+        block = np.frombuffer(f.read(4 * BLOCK), dtype=np.int32)
+        if block.size == 0:
+            return
+        yield block
