@@ -9,10 +9,23 @@ Data flow: ``cfg.memory`` -> :class:`MemoryOptions` -> (a) :func:`megatron_recom
 megatron's ``TransformerConfig`` (``recompute_granularity="selective"``, ``recompute_modules`` with
 ``layernorm`` / ``mla_up_proj``: megatron's selective recompute, run on the checkpoint class of
 ``model/recompute.py``), (b) :func:`install` on the built model chunks: each transformer layer's forward
-becomes a :class:`k2.model.saved_tensors.SavedTensorScope` (FP8 storage, offload, recompute, the meter), the
-modules whose inputs are sites mark them, and the K2 MLPs (``model/mlp.py``) get the options (SwiGLU and
-MoE down-projection recompute are ours: megatron has no non-TE SwiGLU recompute and no
-down-projection-only recompute).
+becomes a :class:`k2.model.saved_tensors.SavedTensorScope` (FP8 storage, offload, recompute, the meter) and
+the modules whose inputs are sites mark them, then (c) :func:`set_memory_options` gives every layer and
+K2 MLP (``model/mlp.py``) the options (SwiGLU and MoE down-projection recompute are ours: megatron has no
+non-TE SwiGLU recompute and no down-projection-only recompute).
+
+Switching between steps (a schedule phase's ``memory.*``, ``k2-train``): every switch is read per forward
+-- the hooks take their site policies from the layer's ``memory`` attribute when they run, the MLPs read
+theirs, and megatron decides where it recomputes from per-module attributes that its ``__init__`` derives
+from the ``TransformerConfig`` once (``TransformerLayer.recompute_input_layernorm`` /
+``recompute_pre_mlp_layernorm``, ``MLASelfAttention.recompute_up_proj``; after ``__init__``,
+megatron-core 0.19.2 reads ``recompute_granularity`` / ``recompute_modules`` on this model's path only in
+``TransformerBlock.forward``'s ``== "full"``, which we never set, and its other ``__init__`` reads are of
+recompute modules we never set: ``core_attn``, ``mlp``, ``moe``, ``moe_act``, ``shared_experts``) -- so
+:func:`set_memory_options` on built chunks switches everything, and a model built with one phase's
+options and switched computes and saves exactly what one built with the other's would (bitwise,
+tests/unit/launcher/test_phase_memory.py). Only the scopes themselves are installed at build time:
+:func:`install` installs them when any of the options the run will use needs them.
 
 Router metrics: none of these recomputes re-runs the router (megatron's ``moe`` / ``mlp`` layer recompute
 is not used), so ``K2Router.step_tokens_per_expert``, megatron's ``local_tokens_per_expert`` and its
@@ -28,7 +41,7 @@ import torch
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 from k2.model.mlp import K2MLP, K2SequentialMLP
 from k2.model.recompute import K2TransformerLayer
-from k2.model.saved_tensors import Policy, SavedTensorScope, chain_prefetch, mark
+from k2.model.saved_tensors import Policy, SavedTensorScope, chain_prefetch, current_scope, mark
 
 _GROUPS = {
     "fp8_store": MEMORY_FP8_SITES,
@@ -60,9 +73,16 @@ class MemoryOptions:
     def from_config(cls, cfg, attribute: bool = False) -> "MemoryOptions":
         if "memory" not in cfg:  # a config tree without the memory group: all off
             return cls(attribute=attribute)
-        m = cfg.memory
-        return cls(frozenset(m.fp8_store or ()), frozenset(m.recompute or ()), frozenset(m.offload or ()),
-                   attribute)
+        return cls.from_sites(cfg.memory, attribute)
+
+    @classmethod
+    def from_sites(cls, sites, attribute: bool = False) -> MemoryOptions:
+        """From a mapping of site lists (the ``memory`` group, or a schedule phase's resolved
+        ``k2.schedules.wsd.Phase.memory``): keys ``fp8_store`` / ``recompute`` / ``offload``, a missing
+        key or None = off."""
+        get = sites.get if hasattr(sites, "get") else (lambda k: getattr(sites, k, None))
+        return cls(frozenset(get("fp8_store") or ()), frozenset(get("recompute") or ()),
+                   frozenset(get("offload") or ()), attribute)
 
     def policy(self, site: str):
         """:class:`k2.model.saved_tensors.Policy` of ``site``, or None when the site does nothing."""
@@ -97,16 +117,25 @@ class _Chain:
     last = None
 
 
-def _mark_input(policy):
+_OFF = MemoryOptions()
+
+
+def _options(layer) -> MemoryOptions:
+    """The options a layer runs with now (:func:`set_memory_options`)."""
+    return layer.memory if layer.memory is not None else _OFF
+
+
+def _mark_input(layer, site: str):
+    # the policy is looked up per call: set_memory_options may change it between steps
 
     def hook(_module, args):
         if args and hasattr(args[0], "untyped_storage"):
-            mark(args[0], policy)
+            mark(args[0], _options(layer).policy(site))
 
     return hook
 
 
-def _install_layer(layer, first: bool, chain: _Chain, options: MemoryOptions) -> None:
+def _install_layer(layer, first: bool, chain: _Chain) -> None:
 
     def pre(mod, _args):
         mod._k2_scope = None
@@ -139,70 +168,97 @@ def _install_layer(layer, first: bool, chain: _Chain, options: MemoryOptions) ->
                             if isinstance(getattr(attn, n, None), torch.nn.Module)]
     sites["attn_proj"] = [attn.linear_proj]
     for site, modules in sites.items():
-        policy = options.policy(site)
-        if policy is not None:
-            for m in modules:
-                m.register_forward_pre_hook(_mark_input(policy))
+        for m in modules:
+            m.register_forward_pre_hook(_mark_input(layer, site))
+
     # core attention: everything saved inside it (q, k, v, softmax probabilities)
-    policy = options.policy("core_attn")
-    if policy is not None:
-        from k2.model.saved_tensors import current_scope
+    def enter(_m, _a):
+        policy = _options(layer).policy("core_attn")
+        scope = current_scope() if policy is not None else None
+        if scope is not None:
+            scope.push_region(policy)
+        attn._k2_region_scope = scope
 
-        def enter(_m, _a):
-            scope = current_scope()
-            if scope is not None:
-                scope.push_region(policy)
-            attn._k2_region_scope = scope
+    def leave(_m, _a, _o):
+        scope, attn._k2_region_scope = getattr(attn, "_k2_region_scope", None), None
+        if scope is not None:
+            scope.pop_region()
 
-        def leave(_m, _a, _o):
-            scope, attn._k2_region_scope = getattr(attn, "_k2_region_scope", None), None
-            if scope is not None:
-                scope.pop_region()
-
-        attn.core_attention.register_forward_pre_hook(enter)
-        attn.core_attention.register_forward_hook(leave, always_call=True)
+    attn.core_attention.register_forward_pre_hook(enter)
+    attn.core_attention.register_forward_hook(leave, always_call=True)
 
 
-def set_layer_recompute(chunks: list, on: bool) -> int:
-    """Switch whole-layer recompute (``memory.recompute`` site ``layer``, ``model/recompute.py``) on every
-    transformer layer of ``chunks`` (read by each training forward: a switch between steps needs no
-    rebuild). Returns the number of layers set."""
-    n = 0
+def _layers(chunks: list):
     for chunk in chunks:
         for mod in chunk.modules():
             if isinstance(mod, K2TransformerLayer):
-                mod.recompute_whole_layer = bool(on)
-                n += 1
+                yield mod
+
+
+def set_memory_options(chunks: list, options: MemoryOptions) -> int:
+    """Make every transformer layer of ``chunks`` run with ``options`` from its next forward on (between
+    steps: a schedule phase boundary; no rebuild, parameters and optimizer untouched).
+
+    Sets, per layer: the options its site hooks read (FP8 storage, offload, attribution; installed by
+    :func:`install`), the K2 MLPs' options (``swiglu`` / ``moe_down_proj`` recompute, the MLP sites),
+    whole-layer recompute (site ``layer``, ``model/recompute.py``) and megatron's selective recompute
+    attributes as megatron's ``__init__`` would set them from a ``TransformerConfig`` with
+    :func:`megatron_recompute_fields` of ``options``: ``TransformerLayer.recompute_input_layernorm`` /
+    ``recompute_pre_mlp_layernorm`` (``layernorm``; only where the norm is not megatron's ``IdentityOp``;
+    megatron's CUDA-graph and FP8-compute conditions there do not apply: this project uses neither) and
+    ``MLASelfAttention.recompute_up_proj`` (``mla_up_proj``).
+
+    Without saved-tensor scopes (:func:`install` left them out because no option of the run needed them)
+    the sites act as off; switching to options that need scopes then raises.
+
+    Returns:
+        number of transformer layers set.
+
+    Raises:
+        ValueError: ``options`` need saved-tensor scopes and the layers have none.
+    """
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    n = 0
+    for layer in _layers(chunks):
+        if options.needs_scopes and not getattr(layer, "_k2_scoped", False):
+            raise ValueError(f"layer {layer.layer_number} has no saved-tensor scope for {options}: build the "
+                             "model with every memory option the run switches to (install(..., switches=...))")
+        layer.memory = options
+        layer.recompute_whole_layer = options.recomputes("layer")
+        norm = options.recomputes("layernorm")
+        layer.recompute_input_layernorm = norm and not isinstance(layer.input_layernorm, IdentityOp)
+        layer.recompute_pre_mlp_layernorm = norm and not isinstance(layer.pre_mlp_layernorm, IdentityOp)
+        layer.self_attention.recompute_up_proj = options.recomputes("mla_up_proj")
+        for mod in layer.modules():
+            if isinstance(mod, (K2MLP, K2SequentialMLP)):
+                mod.memory = options
+        n += 1
     return n
 
 
-def install(chunks: list, options: MemoryOptions) -> int:
+def install(chunks: list, options: MemoryOptions, switches=()) -> int:
     """Apply ``options`` to built model chunks (before DDP wrapping or after: modules are the same).
 
-    Sets the options on the K2 MLPs (``model/mlp.py``: SwiGLU / MoE down-projection recompute, FP8 and
-    offload sites of the MLPs) and, when any switch or attribution is on, makes each transformer layer's
-    forward a :class:`k2.model.saved_tensors.SavedTensorScope` (chained for the offload prefetch) and marks
-    the input sites. Where megatron recomputes (``layernorm``, ``mla_up_proj``) is set by
-    :func:`megatron_recompute_fields` in the ``TransformerConfig``.
+    When ``options`` or any of ``switches`` (the other options the run will set with
+    :func:`set_memory_options`, e.g. the schedule phases') needs them, makes each transformer layer's forward
+    a :class:`k2.model.saved_tensors.SavedTensorScope` (chained for the offload prefetch) and hooks the
+    input sites and core attention (their policies are read per forward); then
+    :func:`set_memory_options` ``(chunks, options)``.
 
     Returns:
         number of transformer layers given a saved-tensor scope.
     """
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-
     n = 0
-    for chunk in chunks:
-        for mod in chunk.modules():
-            if isinstance(mod, (K2MLP, K2SequentialMLP)):
-                mod.memory = options
-    set_layer_recompute(chunks, options.recomputes("layer"))  # whole-layer recompute (model/recompute.py)
-    for chunk in chunks:
-        if not options.needs_scopes:
-            continue
-        for block in [m for m in chunk.modules() if isinstance(m, TransformerBlock)]:
-            chain = _Chain()
-            for i, layer in enumerate(block.layers):
-                _install_layer(layer, i == 0, chain, options)
-                n += 1
+    if any(o.needs_scopes for o in (options, *switches)):
+        for chunk in chunks:
+            for block in [m for m in chunk.modules() if isinstance(m, TransformerBlock)]:
+                chain = _Chain()
+                for i, layer in enumerate(block.layers):
+                    _install_layer(layer, i == 0, chain)
+                    layer._k2_scoped = True
+                    n += 1
+    set_memory_options(chunks, options)
     return n

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import zlib
+from collections.abc import Sequence
 from functools import partial
 from typing import Optional
 
@@ -264,15 +265,19 @@ def reset_moe_process_state() -> None:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) -> list:
+def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None,
+                       memory_switches: Sequence[MemoryOptions] = ()) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
     Requires megatron ``parallel_state`` to be initialised for ``dims``. Core attention and routed
     experts follow ``k2.model.attention_backend`` and ``k2.model.moe_grouped_gemm`` (``auto`` / null: resolved
     for this process's device, :func:`k2.model.backends.resolve_attention_backend`,
     :func:`k2.model.backends.resolve_grouped_experts`). The activation memory switches
-    (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/activation_memory.py``); the
-    megatron part of them must already be in ``tcfg`` (:func:`transformer_config` puts it there).
+    (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/activation_memory.py``,
+    megatron's selective recompute included: its per-module attributes are set whatever ``tcfg`` says);
+    ``memory_switches`` are the other options the run will switch to between steps
+    (:func:`k2.model.activation_memory.set_memory_options`; ``k2-train``: the schedule phases'), for which
+    the layers get their saved-tensor scopes too.
 
     Returns:
         ``list[GPTModel]`` of length ``dims.vpp``; chunk ``v`` holds virtual stage ``v * pp + pp_rank``.
@@ -309,7 +314,7 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None) 
             # chunk the same way)
             model.to(torch.cuda.current_device())
         chunks.append(model)
-    install_memory(chunks, memory if memory is not None else MemoryOptions.from_config(cfg))
+    install_memory(chunks, memory if memory is not None else MemoryOptions.from_config(cfg), memory_switches)
     return chunks
 
 

@@ -101,7 +101,8 @@ def mlp_forward(mlp: MLP, hidden_states: torch.Tensor, probs: Optional[torch.Ten
 class K2MLP(MLP):
     """megatron ``MLP`` whose forward is :func:`mlp_forward` (dense layers).
 
-    ``memory`` (:class:`k2.model.activation_memory.MemoryOptions`) is set by ``k2.model.activation_memory.install``; None = all off.
+    ``memory`` (:class:`k2.model.activation_memory.MemoryOptions`, read per forward) is set by
+    ``k2.model.activation_memory.set_memory_options``; None = all off.
     """
 
     memory = None

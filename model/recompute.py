@@ -199,12 +199,15 @@ def recompute_layer(fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: t
 class K2TransformerLayer(TransformerLayer):
     """megatron ``TransformerLayer``; its ``layernorm`` recompute (``recompute_modules``) runs on
     :class:`CheckpointWithoutOutput` (this module), and with ``recompute_whole_layer`` (set by
-    ``k2.model.activation_memory.install`` for ``memory.recompute`` site ``layer``) a training forward is
-    :func:`recompute_layer`."""
+    ``k2.model.activation_memory.set_memory_options`` for ``memory.recompute`` site ``layer``) a training
+    forward is :func:`recompute_layer`. ``memory``: the layer's
+    :class:`k2.model.activation_memory.MemoryOptions` (same setter; None = all off), read by its site hooks
+    per forward."""
 
     input_layernorm_checkpoint = _checkpoint_slot("input_layernorm_checkpoint", "layernorm")
     pre_mlp_norm_checkpoint = _checkpoint_slot("pre_mlp_norm_checkpoint", "layernorm")
     recompute_whole_layer = False
+    memory = None
 
     def forward(self, *args, **kwargs):
         if not (self.recompute_whole_layer and self.training and torch.is_grad_enabled()):

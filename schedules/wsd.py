@@ -26,7 +26,8 @@ A schedule (``cfg.schedule``, ``recipes/schedule/``) is a list of phases. Each p
   ``train.micro_batch_size``);
 * ``memory``: overrides of ``memory.fp8_store`` / ``recompute`` / ``offload`` from this phase on (each key
   left out = the previous phase's; the first phase starts from the ``memory`` group), e.g. whole-layer
-  recompute for K2's 32K anneal.
+  recompute for K2's 32K anneal; ``k2-train`` switches every one of them at the phase boundary
+  (``launcher/training/phase_memory.py``).
 
 Units and rules (all integers are tokens unless named steps):
 

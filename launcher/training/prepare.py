@@ -10,7 +10,6 @@ from typing import Optional
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
 from k2.launcher.planning.phase_settings import offloads_anything
-from k2.launcher.training.phase_memory import check_phase_memory_switches
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.model.backends import check_backend_config
 from k2.parallel.dims import ParallelDims
@@ -76,7 +75,6 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     check_backend_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
     schedule = resolve_schedule(cfg, dims)
-    check_phase_memory_switches(schedule, cfg.get("memory"))
     if offloads_anything(cfg, schedule):
         # imported only here: the planner imports the model (megatron-core), which a run that offloads
         # nothing (and a bad setting) must not wait for

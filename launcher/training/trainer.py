@@ -10,8 +10,8 @@ boundaries. What a checkpoint records besides the tensors is :class:`TrainState`
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
 length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per
 step (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's
-RoPE/YaRN (:func:`k2.model.build.set_rope_type`); one that turns whole-layer recompute on or off switches it
-(:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
+RoPE/YaRN (:func:`k2.model.build.set_rope_type`); one with other ``memory.*`` settings (FP8 storage,
+offload, recompute) switches them (:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
 :class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last
 phase, or ``train.iters``).
 """
@@ -42,7 +42,7 @@ from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_as
 from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
-from k2.launcher.training.phase_memory import apply_phase_memory
+from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.state import TrainState
@@ -153,7 +153,9 @@ class Trainer:
             dist.barrier()
         self.rope_type = plan.schedule.step_phase(1).rope_type
         self.tcfg = transformer_config(cfg, plan.dims, rope_type=self.rope_type)
-        self.chunks = build_model_chunks(cfg, plan.dims, self.tcfg)
+        # saved-tensor scopes for every phase's memory.* settings; restore() sets the first phase's
+        self.chunks = build_model_chunks(cfg, plan.dims, self.tcfg,
+                                         memory_switches=run_memory_options(plan.schedule))
         if cfg.train.deterministic_init:
             layout_independent_init(self.chunks, self.tcfg, cfg.run.seed)
         dist_opt = cfg.parallel.use_distributed_optimizer
@@ -266,13 +268,13 @@ class Trainer:
                                              "seq_length": phase.seq_length, "val_loss": val_loss})
 
     def enter_phase(self, step: int):
-        """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets and
-        RoPE without a restart."""
+        """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets, RoPE
+        and the ``memory.*`` settings without a restart."""
         phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
         if phase.index != self.data.phase.index:
             self.data.enter(phase, step)
             self._switch_rope(phase)
-            apply_phase_memory(self.chunks, phase)  # whole-layer recompute on or off
+            apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute
             self.logger.message(f"step {step}: {self._describe(phase)}")
         return phase
 

@@ -5,11 +5,16 @@ Step 1's forward is the same computation (FP8 storage and offload change only wh
 recompute only when it is computed), so its loss and MoE metrics must agree; the next steps carry the
 FP8 gradient error (<= 2^-4 per parameter, tests/unit/model/test_activation_memory.py), so they agree closely. The 200-step
 validation-loss comparison is benchmarks/memory_convergence.sh.
+
+A schedule phase that changes the memory settings switches them at its boundary: whole-layer recompute,
+and FP8 storage + offload + the op recomputes together, each against a run with those settings from the
+start (the latter: restarted from a checkpoint at the boundary).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from k2.config.load import load_config
 
@@ -36,14 +41,15 @@ def test_everything_on_trains_like_baseline_on_cpu4(three_step_runs):
     assert k2[-1]["loss"] < k2[0]["loss"]  # it learns
 
 
-# stable ends after 2 steps (4,096 tokens): step 3 runs in the decay phase; layernorm recompute throughout
-# (a memory switch, so that the layers have saved-tensor scopes to measure), the saved-bytes metric on
+# stable ends after 2 steps (4,096 tokens): step 3 runs in the decay phase; layernorm recompute throughout,
+# the saved-bytes metric on
 TWO_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=4096", "train.measure_saved_bytes=true"]
 
 
-def _planned_rank0_bytes(layer_recompute: bool) -> float:
+def _planned_rank0_bytes(layer_recompute: bool, **sites) -> float:
     """The planner's bytes per microbatch kept by the layers of PP rank 0 (both its model chunks) of cpu4
-    (k2_tiny, FP32, 2 x 128 tokens, CPU kernels): model/activation_bytes.py."""
+    (k2_tiny, FP32, 2 x 128 tokens, CPU kernels) with the ``memory.*`` site lists ``sites`` (default:
+    layernorm recompute), device plus host: model/activation_bytes.py."""
     from k2.config.load import load_config
     from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved
     from k2.model.build import moe_layer_pattern
@@ -55,8 +61,9 @@ def _planned_rank0_bytes(layer_recompute: bool) -> float:
     layers = [i for v in range(dims.vpp) for i in dims.layout[0][v]]
     if layer_recompute:
         return len(layers) * sum(apply_switches(layer_recompute_saved(cfg.model, 128, 2, "fp32")))
-    return sum(sum(apply_switches(layer_saved(cfg.model, bool(pattern[i]), 128, 2, "fp32", False),
-                                  recompute=["layernorm"])) for i in layers)
+    sites = sites or {"recompute": ["layernorm"]}
+    return sum(sum(apply_switches(layer_saved(cfg.model, bool(pattern[i]), 128, 2, "fp32", False), **sites))
+               for i in layers)
 
 
 def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
@@ -85,3 +92,48 @@ def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
     assert after == always[0]["saved_bytes_per_microbatch"]
     assert before == pytest.approx(_planned_rank0_bytes(False), rel=0.10)
     assert after < 0.2 * before
+
+
+# stable ends after 1 step (2,048 tokens): steps 2-3 run in the decay phase
+ONE_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=2048", "train.measure_saved_bytes=true"]
+
+
+def test_fp8_offload_and_op_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
+    """memory=none, then memory=k2's sites (FP8 storage, the four op recomputes, offload) from the decay
+    phase (schedule.phases.2.memory) on PP2 x VPP2 x EP2 x DP2: the steps after the boundary equal,
+    bitwise (losses, gradient norms, every rank's gradients and final parameters), those of a run restarted
+    from the checkpoint at the boundary with memory=k2 (built with it); before the boundary, and in the
+    first forward after it, the run is memory=none's. The bytes rank 0's layers keep per microbatch drop
+    at the boundary as the planner predicts (within 10%), to the restarted run's figure exactly."""
+    from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name
+
+    k2 = load_config(["memory=k2"]).memory
+    sites = {key: list(k2[key]) for key in ("fp8_store", "recompute", "offload")}
+    switch = [*ONE_THEN_DECAY, *(f"schedule.phases.2.memory.{key}=[{','.join(v)}]" for key, v in sites.items())]
+    run = three_step_runs([*switch, "train.save_interval=1", "checkpoint.keep_last=3"], 4, False)
+    ckpt = checkpoints_dir(run["dump_dir"].parent / "run") / iter_name(1)
+    restarted = three_step_runs([*switch, "memory=k2", f"resume.from={ckpt}"], 4, False)
+    plain = three_step_runs(["parallel=cpu4"], 4, False)["records"]  # shared with the test above
+    switched, again = run["records"], restarted["records"]
+    assert [r["phase"] for r in switched] == ["stable", "decay", "decay"]
+    assert [r["step"] for r in again] == [2, 3]
+    for a, b in zip(switched[1:], again):
+        for key in ("loss", "grad_norm", "max_attn_logit", "moe_aux_loss"):
+            assert a[key] == b[key], (a["step"], key)
+    for rank, (grads, params) in run["dumps"].items():
+        grads_again, params_again = restarted["dumps"][rank]
+        for got, ref in zip(grads[1:], grads_again, strict=True):  # steps 2 and 3
+            assert all(torch.equal(got[n], ref[n]) for n in ref), rank
+        assert all(torch.equal(params[n], params_again[n]) for n in params_again), rank
+    # step 1 is memory=none's; step 2's forward too (same weights and LR so far), up to FP32 rounding (with
+    # moe_down_proj the routed experts multiply by the router probability after fc2, model/mlp.py); its
+    # backward is not
+    assert (switched[0]["loss"], switched[0]["grad_norm"]) == (plain[0]["loss"], plain[0]["grad_norm"])
+    assert switched[1]["loss"] == pytest.approx(plain[1]["loss"], rel=1e-6)
+    assert switched[1]["grad_norm"] != pytest.approx(plain[1]["grad_norm"], rel=1e-5)  # FP8-stored inputs
+    before, after = switched[0]["saved_bytes_per_microbatch"], switched[1]["saved_bytes_per_microbatch"]
+    assert "saved_bytes_per_microbatch" not in switched[2]
+    assert after == again[0]["saved_bytes_per_microbatch"]
+    assert before == pytest.approx(_planned_rank0_bytes(False, recompute=[]), rel=0.10)
+    assert after == pytest.approx(_planned_rank0_bytes(False, **sites), rel=0.10)
+    assert after < 0.5 * before
