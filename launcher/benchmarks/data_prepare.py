@@ -16,8 +16,9 @@ so it does not depend on the corpus fitting in memory. With ``memory_limit_mb`` 
 inside a memory cgroup limited to that many MB (cgroup v2 ``memory.max`` or v1
 ``memory.limit_in_bytes``, needs root; the figure says why when none can be made) over a corpus of
 ``2 x memory_limit_mb`` MB: a build that held the corpus would be killed by the kernel's OOM killer, a
-streamed one finishes (its exit status and peak RSS are reported). The limit must leave room for the
-process itself (importing torch and megatron-core: ~450 MB charged to the cgroup here).
+streamed one finishes (its exit status, its peak RSS -- which counts the shared libraries' pages too --
+and the most memory charged to the cgroup, page cache included, are reported). The limit must leave room
+for the process itself (importing torch and megatron-core: ~450 MB charged to the cgroup here).
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ def _prepare_args(inp: Path, out: Path, tok: Path, workers: int, chunk: int, voc
             f"model.vocab_size={vocab}"]
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process (all its threads) and of its reaped children."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _peak_rss_mb(args: list[str], cgroup: Optional[Path] = None) -> tuple[float, int]:
     """``(peak resident memory in MB, exit status)`` of a ``k2-data`` process run with ``args``
     (``wait4``'s ``ru_maxrss``), inside the memory cgroup directory ``cgroup`` when given (the child
@@ -134,8 +143,11 @@ def _limited_build(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict
         t0 = time.perf_counter()
         rss, code = _peak_rss_mb(_prepare_args(path, root / "limited_out" / "c", tok_path, int(o["workers"]),
                                                int(o["chunk_documents"]), int(o["vocab_size"])), cgroup)
+        charged = next((int(f.read_text()) for f in (cgroup / "memory.max_usage_in_bytes", cgroup / "memory.peak")
+                        if f.exists()), None)  # (v1 / v2: the most memory charged to the cgroup at once)
         return {"cgroup": how, "memory_limit_mb": limit, "corpus_mb": round(path.stat().st_size / 2**20, 1),
                 "exit_status": code, "finished": code == 0, "peak_rss_mb": round(rss, 1),
+                "peak_charged_mb": None if charged is None else round(charged / 2**20, 1),
                 "build_s": round(time.perf_counter() - t0, 1)}
     finally:
         for _ in range(50):  # (the cgroup can be removed once its last process is gone)
@@ -172,11 +184,11 @@ def bench_data(cfg) -> dict[str, Any]:
         n_docs = write_jsonl_corpus(inp, o["corpus_mb"], docs)
         texts = [json.loads(line)["text"] for line in inp.open(encoding="utf-8")]
 
-        def raw() -> tuple[float, int]:
-            t0 = time.perf_counter()
+        def raw() -> tuple[float, int, float]:
+            t0, c0 = time.perf_counter(), _cpu_s()
             enc = tok.encode_batch(texts, add_special_tokens=False)
-            dt = time.perf_counter() - t0
-            return dt, sum(len(e.ids) for e in enc)
+            dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
+            return dt, sum(len(e.ids) for e in enc), cpu
 
         raw_runs = [raw()]
         tokens = raw_runs[0][1]
@@ -186,18 +198,23 @@ def bench_data(cfg) -> dict[str, Any]:
         for w in sorted({1, int(o["workers"])}):
             c = load_config(_prepare_args(inp, root / f"out_w{w}" / "c", tok_path, w,
                                           int(o["chunk_documents"]), int(o["vocab_size"])))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu_s()
             out = prepare_corpus(c, log=lambda s: None)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, _cpu_s() - c0  # (the workers are reaped by then)
             assert out.manifest["tokens"] - out.manifest["documents"] == tokens  # same tokens as raw
-            e2e[w] = dt
+            e2e[w] = dt, cpu
         raw_runs.append(raw())
         raw_s = (raw_runs[0][0] + raw_runs[1][0]) / 2  # the median of two
+        raw_cpu = (raw_runs[0][2] + raw_runs[1][2]) / 2
         figures["raw_encode_batch_tokens_per_s"] = tokens / raw_s
         figures["raw_encode_batch_s"] = [round(r[0], 3) for r in raw_runs]
-        for w, dt in e2e.items():
+        figures["raw_encode_batch_tokens_per_cpu_s"] = tokens / raw_cpu
+        for w, (dt, cpu) in e2e.items():
             figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
             figures[f"k2_data_workers{w}_over_raw"] = raw_s / dt
+            # CPU seconds (this process and its workers): what other load on a shared machine changes least
+            figures[f"k2_data_workers{w}_tokens_per_cpu_s"] = tokens / cpu
+            figures[f"k2_data_workers{w}_cpu_over_raw"] = raw_cpu / cpu
         if o["rss_mb"] > 0:  # memory: a streamed build of a corpus 4x larger uses no more memory
             rss = {}
             for mult in (1, 4):
