@@ -224,4 +224,10 @@ def test_data_bench_reports_both_throughputs(capsys):
         ratio = f[f"k2_data_workers{w}_over_raw"]
         assert ratio > 0
         assert f[f"k2_data_workers{w}_tokens_per_s"] == pytest.approx(ratio * f["raw_encode_batch_tokens_per_s"])
-    assert "rss" not in f
+        cpu_ratio = f[f"k2_data_workers{w}_cpu_over_raw"]
+        assert f[f"k2_data_workers{w}_tokens_per_cpu_s"] == pytest.approx(
+            cpu_ratio * f["raw_encode_batch_tokens_per_cpu_s"])
+        # the workers' CPU is counted: without it k2-data with 2 workers (its main process only reads)
+        # would look several times cheaper per token than the encode it runs
+        assert 0 < cpu_ratio < 1.5, cpu_ratio
+    assert "rss" not in f and "memory_limited" not in f
