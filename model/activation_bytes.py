@@ -30,8 +30,13 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 * core attention: fused (SDPA/cuDNN on GPU) the output ``B T H d_v`` + log-sum-exp ``4 T H``; unfused
   (CPU) the FP32 softmax probabilities ``4 b H s^2`` (and their copy in the compute dtype for ``p v``
   when that is BF16, ``2 b H s^2``) + a causal mask ``s^2`` (1 byte) [O core_attn];
-* RoPE tables (FP32, ``4 x 4 s d_r``, independent of the batch) [R mla_up_proj in FP32: RoPE is applied
-  inside the recomputed up-projections; in BF16 they are kept, as measured];
+* RoPE tables: cos and sin for q and for k in the compute dtype, ``4 x B s d_r`` (independent of the batch;
+  megatron's ``_apply_rotary_pos_emb_bshd`` casts them to the input's dtype and the products save them)
+  [R mla_up_proj: made inside the recomputed up-projections. The checkpoint saves its inputs instead: the
+  FP32 frequencies ``[s, 1, 1, d_r]``, megatron's ``RotaryEmbedding`` lru_cache entry held for the whole
+  run whatever is saved (no bytes per microbatch), and the rope key, a view of the kv latent's storage
+  ``B T (r_kv + d_r)``: the kv RMSNorm's saved input where that is the latent itself (FP32, fused norm),
+  a storage of its own with the composite norm in BF16 (which keeps an FP32 copy) [O mla_up_proj]];
 * ``linear_proj`` input, ``B T H d_v`` [O attn_proj];
 * MLP RMSNorm (``pre_mlp_layernorm``) as the attention one [O mlp_input; R layernorm], and its output
   (input of the router, the shared expert and the dense FFN) ``B T h`` [R layernorm];
@@ -173,6 +178,11 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
             continue
         out += _norm(name, T, width, B, fused_kernels, "mla_up_proj", None, input_extra=extra)
         out.append(Saved(f"{name}.norm_output", T * width, B, "mla_up_proj"))
+    if B != 4 and not fused_kernels:
+        # the mla_up_proj checkpoint saves its inputs, among them the rope key, a view of the kv latent's
+        # storage [T, r_kv + d_r]: a storage of its own here (the composite norm kept an FP32 copy of the
+        # latent, not the latent); the norm's saved input otherwise (FP32, fused norm), counted there
+        out.append(Saved("kv_latent.rope_key_view", T * (r_kv + d_r), B, "mla_up_proj", only_with="mla_up_proj"))
     # core attention saves the up-projections' outputs (SDPA) or views of them (the CPU path), which the
     # mla_up_proj recompute drops (model/recompute.py marks every output of the recomputed function)
     out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn", recompute="mla_up_proj"))
@@ -182,9 +192,10 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
     else:
         out += [Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn"),
                 Saved("core_attn.causal_mask", s * s, 1, "core_attn")]
-    # FP32: applied inside the up-projections' function, not kept when mla_up_proj recomputes it; BF16:
-    # kept (measured on the CPU proxy, tests/unit/launcher/test_memory_plan.py)
-    out.append(Saved("rope_tables", 4 * s * d_r, 4, recompute="mla_up_proj" if B == 4 else None))
+    # cos and sin in the compute dtype, for q and for k: made inside the up-projections' function, which
+    # the mla_up_proj checkpoint runs without autograd (the frequencies it saves instead are megatron's
+    # RotaryEmbedding lru_cache entry, held for the whole run: no bytes per microbatch)
+    out.append(Saved("rope_tables", 4 * s * d_r, B, recompute="mla_up_proj"))
     out.append(Saved("attn_proj.input", T * H * d_v, B, "attn_proj"))
     out += _norm("mlp_norm", T, h, B, fused_kernels, "mlp_input", "layernorm")
     out.append(Saved("mlp_norm.output", T * h, B, recompute="layernorm"))

@@ -19,7 +19,7 @@ docs/k2_reference.md "Training system", "Activation memory". One mechanism serve
 
 Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
 ``model/activation_memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
-storage belongs to this site", valid while ``tensor`` lives -- and regions
+storage belongs to this site", valid while that storage lives -- and regions
 (:meth:`SavedTensorScope.push_region` / ``pop_region``) -- "everything saved meanwhile belongs to this
 site". Matching by storage makes a site independent of *which* autograd
 function saves the tensor (a megatron ``Linear``, a checkpoint saving its inputs, a torch op saving a
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from k2.model.fp8_storage import FP8Tiles, dequantize_tiles, quantize_tiles
 
@@ -317,22 +318,25 @@ class SavedTensorScope:
         self.regions.pop()
 
     def mark(self, tensor: torch.Tensor, policy: Policy) -> None:
-        # keyed by storage address; the weak reference tells a live mark from one whose tensor died and
-        # whose memory now holds another tensor
+        # keyed by storage address; a weak reference to the *storage* tells a live mark from one whose
+        # storage died and whose memory now holds another one. Not to the tensor: the marked tensor is often
+        # a view that dies while another view of its storage is still to be saved (MLA's kv latent, the
+        # input of kv_layernorm, dies once a BF16 composite norm has taken its FP32 copy; the rope-key view
+        # of the same storage is saved later, by the mla_up_proj checkpoint, and is the same site).
         key = _storage_key(tensor)
         hit = self.marks.get(key)
-        if (hit is not None and hit[1]() is not None and hit[0].recompute is not None
+        if (hit is not None and not hit[1].expired() and hit[0].recompute is not None
                 and policy.recompute is None):
             # a recompute mark wins over a later FP8/offload mark of the same storage (e.g. the RMSNorm
             # output that recompute=layernorm drops is also the input marked by offload=mla_up_proj):
             # what can be rebuilt is kept nowhere, neither on the device nor on the host
             return
-        self.marks[key] = (policy, weakref.ref(tensor))
+        self.marks[key] = (policy, StorageWeakRef(tensor.untyped_storage()))
 
     def policy_of(self, tensor: torch.Tensor) -> Optional[Policy]:
         """The site of a saved tensor: its storage's mark, else the innermost open region, else None."""
         hit = self.marks.get(_storage_key(tensor))
-        if hit is not None and hit[1]() is not None:
+        if hit is not None and not hit[1].expired():
             return hit[0]
         return self.regions[-1] if self.regions else None
 
