@@ -228,9 +228,11 @@ def test_switches_on_a_k2_moe_layer():
     # FP8 storage of the routed experts' input: 2 B -> 1 B + an FP32 scale per 128 elements
     fp8, _ = apply_switches(saved, fp8_store=["moe_fc1_input"])
     assert none - fp8 == pytest.approx(Tk * h * (2 - 1 - 4 / 128))
-    # recomputing the MLA up-projections drops q, k, v (192 + 192 + 128 per head)
+    # recomputing the MLA up-projections drops q, k, v (192 + 192 + 128 per head) and RoPE's cos and sin
+    # tables for q and for k (BF16 [4096, 64] each, made inside the recomputed function); the fused norm's
+    # saved input is the whole kv latent, so the checkpoint's rope-key view of it adds nothing
     rec, _ = apply_switches(saved, recompute=["mla_up_proj"])
-    assert none - rec == pytest.approx(2 * T * H * (192 + 192 + 128))
+    assert none - rec == pytest.approx(2 * T * H * (192 + 192 + 128) + 4 * 2 * 4096 * 64)
     # recomputing the MoE down-projection (K2's placement of the probability scaling after linear_fc2,
     # model/mlp.py) drops the routed experts' SwiGLU output before the scaling: [Tk, 2048] BF16
     down, _ = apply_switches(saved, recompute=["moe_down_proj"])
