@@ -104,16 +104,16 @@ def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bo
         ``{"records": metrics.jsonl records, "traces": {rank: events}, "dumps": {rank: (grads, params)},
         "dump_dir": the script's output directory (also ``layout_rank<R>.json``)}``.
     """
-    import fcntl
     import hashlib
+
+    from k2.launcher.datasets.locks import file_lock
 
     key = (tuple(layout), nproc, decouple_wgrad)
     if key in cache:
         return cache[key]
     out = root / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{out.name}.lock", "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+    with file_lock(str(root / f"{out.name}.lock")):
         if not (out / "done").exists():
             if out.exists():  # a run that failed half-way in another worker
                 import shutil

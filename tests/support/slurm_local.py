@@ -67,14 +67,13 @@ def ensure_installed(timeout: int = 900) -> None:
     """apt-get install slurm-wlm munge when slurmctld is not on PATH (needs root and Debian's registry).
     One process installs at a time (:data:`INSTALL_LOCK`); the others wait for it and find the packages
     installed, and apt-get itself waits up to ``timeout`` s for a dpkg lock held by anything else."""
-    import fcntl
+    from k2.launcher.datasets.locks import file_lock
 
     if shutil.which("slurmctld") and shutil.which("munged"):
         return
     if os.geteuid() != 0:
         raise SlurmUnavailable("slurmctld is not installed and installing it needs root (apt-get)")
-    with open(INSTALL_LOCK, "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+    with file_lock(str(INSTALL_LOCK)):
         if shutil.which("slurmctld") and shutil.which("munged"):  # another worker installed them
             return
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
