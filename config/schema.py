@@ -186,7 +186,7 @@ class PrepareConfig:
     workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
     bad_records: str = "error"  # error = stop at the first bad record (file:line); skip = report and skip
     shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
-    chunk_documents: int = 2048  # records per encode_batch call and per committed chunk (resume granularity)
+    chunk_documents: int = 2048  # records per encode_batch_fast call and per committed chunk (resume granularity)
     progress: bool = True  # progress bar on stderr (documents/s, tokens/s, ETA)
 
 

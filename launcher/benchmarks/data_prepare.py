@@ -1,14 +1,17 @@
 """``k2-bench bench=data``: ``k2-data prepare`` end to end against the tokenizer's own ``encode_batch``.
 
 The limit of the pipeline is the tokenizer: ``tokenizers.Tokenizer.encode_batch`` over every document
-already in memory (its own thread pool over all cores), with nothing read, parsed or written. The
-benchmark writes a JSONL corpus of real text (the docstrings of the standard library, repeated until
-``corpus_mb`` MB), times that raw encode once before and once after the ``k2-data`` builds (the median
-of the two is the reference: the machine may be shared), and times
-:func:`k2.launcher.datasets.preprocess.prepare_corpus` over the same file with 1 and 2 worker processes
-(reading, JSON parsing, tokenizing, committing chunks, the megatron indexed-dataset output,
-the manifest; the one-time import of megatron-core is done before the clock starts). Tokens counted
-are the tokenizer's ids without the EOD tokens, so both sides count the same thing.
+already in memory (its own thread pool over all cores), with nothing read, parsed or written, and the
+freeing of its result not timed. ``encode_batch_fast`` (the same ids without character offsets), called
+as ``k2-data`` calls it (batches of ``chunk_documents``, each freed), is timed too: the tokenizer's
+share of the build. The benchmark writes a JSONL corpus of real text (the docstrings of the standard
+library, repeated until ``corpus_mb`` MB) and times, in each of ``repeats`` rounds, both raw encodes and
+:func:`k2.launcher.datasets.preprocess.prepare_corpus` over the same file with 1 and ``workers`` worker
+processes (reading, JSON parsing, tokenizing, committing chunks, the megatron indexed-dataset output,
+the manifest; the one-time import of megatron-core is done before the clock starts). Rounds interleave
+the sides, so a change in the load of a shared machine hits them alike; each figure is the median over
+the rounds, and each ratio is of two medians of the same run. Tokens counted are the tokenizer's ids
+without the EOD tokens, so every side counts the same thing.
 
 Memory: the build streams. Peak RSS (``ru_maxrss`` of a separate ``k2-data`` process, 1 worker) is
 measured for corpora of ``rss_mb`` and 4 x ``rss_mb`` MB: streamed, it stays flat while the corpus grows,
@@ -24,8 +27,11 @@ for the process itself (importing torch and megatron-core: ~450 MB charged to th
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -37,8 +43,16 @@ from typing import Any
 
 from k2.launcher.benchmarks.common import bench_options
 
-DEFAULTS = {"corpus_mb": 2.0, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2, "chunk_documents": 2048,
-            "memory_limit_mb": 0}
+DEFAULTS = {"corpus_mb": 8.0, "repeats": 3, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2,
+            "chunk_documents": 2048, "memory_limit_mb": 0}
+# The raw references, timed over the same documents: ``encode_batch`` in one call over all of them, its
+# result freed after the clock stops (the limit the pipeline is measured against); and
+# ``encode_batch_fast`` (tokenizers >= 0.20: the same ids without the character offsets) called as k2-data
+# calls it, in batches of ``chunk_documents``, each freed before the next: the tokenizer's share of
+# k2-data's own work, so the ratio to it is the cost of everything else (reading, parsing, the ids out of
+# Python, the processes, the output). (One ``encode_batch_fast`` call over a whole 32 MB corpus took
+# 1.5-1.7x the CPU of ``encode_batch`` here, so it is not timed that way.)
+RAW_METHODS = ("encode_batch", "encode_batch_fast")
 _CGROUP_V2, _CGROUP_V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
 
 
@@ -160,20 +174,34 @@ def _limited_build(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict
 
 def bench_data(cfg) -> dict[str, Any]:
     """Tokens/s of ``k2-data prepare`` (1 and ``workers`` processes) over the tokenizer's raw
-    ``encode_batch`` on the same JSONL input in one run; peak RSS of a streamed build at two corpus sizes.
+    ``encode_batch`` (and ``encode_batch_fast``) on the same JSONL input in one run; peak RSS of a
+    streamed build at two corpus sizes.
 
-    Options: ``corpus_mb`` (MB of JSONL timed), ``rss_mb`` (the smaller RSS corpus; 0 = no RSS runs),
-    ``vocab_size`` (of
-    the byte-level BPE trained for the benchmark), ``workers``, ``chunk_documents``, ``memory_limit_mb``
-    (> 0: the memory-limited build of the module docstring, ``figures["memory_limited"]``).
+    Options: ``corpus_mb`` (MB of JSONL timed), ``repeats`` (rounds; each round times every raw encode and
+    every build once, interleaved so that drifts in the machine's load hit every side alike; the figures
+    are medians over the rounds), ``rss_mb`` (the smaller RSS corpus; 0 = no RSS runs), ``vocab_size``
+    (of the byte-level BPE trained for the benchmark), ``workers``, ``chunk_documents``,
+    ``memory_limit_mb`` (> 0: the memory-limited build of the module docstring,
+    ``figures["memory_limited"]``).
+
+    Raises:
+        ConfigError: an option below its minimum (``corpus_mb`` > 0, ``repeats`` >= 1, ``workers`` >= 1,
+            ``chunk_documents`` >= 1).
     """
+    from k2.config.errors import ConfigError
+
+    o = bench_options(cfg, DEFAULTS)
+    for key in ("repeats", "workers", "chunk_documents"):
+        if o[key] < 1:
+            raise ConfigError(f"bench.options.{key}={o[key]} must be >= 1")
+    if o["corpus_mb"] <= 0:
+        raise ConfigError(f"bench.options.corpus_mb={o['corpus_mb']} must be > 0")
+
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, outside the clock)
 
     from k2.config.load import load_config
     from k2.launcher.datasets.preprocess import prepare_corpus
     from k2.launcher.datasets.tokenizer import train_byte_level_bpe
-
-    o = bench_options(cfg, DEFAULTS)
     docs = stdlib_docstrings()
     with tempfile.TemporaryDirectory(prefix="k2-bench-data-") as tmp:
         root = Path(tmp)
@@ -184,37 +212,54 @@ def bench_data(cfg) -> dict[str, Any]:
         n_docs = write_jsonl_corpus(inp, o["corpus_mb"], docs)
         texts = [json.loads(line)["text"] for line in inp.open(encoding="utf-8")]
 
-        def raw() -> tuple[float, int, float]:
+        def raw(method: str) -> tuple[float, float, int]:
+            """(s, CPU-s, tokens) of ``tok.<method>`` over every text, as ``RAW_METHODS`` says."""
             t0, c0 = time.perf_counter(), _cpu_s()
-            enc = tok.encode_batch(texts, add_special_tokens=False)
-            dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
-            return dt, sum(len(e.ids) for e in enc), cpu
+            if method == "encode_batch":  # one call; its result is freed after the clock stops
+                enc = tok.encode_batch(texts, add_special_tokens=False)
+                dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
+                return dt, cpu, sum(map(len, enc))
+            size, n = int(o["chunk_documents"]), 0
+            for i in range(0, len(texts), size):  # as k2-data calls it: batch by batch, each freed
+                n += sum(map(len, tok.encode_batch_fast(texts[i:i + size], add_special_tokens=False)))
+            return time.perf_counter() - t0, _cpu_s() - c0, n
 
-        raw_runs = [raw()]
-        tokens = raw_runs[0][1]
-        figures: dict[str, Any] = {"corpus_bytes": inp.stat().st_size, "documents": n_docs, "tokens": tokens,
-                                   "cpu_count": os.cpu_count()}
-        e2e = {}
-        for w in sorted({1, int(o["workers"])}):
-            c = load_config(_prepare_args(inp, root / f"out_w{w}" / "c", tok_path, w,
-                                          int(o["chunk_documents"]), int(o["vocab_size"])))
+        def build(w: int, r: int) -> tuple[float, float, int]:
+            out_dir = root / f"out_w{w}_r{r}"
+            c = load_config(_prepare_args(inp, out_dir / "c", tok_path, w, int(o["chunk_documents"]),
+                                          int(o["vocab_size"])))
             t0, c0 = time.perf_counter(), _cpu_s()
             out = prepare_corpus(c, log=lambda s: None)
             dt, cpu = time.perf_counter() - t0, _cpu_s() - c0  # (the workers are reaped by then)
-            assert out.manifest["tokens"] - out.manifest["documents"] == tokens  # same tokens as raw
-            e2e[w] = dt, cpu
-        raw_runs.append(raw())
-        raw_s = (raw_runs[0][0] + raw_runs[1][0]) / 2  # the median of two
-        raw_cpu = (raw_runs[0][2] + raw_runs[1][2]) / 2
-        figures["raw_encode_batch_tokens_per_s"] = tokens / raw_s
-        figures["raw_encode_batch_s"] = [round(r[0], 3) for r in raw_runs]
-        figures["raw_encode_batch_tokens_per_cpu_s"] = tokens / raw_cpu
-        for w, (dt, cpu) in e2e.items():
+            shutil.rmtree(out_dir)
+            return dt, cpu, out.manifest["tokens"] - out.manifest["documents"]  # (EOD tokens left out)
+
+        sides = {m: functools.partial(raw, m) for m in RAW_METHODS}
+        sides.update({w: functools.partial(build, w) for w in sorted({1, int(o["workers"])})})
+        runs: dict[Any, list] = {k: [] for k in sides}
+        for r in range(int(o["repeats"])):
+            for k, fn in sides.items():
+                runs[k].append(fn(r) if isinstance(k, int) else fn())
+        tokens = runs["encode_batch"][0][2]
+        for k, rs in runs.items():  # every side counts the same tokens
+            assert all(t == tokens for _, _, t in rs), (k, [t for _, _, t in rs], tokens)
+        med = {k: (statistics.median(d for d, _, _ in rs), statistics.median(c for _, c, _ in rs))
+               for k, rs in runs.items()}
+        figures: dict[str, Any] = {"corpus_bytes": inp.stat().st_size, "documents": n_docs, "tokens": tokens,
+                                   "cpu_count": os.cpu_count(), "repeats": int(o["repeats"])}
+        for m in RAW_METHODS:
+            figures[f"raw_{m}_tokens_per_s"] = tokens / med[m][0]
+            figures[f"raw_{m}_s"] = [round(d, 4) for d, _, _ in runs[m]]
+            figures[f"raw_{m}_tokens_per_cpu_s"] = tokens / med[m][1]
+        for w in (k for k in runs if isinstance(k, int)):
+            dt, cpu = med[w]
             figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
-            figures[f"k2_data_workers{w}_over_raw"] = raw_s / dt
+            figures[f"k2_data_workers{w}_s"] = [round(d, 4) for d, _, _ in runs[w]]
+            figures[f"k2_data_workers{w}_over_raw"] = med["encode_batch"][0] / dt
+            figures[f"k2_data_workers{w}_over_raw_fast"] = med["encode_batch_fast"][0] / dt
             # CPU seconds (this process and its workers): what other load on a shared machine changes least
             figures[f"k2_data_workers{w}_tokens_per_cpu_s"] = tokens / cpu
-            figures[f"k2_data_workers{w}_cpu_over_raw"] = raw_cpu / cpu
+            figures[f"k2_data_workers{w}_cpu_over_raw"] = med["encode_batch"][1] / cpu
         if o["rss_mb"] > 0:  # memory: a streamed build of a corpus 4x larger uses no more memory
             rss = {}
             for mult in (1, 4):

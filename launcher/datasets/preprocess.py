@@ -245,7 +245,7 @@ def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
             os.makedirs(work)
             _write_json(os.path.join(work, "build.json"), key)
         tok_path = user_tok.path if user_tok is not None else _trained_tokenizer(cfg, files, work, log)
-        tok = HFTokenizer(tok_path)
+        tok = user_tok if user_tok is not None else HFTokenizer(tok_path)
         dtype = token_dtype(tok.vocab_size)
         n_bad, n_empty, bad_list = _tokenize_all(cfg, files, work, tok_path, dtype, progress, log)
         datasets, outputs = _assemble(prefix, work, tok_path if user_tok is None else None, dtype,
@@ -268,7 +268,7 @@ def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
             "inputs": key["inputs"],
             "tokenizer": {
                 "path": tok_path if user_tok is not None else prefix + ".tokenizer.json",
-                "sha256": file_sha256(tok_path),
+                "sha256": tok.unique_identifiers["sha256"],
                 "vocab_size": tok.vocab_size,
                 "eod_id": tok.eod,
                 "eod_token": tok.eod_token,

@@ -7,9 +7,9 @@ so the output does not depend on the number of workers.
 
 from __future__ import annotations
 
+import array
 import collections
 import concurrent.futures
-import itertools
 import multiprocessing
 import os
 import threading
@@ -23,6 +23,7 @@ from k2.launcher.datasets.tokenizer import HFTokenizer
 __all__ = ["TokenizerPool", "init_worker", "tokenize_chunk"]
 
 WORKER_STATE: dict = {}
+_ARRAY_TYPECODES = {"uint16": "H", "int32": "i"}  # the .bin token dtypes as array.array type codes
 
 
 def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dtype_name: str,
@@ -34,8 +35,9 @@ def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dt
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         _exit_with_owner(owner)
     tok = HFTokenizer(tokenizer_path)
-    WORKER_STATE.update(tok=tok.backend, eod=tok.eod, paths=paths, kinds=kinds, text_key=text_key,
-                        dtype=np.dtype(dtype_name))
+    dtype = np.dtype(dtype_name)
+    WORKER_STATE.update(encode=tok.backend.encode_batch_fast, eod=tok.eod, paths=paths, kinds=kinds,
+                        text_key=text_key, dtype=dtype, typecode=_ARRAY_TYPECODES[dtype.name])
 
 
 def _exit_with_owner(owner: int) -> None:
@@ -56,7 +58,13 @@ def _exit_with_owner(owner: int) -> None:
 
 def tokenize_chunk(records: list) -> tuple:
     """One chunk of records -> ``(tokens [sum of lengths], lengths [documents] int64, bad records
-    [(where, why)], empty documents skipped)``; every document's ids end with the EOD id."""
+    [(where, why)], empty documents skipped)``; every document's ids end with the EOD id.
+
+    The ids come from ``encode_batch_fast`` (``tokenizers`` >= 0.20): the same ids as ``encode_batch``
+    without the character offsets, which nothing here needs; in batches of 2,048 documents it took ~15-25%
+    less CPU per token here, the freeing of the encodings counted. Each document's id list is appended to
+    a typed ``array.array`` (with the freeing: 0.14-0.18 CPU-s per 1.1 M tokens here, against 0.19-0.22
+    for ``np.fromiter`` over the chained lists and an EOD mask)."""
     w = WORKER_STATE
     texts, bad, empty = [], [], 0
     for fi, line, raw in records:
@@ -69,16 +77,15 @@ def tokenize_chunk(records: list) -> tuple:
             texts.append(text)
         else:
             empty += 1
-    ids = [e.ids for e in w["tok"].encode_batch(texts, add_special_tokens=False)]  # GIL released inside
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-    tokens = np.empty(int(lengths.sum()), dtype=w["dtype"])
-    ends = np.cumsum(lengths)
-    eod_at = np.zeros(tokens.size, dtype=bool)
-    eod_at[ends - 1] = True
-    tokens[eod_at] = w["eod"]
-    tokens[~eod_at] = np.fromiter(itertools.chain.from_iterable(ids), dtype=w["dtype"],
-                                  count=tokens.size - len(ids))
-    return tokens, lengths, bad, empty
+    encodings = w["encode"](texts, add_special_tokens=False)  # GIL released inside
+    tokens, lengths, eod = array.array(w["typecode"]), array.array("q"), w["eod"]
+    for e in encodings:
+        ids = e.ids
+        tokens.extend(ids)
+        tokens.append(eod)
+        lengths.append(len(ids) + 1)
+    del encodings  # (freed here, not later: part of this chunk's cost)
+    return np.frombuffer(tokens, dtype=w["dtype"]), np.frombuffer(lengths, dtype=np.int64), bad, empty
 
 
 class TokenizerPool:

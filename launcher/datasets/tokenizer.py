@@ -138,8 +138,9 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``tokenize`` over many texts, in parallel inside ``tokenizers``."""
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        """``tokenize`` over many texts, in parallel inside ``tokenizers`` (``encode_batch_fast``: the ids
+        of ``encode_batch`` without the character offsets, which cost CPU and are not needed here)."""
+        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text of token ids; special tokens (EOD, pad) are kept as their strings."""
