@@ -94,6 +94,26 @@ def test_bitwise_resume_cpu4_once_and_twice(cpu4_reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_forced_resume_with_a_changed_lr_schedule_and_weight_decay(cpu4_reference, tmp_path):
+    """resume.force=true from the reference's step-4 checkpoint with the warmup's peak LR halved and the
+    weight decay changed: the run resumes (megatron's distributed optimizer state loads), step 5's loss
+    (computed before its update, on the restored parameters) equals the reference's bitwise, the LR of
+    steps 5-6 follows the new warmup (linear from 0 to 1.5e-3 over 20 steps), and step 6's loss differs."""
+    ref_dir, ref = cpu4_reference
+    run = tmp_path / "run"
+    recs = run_trainer([*CPU4, "train.iters=6", f"resume.from={ref_dir / 'checkpoints' / 'iter_0000004'}",
+                        "schedule.phases.0.lr_end=1.5e-3", "schedule.weight_decay=0.05", "resume.force=true"],
+                       4, run)
+    r = _by_step(ref)
+    assert [x["step"] for x in recs] == [5, 6] and _latest(run) == "iter_0000006"
+    assert recs[0]["loss"] == r[5]["loss"]
+    for x in recs:
+        assert x["lr"] == pytest.approx(1.5e-3 * x["step"] / 20, rel=1e-12)
+        assert x["consumed_tokens"] == r[x["step"]]["consumed_tokens"]
+    assert recs[1]["loss"] != r[6]["loss"]
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere(cpu4_reference, tmp_path):
     """Rank 3 alone gets SIGTERM during step 3: all ranks finish step 3, save it, exit with the requeue
     code; the resumed run matches the uninterrupted one. wandb offline (its default) on rank 0."""
