@@ -13,7 +13,7 @@ the sides, so a change in the load of a shared machine hits them alike; each fig
 the rounds, and each ratio is of two medians of the same run. Tokens counted are the tokenizer's ids
 without the EOD tokens, so every side counts the same thing.
 
-Memory: the build streams. Peak RSS (``ru_maxrss`` of a separate ``k2-data`` process, 1 worker) is
+Memory: the build streams. Peak RSS (``VmHWM`` of a separate ``k2-data`` process, 1 worker) is
 measured for corpora of ``rss_mb`` and 4 x ``rss_mb`` MB: streamed, it stays flat while the corpus grows,
 so it does not depend on the corpus fitting in memory. With ``memory_limit_mb`` > 0 a third build runs
 inside a memory cgroup limited to that many MB (cgroup v2 ``memory.max`` or v1
@@ -21,7 +21,8 @@ inside a memory cgroup limited to that many MB (cgroup v2 ``memory.max`` or v1
 ``2 x memory_limit_mb`` MB: a build that held the corpus would be killed by the kernel's OOM killer, a
 streamed one finishes (its exit status, its peak RSS -- which counts the shared libraries' pages too --
 and the most memory charged to the cgroup, page cache included, are reported). The limit must leave room
-for the process itself (importing torch and megatron-core: ~450 MB charged to the cgroup here).
+for the process itself: ``k2-data prepare`` peaks at ~100 MB of RSS here (Python, numpy, tokenizers,
+OmegaConf; it imports neither torch nor megatron-core), so 200 MB is enough.
 """
 
 from __future__ import annotations
@@ -101,20 +102,42 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _peak_rss_mb(args: list[str], cgroup: Optional[Path] = None) -> tuple[float, int]:
-    """``(peak resident memory in MB, exit status)`` of a ``k2-data`` process run with ``args``
-    (``wait4``'s ``ru_maxrss``), inside the memory cgroup directory ``cgroup`` when given (the child
-    writes its pid into ``cgroup.procs`` before it runs k2-data). Raises RuntimeError when k2-data fails
-    outside a cgroup."""
-    cmd = [sys.executable, "-m", "k2.launcher.data", *args]
-    if cgroup is not None:  # (a shell: it joins the cgroup, then becomes k2-data; no preexec_fn in Python)
-        cmd = ["sh", "-c", f'echo $$ > "{cgroup / "cgroup.procs"}" && exec "$@"', "sh", *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if cgroup else None)
-    _, status, usage = os.wait4(proc.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code and cgroup is None:
-        raise RuntimeError(f"k2-data {' '.join(args)} failed ({code})")
-    return usage.ru_maxrss / 1024, code
+# Runs k2-data in the child and, at its exit, writes the child's own peak RSS (``VmHWM`` of
+# /proc/self/status, in kB) to the file named by the first argument. Not ``wait4``'s ``ru_maxrss``: Linux
+# carries a process's high-water mark across ``exec``, so a child forked from this benchmark process
+# (torch and megatron-core imported) would report at least this process's resident memory.
+_REPORT_PEAK_RSS = """
+import atexit, runpy, sys
+out = sys.argv.pop(1)
+def report():
+    with open("/proc/self/status") as f:
+        hwm = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(out, "w") as f:
+        f.write(hwm)
+atexit.register(report)
+sys.argv[0] = "k2-data"
+runpy.run_module("k2.launcher.data", run_name="__main__")
+"""
+
+
+def _peak_rss_mb(args: list[str], cgroup: Optional[Path] = None) -> tuple[Optional[float], int]:
+    """``(peak resident memory in MB, exit status)`` of a ``k2-data`` process run with ``args`` (its own
+    ``VmHWM``; None when it was killed before it could report it), inside the memory cgroup directory
+    ``cgroup`` when given (the child writes its pid into ``cgroup.procs`` before it runs k2-data). Raises
+    RuntimeError when k2-data fails outside a cgroup."""
+    with tempfile.NamedTemporaryFile(prefix="k2-bench-rss-", suffix=".kb", delete=False) as f:
+        report = Path(f.name)
+    try:
+        cmd = [sys.executable, "-c", _REPORT_PEAK_RSS, str(report), *args]
+        if cgroup is not None:  # (a shell: it joins the cgroup, then becomes k2-data; no preexec_fn in Python)
+            cmd = ["sh", "-c", f'echo $$ > "{cgroup / "cgroup.procs"}" && exec "$@"', "sh", *cmd]
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if cgroup else None)
+        if proc.returncode and cgroup is None:
+            raise RuntimeError(f"k2-data {' '.join(args)} failed ({proc.returncode})")
+        kb = report.read_text().strip()
+        return (int(kb) / 1024 if kb else None), proc.returncode
+    finally:
+        report.unlink(missing_ok=True)
 
 
 def _memory_cgroup(limit_mb: float) -> tuple[Optional[Path], str]:
@@ -160,7 +183,8 @@ def _limited_build(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict
         charged = next((int(f.read_text()) for f in (cgroup / "memory.max_usage_in_bytes", cgroup / "memory.peak")
                         if f.exists()), None)  # (v1 / v2: the most memory charged to the cgroup at once)
         return {"cgroup": how, "memory_limit_mb": limit, "corpus_mb": round(path.stat().st_size / 2**20, 1),
-                "exit_status": code, "finished": code == 0, "peak_rss_mb": round(rss, 1),
+                "exit_status": code, "finished": code == 0,
+                "peak_rss_mb": None if rss is None else round(rss, 1),
                 "peak_charged_mb": None if charged is None else round(charged / 2**20, 1),
                 "build_s": round(time.perf_counter() - t0, 1)}
     finally:

@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from k2.config.validate import check_data
+from k2.launcher.datasets.idx_format import token_dtype
+from k2.launcher.datasets.indexed_writer import IndexedDatasetWriter
 from k2.launcher.datasets.locks import file_lock
 from k2.launcher.datasets.tokenizer import EOD_TOKEN, PAD_TOKEN, train_byte_level_bpe
 
@@ -171,11 +173,13 @@ def prepare_stdlib_corpus(
     ``<|pad|>``) trained on the training files, followed by one EOD token. Files go to the validation
     split by a hash of their relative path (about ``data.valid_fraction`` of them, at least one).
 
-    Output: ``tokenizer.json``, ``train.bin/.idx``, ``valid.bin/.idx`` (written by megatron-core's
-    ``IndexedDatasetBuilder``; token dtype uint16 below 65,500 ids) and ``manifest.json``. The
-    directory is built under a temporary name and renamed into place last, so an interrupted build
-    never leaves a complete-looking directory; the next build removes the leftovers. Builds are
-    serialised with a file lock, so concurrent callers (e.g. several ranks) build once.
+    Output: ``tokenizer.json``, ``train.bin/.idx``, ``valid.bin/.idx`` (megatron-core's indexed-dataset
+    format, written by :class:`k2.launcher.datasets.indexed_writer.IndexedDatasetWriter`: the bytes of
+    megatron's ``IndexedDatasetBuilder`` without importing torch; token dtype uint16 below 65,500 ids)
+    and ``manifest.json``. The directory is built under a temporary name and renamed into place last, so
+    an interrupted build never leaves a complete-looking directory; the next build removes the
+    leftovers. Builds are serialised with a file lock, so concurrent callers (e.g. several ranks) build
+    once.
 
     Idempotent: when ``manifest.json`` matches (format, Python version, vocab size, valid fraction and
     a sha256 of all source paths + bytes) and the outputs are intact, nothing is rewritten.
@@ -233,7 +237,6 @@ def _remove_leftovers(cache_dir: str, name: str) -> None:
 
 
 def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbose, t0) -> dict:
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
     cache_dir, name = os.path.split(directory)
@@ -260,12 +263,9 @@ def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbos
         tok.save(tok_path)
         eod = tok.token_to_id(EOD_TOKEN)
         pad = tok.token_to_id(PAD_TOKEN)
-        dtype = DType.optimal_dtype(tok.get_vocab_size(with_added_tokens=True))
+        dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
 
-        builders = {
-            s: IndexedDatasetBuilder(os.path.join(tmp, f"{s}.bin"), dtype=dtype)
-            for s in ("train", "valid")
-        }
+        writers = {s: IndexedDatasetWriter(os.path.join(tmp, s), dtype) for s in ("train", "valid")}
         doc_files = {"train": [], "valid": []}
         tokens = {"train": 0, "valid": 0}
         with tqdm(
@@ -277,13 +277,13 @@ def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbos
                 for i, ids in zip(range(lo, hi), _encode_chunk(tok, texts[lo:hi])):
                     split = "valid" if is_valid[i] else "train"
                     arr = np.asarray(ids + [eod], dtype=dtype)
-                    builders[split].add_document(arr, [arr.size])
+                    writers[split].add_documents(arr, np.array([arr.size]))
                     doc_files[split].append(files[i])
                     tokens[split] += int(arr.size)
                 bar.update(hi - lo)
                 bar.set_postfix(tokens=f"{tokens['train'] + tokens['valid']:,}")
-        for s, b in builders.items():
-            b.finalize(os.path.join(tmp, f"{s}.idx"))
+        for w in writers.values():
+            w.finalize()
 
         import tokenizers
 

@@ -8,10 +8,9 @@ killed by a 600 MB memory limit in ``finalize``; a 100 M-document dataset would 
 writes the same bytes -- megatron-core's index format, version 1, one sequence per document, read back
 by megatron's ``IndexedDataset`` -- with the per-document lengths spooled to a temporary file next to the
 output and the offsets and document indices generated block by block at the end, so its memory is one
-block (``BLOCK`` documents) whatever the corpus size. Format, from megatron-core's ``_IndexWriter``: the
-header ``MMIDIDX\\0\\0``, version ``<Q`` 1, the dtype code ``<B``, the sequence count ``<Q``, the document
-count + 1 ``<Q``, then the sequence lengths (int32), the sequence byte offsets into ``.bin`` (int64) and
-the document indices (int64, ``0 .. documents``).
+block (``BLOCK`` documents) whatever the corpus size. Format, from megatron-core's ``_IndexWriter``:
+:mod:`k2.launcher.datasets.idx_format` (one sequence per document: the document indices are
+``0 .. documents``).
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ import os
 import struct
 
 import numpy as np
+
+from k2.launcher.datasets.idx_format import CODE_OF_DTYPE, INDEX_HEADER, VERSION
 
 __all__ = ["IndexedDatasetWriter"]
 
@@ -37,15 +38,17 @@ class IndexedDatasetWriter:
             float64, float32, uint16).
 
     Raises:
-        ValueError: from :meth:`add_documents`, a length array that does not sum to the token count.
+        ValueError: a dtype that megatron cannot store; from :meth:`add_documents`, a length array that
+            does not sum to the token count.
     """
 
     def __init__(self, prefix: str, dtype) -> None:
-        from megatron.core.datasets.indexed_dataset import DType
-
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
-        self._code = DType.code_from_dtype(self.dtype.type)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"token dtype {self.dtype} has no megatron DType code; allowed: "
+                             + ", ".join(str(d) for d in CODE_OF_DTYPE))
+        self._code = CODE_OF_DTYPE[self.dtype]
         self._bin = open(prefix + ".bin", "wb")  # noqa: SIM115 (closed by finalize)
         self._lengths_path = prefix + ".lengths.tmp"
         self._lengths = open(self._lengths_path, "wb")  # noqa: SIM115 (closed by finalize)
@@ -65,13 +68,11 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> None:
         """Close ``prefix.bin`` and write ``prefix.idx`` (module docstring), in blocks."""
-        from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
-
         self._bin.close()
         self._lengths.close()
         n, itemsize = self.documents, self.dtype.itemsize
         with open(self.prefix + ".idx", "wb") as idx, open(self._lengths_path, "rb") as spool:
-            idx.write(_INDEX_HEADER + struct.pack("<Q", 1) + struct.pack("<B", self._code))
+            idx.write(INDEX_HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", self._code))
             idx.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
             for block in _blocks(spool):  # sequence lengths
                 idx.write(block.tobytes())

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from k2.config.errors import ConfigError
+from k2.launcher.datasets.idx_format import token_dtype
 from k2.launcher.datasets.locks import file_lock
 from k2.launcher.datasets.sources import (
     BadRecord,
@@ -93,12 +94,6 @@ def unfinished_build(prefix: str) -> Optional[str]:
         if os.path.isdir(work_dir(c)):
             return work_dir(c)
     return None
-
-
-def token_dtype(vocab_size: int):
-    """The ``.bin`` token dtype for ``vocab_size`` ids: megatron-core's ``DType.optimal_dtype`` rule
-    (uint16 below 65,500 ids, else int32), restated so that the tokenizing processes need no torch."""
-    return np.uint16 if vocab_size < 65500 else np.int32
 
 
 # --------------------------------------------------------------------------- settings and state

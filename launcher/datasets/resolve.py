@@ -21,6 +21,7 @@ import numpy as np
 
 from k2.config.errors import ConfigError
 from k2.launcher.datasets.corpus import stdlib_corpus_dir
+from k2.launcher.datasets.idx_format import DTYPE_OF_CODE, HEADER_BYTES, INDEX_HEADER, VERSION
 from k2.launcher.datasets.preprocess import unfinished_build
 from k2.launcher.datasets.tokenizer import load_user_tokenizer
 
@@ -28,10 +29,6 @@ _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
 Blend = tuple[list[str], Optional[list[float]]]  # megatron's (prefixes, weights or None)
-
-# megatron's .idx token dtype codes (megatron.core.datasets.indexed_dataset.DType)
-_IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-               7: np.float32, 8: np.uint16}
 
 #: ``.bin`` files up to this size are scanned for token ids outside the tokenizer's vocabulary when the
 #: settings are checked (numpy over a memory map: ~2 GB/s from the page cache, so at most ~1 s per file;
@@ -160,19 +157,20 @@ def _read_idx_header(idx_path: str) -> tuple[np.ndarray, type]:
     """
     import struct
 
+    n = len(INDEX_HEADER)
     with open(idx_path, "rb") as f:
-        header = f.read(34)
-    if len(header) < 34 or header[:9] != b"MMIDIDX\x00\x00":
+        header = f.read(HEADER_BYTES)
+    if len(header) < HEADER_BYTES or header[:n] != INDEX_HEADER:
         raise ValueError("not a megatron indexed-dataset index (bad header)")
-    (version,) = struct.unpack("<Q", header[9:17])
-    if version != 1:
+    (version,) = struct.unpack("<Q", header[n:n + 8])
+    if version != VERSION:
         raise ValueError(f"unsupported .idx version {version}")
-    code = header[17]
-    dtype = _IDX_DTYPES.get(code)
+    code = header[n + 8]
+    dtype = DTYPE_OF_CODE.get(code)
     if dtype is None:
         raise ValueError(f"unknown token dtype code {code}")
-    (count,) = struct.unpack("<Q", header[18:26])
-    lengths = np.fromfile(idx_path, dtype=np.int32, count=count, offset=34)
+    (count,) = struct.unpack("<Q", header[n + 9:n + 17])
+    lengths = np.fromfile(idx_path, dtype=np.int32, count=count, offset=HEADER_BYTES)
     if lengths.size != count:
         raise ValueError("truncated .idx")
     return lengths, dtype

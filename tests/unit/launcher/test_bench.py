@@ -212,6 +212,25 @@ def test_step_bench_bad_options_exit_2(capsys, overrides, named):
     assert err.startswith("k2-bench: error: ") and named in err
 
 
+def test_data_bench_peak_rss_is_k2_datas_own(tmp_path):
+    """The peak RSS of the bench's k2-data child is that process's own: Linux carries ``ru_maxrss`` across
+    exec, so from this test process (torch imported, hundreds of MB resident) ``wait4`` would report at
+    least this process's memory. It also shows that ``k2-data prepare`` imports no torch (alone ~300 MB
+    here)."""
+    from k2.launcher.benchmarks import data_prepare as D
+    from k2.launcher.datasets.tokenizer import train_byte_level_bpe
+
+    docs = D.stdlib_docstrings(300)
+    train_byte_level_bpe(docs, 512).save(str(tmp_path / "tokenizer.json"))
+    D.write_jsonl_corpus(tmp_path / "c.jsonl", 0.3, docs)
+    with open("/proc/self/status") as f:
+        own_mb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    peak_mb, code = D._peak_rss_mb(D._prepare_args(tmp_path / "c.jsonl", tmp_path / "out" / "c",
+                                                   tmp_path / "tokenizer.json", 1, 256, 512))
+    assert code == 0 and (tmp_path / "out" / "c.manifest.json").is_file()
+    assert own_mb > 400 and 30 < peak_mb < 200, (own_mb, peak_mb)
+
+
 @pytest.mark.parametrize("option", ["repeats=0", "workers=0", "corpus_mb=0", "chunk_documents=-1"])
 def test_data_bench_bad_options_exit_2(capsys, option):
     rc, out, err = run_tool(capsys, main, ["bench=data", f"bench.options.{option}"])

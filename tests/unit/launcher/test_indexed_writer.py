@@ -68,3 +68,21 @@ def test_lengths_that_do_not_sum_to_the_tokens_are_refused(tmp_path):
     w = IndexedDatasetWriter(str(tmp_path / "x"), np.uint16)
     with pytest.raises(ValueError, match="lengths sum to 5 tokens, 4 given"):
         w.add_documents(np.zeros(4, np.uint16), np.array([2, 3]))
+
+
+def test_format_constants_are_megatrons():
+    """The restated header, version and dtype codes (k2.launcher.datasets.idx_format) are megatron-core's
+    (``_INDEX_HEADER``, ``DType``: every member, both ways)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    from k2.launcher.datasets import idx_format
+
+    assert idx_format.INDEX_HEADER == _INDEX_HEADER and idx_format.VERSION == 1
+    assert {m.value: m.name for m in DType} == {c: np.dtype(t).name for c, t in idx_format.DTYPE_OF_CODE.items()}
+    for t in idx_format.DTYPE_OF_CODE.values():
+        assert DType.code_from_dtype(t) == idx_format.CODE_OF_DTYPE[np.dtype(t)]
+
+
+def test_an_unstorable_dtype_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="float16 has no megatron DType code; allowed: uint8"):
+        IndexedDatasetWriter(str(tmp_path / "x"), np.float16)
