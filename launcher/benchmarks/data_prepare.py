@@ -8,7 +8,7 @@ share of the build. The benchmark writes a JSONL corpus of real text (the docstr
 library, repeated until ``corpus_mb`` MB) and times, in each of ``repeats`` rounds, both raw encodes and
 :func:`k2.launcher.datasets.preprocess.prepare_corpus` over the same file with 1 and ``workers`` worker
 processes (reading, JSON parsing, tokenizing, committing chunks, the megatron indexed-dataset output,
-the manifest; the one-time import of megatron-core is done before the clock starts). Rounds interleave
+the manifest; the workers are forked from this process, torch imported). Rounds interleave
 the sides, so a change in the load of a shared machine hits them alike; each figure is the median over
 the rounds, and each ratio is of two medians of the same run. Tokens counted are the tokenizer's ids
 without the EOD tokens, so every side counts the same thing.
@@ -220,8 +220,6 @@ def bench_data(cfg) -> dict[str, Any]:
             raise ConfigError(f"bench.options.{key}={o[key]} must be >= 1")
     if o["corpus_mb"] <= 0:
         raise ConfigError(f"bench.options.corpus_mb={o['corpus_mb']} must be > 0")
-
-    import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported once, outside the clock)
 
     from k2.config.load import load_config
     from k2.launcher.datasets.preprocess import prepare_corpus
