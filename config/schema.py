@@ -187,6 +187,9 @@ class PrepareConfig:
     bad_records: str = "error"  # error = stop at the first bad record (file:line); skip = report and skip
     shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
     chunk_documents: int = 2048  # records per encode_batch_fast call and per committed chunk (resume granularity)
+    # ... and a chunk ends early once its records hold this many bytes of input (1 MiB), so that a chunk's
+    # memory (its text, and ~100 bytes per token of tokenizer output) is bounded whatever the document size
+    chunk_bytes: int = 1 << 20
     progress: bool = True  # progress bar on stderr (documents/s, tokens/s, ETA)
 
 

@@ -234,6 +234,7 @@ def check_prepare(p) -> None:
     _require(p.bad_records in BAD_RECORDS, "prepare.bad_records", p.bad_records, ", ".join(BAD_RECORDS))
     _require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
     _require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
+    _require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
     _require(p.shard_documents is None or p.shard_documents >= 1, "prepare.shard_documents",
              p.shard_documents, "null (one dataset) or an integer >= 1 (documents per shard)")
 

@@ -83,13 +83,17 @@ def _prepare(cfg) -> int:
         print(f"k2-data: {d['prefix']}: {d['documents']:,d} documents, {d['tokens']:,d} tokens")
     bad = m["bad_records"]["count"]
     print(f"k2-data: {m['documents']:,d} documents, {m['tokens']:,d} tokens (EOD included) from "
-          f"{len(m['inputs'])} input files"
+          f"{_count(len(m['inputs']), 'input file')}"
           + (f"; {bad} bad records skipped" if bad else "")
           + (f"; {m['empty_documents_skipped']} empty texts skipped" if m["empty_documents_skipped"] else ""))
     path = out.prefixes[0] if len(out.prefixes) == 1 else "[" + ",".join(out.prefixes) + "]"
     print(f"k2-data: manifest {out.manifest_path}; train on it with data.path={path} "
-          f"data.tokenizer={out.tokenizer_path} model.vocab_size>={m['tokenizer']['vocab_size']}")
+          f"data.tokenizer={out.tokenizer_path} (model.vocab_size must be >= {m['tokenizer']['vocab_size']})")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -13,8 +13,9 @@ the properties a long build on a shared cluster needs:
   ``IndexedDatasetBuilder``, whose memory grows with the documents), and ``PREFIX.manifest.json``
   (documents, tokens, the sha256 of every input and of the tokenizer, the datasets written);
 * parallel: the records are read in order by one process and tokenized in chunks of
-  ``prepare.chunk_documents`` records by ``prepare.workers`` processes; chunks are written in input
-  order, so the output bytes do not depend on the number of workers;
+  ``prepare.chunk_documents`` records (fewer where they reach ``prepare.chunk_bytes`` bytes of input:
+  the memory of a chunk is bounded whatever the document size) by ``prepare.workers`` processes;
+  chunks are written in input order, so the output bytes do not depend on the number of workers;
 * resumable: every tokenized chunk is committed (written, then renamed) into ``PREFIX.partial/``; a
   build killed at any point and run again with the same settings and inputs continues after the last
   committed chunk and writes the same bytes as an uninterrupted build;
@@ -52,7 +53,7 @@ from k2.launcher.datasets.sources import (
 from k2.launcher.datasets.tokenize_pool import TokenizerPool
 from k2.launcher.datasets.tokenizer import HFTokenizer, load_user_tokenizer, train_byte_level_bpe
 
-__all__ = ["PREPARE_FORMAT", "PreparedCorpus", "prepare_corpus", "unfinished_build", "work_dir"]
+__all__ = ["PREPARE_FORMAT", "PreparedCorpus", "build_manifest", "prepare_corpus", "unfinished_build", "work_dir"]
 
 PREPARE_FORMAT = 1  # bump when the output layout or tokenization changes (forces a rebuild)
 WORK_SUFFIX = ".partial"
@@ -83,16 +84,34 @@ def work_dir(prefix: str) -> str:
     return prefix + WORK_SUFFIX
 
 
-def unfinished_build(prefix: str) -> Optional[str]:
-    """The work directory of an unfinished ``k2-data`` build that writes ``prefix`` (itself, or the shard
-    ``BASE_NNNNN`` of ``BASE``), or None."""
+def _build_prefixes(prefix: str) -> list[str]:
+    """The prefixes of the ``k2-data`` builds that may have written ``prefix``: itself, and ``BASE`` when
+    it is the shard ``BASE_NNNNN``."""
     candidates = [prefix]
     base, _, num = prefix.rpartition("_")
     if base and len(num) == 5 and num.isdigit():
         candidates.append(base)
-    for c in candidates:
+    return candidates
+
+
+def unfinished_build(prefix: str) -> Optional[str]:
+    """The work directory of an unfinished ``k2-data`` build that writes ``prefix`` (itself, or the shard
+    ``BASE_NNNNN`` of ``BASE``), or None."""
+    for c in _build_prefixes(prefix):
         if os.path.isdir(work_dir(c)):
             return work_dir(c)
+    return None
+
+
+def build_manifest(prefix: str) -> Optional[dict]:
+    """The manifest of the finished ``k2-data`` build that wrote the dataset ``prefix`` (``PREFIX`` or
+    the shard's ``BASE.manifest.json``, listing it among its datasets), or None (not written by
+    ``k2-data prepare``, or its manifest is unreadable)."""
+    name = os.path.basename(prefix)
+    for c in _build_prefixes(prefix):
+        manifest = _read_json(c + ".manifest.json")
+        if manifest is not None and any(d.get("prefix") == name for d in manifest.get("datasets", [])):
+            return manifest
     return None
 
 
@@ -128,6 +147,7 @@ def _key(cfg: Any, files: list[InputFile], hashes: list[str], user_tok: Optional
         "text_document": str(p.text_document),
         "bad_records": str(p.bad_records),
         "chunk_documents": int(p.chunk_documents),
+        "chunk_bytes": int(p.chunk_bytes),
         "shard_documents": None if p.shard_documents is None else int(p.shard_documents),
         "tokenizer": ({"trained": False, "sha256": user_tok.unique_identifiers["sha256"]}
                       if user_tok is not None else {"trained": True, "vocab_size": int(cfg.data.vocab_size)}),
@@ -181,6 +201,14 @@ def _commit_chunk(work: str, k: int, result: tuple) -> None:
         np.savez(f, tokens=tokens, lengths=lengths,
                  meta=np.array(json.dumps({"bad": bad, "empty": empty})))
     os.replace(tmp, _chunk_path(work, k))  # a chunk is either complete or absent
+
+
+def _chunk_records(work: str, k: int) -> tuple[int, list, int]:
+    """``(records, bad records, empty texts)`` of committed chunk ``k``, its tokens left unread: every
+    record of a chunk is a document, a bad record or an empty text."""
+    with np.load(_chunk_path(work, k), allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+        return int(z["lengths"].size) + len(meta["bad"]) + int(meta["empty"]), meta["bad"], meta["empty"]
 
 
 def _load_chunk(work: str, k: int) -> tuple:
@@ -248,8 +276,7 @@ def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
         documents = sum(d["documents"] for d in datasets)
         if documents == 0:
             shutil.rmtree(work, ignore_errors=True)
-            raise ConfigError(f"prepare.input holds no document ({len(files)} files: "
-                              f"{', '.join(f.path for f in files[:3])}{' ...' if len(files) > 3 else ''}"
+            raise ConfigError(f"prepare.input holds no document ({_files_named(files)}"
                               f"{f'; {n_bad} bad records skipped' if n_bad else ''}"
                               f"{f'; {n_empty} empty texts' if n_empty else ''})")
         import tokenizers
@@ -310,12 +337,17 @@ def _trained_tokenizer(cfg: Any, files: list[InputFile], work: str, log) -> str:
     texts = _texts_for_training(cfg, files)
     first = next(texts, None)
     if first is None:
-        raise ConfigError(f"prepare.input holds no document to train a tokenizer on ({len(files)} files: "
-                          f"{', '.join(f.path for f in files[:3])})")
+        raise ConfigError(f"prepare.input holds no document to train a tokenizer on ({_files_named(files)})")
     tok = train_byte_level_bpe(_chain(first, texts), vocab)
     tok.save(path + ".tmp")
     os.replace(path + ".tmp", path)
     return path
+
+
+def _files_named(files: list[InputFile]) -> str:
+    """``"2 files: a.jsonl, b.jsonl"`` (the first three named) for the messages."""
+    more = " ..." if len(files) > 3 else ""
+    return f"{len(files)} file{'' if len(files) == 1 else 's'}: {', '.join(f.path for f in files[:3])}{more}"
 
 
 def _chain(first, rest):
@@ -333,24 +365,27 @@ def _tokenize_all(cfg, files, work, tok_path, dtype, progress, log) -> tuple[int
     from tqdm import tqdm
 
     p = cfg.prepare
-    chunk = int(p.chunk_documents)
+    chunk, chunk_bytes = int(p.chunk_documents), int(p.chunk_bytes)
     done = _committed_chunks(work)
-    n_bad = n_empty = 0
+    n_bad = n_empty = skip = 0
     bad_list: list = []
     for k in range(done):  # the counts of the committed chunks
-        _, _, bad, empty = _load_chunk(work, k)
-        n_bad, n_empty = n_bad + len(bad), n_empty + empty
+        records, bad, empty = _chunk_records(work, k)
+        skip, n_bad, n_empty = skip + records, n_bad + len(bad), n_empty + empty
         bad_list.extend(bad[: _MAX_REPORTED_BAD - len(bad_list)])
     if done:
-        log(f"k2-data: resuming the build in {work}: {done} chunks of {chunk} records already tokenized")
+        log(f"k2-data: resuming the build in {work}: {done} chunks ({skip:,} records) already tokenized")
 
     def chunks():
-        buf, k = [], done
-        for fi, line, raw, pos in read_records(files, str(p.text_key), str(p.text_document), skip=done * chunk):
+        """Chunks of at most ``chunk`` records, ended early by the record that brings the chunk's raw
+        input to ``chunk_bytes`` bytes (or characters, for Parquet cells)."""
+        buf, size, k = [], 0, done
+        for fi, line, raw, pos in read_records(files, str(p.text_key), str(p.text_document), skip=skip):
             buf.append((fi, line, raw))
-            if len(buf) == chunk:
+            size += len(raw)
+            if len(buf) == chunk or size >= chunk_bytes:
                 yield (k, pos), buf
-                buf, k = [], k + 1
+                buf, size, k = [], 0, k + 1
         if buf:
             yield (k, files_bytes), buf
 

@@ -22,7 +22,7 @@ import numpy as np
 from k2.config.errors import ConfigError
 from k2.launcher.datasets.corpus import stdlib_corpus_dir
 from k2.launcher.datasets.idx_format import DTYPE_OF_CODE, HEADER_BYTES, INDEX_HEADER, VERSION
-from k2.launcher.datasets.preprocess import unfinished_build
+from k2.launcher.datasets.preprocess import build_manifest, unfinished_build
 from k2.launcher.datasets.tokenizer import load_user_tokenizer
 
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -239,6 +239,21 @@ def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
         stats[p] = (int(lengths.size), tokens)
 
 
+def _check_build_tokenizer(prefix: str, key: str, tok_path: str, tok_sha256: str) -> None:
+    """Refuse a dataset written by ``k2-data prepare`` with another tokenizer than ``data.tokenizer``
+    (its manifest records the tokenizer's sha256): ids of one tokenizer read with another's vocabulary
+    train silently on the wrong text. Datasets without a k2-data manifest are not checked here."""
+    manifest = build_manifest(prefix)
+    if manifest is None:
+        return
+    built = manifest.get("tokenizer", {})
+    if built.get("sha256") not in (None, tok_sha256):
+        raise ConfigError(
+            f"{key}: '{prefix}' was tokenized by k2-data with {built.get('path')} (sha256 "
+            f"{built['sha256'][:12]}...), not with data.tokenizer {tok_path} (sha256 {tok_sha256[:12]}...); "
+            f"give data.tokenizer={built.get('path')}")
+
+
 def _parse_split(split: Any) -> list[float]:
     s = str(split)
     parts = [x.strip() for x in re.split(r"[,/]", s)]
@@ -327,6 +342,7 @@ def resolve_data(cfg: Any) -> ResolvedData:
     tok_path = tok.path
     for key, blend in (("data.path", train_blend), ("data.valid_path", valid_blend)):
         for p in (blend or ([], None))[0]:
+            _check_build_tokenizer(p, key, tok_path, tok.unique_identifiers["sha256"])
             check_token_ids(p + ".bin", _read_idx_header(p + ".idx")[1], tok.vocab_size,
                             f"data.tokenizer {tok_path} ({key})")
     return ResolvedData(

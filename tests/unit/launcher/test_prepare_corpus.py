@@ -169,10 +169,11 @@ def test_trained_tokenizer_shards_and_megatron_samples(tmp_path, docs):
 
 def test_one_and_two_workers_write_identical_bytes(tmp_path, docs, tokenizer_json):
     _write_jsonl(tmp_path / "a.jsonl", docs)
+    # chunks of up to 40 records, ended early at 5,000 bytes: of varied record counts
     one = _prepare(str(tmp_path / "a.jsonl"), tmp_path / "w1" / "c", "prepare.workers=1",
-                   "prepare.chunk_documents=40", tokenizer=tokenizer_json)
+                   "prepare.chunk_documents=40", "prepare.chunk_bytes=5000", tokenizer=tokenizer_json)
     two = _prepare(str(tmp_path / "a.jsonl"), tmp_path / "w2" / "c", "prepare.workers=2",
-                   "prepare.chunk_documents=40", tokenizer=tokenizer_json)
+                   "prepare.chunk_documents=40", "prepare.chunk_bytes=5000", tokenizer=tokenizer_json)
     assert _bytes(one.prefixes) == _bytes(two.prefixes)
     assert _documents(one.prefixes[0]) == _reference(tokenizer_json, docs)
 
@@ -193,8 +194,11 @@ P.prepare_corpus(load_config(sys.argv[1:]), log=lambda s: None)
 
 def test_sigkill_and_rerun_equals_an_uninterrupted_build(tmp_path, docs, tokenizer_json):
     _write_jsonl(tmp_path / "a.jsonl", docs)
+    # chunks of up to 20 records, ended early at 2,000 bytes: the resume skips the records the committed
+    # chunks hold, which varies from chunk to chunk
     args = [f"prepare.input={tmp_path / 'a.jsonl'}", "prepare.progress=false", "prepare.chunk_documents=20",
-            "prepare.workers=2", f"model.vocab_size={VOCAB}", f"data.tokenizer={tokenizer_json}"]
+            "prepare.chunk_bytes=2000", "prepare.workers=2", f"model.vocab_size={VOCAB}",
+            f"data.tokenizer={tokenizer_json}"]
     killed = tmp_path / "k" / "c"
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_BUILD, *args, f"prepare.output={killed}"],
                             cwd=REPO)
@@ -224,6 +228,24 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_build(tmp_path, docs, tokeniz
     assert _bytes(resumed.prefixes) == _bytes(clean.prefixes)
     assert resumed.manifest["documents"] == len(docs)
     assert not work.exists()
+
+
+def test_memory_of_a_chunk_is_bounded_for_long_documents(tmp_path, tokenizer_json):
+    """16 MB of long documents (standard-library source files of over 20 kB, 4 passes): with the default
+    chunk of 2,048 records the whole corpus would be one chunk (its text and the tokenizer's ~100 bytes
+    per token at once: 555 MB peak RSS here); ``prepare.chunk_bytes`` (1 MiB) keeps the peak RSS of the
+    k2-data process (1 worker: it tokenizes in-process) at ~175 MB."""
+    import sysconfig
+
+    from k2.launcher.benchmarks.data_prepare import _peak_rss_mb, _prepare_args
+
+    texts = [t for t in (f.read_text(encoding="utf-8", errors="replace")
+                         for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))) if len(t) > 20_000]
+    _write_jsonl(tmp_path / "long.jsonl", [f"{t}\n# pass {r}" for r in range(4) for t in texts])
+    assert (tmp_path / "long.jsonl").stat().st_size > 12e6
+    peak_mb, code = _peak_rss_mb(_prepare_args(tmp_path / "long.jsonl", tmp_path / "o" / "c", tokenizer_json, 1,
+                                               2048, VOCAB))
+    assert code == 0 and peak_mb < 300, peak_mb
 
 
 def test_crash_while_publishing_is_finished_by_the_rerun(tmp_path, docs, tokenizer_json, monkeypatch):
@@ -274,7 +296,7 @@ def test_bad_record_is_named_with_file_and_line_or_skipped(tmp_path, docs, token
     (lambda d: (d / "x.parquet").write_bytes(b"PAR1 not parquet"), "", ["cannot read", "x.parquet"]),
     (lambda d: (d / "x.csv").write_text("a,b\n"), "", ["x.csv", "not of a known format"]),
     (lambda d: None, "", ["matches no file"]),
-    (lambda d: (d / "x.jsonl").write_text("\n\n"), "", ["prepare.input holds no document", "x.jsonl"]),
+    (lambda d: (d / "x.jsonl").write_text("\n\n"), "", ["prepare.input holds no document (1 file: ", "x.jsonl"]),
     (lambda d: (d / "x.jsonl").write_text('{"text": ""}\n'), "", ["holds no document", "1 empty texts"]),
     (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'), "prepare.workers=0", ["prepare.workers=0"]),
     (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'), "prepare.bad_records=ignore",
@@ -309,6 +331,30 @@ def test_tokenizer_larger_than_the_model_is_refused(tmp_path, tokenizer_json):
     with pytest.raises(ConfigError, match=f"data.tokenizer {tokenizer_json} has {VOCAB} ids but "
                                           f"model.vocab_size={VOCAB - 1}"):
         P.prepare_corpus(cfg, log=lambda s: None)
+
+
+def test_training_with_another_tokenizer_than_the_builds_is_refused(tmp_path, docs, tokenizer_json):
+    """A k2-data output read with a tokenizer of the same size but other merges: every id is inside the
+    vocabulary, so only the manifest's tokenizer hash tells; refused naming the right tokenizer. Its own
+    tokenizer, and a shard of a sharded build, are accepted."""
+    _write_jsonl(tmp_path / "a.jsonl", docs[:60])
+    out = _prepare(str(tmp_path / "a.jsonl"), tmp_path / "o" / "c", "prepare.shard_documents=40",
+                   tokenizer=tokenizer_json)
+    other = str(tmp_path / "other.json")
+    train_byte_level_bpe(docs[150:], VOCAB).save(other)
+    assert HFTokenizer(other).vocab_size == VOCAB
+    assert Path(other).read_bytes() != Path(tokenizer_json).read_bytes()
+
+    def resolve(prefix, tok):
+        return resolve_data(load_config([f"data.path={prefix}", f"data.tokenizer={tok}",
+                                         "data.split='50,50,0'", f"model.vocab_size={VOCAB}"]))
+
+    assert len(out.prefixes) == 2
+    for prefix in out.prefixes:
+        assert resolve(prefix, tokenizer_json).tokenizer_path == tokenizer_json
+        with pytest.raises(ConfigError, match=f"data.path: '{prefix}' was tokenized by k2-data with "
+                                              f"{tokenizer_json} .*not with data.tokenizer {other}"):
+            resolve(prefix, other)
 
 
 def test_cli_prints_the_summary_and_exits_2_on_a_bad_setting(tmp_path, docs, tokenizer_json, capsys):
