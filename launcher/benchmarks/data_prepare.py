@@ -246,8 +246,8 @@ def bench_data(cfg) -> dict[str, Any]:
                 n += sum(map(len, tok.encode_batch_fast(texts[i:i + size], add_special_tokens=False)))
             return time.perf_counter() - t0, _cpu_s() - c0, n
 
-        def build(w: int, r: int) -> tuple[float, float, int]:
-            out_dir = root / f"out_w{w}_r{r}"
+        def build(w: int) -> tuple[float, float, int]:
+            out_dir = Path(tempfile.mkdtemp(prefix=f"out_w{w}_", dir=root))  # (a fresh one each round)
             c = load_config(_prepare_args(inp, out_dir / "c", tok_path, w, int(o["chunk_documents"]),
                                           int(o["vocab_size"])))
             t0, c0 = time.perf_counter(), _cpu_s()
@@ -256,12 +256,13 @@ def bench_data(cfg) -> dict[str, Any]:
             shutil.rmtree(out_dir)
             return dt, cpu, out.manifest["tokens"] - out.manifest["documents"]  # (EOD tokens left out)
 
-        sides = {m: functools.partial(raw, m) for m in RAW_METHODS}
-        sides.update({w: functools.partial(build, w) for w in sorted({1, int(o["workers"])})})
+        workers = sorted({1, int(o["workers"])})
+        sides = {**{m: functools.partial(raw, m) for m in RAW_METHODS},
+                 **{w: functools.partial(build, w) for w in workers}}
         runs: dict[Any, list] = {k: [] for k in sides}
-        for r in range(int(o["repeats"])):
+        for _ in range(int(o["repeats"])):
             for k, fn in sides.items():
-                runs[k].append(fn(r) if isinstance(k, int) else fn())
+                runs[k].append(fn())
         tokens = runs["encode_batch"][0][2]
         for k, rs in runs.items():  # every side counts the same tokens
             assert all(t == tokens for _, _, t in rs), (k, [t for _, _, t in rs], tokens)
@@ -273,7 +274,7 @@ def bench_data(cfg) -> dict[str, Any]:
             figures[f"raw_{m}_tokens_per_s"] = tokens / med[m][0]
             figures[f"raw_{m}_s"] = [round(d, 4) for d, _, _ in runs[m]]
             figures[f"raw_{m}_tokens_per_cpu_s"] = tokens / med[m][1]
-        for w in (k for k in runs if isinstance(k, int)):
+        for w in workers:
             dt, cpu = med[w]
             figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
             figures[f"k2_data_workers{w}_s"] = [round(d, 4) for d, _, _ in runs[w]]

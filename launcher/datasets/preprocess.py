@@ -103,13 +103,18 @@ def unfinished_build(prefix: str) -> Optional[str]:
     return None
 
 
-def build_manifest(prefix: str) -> Optional[dict]:
+def build_manifest(prefix: str, cache: Optional[dict] = None) -> Optional[dict]:
     """The manifest of the finished ``k2-data`` build that wrote the dataset ``prefix`` (``PREFIX`` or
     the shard's ``BASE.manifest.json``, listing it among its datasets), or None (not written by
-    ``k2-data prepare``, or its manifest is unreadable)."""
+    ``k2-data prepare``, or its manifest is unreadable). ``cache``: manifests already read, by path
+    (filled here), so that the shards of one build read its manifest once."""
     name = os.path.basename(prefix)
+    cache = {} if cache is None else cache
     for c in _build_prefixes(prefix):
-        manifest = _read_json(c + ".manifest.json")
+        path = c + ".manifest.json"
+        if path not in cache:
+            cache[path] = _read_json(path)
+        manifest = cache[path]
         if manifest is not None and any(d.get("prefix") == name for d in manifest.get("datasets", [])):
             return manifest
     return None

@@ -176,12 +176,6 @@ def _read_idx_header(idx_path: str) -> tuple[np.ndarray, type]:
     return lengths, dtype
 
 
-def _read_idx_lengths(idx_path: str) -> tuple[np.ndarray, int]:
-    """Sequence lengths (int32) and token dtype itemsize from a megatron ``.idx`` (format version 1)."""
-    lengths, dtype = _read_idx_header(idx_path)
-    return lengths, np.dtype(dtype).itemsize
-
-
 def check_token_ids(bin_path: str, dtype, vocab_size: int, what: str) -> None:
     """Refuse a ``.bin`` holding a token id outside ``[0, vocab_size)`` (scanned in chunks with numpy
     over a memory map; files over :data:`TOKEN_SCAN_MAX_BYTES` are skipped).
@@ -207,7 +201,10 @@ def check_token_ids(bin_path: str, dtype, vocab_size: int, what: str) -> None:
                 f"it is damaged")
 
 
-def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
+def _check_prefixes(blend: Blend, key: str, stats: dict, dtypes: dict) -> None:
+    """Check every prefix of ``blend`` (not yet in ``stats``): a finished build, both files, a readable
+    ``.idx`` matching the ``.bin``'s size. Records ``stats[prefix] = (documents, tokens)`` and
+    ``dtypes[prefix]`` (the token dtype of its ``.idx``)."""
     for p in blend[0]:
         unfinished = unfinished_build(p)
         if unfinished is not None:
@@ -224,9 +221,10 @@ def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
         if p in stats:
             continue
         try:
-            lengths, itemsize = _read_idx_lengths(p + ".idx")
+            lengths, dtype = _read_idx_header(p + ".idx")
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}: cannot read {p}.idx: {e}") from None
+        itemsize = np.dtype(dtype).itemsize
         tokens = int(lengths.sum(dtype=np.int64))
         if lengths.size == 0 or tokens == 0:
             raise ConfigError(f"{key}: dataset '{p}' holds no tokens")
@@ -236,14 +234,15 @@ def _check_prefixes(blend: Blend, key: str, stats: dict) -> None:
                 f"{key}: {p}.bin has {bin_bytes} bytes but {p}.idx describes {tokens} tokens of "
                 f"{itemsize} bytes ({tokens * itemsize} bytes); the pair is truncated or mismatched"
             )
-        stats[p] = (int(lengths.size), tokens)
+        stats[p], dtypes[p] = (int(lengths.size), tokens), dtype
 
 
-def _check_build_tokenizer(prefix: str, key: str, tok_path: str, tok_sha256: str) -> None:
+def _check_build_tokenizer(prefix: str, key: str, tok_path: str, tok_sha256: str, manifests: dict) -> None:
     """Refuse a dataset written by ``k2-data prepare`` with another tokenizer than ``data.tokenizer``
     (its manifest records the tokenizer's sha256): ids of one tokenizer read with another's vocabulary
-    train silently on the wrong text. Datasets without a k2-data manifest are not checked here."""
-    manifest = build_manifest(prefix)
+    train silently on the wrong text. Datasets without a k2-data manifest are not checked here.
+    ``manifests``: the manifests read so far, by path (:func:`k2.launcher.datasets.preprocess.build_manifest`)."""
+    manifest = build_manifest(prefix, manifests)
     if manifest is None:
         return
     built = manifest.get("tokenizer", {})
@@ -312,9 +311,10 @@ def resolve_data(cfg: Any) -> ResolvedData:
     stats: dict = {}
     train_blend = parse_blend(data.path, "data.path")
     valid_blend = None if data.valid_path is None else parse_blend(data.valid_path, "data.valid_path")
-    _check_prefixes(train_blend, "data.path", stats)
+    dtypes: dict = {}
+    _check_prefixes(train_blend, "data.path", stats, dtypes)
     if valid_blend is not None:
-        _check_prefixes(valid_blend, "data.valid_path", stats)
+        _check_prefixes(valid_blend, "data.valid_path", stats, dtypes)
         split = None
     else:
         vec = _parse_split(data.split)
@@ -340,11 +340,11 @@ def resolve_data(cfg: Any) -> ResolvedData:
         )
     tok = load_user_tokenizer(data.tokenizer, model_vocab)
     tok_path = tok.path
+    manifests: dict = {}  # (a sharded build's shards share one manifest: read once)
     for key, blend in (("data.path", train_blend), ("data.valid_path", valid_blend)):
         for p in (blend or ([], None))[0]:
-            _check_build_tokenizer(p, key, tok_path, tok.unique_identifiers["sha256"])
-            check_token_ids(p + ".bin", _read_idx_header(p + ".idx")[1], tok.vocab_size,
-                            f"data.tokenizer {tok_path} ({key})")
+            _check_build_tokenizer(p, key, tok_path, tok.unique_identifiers["sha256"], manifests)
+            check_token_ids(p + ".bin", dtypes[p], tok.vocab_size, f"data.tokenizer {tok_path} ({key})")
     return ResolvedData(
         train_blend=train_blend,
         valid_blend=valid_blend,

@@ -95,7 +95,7 @@ class TokenizerPool:
     ``preprocess_data.py`` does) when the pool is created, before this process starts any thread of its
     own; spawned where the platform cannot fork. ``workers`` = 1: this process, with two threads, so
     that one chunk's JSON parsing runs while ``tokenizers`` encodes the previous one on all cores
-    (``encode_batch`` releases the GIL).
+    (``encode_batch_fast`` releases the GIL).
     """
 
     def __init__(self, workers: int, initargs: tuple):
