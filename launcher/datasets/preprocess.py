@@ -216,10 +216,10 @@ def _chunk_records(work: str, k: int) -> tuple[int, list, int]:
         return int(z["lengths"].size) + len(meta["bad"]) + int(meta["empty"]), meta["bad"], meta["empty"]
 
 
-def _load_chunk(work: str, k: int) -> tuple:
+def _load_chunk(work: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, lengths)`` of committed chunk ``k`` (its counts: :func:`_chunk_records`)."""
     with np.load(_chunk_path(work, k), allow_pickle=False) as z:
-        meta = json.loads(str(z["meta"]))
-        return z["tokens"], z["lengths"], meta["bad"], meta["empty"]
+        return z["tokens"], z["lengths"]
 
 
 # --------------------------------------------------------------------------- the build
@@ -446,7 +446,7 @@ def _assemble(prefix, work, trained_tok, dtype, shard_documents) -> tuple[list, 
                              "tokens": writer.tokens})
 
     for k in range(_committed_chunks(work)):
-        tokens, lengths, _, _ = _load_chunk(work, k)
+        tokens, lengths = _load_chunk(work, k)
         ends = np.concatenate([[0], np.cumsum(lengths)])
         lo = 0  # the first document of this chunk not yet written
         while lo < lengths.size:
