@@ -25,14 +25,15 @@ directories or globs) into megatron indexed datasets at prepare.output (PREFIX.b
 PREFIX_00000.bin/.idx ... with prepare.shard_documents) plus PREFIX.manifest.json, with data.tokenizer
 or a byte-level BPE of data.vocab_size ids trained on the input (PREFIX.tokenizer.json). Settings:
 prepare.text_key (text), prepare.text_document (file|paragraph, for .txt), prepare.workers (1),
-prepare.bad_records (error|skip), prepare.shard_documents (null), prepare.chunk_documents (2048).
+prepare.bad_records (error|skip), prepare.shard_documents (null), prepare.chunk_documents (2048),
+prepare.chunk_bytes (1048576: a chunk also ends at this many bytes of input).
 A killed build resumes where it stopped when run again; the output does not depend on the workers.
 
 examples:
   k2-data
   k2-data data.vocab_size=8192 model.vocab_size=8192 data.cache_dir=/scratch/k2
   k2-data data.path=/data/web_text_document data.tokenizer=/data/tokenizer.json
-  k2-data prepare.input='/data/web/*.jsonl.zst' prepare.output=/data/web_text_document \
+  k2-data prepare.input='/data/web/*.jsonl.zst' prepare.output=/data/web_text_document \\
       prepare.workers=8 data.tokenizer=/data/tokenizer.json
 """
 
