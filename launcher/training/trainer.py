@@ -29,7 +29,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
 from k2.config import to_yaml
-from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
+from k2.config.validate import resume_settings
+from k2.launcher.checkpointing.paths import latest_checkpoint, read_state, resume_point
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
     load_model_weights,
@@ -38,7 +39,8 @@ from k2.launcher.checkpointing.store import (
     verify_checkpoint,
 )
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
-from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
+from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
+from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger
 from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
@@ -107,6 +109,8 @@ class Trainer:
         self.rank = 0
         self.record: dict = {}
         self.started = time.perf_counter()  # for the end-of-run summary
+        # wall-time split over every start of the run (k2.launcher.training.goodput)
+        self.goodput = GoodputClock(process_start_time(parent=env.spawned_by_k2_train))
 
     # ------------------------------------------------------------------ the outline
 
@@ -117,6 +121,7 @@ class Trainer:
         resumed_note = self.restore()
         self.open_logger(resumed_note)
         preempted = False
+        self.goodput.end_startup()
         try:
             self.evaluate_before_training()
             for step in range(self.state.step + 1, self.plan.steps + 1):
@@ -124,7 +129,7 @@ class Trainer:
                 phase = self.enter_phase(step)
                 self.record = self.train_step(step, phase)
                 self.maybe_evaluate(step, phase)
-                self.logger.log(self.record)
+                self.logger.log({**self.record, **self.goodput.fields()})
                 saved = self.maybe_save(step)
                 # agreed after the periodic save: a signal that arrives while step N saves stops at N
                 preempted = step < self.plan.steps and self.stop_for_preemption(step, saved)
@@ -204,6 +209,7 @@ class Trainer:
             same_world = saved["layout"]["world_size"] == self.env.world_size
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
             self.state.load_state_dict(saved)
+            self.goodput.load(saved.get("goodput"))
             note = (f"resumed from {self.plan.resume_from} (step {self.state.step}, "
                     f"{self.state.scheduler.consumed_tokens:,} tokens"
                     f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
@@ -221,9 +227,10 @@ class Trainer:
         """The metrics logger (rank 0 writes), and the start-up lines: the layout, what was resumed, which
         optimizer each parameter gets (also ``<run.dir>/optimizer_params.txt``)."""
         cfg, plan, start = self.cfg, self.plan, self.state.step
-        self.replayed_until = start
-        if self.rank == 0 and start:
-            self.replayed_until = set_aside_replayed_metrics(self.run_dir, start)
+        self.replayed_until, fresh_note = start, None
+        if self.rank == 0:  # records a restart throws away: set aside, their time counted as lost
+            resumed = start if self.plan.resume_from is not None else None
+            self.replayed_until, fresh_note = set_aside_earlier_start(self.run_dir, resumed, self.goodput)
         self.logger = MetricsLogger(
             str(self.run_dir), enabled=self.rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
             config=OmegaConf.to_container(cfg, resolve=True), progress=cfg.train.progress,
@@ -236,6 +243,12 @@ class Trainer:
             f"k2-train: world={self.env.world_size} PP={d.pp} VPP={d.vpp} EP={d.ep} DP={d.dp}; "
             f"schedule={plan.schedule.name}: {plan.steps} steps x {plan.tokens_per_step:,} tokens; "
             f"rank-0 params={n_params:,}; run.dir={self.run_dir}")
+        if fresh_note:
+            self.logger.message(fresh_note)
+        if resumed_note and self.rank == 0 and resume_settings(self.cfg.resume)["from"] is None:
+            marker_note = resume_point(self.run_dir)[1]  # latest was missing, empty or dangling
+            if marker_note:
+                self.logger.message(f"k2-train: {marker_note}")
         if resumed_note:
             self.logger.message(
                 f"k2-train: {resumed_note}"
@@ -262,7 +275,8 @@ class Trainer:
         of ``metrics.jsonl``."""
         if self.cfg.train.eval_interval and self.state.step == 0:
             phase = self.data.phase
-            val_loss = self._evaluate(phase)
+            with self.goodput.timed("eval"):
+                val_loss = self._evaluate(phase)
             self.logger.message(f"step 0: val_loss {val_loss:.4f} (before training)")
             self.logger.log_before_training({"step": 0, "consumed_tokens": 0, "phase": phase.name,
                                              "seq_length": phase.seq_length, "val_loss": val_loss})
@@ -297,6 +311,7 @@ class Trainer:
         loss, _ = reduce_lm_loss(losses)
         self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
+        self.goodput.add("productive", dt)
         record = {
             "step": step,
             "consumed_tokens": scheduler.consumed_tokens,
@@ -333,7 +348,8 @@ class Trainer:
         """Validation loss every ``train.eval_interval`` steps and at the last step (into the record)."""
         every = self.cfg.train.eval_interval
         if every and (step % every == 0 or step == self.plan.steps):
-            self.record["val_loss"] = self._evaluate(phase)
+            with self.goodput.timed("eval"):
+                self.record["val_loss"] = self._evaluate(phase)
 
     def stop_for_preemption(self, step: int, saved: bool = False) -> bool:
         """Collective: when any rank got SIGTERM / SIGUSR1 or ran out of ``run.max_minutes``, save this
@@ -364,8 +380,10 @@ class Trainer:
         """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
         t0 = time.perf_counter()
         c = self.cfg.checkpoint
-        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.state.state_dict(why),
-                               self.config_yaml, c.keep_last, c.keep_every)
+        state = {**self.state.state_dict(why), "goodput": self.goodput.state_dict()}
+        with self.goodput.timed("checkpoint"):
+            path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, state,
+                                   self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
         if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
@@ -388,6 +406,7 @@ class Trainer:
             f"  metrics:     {self.run_dir / 'metrics.jsonl'}",
             f"  checkpoints: {self.run_dir / 'checkpoints'} (latest: "
             f"{getattr(latest_checkpoint(self.run_dir), 'name', 'none')})",
+            f"  {self.goodput.summary()}",
             f"  wandb:       {wandb_dir if wandb_dir is not None else 'off (run.wandb.mode=disabled)'}",
         ]
         self.logger.message("\n".join(lines))

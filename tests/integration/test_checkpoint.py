@@ -9,6 +9,7 @@ processes (its parent, wandb offline, two trainers on one run dir): tests/integr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,45 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     _assert_same_steps(recs, ref, range(1, 9))
     # retention: keep_last=2 (default) plus the one latest names
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000006", "iter_0000008"]
+
+
+GOODPUT_FIELDS = ("time_productive_s", "time_startup_s", "time_checkpoint_s", "time_replayed_s", "time_eval_s",
+                  "time_lost_s", "time_other_s")
+
+
+@pytest.mark.slow
+def test_killed_before_its_first_save_restarts_afresh_and_counts_the_lost_time(cpu4_reference, tmp_path):
+    """kill -9 of rank 0 in step 2, before the first checkpoint (step 2's): the same command again
+    starts the run afresh (not refused), its records of the killed start set aside, and equals the
+    uninterrupted run bitwise; the killed start's step time is counted (replayed + lost) in the goodput
+    fields, which add up to the total and continue over the checkpoints; the summary prints the split."""
+    ref_dir, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    args = [*CPU4, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"]
+    run_trainer(args, 4, run_dir, script="fault_train.py", env={"K2_FAULT": "sigkill_train:2:0"},
+                expect_failure=True)
+    killed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in killed] == [0, 1] and not (run_dir / "checkpoints" / "latest").exists()
+    out = tmp_path / "stdout.txt"
+    recs = run_trainer(args, 4, run_dir, stdout_to=out)
+    text = out.read_text()
+    assert "killed before its first checkpoint (steps up to 1 logged): starting it afresh" in text, text[-3000:]
+    _assert_same_steps(recs, ref, range(1, 9))
+    assert [r.get("replayed", False) for r in recs] == [True] + [False] * 7
+    replayed = [json.loads(x) for x in (run_dir / "metrics.replayed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replayed] == [0, 1]
+    first, last = recs[0], recs[-1]
+    # the killed start's step 1 is replayed time, its start-up and evaluation lost time
+    assert first["time_replayed_s"] == pytest.approx(killed[1]["step_time_s"], rel=1e-9)
+    assert first["time_lost_s"] == pytest.approx(killed[1]["time_total_s"] - killed[1]["step_time_s"], rel=1e-9)
+    for r in recs:
+        assert sum(r[k] for k in GOODPUT_FIELDS) == pytest.approx(r["time_total_s"], rel=1e-9)
+        assert r["goodput"] == pytest.approx(r["time_productive_s"] / r["time_total_s"], rel=1e-9)
+    assert last["time_productive_s"] >= sum(r["step_time_s"] for r in recs) * (1 - 1e-9)
+    assert last["time_checkpoint_s"] > 0 and last["time_eval_s"] > 0 and last["time_startup_s"] > 0
+    assert _state(run_dir)["goodput"]["starts"] == 2 and 0 < last["goodput"] < 1
+    summary = re.search(r"goodput (0\.\d+): productive ([\d.]+) s of ([\d.]+) s over 2 starts \(start-up", text)
+    assert summary and float(summary[1]) == pytest.approx(last["goodput"], abs=0.05), text[-2000:]
 
 
 # MuonClip (Distributed Muon on the byte-range ZeRO-1 shards, whose momentum megatron reshards, and

@@ -8,6 +8,8 @@ test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
   step STEP, after writing its tensors;
 * ``sigusr1_before_pg`` -- rank RANK sends itself SIGUSR1 just before the process groups are created
   (STEP is unused): a notice that arrives while the trainer is still starting;
+* ``sigkill_train`` -- global rank RANK sends itself SIGKILL in the middle of training step STEP (a
+  node lost, ``kill -9``);
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
 """
@@ -33,8 +35,8 @@ def run_microbatches(forward_backward, iters, model, phase, forward_only):
     global train_steps
     if not forward_only:
         train_steps += 1
-        if KIND == "sigterm_train" and train_steps == STEP and ME == RANK:
-            os.kill(os.getpid(), signal.SIGTERM)
+        if KIND in ("sigterm_train", "sigkill_train") and train_steps == STEP and ME == RANK:
+            os.kill(os.getpid(), signal.SIGTERM if KIND == "sigterm_train" else signal.SIGKILL)
     elif KIND == "sigterm_eval" and train_steps == STEP and ME == RANK:
         os.kill(os.getpid(), signal.SIGTERM)
     return _run_microbatches(forward_backward, iters, model, phase, forward_only)
