@@ -354,6 +354,9 @@ class CheckpointConfig:
     # at the end of the run, also export the last checkpoint as a Hugging Face directory
     # <run.dir>/hf (k2-convert export; launcher/hf/): config.json, safetensors shards, tokenizer
     export_hf: bool = False
+    # write the tensors in a forked background writer while training goes on (megatron-core's async
+    # dist-checkpointing); the checkpoint is committed at a later step boundary (docs/checkpoints.md)
+    async_save: bool = False
 
 
 @dataclass

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from k2.config import to_yaml
 from k2.config.validate import resume_settings
+from k2.launcher.checkpointing.background import BackgroundSaver
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state, resume_point
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
@@ -48,7 +49,7 @@ from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_opt
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.state import TrainState
-from k2.launcher.training.step import check_finite, evaluate, reduce_lm_loss, run_microbatches
+from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.model.build import (
     build_model_chunks,
     layout_independent_init,
@@ -111,6 +112,7 @@ class Trainer:
         self.started = time.perf_counter()  # for the end-of-run summary
         # wall-time split over every start of the run (k2.launcher.training.goodput)
         self.goodput = GoodputClock(process_start_time(parent=env.spawned_by_k2_train))
+        self.saver: BackgroundSaver | None = None  # checkpoint.async_save (set in train)
 
     # ------------------------------------------------------------------ the outline
 
@@ -121,22 +123,38 @@ class Trainer:
         resumed_note = self.restore()
         self.open_logger(resumed_note)
         preempted = False
+        c = self.cfg.checkpoint  # checkpoint.async_save: saves written in the background
+        self.saver = BackgroundSaver(self.run_dir, c.keep_last, c.keep_every, self._saved) if c.async_save else None
         self.goodput.end_startup()
         try:
             self.evaluate_before_training()
             for step in range(self.state.step + 1, self.plan.steps + 1):
                 self.preemption.step = step  # named by a signal's log line
                 phase = self.enter_phase(step)
+                overlapped = self.saver is not None and self.saver.in_flight is not None
                 self.record = self.train_step(step, phase)
+                if overlapped:  # a background write ran during this step
+                    self.record["checkpoint_in_flight"] = True
                 self.maybe_evaluate(step, phase)
                 self.logger.log({**self.record, **self.goodput.fields()})
+                self.finish_save(blocking=False)  # commits a background save whose writers are done
                 saved = self.maybe_save(step)
                 # agreed after the periodic save: a signal that arrives while step N saves stops at N
                 preempted = step < self.plan.steps and self.stop_for_preemption(step, saved)
                 if preempted:
                     break
+            self.finish_save(blocking=True)
             self.summarize(preempted)
+        except TrainingDiverged:  # agreed by every rank: the save in flight holds earlier, sound weights
+            self.finish_save(blocking=True)
+            raise
+        except BaseException:  # the ranks may not agree on anything any more
+            if self.saver is not None:
+                self.saver.abandon()
+            raise
         finally:
+            if self.saver is not None:
+                self.saver.close()
             self.logger.close()
         if preempted:
             self.record["preempted"] = self.preemption.reason
@@ -358,6 +376,7 @@ class Trainer:
         if not self.preemption.agreed():
             return False
         why = f"preempted: {self.preemption.reason}"
+        self.finish_save(blocking=True)
         if saved:
             self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
         else:
@@ -382,10 +401,29 @@ class Trainer:
         c = self.cfg.checkpoint
         state = {**self.state.state_dict(why), "goodput": self.goodput.state_dict()}
         with self.goodput.timed("checkpoint"):
-            path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, state,
-                                   self.config_yaml, c.keep_last, c.keep_every)
-        self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
-        if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
+            if self.saver is not None:  # staged; committed at a later step boundary (finish_save)
+                self.saver.save(step, why, self.model, self.optimizer, state, self.config_yaml)
+                self.logger.message(f"step {step}: checkpoint staged in {time.perf_counter() - t0:.2f} s, "
+                                    "written in the background")
+            else:
+                path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, state,
+                                       self.config_yaml, c.keep_last, c.keep_every)
+        if self.saver is None:
+            self._saved(path, step, why, time.perf_counter() - t0)
+        elif why.startswith("preempted") or why == "end of run":  # the run stops here: commit it now
+            self.finish_save(blocking=True)
+
+    def finish_save(self, blocking: bool) -> None:
+        """Collective: commit the background save in flight once every rank's writer is done
+        (``blocking``: wait for them); the wait counts as checkpoint stall."""
+        if self.saver is not None and self.saver.in_flight is not None:
+            with self.goodput.timed("checkpoint"):
+                self.saver.poll(blocking=blocking)
+
+    def _saved(self, path: Path, step: int, why: str, seconds: float) -> None:
+        """A checkpoint is committed: the log line, and at the end of the run the Hugging Face copy."""
+        self.logger.message(f"step {step}: checkpoint {path} ({why}, {seconds:.1f} s)")
+        if why == "end of run" and self.cfg.checkpoint.export_hf and self.rank == 0:
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
     def summarize(self, preempted: bool) -> None:
