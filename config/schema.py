@@ -238,6 +238,23 @@ class OptimConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss-spike guard (``train.spike.*``, launcher/training/spike.py, docs/fault_tolerance.md): a step whose
+    loss or gradient norm exceeds mean + sigma x std of the last ``window`` accepted steps is a spike
+    (OLMo-core's ``SkipStepOptimizer``: 128 steps, 6 sigma)."""
+
+    window: int = 128  # accepted steps the mean and std are taken over (detection starts at half of it)
+    sigma: float = 6.0  # standard deviations above the window's mean
+    # log = a metrics.jsonl field and a log line, training unchanged (the default: the README main job has
+    # 11-sigma gradient-norm outliers that recover by themselves) | skip = no update for that step (weights,
+    # optimizer states, router expert bias as before it), its tokens count as consumed | stop = end the run
+    # with the divergence exit status
+    action: str = "log"
+    # with action=skip: this many spikes in a row stop the run (the window no longer describes it)
+    max_consecutive_skips: int = 10
+
+
+@dataclass
 class TrainConfig:
     """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
     per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
@@ -257,6 +274,7 @@ class TrainConfig:
     # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
     # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
     measure_saved_bytes: bool = False
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
+from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
 from k2.launcher.training.step import check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.model.build import (
@@ -179,6 +180,7 @@ class Trainer:
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
+        self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
 
     def prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save and the requeue marker of
@@ -204,6 +206,7 @@ class Trainer:
             same_world = saved["layout"]["world_size"] == self.env.world_size
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
             self.state.load_state_dict(saved)
+            self.spike.load_state_dict(saved.get("spike"))
             note = (f"resumed from {self.plan.resume_from} (step {self.state.step}, "
                     f"{self.state.scheduler.consumed_tokens:,} tokens"
                     f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
@@ -285,16 +288,17 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.spike.before_step(self.model)
         meter = SavedBytesMeter() if self.cfg.train.measure_saved_bytes and step in self.phase_first_steps else None
         with meter.measure(root=False) if meter is not None else contextlib.nullcontext():
             losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        loss, _ = reduce_lm_loss(losses)
+        update_ok, grad_norm, _ = self.spike.optimizer_step(step, self.optimizer, loss)  # train.spike.action
         attn = self.qk_clip.step(apply=bool(update_ok))  # reads and resets the max-logit windows
         scheduler = self.state.scheduler
         lr = scheduler.lr  # this step's (set before it ran)
         scheduler.step(self.plan.tokens_per_step)
         self.state.step = step
-        loss, _ = reduce_lm_loss(losses)
         self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
         record = {
@@ -327,6 +331,8 @@ class Trainer:
             record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
         if step <= self.replayed_until:
             record["replayed"] = True
+        self.spike.finish_step(step, record, self.logger.message,
+                               lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
         return record
 
     def maybe_evaluate(self, step: int, phase) -> None:
@@ -364,7 +370,8 @@ class Trainer:
         """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
         t0 = time.perf_counter()
         c = self.cfg.checkpoint
-        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.state.state_dict(why),
+        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer,
+                               {**self.state.state_dict(why), "spike": self.spike.state_dict()},
                                self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
         if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
