@@ -356,6 +356,13 @@ class RunConfig:
     # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
     # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
     max_minutes: Optional[float] = None
+    # hang watchdog (launcher/training/watchdog.py, docs/fault_tolerance.md): seconds a step, evaluation or
+    # save may make no progress before the job is stopped with the rank(s) named, every rank's stacks in
+    # <run.dir>/hang/ and exit 42 (requeue); null = 10x the longest such point so far, at least 120 s
+    hang_timeout_s: Optional[float] = None
+    # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
+    # and save of a launch (compilation, caches, no measured time yet)
+    hang_startup_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -127,6 +127,10 @@ def check_run(r) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
+    _require(r.hang_timeout_s is None or (_finite(r.hang_timeout_s) and r.hang_timeout_s > 0), "run.hang_timeout_s",
+             r.hang_timeout_s, "a number > 0 (seconds), or null (derived from the measured step time)")
+    _require(_finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0, "run.hang_startup_timeout_s",
+             r.hang_startup_timeout_s, "a number > 0 (seconds)")
     _require(r.wandb.mode in WANDB_MODES, "run.wandb.mode", r.wandb.mode, ", ".join(WANDB_MODES))
 
 

@@ -47,6 +47,7 @@ from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, P
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
+from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
 from k2.launcher.training.step import check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.model.build import (
     build_model_chunks,
@@ -134,6 +135,7 @@ class Trainer:
             self.summarize(preempted)
         finally:
             self.logger.close()
+            self.watchdog.stop()
         if preempted:
             self.record["preempted"] = self.preemption.reason
         return self.record
@@ -144,8 +146,10 @@ class Trainer:
         """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
         scheduler, the pipeline hooks and the run state."""
         cfg, plan = self.cfg, self.plan
-        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s)
+        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
+                         timeout_s=process_group_timeout_s(cfg.run))
         self.rank = dist.get_rank()
+        self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
         if plan.resume_from is not None:  # before the heavy work: damage is refused first
             verify_checkpoint(plan.resume_from, cfg.checkpoint.verify)
         if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
@@ -284,6 +288,7 @@ class Trainer:
     def train_step(self, step: int, phase) -> dict:
         """One optimizer step: forward-backward over the global batch, the optimizer, QK-Clip, the LR of
         the next step. Returns the step's metrics record (``metrics.jsonl``)."""
+        self.watchdog.progress("step", step)
         t0 = time.perf_counter()
         for m in self.model:
             m.zero_grad_buffer()
@@ -368,6 +373,7 @@ class Trainer:
 
     def save(self, step: int, why: str) -> None:
         """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
+        self.watchdog.progress("save", step)
         t0 = time.perf_counter()
         c = self.cfg.checkpoint
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer,
@@ -416,6 +422,7 @@ class Trainer:
         return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
 
     def _evaluate(self, phase) -> float:
+        self.watchdog.progress("eval", self.state.step)
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
                         self.data.valid_ds, self.data.dp_rank)
 
