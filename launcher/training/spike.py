@@ -188,7 +188,7 @@ class SpikeGuard:
         what = {"log": "logged only (train.spike.action=log)",
                 "skip": "update skipped, its tokens count as consumed",
                 "stop": "stopping the run (train.spike.action=stop)"}[self.action]
-        log(f"step {step}: loss spike ({on} above the mean of the last {len(self.losses)} steps): {what}")
+        log(f"step {step}: spike ({on} above the mean of the last {len(self.losses)} steps): {what}")
         why = None
         if self.action == "stop":
             why = f"loss spike at step {step} (train.spike.action=stop)"

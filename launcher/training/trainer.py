@@ -279,6 +279,7 @@ class Trainer:
         and the ``memory.*`` settings without a restart."""
         phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
         if phase.index != self.data.phase.index:
+            self.watchdog.progress("phase", step)  # dataset rebuild: its own allowance
             self.data.enter(phase, step)
             self._switch_rope(phase)
             apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute

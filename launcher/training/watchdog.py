@@ -8,7 +8,8 @@ works for a rank that is stopped, and nvidia-resiliency-ext's in-job restart nee
 this one runs unchanged under k2-train's own launcher, torchrun and srun):
 
 * The training loop marks **points** on every rank, in the same order: ``start-up``, ``step N``,
-  ``eval N``, ``save N`` (:meth:`HangWatchdog.progress`, in memory only).
+  ``eval N``, ``save N``, ``phase N`` (a schedule phase's datasets are built) (:meth:`HangWatchdog.progress`,
+  in memory only).
 * A daemon thread per rank writes ``<run.dir>/hang/<attempt>/rank<R>.json`` every ``tick`` seconds: host,
   pid, the current point, its sequence number, and an ``alive`` time. The thread keeps ticking while the
   main thread waits in a collective (gloo and NCCL waits release the GIL); a stopped or frozen process

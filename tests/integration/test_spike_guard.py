@@ -57,8 +57,8 @@ def test_injected_spike_is_skipped_by_every_rank_bitwise(tmp_path, stdlib_corpus
     assert by[5]["spike_action"] == "skip" and by[5]["spike_on"] == ["loss"]
     assert by[5]["update_successful"] is False and by[6]["update_successful"] is True
     assert by[5]["consumed_tokens"] == by[4]["consumed_tokens"] + (by[4]["consumed_tokens"] // 4)
-    lines = [x for x in out.read_text().splitlines() if "loss spike" in x]
-    assert len(lines) == 1 and lines[0].startswith("step 5: loss spike (loss ") and "update skipped" in lines[0]
+    lines = [x for x in out.read_text().splitlines() if ": spike (" in x]
+    assert len(lines) == 1 and lines[0].startswith("step 5: spike (loss ") and "update skipped" in lines[0]
     ckpts = run_dir / "checkpoints"
     before, after, later = (_all_tensors(ckpts / f"iter_000000{s}", tmp_path) for s in (4, 5, 6))
     assert before.keys() == after.keys() and any("expert_bias" in k for k in before)
