@@ -238,6 +238,23 @@ class OptimConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss-spike guard (``train.spike.*``, launcher/training/spike.py, docs/fault_tolerance.md): a step whose
+    loss or gradient norm exceeds mean + sigma x std of the last ``window`` accepted steps is a spike
+    (OLMo-core's ``SkipStepOptimizer``: 128 steps, 6 sigma)."""
+
+    window: int = 128  # accepted steps the mean and std are taken over (detection starts at half of it)
+    sigma: float = 6.0  # standard deviations above the window's mean
+    # log = a metrics.jsonl field and a log line, training unchanged (the default: the README main job has
+    # 11-sigma gradient-norm outliers that recover by themselves) | skip = no update for that step (weights,
+    # optimizer states, router expert bias as before it), its tokens count as consumed | stop = end the run
+    # with the divergence exit status
+    action: str = "log"
+    # with action=skip: this many spikes in a row stop the run (the window no longer describes it)
+    max_consecutive_skips: int = 10
+
+
+@dataclass
 class TrainConfig:
     """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
     per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
@@ -257,6 +274,7 @@ class TrainConfig:
     # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
     # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
     measure_saved_bytes: bool = False
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
 @dataclass
@@ -338,6 +356,13 @@ class RunConfig:
     # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
     # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
     max_minutes: Optional[float] = None
+    # hang watchdog (launcher/training/watchdog.py, docs/fault_tolerance.md): seconds a step, evaluation or
+    # save may make no progress before the job is stopped with the rank(s) named, every rank's stacks in
+    # <run.dir>/hang/ and exit 42 (requeue); null = 10x the longest such point so far, at least 120 s
+    hang_timeout_s: Optional[float] = None
+    # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
+    # and save of a launch (compilation, caches, no measured time yet)
+    hang_startup_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from k2.config import to_yaml
 from k2.config.validate import resume_settings
-from k2.launcher.checkpointing.background import BackgroundSaver
+from k2.launcher.checkpointing.background import BackgroundSaver, abandon_in_flight_save
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state, resume_point
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
@@ -48,8 +48,10 @@ from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
+from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
 from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
+from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
 from k2.model.build import (
     build_model_chunks,
     layout_independent_init,
@@ -156,6 +158,7 @@ class Trainer:
             if self.saver is not None:
                 self.saver.close()
             self.logger.close()
+            self.watchdog.stop()
         if preempted:
             self.record["preempted"] = self.preemption.reason
         return self.record
@@ -166,8 +169,12 @@ class Trainer:
         """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
         scheduler, the pipeline hooks and the run state."""
         cfg, plan = self.cfg, self.plan
-        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s)
+        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
+                         timeout_s=process_group_timeout_s(cfg.run))
         self.rank = dist.get_rank()
+        self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
+        # a hang ends the run without a collective: a background save in flight stays .partial
+        self.watchdog.on_hang(lambda _report: abandon_in_flight_save())
         if plan.resume_from is not None:  # before the heavy work: damage is refused first
             verify_checkpoint(plan.resume_from, cfg.checkpoint.verify)
         if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
@@ -202,6 +209,7 @@ class Trainer:
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
+        self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
 
     def prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save and the requeue marker of
@@ -228,6 +236,7 @@ class Trainer:
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
             self.state.load_state_dict(saved)
             self.goodput.load(saved.get("goodput"))
+            self.spike.load_state_dict(saved.get("spike"))
             note = (f"resumed from {self.plan.resume_from} (step {self.state.step}, "
                     f"{self.state.scheduler.consumed_tokens:,} tokens"
                     f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
@@ -304,6 +313,7 @@ class Trainer:
         and the ``memory.*`` settings without a restart."""
         phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
         if phase.index != self.data.phase.index:
+            self.watchdog.progress("phase", step)  # dataset rebuild: its own allowance
             self.data.enter(phase, step)
             self._switch_rope(phase)
             apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute
@@ -313,20 +323,22 @@ class Trainer:
     def train_step(self, step: int, phase) -> dict:
         """One optimizer step: forward-backward over the global batch, the optimizer, QK-Clip, the LR of
         the next step. Returns the step's metrics record (``metrics.jsonl``)."""
+        self.watchdog.progress("step", step)
         t0 = time.perf_counter()
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.spike.before_step(self.model)
         meter = SavedBytesMeter() if self.cfg.train.measure_saved_bytes and step in self.phase_first_steps else None
         with meter.measure(root=False) if meter is not None else contextlib.nullcontext():
             losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        loss, _ = reduce_lm_loss(losses)
+        update_ok, grad_norm, _ = self.spike.optimizer_step(step, self.optimizer, loss)  # train.spike.action
         attn = self.qk_clip.step(apply=bool(update_ok))  # reads and resets the max-logit windows
         scheduler = self.state.scheduler
         lr = scheduler.lr  # this step's (set before it ran)
         scheduler.step(self.plan.tokens_per_step)
         self.state.step = step
-        loss, _ = reduce_lm_loss(losses)
         self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
         self.goodput.add("productive", dt)
@@ -360,6 +372,8 @@ class Trainer:
             record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
         if step <= self.replayed_until:
             record["replayed"] = True
+        self.spike.finish_step(step, record, self.logger.message,
+                               lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
         return record
 
     def maybe_evaluate(self, step: int, phase) -> None:
@@ -397,9 +411,10 @@ class Trainer:
 
     def save(self, step: int, why: str) -> None:
         """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
+        self.watchdog.progress("save", step)
         t0 = time.perf_counter()
         c = self.cfg.checkpoint
-        state = {**self.state.state_dict(why), "goodput": self.goodput.state_dict()}
+        state = {**self.state.state_dict(why), "goodput": self.goodput.state_dict(), "spike": self.spike.state_dict()}
         with self.goodput.timed("checkpoint"):
             if self.saver is not None:  # staged; committed at a later step boundary (finish_save)
                 self.saver.save(step, why, self.model, self.optimizer, state, self.config_yaml)
@@ -466,6 +481,7 @@ class Trainer:
         return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
 
     def _evaluate(self, phase) -> float:
+        self.watchdog.progress("eval", self.state.step)
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
                         self.data.valid_ds, self.data.dp_rank)
 
