@@ -24,8 +24,6 @@ from typing import Optional, Sequence
 from k2.config import load_config
 from k2.launcher.cli import run_main
 from k2.launcher.tools.sbatch import check_submittable, render_sbatch, submit_script
-from k2.launcher.tools.sweep import check_points, point_status, split_multirun, sweep_points
-from k2.launcher.training.prepare import prepare_run
 
 PROG = "k2-submit"
 
@@ -54,6 +52,8 @@ examples:
 
 def _sweep_jobs(overrides: Sequence[str]) -> list:
     """``(cfg, overrides)`` of every sweep point not finished yet (all points validated first)."""
+    from k2.launcher.tools.sweep import check_points, point_status, sweep_points
+
     _, points = sweep_points(overrides)
     cfgs = {p.name: load_config(list(p.overrides)) for p in points}
     for p in points:
@@ -69,6 +69,10 @@ def _sweep_jobs(overrides: Sequence[str]) -> list:
 
 
 def _submit(args: list[str]) -> int:
+    # imported here: --help does not wait for torch (the run checks import the model's backends)
+    from k2.launcher.tools.sweep import split_multirun
+    from k2.launcher.training.prepare import prepare_run
+
     multirun, overrides = split_multirun(args)
     if multirun:
         jobs = _sweep_jobs(overrides)
