@@ -128,6 +128,9 @@ def test_fp8_k2_checkpoint_imports_and_exports_back(tmp_path, megatron_world1):
     for name, want in expected.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
+    mode = lambda f: oct(f.stat().st_mode & 0o777)  # noqa: E731
+    assert {f.name: mode(f) for f in (tmp_path / "out").iterdir()} == \
+        {f.name: mode(tmp_path / "out" / "config.json") for f in (tmp_path / "out").iterdir()}  # shards too
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["rope_scaling"] is None
     assert (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]) == (32, 16, 32)
     assert (config["n_routed_experts"], config["n_shared_experts"], config["routed_scaling_factor"]) == (8, 1, 2.827)
@@ -203,7 +206,14 @@ def test_export_refuses_a_partial_or_damaged_checkpoint_and_leaves_no_output(tmp
     shutil.copytree(ckpt, partial)
     with pytest.raises(ConfigError, match=r"iter_0000000\.partial is a partial save"):
         export_hf(partial, tmp_path / "out")
-    (ckpt / "__0_0.distcp").unlink()
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())  # 64 KiB overwritten, same size: only the checksum sees it
+    n = min(64 << 10, len(data) // 2)
+    data[len(data) // 4:len(data) // 4 + n] = bytes(b ^ 0xFF for b in data[len(data) // 4:len(data) // 4 + n])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"iter_0000000 is damaged or incomplete: __0_0\.distcp: content changed"):
+        export_hf(ckpt, tmp_path / "out")
+    shard.unlink()
     with pytest.raises(ConfigError, match=r"iter_0000000 is damaged or incomplete: __0_0\.distcp"):
         export_hf(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
