@@ -71,10 +71,15 @@ def checkpoint_config(path: Path, verify_level: str = "checksum"):
 
 
 def rope_type_at(cfg, step: int) -> str:
-    """``rope`` | ``yarn``: what the schedule of ``cfg`` trains step ``step`` with (step 0: the first)."""
+    """``rope`` | ``yarn``: what the schedule of ``cfg`` trains step ``step`` with (step 0: the first).
+    At the end of the schedule it is the last phase's, also when that phase has no tokens: K2's schedule
+    ends with a zero-length YaRN phase whose settings are the result (YaRN, factor 32 over 4,096)."""
     from k2.schedules.resolve import resolve_schedule
 
-    phase = resolve_schedule(cfg).step_phase(max(1, int(step)))
+    schedule = resolve_schedule(cfg)
+    if int(step) >= schedule.total_steps:
+        return schedule.phases[-1].rope_type
+    phase = schedule.step_phase(max(1, int(step)))
     return phase.rope_type if phase is not None else str(cfg.model.rope_type)
 
 
