@@ -80,8 +80,9 @@ def _data(args: list[str]) -> int:
 def _prepare(cfg) -> int:
     out = prepare_corpus(cfg)
     m = out.manifest
-    for d in m["datasets"]:
-        print(f"k2-data: {d['prefix']}: {d['documents']:,d} documents, {d['tokens']:,d} tokens")
+    if len(m["datasets"]) > 1:  # (one dataset: the total line below says it all)
+        for d in m["datasets"]:
+            print(f"k2-data: {d['prefix']}: {d['documents']:,d} documents, {d['tokens']:,d} tokens")
     bad = m["bad_records"]["count"]
     print(f"k2-data: {m['documents']:,d} documents, {m['tokens']:,d} tokens (EOD included) from "
           f"{_count(len(m['inputs']), 'input file')}"
