@@ -393,3 +393,24 @@ def test_a_removed_lock_file_is_not_shared_by_two_holders(tmp_path):
     for t in threads:
         t.join(30)
     assert sorted(log) == [f"t{i}" for i in range(6)] and not os.path.exists(path)
+
+
+def test_a_full_disk_is_one_line_naming_the_path(tmp_path, docs, tokenizer_json, capsys, monkeypatch):
+    """ENOSPC while the build writes (an OSError without a file name, as write(2) raises it): one error line
+    naming prepare.output, exit 1, no traceback."""
+    import errno
+
+    from k2.launcher.datasets import preprocess
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(preprocess, "_write_json", full)
+    _write_jsonl(tmp_path / "a.jsonl", docs[:5])
+    out = tmp_path / "o"
+    args = [f"prepare.input={tmp_path / 'a.jsonl'}", f"prepare.output={out}", "prepare.progress=false",
+            f"data.tokenizer={tokenizer_json}", f"model.vocab_size={VOCAB}"]
+    assert data_entry.main(args) == 1
+    err = capsys.readouterr().err
+    assert err == (f"k2-data: error: cannot write prepare.output={out}: No space left on device (errno ENOSPC); "
+                   "free space there or choose another directory, then run again: the build resumes\n"), err
