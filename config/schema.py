@@ -257,6 +257,7 @@ class TrainConfig:
     # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
     # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
     measure_saved_bytes: bool = False
+    report: bool = False  # at the end of the run, rank 0 does `k2-report <run.dir>` (PNGs + summary)
 
 
 @dataclass
@@ -394,6 +395,9 @@ class ClusterConfig:
     # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
     host_memory_gib: float = 2048.0
     peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
+    # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
+    # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
+    cpu_peak_tflops: Optional[float] = None
 
 
 @dataclass
@@ -414,39 +418,26 @@ class SubmitConfig:
     # a pipeline stage's TP/EP/DP ranks share a node); cyclic deals them round-robin (rank r on node
     # r % nodes: the ranks of one stage on different nodes)
     distribution: Optional[str] = None
-    # sbatch --mem (per node). null = --mem=0, all of each node's memory: the job holds its nodes
-    # exclusively (--exclusive) and its offloaded optimizer states and activations live in host memory
-    # (k2-plan's "host memory per node"), while Slurm with memory cgroups gives a job only the memory it
-    # asked for ("To request all the memory on a node, use --mem=0", sbatch(1)). A size (500G, 512000M)
-    # asks for that much instead
+    # sbatch --mem per node; null = --mem=0, all of each (exclusive) node's memory: offloaded optimizer
+    # states / activations live there (k2-plan), and Slurm's memory cgroups give a job only what it asks
     mem: Optional[str] = None
-    # sbatch/srun --cpus-per-task: CPU cores of each rank; also the ranks' OMP_NUM_THREADS. null = Slurm's
-    # default (1 core per task) and OMP_NUM_THREADS from SLURM_CPUS_PER_TASK, else 8
-    cpus_per_task: Optional[int] = None
-    # srun --cpu-bind: none (the default: no binding), cores, threads, sockets, ldoms (the NUMA domains),
-    # rank, map_cpu:<list>, mask_cpu:<list>, map_ldom:<list>, mask_ldom:<list> (optionally verbose,<type>)
-    cpu_bind: str = "none"
-    # srun --gpu-bind: null = no option; closest (each rank the GPU nearest its CPUs' NUMA node), none,
-    # single:<n>, per_task:<n>, map_gpu:<list>, mask_gpu:<list> (optionally verbose,<type>). A rank
-    # that sees one GPU uses it (LOCAL_RANK modulo the GPUs it sees)
-    gpu_bind: Optional[str] = None
-    qos: Optional[str] = None  # sbatch --qos; null = the account's default
-    constraint: Optional[str] = None  # sbatch --constraint (node features, e.g. "h100&ib"); null = none
-    reservation: Optional[str] = None  # sbatch --reservation; null = none
-    # further #SBATCH options, one "--option[=value]" each (on the command line quoted for Hydra:
-    # "submit.extra_args=['--mail-type=END','--comment=k2']");
-    # the options k2-submit sets from other settings are refused here (their setting is named)
+    cpus_per_task: Optional[int] = None  # sbatch/srun --cpus-per-task and OMP_NUM_THREADS; null = Slurm's
+    cpu_bind: str = "none"  # srun --cpu-bind: none, cores, threads, sockets, ldoms, rank, map_cpu:..., ...
+    gpu_bind: Optional[str] = None  # srun --gpu-bind: null (no option), closest, none, single:N, map_gpu:...
+    qos: Optional[str] = None  # sbatch --qos
+    constraint: Optional[str] = None  # sbatch --constraint (node features, e.g. "h100&ib")
+    reservation: Optional[str] = None  # sbatch --reservation
+    # more #SBATCH options, "--option[=value]" each (quoted for Hydra: "submit.extra_args=['--mail-type=END']");
+    # the ones k2-submit sets from other settings are refused (their setting is named)
     extra_args: List[str] = field(default_factory=list)
-    # a container image for the ranks (pyxis/enroot: srun --container-image), e.g.
-    # "nvcr.io#nvidia/pytorch:24.10-py3" or a squashfs path; it must hold k2-launcher. null = no container
+    # pyxis/enroot: srun --container-image (it must hold k2-launcher) and --container-mounts, one
+    # "SRC[:DST[:FLAGS]]" each (run.dir and the data must be visible inside); null / [] = no container
     container_image: Optional[str] = None
-    # srun --container-mounts, one "SRC[:DST[:FLAGS]]" each; run.dir and the data must be visible inside
     container_mounts: List[str] = field(default_factory=list)
-    # the Python the script runs (written into the script, not taken from the job's environment). null =
-    # the interpreter that runs k2-submit, or python3 inside submit.container_image
+    # the Python written into the script; null = the one running k2-submit, python3 in a container
     python: Optional[str] = None
-    # a job of more than one node or with GPUs and data.path=null is refused unless this says the
-    # embedded standard-library corpus (a tiny test corpus) is meant
+    # a job of several nodes or with GPUs and data.path=null is refused unless this says the embedded
+    # standard-library test corpus is meant
     embedded_corpus: bool = False
 
 

@@ -267,6 +267,9 @@ def check_cluster(c) -> None:
              "a number > 0 (GiB)")
     _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
              "a number > 0 (dense BF16 TFLOP/s per GPU)")
+    if c.cpu_peak_tflops is not None:
+        _require(_finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0, "cluster.cpu_peak_tflops",
+                 c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
     _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
              "a number > 0 (GiB of host memory per node, e.g. 2048)")
 

@@ -47,7 +47,7 @@ def test_help_prints_before_the_heavy_imports():
     import subprocess
     import sys
 
-    tools = [*TOOLS, "convert", "sweep_report"]
+    tools = [*TOOLS, "convert", "sweep_report", "report"]
     code = ("import sys\nfrom importlib import import_module\nrc = import_module(f'k2.launcher.{sys.argv[1]}')"
             ".main(['--help'])\nprint('RESULT', rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
     for tool in tools:
