@@ -275,6 +275,7 @@ class TrainConfig:
     # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
     measure_saved_bytes: bool = False
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+    report: bool = False  # at the end of the run, rank 0 does `k2-report <run.dir>` (PNGs + summary)
 
 
 @dataclass
@@ -422,6 +423,9 @@ class ClusterConfig:
     # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
     host_memory_gib: float = 2048.0
     peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
+    # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
+    # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
+    cpu_peak_tflops: Optional[float] = None
 
 
 @dataclass
@@ -442,6 +446,27 @@ class SubmitConfig:
     # a pipeline stage's TP/EP/DP ranks share a node); cyclic deals them round-robin (rank r on node
     # r % nodes: the ranks of one stage on different nodes)
     distribution: Optional[str] = None
+    # sbatch --mem per node; null = --mem=0, all of each (exclusive) node's memory: offloaded optimizer
+    # states / activations live there (k2-plan), and Slurm's memory cgroups give a job only what it asks
+    mem: Optional[str] = None
+    cpus_per_task: Optional[int] = None  # sbatch/srun --cpus-per-task and OMP_NUM_THREADS; null = Slurm's
+    cpu_bind: str = "none"  # srun --cpu-bind: none, cores, threads, sockets, ldoms, rank, map_cpu:..., ...
+    gpu_bind: Optional[str] = None  # srun --gpu-bind: null (no option), closest, none, single:N, map_gpu:...
+    qos: Optional[str] = None  # sbatch --qos
+    constraint: Optional[str] = None  # sbatch --constraint (node features, e.g. "h100&ib")
+    reservation: Optional[str] = None  # sbatch --reservation
+    # more #SBATCH options, "--option[=value]" each (quoted for Hydra: "submit.extra_args=['--mail-type=END']");
+    # the ones k2-submit sets from other settings are refused (their setting is named)
+    extra_args: List[str] = field(default_factory=list)
+    # pyxis/enroot: srun --container-image (it must hold k2-launcher) and --container-mounts, one
+    # "SRC[:DST[:FLAGS]]" each (run.dir and the data must be visible inside); null / [] = no container
+    container_image: Optional[str] = None
+    container_mounts: List[str] = field(default_factory=list)
+    # the Python written into the script; null = the one running k2-submit, python3 in a container
+    python: Optional[str] = None
+    # a job of several nodes or with GPUs and data.path=null is refused unless this says the embedded
+    # standard-library test corpus is meant
+    embedded_corpus: bool = False
 
 
 @dataclass

@@ -22,15 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from k2.config import ConfigError, load_config
-from k2.launcher.checkpointing.resume import plan_resume
-from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock, raise_if_busy
 from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
-from k2.launcher.datasets.corpus import prepare_stdlib_corpus
-from k2.launcher.tools.sweep import run_sweep, split_multirun
-from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
-from k2.launcher.training.prepare import prepare_run
-from k2.parallel.distributed import destroy_distributed, dist_env
-from k2.parallel.rendezvous import RendezvousTimeout
 
 PROG = "k2-train"
 
@@ -52,6 +44,13 @@ examples:
 
 
 def _train(args: list[str]) -> int:
+    # imported here, not at the top (as in _run): --help prints before torch is imported
+    from k2.launcher.checkpointing.resume import plan_resume
+    from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock, raise_if_busy
+    from k2.launcher.tools.sweep import run_sweep, split_multirun
+    from k2.launcher.training.prepare import prepare_run
+    from k2.parallel.distributed import dist_env
+
     multirun, overrides = split_multirun(args)
     env = dist_env()
     if multirun:
@@ -83,6 +82,11 @@ def _train(args: list[str]) -> int:
 
 
 def _run(cfg, plan, overrides: list[str], env) -> int:
+    from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+    from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
+    from k2.parallel.distributed import destroy_distributed
+    from k2.parallel.rendezvous import RendezvousTimeout
+
     world = plan.dims.world_size
     if not env.launched and world > 1:
         if cfg.data.path is None:

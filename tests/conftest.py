@@ -143,13 +143,13 @@ def no_process_start(monkeypatch):
     """
     import torch.distributed as dist
 
-    from k2.launcher import train
-    from k2.launcher.training import trainer
+    from k2.launcher.training import launch, trainer
 
     started: list[str] = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append("pg"))
     monkeypatch.setattr(trainer, "run", lambda *a, **k: started.append("run"))
-    monkeypatch.setattr(train, "spawn_local_ranks", lambda *a, **k: started.append("spawn"))
+    # (k2.launcher.train imports it when it runs: its --help does not wait for torch)
+    monkeypatch.setattr(launch, "spawn_local_ranks", lambda *a, **k: started.append("spawn"))
     return started
 
 

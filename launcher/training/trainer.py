@@ -22,6 +22,7 @@ import contextlib
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
@@ -41,13 +42,14 @@ from k2.launcher.checkpointing.store import (
 )
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
-from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger
+from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_mfu
 from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
+from k2.launcher.training.run_report import write_run_report
 from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
 from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
@@ -59,7 +61,7 @@ from k2.model.build import (
     set_rope_type,
     transformer_config,
 )
-from k2.model.flops import mfu, step_flops
+from k2.model.flops import step_flops
 from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
 from k2.optim.params import format_route_table, param_rules, route_table, tag_parameters
@@ -155,10 +157,12 @@ class Trainer:
                 self.saver.abandon()
             raise
         finally:
+            self.watchdog.stop()
             if self.saver is not None:
                 self.saver.close()
             self.logger.close()
-            self.watchdog.stop()
+        if self.cfg.train.report and self.rank == 0:  # the run's curves as PNGs and its summary
+            print(write_run_report(self.run_dir).text(), flush=True)
         if preempted:
             self.record["preempted"] = self.preemption.reason
         return self.record
@@ -359,9 +363,9 @@ class Trainer:
             **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
         }
         # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
-        record["model_tflops_per_gpu"], record["mfu"] = mfu(
+        record["model_tflops_per_gpu"], record["mfu"] = step_mfu(
             step_flops(self.cfg.model, phase.seq_length, self.plan.tokens_per_step), dt,
-            self.env.world_size, self.cfg.cluster.peak_tflops)
+            self.env.world_size, self.cfg.cluster, torch.cuda.is_available())
         m = self.cfg.model
         record.update(moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
                                        moe_layer_pattern(m)))

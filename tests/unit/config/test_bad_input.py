@@ -50,6 +50,8 @@ CASES = {
                                      ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60", "multiple of 8"]),
     "grouped_gemm_with_tp": (["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
                              ["model.moe_grouped_gemm=true", "parallel.tp=2"]),
+    "option_style": (["--parallel", "cpu4"], ["'--parallel' is not an override", "write parallel=cpu4"]),
+    "option_style_equals": (["--train.iters=3"], ["write train.iters=3"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }

@@ -23,7 +23,11 @@ def test_none_lists_benchmarks(capsys):
     assert "attention" in out
     rc, out, _ = run_tool(capsys, main, ["bench=none", "output=json"])
     assert rc == 0
-    assert set(json.loads(out)["available"]) == set(BENCHMARKS)
+    available = json.loads(out)["available"]
+    assert set(available) == set(BENCHMARKS)
+    for name, text in available.items():  # whole sentences: the docstring's first one, not its first line
+        doc = " ".join(BENCHMARKS[name].__doc__.split())
+        assert doc.startswith(text) and text.endswith((".", ")")) and text.count("(") == text.count(")"), text
 
 
 def test_attention_json_fp32_matches_reference(capsys):
