@@ -37,7 +37,7 @@ from typing import Any
 from omegaconf import ListConfig, OmegaConf
 
 from k2.config import ConfigError
-from k2.launcher.planning.analysis import analyse_layout
+from k2.launcher.planning.analysis import _memory_key, analyse_layout, cluster_profile, flops_only_step_time
 from k2.launcher.planning.search import WORLD_FROM, search_layouts
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
@@ -224,6 +224,8 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
     tokens_per_step = schedule.global_batch_tokens
     step_flops = fl.training * tokens_per_step
     est = main_res["makespan"]
+    st = main_res["step_time"]
+    flops_only = flops_only_step_time(cfg, dims, main, tuple(_memory_key(main_res["memory_settings"])[1]))
     query = cfg.plan.query_tokens
     if query is not None:
         query = OmegaConf.to_container(query) if isinstance(query, ListConfig) else [query]
@@ -239,7 +241,12 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
         "micro_batch_size": main.micro_batch_size,
         "seq_length": main.seq_length,
         "step_time_s_estimated": est,
+        "step_time_breakdown_s": dict(st.breakdown),
+        "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
+        "hardware": cluster_profile(cfg).name,
+        "what_if": st.what_if,
         "mfu_estimated": mfu(step_flops, est, dims.world_size, float(cfg.cluster.peak_tflops))[1],
+        "step_time_s_flops_only": flops_only,
         "compute_efficiency": float(cfg.plan.compute_efficiency),
         "schedule": schedule.as_dict(),
         **({"lr_at_tokens": lr_at_tokens(schedule, query)} if query is not None else {}),
