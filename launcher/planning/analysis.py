@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from k2.launcher.planning.phase_settings import offloads_anything, phase_memory
+from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.hardware import load_profile
 from k2.launcher.planning.memory import gpu_memory, stage_activations, state_bytes, state_bytes_lower_bound
 from k2.launcher.planning.step_time import step_time
@@ -102,7 +103,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     settings (:func:`phase_memory`); phases with the same ones share one simulation. Each is simulated
     with megatron's order (:func:`k2.schedules.pipeline_sim.simulate`, stage times and the terms after the
     pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory (:mod:`k2.launcher.planning.memory`)
-    is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`). The
+    is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`, plus the
+    copy an asynchronous checkpoint save stages there: :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The
     layout fits only when every phase fits both ``cluster.gpu_memory_gib`` per GPU and
     ``cluster.host_memory_gib`` per node.
 
@@ -122,6 +124,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     """
 
     profile = cluster_profile(cfg)
+    staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
     capacity = float(cfg.cluster.gpu_memory_gib) * 2**30
     host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
     gpn = int(cfg.cluster.gpus_per_node)
@@ -160,7 +163,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
                         "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
                         "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
                         "memory_settings": mem_cfg, "recompute_s": st.recompute_s,
-                        "host_per_node": host_bytes_per_node(mem, dims, gpn)}
+                        "host_per_node": host_bytes_per_node(mem, dims, gpn) + staged}
     phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
               for p in schedule.phases if p.steps]
     main_res = results[keys[main.index]]
@@ -219,6 +222,7 @@ def check_host_memory(cfg, dims, schedule) -> None:
         gib = lambda x: f"{x:,.1f}" if x >= 1 else f"{x:.3g}"  # noqa: E731
         raise ConfigError(
             f"cluster.host_memory_gib={have:g}: phase '{worst['phase']}' needs {gib(need)} GiB of host memory "
-            f"per node ({int(cfg.cluster.gpus_per_node)} GPUs: offloaded optimizer states and activations), "
+            f"per node ({int(cfg.cluster.gpus_per_node)} GPUs: offloaded optimizer states and activations, the "
+            "staged copy of an asynchronous checkpoint save), "
             f"{gib(have)} GiB available (allowed: cluster.host_memory_gib >= {gib(need)}, or offload less: "
             "memory.offload, optim.offload_fraction)")

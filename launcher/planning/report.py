@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from k2.launcher.planning.checkpoint import format_checkpoint
+
 
 def _human(n: float, unit: str = "") -> str:
     for div, suffix in ((1e12, "T"), (1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "k")):
@@ -143,6 +145,10 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
         )
     lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB")
     lines += ["", *format_phases(plan)]
+    if "gpu_hours_estimated" in plan:
+        lines.append(f"  the whole schedule: {plan['gpu_hours_estimated']:,.0f} GPU-hours at the estimated step times")
+    if "checkpoint" in plan:
+        lines += ["", *format_checkpoint(plan["checkpoint"])]
     return lines
 
 
