@@ -283,6 +283,11 @@ def check_cluster(c) -> None:
                  c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
     _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
              "a number > 0 (GiB of host memory per node, e.g. 2048)")
+    _require(_finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0, "cluster.checkpoint_write_gbps",
+             c.checkpoint_write_gbps, "a number > 0 (GB/s one node writes to storage)")
+    if c.mtbf_hours is not None:
+        _require(_finite(c.mtbf_hours) and c.mtbf_hours > 0, "cluster.mtbf_hours", c.mtbf_hours,
+                 "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)")
 
 
 def check_launch(la) -> None:
@@ -299,6 +304,9 @@ def check_plan(p) -> None:
     if p.step_time_s is not None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
+    _require(p.what_if.tp >= 1, "plan.what_if.tp", p.what_if.tp, "an integer >= 1")
+    if p.what_if.node_limit is not None:
+        _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
 
 
 def check_submit(s) -> None:
