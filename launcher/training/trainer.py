@@ -382,6 +382,7 @@ class Trainer:
                                self.config_yaml, c.keep_last, c.keep_every)
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
         if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
+            self.watchdog.progress("export", step)  # rank 0 alone, for as long as the export takes
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
     def summarize(self, preempted: bool) -> None:

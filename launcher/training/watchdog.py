@@ -8,8 +8,8 @@ works for a rank that is stopped, and nvidia-resiliency-ext's in-job restart nee
 this one runs unchanged under k2-train's own launcher, torchrun and srun):
 
 * The training loop marks **points** on every rank, in the same order: ``start-up``, ``step N``,
-  ``eval N``, ``save N``, ``phase N`` (a schedule phase's datasets are built) (:meth:`HangWatchdog.progress`,
-  in memory only).
+  ``eval N``, ``save N``, ``phase N`` (a schedule phase's datasets are built), ``export N`` (the Hugging
+  Face export at the end, rank 0) (:meth:`HangWatchdog.progress`, in memory only).
 * A daemon thread per rank writes ``<run.dir>/hang/<attempt>/rank<R>.json`` every ``tick`` seconds: host,
   pid, the current point, its sequence number, and an ``alive`` time. The thread keeps ticking while the
   main thread waits in a collective (gloo and NCCL waits release the GIL); a stopped or frozen process
@@ -143,7 +143,8 @@ class HangWatchdog:
         self._callbacks.append(fn)
 
     def progress(self, kind: str, step: Optional[int] = None) -> None:
-        """Mark the start of point ``kind`` (``step`` / ``eval`` / ``save``) of ``step`` on this rank."""
+        """Mark the start of point ``kind`` (``step`` / ``eval`` / ``save`` / ``phase`` / ``export``) of
+        ``step`` on this rank."""
         now = time.monotonic()
         if self._kind != "start-up":
             self._longest[self._kind] = max(self._longest.get(self._kind, 0.0), now - self._since)
@@ -234,7 +235,7 @@ class HangWatchdog:
             b = beats.get(r)
             if b is None:
                 out[r] = "wrote no heartbeat"
-            elif now - b["alive"] > self.stale_s:
+            elif now - b["alive"] > self.stale_s:  # (wall clocks of NTP-synchronised hosts: skew << stale_s)
                 out[r] = f"stopped responding (last heartbeat at '{b['point']}'; host {b['host']}, pid {b['pid']})"
             elif b["seq"] < top:
                 out[r] = f"did not reach '{top_point}': still at '{b['point']}' (host {b['host']}, pid {b['pid']})"
