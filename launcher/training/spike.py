@@ -130,7 +130,7 @@ class SpikeGuard:
         finally:
             del optimizer.prepare_grads
         if "spike" not in measured:  # megatron found inf/NaN gradients: not a spike, the divergence check's
-            self.last = {}
+            self.last = {"spike": False}
             return update_ok, grad_norm, False
         return update_ok, measured["grad_norm"] if measured["spike"] else grad_norm, measured["spike"]
 
@@ -154,10 +154,10 @@ class SpikeGuard:
             self.last["spike_sigmas"] = {name: self._sigmas(v, w) for name, v, w in (
                 ("loss", seen, self.losses), ("grad_norm", grad_norm, self.grad_norms)) if name in which}
         else:
-            self.consecutive = 0
-            self.losses.append(seen)
-            if grad_norm is not None and math.isfinite(grad_norm):
-                self.grad_norms.append(grad_norm)
+            self.consecutive = 0  # (a NaN / inf value stops the run in the divergence check next)
+            for value, window in ((seen, self.losses), (grad_norm, self.grad_norms)):
+                if value is not None and math.isfinite(value):
+                    window.append(value)
         return bool(flag)
 
     @staticmethod

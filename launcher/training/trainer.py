@@ -436,6 +436,8 @@ class Trainer:
         """Collective: commit the background save in flight once every rank's writer is done
         (``blocking``: wait for them); the wait counts as checkpoint stall."""
         if self.saver is not None and self.saver.in_flight is not None:
+            if blocking:  # the wait for the writers gets the watchdog's allowance of a save
+                self.watchdog.progress("save", self.saver.in_flight["step"])
             with self.goodput.timed("checkpoint"):
                 self.saver.poll(blocking=blocking)
 
@@ -443,6 +445,7 @@ class Trainer:
         """A checkpoint is committed: the log line, and at the end of the run the Hugging Face copy."""
         self.logger.message(f"step {step}: checkpoint {path} ({why}, {seconds:.1f} s)")
         if why == "end of run" and self.cfg.checkpoint.export_hf and self.rank == 0:
+            self.watchdog.progress("export", step)  # rank 0 alone, for as long as the export takes
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
     def summarize(self, preempted: bool) -> None:

@@ -8,8 +8,8 @@ works for a rank that is stopped, and nvidia-resiliency-ext's in-job restart nee
 this one runs unchanged under k2-train's own launcher, torchrun and srun):
 
 * The training loop marks **points** on every rank, in the same order: ``start-up``, ``step N``,
-  ``eval N``, ``save N``, ``phase N`` (a schedule phase's datasets are built) (:meth:`HangWatchdog.progress`,
-  in memory only).
+  ``eval N``, ``save N``, ``phase N`` (a schedule phase's datasets are built), ``export N`` (the Hugging
+  Face export at the end, rank 0) (:meth:`HangWatchdog.progress`, in memory only).
 * A daemon thread per rank writes ``<run.dir>/hang/<attempt>/rank<R>.json`` every ``tick`` seconds: host,
   pid, the current point, its sequence number, and an ``alive`` time. The thread keeps ticking while the
   main thread waits in a collective (gloo and NCCL waits release the GIL); a stopped or frozen process
@@ -119,6 +119,7 @@ class HangWatchdog:
         self._thread: Optional[threading.Thread] = None
         self._seam = self._parse_seam()
         self.report: Optional[str] = None
+        self._handling = False
 
     @classmethod
     def for_run(cls, run_cfg, run_dir, rank: int, world_size: int) -> "HangWatchdog":
@@ -136,11 +137,14 @@ class HangWatchdog:
 
     def on_hang(self, fn: Callable[[str], None]) -> None:
         """Register ``fn(report_line)``: called on every live rank after a hang was detected, before the
-        rank exits (e.g. to abandon an in-flight asynchronous save). Exceptions are printed, not raised."""
+        rank exits (e.g. to abandon an in-flight asynchronous save). It runs in the watchdog's thread
+        while the main thread may be blocked in a collective: it must not call a collective nor wait for
+        the main thread. Exceptions are printed, not raised."""
         self._callbacks.append(fn)
 
     def progress(self, kind: str, step: Optional[int] = None) -> None:
-        """Mark the start of point ``kind`` (``step`` / ``eval`` / ``save``) of ``step`` on this rank."""
+        """Mark the start of point ``kind`` (``step`` / ``eval`` / ``save`` / ``phase`` / ``export``) of
+        ``step`` on this rank."""
         now = time.monotonic()
         if self._kind != "start-up":
             self._longest[self._kind] = max(self._longest.get(self._kind, 0.0), now - self._since)
@@ -184,6 +188,8 @@ class HangWatchdog:
     def stop(self) -> None:
         """End the thread; remove this rank's heartbeat (and the attempt directory once empty)."""
         self._stop.set()
+        if self._handling:  # the main thread got here through a peer's error: the thread ends the process
+            self._thread.join()
         if self._thread is not None:
             self._thread.join(timeout=10)
         (self.dir / f"rank{self.rank}.json").unlink(missing_ok=True)
@@ -229,13 +235,16 @@ class HangWatchdog:
             b = beats.get(r)
             if b is None:
                 out[r] = "wrote no heartbeat"
-            elif now - b["alive"] > self.stale_s:
-                out[r] = f"stopped responding at '{b['point']}' (host {b['host']}, pid {b['pid']})"
+            elif now - b["alive"] > self.stale_s:  # (wall clocks of NTP-synchronised hosts: skew << stale_s)
+                out[r] = f"stopped responding (last heartbeat at '{b['point']}'; host {b['host']}, pid {b['pid']})"
             elif b["seq"] < top:
                 out[r] = f"did not reach '{top_point}': still at '{b['point']}' (host {b['host']}, pid {b['pid']})"
         return out
 
     def _handle_hang(self) -> None:
+        """Name, dump, report, then -- once every rank's stacks are on disk, so that no peer's connection
+        error ends a rank before it wrote its own -- kill the named ranks of this host and exit."""
+        self._handling = True
         waited = time.monotonic() - self._since
         setting = "run.hang_startup_timeout_s" if self._allowance == self.startup_timeout_s else (
             "run.hang_timeout_s" if self.timeout_s is not None else "derived run.hang_timeout_s")
@@ -243,8 +252,9 @@ class HangWatchdog:
         named = self.culprits(beats, now)
         live = sorted(r for r, b in beats.items() if r not in named or r == self.rank)
         reporter = live[0] if live else self.rank
+        doomed: list = []
         try:
-            self._write_stacks(beats, named, live)
+            doomed = self._write_stacks(beats, named, live)
         except Exception as e:  # noqa: BLE001 - the exit below must happen
             print(f"k2-train: hang watchdog (rank {self.rank}): writing stacks failed: {e}", flush=True)
         who = "; ".join(f"rank {r} {why}" for r, why in sorted(named.items())) or (
@@ -265,18 +275,25 @@ class HangWatchdog:
             except Exception as e:  # noqa: BLE001
                 print(f"k2-train: hang watchdog (rank {self.rank}): on_hang callback failed: {e}", flush=True)
         self._wait_for_stacks(timeout=20.0)
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._kill_children()
         self._exit(REQUEUE_EXIT_CODE)
 
-    def _write_stacks(self, beats: dict, named: dict, live: list) -> None:
+    def _write_stacks(self, beats: dict, named: dict, live: list) -> list:
+        """This rank's stacks; the named ranks' of this host when this is its lowest live rank (returns
+        their pids, to be killed)."""
         with open(self.dir / f"stacks_rank{self.rank}.txt", "w") as f:
             f.write(f"rank {self.rank} (host {self.host}, pid {self.pid}) at '{self.point()}', all threads:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         here = [r for r in live if r not in named and beats.get(r, {}).get("host") == self.host]
         if here and here[0] != self.rank:
-            return  # the lowest live rank of this host does the named ranks of this host
-        spy = _py_spy()
+            return []  # the lowest live rank of this host does the named ranks of this host
+        spy, doomed = _py_spy(), []
         for r in named:
             b = beats.get(r)
             if b is None or b["host"] != self.host or r == self.rank:
@@ -289,10 +306,8 @@ class HangWatchdog:
                                    text=True, timeout=60)
                 text = p.stdout + p.stderr
             out.write_text(f"rank {r} (host {b['host']}, pid {b['pid']}), by py-spy from rank {self.rank}:\n{text}")
-            try:
-                os.kill(b["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            doomed.append(b["pid"])
+        return doomed
 
     def _wait_for_stacks(self, timeout: float) -> None:
         """Until every rank's stacks file exists (a launcher that kills the others as soon as one rank

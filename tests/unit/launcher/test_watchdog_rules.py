@@ -52,7 +52,7 @@ def test_named_ranks_stale_behind_missing(tmp_path):
              2: {"seq": 6, "point": "step 4", "alive": now, "host": "h", "pid": 3}}
     named = dog.culprits(beats, now)
     assert sorted(named) == [1, 2, 3]
-    assert named[1].startswith("stopped responding at 'save 4'") and "did not reach 'save 4'" in named[2]
+    assert named[1].startswith("stopped responding (last heartbeat at 'save 4'") and "did not reach 'save 4'" in named[2]
     assert named[3] == "wrote no heartbeat"
 
 
@@ -79,7 +79,7 @@ def test_a_stopped_rank_is_reported_dumped_and_killed(tmp_path, monkeypatch):
         if victim.poll() is None:
             victim.kill()
     assert exits == [42] and len(lines) == 1 and lines[0].startswith("k2-train: hang: no progress for ")
-    assert "rank 1 stopped responding at 'step 5'" in lines[0] and "rank 0" not in lines[0]
+    assert "rank 1 stopped responding (last heartbeat at 'step 5'" in lines[0] and "rank 0" not in lines[0]
     assert (dog.dir / "report.txt").read_text().strip() == lines[0]
     assert "in_train_step" in (dog.dir / "stacks_rank1.txt").read_text()
     assert "test_a_stopped_rank_is_reported" in (dog.dir / "stacks_rank0.txt").read_text()
