@@ -276,6 +276,12 @@ def test_fault_during_a_background_write(cpu4_reference, tmp_path, fault):
     recs = run_trainer(args, 4, run_dir)
     _assert_same_steps(recs, ref, range(1, 9))
     assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
+    # goodput: the killed start's steps after step 2 (3..5 or 6) were computed twice
+    moved = run_dir / "metrics.replayed.jsonl"
+    again = [json.loads(x) for x in moved.read_text().splitlines()] if moved.exists() else []
+    assert [r["step"] for r in again] == ([3, 4, 5] if fault == "sigkill_train" else [])
+    assert recs[-1]["time_replayed_s"] == pytest.approx(sum(r["step_time_s"] for r in again), rel=1e-9)
+    assert recs[-1]["time_lost_s"] >= 0
 
 
 @pytest.mark.slow
