@@ -118,7 +118,8 @@ def test_job_killed_before_its_first_save_restarts_afresh_when_requeued(slurm, t
     checkpoint; the job, requeued, starts the run afresh in the same run dir (it is not refused for
     holding metrics without a checkpoint) and finishes with the losses of an uninterrupted run."""
     run_dir = tmp_path / "run"
-    job_args = [*[x for x in JOB if not x.startswith("train.save_interval")], "train.save_interval=8"]  # saves at the end only
+    # one save, at the end: the kill lands before it
+    job_args = [*[x for x in JOB if not x.startswith("train.save_interval")], "train.save_interval=8"]
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
     sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args,
                           f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
