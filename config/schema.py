@@ -381,7 +381,8 @@ class CheckpointConfig:
     # <run.dir>/hf (k2-convert export; launcher/hf/): config.json, safetensors shards, tokenizer
     export_hf: bool = False
     # write the tensors in a forked background writer while training goes on (megatron-core's async
-    # dist-checkpointing); the checkpoint is committed at a later step boundary (docs/checkpoints.md)
+    # dist-checkpointing); the checkpoint is committed at a later step boundary. Off by default: the
+    # copy-on-write snapshot can cost one more copy of the host-resident state (docs/checkpoints.md)
     async_save: bool = False
 
 

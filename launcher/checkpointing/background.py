@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from k2.launcher.checkpointing.store import CheckpointSaveError, begin_save, commit_save, shard_entries
+from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
 
 __all__ = ["BackgroundSaver", "PipeChannel", "abandon_in_flight_save"]
 
@@ -126,7 +126,10 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
         write_fn(*args, **kwargs)
         report.put(shard_entries(partial, args[1]))
     except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it at finalize
-        report.put(RuntimeError(f"{type(e).__name__}: {e}"))
+        try:
+            report.put(e)
+        except Exception:  # noqa: BLE001 - not picklable: its text
+            report.put(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
 class BackgroundSaver:
@@ -165,10 +168,14 @@ class BackgroundSaver:
         else:  # nothing to write on this rank: no writer, no shards
             report.put({})
 
-        def commit() -> None:
+        def take() -> dict:
             entries = report.get_nowait()
             if isinstance(entries, BaseException):
                 raise entries
+            return entries
+
+        def commit() -> None:  # every rank learns of a writer's failure on any (one line, its rank)
+            entries = agree(f"writing checkpoint step {step} into {partial}", take)
             path = commit_save(partial, final, step, entries, state, config_yaml, self.keep_last,
                                self.keep_every)
             self.on_commit(path, step, why, time.perf_counter() - t0)

@@ -10,7 +10,8 @@ that the metrics continue.
 phase's blend at its sequence length), ``data_path`` (the prefixes of that blend),
 ``seq_length``, ``scheduler`` (:meth:`k2.schedules.lr.TokenLRScheduler.state_dict`), ``layout`` (``pp``,
 ``vpp``, ``ep``, ``dp``, ``world_size``), ``optimizer`` (``k2.optim.name``), ``optimizer_dp_fixed`` (True for
-MuonClip's layer-wise ZeRO-1, whose state resumes only at the same DP size), ``wandb_run_id``, ``reason``.
+MuonClip's layer-wise ZeRO-1, whose state resumes only at the same DP size), ``wandb_run_id``, ``reason``;
+the trainer adds ``goodput`` (the run's wall-time split so far, :mod:`k2.launcher.training.goodput`).
 """
 
 from __future__ import annotations

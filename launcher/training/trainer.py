@@ -5,7 +5,9 @@ optimizer, QK-Clip and the LR scheduler (:meth:`Trainer.build`); the checkpoint 
 (:meth:`Trainer.restore`); the metrics logger; then one optimizer step after another in megatron's
 pipeline schedule (``get_forward_backward_func``: interleaved 1F1B when ``parallel.vpp > 1``), each in
 the schedule phase that holds its first token, with evaluation, preemption and checkpoints at step
-boundaries. What a checkpoint records besides the tensors is :class:`TrainState`.
+boundaries (with ``checkpoint.async_save`` a save is staged there and committed at a later one,
+:mod:`k2.launcher.checkpointing.background`). What a checkpoint records besides the tensors is
+:class:`TrainState`; the wall-time split of the run (goodput) is :mod:`k2.launcher.training.goodput`.
 
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
 length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per

@@ -11,11 +11,13 @@ step that failed, unless ``K2_ALLOW_NO_SLURM=1`` (then it skips, naming the reas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from support import REPO
@@ -114,3 +116,48 @@ def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdli
     again = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.strip() == "", again.stdout + again.stderr
     assert again.stderr.count("finished, not submitted") == 2
+
+
+def test_job_killed_before_its_first_save_restarts_afresh_when_requeued(slurm, tmp_path, stdlib_corpus):
+    """Every process of the job gets SIGKILL (a node lost) after its first step and before its first
+    checkpoint; the job, requeued, starts the run afresh in the same run dir (it is not refused for
+    holding metrics without a checkpoint) and finishes with the losses of an uninterrupted run."""
+    run_dir = tmp_path / "run"
+    # one save, at the end: the kill lands before it
+    job_args = [*[x for x in JOB if not x.startswith("train.save_interval")], "train.save_interval=8"]
+    env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
+    sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args,
+                          f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().splitlines()[0]
+    metrics = run_dir / "metrics.jsonl"
+
+    def log(tail: int = 4000) -> str:
+        f = run_dir / f"slurm-{job}.out"
+        return f.read_text()[-tail:] if f.exists() else "(no log)"
+
+    try:
+        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1, 300,
+              lambda: f"step 1 of job {job}: {log()}")
+        for proc in psutil.process_iter(["cmdline"]):  # k2-train and its ranks: this run's processes
+            if f"run.dir={run_dir}" in " ".join(proc.info["cmdline"] or ()):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+        _wait(lambda: slurm.job_field(job, "JobState") not in ("RUNNING", "COMPLETING"), 120,
+              lambda: f"job {job} to die: {log()}", every=0.5)
+        assert not (run_dir / "checkpoints" / "latest").exists(), "killed after its first save: retry"
+        slurm.scontrol("requeue", job)
+        slurm.restart_now(job, 1, log)
+        _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
+              lambda: f"job {job} to finish: {log()}", every=1)
+    finally:
+        if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
+            subprocess.run(["scancel", job], env=slurm.env)
+    assert slurm.job_field(job, "JobState") == "COMPLETED", log() + slurm.diagnose(job)
+    assert "killed before its first checkpoint" in log(tail=10**7), log()
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    ref = run_trainer([x for x in job_args if not x.startswith(("cluster.", "submit."))], 2, tmp_path / "ref")
+    assert [(r["loss"], r["grad_norm"]) for r in recs] == [(r["loss"], r["grad_norm"]) for r in ref]
+    assert recs[-1]["time_replayed_s"] > 0 and recs[-1]["goodput"] < 1

@@ -93,6 +93,7 @@ def shard_entries(partial, buckets):
 
 trainer.init_distributed = init_distributed
 store.shard_entries = shard_entries
+background.shard_entries = shard_entries  # (in the forked writer of checkpoint.async_save)
 background._writer_started = writer_started
 trainer.run_microbatches = run_microbatches  # the training step's
 step.run_microbatches = run_microbatches  # evaluate()'s

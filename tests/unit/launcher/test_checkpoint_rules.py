@@ -88,13 +88,16 @@ def test_missing_empty_or_dangling_latest_falls_back_to_the_newest_that_verifies
         else:
             latest.write_text(marker)
         path, note = resume_point(run_dir)
-        assert path == new and note == f"{latest} {problem}; resuming from the newest checkpoint that verifies: iter_0000004"
+        assert path == new
+        assert note == f"{latest} {problem}; resuming from the newest checkpoint that verifies: iter_0000004"
         assert _plan([f"run.dir={run_dir}"]).resume_from == new
         assert _plan([f"run.dir={tmp_path / 'x'}", f"resume.from={run_dir / 'checkpoints'}"]).resume_from == new
     import shutil
+
     shutil.rmtree(new)
     shutil.rmtree(old)
-    with pytest.raises(ConfigError, match=f"{latest} names iter_0000006, which does not exist and no checkpoint in .* verifies: delete {latest}"):
+    refusal = f"{latest} names iter_0000006, which does not exist and no checkpoint in .* verifies: delete {latest}"
+    with pytest.raises(ConfigError, match=refusal):
         _plan([f"run.dir={run_dir}"])
 
 
