@@ -238,6 +238,23 @@ class OptimConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss-spike guard (``train.spike.*``, launcher/training/spike.py, docs/fault_tolerance.md): a step whose
+    loss or gradient norm exceeds mean + sigma x std of the last ``window`` accepted steps is a spike
+    (OLMo-core's ``SkipStepOptimizer``: 128 steps, 6 sigma)."""
+
+    window: int = 128  # accepted steps the mean and std are taken over (detection starts at half of it)
+    sigma: float = 6.0  # standard deviations above the window's mean
+    # log = a metrics.jsonl field and a log line, training unchanged (the default: the README main job has
+    # 11-sigma gradient-norm outliers that recover by themselves) | skip = no update for that step (weights,
+    # optimizer states, router expert bias as before it), its tokens count as consumed | stop = end the run
+    # with the divergence exit status
+    action: str = "log"
+    # with action=skip: this many spikes in a row stop the run (the window no longer describes it)
+    max_consecutive_skips: int = 10
+
+
+@dataclass
 class TrainConfig:
     """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
     per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
@@ -257,6 +274,7 @@ class TrainConfig:
     # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
     # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
     measure_saved_bytes: bool = False
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     report: bool = False  # at the end of the run, rank 0 does `k2-report <run.dir>` (PNGs + summary)
 
 
@@ -339,6 +357,13 @@ class RunConfig:
     # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
     # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
     max_minutes: Optional[float] = None
+    # hang watchdog (launcher/training/watchdog.py, docs/fault_tolerance.md): seconds a step, evaluation or
+    # save may make no progress before the job is stopped with the rank(s) named, every rank's stacks in
+    # <run.dir>/hang/ and exit 42 (requeue); null = 10x the longest such point so far, at least 120 s
+    hang_timeout_s: Optional[float] = None
+    # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
+    # and save of a launch (compilation, caches, no measured time yet)
+    hang_startup_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -355,6 +380,9 @@ class CheckpointConfig:
     # at the end of the run, also export the last checkpoint as a Hugging Face directory
     # <run.dir>/hf (k2-convert export; launcher/hf/): config.json, safetensors shards, tokenizer
     export_hf: bool = False
+    # write the tensors in a forked background writer while training goes on (megatron-core's async
+    # dist-checkpointing); the checkpoint is committed at a later step boundary (docs/checkpoints.md)
+    async_save: bool = False
 
 
 @dataclass
@@ -398,6 +426,14 @@ class ClusterConfig:
     # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
     # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
     cpu_peak_tflops: Optional[float] = None
+    # k2-plan's checkpoint figures (launcher/planning/checkpoint.py, docs/performance_model.md): GB/s one node
+    # writes to the shared file system. 10 = a 100 Gb/s storage NIC per node (DGX H100 reference: 2 x 200 Gb/s
+    # storage links; parallel file systems deliver 1-10 GB/s per client node)
+    checkpoint_write_gbps: float = 10.0
+    # mean time between failures of the whole job, hours; null = Llama 3's rate for this many GPUs: 419
+    # unexpected interruptions in 54 days on 16,384 H100 (arXiv 2407.21783 section 3.3.4), i.e. 3.09 h x
+    # 16,384 / GPUs (198 h on 256 GPUs)
+    mtbf_hours: Optional[float] = None
 
 
 @dataclass
@@ -455,15 +491,37 @@ class PipelineConfig:
 
 
 @dataclass
+class WhatIfConfig:
+    """``plan.what_if.*``: labelled settings of published runs for ``k2-plan``'s comparisons; k2-train has
+    none of them (launcher/planning/step_time.py)."""
+
+    fp8_gemm: bool = False  # GEMMs at the profile's FP8 rate (DeepSeek-V3, Megatron FP8 recipes)
+    fsdp: bool = False  # DP gathers / reductions overlapped with compute (FSDP, megatron's overlap flags)
+    dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
+    deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
+    node_limit: Optional[int] = None  # node-limited routing: a token goes to at most this many nodes
+    # tensor parallelism of a published run: each planned GPU stands for a TP group of this many GPUs (rates
+    # and links x tp, sequence-parallel gathers per layer; plan it with cluster.gpus_per_node / tp)
+    tp: int = 1
+
+
+@dataclass
 class PlanConfig:
     """``k2-plan`` settings (launcher/planning/)."""
 
     query_tokens: Optional[Any] = None  # list of token counts -> "lr_at_tokens" in the JSON
     search: bool = False  # list the valid PP/VPP/EP layouts of the cluster, ranked by estimated step time
     step_time_s: Optional[float] = None  # a measured step time (s) -> MFU against cluster.peak_tflops
-    # fraction of cluster.peak_tflops a stage's model FLOPs run at (GEMM efficiency; communication
-    # assumed hidden): sets the estimated step time, not the ranking of layouts
+    # the FLOPs-only estimate k2-plan reported before its performance model (step_time_s_flops_only): a
+    # stage's model FLOPs at this fraction of cluster.peak_tflops, communication assumed hidden
     compute_efficiency: float = 0.5
+    # hardware profile of the step-time model (launcher/planning/step_time.py): a name in
+    # recipes/hardware/ (h800 | h100 | h200) or the path of a YAML file k2-bench bench=hardware wrote
+    hardware: str = "h800"
+    # settings of published runs that k2-train does not have, for comparisons only (docs/performance_model.md)
+    what_if: WhatIfConfig = field(default_factory=lambda: WhatIfConfig())
+    # compare the step-time model with published runs (recipes/published/runs.yaml): a run's name or "all"
+    published: Optional[str] = None
 
 
 @dataclass

@@ -49,6 +49,7 @@ RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
 RESUME_MODES = ("auto", "never")
 #: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
 CHECKPOINT_VERIFY_LEVELS = ("checksum", "size", "none")
+SPIKE_ACTIONS = ("log", "skip", "stop")
 _MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 _MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
@@ -111,6 +112,12 @@ def check_train(t) -> None:
     if t.save_interval is not None and t.save_interval < 1:
         raise ConfigError(f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "
                           "null (save only at the end and on preemption)")
+    sp = t.spike
+    _require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
+    _require(_finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
+    _require(sp.action in SPIKE_ACTIONS, "train.spike.action", sp.action, ", ".join(SPIKE_ACTIONS))
+    _require(sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips,
+             "an integer >= 1")
 
 
 def check_checkpoint(c) -> None:
@@ -139,6 +146,10 @@ def check_run(r) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
+    _require(r.hang_timeout_s is None or (_finite(r.hang_timeout_s) and r.hang_timeout_s > 0), "run.hang_timeout_s",
+             r.hang_timeout_s, "a number > 0 (seconds), or null (derived from the measured step time)")
+    _require(_finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0, "run.hang_startup_timeout_s",
+             r.hang_startup_timeout_s, "a number > 0 (seconds)")
     _require(r.wandb.mode in WANDB_MODES, "run.wandb.mode", r.wandb.mode, ", ".join(WANDB_MODES))
 
 
@@ -272,6 +283,11 @@ def check_cluster(c) -> None:
                  c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
     _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
              "a number > 0 (GiB of host memory per node, e.g. 2048)")
+    _require(_finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0, "cluster.checkpoint_write_gbps",
+             c.checkpoint_write_gbps, "a number > 0 (GB/s one node writes to storage)")
+    if c.mtbf_hours is not None:
+        _require(_finite(c.mtbf_hours) and c.mtbf_hours > 0, "cluster.mtbf_hours", c.mtbf_hours,
+                 "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)")
 
 
 def check_launch(la) -> None:
@@ -288,6 +304,9 @@ def check_plan(p) -> None:
     if p.step_time_s is not None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
+    _require(p.what_if.tp >= 1, "plan.what_if.tp", p.what_if.tp, "an integer >= 1")
+    if p.what_if.node_limit is not None:
+        _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
 
 
 def check_submit(s) -> None:

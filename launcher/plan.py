@@ -34,12 +34,14 @@ anything: the layout per pipeline rank, memory per GPU and per phase (fits again
 cluster.gpu_memory_gib and, per node, cluster.host_memory_gib), the pipeline bubble, FLOPs and MFU, the
 schedule's phases and the data blend of each. output=json prints one JSON object;
 plot=PATH.png draws the pipeline timeline, plot_schedule=PATH.png the LR schedule; plan.search=true
-ranks every valid layout.
+ranks every valid layout by the step-time model's estimate (plan.hardware=h800 | h100 | h200 | PATH.yaml:
+the hardware profile); plan.published=all compares the model with published runs.
 
 examples:
   k2-plan model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 cluster.gpus_per_node=8 output=json
   k2-plan model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 plan.search=true
   k2-plan schedule=k2_15t5 plot_schedule=k2_15t5_schedule.png
+  k2-plan plan.published=all
 """
 
 
@@ -92,6 +94,12 @@ def _plan(args: list[str]) -> int:
     from k2.launcher.planning.report import format_text
 
     cfg = load_config(args)
+    if cfg.plan.published:
+        from k2.launcher.planning.published import compare_published, format_published
+
+        rows = compare_published(str(cfg.plan.published))
+        print(json.dumps({"published": rows}) if cfg.output == "json" else format_published(rows))
+        return 0
     plan = plan_cluster(cfg)
     plan.report["phase_data"] = phase_data_rows(cfg)
     if cfg.plot:

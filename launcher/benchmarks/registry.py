@@ -12,6 +12,7 @@ Usage::
     k2-bench bench=step                        # full K2 step vs plain megatron-core, each feature toggled
     k2-bench bench=hf_convert                  # k2-convert import/export peak RSS vs largest group / model
     k2-bench bench=data                        # k2-data prepare tokens/s vs raw encode_batch; peak RSS
+    k2-bench bench=checkpoint                  # save stall, checkpoint.async_save off vs on; overlapped steps
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -58,6 +59,13 @@ def bench_hf_convert(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
+def bench_checkpoint(cfg) -> dict[str, Any]:
+    """The loop's wait per save with checkpoint.async_save off and on, and the slowdown of overlapped steps."""
+    from k2.launcher.benchmarks.checkpoint import bench_checkpoint as run
+
+    return run(cfg)
+
+
 #: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
 BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
@@ -67,6 +75,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "step": bench_step,  # k2.launcher.benchmarks.step
     "hf_convert": bench_hf_convert,  # k2.launcher.benchmarks.hf_convert
     "data": bench_data,  # k2.launcher.benchmarks.data_prepare
+    "checkpoint": bench_checkpoint,  # k2.launcher.benchmarks.checkpoint
 }
 
 

@@ -1,5 +1,6 @@
-"""Bubble, estimated step time, memory per GPU and fit of one layout (``k2-plan`` and its search): the
-main phase simulated with megatron's order, per-stage F / B / W costs from the layout's model FLOPs.
+"""Bubble, estimated step time, memory per GPU and fit of one layout (``k2-plan`` and its search): every
+phase simulated with megatron's order, per-stage F / B / W times from the step-time model
+(:mod:`k2.launcher.planning.step_time`) on the ``plan.hardware`` profile.
 """
 
 from __future__ import annotations
@@ -7,7 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from k2.launcher.planning.phase_settings import offloads_anything, phase_memory
+from k2.launcher.planning.checkpoint import staged_bytes_per_node
+from k2.launcher.planning.hardware import load_profile
 from k2.launcher.planning.memory import gpu_memory, stage_activations, state_bytes, state_bytes_lower_bound
+from k2.launcher.planning.step_time import step_time
 from k2.model.flops import flops_per_token
 from k2.schedules.pipeline_sim import simulate
 
@@ -49,6 +53,25 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     return F, B, W
 
 
+def cluster_profile(cfg):
+    """The hardware profile ``plan.hardware`` names, on ``cluster.gpus_per_node`` GPUs per node (the
+    cluster's node size decides which links a group crosses)."""
+    import dataclasses
+
+    return dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_node=int(cfg.cluster.gpus_per_node))
+
+
+def flops_only_step_time(cfg, dims, phase, recompute=()) -> float:
+    """The step time of the FLOPs-only estimate (model FLOPs at ``cluster.peak_tflops x
+    plan.compute_efficiency`` per stage, the simulated bubble, no communication): what ``k2-plan``
+    reported before the performance model, kept for comparison (``step_time_s_flops_only``)."""
+    tflops = float(cfg.cluster.peak_tflops) * float(cfg.plan.compute_efficiency)
+    fl = flops_per_token(cfg.model, phase.seq_length)
+    F, B, W = stage_costs(fl, dims, phase.seq_length * phase.micro_batch_size, tflops, recompute)
+    return simulate(dims.pp, dims.vpp, phase.num_microbatches, F, B, W,
+                    decouple_wgrad=bool(cfg.pipeline.decouple_wgrad)).makespan
+
+
 def _memory_key(mem) -> tuple:
     if mem is None:
         return ()
@@ -71,13 +94,6 @@ def host_bytes_per_node(memory: list, dims, gpus_per_node: int) -> float:
                for n in range(nodes))
 
 
-def recompute_seconds(B: list, B_plain: list, dims, num_microbatches: int) -> float:
-    """Extra compute of the recompute switches in one step on the busiest PP rank: its backward costs
-    with recompute minus without, times the microbatches (steady state: the step grows by that much)."""
-    return num_microbatches * max(
-        sum(B[v * dims.pp + r] - B_plain[v * dims.pp + r] for v in range(dims.vpp)) for r in range(dims.pp))
-
-
 def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None = None,
                    cache: dict | None = None, prune: bool = False) -> dict[str, Any]:
     """Bubble, estimated step time, memory per GPU and host per node, and the fit, of every phase of one
@@ -85,9 +101,10 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
 
     Every phase that runs a step is planned with its own context length, microbatch and ``memory.*``
     settings (:func:`phase_memory`); phases with the same ones share one simulation. Each is simulated
-    with megatron's order (:func:`k2.schedules.pipeline_sim.simulate`, stage costs from :func:`stage_costs`
-    at ``cluster.peak_tflops x plan.compute_efficiency``); memory (:mod:`k2.launcher.planning.memory`)
-    is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`). The
+    with megatron's order (:func:`k2.schedules.pipeline_sim.simulate`, stage times and the terms after the
+    pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory (:mod:`k2.launcher.planning.memory`)
+    is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`, plus the
+    copy an asynchronous checkpoint save stages there: :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The
     layout fits only when every phase fits both ``cluster.gpu_memory_gib`` per GPU and
     ``cluster.host_memory_gib`` per node.
 
@@ -106,8 +123,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         ``memory_lower_bound``.
     """
 
-    tflops = float(cfg.cluster.peak_tflops) * float(cfg.plan.compute_efficiency)
-    split = bool(cfg.pipeline.decouple_wgrad)
+    profile = cluster_profile(cfg)
+    staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
     capacity = float(cfg.cluster.gpu_memory_gib) * 2**30
     host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
     gpn = int(cfg.cluster.gpus_per_node)
@@ -131,27 +148,22 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         recompute = _memory_key(mem_cfg)[1] if mem_cfg is not None else ()
         fl = flops_per_token(cfg.model, phase.seq_length)
         tokens = phase.seq_length * phase.micro_batch_size
-        F, B, W = stage_costs(fl, dims, tokens, tflops, recompute)
-        _, B_plain, _ = stage_costs(fl, dims, tokens, tflops, ())
         m = phase.num_microbatches
-        m_sim = m
-        if max_microbatches is not None and m > max_microbatches:
-            m_sim = max(dims.pp, max_microbatches // dims.pp * dims.pp)
         acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
                                  micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
                                  memory_cfg=mem_cfg, fused_kernels=True)
-        sim = simulate(dims.pp, dims.vpp, m_sim, F, B, W, decouple_wgrad=split,
-                       activation_bytes=[a.gpu for a in acts])
-        period = [sum(F[v * dims.pp + r] + B[v * dims.pp + r] + W[v * dims.pp + r] for v in range(dims.vpp))
-                  for r in range(dims.pp)]
-        makespan = sim.makespan + (m - m_sim) * max(period)
-        busy = [x * m for x in period]
+        st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=m, recompute=recompute,
+                       offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
+                       profile=profile, max_microbatches=max_microbatches)
+        sim, makespan = st.sim, st.step_s
+        busy = [m * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
+                        for v in range(dims.vpp)) for r in range(dims.pp)]
         mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction))
-        results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan,
-                        "bubble": (dims.pp * makespan - sum(busy)) / sum(busy), "memory": mem,
+        results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
+                        "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
                         "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
-                        "memory_settings": mem_cfg, "recompute_s": recompute_seconds(B, B_plain, dims, m),
-                        "host_per_node": host_bytes_per_node(mem, dims, gpn)}
+                        "memory_settings": mem_cfg, "recompute_s": st.recompute_s,
+                        "host_per_node": host_bytes_per_node(mem, dims, gpn) + staged}
     phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
               for p in schedule.phases if p.steps]
     main_res = results[keys[main.index]]
@@ -210,6 +222,7 @@ def check_host_memory(cfg, dims, schedule) -> None:
         gib = lambda x: f"{x:,.1f}" if x >= 1 else f"{x:.3g}"  # noqa: E731
         raise ConfigError(
             f"cluster.host_memory_gib={have:g}: phase '{worst['phase']}' needs {gib(need)} GiB of host memory "
-            f"per node ({int(cfg.cluster.gpus_per_node)} GPUs: offloaded optimizer states and activations), "
+            f"per node ({int(cfg.cluster.gpus_per_node)} GPUs: offloaded optimizer states and activations, the "
+            "staged copy of an asynchronous checkpoint save), "
             f"{gib(have)} GiB available (allowed: cluster.host_memory_gib >= {gib(need)}, or offload less: "
             "memory.offload, optim.offload_fraction)")

@@ -24,7 +24,10 @@ dense BF16 peak) and any model / parallel / memory / schedule config, without a 
 ``stages``, ``pp_ranks``, ``memory_per_gpu_bytes``, ``gpu_memory_bytes``, ``host_memory_bytes_per_node``,
 ``phases``, ``fits``, ``bubble_fraction``,
 ``pipeline``, ``flops_per_token``, ``flops``, ``global_batch_tokens``, ``num_microbatches``,
-``step_time_s_estimated``, ``mfu_estimated``, with ``plan.step_time_s`` also ``model_tflops_per_gpu``
+``step_time_s_estimated``, ``step_time_breakdown_s``, ``tokens_per_s_per_gpu_estimated``, ``hardware``,
+``what_if``, ``step_time_s_flops_only``, ``mfu_estimated``, ``gpu_hours_estimated`` (every phase's steps
+x its estimated step x GPUs), ``checkpoint``
+(:func:`k2.launcher.planning.checkpoint.checkpoint_plan`), with ``plan.step_time_s`` also ``model_tflops_per_gpu``
 and ``mfu``, with ``plan.search`` the ranked ``search`` list, the ``schedule``, and ``lr_at_tokens``).
 """
 
@@ -37,7 +40,8 @@ from typing import Any
 from omegaconf import ListConfig, OmegaConf
 
 from k2.config import ConfigError
-from k2.launcher.planning.analysis import analyse_layout
+from k2.launcher.planning.analysis import _memory_key, analyse_layout, cluster_profile, flops_only_step_time
+from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.search import WORLD_FROM, search_layouts
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
@@ -113,6 +117,10 @@ def plan_cluster(cfg) -> ClusterPlan:
         tflops, frac = mfu(report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size,
                            float(cfg.cluster.peak_tflops))
         report.update(step_time_s=float(cfg.plan.step_time_s), model_tflops_per_gpu=tflops, mfu=frac)
+    report["gpu_hours_estimated"] = sum(r["steps"] * r["step_time_s_estimated"] for r in a["phases"]) * \
+        dims.world_size / 3600
+    report["checkpoint"] = checkpoint_plan(cfg, counts.total, dims.world_size, report["step_time_s_estimated"],
+                                           cluster_profile(cfg).host_gbps)
     if cfg.plan.search:
         report["search"] = search_layouts(cfg, world, counts)
     return ClusterPlan(report, schedule, a["main"]["sim"])
@@ -224,6 +232,8 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
     tokens_per_step = schedule.global_batch_tokens
     step_flops = fl.training * tokens_per_step
     est = main_res["makespan"]
+    st = main_res["step_time"]
+    flops_only = flops_only_step_time(cfg, dims, main, tuple(_memory_key(main_res["memory_settings"])[1]))
     query = cfg.plan.query_tokens
     if query is not None:
         query = OmegaConf.to_container(query) if isinstance(query, ListConfig) else [query]
@@ -239,7 +249,12 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
         "micro_batch_size": main.micro_batch_size,
         "seq_length": main.seq_length,
         "step_time_s_estimated": est,
+        "step_time_breakdown_s": dict(st.breakdown),
+        "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
+        "hardware": cluster_profile(cfg).name,
+        "what_if": st.what_if,
         "mfu_estimated": mfu(step_flops, est, dims.world_size, float(cfg.cluster.peak_tflops))[1],
+        "step_time_s_flops_only": flops_only,
         "compute_efficiency": float(cfg.plan.compute_efficiency),
         "schedule": schedule.as_dict(),
         **({"lr_at_tokens": lr_at_tokens(schedule, query)} if query is not None else {}),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from k2.launcher.planning.checkpoint import format_checkpoint
+
 
 def _human(n: float, unit: str = "") -> str:
     for div, suffix in ((1e12, "T"), (1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "k")):
@@ -119,9 +121,8 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
         f"  pipeline ({'interleaved ' if plan['vpp'] > 1 else ''}1F1B{', B/W split' if pipe['decouple_wgrad'] else ''},"
         f" phase {pipe['phase']}): pp {plan['pp']} x vpp {plan['vpp']}, {plan['num_microbatches']:,} microbatches "
         f"of {plan['micro_batch_size']} x {plan['seq_length']:,} tokens per DP rank: bubble "
-        f"{100 * plan['bubble_fraction']:.2f}% (idle / busy over the PP ranks); estimated step "
-        f"{plan['step_time_s_estimated']:.4g} s at {100 * plan['compute_efficiency']:g}% of peak per stage "
-        f"(MFU {100 * plan['mfu_estimated']:.1f}%)",
+        f"{100 * plan['bubble_fraction']:.2f}% (idle / busy over the PP ranks)",
+        *format_step_time(plan),
     ]
     if "mfu" in plan:
         lines.append(f"  measured step {plan['step_time_s']:g} s: {plan['model_tflops_per_gpu']:.1f} model TFLOP/s "
@@ -145,6 +146,25 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
         )
     lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB")
     lines += ["", *format_phases(plan)]
+    if "gpu_hours_estimated" in plan:
+        lines.append(f"  the whole schedule: {plan['gpu_hours_estimated']:,.0f} GPU-hours at the estimated step times")
+    if "checkpoint" in plan:
+        lines += ["", *format_checkpoint(plan["checkpoint"])]
+    return lines
+
+
+def format_step_time(plan: dict[str, Any]) -> list[str]:
+    """The step-time model's estimate and its breakdown (seconds per step on the busiest PP rank)."""
+    b = plan["step_time_breakdown_s"]
+    step = plan["step_time_s_estimated"]
+    what_if = f", what-if: {', '.join(plan['what_if'])}" if plan.get("what_if") else ""
+    lines = [f"  estimated step {step:.4g} s on {plan['hardware']} (step-time model{what_if}): "
+             f"{plan['tokens_per_s_per_gpu_estimated']:,.0f} tokens/s per GPU, MFU {100 * plan['mfu_estimated']:.1f}%; "
+             f"FLOPs-only estimate {plan['step_time_s_flops_only']:.4g} s ({100 * plan['compute_efficiency']:g}% of "
+             "peak, no communication)"]
+    cells = [f"{k} {v:.3g} s ({100 * v / step:.1f}%)" for k, v in sorted(b.items(), key=lambda kv: -kv[1]) if v > 0]
+    for i in range(0, len(cells), 4):
+        lines.append(("  breakdown: " if i == 0 else "             ") + ", ".join(cells[i:i + 4]))
     return lines
 
 

@@ -135,6 +135,17 @@ def test_pipeline_bench_bad_options_exit_2(capsys, overrides, named, no_process_
 
 
 
+@pytest.mark.parametrize("overrides, named", [
+    (["bench.options.iters=7", "bench.options.save_interval=4"], "bench.options.iters"),  # two saves
+    (["bench.options.moe_experts=0"], "bench.options.moe_experts"),
+    (["bench.options.sync=1"], "bench.options.sync"),
+])
+def test_checkpoint_bench_bad_options_exit_2(capsys, overrides, named, no_process_start):
+    rc, out, err = run_tool(capsys, main, ["bench=checkpoint", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err
+
+
 # --- bench=step ----------------------------------------------------------------------------------
 
 

@@ -310,10 +310,15 @@ def test_bad_config_exit_2(capsys, monkeypatch, tmp_path, overrides, named):
 
 
 def test_existing_run_refused(capsys, tmp_path):
-    (tmp_path / "run").mkdir()
+    """A run killed before its first save is submitted again (it restarts afresh); a run whose
+    checkpoints/latest names a checkpoint that is gone, with none that verifies, is refused."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 0
+    capsys.readouterr()
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("iter_0000004\n")
     assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 2
-    assert "holds a run" in capsys.readouterr().err
+    assert "names iter_0000004, which does not exist" in capsys.readouterr().err
 
 
 def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):

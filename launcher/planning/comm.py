@@ -1,0 +1,106 @@
+"""Communication of one training step for ``k2-plan``'s step-time model: bytes and seconds per GPU.
+
+Placement (megatron-core's rank order ``tp-cp-ep-dp-pp``, :func:`k2.launcher.planning.analysis.pp_rank_of`):
+an EP group is ``tp x ep`` consecutive ranks, so it stays inside a node while ``tp x ep <=
+gpus_per_node``; a DP group (and an expert-DP group) lies inside one PP rank's ``world / pp`` consecutive
+ranks and crosses nodes when those exceed a node; consecutive PP ranks are ``world / pp`` ranks apart, so
+their activations cross nodes when ``world / pp >= gpus_per_node``.
+
+Rates: a link carries ``bytes / achieved GB/s`` (the profile's measured all-to-all / collective figures,
+not the link peaks), plus the profile's per-message latency across nodes. An all-to-all uses the
+intra-node and inter-node links at once (NCCL and DeepEP both do), so it takes the longer of the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from k2.launcher.planning.hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """One EP all-to-all (dispatch or combine of one MoE layer, one microbatch) on one GPU.
+
+    Attributes:
+        intra_bytes: bytes sent to GPUs of the same node.
+        inter_bytes: bytes sent to other nodes.
+        seconds: its time.
+    """
+
+    intra_bytes: float
+    inter_bytes: float
+    seconds: float
+
+
+def expected_nodes_hit(k: int, nodes: int, node_limit: int | None = None) -> float:
+    """Expected number of distinct nodes a token's ``k`` experts live on, experts drawn uniformly over
+    ``nodes`` nodes (``1 - (1 - 1/N)^k`` per node); with DeepSeek-V3's node-limited routing at most
+    ``node_limit`` (arXiv 2412.19437 section 2.1.2: each token goes to at most M = 4 nodes)."""
+    if nodes <= 1:
+        return 1.0
+    hit = nodes * (1 - (1 - 1 / nodes) ** k)
+    return min(hit, node_limit) if node_limit else hit
+
+
+def ep_alltoall(tokens: float, k: int, hidden: int, ep: int, tp: int, profile: HardwareProfile, *,
+                bytes_per_element: float, dedup_nodes: bool = False, node_limit: int | None = None) -> AllToAll:
+    """Dispatch (or combine) of ``tokens`` tokens, ``k`` expert copies each, over an EP group of ``ep``.
+
+    Each copy of ``hidden`` elements goes to the rank holding its expert; balanced routing sends
+    ``(ep - 1) / ep`` of them off the rank, ``(g - 1) / ep`` inside the node (``g = min(ep, gpus_per_node /
+    tp)`` EP ranks per node) and ``(ep - g) / ep`` across nodes. ``dedup_nodes`` (DeepEP's NVLink
+    forwarding, a what-if): a token crosses the network once per remote node it visits
+    (:func:`expected_nodes_hit`), then NVLink fans it out.
+
+    Returns:
+        :class:`AllToAll` (bytes and seconds per GPU).
+    """
+    if ep <= 1 or tokens <= 0 or k <= 0:
+        return AllToAll(0.0, 0.0, 0.0)
+    g = max(1, min(ep, profile.gpus_per_node // max(tp, 1)))
+    per_copy = hidden * bytes_per_element
+    copies = tokens * k
+    intra = copies * (g - 1) / ep * per_copy
+    nodes = math.ceil(ep / g)
+    if nodes <= 1:
+        inter = 0.0
+    elif dedup_nodes:
+        inter = tokens * expected_nodes_hit(k, nodes, node_limit) * (nodes - 1) / nodes * per_copy
+    else:
+        inter = copies * (ep - g) / ep * per_copy
+    seconds = max(intra / (profile.nvlink_alltoall_gbps * 1e9),
+                  inter / (profile.network_alltoall_gbps * 1e9) + (profile.network_latency_us * 1e-6 if inter else 0))
+    return AllToAll(intra, inter, seconds)
+
+
+def crosses_nodes(group_span: int, profile: HardwareProfile) -> bool:
+    """True when a group spread over ``group_span`` consecutive ranks leaves one node."""
+    return group_span > profile.gpus_per_node
+
+
+def p2p_seconds(nbytes: float, cross_node: bool, profile: HardwareProfile) -> float:
+    """One point-to-point send of ``nbytes`` (a PP activation or its gradient)."""
+    if nbytes <= 0:
+        return 0.0
+    if cross_node:
+        return nbytes / (profile.network_gbps * 1e9) + profile.network_latency_us * 1e-6
+    return nbytes / (profile.nvlink_gbps * 1e9)
+
+
+def ring_seconds(nbytes: float, group: int, cross_node: bool, profile: HardwareProfile) -> float:
+    """A ring reduce-scatter or all-gather of ``nbytes`` (the whole buffer) over ``group`` ranks: each rank
+    moves ``(n - 1) / n`` of it (NCCL's bus-bandwidth convention) at the collective rate of the slowest
+    link, plus ``n - 1`` message latencies across nodes."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    moved = nbytes * (group - 1) / group
+    if cross_node:
+        return moved / (profile.network_collective_gbps * 1e9) + (group - 1) * profile.network_latency_us * 1e-6
+    return moved / (profile.nvlink_collective_gbps * 1e9)
+
+
+def host_copy_seconds(nbytes: float, profile: HardwareProfile) -> float:
+    """A device <-> host copy of ``nbytes`` (offload) at the profile's host link rate."""
+    return max(nbytes, 0.0) / (profile.host_gbps * 1e9)

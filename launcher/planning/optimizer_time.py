@@ -1,0 +1,113 @@
+"""Seconds of the optimizer step on one GPU for ``k2-plan``'s step-time model.
+
+* **Muon's Newton-Schulz** (``optim.name=muonclip``): 5 iterations per matrix ``X`` of shape ``[m, n]``
+  (``m <= n``), each ``A = X X^T`` (``[m, n] x [n, m]``), ``A A`` (``[m, m] x [m, m]``) and ``B X``
+  (``[m, m] x [m, n]``): ``5 (4 m^2 n + 2 m^3)`` FLOPs (Keller Jordan's Muon, the quintic iteration the
+  Moonlight paper, arXiv 2502.16982, and K2 use), priced as GEMMs (:mod:`k2.model.kernels`). Distributed
+  Muon (Moonlight section 2.3) gathers each matrix's gradient over the DP group and runs the iteration on
+  the ranks whose ZeRO-1 shard holds it: a rank runs ``1 / dp`` of its PP rank's dense matrices and
+  ``1 / expert_dp`` of its experts, and all-gathers the FP32 gradients of its matrices (``muon_gather``).
+  The embedding, the output head and the router step with AdamW (K2 / Moonlight).
+* **The element-wise update** over the rank's ZeRO-1 shard, at the memory bandwidth: per parameter AdamW
+  reads the FP32 gradient (4 B), reads and writes the FP32 master and both moments (24 B) and writes the
+  BF16 copy (2 B); Muon has one moment (16 B in all + 2 + 4); both read the gradient once more for the
+  gradient norm and zero it (8 B).
+* **Offloaded states** (``optim.offload_fraction``): that fraction of the master weights and states goes
+  to the device and back every step, at the host link rate, exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from k2.launcher.planning.comm import crosses_nodes, host_copy_seconds, ring_seconds
+from k2.launcher.planning.hardware import HardwareProfile
+from k2.model.kernels import KernelRates, gemm_seconds
+
+_NS_ITERATIONS = 5
+_UPDATE_BYTES = {"adamw": 4 + 24 + 2 + 8, "muon": 4 + 16 + 2 + 8}
+_STATE_BYTES = {"adamw": 12, "muon": 8}  # FP32 master + moments per parameter
+# element-wise kernels per parameter tensor of an unfused (per-tensor) optimizer step: torch's AdamW
+# for-loop path runs ~12 aten ops per tensor (mul, lerp, addcmul, sqrt, div, add, ...); a fused multi-tensor
+# step (megatron's FusedAdam / torch foreach on CUDA) launches a handful for all tensors
+_OPS_PER_TENSOR_UNFUSED = 12
+
+
+@dataclass(frozen=True)
+class OptimizerTime:
+    """Seconds of one optimizer step on the busiest GPU (attributes are the breakdown's terms)."""
+
+    newton_schulz: float
+    update: float
+    muon_gather: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return self.newton_schulz + self.update + self.muon_gather + self.offload
+
+
+def matrices(model_cfg, layers: list[int], moe_pattern, ep: int) -> tuple[list, list]:
+    """Muon's matrices ``(m, n)`` of the given layers on one GPU: ``(dense, expert)`` lists (expert
+    matrices: the GPU's ``num_moe_experts / ep`` experts)."""
+    g = lambda k, d=None: getattr(model_cfg, k, d) if not isinstance(model_cfg, dict) else model_cfg.get(k, d)  # noqa: E731
+    h, H = int(g("hidden_size")), int(g("num_attention_heads"))
+    d_qk, d_r, d_v = int(g("qk_head_dim")), int(g("qk_pos_emb_head_dim")), int(g("v_head_dim"))
+    r_q, r_kv = g("q_lora_rank"), int(g("kv_lora_rank"))
+    attn = ([(h, int(r_q)), (int(r_q), H * (d_qk + d_r))] if r_q else [(h, H * (d_qk + d_r))])
+    attn += [(h, r_kv + d_r), (r_kv, H * (d_qk + d_v)), (H * d_v, h)]
+    E = int(g("num_moe_experts") or 0)
+    f, f_e, f_s = int(g("ffn_hidden_size")), int(g("moe_ffn_hidden_size") or 0), int(g("moe_shared_expert_intermediate_size") or 0)
+    dense, expert = [], []
+    for i in layers:
+        dense += attn
+        if moe_pattern[i]:
+            dense += [(h, 2 * f_s), (f_s, h)] if f_s else []
+            expert += [(h, 2 * f_e), (f_e, h)] * (E // ep)
+        else:
+            dense += [(h, 2 * f), (f, h)]
+    return dense, expert
+
+
+def newton_schulz_seconds(shapes: list, rates: KernelRates) -> float:
+    """Seconds of Newton-Schulz on every ``(m, n)`` of ``shapes`` (module docstring)."""
+    t = 0.0
+    for a, b in shapes:
+        m, n = min(a, b), max(a, b)
+        t += _NS_ITERATIONS * (gemm_seconds(m, n, m, rates) + gemm_seconds(m, m, m, rates)
+                               + gemm_seconds(m, m, n, rates))
+    return t
+
+
+def optimizer_time(optimizer: str, model_cfg, dims, layers: list[int], moe_pattern, *, dense_params: int,
+                   expert_params: int, tensors: int, profile: HardwareProfile, rates: KernelRates,
+                   offload_fraction: float, fused: bool) -> OptimizerTime:
+    """The optimizer step of one GPU of a PP rank holding ``layers``.
+
+    Args:
+        optimizer: ``optim.name`` (``muonclip`` or ``adamw``).
+        dense_params / expert_params: the GPU's parameters outside / inside the routed experts.
+        tensors: its parameter tensors (for the per-tensor launches of an unfused step).
+        rates: the device's rates for the Newton-Schulz GEMMs (BF16 on GPUs).
+        fused: a multi-tensor (fused) update; False = per-tensor kernels (torch's CPU path).
+
+    Returns:
+        :class:`OptimizerTime`, seconds.
+    """
+    kind = "muon" if optimizer.startswith("muon") else "adamw"
+    edp = dims.expert_dp
+    shard = dense_params / dims.dp + expert_params / edp
+    kernels = 10 if fused else math.ceil(tensors / dims.dp) * _OPS_PER_TENSOR_UNFUSED
+    update = shard * _UPDATE_BYTES[kind] / rates.memory_bytes + kernels * rates.launch_s
+    ns = gather = 0.0
+    span = dims.world_size // dims.pp
+    if kind == "muon":
+        dense, expert = matrices(model_cfg, layers, moe_pattern, dims.ep)
+        ns = newton_schulz_seconds(dense, rates) / dims.dp + newton_schulz_seconds(expert, rates) / edp
+        dense_numel = sum(a * b for a, b in dense)
+        expert_numel = sum(a * b for a, b in expert)
+        gather = (ring_seconds(4 * dense_numel, dims.dp, crosses_nodes(span, profile), profile)
+                  + ring_seconds(4 * expert_numel, edp, crosses_nodes(span, profile), profile))
+    offload = 2 * host_copy_seconds(offload_fraction * shard * _STATE_BYTES[kind], profile)
+    return OptimizerTime(newton_schulz=ns, update=update, muon_gather=gather, offload=offload)

@@ -1,0 +1,73 @@
+"""``k2-plan plan.published=all|NAME``: the step-time model against published runs.
+
+``recipes/published/runs.yaml`` lists each run (model, hardware, layout, batch, precision, the published
+step time and tokens/s, its source) with the ``k2-plan`` overrides that state it. Each is planned with
+those overrides alone (the model's constants are the hardware profiles' sourced numbers, none fitted
+to these runs) and compared: ``error = predicted / published - 1`` of the step time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from k2.config.errors import ConfigError
+
+RUNS_FILE = Path(__file__).resolve().parents[2] / "recipes" / "published" / "runs.yaml"
+
+
+def published_runs() -> list[dict[str, Any]]:
+    """The runs of ``recipes/published/runs.yaml`` (each a mapping; keys as in the file)."""
+    return list(yaml.safe_load(RUNS_FILE.read_text())["runs"])
+
+
+def compare_run(run: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
+    """Plan one published run and compare: its name, the predicted and published step seconds and tokens
+    per second per GPU, the error, MFU (BF16 peak), the breakdown (seconds) and the what-if labels."""
+    from k2.config import load_config
+    from k2.launcher.planning.cluster import plan_cluster
+
+    cfg = load_config(list(run["overrides"]) + list(extra))
+    p = plan_cluster(cfg).report
+    tp = int(cfg.plan.what_if.tp)
+    gpus = p["world_size"] * tp
+    step = p["step_time_s_estimated"]
+    return {
+        "name": run["name"], "gpus": gpus, "predicted_step_s": step, "published_step_s": run["published_step_s"],
+        "error": step / run["published_step_s"] - 1,
+        "predicted_tokens_per_s_per_gpu": p["global_batch_tokens"] / step / gpus,
+        "published_tokens_per_s_per_gpu": run["published_tokens_per_s_per_gpu"],
+        "mfu_bf16_peak": p["mfu_estimated"] / tp, "breakdown_s": p["step_time_breakdown_s"],
+        "what_if": p["what_if"], "hardware": p["hardware"], "source": run["source"],
+    }
+
+
+def compare_published(which: str, extra: list[str] = ()) -> list[dict[str, Any]]:
+    """:func:`compare_run` for ``which`` (a run's name, or ``all``).
+
+    Raises:
+        ConfigError: an unknown name, naming ``plan.published`` and the allowed names.
+    """
+    runs = published_runs()
+    names = [r["name"] for r in runs]
+    if which != "all" and which not in names:
+        raise ConfigError(f"plan.published={which!r}: allowed: all, {', '.join(names)}")
+    return [compare_run(r, extra) for r in runs if which in ("all", r["name"])]
+
+
+def format_published(rows: list[dict[str, Any]]) -> str:
+    """Text table of :func:`compare_published`'s rows, then each breakdown."""
+    lines = ["step-time model vs published runs (recipes/published/runs.yaml; error = predicted / published - 1)",
+             f"  {'run':<38}{'GPUs':>6}{'predicted s':>13}{'published s':>13}{'error':>8}{'tok/s/GPU':>11}"
+             f"{'published':>11}{'MFU':>7}  what-if"]
+    for r in rows:
+        lines.append(f"  {r['name']:<38}{r['gpus']:>6}{r['predicted_step_s']:>13.2f}{r['published_step_s']:>13.2f}"
+                     f"{100 * r['error']:>+7.1f}%{r['predicted_tokens_per_s_per_gpu']:>11.0f}"
+                     f"{r['published_tokens_per_s_per_gpu']:>11.0f}{100 * r['mfu_bf16_peak']:>6.1f}%  "
+                     f"{','.join(r['what_if']) or '-'}")
+    for r in rows:
+        terms = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown_s"].items() if v >= 0.005)
+        lines.append(f"  {r['name']}: {terms}")
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""k2-plan's step-time model (launcher/planning/step_time.py and its parts): each term computed another way
+or shown to matter (dropping it changes the step and the ranking of layouts), the hardware profiles'
+sources, the published-run comparison and the checkpoint figures. Pure Python: no process group."""
+
+from __future__ import annotations
+
+import math
+import re
+from unittest import mock
+
+import pytest
+from omegaconf import OmegaConf
+
+from k2.config import load_config
+from k2.launcher.planning import step_time as stm
+from k2.launcher.planning.comm import AllToAll, ep_alltoall, expected_nodes_hit, ring_seconds
+from k2.launcher.planning.hardware import HARDWARE_DIR, available_profiles, load_profile
+from k2.model.kernels import KernelRates, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
+
+
+def test_gemm_roofline_tile_and_wave_quantization():
+    """A GEMM's seconds: 2mkn FLOPs at the rate over the useful share of its 128 x 128 tiles and waves of
+    132, or its bytes at the memory rate, whichever is longer, plus the launch."""
+    r = KernelRates(gemm_flops=800e12, attention_flops=400e12, memory_bytes=3e12, launch_s=4e-6, tile=128, units=132)
+    m, k, n = 4096, 7168, 2048  # 32 x 16 = 512 tiles = 3.88 waves of 132 -> 4 waves
+    eff = 512 / (4 * 132)
+    assert gemm_seconds(m, k, n, r) == pytest.approx(2 * m * k * n / (800e12 * eff) + 4e-6)
+    # m = 129 costs two whole tiles in m (tile quantization): the same time as m = 256
+    assert gemm_seconds(129, k, n, r) == pytest.approx(gemm_seconds(256, k, n, r))
+    # a skinny GEMM is memory-bound: its operands' bytes at the memory rate
+    assert gemm_seconds(1, 8192, 8192, r) == pytest.approx((8192 + 8192 * 8192 + 8192) * 2 / 3e12 + 4e-6)
+    # grouped: one launch, the groups' tiles share the waves
+    assert grouped_gemm_seconds(8, 512, k, n, r) < 8 * gemm_seconds(512, k, n, r)
+    assert elementwise_seconds(3e9, 10, r) == pytest.approx(1e-3 + 40e-6)
+
+
+def test_ep_alltoall_bytes_inside_and_across_nodes():
+    """EP16 on 8-GPU nodes: of a token's k copies, 7/16 go over NVLink and 8/16 across nodes; EP8 stays on
+    the node; DeepEP's forwarding sends a token once per remote node it visits."""
+    p = load_profile("h800")
+    T, k, h = 4096, 8, 7168
+    a = ep_alltoall(T, k, h, 16, 1, p, bytes_per_element=2)
+    assert a.intra_bytes == pytest.approx(T * k * 7 / 16 * h * 2)
+    assert a.inter_bytes == pytest.approx(T * k * 8 / 16 * h * 2)
+    assert a.seconds == pytest.approx(max(a.intra_bytes / 153e9, a.inter_bytes / 50e9 + 10e-6))
+    assert ep_alltoall(T, k, h, 8, 1, p, bytes_per_element=2).inter_bytes == 0
+    d = ep_alltoall(T, k, h, 64, 1, p, bytes_per_element=1, dedup_nodes=True, node_limit=4)
+    assert d.inter_bytes == pytest.approx(T * 4 * 7 / 8 * h)  # at most 4 of 8 nodes, 7/8 of them remote
+    assert expected_nodes_hit(8, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    assert ring_seconds(1e9, 4, False, p) == pytest.approx(0.75e9 / 160e9)
+
+
+@pytest.fixture(scope="module")
+def k2():
+    """K2's config, parameter counts, FLOPs and the H800 profile (counted once for the module)."""
+    from k2.launcher.planning.analysis import cluster_profile
+    from k2.model.flops import flops_per_token
+    from k2.model.params import count_params
+
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu"])
+    return cfg, count_params(cfg), flops_per_token(cfg.model, 4096), cluster_profile(cfg)
+
+
+def _k2_step(k2, pp, vpp, ep, extra=None):
+    from k2.model.flops import flops_per_token  # noqa: F401  (fl comes from the fixture)
+    from k2.parallel.dims import ParallelDims
+    from k2.parallel.layout import balanced_layout
+
+    cfg, counts, fl, profile = k2
+    layout = balanced_layout([fl.layer(i) for i in range(61)], pp, vpp, 0.0, fl.lm_head)
+    c = OmegaConf.merge(cfg, {"parallel": {"pp": pp, "vpp": vpp if vpp > 1 else None, "ep": ep, "layout": layout}},
+                        extra or {})
+    dims = ParallelDims.from_config(c.parallel, c.model, 256)
+    return stm.step_time(c, dims, counts, fl, tokens=4096, num_microbatches=67108864 // 4096 // dims.dp,
+                         recompute=list(c.memory.recompute), profile=profile, max_microbatches=4 * pp)
+
+
+LAYOUTS = [(16, 1, 8), (32, 1, 8), (8, 1, 8), (16, 2, 16), (16, 1, 16), (8, 1, 32)]
+
+
+def test_breakdown_sums_to_the_step_and_is_largest_on_k2s_all_to_all(k2):
+    """K2's layout on 32 H800 nodes: the terms sum to the step; EP16 over two nodes makes the exposed
+    all-to-all the largest term; the FLOPs are the model's (GEMMs + attention at their rates)."""
+    st = _k2_step(k2, 16, 2, 16)
+    assert sum(st.breakdown.values()) == pytest.approx(st.step_s)
+    assert all(v >= 0 for v in st.breakdown.values())
+    assert max(st.breakdown, key=st.breakdown.get) == "ep_comm"
+    assert 150 < st.step_s < 260  # FLOPs-only estimate: 121 s
+
+
+def test_dropping_ep_communication_moves_the_cross_node_layouts(k2):
+    """With the all-to-all priced, every intra-node EP8 layout ranks ahead of every layout whose EP group
+    crosses nodes; with it zeroed, K2's cross-node PP16 x VPP2 x EP16 overtakes them (more tokens per
+    expert GEMM, fewer experts per GPU)."""
+    with_comm = {lay: _k2_step(k2, *lay).step_s for lay in LAYOUTS}
+    intra = [t for (pp, vpp, ep), t in with_comm.items() if ep <= 8]
+    cross = [t for (pp, vpp, ep), t in with_comm.items() if ep > 8]
+    assert max(intra) < min(cross)
+    with mock.patch.object(stm, "ep_alltoall", lambda *a, **k: AllToAll(0.0, 0.0, 0.0)):
+        without = {lay: _k2_step(k2, *lay).step_s for lay in LAYOUTS}
+    assert without[(16, 2, 16)] < min(without[(16, 1, 8)], without[(32, 1, 8)])
+    for lay in LAYOUTS:
+        assert without[lay] < with_comm[lay]
+
+
+def test_each_term_dropped_changes_the_step(k2):
+    """DP traffic, recompute, the optimizer and the non-GEMM kernels each add their share: zeroing one
+    lowers the step by about that term (the pipeline re-simulated)."""
+    base = _k2_step(k2, 16, 2, 16)
+    with mock.patch.object(stm, "ring_seconds", lambda *a, **k: 0.0):
+        no_dp = _k2_step(k2, 16, 2, 16)
+    assert base.step_s - no_dp.step_s == pytest.approx(
+        base.breakdown["dp_grad_reduce_scatter"] + base.breakdown["dp_param_all_gather"], rel=1e-6)
+    no_rec = _k2_step(k2, 16, 2, 16, {"memory": {"recompute": []}})
+    assert no_rec.breakdown["recompute"] == 0 and no_rec.step_s < base.step_s - 0.8 * base.breakdown["recompute"]
+    whole = _k2_step(k2, 16, 2, 16, {"memory": {"recompute": ["layer"]}})
+    # whole-layer recompute re-runs the forward, its all-to-alls included: more than the selective sites
+    assert whole.breakdown["recompute"] > 5 * base.breakdown["recompute"]
+    with mock.patch.object(stm, "nongemm_bytes_per_token", lambda *a, **k: 0.0), \
+            mock.patch.dict(stm.NONGEMM_KERNELS, {k: 0 for k in stm.NONGEMM_KERNELS}):
+        floor_only = _k2_step(k2, 16, 2, 16)
+    # the profile's non-GEMM share (0.27 of the compute stream) still holds the non-GEMM time up
+    share = floor_only.breakdown["non_gemm"] / (floor_only.breakdown["non_gemm"] + floor_only.breakdown["gemm"]
+                                                + floor_only.breakdown["attention"])
+    assert 0.2 < share <= 0.27 + 1e-9
+
+
+def test_hardware_profiles_name_a_source_for_every_number():
+    """Every number in a shipped profile carries its source (a comment on its line) and loads."""
+    assert set(available_profiles()) >= {"h800", "h100", "h200"}
+    for path in HARDWARE_DIR.glob("*.yaml"):
+        for line in path.read_text().splitlines():
+            if re.match(r"^[a-z_0-9]+:\s*[0-9.]+", line):
+                assert "#" in line, f"{path.name}: {line}"
+        load_profile(path.stem)
+    p = load_profile("h100")
+    assert p.nvlink_gbps == 450 and p.network_gbps == 50 and p.peak_bf16_tflops == pytest.approx(989.4)
+
+
+def test_published_runs_are_stated_and_compared():
+    """k2-plan plan.published=all: the three DeepSeek-V3 runs planned from their overrides alone; the
+    error is predicted / published - 1; the what-if settings are named; the H800 run's DualPipe hides
+    its all-to-all, the Megatron FP8 run's (no DualPipe) is exposed."""
+    from k2.launcher.planning.published import compare_published, format_published
+
+    rows = {r["name"]: r for r in compare_published("all")}
+    assert set(rows) == {"deepseek_v3_2048_h800", "deepseek_v3_1024_h100_megatron_fp8",
+                         "deepseek_v3_1024_h100_automodel_bf16"}
+    for r in rows.values():
+        assert r["error"] == pytest.approx(r["predicted_step_s"] / r["published_step_s"] - 1)
+        assert sum(r["breakdown_s"].values()) == pytest.approx(r["predicted_step_s"])
+        assert abs(r["error"]) < 0.4, r  # today's errors: docs/performance_model.md
+        assert r["what_if"]
+    assert rows["deepseek_v3_2048_h800"]["breakdown_s"]["ep_comm"] == 0
+    assert rows["deepseek_v3_1024_h100_megatron_fp8"]["breakdown_s"]["ep_comm"] > 5
+    assert rows["deepseek_v3_1024_h100_megatron_fp8"]["gpus"] == 1024
+    assert "deepseek_v3_2048_h800" in format_published(list(rows.values()))
+
+
+def test_checkpoint_figures_young_daly_and_the_staged_copy():
+    """K2's checkpoint: 10 bytes per parameter with MuonClip (BF16 + FP32 master + momentum), spread over
+    256 GPUs; the async stall is the GPU's bytes over the host link; the interval is sqrt(2 C M); the
+    staged copy is the node's bytes, 0 with async saves off."""
+    from k2.launcher.planning.checkpoint import checkpoint_plan, staged_bytes_per_node
+
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu"])
+    P = 1_026_408_209_408
+    c = checkpoint_plan(cfg, P, 256, 200.0, 50.0)
+    assert c["bytes_total"] == 10 * P and c["bytes_per_gpu"] == pytest.approx(10 * P / 256)
+    assert c["bytes_per_node"] == pytest.approx(8 * 10 * P / 256)
+    assert c["stall_s"] == pytest.approx(10 * P / 256 / 50e9)
+    mtbf = 54 * 24 / 419 * 16384 / 256 * 3600
+    assert c["mtbf_hours"] * 3600 == pytest.approx(mtbf)
+    assert c["save_interval_s"] == pytest.approx(math.sqrt(2 * c["stall_s"] * mtbf))
+    write = 8 * 10 * P / 256 / 10e9
+    assert c["expected_goodput"] == pytest.approx(1 - c["stall_s"] / c["save_interval_s"]
+                                                  - (c["save_interval_s"] / 2 + write) / mtbf)
+    plain = OmegaConf.create({"checkpoint": {"async_save": False}, "optim": {"name": "muonclip"},
+                              "cluster": {"gpus_per_node": 8, "checkpoint_write_gbps": 10.0, "mtbf_hours": None}})
+    assert staged_bytes_per_node(plain, P, 256) == 0
+    sync = checkpoint_plan(plain, P, 256, 200.0, 50.0)
+    assert sync["stall_s"] == pytest.approx(write) and sync["staged_host_bytes_per_node"] == 0
+    plain.checkpoint.async_save = True
+    assert staged_bytes_per_node(plain, P, 256) == pytest.approx(c["bytes_per_node"])
