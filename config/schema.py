@@ -203,7 +203,7 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
-    # optim=muonclip (optim/, README "Optimizer (MuonClip)"): Muon for weight matrices, megatron
+    # optim=muonclip (optim/, docs/optimizer.md): Muon for weight matrices, megatron
     # OptimizerConfig names, defaults = K2 (docs/k2_reference.md "Optimizer")
     muon_momentum: float = 0.95
     muon_nesterov: bool = True

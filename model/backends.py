@@ -6,7 +6,7 @@ is present: CUDA, Transformer Engine (the ``gpu`` extra), the precision. :func:`
 trainer's validation (``k2.launcher.training.prepare.prepare_run``), before any process group. This module imports no
 megatron (it runs in the plan).
 
-GPU path without Transformer Engine (README "GPU path"): BF16 through megatron's mixed-precision wrapper
+GPU path without Transformer Engine (docs/gpu.md): BF16 through megatron's mixed-precision wrapper
 (``Float16Module``, ``parallel/distributed.py``), core attention on SDPA with cuDNN first
 (``model/attention.py``), routed experts as grouped GEMMs (``model/grouped_mlp.py``). With TE: TE's fused
 attention with ``return_max_logit`` (:func:`k2.model.attention.te_core_attention_class`); the rest of the

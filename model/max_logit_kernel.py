@@ -5,7 +5,7 @@ Why our own kernel: QK-Clip (K2 report section 2.1, docs/k2_reference.md) needs,
 kernel for MLA's qk 192 / v 128 head dims without Transformer Engine) does not return it, and
 :func:`k2.model.attention.per_head_max_logit` gets it from a chunked ``q k^T`` in torch, which writes every
 score block to memory and reads it back for the max: on one H200 that pass cost 2.9x the attention
-forward kernel itself (README, "Core attention on one H200"). This kernel computes the same ``q k^T``
+forward kernel itself (docs/results.md, "Core attention on one H200"). This kernel computes the same ``q k^T``
 tiles in registers (``tl.dot``, FP32 accumulation) and keeps only a running row maximum, like the
 first half of a flash-attention forward without the softmax: ``b x heads x ceil(sq / BLOCK_M)`` block
 maxima go to memory, nothing else. Causal masking skips the key tiles above the diagonal.

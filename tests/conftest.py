@@ -9,6 +9,18 @@ import os
 # too): xdist workers and trainer ranks outnumber the cores, and spinning OpenMP threads waste CPU
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# The processes the tests start get a temp dir of this session's, removed when it ends: wandb makes two
+# temp dirs in every process that imports it (media, artifacts), which a rank killed by a test's signal
+# or leaving by os._exit never removes. (gettempdir first: pytest's own base temp dir stays where it was.)
+tempfile.gettempdir()
+_CHILDREN_TMP = tempfile.mkdtemp(prefix="k2-tests-")
+os.environ["TMPDIR"] = _CHILDREN_TMP
+atexit.register(shutil.rmtree, _CHILDREN_TMP, True)
+
 import pytest  # noqa: E402
 
 import k2.parallel  # noqa: E402,F401 (before any test module imports megatron-core: k2.parallel.eager_fusions)

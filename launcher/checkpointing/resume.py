@@ -5,6 +5,7 @@ reshard over DP only (:func:`check_resume_compatible`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,8 @@ from k2.launcher.checkpointing.run_lock import OWNER_LOCK
 
 #: config sections whose change alters what training computes; refused on resume unless resume.force.
 GUARDED = ("model", "schedule", "optim", "data", "run.seed", "train.precision")
+#: the dataset paths among them (and a blend's items): not compared as strings
+_DATA_PATH_KEY = re.compile(r"(schedule\.phases\.\d+\.)?data\.(path|valid_path)(\.\d+)?")
 
 
 
@@ -109,6 +112,8 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
     changes = []
     for key in GUARDED:
         changes += _diff(_select(saved_cfg, key), _select(cfg, key), key)
+    # the datasets' paths are compared by contents instead (k2.launcher.training.resume_data)
+    changes = [c for c in changes if not _DATA_PATH_KEY.fullmatch(c.split(":", 1)[0])]
     if changes and not force:
         raise ConfigError(
             f"resuming from {path} would change training: {'; '.join(changes[:8])}"

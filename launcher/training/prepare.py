@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
 from k2.launcher.planning.phase_settings import offloads_anything
+from k2.launcher.training.resume_data import check_resume_data
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.model.backends import check_backend_config
 from k2.parallel.dims import ParallelDims
@@ -87,6 +89,11 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     phase_data = resolve_phase_data(cfg, data)
     layout = {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp, "world_size": world_size}
     resume_from = plan_resume(cfg, layout)
-    resume_step = 0 if resume_from is None else int(read_state(resume_from)["step"])
+    resume_step = 0
+    if resume_from is not None:
+        state = read_state(resume_from)
+        resume_step = int(state["step"])
+        check_resume_data(resume_from, state, phase_data, [p.name for p in schedule.phases],
+                          bool(resume_settings(cfg.resume)["force"]))
     return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from, resume_step,
                    phase_data)

@@ -7,7 +7,8 @@ samples ``[j G, (j + 1) G)``), the layout and optimizer the tensors were written
 that the metrics continue.
 
 ``k2_state.json`` keys: ``step``, ``consumed_tokens``, ``phase``, ``consumed_samples_in_context`` (of the
-phase's blend at its sequence length), ``data_path`` (the prefixes of that blend),
+phase's blend at its sequence length), ``data_path`` (the prefixes of that blend), ``data_fingerprint``
+(prefix -> :func:`k2.launcher.datasets.fingerprint.dataset_fingerprint`),
 ``seq_length``, ``scheduler`` (:meth:`k2.schedules.lr.TokenLRScheduler.state_dict`), ``layout`` (``pp``,
 ``vpp``, ``ep``, ``dp``, ``world_size``), ``optimizer`` (``k2.optim.name``), ``optimizer_dp_fixed`` (True for
 MuonClip's layer-wise ZeRO-1, whose state resumes only at the same DP size), ``wandb_run_id``, ``reason``;
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from k2.launcher.datasets.fingerprint import dataset_fingerprint
 from k2.launcher.training.phase_data import PhaseData
 from k2.schedules.lr import TokenLRScheduler
 
@@ -62,6 +64,8 @@ class TrainState:
             "consumed_samples_in_context": self.data.samples_before
             + (self.step - self.data.first_step + 1) * phase.global_batch_size,
             "data_path": self.data.data.train_blend[0],
+            # what resume compares (k2.launcher.training.resume_data): the contents, not the path strings
+            "data_fingerprint": {p: dataset_fingerprint(p) for p in self.data.data.train_blend[0]},
             "seq_length": phase.seq_length,
             "scheduler": self.scheduler.state_dict(),
             "layout": self.layout,

@@ -37,7 +37,7 @@ def test_resume_restores_rng_and_data_position_across_a_context_switch(tmp_path,
 
 
 def test_optimizer_params_table_covers_every_parameter(tmp_path, stdlib_corpus):
-    """``<run.dir>/optimizer_params.txt`` (README, "Optimizer"): one row per parameter pattern with its
+    """``<run.dir>/optimizer_params.txt`` (docs/optimizer.md): one row per parameter pattern with its
     count and shape; the rows add up to the model's closed-form parameter count, and its total line
     names the same number."""
     run_trainer(["parallel=single", "train.iters=1", "train.eval_interval=0", "checkpoint.save_at_end=false"],

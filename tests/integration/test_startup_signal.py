@@ -1,5 +1,5 @@
 """A preemption notice (SIGUSR1, what Slurm's ``--signal=USR1@N`` sends) that arrives before the process
-groups exist: the handlers are installed first (README, "Checkpoints and resume"), so the run is not killed
+groups exist: the handlers are installed first (docs/checkpoints.md), so the run is not killed
 by the signal's default action; it trains its first step, saves it, and exits 42."""
 
 from __future__ import annotations

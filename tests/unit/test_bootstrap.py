@@ -1,4 +1,4 @@
-"""scripts/k2's reinstall rule (README, "Quick start"): `pip install -e '.[dev]'` runs on the first call,
+"""scripts/k2's reinstall rule (README, "Set up and go"): `pip install -e '.[dev]'` runs on the first call,
 again whenever pyproject.toml changed since the last successful install (its sha256 in
 .venv/.k2-pyproject.sha256) or the entry points are missing, and never otherwise; a failed install marks
 nothing installed, so the next call retries.

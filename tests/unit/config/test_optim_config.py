@@ -12,7 +12,7 @@ from k2.config.load import load_config
 @pytest.mark.parametrize(
     "overrides, model, optim, tau",
     [
-        ([], "k2_tiny", "adamw", None),  # CPU proxy: AdamW unless asked (README "Optimizer (MuonClip)")
+        ([], "k2_tiny", "adamw", None),  # CPU proxy: AdamW unless asked (docs/optimizer.md)
         (["optim=muonclip"], "k2_tiny", "muonclip", 100.0),
         (["model=kimi_k2"], "kimi_k2", "muonclip", 100.0),  # the K2 recipe: MuonClip by default
         (["model=kimi_k2", "optim=adamw"], "kimi_k2", "adamw", None),  # the command line wins

@@ -379,7 +379,7 @@ def test_search_small_cluster(capsys):
 
 
 def test_search_kimi_k2_on_32_nodes_matches_the_readme():
-    """README ("Planning"): ``k2-plan model=kimi_k2 parallel=k2_256gpu plan.search=true`` on 32 nodes lists
+    """docs/planning.md: ``k2-plan model=kimi_k2 parallel=k2_256gpu plan.search=true`` on 32 nodes lists
     111 valid (PP, VPP, EP) layouts, 12 of which fit every phase of K2's schedule, K2's own PP16 x VPP2 x
     EP16 among them (68.7 GiB on the fullest GPU, ~196 s per step on the H800 profile, the step-time
     model's figure, the same as k2-plan's for that layout alone), behind the two EP8 layouts whose

@@ -1,4 +1,4 @@
-"""wandb's x-axis is the optimizer step (README, "Metrics"): the logger declares ``step`` as the step metric
+"""wandb's x-axis is the optimizer step (docs/configuration.md): the logger declares ``step`` as the step metric
 of every chart and logs each record with its own ``step`` value, never through wandb's internal step
 counter (which restarts at 0 in a resumed process and would put a resumed run's points at the wrong x).
 A stand-in wandb module records the calls."""

@@ -1,4 +1,4 @@
-"""``python -m k2.schedules.pipeline TRACE_DIR OUT.png [STEP]`` (README, "Pipeline"): the timeline of the
+"""``python -m k2.schedules.pipeline TRACE_DIR OUT.png [STEP]`` (docs/pipeline.md): the timeline of the
 chosen step of a ``pipeline.trace`` directory, drawn from a synthetic two-rank trace whose step 1 has F,
 B and W boxes and whose step 2 has no W: the decoded pixels show W's green only for step 1."""
 
