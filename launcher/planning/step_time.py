@@ -58,10 +58,13 @@ from k2.launcher.planning.optimizer_time import optimizer_time
 from k2.model.kernels import KernelRates, attention_seconds, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 from k2.schedules.pipeline_sim import simulate
 
-#: element-wise kernels of one layer's forward (launches), counted from the modules k2-train builds on
-#: the CPU path (aten operators of one forward of k2_tiny's layers under torch's dispatch mode, GEMMs and
-#: core attention excluded; ``k2-bench bench=perf_model`` prints the count it measures beside these)
-NONGEMM_KERNELS = {"attention": 40, "dense_mlp": 12, "moe": 60, "moe_per_expert": 10, "loss": 14}
+#: element-wise operators of one layer's forward per microbatch (launches; views and copies included: on a
+#: CPU each costs the dispatch), counted with torch's dispatch mode over one training step of k2-train's
+#: modules (k2_tiny, CPU path: megatron's sequential experts): per MoE layer ~800 aten operators without its
+#: experts and ~79 per expert, the dense layer with the embedding and the loss ~824, each including the
+#: optimizer's 12 per parameter tensor; less the GEMMs (3 per weight), over the forward + backward
+#: factor 2.5 (:data:`BACKWARD_KERNEL_FACTOR`)
+NONGEMM_KERNELS = {"attention": 100, "dense_mlp": 20, "moe": 140, "moe_per_expert": 20, "loss": 54}
 #: kernels of an element-wise backward per forward kernel (autograd's backward nodes: ~1.5 each)
 BACKWARD_KERNEL_FACTOR = 1.5
 _DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
