@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k2.config.errors import ConfigError
-from k2.launcher.benchmarks.common import bench_options
+from k2.launcher.benchmarks.common import bench_options, check_minimums
 
 _DEFAULTS = {
     "threads": 0,  # CPU threads of the measurements; 0 = os.cpu_count() // ranks (what a k2-train rank gets)
@@ -227,9 +226,7 @@ def bench_hardware(cfg) -> dict[str, Any]:
         ConfigError: a bad option.
     """
     o = bench_options(cfg, _DEFAULTS)
-    for key, low in (("threads", 0), ("ranks", 1), ("repeats", 1), ("gemm_size", 0)):
-        if o[key] < low:
-            raise ConfigError(f"bench.options.{key}={o[key]} must be >= {low}")
+    check_minimums(o, {"threads": 0, "ranks": 1, "repeats": 1, "gemm_size": 0})
     threads = o["threads"] or max(1, (os.cpu_count() or 1) // max(o["ranks"], 1))
     res = measure_profile(threads, o["ranks"], o["repeats"], name=o["name"], gemm_size=o["gemm_size"],
                           shapes=[(256, 128, 384), (256, 384, 128), (256, 128, 4096), (128, 128, 128)])

@@ -24,10 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.benchmarks import pipeline as trainer_runs
-from k2.launcher.benchmarks.common import bench_options
+from k2.launcher.benchmarks.common import bench_options, check_minimums
 from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, write_profile
 from k2.schedules.pipeline import read_trace
 
@@ -101,9 +100,7 @@ def bench_perf_model(cfg) -> dict[str, Any]:
         ConfigError: a bad option.
     """
     o = bench_options(cfg, _DEFAULTS)
-    for key, low in (("iters", 2), ("rounds", 1), ("repeats", 1), ("timeout", 1)):
-        if o[key] < low:
-            raise ConfigError(f"bench.options.{key}={o[key]} must be >= {low}")
+    check_minimums(o, {"iters": 2, "rounds": 1, "repeats": 1, "timeout": 1})
     from k2.launcher.training.prepare import prepare_run
 
     figures: dict[str, Any] = {}
