@@ -128,7 +128,29 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
         ConfigError: an unknown key or recipe, a value of the wrong type, a Hydra parse error, or a
             value that breaks a rule of :mod:`k2.config.validate`.
     """
+    _check_option_style(list(overrides))
     return _compose(tuple(overrides), config_name)
+
+
+def _check_option_style(overrides: list[str]) -> None:
+    """Refuse ``--key value`` / ``--key=value`` (command-line option style, which Hydra's lexer rejects with
+    a parse error) with the override to write instead.
+
+    Raises:
+        ConfigError: an argument starts with ``-``.
+    """
+    for i, o in enumerate(overrides):
+        if not o.startswith("-"):
+            continue
+        key = o.lstrip("-")
+        if "=" in key:
+            hint = key
+        elif i + 1 < len(overrides) and "=" not in overrides[i + 1]:
+            hint = f"{key}={overrides[i + 1]}"
+        else:
+            hint = f"{key}=VALUE"
+        raise ConfigError(f"{o!r} is not an override: the k2 tools take Hydra overrides KEY=VALUE (write {hint}; "
+                          "--help lists the config groups and their recipes)")
 
 
 # One config per distinct (overrides, config name) in a process: composing costs ~0.3 s of CPU (Hydra +

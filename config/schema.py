@@ -238,6 +238,23 @@ class OptimConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss-spike guard (``train.spike.*``, launcher/training/spike.py, docs/fault_tolerance.md): a step whose
+    loss or gradient norm exceeds mean + sigma x std of the last ``window`` accepted steps is a spike
+    (OLMo-core's ``SkipStepOptimizer``: 128 steps, 6 sigma)."""
+
+    window: int = 128  # accepted steps the mean and std are taken over (detection starts at half of it)
+    sigma: float = 6.0  # standard deviations above the window's mean
+    # log = a metrics.jsonl field and a log line, training unchanged (the default: the README main job has
+    # 11-sigma gradient-norm outliers that recover by themselves) | skip = no update for that step (weights,
+    # optimizer states, router expert bias as before it), its tokens count as consumed | stop = end the run
+    # with the divergence exit status
+    action: str = "log"
+    # with action=skip: this many spikes in a row stop the run (the window no longer describes it)
+    max_consecutive_skips: int = 10
+
+
+@dataclass
 class TrainConfig:
     """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
     per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
@@ -257,6 +274,8 @@ class TrainConfig:
     # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
     # for cluster runs; needs a memory.* switch on (no layer scopes otherwise)
     measure_saved_bytes: bool = False
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    report: bool = False  # at the end of the run, rank 0 does `k2-report <run.dir>` (PNGs + summary)
 
 
 @dataclass
@@ -338,6 +357,13 @@ class RunConfig:
     # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
     # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
     max_minutes: Optional[float] = None
+    # hang watchdog (launcher/training/watchdog.py, docs/fault_tolerance.md): seconds a step, evaluation or
+    # save may make no progress before the job is stopped with the rank(s) named, every rank's stacks in
+    # <run.dir>/hang/ and exit 42 (requeue); null = 10x the longest such point so far, at least 120 s
+    hang_timeout_s: Optional[float] = None
+    # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
+    # and save of a launch (compilation, caches, no measured time yet)
+    hang_startup_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -354,6 +380,9 @@ class CheckpointConfig:
     # at the end of the run, also export the last checkpoint as a Hugging Face directory
     # <run.dir>/hf (k2-convert export; launcher/hf/): config.json, safetensors shards, tokenizer
     export_hf: bool = False
+    # write the tensors in a forked background writer while training goes on (megatron-core's async
+    # dist-checkpointing); the checkpoint is committed at a later step boundary (docs/checkpoints.md)
+    async_save: bool = False
 
 
 @dataclass
@@ -394,6 +423,9 @@ class ClusterConfig:
     # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
     host_memory_gib: float = 2048.0
     peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
+    # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
+    # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
+    cpu_peak_tflops: Optional[float] = None
     # k2-plan's checkpoint figures (launcher/planning/checkpoint.py, docs/performance_model.md): GB/s one node
     # writes to the shared file system. 10 = a 100 Gb/s storage NIC per node (DGX H100 reference: 2 x 200 Gb/s
     # storage links; parallel file systems deliver 1-10 GB/s per client node)
@@ -422,6 +454,27 @@ class SubmitConfig:
     # a pipeline stage's TP/EP/DP ranks share a node); cyclic deals them round-robin (rank r on node
     # r % nodes: the ranks of one stage on different nodes)
     distribution: Optional[str] = None
+    # sbatch --mem per node; null = --mem=0, all of each (exclusive) node's memory: offloaded optimizer
+    # states / activations live there (k2-plan), and Slurm's memory cgroups give a job only what it asks
+    mem: Optional[str] = None
+    cpus_per_task: Optional[int] = None  # sbatch/srun --cpus-per-task and OMP_NUM_THREADS; null = Slurm's
+    cpu_bind: str = "none"  # srun --cpu-bind: none, cores, threads, sockets, ldoms, rank, map_cpu:..., ...
+    gpu_bind: Optional[str] = None  # srun --gpu-bind: null (no option), closest, none, single:N, map_gpu:...
+    qos: Optional[str] = None  # sbatch --qos
+    constraint: Optional[str] = None  # sbatch --constraint (node features, e.g. "h100&ib")
+    reservation: Optional[str] = None  # sbatch --reservation
+    # more #SBATCH options, "--option[=value]" each (quoted for Hydra: "submit.extra_args=['--mail-type=END']");
+    # the ones k2-submit sets from other settings are refused (their setting is named)
+    extra_args: List[str] = field(default_factory=list)
+    # pyxis/enroot: srun --container-image (it must hold k2-launcher) and --container-mounts, one
+    # "SRC[:DST[:FLAGS]]" each (run.dir and the data must be visible inside); null / [] = no container
+    container_image: Optional[str] = None
+    container_mounts: List[str] = field(default_factory=list)
+    # the Python written into the script; null = the one running k2-submit, python3 in a container
+    python: Optional[str] = None
+    # a job of several nodes or with GPUs and data.path=null is refused unless this says the embedded
+    # standard-library test corpus is meant
+    embedded_corpus: bool = False
 
 
 @dataclass

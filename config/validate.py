@@ -49,6 +49,7 @@ RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
 RESUME_MODES = ("auto", "never")
 #: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
 CHECKPOINT_VERIFY_LEVELS = ("checksum", "size", "none")
+SPIKE_ACTIONS = ("log", "skip", "stop")
 _MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 _MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
@@ -57,6 +58,25 @@ _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SI
 SRUN_DISTRIBUTIONS = ("block", "cyclic")
 #: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
+#: sbatch --mem: an integer with an optional unit suffix (K, M, G, T; M when none)
+_SLURM_MEM = re.compile(r"\d+[KMGT]?")
+#: srun --cpu-bind / --gpu-bind values (srun(1)), optionally preceded by "verbose,"
+_CPU_BIND = re.compile(r"(verbose,)?(none|cores|threads|sockets|ldoms|rank|rank_ldom"
+                       r"|(map_cpu|mask_cpu|map_ldom|mask_ldom):[0-9a-fA-Fx*,]+)")
+_GPU_BIND = re.compile(r"(verbose,)?(closest|none|(single|per_task):\d+|(map_gpu|mask_gpu):[0-9a-fA-Fx*,]+)")
+#: the #SBATCH options k2-submit writes itself (from the setting named; None: always): not accepted in
+#: submit.extra_args
+SBATCH_OPTIONS_SET = {
+    "--job-name": "submit.job_name", "--nodes": "cluster.nodes", "--ntasks-per-node": "cluster.gpus_per_node",
+    "--ntasks": "cluster.nodes and cluster.gpus_per_node", "--gpus-per-node": "cluster.gpus_per_node",
+    "--time": "submit.time", "--signal": "submit.signal_seconds", "--output": "run.dir",
+    "--error": "run.dir", "--open-mode": "run.dir", "--requeue": None, "--no-requeue": None,
+    "--exclusive": None, "--mem": "submit.mem", "--mem-per-cpu": "submit.mem",
+    "--mem-per-gpu": "submit.mem", "--cpus-per-task": "submit.cpus_per_task", "--partition": "submit.partition",
+    "--account": "submit.account", "--qos": "submit.qos", "--constraint": "submit.constraint",
+    "--reservation": "submit.reservation", "--container-image": "submit.container_image",
+    "--container-mounts": "submit.container_mounts",
+}
 
 
 def _require(ok: bool, setting: str, value: Any, allowed: str) -> None:
@@ -92,6 +112,12 @@ def check_train(t) -> None:
     if t.save_interval is not None and t.save_interval < 1:
         raise ConfigError(f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "
                           "null (save only at the end and on preemption)")
+    sp = t.spike
+    _require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
+    _require(_finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
+    _require(sp.action in SPIKE_ACTIONS, "train.spike.action", sp.action, ", ".join(SPIKE_ACTIONS))
+    _require(sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips,
+             "an integer >= 1")
 
 
 def check_checkpoint(c) -> None:
@@ -120,6 +146,10 @@ def check_run(r) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
+    _require(r.hang_timeout_s is None or (_finite(r.hang_timeout_s) and r.hang_timeout_s > 0), "run.hang_timeout_s",
+             r.hang_timeout_s, "a number > 0 (seconds), or null (derived from the measured step time)")
+    _require(_finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0, "run.hang_startup_timeout_s",
+             r.hang_startup_timeout_s, "a number > 0 (seconds)")
     _require(r.wandb.mode in WANDB_MODES, "run.wandb.mode", r.wandb.mode, ", ".join(WANDB_MODES))
 
 
@@ -248,6 +278,9 @@ def check_cluster(c) -> None:
              "a number > 0 (GiB)")
     _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
              "a number > 0 (dense BF16 TFLOP/s per GPU)")
+    if c.cpu_peak_tflops is not None:
+        _require(_finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0, "cluster.cpu_peak_tflops",
+                 c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
     _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
              "a number > 0 (GiB of host memory per node, e.g. 2048)")
     _require(_finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0, "cluster.checkpoint_write_gbps",
@@ -286,10 +319,42 @@ def check_submit(s) -> None:
     if s.distribution is not None and s.distribution not in SRUN_DISTRIBUTIONS:
         raise ConfigError(f"submit.distribution={s.distribution!r} is not one of "
                           f"{', '.join(SRUN_DISTRIBUTIONS)} or null (Slurm's default, block)")
-    for key in ("job_name", "partition", "account"):
+    for key in ("job_name", "partition", "account", "qos", "constraint", "reservation", "container_image",
+                "python"):
         value = s[key]
         if value is not None and (not str(value) or re.search(r"\s", str(value))):
             raise ConfigError(f"submit.{key}={value!r} must be a non-empty string without whitespace")
+    if s.mem is not None and not _SLURM_MEM.fullmatch(str(s.mem)):
+        raise ConfigError(f"submit.mem={s.mem!r} is not a Slurm memory size; allowed: null (--mem=0, all of "
+                          "each node's memory), or an integer with an optional K/M/G/T suffix (e.g. 500G)")
+    if s.cpus_per_task is not None and (isinstance(s.cpus_per_task, bool) or s.cpus_per_task < 1):
+        raise ConfigError(f"submit.cpus_per_task={s.cpus_per_task} must be an integer >= 1 (cores per rank), "
+                          "or null")
+    if not _CPU_BIND.fullmatch(str(s.cpu_bind)):
+        raise ConfigError(f"submit.cpu_bind={s.cpu_bind!r} is not an srun --cpu-bind value; allowed: none, "
+                          "cores, threads, sockets, ldoms, rank, rank_ldom, map_cpu:<list>, mask_cpu:<list>, "
+                          "map_ldom:<list>, mask_ldom:<list> (optionally 'verbose,' first)")
+    if s.gpu_bind is not None and not _GPU_BIND.fullmatch(str(s.gpu_bind)):
+        raise ConfigError(f"submit.gpu_bind={s.gpu_bind!r} is not an srun --gpu-bind value; allowed: null, "
+                          "closest, none, single:<n>, per_task:<n>, map_gpu:<list>, mask_gpu:<list> "
+                          "(optionally 'verbose,' first)")
+    for i, arg in enumerate(s.extra_args):
+        where = f"submit.extra_args[{i}]={arg!r}"
+        if not re.fullmatch(r"--[A-Za-z][\w-]*(=\S+)?", str(arg)):
+            raise ConfigError(f"{where} is not one #SBATCH option; allowed: --option or --option=value, "
+                              "no whitespace (e.g. --mail-type=END)")
+        name = str(arg).split("=", 1)[0]
+        if name in SBATCH_OPTIONS_SET:
+            setting = SBATCH_OPTIONS_SET[name]
+            raise ConfigError(f"{where}: k2-submit sets {name} itself"
+                              + (f"; use {setting}" if setting else " (every job is exclusive and requeueable)"))
+    for i, mount in enumerate(s.container_mounts):
+        if not str(mount) or re.search(r"[\s,]", str(mount)):
+            raise ConfigError(f"submit.container_mounts[{i}]={mount!r}; allowed: SRC[:DST[:FLAGS]] without "
+                              "whitespace or commas (one mount per list item)")
+    if s.container_mounts and s.container_image is None:
+        raise ConfigError("submit.container_mounts is set but submit.container_image is null; set the image "
+                          "too, or submit.container_mounts=[]")
 
 
 def resume_settings(raw) -> dict:

@@ -20,8 +20,6 @@ import sys
 from typing import Optional, Sequence
 
 from k2.config import ConfigError, load_config
-from k2.launcher.benchmarks.common import format_table
-from k2.launcher.benchmarks.registry import run_bench
 from k2.launcher.cli import run_main
 
 PROG = "k2-bench"
@@ -42,6 +40,10 @@ examples:
 
 
 def _bench(args: list[str]) -> int:
+    # imported here: --help does not wait for the benchmarks' imports (megatron-core, torch)
+    from k2.launcher.benchmarks.common import format_table
+    from k2.launcher.benchmarks.registry import run_bench
+
     cfg = load_config(args)
     if cfg.output not in OUTPUTS:
         raise ConfigError(f"output={cfg.output!r}; allowed for k2-bench: {', '.join(OUTPUTS)}")

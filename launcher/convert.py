@@ -76,7 +76,7 @@ def _convert(args: list[str]) -> int:
     if c.out is None:
         raise ConfigError("k2-convert export needs out=PATH (the Hugging Face directory to write)")
     ckpt = resolve_checkpoint(Path(c.checkpoint if c.checkpoint is not None else cfg.run.dir))
-    r = export_hf(ckpt, c.out, c.model_type, int(c.shard_bytes), c.dtype)
+    r = export_hf(ckpt, c.out, c.model_type, int(c.shard_bytes), c.dtype, str(cfg.checkpoint.verify))
     print(f"k2-convert: exported {ckpt} -> {r.out}: {r.tensors} tensors in {r.shards} shards, "
           f"{r.total_bytes / 2**20:,.1f} MiB, tokenizer {r.tokenizer or 'none'}, "
           f"{time.perf_counter() - t0:.1f} s")

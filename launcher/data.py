@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Optional, Sequence
 
 from k2.config import load_config
-from k2.launcher.cli import run_main
+from k2.launcher.cli import error, run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.datasets.preprocess import prepare_corpus
 from k2.launcher.datasets.resolve import resolve_data
@@ -28,6 +29,8 @@ prepare.text_key (text), prepare.text_document (file|paragraph, for .txt), prepa
 prepare.bad_records (error|skip), prepare.shard_documents (null), prepare.chunk_documents (2048),
 prepare.chunk_bytes (1048576: a chunk also ends at this many bytes of input).
 A killed build resumes where it stopped when run again; the output does not depend on the workers.
+Exit status 1: a file could not be written (full disk, read-only file system, permission; one line
+naming the path).
 
 examples:
   k2-data
@@ -40,6 +43,17 @@ examples:
 
 def _data(args: list[str]) -> int:
     cfg = load_config(args)
+    try:
+        return _build(cfg)
+    except OSError as e:  # a full disk, a read-only file system, no permission: one line naming the path
+        where = e.filename or (f"prepare.output={cfg.prepare.output}" if cfg.prepare.input is not None
+                               else f"data.cache_dir={cfg.data.cache_dir}")
+        error(PROG, f"cannot write {where}: {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}); "
+                    "free space there or choose another directory, then run again: the build resumes")
+        return 1
+
+
+def _build(cfg) -> int:
     if cfg.prepare.input is not None:
         return _prepare(cfg)
     resolved = resolve_data(cfg)
@@ -80,8 +94,9 @@ def _data(args: list[str]) -> int:
 def _prepare(cfg) -> int:
     out = prepare_corpus(cfg)
     m = out.manifest
-    for d in m["datasets"]:
-        print(f"k2-data: {d['prefix']}: {d['documents']:,d} documents, {d['tokens']:,d} tokens")
+    if len(m["datasets"]) > 1:  # (one dataset: the total line below says it all)
+        for d in m["datasets"]:
+            print(f"k2-data: {d['prefix']}: {d['documents']:,d} documents, {d['tokens']:,d} tokens")
     bad = m["bad_records"]["count"]
     print(f"k2-data: {m['documents']:,d} documents, {m['tokens']:,d} tokens (EOD included) from "
           f"{_count(len(m['inputs']), 'input file')}"

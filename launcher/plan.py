@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import run_main
-from k2.launcher.datasets.resolve import phase_data_settings
-from k2.launcher.planning.cluster import ClusterPlan, plan_cluster
-from k2.launcher.planning.report import format_text
-from k2.schedules.pipeline_sim import plot_timeline
-from k2.schedules.plot import plot_schedule
+
+if TYPE_CHECKING:
+    from k2.launcher.planning.cluster import ClusterPlan
+
+# the planner, the plots and the data checks are imported where they are used: --help does not wait
+# for the model's imports (megatron-core, torch)
 
 PROG = "k2-plan"
 
@@ -46,6 +47,8 @@ examples:
 
 def _plot_timeline(plan: ClusterPlan, path: str) -> None:
     """``plot=PATH``: the per-rank pipeline timeline of the main phase."""
+    from k2.schedules.pipeline_sim import plot_timeline
+
     r = plan.report
     try:
         plot_timeline(plan.pipeline, path, title=(
@@ -59,6 +62,8 @@ def _plot_timeline(plan: ClusterPlan, path: str) -> None:
 
 def _plot_schedule(plan: ClusterPlan, path: str) -> None:
     """``plot_schedule=PATH``: the LR and context length over tokens."""
+    from k2.schedules.plot import plot_schedule
+
     try:
         plot_schedule(plan.schedule, path)
     except OSError as e:
@@ -69,6 +74,8 @@ def _plot_schedule(plan: ClusterPlan, path: str) -> None:
 def phase_data_rows(cfg) -> list[dict]:
     """Per schedule phase: its name and the ``data.path`` / ``data.valid_path`` it trains and validates on
     (null = the embedded corpus; a valid_path of null carves validation out of the path by data.split)."""
+    from k2.launcher.datasets.resolve import phase_data_settings
+
     return [{"phase": ph.name, "data_path": path, "valid_path": valid}
             for ph, (path, valid) in zip(cfg.schedule.phases, phase_data_settings(cfg))]
 
@@ -83,6 +90,9 @@ def _format_phase_data(rows: list[dict]) -> str:
 
 
 def _plan(args: list[str]) -> int:
+    from k2.launcher.planning.cluster import plan_cluster
+    from k2.launcher.planning.report import format_text
+
     cfg = load_config(args)
     if cfg.plan.published:
         from k2.launcher.planning.published import compare_published, format_published

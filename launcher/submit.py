@@ -24,8 +24,6 @@ from typing import Optional, Sequence
 from k2.config import load_config
 from k2.launcher.cli import run_main
 from k2.launcher.tools.sbatch import check_submittable, render_sbatch, submit_script
-from k2.launcher.tools.sweep import check_points, point_status, split_multirun, sweep_points
-from k2.launcher.training.prepare import prepare_run
 
 PROG = "k2-submit"
 
@@ -33,20 +31,29 @@ USAGE = """usage: k2-submit [-m] [HYDRA_OVERRIDE ...]
 
 Check k2-train's overrides for cluster.nodes x cluster.gpus_per_node ranks, write
 <run.dir>/pretrain.sbatch and submit it with sbatch (the job id goes to stdout). submit.dry_run=true
-prints the script and submits nothing; submit.time, submit.partition, submit.account, submit.job_name,
-submit.signal_seconds set the #SBATCH lines; submit.distribution=cyclic lays the ranks round-robin over
-the nodes (srun --distribution). -m submits one job per unfinished sweep point. Exit
-status 1: sbatch missing or refused.
+prints the script and submits nothing. The job holds its nodes exclusively with all their memory
+(--mem=0; submit.mem=500G asks for less). submit.time, submit.partition, submit.account, submit.qos,
+submit.constraint, submit.reservation, submit.job_name, submit.signal_seconds and submit.cpus_per_task
+(also OMP_NUM_THREADS) set the #SBATCH lines; "submit.extra_args=['--mail-type=END']" adds others.
+submit.cpu_bind / submit.gpu_bind bind the ranks (srun --cpu-bind / --gpu-bind); submit.distribution=cyclic
+lays them round-robin over the nodes; submit.container_image / submit.container_mounts run them in a
+pyxis container; submit.python is the interpreter written into the script (default: this one). A job of
+more than one node or with GPUs needs data.path (or submit.embedded_corpus=true). -m submits one job per
+unfinished sweep point. Exit status 1: sbatch missing or refused.
 
 examples:
-  k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 run.dir=/shared/runs/k2 submit.dry_run=true
-  k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 run.dir=/shared/runs/k2 submit.time=04:00:00
+  k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 data.path=/shared/data/corpus_text_document \\
+      data.tokenizer=/shared/data/tokenizer.json run.dir=/shared/runs/k2 submit.cpus_per_task=16 \\
+      submit.cpu_bind=cores submit.gpu_bind=closest submit.qos=high submit.dry_run=true
+  k2-submit ... 'submit.container_image="nvcr.io#nvidia/pytorch:24.10-py3"' submit.container_mounts=[/shared:/shared]
   k2-submit -m +experiment=sparsity_sweep
 """
 
 
 def _sweep_jobs(overrides: Sequence[str]) -> list:
     """``(cfg, overrides)`` of every sweep point not finished yet (all points validated first)."""
+    from k2.launcher.tools.sweep import check_points, point_status, sweep_points
+
     _, points = sweep_points(overrides)
     cfgs = {p.name: load_config(list(p.overrides)) for p in points}
     for p in points:
@@ -62,6 +69,10 @@ def _sweep_jobs(overrides: Sequence[str]) -> list:
 
 
 def _submit(args: list[str]) -> int:
+    # imported here: --help does not wait for torch (the run checks import the model's backends)
+    from k2.launcher.tools.sweep import split_multirun
+    from k2.launcher.training.prepare import prepare_run
+
     multirun, overrides = split_multirun(args)
     if multirun:
         jobs = _sweep_jobs(overrides)

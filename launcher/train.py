@@ -7,7 +7,8 @@ With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.l
 
 Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
 (:mod:`k2.launcher.checkpointing.run_lock`), 3 when the loss or gradient norm became NaN / inf
-(``k2.launcher.cli.DIVERGED_EXIT``), 42 (``REQUEUE_EXIT_CODE``) when it saved a
+(``k2.launcher.cli.DIVERGED_EXIT``), 1 when a checkpoint could not be saved (one line naming the
+directory and the rank), 42 (``REQUEUE_EXIT_CODE``) when it saved a
 checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``), 1 when not every
 rank reached the rendezvous within ``launch.rendezvous_timeout_s`` (the error names the missing nodes).
 """
@@ -21,15 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from k2.config import ConfigError, load_config
-from k2.launcher.checkpointing.resume import plan_resume
-from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock, raise_if_busy
 from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
-from k2.launcher.datasets.corpus import prepare_stdlib_corpus
-from k2.launcher.tools.sweep import run_sweep, split_multirun
-from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
-from k2.launcher.training.prepare import prepare_run
-from k2.parallel.distributed import destroy_distributed, dist_env
-from k2.parallel.rendezvous import RendezvousTimeout
 
 PROG = "k2-train"
 
@@ -51,6 +44,13 @@ examples:
 
 
 def _train(args: list[str]) -> int:
+    # imported here, not at the top (as in _run): --help prints before torch is imported
+    from k2.launcher.checkpointing.resume import plan_resume
+    from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock, raise_if_busy
+    from k2.launcher.tools.sweep import run_sweep, split_multirun
+    from k2.launcher.training.prepare import prepare_run
+    from k2.parallel.distributed import dist_env
+
     multirun, overrides = split_multirun(args)
     env = dist_env()
     if multirun:
@@ -82,6 +82,11 @@ def _train(args: list[str]) -> int:
 
 
 def _run(cfg, plan, overrides: list[str], env) -> int:
+    from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+    from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
+    from k2.parallel.distributed import destroy_distributed
+    from k2.parallel.rendezvous import RendezvousTimeout
+
     world = plan.dims.world_size
     if not env.launched and world > 1:
         if cfg.data.path is None:
@@ -91,6 +96,7 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         exit_with_parent()  # no rank outlives k2-train (k2.launcher.training.launch)
     # imported here, not at the top: the trainer imports megatron-core (~6 s of CPU), which a process that
     # only checks the settings and starts the local ranks (or a sweep) does not need
+    from k2.launcher.checkpointing.store import CheckpointSaveError
     from k2.launcher.training.step import TrainingDiverged
     from k2.launcher.training.trainer import run
 
@@ -102,6 +108,10 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         return DIVERGED_EXIT
     except RendezvousTimeout as e:  # every rank that came says who is missing (rank 0 may be the one)
         error(PROG, e)
+        return 1
+    except CheckpointSaveError as e:  # every rank raises it; one line names the directory and the rank
+        if env.rank == 0:
+            error(PROG, e)
         return 1
     finally:
         destroy_distributed()

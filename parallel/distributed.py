@@ -85,7 +85,8 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
 
     cpu_backend.enable()
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
+        # modulo: a rank that sees only its own GPU (srun --gpu-bind=closest / single:1) uses device 0
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         backend = "nccl"
     else:
         backend = "gloo"

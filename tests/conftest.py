@@ -26,6 +26,7 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/integration/test_checkpoint.py": 470,
     "tests/integration/test_preemption_cli.py": 350,
     "tests/integration/test_bench_runs.py": 245,
+    "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
     "tests/integration/test_sweep.py": 200,
     "tests/unit/launcher/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build
     "tests/integration/test_phase_data.py": 145,
@@ -41,6 +42,7 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/unit/launcher/test_data.py": 78,
     "tests/unit/launcher/test_hf_convert.py": 68,  # + an import in a child process
     "tests/unit/config/test_validate.py": 63,
+    "tests/integration/test_spike_guard.py": 45,  # one cpu4 run of 6 steps, a checkpoint per step
     "tests/integration/test_checkpoint_integrity.py": 38,
     "tests/integration/test_resume_rng_context.py": 35,
     "tests/integration/test_startup_signal.py": 20,
@@ -143,13 +145,13 @@ def no_process_start(monkeypatch):
     """
     import torch.distributed as dist
 
-    from k2.launcher import train
-    from k2.launcher.training import trainer
+    from k2.launcher.training import launch, trainer
 
     started: list[str] = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append("pg"))
     monkeypatch.setattr(trainer, "run", lambda *a, **k: started.append("run"))
-    monkeypatch.setattr(train, "spawn_local_ranks", lambda *a, **k: started.append("spawn"))
+    # (k2.launcher.train imports it when it runs: its --help does not wait for torch)
+    monkeypatch.setattr(launch, "spawn_local_ranks", lambda *a, **k: started.append("spawn"))
     return started
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Any, Callable
@@ -149,8 +150,11 @@ def one_rank_world():
 
 
 def describe(fn: Callable) -> str:
-    """First line of a benchmark's docstring."""
-    return (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+    """The first sentence of a benchmark's docstring, on one line (its first paragraph when that has no
+    sentence end): what ``k2-bench`` lists, never cut mid-sentence."""
+    paragraph = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+    m = re.search(r"(?<=[.!?])\s+(?=[A-Z(`])", paragraph)
+    return paragraph[:m.start()] if m else paragraph
 
 
 def _fmt(value: Any) -> str:

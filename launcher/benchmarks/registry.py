@@ -14,6 +14,7 @@ Usage::
     k2-bench bench=data                        # k2-data prepare tokens/s vs raw encode_batch; peak RSS
     k2-bench bench=hardware bench.options.out=PATH.yaml   # this machine's profile for k2-plan plan.hardware=
     k2-bench bench=perf_model                  # k2-plan's step time vs measured single / pp2 runs
+    k2-bench bench=checkpoint                  # save stall, checkpoint.async_save off vs on; overlapped steps
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -76,6 +77,13 @@ def bench_perf_model(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
+def bench_checkpoint(cfg) -> dict[str, Any]:
+    """The loop's wait per save with checkpoint.async_save off and on, and the slowdown of overlapped steps."""
+    from k2.launcher.benchmarks.checkpoint import bench_checkpoint as run
+
+    return run(cfg)
+
+
 #: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
 BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
@@ -87,6 +95,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "data": bench_data,  # k2.launcher.benchmarks.data_prepare
     "hardware": bench_hardware,  # k2.launcher.benchmarks.hardware
     "perf_model": bench_perf_model,  # k2.launcher.benchmarks.perf_model
+    "checkpoint": bench_checkpoint,  # k2.launcher.benchmarks.checkpoint
 }
 
 

@@ -41,6 +41,43 @@ def latest_checkpoint(run_dir) -> Optional[Path]:
     return path
 
 
+def resume_point(run_dir, root=None) -> tuple[Optional[Path], Optional[str]]:
+    """The checkpoint a ``resume=auto`` run continues from, and a line for the log when ``latest`` could
+    not say it.
+
+    ``latest`` naming a directory -> that one (damage inside it is reported by :func:`read_state` and
+    the manifest check, naming the checkpoints that verify). ``latest`` missing, empty, or naming a
+    directory that does not exist -> the newest checkpoint
+    whose files match its manifest (:func:`complete_checkpoint_names`), with a note naming the marker.
+    No checkpoint at all and no ``latest`` -> ``(None, None)``: a fresh start (also for a run killed
+    before its first save). ``root``: a checkpoints directory to look in instead of ``run_dir``'s.
+
+    Raises:
+        ConfigError: ``latest`` exists but names nothing usable and no checkpoint verifies (the marker
+            and what it names are in the message, with how to start afresh).
+    """
+    root = Path(root) if root is not None else checkpoints_dir(run_dir)
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named and (root / named).is_dir():  # damage inside it is judged (and named) by the caller
+        return root / named, None
+    if pointer.exists() and not pointer.is_file():
+        named = None
+    found = complete_checkpoint_names(root)
+    if named is None and not pointer.exists():
+        problem = f"{pointer} is missing"
+    elif not named:
+        problem = f"{pointer} is empty"
+    else:
+        problem = f"{pointer} names {named}, which does not exist"
+    if found:
+        return root / found[-1], f"{problem}; resuming from the newest checkpoint that verifies: {found[-1]}"
+    if not pointer.exists():
+        return None, None
+    raise ConfigError(f"{problem} and no checkpoint in {root} verifies: delete {pointer} to start the run "
+                      "afresh, or choose a new run.dir")
+
+
 def read_state(path) -> dict:
     """``k2_state.json`` of the checkpoint at ``path`` (written last, so its presence marks a complete
     checkpoint).

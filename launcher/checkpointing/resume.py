@@ -10,13 +10,15 @@ from typing import Optional
 
 from k2.config.errors import ConfigError
 from k2.config.validate import resume_settings
+from k2.launcher.checkpointing.manifest import MANIFEST_FILE, REQUIRED, STATE_FILE
 from k2.launcher.checkpointing.paths import (
     CHECKPOINTS,
     CONFIG_FILE,
     LATEST,
     check_checkpoint_files,
-    latest_checkpoint,
     read_state,
+    resume_point,
+    saved_checkpoint_names,
 )
 from k2.launcher.checkpointing.run_lock import OWNER_LOCK
 
@@ -116,17 +118,52 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
     return changes
 
 
+#: what ``resume.from`` may name
+_FROM_ALLOWED = ("allowed: a checkpoint (checkpoints/iter_NNNNNNN), a checkpoints/ directory (its latest) or a "
+                 "run dir (its checkpoints/latest)")
+
+
+def resume_from_path(raw) -> Path:
+    """The checkpoint ``resume.from=raw`` names: ``raw`` itself, the one a ``checkpoints/`` directory's
+    ``latest`` names, or a run dir's ``checkpoints/latest``.
+
+    Raises:
+        ConfigError: naming ``resume.from``: ``raw`` does not exist, is a file, or is a directory that is
+            none of the three (e.g. a dataset directory); a damaged checkpoint is left to :func:`read_state`
+            and :func:`check_checkpoint_files`, which name its files.
+    """
+    path = Path(str(raw))
+    if not path.exists():
+        raise ConfigError(f"resume.from={raw}: no such directory; {_FROM_ALLOWED}")
+    if not path.is_dir():
+        raise ConfigError(f"resume.from={raw} is a file, not a directory; {_FROM_ALLOWED}")
+    # a checkpoints/ directory or a run dir: its latest, or the newest checkpoint that verifies when
+    # latest is missing, empty or dangling (resume_point)
+    if (path / LATEST).exists() or saved_checkpoint_names(path):
+        return resume_point(None, root=path)[0] or path
+    if (path / CHECKPOINTS).is_dir():
+        return resume_point(path)[0] or path
+    # a checkpoint, complete or not (its own files say what is wrong with it), or something else
+    if path.name.startswith("iter_") or any((path / f).exists() for f in (*REQUIRED, MANIFEST_FILE)):
+        return path
+    raise ConfigError(f"resume.from={raw} is not a checkpoint (no {STATE_FILE}, metadata.json or "
+                      f"{MANIFEST_FILE} in it, no latest, no {CHECKPOINTS}/{LATEST}); {_FROM_ALLOWED}")
+
+
 def plan_resume(cfg, layout: dict) -> Optional[Path]:
     """Decide, before any process group exists, which checkpoint this run resumes from.
 
     ``resume.from=PATH`` -> that checkpoint; ``resume=auto`` (default) -> ``<run.dir>/checkpoints/latest``
-    when it exists; otherwise a fresh start, which needs a run dir without a previous run (``resume=never``
-    refuses any non-empty run dir).
+    when it exists, the newest checkpoint that verifies when ``latest`` is missing, empty or names
+    nothing complete (:func:`k2.launcher.checkpointing.paths.resume_point`); otherwise a fresh start,
+    also in a run dir whose run was killed before its first save (``resume=never`` refuses any non-empty
+    run dir).
 
     Raises:
         ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`,
             :func:`check_resume_compatible`; a checkpoint whose files disagree with its manifest
-            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`); a fresh start into a run dir that holds metrics but no checkpoint.
+            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`); a ``latest`` that names
+            nothing usable with no checkpoint that verifies (:func:`resume_point`).
     """
     from omegaconf import OmegaConf
 
@@ -139,19 +176,12 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
                               "or drop resume=never to resume from its latest checkpoint")
         return None
     if settings["from"] is not None:
-        path = Path(str(settings["from"]))
-        if path.is_dir() and (path / LATEST).exists():  # a checkpoints/ directory: its latest
-            path = path / (path / LATEST).read_text().strip()
-        elif path.is_dir() and (path / CHECKPOINTS / LATEST).exists():  # a run dir: its latest
-            path = latest_checkpoint(path)
+        path = resume_from_path(settings["from"])
     else:
-        path = latest_checkpoint(run_dir)
+        # a run killed before its first save (metrics.jsonl, no checkpoint) starts afresh: the trainer
+        # sets its records aside and counts their time as lost (k2.launcher.training.goodput)
+        path, _ = resume_point(run_dir)
         if path is None:
-            if (run_dir / "metrics.jsonl").exists():
-                raise ConfigError(
-                    f"run.dir={run_dir} holds a run (metrics.jsonl) but no complete checkpoint to resume "
-                    "from; choose a new run.dir, delete the old one, or set train.save_interval"
-                )
             return None
     state = read_state(path)
     check_checkpoint_files(path, str(cfg.checkpoint.verify))

@@ -30,7 +30,6 @@ from k2.launcher.checkpointing.manifest import (
     checkpoint_files,
     file_entries,
     is_legacy,
-    rank_share,
     verify,
     write_manifest,
 )
@@ -114,12 +113,152 @@ def use_in_process_write_results() -> None:
 
 def _before_commit(step: int) -> None:
     """Runs on every rank after its tensors are written and before the checkpoint is made visible. A
-    no-op; tests replace it to kill a rank mid-save (tests/support/scripts/crash_in_save_train.py)."""
+    no-op; tests replace it to kill a rank mid-save (tests/support/scripts/fault_train.py)."""
+
+
+def _zero_optimizer_padding(sd: dict) -> None:
+    """Zero the padding tensors of megatron's ``dp_reshardable`` optimizer state (megatron-core 0.19.2
+    ``sharded_param_state_dp_reshardable`` fills the gaps between parameters with ``torch.empty``,
+    marked ``padding``), so that a checkpoint's bytes depend only on the training state: two saves of
+    the same state (e.g. with and without ``checkpoint.async_save``) are equal file for file."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            pad = node.get("padding")
+            if isinstance(pad, LocalNonpersistentObject) and pad.unwrap() is True:
+                for v in node.values():
+                    if isinstance(v, ShardedTensor):
+                        v.data.zero_()
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(sd)
+
+
+def agree(what: str, fn):
+    """Collective: run ``fn()`` on every rank; when it raises on any rank, raise
+    :class:`CheckpointSaveError` on every rank with the first failing rank's one-line reason (so that
+    a read-only file system or a full disk ends the run with one line, not a traceback per rank and
+    "connection closed" on the others). ``what`` names the step (and directory) for the message."""
+    import torch.distributed as dist
+
+    try:
+        out, err = fn(), None
+    except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
+        out, err = None, f"{what} failed on rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointSaveError(first)
+    return out
+
+
+def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None):
+    """Collective, first half of a save: create ``iter_<step>.partial`` and plan megatron's write of
+    the model, optimizer and RNG tensors into it (``dist_checkpointing.save(...,
+    async_sharded_save=True, async_strategy="mcore")``: the same request serves a synchronous save,
+    :meth:`AsyncRequest.execute_sync`, and one written in the background).
+
+    ``results_queue``: where megatron's writer puts its write results (default: an in-process queue,
+    :func:`use_in_process_write_results`); a writer in another process needs one that crosses it.
+
+    Returns:
+        ``(partial, final, request)``: the directories and megatron's ``AsyncRequest`` (its
+        ``async_fn`` writes this rank's shards, None when it has none; its finalize functions write
+        megatron's metadata once every rank's shards are written).
+
+    Raises:
+        CheckpointSaveError: on every rank, naming the directory and the failing rank.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    root = checkpoints_dir(run_dir)
+    final = root / iter_name(step)
+    partial = root / (iter_name(step) + PARTIAL_SUFFIX)
+
+    def mkdir() -> None:
+        if dist.get_rank() == 0:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+
+    agree(f"saving checkpoint step {step} into {partial}", mkdir)
+    use_in_process_write_results()
+
+    def plan():
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
+        _zero_optimizer_padding(sd)
+        shared = filesystem_async._results_queue  # the writer of this save takes it when planning
+        if results_queue is not None:
+            filesystem_async._results_queue = results_queue
+        try:
+            return dist_checkpointing.save(sd, str(partial), validate_access_integrity=True,
+                                           async_sharded_save=True, async_strategy="mcore")
+        finally:
+            filesystem_async._results_queue = shared
+
+    request = agree(f"saving checkpoint step {step} into {partial}", plan)
+    return partial, final, request
+
+
+def commit_save(partial: Path, final: Path, step: int, entries: dict, state: dict, config_yaml: str,
+                keep_last: int, keep_every: Optional[int]) -> Path:
+    """Collective, second half of a save (every shard and megatron's metadata written): rank 0 gets
+    every rank's manifest ``entries`` (its shards' sizes and checksums), writes ``k2_state.json``,
+    ``config.yaml`` and the manifest, renames ``partial`` to ``final``, points ``latest`` at it and
+    prunes (:func:`prune`). Returns ``final``.
+
+    Raises:
+        CheckpointSaveError: on every rank, naming the directory and the failing rank.
+    """
+    import torch.distributed as dist
+
+    _before_commit(step)
+    dist.barrier()  # every rank's shards are on disk
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(entries, gathered, dst=0)
+
+    def publish() -> None:
+        if dist.get_rank() != 0:
+            return
+        shards = {k: v for part in gathered for k, v in part.items()}
+        (partial / STATE_FILE).write_text(json.dumps({**state, "manifest": True}, indent=1, sort_keys=True)
+                                          + "\n")
+        (partial / CONFIG_FILE).write_text(config_yaml)
+        rest = [n for n in checkpoint_files(partial) if n not in shards]  # megatron's metadata, ours
+        write_manifest(partial, {**shards, **file_entries(partial, rest)})  # last: marks it complete
+        if final.exists():  # re-save of the same step (e.g. after a resume that replayed it)
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        root = final.parent
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(final.name + "\n")
+        os.replace(tmp, root / LATEST)
+        prune(root, keep_last, keep_every)
+
+    agree(f"committing checkpoint step {step} in {partial}", publish)
+    return final
+
+
+def shard_entries(partial: Path, write_buckets) -> dict:
+    """Manifest entries (:func:`k2.launcher.checkpointing.manifest.file_entries`) of the shard files
+    in megatron's ``write_buckets`` (``(file_name, storage_key, data)`` tuples): what this rank wrote."""
+    names = sorted({Path(b[0]).name for b in write_buckets or ()})
+    return file_entries(partial, names)
 
 
 def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, config_yaml: str,
                     keep_last: int, keep_every: Optional[int]) -> Path:
-    """Write checkpoint ``iter_<step>`` on every rank and make it ``latest`` once all ranks are done.
+    """Write checkpoint ``iter_<step>`` on every rank and make it ``latest`` once all ranks are done
+    (synchronously; in the background: :mod:`k2.launcher.checkpointing.background`).
 
     Args:
         run_dir: ``run.dir``.
@@ -132,62 +271,27 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
     Returns:
         The path of the complete checkpoint.
 
+    Raises:
+        CheckpointSaveError: on every rank (one line naming the directory and the rank); ``latest``
+            still names the previous checkpoint.
+
     Collective: every rank must call it at the same step.
     """
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+    partial, final, request = begin_save(run_dir, step, model, optimizer)
+    what = f"saving checkpoint step {step} into {partial}"
 
-    root = checkpoints_dir(run_dir)
-    final = root / iter_name(step)
-    partial = root / (iter_name(step) + PARTIAL_SUFFIX)
-    if dist.get_rank() == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
-    use_in_process_write_results()
-    try:
-        dist_checkpointing.save(sd, str(partial), validate_access_integrity=True)
-    except Exception as e:  # e.g. disk full: name the place; latest still names the previous checkpoint
-        raise CheckpointSaveError(f"saving checkpoint step {step} into {partial} failed on rank "
-                                  f"{dist.get_rank()}: {type(e).__name__}: {e}") from e
-    _before_commit(step)
-    dist.barrier()  # every rank's shards are on disk
-    entries = _gather_file_entries(partial)
-    if dist.get_rank() == 0:
-        (partial / STATE_FILE).write_text(json.dumps({**state, "manifest": True}, indent=1, sort_keys=True)
-                                          + "\n")
-        (partial / CONFIG_FILE).write_text(config_yaml)
-        rest = [n for n in checkpoint_files(partial) if n not in entries]  # the two just written
-        write_manifest(partial, {**entries, **file_entries(partial, rest)})  # last: marks it complete
-        if final.exists():  # re-save of the same step (e.g. after a resume that replayed it)
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        tmp = root / (LATEST + ".tmp")
-        tmp.write_text(final.name + "\n")
-        os.replace(tmp, root / LATEST)
-        prune(root, keep_last, keep_every)
-    dist.barrier()
-    return final
+    def write() -> dict:
+        buckets = request.async_fn_args[1] if request.async_fn is not None else ()
+        request.execute_sync()  # this rank's shards, a barrier, megatron's metadata (collective)
+        return shard_entries(partial, buckets)
+
+    entries = agree(what, write)
+    return commit_save(partial, final, step, entries, state, config_yaml, keep_last, keep_every)
 
 
 class CheckpointSaveError(RuntimeError):
     """A save failed (the message names the checkpoint directory and the rank); the previous checkpoint
     stays ``latest``."""
-
-
-def _gather_file_entries(directory: Path) -> dict:
-    """Collective: every rank hashes its share of the files in ``directory``
-    (:func:`k2.launcher.checkpointing.manifest.rank_share`: the shards it wrote); rank 0 gets the union
-    ``{name: {"size", "xxh3_64"}}``, the other ranks an empty dict."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = file_entries(directory, rank_share(checkpoint_files(directory), rank, world))
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return {k: v for part in gathered for k, v in part.items()} if rank == 0 else {}
 
 
 def verify_checkpoint(path, level: str) -> float:

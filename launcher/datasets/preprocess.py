@@ -264,7 +264,7 @@ def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
         log(f"k2-data: {prefix} is up to date (its manifest matches the inputs and settings): nothing rebuilt")
         return _result(prefix, manifest, rebuilt=False)
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    with file_lock(os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.lock")):
+    with file_lock(os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.lock"), remove=True):
         work = work_dir(prefix)
         if _read_json(os.path.join(work, "build.json")) != key:
             if os.path.isdir(work):

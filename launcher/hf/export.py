@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from k2.config.errors import ConfigError
-from k2.launcher.checkpointing.manifest import check_structure
+from k2.launcher.checkpointing.manifest import verify
 from k2.launcher.checkpointing.paths import CONFIG_FILE, damaged_checkpoint_error, read_state
 from k2.launcher.hf.dist import ensure_process_group
 from k2.launcher.hf.hf_config import hf_config
@@ -52,8 +52,10 @@ class ExportReport:
     tokenizer: Optional[str]
 
 
-def checkpoint_config(path: Path):
-    """The resolved config (OmegaConf) a checkpoint was written with, after checking it is complete.
+def checkpoint_config(path: Path, verify_level: str = "checksum"):
+    """The resolved config (OmegaConf) a checkpoint was written with, after checking it against its
+    manifest at ``verify_level`` (``checkpoint.verify``: ``checksum`` reads every file, as resume does;
+    ``size``; ``none``).
 
     Raises:
         ConfigError: ``path`` is a partial save, not a checkpoint, or its files disagree with its
@@ -62,17 +64,22 @@ def checkpoint_config(path: Path):
     from omegaconf import OmegaConf
 
     state = read_state(path)
-    problems = check_structure(path)
+    problems = verify(path, verify_level)
     if problems:
         raise damaged_checkpoint_error(path, problems)
     return OmegaConf.load(path / CONFIG_FILE), state
 
 
 def rope_type_at(cfg, step: int) -> str:
-    """``rope`` | ``yarn``: what the schedule of ``cfg`` trains step ``step`` with (step 0: the first)."""
+    """``rope`` | ``yarn``: what the schedule of ``cfg`` trains step ``step`` with (step 0: the first).
+    At the end of the schedule it is the last phase's, also when that phase has no tokens: K2's schedule
+    ends with a zero-length YaRN phase whose settings are the result (YaRN, factor 32 over 4,096)."""
     from k2.schedules.resolve import resolve_schedule
 
-    phase = resolve_schedule(cfg).step_phase(max(1, int(step)))
+    schedule = resolve_schedule(cfg)
+    if int(step) >= schedule.total_steps:
+        return schedule.phases[-1].rope_type
+    phase = schedule.step_phase(max(1, int(step)))
     return phase.rope_type if phase is not None else str(cfg.model.rope_type)
 
 
@@ -160,7 +167,7 @@ def _tokenizer_files(cfg, out: Path) -> tuple[Optional[str], dict]:
 
 
 def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int = 2 << 30,
-              dtype: Optional[str] = None) -> ExportReport:
+              dtype: Optional[str] = None, verify_level: str = "checksum") -> ExportReport:
     """Write the HF directory ``out`` for the k2-launcher checkpoint ``checkpoint`` (module docstring).
 
     Args:
@@ -169,6 +176,7 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
         model_type: ``config.json``'s ``model_type`` (:mod:`k2.launcher.hf.hf_config`).
         shard_bytes: target bytes per safetensors shard.
         dtype: ``fp32`` | ``bf16`` to cast the weights to; None keeps the checkpoint's dtype.
+        verify_level: how the checkpoint is checked against its manifest first (:func:`checkpoint_config`).
 
     Raises:
         ConfigError: the checkpoint is partial or damaged, a tensor the model config needs is missing
@@ -178,7 +186,7 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
     from safetensors.torch import save_file
 
     path, out = Path(checkpoint), Path(out)
-    cfg, state = checkpoint_config(path)
+    cfg, state = checkpoint_config(path, verify_level)
     if out.exists():
         raise ConfigError(f"convert.out={out} exists; choose a new directory (an export never overwrites)")
     m = cfg.model
@@ -199,12 +207,15 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    umask = os.umask(0)
+    os.umask(umask)
     weight_map, total, largest = {}, 0, 0
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = _read_shard(path, meta, shard, cast)
         size = sum(x.numel() * x.element_size() for x in tensors.values())
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        os.chmod(tmp / name, 0o666 & ~umask)  # (safetensors creates 0600; the other files follow the umask)
         del tensors
         weight_map.update({t.hf: name for t in shard})
         total += size

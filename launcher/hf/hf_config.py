@@ -101,7 +101,15 @@ def hf_config(m, rope_type: str, precision: str, model_type: str = "deepseek_v3"
         "attention_bias": False,
         "attention_dropout": 0.0,
         "rope_interleave": True,
+        # no multi-token-prediction layers (K2 has none; transformers reads a missing field as 1)
+        "num_nextn_predict_layers": 0,
+        # the training settings of this checkpoint, not architecture: init std and sequence-level aux-loss
+        # coefficient (K2's recipe takes 0.006 and 1e-4 from the DeepSeek-V3 report, section 4.2; the K2
+        # report gives neither). Kimi-K2's published config.json carries 0.02 and 1e-3, transformers'
+        # DeepseekV3Config defaults, which inference does not read
         "initializer_range": float(m.init_method_std),
+        "aux_loss_alpha": float(m.moe_aux_loss_coeff or 0.0),
+        "seq_aux": m.moe_router_load_balancing_type == "seq_aux_loss",
         "use_cache": True,
         "torch_dtype": _DTYPE_NAMES[precision],
         "rope_scaling": None,
@@ -147,8 +155,10 @@ def check_hf_config(hf: dict, m, source: str) -> None:
         for field, want in (("n_shared_experts", n_shared_experts(m)),
                             ("n_group", int(m.moe_router_num_groups or 1)),
                             ("topk_group", int(m.moe_router_group_topk or 1))):
-            if not _same(hf.get(field, 1 if field != "n_shared_experts" else None), want):
-                diffs.append(f"{field}={hf.get(field)!r} vs {want!r} from model.*")
+            got = hf[field] if field in hf else transformers_default(field)
+            if not _same(got, want):
+                shown = repr(got) if field in hf else f"{got!r} (transformers' default: config.json omits it)"
+                diffs.append(f"{field}={shown} vs {want!r} from model.*")
     rs = hf.get("rope_scaling")
     if rs:
         kind = rs.get("type", rs.get("rope_type"))
@@ -160,6 +170,14 @@ def check_hf_config(hf: dict, m, source: str) -> None:
     if diffs:
         raise ConfigError(f"{source} does not match the model config (model={m.name}): " + "; ".join(diffs)
                           + "; pick the matching model recipe or set those model.* keys")
+
+
+def transformers_default(field: str):
+    """The value transformers' ``DeepseekV3Config`` reads for ``field`` when ``config.json`` omits it
+    (e.g. ``n_group`` 8, ``topk_group`` 4, ``num_nextn_predict_layers`` 1 in transformers 5)."""
+    from transformers import DeepseekV3Config
+
+    return getattr(DeepseekV3Config(), field)
 
 
 def _same(a, b) -> bool:

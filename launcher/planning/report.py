@@ -131,16 +131,17 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"  memory per GPU, GiB (phase {m['phase']}, {m['seq_length']:,}-token sequences: the fullest; "
-        "the fullest DP rank of each PP rank; + host = offloaded to CPU memory)",
+        "the fullest DP rank of each PP rank; + host = offloaded to CPU memory; mb in flight = the number "
+        "of microbatches whose activations are held at the peak, a count)",
         f"  {'pp rank':<8}{'params':>9}{'grads':>9}{'optimizer':>11}{'+ host':>9}{'activations':>13}"
-        f"{'+ host':>9}{'in flight':>11}{'total':>9}",
+        f"{'+ host':>9}{'mb in flight':>14}{'total':>9}",
     ]
     for r in plan["pp_ranks"]:
         x = r["memory_bytes"]
         lines.append(
             f"  {r['pp_rank']:<8}{_gib(x['params']):>9}{_gib(x['grads']):>9}{_gib(x['optimizer']):>11}"
             f"{_gib(x['optimizer_offloaded_to_host']):>9}{_gib(x['activations']):>13}"
-            f"{_gib(x['activations_offloaded_to_host_peak']):>9}{x['microbatches_in_flight']:>11}"
+            f"{_gib(x['activations_offloaded_to_host_peak']):>9}{x['microbatches_in_flight']:>14}"
             f"{_gib(x['total']):>9}"
         )
     lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB")

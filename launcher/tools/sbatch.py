@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from k2.config import ConfigError
+from k2.launcher.tools.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 
 _PROG = "k2-submit"
@@ -44,20 +45,82 @@ def run_dir(cfg) -> str:
     return os.path.abspath(os.path.expanduser(str(cfg.run.dir)))
 
 
+def interpreter(cfg) -> str:
+    """The Python the batch script runs: ``submit.python``; else ``python3`` inside
+    ``submit.container_image``; else the interpreter running ``k2-submit`` (it has k2-launcher installed
+    and must be on a file system the nodes see). Written into the script, so a script submitted by hand or
+    under ``SBATCH_EXPORT=NONE`` runs the same Python."""
+    sub = cfg.submit
+    if sub.python is not None:
+        return str(sub.python)
+    return "python3" if sub.container_image is not None else sys.executable
+
+
+def sbatch_options(cfg) -> list[str]:
+    """The ``#SBATCH`` options of ``cfg``'s job, in the order they are written (see :func:`render_sbatch`)."""
+    sub, cl = cfg.submit, cfg.cluster
+    opts = [
+        f"--job-name={sub.job_name}",
+        f"--nodes={cl.nodes}",
+        f"--ntasks-per-node={cl.gpus_per_node}",
+        *([f"--gpus-per-node={cl.gpus_per_node}"] if sub.request_gpus else []),
+        *([f"--cpus-per-task={sub.cpus_per_task}"] if sub.cpus_per_task is not None else []),
+        "--exclusive",
+        # all of each (exclusive) node's memory unless submit.mem names a size: see SubmitConfig.mem
+        f"--mem={0 if sub.mem is None else sub.mem}",
+        f"--time={sub.time}",
+        "--requeue",
+        f"--signal=USR1@{sub.signal_seconds}",
+        "--open-mode=append",
+        f"--output={run_dir(cfg)}/slurm-%j.out",
+    ]
+    for key in ("partition", "account", "qos", "constraint", "reservation"):
+        if sub[key] is not None:
+            opts.append(f"--{key}={sub[key]}")
+    return opts + [str(a) for a in sub.extra_args]
+
+
+def srun_options(cfg) -> list[str]:
+    """The ``srun`` options of the training step: kill the step when one rank fails, the CPU / GPU binding,
+    the cores per rank (srun does not inherit sbatch's ``--cpus-per-task`` since Slurm 22.05), the rank
+    distribution and the pyxis container."""
+    sub = cfg.submit
+    opts = ["--kill-on-bad-exit=1", f"--cpu-bind={sub.cpu_bind}"]
+    if sub.gpu_bind is not None:
+        opts.append(f"--gpu-bind={sub.gpu_bind}")
+    if sub.cpus_per_task is not None:
+        opts.append(f"--cpus-per-task={sub.cpus_per_task}")
+    if sub.distribution:
+        opts.append(f"--distribution={sub.distribution}")
+    return opts + _container_options(cfg)
+
+
+def _container_options(cfg) -> list[str]:
+    sub = cfg.submit
+    if sub.container_image is None:
+        return []
+    opts = [f"--container-image={sub.container_image}"]
+    if sub.container_mounts:
+        opts.append(f"--container-mounts={','.join(str(m) for m in sub.container_mounts)}")
+    return opts
+
+
 def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     """The text of ``<run.dir>/pretrain.sbatch`` for ``cfg`` (composed from ``overrides``).
 
-    ``#SBATCH`` lines: ``--nodes=cluster.nodes``, ``--ntasks-per-node`` = ``--gpus-per-node`` =
-    ``cluster.gpus_per_node`` (one task per GPU), ``--time=submit.time``, ``--job-name=submit.job_name``,
-    ``--requeue``, ``--signal=USR1@submit.signal_seconds`` (to the ranks, seconds before the time limit),
-    ``--output=<run.dir>/slurm-%j.out`` (appended to across requeues), and ``--partition`` /
-    ``--account`` when set. The body builds the embedded corpus once when ``data.path`` is null, sets
-    ``MASTER_ADDR`` / ``MASTER_PORT``, runs ``srun python -m k2.launcher.train`` (with
-    ``--distribution=submit.distribution`` when set) with
-    :func:`train_overrides` and requeues the job when the ranks exit with :data:`REQUEUE_EXIT_CODE`.
-    The script ``cd``s to ``$K2_WORKDIR`` (default: the submit directory, where ``k2-submit`` ran) and
-    runs ``$K2_PYTHON``: :func:`submit_script` sets it to the interpreter that ran ``k2-submit`` (which has
-    k2-launcher installed; sbatch passes the submitting environment on to the job), ``python3`` when unset.
+    ``#SBATCH`` lines (:func:`sbatch_options`): ``--nodes=cluster.nodes``, ``--ntasks-per-node`` =
+    ``--gpus-per-node`` = ``cluster.gpus_per_node`` (one task per GPU), ``--cpus-per-task`` when
+    ``submit.cpus_per_task`` is set, ``--exclusive``, ``--mem=0`` (or ``submit.mem``), ``--time=submit.time``,
+    ``--job-name=submit.job_name``, ``--requeue``, ``--signal=USR1@submit.signal_seconds`` (to the ranks,
+    seconds before the time limit), ``--output=<run.dir>/slurm-%j.out`` (appended to across requeues),
+    ``--partition`` / ``--account`` / ``--qos`` / ``--constraint`` / ``--reservation`` when set, then
+    ``submit.extra_args``. The body states the interpreter (:func:`interpreter`), builds the embedded corpus
+    once when ``data.path`` is null, sets ``MASTER_ADDR`` / ``MASTER_PORT`` and ``OMP_NUM_THREADS`` (=
+    ``submit.cpus_per_task`` when set), runs ``srun`` (:func:`srun_options`) ``python -m k2.launcher.train``
+    with :func:`train_overrides`, and requeues the job when the ranks exit with :data:`REQUEUE_EXIT_CODE`.
+    With ``submit.container_image`` the Python steps on the batch node run in the container too (``srun
+    --ntasks=1``). The script ``cd``s to ``$K2_WORKDIR`` (default: the submit directory, where ``k2-submit``
+    ran).
 
     Args:
         cfg: the validated config (``load_config(overrides)``).
@@ -67,38 +130,36 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         ConfigError: ``run.dir`` or ``submit.job_name`` contains whitespace (not expressible in an
             ``#SBATCH`` line).
     """
-    sub, cl = cfg.submit, cfg.cluster
+    sub = cfg.submit
     rdir = run_dir(cfg)
     for key, value in (("run.dir", rdir), ("submit.job_name", str(sub.job_name))):
         if re.search(r"\s", value):
             raise ConfigError(f"{key}={value!r} contains whitespace, which #SBATCH lines cannot hold")
     args = train_overrides(cfg, overrides)
     quoted = " ".join(shlex.quote(a) for a in args)
-    sbatch = [
-        f"--job-name={sub.job_name}",
-        f"--nodes={cl.nodes}",
-        f"--ntasks-per-node={cl.gpus_per_node}",
-        *([f"--gpus-per-node={cl.gpus_per_node}"] if sub.request_gpus else []),
-        "--exclusive",
-        f"--time={sub.time}",
-        "--requeue",
-        f"--signal=USR1@{sub.signal_seconds}",
-        "--open-mode=append",
-        f"--output={rdir}/slurm-%j.out",
-    ]
-    if sub.partition:
-        sbatch.append(f"--partition={sub.partition}")
-    if sub.account:
-        sbatch.append(f"--account={sub.account}")
-    distribution = f" --distribution={sub.distribution}" if sub.distribution else ""
+    srun = " ".join(shlex.quote(o) for o in srun_options(cfg))
     shown = " ".join(shlex.quote(o) for o in overrides if _key_of(o) != "submit.dry_run")
+    container = " ".join(shlex.quote(o) for o in _container_options(cfg))
+    if container:
+        run_python = [
+            "# Python on the batch node runs in the container as well (one task).",
+            f'k2py() {{ srun --ntasks=1 --nodes=1 {container} "$PYTHON" "$@"; }}',
+        ]
+    else:
+        run_python = [
+            'command -v "$PYTHON" >/dev/null || { echo "pretrain.sbatch: $PYTHON not found; set submit.python to a Python with k2-launcher installed" >&2; exit 1; }',
+            'k2py() { "$PYTHON" "$@"; }',
+        ]
+    omp = (f"export OMP_NUM_THREADS={sub.cpus_per_task}  # submit.cpus_per_task" if sub.cpus_per_task is not None
+           else 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-8}}"')
     lines = [
         "#!/bin/bash",
-        "# Generated by k2-submit (k2.launcher.tools.sbatch); do not edit: change the overrides and render again:",
+        "# Generated by k2-submit (k2.launcher.tools.sbatch); do not edit: change the overrides (submit.* sets",
+        "# every #SBATCH and srun option; submit.extra_args adds others) and render again:",
         f"#   k2-submit {shown}".rstrip(),
         "# One task per GPU; every task runs `python -m k2.launcher.train` with the same overrides and the same",
         "# absolute run.dir on every (re)start of the job (never derived from the Slurm job id).",
-        *(f"#SBATCH {a}" for a in sbatch),
+        *(f"#SBATCH {a}" for a in sbatch_options(cfg)),
         "#",
         f"# Requeue convention: the ranks get USR1 {sub.signal_seconds} s before the time limit (and SIGTERM on",
         "# scancel/requeue/preemption); they agree on a step, save a checkpoint, and exit with status",
@@ -109,30 +170,30 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         "set -euo pipefail",
         "",
         'cd "${K2_WORKDIR:-$SLURM_SUBMIT_DIR}"',
-        'PYTHON="${K2_PYTHON:-python3}"',
-        'command -v "$PYTHON" >/dev/null || { echo "pretrain.sbatch: $PYTHON not found; set K2_PYTHON to a Python with k2-launcher installed" >&2; exit 1; }',
+        f"PYTHON={shlex.quote(interpreter(cfg))}  # submit.python",
+        *run_python,
         "",
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1 || true)"',
         'if [[ -z "$MASTER_ADDR" ]]; then',
-        '  MASTER_ADDR="$("$PYTHON" -m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST")"',
+        '  MASTER_ADDR="$(k2py -m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST")"',
         "fi",
         "export MASTER_ADDR",
-        'MASTER_PORT="$("$PYTHON" -m k2.launcher.tools.hostlist master-port "$SLURM_JOB_ID")"',
-        "export MASTER_PORT",
-        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-8}}"',
+        "# = k2.launcher.tools.hostlist.master_port($SLURM_JOB_ID): the same on every node and every restart",
+        f"export MASTER_PORT=$(({MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN}))",
+        omp,
         "",
     ]
     if cfg.data.path is None:
         lines += [
             "# The embedded corpus (data.path is null) is built once here, not by every rank (idempotent).",
-            f"\"$PYTHON\" -m k2.launcher.data {quoted}",
+            f"k2py -m k2.launcher.data {quoted}",
             "",
         ]
     lines += [
         'echo "pretrain.sbatch: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes,"'
         ' "master $MASTER_ADDR:$MASTER_PORT"',
         "rc=0",
-        f"srun --kill-on-bad-exit=1 --cpu-bind=none{distribution} \"$PYTHON\" -m k2.launcher.train {quoted} || rc=$?",
+        f"srun {srun} \"$PYTHON\" -m k2.launcher.train {quoted} || rc=$?",
         # srun --kill-on-bad-exit may report a signal instead of 42 when it stops the ranks that had not
         # exited yet; rank 0 writes the marker only after every rank finished the checkpoint
         f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {shlex.quote(rdir + '/requeue')} ]]; then",
@@ -148,19 +209,27 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
 
 def check_submittable(cfg) -> int:
     """The world size ``cluster.nodes x cluster.gpus_per_node`` of a job; ``run.dir`` must go into an
-    ``#SBATCH --output`` line.
+    ``#SBATCH --output`` line, and a cluster-size job must name its data.
 
     Raises:
-        ConfigError: ``run.dir`` contains whitespace.
+        ConfigError: ``run.dir`` contains whitespace; ``data.path`` is null (the embedded 18 MB
+            standard-library corpus) for a job of more than one node or with GPUs, without
+            ``submit.embedded_corpus=true``.
     """
     if re.search(r"\s", run_dir(cfg)):
         raise ConfigError(f"run.dir={cfg.run.dir!r} must not contain whitespace (it goes into #SBATCH --output)")
+    big = cfg.cluster.nodes > 1 or cfg.submit.request_gpus
+    if cfg.data.path is None and cfg.prepare.input is None and big and not cfg.submit.embedded_corpus:
+        what = f"{cfg.cluster.nodes} node(s)" + (f" x {cfg.cluster.gpus_per_node} GPUs" if cfg.submit.request_gpus else "")
+        raise ConfigError(f"data.path is null: this job ({what}) would train on the embedded 18 MB standard-library "
+                          "test corpus; set data.path to a k2-data dataset prefix, or submit.embedded_corpus=true "
+                          "if that corpus is meant")
     return cfg.cluster.nodes * cfg.cluster.gpus_per_node
 
 
 def submit_script(cfg, text: str) -> int:
     """Write ``<run.dir>/pretrain.sbatch`` and ``sbatch`` it from the current directory (the job's working
-    directory), with ``K2_PYTHON`` set to this interpreter unless already set; the job id goes to stdout.
+    directory); the job id goes to stdout.
 
     Returns:
         0 when submitted; 1 when ``sbatch`` is missing, the script cannot be written, or sbatch refuses it.
@@ -178,8 +247,7 @@ def submit_script(cfg, text: str) -> int:
     except OSError as e:
         print(f"{_PROG}: error: cannot write the script into run.dir={rdir}: {e}", file=sys.stderr)
         return 1
-    env = {**os.environ, "K2_PYTHON": os.environ.get("K2_PYTHON", sys.executable)}
-    r = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, env=env)
+    r = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
     if r.returncode != 0:
         print(f"{_PROG}: error: sbatch {script} failed (exit {r.returncode}): {r.stderr.strip()}",
               file=sys.stderr)

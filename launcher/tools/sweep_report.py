@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from k2.model.flops import flops_per_token
-from k2.model.params import count_params
 
 
 def _flops_to_target(curve: list[tuple[float, float]], target: Optional[float]) -> Optional[float]:
@@ -40,6 +38,8 @@ def collect(sweep_dir) -> list[dict]:
     """
     from omegaconf import OmegaConf
 
+    from k2.model.flops import flops_per_token  # (here: --help must not wait for the model's imports)
+    from k2.model.params import count_params
 
     rows = []
     dirs = sorted((d for d in Path(sweep_dir).glob("sparsity_*") if d.is_dir() and ".stale-" not in d.name),
@@ -142,11 +142,37 @@ def write_report(rows: list[dict], out_dir) -> dict:
     return {k: str(out / f"sweep.{k}") for k in ("csv", "md", "png")}
 
 
+USAGE = """usage: k2-sweep-report SWEEP_DIR
+
+Read the sweep.dir of a `k2-train -m +experiment=sparsity_sweep` run (one sparsity_<S>/ run dir per point)
+and print one row per point (parameters, tokens, training FLOPs, final validation loss, the FLOPs to reach
+sweep.val_loss_target and the savings against the lowest sparsity); writes sweep.csv, sweep.md and sweep.png
+(validation loss against training FLOPs) into SWEEP_DIR.
+
+exit status: 0 done, 2 a bad argument or no sweep point in SWEEP_DIR
+"""
+
+
+def comparison_line(row: dict, base: dict) -> str:
+    """One line comparing a point's FLOPs to ``sweep.val_loss_target`` with the lowest sparsity's (``base``)."""
+    target, s = row["val_loss_target"], row["flops_savings_vs_lowest"]
+    if s:
+        return (f"sparsity {row['sparsity']} reaches val loss {target} with {s:.2f}x fewer FLOPs than sparsity "
+                f"{base['sparsity']}")
+    missed = [f"sparsity {r['sparsity']}" for r in (base, row) if r["flops_to_target"] is None]
+    return (f"sparsity {row['sparsity']}: FLOPs to val loss {target} not comparable with sparsity {base['sparsity']} "
+            f"({' and '.join(missed)} did not reach it)")
+
+
 def report_main(argv: Optional[Sequence[str]] = None) -> int:
     """``k2-sweep-report SWEEP_DIR``: print the table and the FLOP savings; write CSV/Markdown/PNG there."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: k2-sweep-report SWEEP_DIR  (the sweep.dir of a k2-train -m run)", file=sys.stderr)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE, end="")
+        return 0
+    if len(args) != 1:
+        print(USAGE.splitlines()[0], file=sys.stderr)
+        print(f"k2-sweep-report: error: expected one SWEEP_DIR, got {len(args)} arguments", file=sys.stderr)
         return 2
     try:
         rows = collect(args[0])
@@ -155,12 +181,9 @@ def report_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     paths = write_report(rows, args[0])
     print(Path(paths["md"]).read_text(), end="")
-    target = rows[0]["val_loss_target"]
-    for r in rows[1:]:
-        s = r["flops_savings_vs_lowest"]
-        print(f"sparsity {r['sparsity']} reaches val loss {target} with "
-              + (f"{s:.2f}x fewer FLOPs than sparsity {rows[0]['sparsity']}" if s else
-                 "(not comparable: a point did not reach the target)"))
+    if rows[0]["val_loss_target"] is not None:
+        for r in rows[1:]:
+            print(comparison_line(r, rows[0]))
     print(f"written: {paths['csv']}, {paths['md']}, {paths['png']}")
     return 0
 

@@ -94,6 +94,9 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str], rank_env: boo
         runner = lambda: exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: E731
     elif target[0] == "-m":
         sys.argv = [target[1], *target[2:]]
+        # runs the module afresh as __main__, as python -m does (its imports stay loaded); the preimported
+        # copy is dropped first, else runpy warns that the module was found in sys.modules
+        sys.modules.pop(target[1], None)
         runner = lambda: runpy.run_module(target[1], run_name="__main__", alter_sys=True)  # noqa: E731
     else:  # (python SCRIPT puts the script's directory first on sys.path, python -m the cwd)
         sys.argv = list(target)

@@ -147,6 +147,10 @@ def spawn_local_ranks(cfg, overrides: list[str]) -> int:
     with forwarding_signals(child, to_workers=True):
         rc = child.wait()
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
+    if marker.exists() and marker.read_text().startswith("hang"):  # the ranks' hang watchdog stopped them
+        print(f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "
+              f"status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+        return REQUEUE_EXIT_CODE
     if marker.exists():
         print(f"k2-train: the ranks saved step {marker.read_text().strip()} and stopped for preemption; "
               f"exit status {REQUEUE_EXIT_CODE} (requeue)", flush=True)

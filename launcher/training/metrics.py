@@ -2,7 +2,8 @@
 
 ``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
 ``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the
-step, ``model/flops.py``, against ``cluster.peak_tflops``), and ``val_loss`` on validation steps. A fresh
+step, ``model/flops.py``, against ``cluster.peak_tflops``; on CPU against ``cluster.cpu_peak_tflops``, null
+when that is null: :func:`step_mfu`), and ``val_loss`` on validation steps. A fresh
 run with validation on starts with one record ``{"step": 0, "consumed_tokens": 0, "phase", "seq_length",
 "val_loss"}``: the validation loss before training (no ``loss``; readers of training steps skip step 0). wandb runs
 offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
@@ -31,6 +32,22 @@ import os
 import sys
 from pathlib import Path
 from typing import Optional
+
+def step_mfu(flops: float, seconds: float, num_ranks: int, cluster, on_gpu: bool) -> tuple[float, Optional[float]]:
+    """``(model TFLOP/s per rank, MFU)`` of a step against the peak of the device the run used:
+    ``cluster.peak_tflops`` on a GPU; on CPU ``cluster.cpu_peak_tflops`` (a GEMM rate of one rank), or no
+    MFU (None) when that is null -- a GPU's BF16 peak would give a meaningless 1e-6 on a CPU.
+
+    Args:
+        flops: model FLOPs of the step (``k2.model.flops.step_flops``); seconds: its wall time;
+        num_ranks: the world size; cluster: ``cfg.cluster``; on_gpu: the run's ranks use CUDA devices.
+    """
+    from k2.model.flops import mfu
+
+    peak = cluster.peak_tflops if on_gpu else cluster.cpu_peak_tflops
+    tflops, fraction = mfu(flops, seconds, num_ranks, float(peak) if peak is not None else 1.0)
+    return tflops, (fraction if peak is not None else None)
+
 
 #: where the records of steps re-run after a resume go (see the module docstring)
 REPLAYED_METRICS = "metrics.replayed.jsonl"

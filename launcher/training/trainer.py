@@ -22,6 +22,7 @@ import contextlib
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
@@ -29,7 +30,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
 from k2.config import to_yaml
-from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
+from k2.config.validate import resume_settings
+from k2.launcher.checkpointing.background import BackgroundSaver, abandon_in_flight_save
+from k2.launcher.checkpointing.paths import latest_checkpoint, read_state, resume_point
 from k2.launcher.checkpointing.store import (
     load_checkpoint,
     load_model_weights,
@@ -38,15 +41,19 @@ from k2.launcher.checkpointing.store import (
     verify_checkpoint,
 )
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
-from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_replayed_metrics
+from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
+from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_mfu
 from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
+from k2.launcher.training.run_report import write_run_report
+from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
-from k2.launcher.training.step import check_finite, evaluate, reduce_lm_loss, run_microbatches
+from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
+from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
 from k2.model.build import (
     build_model_chunks,
     layout_independent_init,
@@ -54,7 +61,7 @@ from k2.model.build import (
     set_rope_type,
     transformer_config,
 )
-from k2.model.flops import mfu, step_flops
+from k2.model.flops import step_flops
 from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
 from k2.optim.params import format_route_table, param_rules, route_table, tag_parameters
@@ -107,6 +114,9 @@ class Trainer:
         self.rank = 0
         self.record: dict = {}
         self.started = time.perf_counter()  # for the end-of-run summary
+        # wall-time split over every start of the run (k2.launcher.training.goodput)
+        self.goodput = GoodputClock(process_start_time(parent=env.spawned_by_k2_train))
+        self.saver: BackgroundSaver | None = None  # checkpoint.async_save (set in train)
 
     # ------------------------------------------------------------------ the outline
 
@@ -117,22 +127,42 @@ class Trainer:
         resumed_note = self.restore()
         self.open_logger(resumed_note)
         preempted = False
+        c = self.cfg.checkpoint  # checkpoint.async_save: saves written in the background
+        self.saver = BackgroundSaver(self.run_dir, c.keep_last, c.keep_every, self._saved) if c.async_save else None
+        self.goodput.end_startup()
         try:
             self.evaluate_before_training()
             for step in range(self.state.step + 1, self.plan.steps + 1):
                 self.preemption.step = step  # named by a signal's log line
                 phase = self.enter_phase(step)
+                overlapped = self.saver is not None and self.saver.in_flight is not None
                 self.record = self.train_step(step, phase)
+                if overlapped:  # a background write ran during this step
+                    self.record["checkpoint_in_flight"] = True
                 self.maybe_evaluate(step, phase)
-                self.logger.log(self.record)
+                self.logger.log({**self.record, **self.goodput.fields()})
+                self.finish_save(blocking=False)  # commits a background save whose writers are done
                 saved = self.maybe_save(step)
                 # agreed after the periodic save: a signal that arrives while step N saves stops at N
                 preempted = step < self.plan.steps and self.stop_for_preemption(step, saved)
                 if preempted:
                     break
+            self.finish_save(blocking=True)
             self.summarize(preempted)
+        except TrainingDiverged:  # agreed by every rank: the save in flight holds earlier, sound weights
+            self.finish_save(blocking=True)
+            raise
+        except BaseException:  # the ranks may not agree on anything any more
+            if self.saver is not None:
+                self.saver.abandon()
+            raise
         finally:
+            self.watchdog.stop()
+            if self.saver is not None:
+                self.saver.close()
             self.logger.close()
+        if self.cfg.train.report and self.rank == 0:  # the run's curves as PNGs and its summary
+            print(write_run_report(self.run_dir).text(), flush=True)
         if preempted:
             self.record["preempted"] = self.preemption.reason
         return self.record
@@ -143,8 +173,12 @@ class Trainer:
         """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
         scheduler, the pipeline hooks and the run state."""
         cfg, plan = self.cfg, self.plan
-        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s)
+        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
+                         timeout_s=process_group_timeout_s(cfg.run))
         self.rank = dist.get_rank()
+        self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
+        # a hang ends the run without a collective: a background save in flight stays .partial
+        self.watchdog.on_hang(lambda _report: abandon_in_flight_save())
         if plan.resume_from is not None:  # before the heavy work: damage is refused first
             verify_checkpoint(plan.resume_from, cfg.checkpoint.verify)
         if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
@@ -179,6 +213,7 @@ class Trainer:
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
+        self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
 
     def prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save and the requeue marker of
@@ -204,6 +239,8 @@ class Trainer:
             same_world = saved["layout"]["world_size"] == self.env.world_size
             load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
             self.state.load_state_dict(saved)
+            self.goodput.load(saved.get("goodput"))
+            self.spike.load_state_dict(saved.get("spike"))
             note = (f"resumed from {self.plan.resume_from} (step {self.state.step}, "
                     f"{self.state.scheduler.consumed_tokens:,} tokens"
                     f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
@@ -221,9 +258,10 @@ class Trainer:
         """The metrics logger (rank 0 writes), and the start-up lines: the layout, what was resumed, which
         optimizer each parameter gets (also ``<run.dir>/optimizer_params.txt``)."""
         cfg, plan, start = self.cfg, self.plan, self.state.step
-        self.replayed_until = start
-        if self.rank == 0 and start:
-            self.replayed_until = set_aside_replayed_metrics(self.run_dir, start)
+        self.replayed_until, fresh_note = start, None
+        if self.rank == 0:  # records a restart throws away: set aside, their time counted as lost
+            resumed = start if self.plan.resume_from is not None else None
+            self.replayed_until, fresh_note = set_aside_earlier_start(self.run_dir, resumed, self.goodput)
         self.logger = MetricsLogger(
             str(self.run_dir), enabled=self.rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
             config=OmegaConf.to_container(cfg, resolve=True), progress=cfg.train.progress,
@@ -236,6 +274,12 @@ class Trainer:
             f"k2-train: world={self.env.world_size} PP={d.pp} VPP={d.vpp} EP={d.ep} DP={d.dp}; "
             f"schedule={plan.schedule.name}: {plan.steps} steps x {plan.tokens_per_step:,} tokens; "
             f"rank-0 params={n_params:,}; run.dir={self.run_dir}")
+        if fresh_note:
+            self.logger.message(fresh_note)
+        if resumed_note and self.rank == 0 and resume_settings(self.cfg.resume)["from"] is None:
+            marker_note = resume_point(self.run_dir)[1]  # latest was missing, empty or dangling
+            if marker_note:
+                self.logger.message(f"k2-train: {marker_note}")
         if resumed_note:
             self.logger.message(
                 f"k2-train: {resumed_note}"
@@ -262,7 +306,8 @@ class Trainer:
         of ``metrics.jsonl``."""
         if self.cfg.train.eval_interval and self.state.step == 0:
             phase = self.data.phase
-            val_loss = self._evaluate(phase)
+            with self.goodput.timed("eval"):
+                val_loss = self._evaluate(phase)
             self.logger.message(f"step 0: val_loss {val_loss:.4f} (before training)")
             self.logger.log_before_training({"step": 0, "consumed_tokens": 0, "phase": phase.name,
                                              "seq_length": phase.seq_length, "val_loss": val_loss})
@@ -272,6 +317,7 @@ class Trainer:
         and the ``memory.*`` settings without a restart."""
         phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
         if phase.index != self.data.phase.index:
+            self.watchdog.progress("phase", step)  # dataset rebuild: its own allowance
             self.data.enter(phase, step)
             self._switch_rope(phase)
             apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute
@@ -281,22 +327,25 @@ class Trainer:
     def train_step(self, step: int, phase) -> dict:
         """One optimizer step: forward-backward over the global batch, the optimizer, QK-Clip, the LR of
         the next step. Returns the step's metrics record (``metrics.jsonl``)."""
+        self.watchdog.progress("step", step)
         t0 = time.perf_counter()
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.spike.before_step(self.model)
         meter = SavedBytesMeter() if self.cfg.train.measure_saved_bytes and step in self.phase_first_steps else None
         with meter.measure(root=False) if meter is not None else contextlib.nullcontext():
             losses = run_microbatches(self.forward_backward, self.data.iters, self.model, phase, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        loss, _ = reduce_lm_loss(losses)
+        update_ok, grad_norm, _ = self.spike.optimizer_step(step, self.optimizer, loss)  # train.spike.action
         attn = self.qk_clip.step(apply=bool(update_ok))  # reads and resets the max-logit windows
         scheduler = self.state.scheduler
         lr = scheduler.lr  # this step's (set before it ran)
         scheduler.step(self.plan.tokens_per_step)
         self.state.step = step
-        loss, _ = reduce_lm_loss(losses)
         self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
+        self.goodput.add("productive", dt)
         record = {
             "step": step,
             "consumed_tokens": scheduler.consumed_tokens,
@@ -314,9 +363,9 @@ class Trainer:
             **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
         }
         # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
-        record["model_tflops_per_gpu"], record["mfu"] = mfu(
+        record["model_tflops_per_gpu"], record["mfu"] = step_mfu(
             step_flops(self.cfg.model, phase.seq_length, self.plan.tokens_per_step), dt,
-            self.env.world_size, self.cfg.cluster.peak_tflops)
+            self.env.world_size, self.cfg.cluster, torch.cuda.is_available())
         m = self.cfg.model
         record.update(moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
                                        moe_layer_pattern(m)))
@@ -327,13 +376,16 @@ class Trainer:
             record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
         if step <= self.replayed_until:
             record["replayed"] = True
+        self.spike.finish_step(step, record, self.logger.message,
+                               lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
         return record
 
     def maybe_evaluate(self, step: int, phase) -> None:
         """Validation loss every ``train.eval_interval`` steps and at the last step (into the record)."""
         every = self.cfg.train.eval_interval
         if every and (step % every == 0 or step == self.plan.steps):
-            self.record["val_loss"] = self._evaluate(phase)
+            with self.goodput.timed("eval"):
+                self.record["val_loss"] = self._evaluate(phase)
 
     def stop_for_preemption(self, step: int, saved: bool = False) -> bool:
         """Collective: when any rank got SIGTERM / SIGUSR1 or ran out of ``run.max_minutes``, save this
@@ -342,6 +394,7 @@ class Trainer:
         if not self.preemption.agreed():
             return False
         why = f"preempted: {self.preemption.reason}"
+        self.finish_save(blocking=True)
         if saved:
             self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
         else:
@@ -362,12 +415,37 @@ class Trainer:
 
     def save(self, step: int, why: str) -> None:
         """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
+        self.watchdog.progress("save", step)
         t0 = time.perf_counter()
         c = self.cfg.checkpoint
-        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.state.state_dict(why),
-                               self.config_yaml, c.keep_last, c.keep_every)
-        self.logger.message(f"step {step}: checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
-        if why == "end of run" and c.export_hf and self.rank == 0:  # a Hugging Face copy of it
+        state = {**self.state.state_dict(why), "goodput": self.goodput.state_dict(), "spike": self.spike.state_dict()}
+        with self.goodput.timed("checkpoint"):
+            if self.saver is not None:  # staged; committed at a later step boundary (finish_save)
+                self.saver.save(step, why, self.model, self.optimizer, state, self.config_yaml)
+                self.logger.message(f"step {step}: checkpoint staged in {time.perf_counter() - t0:.2f} s, "
+                                    "written in the background")
+            else:
+                path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, state,
+                                       self.config_yaml, c.keep_last, c.keep_every)
+        if self.saver is None:
+            self._saved(path, step, why, time.perf_counter() - t0)
+        elif why.startswith("preempted") or why == "end of run":  # the run stops here: commit it now
+            self.finish_save(blocking=True)
+
+    def finish_save(self, blocking: bool) -> None:
+        """Collective: commit the background save in flight once every rank's writer is done
+        (``blocking``: wait for them); the wait counts as checkpoint stall."""
+        if self.saver is not None and self.saver.in_flight is not None:
+            if blocking:  # the wait for the writers gets the watchdog's allowance of a save
+                self.watchdog.progress("save", self.saver.in_flight["step"])
+            with self.goodput.timed("checkpoint"):
+                self.saver.poll(blocking=blocking)
+
+    def _saved(self, path: Path, step: int, why: str, seconds: float) -> None:
+        """A checkpoint is committed: the log line, and at the end of the run the Hugging Face copy."""
+        self.logger.message(f"step {step}: checkpoint {path} ({why}, {seconds:.1f} s)")
+        if why == "end of run" and self.cfg.checkpoint.export_hf and self.rank == 0:
+            self.watchdog.progress("export", step)  # rank 0 alone, for as long as the export takes
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
     def summarize(self, preempted: bool) -> None:
@@ -388,6 +466,7 @@ class Trainer:
             f"  metrics:     {self.run_dir / 'metrics.jsonl'}",
             f"  checkpoints: {self.run_dir / 'checkpoints'} (latest: "
             f"{getattr(latest_checkpoint(self.run_dir), 'name', 'none')})",
+            f"  {self.goodput.summary()}",
             f"  wandb:       {wandb_dir if wandb_dir is not None else 'off (run.wandb.mode=disabled)'}",
         ]
         self.logger.message("\n".join(lines))
@@ -409,6 +488,7 @@ class Trainer:
         return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
 
     def _evaluate(self, phase) -> float:
+        self.watchdog.progress("eval", self.state.step)
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
                         self.data.valid_ds, self.data.dp_rank)
 

@@ -9,6 +9,7 @@ processes (its parent, wandb offline, two trainers on one run dir): tests/integr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,137 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     _assert_same_steps(recs, ref, range(1, 9))
     # retention: keep_last=2 (default) plus the one latest names
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000006", "iter_0000008"]
+
+
+GOODPUT_FIELDS = ("time_productive_s", "time_startup_s", "time_checkpoint_s", "time_replayed_s", "time_eval_s",
+                  "time_lost_s", "time_other_s")
+
+
+@pytest.mark.slow
+def test_killed_before_its_first_save_restarts_afresh_and_counts_the_lost_time(cpu4_reference, tmp_path):
+    """kill -9 of rank 0 in step 2, before the first checkpoint (step 2's): the same command again
+    starts the run afresh (not refused), its records of the killed start set aside, and equals the
+    uninterrupted run bitwise; the killed start's step time is counted (replayed + lost) in the goodput
+    fields, which add up to the total and continue over the checkpoints; the summary prints the split."""
+    ref_dir, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    args = [*CPU4, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"]
+    run_trainer(args, 4, run_dir, script="fault_train.py", env={"K2_FAULT": "sigkill_train:2:0"},
+                expect_failure=True)
+    killed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in killed] == [0, 1] and not (run_dir / "checkpoints" / "latest").exists()
+    out = tmp_path / "stdout.txt"
+    recs = run_trainer(args, 4, run_dir, stdout_to=out)
+    text = out.read_text()
+    assert "killed before its first checkpoint (steps up to 1 logged): starting it afresh" in text, text[-3000:]
+    _assert_same_steps(recs, ref, range(1, 9))
+    assert [r.get("replayed", False) for r in recs] == [True] + [False] * 7
+    replayed = [json.loads(x) for x in (run_dir / "metrics.replayed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replayed] == [0, 1]
+    first, last = recs[0], recs[-1]
+    # the killed start's step 1 is replayed time, its start-up and evaluation lost time
+    assert first["time_replayed_s"] == pytest.approx(killed[1]["step_time_s"], rel=1e-9)
+    assert first["time_lost_s"] == pytest.approx(killed[1]["time_total_s"] - killed[1]["step_time_s"], rel=1e-9)
+    for r in recs:
+        assert sum(r[k] for k in GOODPUT_FIELDS) == pytest.approx(r["time_total_s"], rel=1e-9)
+        assert r["goodput"] == pytest.approx(r["time_productive_s"] / r["time_total_s"], rel=1e-9)
+    assert last["time_productive_s"] >= sum(r["step_time_s"] for r in recs) * (1 - 1e-9)
+    assert last["time_checkpoint_s"] > 0 and last["time_eval_s"] > 0 and last["time_startup_s"] > 0
+    assert _state(run_dir)["goodput"]["starts"] == 2 and 0 < last["goodput"] < 1
+    summary = re.search(r"goodput (0\.\d+): productive ([\d.]+) s of ([\d.]+) s over 2 starts \(start-up", text)
+    assert summary and float(summary[1]) == pytest.approx(last["goodput"], abs=0.05), text[-2000:]
+
+
+def _all_tensors(ckpt: Path, tmp_path: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint (model, optimizer incl. its zeroed padding; the RNG
+    state objects are left out), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{ckpt.parent.parent.name}-{ckpt.name}-all.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    sd = torch.load(out, weights_only=False)
+    return {k: v for k, v in sd.items() if torch.is_tensor(v) and "rng" not in k}
+
+
+ASYNC = ["checkpoint.async_save=true", "train.save_interval=2", "checkpoint.keep_last=8"]
+
+
+@pytest.mark.slow
+def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written(cpu4_reference, tmp_path):
+    """checkpoint.async_save=true with optim.offload_fraction=1 (optimizer states in host memory, updated
+    in place by every step): the writer of step 2's checkpoint on rank 0 is held until step 4 has
+    started, so steps 3 and 4 update those states while it is written. The losses equal the synchronous
+    reference's bitwise and every checkpoint's tensors (model and optimizer) equal the reference's: the
+    fork took step 2's state (a writer that read the live tensors would have written step 3's or 4's).
+    Resuming from the asynchronous step-4 checkpoint equals the reference (itself resumed bitwise from
+    a synchronous one, test_bitwise_resume_cpu4_once_and_twice)."""
+    ref_dir, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    out = tmp_path / "stdout.txt"
+    recs = run_trainer([*CPU4, "train.iters=8", *ASYNC, "optim.offload_fraction=1"], 4, run_dir,
+                       script="fault_train.py", env={"K2_FAULT": "none:0:0", "K2_HOLD_WRITER": "2:0",
+                                                     "K2_TEST_OUT": str(tmp_path)}, stdout_to=out)
+    _assert_same_steps(recs, ref, range(1, 9))
+    text = out.read_text()
+    assert "step 2: checkpoint staged in" in text and "written in the background" in text, text[-3000:]
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert names == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000008"], names
+    for name in names:
+        want = _all_tensors(ref_dir / "checkpoints" / name, tmp_path)
+        got = _all_tensors(run_dir / "checkpoints" / name, tmp_path)
+        assert got.keys() == want.keys() and any("optimizer" in k for k in want)
+        bad = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not bad, (name, bad[:5])
+    resumed = run_trainer([*CPU4, "train.iters=6", "optim.offload_fraction=1",
+                           f"resume.from={run_dir / 'checkpoints' / 'iter_0000004'}"],
+                          4, tmp_path / "resumed")
+    _assert_same_steps(resumed, ref, range(5, 7))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigkill_train", "sigterm_train"])
+def test_fault_during_a_background_write(cpu4_reference, tmp_path, fault):
+    """The writer of step 4's checkpoint on rank 0 is held until step 6 starts, and rank 0 gets the
+    fault then. kill -9: latest stays step 2's checkpoint, step 4's is only ``.partial`` (its writer
+    dies with the rank); SIGTERM: step 4's checkpoint is committed, then step 6's, the requeue marker
+    says 6 and nothing is left ``.partial``. The
+    same command again resumes and equals the uninterrupted run bitwise."""
+    _, ref = cpu4_reference
+    run_dir = tmp_path / "run"
+    args = [*CPU4, "train.iters=8", *ASYNC]
+    run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
+                env={"K2_FAULT": f"{fault}:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)})
+    ckpts = run_dir / "checkpoints"
+    if fault == "sigkill_train":
+        assert _latest(run_dir) == "iter_0000002"
+        assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
+        assert not any((ckpts / "iter_0000004.partial").glob("k2_*"))  # never committed
+    else:
+        assert _latest(run_dir) == "iter_0000006" and (ckpts / "iter_0000004").is_dir()
+        assert _state(run_dir)["step"] == 6  # (the periodic save of step 6 serves the preemption)
+        assert (run_dir / "requeue").read_text().strip() == "6"
+        assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
+    recs = run_trainer(args, 4, run_dir)
+    _assert_same_steps(recs, ref, range(1, 9))
+    assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_rank_is_one_line_naming_directory_and_rank(tmp_path):
+    """The file system turns read-only under rank 1 during the save of step 2 (after its shards): every
+    rank stops, one error line names the checkpoint directory and rank 1, no traceback, nothing
+    committed."""
+    run_dir = tmp_path / "run"
+    err = tmp_path / "stderr.txt"
+    recs = run_trainer([*CPU4, "train.iters=4", "train.save_interval=2", "train.eval_interval=0"], 4, run_dir,
+                       script="fault_train.py", env={"K2_FAULT": "erofs_save:2:1"}, expect_failure=True,
+                       stderr_to=err)
+    lines = [x for x in err.read_text().splitlines() if x.startswith("k2-train: error:")]
+    partial = run_dir / "checkpoints" / "iter_0000002.partial"
+    assert lines == [f"k2-train: error: saving checkpoint step 2 into {partial} failed on rank 1: OSError: "
+                     f"[Errno 30] Read-only file system: '{partial}'"], err.read_text()[-3000:]
+    assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
+    assert [r["step"] for r in recs] == [1, 2] and not (run_dir / "checkpoints" / "latest").exists()
 
 
 # MuonClip (Distributed Muon on the byte-range ZeRO-1 shards, whose momentum megatron reshards, and

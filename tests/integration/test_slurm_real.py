@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 
 JOB = ["parallel=pp2", "cluster.nodes=1", "cluster.gpus_per_node=2", "submit.request_gpus=false",
        "submit.time=30", "submit.signal_seconds=60", "train.iters=8", "train.save_interval=2",
-       "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline"]
+       "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline",
+       # the cluster options Slurm checks on one node: --mem=0 (the default), --cpus-per-task, an extra option
+       "submit.cpus_per_task=1", "submit.extra_args=['--comment=k2-slurm-options']"]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,9 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
             subprocess.run(["scancel", job], env=slurm.env)
     assert slurm.job_field(job, "JobState") == "COMPLETED", log() + slurm.diagnose(job)
     assert slurm.job_field(job, "Restarts") == "1", log()
+    assert slurm.job_field(job, "Comment") == "k2-slurm-options" and slurm.job_field(job, "CPUs/Task") == "1"
+    script = (run_dir / "pretrain.sbatch").read_text().splitlines()
+    assert {"#SBATCH --mem=0", "#SBATCH --cpus-per-task=1"} <= set(script), script
     out = log(tail=10**7)
     assert "restart 0" in out and "restart 1" in out and f"resumed from {run_dir / 'checkpoints'}" in out, out[-4000:]
     # the SIGTERM of the requeue was turned into a checkpoint of the step in progress, so nothing was

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 TRAIN = ["parallel=cpu4", "train.iters=8", "train.save_interval=2", "train.eval_interval=0",
          "train.progress=false", "run.wandb.mode=disabled"]
 JOB = [*TRAIN, "cluster.nodes=2", "cluster.gpus_per_node=2", "submit.request_gpus=false",
-       "submit.distribution=cyclic", "submit.time=30"]
+       "submit.distribution=cyclic", "submit.time=30", "submit.embedded_corpus=true"]
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -221,8 +221,8 @@ def test_a_node_that_never_starts_fails_the_rendezvous_naming_it(two_nodes, tmp_
     python.write_text(f'#!/bin/sh\n[ "$(hostname)" = {NODES[1]} ] && exec sleep 600\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     timeout_s = 20
-    job = Job(two_nodes, tmp_path / "run", [*JOB, "train.iters=2", f"launch.rendezvous_timeout_s={timeout_s}"],
-              env={"K2_PYTHON": str(python)})
+    job = Job(two_nodes, tmp_path / "run", [*JOB, "train.iters=2", f"launch.rendezvous_timeout_s={timeout_s}",
+                                             f"submit.python={python}"])
     try:
         wait_for(lambda: _ranks(NODES[0]), 300, lambda: f"the ranks of job {job.id} on {NODES[0]}: {job.log()}")
         t0 = time.time()

@@ -24,7 +24,7 @@ def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
     run_dir = tmp_path / "run"
     out = tmp_path / "stdout.txt"
     recs = run_trainer(["train.iters=4", "train.eval_interval=2", "train.eval_iters=1",
-                        "schedule.global_batch_tokens=1024"], 1, run_dir, stdout_to=out)
+                        "schedule.global_batch_tokens=1024", "train.report=true"], 1, run_dir, stdout_to=out)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first.keys() == {"step", "consumed_tokens", "phase", "seq_length", "val_loss"}, first
@@ -45,6 +45,14 @@ def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
         assert ("val_loss" in r) == (r["step"] % 2 == 0)
         assert 0 < r["moe_load_max_over_mean"] and r["max_attn_logit"] > 0
     assert (run_dir / "config.yaml").read_text().count("k2_tiny") >= 1
+    # on CPU without cluster.cpu_peak_tflops there is no peak to measure MFU against (not a GPU's)
+    assert all(r["mfu"] is None and r["model_tflops_per_gpu"] > 0 for r in recs)
+    # train.report=true: the report's summary after the run's, and its PNGs
+    report = text[text.index("k2-report: "):]
+    assert " ".join(report.split()).count("steps 4 (4,096 tokens)") == 1 and "MFU" in report, report
+    assert "none (a CPU run" in report, report
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == [
+        "grad_norm.png", "loss.png", "lr.png", "max_logit.png", "moe_balance.png", "throughput.png"]
 
 
 def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpus):

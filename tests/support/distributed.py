@@ -54,7 +54,7 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
 
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
                 timeout: int = 600, env: dict | None = None, expect_failure: bool = False,
-                stdout_to: Path | None = None) -> list[dict]:
+                stdout_to: Path | None = None, stderr_to: Path | None = None) -> list[dict]:
     """Run ``k2.launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
     metrics.jsonl records of the training steps (step >= 1; the ``"step": 0`` record of the evaluation
     before training is left out: read metrics.jsonl for it). :data:`QUIET` is added except for the keys
@@ -74,6 +74,8 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
                              f"{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}") from None
     if stdout_to is not None:  # for tests of what the run prints
         Path(stdout_to).write_text(proc.stdout)
+    if stderr_to is not None:
+        Path(stderr_to).write_text(proc.stderr)
     if expect_failure:
         assert proc.returncode != 0, f"trainer did not fail: {' '.join(cmd)}\n{proc.stdout[-3000:]}"
     else:

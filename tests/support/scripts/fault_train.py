@@ -8,15 +8,27 @@ test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
   step STEP, after writing its tensors;
 * ``sigusr1_before_pg`` -- rank RANK sends itself SIGUSR1 just before the process groups are created
   (STEP is unused): a notice that arrives while the trainer is still starting;
+* ``sigkill_train`` -- global rank RANK sends itself SIGKILL in the middle of training step STEP (a
+  node lost, ``kill -9``);
+* ``erofs_save`` -- on rank RANK the save of step STEP fails as on a file system that turned
+  read-only (``OSError`` EROFS after writing its shards);
+* ``none`` -- no fault (for ``$K2_HOLD_WRITER`` alone);
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
+
+``$K2_HOLD_WRITER`` = ``STEP:RANK`` (optional): the background writer (``checkpoint.async_save``) of
+the checkpoint of step STEP on global rank RANK waits, before it writes, until that rank has started
+step STEP + 2 (so two optimizer steps update the state while it is written, and a fault injected in
+step STEP + 2 hits the write in progress).
 """
 
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
-
+import k2.launcher.checkpointing.background as background
 import k2.launcher.checkpointing.store as store
 import k2.launcher.training.step as step
 import k2.launcher.training.trainer as trainer
@@ -29,12 +41,18 @@ train_steps = 0
 _run_microbatches = trainer.run_microbatches
 
 
+HOLD = [int(x) for x in os.environ["K2_HOLD_WRITER"].split(":")] if os.environ.get("K2_HOLD_WRITER") else None
+HOLD_FLAG = Path(os.environ.get("K2_TEST_OUT", "/tmp")) / f"k2-hold-writer-{os.getppid()}-{ME}"
+
+
 def run_microbatches(forward_backward, iters, model, phase, forward_only):
     global train_steps
     if not forward_only:
         train_steps += 1
-        if KIND == "sigterm_train" and train_steps == STEP and ME == RANK:
-            os.kill(os.getpid(), signal.SIGTERM)
+        if HOLD and ME == HOLD[1] and train_steps == HOLD[0] + 2:
+            HOLD_FLAG.touch()  # the held writer may go on
+        if KIND in ("sigterm_train", "sigkill_train") and train_steps == STEP and ME == RANK:
+            os.kill(os.getpid(), signal.SIGTERM if KIND == "sigterm_train" else signal.SIGKILL)
     elif KIND == "sigterm_eval" and train_steps == STEP and ME == RANK:
         os.kill(os.getpid(), signal.SIGTERM)
     return _run_microbatches(forward_backward, iters, model, phase, forward_only)
@@ -56,7 +74,26 @@ def init_distributed(*args, **kwargs):
     return _init_distributed(*args, **kwargs)
 
 
+def writer_started():  # in the forked writer: train_steps is the step of its checkpoint
+    if HOLD and ME == HOLD[1] and train_steps == HOLD[0]:
+        deadline = time.time() + 300
+        while not HOLD_FLAG.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        HOLD_FLAG.unlink(missing_ok=True)
+
+
+_shard_entries = store.shard_entries
+
+
+def shard_entries(partial, buckets):
+    if KIND == "erofs_save" and ME == RANK and train_steps == STEP:
+        raise OSError(30, "Read-only file system", str(partial))
+    return _shard_entries(partial, buckets)
+
+
 trainer.init_distributed = init_distributed
+store.shard_entries = shard_entries
+background._writer_started = writer_started
 trainer.run_microbatches = run_microbatches  # the training step's
 step.run_microbatches = run_microbatches  # evaluate()'s
 store._before_commit = before_commit

@@ -50,6 +50,8 @@ CASES = {
                                      ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60", "multiple of 8"]),
     "grouped_gemm_with_tp": (["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
                              ["model.moe_grouped_gemm=true", "parallel.tp=2"]),
+    "option_style": (["--parallel", "cpu4"], ["'--parallel' is not an override", "write parallel=cpu4"]),
+    "option_style_equals": (["--train.iters=3"], ["write train.iters=3"]),
     "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
                         ["data.path", "/nonexistent/corpus_text_document"]),
 }
@@ -94,12 +96,13 @@ def test_tokenizer_vocab_larger_than_model(tmp_path, capsys, stdlib_corpus):
     assert "model.vocab_size" in err and "1000" in err and "4096" in err, err
 
 
-def test_run_dir_that_holds_a_run_is_refused(tmp_path, capsys):
+def test_run_dir_whose_latest_names_a_missing_checkpoint_is_refused(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("iter_0000004\n")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     rc = main([f"run.dir={run_dir}", "run.wandb.mode=disabled"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
-    assert "run.dir" in err and "holds a run" in err and "no complete checkpoint" in err, err
+    assert "checkpoints/latest names iter_0000004, which does not exist" in err and "delete" in err, err
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched

@@ -23,7 +23,11 @@ def test_none_lists_benchmarks(capsys):
     assert "attention" in out
     rc, out, _ = run_tool(capsys, main, ["bench=none", "output=json"])
     assert rc == 0
-    assert set(json.loads(out)["available"]) == set(BENCHMARKS)
+    available = json.loads(out)["available"]
+    assert set(available) == set(BENCHMARKS)
+    for name, text in available.items():  # whole sentences: the docstring's first one, not its first line
+        doc = " ".join(BENCHMARKS[name].__doc__.split())
+        assert doc.startswith(text) and text.endswith((".", ")")) and text.count("(") == text.count(")"), text
 
 
 def test_attention_json_fp32_matches_reference(capsys):
@@ -129,6 +133,17 @@ def test_pipeline_bench_bad_options_exit_2(capsys, overrides, named, no_process_
     assert err.startswith("k2-bench: error: ") and named in err
 
 
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["bench.options.iters=7", "bench.options.save_interval=4"], "bench.options.iters"),  # two saves
+    (["bench.options.moe_experts=0"], "bench.options.moe_experts"),
+    (["bench.options.sync=1"], "bench.options.sync"),
+])
+def test_checkpoint_bench_bad_options_exit_2(capsys, overrides, named, no_process_start):
+    rc, out, err = run_tool(capsys, main, ["bench=checkpoint", *overrides])
+    assert rc == 2 and out == ""
+    assert err.startswith("k2-bench: error: ") and named in err
 
 
 # --- bench=step ----------------------------------------------------------------------------------

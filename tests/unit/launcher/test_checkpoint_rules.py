@@ -66,6 +66,38 @@ def test_resume_refuses_partial_incomplete_and_never(tmp_path):
         _plan([f"run.dir={run_dir}", "+resume.frm=3"])
 
 
+def test_missing_empty_or_dangling_latest_falls_back_to_the_newest_that_verifies(tmp_path):
+    """``latest`` missing, empty or naming a deleted checkpoint: the newest complete one is resumed, with
+    a note naming the marker; a dangling marker with nothing that verifies is refused naming it; no
+    marker and no checkpoint (a run killed before its first save) is a fresh start."""
+    from k2.config.errors import ConfigError
+    from k2.launcher.checkpointing.paths import resume_point
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 1.0}\n')
+    assert resume_point(run_dir) == (None, None)
+    assert _plan([f"run.dir={run_dir}"]).resume_from is None  # early crash: afresh
+    old = _fake_checkpoint(run_dir, 2, [f"run.dir={run_dir}"], SINGLE)
+    new = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
+    latest = run_dir / "checkpoints" / "latest"
+    for marker, problem in ((None, "is missing"), ("", "is empty"),
+                            ("iter_0000006", "names iter_0000006, which does not exist")):
+        if marker is None:
+            latest.unlink(missing_ok=True)
+        else:
+            latest.write_text(marker)
+        path, note = resume_point(run_dir)
+        assert path == new and note == f"{latest} {problem}; resuming from the newest checkpoint that verifies: iter_0000004"
+        assert _plan([f"run.dir={run_dir}"]).resume_from == new
+        assert _plan([f"run.dir={tmp_path / 'x'}", f"resume.from={run_dir / 'checkpoints'}"]).resume_from == new
+    import shutil
+    shutil.rmtree(new)
+    shutil.rmtree(old)
+    with pytest.raises(ConfigError, match=f"{latest} names iter_0000006, which does not exist and no checkpoint in .* verifies: delete {latest}"):
+        _plan([f"run.dir={run_dir}"])
+
+
 @pytest.mark.parametrize("change,allowed", [
     (["parallel=pp2"], None),  # PP 1 -> 2
     (["parallel=cpu4"], None),  # PP, VPP, EP

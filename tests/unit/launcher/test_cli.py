@@ -39,3 +39,17 @@ def test_k2_train_refuses_a_bad_setting_without_importing_megatron():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr[-2000:]
     assert proc.stderr.strip().startswith("k2-train: error: train.save_interval=0"), proc.stderr
+
+
+def test_help_prints_before_the_heavy_imports():
+    """Every tool's ``--help`` returns before torch / megatron-core are imported (they take seconds of CPU
+    per process; a user asking for help should not wait for them): one fresh interpreter per tool."""
+    import subprocess
+    import sys
+
+    tools = [*TOOLS, "convert", "sweep_report", "report"]
+    code = ("import sys\nfrom importlib import import_module\nrc = import_module(f'k2.launcher.{sys.argv[1]}')"
+            ".main(['--help'])\nprint('RESULT', rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    for tool in tools:
+        proc = subprocess.run([sys.executable, "-c", code, tool], capture_output=True, text=True, timeout=120)
+        assert proc.stdout.splitlines()[-1] == "RESULT 0 []", (tool, proc.stdout[-500:], proc.stderr[-2000:])

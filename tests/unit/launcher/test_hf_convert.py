@@ -128,6 +128,9 @@ def test_fp8_k2_checkpoint_imports_and_exports_back(tmp_path, megatron_world1):
     for name, want in expected.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
+    mode = lambda f: oct(f.stat().st_mode & 0o777)  # noqa: E731
+    assert {f.name: mode(f) for f in (tmp_path / "out").iterdir()} == \
+        {f.name: mode(tmp_path / "out" / "config.json") for f in (tmp_path / "out").iterdir()}  # shards too
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["rope_scaling"] is None
     assert (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]) == (32, 16, 32)
     assert (config["n_routed_experts"], config["n_shared_experts"], config["routed_scaling_factor"]) == (8, 1, 2.827)
@@ -203,7 +206,14 @@ def test_export_refuses_a_partial_or_damaged_checkpoint_and_leaves_no_output(tmp
     shutil.copytree(ckpt, partial)
     with pytest.raises(ConfigError, match=r"iter_0000000\.partial is a partial save"):
         export_hf(partial, tmp_path / "out")
-    (ckpt / "__0_0.distcp").unlink()
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())  # 64 KiB overwritten, same size: only the checksum sees it
+    n = min(64 << 10, len(data) // 2)
+    data[len(data) // 4:len(data) // 4 + n] = bytes(b ^ 0xFF for b in data[len(data) // 4:len(data) // 4 + n])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"iter_0000000 is damaged or incomplete: __0_0\.distcp: content changed"):
+        export_hf(ckpt, tmp_path / "out")
+    shard.unlink()
     with pytest.raises(ConfigError, match=r"iter_0000000 is damaged or incomplete: __0_0\.distcp"):
         export_hf(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -245,8 +255,10 @@ def test_a_weights_only_checkpoint_serves_any_layout_and_checks_only_the_model()
         check_resume_compatible(state, saved, other_model, cpu4, False, "ckpt")
 
 
-#: Kimi-K2-Base's config.json as published (its model fields; auto_map and token ids left out)
+#: Kimi-K2-Base's config.json as published (huggingface.co/moonshotai/Kimi-K2-Base, config.json; its model
+#: fields, auto_map and token ids left out)
 KIMI_K2_BASE_CONFIG = {
+    "num_nextn_predict_layers": 0, "aux_loss_alpha": 0.001, "initializer_range": 0.02, "seq_aux": True,
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
     "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
     "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
@@ -265,10 +277,30 @@ KIMI_K2_BASE_CONFIG = {
 def test_kimi_k2_base_config_matches_the_kimi_k2_recipe_and_not_k2_tiny(tmp_path):
     from k2.launcher.hf.hf_config import check_hf_config
 
-    check_hf_config(KIMI_K2_BASE_CONFIG, _cfg(tmp_path, "model=kimi_k2").model, "config.json")
-    ours = hf_config(_cfg(tmp_path, "model=kimi_k2").model, "yarn", "bf16", "kimi_k2")
-    assert {k: ours[k] for k in KIMI_K2_BASE_CONFIG if k != "quantization_config"} == {
-        k: v for k, v in KIMI_K2_BASE_CONFIG.items() if k != "quantization_config"}
+    from k2.launcher.hf.export import rope_type_at
+    from k2.schedules.resolve import resolve_schedule
+
+    k2 = _cfg(tmp_path, "model=kimi_k2")
+    check_hf_config(KIMI_K2_BASE_CONFIG, k2.model, "config.json")
+    # the end of K2's schedule (its last phase, YaRN, has 0 tokens) exports YaRN; the 4K phases plain RoPE
+    end = resolve_schedule(k2).total_steps
+    assert (rope_type_at(k2, end), rope_type_at(k2, end - 1), rope_type_at(k2, 1)) == ("yarn", "rope", "rope")
+    ours = hf_config(k2.model, rope_type_at(k2, end), "bf16", "kimi_k2")
+    # training settings, not architecture: the recipe's (DeepSeek-V3 report, section 4.2), not the
+    # published file's transformers defaults
+    training = {"aux_loss_alpha": 1e-4, "initializer_range": 0.006}
+    assert {k: ours[k] for k in training} == training
+    published = {k: v for k, v in KIMI_K2_BASE_CONFIG.items() if k not in ("quantization_config", *training)}
+    assert {k: ours[k] for k in published} == published
+    from transformers import DeepseekV3Config  # as transformers reads the export
+
+    read = DeepseekV3Config(**{k: v for k, v in ours.items() if k not in ("architectures", "model_type")})
+    assert (read.num_nextn_predict_layers, read.n_group, read.rope_scaling["factor"]) == (0, 1, 32.0)
+    # a config.json without n_group / topk_group is read with transformers' defaults (8 and 4), not as 1
+    omitted = {k: v for k, v in KIMI_K2_BASE_CONFIG.items() if k not in ("n_group", "topk_group")}
+    with pytest.raises(ConfigError, match=r"n_group=8 \(transformers' default: config.json omits it\) vs 1 "
+                                          r"from model.*; topk_group=4 \(transformers' default"):
+        check_hf_config(omitted, k2.model, "config.json")
     with pytest.raises(ConfigError, match=r"num_hidden_layers=61 vs model.num_layers=4; hidden_size=7168 vs "
                                           r"model.hidden_size=128"):
         check_hf_config(KIMI_K2_BASE_CONFIG, _cfg(tmp_path).model, "config.json")

@@ -345,6 +345,9 @@ def test_output_table(capsys):
     assert rc == 0
     for needle in ("memory per GPU, GiB", "bubble", "FLOPs per token", "fullest GPU", "model-parallel group"):
         assert needle in out, needle
+    # the column of microbatches in flight is labelled as a count, not as GiB like its neighbours
+    header = next(ln for ln in out.splitlines() if ln.strip().startswith("pp rank ") and "total" in ln)
+    assert "mb in flight" in header and "a count" in out.split(header)[0].splitlines()[-1]
 
 
 def test_search_small_cluster(capsys):

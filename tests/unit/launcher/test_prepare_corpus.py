@@ -364,5 +364,53 @@ def test_cli_prints_the_summary_and_exits_2_on_a_bad_setting(tmp_path, docs, tok
     assert data_entry.main(args) == 0
     out = capsys.readouterr().out
     assert "20 documents" in out and f"data.path={tmp_path / 'o'}" in out
+    assert out.count("20 documents") == 1, out  # the summary once
+    assert sorted(f.name for f in tmp_path.iterdir() if f.name.startswith(".")) == []  # no lock file left
     assert data_entry.main(args[:1] + args[2:]) == 2
     assert "prepare.output is null" in capsys.readouterr().err
+
+
+def test_a_removed_lock_file_is_not_shared_by_two_holders(tmp_path):
+    """file_lock(remove=True): a waiter that locked the file its holder deleted starts over on the file now
+    at the path, so a newcomer and the waiter never hold the lock at once."""
+    import threading
+
+    from k2.launcher.datasets.locks import file_lock
+
+    path = str(tmp_path / ".x.lock")
+    inside, log = threading.Lock(), []
+
+    def take(name):
+        with file_lock(path, remove=True):
+            assert inside.acquire(blocking=False), f"{name} entered while another holder was inside"
+            log.append(name)
+            threading.Event().wait(0.05)
+            inside.release()
+
+    threads = [threading.Thread(target=take, args=(f"t{i}",)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(log) == [f"t{i}" for i in range(6)] and not os.path.exists(path)
+
+
+def test_a_full_disk_is_one_line_naming_the_path(tmp_path, docs, tokenizer_json, capsys, monkeypatch):
+    """ENOSPC while the build writes (an OSError without a file name, as write(2) raises it): one error line
+    naming prepare.output, exit 1, no traceback."""
+    import errno
+
+    from k2.launcher.datasets import preprocess
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(preprocess, "_write_json", full)
+    _write_jsonl(tmp_path / "a.jsonl", docs[:5])
+    out = tmp_path / "o"
+    args = [f"prepare.input={tmp_path / 'a.jsonl'}", f"prepare.output={out}", "prepare.progress=false",
+            f"data.tokenizer={tokenizer_json}", f"model.vocab_size={VOCAB}"]
+    assert data_entry.main(args) == 1
+    err = capsys.readouterr().err
+    assert err == (f"k2-data: error: cannot write prepare.output={out}: No space left on device (errno ENOSPC); "
+                   "free space there or choose another directory, then run again: the build resumes\n"), err

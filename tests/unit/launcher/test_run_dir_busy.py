@@ -20,7 +20,9 @@ def test_busy_run_dir_is_reported_before_its_contents(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "is in use by another trainer" in err[0] and f"host {socket.gethostname()}, pid {os.getpid()}" in err[0]
-    # without an owner the same run dir is refused for what it holds
+    # without an owner the same run dir is judged by what it holds
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("")
     rc = main(["train.iters=2", "run.wandb.mode=disabled", "train.progress=false", f"run.dir={run}"])
     err = capsys.readouterr().err
-    assert rc == 2 and "no complete checkpoint to resume" in err, err
+    assert rc == 2 and "checkpoints/latest is empty and no checkpoint" in err, err

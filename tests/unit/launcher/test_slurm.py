@@ -18,12 +18,15 @@ from k2.launcher import submit
 from k2.config.load import load_config
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 from k2.launcher.tools.hostlist import expand_hostlist, first_host, master_port
+from k2.config.validate import SBATCH_OPTIONS_SET
 from k2.launcher.tools.sbatch import render_sbatch
 
 from support import REPO
 EXAMPLE = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "run.dir=/shared/runs/k2",
-           "submit.dry_run=true"]
-ONE_GPU = ["cluster.nodes=1", "cluster.gpus_per_node=1"]  # k2_tiny's schedule plans on one rank
+           "submit.python=/shared/envs/k2/bin/python", "submit.cpus_per_task=16", "submit.cpu_bind=cores",
+           "submit.gpu_bind=closest", "submit.embedded_corpus=true", "submit.dry_run=true"]
+# k2_tiny's schedule plans on one rank; a one-node CPU job may use the embedded corpus
+ONE_GPU = ["cluster.nodes=1", "cluster.gpus_per_node=1", "submit.request_gpus=false"]
 
 
 # --- hostlists ------------------------------------------------------------------------------------------
@@ -138,8 +141,19 @@ def test_render_sbatch_lines_and_run_dir(tmp_path):
     assert f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {tmp_path}/r1/requeue ]]" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1' in text
-    assert '-m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST"' in text
-    assert '-m k2.launcher.tools.hostlist master-port "$SLURM_JOB_ID"' in text
+    assert 'k2py -m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST"' in text
+    assert "--exclusive" in lines and "--mem=0" in lines  # all of each exclusive node's memory
+    assert f"PYTHON={sys.executable}  # submit.python" in text.splitlines()  # stated, not from the environment
+    assert "K2_PYTHON" not in text
+
+
+def test_master_port_in_bash_equals_master_port(tmp_path):
+    """The script's shell arithmetic gives k2.launcher.tools.hostlist.master_port's port."""
+    line = next(ln for ln in render_sbatch(load_config([]), []).splitlines() if "MASTER_PORT=" in ln)
+    for job in (0, 7, 123456, 2**31 - 1):
+        r = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job}; {line}; echo $MASTER_PORT"], capture_output=True,
+                           text=True)
+        assert int(r.stdout) == master_port(job), (job, line)
 
 
 def test_render_distribution():
@@ -161,16 +175,18 @@ def test_render_defaults_relative_run_dir(tmp_path, monkeypatch):
     assert f"run.dir={tmp_path}/runs/k2_tiny-single" in text  # resolved interpolation, made absolute
 
 
-def _run_script(tmp_path: Path, text: str, srun_status: int) -> tuple[subprocess.CompletedProcess, str]:
-    """Run the rendered script with fake srun / scontrol / python that log their arguments."""
+def _run_script(tmp_path: Path, ov: list, srun_status: int) -> tuple[subprocess.CompletedProcess, str]:
+    """Render ``ov`` and run the script with fake srun / scontrol / python that log their arguments
+    (``submit.python`` names the fake python)."""
     log = tmp_path / "calls.log"
-    d = _fake_bin(tmp_path, "srun", f'echo "srun $*" >> {log}; exit {srun_status}')
+    d = _fake_bin(tmp_path, "srun", f'echo "srun $* OMP=$OMP_NUM_THREADS" >> {log}; exit {srun_status}')
     _fake_bin(tmp_path, "scontrol", f'echo "scontrol $*" >> {log}; [ "$1" = show ] && echo nodeX; exit 0')
-    _fake_bin(tmp_path, "python", f'echo "python $*" >> {log}; echo 20001')
-    env = {"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path), "K2_PYTHON": str(d / "python"),
+    _fake_bin(tmp_path, "python", f'echo "python $*" >> {log}')
+    ov = [*ov, f"submit.python={d / 'python'}"]
+    env = {"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path),
            "SLURM_JOB_ID": "10001", "SLURM_JOB_NODELIST": "nodeX", "SLURM_JOB_NUM_NODES": "1"}
     script = tmp_path / "pretrain.sbatch"
-    script.write_text(text)
+    script.write_text(render_sbatch(load_config(ov), ov))
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     return r, log.read_text()
 
@@ -185,10 +201,27 @@ def test_script_requeue_convention(tmp_path, status, marker, rc, requeued):
     if marker:
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "requeue").write_text("7\n")
-    r, calls = _run_script(tmp_path, render_sbatch(load_config(ov), ov), status)
+    r, calls = _run_script(tmp_path, ov, status)
     assert r.returncode == rc, r.stderr
     assert ("scontrol requeue 10001" in calls) == requeued
     assert f"-m k2.launcher.train run.dir={tmp_path}/run" in calls
+    assert "master nodeX:20001" in r.stdout  # 20000 + 10001 % 10000
+
+
+def test_script_cpus_binding_and_container(tmp_path):
+    """cpus_per_task reaches sbatch, srun (which does not inherit it) and OMP_NUM_THREADS; the bindings and
+    the pyxis container reach srun; with a container the corpus step runs in it too."""
+    ov = [f"run.dir={tmp_path}/run", "submit.cpus_per_task=6", "submit.cpu_bind=ldoms", "submit.gpu_bind=closest",
+          "submit.container_image='nvcr.io#nvidia/pytorch:24.10-py3'",  # (Hydra: '#' quoted)
+          "submit.container_mounts=[/shared:/shared,/scratch:/scratch:ro]"]
+    r, calls = _run_script(tmp_path, ov, 0)
+    assert r.returncode == 0, r.stderr
+    pyxis = "--container-image=nvcr.io#nvidia/pytorch:24.10-py3 --container-mounts=/shared:/shared,/scratch:/scratch:ro"
+    corpus, train = [ln for ln in calls.splitlines() if ln.startswith("srun ")]
+    assert corpus.startswith(f"srun --ntasks=1 --nodes=1 {pyxis} ") and "-m k2.launcher.data" in corpus
+    assert train.startswith("srun --kill-on-bad-exit=1 --cpu-bind=ldoms --gpu-bind=closest --cpus-per-task=6 "
+                            f"{pyxis} ") and train.endswith(" OMP=6"), train
+    assert "--cpus-per-task=6" in _sbatch_lines((tmp_path / "pretrain.sbatch").read_text())
 
 
 def test_rendered_script_bash_syntax(tmp_path):
@@ -246,13 +279,25 @@ def test_missing_sbatch(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3"], "parallel.pp"),  # 24 ranks, PP16
+    (["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3", "submit.embedded_corpus=true"], "parallel.pp"),  # 24 ranks
     (["cluster.nodes=0"], "cluster.nodes"),
     (["cluster.gpus_per_node=8"], "schedule.global_batch_tokens"),  # k2_tiny's batch on 8 ranks
     (["submit.time=tomorrow"], "submit.time"),
     (["submit.signal_seconds=0"], "submit.signal_seconds"),
     (["submit.job_name=a b"], "submit.job_name"),
     (["submit.distribution=plane"], "submit.distribution"),
+    (["submit.mem=lots"], "submit.mem"),
+    (["submit.cpus_per_task=0"], "submit.cpus_per_task"),
+    (["submit.cpu_bind=numa"], "submit.cpu_bind"),
+    (["submit.gpu_bind=nearest"], "submit.gpu_bind"),
+    (["submit.qos=a b"], "submit.qos"),
+    (["submit.extra_args=['mail-type=END']"], "submit.extra_args[0]"),
+    (["submit.extra_args=['--comment=x','--mem=10G']"], "submit.extra_args[1]='--mem=10G': k2-submit sets --mem itself; use submit.mem"),
+    (["submit.extra_args=[--exclusive]"], "every job is exclusive"),
+    (["submit.container_mounts=[/a:/b]"], "submit.container_image"),
+    (["submit.container_image=img", "submit.container_mounts=['a b']"], "submit.container_mounts[0]"),
+    (["submit.request_gpus=true"], "submit.embedded_corpus=true"),  # a GPU job on the embedded corpus
+    (["cluster.nodes=2", "cluster.gpus_per_node=1", "submit.request_gpus=false"], "data.path is null"),
     (["launch.rendezvous_timeout_s=0"], "launch.rendezvous_timeout_s"),
     (["submit.bogus=1"], "submit.bogus"),
     (["train.precision=fp8"], "train.precision"),
@@ -265,10 +310,15 @@ def test_bad_config_exit_2(capsys, monkeypatch, tmp_path, overrides, named):
 
 
 def test_existing_run_refused(capsys, tmp_path):
-    (tmp_path / "run").mkdir()
+    """A run killed before its first save is submitted again (it restarts afresh); a run whose
+    checkpoints/latest names a checkpoint that is gone, with none that verifies, is refused."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 0
+    capsys.readouterr()
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("iter_0000004\n")
     assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 2
-    assert "holds a run" in capsys.readouterr().err
+    assert "names iter_0000004, which does not exist" in capsys.readouterr().err
 
 
 def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
@@ -281,3 +331,45 @@ def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
     _fake_checkpoint(run_dir, 4, [*ONE_GPU, f"run.dir={run_dir}"], {**SINGLE, "world_size": 1})
     assert submit.main([*ONE_GPU, f"run.dir={run_dir}", "submit.dry_run=true"]) == 0
     assert f"run.dir={run_dir}" in capsys.readouterr().out
+
+
+def test_k2_on_32_nodes_renders_the_cluster_lines(capsys, monkeypatch, tmp_path):
+    """K2 on 32 nodes with a real dataset: memory, CPUs, binding, QoS / constraint / reservation, extra
+    options and the container in the rendered script; without data.path the same job is refused."""
+    from test_phase_blends import _write_dataset
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(15)} | {"<|endoftext|>": 15}, unk_token="w0"))
+    tok.save(str(tmp_path / "tok.json"))
+    _write_dataset(str(tmp_path / "corpus"), [[1, 2, 3, 15]] * 50)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: a dry run never needs one
+    k2 = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", f"run.dir={tmp_path}/run",
+          "submit.dry_run=true"]
+    ov = [*k2, f"data.path={tmp_path / 'corpus'}", f"data.tokenizer={tmp_path / 'tok.json'}",
+          "submit.cpus_per_task=16", "submit.cpu_bind=cores", "submit.gpu_bind=closest", "submit.qos=high",
+          "submit.constraint='h100&ib'", "submit.reservation=k2", "submit.extra_args=['--mail-type=END']",
+          "submit.container_image=/shared/k2.sqsh", "submit.container_mounts=[/shared:/shared]"]
+    assert submit.main(ov) == 0
+    text = capsys.readouterr().out
+    lines = _sbatch_lines(text)
+    for want in ["--nodes=32", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=16", "--exclusive",
+                 "--mem=0", "--qos=high", "--constraint=h100&ib", "--reservation=k2", "--mail-type=END"]:
+        assert want in lines, (want, lines)
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun --kill"))
+    assert srun.startswith("srun --kill-on-bad-exit=1 --cpu-bind=cores --gpu-bind=closest --cpus-per-task=16 "
+                           "--container-image=/shared/k2.sqsh --container-mounts=/shared:/shared \"$PYTHON\" -m ")
+    assert "PYTHON=python3  # submit.python" in text  # the container's Python
+    assert "export OMP_NUM_THREADS=16" in text and "k2.launcher.data" not in text  # no corpus build
+    assert submit.main(k2) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data.path is null" in err and "32 node(s) x 8 GPUs" in err, err
+    assert submit.main([*k2, "submit.mem=1500G", "submit.embedded_corpus=true"]) == 0
+    assert "--mem=1500G" in _sbatch_lines(capsys.readouterr().out)
+
+
+def test_every_sbatch_option_set_is_refused_in_extra_args():
+    from k2.config import ConfigError
+
+    for name in SBATCH_OPTIONS_SET:
+        with pytest.raises(ConfigError, match=f"k2-submit sets {name} itself"):
+            load_config([f"submit.extra_args=['{name}=1']"])

@@ -163,7 +163,7 @@ def test_checkpoint_figures_young_daly_and_the_staged_copy():
     staged copy is the node's bytes, 0 with async saves off."""
     from k2.launcher.planning.checkpoint import checkpoint_plan, staged_bytes_per_node
 
-    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu"])
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "checkpoint.async_save=true"])
     P = 1_026_408_209_408
     c = checkpoint_plan(cfg, P, 256, 200.0, 50.0)
     assert c["bytes_total"] == 10 * P and c["bytes_per_gpu"] == pytest.approx(10 * P / 256)

@@ -64,7 +64,15 @@ def test_flops_sum_interpolation_and_savings(tmp_path, capsys):
         assert at2 < f2[s] < at4
     # sparsity 2 never reached the target: no savings column, and the report says why
     assert all(rows[s]["flops_savings_vs_lowest"] == "" for s in rows)
-    assert "not comparable" in out and "not reached" in (tmp_path / "sweep.md").read_text()
+    assert "not reached" in (tmp_path / "sweep.md").read_text()
+    assert ("sparsity 4: FLOPs to val loss 8.25 not comparable with sparsity 2 (sparsity 2 did not reach it)"
+            in out.splitlines()) and " with (" not in out
+
+
+def test_help_exits_0(capsys):
+    assert report_main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: k2-sweep-report SWEEP_DIR")
+    assert report_main([]) == 2 and "expected one SWEEP_DIR" in capsys.readouterr().err
 
 
 def test_savings_against_the_lowest_sparsity(tmp_path, capsys):
