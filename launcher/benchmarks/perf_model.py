@@ -13,7 +13,10 @@ Figures per configuration, predicted / measured (medians over the timed steps; m
 rank, from the trace): ``forward_s`` (the F events of a step), ``backward_s`` (B and W), ``pass_s`` (the
 forward-backward pass, bubble and PP sends included), ``after_pass_s`` (the rest of the step: DP
 traffic, optimizer, the trainer's bookkeeping) and ``step_s`` (``metrics.jsonl``'s ``step_time_s``), with
-their ratios, the model's largest term and the measured largest of forward / backward / after the pass.
+their ratios, the model's largest term and the measured largest of forward / backward / after the pass;
+``single_profiled``: one single-rank step under ``torch.profiler`` in the benchmark's process (no data
+loading or logging), self CPU seconds of the GEMM operators and of everything else against the model's
+``gemm`` and ``non_gemm`` + ``attention`` terms, and which is largest in each.
 """
 
 from __future__ import annotations
@@ -79,6 +82,40 @@ def _measured(run_dir: Path, recs: list[dict]) -> list[dict]:
     return out
 
 
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def profiled_single_step() -> dict[str, float]:
+    """One ``parallel=single`` step of the main job (8 microbatches of 2 x 128 tokens, AdamW, the trainer's
+    modules as ``bench=step`` builds them) under ``torch.profiler``, in this process: self CPU seconds of
+    the GEMM operators, of the other aten operators and of everything else (framework code)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k2.launcher.benchmarks import step as step_bench
+    from k2.launcher.benchmarks.common import one_rank_world
+    from k2.launcher.benchmarks.step_cases import build_k2
+    from k2.parallel import cpu_backend
+
+    cpu_backend.enable()
+    o = dict(step_bench.DEFAULTS, size="tiny", precision="fp32", seq_length=128, microbatches=8,
+             micro_batch_size=2, memory="none")
+    teardown = one_rank_world()
+    try:
+        case = build_k2(o, ["model=k2_tiny", "train.precision=fp32", "run.wandb.mode=disabled", "parallel=single",
+                            "train.micro_batch_size=2"], ["optim=adamw", "model.moe_grouped_gemm=false"])
+        case.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            case.step()
+        case.release()
+    finally:
+        teardown()
+    rows = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in rows) / 1e6
+    gemm = sum(e.self_cpu_time_total for e in rows if e.key in _GEMM_OPS) / 1e6
+    other = sum(e.self_cpu_time_total for e in rows if e.key.startswith("aten::") and e.key not in _GEMM_OPS) / 1e6
+    return {"gemm_s": gemm, "other_operators_s": other, "framework_s": total - gemm - other, "total_s": total}
+
+
 def _predicted(name: str, profile: str) -> dict[str, Any]:
     from k2.launcher.planning.cluster import plan_cluster
 
@@ -135,6 +172,16 @@ def bench_perf_model(cfg) -> dict[str, Any]:
             row["predicted_largest_term"] = pred["largest_term"]
             row["measured_largest"] = max(("forward", "backward", "after_pass"), key=lambda k: meas[f"{k}_s"])
             figures[name] = row
+        # the model's GEMM and non-GEMM terms against a profiler trace of one single-rank step
+        traced = profiled_single_step()
+        b = figures["single"]["predicted_breakdown_s"]
+        non_gemm = traced["other_operators_s"] + traced["framework_s"]
+        figures["single_profiled"] = {
+            **traced, "predicted_gemm_s": b["gemm"], "gemm_predicted_over_profiled": b["gemm"] / traced["gemm_s"],
+            "predicted_non_gemm_s": b["non_gemm"] + b["attention"],
+            "non_gemm_predicted_over_profiled": (b["non_gemm"] + b["attention"]) / non_gemm,
+            "profiled_largest": "gemm" if traced["gemm_s"] > non_gemm else "non_gemm",
+            "predicted_step_over_profiled": figures["single"]["predicted_step_s"] / traced["total_s"]}
         import yaml
 
         figures["profiles"] = {n: yaml.safe_load(Path(p).read_text()) for n, p in profiles.items()}
