@@ -7,6 +7,10 @@
 #      baseline vs the full K2 step and each feature off;
 #   3. bench=step on the tiny config with memory=k2 (offload on CUDA streams, FP8, recompute, grouped
 #      GEMMs in bf16): a smoke test of every CUDA branch.
+#   4. bench=hardware: this GPU's profile for k2-plan (GEMM rate by shape, HBM bandwidth, per-kernel cost;
+#      one GPU, so no NCCL collectives) written to $OUT/h200_measured.yaml: compare with
+#      recipes/hardware/h200.yaml and update its measured lines.
+# TINY=1 runs the same steps on the CPU with tiny sizes (no wheels, no GPU): a check of the script itself.
 # Results in $OUT: status.txt (progress, GPU, rc per step, summary), <step>.json (the k2-bench JSON
 # record), <step>.log (stderr; the tail is printed on failure).
 #   here:   scripts/offline_wheels.sh     (once: .whl/, git-ignored), then copy the checkout with .whl/
@@ -18,29 +22,44 @@ S=$OUT/status.txt
 T0=$SECONDS
 log() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$S"; }
 
-log "installing wheels"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
-export PYTHONPATH="/tmp/site:$(bash scripts/checkout_path.sh)" WANDB_MODE=disabled PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$S"
-python3 -c "import torch; from k2.parallel import cpu_backend; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'cpu_backend.enable() ->', cpu_backend.enable())" 2>&1 | tail -3 | tee -a "$S"
+TINY=${TINY:-0}
+if [ "$TINY" = 1 ]; then
+    log "TINY: CPU, tiny sizes, the checkout's own environment"
+    PY=${PYTHON:-.venv/bin/python}
+    export WANDB_MODE=disabled PYTHONUNBUFFERED=1
+else
+    log "installing wheels"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+    PY=python3
+    export PYTHONPATH="/tmp/site:$(bash scripts/checkout_path.sh)" WANDB_MODE=disabled PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$S"
+fi
+$PY -c "import torch; from k2.parallel import cpu_backend; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version(), 'cpu_backend.enable() ->', cpu_backend.enable())" 2>&1 | tail -3 | tee -a "$S"
 
 bench() {  # name, time limit (s), k2-bench overrides...
     local name=$1 limit=$2 rc
     shift 2
     log "start $name (limit $limit s)"
-    timeout -k 10 "$limit" python3 -m k2.launcher.bench output=json "$@" > "$OUT/$name.json" 2> "$OUT/$name.log"
+    timeout -k 10 "$limit" $PY -m k2.launcher.bench output=json "$@" > "$OUT/$name.json" 2> "$OUT/$name.log"
     rc=$?
     log "end $name rc=$rc$([ $rc -eq 124 ] && echo ' (timed out)')"
     if [ $rc -ne 0 ]; then grep -v -i warn "$OUT/$name.log" | tail -20; fi
 }
 
-bench attention 100 bench=attention bench.options.devices=cuda
-bench step_k2 330 bench=step bench.options.size=k2 bench.options.warmup=2 bench.options.repeats=5
-bench step_tiny 90 bench=step bench.options.size=tiny bench.options.memory=k2 bench.options.precision=bf16 \
-    bench.options.seq_length=512 bench.options.microbatches=2 bench.options.warmup=1 bench.options.repeats=2 \
-    bench.options.resident=8
+if [ "$TINY" = 1 ]; then
+    bench hardware 120 bench=hardware bench.options.ranks=1 bench.options.repeats=2 bench.options.gemm_size=256 \
+        bench.options.name=cpu_tiny bench.options.out="$OUT/cpu_tiny_measured.yaml"
+else
+    bench attention 100 bench=attention bench.options.devices=cuda
+    bench step_k2 330 bench=step bench.options.size=k2 bench.options.warmup=2 bench.options.repeats=5
+    bench step_tiny 90 bench=step bench.options.size=tiny bench.options.memory=k2 bench.options.precision=bf16 \
+        bench.options.seq_length=512 bench.options.microbatches=2 bench.options.warmup=1 bench.options.repeats=2 \
+        bench.options.resident=8
+    bench hardware 90 bench=hardware bench.options.ranks=1 bench.options.repeats=5 bench.options.name=h200 \
+        bench.options.out="$OUT/h200_measured.yaml"
+fi
 
-python3 - "$OUT" <<'PY' 2>&1 | tee -a "$S"
+$PY - "$OUT" <<'PY' 2>&1 | tee -a "$S"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 def load(name):
@@ -53,6 +72,11 @@ if att and "cuda" in att:
     c = att["cuda"]
     print("attention:", {k: c.get(k) for k in ("time_k2_ms", "time_k2_no_record_ms", "max_logit_overhead",
           "time_k2_triton_ms", "max_logit_overhead_triton", "max_logit_abs_diff", "max_logit_abs_diff_triton")})
+hw = load("hardware")
+if hw:
+    p = hw["profile"]
+    print("hardware:", {k: p.get(k) for k in ("gpu", "gemm_bf16_tflops", "gemm_fp32_tflops", "attention_tflops",
+                                               "memory_gbps", "kernel_launch_us")}, "by shape:", hw["gemm_by_shape_tflops"])
 for name in ("step_k2", "step_tiny"):
     f = load(name)
     if not f:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from k2.config.schema_planning import ClusterConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
+
 
 @dataclass
 class ModelConfig:
@@ -414,30 +416,6 @@ class LaunchConfig:
 
 
 @dataclass
-class ClusterConfig:
-    """Target cluster for ``k2-plan`` (and the peak the trainer's MFU is measured against)."""
-
-    nodes: int = 1
-    gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
-    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
-    # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
-    host_memory_gib: float = 2048.0
-    peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
-    # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
-    # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
-    cpu_peak_tflops: Optional[float] = None
-    # k2-plan's checkpoint figures (launcher/planning/checkpoint.py, docs/performance_model.md): GB/s one node
-    # writes to the shared file system. 10 = a 100 Gb/s storage NIC per node (DGX H100 reference: 2 x 200 Gb/s
-    # storage links; parallel file systems deliver 1-10 GB/s per client node)
-    checkpoint_write_gbps: float = 10.0
-    # mean time between failures of the whole job, hours; null = Llama 3's rate for this many GPUs: 419
-    # unexpected interruptions in 54 days on 16,384 H100 (arXiv 2407.21783 section 3.3.4), i.e. 3.09 h x
-    # 16,384 / GPUs (198 h on 256 GPUs)
-    mtbf_hours: Optional[float] = None
-
-
-@dataclass
 class SubmitConfig:
     """``k2-submit`` (launcher/tools/sbatch.py): renders ``<run.dir>/pretrain.sbatch`` and submits it with sbatch."""
 
@@ -489,40 +467,6 @@ class PipelineConfig:
     # directory for an event trace of the schedule: one rank<R>.jsonl per rank (F, B, W, send, recv,
     # wait per microbatch; `python -m schedules.pipeline DIR out.png` draws a step); null = no trace
     trace: Optional[str] = None
-
-
-@dataclass
-class WhatIfConfig:
-    """``plan.what_if.*``: labelled settings of published runs for ``k2-plan``'s comparisons; k2-train has
-    none of them (launcher/planning/step_time.py)."""
-
-    fp8_gemm: bool = False  # GEMMs at the profile's FP8 rate (DeepSeek-V3, Megatron FP8 recipes)
-    fsdp: bool = False  # DP gathers / reductions overlapped with compute (FSDP, megatron's overlap flags)
-    dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
-    deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
-    node_limit: Optional[int] = None  # node-limited routing: a token goes to at most this many nodes
-    # tensor parallelism of a published run: each planned GPU stands for a TP group of this many GPUs (rates
-    # and links x tp, sequence-parallel gathers per layer; plan it with cluster.gpus_per_node / tp)
-    tp: int = 1
-
-
-@dataclass
-class PlanConfig:
-    """``k2-plan`` settings (launcher/planning/)."""
-
-    query_tokens: Optional[Any] = None  # list of token counts -> "lr_at_tokens" in the JSON
-    search: bool = False  # list the valid PP/VPP/EP layouts of the cluster, ranked by estimated step time
-    step_time_s: Optional[float] = None  # a measured step time (s) -> MFU against cluster.peak_tflops
-    # the FLOPs-only estimate k2-plan reported before its performance model (step_time_s_flops_only): a
-    # stage's model FLOPs at this fraction of cluster.peak_tflops, communication assumed hidden
-    compute_efficiency: float = 0.5
-    # hardware profile of the step-time model (launcher/planning/step_time.py): a name in
-    # recipes/hardware/ (h800 | h100 | h200) or the path of a YAML file k2-bench bench=hardware wrote
-    hardware: str = "h800"
-    # settings of published runs that k2-train does not have, for comparisons only (docs/performance_model.md)
-    what_if: WhatIfConfig = field(default_factory=lambda: WhatIfConfig())
-    # compare the step-time model with published runs (recipes/published/runs.yaml): a run's name or "all"
-    published: Optional[str] = None
 
 
 @dataclass

@@ -45,6 +45,17 @@ def bench_options(cfg, defaults: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_minimums(o: dict[str, Any], minimums: dict[str, int]) -> None:
+    """Each ``bench.options.<key>`` at least its minimum.
+
+    Raises:
+        ConfigError: naming the option, its value and the minimum.
+    """
+    for key, low in minimums.items():
+        if o[key] < low:
+            raise ConfigError(f"bench.options.{key}={o[key]} must be >= {low}")
+
+
 def system_info() -> dict[str, Any]:
     """Versions and hardware of this process (for the JSON record)."""
     from importlib.metadata import PackageNotFoundError, version

@@ -12,6 +12,8 @@ Usage::
     k2-bench bench=step                        # full K2 step vs plain megatron-core, each feature toggled
     k2-bench bench=hf_convert                  # k2-convert import/export peak RSS vs largest group / model
     k2-bench bench=data                        # k2-data prepare tokens/s vs raw encode_batch; peak RSS
+    k2-bench bench=hardware bench.options.out=PATH.yaml   # this machine's profile for k2-plan plan.hardware=
+    k2-bench bench=perf_model                  # k2-plan's step time vs measured single / pp2 runs
     k2-bench bench=checkpoint                  # save stall, checkpoint.async_save off vs on; overlapped steps
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
@@ -59,6 +61,22 @@ def bench_hf_convert(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
+def bench_hardware(cfg) -> dict[str, Any]:
+    """This machine's hardware profile for k2-plan's step-time model (GEMM rate by shape, memory bandwidth,
+    per-operator cost, the backend's collectives); bench.options.out=PATH.yaml writes it."""
+    from k2.launcher.benchmarks.hardware import bench_hardware as run
+
+    return run(cfg)
+
+
+def bench_perf_model(cfg) -> dict[str, Any]:
+    """k2-plan's step-time model against measured parallel=single and parallel=pp2 runs of the main job's
+    model, on a profile measured in the same run: predicted / measured per component."""
+    from k2.launcher.benchmarks.perf_model import bench_perf_model as run
+
+    return run(cfg)
+
+
 def bench_checkpoint(cfg) -> dict[str, Any]:
     """The loop's wait per save with checkpoint.async_save off and on, and the slowdown of overlapped steps."""
     from k2.launcher.benchmarks.checkpoint import bench_checkpoint as run
@@ -75,6 +93,8 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "step": bench_step,  # k2.launcher.benchmarks.step
     "hf_convert": bench_hf_convert,  # k2.launcher.benchmarks.hf_convert
     "data": bench_data,  # k2.launcher.benchmarks.data_prepare
+    "hardware": bench_hardware,  # k2.launcher.benchmarks.hardware
+    "perf_model": bench_perf_model,  # k2.launcher.benchmarks.perf_model
     "checkpoint": bench_checkpoint,  # k2.launcher.benchmarks.checkpoint
 }
 

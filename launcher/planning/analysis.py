@@ -183,7 +183,8 @@ def _settings(mem) -> dict:
 
 def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bound: bool) -> dict[str, Any]:
     """One phase of the plan (JSON ``phases``): its fullest GPU, the host memory of its fullest node, the
-    fit of both, its estimated step time and what recompute adds to it. Bytes and seconds."""
+    fit of both, its estimated step time, its breakdown (:class:`k2.launcher.planning.step_time.StepTime`)
+    and what recompute adds to it. Bytes and seconds."""
     gpu = max(res["memory"], key=lambda g: g.total)
     fits_gpu = gpu.total <= capacity and not lower_bound
     fits_host = res["host_per_node"] <= host_capacity
@@ -197,6 +198,7 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
         "host_bytes_per_node": res["host_per_node"],
         "fits_gpu": fits_gpu, "fits_host": fits_host, "fits": fits_gpu and fits_host,
         "step_time_s_estimated": res["makespan"], "recompute_time_s_estimated": res["recompute_s"],
+        "step_time_breakdown_s": dict(res["step_time"].breakdown),
     }
 
 

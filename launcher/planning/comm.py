@@ -86,7 +86,7 @@ def p2p_seconds(nbytes: float, cross_node: bool, profile: HardwareProfile) -> fl
         return 0.0
     if cross_node:
         return nbytes / (profile.network_gbps * 1e9) + profile.network_latency_us * 1e-6
-    return nbytes / (profile.nvlink_gbps * 1e9)
+    return nbytes / (profile.nvlink_gbps * 1e9) + profile.intra_latency_us * 1e-6
 
 
 def ring_seconds(nbytes: float, group: int, cross_node: bool, profile: HardwareProfile) -> float:
@@ -98,7 +98,7 @@ def ring_seconds(nbytes: float, group: int, cross_node: bool, profile: HardwareP
     moved = nbytes * (group - 1) / group
     if cross_node:
         return moved / (profile.network_collective_gbps * 1e9) + (group - 1) * profile.network_latency_us * 1e-6
-    return moved / (profile.nvlink_collective_gbps * 1e9)
+    return moved / (profile.nvlink_collective_gbps * 1e9) + (group - 1) * profile.intra_latency_us * 1e-6
 
 
 def host_copy_seconds(nbytes: float, profile: HardwareProfile) -> float:

@@ -47,6 +47,7 @@ class HardwareProfile:
             what an all-to-all and a ring collective achieve on it, per GPU.
         network_gbps, network_alltoall_gbps, network_collective_gbps: the same across nodes (per GPU NIC).
         network_latency_us: per-message latency across nodes (also charged per point-to-point send).
+        intra_latency_us: per-message latency inside a node (a measured CPU profile: gloo's; GPUs: 0).
         host_gbps: device <-> host copies per GPU (offload).
         sources: where the numbers come from.
     """
@@ -76,6 +77,7 @@ class HardwareProfile:
     network_collective_gbps: float
     network_latency_us: float
     host_gbps: float
+    intra_latency_us: float
     sources: dict
 
     def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
@@ -136,6 +138,7 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
         network_alltoall_gbps=float(d["network_alltoall_gbps"]),
         network_collective_gbps=float(d["network_collective_gbps"]),
         network_latency_us=float(get("network_latency_us", 0.0)), host_gbps=float(d["host_gbps"]),
+        intra_latency_us=float(get("intra_latency_us", 0.0)),
         sources=dict(get("sources") or {}),
     )
 

@@ -21,8 +21,8 @@ _SEARCH_MICROBATCHES = 4  # plan.search simulates min(m, 4 pp) microbatches and 
 def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
     """``plan.search=true``: every valid (pp, vpp, ep) for the world size, with a cost-balanced layout
     (:func:`k2.parallel.layout.balanced_layout`): the layouts that fit in memory first, each group ranked by
-    estimated step time (``fits`` marks them). EP changes memory only here: the all-to-all is not
-    modelled."""
+    the step-time model's estimate (:mod:`k2.launcher.planning.step_time`: an EP group that crosses nodes
+    pays its all-to-all) (``fits`` marks them)."""
     from omegaconf import OmegaConf
 
 

@@ -58,10 +58,13 @@ from k2.launcher.planning.optimizer_time import optimizer_time
 from k2.model.kernels import KernelRates, attention_seconds, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 from k2.schedules.pipeline_sim import simulate
 
-#: element-wise kernels of one layer's forward (launches), counted from the modules k2-train builds on
-#: the CPU path (aten operators of one forward of k2_tiny's layers under torch's dispatch mode, GEMMs and
-#: core attention excluded; ``k2-bench bench=perf_model`` prints the count it measures beside these)
-NONGEMM_KERNELS = {"attention": 40, "dense_mlp": 12, "moe": 60, "moe_per_expert": 10, "loss": 14}
+#: element-wise operators of one layer's forward per microbatch (launches; views and copies included: on a
+#: CPU each costs the dispatch), counted with torch's dispatch mode over one training step of k2-train's
+#: modules (k2_tiny, CPU path: megatron's sequential experts): per MoE layer ~800 aten operators without its
+#: experts and ~79 per expert, the dense layer with the embedding and the loss ~824, each including the
+#: optimizer's 12 per parameter tensor; less the GEMMs (3 per weight), over the forward + backward
+#: factor 2.5 (:data:`BACKWARD_KERNEL_FACTOR`)
+NONGEMM_KERNELS = {"attention": 100, "dense_mlp": 20, "moe": 140, "moe_per_expert": 20, "loss": 54}
 #: kernels of an element-wise backward per forward kernel (autograd's backward nodes: ~1.5 each)
 BACKWARD_KERNEL_FACTOR = 1.5
 _DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
@@ -198,10 +201,10 @@ class _StageModel:
     """Per-layer costs of one phase on one layout (internal: :func:`step_time` drives it)."""
 
     def __init__(self, model_cfg, fl, dims, *, tokens: int, profile: HardwareProfile, rates: KernelRates,
-                 act_bytes: float, grouped: bool, what_if: WhatIf, recompute, hide_comm: bool):
+                 act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
         self.s, self.fl, self.dims, self.T = _shapes(model_cfg), fl, dims, tokens
         self.profile, self.rates, self.a = profile, rates, act_bytes
-        self.grouped, self.wi, self.recompute, self.hide = grouped, what_if, set(recompute or ()), hide_comm
+        self.grouped, self.wi, self.recompute = grouped, what_if, set(recompute or ())
         self.tp_comm = 0.0
 
     # ---- one layer: {"F": {...}, "B": {...}, "W": {...}} seconds per term
@@ -221,14 +224,13 @@ class _StageModel:
             _add(out["W"], tag, w)
         return out
 
-    def _nongemm(self, kind: str, out: dict, extra_kernels: int = 0) -> float:
+    def _nongemm(self, kind: str, out: dict, extra_kernels: int = 0) -> None:
         nbytes = nongemm_bytes_per_token(self.s, kind, self.a) * self.T
         kernels = NONGEMM_KERNELS[kind] + extra_kernels
         f = elementwise_seconds(nbytes, kernels, self.rates)
         b = elementwise_seconds(BACKWARD_KERNEL_FACTOR * nbytes, int(BACKWARD_KERNEL_FACTOR * kernels), self.rates)
         _add(out["F"], "non_gemm", f)
         _add(out["B"], "non_gemm", b)
-        return f
 
     def layer(self, i: int) -> dict:
         s, T, r = self.s, self.T, self.rates
@@ -240,7 +242,7 @@ class _StageModel:
         core = self.fl.attention_core * T
         _add(out["F"], "attention", attention_seconds(core, r))
         _add(out["B"], "attention", attention_seconds(2 * core, r))
-        attn_ng = self._nongemm("attention", out)
+        self._nongemm("attention", out)
         rec = 0.0
         if "mla_up_proj" in self.recompute:
             rec += sum(gemm_seconds(T, k, n, r) for k, n in s["up"])
@@ -255,7 +257,7 @@ class _StageModel:
             if s["f_s"]:
                 self._gemms([(s["h"], 2 * s["f_s"]), (s["f_s"], s["h"])], out)
             per_expert = 0 if self.grouped else local * NONGEMM_KERNELS["moe_per_expert"]
-            mlp_ng = self._nongemm("moe", out, per_expert)
+            self._nongemm("moe", out, per_expert)
             comm = self._ep_comm()
             _add(out["F"], "ep_comm", comm)
             _add(out["B"], "ep_comm", comm)
@@ -266,15 +268,13 @@ class _StageModel:
                 rec += elementwise_seconds(3 * (k * s["f_e"] + s["f_s"]) * self.a * T, 2, r)
         else:
             self._gemms([(s["h"], 2 * s["f"]), (s["f"], s["h"])], out)
-            mlp_ng = self._nongemm("dense_mlp", out)
-            comm = 0.0
+            self._nongemm("dense_mlp", out)
             if "swiglu" in self.recompute:
                 rec += elementwise_seconds(3 * s["f"] * self.a * T, 1, r)
         self._nongemm_floor(out)
         if "layer" in self.recompute:
             rec = sum(out["F"].values())  # the whole forward again (its all-to-alls too)
         _add(out["B"], "recompute", rec)
-        del attn_ng, mlp_ng, comm
         return out
 
     def _nongemm_floor(self, out: dict) -> None:
@@ -372,7 +372,7 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     grouped = cfg.model.get("moe_grouped_gemm") if hasattr(cfg.model, "get") else None
     grouped = (precision == "bf16") if grouped is None else bool(grouped)
     model = _StageModel(cfg.model, fl, dims, tokens=tokens, profile=profile, rates=rates, act_bytes=act_bytes,
-                        grouped=grouped, what_if=wi, recompute=recompute, hide_comm=wi.dualpipe)
+                        grouped=grouped, what_if=wi, recompute=recompute)
     # sequence-parallel TP (what-if): 2 all-gathers + 2 reduce-scatters of T x h per layer and pass, NVLink
     model.tp_comm = 4 * ring_seconds(tokens * model.s["h"] * act_bytes, wi.tp, False, gpu_profile) if wi.tp > 1 else 0.0
     S = dims.pp * dims.vpp

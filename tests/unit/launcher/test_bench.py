@@ -285,3 +285,22 @@ def test_data_bench_reports_both_throughputs(capsys):
     cpu_2_over_1 = f["k2_data_workers1_tokens_per_cpu_s"] / f["k2_data_workers2_tokens_per_cpu_s"]
     assert cpu_2_over_1 > 0.6, cpu_2_over_1
     assert "rss" not in f and "memory_limited" not in f
+
+
+def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
+    """bench=hardware (one rank: no collective processes; small GEMMs) writes a profile whose measured
+    numbers are positive and that k2-plan plans with (plan.hardware=PATH)."""
+    from k2.launcher.plan import main as plan_main
+    from k2.launcher.planning.hardware import load_profile
+
+    out = tmp_path / "this_machine.yaml"
+    rc = main(["bench=hardware", "bench.options.ranks=1", "bench.options.repeats=1", "bench.options.gemm_size=64",
+               f"bench.options.out={out}", "output=json"])
+    assert rc == 0
+    rec = json.loads(capsys.readouterr().out)["figures"]
+    assert all(v > 0 for v in rec["gemm_by_shape_tflops"].values())
+    p = load_profile(str(out))
+    assert p.gemm_fp32_tflops > 0 and p.memory_gbps > 0 and p.kernel_launch_us > 0 and p.gemm_tile == 1
+    rc = plan_main(["model=k2_tiny", "cluster.gpus_per_node=1", f"plan.hardware={out}", "output=json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert rc == 0 and plan["hardware"] == p.name and plan["step_time_s_estimated"] > 0

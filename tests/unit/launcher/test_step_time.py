@@ -163,7 +163,7 @@ def test_checkpoint_figures_young_daly_and_the_staged_copy():
     staged copy is the node's bytes, 0 with async saves off."""
     from k2.launcher.planning.checkpoint import checkpoint_plan, staged_bytes_per_node
 
-    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu"])
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "checkpoint.async_save=true"])
     P = 1_026_408_209_408
     c = checkpoint_plan(cfg, P, 256, 200.0, 50.0)
     assert c["bytes_total"] == 10 * P and c["bytes_per_gpu"] == pytest.approx(10 * P / 256)
@@ -182,3 +182,16 @@ def test_checkpoint_figures_young_daly_and_the_staged_copy():
     assert sync["stall_s"] == pytest.approx(write) and sync["staged_host_bytes_per_node"] == 0
     plain.checkpoint.async_save = True
     assert staged_bytes_per_node(plain, P, 256) == pytest.approx(c["bytes_per_node"])
+
+
+def test_bad_hardware_or_published_name_exits_2(capsys):
+    """A profile or a published run that does not exist: one error line naming the setting and the
+    allowed values, exit 2."""
+    from k2.launcher.plan import main
+
+    assert main(["plan.hardware=h900", "cluster.gpus_per_node=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plan.hardware='h900'" in err[0] and "h800" in err[0]
+    assert main(["plan.published=nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plan.published='nope'" in err[0] and "deepseek_v3_2048_h800" in err[0]

@@ -1,0 +1,188 @@
+"""``k2-bench bench=perf_model``: ``k2-plan``'s step-time model against measured ``parallel=single`` and
+``parallel=pp2`` runs of the main job's model (``k2_tiny``), in one benchmark run.
+
+1. This machine's profile is measured first, in the same run (:mod:`k2.launcher.benchmarks.hardware`): one
+   profile per rank share of the CPU (``single``: all cores for its one rank; ``pp2``: half each), the
+   gloo collectives between two processes.
+2. Real ``k2-train`` runs of ``iters`` steps each (the first not timed), ``single`` then ``pp2``, for
+   ``rounds`` rounds, each writing a ``pipeline.trace``.
+3. ``k2-plan`` (:func:`k2.launcher.planning.cluster.plan_cluster`) predicts each configuration's main phase on
+   its measured profile.
+
+Figures per configuration, predicted / measured (medians over the timed steps; measured on the busiest
+rank, from the trace): ``forward_s`` (the F events of a step), ``backward_s`` (B and W), ``pass_s`` (the
+forward-backward pass, bubble and PP sends included), ``after_pass_s`` (the rest of the step: DP
+traffic, optimizer, the trainer's bookkeeping) and ``step_s`` (``metrics.jsonl``'s ``step_time_s``), with
+their ratios, the model's largest term and the measured largest of forward / backward / after the pass;
+``single_profiled``: one single-rank step under ``torch.profiler`` in the benchmark's process (no data
+loading or logging), self CPU seconds of the GEMM operators and of everything else against the model's
+``gemm`` and ``non_gemm`` + ``attention`` terms, and which is largest in each.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from k2.config.load import load_config
+from k2.launcher.benchmarks import pipeline as trainer_runs
+from k2.launcher.benchmarks.common import bench_options, check_minimums
+from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, write_profile
+from k2.schedules.pipeline import read_trace
+
+_DEFAULTS = {
+    "iters": 8,  # steps per trainer run (the first is not timed)
+    "rounds": 1,  # single / pp2 pairs
+    "repeats": 5,  # timed calls per hardware measurement
+    "timeout": 1200,  # seconds per trainer run
+}
+_CONFIGS = {"single": 1, "pp2": 2}
+_SHAPES = [(256, 128, 384), (256, 384, 128), (256, 128, 4096), (256, 128, 96), (256, 64, 128)]
+
+
+def _profiles(tmp: Path, repeats: int) -> dict[str, str]:
+    """One measured profile per configuration (its ranks' thread share), written under ``tmp``."""
+    cores = os.cpu_count() or 1
+    coll = measure_collectives(2, max(1, cores // 2), repeats)
+    paths = {}
+    for name, nproc in _CONFIGS.items():
+        threads = max(1, cores // nproc)
+        dev = measure_device(threads, repeats, 512, _SHAPES)
+        prof = {k: v for k, v in dev.items() if k != "gemm_by_shape"}
+        prof.update(name=f"measured-{name}", gpus_per_node=nproc, peak_bf16_tflops=dev["gemm_bf16_tflops"],
+                    host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
+                    network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
+                    sources={"measured": f"k2-bench bench=perf_model, {threads} threads per rank"})
+        for side in ("nvlink", "network"):
+            prof.update({f"{side}_gbps": coll["p2p_gbps"], f"{side}_alltoall_gbps": coll["collective_gbps"],
+                         f"{side}_collective_gbps": coll["collective_gbps"]})
+        paths[name] = str(tmp / f"{name}.yaml")
+        write_profile(prof, paths[name])
+    return paths
+
+
+def _measured(run_dir: Path, recs: list[dict]) -> list[dict]:
+    """Per timed step: forward / backward / pass seconds of the busiest rank and the step time."""
+    by_rank = read_trace(str(run_dir / "trace"))
+    out = []
+    for rec in recs[1:]:
+        per_rank = []
+        for events in by_rank.values():
+            ev = [e for e in events if e["step"] == rec["step"] and e["pass"] == "train"]
+            f = sum(e["end"] - e["start"] for e in ev if e["kind"] == "F")
+            b = sum(e["end"] - e["start"] for e in ev if e["kind"] in ("B", "W"))
+            end = [e for e in ev if e["kind"] == "end"]
+            per_rank.append((f + b, f, b, end[0]["end"] - end[0]["start"] if end else f + b))
+        busy, f, b, pass_s = max(per_rank)
+        out.append({"forward_s": f, "backward_s": b, "pass_s": pass_s, "step_s": rec["step_time_s"],
+                    "after_pass_s": rec["step_time_s"] - pass_s})
+    return out
+
+
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def profiled_single_step() -> dict[str, float]:
+    """One ``parallel=single`` step of the main job (8 microbatches of 2 x 128 tokens, AdamW, the trainer's
+    modules as ``bench=step`` builds them) under ``torch.profiler``, in this process: self CPU seconds of
+    the GEMM operators, of the other aten operators and of everything else (framework code)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k2.launcher.benchmarks import step as step_bench
+    from k2.launcher.benchmarks.common import one_rank_world
+    from k2.launcher.benchmarks.step_cases import build_k2
+    from k2.parallel import cpu_backend
+
+    cpu_backend.enable()
+    o = dict(step_bench.DEFAULTS, size="tiny", precision="fp32", seq_length=128, microbatches=8,
+             micro_batch_size=2, memory="none")
+    teardown = one_rank_world()
+    try:
+        case = build_k2(o, ["model=k2_tiny", "train.precision=fp32", "run.wandb.mode=disabled", "parallel=single",
+                            "train.micro_batch_size=2"], ["optim=adamw", "model.moe_grouped_gemm=false"])
+        case.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            case.step()
+        case.release()
+    finally:
+        teardown()
+    rows = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in rows) / 1e6
+    gemm = sum(e.self_cpu_time_total for e in rows if e.key in _GEMM_OPS) / 1e6
+    other = sum(e.self_cpu_time_total for e in rows if e.key.startswith("aten::") and e.key not in _GEMM_OPS) / 1e6
+    return {"gemm_s": gemm, "other_operators_s": other, "framework_s": total - gemm - other, "total_s": total}
+
+
+def _predicted(name: str, profile: str) -> dict[str, Any]:
+    from k2.launcher.planning.cluster import plan_cluster
+
+    cfg = load_config([f"parallel={name}", "model=k2_tiny", "cluster.nodes=1",
+                       f"cluster.gpus_per_node={_CONFIGS[name]}", f"plan.hardware={profile}"])
+    p = plan_cluster(cfg).report
+    b = p["step_time_breakdown_s"]
+    after = sum(b[k] for k in ("dp_grad_reduce_scatter", "dp_param_all_gather", "optimizer", "muon_gather",
+                               "optimizer_offload"))
+    compute = {k: b[k] for k in ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload")}
+    return {"step_s": p["step_time_s_estimated"], "after_pass_s": after, "pass_s": p["step_time_s_estimated"] - after,
+            "breakdown": b, "largest_term": max(b, key=b.get), "compute": compute}
+
+
+def bench_perf_model(cfg) -> dict[str, Any]:
+    """Predicted / measured step time of ``parallel=single`` and ``parallel=pp2`` (module docstring).
+
+    Raises:
+        ConfigError: a bad option.
+    """
+    o = bench_options(cfg, _DEFAULTS)
+    check_minimums(o, {"iters": 2, "rounds": 1, "repeats": 1, "timeout": 1})
+    from k2.launcher.training.prepare import prepare_run
+
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="k2-bench-perf-model-") as tmp_name:
+        tmp = Path(tmp_name)
+        run_cfg = load_config(["parallel=pp2", "model=k2_tiny", f"train.iters={o['iters']}", f"run.dir={tmp}/check"])
+        prepare_run(run_cfg, 2)
+        if run_cfg.data.path is None:
+            from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+
+            prepare_stdlib_corpus(run_cfg.data, progress=False, verbose=False)
+        profiles = _profiles(tmp, o["repeats"])
+        steps: dict[str, list[dict]] = {n: [] for n in _CONFIGS}
+        for r in range(o["rounds"]):
+            for name, nproc in _CONFIGS.items():
+                run = {"parallel": name, "model": "k2_tiny", "nproc": nproc, "iters": o["iters"],
+                       "timeout": o["timeout"]}
+                run_dir = tmp / f"{name}-r{r}"
+                recs = trainer_runs._run(run, False, run_dir, False)
+                steps[name] += _measured(run_dir, recs)
+        for name in _CONFIGS:
+            pred = _predicted(name, profiles[name])
+            meas = {k: statistics.median(s[k] for s in steps[name]) for k in steps[name][0]}
+            row: dict[str, Any] = {"timed_steps": len(steps[name])}
+            for k in ("forward_s", "backward_s", "pass_s", "after_pass_s", "step_s"):
+                if k in pred:
+                    row[f"predicted_{k}"] = pred[k]
+                row[f"measured_{k}"] = meas[k]
+                if k in pred and meas[k] > 0:
+                    row[f"{k[:-2]}_predicted_over_measured"] = pred[k] / meas[k]
+            row["predicted_breakdown_s"] = pred["breakdown"]
+            row["predicted_largest_term"] = pred["largest_term"]
+            row["measured_largest"] = max(("forward", "backward", "after_pass"), key=lambda k: meas[f"{k}_s"])
+            figures[name] = row
+        # the model's GEMM and non-GEMM terms against a profiler trace of one single-rank step
+        traced = profiled_single_step()
+        b = figures["single"]["predicted_breakdown_s"]
+        non_gemm = traced["other_operators_s"] + traced["framework_s"]
+        figures["single_profiled"] = {
+            **traced, "predicted_gemm_s": b["gemm"], "gemm_predicted_over_profiled": b["gemm"] / traced["gemm_s"],
+            "predicted_non_gemm_s": b["non_gemm"] + b["attention"],
+            "non_gemm_predicted_over_profiled": (b["non_gemm"] + b["attention"]) / non_gemm,
+            "profiled_largest": "gemm" if traced["gemm_s"] > non_gemm else "non_gemm",
+            "predicted_step_over_profiled": figures["single"]["predicted_step_s"] / traced["total_s"]}
+        import yaml
+
+        figures["profiles"] = {n: yaml.safe_load(Path(p).read_text()) for n, p in profiles.items()}
+    return figures
