@@ -152,7 +152,7 @@ class Trainer:
             self.finish_save(blocking=True)
             self.summarize(preempted)
         except TrainingDiverged:  # agreed by every rank: the save in flight holds earlier, sound weights
-            self.finish_save(blocking=True)
+            self.finish_save(blocking=True)  # (already committed where the error message named it)
             raise
         except BaseException:  # the ranks may not agree on anything any more
             if self.saver is not None:
@@ -478,8 +478,13 @@ class Trainer:
     def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
         """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
         so all ranks stop at the same step), before anything of the step is saved."""
-        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm),
-                     lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
+        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm), self._last_sound_checkpoint)
+
+    def _last_sound_checkpoint(self):
+        """Collective (every rank, on an agreed divergence): commit the background save in flight (it holds
+        earlier, sound weights), then the newest complete checkpoint, or the one this run resumed from."""
+        self.finish_save(blocking=True)
+        return latest_checkpoint(self.run_dir) or self.plan.resume_from
 
     def _phase_after_restore(self):
         """The phase of the next step; for a checkpoint at the schedule's end (which

@@ -23,6 +23,9 @@ from support.distributed import run_trainer
 # (checkpoint, resume and signal behaviour do not depend on the microbatch count)
 CPU4 = ["parallel=cpu4", "optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=2", "train.eval_iters=1",
         "train.micro_batch_size=4"]
+# synchronous saves (checkpoint.async_save is on by default): the reference the background saves are
+# compared with, and the faults of a save in progress on the loop's own thread
+SYNC = ["checkpoint.async_save=false"]
 
 
 def _latest(run_dir: Path) -> str:
@@ -62,7 +65,8 @@ def _assert_same_steps(got: list[dict], ref: list[dict], steps) -> None:
 def cpu4_reference(tmp_path_factory, stdlib_corpus):
     """cpu4 (PP2 VPP2 EP2 DP2, MuonClip), 8 steps straight, a checkpoint every 2 steps (all kept)."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    recs = run_trainer([*CPU4, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"], 4, run_dir)
+    recs = run_trainer([*CPU4, *SYNC, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"], 4,
+                       run_dir)
     assert [r["step"] for r in recs] == list(range(1, 9))
     assert any(r["qk_clipped_heads"] for r in recs)  # QK-Clip fired, so its effect is resumed too
     return run_dir, recs
@@ -148,12 +152,12 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     stays at step 2, the partial directory is never loaded (and is removed), the resume matches."""
     _, ref = cpu4_reference
     run_dir = tmp_path / "run"
-    run_trainer([*CPU4, "train.iters=8", "train.save_interval=2"], 4, run_dir, script="fault_train.py",
+    run_trainer([*CPU4, *SYNC, "train.iters=8", "train.save_interval=2"], 4, run_dir, script="fault_train.py",
                 env={"K2_FAULT": "crash_save:4:2"}, expect_failure=True)
     ckpts = run_dir / "checkpoints"
     assert _latest(run_dir) == "iter_0000002"
     assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
-    recs = run_trainer([*CPU4, "train.iters=8", "train.save_interval=2"], 4, run_dir)
+    recs = run_trainer([*CPU4, *SYNC, "train.iters=8", "train.save_interval=2"], 4, run_dir)
     assert not (ckpts / "iter_0000004.partial").exists()
     # steps 3-4 were logged before the crash and are run again: metrics.jsonl keeps the re-run ones
     assert [r["step"] for r in recs] == list(range(1, 9))

@@ -24,7 +24,10 @@ from support.distributed import trainer_env
 TIMEOUT_S = 15
 ARGS = ["parallel=cpu4", "train.iters=14", "train.save_interval=2", "train.eval_interval=3", "train.eval_iters=1",
         "train.micro_batch_size=4", f"run.hang_timeout_s={TIMEOUT_S}", "run.hang_startup_timeout_s=180",
-        "train.progress=false", "run.wandb.mode=disabled"]
+        "train.progress=false", "run.wandb.mode=disabled",
+        # synchronous saves: the checkpoint each hang leaves as latest does not depend on when a
+        # background writer finishes (the abandoned background write: test_checkpoint.py's kill -9 case)
+        "checkpoint.async_save=false"]
 
 
 def _left(run_dir: Path) -> list[str]:

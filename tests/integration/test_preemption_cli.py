@@ -37,7 +37,8 @@ def test_sigusr1_during_a_periodic_save_stops_at_that_step(tmp_path, stdlib_corp
     instead of training step 3 first."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(SCRIPTS / "fault_train.py"), "train.iters=8",
-           "train.save_interval=2", "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline",
+           "train.save_interval=2", "checkpoint.async_save=false", "train.eval_interval=0", "train.progress=false",
+           "run.wandb.mode=offline",
            f"run.dir={run_dir}"]
     p = subprocess.run(cmd, cwd=REPO, env=trainer_env({"K2_FAULT": "sigusr1_save:2:0"}), capture_output=True,
                        text=True, timeout=300)
