@@ -46,14 +46,18 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_path, stdlib_corpus):
-    run_dir = tmp_path / "run"
+def _submit(slurm, job_args: list, run_dir) -> str:
+    """k2-submit ``job_args`` into ``run_dir`` on the local Slurm; the job id."""
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
-    sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *JOB,
+    sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args,
                           f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)
     assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().splitlines()[0]
+    return sub.stdout.strip().splitlines()[0]
+
+def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_path, stdlib_corpus):
+    run_dir = tmp_path / "run"
+    job = _submit(slurm, JOB, run_dir)
     metrics = run_dir / "metrics.jsonl"
 
     def steps_logged() -> int:
@@ -125,12 +129,7 @@ def test_job_killed_before_its_first_save_restarts_afresh_when_requeued(slurm, t
     run_dir = tmp_path / "run"
     # one save, at the end: the kill lands before it
     job_args = [*[x for x in JOB if not x.startswith("train.save_interval")], "train.save_interval=8"]
-    env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
-    sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args,
-                          f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().splitlines()[0]
+    job = _submit(slurm, job_args, run_dir)
     metrics = run_dir / "metrics.jsonl"
 
     def log(tail: int = 4000) -> str:
