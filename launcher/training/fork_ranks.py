@@ -203,10 +203,16 @@ def _wait(children: dict[int, int], watch: Optional[socket.socket]) -> int:
         if pid == 0:
             time.sleep(0.05)
             continue
-        children.pop(pid, None)
+        rank = children.pop(pid, None)
         code = os.waitstatus_to_exitcode(raw)
         if code != 0 and status == 0:
             status = code if code > 0 else 128 - code
+            if code < 0:  # killed by a signal: the rank itself could say nothing (the others' SIGTERM
+                # line below is the launcher stopping them, not a preemption; the step in progress is lost)
+                print(f"k2-train: rank {rank} was killed by signal {-code} ({signal.Signals(-code).name}); "
+                      f"stopping the other ranks (SIGTERM, SIGKILL after {STOP_GRACE_S:g} s): the step in "
+                      "progress is not saved, the run resumes from its last checkpoint", file=sys.stderr,
+                      flush=True)
             _signal_all(children, signal.SIGTERM)  # the other ranks of a failed group stop
             deadline = time.time() + STOP_GRACE_S
     return status

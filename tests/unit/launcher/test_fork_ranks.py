@@ -53,10 +53,14 @@ def test_first_failed_rank_sets_the_status_and_stops_the_others():
 
 
 def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal():
+    """...and one line names the rank and the signal (the rank itself could print nothing), so that the
+    other ranks' SIGTERM line does not read as a preemption."""
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL) if os.environ['RANK'] == '0' else None"
     p = _launch(2, code)
-    p.communicate(timeout=60)
+    _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGKILL
+    lines = [x for x in err.splitlines() if x.startswith("k2-train: rank 0 was killed by signal 9 (SIGKILL)")]
+    assert len(lines) == 1 and "the step in progress is not saved" in lines[0], err
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank():
