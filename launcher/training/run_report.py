@@ -180,8 +180,10 @@ def summarize(records: list[dict], series: dict, run_dir: Path) -> list[tuple[st
                 "none (a CPU run without cluster.cpu_peak_tflops: no peak to measure against)"))
     if "max_attn_logit" in series:
         clipped = sum(int(r.get("qk_clipped_heads") or 0) for r in steps)
-        out.append(("max attn logit", f"{max(series['max_attn_logit'][1]):.2f} (QK-Clip clipped {clipped:,} "
-                                      "head-steps)"))
+        tau = _tau(run_dir)
+        clip = (f"QK-Clip at tau {tau:g} clipped {clipped:,} head-steps" if tau is not None
+                else "QK-Clip off: optim.qk_clip_tau is null")
+        out.append(("max attn logit", f"{max(series['max_attn_logit'][1]):.2f} ({clip})"))
     if "moe_load_max_over_mean" in series:
         ys = series["moe_load_max_over_mean"][1]
         out.append(("MoE balance", f"busiest expert {ys[-1]:.2f}x the mean (last step), {max(ys):.2f}x max"))

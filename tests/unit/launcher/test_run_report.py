@@ -70,9 +70,12 @@ def test_write_report_pngs_and_summary(run_dir):
     text = r.text()
     for needle in ("steps           6 (6,144 tokens)", "final loss      7.4000",
                    "val loss        7.7000 last, 7.7000 best (at 6,144 tokens)", "tokens/s        1,004 median",
-                   "MFU             none (a CPU run", "max attn logit  16.00 (QK-Clip clipped 3 head-steps)",
+                   "MFU             none (a CPU run", "max attn logit  16.00 (QK-Clip at tau 12.5 clipped 3 head-steps)",
                    "MoE balance     busiest expert 1.60x the mean"):
         assert needle in text, text
+    # a run with QK-Clip off says so instead of counting clips
+    (run_dir / "config.yaml").write_text("optim:\n  qk_clip_tau: null\n")
+    assert "max attn logit  16.00 (QK-Clip off: optim.qk_clip_tau is null)" in write_run_report(run_dir).text()
 
 
 def test_cli(run_dir, capsys, tmp_path):
