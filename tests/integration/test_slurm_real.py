@@ -55,6 +55,13 @@ def _submit(slurm, job_args: list, run_dir) -> str:
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().splitlines()[0]
 
+def _requeue_and_finish(slurm, job: str, log) -> None:
+    """Requeue ``job``, start it again at once, and wait (600 s at most) until it has ended."""
+    slurm.scontrol("requeue", job)
+    slurm.restart_now(job, 1, log)
+    _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
+          lambda: f"job {job} to finish: {log()}", every=1)
+
 def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_path, stdlib_corpus):
     run_dir = tmp_path / "run"
     job = _submit(slurm, JOB, run_dir)
@@ -69,10 +76,7 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
 
     try:
         _wait(lambda: steps_logged() >= 3, 300, lambda: f"step 3 of job {job}: {log()}")
-        slurm.scontrol("requeue", job)  # every process of the step gets SIGTERM: the ranks save, exit 42
-        slurm.restart_now(job, 1, log)
-        _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
-              lambda: f"job {job} to finish: {log()}", every=1)
+        _requeue_and_finish(slurm, job, log)  # every process of the step gets SIGTERM: the ranks save, exit 42
     finally:
         if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
             subprocess.run(["scancel", job], env=slurm.env)
@@ -146,10 +150,7 @@ def test_job_killed_before_its_first_save_restarts_afresh_when_requeued(slurm, t
         _wait(lambda: slurm.job_field(job, "JobState") not in ("RUNNING", "COMPLETING"), 120,
               lambda: f"job {job} to die: {log()}", every=0.5)
         assert not (run_dir / "checkpoints" / "latest").exists(), "killed after its first save: retry"
-        slurm.scontrol("requeue", job)
-        slurm.restart_now(job, 1, log)
-        _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
-              lambda: f"job {job} to finish: {log()}", every=1)
+        _requeue_and_finish(slurm, job, log)
     finally:
         if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
             subprocess.run(["scancel", job], env=slurm.env)
