@@ -122,6 +122,21 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
     initialize_rerun_state_machine(mode=RerunMode.DISABLED)  # explicit: no "implicit init" warning
 
 
+def all_reduce_int(value: int, op: str = "max") -> int:
+    """Collective: ``value`` reduced over the default process group (``op``: ``"max"`` or ``"sum"``);
+    ``value`` itself without a group of more than one rank. The tensor lives on the current CUDA device
+    when there is one (NCCL reduces device tensors only), else on the host (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return int(value)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor([int(value)], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op])
+    return int(t.item())
+
+
 def destroy_distributed() -> None:
     """Tear down megatron's parallel_state and the default process group."""
     import torch.distributed as dist

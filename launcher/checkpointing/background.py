@@ -5,7 +5,11 @@ plans the save with ``async_sharded_save=True, async_strategy="mcore"``, and meg
 ``AsyncCallsQueue`` (non-persistent: ``TemporalAsyncCaller``) forks one writer process per save. The fork
 is the snapshot: the writer sees the rank's memory as it was at the step boundary (copy-on-write), so
 the optimizer step that follows -- which updates host-resident (offloaded) optimizer states in place --
-cannot leak into the checkpoint being written. Peers that pass CPU tensors to a persistent worker
+cannot leak into the checkpoint being written. The fork also makes megatron's staging copy of every tensor
+that is a view of a larger buffer (its ``prepare_write_data`` clones those in the rank: a
+DistributedOptimizer's states and the parameters of DDP's buffer, the whole checkpoint here) redundant,
+so the rank skips it (:func:`_snapshot_writer_class`) and the writer copies those views after the fork
+(:func:`_copy_views`), off the training loop. Peers that pass CPU tensors to a persistent worker
 through ``torch.multiprocessing`` move them into shared memory without a copy and got exactly that leak
 (nvidia-resiliency-ext PR #376); a persistent worker also held its memory between saves (Megatron-Bridge
 PR #359), and megatron's cached save structure is left off (``TorchDistSaveShardedStrategy``'s default)
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
+from k2.parallel.distributed import all_reduce_int
 
 __all__ = ["BackgroundSaver", "PipeChannel", "abandon_in_flight_save"]
 
@@ -106,6 +111,42 @@ class PipeChannel:
         self._w = -1
 
 
+@functools.cache
+def _snapshot_writer_class():
+    """megatron-core 0.19.2's ``FileSystemWriterAsync`` whose ``prepare_write_data`` leaves views
+    uncopied (module docstring); only for a writer that is a fork of the rank taken right after it."""
+    import torch
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    class _NoClone(torch.overrides.TorchFunctionMode):
+        """``Tensor.clone()`` returns the tensor itself: megatron's ``prepare_write_data`` clones a view
+        so that the bytes written later are those of the step boundary, which the fork keeps already."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.clone and len(args) == 1 and not kwargs:
+                return args[0]
+            return func(*args, **(kwargs or {}))
+
+    class SnapshotWriterAsync(FileSystemWriterAsync):
+        def prepare_write_data(self, plan, planner) -> None:
+            with _NoClone():
+                super().prepare_write_data(plan, planner)
+
+    return SnapshotWriterAsync
+
+
+def _copy_views(write_buckets: list) -> list:
+    """In the writer: megatron's ``write_buckets`` (``(path, file_name, (bytes_data, tensor_data))``) with
+    every tensor that is a view of a larger storage copied (``torch.save`` of a view writes its whole
+    storage; megatron's own test for a view)."""
+    out = []
+    for path, name, (bytes_data, tensor_data) in write_buckets:
+        tensors = [(item, t.clone() if t.untyped_storage().size() != t.numel() * t.itemsize else t)
+                   for item, t in tensor_data]
+        out.append((path, name, (bytes_data, tensors)))
+    return out
+
+
 def _writer_started() -> None:
     """Runs in the writer process before it writes. A no-op; tests replace it (e.g. to hold the
     writer while the rank trains on, or to kill the rank mid-write)."""
@@ -121,9 +162,15 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
     except (OSError, AttributeError):  # not Linux: the writer then outlives a killed rank by its write
         pass
     os.nice(10)  # the rank's next steps come first
+    # one intra-op thread: the rank's OpenMP pool did not survive the fork, and a parallel torch op
+    # (the copies of _copy_views) would wait for it forever (torch's DataLoader workers do the same)
+    import torch
+
+    torch.set_num_threads(1)
     try:
         _writer_started()
-        write_fn(*args, **kwargs)
+        rank, write_buckets, *rest = args
+        write_fn(rank, _copy_views(write_buckets), *rest, **kwargs)
         report.put(shard_entries(partial, args[1]))
     except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it at finalize
         try:
@@ -134,16 +181,21 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
 
 class BackgroundSaver:
     """One rank's background saves (module docstring). ``on_commit(path, step, why, seconds)`` runs on
-    every rank when a save is committed (``seconds``: from staging to commit).
+    every rank when a save is committed (``seconds``: from staging to commit). ``on_write_progress()``
+    runs on every rank, while :meth:`wait` waits, each time the writers of all ranks together have
+    written more bytes or used more CPU time than at the previous check (a hang watchdog's keep-alive: a
+    write slower than a save's allowance is not a hang as long as it moves).
 
     Collective: :meth:`save`, :meth:`poll` and :meth:`wait` on every rank at the same step.
     """
 
     def __init__(self, run_dir, keep_last: int, keep_every: Optional[int],
-                 on_commit: Callable[[Path, int, str, float], None]):
+                 on_commit: Callable[[Path, int, str, float], None],
+                 on_write_progress: Optional[Callable[[], None]] = None):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.run_dir, self.keep_last, self.keep_every, self.on_commit = run_dir, keep_last, keep_every, on_commit
+        self.on_write_progress = on_write_progress
         self.queue = AsyncCallsQueue(persistent=False)  # a fresh fork per save: the snapshot
         self.in_flight: Optional[dict] = None
         _SAVERS.append(self)
@@ -158,7 +210,8 @@ class BackgroundSaver:
         results, report = PipeChannel(), PipeChannel()
         t0 = time.perf_counter()
         try:
-            partial, final, request = begin_save(self.run_dir, step, model, optimizer, results_queue=results)
+            partial, final, request = begin_save(self.run_dir, step, model, optimizer, results_queue=results,
+                                                 writer_class=_snapshot_writer_class())
         except BaseException:
             results.close(), report.close()
             raise
@@ -181,7 +234,8 @@ class BackgroundSaver:
             self.on_commit(path, step, why, time.perf_counter() - t0)
 
         request.add_finalize_fn(commit)
-        self.in_flight = {"step": step, "partial": partial, "channels": (results, report)}
+        files = [Path(b[0]) for b in request.async_fn_args[1]] if request.async_fn is not None else []
+        self.in_flight = {"step": step, "partial": partial, "channels": (results, report), "files": files}
         self.queue.schedule_async_request(request)
 
     def poll(self, blocking: bool = False) -> None:
@@ -192,7 +246,11 @@ class BackgroundSaver:
         """
         if self.in_flight is None:
             return
+        if blocking:
+            self._wait_for_writers()
         flight = self.in_flight
+        if flight is None:
+            return
         try:
             done = self.queue.maybe_finalize_async_calls(blocking=blocking)
         except CheckpointSaveError:
@@ -205,6 +263,35 @@ class BackgroundSaver:
                                       f"failed: {type(e).__name__}: {first}") from e
         if done:
             self._forget()
+
+    def _wait_for_writers(self, interval_s: float = 1.0) -> None:
+        """Collective: poll (non-blocking) until every rank's writer is done and the save is committed,
+        calling ``on_write_progress`` whenever the writers moved: the bytes of their shard files or their CPU
+        time grew (copying views and hashing write nothing; a writer blocked on a dead file system does
+        neither)."""
+        written = -1
+        while self.in_flight is not None:
+            self.poll(blocking=False)
+            if self.in_flight is None:
+                return
+            local = sum(p.stat().st_size for p in self.in_flight["files"] if p.exists()) + self._writer_cpu_ticks()
+            total = all_reduce_int(local, "sum")
+            if total > written and self.on_write_progress is not None:
+                self.on_write_progress()
+            written = max(written, total)
+            time.sleep(interval_s)
+
+    def _writer_cpu_ticks(self) -> int:
+        """CPU time (clock ticks, ``/proc/<pid>/stat``) of this rank's writer process; 0 when there is
+        none or it is gone (or not Linux)."""
+        for call in self.queue.async_calls:
+            proc = getattr(call.async_caller, "process", None)
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                return int(fields[11]) + int(fields[12])  # utime + stime (proc(5) fields 14, 15)
+            except (AttributeError, OSError, IndexError, ValueError):
+                return 0
+        return 0
 
     def wait(self) -> None:
         """Commit the save in flight, waiting for its writers (collective)."""

@@ -35,6 +35,7 @@ from k2.launcher.checkpointing.manifest import (
 )
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
 from k2.optim.build import leaf_optimizers
+from k2.parallel.distributed import all_reduce_int
 
 #: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.
 OPTIM_SHARDING = "dp_reshardable"
@@ -158,7 +159,31 @@ def agree(what: str, fn):
     return out
 
 
-def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None):
+_VALIDATED_STRUCTURE: list = []  # the structure of this process's last save whose sharding was validated
+
+
+def _needs_validation(sd) -> bool:
+    """Collective: whether megatron's sharding-integrity check (every tensor covered exactly once across
+    ranks: an all-gather of every shard's metadata and a check of it, about a fifth of the staging time
+    of a background save) must run for this sharded state dict: on the first save of the process and
+    whenever any rank's structure (keys, shapes, offsets, replica ids) differs from the last validated
+    one. The check depends on nothing else, so repeating it for an unchanged structure finds nothing."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    def shape(x):
+        return tuple(x) if x is not None else ()
+
+    structure = hash(tuple(sorted(
+        (str(v.key), shape(getattr(v, "global_shape", None)), shape(getattr(v, "global_offset", None)),
+         str(getattr(v, "replica_id", "")), shape(getattr(getattr(v, "data", None), "shape", None)))
+        for v in nested_values(sd) if hasattr(v, "key"))))
+    if all_reduce_int(int(_VALIDATED_STRUCTURE != [structure]), "max"):
+        _VALIDATED_STRUCTURE[:] = [structure]
+        return True
+    return False
+
+
+def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, writer_class=None):
     """Collective, first half of a save: create ``iter_<step>.partial`` and plan megatron's write of
     the model, optimizer and RNG tensors into it (``dist_checkpointing.save(...,
     async_sharded_save=True, async_strategy="mcore")``: the same request serves a synchronous save,
@@ -166,6 +191,7 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None):
 
     ``results_queue``: where megatron's writer puts its write results (default: an in-process queue,
     :func:`use_in_process_write_results`); a writer in another process needs one that crosses it.
+    ``writer_class``: a subclass of megatron's ``FileSystemWriterAsync`` to plan with (default: megatron's).
 
     Returns:
         ``(partial, final, request)``: the directories and megatron's ``AsyncRequest`` (its
@@ -196,14 +222,17 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None):
 
         sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
         _zero_optimizer_padding(sd)
-        shared = filesystem_async._results_queue  # the writer of this save takes it when planning
+        # megatron looks both up in this module when it plans (strategies/torch.py, _import_mcore_async)
+        shared, writer = filesystem_async._results_queue, filesystem_async.FileSystemWriterAsync
         if results_queue is not None:
             filesystem_async._results_queue = results_queue
+        if writer_class is not None:
+            filesystem_async.FileSystemWriterAsync = writer_class
         try:
-            return dist_checkpointing.save(sd, str(partial), validate_access_integrity=True,
+            return dist_checkpointing.save(sd, str(partial), validate_access_integrity=_needs_validation(sd),
                                            async_sharded_save=True, async_strategy="mcore")
         finally:
-            filesystem_async._results_queue = shared
+            filesystem_async._results_queue, filesystem_async.FileSystemWriterAsync = shared, writer
 
     request = agree(f"saving checkpoint step {step} into {partial}", plan)
     return partial, final, request

@@ -70,15 +70,9 @@ class Preemption:
         """Collective (every rank, same step): True when any rank asks to stop. Sets :attr:`reason`."""
         # (torch imported here: the command-line tools import this module for REQUEUE_EXIT_CODE, and
         # k2-data / k2-submit / the Slurm script's helpers should not pay torch's ~3 s import for it)
-        import torch
-        import torch.distributed as dist
+        from k2.parallel.distributed import all_reduce_int
 
-        flag = self.local_request()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-            t = torch.tensor([flag], dtype=torch.int32, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
+        flag = all_reduce_int(self.local_request(), "max")
         if flag:
             self.reason = {1: "signal", 2: "run.max_minutes"}[flag]
         return bool(flag)

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from k2.launcher.training.step import TrainingDiverged
+from k2.parallel.distributed import all_reduce_int
 
 __all__ = ["SpikeGuard", "TEST_SPIKE_ENV"]
 
@@ -140,12 +140,7 @@ class SpikeGuard:
         which = [name for name, value, window in (("loss", seen, self.losses),
                                                   ("grad_norm", grad_norm, self.grad_norms))
                  if _outlier(value, window, self.sigma, min_count)]
-        flag = int(bool(which))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([flag], dtype=torch.int32,
-                             device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
+        flag = all_reduce_int(int(bool(which)), "max")
         self.last = {"spike": bool(flag)}
         if flag:
             self.consecutive += 1

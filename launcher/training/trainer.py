@@ -130,7 +130,8 @@ class Trainer:
         self.open_logger(resumed_note)
         preempted = False
         c = self.cfg.checkpoint  # checkpoint.async_save: saves written in the background
-        self.saver = BackgroundSaver(self.run_dir, c.keep_last, c.keep_every, self._saved) if c.async_save else None
+        self.saver = BackgroundSaver(self.run_dir, c.keep_last, c.keep_every, self._saved,
+                                     self.watchdog.keep_alive) if c.async_save else None
         self.goodput.end_startup()
         try:
             self.evaluate_before_training()

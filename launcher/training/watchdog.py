@@ -154,6 +154,11 @@ class HangWatchdog:
         if self._seam == (kind, step, self.rank):
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    def keep_alive(self) -> None:
+        """The current point is still moving (e.g. a background checkpoint writer wrote more bytes since
+        the last call): its allowance starts again. Not a new point: the sequence number stays."""
+        self._since = time.monotonic()
+
     def allowance(self, kind: str) -> float:
         """Seconds a point of ``kind`` may last before it is a hang (module docstring, "Allowances")."""
         if kind == "start-up" or kind not in self._longest:

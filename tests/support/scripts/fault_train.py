@@ -12,6 +12,9 @@ test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
   node lost, ``kill -9``);
 * ``erofs_save`` -- on rank RANK the save of step STEP fails as on a file system that turned
   read-only (``OSError`` EROFS after writing its shards);
+* ``slow_write`` -- the background writer (``checkpoint.async_save``) of the checkpoint of step STEP on
+  rank RANK writes its first shard file slowly, 1 KiB every 0.5 s for ``$K2_SLOW_WRITE_S`` seconds (a
+  slow file system), before megatron writes it;
 * ``none`` -- no fault (for ``$K2_HOLD_WRITER`` alone);
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
@@ -74,7 +77,19 @@ def init_distributed(*args, **kwargs):
     return _init_distributed(*args, **kwargs)
 
 
+def _run_dir() -> Path:
+    return Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("run.dir=")))
+
+
 def writer_started():  # in the forked writer: train_steps is the step of its checkpoint
+    if KIND == "slow_write" and ME == RANK and train_steps == STEP:
+        shard = _run_dir() / "checkpoints" / f"iter_{STEP:07d}.partial" / f"__{ME}_0.distcp"
+        end = time.time() + float(os.environ["K2_SLOW_WRITE_S"])
+        with open(shard, "wb") as f:
+            while time.time() < end:
+                f.write(b"\0" * 1024)
+                f.flush()
+                time.sleep(0.5)
     if HOLD and ME == HOLD[1] and train_steps == HOLD[0]:
         deadline = time.time() + 300
         while not HOLD_FLAG.exists() and time.time() < deadline:

@@ -1,0 +1,97 @@
+"""What a save costs the training loop: the background writer copies views after the fork
+(``_copy_views``), since the rank no longer does, and megatron's sharding-integrity check runs once per
+structure (``_needs_validation``)."""
+
+import io
+
+import torch
+
+from k2.launcher.checkpointing.background import _copy_views, _snapshot_writer_class
+
+
+def test_views_are_copied_whole_tensors_are_not():
+    flat = torch.arange(100_000, dtype=torch.float32)
+    view, whole = flat[4:8], torch.ones(3)
+    blob = io.BytesIO(b"x")
+    buckets = [("/d/__0_0.distcp", "__0_0.distcp", ([("b", blob)], [("v", view), ("w", whole)]))]
+    (path, name, (bytes_data, tensors)), = _copy_views(buckets)
+    assert (path, name, bytes_data) == buckets[0][:2] + ([("b", blob)],)
+    (_, v), (_, w) = tensors
+    assert w is whole  # no copy of a tensor that owns its storage
+    assert torch.equal(v, view) and v.untyped_storage().size() == 4 * 4  # a copy of only its 4 elements
+    # torch.save is what DCP's _write_item does: the view itself would write the whole 400 KB buffer
+    assert len(_saved(v)) < 10_000 < 400_000 < len(_saved(view))
+
+
+def _saved(t):
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def test_the_snapshot_writer_does_not_clone_while_planning():
+    writer_cls = _snapshot_writer_class()
+    flat = torch.arange(8.0)
+    seen = []
+
+    class Planner:
+        def resolve_data(self, item):
+            return flat[2:6]
+
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+    for cls in (writer_cls, writer_cls.__mro__[1]):  # ours, then megatron's
+        w = cls("/nonexistent", thread_count=1)
+        w.prepare_write_data(SavePlan([item], storage_data=_StoragePrefix("__0_")), Planner())
+        (_, _, (_, [(_, t)])), = w.write_buckets
+        seen.append(t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr())
+    assert seen == [True, False]  # ours shares the rank's memory (the fork is the copy); megatron's copies
+
+
+def _touch_shards(rank, write_buckets, results_queue):  # megatron's write_fn, reduced to its files
+    for path, _, _ in write_buckets:
+        open(path, "wb").close()
+
+
+def test_the_writer_copies_views_after_a_fork_from_a_rank_that_used_its_thread_pool(tmp_path):
+    """The rank has run parallel torch ops (its OpenMP pool is up; a user's default threads) when the
+    writer forks: the writer's copies of views must not wait for a pool that did not survive the fork."""
+    import multiprocessing as mp
+
+    from k2.launcher.checkpointing.background import PipeChannel, _background_writer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        flat = torch.ones(4_000_000)
+        assert float((flat * 2).sum()) == 8_000_000  # the pool is in use
+        buckets = [(str(tmp_path / "__0_0.distcp"), "__0_0.distcp", ([], [("v", flat[10:3_000_000])]))]
+        report = PipeChannel()
+        proc = mp.get_context("fork").Process(target=_background_writer,
+                                              args=(_touch_shards, report, tmp_path, 0, buckets, None))
+        proc.start()
+        proc.join(timeout=60)
+        alive = proc.is_alive()
+        if alive:
+            proc.kill()
+        assert not alive and proc.exitcode == 0
+        assert set(report.get_nowait()) == {"__0_0.distcp"}
+        report.close()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sharding_is_validated_on_the_first_save_and_when_the_structure_changes():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from k2.launcher.checkpointing import store
+
+    def sd(rows):
+        return {"w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(rows, 4)),
+                "b": ShardedTensor.from_rank_offsets("layer.b", torch.zeros(4))}
+
+    store._VALIDATED_STRUCTURE.clear()  # a fresh process
+    assert [store._needs_validation(sd(r)) for r in (3, 3, 3, 5, 5, 3)] == [True, False, False, True, False, True]
