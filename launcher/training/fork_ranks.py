@@ -12,7 +12,10 @@ starts from a clean runtime and initialises CUDA / gloo / NCCL itself. Multi-nod
 there srun (or torchrun) starts one process per rank.
 
 Like torchrun: SIGTERM / SIGINT / SIGUSR1 sent to this process reach every rank; when a rank fails, the
-others get SIGTERM (SIGKILL 30 s later); the exit status is the first failed rank's (so ``k2-train``
+others get SIGTERM (SIGKILL 30 s later), and first a line naming the failed rank in the file that
+``$K2_PEER_FAILED_FILE`` names in their environment
+(:func:`k2.launcher.training.preemption.peer_failure`: so that they can tell that SIGTERM from a
+preemption's); the exit status is the first failed rank's (so ``k2-train``
 passes a rank's own status on: 2 for a bad setting, 3 for divergence), 0 when all succeed. Every rank
 gets SIGKILL when this process dies (``PR_SET_PDEATHSIG``).
 
@@ -28,9 +31,13 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Optional
+
+from k2.launcher.training.preemption import PEER_FAILED_ENV
 
 __all__ = ["launch", "main", "preimport"]
 
@@ -160,9 +167,12 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
+    failed = Path(tempfile.gettempdir()) / f"k2-ranks-{os.getpid()}-{port}.failed"
+    failed.unlink(missing_ok=True)
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:  # the rank
+            os.environ[PEER_FAILED_ENV] = str(failed)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, signal.SIG_DFL)
             _die_with_parent()
@@ -182,14 +192,16 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # as under torchrun: every rank gets them
     previous = {sig: signal.signal(sig, lambda signum, _frame: _signal_all(children, signum)) for sig in forwarded}
     try:
-        return _wait(children, watch)
+        return _wait(children, watch, failed)
     finally:
+        failed.unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _wait(children: dict[int, int], watch: Optional[socket.socket]) -> int:
-    """Reap ``children`` (pid -> rank); the status rules of :func:`launch`."""
+def _wait(children: dict[int, int], watch: Optional[socket.socket], failed: Path) -> int:
+    """Reap ``children`` (pid -> rank); the status rules of :func:`launch`; ``failed``: the file of
+    :func:`k2.launcher.training.preemption.peer_failure`."""
     status, deadline = 0, None
     while children:
         if watch is not None and select.select([watch], [], [], 0)[0] and not watch.recv(1, socket.MSG_PEEK):
@@ -207,6 +219,12 @@ def _wait(children: dict[int, int], watch: Optional[socket.socket]) -> int:
         code = os.waitstatus_to_exitcode(raw)
         if code != 0 and status == 0:
             status = code if code > 0 else 128 - code
+            why = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
+                   else f"exited with status {code}")
+            try:
+                failed.write_text(f"rank {rank} {why}\n")
+            except OSError:
+                pass  # the others then report a plain SIGTERM
             if code < 0:  # killed by a signal: the rank itself could say nothing (the others' SIGTERM
                 # line below is the launcher stopping them, not a preemption; the step in progress is lost)
                 print(f"k2-train: rank {rank} was killed by signal {-code} ({signal.Signals(-code).name}); "

@@ -9,8 +9,10 @@ exits with :data:`REQUEUE_EXIT_CODE`, which the sbatch script turns into a reque
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
 from typing import Optional
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -23,6 +25,20 @@ REQUEUE_EXIT_CODE = 42
 #: ``k2-train``'s own launcher can report the requeue exit code although its ranks exit 0 (a launcher
 #: treats a non-zero rank as a failure and stops the others). Removed when the next run starts.
 REQUEUE_MARKER = "requeue"
+#: environment variable of every rank forked by k2-train's rank launcher
+#: (:mod:`k2.launcher.training.fork_ranks`): the file in which it names a failed rank before it sends
+#: the other ranks SIGTERM
+PEER_FAILED_ENV = "K2_PEER_FAILED_FILE"
+
+
+def peer_failure() -> Optional[str]:
+    """In a rank: the line naming the rank whose failure made its launcher stop this one (e.g. ``rank 2
+    was killed by signal 9 (SIGKILL)``), or None (not launched by :func:`launch`, or no rank failed)."""
+    path = os.environ.get(PEER_FAILED_ENV)
+    try:
+        return Path(path).read_text().strip() or None if path else None
+    except OSError:
+        return None
 
 
 class Preemption:
@@ -57,6 +73,18 @@ class Preemption:
         self.signal_name = signal.Signals(signum).name
         if self.on_signal is not None:
             self.on_signal(self.signal_name)
+
+    def notice(self, name: str, during: str) -> str:
+        """The log line for signal ``name`` received ``during`` (e.g. ``"step 7"``): a preemption's
+        (a checkpoint, then :data:`REQUEUE_EXIT_CODE`), or, when k2-train's rank launcher sent it because
+        another rank failed (:func:`peer_failure`), that failure's."""
+        peer = peer_failure()
+        if peer is not None:
+            return (f"k2-train: {name} from the rank launcher during {during}: {peer}, so every rank stops; "
+                    "the step in progress is not saved, the run resumes from its last checkpoint")
+        when = "after the first step" if during == "start-up" else f"at the end of {during}"
+        return (f"k2-train: {name} received during {during}; saving a checkpoint {when}, then exiting with "
+                f"{REQUEUE_EXIT_CODE} (requeue)")
 
     def local_request(self) -> int:
         """1 when this rank got a signal or its budget ran out, else 0."""

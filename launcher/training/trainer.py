@@ -49,7 +49,7 @@ from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
-from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER, Preemption
+from k2.launcher.training.preemption import REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.run_report import write_run_report
 from k2.launcher.training.spike import SpikeGuard
@@ -91,8 +91,7 @@ def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
     """
     def startup_notice(name: str) -> None:  # (replaced by the metrics logger once it exists)
         if env.rank == 0:
-            print(f"k2-train: {name} received during start-up; saving a checkpoint after the first step, "
-                  f"then exiting with {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+            print(preemption.notice(name, "start-up"), flush=True)
 
     preemption = Preemption(cfg.run.max_minutes, on_signal=startup_notice).install()
     try:
@@ -299,8 +298,7 @@ class Trainer:
         else:
             self.logger.message(f"step {start + 1}: {self._describe(self.data.phase)}")
         self.preemption.on_signal = lambda name: self.logger.message(
-            f"k2-train: {name} received during step {self.preemption.step}; saving a checkpoint at the end "
-            f"of step {self.preemption.step}, then exiting with {REQUEUE_EXIT_CODE} (requeue)")
+            self.preemption.notice(name, f"step {self.preemption.step}"))
 
     # ------------------------------------------------------------------ one step
 

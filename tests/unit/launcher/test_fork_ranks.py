@@ -55,19 +55,28 @@ def test_first_failed_rank_sets_the_status_and_stops_the_others():
 def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal():
     """...and one line names the rank and the signal (the rank itself could print nothing), so that the
     other ranks' SIGTERM line does not read as a preemption."""
-    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL) if os.environ['RANK'] == '0' else None"
+    code = ("import os, signal, time; from k2.launcher.training.preemption import Preemption\n"
+            "if os.environ['RANK'] == '0': time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (os.write(1, (Preemption().notice('SIGTERM', 'step 3') "
+            "+ '\\n').encode()), os._exit(0)))\n"
+            "time.sleep(120)")
     p = _launch(2, code)
-    _, err = p.communicate(timeout=60)
+    out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGKILL
     lines = [x for x in err.splitlines() if x.startswith("k2-train: rank 0 was killed by signal 9 (SIGKILL)")]
     assert len(lines) == 1 and "the step in progress is not saved" in lines[0], err
+    # rank 1's SIGTERM line names rank 0's failure instead of announcing a preemption's checkpoint
+    assert out.splitlines() == ["k2-train: SIGTERM from the rank launcher during step 3: rank 0 was killed by "
+                                "signal 9 (SIGKILL), so every rank stops; the step in progress is not saved, "
+                                "the run resumes from its last checkpoint"], out
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank():
     """SIGTERM sent to the launcher is passed on: each rank says so and exits 0, and so does the launch."""
     code = ("import os, signal, sys, time; r = int(os.environ['RANK'])\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (os.write(1, f'rank {r} got SIGTERM\\n'.encode()), "
-            "os._exit(0)))\n"
+            "from k2.launcher.training.preemption import Preemption\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (os.write(1, f'rank {r} got SIGTERM: '.encode() + "
+            "Preemption().notice('SIGTERM', 'step 3').encode() + b'\\n'), os._exit(0)))\n"
             "os.write(1, f'rank {r} ready\\n'.encode()); time.sleep(120)")
     p = _launch(2, code)
     ready = [p.stdout.readline(), p.stdout.readline()]
@@ -75,7 +84,10 @@ def test_sigterm_to_the_launcher_reaches_every_rank():
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
-    assert sorted(out.splitlines()) == ["rank 0 got SIGTERM", "rank 1 got SIGTERM"]
+    # a preemption: each rank announces the checkpoint (no rank failed)
+    notice = ("k2-train: SIGTERM received during step 3; saving a checkpoint at the end of step 3, then exiting "
+              "with 42 (requeue)")
+    assert sorted(out.splitlines()) == [f"rank 0 got SIGTERM: {notice}", f"rank 1 got SIGTERM: {notice}"]
 
 
 def test_a_preimported_module_runs_as_main_without_runpy_warning():
