@@ -254,35 +254,38 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["sigkill_train", "sigterm_train"])
-def test_fault_during_a_background_write(cpu4_reference, tmp_path, fault):
-    """The writer of step 4's checkpoint on rank 0 is held until step 6 starts, and rank 0 gets the
-    fault then. kill -9: latest stays step 2's checkpoint, step 4's is only ``.partial`` (its writer
-    dies with the rank); SIGTERM: step 4's checkpoint is committed, then step 6's, the requeue marker
-    says 6 and nothing is left ``.partial``. The
-    same command again resumes and equals the uninterrupted run bitwise."""
+def test_faults_during_a_background_write(cpu4_reference, tmp_path):
+    """The writer of step 4's checkpoint on rank 0 is held until step 6 starts, and rank 0 gets a fault
+    then; two faults in one run dir. kill -9: latest stays step 2's checkpoint, step 4's is only
+    ``.partial`` (its writer dies with the rank). The same command resumes from step 2, its writer of step
+    4's checkpoint held again until step 6, and rank 0 gets SIGTERM then: step 4's checkpoint is
+    committed, then step 6's, the requeue marker says 6 and nothing is left ``.partial``. The same
+    command again resumes and equals the uninterrupted run bitwise.
+
+    (One run dir for both faults: every start of a cpu4 run costs each rank its set-up.)"""
     _, ref = cpu4_reference
     run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
     args = [*CPU4, "train.iters=8", *ASYNC]
     run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
-                env={"K2_FAULT": f"{fault}:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)})
-    ckpts = run_dir / "checkpoints"
-    if fault == "sigkill_train":
-        assert _latest(run_dir) == "iter_0000002"
-        assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
-        assert not any((ckpts / "iter_0000004.partial").glob("k2_*"))  # never committed
-    else:
-        assert _latest(run_dir) == "iter_0000006" and (ckpts / "iter_0000004").is_dir()
-        assert _state(run_dir)["step"] == 6  # (the periodic save of step 6 serves the preemption)
-        assert (run_dir / "requeue").read_text().strip() == "6"
-        assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
+                env={"K2_FAULT": "sigkill_train:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)})
+    assert _latest(run_dir) == "iter_0000002"
+    assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
+    assert not any((ckpts / "iter_0000004.partial").glob("k2_*"))  # never committed
+    # (fault_train.py counts the steps of its own process: resumed from step 2, its step 2 is step 4)
+    run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
+                env={"K2_FAULT": "sigterm_train:4:0", "K2_HOLD_WRITER": "2:0", "K2_TEST_OUT": str(tmp_path)})
+    assert _latest(run_dir) == "iter_0000006" and (ckpts / "iter_0000004").is_dir()
+    assert _state(run_dir)["step"] == 6  # (the periodic save of step 6 serves the preemption)
+    assert (run_dir / "requeue").read_text().strip() == "6"
+    assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
     recs = run_trainer(args, 4, run_dir)
     _assert_same_steps(recs, ref, range(1, 9))
     assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
-    # goodput: the killed start's steps after step 2 (3..5 or 6) were computed twice
-    moved = run_dir / "metrics.replayed.jsonl"
-    again = [json.loads(x) for x in moved.read_text().splitlines()] if moved.exists() else []
-    assert [r["step"] for r in again] == ([3, 4, 5] if fault == "sigkill_train" else [])
+    # goodput: the killed start's steps after step 2 (3..5) were computed twice; the SIGTERM's save
+    # left nothing to compute again
+    again = [json.loads(x) for x in (run_dir / "metrics.replayed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [3, 4, 5]
     assert recs[-1]["time_replayed_s"] == pytest.approx(sum(r["step_time_s"] for r in again), rel=1e-9)
     assert recs[-1]["time_lost_s"] >= 0
 
