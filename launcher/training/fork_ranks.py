@@ -235,4 +235,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    # the ranks are reaped and their output is written: skip the interpreter's teardown of torch and
+    # megatron-core (~2 s of CPU measured on a 2-core EPYC: collecting every module's objects, torch's
+    # operator-library finalizers), as each forked rank does (os._exit above)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
