@@ -72,11 +72,14 @@ def matrices(model_cfg, layers: list[int], moe_pattern, ep: int) -> tuple[list, 
 
 def newton_schulz_seconds(shapes: list, rates: KernelRates) -> float:
     """Seconds of Newton-Schulz on every ``(m, n)`` of ``shapes`` (module docstring)."""
-    t = 0.0
+    t, per_shape = 0.0, {}  # (a GPU's expert matrices repeat a few shapes thousands of times)
     for a, b in shapes:
-        m, n = min(a, b), max(a, b)
-        t += _NS_ITERATIONS * (gemm_seconds(m, n, m, rates) + gemm_seconds(m, m, m, rates)
-                               + gemm_seconds(m, m, n, rates))
+        s = per_shape.get((a, b))
+        if s is None:
+            m, n = min(a, b), max(a, b)
+            s = per_shape[a, b] = _NS_ITERATIONS * (gemm_seconds(m, n, m, rates) + gemm_seconds(m, m, m, rates)
+                                                    + gemm_seconds(m, m, n, rates))
+        t += s
     return t
 
 

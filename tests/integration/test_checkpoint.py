@@ -119,22 +119,6 @@ def test_forced_resume_with_a_changed_lr_schedule_and_weight_decay(cpu4_referenc
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere(cpu4_reference, tmp_path):
-    """Rank 3 alone gets SIGTERM during step 3: all ranks finish step 3, save it, exit with the requeue
-    code; the resumed run matches the uninterrupted one. wandb offline (its default) on rank 0."""
-    _, ref = cpu4_reference
-    run_dir = tmp_path / "run"
-    recs = run_trainer([*CPU4, "train.iters=8", "run.wandb.mode=offline"], 4, run_dir, script="fault_train.py",
-                       env={"K2_FAULT": "sigterm_train:3:3"}, expect_failure=True)
-    assert [r["step"] for r in recs] == [1, 2, 3]
-    assert _latest(run_dir) == "iter_0000003" and _state(run_dir)["reason"] == "preempted: signal"
-    assert (run_dir / "requeue").read_text().strip() == "3"
-    recs = run_trainer([*CPU4, "train.iters=8", "run.wandb.mode=offline"], 4, run_dir)
-    assert not (run_dir / "requeue").exists()
-    _assert_same_steps(recs, ref, range(1, 9))
-
-
-@pytest.mark.slow
 def test_sigterm_during_validation_saves_after_it(cpu4_reference, tmp_path):
     _, ref = cpu4_reference
     run_dir = tmp_path / "run"
@@ -143,7 +127,7 @@ def test_sigterm_during_validation_saves_after_it(cpu4_reference, tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and "val_loss" in recs[-1]
     assert _latest(run_dir) == "iter_0000004" and _state(run_dir)["reason"] == "preempted: signal"
     _assert_same_steps(recs, ref, range(1, 5))  # validation finished before the save
-    # (resuming from a preemption save: test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere)
+    # (resuming from a preemption save: test_killed_before_first_save_then_sigterm_mid_step_resumes_bitwise)
 
 
 @pytest.mark.slow
@@ -174,11 +158,18 @@ GOODPUT_FIELDS = ("time_productive_s", "time_startup_s", "time_checkpoint_s", "t
 
 
 @pytest.mark.slow
-def test_killed_before_its_first_save_restarts_afresh_and_counts_the_lost_time(cpu4_reference, tmp_path):
-    """kill -9 of rank 0 in step 2, before the first checkpoint (step 2's): the same command again
-    starts the run afresh (not refused), its records of the killed start set aside, and equals the
-    uninterrupted run bitwise; the killed start's step time is counted (replayed + lost) in the goodput
-    fields, which add up to the total and continue over the checkpoints; the summary prints the split."""
+def test_killed_before_first_save_then_sigterm_mid_step_resumes_bitwise(cpu4_reference, tmp_path):
+    """One run dir through two faults and three starts, against the uninterrupted run:
+
+    * kill -9 of rank 0 in step 2, before the first checkpoint (step 2's): the same command again starts
+      the run afresh (not refused), its records of the killed start set aside;
+    * in that second start (wandb offline, its default, on rank 0) rank 3 alone gets SIGTERM during step
+      3: all ranks finish step 3, save it, exit with the requeue code;
+    * the third start resumes from that checkpoint; every step equals the uninterrupted run bitwise; the
+      killed start's step time is counted (replayed + lost) in the goodput fields, which add up to the
+      total and continue over the checkpoints and starts; the summary prints the split.
+
+    (One run dir for both faults: every start of a cpu4 run costs each rank its set-up.)"""
     ref_dir, ref = cpu4_reference
     run_dir = tmp_path / "run"
     args = [*CPU4, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"]
@@ -186,10 +177,18 @@ def test_killed_before_its_first_save_restarts_afresh_and_counts_the_lost_time(c
                 expect_failure=True)
     killed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in killed] == [0, 1] and not (run_dir / "checkpoints" / "latest").exists()
+    args = [*args, "run.wandb.mode=offline"]
     out = tmp_path / "stdout.txt"
-    recs = run_trainer(args, 4, run_dir, stdout_to=out)
+    recs = run_trainer(args, 4, run_dir, script="fault_train.py", env={"K2_FAULT": "sigterm_train:3:3"},
+                       expect_failure=True, stdout_to=out)
     text = out.read_text()
     assert "killed before its first checkpoint (steps up to 1 logged): starting it afresh" in text, text[-3000:]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert _latest(run_dir) == "iter_0000003" and _state(run_dir)["reason"] == "preempted: signal"
+    assert (run_dir / "requeue").read_text().strip() == "3"
+    recs = run_trainer(args, 4, run_dir, stdout_to=out)
+    text = out.read_text()
+    assert not (run_dir / "requeue").exists()
     _assert_same_steps(recs, ref, range(1, 9))
     assert [r.get("replayed", False) for r in recs] == [True] + [False] * 7
     replayed = [json.loads(x) for x in (run_dir / "metrics.replayed.jsonl").read_text().splitlines()]
@@ -203,8 +202,8 @@ def test_killed_before_its_first_save_restarts_afresh_and_counts_the_lost_time(c
         assert r["goodput"] == pytest.approx(r["time_productive_s"] / r["time_total_s"], rel=1e-9)
     assert last["time_productive_s"] >= sum(r["step_time_s"] for r in recs) * (1 - 1e-9)
     assert last["time_checkpoint_s"] > 0 and last["time_eval_s"] > 0 and last["time_startup_s"] > 0
-    assert _state(run_dir)["goodput"]["starts"] == 2 and 0 < last["goodput"] < 1
-    summary = re.search(r"goodput (0\.\d+): productive ([\d.]+) s of ([\d.]+) s over 2 starts \(start-up", text)
+    assert _state(run_dir)["goodput"]["starts"] == 3 and 0 < last["goodput"] < 1
+    summary = re.search(r"goodput (0\.\d+): productive ([\d.]+) s of ([\d.]+) s over 3 starts \(start-up", text)
     assert summary and float(summary[1]) == pytest.approx(last["goodput"], abs=0.05), text[-2000:]
 
 
@@ -255,35 +254,38 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["sigkill_train", "sigterm_train"])
-def test_fault_during_a_background_write(cpu4_reference, tmp_path, fault):
-    """The writer of step 4's checkpoint on rank 0 is held until step 6 starts, and rank 0 gets the
-    fault then. kill -9: latest stays step 2's checkpoint, step 4's is only ``.partial`` (its writer
-    dies with the rank); SIGTERM: step 4's checkpoint is committed, then step 6's, the requeue marker
-    says 6 and nothing is left ``.partial``. The
-    same command again resumes and equals the uninterrupted run bitwise."""
+def test_faults_during_a_background_write(cpu4_reference, tmp_path):
+    """The writer of step 4's checkpoint on rank 0 is held until step 6 starts, and rank 0 gets a fault
+    then; two faults in one run dir. kill -9: latest stays step 2's checkpoint, step 4's is only
+    ``.partial`` (its writer dies with the rank). The same command resumes from step 2, its writer of step
+    4's checkpoint held again until step 6, and rank 0 gets SIGTERM then: step 4's checkpoint is
+    committed, then step 6's, the requeue marker says 6 and nothing is left ``.partial``. The same
+    command again resumes and equals the uninterrupted run bitwise.
+
+    (One run dir for both faults: every start of a cpu4 run costs each rank its set-up.)"""
     _, ref = cpu4_reference
     run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
     args = [*CPU4, "train.iters=8", *ASYNC]
     run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
-                env={"K2_FAULT": f"{fault}:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)})
-    ckpts = run_dir / "checkpoints"
-    if fault == "sigkill_train":
-        assert _latest(run_dir) == "iter_0000002"
-        assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
-        assert not any((ckpts / "iter_0000004.partial").glob("k2_*"))  # never committed
-    else:
-        assert _latest(run_dir) == "iter_0000006" and (ckpts / "iter_0000004").is_dir()
-        assert _state(run_dir)["step"] == 6  # (the periodic save of step 6 serves the preemption)
-        assert (run_dir / "requeue").read_text().strip() == "6"
-        assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
+                env={"K2_FAULT": "sigkill_train:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)})
+    assert _latest(run_dir) == "iter_0000002"
+    assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
+    assert not any((ckpts / "iter_0000004.partial").glob("k2_*"))  # never committed
+    # (fault_train.py counts the steps of its own process: resumed from step 2, its step 2 is step 4)
+    run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
+                env={"K2_FAULT": "sigterm_train:4:0", "K2_HOLD_WRITER": "2:0", "K2_TEST_OUT": str(tmp_path)})
+    assert _latest(run_dir) == "iter_0000006" and (ckpts / "iter_0000004").is_dir()
+    assert _state(run_dir)["step"] == 6  # (the periodic save of step 6 serves the preemption)
+    assert (run_dir / "requeue").read_text().strip() == "6"
+    assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
     recs = run_trainer(args, 4, run_dir)
     _assert_same_steps(recs, ref, range(1, 9))
     assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
-    # goodput: the killed start's steps after step 2 (3..5 or 6) were computed twice
-    moved = run_dir / "metrics.replayed.jsonl"
-    again = [json.loads(x) for x in moved.read_text().splitlines()] if moved.exists() else []
-    assert [r["step"] for r in again] == ([3, 4, 5] if fault == "sigkill_train" else [])
+    # goodput: the killed start's steps after step 2 (3..5) were computed twice; the SIGTERM's save
+    # left nothing to compute again
+    again = [json.loads(x) for x in (run_dir / "metrics.replayed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [3, 4, 5]
     assert recs[-1]["time_replayed_s"] == pytest.approx(sum(r["step_time_s"] for r in again), rel=1e-9)
     assert recs[-1]["time_lost_s"] >= 0
 

@@ -1,7 +1,8 @@
 """A real Slurm, not a mock: a one-node slurmctld + slurmd on localhost (tests/support/slurm_local.py),
 the rendered slurm pretrain script submitted with ``k2-submit`` (sbatch), requeued mid-run with
 ``scontrol requeue`` (SIGTERM to every process of the step, wandb's service included), with wandb in its
-default offline mode; the job must finish with the same losses as an uninterrupted run, bit for bit.
+default offline mode, after an earlier start of the same job was SIGKILLed before its first checkpoint; the
+job must finish with the same losses as an uninterrupted run, bit for bit.
 (Slurm's own time-limit notice, ``--signal=USR1@N``, saving and requeueing a job:
 tests/integration/test_slurm_two_nodes.py.)
 
@@ -55,16 +56,38 @@ def _submit(slurm, job_args: list, run_dir) -> str:
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().splitlines()[0]
 
-def _requeue_and_finish(slurm, job: str, log) -> None:
-    """Requeue ``job``, start it again at once, and wait (600 s at most) until it has ended."""
+def _requeue_and_start(slurm, job: str, restarts: int, log) -> None:
+    """Requeue ``job`` (its ``restarts``-th restart) and start it again at once."""
     slurm.scontrol("requeue", job)
-    slurm.restart_now(job, 1, log)
-    _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
-          lambda: f"job {job} to finish: {log()}", every=1)
+    slurm.restart_now(job, restarts, log)
 
-def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_path, stdlib_corpus):
+
+def _kill_run(run_dir) -> None:
+    """SIGKILL every process of the run in ``run_dir`` (k2-train and its ranks), as when a node is lost."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if f"run.dir={run_dir}" in " ".join(proc.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+def test_sbatch_job_killed_before_its_first_save_then_requeued_mid_run_has_the_uninterrupted_loss(
+        slurm, tmp_path, stdlib_corpus):
+    """One job through two faults, against an uninterrupted run:
+
+    * every process of the job gets SIGKILL (a node lost) after its first step and before its first
+      checkpoint (``train.save_interval=8``: the only periodic save is the last step's); the job,
+      requeued, starts the run afresh in the same run dir (it is not refused for holding metrics without
+      a checkpoint);
+    * then it is requeued mid-run with ``scontrol requeue`` (SIGTERM to every process of the step,
+      wandb's service included): the ranks save the step in progress and exit 42, and the job resumes
+      from that checkpoint without re-running a step;
+    * it finishes with the losses of the uninterrupted run, bit for bit, and counts the steps the kill
+      threw away as replayed time.
+
+    (One job for both faults: each start of the job costs every rank a fresh interpreter.)"""
     run_dir = tmp_path / "run"
-    job = _submit(slurm, JOB, run_dir)
+    job_args = [*[x for x in JOB if not x.startswith("train.save_interval")], "train.save_interval=8"]
+    job = _submit(slurm, job_args, run_dir)
     metrics = run_dir / "metrics.jsonl"
 
     def steps_logged() -> int:
@@ -75,18 +98,30 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
         return f.read_text()[-tail:] if f.exists() else "(no log)"
 
     try:
-        _wait(lambda: steps_logged() >= 3, 300, lambda: f"step 3 of job {job}: {log()}")
-        _requeue_and_finish(slurm, job, log)  # every process of the step gets SIGTERM: the ranks save, exit 42
+        _wait(lambda: steps_logged() >= 1, 300, lambda: f"step 1 of job {job}: {log()}")
+        _kill_run(run_dir)
+        _wait(lambda: slurm.job_field(job, "JobState") not in ("RUNNING", "COMPLETING"), 120,
+              lambda: f"job {job} to die: {log()}", every=0.5)
+        assert not (run_dir / "checkpoints" / "latest").exists(), "killed after its first save: retry"
+        _requeue_and_start(slurm, job, 1, log)
+        # (the restart sets the killed run's records aside before it says so: metrics.jsonl is then its own)
+        _wait(lambda: "killed before its first checkpoint" in log(tail=10**7) and steps_logged() >= 3, 300,
+              lambda: f"step 3 of job {job} after its fresh start: {log()}")
+        _requeue_and_start(slurm, job, 2, log)  # every process of the step gets SIGTERM: the ranks save, exit 42
+        _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
+              lambda: f"job {job} to finish: {log()}", every=1)
     finally:
         if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
             subprocess.run(["scancel", job], env=slurm.env)
     assert slurm.job_field(job, "JobState") == "COMPLETED", log() + slurm.diagnose(job)
-    assert slurm.job_field(job, "Restarts") == "1", log()
+    assert slurm.job_field(job, "Restarts") == "2", log()
     assert slurm.job_field(job, "Comment") == "k2-slurm-options" and slurm.job_field(job, "CPUs/Task") == "1"
     script = (run_dir / "pretrain.sbatch").read_text().splitlines()
     assert {"#SBATCH --mem=0", "#SBATCH --cpus-per-task=1"} <= set(script), script
     out = log(tail=10**7)
-    assert "restart 0" in out and "restart 1" in out and f"resumed from {run_dir / 'checkpoints'}" in out, out[-4000:]
+    assert all(f"restart {n}" in out for n in range(3)), out[-4000:]
+    assert "killed before its first checkpoint" in out, out[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints'}" in out, out[-4000:]
     # the SIGTERM of the requeue was turned into a checkpoint of the step in progress, so nothing was
     # re-run after the restart; wandb dying of the step's SIGTERM cost nothing
     assert "SIGTERM received" in out and out.count("preempted: signal") == 1, out[-4000:]
@@ -94,9 +129,10 @@ def test_sbatch_requeue_mid_run_finishes_with_the_uninterrupted_loss(slurm, tmp_
 
     recs = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 9))
-    ref = run_trainer([x for x in JOB if not x.startswith(("cluster.", "submit."))], 2, tmp_path / "ref")
+    ref = run_trainer([x for x in job_args if not x.startswith(("cluster.", "submit."))], 2, tmp_path / "ref")
     assert [(r["loss"], r["grad_norm"]) for r in recs] == [(r["loss"], r["grad_norm"]) for r in ref]
     assert json.loads((run_dir / "checkpoints" / "iter_0000008" / "k2_state.json").read_text())["step"] == 8
+    assert recs[-1]["time_replayed_s"] > 0 and recs[-1]["goodput"] < 1
 
 
 def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdlib_corpus):
@@ -124,40 +160,3 @@ def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdli
     again = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.strip() == "", again.stdout + again.stderr
     assert again.stderr.count("finished, not submitted") == 2
-
-
-def test_job_killed_before_its_first_save_restarts_afresh_when_requeued(slurm, tmp_path, stdlib_corpus):
-    """Every process of the job gets SIGKILL (a node lost) after its first step and before its first
-    checkpoint; the job, requeued, starts the run afresh in the same run dir (it is not refused for
-    holding metrics without a checkpoint) and finishes with the losses of an uninterrupted run."""
-    run_dir = tmp_path / "run"
-    # one save, at the end: the kill lands before it
-    job_args = [*[x for x in JOB if not x.startswith("train.save_interval")], "train.save_interval=8"]
-    job = _submit(slurm, job_args, run_dir)
-    metrics = run_dir / "metrics.jsonl"
-
-    def log(tail: int = 4000) -> str:
-        f = run_dir / f"slurm-{job}.out"
-        return f.read_text()[-tail:] if f.exists() else "(no log)"
-
-    try:
-        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1, 300,
-              lambda: f"step 1 of job {job}: {log()}")
-        for proc in psutil.process_iter(["cmdline"]):  # k2-train and its ranks: this run's processes
-            if f"run.dir={run_dir}" in " ".join(proc.info["cmdline"] or ()):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.kill()
-        _wait(lambda: slurm.job_field(job, "JobState") not in ("RUNNING", "COMPLETING"), 120,
-              lambda: f"job {job} to die: {log()}", every=0.5)
-        assert not (run_dir / "checkpoints" / "latest").exists(), "killed after its first save: retry"
-        _requeue_and_finish(slurm, job, log)
-    finally:
-        if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
-            subprocess.run(["scancel", job], env=slurm.env)
-    assert slurm.job_field(job, "JobState") == "COMPLETED", log() + slurm.diagnose(job)
-    assert "killed before its first checkpoint" in log(tail=10**7), log()
-    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [r["step"] for r in recs] == list(range(1, 9))
-    ref = run_trainer([x for x in job_args if not x.startswith(("cluster.", "submit."))], 2, tmp_path / "ref")
-    assert [(r["loss"], r["grad_norm"]) for r in recs] == [(r["loss"], r["grad_norm"]) for r in ref]
-    assert recs[-1]["time_replayed_s"] > 0 and recs[-1]["goodput"] < 1

@@ -244,13 +244,20 @@ def test_a_node_that_never_starts_fails_the_rendezvous_naming_it(two_nodes, tmp_
 def test_the_time_limit_notice_saves_and_requeues(two_nodes, tmp_path):
     """Slurm's own ``--signal=USR1@N`` (not scancel): a one-rank job with a 3-minute limit and the notice
     90 s before it (Slurm sends it up to a minute early) is still training when the notice comes; the rank
-    saves the step in progress, exits 42 and the script requeues the job, before the limit would kill it."""
+    saves the step in progress, exits 42 and the script requeues the job, before the limit would kill it.
+    (Each step of the job first sleeps 2 s, tests/support/scripts/slow_steps_train.py: the minute or two
+    until the notice costs a fraction of the CPU of steps back to back.)"""
     limit_min, notice_s = 3, 90
+    python = tmp_path / "python"  # submit.python: k2.launcher.train's steps through slow_steps_train.py
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = k2.launcher.train ]; then shift 2; '
+                      f'exec {sys.executable} {REPO / "tests/support/scripts/slow_steps_train.py"} "$@"; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     long_run = ["parallel=single", "schedule.phases.1.until_tokens=20_000_000", "schedule.phases.2.until_tokens=30_000_000",
                 "train.save_interval=null",
                 "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled", "cluster.nodes=1",
                 "cluster.gpus_per_node=1", "submit.request_gpus=false", f"submit.time={limit_min}",
-                f"submit.signal_seconds={notice_s}"]
+                f"submit.signal_seconds={notice_s}", f"submit.python={python}"]
     job = Job(two_nodes, tmp_path / "run", long_run)
     try:
         wait_for(lambda: job.cluster.job_field(job.id, "Restarts") == "1", limit_min * 60 + 60,
