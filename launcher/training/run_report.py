@@ -139,12 +139,12 @@ def draw_figures(series: dict, boundaries: list, tau: Optional[float]) -> dict:
             ax.plot(xs, ys, marker="o" if k == "val_loss" else None, ms=3, lw=1.2, label=label)
         if name == "max_logit" and tau is not None:
             ax.axhline(tau, color="red", ls="--", lw=1, label=f"QK-Clip tau = {tau:g}")
+        handles = []
         if name == "throughput" and "mfu" in series:
             ax2 = ax.twinx()
-            ax2.plot(*[[100 * y for y in v] if i else v for i, v in enumerate(series["mfu"])], color="C1",
-                     lw=1, label="MFU")
+            handles = ax2.plot(*[[100 * y for y in v] if i else v for i, v in enumerate(series["mfu"])],
+                               color="C1", lw=1, label="MFU")
             ax2.set_ylabel("MFU (%)")
-            ax2.legend(loc="lower right", fontsize=8)
         for x, phase in boundaries:
             ax.axvline(x, color="gray", ls=":", lw=0.8)
             ax.annotate(phase, (x, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
@@ -154,7 +154,10 @@ def draw_figures(series: dict, boundaries: list, tau: Optional[float]) -> dict:
         ax.set_xlabel("tokens")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.legend(loc="upper right", fontsize=8)
+        # one legend below the axes: inside them it covered the phase names at the top and the curves
+        lines = ax.get_legend_handles_labels()[0] + handles
+        ax.legend(handles=lines, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(lines), 4),
+                  fontsize=8, frameon=False)
         fig.tight_layout()
         figs[name] = fig
     return figs

@@ -86,3 +86,23 @@ def test_cli(run_dir, capsys, tmp_path):
                               "dir (or no step logged yet)\n"
     rc, out, _ = run_tool(capsys, report_entry.main, [str(run_dir), str(tmp_path / "pngs")])
     assert rc == 0 and out.startswith(f"k2-report: {run_dir}") and (tmp_path / "pngs" / "loss.png").exists()
+
+
+def test_legend_covers_no_phase_name_and_no_curve(run_dir):
+    """The legend sits below the axes: its box overlaps neither the axes (curves, the phase names at
+    their top) nor the x axis label, and it names every line (MFU's too, from its second axis)."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]]
+    for r in recs:
+        r["mfu"] = 0.3 if r["step"] else None
+    figs = draw_figures(run_series(recs), phase_boundaries(recs), 12.5)
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not legend.overlaps(ax.get_window_extent(renderer)), name
+        assert not legend.overlaps(ax.xaxis.label.get_window_extent(renderer)), name
+        assert all(not legend.overlaps(t.get_window_extent(renderer)) for t in ax.texts), name
+        assert fig.get_window_extent(renderer).contains(legend.x0, legend.y0), name  # not cut off
+    labels = [t.get_text() for t in figs["throughput"].axes[0].get_legend().get_texts()]
+    assert labels[-1] == "MFU" and len(labels) == 2
