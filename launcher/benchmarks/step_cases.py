@@ -62,6 +62,8 @@ class Case:
         self._unlink = unlink
         self.optimizer_s = 0.0
         self.features: Optional[dict] = None  # K2 cases: built_features
+        self.model: Optional[list] = None  # K2 cases: the DDP-wrapped model chunks
+        self.optimizer = None  # K2 cases: the optimizer
 
     def step(self) -> None:
         self.metered_step(None)
@@ -78,6 +80,7 @@ class Case:
         if self._unlink is not None:
             self._unlink()
         self._step = self._unlink = None
+        self.model = self.optimizer = None
 
 
 def build_baseline(o: dict, base: list[str], device) -> Case:
@@ -193,6 +196,7 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
 
     case = Case(step, lambda: _unlink(chunks, tcfg))
     case.features = built_features(chunks, optimizer, clip)
+    case.model, case.optimizer = model, optimizer
     return case
 
 
