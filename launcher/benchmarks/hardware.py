@@ -7,13 +7,15 @@ other load on a shared machine), on the device the trainer would use
 
 * GEMM rate by shape (``[m, k] x [k, n]``, the compute dtype: BF16 on CUDA, FP32 on the CPU): a large
   square one (the ceiling: ``gemm_bf16_tflops`` on CUDA) and the shapes of the main job's model (on a CPU
-  their median is ``gemm_fp32_tflops``: a CPU's rate varies with the shape in ways tiles do not model);
+  ``gemm_fp32_tflops`` is the rate of one microbatch's own GEMMs run alone, below; their median without
+  it: a CPU's rate varies with the shape in ways tiles do not model);
 * batched GEMMs at core attention's shapes (``attention_tflops``);
 * memory bandwidth: a copy of a large tensor, bytes read + written (``memory_gbps``, efficiency 1);
 * the cost one operator adds (``kernel_launch_us``): on a CPU, forward + backward of one MoE transformer
   layer of the main job's model as ``k2-train`` builds it, its time beyond its GEMMs over its operators
   counted with torch's dispatch mode (:mod:`k2.launcher.benchmarks.operator_cost`; the word embedding, the
-  loss and the optimizer step are measured alike: ``operator_us``); on CUDA a chain of small
+  loss and the optimizer step are measured alike: ``operator_us``; and one and two microbatches through
+  megatron's schedule: the schedule's own cost per microbatch and per step); on CUDA a chain of small
   element-wise operators under autograd (the launch and its bookkeeping);
 * the collective bandwidths of the backend in use between ``ranks`` local processes (gloo on a CPU, NCCL
   with as many GPUs): all-gather, reduce-scatter (ring bus bandwidth), point-to-point send and its
@@ -121,20 +123,19 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
             rates = KernelRates(gemm_flops=rate * 1e12, attention_flops=min(attention, rate) * 1e12,
                                 memory_bytes=memory_gbps * 1e9)
             ops = measure_operator_cost(rates, repeats, case=operator_case)
-            launch_us = ops["moe_layer"]["per_op_us"]
     finally:
         torch.set_num_threads(old)
     name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
     out = {"gpu": name, "kernel_launch_us": launch_us, "memory_gbps": memory_gbps, "memory_efficiency": 1.0,
            "attention_tflops": attention, "gemm_by_shape": by_shape}
-    if ops is not None:
-        out["operator_cost"] = ops
-        out["operator_us"] = operator_us(ops)
     if cuda:
         out.update(gemm_bf16_tflops=ceiling)
     else:
         out.update(gemm_fp32_tflops=rate, gemm_bf16_tflops=rate, gemm_ceiling_tflops=ceiling, gemm_tile=1,
                    compute_units=None)
+    if ops is not None:
+        out["operator_cost"] = ops
+        out.update(operator_profile_keys(ops))
     return out
 
 
@@ -143,6 +144,20 @@ def operator_us(ops: dict[str, Any]) -> dict[str, float]:
     (:func:`k2.launcher.benchmarks.operator_cost.measure_operator_cost`)."""
     return {"embedding": ops["embedding"]["per_op_us"], "loss": ops["head"]["per_op_us"],
             "optimizer": ops["optimizer"]["per_op_us"]}
+
+
+def operator_profile_keys(ops: dict[str, Any]) -> dict[str, Any]:
+    """The profile keys the measured operator figures set: ``kernel_launch_us`` (one MoE layer's cost per
+    operator), ``operator_us``, the schedule's ``microbatch_overhead_us`` / ``step_overhead_us`` and the
+    GEMM rate of one microbatch's own GEMMs run alone (``gemm_fp32_tflops`` / ``gemm_bf16_tflops``)."""
+    moe, sched = ops["moe_layer"], ops["schedule"]
+    weights = {"moe_layer": sched["moe_layers"], "dense_layer": sched["dense_layers"], "embedding": 1, "head": 1}
+    rate = (sum(n * ops[p]["gemm_flops"] for p, n in weights.items())
+            / sum(n * ops[p]["gemm_s"] for p, n in weights.items()) / 1e12)
+    return {"kernel_launch_us": moe["per_op_us"], "operator_us": operator_us(ops),
+            "gemm_fp32_tflops": rate, "gemm_bf16_tflops": rate,
+            "microbatch_overhead_us": ops["schedule"]["microbatch_us"],
+            "step_overhead_us": ops["schedule"]["step_us"]}
 
 
 def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: int, q) -> None:

@@ -12,18 +12,23 @@ seq_length=128`` tokens):
 * ``dense_layer``: the same of the first (dense) layer;
 * ``embedding``: the word embedding's forward + backward;
 * ``head``: the final RMSNorm, the output layer and the cross-entropy loss, forward + backward;
-* ``optimizer``: one optimizer step (megatron's distributed optimizer over torch's AdamW; no backward).
+* ``optimizer``: one optimizer step (megatron's distributed optimizer over torch's AdamW; no backward);
+* ``schedule_1`` / ``schedule_3``: one and three microbatches through megatron's schedule (the trainer's
+  forward-step and loss functions, megatron's backward step and gradient finalisation): their time
+  beyond the parts' gives the schedule's own cost per microbatch (``(schedule_3 - schedule_1) / 2`` less
+  one microbatch of parts) and per step (``schedule_1`` less one microbatch of parts and that).
 
 Each part's aten operators are counted once with torch's dispatch mode (``TorchDispatchMode``: every
 operator that reaches the dispatcher, views included), forward and backward apart; its GEMMs' shapes
 and its other operators' tensor bytes are recorded. Each part is then timed ``repeats`` times, the parts
 in turn (round-robin: a change of the machine's load hits all alike), and its fastest run kept (as
 ``bench=hardware``'s other figures: the machine's capability, least disturbed by other load; the median
-is kept beside it). The cost per
-operator is what the part's time leaves after the step-time model's own price of its GEMMs (at the
-measured GEMM rate, :func:`k2.model.kernels.gemm_seconds` without the launch), over its counted
-operators: the dispatch, the module code around the operator and, at this size, its memory traffic (the
-other operators' bytes at the measured memory bandwidth, ``bytes_s``, are printed: a few percent here).
+is kept beside it). The part's recorded GEMMs are then run alone at their shapes (``gemm_s``; one microbatch's GEMM
+FLOPs over their ``gemm_s``, the layers, the embedding and the head together, is the profile's CPU GEMM
+rate: the rate at the job's own shapes and mix).
+The cost per operator is what the part's time leaves after its GEMMs, over its counted operators: the
+dispatch, the module code around the operator and, at this size, its memory traffic (the other
+operators' bytes at the measured memory bandwidth, ``bytes_s``, are printed: a few percent here).
 
 torch has no per-operator cost figure of its own; the profiler's per-operator self time excludes the
 Python module code between operators, which is what dominates here, hence this measurement.
@@ -33,12 +38,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from k2.model.kernels import KernelRates, gemm_seconds
 
 #: the parts measured (module docstring)
 PARTS = ("moe_layer", "dense_layer", "embedding", "head", "optimizer")
+_PRICED = PARTS  # the parts whose GEMMs are timed alone (not the schedule runs: their GEMMs are the parts')
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm")
 
 
@@ -115,7 +122,30 @@ def _parts(case, seq_length: int, micro_batch_size: int) -> dict[str, tuple[Call
         return loss_func(mask, gpt.compute_language_model_loss(labels, logits))[0]
 
     return {"moe_layer": (layer_fwd(moe), None), "dense_layer": (layer_fwd(dense), None),
-            "embedding": (embedding, None), "head": (head, None), "optimizer": (None, case.optimizer.step)}
+            "embedding": (embedding, None), "head": (head, None), "optimizer": (None, case.optimizer.step),
+            "schedule_1": (None, lambda: case.schedule(1)), "schedule_3": (None, lambda: case.schedule(3))}
+
+
+def _gemm_seconds(gemms: list, repeats: int, sync) -> tuple[float, float]:
+    """FLOPs and seconds of the recorded GEMMs ``(m, k, n, batch)`` each run alone at its shape (the
+    fastest of ``repeats`` after one untimed): what the part's GEMMs cost at this machine's rate."""
+    import torch
+
+    flops = seconds = 0.0
+    for (m, k, n, b), count in Counter(gemms).items():
+        x, y = torch.randn(b, m, k), torch.randn(b, k, n)
+        fn = (lambda: torch.bmm(x, y)) if b > 1 else (lambda: torch.mm(x[0], y[0]))
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t)
+        flops += count * 2.0 * b * m * k * n
+        seconds += count * best
+    return flops, seconds
 
 
 def _run(fwd, other) -> None:
@@ -129,16 +159,17 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
     """Each part's counted operators, time and cost per operator (module docstring).
 
     Args:
-        rates: the measured rates the arithmetic is priced at (``launch_s`` unused).
+        rates: the measured rates (``gemm_model_s``: the GEMMs at ``gemm_flops``; ``bytes_s``: at
+            ``memory_bytes``).
         repeats: timed runs per part (after one untimed).
         case: a built ``k2_tiny`` case (:func:`build_case`); None = build one here and release it.
         sync: the device's synchronisation (CUDA).
 
     Returns:
         per part: ``forward_ops``, ``backward_ops``, ``gemms`` (count), ``seconds`` (fastest run),
-        ``seconds_median``, ``gemm_s``
-        (the model's price of its GEMMs), ``bytes_s`` (its other operators' bytes at the memory rate) and
-        ``per_op_us``.
+        ``seconds_median``, ``gemm_flops`` and ``gemm_s`` (its GEMMs run alone), ``gemm_model_s`` (at
+        ``rates``), ``bytes_s`` (its other operators' bytes at the memory rate) and ``per_op_us``; and
+        ``schedule``: ``microbatch_us``, ``step_us`` (the schedule's own cost), ``parts_per_microbatch_s``.
     """
     import dataclasses
 
@@ -158,9 +189,10 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
             if fwd is not None:
                 with counter:
                     loss.backward()
+            flops, alone = _gemm_seconds(counter.gemms, repeats, sync) if name in _PRICED else (0.0, 0.0)
             out[name] = {"forward_ops": forward_ops, "backward_ops": counter.ops - forward_ops,
-                         "gemms": len(counter.gemms),
-                         "gemm_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
+                         "gemms": len(counter.gemms), "gemm_flops": flops, "gemm_s": alone,
+                         "gemm_model_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
                          "bytes_s": counter.nbytes / rates.memory_bytes}
         samples: dict[str, list[float]] = {n: [] for n in parts}
         for _ in range(repeats):
@@ -172,7 +204,20 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
                 samples[name].append(time.perf_counter() - t)
         for m in case.model:
             m.zero_grad_buffer()
+        gpt = case.model[0].module
+        while not hasattr(gpt, "decoder"):
+            gpt = gpt.module
+        kinds = ["MoE" in type(layer.mlp).__name__ for layer in gpt.decoder.layers]
+        parts_s = (sum(kinds) * min(samples["moe_layer"]) + (len(kinds) - sum(kinds)) * min(samples["dense_layer"])
+                   + min(samples["embedding"]) + min(samples["head"]))
+        one, three = min(samples["schedule_1"]), min(samples["schedule_3"])
+        per_mb = max((three - one) / 2 - parts_s, 0.0)
+        out["schedule"] = {"microbatch_us": per_mb * 1e6, "step_us": max(one - parts_s - per_mb, 0.0) * 1e6,
+                           "parts_per_microbatch_s": parts_s, "moe_layers": sum(kinds),
+                           "dense_layers": len(kinds) - sum(kinds)}
         for name, row in out.items():
+            if name == "schedule":
+                continue
             row["seconds"] = min(samples[name])
             row["seconds_median"] = statistics.median(samples[name])
             ops = row["forward_ops"] + row["backward_ops"]

@@ -39,7 +39,7 @@ from typing import Any
 from k2.config.load import load_config
 from k2.launcher.benchmarks import pipeline as trainer_runs
 from k2.launcher.benchmarks.common import bench_options, check_minimums
-from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, operator_us, write_profile
+from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, operator_profile_keys, write_profile
 from k2.launcher.benchmarks.operator_cost import OperatorRanks
 from k2.model.kernels import KernelRates
 from k2.schedules.pipeline import read_trace
@@ -62,10 +62,10 @@ def _device_profile(name: str, threads: int, repeats: int, ranks: OperatorRanks,
                         attention_flops=min(dev["attention_tflops"], dev["gemm_fp32_tflops"]) * 1e12,
                         memory_bytes=dev["memory_gbps"] * 1e9)
     dev["operator_cost"] = ranks.measure(_CONFIGS[name], threads, rates, repeats)
-    dev["kernel_launch_us"] = dev["operator_cost"]["moe_layer"]["per_op_us"]
-    dev["operator_us"] = operator_us(dev["operator_cost"])
+    dev.update(operator_profile_keys(dev["operator_cost"]))
+    dev["peak_bf16_tflops"] = dev["gemm_bf16_tflops"]
     prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
-    prof.update(name=f"measured-{name}", gpus_per_node=_CONFIGS[name], peak_bf16_tflops=dev["gemm_bf16_tflops"],
+    prof.update(name=f"measured-{name}", gpus_per_node=_CONFIGS[name],
                 host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
                 network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
                 sources={"measured": f"k2-bench bench=perf_model, {threads} threads per rank, the median of "
@@ -142,6 +142,9 @@ def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
              "head": ("loss", 0)}
     rows = {}
     for part, row in single.items():
+        if part == "schedule":
+            rows[part] = {f"{k}_single": v for k, v in row.items()} | {f"{k}_pp2": v for k, v in pp2[part].items()}
+            continue
         out = {"counted_ops": row["forward_ops"] + row["backward_ops"]}
         if part in kinds:
             out["modelled_ops"] = sum(modelled_operators(model, *kinds[part]))

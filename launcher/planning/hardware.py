@@ -47,6 +47,10 @@ class HardwareProfile:
         operator_us: per part (``embedding``, ``loss``, ``optimizer``) the cost of one of its operators
             where measured apart (a CPU profile: its operators move whole vocabulary-sized or parameter-
             sized tensors); a part not named costs ``kernel_launch_us``.
+        microbatch_overhead_us, step_overhead_us: the training schedule's own work beyond the model's
+            operators, per microbatch and virtual stage and per step (a measured CPU profile: megatron's
+            forward_backward, the trainer's forward-step and loss functions, gradient finalisation;
+            GPU profiles: 0, hidden behind the kernels).
         gemm_tile, compute_units: tile edge and SM count for tile / wave quantization (1 / None: off).
         nvlink_gbps, nvlink_alltoall_gbps, nvlink_collective_gbps: intra-node link peak per direction and
             what an all-to-all and a ring collective achieve on it, per GPU.
@@ -85,6 +89,8 @@ class HardwareProfile:
     intra_latency_us: float
     sources: dict
     operator_us: dict = field(default_factory=dict)
+    microbatch_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
 
     def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
         """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
@@ -152,6 +158,8 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
         intra_latency_us=float(get("intra_latency_us", 0.0)),
         sources=dict(get("sources") or {}),
         operator_us={str(k): float(v) for k, v in (get("operator_us") or {}).items()},
+        microbatch_overhead_us=float(get("microbatch_overhead_us", 0.0)),
+        step_overhead_us=float(get("step_overhead_us", 0.0)),
     )
 
 

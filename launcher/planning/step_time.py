@@ -29,6 +29,8 @@ Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
   back during the backward on a copy stream (its own engine and PCIe path); only what exceeds the pass's
   time (compute and all-to-alls) is exposed.
+* **The schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
+  trainer's step functions beyond the model's operators, per microbatch and virtual stage and per step.
 * **PP sends**: ``T x h`` activations per stage boundary, across nodes when PP ranks are on different nodes,
   as the simulator's ``p2p_time``.
 
@@ -65,7 +67,7 @@ from k2.schedules.pipeline_sim import simulate
 BACKWARD_BYTES_FACTOR = 1.5
 _DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
-TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload")
+TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
 
 
 @dataclass(frozen=True)
@@ -396,6 +398,10 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     cache: dict = {}
     kinds = [_stage_totals(model, dims.layout[r][v], dims.stage_has_loss(r, v), cache, dims.stage_has_embedding(r, v))
              for v in range(dims.vpp) for r in range(dims.pp)]
+    # the schedule's own work per microbatch and virtual stage (a measured CPU profile), half in each pass
+    for st in kinds:
+        for ph in ("F", "B"):
+            _add(st[ph], "schedule", profile.microbatch_overhead_us * 1e-6 / 2)
     # offloaded activations: out during F, back during B, hidden behind the pass's compute
     off = list(offload_bytes) if offload_bytes is not None else [0.0] * S
     for st, nbytes in zip(kinds, off):
@@ -455,7 +461,8 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     breakdown["optimizer"] = opt.newton_schulz + opt.update
     breakdown["muon_gather"] = opt.muon_gather
     breakdown["optimizer_offload"] = opt.offload
-    step = makespan + rs + ag + opt.total
+    breakdown["schedule"] += profile.step_overhead_us * 1e-6
+    step = makespan + rs + ag + opt.total + profile.step_overhead_us * 1e-6
     return StepTime(step_s=step, breakdown=breakdown, F=F, B=B, W=W, p2p_s=p2p, sim=sim, makespan=makespan,
                     recompute_s=breakdown["recompute"], what_if=wi.labels())
 

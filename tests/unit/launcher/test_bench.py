@@ -317,6 +317,13 @@ def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
         counted = (ops[part]["forward_ops"], ops[part]["backward_ops"])
         assert counted == modelled_operators(model, kind, experts), part
         assert ops[part]["seconds"] > 0
+    # a microbatch through megatron's schedule runs the parts' operators (3 MoE layers, 1 dense, embedding,
+    # head) and little else: the model's count per microbatch is the trainer's
+    runs = {"moe_layer": 3, "dense_layer": 1, "embedding": 1, "head": 1}
+    per_mb = sum(n * (ops[part]["forward_ops"] + ops[part]["backward_ops"]) for part, n in runs.items())
+    sched = (ops["schedule_3"]["forward_ops"] - ops["schedule_1"]["forward_ops"]) / 2
+    assert sched == pytest.approx(per_mb, rel=0.03)
+    assert p.microbatch_overhead_us >= 0 and p.step_overhead_us >= 0
     # k2_tiny's 98 parameter tensors; 2 operators fewer per tensor when the gradient norm is below the clip
     assert ops["optimizer"]["forward_ops"] in (unfused_operators(98), unfused_operators(98) - 2 * 98)
     rc = plan_main(["model=k2_tiny", "cluster.gpus_per_node=1", f"plan.hardware={out}", "output=json"])

@@ -126,7 +126,7 @@ def test_each_term_dropped_changes_the_step(k2):
     assert 0.2 < share <= 0.27 + 1e-9
 
 
-def _tiny_step(parallel: str, launch_us: float, world: int = 1, operator_us=None):
+def _tiny_step(parallel: str, launch_us: float, world: int = 1, operator_us=None, **overheads):
     """k2_tiny's main phase (8 microbatches of 2 x 128 tokens, FP32, sequential experts) on an H200 profile
     whose per-operator cost is ``launch_us`` and whose GEMMs have no tiles (a CPU-like profile)."""
     import dataclasses
@@ -137,7 +137,7 @@ def _tiny_step(parallel: str, launch_us: float, world: int = 1, operator_us=None
 
     cfg = load_config(["model=k2_tiny", f"parallel={parallel}"])
     prof = dataclasses.replace(load_profile("h200"), kernel_launch_us=launch_us, nongemm_share=0.0, gemm_tile=1,
-                               compute_units=None, operator_us=dict(operator_us or {}))
+                               compute_units=None, operator_us=dict(operator_us or {}), **overheads)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
     return stm.step_time(cfg, dims, count_params(cfg), flops_per_token(cfg.model, 128), tokens=256,
                          num_microbatches=8, profile=prof)
@@ -166,6 +166,10 @@ def test_the_model_charges_the_operators_the_trainers_step_runs():
     loss_ops = sum(opc.modelled_operators(model, "loss"))
     assert own.breakdown["optimizer"] - base.breakdown["optimizer"] == pytest.approx(-10e-6 * unfused_operators(98))
     assert own.step_s - base.step_s == pytest.approx(8 * loss_ops * 100e-6 - 10e-6 * unfused_operators(98), rel=1e-3)
+    # the schedule's own work: per microbatch and virtual stage, and once per step
+    sched = _tiny_step("single", 30.0, microbatch_overhead_us=1000.0, step_overhead_us=5000.0)
+    assert sched.breakdown["schedule"] == pytest.approx(8 * 1e-3 + 5e-3)
+    assert sched.step_s - base.step_s == pytest.approx(8 * 1e-3 + 5e-3)
     # pp2: the busiest rank charges its half of the layers, the other rank's wait is the bubble
     pp2 = _tiny_step("pp2", 30.0, world=2)
     assert pp2.breakdown["bubble"] > 0 and pp2.step_s < _tiny_step("single", 30.0).step_s
@@ -198,6 +202,11 @@ def test_published_runs_are_stated_and_compared():
         assert abs(r["error"]) < 0.4, r  # today's errors: docs/performance_model.md
         assert r["what_if"]
     assert rows["deepseek_v3_2048_h800"]["breakdown_s"]["ep_comm"] == 0
+    # DeepSeek-V3 published GPU-hours: its step is compared over the plan's expected goodput (< 1)
+    h800 = rows["deepseek_v3_2048_h800"]
+    assert h800["published_figure"] == "gpu_hours" and 0.9 < h800["goodput"] < 1
+    assert h800["predicted_step_s"] == pytest.approx(h800["step_s"] / h800["goodput"])
+    assert rows["deepseek_v3_1024_h100_megatron_fp8"]["goodput"] == 1
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["breakdown_s"]["ep_comm"] > 5
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["gpus"] == 1024
     assert "deepseek_v3_2048_h800" in format_published(list(rows.values()))
