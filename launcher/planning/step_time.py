@@ -45,7 +45,8 @@ the ``fsdp`` what-if overlaps them with compute), and the **optimizer step**
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
 them): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (DP traffic overlapped with compute), ``dualpipe``,
 ``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
-``node_limit`` (DeepSeek-V3's routing to at most M nodes).
+``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
+that many pipeline schedules, each with its own fill and drain).
 """
 
 from __future__ import annotations
@@ -80,16 +81,19 @@ class WhatIf:
     deepep: bool = False
     node_limit: int | None = None
     tp: int = 1
+    pipeline_flushes: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> "WhatIf":
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
         return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
-                   sel("node_limit", None), int(sel("tp", 1)))
+                   sel("node_limit", None), int(sel("tp", 1)),
+                   int(sel("pipeline_flushes", 1) or 1))
 
     def labels(self) -> list[str]:
         return [k for k in ("fp8_gemm", "fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
-            [f"tp{self.tp}"] if self.tp > 1 else [])
+            [f"tp{self.tp}"] if self.tp > 1 else []) + (
+            [f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else [])
 
 
 def tp_group_profile(profile: HardwareProfile, tp: int) -> HardwareProfile:
@@ -420,14 +424,17 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     world_span = dims.world_size // dims.pp
     # consecutive PP ranks are world / pp ranks apart: on other nodes once that is a node or more
     p2p = p2p_seconds(tokens * model.s["h"] * act_bytes, world_span >= profile.gpus_per_node, profile)
-    m = num_microbatches
+    # per pipeline flush (what-if pipeline_flushes; a flush keeps at least pp microbatches)
+    flushes = max(1, min(wi.pipeline_flushes, num_microbatches // dims.pp))
+    m = -(-num_microbatches // flushes)
     m_sim = m if max_microbatches is None or m <= max_microbatches else max(dims.pp, max_microbatches // dims.pp * dims.pp)
     sim = simulate(dims.pp, dims.vpp, m_sim, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
                    p2p_time=p2p if dims.pp > 1 else 0.0, activation_bytes=activation_bytes)
     period = [sum(F[v * dims.pp + r] + B[v * dims.pp + r] + W[v * dims.pp + r] for v in range(dims.vpp))
               for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: period[r])
-    makespan = sim.makespan + (m - m_sim) * period[busiest]
+    makespan = flushes * (sim.makespan + (m - m_sim) * period[busiest])
+    m = num_microbatches
     busy = m * period[busiest]
     if wi.dualpipe and dims.pp > 1:  # DualPipe's bubble (table 2): (PP/2 - 1)(F&B + B - 3W), B the full backward
         st = [v * dims.pp + busiest for v in range(dims.vpp)]

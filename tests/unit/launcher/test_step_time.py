@@ -207,6 +207,14 @@ def test_published_runs_are_stated_and_compared():
     assert h800["published_figure"] == "gpu_hours" and 0.9 < h800["goodput"] < 1
     assert h800["predicted_step_s"] == pytest.approx(h800["step_s"] / h800["goodput"])
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["goodput"] == 1
+    # AutoModel's 4 gradient-accumulation steps are 4 pipeline flushes: 4 fills and drains, not 1
+    from k2.launcher.planning.published import compare_run, published_runs
+
+    run = next(r for r in published_runs() if r["name"] == "deepseek_v3_1024_h100_automodel_bf16")
+    one_flush = compare_run(run, ["plan.what_if.pipeline_flushes=1"])
+    auto = rows["deepseek_v3_1024_h100_automodel_bf16"]
+    assert 3 < auto["breakdown_s"]["bubble"] / one_flush["breakdown_s"]["bubble"] < 5
+    assert "flushes4" in auto["what_if"]
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["breakdown_s"]["ep_comm"] > 5
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["gpus"] == 1024
     assert "deepseek_v3_2048_h800" in format_published(list(rows.values()))
