@@ -67,12 +67,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *, operators: bool = True,
-                   operator_case=None) -> dict[str, Any]:
+def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
+                   operators: bool = True) -> dict[str, Any]:
     """The single-device figures (module docstring) with ``threads`` CPU threads. Returns the profile
     keys it sets, ``gemm_by_shape`` (TFLOP/s per ``"m x k x n"``) and on a CPU ``operator_cost``
     (:func:`k2.launcher.benchmarks.operator_cost.measure_operator_cost`; ``operators=False``: the
-    element-wise chain instead, no model built; ``operator_case``: an already built case to measure)."""
+    element-wise chain instead, no model built)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -122,7 +122,7 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
 
             rates = KernelRates(gemm_flops=rate * 1e12, attention_flops=min(attention, rate) * 1e12,
                                 memory_bytes=memory_gbps * 1e9)
-            ops = measure_operator_cost(rates, repeats, case=operator_case)
+            ops = measure_operator_cost(rates, repeats)
     finally:
         torch.set_num_threads(old)
     name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
