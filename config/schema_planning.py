@@ -43,6 +43,9 @@ class WhatIfConfig:
     dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
     deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
     node_limit: Optional[int] = None  # node-limited routing: a token goes to at most this many nodes
+    # gradient accumulation over this many pipeline schedules per step, each a full flush (fill and drain)
+    # of num_microbatches / pipeline_flushes microbatches (torch pipelining's schedule.step() per local batch)
+    pipeline_flushes: int = 1
     # tensor parallelism of a published run: each planned GPU stands for a TP group of this many GPUs (rates
     # and links x tp, sequence-parallel gathers per layer; plan it with cluster.gpus_per_node / tp)
     tp: int = 1

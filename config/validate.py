@@ -305,6 +305,8 @@ def check_plan(p) -> None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
     _require(p.what_if.tp >= 1, "plan.what_if.tp", p.what_if.tp, "an integer >= 1")
+    _require(p.what_if.pipeline_flushes >= 1, "plan.what_if.pipeline_flushes", p.what_if.pipeline_flushes,
+             "an integer >= 1")
     if p.what_if.node_limit is not None:
         _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
 

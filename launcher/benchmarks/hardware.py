@@ -7,11 +7,16 @@ other load on a shared machine), on the device the trainer would use
 
 * GEMM rate by shape (``[m, k] x [k, n]``, the compute dtype: BF16 on CUDA, FP32 on the CPU): a large
   square one (the ceiling: ``gemm_bf16_tflops`` on CUDA) and the shapes of the main job's model (on a CPU
-  their median is ``gemm_fp32_tflops``: a CPU's rate varies with the shape in ways tiles do not model);
+  ``gemm_fp32_tflops`` is the rate of one microbatch's own GEMMs run alone, below; their median without
+  it: a CPU's rate varies with the shape in ways tiles do not model);
 * batched GEMMs at core attention's shapes (``attention_tflops``);
 * memory bandwidth: a copy of a large tensor, bytes read + written (``memory_gbps``, efficiency 1);
-* the cost one operator adds: a chain of small element-wise operators run forward and backward under
-  autograd, per operator and pass (``kernel_launch_us``: on a CPU the dispatch and autograd bookkeeping);
+* the cost one operator adds (``kernel_launch_us``): on a CPU, forward + backward of one MoE transformer
+  layer of the main job's model as ``k2-train`` builds it, its time beyond its GEMMs over its operators
+  counted with torch's dispatch mode (:mod:`k2.launcher.benchmarks.operator_cost`; the word embedding, the
+  loss and the optimizer step are measured alike: ``operator_us``; and one and two microbatches through
+  megatron's schedule: the schedule's own cost per microbatch and per step); on CUDA a chain of small
+  element-wise operators under autograd (the launch and its bookkeeping);
 * the collective bandwidths of the backend in use between ``ranks`` local processes (gloo on a CPU, NCCL
   with as many GPUs): all-gather, reduce-scatter (ring bus bandwidth), point-to-point send and its
   small-message latency; all of one machine, so the intra-node and the network figures are the same.
@@ -36,6 +41,7 @@ _DEFAULTS = {
     "out": "",  # write the profile here (YAML); "" = print it only
     "name": "",  # the profile's name; "" = derived from the device
     "gemm_size": 0,  # edge of the square ceiling GEMM; 0 = auto: 8192 on CUDA, 1024 on the CPU
+    "operators": True,  # CPU: the per-operator cost on the main job's MoE layer (false: a bare autograd chain)
 }
 
 
@@ -61,9 +67,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=()) -> dict[str, Any]:
+def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
+                   operators: bool = True) -> dict[str, Any]:
     """The single-device figures (module docstring) with ``threads`` CPU threads. Returns the profile
-    keys it sets and ``gemm_by_shape`` (TFLOP/s per ``"m x k x n"``)."""
+    keys it sets, ``gemm_by_shape`` (TFLOP/s per ``"m x k x n"``) and on a CPU ``operator_cost``
+    (:func:`k2.launcher.benchmarks.operator_cost.measure_operator_cost`; ``operators=False``: the
+    element-wise chain instead, no model built)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -101,9 +110,19 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=()) ->
                 z = z + 0.0001
             z.sum().backward()
 
-        per_op = _best_time(chain, repeats, sync) / 200
-        # forward op + its backward node (~1.5 kernels: step_time.BACKWARD_KERNEL_FACTOR) share the cost
-        launch_us = per_op / 2.5 * 1e6
+        # 200 operators forward, each with its backward node (~1.5 kernels): 2.5 kernels share the cost
+        launch_us = _best_time(chain, repeats, sync) / 200 / 2.5 * 1e6
+        # a CPU's GEMM rate depends on the shape through its blocking, which the kernel model does not
+        # describe (no tiles): the rate at the job's own shapes (their median) is the profile's
+        rate = statistics.median(v for k, v in by_shape.items() if k != f"{size}x{size}x{size}") if shapes else ceiling
+        ops = None
+        if operators and not cuda:
+            from k2.launcher.benchmarks.operator_cost import measure_operator_cost
+            from k2.model.kernels import KernelRates
+
+            rates = KernelRates(gemm_flops=rate * 1e12, attention_flops=min(attention, rate) * 1e12,
+                                memory_bytes=memory_gbps * 1e9)
+            ops = measure_operator_cost(rates, repeats)
     finally:
         torch.set_num_threads(old)
     name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
@@ -112,12 +131,33 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=()) ->
     if cuda:
         out.update(gemm_bf16_tflops=ceiling)
     else:
-        # a CPU's GEMM rate depends on the shape through its blocking, which the kernel model does not
-        # describe (no tiles): the rate at the job's own shapes (their median) is the profile's
-        rate = statistics.median(v for k, v in by_shape.items() if k != f"{size}x{size}x{size}") if shapes else ceiling
         out.update(gemm_fp32_tflops=rate, gemm_bf16_tflops=rate, gemm_ceiling_tflops=ceiling, gemm_tile=1,
                    compute_units=None)
+    if ops is not None:
+        out["operator_cost"] = ops
+        out.update(operator_profile_keys(ops))
     return out
+
+
+def operator_us(ops: dict[str, Any]) -> dict[str, float]:
+    """The profile's ``operator_us`` (per part, microseconds) from the measured operator figures
+    (:func:`k2.launcher.benchmarks.operator_cost.measure_operator_cost`)."""
+    return {"embedding": ops["embedding"]["per_op_us"], "loss": ops["head"]["per_op_us"],
+            "optimizer": ops["optimizer"]["per_op_us"]}
+
+
+def operator_profile_keys(ops: dict[str, Any]) -> dict[str, Any]:
+    """The profile keys the measured operator figures set: ``kernel_launch_us`` (one MoE layer's cost per
+    operator), ``operator_us``, the schedule's ``microbatch_overhead_us`` / ``step_overhead_us`` and the
+    GEMM rate of one microbatch's own GEMMs run alone (``gemm_fp32_tflops`` / ``gemm_bf16_tflops``)."""
+    moe, sched = ops["moe_layer"], ops["schedule"]
+    weights = {"moe_layer": sched["moe_layers"], "dense_layer": sched["dense_layers"], "embedding": 1, "head": 1}
+    rate = (sum(n * ops[p]["gemm_flops"] for p, n in weights.items())
+            / sum(n * ops[p]["gemm_s"] for p, n in weights.items()) / 1e12)
+    return {"kernel_launch_us": moe["per_op_us"], "operator_us": operator_us(ops),
+            "gemm_fp32_tflops": rate, "gemm_bf16_tflops": rate,
+            "microbatch_overhead_us": ops["schedule"]["microbatch_us"],
+            "step_overhead_us": ops["schedule"]["step_us"]}
 
 
 def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: int, q) -> None:
@@ -188,12 +228,13 @@ def measure_collectives(ranks: int, threads: int, repeats: int) -> dict[str, Any
 
 
 def measure_profile(threads: int, ranks: int, repeats: int, *, name: str = "", gemm_size: int = 0,
-                    shapes=()) -> dict[str, Any]:
-    """A whole profile (the keys of ``recipes/hardware/*.yaml``) measured on this machine."""
-    dev = measure_device(threads, repeats, gemm_size, shapes)
+                    shapes=(), operators: bool = True) -> dict[str, Any]:
+    """A whole profile (the keys of ``recipes/hardware/*.yaml``) measured on this machine; with the
+    per-part operator figures (``operator_cost``) where measured."""
+    dev = measure_device(threads, repeats, gemm_size, shapes, operators=operators)
     coll = measure_collectives(ranks, threads, repeats) if ranks >= 2 else None
     when = datetime.date.today().isoformat()
-    prof = {k: v for k, v in dev.items() if k != "gemm_by_shape"}
+    prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
     prof.update(name=name or ("measured-" + ("cuda" if dev["gemm_bf16_tflops"] > 50 else "cpu")),
                 gpus_per_node=max(ranks, 1), peak_bf16_tflops=dev["gemm_bf16_tflops"],
                 peak_fp8_tflops=2 * dev["gemm_bf16_tflops"], host_gbps=dev["memory_gbps"] / 2,
@@ -206,7 +247,10 @@ def measure_profile(threads: int, ranks: int, repeats: int, *, name: str = "", g
     prof["sources"] = {"measured": f"k2-bench bench=hardware on {dev['gpu']}, {when}, "
                                    f"{threads or os.cpu_count()} threads per rank, {ranks} ranks"
                                    + (f" ({coll['backend']})" if coll else "")}
-    return {"profile": prof, "gemm_by_shape_tflops": dev["gemm_by_shape"]}
+    res = {"profile": prof, "gemm_by_shape_tflops": dev["gemm_by_shape"]}
+    if "operator_cost" in dev:
+        res["operator_cost"] = dev["operator_cost"]
+    return res
 
 
 def write_profile(profile: dict[str, Any], path: str) -> None:
@@ -229,7 +273,8 @@ def bench_hardware(cfg) -> dict[str, Any]:
     check_minimums(o, {"threads": 0, "ranks": 1, "repeats": 1, "gemm_size": 0})
     threads = o["threads"] or max(1, (os.cpu_count() or 1) // max(o["ranks"], 1))
     res = measure_profile(threads, o["ranks"], o["repeats"], name=o["name"], gemm_size=o["gemm_size"],
-                          shapes=[(256, 128, 384), (256, 384, 128), (256, 128, 4096), (128, 128, 128)])
+                          shapes=[(256, 128, 384), (256, 384, 128), (256, 128, 4096), (128, 128, 128)],
+                          operators=bool(o["operators"]))
     if o["out"]:
         write_profile(res["profile"], o["out"])
         res["written"] = o["out"]

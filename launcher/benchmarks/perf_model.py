@@ -1,20 +1,29 @@
 """``k2-bench bench=perf_model``: ``k2-plan``'s step-time model against measured ``parallel=single`` and
 ``parallel=pp2`` runs of the main job's model (``k2_tiny``), in one benchmark run.
 
-1. This machine's profile is measured first, in the same run (:mod:`k2.launcher.benchmarks.hardware`): one
-   profile per rank share of the CPU (``single``: all cores for its one rank; ``pp2``: half each), the
-   gloo collectives between two processes.
+1. This machine's profile is measured in the same run (:mod:`k2.launcher.benchmarks.hardware`), one per
+   rank share of the CPU (``single``: all cores for its one rank; ``pp2``: half each), right before and
+   right after each configuration's trainer run, and averaged (the machine's load during the run lies
+   between); the per-operator cost on one MoE layer of the main job's model
+   (:mod:`k2.launcher.benchmarks.operator_cost`), measured by as many processes at once as the
+   configuration has ranks, each with the rank's threads (two trainer ranks contend for the cores);
+   the gloo collectives between two processes.
 2. Real ``k2-train`` runs of ``iters`` steps each (the first not timed), ``single`` then ``pp2``, for
    ``rounds`` rounds, each writing a ``pipeline.trace``.
 3. ``k2-plan`` (:func:`k2.launcher.planning.cluster.plan_cluster`) predicts each configuration's main phase on
-   its measured profile.
+   its measured profile. Nothing is fitted to the trainer runs: the profile's numbers come from the
+   measurements of step 1 alone.
 
-Figures per configuration, predicted / measured (medians over the timed steps; measured on the busiest
-rank, from the trace): ``forward_s`` (the F events of a step), ``backward_s`` (B and W), ``pass_s`` (the
+Figures per configuration, predicted / measured (the fastest of the timed steps, as the profile's
+figures are the fastest of their repeats: what the machine does least disturbed by the other jobs on
+it; the median step is printed beside it; measured on the busiest rank, from the trace):
+``forward_s`` (the F events of a step), ``backward_s`` (B and W), ``pass_s`` (the
 forward-backward pass, bubble and PP sends included), ``after_pass_s`` (the rest of the step: DP
 traffic, optimizer, the trainer's bookkeeping) and ``step_s`` (``metrics.jsonl``'s ``step_time_s``), with
 their ratios, the model's largest term and the measured largest of forward / backward / after the pass;
-``single_profiled``: one single-rank step under ``torch.profiler`` in the benchmark's process (no data
+``operators``: per part of the model (MoE layer, dense layer, embedding, loss, optimizer) the operators
+counted on k2-train's modules and those the model charges, and each part's measured cost per operator;
+``single_profiled``: one single-rank step under ``torch.profiler`` in a measuring process (no data
 loading or logging), self CPU seconds of the GEMM operators and of everything else against the model's
 ``gemm`` and ``non_gemm`` + ``attention`` terms, and which is largest in each.
 """
@@ -30,7 +39,9 @@ from typing import Any
 from k2.config.load import load_config
 from k2.launcher.benchmarks import pipeline as trainer_runs
 from k2.launcher.benchmarks.common import bench_options, check_minimums
-from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, write_profile
+from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, operator_profile_keys, write_profile
+from k2.launcher.benchmarks.operator_cost import OperatorRanks
+from k2.model.kernels import KernelRates
 from k2.schedules.pipeline import read_trace
 
 _DEFAULTS = {
@@ -43,25 +54,37 @@ _CONFIGS = {"single": 1, "pp2": 2}
 _SHAPES = [(256, 128, 384), (256, 384, 128), (256, 128, 4096), (256, 128, 96), (256, 64, 128)]
 
 
-def _profiles(tmp: Path, repeats: int) -> dict[str, str]:
-    """One measured profile per configuration (its ranks' thread share), written under ``tmp``."""
-    cores = os.cpu_count() or 1
-    coll = measure_collectives(2, max(1, cores // 2), repeats)
-    paths = {}
-    for name, nproc in _CONFIGS.items():
-        threads = max(1, cores // nproc)
-        dev = measure_device(threads, repeats, 512, _SHAPES)
-        prof = {k: v for k, v in dev.items() if k != "gemm_by_shape"}
-        prof.update(name=f"measured-{name}", gpus_per_node=nproc, peak_bf16_tflops=dev["gemm_bf16_tflops"],
-                    host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
-                    network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
-                    sources={"measured": f"k2-bench bench=perf_model, {threads} threads per rank"})
-        for side in ("nvlink", "network"):
-            prof.update({f"{side}_gbps": coll["p2p_gbps"], f"{side}_alltoall_gbps": coll["collective_gbps"],
-                         f"{side}_collective_gbps": coll["collective_gbps"]})
-        paths[name] = str(tmp / f"{name}.yaml")
-        write_profile(prof, paths[name])
-    return paths
+def _device_profile(name: str, threads: int, repeats: int, ranks: OperatorRanks, coll: dict) -> dict[str, Any]:
+    """One configuration's profile measured now (``threads`` per rank), with its operator figures measured
+    by as many processes at once as the configuration has ranks."""
+    dev = measure_device(threads, repeats, 512, _SHAPES, operators=False)
+    rates = KernelRates(gemm_flops=dev["gemm_fp32_tflops"] * 1e12,
+                        attention_flops=min(dev["attention_tflops"], dev["gemm_fp32_tflops"]) * 1e12,
+                        memory_bytes=dev["memory_gbps"] * 1e9)
+    dev["operator_cost"] = ranks.measure(_CONFIGS[name], threads, rates, repeats)
+    dev.update(operator_profile_keys(dev["operator_cost"]))
+    dev["peak_bf16_tflops"] = dev["gemm_bf16_tflops"]
+    prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
+    prof.update(name=f"measured-{name}", gpus_per_node=_CONFIGS[name],
+                host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
+                network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
+                sources={"measured": f"k2-bench bench=perf_model, {threads} threads per rank, the median of "
+                                     "the measurements before and after its trainer runs"})
+    for side in ("nvlink", "network"):
+        prof.update({f"{side}_gbps": coll["p2p_gbps"], f"{side}_alltoall_gbps": coll["collective_gbps"],
+                     f"{side}_collective_gbps": coll["collective_gbps"]})
+    return {"profile": prof, "operator_cost": dev["operator_cost"]}
+
+
+def _median(items: list) -> Any:
+    """The median of the measurements ``items``: numbers by value (two: their mean), mappings key by key,
+    anything else from the first."""
+    a = items[0]
+    if isinstance(a, dict):
+        return {k: _median([x[k] for x in items]) for k in a}
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and all(x is not None for x in items):
+        return statistics.median(items)
+    return a
 
 
 def _measured(run_dir: Path, recs: list[dict]) -> list[dict]:
@@ -85,35 +108,50 @@ def _measured(run_dir: Path, recs: list[dict]) -> list[dict]:
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
-def profiled_single_step() -> dict[str, float]:
+def profiled_single_step(case) -> dict[str, float]:
     """One ``parallel=single`` step of the main job (8 microbatches of 2 x 128 tokens, AdamW, the trainer's
-    modules as ``bench=step`` builds them) under ``torch.profiler``, in this process: self CPU seconds of
-    the GEMM operators, of the other aten operators and of everything else (framework code)."""
+    modules: :func:`k2.launcher.benchmarks.operator_cost.build_case`) under ``torch.profiler``, in the
+    process holding ``case``: self CPU seconds of the GEMM operators, of the other aten operators and of everything else
+    (framework code)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from k2.launcher.benchmarks import step as step_bench
-    from k2.launcher.benchmarks.common import one_rank_world
-    from k2.launcher.benchmarks.step_cases import build_k2
-    from k2.parallel import cpu_backend
-
-    cpu_backend.enable()
-    o = dict(step_bench.DEFAULTS, size="tiny", precision="fp32", seq_length=128, microbatches=8,
-             micro_batch_size=2, memory="none")
-    teardown = one_rank_world()
+    old = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
     try:
-        case = build_k2(o, ["model=k2_tiny", "train.precision=fp32", "run.wandb.mode=disabled", "parallel=single",
-                            "train.micro_batch_size=2"], ["optim=adamw", "model.moe_grouped_gemm=false"])
         case.step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             case.step()
-        case.release()
     finally:
-        teardown()
+        torch.set_num_threads(old)
     rows = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in rows) / 1e6
     gemm = sum(e.self_cpu_time_total for e in rows if e.key in _GEMM_OPS) / 1e6
     other = sum(e.self_cpu_time_total for e in rows if e.key.startswith("aten::") and e.key not in _GEMM_OPS) / 1e6
     return {"gemm_s": gemm, "other_operators_s": other, "framework_s": total - gemm - other, "total_s": total}
+
+
+def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
+    """Per part: operators counted on k2-train's modules and charged by the model, and the part's
+    measured cost per operator at each configuration's threads."""
+    from k2.launcher.planning.operator_counts import modelled_operators
+
+    model = load_config(["model=k2_tiny"]).model
+    local = int(model.num_moe_experts)
+    kinds = {"moe_layer": ("moe_layer", local), "dense_layer": ("dense_layer", 0), "embedding": ("embedding", 0),
+             "head": ("loss", 0)}
+    rows = {}
+    for part, row in single.items():
+        if part == "schedule":
+            rows[part] = {f"{k}_single": v for k, v in row.items()} | {f"{k}_pp2": v for k, v in pp2[part].items()}
+            continue
+        out = {"counted_ops": row["forward_ops"] + row["backward_ops"]}
+        if part in kinds:
+            out["modelled_ops"] = sum(modelled_operators(model, *kinds[part]))
+        out.update(per_op_us_single=row["per_op_us"], per_op_us_pp2=pp2[part]["per_op_us"],
+                   seconds_single=row["seconds"])
+        rows[part] = out
+    return rows
 
 
 def _predicted(name: str, profile: str) -> dict[str, Any]:
@@ -149,19 +187,36 @@ def bench_perf_model(cfg) -> dict[str, Any]:
             from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 
             prepare_stdlib_corpus(run_cfg.data, progress=False, verbose=False)
-        profiles = _profiles(tmp, o["repeats"])
-        steps: dict[str, list[dict]] = {n: [] for n in _CONFIGS}
-        for r in range(o["rounds"]):
-            for name, nproc in _CONFIGS.items():
-                run = {"parallel": name, "model": "k2_tiny", "nproc": nproc, "iters": o["iters"],
-                       "timeout": o["timeout"]}
-                run_dir = tmp / f"{name}-r{r}"
-                recs = trainer_runs._run(run, False, run_dir, False)
-                steps[name] += _measured(run_dir, recs)
+        cores = os.cpu_count() or 1
+        coll = measure_collectives(2, max(1, cores // 2), o["repeats"])
+        ranks = OperatorRanks(max(_CONFIGS.values()))
+        try:
+            measured: dict[str, list[dict]] = {n: [] for n in _CONFIGS}
+            steps: dict[str, list[dict]] = {n: [] for n in _CONFIGS}
+            for r in range(o["rounds"]):
+                for name, nproc in _CONFIGS.items():
+                    before = _device_profile(name, max(1, cores // nproc), o["repeats"], ranks, coll)
+                    run = {"parallel": name, "model": "k2_tiny", "nproc": nproc, "iters": o["iters"],
+                           "timeout": o["timeout"]}
+                    run_dir = tmp / f"{name}-r{r}"
+                    recs = trainer_runs._run(run, False, run_dir, False)
+                    steps[name] += _measured(run_dir, recs)
+                    after = _device_profile(name, max(1, cores // nproc), o["repeats"], ranks, coll)
+                    measured[name] += [before, after]
+            traced = ranks.call(profiled_single_step)
+        finally:
+            ranks.close()
+        profiles, ops = {}, {}
+        for name in _CONFIGS:
+            both = _median(measured[name])
+            profiles[name], ops[name] = str(tmp / f"{name}.yaml"), both["operator_cost"]
+            write_profile(both["profile"], profiles[name])
         for name in _CONFIGS:
             pred = _predicted(name, profiles[name])
-            meas = {k: statistics.median(s[k] for s in steps[name]) for k in steps[name][0]}
-            row: dict[str, Any] = {"timed_steps": len(steps[name])}
+            fastest = min(steps[name], key=lambda s: s["step_s"])
+            meas = {k: fastest[k] for k in steps[name][0]}
+            row: dict[str, Any] = {"timed_steps": len(steps[name]),
+                                   "measured_step_median_s": statistics.median(s["step_s"] for s in steps[name])}
             for k in ("forward_s", "backward_s", "pass_s", "after_pass_s", "step_s"):
                 if k in pred:
                     row[f"predicted_{k}"] = pred[k]
@@ -172,8 +227,8 @@ def bench_perf_model(cfg) -> dict[str, Any]:
             row["predicted_largest_term"] = pred["largest_term"]
             row["measured_largest"] = max(("forward", "backward", "after_pass"), key=lambda k: meas[f"{k}_s"])
             figures[name] = row
+        figures["operators"] = _operator_rows(ops["single"], ops["pp2"])
         # the model's GEMM and non-GEMM terms against a profiler trace of one single-rank step
-        traced = profiled_single_step()
         b = figures["single"]["predicted_breakdown_s"]
         non_gemm = traced["other_operators_s"] + traced["framework_s"]
         figures["single_profiled"] = {

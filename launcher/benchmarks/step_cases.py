@@ -62,6 +62,9 @@ class Case:
         self._unlink = unlink
         self.optimizer_s = 0.0
         self.features: Optional[dict] = None  # K2 cases: built_features
+        self.model: Optional[list] = None  # K2 cases: the DDP-wrapped model chunks
+        self.schedule: Optional[Callable[[int], None]] = None  # K2 cases: n microbatches, no optimizer
+        self.optimizer = None  # K2 cases: the optimizer
 
     def step(self) -> None:
         self.metered_step(None)
@@ -78,6 +81,7 @@ class Case:
         if self._unlink is not None:
             self._unlink()
         self._step = self._unlink = None
+        self.model = self.optimizer = self.schedule = None
 
 
 def build_baseline(o: dict, base: list[str], device) -> Case:
@@ -191,8 +195,18 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
         sync(cuda)
         case.optimizer_s = time.perf_counter() - t0
 
+    def schedule(num_microbatches: int) -> None:
+        """``num_microbatches`` through megatron's schedule, gradients accumulated, no optimizer step."""
+        forward_backward(forward_step_func=forward_step, data_iterator=[_Same()], model=model,
+                         num_microbatches=num_microbatches, seq_length=o["seq_length"],
+                         micro_batch_size=o["micro_batch_size"], decoder_seq_length=o["seq_length"],
+                         forward_only=False)
+        sync(cuda)
+
     case = Case(step, lambda: _unlink(chunks, tcfg))
+    case.schedule = schedule
     case.features = built_features(chunks, optimizer, clip)
+    case.model, case.optimizer = model, optimizer
     return case
 
 

@@ -8,7 +8,8 @@ bytes/s, per GPU and per direction), microseconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,15 @@ class HardwareProfile:
             profile's figure; 0 = the bytes-at-bandwidth estimate alone).
         attention_tflops: achieved core-attention rate (forward and backward).
         memory_gbps, memory_efficiency: memory peak and the fraction element-wise kernels reach.
-        kernel_launch_us: time one kernel adds to the stream beyond its roofline time.
+        kernel_launch_us: time one kernel adds to the stream beyond its roofline time (a measured CPU
+            profile: the cost of one operator of a transformer layer, ``k2-bench bench=hardware``).
+        operator_us: per part (``embedding``, ``loss``, ``optimizer``) the cost of one of its operators
+            where measured apart (a CPU profile: its operators move whole vocabulary-sized or parameter-
+            sized tensors); a part not named costs ``kernel_launch_us``.
+        microbatch_overhead_us, step_overhead_us: the training schedule's own work beyond the model's
+            operators, per microbatch and virtual stage and per step (a measured CPU profile: megatron's
+            forward_backward, the trainer's forward-step and loss functions, gradient finalisation;
+            GPU profiles: 0, hidden behind the kernels).
         gemm_tile, compute_units: tile edge and SM count for tile / wave quantization (1 / None: off).
         nvlink_gbps, nvlink_alltoall_gbps, nvlink_collective_gbps: intra-node link peak per direction and
             what an all-to-all and a ring collective achieve on it, per GPU.
@@ -79,6 +88,9 @@ class HardwareProfile:
     host_gbps: float
     intra_latency_us: float
     sources: dict
+    operator_us: dict = field(default_factory=dict)
+    microbatch_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
 
     def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
         """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
@@ -97,6 +109,11 @@ class HardwareProfile:
                            launch_s=self.kernel_launch_us * 1e-6, tile=self.gemm_tile, units=self.compute_units,
                            gemm_bytes_per_element=nbytes,
                            grouped_gemm_flops=grouped * 1e12 * compute_fraction if grouped else None)
+
+    def part_rates(self, rates: KernelRates, part: str) -> KernelRates:
+        """``rates`` with the launch cost of ``part``'s operators (:attr:`operator_us`)."""
+        us = self.operator_us.get(part)
+        return rates if us is None else dataclasses.replace(rates, launch_s=float(us) * 1e-6)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -140,6 +157,9 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
         network_latency_us=float(get("network_latency_us", 0.0)), host_gbps=float(d["host_gbps"]),
         intra_latency_us=float(get("intra_latency_us", 0.0)),
         sources=dict(get("sources") or {}),
+        operator_us={str(k): float(v) for k, v in (get("operator_us") or {}).items()},
+        microbatch_overhead_us=float(get("microbatch_overhead_us", 0.0)),
+        step_overhead_us=float(get("step_overhead_us", 0.0)),
     )
 
 

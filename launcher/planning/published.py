@@ -3,7 +3,10 @@
 ``recipes/published/runs.yaml`` lists each run (model, hardware, layout, batch, precision, the published
 step time and tokens/s, its source) with the ``k2-plan`` overrides that state it. Each is planned with
 those overrides alone (the model's constants are the hardware profiles' sourced numbers, none fitted
-to these runs) and compared: ``error = predicted / published - 1`` of the step time.
+to these runs) and compared: ``error = predicted / published - 1`` of the step time. A run whose
+published figure is GPU-hours per token (``published_figure: gpu_hours``: wall time, failures, restarts
+and checkpoint stalls included) is compared as the predicted step over the plan's expected goodput
+(:func:`k2.launcher.planning.checkpoint.checkpoint_plan`: Llama 3's failure rate scaled to the cluster).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import yaml
 from k2.config.errors import ConfigError
 
 RUNS_FILE = Path(__file__).resolve().parents[2] / "recipes" / "published" / "runs.yaml"
+_FIGURES = ("step_time", "gpu_hours")  # what a run published (module docstring)
 
 
 def published_runs() -> list[dict[str, Any]]:
@@ -25,7 +29,13 @@ def published_runs() -> list[dict[str, Any]]:
 
 def compare_run(run: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
     """Plan one published run and compare: its name, the predicted and published step seconds and tokens
-    per second per GPU, the error, MFU (BF16 peak), the breakdown (seconds) and the what-if labels."""
+    per second per GPU, the error, MFU (BF16 peak), the breakdown (seconds) and the what-if labels;
+    ``predicted_step_s`` is the step over the expected goodput for a ``gpu_hours`` figure (``step_s``:
+    the step itself, ``goodput``: the divisor, 1 otherwise).
+
+    Raises:
+        ConfigError: an unknown ``published_figure``.
+    """
     from k2.config import load_config
     from k2.launcher.planning.cluster import plan_cluster
 
@@ -33,13 +43,22 @@ def compare_run(run: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
     p = plan_cluster(cfg).report
     tp = int(cfg.plan.what_if.tp)
     gpus = p["world_size"] * tp
-    step = p["step_time_s_estimated"]
+    kind = run.get("published_figure", "step_time")
+    if kind not in _FIGURES:
+        raise ConfigError(f"{RUNS_FILE.name}: run {run['name']}: published_figure={kind!r}; allowed: "
+                          f"{', '.join(_FIGURES)}")
+    goodput = p["checkpoint"]["expected_goodput"] if kind == "gpu_hours" else 1.0
+    step = p["step_time_s_estimated"] / goodput
+    breakdown = dict(p["step_time_breakdown_s"])
+    if kind == "gpu_hours":  # the wall time failures, restarts and checkpoint stalls add per step
+        breakdown["goodput_loss"] = step - p["step_time_s_estimated"]
     return {
         "name": run["name"], "gpus": gpus, "predicted_step_s": step, "published_step_s": run["published_step_s"],
-        "error": step / run["published_step_s"] - 1,
+        "error": step / run["published_step_s"] - 1, "published_figure": kind, "goodput": goodput,
+        "step_s": p["step_time_s_estimated"],
         "predicted_tokens_per_s_per_gpu": p["global_batch_tokens"] / step / gpus,
         "published_tokens_per_s_per_gpu": run["published_tokens_per_s_per_gpu"],
-        "mfu_bf16_peak": p["mfu_estimated"] / tp, "breakdown_s": p["step_time_breakdown_s"],
+        "mfu_bf16_peak": p["mfu_estimated"] / tp, "breakdown_s": breakdown,
         "what_if": p["what_if"], "hardware": p["hardware"], "source": run["source"],
     }
 

@@ -12,9 +12,10 @@ Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens
 * **Core attention** at the profile's attention rate, backward twice the forward's FLOPs.
 * **Non-GEMM kernels** (norms, RoPE, q/k assembly, SwiGLU, router scores and top-k, token permutation,
   residual adds, the loss): the bytes each reads and writes (:func:`nongemm_bytes_per_token`) at the
-  profile's achieved memory bandwidth, plus a launch cost per kernel (:data:`NONGEMM_KERNELS`); the
-  backward of an element-wise kernel reads its saved input and the output gradient and writes the input
-  gradient: 1.5 x the forward's bytes. Real kernels are slower than this roofline (unfused FP32 upcasts,
+  profile's achieved memory bandwidth, plus a launch cost per operator (:data:`OPERATORS`, counted on
+  k2-train's modules, forward and backward apart); the backward of an element-wise kernel reads its
+  saved input and the output gradient and writes the input gradient: 1.5 x the forward's bytes. The
+  word embedding on the first stage (its gather, its dense gradient). Real kernels are slower than this roofline (unfused FP32 upcasts,
   several passes): a GPU profile's ``nongemm_share`` (0.27: DeepSeek-V3's published training profile)
   sets the least share of a pass's compute stream they take.
 * **EP all-to-all**: dispatch and combine per MoE layer in the forward and again in the backward
@@ -28,6 +29,8 @@ Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
   back during the backward on a copy stream (its own engine and PCIe path); only what exceeds the pass's
   time (compute and all-to-alls) is exposed.
+* **The schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
+  trainer's step functions beyond the model's operators, per microbatch and virtual stage and per step.
 * **PP sends**: ``T x h`` activations per stage boundary, across nodes when PP ranks are on different nodes,
   as the simulator's ``p2p_time``.
 
@@ -42,7 +45,8 @@ the ``fsdp`` what-if overlaps them with compute), and the **optimizer step**
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
 them): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (DP traffic overlapped with compute), ``dualpipe``,
 ``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
-``node_limit`` (DeepSeek-V3's routing to at most M nodes).
+``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
+that many pipeline schedules, each with its own fill and drain).
 """
 
 from __future__ import annotations
@@ -54,22 +58,17 @@ from omegaconf import OmegaConf
 
 from k2.launcher.planning.comm import crosses_nodes, ep_alltoall, host_copy_seconds, p2p_seconds, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
+from k2.launcher.planning.operator_counts import ATTENTION_KERNELS, OPERATORS
 from k2.launcher.planning.optimizer_time import optimizer_time
 from k2.model.kernels import KernelRates, attention_seconds, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 from k2.schedules.pipeline_sim import simulate
 
-#: element-wise operators of one layer's forward per microbatch (launches; views and copies included: on a
-#: CPU each costs the dispatch), counted with torch's dispatch mode over one training step of k2-train's
-#: modules (k2_tiny, CPU path: megatron's sequential experts): per MoE layer ~800 aten operators without its
-#: experts and ~79 per expert, the dense layer with the embedding and the loss ~824, each including the
-#: optimizer's 12 per parameter tensor; less the GEMMs (3 per weight), over the forward + backward
-#: factor 2.5 (:data:`BACKWARD_KERNEL_FACTOR`)
-NONGEMM_KERNELS = {"attention": 100, "dense_mlp": 20, "moe": 140, "moe_per_expert": 20, "loss": 54}
-#: kernels of an element-wise backward per forward kernel (autograd's backward nodes: ~1.5 each)
-BACKWARD_KERNEL_FACTOR = 1.5
+#: element-wise backward bytes per forward byte: it reads the saved input and the output gradient and
+#: writes the input gradient
+BACKWARD_BYTES_FACTOR = 1.5
 _DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
-TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload")
+TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
 
 
 @dataclass(frozen=True)
@@ -82,16 +81,19 @@ class WhatIf:
     deepep: bool = False
     node_limit: int | None = None
     tp: int = 1
+    pipeline_flushes: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> "WhatIf":
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
         return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
-                   sel("node_limit", None), int(sel("tp", 1)))
+                   sel("node_limit", None), int(sel("tp", 1)),
+                   int(sel("pipeline_flushes", 1) or 1))
 
     def labels(self) -> list[str]:
         return [k for k in ("fp8_gemm", "fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
-            [f"tp{self.tp}"] if self.tp > 1 else [])
+            [f"tp{self.tp}"] if self.tp > 1 else []) + (
+            [f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else [])
 
 
 def tp_group_profile(profile: HardwareProfile, tp: int) -> HardwareProfile:
@@ -208,9 +210,10 @@ class _StageModel:
         self.tp_comm = 0.0
 
     # ---- one layer: {"F": {...}, "B": {...}, "W": {...}} seconds per term
-    def _gemms(self, shapes, out: dict, m: float | None = None, groups: int = 1, tag: str = "gemm") -> dict:
+    def _gemms(self, shapes, out: dict, m: float | None = None, groups: int = 1, tag: str = "gemm",
+               rates: KernelRates | None = None) -> dict:
         T = self.T if m is None else m
-        r = self.rates
+        r = rates or self.rates
         for k, n in shapes:
             if groups > 1 and self.grouped:
                 f, b, w = (grouped_gemm_seconds(groups, T, k, n, r), grouped_gemm_seconds(groups, T, n, k, r),
@@ -224,13 +227,15 @@ class _StageModel:
             _add(out["W"], tag, w)
         return out
 
-    def _nongemm(self, kind: str, out: dict, extra_kernels: int = 0) -> None:
+    def _nongemm(self, kind: str, out: dict, experts: int = 0, rates: KernelRates | None = None) -> None:
+        """The element-wise operators of ``kind``: their bytes at the memory rate plus one launch each
+        (:data:`OPERATORS`; ``experts``: megatron's sequential experts, each with its own operators)."""
         nbytes = nongemm_bytes_per_token(self.s, kind, self.a) * self.T
-        kernels = NONGEMM_KERNELS[kind] + extra_kernels
-        f = elementwise_seconds(nbytes, kernels, self.rates)
-        b = elementwise_seconds(BACKWARD_KERNEL_FACTOR * nbytes, int(BACKWARD_KERNEL_FACTOR * kernels), self.rates)
-        _add(out["F"], "non_gemm", f)
-        _add(out["B"], "non_gemm", b)
+        per_expert = OPERATORS["moe_per_expert"]
+        f_ops, b_ops = (n + experts * e for n, e in zip(OPERATORS[kind], per_expert))
+        r = rates or self.rates
+        _add(out["F"], "non_gemm", elementwise_seconds(nbytes, f_ops, r))
+        _add(out["B"], "non_gemm", elementwise_seconds(BACKWARD_BYTES_FACTOR * nbytes, b_ops, r))
 
     def layer(self, i: int) -> dict:
         s, T, r = self.s, self.T, self.rates
@@ -240,8 +245,8 @@ class _StageModel:
             _add(out["F"], "tp_comm", self.tp_comm)
             _add(out["B"], "tp_comm", self.tp_comm)
         core = self.fl.attention_core * T
-        _add(out["F"], "attention", attention_seconds(core, r))
-        _add(out["B"], "attention", attention_seconds(2 * core, r))
+        _add(out["F"], "attention", attention_seconds(core, r, ATTENTION_KERNELS[0]))
+        _add(out["B"], "attention", attention_seconds(2 * core, r, ATTENTION_KERNELS[1]))
         self._nongemm("attention", out)
         rec = 0.0
         if "mla_up_proj" in self.recompute:
@@ -256,8 +261,7 @@ class _StageModel:
             self._gemms([(s["h"], 2 * s["f_e"]), (s["f_e"], s["h"])], out, m=m, groups=local)
             if s["f_s"]:
                 self._gemms([(s["h"], 2 * s["f_s"]), (s["f_s"], s["h"])], out)
-            per_expert = 0 if self.grouped else local * NONGEMM_KERNELS["moe_per_expert"]
-            self._nongemm("moe", out, per_expert)
+            self._nongemm("moe", out, 0 if self.grouped else local)
             comm = self._ep_comm()
             _add(out["F"], "ep_comm", comm)
             _add(out["B"], "ep_comm", comm)
@@ -306,16 +310,31 @@ class _StageModel:
                            dedup_nodes=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
         return sum(x.seconds for x in a2a)
 
-    def loss(self) -> dict:
+    def embedding(self) -> dict:
+        """The word embedding: a gather of ``T`` rows forward; backward its dense ``[V, h]`` FP32
+        gradient written and added (megatron's embedding backward, then the gradient buffer)."""
         out = {"F": {}, "B": {}, "W": {}}
-        self._gemms([(self.s["h"], self.s["V"])], out)
-        self._nongemm("loss", out)
+        h, V = self.s["h"], self.s["V"]
+        f_ops, b_ops = OPERATORS["embedding"]
+        r = self.profile.part_rates(self.rates, "embedding")
+        _add(out["F"], "non_gemm", elementwise_seconds(2 * self.T * h * self.a, f_ops, r))
+        _add(out["B"], "non_gemm", elementwise_seconds(self.T * h * self.a + 3 * V * h * 4, b_ops, r))
+        return out
+
+    def loss(self) -> dict:
+        """The final norm, the output layer and the loss (their operators at the profile's ``loss`` cost)."""
+        out = {"F": {}, "B": {}, "W": {}}
+        r = self.profile.part_rates(self.rates, "loss")
+        self._gemms([(self.s["h"], self.s["V"])], out, rates=r)
+        self._nongemm("loss", out, rates=r)
         self._nongemm_floor(out)
         return out
 
 
-def _stage_totals(model: _StageModel, layers: list[int], has_loss: bool, cache: dict) -> dict:
-    """Seconds per pass and term of one microbatch on a virtual stage holding ``layers`` (+ the loss).
+def _stage_totals(model: _StageModel, layers: list[int], has_loss: bool, cache: dict,
+                  has_embedding: bool = False) -> dict:
+    """Seconds per pass and term of one microbatch on a virtual stage holding ``layers`` (+ the embedding,
+    the loss).
     Layers of one kind cost the same: ``cache`` keeps one per kind."""
     tot = {"F": {}, "B": {}, "W": {}}
     parts = []
@@ -324,6 +343,10 @@ def _stage_totals(model: _StageModel, layers: list[int], has_loss: bool, cache: 
         if key not in cache:
             cache[key] = model.layer(i)
         parts.append(cache[key])
+    if has_embedding:
+        if "embedding" not in cache:
+            cache["embedding"] = model.embedding()
+        parts.append(cache["embedding"])
     if has_loss:
         if "loss" not in cache:
             cache["loss"] = model.loss()
@@ -377,8 +400,12 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     model.tp_comm = 4 * ring_seconds(tokens * model.s["h"] * act_bytes, wi.tp, False, gpu_profile) if wi.tp > 1 else 0.0
     S = dims.pp * dims.vpp
     cache: dict = {}
-    kinds = [_stage_totals(model, dims.layout[r][v], dims.stage_has_loss(r, v), cache)
+    kinds = [_stage_totals(model, dims.layout[r][v], dims.stage_has_loss(r, v), cache, dims.stage_has_embedding(r, v))
              for v in range(dims.vpp) for r in range(dims.pp)]
+    # the schedule's own work per microbatch and virtual stage (a measured CPU profile), half in each pass
+    for st in kinds:
+        for ph in ("F", "B"):
+            _add(st[ph], "schedule", profile.microbatch_overhead_us * 1e-6 / 2)
     # offloaded activations: out during F, back during B, hidden behind the pass's compute
     off = list(offload_bytes) if offload_bytes is not None else [0.0] * S
     for st, nbytes in zip(kinds, off):
@@ -397,14 +424,17 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     world_span = dims.world_size // dims.pp
     # consecutive PP ranks are world / pp ranks apart: on other nodes once that is a node or more
     p2p = p2p_seconds(tokens * model.s["h"] * act_bytes, world_span >= profile.gpus_per_node, profile)
-    m = num_microbatches
+    # per pipeline flush (what-if pipeline_flushes; a flush keeps at least pp microbatches)
+    flushes = max(1, min(wi.pipeline_flushes, num_microbatches // dims.pp))
+    m = -(-num_microbatches // flushes)
     m_sim = m if max_microbatches is None or m <= max_microbatches else max(dims.pp, max_microbatches // dims.pp * dims.pp)
     sim = simulate(dims.pp, dims.vpp, m_sim, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
                    p2p_time=p2p if dims.pp > 1 else 0.0, activation_bytes=activation_bytes)
     period = [sum(F[v * dims.pp + r] + B[v * dims.pp + r] + W[v * dims.pp + r] for v in range(dims.vpp))
               for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: period[r])
-    makespan = sim.makespan + (m - m_sim) * period[busiest]
+    makespan = flushes * (sim.makespan + (m - m_sim) * period[busiest])
+    m = num_microbatches
     busy = m * period[busiest]
     if wi.dualpipe and dims.pp > 1:  # DualPipe's bubble (table 2): (PP/2 - 1)(F&B + B - 3W), B the full backward
         st = [v * dims.pp + busiest for v in range(dims.vpp)]
@@ -430,26 +460,29 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
             _hide_behind(ag, sum(F[v * dims.pp + busiest] for v in range(dims.vpp)) * m)
     breakdown["dp_grad_reduce_scatter"] = rs
     breakdown["dp_param_all_gather"] = ag
-    nrates = profile.rates("bf16" if precision != "fp32" else "fp32")
-    tensors = _tensors(counts, layers, dims.ep, emb, loss, grouped)
+    nrates = profile.part_rates(profile.rates("bf16" if precision != "fp32" else "fp32"), "optimizer")
+    tensors = _tensors(counts, layers, dims.ep, emb, loss, bool(model.s["r_q"]))
     opt = optimizer_time(str(cfg.optim.name), cfg.model, dims, layers, counts.moe_pattern, dense_params=dense,
                          expert_params=expert, tensors=tensors, profile=profile, rates=nrates,
                          offload_fraction=float(cfg.optim.offload_fraction), fused=precision != "fp32")
     breakdown["optimizer"] = opt.newton_schulz + opt.update
     breakdown["muon_gather"] = opt.muon_gather
     breakdown["optimizer_offload"] = opt.offload
-    step = makespan + rs + ag + opt.total
+    breakdown["schedule"] += profile.step_overhead_us * 1e-6
+    step = makespan + rs + ag + opt.total + profile.step_overhead_us * 1e-6
     return StepTime(step_s=step, breakdown=breakdown, F=F, B=B, W=W, p2p_s=p2p, sim=sim, makespan=makespan,
                     recompute_s=breakdown["recompute"], what_if=wi.labels())
 
 
-def _tensors(counts, layers, ep: int, emb: bool, loss: bool, grouped: bool) -> int:
-    """Parameter tensors on one GPU of a PP rank (for per-tensor optimizer launches): per layer MLA's 5-6
-    projections + 4 norms, a dense MLP's 2 + its norm, an MoE layer's router (+ bias), shared expert 2,
-    and 2 per local expert (megatron's sequential experts; the grouped module the same)."""
+def _tensors(counts, layers, ep: int, emb: bool, loss: bool, q_lora: bool) -> int:
+    """Parameter tensors on one GPU of a PP rank (for per-tensor optimizer launches): per layer MLA's
+    projections and norms (8 with a q LoRA rank, else 6: counted on k2-train's modules), a dense MLP's 2 +
+    its norm, an MoE layer's norm, router, shared expert 2 and 2 per local expert (megatron's sequential
+    experts and its grouped module alike); the embedding; the output layer and the final norm."""
     n = 0
     E = getattr(counts, "num_experts", 0) or 0
+    attn = 8 if q_lora else 6
     for i in layers:
-        n += 10
-        n += (3 + 2 + 2 * (E // ep)) if counts.moe_pattern[i] else 3
+        n += attn
+        n += (2 + 2 + 2 * (E // ep)) if counts.moe_pattern[i] else 3
     return n + (1 if emb else 0) + (2 if loss else 0)

@@ -289,9 +289,14 @@ def test_data_bench_reports_both_throughputs(capsys):
 
 def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
     """bench=hardware (one rank: no collective processes; small GEMMs) writes a profile whose measured
-    numbers are positive and that k2-plan plans with (plan.hardware=PATH)."""
+    numbers are positive and that k2-plan plans with (plan.hardware=PATH); its per-operator cost is the
+    one measured on the main job's MoE layer, whose operators (and the other parts', counted with torch's
+    dispatch mode on k2-train's modules) are those the step-time model charges."""
+    from k2.config import load_config
     from k2.launcher.plan import main as plan_main
     from k2.launcher.planning.hardware import load_profile
+    from k2.launcher.planning.optimizer_time import unfused_operators
+    from k2.launcher.planning.operator_counts import modelled_operators
 
     out = tmp_path / "this_machine.yaml"
     rc = main(["bench=hardware", "bench.options.ranks=1", "bench.options.repeats=1", "bench.options.gemm_size=64",
@@ -301,6 +306,26 @@ def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
     assert all(v > 0 for v in rec["gemm_by_shape_tflops"].values())
     p = load_profile(str(out))
     assert p.gemm_fp32_tflops > 0 and p.memory_gbps > 0 and p.kernel_launch_us > 0 and p.gemm_tile == 1
+    ops = rec["operator_cost"]
+    assert p.kernel_launch_us == pytest.approx(ops["moe_layer"]["per_op_us"])
+    assert p.operator_us == pytest.approx({"embedding": ops["embedding"]["per_op_us"],
+                                           "loss": ops["head"]["per_op_us"],
+                                           "optimizer": ops["optimizer"]["per_op_us"]})
+    model = load_config(["model=k2_tiny"]).model
+    for part, kind, experts in (("moe_layer", "moe_layer", 8), ("dense_layer", "dense_layer", 0),
+                                ("embedding", "embedding", 0), ("head", "loss", 0)):
+        counted = (ops[part]["forward_ops"], ops[part]["backward_ops"])
+        assert counted == modelled_operators(model, kind, experts), part
+        assert ops[part]["seconds"] > 0
+    # a microbatch through megatron's schedule runs the parts' operators (3 MoE layers, 1 dense, embedding,
+    # head) and little else: the model's count per microbatch is the trainer's
+    runs = {"moe_layer": 3, "dense_layer": 1, "embedding": 1, "head": 1}
+    per_mb = sum(n * (ops[part]["forward_ops"] + ops[part]["backward_ops"]) for part, n in runs.items())
+    sched = (ops["schedule_3"]["forward_ops"] - ops["schedule_1"]["forward_ops"]) / 2
+    assert sched == pytest.approx(per_mb, rel=0.03)
+    assert p.microbatch_overhead_us >= 0 and p.step_overhead_us >= 0
+    # k2_tiny's 98 parameter tensors; 2 operators fewer per tensor when the gradient norm is below the clip
+    assert ops["optimizer"]["forward_ops"] in (unfused_operators(98), unfused_operators(98) - 2 * 98)
     rc = plan_main(["model=k2_tiny", "cluster.gpus_per_node=1", f"plan.hardware={out}", "output=json"])
     plan = json.loads(capsys.readouterr().out)
     assert rc == 0 and plan["hardware"] == p.name and plan["step_time_s_estimated"] > 0

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from k2.config import load_config
+from k2.launcher.planning import operator_counts as opc
 from k2.launcher.planning import step_time as stm
 from k2.launcher.planning.comm import AllToAll, ep_alltoall, expected_nodes_hit, ring_seconds
 from k2.launcher.planning.hardware import HARDWARE_DIR, available_profiles, load_profile
@@ -117,12 +118,61 @@ def test_each_term_dropped_changes_the_step(k2):
     # whole-layer recompute re-runs the forward, its all-to-alls included: more than the selective sites
     assert whole.breakdown["recompute"] > 5 * base.breakdown["recompute"]
     with mock.patch.object(stm, "nongemm_bytes_per_token", lambda *a, **k: 0.0), \
-            mock.patch.dict(stm.NONGEMM_KERNELS, {k: 0 for k in stm.NONGEMM_KERNELS}):
+            mock.patch.dict(opc.OPERATORS, {k: (0, 0) for k in opc.OPERATORS}):
         floor_only = _k2_step(k2, 16, 2, 16)
     # the profile's non-GEMM share (0.27 of the compute stream) still holds the non-GEMM time up
     share = floor_only.breakdown["non_gemm"] / (floor_only.breakdown["non_gemm"] + floor_only.breakdown["gemm"]
                                                 + floor_only.breakdown["attention"])
     assert 0.2 < share <= 0.27 + 1e-9
+
+
+def _tiny_step(parallel: str, launch_us: float, world: int = 1, operator_us=None, **overheads):
+    """k2_tiny's main phase (8 microbatches of 2 x 128 tokens, FP32, sequential experts) on an H200 profile
+    whose per-operator cost is ``launch_us`` and whose GEMMs have no tiles (a CPU-like profile)."""
+    import dataclasses
+
+    from k2.model.flops import flops_per_token
+    from k2.model.params import count_params
+    from k2.parallel.dims import ParallelDims
+
+    cfg = load_config(["model=k2_tiny", f"parallel={parallel}"])
+    prof = dataclasses.replace(load_profile("h200"), kernel_launch_us=launch_us, nongemm_share=0.0, gemm_tile=1,
+                               compute_units=None, operator_us=dict(operator_us or {}), **overheads)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
+    return stm.step_time(cfg, dims, count_params(cfg), flops_per_token(cfg.model, 128), tokens=256,
+                         num_microbatches=8, profile=prof)
+
+
+def test_the_model_charges_the_operators_the_trainers_step_runs():
+    """On a device bound by the cost per operator (a CPU running k2_tiny) the step is that cost times the
+    operators: the model charges as many as torch's dispatch mode counts in one k2-train step of k2_tiny
+    (parallel=single, AdamW: 25,442), and each part's operators are charged (dropping the element-wise
+    ones removes about two thirds of them)."""
+    from k2.launcher.planning.optimizer_time import unfused_operators
+
+    per_op = 1e-3
+    charged = (_tiny_step("single", 1e3).step_s - _tiny_step("single", 0.0).step_s) / per_op
+    assert charged == pytest.approx(25_442, rel=0.01)
+    model = load_config(["model=k2_tiny"]).model
+    parts = [opc.modelled_operators(model, "dense_layer"), *[opc.modelled_operators(model, "moe_layer", 8)] * 3,
+             opc.modelled_operators(model, "embedding"), opc.modelled_operators(model, "loss")]
+    assert charged == pytest.approx(8 * sum(map(sum, parts)) + unfused_operators(98), rel=1e-6)
+    with mock.patch.dict(opc.OPERATORS, {k: (0, 0) for k in opc.OPERATORS}):
+        gemms_only = (_tiny_step("single", 1e3).step_s - _tiny_step("single", 0.0).step_s) / per_op
+    assert gemms_only < 0.35 * charged
+    # a part's own measured cost per operator (profile operator_us) prices that part's operators
+    base = _tiny_step("single", 30.0)
+    own = _tiny_step("single", 30.0, operator_us={"loss": 130.0, "optimizer": 20.0})
+    loss_ops = sum(opc.modelled_operators(model, "loss"))
+    assert own.breakdown["optimizer"] - base.breakdown["optimizer"] == pytest.approx(-10e-6 * unfused_operators(98))
+    assert own.step_s - base.step_s == pytest.approx(8 * loss_ops * 100e-6 - 10e-6 * unfused_operators(98), rel=1e-3)
+    # the schedule's own work: per microbatch and virtual stage, and once per step
+    sched = _tiny_step("single", 30.0, microbatch_overhead_us=1000.0, step_overhead_us=5000.0)
+    assert sched.breakdown["schedule"] == pytest.approx(8 * 1e-3 + 5e-3)
+    assert sched.step_s - base.step_s == pytest.approx(8 * 1e-3 + 5e-3)
+    # pp2: the busiest rank charges its half of the layers, the other rank's wait is the bubble
+    pp2 = _tiny_step("pp2", 30.0, world=2)
+    assert pp2.breakdown["bubble"] > 0 and pp2.step_s < _tiny_step("single", 30.0).step_s
 
 
 def test_hardware_profiles_name_a_source_for_every_number():
@@ -152,6 +202,19 @@ def test_published_runs_are_stated_and_compared():
         assert abs(r["error"]) < 0.4, r  # today's errors: docs/performance_model.md
         assert r["what_if"]
     assert rows["deepseek_v3_2048_h800"]["breakdown_s"]["ep_comm"] == 0
+    # DeepSeek-V3 published GPU-hours: its step is compared over the plan's expected goodput (< 1)
+    h800 = rows["deepseek_v3_2048_h800"]
+    assert h800["published_figure"] == "gpu_hours" and 0.9 < h800["goodput"] < 1
+    assert h800["predicted_step_s"] == pytest.approx(h800["step_s"] / h800["goodput"])
+    assert rows["deepseek_v3_1024_h100_megatron_fp8"]["goodput"] == 1
+    # AutoModel's 4 gradient-accumulation steps are 4 pipeline flushes: 4 fills and drains, not 1
+    from k2.launcher.planning.published import compare_run, published_runs
+
+    run = next(r for r in published_runs() if r["name"] == "deepseek_v3_1024_h100_automodel_bf16")
+    one_flush = compare_run(run, ["plan.what_if.pipeline_flushes=1"])
+    auto = rows["deepseek_v3_1024_h100_automodel_bf16"]
+    assert 3 < auto["breakdown_s"]["bubble"] / one_flush["breakdown_s"]["bubble"] < 5
+    assert "flushes4" in auto["what_if"]
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["breakdown_s"]["ep_comm"] > 5
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["gpus"] == 1024
     assert "deepseek_v3_2048_h800" in format_published(list(rows.values()))
