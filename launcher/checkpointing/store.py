@@ -34,8 +34,8 @@ from k2.launcher.checkpointing.manifest import (
     write_manifest,
 )
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
+from k2.launcher.checkpointing.staging import gc_paused, needs_validation
 from k2.optim.build import leaf_optimizers
-from k2.parallel.distributed import all_reduce_int
 
 #: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.
 OPTIM_SHARDING = "dp_reshardable"
@@ -159,30 +159,6 @@ def agree(what: str, fn):
     return out
 
 
-_VALIDATED_STRUCTURE: list = []  # the structure of this process's last save whose sharding was validated
-
-
-def _needs_validation(sd) -> bool:
-    """Collective: whether megatron's sharding-integrity check (every tensor covered exactly once across
-    ranks: an all-gather of every shard's metadata and a check of it, about a fifth of the staging time
-    of a background save) must run for this sharded state dict: on the first save of the process and
-    whenever any rank's structure (keys, shapes, offsets, replica ids) differs from the last validated
-    one. The check depends on nothing else, so repeating it for an unchanged structure finds nothing."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    def shape(x):
-        return tuple(x) if x is not None else ()
-
-    structure = hash(tuple(sorted(
-        (str(v.key), shape(getattr(v, "global_shape", None)), shape(getattr(v, "global_offset", None)),
-         str(getattr(v, "replica_id", "")), shape(getattr(getattr(v, "data", None), "shape", None)))
-        for v in nested_values(sd) if hasattr(v, "key"))))
-    if all_reduce_int(int(_VALIDATED_STRUCTURE != [structure]), "max"):
-        _VALIDATED_STRUCTURE[:] = [structure]
-        return True
-    return False
-
-
 def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, writer_class=None):
     """Collective, first half of a save: create ``iter_<step>.partial`` and plan megatron's write of
     the model, optimizer and RNG tensors into it (``dist_checkpointing.save(...,
@@ -229,12 +205,13 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
         if writer_class is not None:
             filesystem_async.FileSystemWriterAsync = writer_class
         try:
-            return dist_checkpointing.save(sd, str(partial), validate_access_integrity=_needs_validation(sd),
+            return dist_checkpointing.save(sd, str(partial), validate_access_integrity=needs_validation(sd),
                                            async_sharded_save=True, async_strategy="mcore")
         finally:
             filesystem_async._results_queue, filesystem_async.FileSystemWriterAsync = shared, writer
 
-    request = agree(f"saving checkpoint step {step} into {partial}", plan)
+    with gc_paused():
+        request = agree(f"saving checkpoint step {step} into {partial}", plan)
     return partial, final, request
 
 

@@ -1,9 +1,10 @@
 """What a save costs the training loop: the background writer copies views after the fork
 (``_copy_views``), since the rank no longer does, and megatron's sharding-integrity check runs once per
-structure (``_needs_validation``)."""
+structure (``needs_validation``), with the garbage collector paused while the save is planned."""
 
 import io
 
+import pytest
 import torch
 
 from k2.launcher.checkpointing.background import _copy_views, _snapshot_writer_class
@@ -87,11 +88,31 @@ def test_the_writer_copies_views_after_a_fork_from_a_rank_that_used_its_thread_p
 def test_sharding_is_validated_on_the_first_save_and_when_the_structure_changes():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from k2.launcher.checkpointing import store
+    from k2.launcher.checkpointing import staging
 
     def sd(rows):
         return {"w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(rows, 4)),
                 "b": ShardedTensor.from_rank_offsets("layer.b", torch.zeros(4))}
 
-    store._VALIDATED_STRUCTURE.clear()  # a fresh process
-    assert [store._needs_validation(sd(r)) for r in (3, 3, 3, 5, 5, 3)] == [True, False, False, True, False, True]
+    staging.VALIDATED_STRUCTURE.clear()  # a fresh process
+    assert [staging.needs_validation(sd(r)) for r in (3, 3, 3, 5, 5, 3)] == [True, False, False, True, False, True]
+
+
+def test_garbage_collection_is_paused_while_a_save_is_planned_and_restored_after():
+    import gc
+
+    from k2.launcher.checkpointing.staging import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("a failed plan")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left alone
+    finally:
+        gc.enable()
