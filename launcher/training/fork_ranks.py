@@ -39,7 +39,7 @@ from typing import Optional
 
 from k2.launcher.training.preemption import PEER_FAILED_ENV
 
-__all__ = ["launch", "main", "preimport"]
+__all__ = ["freeze_imported_objects", "launch", "main", "preimport"]
 
 #: the trainer's module: its ranks get the config composed once, before the fork
 TRAINER_MODULE = "k2.launcher.train"
@@ -79,6 +79,20 @@ def preimport() -> None:
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:
         raise RuntimeError(f"fork_ranks: threads running before the ranks were forked: {extra}")
+    freeze_imported_objects()
+
+
+def freeze_imported_objects() -> None:
+    """Move every object alive now (the imported modules: ~350k objects) out of the garbage
+    collector's reach (``gc.freeze``, the use its documentation gives for a process that forks workers):
+    each rank's full collections then scan only what the rank made (a full collection of the imported
+    objects costs ~0.25 s of CPU on a 2-core EPYC) and do not write to the shared pages (fewer
+    copy-on-write faults). Collected objects and results are unchanged; only imports are frozen, so
+    nothing the run creates is kept alive."""
+    import gc
+
+    gc.collect()  # (the garbage of the imports first: frozen, it would stay for the process's life)
+    gc.freeze()
 
 
 def _die_with_parent() -> None:

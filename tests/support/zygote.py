@@ -39,6 +39,7 @@ def _preimport() -> None:
         import k2.launcher.train  # noqa: F401
         import k2.launcher.training.trainer  # noqa: F401
         import k2.launcher.benchmarks.step  # noqa: F401
+    fork_ranks.freeze_imported_objects()  # (again: the imports above came after preimport's)
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
