@@ -25,6 +25,7 @@ SCRIPT) [ARGS...]`` (a free port on 127.0.0.1 when none is given).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -39,7 +40,7 @@ from typing import Optional
 
 from k2.launcher.training.preemption import PEER_FAILED_ENV
 
-__all__ = ["freeze_imported_objects", "launch", "main", "preimport"]
+__all__ = ["freeze_imported_objects", "imports_without_collection", "launch", "main", "preimport"]
 
 #: the trainer's module: its ranks get the config composed once, before the fork
 TRAINER_MODULE = "k2.launcher.train"
@@ -54,14 +55,9 @@ def preimport() -> None:
     Raises:
         RuntimeError: an import started a thread or initialised CUDA (forking would then be unsafe).
     """
-    import gc
     import warnings
 
-    # no collection while importing: the imports make ~350k objects that live for the whole process, and
-    # the full collections they trigger on the way rescan them again and again (~0.8 s of CPU per
-    # launch on a 2-core EPYC); freeze_imported_objects collects the imports' garbage once at the end
-    gc.disable()
-    with warnings.catch_warnings():
+    with imports_without_collection(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch
         # torch.optim's optimizers import torch._dynamo on their first construction (torch._compile's
@@ -84,7 +80,24 @@ def preimport() -> None:
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:
         raise RuntimeError(f"fork_ranks: threads running before the ranks were forked: {extra}")
-    freeze_imported_objects()
+
+
+@contextlib.contextmanager
+def imports_without_collection():
+    """Run the heavy imports (torch, megatron-core, the trainer) with the garbage collector off, then
+    freeze what is alive (:func:`freeze_imported_objects`). The imports make ~350k objects that live for
+    the whole process; the full collections they would trigger on the way rescan them again and again
+    (~0.8 s of CPU per process on a 2-core EPYC)."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        freeze_imported_objects()
+        if was_enabled:
+            gc.enable()
 
 
 def freeze_imported_objects() -> None:
@@ -98,7 +111,6 @@ def freeze_imported_objects() -> None:
 
     gc.collect()  # (the garbage of the imports first: frozen, it would stay for the process's life)
     gc.freeze()
-    gc.enable()
 
 
 def _die_with_parent() -> None:
