@@ -96,9 +96,12 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         exit_with_parent()  # no rank outlives k2-train (k2.launcher.training.launch)
     # imported here, not at the top: the trainer imports megatron-core (~6 s of CPU), which a process that
     # only checks the settings and starts the local ranks (or a sweep) does not need
-    from k2.launcher.checkpointing.store import CheckpointSaveError
-    from k2.launcher.training.step import TrainingDiverged
-    from k2.launcher.training.trainer import run
+    from k2.launcher.training.fork_ranks import imports_without_collection
+
+    with imports_without_collection():  # (a rank forked by fork_ranks has them already)
+        from k2.launcher.checkpointing.store import CheckpointSaveError
+        from k2.launcher.training.step import TrainingDiverged
+        from k2.launcher.training.trainer import run
 
     try:
         record = run(cfg, plan, env)

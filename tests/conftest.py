@@ -21,7 +21,16 @@ _CHILDREN_TMP = tempfile.mkdtemp(prefix="k2-tests-")
 os.environ["TMPDIR"] = _CHILDREN_TMP
 atexit.register(shutil.rmtree, _CHILDREN_TMP, True)
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+# Garbage collection in a test process: the imports (torch, megatron-core, transformers) and the tests'
+# models leave ~300k+ long-lived objects that every full collection rescans (~0.2 s each; ~10% of the
+# CPU of the unit tests measured on a 2-core EPYC). A young collection every 10,000 allocations instead
+# of 700 (cyclic garbage still goes, a little later) and what is alive after collection frozen
+# (pytest_collection_finish) halve that.
+gc.set_threshold(10_000, 10, 10)
 
 import k2.parallel  # noqa: E402,F401 (before any test module imports megatron-core: k2.parallel.eager_fusions)
 
@@ -75,6 +84,13 @@ def _library_warning_filters():
 def pytest_collection_modifyitems(config, items):
     """Runs the heaviest test files first (stable: every other file keeps its collection order)."""
     items.sort(key=lambda item: -_HEAVY_FIRST.get(item.nodeid.split("::")[0], 0))
+
+
+def pytest_collection_finish(session):
+    """Freeze what the collection imported (modules, test items: alive for the whole session) out of the
+    garbage collector's scans (``gc.freeze``)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

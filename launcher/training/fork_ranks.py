@@ -25,6 +25,7 @@ SCRIPT) [ARGS...]`` (a free port on 127.0.0.1 when none is given).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -39,7 +40,7 @@ from typing import Optional
 
 from k2.launcher.training.preemption import PEER_FAILED_ENV
 
-__all__ = ["launch", "main", "preimport"]
+__all__ = ["freeze_imported_objects", "imports_without_collection", "launch", "main", "preimport"]
 
 #: the trainer's module: its ranks get the config composed once, before the fork
 TRAINER_MODULE = "k2.launcher.train"
@@ -56,7 +57,7 @@ def preimport() -> None:
     """
     import warnings
 
-    with warnings.catch_warnings():
+    with imports_without_collection(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch
         # torch.optim's optimizers import torch._dynamo on their first construction (torch._compile's
@@ -79,6 +80,37 @@ def preimport() -> None:
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:
         raise RuntimeError(f"fork_ranks: threads running before the ranks were forked: {extra}")
+
+
+@contextlib.contextmanager
+def imports_without_collection():
+    """Run the heavy imports (torch, megatron-core, the trainer) with the garbage collector off, then
+    freeze what is alive (:func:`freeze_imported_objects`). The imports make ~350k objects that live for
+    the whole process; the full collections they would trigger on the way rescan them again and again
+    (~0.8 s of CPU per process on a 2-core EPYC)."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        freeze_imported_objects()
+        if was_enabled:
+            gc.enable()
+
+
+def freeze_imported_objects() -> None:
+    """Move every object alive now (the imported modules: ~350k objects) out of the garbage
+    collector's reach (``gc.freeze``, the use its documentation gives for a process that forks workers):
+    each rank's full collections then scan only what the rank made (a full collection of the imported
+    objects costs ~0.25 s of CPU on a 2-core EPYC) and do not write to the shared pages (fewer
+    copy-on-write faults). Collected objects and results are unchanged; only imports are frozen, so
+    nothing the run creates is kept alive."""
+    import gc
+
+    gc.collect()  # (the garbage of the imports first: frozen, it would stay for the process's life)
+    gc.freeze()
 
 
 def _die_with_parent() -> None:

@@ -321,9 +321,10 @@ DP_RESUME = ["optim=muonclip", "optim.muon_fp32_matmul_prec=highest", "train.eva
 
 @pytest.fixture(scope="module")
 def dp_references(tmp_path_factory, stdlib_corpus):
-    """6 steps at DP=1 and at DP=2 (PP1), each with a checkpoint at step 3: {dp: (run dir, records)}."""
+    """6 steps at DP=1 and at DP=2 (PP1), each with a checkpoint at step 3 (the only one: the resumes
+    start there): {dp: (run dir, records)}."""
     root = tmp_path_factory.mktemp("dp")
-    base = [*DP_RESUME, "train.save_interval=3", "train.iters=6"]
+    base = [*DP_RESUME, "train.save_interval=3", "train.iters=6", "checkpoint.save_at_end=false"]
     return {dp: (root / f"dp{dp}", run_trainer(base, dp, root / f"dp{dp}")) for dp in (1, 2)}
 
 

@@ -13,7 +13,8 @@ from support.distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["train.iters=2", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=3"]  # no warmup
+COMMON = ["train.iters=2", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=3",
+          "checkpoint.save_at_end=false"]  # no warmup; no checkpoint
 
 
 def test_zero_token_ep_rank(tmp_path, stdlib_corpus):

@@ -23,8 +23,15 @@ RUN = ["parallel=single", "model.hidden_dropout=0.1", "model.attention_dropout=0
        "{name:long,steps:3,lr_style:constant,seq_length:512}]"]
 
 
-def test_resume_restores_rng_and_data_position_across_a_context_switch(tmp_path, stdlib_corpus):
-    ref = run_trainer([*RUN, "train.iters=5"], 1, tmp_path / "ref")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, stdlib_corpus):
+    """The 5-step run straight (no checkpoint: nothing resumes from it): (run dir, records)."""
+    run_dir = tmp_path_factory.mktemp("rng") / "ref"
+    return run_dir, run_trainer([*RUN, "train.iters=5", "checkpoint.save_at_end=false"], 1, run_dir)
+
+
+def test_resume_restores_rng_and_data_position_across_a_context_switch(reference, tmp_path):
+    ref = reference[1]
     assert [(r["step"], r["seq_length"]) for r in ref] == [(1, 128), (2, 128), (3, 512), (4, 512), (5, 512)]
     first = run_trainer([*RUN, "train.iters=3"], 1, tmp_path / "run")
     assert [r["loss"] for r in first] == [r["loss"] for r in ref[:3]]
@@ -36,13 +43,11 @@ def test_resume_restores_rng_and_data_position_across_a_context_switch(tmp_path,
             (want["loss"], want["grad_norm"], want["consumed_tokens"]), (got, want)
 
 
-def test_optimizer_params_table_covers_every_parameter(tmp_path, stdlib_corpus):
+def test_optimizer_params_table_covers_every_parameter(reference):
     """``<run.dir>/optimizer_params.txt`` (docs/optimizer.md): one row per parameter pattern with its
     count and shape; the rows add up to the model's closed-form parameter count, and its total line
-    names the same number."""
-    run_trainer(["parallel=single", "train.iters=1", "train.eval_interval=0", "checkpoint.save_at_end=false"],
-                1, tmp_path / "run")
-    lines = (tmp_path / "run" / "optimizer_params.txt").read_text().splitlines()
+    names the same number. (The reference run's: dropout and the batch do not change the parameters.)"""
+    lines = (reference[0] / "optimizer_params.txt").read_text().splitlines()
     rows = [x.split() for x in lines[1:] if x and not x.startswith("elements:")]
     total = 0
     for name, count, shape, optimizer, *_ in rows:

@@ -18,7 +18,7 @@ from support.distributed import trainer_env
 
 # a short CPU version of recipes/experiment/sparsity_sweep.yaml: one rank, 8 steps of 4 sequences per point
 SHORT = ["+experiment=sparsity_sweep", "parallel=single", "train.iters=8", "schedule.global_batch_tokens=512",
-         "train.eval_interval=4", "train.eval_iters=1", "train.save_interval=2", "train.progress=false", "run.wandb.mode=disabled",
+         "train.eval_interval=4", "train.eval_iters=1", "train.progress=false", "run.wandb.mode=disabled",
          "sweep.val_loss_target=8.25"]
 
 
