@@ -33,11 +33,8 @@ from k2.config.errors import ConfigError
 from k2.launcher.benchmarks.common import bench_options
 
 _DEFAULTS = {
-    # the bytes in few, large tensors, as in K2 (an expert matrix there is 7168 x 2048): megatron's planning
-    # costs per tensor, the write per byte, so 64 experts of width 1024 (the same bytes in 4x the tensors)
-    # put the background save's stall at 0.12x the synchronous one's instead of 0.09x here
-    "moe_experts": 16,  # experts per MoE layer (k2_tiny: 8)
-    "moe_ffn": 4096,  # expert width (k2_tiny: 64): ~75 M parameters, ~1.2 GB per checkpoint
+    "moe_experts": 64,  # experts per MoE layer (k2_tiny: 8)
+    "moe_ffn": 1024,  # expert width (k2_tiny: 64): ~75 M parameters, ~1.2 GB per checkpoint
     "iters": 10,  # steps per run
     "save_interval": 4,  # a save every N steps
     "timeout": 1800,  # seconds per run
