@@ -171,7 +171,7 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
         _writer_started()
         rank, write_buckets, *rest = args
         write_fn(rank, _copy_views(write_buckets), *rest, **kwargs)
-        report.put(shard_entries(partial, args[1]))
+        report.put(shard_entries(partial, write_buckets))
     except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it at finalize
         try:
             report.put(e)
@@ -244,15 +244,14 @@ class BackgroundSaver:
         Raises:
             CheckpointSaveError: a writer failed (every rank raises; ``latest`` is unchanged).
         """
+        if blocking:  # (polls below until the commit, keeping the hang watchdog informed)
+            self._wait_for_writers()
+            return
         if self.in_flight is None:
             return
-        if blocking:
-            self._wait_for_writers()
         flight = self.in_flight
-        if flight is None:
-            return
         try:
-            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+            done = self.queue.maybe_finalize_async_calls(blocking=False)
         except CheckpointSaveError:
             self._forget()
             raise

@@ -37,8 +37,6 @@ def needs_validation(sd) -> bool:
     return False
 
 
-
-
 @contextlib.contextmanager
 def gc_paused():
     """Python's cyclic garbage collector off for the block: planning a save allocates ~10^5 small

@@ -33,7 +33,7 @@ PEER_FAILED_ENV = "K2_PEER_FAILED_FILE"
 
 def peer_failure() -> Optional[str]:
     """In a rank: the line naming the rank whose failure made its launcher stop this one (e.g. ``rank 2
-    was killed by signal 9 (SIGKILL)``), or None (not launched by :func:`launch`, or no rank failed)."""
+    was killed by signal 9 (SIGKILL)``), or None (not forked by :func:`k2.launcher.training.fork_ranks.launch`, or no rank failed)."""
     path = os.environ.get(PEER_FAILED_ENV)
     try:
         return Path(path).read_text().strip() or None if path else None
