@@ -15,9 +15,9 @@ Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens
   profile's achieved memory bandwidth, plus a launch cost per operator (:data:`OPERATORS`, counted on
   k2-train's modules, forward and backward apart); the backward of an element-wise kernel reads its
   saved input and the output gradient and writes the input gradient: 1.5 x the forward's bytes. The
-  word embedding on the first stage (its gather, its dense gradient). Real kernels are slower than this roofline (unfused FP32 upcasts,
-  several passes): a GPU profile's ``nongemm_share`` (0.27: DeepSeek-V3's published training profile)
-  sets the least share of a pass's compute stream they take.
+  first stage adds the word embedding (its gather, its dense gradient). Real kernels are slower than
+  this roofline (unfused FP32 upcasts, several passes): a GPU profile's ``nongemm_share`` (0.27:
+  DeepSeek-V3's published training profile) sets the least share of a pass's compute stream they take.
 * **EP all-to-all**: dispatch and combine per MoE layer in the forward and again in the backward
   (:func:`k2.launcher.planning.comm.ep_alltoall`). Overlap rule: the trainer's schedule (megatron's
   (interleaved) 1F1B with the ``alltoall`` dispatcher) runs them on the compute stream between the
@@ -288,7 +288,8 @@ class _StageModel:
         if share <= 0:
             return
         for ph in ("F", "B"):
-            gemm = out[ph].get("gemm", 0.0) + out[ph].get("attention", 0.0) + (out["W"].get("gemm", 0.0) if ph == "B" else 0.0)
+            gemm = (out[ph].get("gemm", 0.0) + out[ph].get("attention", 0.0)
+                    + (out["W"].get("gemm", 0.0) if ph == "B" else 0.0))
             out[ph]["non_gemm"] = max(out[ph].get("non_gemm", 0.0), share / (1 - share) * gemm)
 
     def _node_limit(self) -> int | None:
@@ -427,7 +428,8 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     # per pipeline flush (what-if pipeline_flushes; a flush keeps at least pp microbatches)
     flushes = max(1, min(wi.pipeline_flushes, num_microbatches // dims.pp))
     m = -(-num_microbatches // flushes)
-    m_sim = m if max_microbatches is None or m <= max_microbatches else max(dims.pp, max_microbatches // dims.pp * dims.pp)
+    m_sim = (m if max_microbatches is None or m <= max_microbatches
+             else max(dims.pp, max_microbatches // dims.pp * dims.pp))
     sim = simulate(dims.pp, dims.vpp, m_sim, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
                    p2p_time=p2p if dims.pp > 1 else 0.0, activation_bytes=activation_bytes)
     period = [sum(F[v * dims.pp + r] + B[v * dims.pp + r] + W[v * dims.pp + r] for v in range(dims.vpp))
