@@ -91,6 +91,21 @@ def system_info() -> dict[str, Any]:
     }
 
 
+def best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    """Seconds of the fastest of ``repeats`` timed calls of ``fn`` after one untimed call, each timed up to
+    ``sync()`` returning (a device synchronisation, or nothing on a CPU): the fastest call is the
+    machine's capability, the least disturbed by other load."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def time_calls(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, cuda: bool) -> dict[str, float]:
     """Median wall time in ms of each function; calls are interleaved round-robin so that drifts in
     clock/thermal state hit every function alike."""

@@ -28,11 +28,10 @@ import datetime
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from k2.launcher.benchmarks.common import bench_options, check_minimums
+from k2.launcher.benchmarks.common import bench_options, best_time, check_minimums
 
 _DEFAULTS = {
     "threads": 0,  # CPU threads of the measurements; 0 = os.cpu_count() // ranks (what a k2-train rank gets)
@@ -44,17 +43,6 @@ _DEFAULTS = {
     "operators": True,  # CPU: the per-operator cost on the main job's MoE layer (false: a bare autograd chain)
 }
 
-
-def _best_time(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return min(times)  # best of n: the machine's capability, least disturbed by other load
 
 
 def _cpu_name() -> str:
@@ -86,7 +74,7 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
         def gemm_rate(m, k, n, batch=1):
             a = torch.randn(batch, m, k, device=dev, dtype=dtype)
             b = torch.randn(batch, k, n, device=dev, dtype=dtype)
-            t = _best_time(lambda: torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0]), repeats, sync)
+            t = best_time(lambda: torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0]), repeats, sync)
             return 2 * batch * m * k * n / t / 1e12
 
         size = gemm_size or (8192 if cuda else 1024)
@@ -98,7 +86,7 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
         n = (1 << 28) if cuda else (1 << 24)
         x = torch.empty(n, device=dev, dtype=torch.float32)
         y = torch.empty_like(x)
-        copy = _best_time(lambda: y.copy_(x), repeats, sync)
+        copy = best_time(lambda: y.copy_(x), repeats, sync)
         memory_gbps = 2 * 4 * n / copy / 1e9
         # one operator's cost on the training path: 200 small element-wise ops, forward + backward
         w = torch.randn(64, device=dev, requires_grad=True)
@@ -111,7 +99,7 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
             z.sum().backward()
 
         # 200 operators forward, each with its backward node (~1.5 kernels): 2.5 kernels share the cost
-        launch_us = _best_time(chain, repeats, sync) / 200 / 2.5 * 1e6
+        launch_us = best_time(chain, repeats, sync) / 200 / 2.5 * 1e6
         # a CPU's GEMM rate depends on the shape through its blocking, which the kernel model does not
         # describe (no tiles): the rate at the job's own shapes (their median) is the profile's
         rate = statistics.median(v for k, v in by_shape.items() if k != f"{size}x{size}x{size}") if shapes else ceiling
@@ -175,9 +163,9 @@ def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: 
     nbytes = (256 << 20) if cuda else (8 << 20)
     x = torch.ones(nbytes // 4, device=dev)
     parts = [torch.empty_like(x) for _ in range(world)]
-    ag = _best_time(lambda: (dist.all_gather(parts, x), dist.barrier()), repeats, sync)
+    ag = best_time(lambda: (dist.all_gather(parts, x), dist.barrier()), repeats, sync)
     rs_out = torch.empty(nbytes // 4 // world, device=dev)
-    rs = _best_time(lambda: dist.reduce_scatter_tensor(rs_out, x) if cuda else
+    rs = best_time(lambda: dist.reduce_scatter_tensor(rs_out, x) if cuda else
                       dist.all_reduce(x), repeats, sync)
 
     def ping(t):
@@ -189,9 +177,9 @@ def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: 
             dist.send(t, 0)
 
     small = torch.ones(1, device=dev)
-    lat = _best_time(lambda: ping(small), repeats * 3, sync) / 2
+    lat = best_time(lambda: ping(small), repeats * 3, sync) / 2
     big = torch.ones((4 << 20) // 4, device=dev)
-    p2p = _best_time(lambda: ping(big), repeats, sync) / 2
+    p2p = best_time(lambda: ping(big), repeats, sync) / 2
     dist.destroy_process_group()
     if rank == 0:
         n = world

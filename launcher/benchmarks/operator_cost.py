@@ -41,6 +41,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+from k2.launcher.benchmarks.common import best_time
 from k2.model.kernels import KernelRates, gemm_seconds
 
 #: the parts measured (module docstring)
@@ -135,16 +136,8 @@ def _gemm_seconds(gemms: list, repeats: int, sync) -> tuple[float, float]:
     for (m, k, n, b), count in Counter(gemms).items():
         x, y = torch.randn(b, m, k), torch.randn(b, k, n)
         fn = (lambda: torch.bmm(x, y)) if b > 1 else (lambda: torch.mm(x[0], y[0]))
-        fn()
-        best = float("inf")
-        for _ in range(repeats):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t)
         flops += count * 2.0 * b * m * k * n
-        seconds += count * best
+        seconds += count * best_time(fn, repeats, sync)
     return flops, seconds
 
 
