@@ -39,7 +39,9 @@ class WhatIfConfig:
     none of them (launcher/planning/step_time.py)."""
 
     fp8_gemm: bool = False  # GEMMs at the profile's FP8 rate (DeepSeek-V3, Megatron FP8 recipes)
-    fsdp: bool = False  # DP gathers / reductions overlapped with compute (FSDP, megatron's overlap flags)
+    # FSDP2 under torch's pipelining (NeMo AutoModel): per pipeline flush the gradients are reduce-scattered
+    # (exposed) and the parameters gathered again (overlapped but for the first layer's)
+    fsdp: bool = False
     dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
     deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
     node_limit: Optional[int] = None  # node-limited routing: a token goes to at most this many nodes
@@ -49,6 +51,9 @@ class WhatIfConfig:
     # tensor parallelism of a published run: each planned GPU stands for a TP group of this many GPUs (rates
     # and links x tp, sequence-parallel gathers per layer; plan it with cluster.gpus_per_node / tp)
     tp: int = 1
+    # multi-token-prediction modules on the stage holding the loss (DeepSeek-V3, arXiv 2412.19437 section
+    # 2.2: a [2h -> h] projection, one transformer block, the shared output head again, per token)
+    mtp_layers: int = 0
 
 
 @dataclass

@@ -39,11 +39,12 @@ The pipeline: megatron's (interleaved) 1F1B order simulated with these per-stage
 (with the DualPipe what-if, DualPipe's bubble ``(PP/2 - 1)(F&B + B - 3W)``, arXiv 2412.19437 table 2).
 After the pipeline: the **DP gradient reduce-scatter** (FP32, megatron's ZeRO-1 buffers) and **parameter
 all-gather** (BF16), exposed (``overlap_grad_reduce`` / ``overlap_param_gather`` are off in ``k2-train``;
-the ``fsdp`` what-if overlaps them with compute), and the **optimizer step**
+the ``fsdp`` what-if: per pipeline flush, :func:`fsdp_exposed`), and the **optimizer step**
 (:mod:`k2.launcher.planning.optimizer_time`).
 
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
-them): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (DP traffic overlapped with compute), ``dualpipe``,
+them; :mod:`k2.launcher.planning.what_if`): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (FSDP2 under
+torch's pipelining: :func:`fsdp_exposed`), ``dualpipe``,
 ``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
 ``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
 that many pipeline schedules, each with its own fill and drain).
@@ -54,12 +55,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from k2.launcher.planning.comm import crosses_nodes, ep_alltoall, host_copy_seconds, p2p_seconds, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.operator_counts import ATTENTION_KERNELS, OPERATORS
 from k2.launcher.planning.optimizer_time import optimizer_time
+from k2.launcher.planning.what_if import WhatIf, tp_group_profile
 from k2.model.kernels import KernelRates, attention_seconds, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 from k2.schedules.pipeline_sim import simulate
 
@@ -69,50 +69,6 @@ BACKWARD_BYTES_FACTOR = 1.5
 _DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
 TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
-
-
-@dataclass(frozen=True)
-class WhatIf:
-    """``plan.what_if.*``: settings of published runs the trainer does not have (module docstring)."""
-
-    fp8_gemm: bool = False
-    fsdp: bool = False
-    dualpipe: bool = False
-    deepep: bool = False
-    node_limit: int | None = None
-    tp: int = 1
-    pipeline_flushes: int = 1
-
-    @classmethod
-    def from_config(cls, cfg) -> "WhatIf":
-        sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
-        return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
-                   sel("node_limit", None), int(sel("tp", 1)),
-                   int(sel("pipeline_flushes", 1) or 1))
-
-    def labels(self) -> list[str]:
-        return [k for k in ("fp8_gemm", "fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
-            [f"tp{self.tp}"] if self.tp > 1 else []) + (
-            [f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else [])
-
-
-def tp_group_profile(profile: HardwareProfile, tp: int) -> HardwareProfile:
-    """``plan.what_if.tp``: a TP group of ``tp`` GPUs planned as one device: every rate, bandwidth and
-    compute unit x ``tp`` (the group splits each GEMM's width and sends through ``tp`` NICs)."""
-    import dataclasses
-
-    x = float(tp)
-    return dataclasses.replace(
-        profile, gemm_bf16_tflops=profile.gemm_bf16_tflops * x, gemm_fp8_tflops=profile.gemm_fp8_tflops * x,
-        gemm_fp32_tflops=profile.gemm_fp32_tflops * x if profile.gemm_fp32_tflops else None,
-        gemm_grouped_bf16_tflops=profile.gemm_grouped_bf16_tflops * x if profile.gemm_grouped_bf16_tflops else None,
-        gemm_grouped_fp8_tflops=profile.gemm_grouped_fp8_tflops * x if profile.gemm_grouped_fp8_tflops else None,
-        attention_tflops=profile.attention_tflops * x, memory_gbps=profile.memory_gbps * x,
-        compute_units=profile.compute_units * tp if profile.compute_units else None,
-        nvlink_alltoall_gbps=profile.nvlink_alltoall_gbps * x, nvlink_gbps=profile.nvlink_gbps * x,
-        nvlink_collective_gbps=profile.nvlink_collective_gbps * x, network_gbps=profile.network_gbps * x,
-        network_alltoall_gbps=profile.network_alltoall_gbps * x,
-        network_collective_gbps=profile.network_collective_gbps * x, host_gbps=profile.host_gbps * x)
 
 
 @dataclass
@@ -455,11 +411,17 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     expert = sum(counts.moe_pattern[i] for i in layers) * counts.routed_experts // dims.ep
     dense = per_gpu - expert
     cross = crosses_nodes(world_span, profile)
-    rs = (ring_seconds(4 * dense, dims.dp, cross, profile) + ring_seconds(4 * expert, dims.expert_dp, cross, profile))
+    # bytes per parameter: ZeRO-1's FP32 gradient buffers, BF16 parameters; FSDP as AutoModel ran it: the
+    # dense gradients reduced in FP32 (reduce_dtype), the experts' in their BF16 dtype (no mixed-precision
+    # policy on their fully_shard), both gathered in BF16 (fsdp_exposed)
+    rs = (ring_seconds(4 * dense, dims.dp, cross, profile)
+          + ring_seconds((2 if wi.fsdp else 4) * expert, dims.expert_dp, cross, profile))
     ag = (ring_seconds(2 * dense, dims.dp, cross, profile) + ring_seconds(2 * expert, dims.expert_dp, cross, profile))
-    if wi.fsdp:  # gathers prefetched and reductions overlapped with the stage's compute
-        rs, ag = _hide_behind(rs, sum(B[v * dims.pp + busiest] for v in range(dims.vpp)) * m), \
-            _hide_behind(ag, sum(F[v * dims.pp + busiest] for v in range(dims.vpp)) * m)
+    if wi.fsdp:
+        fwd = -(-num_microbatches // flushes) * sum(
+            sum(x for k, x in kinds[v * dims.pp + busiest]["F"].items() if k not in ("ep_comm", "offload"))
+            for v in range(dims.vpp))
+        rs, ag = fsdp_exposed(rs, ag, flushes=flushes, layers=len(layers), forward_compute_s=fwd)
     breakdown["dp_grad_reduce_scatter"] = rs
     breakdown["dp_param_all_gather"] = ag
     nrates = profile.part_rates(profile.rates("bf16" if precision != "fp32" else "fp32"), "optimizer")
@@ -474,6 +436,33 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     step = makespan + rs + ag + opt.total + profile.step_overhead_us * 1e-6
     return StepTime(step_s=step, breakdown=breakdown, F=F, B=B, W=W, p2p_s=p2p, sim=sim, makespan=makespan,
                     recompute_s=breakdown["recompute"], what_if=wi.labels())
+
+
+def fsdp_exposed(reduce_scatter_s: float, all_gather_s: float, *, flushes: int, layers: int,
+                 forward_compute_s: float) -> tuple[float, float]:
+    """Exposed seconds of FSDP2's DP traffic per step under torch's pipelining, as NeMo AutoModel runs it
+    (``plan.what_if.fsdp``): ``(reduce_scatter, all_gather)``.
+
+    Args:
+        reduce_scatter_s, all_gather_s: one reduce-scatter of the PP rank's gradients and one all-gather of
+            its parameters (seconds, all its virtual stages).
+        flushes: pipeline schedules per optimizer step (``schedule.step()`` per gradient-accumulation step).
+        layers: layers on the PP rank (FSDP2 units: one per transformer block and one per block's experts).
+        forward_compute_s: the rank's forward compute in one flush, all-to-alls excluded (they share the
+            NICs with the DP traffic).
+
+    Rules (torch.distributed.pipelining, ``stage.py`` ``perform_reduce_grad`` / earlier releases
+    ``backward_maybe_with_nosync``; FSDP2 ``_root_post_backward_final_callback``): within a schedule no
+    gradient is reduced and no parameter resharded (``set_requires_gradient_sync(False)``,
+    ``set_reshard_after_backward(False)``; AutoModel shards with ``reshard_after_forward=False`` under
+    PP); after each stage's last backward of the schedule its gradients are reduce-scattered and its
+    parameters resharded, and the compute stream waits for the reductions: **every flush's reduce-scatter
+    is exposed**. The next flush all-gathers the parameters again, unit by unit on FSDP2's all-gather stream
+    while earlier kernels run: **exposed are the first unit's gather** (one layer's share, nothing queued
+    before it) **and what exceeds the flush's forward compute**.
+    """
+    first = all_gather_s / max(1, layers)
+    return flushes * reduce_scatter_s, flushes * (first + _hide_behind(all_gather_s - first, forward_compute_s))
 
 
 def _tensors(counts, layers, ep: int, emb: bool, loss: bool, q_lora: bool) -> int:
