@@ -104,3 +104,30 @@ def ring_seconds(nbytes: float, group: int, cross_node: bool, profile: HardwareP
 def host_copy_seconds(nbytes: float, profile: HardwareProfile) -> float:
     """A device <-> host copy of ``nbytes`` (offload) at the profile's host link rate."""
     return max(nbytes, 0.0) / (profile.host_gbps * 1e9)
+
+
+def fsdp_exposed(reduce_scatter_s: float, all_gather_s: float, *, flushes: int, layers: int,
+                 forward_compute_s: float) -> tuple[float, float]:
+    """Exposed seconds of FSDP2's DP traffic per step under torch's pipelining, as NeMo AutoModel runs it
+    (``plan.what_if.fsdp``): ``(reduce_scatter, all_gather)``.
+
+    Args:
+        reduce_scatter_s, all_gather_s: one reduce-scatter of the PP rank's gradients and one all-gather of
+            its parameters (seconds, all its virtual stages).
+        flushes: pipeline schedules per optimizer step (``schedule.step()`` per gradient-accumulation step).
+        layers: layers on the PP rank (FSDP2 units: one per transformer block and one per block's experts).
+        forward_compute_s: the rank's forward compute in one flush, all-to-alls excluded (they share the
+            NICs with the DP traffic).
+
+    Rules (torch.distributed.pipelining, ``stage.py`` ``perform_reduce_grad`` / earlier releases
+    ``backward_maybe_with_nosync``; FSDP2 ``_root_post_backward_final_callback``): within a schedule no
+    gradient is reduced and no parameter resharded (``set_requires_gradient_sync(False)``,
+    ``set_reshard_after_backward(False)``; AutoModel shards with ``reshard_after_forward=False`` under
+    PP); after each stage's last backward of the schedule its gradients are reduce-scattered and its
+    parameters resharded, and the compute stream waits for the reductions: **every flush's reduce-scatter
+    is exposed**. The next flush all-gathers the parameters again, unit by unit on FSDP2's all-gather stream
+    while earlier kernels run: **exposed are the first unit's gather** (one layer's share, nothing queued
+    before it) **and what exceeds the flush's forward compute**.
+    """
+    first = all_gather_s / max(1, layers)
+    return flushes * reduce_scatter_s, flushes * (first + max(0.0, all_gather_s - first - forward_compute_s))

@@ -36,18 +36,20 @@ Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens
 
 The pipeline: megatron's (interleaved) 1F1B order simulated with these per-stage times
 (:func:`k2.schedules.pipeline_sim.simulate`); the **bubble** is the busiest PP rank's idle time in it
-(with the DualPipe what-if, DualPipe's bubble ``(PP/2 - 1)(F&B + B - 3W)``, arXiv 2412.19437 table 2).
+(with the DualPipe what-if, PP rank r runs stage r and stage PP - 1 - r, half the microbatches each, and
+DualPipe's bubble ``(PP/2 - 1)(F&B + B - 3W)``, arXiv 2412.19437 table 2).
 After the pipeline: the **DP gradient reduce-scatter** (FP32, megatron's ZeRO-1 buffers) and **parameter
 all-gather** (BF16), exposed (``overlap_grad_reduce`` / ``overlap_param_gather`` are off in ``k2-train``;
-the ``fsdp`` what-if: per pipeline flush, :func:`fsdp_exposed`), and the **optimizer step**
-(:mod:`k2.launcher.planning.optimizer_time`).
+the ``fsdp`` what-if: per pipeline flush, :func:`k2.launcher.planning.comm.fsdp_exposed`), and the
+**optimizer step** (:mod:`k2.launcher.planning.optimizer_time`).
 
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
 them; :mod:`k2.launcher.planning.what_if`): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (FSDP2 under
-torch's pipelining: :func:`fsdp_exposed`), ``dualpipe``,
+torch's pipelining: :func:`k2.launcher.planning.comm.fsdp_exposed`), ``dualpipe``,
 ``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
 ``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
-that many pipeline schedules, each with its own fill and drain).
+that many pipeline schedules, each with its own fill and drain), ``mtp_layers`` (multi-token-prediction
+modules on the stage holding the loss: :meth:`_StageModel.mtp`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from k2.launcher.planning.comm import crosses_nodes, ep_alltoall, host_copy_seconds, p2p_seconds, ring_seconds
+from k2.launcher.planning.comm import (crosses_nodes, ep_alltoall, fsdp_exposed, host_copy_seconds, p2p_seconds,
+                                      ring_seconds)
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.operator_counts import ATTENTION_KERNELS, OPERATORS
 from k2.launcher.planning.optimizer_time import optimizer_time
@@ -287,6 +290,25 @@ class _StageModel:
         self._nongemm_floor(out)
         return out
 
+    def mtp(self) -> dict:
+        """One multi-token-prediction module on the stage holding the loss (``plan.what_if.mtp_layers``;
+        DeepSeek-V3, arXiv 2412.19437 section 2.2): the next token's embedding gathered (2h), the RMSNorms
+        of it and of the hidden state (2 x 2h) and their concatenation (4h) in 4 operators, the projection
+        ``[T, 2h] x [2h, h]``, one MoE transformer block as the model's (its all-to-alls and recompute sites
+        included) and the shared output head and loss again (:meth:`loss`)."""
+        out = {"F": {}, "B": {}, "W": {}}
+        h = self.s["h"]
+        moe = [i for i, x in enumerate(self.fl.moe_pattern) if x]
+        nbytes = (2 + 4 + 4) * h * self.a * self.T
+        _add(out["F"], "non_gemm", elementwise_seconds(nbytes, 4, self.rates))
+        _add(out["B"], "non_gemm", elementwise_seconds(BACKWARD_BYTES_FACTOR * nbytes, 4, self.rates))
+        self._gemms([(2 * h, h)], out)
+        for part in (self.layer(moe[-1] if moe else 0), self.loss()):
+            for ph in out:
+                for k, v in part[ph].items():
+                    _add(out[ph], k, v)
+        return out
+
 
 def _stage_totals(model: _StageModel, layers: list[int], has_loss: bool, cache: dict,
                   has_embedding: bool = False) -> dict:
@@ -308,6 +330,10 @@ def _stage_totals(model: _StageModel, layers: list[int], has_loss: bool, cache: 
         if "loss" not in cache:
             cache["loss"] = model.loss()
         parts.append(cache["loss"])
+        if model.wi.mtp_layers:
+            if "mtp" not in cache:
+                cache["mtp"] = model.mtp()
+            parts += [cache["mtp"]] * model.wi.mtp_layers
     for p in parts:
         for ph in tot:
             for k, v in p[ph].items():
@@ -388,25 +414,26 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
              else max(dims.pp, max_microbatches // dims.pp * dims.pp))
     sim = simulate(dims.pp, dims.vpp, m_sim, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
                    p2p_time=p2p if dims.pp > 1 else 0.0, activation_bytes=activation_bytes)
-    period = [sum(F[v * dims.pp + r] + B[v * dims.pp + r] + W[v * dims.pp + r] for v in range(dims.vpp))
-              for r in range(dims.pp)]
+    held = [_stages_held(r, dims.pp, dims.vpp, wi.dualpipe) for r in range(dims.pp)]
+    period = [sum(w * (F[i] + B[i] + W[i]) for i, w in held[r]) for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: period[r])
     makespan = flushes * (sim.makespan + (m - m_sim) * period[busiest])
     m = num_microbatches
     busy = m * period[busiest]
     if wi.dualpipe and dims.pp > 1:  # DualPipe's bubble (table 2): (PP/2 - 1)(F&B + B - 3W), B the full backward
-        st = [v * dims.pp + busiest for v in range(dims.vpp)]
-        f, b, w = sum(F[i] for i in st), sum(B[i] + W[i] for i in st), sum(W[i] for i in st)
+        f, b, w = (sum(x * X[i] for i, x in held[busiest]) for X in (F, [p + q for p, q in zip(B, W)], W))
         makespan = busy + max(0.0, (dims.pp / 2 - 1) * (f + b + b - 3 * w))
     breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if wi.tp > 1 else ())}
-    for v in range(dims.vpp):
-        st = kinds[v * dims.pp + busiest]
+    for i, x in held[busiest]:
         for ph in ("F", "B", "W"):
-            for k, x in st[ph].items():
-                breakdown[k] += m * x
+            for k, y in kinds[i][ph].items():
+                breakdown[k] += m * x * y
     breakdown["bubble"] = makespan - busy
     # after the pipeline: DP traffic and the optimizer of the busiest PP rank's GPU
     layers, emb, loss = dims.pp_rank_contents(busiest)
+    if wi.dualpipe and dims.pp > 1:  # the rank keeps the parameters of both its stages (a second copy)
+        l2, e2, s2 = dims.pp_rank_contents(dims.pp - 1 - busiest)
+        layers, emb, loss = sorted(set(layers) | set(l2)), emb or e2, loss or s2
     per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
     expert = sum(counts.moe_pattern[i] for i in layers) * counts.routed_experts // dims.ep
     dense = per_gpu - expert
@@ -419,8 +446,7 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     ag = (ring_seconds(2 * dense, dims.dp, cross, profile) + ring_seconds(2 * expert, dims.expert_dp, cross, profile))
     if wi.fsdp:
         fwd = -(-num_microbatches // flushes) * sum(
-            sum(x for k, x in kinds[v * dims.pp + busiest]["F"].items() if k not in ("ep_comm", "offload"))
-            for v in range(dims.vpp))
+            w * sum(x for k, x in kinds[i]["F"].items() if k not in ("ep_comm", "offload")) for i, w in held[busiest])
         rs, ag = fsdp_exposed(rs, ag, flushes=flushes, layers=len(layers), forward_compute_s=fwd)
     breakdown["dp_grad_reduce_scatter"] = rs
     breakdown["dp_param_all_gather"] = ag
@@ -438,31 +464,15 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
                     recompute_s=breakdown["recompute"], what_if=wi.labels())
 
 
-def fsdp_exposed(reduce_scatter_s: float, all_gather_s: float, *, flushes: int, layers: int,
-                 forward_compute_s: float) -> tuple[float, float]:
-    """Exposed seconds of FSDP2's DP traffic per step under torch's pipelining, as NeMo AutoModel runs it
-    (``plan.what_if.fsdp``): ``(reduce_scatter, all_gather)``.
-
-    Args:
-        reduce_scatter_s, all_gather_s: one reduce-scatter of the PP rank's gradients and one all-gather of
-            its parameters (seconds, all its virtual stages).
-        flushes: pipeline schedules per optimizer step (``schedule.step()`` per gradient-accumulation step).
-        layers: layers on the PP rank (FSDP2 units: one per transformer block and one per block's experts).
-        forward_compute_s: the rank's forward compute in one flush, all-to-alls excluded (they share the
-            NICs with the DP traffic).
-
-    Rules (torch.distributed.pipelining, ``stage.py`` ``perform_reduce_grad`` / earlier releases
-    ``backward_maybe_with_nosync``; FSDP2 ``_root_post_backward_final_callback``): within a schedule no
-    gradient is reduced and no parameter resharded (``set_requires_gradient_sync(False)``,
-    ``set_reshard_after_backward(False)``; AutoModel shards with ``reshard_after_forward=False`` under
-    PP); after each stage's last backward of the schedule its gradients are reduce-scattered and its
-    parameters resharded, and the compute stream waits for the reductions: **every flush's reduce-scatter
-    is exposed**. The next flush all-gathers the parameters again, unit by unit on FSDP2's all-gather stream
-    while earlier kernels run: **exposed are the first unit's gather** (one layer's share, nothing queued
-    before it) **and what exceeds the flush's forward compute**.
-    """
-    first = all_gather_s / max(1, layers)
-    return flushes * reduce_scatter_s, flushes * (first + _hide_behind(all_gather_s - first, forward_compute_s))
+def _stages_held(rank: int, pp: int, vpp: int, dualpipe: bool) -> list[tuple[int, float]]:
+    """The virtual stages (index ``v * pp + rank``) a PP rank runs and the share of the microbatches each
+    takes: megatron's (interleaved) 1F1B, every microbatch through each of the rank's ``vpp`` stages;
+    DualPipe (``vpp`` 1), stage ``rank`` for the microbatches fed from one end and stage ``pp - 1 - rank``
+    for those fed from the other, half each (arXiv 2412.19437 section 3.2.1, figure 5: the shallowest
+    and the deepest layers, embedding and output head, on the same rank)."""
+    if dualpipe and pp > 1:
+        return [(rank, 0.5), (pp - 1 - rank, 0.5)]
+    return [(v * pp + rank, 1.0) for v in range(vpp)]
 
 
 def _tensors(counts, layers, ep: int, emb: bool, loss: bool, q_lora: bool) -> int:

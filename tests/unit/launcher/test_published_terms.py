@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 
 from k2.launcher.planning import step_time as stm
+from k2.launcher.planning.comm import fsdp_exposed
 
 
 def test_fsdp_reduce_scatter_every_flush_is_exposed_and_gathers_hide_but_the_first_layer():
     """FSDP2 under torch's pipelining: each flush's reduce-scatter exposed in full; each flush's all-gather
     exposed for its first layer's share and for what exceeds the forward compute."""
-    rs, ag = stm.fsdp_exposed(0.5, 0.2, flushes=4, layers=16, forward_compute_s=10.0)
+    rs, ag = fsdp_exposed(0.5, 0.2, flushes=4, layers=16, forward_compute_s=10.0)
     assert rs == pytest.approx(4 * 0.5)
     assert ag == pytest.approx(4 * 0.2 / 16)
     # gathers longer than the forward compute: the excess is exposed too
-    rs, ag = stm.fsdp_exposed(0.5, 2.0, flushes=1, layers=10, forward_compute_s=1.0)
+    rs, ag = fsdp_exposed(0.5, 2.0, flushes=1, layers=10, forward_compute_s=1.0)
     assert ag == pytest.approx(0.2 + (1.8 - 1.0))
 
 
@@ -35,3 +36,64 @@ def test_automodel_runs_recompute_whole_layers():
     assert 0.3 < fwd_share < 0.45
     assert without["breakdown_s"]["recompute"] == 0
     assert with_ac["step_s"] - without["step_s"] > 0.9 * b["recompute"]
+
+
+@pytest.fixture(scope="module")
+def k2():
+    """K2's config, parameter counts, FLOPs at 4K and the H800 profile."""
+    from k2.config import load_config
+    from k2.launcher.planning.analysis import cluster_profile
+    from k2.model.flops import flops_per_token
+    from k2.model.params import count_params
+
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu"])
+    return cfg, count_params(cfg), flops_per_token(cfg.model, 4096), cluster_profile(cfg)
+
+
+def _step(k2, layout: str, what_if: dict):
+    """K2 on 256 H800 at PP16 EP8 with ``layout`` and ``plan.what_if`` settings (128 microbatches)."""
+    from omegaconf import OmegaConf
+
+    from k2.parallel.dims import ParallelDims
+
+    cfg, counts, fl, profile = k2
+    c = OmegaConf.merge(cfg, {"parallel": {"pp": 16, "vpp": None, "ep": 8, "layout": layout},
+                              "plan": {"what_if": what_if}})
+    dims = ParallelDims.from_config(c.parallel, c.model, 256)
+    return stm.step_time(c, dims, counts, fl, tokens=4096, num_microbatches=128, recompute=[],
+                         profile=profile, max_microbatches=32), dims
+
+
+def test_mtp_module_adds_a_moe_block_the_projection_and_the_head_to_the_loss_stage(k2):
+    """plan.what_if.mtp_layers=1: the stage holding the loss gains one MoE block, the [2h -> h] projection
+    and the output head + loss again (arXiv 2412.19437 section 2.2); no other stage changes."""
+    layout = "Et|(tttt|)*14ttttL"
+    base, dims = _step(k2, layout, {})
+    mtp, _ = _step(k2, layout, {"mtp_layers": 1})
+    last = dims.pp - 1
+    assert [f for i, f in enumerate(mtp.F) if i != last] == [f for i, f in enumerate(base.F) if i != last]
+    # a stage of 4 MoE layers + the head: one more MoE layer, the head again and the projection (h = 7168)
+    cfg, _, fl, _ = k2
+    h = int(cfg.model.hidden_size)
+    layer_f = base.F[1] / 4  # stage 1 holds 4 MoE layers and nothing else
+    head_f = base.F[last] - 4 * layer_f
+    proj_f = 2 * 4096 * 2 * h * h / 795e12  # the [T, 2h] x [2h, h] GEMM at the BF16 ceiling
+    added = mtp.F[last] - base.F[last]
+    assert added == pytest.approx(layer_f + head_f + proj_f, rel=0.05)
+    assert mtp.B[last] - base.B[last] > 0.9 * (base.B[1] / 4)
+    two, _ = _step(k2, layout, {"mtp_layers": 2})
+    assert two.F[last] - base.F[last] == pytest.approx(2 * added)
+
+
+def test_dualpipe_rank_runs_stage_r_and_its_mirror_half_the_microbatches_each(k2):
+    """DualPipe (DualPipe's example: rank r holds full_modules[r] and full_modules[pp - 1 - r]): the
+    busiest rank's busy time is the largest mean of a stage and its mirror, not the largest stage; with a
+    layout whose first stage is light and last heavy, pairing them lowers the busy time."""
+    layout = "Et|(tttt|)*14ttttL"
+    st, dims = _step(k2, layout, {"dualpipe": True})
+    period = [st.F[i] + st.B[i] + st.W[i] for i in range(dims.pp)]
+    paired = max((period[r] + period[dims.pp - 1 - r]) / 2 for r in range(dims.pp))
+    assert st.makespan - st.breakdown["bubble"] == pytest.approx(128 * paired, rel=1e-9)
+    assert paired < max(period)  # the last stage alone (4 layers + the head) is the heaviest
+    compute = sum(v for k, v in st.breakdown.items() if k in ("gemm", "attention", "non_gemm", "recompute"))
+    assert compute == pytest.approx(128 * paired, rel=1e-6)
