@@ -97,3 +97,12 @@ def test_dualpipe_rank_runs_stage_r_and_its_mirror_half_the_microbatches_each(k2
     assert paired < max(period)  # the last stage alone (4 layers + the head) is the heaviest
     compute = sum(v for k, v in st.breakdown.items() if k in ("gemm", "attention", "non_gemm", "recompute"))
     assert compute == pytest.approx(128 * paired, rel=1e-6)
+
+
+def test_negative_mtp_layers_exits_2(capsys):
+    """plan.what_if.mtp_layers below 0: one error line naming the setting and the allowed values, exit 2."""
+    from k2.launcher.plan import main
+
+    assert main(["plan.what_if.mtp_layers=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plan.what_if.mtp_layers=-1" in err[0] and "integer >= 0" in err[0]
