@@ -431,7 +431,7 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     breakdown["bubble"] = makespan - busy
     # after the pipeline: DP traffic and the optimizer of the busiest PP rank's GPU
     layers, emb, loss = dims.pp_rank_contents(busiest)
-    if wi.dualpipe and dims.pp > 1:  # the rank keeps the parameters of both its stages (a second copy)
+    if wi.dualpipe and dims.pp > 1 and dims.vpp == 1:  # the rank keeps both its stages' parameters
         l2, e2, s2 = dims.pp_rank_contents(dims.pp - 1 - busiest)
         layers, emb, loss = sorted(set(layers) | set(l2)), emb or e2, loss or s2
     per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
@@ -469,8 +469,9 @@ def _stages_held(rank: int, pp: int, vpp: int, dualpipe: bool) -> list[tuple[int
     takes: megatron's (interleaved) 1F1B, every microbatch through each of the rank's ``vpp`` stages;
     DualPipe (``vpp`` 1), stage ``rank`` for the microbatches fed from one end and stage ``pp - 1 - rank``
     for those fed from the other, half each (arXiv 2412.19437 section 3.2.1, figure 5: the shallowest
-    and the deepest layers, embedding and output head, on the same rank)."""
-    if dualpipe and pp > 1:
+    and the deepest layers, embedding and output head, on the same rank); DualPipe has no virtual stages,
+    so with ``vpp`` > 1 the interleaved order stands."""
+    if dualpipe and pp > 1 and vpp == 1:
         return [(rank, 0.5), (pp - 1 - rank, 0.5)]
     return [(v * pp + rank, 1.0) for v in range(vpp)]
 
