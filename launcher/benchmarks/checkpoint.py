@@ -7,10 +7,13 @@ one benchmark run) of a model whose checkpoint is about ``1.2 GB`` by default: `
 a step stays short), AdamW (a checkpoint holds the parameters and the optimizer's copy and two moments:
 16 bytes per parameter in FP32). A save every ``save_interval`` steps, none at the end.
 
-Figures (``metrics.jsonl``): ``checkpoint_bytes`` (of one checkpoint), ``stall_sync_s`` / ``stall_async_s``
-(the loop's checkpoint time -- ``time_checkpoint_s`` at the last step -- per periodic save: writing
-and hashing for sync; staging, and the commit at a later step, for async) and their ratio
-``async_over_sync``; ``step_s`` (median step of the sync run, the first left out), ``overlapped_step_s``
+Figures (``metrics.jsonl``): ``checkpoint_bytes`` (of one checkpoint); ``stalls_sync_s`` /
+``stalls_async_s``, the loop's checkpoint time per periodic save (:func:`per_save_stalls`: writing and
+hashing for sync; staging, and the commit at a later step, for async); ``stall_sync_s`` /
+``stall_async_s`` and their ratio ``async_over_sync``: the mean over the saves from the third on, the
+steady state of a long run (a process's first save also checks the sharding, and its first two plan
+the save in full before megatron's cached plans apply: ``first_saves_async_over_sync``, the same ratio
+over those two); ``step_s`` (median step of the sync run, the first left out), ``overlapped_step_s``
 (median step of the async run while a write is in flight, ``checkpoint_in_flight``) and their ratio
 ``overlapped_slowdown``; ``background_write_s`` (staging to commit, from the async run's log).
 Published stalls for comparison: 148.8 s -> 6.3 s for a 7B model (megatron-core async
@@ -35,8 +38,8 @@ from k2.launcher.benchmarks.common import bench_options
 _DEFAULTS = {
     "moe_experts": 64,  # experts per MoE layer (k2_tiny: 8)
     "moe_ffn": 1024,  # expert width (k2_tiny: 64): ~75 M parameters, ~1.2 GB per checkpoint
-    "iters": 10,  # steps per run
-    "save_interval": 4,  # a save every N steps
+    "iters": 20,  # steps per run (a multiple of save_interval)
+    "save_interval": 4,  # a save every N steps: four timed, two of them in the steady state
     "timeout": 1800,  # seconds per run
 }
 _REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +64,17 @@ def _run(o: dict, async_save: bool, run_dir: Path) -> tuple[list[dict], str]:
     return [r for r in recs if r.get("step", 0) > 0], proc.stdout
 
 
+def per_save_stalls(recs: list[dict], interval: int, iters: int) -> list[float]:
+    """Seconds the loop spent on each periodic save but the last (at step ``iters``, which the end of
+    the run waits for): the growth of ``time_checkpoint_s`` (cumulative, in each step's record, which is
+    written before that step's save) from the save's step to the next save's step, so a background
+    save's commit, made at a later step, counts with its own save. ``recs``: the run's step records
+    (steps 1..``iters``)."""
+    cum = {r["step"]: r.get("time_checkpoint_s", 0.0) for r in recs}
+    steps = list(range(interval, iters + 1, interval))
+    return [cum[b] - cum[a] for a, b in zip(steps, steps[1:])]
+
+
 def bench_checkpoint(cfg) -> dict[str, Any]:
     """Save stall with ``checkpoint.async_save`` off and on, and the slowdown of overlapped steps, in
     one benchmark run (module docstring).
@@ -72,28 +86,29 @@ def bench_checkpoint(cfg) -> dict[str, Any]:
     for key in ("moe_experts", "moe_ffn", "save_interval", "timeout"):
         if o[key] < 1:
             raise ConfigError(f"bench.options.{key}={o[key]} must be >= 1")
-    if o["iters"] < 2 * o["save_interval"]:
-        raise ConfigError(f"bench.options.iters={o['iters']} must be >= 2 x bench.options.save_interval "
-                          f"({2 * o['save_interval']}): two saves")
-    saves = o["iters"] // o["save_interval"]
+    if o["iters"] < 4 * o["save_interval"] or o["iters"] % o["save_interval"]:
+        raise ConfigError(f"bench.options.iters={o['iters']} must be a multiple of bench.options.save_interval "
+                          f"({o['save_interval']}) and >= {4 * o['save_interval']}: three timed saves and a "
+                          f"last one")
     with tempfile.TemporaryDirectory(prefix="k2-bench-ckpt-") as tmp:
         sync, _ = _run(o, False, Path(tmp) / "sync")
         ckpt = Path(tmp) / "sync" / "checkpoints" / f"iter_{o['save_interval']:07d}"
         size = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
         asyn, log = _run(o, True, Path(tmp) / "async")
-    # the checkpoint time logged with the last step: every periodic save but one at the last step
-    periodic = saves - (1 if o["iters"] % o["save_interval"] == 0 else 0)
-    stall_sync = sync[-1]["time_checkpoint_s"] / periodic
-    stall_async = asyn[-1]["time_checkpoint_s"] / periodic
+    stalls_sync = per_save_stalls(sync, o["save_interval"], o["iters"])
+    stalls_async = per_save_stalls(asyn, o["save_interval"], o["iters"])
+    stall_sync, stall_async = statistics.mean(stalls_sync[2:]), statistics.mean(stalls_async[2:])
     step = statistics.median(r["step_time_s"] for r in sync[1:])
     overlapped = [r["step_time_s"] for r in asyn if r.get("checkpoint_in_flight")]
     writes = [float(x) for x in re.findall(r"checkpoint \S+ \(train.save_interval, ([\d.]+) s\)", log)]
     return {
         "checkpoint_bytes": size,
-        "saves_timed": periodic,
+        "stalls_sync_s": [round(x, 3) for x in stalls_sync],
+        "stalls_async_s": [round(x, 3) for x in stalls_async],
         "stall_sync_s": stall_sync,
         "stall_async_s": stall_async,
         "async_over_sync": stall_async / stall_sync,
+        "first_saves_async_over_sync": statistics.mean(stalls_async[:2]) / statistics.mean(stalls_sync[:2]),
         "step_s": step,
         "overlapped_steps": len(overlapped),
         "overlapped_step_s": statistics.median(overlapped) if overlapped else None,

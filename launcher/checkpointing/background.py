@@ -12,8 +12,9 @@ so the rank skips it (:func:`_snapshot_writer_class`) and the writer copies thos
 (:func:`_copy_views`), off the training loop. Peers that pass CPU tensors to a persistent worker
 through ``torch.multiprocessing`` move them into shared memory without a copy and got exactly that leak
 (nvidia-resiliency-ext PR #376); a persistent worker also held its memory between saves (Megatron-Bridge
-PR #359), and megatron's cached save structure is left off (``TorchDistSaveShardedStrategy``'s default)
-because a stale cache made later checkpoints copies of the first (NeMo-RL #3312). On a GPU megatron's
+PR #359). Cached save structures made later checkpoints copies of the first at a peer (NeMo-RL #3312):
+the cache used here holds plans only, never data, and is dropped whenever the structure changes
+(:func:`k2.launcher.checkpointing.staging.save_strategy`). On a GPU megatron's
 ``preload_fn`` first stages the tensors device -> host; on CPU they are already on the host.
 
 The writer ignores SIGTERM / SIGUSR1 / SIGINT (a preemption notice is for the rank, which decides when

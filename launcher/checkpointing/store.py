@@ -34,7 +34,7 @@ from k2.launcher.checkpointing.manifest import (
     write_manifest,
 )
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
-from k2.launcher.checkpointing.staging import gc_paused, needs_validation
+from k2.launcher.checkpointing.staging import gc_paused, needs_validation, save_strategy
 from k2.optim.build import leaf_optimizers
 
 #: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.
@@ -205,8 +205,10 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
         if writer_class is not None:
             filesystem_async.FileSystemWriterAsync = writer_class
         try:
-            return dist_checkpointing.save(sd, str(partial), validate_access_integrity=needs_validation(sd),
-                                           async_sharded_save=True, async_strategy="mcore")
+            changed = needs_validation(sd)
+            return dist_checkpointing.save(sd, str(partial), sharded_strategy=save_strategy(changed),
+                                           validate_access_integrity=changed, async_sharded_save=True,
+                                           async_strategy="mcore")
         finally:
             filesystem_async._results_queue, filesystem_async.FileSystemWriterAsync = shared, writer
 

@@ -228,8 +228,9 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
     started, so steps 3 and 4 update those states while it is written. The losses equal the synchronous
     reference's bitwise and every checkpoint's tensors (model and optimizer) equal the reference's: the
     fork took step 2's state (a writer that read the live tensors would have written step 3's or 4's).
-    Resuming from the asynchronous step-4 checkpoint equals the reference (itself resumed bitwise from
-    a synchronous one, test_bitwise_resume_cpu4_once_and_twice)."""
+    Resuming from the asynchronous step-6 checkpoint equals the uninterrupted reference: the third save
+    of a process reuses megatron's cached save plans (``staging.save_strategy``), so this also checks
+    that a save planned from the cache restores its own step's state."""
     ref_dir, ref = cpu4_reference
     run_dir = tmp_path / "run"
     out = tmp_path / "stdout.txt"
@@ -247,10 +248,10 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
         assert got.keys() == want.keys() and any("optimizer" in k for k in want)
         bad = [k for k in want if not torch.equal(got[k], want[k])]
         assert not bad, (name, bad[:5])
-    resumed = run_trainer([*CPU4, "train.iters=6", "optim.offload_fraction=1",
-                           f"resume.from={run_dir / 'checkpoints' / 'iter_0000004'}"],
+    resumed = run_trainer([*CPU4, "train.iters=8", "optim.offload_fraction=1",
+                           f"resume.from={run_dir / 'checkpoints' / 'iter_0000006'}"],
                           4, tmp_path / "resumed")
-    _assert_same_steps(resumed, ref, range(5, 7))
+    _assert_same_steps(resumed, ref, range(7, 9))
 
 
 @pytest.mark.slow

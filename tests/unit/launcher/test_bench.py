@@ -136,7 +136,8 @@ def test_pipeline_bench_bad_options_exit_2(capsys, overrides, named, no_process_
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["bench.options.iters=7", "bench.options.save_interval=4"], "bench.options.iters"),  # two saves
+    (["bench.options.iters=18", "bench.options.save_interval=4"], "bench.options.iters"),  # not a multiple
+    (["bench.options.iters=12", "bench.options.save_interval=4"], "bench.options.iters"),  # two timed saves
     (["bench.options.moe_experts=0"], "bench.options.moe_experts"),
     (["bench.options.sync=1"], "bench.options.sync"),
 ])
@@ -144,6 +145,17 @@ def test_checkpoint_bench_bad_options_exit_2(capsys, overrides, named, no_proces
     rc, out, err = run_tool(capsys, main, ["bench=checkpoint", *overrides])
     assert rc == 2 and out == ""
     assert err.startswith("k2-bench: error: ") and named in err
+
+
+def test_checkpoint_bench_charges_each_save_its_staging_and_its_later_commit():
+    from k2.launcher.benchmarks.checkpoint import per_save_stalls
+
+    # saves at steps 2, 4, 6; a step's record is logged before its save, so save 2's staging (0.5 s)
+    # shows at step 3, its commit (0.25 s) at step 4's; save 4: 0.5 + 0.125; the save at the last step
+    # (6) is not timed
+    cum = [0.0, 0.0, 0.5, 0.75, 1.25, 1.375]
+    recs = [{"step": i + 1, "time_checkpoint_s": c} for i, c in enumerate(cum)]
+    assert per_save_stalls(recs, 2, 6) == [0.75, 0.625]
 
 
 # --- bench=step ----------------------------------------------------------------------------------

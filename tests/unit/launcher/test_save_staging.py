@@ -116,3 +116,39 @@ def test_garbage_collection_is_paused_while_a_save_is_planned_and_restored_after
         assert not gc.isenabled()  # a caller's own pause is left alone
     finally:
         gc.enable()
+
+
+def test_reused_save_plans_write_each_saves_own_tensors_and_are_dropped_when_the_structure_changes(
+        megatron_world1, tmp_path):
+    """Four saves through megatron's real path with the process's cached strategy (save_strategy): the
+    values change between saves, the structure of the first three does not, so the third save reuses
+    the plans (megatron's ``validated_cache_reuse``); each checkpoint loads back to the values it was
+    saved with (a stale plan or metadata would load the first save's, or fail). The fourth save has a
+    different shape and dtype: a fresh strategy, whose checkpoint loads back too."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from k2.launcher.checkpointing import staging
+
+    def sd(w, b):
+        return {"w": ShardedTensor.from_rank_offsets("layer.w", w), "b": ShardedTensor.from_rank_offsets("layer.b", b)}
+
+    staging.VALIDATED_STRUCTURE.clear()
+    staging._STRATEGY.clear()
+    saved, strategies = [], []
+    for i, (rows, dtype) in enumerate([(3, torch.float32)] * 3 + [(5, torch.bfloat16)]):
+        w, b = torch.full((rows, 4), float(i), dtype=dtype), torch.arange(4.0) + 10 * i
+        state = sd(w, b)
+        changed = staging.needs_validation(state)
+        strategy = staging.save_strategy(changed)
+        strategies.append((changed, strategy, strategy.validated_cache_reuse))
+        (tmp_path / str(i)).mkdir()
+        dist_checkpointing.save(state, str(tmp_path / str(i)), sharded_strategy=strategy,
+                                validate_access_integrity=changed)
+        saved.append((w.clone(), b.clone()))
+    assert [c for c, _, _ in strategies] == [True, False, False, True]
+    assert strategies[0][1] is strategies[1][1] is strategies[2][1] is not strategies[3][1]
+    assert strategies[2][2] and not strategies[3][2]  # the third save reused the plans; the fourth did not
+    for i, (w, b) in enumerate(saved):
+        got = dist_checkpointing.load(sd(torch.empty_like(w), torch.empty_like(b)), str(tmp_path / str(i)))
+        assert torch.equal(got["w"], w) and torch.equal(got["b"], b), i
