@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from k2.launcher.checkpointing.staging import gc_paused
 from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
 from k2.parallel.distributed import all_reduce_int
 
@@ -252,7 +253,8 @@ class BackgroundSaver:
             return
         flight = self.in_flight
         try:
-            done = self.queue.maybe_finalize_async_calls(blocking=False)
+            with gc_paused():  # megatron's metadata and our manifest: ~10^4 small objects (see gc_paused)
+                done = self.queue.maybe_finalize_async_calls(blocking=False)
         except CheckpointSaveError:
             self._forget()
             raise
