@@ -78,10 +78,11 @@ def test_derived_rates_reproduce_the_trace_and_sit_just_above_its_flop_rate(v3):
 
 
 def test_h800_and_h100_profiles_carry_the_derived_rates(v3):
-    """The profiles' FP8 rates are the trace's (rounded to 1 TFLOP/s), not DeepGEMM's 1550 / 1260."""
+    """The Hopper profiles' FP8 rates are the trace's (rounded to 1 TFLOP/s), not DeepGEMM's 1550 / 1260
+    (H800, H100 and H200: the same SMs and clocks)."""
     from k2.launcher.planning.hardware import load_profile
 
-    for name in ("h800", "h100"):
+    for name in ("h800", "h100", "h200"):
         p = load_profile(name)
         rates = tr.derive_fp8_rates(v3, p)
         assert p.gemm_fp8_tflops == round(rates["gemm_fp8_tflops"])
