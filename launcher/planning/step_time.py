@@ -49,7 +49,7 @@ torch's pipelining: :func:`k2.launcher.planning.comm.fsdp_exposed`), ``dualpipe`
 ``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
 ``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
 that many pipeline schedules, each with its own fill and drain), ``mtp_layers`` (multi-token-prediction
-modules on the stage holding the loss: :meth:`_StageModel.mtp`).
+modules on the stage holding the loss: :meth:`StageModel.mtp`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from k2.schedules.pipeline_sim import simulate
 #: element-wise backward bytes per forward byte: it reads the saved input and the output gradient and
 #: writes the input gradient
 BACKWARD_BYTES_FACTOR = 1.5
-_DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
+DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
 TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
 
@@ -158,8 +158,9 @@ def _add(d: dict, key: str, v: float) -> None:
     d[key] = d.get(key, 0.0) + v
 
 
-class _StageModel:
-    """Per-layer costs of one phase on one layout (internal: :func:`step_time` drives it)."""
+class StageModel:
+    """Per-layer costs of one phase on one layout: :func:`step_time` drives it, and
+    :mod:`k2.launcher.planning.trace_rates` prices a published trace's chunk with it (seconds)."""
 
     def __init__(self, model_cfg, fl, dims, *, tokens: int, profile: HardwareProfile, rates: KernelRates,
                  act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
@@ -310,7 +311,7 @@ class _StageModel:
         return out
 
 
-def _stage_totals(model: _StageModel, layers: list[int], has_loss: bool, cache: dict,
+def _stage_totals(model: StageModel, layers: list[int], has_loss: bool, cache: dict,
                   has_embedding: bool = False) -> dict:
     """Seconds per pass and term of one microbatch on a virtual stage holding ``layers`` (+ the embedding,
     the loss).
@@ -372,12 +373,12 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     if wi.tp > 1:
         profile = tp_group_profile(profile, wi.tp)
     precision = str(cfg.train.precision)
-    fraction = (132 - _DEEPSEEK_COMM_SMS) / 132 if wi.dualpipe else 1.0
+    fraction = (132 - DEEPSEEK_COMM_SMS) / 132 if wi.dualpipe else 1.0
     rates = profile.rates(precision, fp8_gemm=wi.fp8_gemm, compute_fraction=fraction)
     act_bytes = 4.0 if precision == "fp32" else 2.0
     grouped = cfg.model.get("moe_grouped_gemm") if hasattr(cfg.model, "get") else None
     grouped = (precision == "bf16") if grouped is None else bool(grouped)
-    model = _StageModel(cfg.model, fl, dims, tokens=tokens, profile=profile, rates=rates, act_bytes=act_bytes,
+    model = StageModel(cfg.model, fl, dims, tokens=tokens, profile=profile, rates=rates, act_bytes=act_bytes,
                         grouped=grouped, what_if=wi, recompute=recompute)
     # sequence-parallel TP (what-if): 2 all-gathers + 2 reduce-scatters of T x h per layer and pass, NVLink
     model.tp_comm = 4 * ring_seconds(tokens * model.s["h"] * act_bytes, wi.tp, False, gpu_profile) if wi.tp > 1 else 0.0

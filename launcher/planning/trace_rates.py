@@ -30,7 +30,7 @@ import dataclasses
 from collections import defaultdict
 
 from k2.launcher.planning.hardware import HardwareProfile
-from k2.launcher.planning.step_time import _DEEPSEEK_COMM_SMS, _StageModel
+from k2.launcher.planning.step_time import DEEPSEEK_COMM_SMS, StageModel
 from k2.launcher.planning.what_if import WhatIf
 from k2.model.kernels import gemm_seconds
 
@@ -95,10 +95,10 @@ def chunk_gemm_seconds(model_cfg, profile: HardwareProfile, dense_tflops: float,
     tokens at EP ``TRACE_EP``, MLA's up-projections recomputed (DeepSeek-V3, arXiv 2412.19437 section
     3.2.3), at ``dense_tflops`` / ``grouped_tflops`` x 112/132 (the SMs DualPipe leaves to compute).
     The router (BF16 in the trace) is left out on both sides. Returns ``{"dense": s, "expert": s}``."""
-    fraction = (132 - _DEEPSEEK_COMM_SMS) / 132
+    fraction = (132 - DEEPSEEK_COMM_SMS) / 132
     rates = dataclasses.replace(profile.rates("bf16", fp8_gemm=True), gemm_flops=dense_tflops * 1e12 * fraction,
                                 grouped_gemm_flops=grouped_tflops * 1e12 * fraction)
-    m = _StageModel(model_cfg, None, None, tokens=TRACE_TOKENS, profile=profile, rates=rates, act_bytes=2.0,
+    m = StageModel(model_cfg, None, None, tokens=TRACE_TOKENS, profile=profile, rates=rates, act_bytes=2.0,
                     grouped=True, what_if=WhatIf(), recompute=recompute)
     s, T = m.s, TRACE_TOKENS
     out = {"F": {}, "B": {}, "W": {}}
