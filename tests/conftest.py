@@ -42,10 +42,11 @@ from support import REPO, free_port  # noqa: F401 (REPO: for tests that import i
 # this order, so the long ones start first and the short unit files fill the gaps at the end (longest
 # processing time first); without the ordering a long file started last decides the wall time.
 _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8)
-    "tests/integration/test_slurm_two_nodes.py": 780,  # three Slurm jobs + a 4-rank reference
     "tests/integration/test_slurm_real.py": 590,
+    "tests/integration/test_slurm_two_nodes.py": 510,  # a 2-node Slurm job through two faults + a 4-rank reference
     "tests/integration/test_checkpoint.py": 470,
     "tests/integration/test_preemption_cli.py": 350,
+    "tests/integration/test_slurm_two_nodes_timeouts.py": 260,  # two Slurm jobs, mostly waiting on timeouts
     "tests/integration/test_bench_runs.py": 245,
     "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
     "tests/integration/test_sweep.py": 200,
