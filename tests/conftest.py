@@ -65,7 +65,7 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/unit/launcher/test_hf_convert.py": 68,  # + an import in a child process
     "tests/unit/config/test_validate.py": 63,
     "tests/integration/test_background_write_watchdog.py": 50,  # one 1-rank run waiting 24 s on a slow writer
-    "tests/integration/test_spike_guard.py": 45,  # one cpu4 run of 6 steps, a checkpoint per step
+    "tests/integration/test_spike_guard.py": 35,  # one cpu4 run of 4 steps, a checkpoint per step
     "tests/integration/test_checkpoint_integrity.py": 38,
     "tests/integration/test_resume_rng_context.py": 35,
     "tests/integration/test_startup_signal.py": 20,
