@@ -58,11 +58,12 @@ def test_the_time_limit_notice_saves_and_requeues(two_nodes, tmp_path):
     """Slurm's own ``--signal=USR1@N`` (not scancel): a one-rank job with a 3-minute limit and the notice
     90 s before it (Slurm sends it up to a minute early) is still training when the notice comes; the rank
     saves the step in progress, exits 42 and the script requeues the job, before the limit would kill it.
-    (Each step of the job first sleeps 2 s, tests/support/scripts/slow_steps_train.py: the minute or two
+    (Each step of the job first sleeps 6 s, tests/support/scripts/slow_steps_train.py: the minute or two
     until the notice costs a fraction of the CPU of steps back to back.)"""
-    limit_min, notice_s = 3, 90
+    limit_min, notice_s, step_sleep_s = 3, 90, 6
     python = tmp_path / "python"  # submit.python: k2.launcher.train's steps through slow_steps_train.py
     python.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = k2.launcher.train ]; then shift 2; '
+                      f'export K2_STEP_SLEEP_S={step_sleep_s}; '
                       f'exec {sys.executable} {REPO / "tests/support/scripts/slow_steps_train.py"} "$@"; fi\n'
                       f'exec {sys.executable} "$@"\n')
     python.chmod(0o755)
