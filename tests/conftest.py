@@ -42,13 +42,14 @@ from support import REPO, free_port  # noqa: F401 (REPO: for tests that import i
 # this order, so the long ones start first and the short unit files fill the gaps at the end (longest
 # processing time first); without the ordering a long file started last decides the wall time.
 _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8)
-    "tests/integration/test_slurm_two_nodes.py": 780,  # three Slurm jobs + a 4-rank reference
     "tests/integration/test_slurm_real.py": 590,
+    "tests/integration/test_slurm_two_nodes.py": 510,  # a 2-node Slurm job through two faults + a 4-rank reference
     "tests/integration/test_checkpoint.py": 470,
-    "tests/integration/test_preemption_cli.py": 350,
-    "tests/integration/test_bench_runs.py": 245,
+    "tests/integration/test_preemption_cli.py": 265,
+    "tests/integration/test_slurm_two_nodes_timeouts.py": 260,  # two Slurm jobs, mostly waiting on timeouts
     "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
-    "tests/integration/test_sweep.py": 200,
+    "tests/integration/test_sweep.py": 155,
+    "tests/integration/test_bench_runs.py": 150,
     "tests/unit/launcher/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build
     "tests/integration/test_phase_data.py": 145,
     "tests/integration/test_pipeline_wgrad.py": 145,
@@ -64,7 +65,7 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/unit/launcher/test_hf_convert.py": 68,  # + an import in a child process
     "tests/unit/config/test_validate.py": 63,
     "tests/integration/test_background_write_watchdog.py": 50,  # one 1-rank run waiting 24 s on a slow writer
-    "tests/integration/test_spike_guard.py": 45,  # one cpu4 run of 6 steps, a checkpoint per step
+    "tests/integration/test_spike_guard.py": 35,  # one cpu4 run of 4 steps, a checkpoint per step
     "tests/integration/test_checkpoint_integrity.py": 38,
     "tests/integration/test_resume_rng_context.py": 35,
     "tests/integration/test_startup_signal.py": 20,

@@ -1,5 +1,8 @@
 """Every test under tests/integration starts ranks, a sweep, Slurm or k2-train's own launcher: all are
-marked ``slow`` (skip locally with ``-m 'not slow'``; CI runs them)."""
+marked ``slow`` (skip locally with ``-m 'not slow'``; CI runs them). Shared here: the two-node Slurm
+cluster of the files that submit jobs to one."""
+
+import os
 
 import pytest
 
@@ -8,3 +11,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A two-node Slurm cluster (tests/support/slurm_two_nodes.py) for one test file. Its number is the
+    xdist worker's (gw0 -> 0, ...): files on different workers each get their own bridge, namespaces and
+    ports at the same time; the files of one worker take turns. Skips where the kernel refuses network
+    namespaces; checks that stopping it left nothing behind."""
+    from support.slurm_two_nodes import NamespacesRefused, TwoNodeSlurm
+
+    number = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    cluster = TwoNodeSlurm(tmp_path_factory.mktemp("slurm2"), number)
+    try:
+        cluster.start()
+    except NamespacesRefused as e:
+        pytest.skip(f"the kernel refuses network namespaces here: {e}")
+    yield cluster
+    cluster.stop()
+    assert cluster.leftovers() == []

@@ -1,6 +1,8 @@
 """k2-bench runs that start ranks: bench=pipeline (decoupled wgrad off and on, real k2-train runs),
 bench=memory (five activation-memory settings on a parallel layout) and bench=optimizer's DP=2 ZeRO-1
-cases (byte-range Distributed Muon with and without offload, layer-wise).
+cases (byte-range Distributed Muon with and without offload, layer-wise). The ranks these benches spawn
+are forked by the tests' fork server instead (tests/support/distributed.py ``start_processes_forked``):
+the same functions on the same arguments, without a fresh interpreter's imports per rank.
 """
 
 from __future__ import annotations
@@ -35,8 +37,18 @@ def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus, monke
     assert cpu["pass_cpu_on_over_off"] == pytest.approx(cpu["pass_cpu_s_on"] / cpu["pass_cpu_s_off"])
 
 
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """The benches' ``torch.multiprocessing.start_processes`` (spawned ranks) through the fork server."""
+    import torch.multiprocessing
+
+    from support.distributed import start_processes_forked
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", start_processes_forked)
+
+
 @pytest.mark.slow
-def test_memory_bench_five_settings_in_one_run(capsys):
+def test_memory_bench_five_settings_in_one_run(capsys, forked_ranks):
     """bench=memory: one JSON object keyed by the five settings, each with saved_bytes and step_s,
     measured through the hooks (one rank here to keep it short; the documented run is cpu4)."""
     rc, out, _ = run_tool(capsys, main, ["bench=memory", "output=json", "bench.options.parallel=single",
@@ -54,7 +66,7 @@ def test_memory_bench_five_settings_in_one_run(capsys):
 
 
 @pytest.mark.slow
-def test_optimizer_bench_dp2_zero1_cases_in_one_run(capsys):
+def test_optimizer_bench_dp2_zero1_cases_in_one_run(capsys, forked_ranks):
     """bench=optimizer on DP=2: the byte-range step (with a straddling matrix gathered), the same with the
     optimizer states offloaded, and megatron's layer-wise step, timed in one run, with their ratios (the
     numbers, not the speed, are checked)."""

@@ -3,6 +3,9 @@ forked ranks, wandb in its default offline mode): SIGTERM as a job manager sends
 during start-up and during a periodic save, the wall-time budget, two trainers on one run dir.
 
 The checkpoint and exact-resume tests of the ranks themselves: tests/integration/test_checkpoint.py.
+Runs whose test neither signals k2-train's launcher nor reads a pid of its own are forked by the session's
+fork server (tests/support/distributed.py ``rank_launch_cmd``: the same trainer, its imports done once per
+session); the signals sent to its client process reach the run as they would reach k2-train.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from support import REPO, SCRIPTS
-from support.distributed import trainer_env
+from support.distributed import rank_launch_cmd, trainer_env
 
 
 def _latest(run_dir: Path) -> str:
@@ -36,10 +39,9 @@ def test_sigusr1_during_a_periodic_save_stops_at_that_step(tmp_path, stdlib_corp
     stops after step 2 -- the step in progress when the notice came -- with that checkpoint and exit 42,
     instead of training step 3 first."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(SCRIPTS / "fault_train.py"), "train.iters=8",
-           "train.save_interval=2", "checkpoint.async_save=false", "train.eval_interval=0", "train.progress=false",
-           "run.wandb.mode=offline",
-           f"run.dir={run_dir}"]
+    cmd = rank_launch_cmd(1, [str(SCRIPTS / "fault_train.py")], [
+        "train.iters=8", "train.save_interval=2", "checkpoint.async_save=false", "train.eval_interval=0",
+        "train.progress=false", "run.wandb.mode=offline", f"run.dir={run_dir}"])
     p = subprocess.run(cmd, cwd=REPO, env=trainer_env({"K2_FAULT": "sigusr1_save:2:0"}), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 42, p.stdout[-3000:] + p.stderr[-3000:]
@@ -144,10 +146,11 @@ def test_sigusr1_during_startup_then_wall_time_budget_stop_with_checkpoints_in_o
     checkpoint and 42, and continues the same wandb run (offline here: a second offline-run directory with
     the same id, which `wandb sync` appends to the one run)."""
     run_dir = tmp_path / "run"
-    common = [sys.executable, "-m", "k2.launcher.train", "train.iters=500", "train.eval_interval=0",
-              "train.progress=false", "run.wandb.mode=offline", f"run.dir={run_dir}"]
-    p = subprocess.Popen(common, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    common = ["train.iters=500", "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline",
+              f"run.dir={run_dir}"]
+    trainer = ["-m", "k2.launcher.train"]
+    p = subprocess.Popen(rank_launch_cmd(1, trainer, common), cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
     try:
         seen = []
         for line in p.stdout:  # printed inside run(), after the process group exists, before the build
@@ -164,8 +167,8 @@ def test_sigusr1_during_startup_then_wall_time_budget_stop_with_checkpoints_in_o
     first = _state(run_dir)
     assert first["reason"] == "preempted: signal" and first["step"] == 1
 
-    p = subprocess.run([*common, "run.max_minutes=0.001"], cwd=REPO, env=trainer_env(), capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(rank_launch_cmd(1, trainer, [*common, "run.max_minutes=0.001"]), cwd=REPO,
+                       env=trainer_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 42, p.stderr[-3000:]
     st = _state(run_dir)
     assert st["reason"] == "preempted: run.max_minutes" and st["step"] == 2

@@ -4,7 +4,7 @@ the rendered slurm pretrain script submitted with ``k2-submit`` (sbatch), requeu
 default offline mode, after an earlier start of the same job was SIGKILLed before its first checkpoint; the
 job must finish with the same losses as an uninterrupted run, bit for bit.
 (Slurm's own time-limit notice, ``--signal=USR1@N``, saving and requeueing a job:
-tests/integration/test_slurm_two_nodes.py.)
+tests/integration/test_slurm_two_nodes_timeouts.py.)
 
 Needs root (apt-get, munged, slurmd); CI runs as root. Where Slurm cannot start, the test fails with the
 step that failed, unless ``K2_ALLOW_NO_SLURM=1`` (then it skips, naming the reason).

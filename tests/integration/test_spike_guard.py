@@ -10,8 +10,9 @@ import torch
 
 from support.distributed import run_trainer
 
+# the smallest window (4): detection starts once it holds 2 steps, so the spike can be step 3 of 4 steps
 CPU4_SKIP = ["parallel=cpu4", "optim=muonclip", "train.eval_interval=0", "train.micro_batch_size=4",
-             "schedule.phases.0.steps=0", "train.iters=6", "train.save_interval=1", "checkpoint.keep_last=10",
+             "schedule.phases.0.steps=0", "train.iters=4", "train.save_interval=1", "checkpoint.keep_last=10",
              "checkpoint.save_at_end=false", "train.spike.action=skip", "train.spike.window=4",
              "train.spike.sigma=1000"]
 
@@ -44,23 +45,23 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def test_injected_spike_is_skipped_by_every_rank_bitwise(tmp_path, stdlib_corpus):
-    """K2_TEST_SPIKE=5:1e6 multiplies the loss rank 0's guard sees at step 5: the run logs one spike
-    line, step 5's record says spike/skip and no update, its tokens count as consumed, and every tensor
-    of the step-5 checkpoint (weights, FP32 masters, Adam moments, Muon momentum, step counters, expert
-    bias) equals the step-4 checkpoint's -- which needs every rank to have skipped, since each rank's
-    shards are in it; step 6 trains again."""
+    """K2_TEST_SPIKE=3:1e6 multiplies the loss rank 0's guard sees at step 3 (the window holds steps 1-2):
+    the run logs one spike line, step 3's record says spike/skip and no update, its tokens count as
+    consumed, and every tensor of the step-3 checkpoint (weights, FP32 masters, Adam moments, Muon
+    momentum, step counters, expert bias) equals the step-2 checkpoint's -- which needs every rank to have
+    skipped, since each rank's shards are in it; step 4 trains again."""
     run_dir = tmp_path / "run"
     out = tmp_path / "stdout.txt"
-    recs = run_trainer(CPU4_SKIP, 4, run_dir, env={"K2_TEST_SPIKE": "5:1e6"}, stdout_to=out)
+    recs = run_trainer(CPU4_SKIP, 4, run_dir, env={"K2_TEST_SPIKE": "3:1e6"}, stdout_to=out)
     by = {r["step"]: r for r in recs}
-    assert [s for s, r in by.items() if r["spike"]] == [5], [(s, r["loss"], r["grad_norm"]) for s, r in by.items()]
-    assert by[5]["spike_action"] == "skip" and by[5]["spike_on"] == ["loss"]
-    assert by[5]["update_successful"] is False and by[6]["update_successful"] is True
-    assert by[5]["consumed_tokens"] == by[4]["consumed_tokens"] + (by[4]["consumed_tokens"] // 4)
+    assert [s for s, r in by.items() if r["spike"]] == [3], [(s, r["loss"], r["grad_norm"]) for s, r in by.items()]
+    assert by[3]["spike_action"] == "skip" and by[3]["spike_on"] == ["loss"]
+    assert by[3]["update_successful"] is False and by[4]["update_successful"] is True
+    assert by[3]["consumed_tokens"] == by[2]["consumed_tokens"] + (by[2]["consumed_tokens"] // 2)
     lines = [x for x in out.read_text().splitlines() if ": spike (" in x]
-    assert len(lines) == 1 and lines[0].startswith("step 5: spike (loss ") and "update skipped" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("step 3: spike (loss ") and "update skipped" in lines[0]
     ckpts = run_dir / "checkpoints"
-    before, after, later = (_all_tensors(ckpts / f"iter_000000{s}", tmp_path) for s in (4, 5, 6))
+    before, after, later = (_all_tensors(ckpts / f"iter_000000{s}", tmp_path) for s in (2, 3, 4))
     assert before.keys() == after.keys() and any("expert_bias" in k for k in before)
     assert any("momentum_buffer" in k for k in before), sorted(before)[:20]
     changed = {k: _differing(before[k], after[k]) for k in before}
@@ -69,6 +70,6 @@ def test_injected_spike_is_skipped_by_every_rank_bitwise(tmp_path, stdlib_corpus
     # the checkpoint copies is at offsets 32..63 of a 64-block. Everything else must be equal.
     assert not {k: v for k, v in changed.items() if v.numel() and
                 ("optimizer.distributed" not in k or bool((v % 64 < 32).any()))}, changed
-    assert any(not torch.equal(after[k], later[k]) for k in after if "expert_bias" in k)  # step 6 updated
-    state = json.loads((ckpts / "iter_0000005" / "k2_state.json").read_text())["spike"]
-    assert len(state["losses"]) == 4 and state["consecutive"] == 1  # the skipped step's loss kept out
+    assert any(not torch.equal(after[k], later[k]) for k in after if "expert_bias" in k)  # step 4 updated
+    state = json.loads((ckpts / "iter_0000003" / "k2_state.json").read_text())["spike"]
+    assert len(state["losses"]) == 2 and state["consecutive"] == 1  # the skipped step's loss kept out

@@ -1,5 +1,7 @@
 """The sparsity sweep end to end: one command runs every point, a re-run after a kill finishes only the
-missing work, the report has the table, the FLOPs and the plot.
+missing work, the report has the table, the FLOPs and the plot. (The sweep's ``k2-train -m`` processes are
+forked by the session's fork server, tests/support/distributed.py ``rank_launch_cmd``: the imports a sweep
+does once for all its points are done once per session; SIGTERM to the client reaches the sweep.)
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from pathlib import Path
 import pytest
 from support import REPO
-from support.distributed import trainer_env
+from support.distributed import rank_launch_cmd, trainer_env
 
 
 # a short CPU version of recipes/experiment/sparsity_sweep.yaml: one rank, 8 steps of 4 sequences per point
@@ -22,9 +24,14 @@ SHORT = ["+experiment=sparsity_sweep", "parallel=single", "train.iters=8", "sche
          "sweep.val_loss_target=8.25"]
 
 
+def _sweep_cmd(args) -> list[str]:
+    """``k2-train -m ARGS`` (a sweep) as one launch of the fork server."""
+    return rank_launch_cmd(1, ["-m", "k2.launcher.train"], ["-m", *args])
+
+
 def _sweep(args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "k2.launcher.train", "-m", *args], cwd=REPO,
-                          env=trainer_env(), capture_output=True, text=True, timeout=900, **kw)
+    return subprocess.run(_sweep_cmd(args), cwd=REPO, env=trainer_env(), capture_output=True, text=True,
+                          timeout=900, **kw)
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -36,8 +43,8 @@ def _steps(run_dir: Path) -> list[int]:
 def test_sweep_runs_resumes_after_kill_and_reports(tmp_path, stdlib_corpus):
     sweep_dir = tmp_path / "sweep"
     args = [*SHORT, f"sweep.dir={sweep_dir}"]
-    p = subprocess.Popen([sys.executable, "-m", "k2.launcher.train", "-m", *args], cwd=REPO,
-                         env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(_sweep_cmd(args), cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
     second = sweep_dir / "sparsity_4" / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and p.poll() is None and not (second.exists() and second.read_text().count("\n") >= 3):

@@ -52,6 +52,25 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
     return [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), *target, *args]
 
 
+def start_processes_forked(fn, args=(), nprocs: int = 1, join: bool = True, start_method: str = "spawn",
+                           **_ignored) -> None:
+    """A stand-in for ``torch.multiprocessing.start_processes`` / ``spawn`` (patched in or called by tests of
+    code that spawns its ranks, e.g. k2-bench's bench=memory and bench=optimizer): the ``nprocs`` processes
+    run ``fn(rank, *args)`` as one launch of :func:`rank_launch_cmd` (the session's fork server) instead of
+    ``nprocs`` fresh interpreters that each import torch and megatron-core again
+    (tests/support/scripts/rank_function.py). As with ``spawn``, ``fn`` is imported by its module and name
+    (with this process's ``sys.path``: a test module's own function works too) and ``args`` are pickled.
+    Always joins (``join`` and ``start_method`` are accepted and ignored). Raises AssertionError with the
+    output's tail when a process fails."""
+    import pickle
+
+    call = pickle.dumps((sys.path, fn.__module__, fn.__qualname__, tuple(args))).hex()
+    cmd = rank_launch_cmd(nprocs, [str(SCRIPTS / "rank_function.py")], [call])
+    proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, \
+        f"{fn.__qualname__} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+
+
 def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
                 timeout: int = 600, env: dict | None = None, expect_failure: bool = False,
                 stdout_to: Path | None = None, stderr_to: Path | None = None) -> list[dict]:

@@ -1,10 +1,15 @@
 """A real two-node Slurm cluster on one machine, for tests and by hand (Debian's slurm-wlm 22.05, as root).
 
-Layout (every address is private to namespaces this module creates; nothing leaves the machine)::
+Layout of cluster number 0 (every address is private to namespaces this module creates; nothing leaves
+the machine)::
 
-    this machine (head): slurmctld, munged, the test      bridge k2slurm-br  10.223.23.1/24
-      |-- veth -- netns k2slurm-k2node1 (UTS hostname k2node1): slurmd -N k2node1, port 26838, 10.223.23.11
-      |-- veth -- netns k2slurm-k2node2 (UTS hostname k2node2): slurmd -N k2node2, port 26839, 10.223.23.12
+    this machine (head): slurmctld, munged, the test      bridge k2slurm0-br  10.223.23.1/24
+      |-- veth -- netns k2slurm0-k2node1 (UTS hostname k2node1): slurmd -N k2node1, port 26838, 10.223.23.11
+      |-- veth -- netns k2slurm0-k2node2 (UTS hostname k2node2): slurmd -N k2node2, port 26839, 10.223.23.12
+
+Cluster number ``i`` has its own bridge, namespaces (``k2slurm<i>-...``), subnet (10.223.<23 + i>.0/24)
+and slurmctld port (26837 + 10 i), so that test files on different xdist workers each run a cluster of
+their own at the same time.
 
 Each node is a network namespace (its own interfaces, addresses and ports: ranks on one node reach the
 other only over the veth link) joined to the bridge, with its own hostname (a UTS namespace entered by
@@ -16,7 +21,7 @@ slurmctld runs on the head. munged is this cluster's own (its own socket, the sy
 
 By hand::
 
-    python tests/support/slurm_two_nodes.py start /tmp/k2two    # prints the SLURM_CONF to export
+    python tests/support/slurm_two_nodes.py start /tmp/k2two    # cluster 0; prints the SLURM_CONF to export
     SLURM_CONF=/tmp/k2two/slurm.conf sinfo -N                     # k2node1, k2node2: idle
     python tests/support/slurm_two_nodes.py stop /tmp/k2two     # daemons, ranks, namespaces, bridge: gone
 
@@ -40,12 +45,8 @@ if __package__ in (None, ""):  # run as a script (by hand): import the sibling m
 from support.slurm_local import BASE_CONF, LocalSlurm, SlurmUnavailable, alive, ensure_installed  # noqa: E402
 
 NODES = ("k2node1", "k2node2")
-SUBNET = "10.223.23"
-HEAD_ADDR = f"{SUBNET}.1"
-ADDRS = {n: f"{SUBNET}.{11 + i}" for i, n in enumerate(NODES)}
-CTLD_PORT = 26837
+#: the slurmd ports (each in its node's own network namespace)
 SLURMD_PORTS = {n: 26838 + i for i, n in enumerate(NODES)}
-BRIDGE = "k2slurm-br"
 #: seconds without an answer from a node's slurmd before slurmctld marks the node DOWN (and requeues
 #: its jobs): short, so that the lost-node test is quick; long enough for a loaded 2-core machine
 SLURMD_TIMEOUT_S = 20
@@ -58,11 +59,6 @@ class NamespacesRefused(SlurmUnavailable):
     """The kernel (or the container) refuses network namespaces or veth pairs."""
 
 
-def netns(node: str) -> str:
-    """The network namespace of ``node``."""
-    return f"k2slurm-{node}"
-
-
 def _run(cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)
 
@@ -71,12 +67,6 @@ def _must(cmd, error=SlurmUnavailable) -> None:
     p = _run(cmd)
     if p.returncode != 0:
         raise error(f"{' '.join(cmd)} failed: {p.stderr.strip()}")
-
-
-def netns_pids(node: str) -> list[int]:
-    """Every process in ``node``'s network namespace (its slurmd, slurmstepd, the job's ranks)."""
-    p = _run(["ip", "netns", "pids", netns(node)])
-    return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
 
 
 def _kill_and_wait(pids, timeout: float = 20, first: int = signal.SIGTERM) -> None:
@@ -102,18 +92,37 @@ def _kill_and_wait(pids, timeout: float = 20, first: int = signal.SIGTERM) -> No
 
 class TwoNodeSlurm(LocalSlurm):
     """Two Slurm nodes (:data:`NODES`) in network namespaces of this machine, one partition ``two``;
-    state under ``root`` (module docstring). The client helpers are :class:`LocalSlurm`'s."""
+    state under ``root``; ``number`` picks the bridge, namespaces, subnet and slurmctld port (module
+    docstring: clusters of different numbers run side by side). The client helpers are
+    :class:`LocalSlurm`'s."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, number: int = 0):
         super().__init__(root)
+        if not 0 <= number < 10:
+            raise ValueError(f"TwoNodeSlurm number={number}: must be 0..9 (one subnet and port each)")
+        subnet = f"10.223.{23 + number}"
+        self.head_addr = f"{subnet}.1"
+        #: each node's address on the bridge
+        self.addrs = {n: f"{subnet}.{11 + i}" for i, n in enumerate(NODES)}
+        self.ctld_port = 26837 + 10 * number
+        self.bridge = f"k2slurm{number}-br"
+        self._prefix, self._veth_prefix = f"k2slurm{number}", f"k2s{number}"  # (interface names: <= 15 chars)
         self.munge_dir = Path(f"/run/k2slurm-munge-{zlib.crc32(str(self.root).encode()):08x}")
         self.munge_socket = self.munge_dir / "munge.socket"
         self.env = {**self.env, "MUNGE_SOCKET": str(self.munge_socket)}
 
-    @staticmethod
-    def hosts_file(node: str) -> Path:
+    def netns(self, node: str) -> str:
+        """The network namespace of ``node``."""
+        return f"{self._prefix}-{node}"
+
+    def netns_pids(self, node: str) -> list[int]:
+        """Every process in ``node``'s network namespace (its slurmd, slurmstepd, the job's ranks)."""
+        p = _run(["ip", "netns", "pids", self.netns(node)])
+        return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
+
+    def hosts_file(self, node: str) -> Path:
         """``node``'s ``/etc/hosts`` (``ip netns exec`` also mounts it: ``/etc/netns/<netns>/hosts``)."""
-        return Path("/etc/netns") / netns(node) / "hosts"
+        return Path("/etc/netns") / self.netns(node) / "hosts"
 
     def pidfile(self, node: str) -> Path:
         return self.root / f"slurmd-{node}.pid"
@@ -122,40 +131,42 @@ class TwoNodeSlurm(LocalSlurm):
 
     def _make_network(self) -> None:
         taken = _run(["ip", "-o", "addr"]).stdout + _run(["ip", "route"]).stdout
-        if f" {SUBNET}." in taken and BRIDGE not in taken:
-            raise SlurmUnavailable(f"the test subnet {SUBNET}.0/24 is already in use on this machine")
+        subnet = self.head_addr.rsplit(".", 1)[0]
+        if f" {subnet}." in taken and self.bridge not in taken:
+            raise SlurmUnavailable(f"the test subnet {subnet}.0/24 is already in use on this machine")
         self._remove_network()  # what an earlier run left behind
-        _must(["ip", "link", "add", BRIDGE, "type", "bridge"], NamespacesRefused)
-        _must(["ip", "addr", "add", f"{HEAD_ADDR}/24", "dev", BRIDGE])
-        _must(["ip", "link", "set", BRIDGE, "up"])
-        hosts = "".join(f"{a} {n}\n" for n, a in {self.host: HEAD_ADDR, **ADDRS}.items())
+        _must(["ip", "link", "add", self.bridge, "type", "bridge"], NamespacesRefused)
+        _must(["ip", "addr", "add", f"{self.head_addr}/24", "dev", self.bridge])
+        _must(["ip", "link", "set", self.bridge, "up"])
+        hosts = "".join(f"{a} {n}\n" for n, a in {self.host: self.head_addr, **self.addrs}.items())
         for node in NODES:
-            ns, outer = netns(node), f"k2s-{node}"
+            ns, outer = self.netns(node), self._outer_veth(node)
             _must(["ip", "netns", "add", ns], NamespacesRefused)
             _must(["ip", "link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns],
                   NamespacesRefused)
-            _must(["ip", "link", "set", outer, "master", BRIDGE])
+            _must(["ip", "link", "set", outer, "master", self.bridge])
             _must(["ip", "link", "set", outer, "up"])
-            _must(["ip", "-n", ns, "addr", "add", f"{ADDRS[node]}/24", "dev", "eth0"])
+            _must(["ip", "-n", ns, "addr", "add", f"{self.addrs[node]}/24", "dev", "eth0"])
             _must(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _must(["ip", "-n", ns, "link", "set", "lo", "up"])
             self.hosts_file(node).parent.mkdir(parents=True, exist_ok=True)
             self.hosts_file(node).write_text("127.0.0.1 localhost\n" + hosts)
 
+    def _outer_veth(self, node: str) -> str:
+        """The head's end of ``node``'s veth pair (on the bridge)."""
+        return f"{self._veth_prefix}-{node}"
+
     def _remove_network(self) -> None:
+        # (/etc/netns itself stays: another cluster's start may be writing its hosts files there)
         for node in NODES:
-            _run(["ip", "netns", "del", netns(node)])
-            _run(["ip", "link", "del", f"k2s-{node}"])  # (gVisor keeps the outer end of a deleted netns's veth)
-            shutil.rmtree(Path("/etc/netns") / netns(node), ignore_errors=True)
-        _run(["ip", "link", "del", BRIDGE])
-        try:
-            Path("/etc/netns").rmdir()  # only when empty
-        except OSError:
-            pass
+            _run(["ip", "netns", "del", self.netns(node)])
+            _run(["ip", "link", "del", self._outer_veth(node)])  # (gVisor keeps a deleted netns's veth's outer end)
+            shutil.rmtree(Path("/etc/netns") / self.netns(node), ignore_errors=True)
+        _run(["ip", "link", "del", self.bridge])
 
     def set_link(self, node: str, up: bool) -> None:
         """Plug (``up``) or pull the network cable of ``node``: its veth end inside the namespace."""
-        _must(["ip", "-n", netns(node), "link", "set", "eth0", "up" if up else "down"])
+        _must(["ip", "-n", self.netns(node), "link", "set", "eth0", "up" if up else "down"])
 
     # --- daemons ---------------------------------------------------------------------------------------
 
@@ -176,11 +187,11 @@ class TwoNodeSlurm(LocalSlurm):
         r = self.root
         for d in ("state", "spool", "log"):
             (r / d).mkdir(parents=True, exist_ok=True)
-        nodes = [f"NodeName={n} NodeAddr={ADDRS[n]} NodeHostname={n} Port={SLURMD_PORTS[n]} "
+        nodes = [f"NodeName={n} NodeAddr={self.addrs[n]} NodeHostname={n} Port={SLURMD_PORTS[n]} "
                  f"CPUs={os.cpu_count()} RealMemory={mem_mib * 4 // 10} State=UNKNOWN" for n in NODES]
         self.conf.write_text("\n".join([
             "ClusterName=k2two",
-            f"SlurmctldHost={self.host}({HEAD_ADDR})",
+            f"SlurmctldHost={self.host}({self.head_addr})",
             *BASE_CONF,
             f"AuthInfo=socket={self.munge_socket}",
             f"KillWait={KILL_WAIT_S}",
@@ -191,7 +202,7 @@ class TwoNodeSlurm(LocalSlurm):
             f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={r / 'log'}/slurmd-%n.log",
-            f"SlurmctldPort={CTLD_PORT}",
+            f"SlurmctldPort={self.ctld_port}",
             *nodes,
             f"PartitionName=two Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
             "",
@@ -202,7 +213,7 @@ class TwoNodeSlurm(LocalSlurm):
         (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
         # (not `ip netns exec`: it mounts a fresh /sys for the namespace, without the cgroup file systems
         # slurmd needs; a mount namespace of our own gets the node's /etc/hosts instead)
-        p = _run(["nsenter", f"--net=/run/netns/{netns(node)}", "unshare", "--mount", "--uts", "sh", "-c",
+        p = _run(["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--mount", "--uts", "sh", "-c",
                   f"mount --bind {self.hosts_file(node)} /etc/hosts && hostname {node} && "
                   f'exec slurmd -f "$SLURM_CONF" -N {node}'], env=self.env)
         if p.returncode != 0:
@@ -240,7 +251,7 @@ class TwoNodeSlurm(LocalSlurm):
         """``node`` fails as a machine does: its cable is pulled (the others get no reset, only silence),
         then every process on it (slurmd, slurmstepd, the job's ranks) is SIGKILLed."""
         self.set_link(node, False)
-        _kill_and_wait(netns_pids(node), timeout=0, first=signal.SIGKILL)
+        _kill_and_wait(self.netns_pids(node), timeout=0, first=signal.SIGKILL)
 
     def restore_node(self, node: str) -> None:
         """``node`` comes back: cable plugged, slurmd started (ReturnToService=2 puts it back in service)."""
@@ -260,14 +271,14 @@ class TwoNodeSlurm(LocalSlurm):
                 pass
         _kill_and_wait([p for p in pids if alive(p)], timeout)
         for node in NODES:
-            _kill_and_wait(netns_pids(node), timeout=5)
+            _kill_and_wait(self.netns_pids(node), timeout=5)
         self._remove_network()
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """What :meth:`stop` should have removed and is still there (empty after a clean stop)."""
-        left = [f"pid {p} in {netns(n)}" for n in NODES for p in netns_pids(n)]
-        left += [f"netns {netns(n)}" for n in NODES if Path(f"/run/netns/{netns(n)}").exists()]
+        left = [f"pid {p} in {self.netns(n)}" for n in NODES for p in self.netns_pids(n)]
+        left += [f"netns {self.netns(n)}" for n in NODES if Path(f"/run/netns/{self.netns(n)}").exists()]
         for pidfile in [self.root / "slurmctld.pid", *map(self.pidfile, NODES), self.munge_dir / "munged.pid"]:
             try:
                 pid = int(pidfile.read_text().strip())

@@ -61,7 +61,7 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 #: the test scripts (tests/support/scripts) whose arguments are not Hydra overrides
-_NOT_CONFIG_SCRIPTS = {"max_logit_kernel_cases.py"}
+_NOT_CONFIG_SCRIPTS = {"max_logit_kernel_cases.py", "rank_function.py"}
 
 
 def _compose_script_config(target: list[str]) -> None:

@@ -1,7 +1,7 @@
 """``k2.launcher.train`` whose every training step first sleeps ``$K2_STEP_SLEEP_S`` seconds (default 2),
 for tests that wait, while the run trains, for something from outside it (Slurm's time-limit notice in
-tests/integration/test_slurm_two_nodes.py): the run stays in the middle of its steps for as long as it
-takes at a fraction of the CPU that steps back to back would burn. Nothing else changes."""
+tests/integration/test_slurm_two_nodes_timeouts.py): the run stays in the middle of its steps for as long
+as it takes at a fraction of the CPU that steps back to back would burn. Nothing else changes."""
 
 import os
 import sys

@@ -467,11 +467,11 @@ def _dist_worker(rank, world, init_file, resolved, out_dir):
 
 
 def test_build_with_torch_distributed_initialised(tmp_path, corpus_cache, corpus):
-    import torch.multiprocessing as mp
+    from support.distributed import start_processes_forked  # (torch.multiprocessing.spawn's, forked)
 
     resolved = resolve_data(_cfg(corpus_cache, f"model.vocab_size={VOCAB}"))
     resolved.index_cache_dir = str(tmp_path / "idx")
-    mp.spawn(_dist_worker, args=(2, str(tmp_path / "store"), resolved, str(tmp_path)), nprocs=2, join=True)
+    start_processes_forked(_dist_worker, args=(2, str(tmp_path / "store"), resolved, str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert torch.equal(r0["valid0"], r1["valid0"])
     # single process, distributed not initialised, same cache: same samples; DP union = global batches
