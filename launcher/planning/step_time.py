@@ -197,10 +197,28 @@ class StageModel:
         _add(out["F"], "non_gemm", elementwise_seconds(nbytes, f_ops, r))
         _add(out["B"], "non_gemm", elementwise_seconds(BACKWARD_BYTES_FACTOR * nbytes, b_ops, r))
 
+    def attention_gemms(self, out: dict, tag: str = "gemm") -> None:
+        """MLA's projections (down, up, output): their GEMMs added to ``out`` under ``tag``."""
+        self._gemms(self.s["attn"], out, tag=tag)
+
+    def expert_gemms(self, out: dict, ep: int, expert_tag: str = "gemm", shared_tag: str = "gemm") -> tuple:
+        """A MoE layer's routed experts (``E / ep`` local ones as one grouped GEMM at ``T k ep / E`` tokens
+        each, balanced routing) and shared expert into ``out``; returns (local experts, their tokens)."""
+        s = self.s
+        local, m = max(1, s["E"] // ep), self.T * s["k"] * ep / s["E"]
+        self._gemms([(s["h"], 2 * s["f_e"]), (s["f_e"], s["h"])], out, m=m, groups=local, tag=expert_tag)
+        if s["f_s"]:
+            self._gemms([(s["h"], 2 * s["f_s"]), (s["f_s"], s["h"])], out, tag=shared_tag)
+        return local, m
+
+    def up_proj_recompute_s(self) -> float:
+        """Seconds of MLA's up-projections run again in the backward (``memory.recompute`` ``mla_up_proj``)."""
+        return sum(gemm_seconds(self.T, k, n, self.rates) for k, n in self.s["up"])
+
     def layer(self, i: int) -> dict:
         s, T, r = self.s, self.T, self.rates
         out = {"F": {}, "B": {}, "W": {}}
-        self._gemms(s["attn"], out)
+        self.attention_gemms(out)
         if self.tp_comm:
             _add(out["F"], "tp_comm", self.tp_comm)
             _add(out["B"], "tp_comm", self.tp_comm)
@@ -210,17 +228,12 @@ class StageModel:
         self._nongemm("attention", out)
         rec = 0.0
         if "mla_up_proj" in self.recompute:
-            rec += sum(gemm_seconds(T, k, n, r) for k, n in s["up"])
+            rec += self.up_proj_recompute_s()
         if "layernorm" in self.recompute:
             rec += elementwise_seconds(2 * (s["h"] + s["r_q"] + s["r_kv"]) * self.a * T, 3, r)
         if self.fl.moe_pattern[i]:
-            E, k, dims = s["E"], s["k"], self.dims
-            local = max(1, E // dims.ep)
-            m = T * k * dims.ep / E  # tokens per local expert, balanced routing
-            self._gemms([(s["h"], E)], out)
-            self._gemms([(s["h"], 2 * s["f_e"]), (s["f_e"], s["h"])], out, m=m, groups=local)
-            if s["f_s"]:
-                self._gemms([(s["h"], 2 * s["f_s"]), (s["f_s"], s["h"])], out)
+            self._gemms([(s["h"], s["E"])], out)  # the router
+            local, m = self.expert_gemms(out, self.dims.ep)
             self._nongemm("moe", out, 0 if self.grouped else local)
             comm = self._ep_comm()
             _add(out["F"], "ep_comm", comm)
@@ -229,7 +242,7 @@ class StageModel:
                 rec += grouped_gemm_seconds(local, m, s["f_e"], s["h"], r) if self.grouped else \
                     local * gemm_seconds(m, s["f_e"], s["h"], r)
             if "swiglu" in self.recompute:
-                rec += elementwise_seconds(3 * (k * s["f_e"] + s["f_s"]) * self.a * T, 2, r)
+                rec += elementwise_seconds(3 * (s["k"] * s["f_e"] + s["f_s"]) * self.a * T, 2, r)
         else:
             self._gemms([(s["h"], 2 * s["f"]), (s["f"], s["h"])], out)
             self._nongemm("dense_mlp", out)

@@ -32,7 +32,6 @@ from collections import defaultdict
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.step_time import DEEPSEEK_COMM_SMS, StageModel
 from k2.launcher.planning.what_if import WhatIf
-from k2.model.kernels import gemm_seconds
 
 #: the trace's chunk pair: tokens per microbatch, MoE layers per chunk, EP size
 TRACE_TOKENS, TRACE_LAYERS, TRACE_EP = 4096, 4, 64
@@ -100,17 +99,12 @@ def chunk_gemm_seconds(model_cfg, profile: HardwareProfile, dense_tflops: float,
                                 grouped_gemm_flops=grouped_tflops * 1e12 * fraction)
     m = StageModel(model_cfg, None, None, tokens=TRACE_TOKENS, profile=profile, rates=rates, act_bytes=2.0,
                     grouped=True, what_if=WhatIf(), recompute=recompute)
-    s, T = m.s, TRACE_TOKENS
     out = {"F": {}, "B": {}, "W": {}}
-    m._gemms(s["attn"], out, tag="dense")
-    if s["f_s"]:
-        m._gemms([(s["h"], 2 * s["f_s"]), (s["f_s"], s["h"])], out, tag="dense")
-    local = s["E"] // TRACE_EP
-    m._gemms([(s["h"], 2 * s["f_e"]), (s["f_e"], s["h"])], out, m=T * s["k"] * TRACE_EP / s["E"], groups=local,
-             tag="expert")
-    rec = sum(gemm_seconds(T, k, n, rates) for k, n in s["up"]) if "mla_up_proj" in recompute else 0.0
+    m.attention_gemms(out, tag="dense")
+    m.expert_gemms(out, TRACE_EP, expert_tag="expert", shared_tag="dense")
     per_layer = {c: sum(out[ph].get(c, 0.0) for ph in out) for c in ("dense", "expert")}
-    per_layer["dense"] += rec
+    if "mla_up_proj" in recompute:
+        per_layer["dense"] += m.up_proj_recompute_s()
     return {c: TRACE_LAYERS * v for c, v in per_layer.items()}
 
 
