@@ -46,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from k2.launcher.checkpointing.staging import gc_paused
 from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
+from k2.launcher.gc_pause import gc_paused
 from k2.parallel.distributed import all_reduce_int
 
 __all__ = ["BackgroundSaver", "PipeChannel", "abandon_in_flight_save"]

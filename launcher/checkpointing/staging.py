@@ -1,17 +1,15 @@
 """What keeps the training loop's wait for a save short, for the synchronous and the background path
 alike (:func:`k2.launcher.checkpointing.store.begin_save`): megatron's sharding-integrity check only when
-the structure changed, megatron's save plans reused while it is unchanged (:func:`save_strategy`), and no
-garbage collection while the save is planned. (The background path's
-own part, leaving view copies to the forked writer, is in :mod:`k2.launcher.checkpointing.background`.)"""
+the structure changed, and megatron's save plans reused while it is unchanged (:func:`save_strategy`).
+(The garbage collector is paused while a save is planned or committed, :func:`k2.launcher.gc_pause.gc_paused`;
+the background path's own part, leaving view copies to the forked writer, is in
+:mod:`k2.launcher.checkpointing.background`.)"""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-
 from k2.parallel.distributed import all_reduce_int
 
-__all__ = ["VALIDATED_STRUCTURE", "gc_paused", "needs_validation", "save_strategy"]
+__all__ = ["VALIDATED_STRUCTURE", "needs_validation", "save_strategy"]
 
 #: the structure of this process's last save whose sharding was validated (a one-element list)
 VALIDATED_STRUCTURE: list = []
@@ -63,18 +61,3 @@ def save_strategy(structure_changed: bool):
     if structure_changed or not _STRATEGY:
         _STRATEGY[:] = [TorchDistSaveShardedStrategy(cached_metadata=True)]
     return _STRATEGY[0]
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic garbage collector off for the block: planning a save allocates ~10^5 small
-    objects (shard metadata, write items, pickled plans), which in a trainer's large heap triggered full
-    collections costing about a quarter of a background save's staging (megatron's writer pauses it the
-    same way, ``filesystem_async._disable_gc``)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

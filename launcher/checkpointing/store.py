@@ -34,7 +34,8 @@ from k2.launcher.checkpointing.manifest import (
     write_manifest,
 )
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
-from k2.launcher.checkpointing.staging import gc_paused, needs_validation, save_strategy
+from k2.launcher.checkpointing.staging import needs_validation, save_strategy
+from k2.launcher.gc_pause import gc_paused
 from k2.optim.build import leaf_optimizers
 
 #: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.

@@ -101,7 +101,7 @@ def test_sharding_is_validated_on_the_first_save_and_when_the_structure_changes(
 def test_garbage_collection_is_paused_while_a_save_is_planned_and_restored_after():
     import gc
 
-    from k2.launcher.checkpointing.staging import gc_paused
+    from k2.launcher.gc_pause import gc_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError):
