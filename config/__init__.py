@@ -1,8 +1,9 @@
 """Configuration: the bottom layer of k2-launcher.
 
 What is here: :class:`ConfigError` (``errors``), the typed schema of every setting (``schema``), loading
-the Hydra config tree shipped as ``k2.recipes`` (``load``), and every rule that depends on the config
-alone (``validate``: each section checks itself, the rules that span sections live in one place).
+the Hydra config tree shipped as ``k2.recipes`` (``load``), one setting of a config node in any of its
+forms (``access``), and every rule that depends on the config alone (``validate``: each section checks
+itself, the rules that span sections live in one place).
 :func:`load_config` runs the validation, so every tool (``k2-train``, ``k2-plan``, ``k2-submit``, the
 sweep, ``k2-bench``, ``k2-data``) applies the same checks. Checks that need the machine (files, CUDA,
 Transformer Engine) or a world size stay with the module that owns them.
@@ -14,6 +15,8 @@ Layers of the project; imports point only down this list (``tests/unit/test_laye
 3. ``k2.model`` -- the K2 model on megatron-core, activation memory, FLOP and parameter counts;
 4. ``k2.schedules`` -- the token-based training schedule, LR scheduler, pipeline-schedule hooks;
 5. ``k2.optim`` -- MuonClip and the optimizers under ZeRO-1;
+   then ``k2.launcher.quiet`` and ``k2.launcher.gc_pause`` -- process hygiene (library messages, the garbage
+   collector's pauses) that imports nothing of k2-launcher;
 6. the launcher's building blocks, which do not import each other: ``k2.launcher.datasets``,
    ``k2.launcher.checkpointing``, ``k2.launcher.planning``;
 7. ``k2.launcher.hf`` -- Hugging Face checkpoints in and out (uses checkpointing and datasets);

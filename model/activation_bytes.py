@@ -69,6 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from k2.config.access import setting as _get
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 __all__ = ["Saved", "SITES", "apply_switches", "layer_recompute_saved", "layer_saved", "stage_saved"]
@@ -109,12 +110,6 @@ class Saved:
     @property
     def nbytes(self) -> float:
         return self.elements * self.bytes_per_element
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: Optional[str],

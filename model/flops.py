@@ -38,16 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from k2.config.access import setting as _get
+
 __all__ = ["FlopsPerToken", "flops_per_token", "mfu", "step_flops"]
 
 #: Training FLOPs = this x forward FLOPs (backward = input gradient + weight gradient = 2 x forward).
 TRAINING_FACTOR = 3
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def _moe_pattern(model_cfg: Any) -> list[int]:

@@ -38,15 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from k2.config.access import setting as _get
 from k2.config.errors import ConfigError
 from k2.parallel.layout import counts_even, counts_from_layout, counts_uneven, divisors, format_values
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    """Attribute access that works for a ``DictConfig``, a schema dataclass, or a ``SimpleNamespace``."""
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> Optional[int]:

@@ -7,6 +7,8 @@ of k2-train's modules by ``k2-bench bench=hardware`` (and its test).
 
 from __future__ import annotations
 
+from k2.config.access import setting
+
 #: aten operators per microbatch beyond the GEMMs (priced one launch each by :mod:`k2.model.kernels`) and core
 #: attention's batched GEMMs (:data:`ATTENTION_KERNELS`), forward / backward, views included (on a CPU each
 #: costs the dispatch and the module code around it): counted with torch's dispatch mode on k2-train's own
@@ -27,8 +29,8 @@ def modelled_operators(model_cfg, part: str, local_experts: int = 0) -> tuple[in
     ``loss`` (final norm, output layer, loss): :data:`OPERATORS` plus its GEMMs (one forward, two backward:
     input and weight gradient) and core attention's batched GEMMs. What ``k2-bench bench=hardware``
     counts on k2-train's modules is compared with this."""
-    g = lambda k, d=None: model_cfg.get(k, d) if isinstance(model_cfg, dict) else getattr(model_cfg, k, d)  # noqa: E731
-    projections = 5 if g("q_lora_rank") else 4  # MLA: q (down + up, or one), kv down, kv up, output
+    # MLA: q (down + up, or one), kv down, kv up, output
+    projections = 5 if setting(model_cfg, "q_lora_rank") else 4
     f, b = 0, 0
 
     def add(ops, gemms=0):
@@ -42,7 +44,7 @@ def modelled_operators(model_cfg, part: str, local_experts: int = 0) -> tuple[in
         if part == "dense_layer":
             add(OPERATORS["dense_mlp"], 2)
         else:
-            add(OPERATORS["moe"], 1 + (2 if g("moe_shared_expert_intermediate_size") else 0))
+            add(OPERATORS["moe"], 1 + (2 if setting(model_cfg, "moe_shared_expert_intermediate_size") else 0))
             for _ in range(local_experts):
                 add(OPERATORS["moe_per_expert"], 2)
     elif part == "embedding":

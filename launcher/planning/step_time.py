@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k2.config.access import setting as _g
 from k2.launcher.planning.comm import (crosses_nodes, ep_alltoall, fsdp_exposed, host_copy_seconds, p2p_seconds,
                                       ring_seconds)
 from k2.launcher.planning.hardware import HardwareProfile
@@ -104,10 +105,6 @@ class StepTime:
     makespan: float
     recompute_s: float
     what_if: list = field(default_factory=list)
-
-
-def _g(cfg, key, default=None):
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
 def _shapes(model_cfg):
