@@ -144,8 +144,8 @@ def operator_profile_keys(ops: dict[str, Any]) -> dict[str, Any]:
             / sum(n * ops[p]["gemm_s"] for p, n in weights.items()) / 1e12)
     return {"kernel_launch_us": moe["per_op_us"], "operator_us": operator_us(ops),
             "gemm_fp32_tflops": rate, "gemm_bf16_tflops": rate,
-            "microbatch_overhead_us": ops["schedule"]["microbatch_us"],
-            "step_overhead_us": ops["schedule"]["step_us"]}
+            "microbatch_overhead_us": sched["microbatch_us"],
+            "step_overhead_us": sched["step_us"]}
 
 
 def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: int, q) -> None:
