@@ -466,6 +466,10 @@ class PipelineConfig:
     # input gradient now and queues the weight gradient, which runs after the send of the input gradient
     # to the previous stage is posted and before it is waited on (megatron: delay_wgrad_compute, TE only)
     decouple_wgrad: bool = False
+    # K2's communication overlap (megatron-core's overlap_moe_expert_parallel_comm, combined 1F1B): in
+    # each 1F1B step one microbatch's MoE dispatch / combine all-to-alls are in flight while another
+    # microbatch computes, with one extra warm-up microbatch per pipeline rank (schedules/ep_overlap.py)
+    ep_overlap: bool = False
     # directory for an event trace of the schedule: one rank<R>.jsonl per rank (F, B, W, send, recv,
     # wait per microbatch; `python -m schedules.pipeline DIR out.png` draws a step); null = no trace
     trace: Optional[str] = None

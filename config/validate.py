@@ -423,6 +423,47 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
 # --------------------------------------------------------------------------- rules across sections
 
 
+def check_ep_overlap(cfg) -> None:
+    """The config rules of ``pipeline.ep_overlap`` (``k2.schedules.ep_overlap``): megatron-core's
+    ``overlap_moe_expert_parallel_comm`` asserts in ``TransformerConfig.__post_init__``, said as settings,
+    and whole-layer recompute, which would re-run the all-to-alls in backward.
+
+    Args:
+        cfg: the composed config.
+
+    Raises:
+        ConfigError: the first rule broken, naming the setting and what is allowed.
+    """
+    if not cfg.pipeline.ep_overlap:
+        return
+    m, p = cfg.model, cfg.parallel
+    if not m.num_moe_experts:
+        raise ConfigError(f"pipeline.ep_overlap=true hides the MoE all-to-all; model={m.name} has no experts "
+                          "(allowed: a MoE model, or pipeline.ep_overlap=false)")
+    if int(p.ep) <= 1:
+        raise ConfigError(f"pipeline.ep_overlap=true needs expert parallelism: parallel.ep={p.ep} (allowed: "
+                          "parallel.ep >= 2, or pipeline.ep_overlap=false)")
+    if int(p.pp) > 1 and int(p.vpp or 1) <= 1:
+        raise ConfigError(f"pipeline.ep_overlap=true with parallel.pp={p.pp} needs virtual pipeline stages "
+                          "(megatron's combined 1F1B is the interleaved schedule): allowed parallel.vpp >= 2, "
+                          "or parallel.pp=1")
+    if m.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(f"pipeline.ep_overlap=true with model.moe_token_dispatcher_type="
+                          f"{m.moe_token_dispatcher_type}; allowed: alltoall")
+    recomputes = [("memory.recompute", cfg.memory.recompute)]
+    for i, phase in enumerate(list(cfg.schedule.phases or [])):
+        mem = phase.get("memory") if hasattr(phase, "get") else None
+        if mem is not None and mem.get("recompute") is not None:
+            recomputes.append((f"schedule.phases.{i}.memory.recompute", mem.get("recompute")))
+    for name, sites in recomputes:
+        if "layer" in list(sites or []):
+            raise ConfigError(f"pipeline.ep_overlap=true with {name} containing 'layer': whole-layer "
+                              "recompute re-runs the layer's dispatch and combine all-to-alls in backward, "
+                              "outside the overlapped pairs; allowed: the selective sites (layernorm, swiglu, "
+                              "mla_up_proj, moe_down_proj), or pipeline.ep_overlap=false")
+
+
+
 def check_cross_section(cfg) -> None:
     """The rules that involve more than one section, all in one place."""
     _require(cfg.output in OUTPUTS, "output", cfg.output, ", ".join(OUTPUTS))
@@ -448,6 +489,7 @@ def check_cross_section(cfg) -> None:
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is set but data.path is null: the embedded "
                           "stdlib corpus uses the tokenizer k2-data trains; set data.tokenizer=null or give "
                           "data.path (or prepare.input, to tokenize a raw-text corpus with it)")
+    check_ep_overlap(cfg)
     if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
         raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
                           "model.num_moe_experts=null")

@@ -135,29 +135,68 @@ def _mark_input(layer, site: str):
     return hook
 
 
-def _install_layer(layer, first: bool, chain: _Chain) -> None:
+def open_layer_scope(layer) -> None:
+    """Start the saved-tensor scope of one forward of ``layer`` (its forward pre-hook; nothing in
+    evaluation, nothing for a layer without a scope)."""
+    layer._k2_scope = None
+    if not torch.is_grad_enabled() or not getattr(layer, "_k2_scoped", False):
+        return
+    first, chain = layer._k2_chain
+    scope = SavedTensorScope(f"layer {layer.layer_number}")
+    scope.prev = None if first else chain.last
+    chain.last = None
+    scope.__enter__()
+    layer._k2_scope = scope
 
-    def pre(mod, _args):
-        mod._k2_scope = None
-        if not torch.is_grad_enabled():  # evaluation: nothing is saved
-            return
-        scope = SavedTensorScope(f"layer {mod.layer_number}")
-        scope.prev = None if first else chain.last
-        chain.last = None
-        scope.__enter__()
-        mod._k2_scope = scope
 
-    def post(mod, _args, output):
-        scope, mod._k2_scope = mod._k2_scope, None
-        if scope is None:
-            return
+def close_layer_scope(layer, output, suspended: bool = False) -> None:
+    """Commit the scope :func:`open_layer_scope` started (its forward hook): offload, meter, and the
+    backward prefetch chain on ``output`` (the layer's output, or ``(output, context)``); ``suspended``:
+    the scope was left already (:func:`run_layer_part`)."""
+    scope, layer._k2_scope = getattr(layer, "_k2_scope", None), None
+    if scope is None:
+        return
+    if suspended:
+        scope.commit()
+    else:
         scope.__exit__(None, None, None)
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        chain_prefetch(out, scope)
-        chain.last = scope
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    chain_prefetch(out, scope)
+    layer._k2_chain[1].last = scope
 
-    layer.register_forward_pre_hook(pre)
-    layer.register_forward_hook(post, always_call=True)
+
+def run_layer_part(layer, fn, first: bool, last: bool):
+    """``fn()``, one part of ``layer``'s forward run apart from the others (a node of megatron's
+    combined-1F1B schedule, with another microbatch's nodes in between): the first part opens the layer's
+    saved-tensor scope, each part runs inside it (on the thread that runs the part), the last commits it,
+    so every tensor the layer saves is treated as in one forward call (same sites, same marks).
+
+    Returns:
+        ``fn()``.
+    """
+    if first:
+        open_layer_scope(layer)
+    scope = getattr(layer, "_k2_scope", None)
+    if scope is None:
+        return fn()
+    if not first:
+        scope.resume()
+    try:
+        out = fn()
+    except BaseException:
+        scope.suspend()
+        layer._k2_scope = None
+        raise
+    scope.suspend()
+    if last:
+        close_layer_scope(layer, out, suspended=True)
+    return out
+
+
+def _install_layer(layer, first: bool, chain: _Chain) -> None:
+    layer._k2_chain = (first, chain)
+    layer.register_forward_pre_hook(lambda mod, _args: open_layer_scope(mod))
+    layer.register_forward_hook(lambda mod, _args, output: close_layer_scope(mod, output), always_call=True)
 
     # sites marked by their module's input (see config/schema.py MEMORY_OFFLOAD_SITES)
     sites = {"attn_input": [layer.input_layernorm], "mlp_input": [layer.pre_mlp_layernorm]}

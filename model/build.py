@@ -170,7 +170,28 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
             moe_permute_fusion=False,
             moe_router_fusion=False,
         )
-    return MLATransformerConfig(**kw)
+    tcfg = MLATransformerConfig(**kw)
+    pipeline = cfg.get("pipeline") if hasattr(cfg, "get") else getattr(cfg, "pipeline", None)
+    if m.num_moe_experts and pipeline is not None and pipeline.ep_overlap:
+        enable_ep_overlap(tcfg, torch.cuda.is_available())
+    return tcfg
+
+
+def enable_ep_overlap(tcfg, cuda: bool) -> None:
+    """Turn on megatron-core's combined-1F1B EP overlap (``overlap_moe_expert_parallel_comm``; config
+    ``pipeline.ep_overlap``, ``k2.schedules.ep_overlap``) in a built ``TransformerConfig``.
+
+    Set after ``__post_init__`` because megatron asserts bf16 there, and the CPU runs are fp32: nothing
+    in the schedule depends on the dtype (on GPUs megatron's bf16 rule is kept, below). Its other
+    asserted rules are ``k2.config.validate.check_ep_overlap``'s, checked when the config is loaded.
+
+    Raises:
+        ValueError: a GPU run in fp32.
+    """
+    if cuda and not tcfg.bf16:
+        raise ValueError("pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's "
+                         "combined-1F1B rule); allowed: train.precision=bf16, or pipeline.ep_overlap=false")
+    tcfg.overlap_moe_expert_parallel_comm = True
 
 
 def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str = "eager",

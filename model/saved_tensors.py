@@ -305,10 +305,21 @@ class SavedTensorScope:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        self.suspend()
+        self.commit()
+
+    def suspend(self) -> None:
+        """Leave the scope without committing it: a layer whose forward runs in parts with other work in
+        between (megatron's combined-1F1B schedule nodes) suspends it after each part, :meth:`resume` s it
+        for the next -- on whichever thread runs that part -- and commits once, after the last."""
+        self._hooks.__exit__(None, None, None)
         popped = _stack().pop()
         assert popped is self, "saved-tensor scopes closed out of order"
-        self.commit()
+
+    def resume(self) -> None:
+        """Enter a suspended scope again (this thread's saved tensors go through it)."""
+        _stack().append(self)
+        self._hooks.__enter__()
 
     def push_region(self, policy: Policy) -> None:
         """Until :meth:`pop_region`, saved tensors without a mark belong to ``policy``'s site."""

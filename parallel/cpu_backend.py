@@ -113,6 +113,9 @@ def _patch_cuda_api() -> None:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.set_stream = lambda *a, **k: None
     cuda.is_current_stream_capturing = lambda: False
+    # (megatron's combined-1F1B nodes mark the tensors they hand between streams; host memory has no
+    # stream to mark, and torch refuses a non-CUDA stream there)
+    torch.Tensor.record_stream = lambda self, stream: None
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.memory_reserved = lambda *a, **k: 0

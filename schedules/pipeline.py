@@ -26,38 +26,29 @@ VPP, 1F1B without, no pipelining on one stage) and hooks them where the send of 
   embedding and layernorm all-reduces) is wrapped to drain anything left first; at the end of every
   pass the queue must be empty, so the optimizer step sees complete gradients.
 
-The trace (``pipeline.trace=DIR``) is one JSON-lines file per rank, ``DIR/rank<R>.jsonl``, one event per
-line in the order they happened on the rank; fields: ``step`` (optimizer step), ``pass`` (``train`` |
-``eval``), ``seq`` (order on the rank), ``kind``, ``rank`` (global), ``pp_rank``, ``chunk`` (model
-chunk = VPP stage on the rank), ``stage`` (virtual pipeline stage ``chunk * pp + pp_rank``),
-``microbatch`` (within the chunk), ``start`` / ``end`` (``time.time()`` seconds). Kinds: ``F``
-(forward), ``B`` (backward: input gradient, plus the weight gradient when not decoupled), ``W``
-(deferred weight gradients of one (chunk, microbatch): ``n_wgrads``, ``bytes``, ``where`` =
-``after_send`` | ``no_send`` | ``late`` | ``flush``), ``send`` / ``recv`` (posted: ``what`` = ``act``
-or ``grad``, ``peer`` global rank, ``req`` request id), ``wait`` (``req``, ``label``), ``finalize``
-(``pending`` W items when the grad reduction starts), ``end`` (the whole pass from ``start``:
-``pending``, ``wgrad_peak_bytes``, ``wgrad_max_tags_held``, ``cpu_s`` = CPU seconds the rank's process
-used in the pass, all threads). F/B/W are the planner's F/B/W model (``k2-plan``'s bubble simulator).
+The event trace and its format: ``k2.schedules.pipeline_trace``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from k2.config import ConfigError
 from k2.model.wgrad import WgradStore, check_ddp_hooks, decouple_linear_wgrad
+from k2.parallel import comm_stream
+from k2.schedules.ep_overlap import OverlapHooks, number_dispatchers
+from k2.schedules.ep_overlap import activate as overlap_activate
+from k2.schedules.ep_overlap import install_patches as install_overlap_patches
+from k2.schedules.pipeline_trace import PipelineTrace, TracedWork, draw_trace, get_tag, read_trace, set_tag, tensors
 
 __all__ = ["PipelineHooks", "PipelineTrace", "check_pipeline_config", "read_trace", "draw_trace",
            "setup_pipeline"]
 
 _ACTIVE: Optional["PipelineHooks"] = None  # the hooks of the forward-backward pass running now
 _ORIG: dict = {}  # megatron's functions replaced by install_patches()
-_TAG = "_k2_tag"  # attribute on activations / input gradients: (chunk, microbatch)
 
 
 def check_pipeline_config(pipeline_cfg) -> None:
@@ -76,83 +67,6 @@ def check_pipeline_config(pipeline_cfg) -> None:
                           "rank<R>.jsonl per rank is written there, created if missing) or null")
 
 
-# --- tags: which (chunk, microbatch) a tensor belongs to -------------------------------------------------
-
-
-def _tensors(x) -> list:
-    if x is None:
-        return []
-    if isinstance(x, (list, tuple)):
-        return [t for t in x if t is not None]
-    return [x]
-
-
-def _set_tag(x, tag) -> None:
-    import torch
-
-    for t in _tensors(x):
-        if isinstance(t, torch.Tensor):
-            setattr(t, _TAG, tag)
-
-
-def _get_tag(x):
-    for t in _tensors(x):
-        tag = getattr(t, _TAG, None)
-        if tag is not None:
-            return tag
-    return None
-
-
-# --- the trace -------------------------------------------------------------------------------------------
-
-
-class PipelineTrace:
-    """Events of this rank (module docstring for the format), appended to ``DIR/rank<R>.jsonl`` at the
-    end of each forward-backward pass."""
-
-    def __init__(self, directory: str, rank: int, pp_rank: int, pp: int):
-        self.path = Path(directory) / f"rank{rank}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.pp_rank, self.pp = rank, pp_rank, pp
-        self.events: list[dict] = []
-        self._seq = itertools.count()
-        self.step = 0
-        self.pass_kind = "train"
-
-    def event(self, kind: str, chunk=None, microbatch=None, start=None, end=None, **fields) -> None:
-        now = time.time()
-        self.events.append({
-            "step": self.step, "pass": self.pass_kind, "seq": next(self._seq), "kind": kind,
-            "rank": self.rank, "pp_rank": self.pp_rank, "chunk": chunk,
-            "stage": None if chunk is None else chunk * self.pp + self.pp_rank,
-            "microbatch": microbatch, "start": now if start is None else start,
-            "end": now if end is None else end, **fields,
-        })
-
-    def flush(self) -> None:
-        with self.path.open("a") as f:
-            for e in self.events:
-                f.write(json.dumps(e) + "\n")
-        self.events.clear()
-
-
-class _TracedWork:
-    """A pipeline send/receive request whose ``wait()`` is recorded (megatron only calls ``wait``)."""
-
-    def __init__(self, work, req: int, label: str, trace: PipelineTrace, tag):
-        self._work, self.req, self.label, self._trace, self._tag = work, req, label, trace, tag
-
-    def wait(self, *args, **kwargs):
-        start = time.time()
-        out = self._work.wait(*args, **kwargs)
-        chunk, mb = self._tag if self._tag is not None else (None, None)
-        self._trace.event("wait", chunk, mb, start, time.time(), req=self.req, label=self.label)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 # --- the hooks -------------------------------------------------------------------------------------------
 
 
@@ -162,10 +76,15 @@ class PipelineHooks:
     Args:
         store: the rank's :class:`k2.model.wgrad.WgradStore` (None: weight gradients are not decoupled).
         trace: a :class:`PipelineTrace` (None: no trace).
+        ep_overlap: megatron's combined-1F1B schedule runs (``pipeline.ep_overlap``): its calls come
+            through :class:`k2.schedules.ep_overlap.OverlapHooks` (:attr:`overlap`).
     """
 
-    def __init__(self, store=None, trace: Optional[PipelineTrace] = None):
+    def __init__(self, store=None, trace: Optional[PipelineTrace] = None, ep_overlap: bool = False):
         self.store, self.trace = store, trace
+        #: (chunk, microbatch) whose forward or backward megatron's plain schedule runs now
+        self.current: Optional[tuple] = None
+        self.overlap = OverlapHooks(self) if ep_overlap else None
         self.step = 0
         self.last_peak_bytes = 0
         self.last_max_tags_held = 0
@@ -209,26 +128,32 @@ class PipelineHooks:
         mb = bound.arguments.get("current_microbatch")
         self._drain("late")  # nothing should be left from the previous backward
         start = time.time()
-        out = orig(*args, **kwargs)
-        _set_tag(out[0], (chunk, mb))
+        self.current = (chunk, mb)
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            self.current = None
+        set_tag(out[0], (chunk, mb))
         self._event("F", chunk, mb, start, time.time())
         return out
 
     def backward_step(self, orig, input_tensor, output_tensor, output_tensor_grad, config):
-        tag = _get_tag(output_tensor)
+        tag = get_tag(output_tensor)
         chunk, mb = tag if tag is not None else (None, None)
         self._drain("late")
         if self.store is not None:
             self.store.tag = tag
         start = time.time()
+        self.current = tag
         try:
             grad = orig(input_tensor, output_tensor, output_tensor_grad, config)
         finally:
+            self.current = None
             if self.store is not None:
                 self.store.tag = None
         self._event("B", chunk, mb, start, time.time())
-        _set_tag(grad, tag)
-        if not _tensors(grad):  # the first virtual stage: no input gradient to send
+        set_tag(grad, tag)
+        if not tensors(grad):  # the first virtual stage: no input gradient to send
             self._drain("no_send")
         return grad
 
@@ -252,17 +177,17 @@ class PipelineHooks:
         ids = {}
         for label, kind, what, tensor, peer in ops:  # megatron passes the peers as global ranks
             ids[label] = next(self._req_ids)
-            tag = _get_tag(tensor) if kind == "send" else None
+            tag = get_tag(tensor) if kind == "send" else None
             chunk, mb = tag if tag is not None else (None, None)
             self._event(kind, chunk, mb, what=what, peer=peer, req=ids[label], label=label)
-        tags = {o[0]: (_get_tag(o[3]) if o[1] == "send" else None) for o in ops}
+        tags = {o[0]: (get_tag(o[3]) if o[1] == "send" else None) for o in ops}
         if isinstance(reqs, dict):
-            return {k: _TracedWork(w, ids.get(k, -1), k, self.trace, tags.get(k)) for k, w in reqs.items()}
+            return {k: TracedWork(w, ids.get(k, -1), k, self.trace, tags.get(k)) for k, w in reqs.items()}
         if len(reqs) == len(ops):
-            return [_TracedWork(w, ids[o[0]], o[0], self.trace, tags[o[0]]) for w, o in zip(reqs, ops)]
+            return [TracedWork(w, ids[o[0]], o[0], self.trace, tags[o[0]]) for w, o in zip(reqs, ops)]
         label = "+".join(o[0] for o in ops)  # one coalesced request (NCCL batch_isend_irecv)
         req = next(self._req_ids)
-        return [_TracedWork(w, req, label, self.trace, None) for w in reqs]
+        return [TracedWork(w, req, label, self.trace, None) for w in reqs]
 
     def finalize(self, inner: Callable, *args, **kwargs):
         pending = len(self.store) if self.store is not None else 0
@@ -299,6 +224,14 @@ class PipelineHooks:
                                           "window of megatron's schedule")
         self.step = first_step - 1
         install_patches()
+        if self.overlap is not None or self.trace is not None:  # combined-1F1B calls, all-to-all events
+            install_overlap_patches()
+            number_dispatchers(model)
+            if self.overlap is None:
+                self.overlap = OverlapHooks(self)  # (the trace of the all-to-alls without the overlap)
+            stream = comm_stream.active_stream()
+            if stream is not None and self.trace is not None:
+                stream.observer = self.overlap
         inner_finalize = tcfg.finalize_model_grads_func
         if inner_finalize is not None and not getattr(inner_finalize, "_k2_pipeline", False):
             def finalize(*args, **kwargs):
@@ -317,11 +250,13 @@ class PipelineHooks:
             if self.store is not None:
                 self.store.reset_peak()
             _ACTIVE = self
+            overlap_activate(self.overlap if self.overlap is not None or self.trace is not None else None)
             start, cpu0 = time.time(), time.process_time()
             try:
                 out = forward_backward(**kwargs)
             finally:
                 _ACTIVE = None
+                overlap_activate(None)
             pending = len(self.store) if self.store is not None else 0
             self._drain("flush")
             if self.store is not None:
@@ -393,18 +328,21 @@ def uninstall_patches() -> None:
 
 def setup_pipeline(pipeline_cfg, chunks: list):
     """The trainer's entry: decouple the linear layers' weight gradients of ``chunks`` when
-    ``pipeline.decouple_wgrad`` (before DDP wraps them) and build the hooks.
+    ``pipeline.decouple_wgrad`` (before DDP wraps them), start the CPU stand-in of the communication
+    stream when ``pipeline.ep_overlap`` runs without CUDA (``k2.parallel.comm_stream``), and build the
+    hooks.
 
     Returns:
-        ``(PipelineHooks or None, delay_wgrad_compute)``: None when neither ``pipeline.decouple_wgrad``
-        nor ``pipeline.trace`` is set; ``delay_wgrad_compute`` is what megatron's DDP must be built with.
+        ``(PipelineHooks or None, delay_wgrad_compute)``: None when none of ``pipeline.decouple_wgrad``,
+        ``pipeline.trace`` and ``pipeline.ep_overlap`` is set; ``delay_wgrad_compute`` is what megatron's
+        DDP must be built with.
     """
     p = pipeline_cfg
-    if not p.decouple_wgrad and p.trace is None:
+    if not p.decouple_wgrad and p.trace is None and not p.ep_overlap:
         return None, False
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
 
     store = None
     if p.decouple_wgrad:
@@ -414,68 +352,11 @@ def setup_pipeline(pipeline_cfg, chunks: list):
     if p.trace is not None:
         trace = PipelineTrace(p.trace, dist.get_rank(), ps.get_pipeline_model_parallel_rank(),
                               ps.get_pipeline_model_parallel_world_size())
-    return PipelineHooks(store, trace), store is not None
-
-
-# --- reading and drawing a trace -------------------------------------------------------------------------
-
-
-def read_trace(directory: str) -> dict[int, list[dict]]:
-    """The events of every rank in ``directory``: ``{global rank: [event, ...]}`` in file order."""
-    out = {}
-    for path in sorted(Path(directory).glob("rank*.jsonl")):
-        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if events:
-            out[events[0]["rank"]] = events
-    return out
-
-
-def draw_trace(directory: str, path: str, step: Optional[int] = None) -> str:
-    """Draw one training step of a trace as a timeline PNG: a row per rank (ordered by PP rank), F / B /
-    W boxes labelled with their microbatch (shade = model chunk), waits on communication hatched.
-
-    Args:
-        directory: a ``pipeline.trace`` directory.
-        path: PNG to write.
-        step: optimizer step to draw (None = the last one in the trace).
-
-    Returns:
-        ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = read_trace(directory)
-    if step is None:
-        step = max(e["step"] for evs in traces.values() for e in evs if e["pass"] == "train")
-    rows = sorted(traces, key=lambda r: (traces[r][0]["pp_rank"], r))
-    sel = {r: [e for e in traces[r] if e["step"] == step and e["pass"] == "train"] for r in rows}
-    t0 = min(e["start"] for evs in sel.values() for e in evs)
-    colors = {"F": ("#9ecae1", "#3182bd"), "B": ("#fdae6b", "#e6550d"), "W": ("#a1d99b", "#31a354")}
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.2), dpi=100)
-    for y, r in enumerate(rows):
-        for e in sel[r]:
-            x, w = (e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 1e-3)
-            if e["kind"] in colors:
-                shade = colors[e["kind"]][(e["chunk"] or 0) % 2]
-                ax.barh(y, w, left=x, height=0.8, color=shade, edgecolor="black", linewidth=0.3)
-                if e["microbatch"] is not None:
-                    ax.text(x + w / 2, y, str(e["microbatch"]), ha="center", va="center", fontsize=6)
-            elif e["kind"] == "wait" and w > 0.05:
-                ax.barh(y, w, left=x, height=0.3, color="none", edgecolor="grey", hatch="///", linewidth=0.3)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {r} (pp {traces[r][0]['pp_rank']})" for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the step's first event")
-    ax.set_title(f"pipeline trace, step {step}: F (blue), B (orange), W (green), light = chunk 0, "
-                 "dark = chunk 1; hatched = waiting on p2p")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    if p.ep_overlap:
+        install_overlap_patches()
+        if not torch.cuda.is_available():
+            comm_stream.install()
+    return PipelineHooks(store, trace, ep_overlap=bool(p.ep_overlap)), store is not None
 
 
 if __name__ == "__main__":  # python -m schedules.pipeline TRACE_DIR OUT.png [STEP]

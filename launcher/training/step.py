@@ -31,17 +31,21 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """megatron's ``forward_step_func``: the next microbatch through one model chunk.
 
     Args:
         data_iterator: yields dicts of ``tokens`` / ``labels`` / ``loss_mask`` / ``position_ids``,
             ``[micro_batch_size, seq_length]`` each (:class:`k2.launcher.datasets.microbatches.MicrobatchIterator`).
-        model: one (DDP-wrapped) model chunk.
+        model: one (DDP-wrapped) model chunk; with ``return_schedule_plan`` the unwrapped ``GPTModel``.
+        return_schedule_plan: megatron's combined-1F1B schedule (``pipeline.ep_overlap``,
+            ``k2.schedules.ep_overlap``) asks for the chunk's schedule plan instead of its output
+            (``GPTModel.build_schedule_plan``, same inputs); the schedule runs the plan's nodes itself.
 
     Returns:
         ``(output, loss function)``: the chunk's output (per-token cross-entropy ``[b, s]`` on the last
-        stage, hidden states elsewhere) and :func:`loss_func` bound to the microbatch's loss mask.
+        stage, hidden states elsewhere) -- or its schedule plan -- and :func:`loss_func` bound to the
+        microbatch's loss mask.
     """
     batch = next(data_iterator)
     dev = next(model.parameters()).device
@@ -49,7 +53,10 @@ def forward_step(data_iterator, model):
     labels = batch["labels"].to(dev, non_blocking=True)
     loss_mask = batch["loss_mask"].to(dev, non_blocking=True)
     position_ids = batch["position_ids"].to(dev, non_blocking=True)
-    output = model(tokens, position_ids, None, labels=labels)
+    if return_schedule_plan:
+        output = model.build_schedule_plan(tokens, position_ids, None, labels=labels)
+    else:
+        output = model(tokens, position_ids, None, labels=labels)
     return output, partial(loss_func, loss_mask)
 
 
