@@ -450,18 +450,23 @@ def check_ep_overlap(cfg) -> None:
     if m.moe_token_dispatcher_type != "alltoall":
         raise ConfigError(f"pipeline.ep_overlap=true with model.moe_token_dispatcher_type="
                           f"{m.moe_token_dispatcher_type}; allowed: alltoall")
-    recomputes = [("memory.recompute", cfg.memory.recompute)]
-    for i, phase in enumerate(list(cfg.schedule.phases or [])):
+    # whole-layer recompute re-runs a layer's dispatch and combine in backward, outside the pairs: a phase
+    # with it runs the plain interleaved 1F1B (k2.launcher.training.phase_memory); refused when no phase
+    # would run the overlap
+    top = "layer" in list(cfg.memory.recompute or [])
+    layer, layer_phases = top, []
+    for phase in list(cfg.schedule.phases or []):  # a phase's override holds until the next one's
         mem = phase.get("memory") if hasattr(phase, "get") else None
         if mem is not None and mem.get("recompute") is not None:
-            recomputes.append((f"schedule.phases.{i}.memory.recompute", mem.get("recompute")))
-    for name, sites in recomputes:
-        if "layer" in list(sites or []):
-            raise ConfigError(f"pipeline.ep_overlap=true with {name} containing 'layer': whole-layer "
-                              "recompute re-runs the layer's dispatch and combine all-to-alls in backward, "
-                              "outside the overlapped pairs; allowed: the selective sites (layernorm, swiglu, "
-                              "mla_up_proj, moe_down_proj), or pipeline.ep_overlap=false")
-
+            layer = "layer" in list(mem.get("recompute"))
+        layer_phases.append(layer)
+    if all(layer_phases or [top]):
+        where = ("memory.recompute" if top else "every schedule.phases.<i>.memory.recompute")
+        raise ConfigError(f"pipeline.ep_overlap=true with {where} containing 'layer': whole-layer recompute "
+                          "re-runs the layer's dispatch and combine all-to-alls in backward, outside the "
+                          "overlapped pairs, so no step would overlap them; allowed: the selective sites "
+                          "(layernorm, swiglu, mla_up_proj, moe_down_proj) in at least one phase, or "
+                          "pipeline.ep_overlap=false")
 
 
 def check_cross_section(cfg) -> None:

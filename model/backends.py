@@ -66,13 +66,18 @@ def check_backend_config(cfg) -> None:
     ``k2.model.moe_grouped_gemm`` (their allowed values are :mod:`k2.config.validate`'s).
 
     Raises:
-        ConfigError: ``te`` without Transformer Engine or CUDA; the Triton max-logit kernel without
+        ConfigError: ``pipeline.ep_overlap`` on CUDA without bf16; ``te`` without Transformer Engine or CUDA; the Triton max-logit kernel without
             Triton and CUDA or with another backend than sdpa;
             grouped experts with widths ``torch._grouped_mm`` cannot take (``k2.model.hidden_size`` and
             ``k2.model.moe_ffn_hidden_size`` must be multiples of 8: 16-byte rows in bf16) or with
             ``parallel.tp > 1`` (expert tensor parallelism), or a torch without ``_grouped_mm``.
     """
     m = cfg.model
+    pipeline = cfg.get("pipeline") if hasattr(cfg, "get") else None
+    if pipeline is not None and pipeline.ep_overlap and cfg.train.precision != "bf16" and torch.cuda.is_available():
+        raise ConfigError(f"pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's combined-"
+                          f"1F1B rule), got {cfg.train.precision}; allowed: train.precision=bf16, or "
+                          "pipeline.ep_overlap=false")
     if m.max_logit_kernel == "triton":
         from k2.model.max_logit_kernel import triton as _triton
 

@@ -84,7 +84,9 @@ class PipelineHooks:
         self.store, self.trace = store, trace
         #: (chunk, microbatch) whose forward or backward megatron's plain schedule runs now
         self.current: Optional[tuple] = None
+        self.ep_overlap = ep_overlap
         self.overlap = OverlapHooks(self) if ep_overlap else None
+        self.tcfg = None  # the run's megatron config (wrap())
         self.step = 0
         self.last_peak_bytes = 0
         self.last_max_tags_held = 0
@@ -105,6 +107,21 @@ class PipelineHooks:
     def _drain(self, where: str) -> None:
         if self.store is not None and len(self.store):
             self.store.drain(where)
+
+    def overlaps_in(self, options) -> bool:
+        """Whether a phase with these memory options (:class:`k2.model.activation_memory.MemoryOptions`)
+        runs the EP overlap (:meth:`enter_phase`)."""
+        return self.ep_overlap and not options.recomputes("layer")
+
+    def enter_phase(self, options) -> bool:
+        """Run the coming steps with or without the EP overlap: on (when ``pipeline.ep_overlap``) unless
+        ``options`` (the phase's :class:`k2.model.activation_memory.MemoryOptions`) recompute whole layers,
+        which re-runs their all-to-alls in backward, outside megatron's pairs; megatron reads the flag at
+        every forward-backward pass. Returns whether the overlap runs."""
+        on = self.overlaps_in(options)
+        if self.tcfg is not None:
+            self.tcfg.overlap_moe_expert_parallel_comm = on
+        return on
 
     def step_metrics(self) -> dict:
         """Metrics of the last training pass for ``metrics.jsonl`` (a collective over all ranks when
@@ -223,6 +240,7 @@ class PipelineHooks:
                                           "the last microbatch's deferred wgrads run outside the grad-sync "
                                           "window of megatron's schedule")
         self.step = first_step - 1
+        self.tcfg = tcfg
         install_patches()
         if self.overlap is not None or self.trace is not None:  # combined-1F1B calls, all-to-all events
             install_overlap_patches()

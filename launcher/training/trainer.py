@@ -48,7 +48,7 @@ from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_m
 from k2.launcher.training.hf_export import export_checkpoint
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
-from k2.launcher.training.phase_memory import apply_phase_memory, run_memory_options
+from k2.launcher.training.phase_memory import apply_phase_memory, phase_memory_options, run_memory_options
 from k2.launcher.training.preemption import REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.run_report import write_run_report
@@ -254,6 +254,7 @@ class Trainer:
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
         apply_phase_memory(self.chunks, phase)
+        self._enter_phase_schedule(phase)
         return note
 
     def open_logger(self, resumed_note: str | None) -> None:
@@ -322,6 +323,7 @@ class Trainer:
             self.data.enter(phase, step)
             self._switch_rope(phase)
             apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute
+            self._enter_phase_schedule(phase)
             self.logger.message(f"step {step}: {self._describe(phase)}")
         return phase
 
@@ -498,13 +500,22 @@ class Trainer:
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
                         self.data.valid_ds, self.data.dp_rank)
 
+    def _enter_phase_schedule(self, phase) -> None:
+        """``pipeline.ep_overlap`` in ``phase``: off where the phase recomputes whole layers."""
+        if self.pipeline is not None and self.pipeline.ep_overlap:
+            self.pipeline.enter_phase(phase_memory_options(phase))
+
     def _switch_rope(self, phase) -> None:
         if phase.rope_type != self.rope_type:
             set_rope_type(self.model, self.tcfg, self.cfg.model, phase.rope_type)
             self.rope_type = phase.rope_type
 
     def _describe(self, phase) -> str:
+        overlap = ""
+        if self.pipeline is not None and self.pipeline.ep_overlap:
+            overlap = (", EP all-to-all overlapped" if self.pipeline.overlaps_in(phase_memory_options(phase))
+                       else ", EP all-to-all not overlapped in this phase (memory.recompute 'layer' re-runs it)")
         return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
                 f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "
                 f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
-                f"{phase.rope_type}")
+                f"{phase.rope_type}{overlap}")

@@ -1,0 +1,196 @@
+"""K2's communication overlap (``pipeline.ep_overlap``: megatron-core's combined-1F1B EP overlap; K2 report
+"Training system") through the real trainer on 4 gloo ranks, as K2 trains: ``memory=k2`` (FP8 storage,
+selective recompute, offload), ``optim=muonclip`` (QK-Clip), ``pipeline.decouple_wgrad``.
+
+* Same numbers: on ``cpu4`` (PP2 x VPP2 x EP2 x DP2, ZeRO-1) and on PP1 x EP4, 6 steps with the overlap on
+  and off: every step's loss, gradient norm and max logits, every rank's accumulated gradients at every
+  step and every parameter after the last step are bitwise equal.
+* A resume of an overlap run (from its step-3 checkpoint) is bitwise equal to the uninterrupted run.
+* The trace shows the overlap: on every rank, in every steady-state 1F1B step, each dispatch and combine
+  all-to-all of each MoE layer is posted before, and waited for after, compute (F, B or W) of the other
+  microbatch of the pair; the same check fails on every one of them with the overlap off.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.distributed import run_trainer
+
+pytestmark = pytest.mark.slow
+
+SIX_STEPS = ["memory=k2", "optim=muonclip", "pipeline.decouple_wgrad=true", "train.iters=6",
+             "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7", "train.save_interval=3",
+             "checkpoint.keep_last=10", "checkpoint.save_at_end=false"]
+LAYOUTS = {
+    "cpu4": ["parallel=cpu4"],
+    # (microbatches of 1 sequence: 4 per DP rank, 3 pairs per step)
+    "pp1_ep4": ["parallel=single", "parallel.ep=4", "launch.nproc_per_node=4", "train.micro_batch_size=1"],
+}
+METRICS = ("loss", "grad_norm", "max_attn_logit", "max_attn_logit_per_layer", "qk_clipped_heads",
+           "moe_load_max_over_mean")
+
+
+def _run(root: Path, layout: str, overlap: bool, extra: tuple = ()) -> dict:
+    out = root / f"{layout}-{'on' if overlap else 'off'}{'-' + '-'.join(e.split('=')[0] for e in extra) if extra else ''}"
+    records = run_trainer([*LAYOUTS[layout], *SIX_STEPS, f"pipeline.ep_overlap={str(overlap).lower()}",
+                           f"pipeline.trace={out / 'trace'}", *extra], 4, out / "run",
+                          script="dump_params_train.py", env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"})
+    traces = {}
+    for path in sorted((out / "trace").glob("rank*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        traces[events[0]["rank"]] = events
+    dumps = {r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
+             for r in range(4)}
+    return {"records": records, "traces": traces, "dumps": dumps, "run": out / "run"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, stdlib_corpus):
+    root = tmp_path_factory.mktemp("ep_overlap")
+    return {(layout, overlap): _run(root, layout, overlap) for layout in LAYOUTS for overlap in (False, True)}
+
+
+def _assert_bitwise(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{what} {name}: max |diff| {(a[name] - b[name]).abs().max()}"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_same_numbers_with_the_overlap_on_and_off(runs, layout):
+    off, on = runs[(layout, False)], runs[(layout, True)]
+    assert [r["step"] for r in on["records"]] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(off["records"], on["records"]):
+        for key in METRICS:
+            assert a[key] == b[key], (layout, a["step"], key, a[key], b[key])
+    for rank in range(4):
+        (g_off, p_off), (g_on, p_on) = off["dumps"][rank], on["dumps"][rank]
+        assert len(g_off) == len(g_on) == 6
+        for step, (x, y) in enumerate(zip(g_off, g_on), start=1):
+            _assert_bitwise(x, y, f"{layout} rank {rank} step {step} grad")
+        _assert_bitwise(p_off, p_on, f"{layout} rank {rank} param")
+    if layout == "cpu4":  # expert weights on both EP ranks are among them
+        names = {n for r in range(4) for n in on["dumps"][r][1] if ".global_experts." in n}
+        assert len({n.split(".global_experts.")[1].split(".")[0] for n in names}) == 8
+
+
+def test_resume_of_an_overlap_run_is_bitwise_the_uninterrupted_run(runs, tmp_path):
+    on = runs[("cpu4", True)]
+    ckpt = on["run"] / "checkpoints" / "iter_0000003"
+    assert ckpt.is_dir()
+    resumed = _run(tmp_path, "cpu4", True, (f"resume.from={ckpt}",))
+    assert [r["step"] for r in resumed["records"]] == [4, 5, 6]
+    for a, b in zip(on["records"][3:], resumed["records"]):
+        for key in METRICS:
+            assert a[key] == b[key], (a["step"], key)
+    for rank in range(4):
+        _assert_bitwise(on["dumps"][rank][1], resumed["dumps"][rank][1], f"resumed rank {rank} param")
+
+
+# --- the trace ------------------------------------------------------------------------------------------
+
+
+def _steady_pairs(pp: int, vpp: int, m: int, pp_rank: int) -> list[tuple[tuple, tuple]]:
+    """megatron's steady-state 1F1B pairs of a PP rank with the overlap's extra warm-up microbatch:
+    ``[((forward chunk, microbatch), (backward chunk, microbatch))]``
+    (``pipeline_parallel/schedules.py`` ``get_pp_rank_microbatches`` / ``get_schedule_table``;
+    ``combined_1f1b_schedule_for_no_pipelining`` without PP)."""
+    if pp == 1:
+        return [((0, i + 1), (0, i)) for i in range(m - 1)]
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    table = get_schedule_table(m, vpp, pp)
+    warmup = min(len(table), (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
+    return [((table[warmup + k][1], table[warmup + k][0]), (vpp - 1 - table[k][1], table[k][0]))
+            for k in range(len(table) - warmup)]
+
+
+def _moe_layers(layout: str) -> dict:
+    """{(pp_rank, chunk): [1-based MoE layer numbers]} of k2_tiny (layer 1 dense) on ``layout``."""
+    from k2.config.load import load_config
+    from k2.parallel.dims import ParallelDims
+
+    cfg = load_config(LAYOUTS[layout])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
+    k = int(cfg.model.first_k_dense_replace)
+    return {(r, v): [i + 1 for i in dims.layout[r][v] if i >= k] for r in range(dims.pp) for v in range(dims.vpp)}
+
+
+def unhidden_all_to_alls(traces: dict, layout: str) -> tuple[int, list]:
+    """Check every dispatch / combine of every steady-state pair (module docstring).
+
+    Returns:
+        ``(number checked, failures)``: a failure is ``(rank, step, (chunk, microbatch), what, direction,
+        layer, why)``.
+    """
+    moe = _moe_layers(layout)
+    pp = 1 + max(r for r, _ in moe)
+    vpp = 1 + max(v for _, v in moe)
+    checked, failures = 0, []
+    for rank, events in traces.items():
+        pp_rank = events[0]["pp_rank"]
+        steps = {}
+        for e in events:
+            if e["pass"] == "train":
+                steps.setdefault(e["step"], []).append(e)
+        for step, evs in steps.items():
+            m = _microbatches(evs)
+            for f, b in _steady_pairs(pp, vpp, m, pp_rank):
+                todo = [(f, b, what, "forward", layer) for layer in moe[(pp_rank, f[0])]
+                        for what in ("dispatch", "combine")]
+                todo += [(b, f, what, "backward", layer) for layer in moe[(pp_rank, b[0])]
+                         for what in ("dispatch", "combine")]
+                for mine, other, what, direction, layer in todo:
+                    checked += 1
+                    why = _hidden(evs, mine, other, what, direction, layer)
+                    if why:
+                        failures.append((rank, step, mine, what, direction, layer, why))
+    return checked, failures
+
+
+def _microbatches(evs: list) -> int:
+    return len({e["microbatch"] for e in evs if e["kind"] == "F" and e["chunk"] == 0})
+
+
+def _hidden(evs: list, mine: tuple, other: tuple, what: str, direction: str, layer: int) -> str:
+    """'' when the all-to-all's first post and last wait enclose compute of ``other``; else why not."""
+    ours = [e for e in evs if e.get("what") == what and e.get("direction") == direction
+            and e.get("layer") == layer and (e["chunk"], e["microbatch"]) == mine]
+    posts = [e["seq"] for e in ours if e["kind"] == "post"]
+    waits = [e["seq"] for e in ours if e["kind"] == "wait"]
+    if not posts or not waits:
+        return f"not in the trace ({len(posts)} posts, {len(waits)} waits)"
+    lo, hi = min(posts), max(waits)
+    for e in evs:
+        if lo < e["seq"] < hi and e["kind"] in ("F", "B", "W"):
+            tags = [tuple(t) for t in e.get("tags") or [] if t] or [(e["chunk"], e["microbatch"])]
+            if other in tags:
+                return ""
+    return "no compute of the other microbatch between post and wait"
+
+
+def test_trace_shows_each_all_to_all_hidden_under_the_other_microbatch(runs):
+    for layout in LAYOUTS:
+        on, off = runs[(layout, True)], runs[(layout, False)]
+        checked, failures = unhidden_all_to_alls(on["traces"], layout)
+        assert checked >= 4 * 6 * 4 and not failures, (layout, checked, failures[:5])
+        # the pairs megatron ran are the ones the check expects
+        pairs = {(e["rank"], e["step"], tuple(e["f"]), tuple(e["b"])) for t in on["traces"].values() for e in t
+                 if e["kind"] == "pair" and e["f"] and e["b"] and e["pass"] == "train"}
+        moe = _moe_layers(layout)
+        pp, vpp = 1 + max(r for r, _ in moe), 1 + max(v for _, v in moe)
+        for rank, events in on["traces"].items():
+            for step in range(1, 7):
+                m = _microbatches([e for e in events if e["step"] == step and e["pass"] == "train"])
+                expect = _steady_pairs(pp, vpp, m, events[0]["pp_rank"])
+                assert m == 4 and {(f, b) for r, s, f, b in pairs if r == rank and s == step} == set(expect), \
+                    (rank, step, m)
+        # without the overlap every one of them is posted and waited for with nothing in between
+        checked_off, failures_off = unhidden_all_to_alls(off["traces"], layout)
+        assert checked_off == checked and len(failures_off) == checked_off, (layout, checked_off, len(failures_off))
+        assert all(f[-1] == "no compute of the other microbatch between post and wait" for f in failures_off)
