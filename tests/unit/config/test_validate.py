@@ -90,3 +90,33 @@ def test_resume_settings_defaults_and_errors():
         V.resume_settings({"mode": "never", "from": "/x"})
     with pytest.raises(ConfigError, match="unknown setting resume.frm"):
         V.resume_settings({"frm": 3})
+
+
+def test_ep_overlap_runs_in_the_phases_without_whole_layer_recompute():
+    """``pipeline.ep_overlap``: K2's schedule recomputes whole layers only in its 32K phase, so the K2 recipe
+    with the overlap is valid and the trainer turns the overlap off for that phase alone
+    (``PipelineHooks.enter_phase``, read by megatron at every pass); only a schedule in which every
+    phase recomputes whole layers is refused."""
+    from types import SimpleNamespace
+
+    from k2.config.load import load_config
+    from k2.launcher.training.phase_memory import phase_memory_options
+    from k2.schedules.pipeline import PipelineHooks
+    from k2.schedules.resolve import resolve_schedule
+    from k2.parallel.dims import ParallelDims
+
+    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "pipeline.ep_overlap=true"])
+    schedule = resolve_schedule(cfg, ParallelDims.from_config(cfg.parallel, cfg.model, 256))
+    hooks = PipelineHooks(ep_overlap=True)
+    hooks.tcfg = SimpleNamespace(overlap_moe_expert_parallel_comm=True)
+    on = {p.name: hooks.enter_phase(phase_memory_options(p)) for p in schedule.phases}
+    assert on == {"warmup": True, "stable": True, "decay": True, "anneal_4k": True, "anneal_32k": False,
+                  "yarn_128k": False}
+    assert hooks.tcfg.overlap_moe_expert_parallel_comm is False  # the last phase entered
+    hooks.enter_phase(phase_memory_options(schedule.phases[0]))
+    assert hooks.tcfg.overlap_moe_expert_parallel_comm is True
+    assert not PipelineHooks(ep_overlap=False).overlaps_in(phase_memory_options(schedule.phases[0]))
+    # every phase with whole-layer recompute: nothing would overlap
+    with pytest.raises(ConfigError, match=r"memory.recompute containing 'layer'"):
+        load_config(["model=kimi_k2", "parallel=k2_256gpu", "pipeline.ep_overlap=true",
+                     "memory.recompute=[layer]", "schedule.phases.4.memory.recompute=[layer]"])
