@@ -29,7 +29,18 @@ What is patched (megatron-core 0.19.2, only while :func:`install` is in force, o
   that runs it; the thread's FIFO order makes an earlier communication node's future already done);
 * ``TransformerModelChunkSchedulePlan.run``: its output (a chunk's last combine) is resolved before the
   schedule attaches the plan to it, and the stream is drained, so nothing of a step is still queued
-  when megatron's schedule moves on (the GPU schedule's ``wait_current_stream``).
+  when megatron's schedule moves on (the GPU schedule's ``wait_current_stream``);
+* ``TransformerLayerSchedulePlan.run`` (one layer of each microbatch of a 1F1B pair): megatron's nodes
+  in megatron's stream order, but each communication node *issued* when a GPU's communication stream
+  would *start* it (:func:`_layer_pair`). On a GPU the host issues megatron's order
+  ``combine_bwd | pre_dispatch_fwd | mlp_bwd | dispatch_fwd | mlp_dw | dispatch_bwd | mlp_fwd |
+  combine_fwd | pre_dispatch_bwd`` in microseconds and the streams run it as data arrives: the dispatch
+  of the forward microbatch starts as soon as its attention is done, under the other microbatch's
+  expert backward, and the backward's dispatch as soon as that expert backward is done, under its
+  weight gradients. A CPU thread can only start what the host has issued, and the host computes as it
+  issues, so here those two dispatches are issued right after the node they wait for. The
+  communication stream's order (``combine_bwd, dispatch_fwd, dispatch_bwd, combine_fwd``), every
+  node and every data dependency are megatron's; the results are the same.
 
 An observer (the pipeline trace) sees every communication node: :attr:`CommStream.observer`.
 """
@@ -147,6 +158,36 @@ def _submit_node(stream: CommStream, node, direction: str, fn: Callable) -> Futu
     return fut
 
 
+def _layer_pair(f_layer, b_layer, f_input=None, b_grad=None, is_last_layer_in_bwd=False):
+    """megatron's ``TransformerLayerSchedulePlan.run`` (megatron-core 0.19.2: the same nodes and calls)
+    with the dispatches issued where a GPU's communication stream starts them (module docstring)."""
+    if b_layer is not None:
+        b_grad = b_layer.mtp_post_process.backward(b_grad)
+        b_grad = b_layer.moe_combine.backward(b_grad)
+    if f_layer is not None:
+        with f_layer.get_low_precision_context():
+            f_input = f_layer.pre_dispatch_computation.forward(f_input)
+            f_input = f_layer.moe_dispatch.forward(f_input)  # (megatron: after the backward's mlp)
+    if b_layer is not None:
+        b_grad = b_layer.mlp.backward(b_grad)
+        b_grad = b_layer.moe_dispatch.backward(b_grad)  # (megatron: after mlp_dw)
+        b_layer.mlp.backward_dw()
+        if b_layer.config.ep_overlap_early_attn_memory_release:
+            b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
+    if f_layer is not None:
+        with f_layer.get_low_precision_context():
+            f_input = f_layer.mlp.forward(f_input)
+            f_input = f_layer.moe_combine.forward(f_input)
+    if b_layer is not None and not b_layer.config.ep_overlap_early_attn_memory_release:
+        b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
+    if f_layer is not None:
+        with f_layer.get_low_precision_context():
+            f_input = f_layer.mtp_post_process.forward(f_input)
+    if b_layer is not None and not is_last_layer_in_bwd:  # (the chunk's first layer: after the p2p send)
+        b_layer.pre_dispatch_computation.backward_dw()
+    return f_input, b_grad
+
+
 def active_stream() -> Optional[CommStream]:
     """The installed :class:`CommStream`, or None."""
     return _STATE.get("stream")
@@ -182,7 +223,8 @@ def install() -> CommStream:
     orig = {"get_comm_stream": pp_utils.get_comm_stream, "set_streams": pp_utils.set_streams,
             "forward": pp_utils.ScheduleNode.forward, "backward": pp_utils.ScheduleNode.backward,
             "plan_get_comm_stream": plan_mod.get_comm_stream,
-            "chunk_run": plan_mod.TransformerModelChunkSchedulePlan.__dict__["run"]}
+            "chunk_run": plan_mod.TransformerModelChunkSchedulePlan.__dict__["run"],
+            "layer_run": plan_mod.TransformerLayerSchedulePlan.__dict__["run"]}
 
     def forward(node, inputs=()):
         if _node_stream(node) is stream:
@@ -214,6 +256,7 @@ def install() -> CommStream:
     pp_utils.ScheduleNode.forward = forward
     pp_utils.ScheduleNode.backward = backward
     plan_mod.TransformerModelChunkSchedulePlan.run = staticmethod(run)
+    plan_mod.TransformerLayerSchedulePlan.run = staticmethod(_layer_pair)
     _STATE.update(stream=stream, orig=orig)
     return stream
 
@@ -232,5 +275,6 @@ def uninstall() -> None:
     pp_utils.ScheduleNode.forward = orig["forward"]
     pp_utils.ScheduleNode.backward = orig["backward"]
     plan_mod.TransformerModelChunkSchedulePlan.run = orig["chunk_run"]
+    plan_mod.TransformerLayerSchedulePlan.run = orig["layer_run"]
     _STATE.pop("stream").close()
     _STATE.clear()

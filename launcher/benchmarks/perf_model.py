@@ -54,26 +54,42 @@ _CONFIGS = {"single": 1, "pp2": 2}
 _SHAPES = [(256, 128, 384), (256, 384, 128), (256, 128, 4096), (256, 128, 96), (256, 64, 128)]
 
 
-def _device_profile(name: str, threads: int, repeats: int, ranks: OperatorRanks, coll: dict) -> dict[str, Any]:
-    """One configuration's profile measured now (``threads`` per rank), with its operator figures measured
-    by as many processes at once as the configuration has ranks."""
+def device_profile(nproc: int, threads: int, repeats: int, ranks: OperatorRanks, coll: dict,
+                   name: str = "") -> dict[str, Any]:
+    """This machine's profile for ``nproc`` ranks of ``threads`` threads each, measured now: GEMM rates by
+    shape, memory bandwidth and attention (one process), the per-operator cost of one MoE layer of the
+    main job's model measured by ``nproc`` of ``ranks``' processes at once (they contend for the cores as
+    that many trainer ranks do), and the links from ``coll`` (``collective_gbps``, ``p2p_gbps``,
+    ``latency_us``: :func:`k2.launcher.benchmarks.hardware.measure_collectives`), inside and across nodes
+    alike (``gpus_per_node`` = ``nproc``).
+
+    Returns:
+        ``{"profile": the keys of a hardware profile file, "operator_cost": the per-part figures}``.
+    """
     dev = measure_device(threads, repeats, 512, _SHAPES, operators=False)
     rates = KernelRates(gemm_flops=dev["gemm_fp32_tflops"] * 1e12,
                         attention_flops=min(dev["attention_tflops"], dev["gemm_fp32_tflops"]) * 1e12,
                         memory_bytes=dev["memory_gbps"] * 1e9)
-    dev["operator_cost"] = ranks.measure(_CONFIGS[name], threads, rates, repeats)
+    dev["operator_cost"] = ranks.measure(nproc, threads, rates, repeats)
     dev.update(operator_profile_keys(dev["operator_cost"]))
     dev["peak_bf16_tflops"] = dev["gemm_bf16_tflops"]
     prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
-    prof.update(name=f"measured-{name}", gpus_per_node=_CONFIGS[name],
+    prof.update(name=name or f"measured-{nproc}x{threads}", gpus_per_node=nproc,
                 host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
                 network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
-                sources={"measured": f"k2-bench bench=perf_model, {threads} threads per rank, the median of "
-                                     "the measurements before and after its trainer runs"})
+                sources={"measured": f"k2-bench, {threads} threads per rank, {nproc} ranks"})
     for side in ("nvlink", "network"):
         prof.update({f"{side}_gbps": coll["p2p_gbps"], f"{side}_alltoall_gbps": coll["collective_gbps"],
                      f"{side}_collective_gbps": coll["collective_gbps"]})
     return {"profile": prof, "operator_cost": dev["operator_cost"]}
+
+
+def _device_profile(name: str, threads: int, repeats: int, ranks: OperatorRanks, coll: dict) -> dict[str, Any]:
+    """One configuration's profile (:func:`device_profile`), named and sourced as this benchmark's."""
+    out = device_profile(_CONFIGS[name], threads, repeats, ranks, coll, name=f"measured-{name}")
+    out["profile"]["sources"] = {"measured": f"k2-bench bench=perf_model, {threads} threads per rank, the median "
+                                             "of the measurements before and after its trainer runs"}
+    return out
 
 
 def _median(items: list) -> Any:

@@ -15,6 +15,7 @@ Usage::
     k2-bench bench=hardware bench.options.out=PATH.yaml   # this machine's profile for k2-plan plan.hardware=
     k2-bench bench=perf_model                  # k2-plan's step time vs measured single / pp2 runs
     k2-bench bench=checkpoint                  # save stall, checkpoint.async_save off vs on; overlapped steps
+    k2-bench bench=ep_overlap                  # pipeline.ep_overlap off vs on across a shaped link (root)
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
 :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
@@ -77,6 +78,14 @@ def bench_perf_model(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
+def bench_ep_overlap(cfg) -> dict[str, Any]:
+    """pipeline.ep_overlap off vs on with EP across two network namespaces joined by a tc-tbf-shaped link:
+    step time, exposed all-to-all time, and k2-plan's prediction of both for that link (needs root)."""
+    from k2.launcher.benchmarks.ep_overlap import bench_ep_overlap as run
+
+    return run(cfg)
+
+
 def bench_checkpoint(cfg) -> dict[str, Any]:
     """The loop's wait per save with checkpoint.async_save off and on, and the slowdown of overlapped steps."""
     from k2.launcher.benchmarks.checkpoint import bench_checkpoint as run
@@ -89,6 +98,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "attention": bench_attention,
     "optimizer": bench_optimizer,
     "pipeline": bench_pipeline,  # k2.launcher.benchmarks.pipeline
+    "ep_overlap": bench_ep_overlap,  # k2.launcher.benchmarks.ep_overlap
     "memory": bench_memory,
     "step": bench_step,  # k2.launcher.benchmarks.step
     "hf_convert": bench_hf_convert,  # k2.launcher.benchmarks.hf_convert

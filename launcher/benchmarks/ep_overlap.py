@@ -1,0 +1,242 @@
+"""``k2-bench bench=ep_overlap``: K2's communication overlap (``pipeline.ep_overlap``) measured on a shaped
+link, against ``k2-plan``'s prediction for that link, in one benchmark run.
+
+1. Two "nodes": network namespaces joined by a veth pair shaped with ``tc tbf``
+   (:class:`k2.launcher.benchmarks.shaped_link.ShapedLink`; needs root). One ``k2-train`` rank per node,
+   EP across the two (``parallel=single parallel.ep=2``: PP1, EP2, DP2), the main job's model
+   (``k2_tiny``, fp32, one OpenMP thread per rank) with K2's proportions (experts 4x wider: most of a
+   layer's compute, as in K2; decoupled weight gradients, as K2 trains), so every dispatch and combine
+   crosses the link.
+2. The link rates: with ``rates=[]`` (auto), an unshaped calibration run (overlap off, traced) gives the
+   forward-backward pass's compute and the all-to-all bytes per step; each rate is the one at which the
+   all-to-alls of a step take ``balance`` times that compute on the wire (``balance`` 1: the all-to-all
+   costs about as much as the compute that can hide it), at the link's measured efficiency. A list of
+   Mbit/s values sets them instead.
+3. Per rate: the link's gloo all-to-all and all-reduce are measured, then ``rounds`` pairs of runs with
+   the overlap off and on (alternating, ``iters`` steps each, the first not timed; each writes a
+   ``pipeline.trace``).
+4. ``k2-plan``'s step-time model predicts both settings on this machine's profile measured in the same
+   run (``k2.launcher.benchmarks.perf_model.device_profile``: the two ranks' share of the CPU) with the
+   link's measured figures.
+
+Figures per rate: ``step_off_s`` / ``step_on_s`` (median ``step_time_s`` of the timed steps) and
+``speedup`` (off / on); ``exposed_a2a_off_s`` / ``exposed_a2a_on_s`` (per step, the rank's main thread's
+time in all-to-alls it waited for: without the overlap every all-to-all is run by that thread, with it the
+``wait`` events on communication nodes; the larger rank, median over steps) and ``exposed_cut``
+(1 - on / off); ``predicted_off_s`` / ``predicted_on_s`` with ``predicted_over_measured_*``; and the
+goals: ``speedup >= 1.3``, ``exposed_cut >= 0.6``, both predictions within 20%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from k2.config.errors import ConfigError
+from k2.config.load import load_config
+from k2.launcher.benchmarks.common import bench_options, check_minimums
+from k2.launcher.benchmarks.shaped_link import ShapedLink, check_can_shape, measure_link
+from k2.schedules.pipeline_trace import read_trace
+
+_DEFAULTS = {
+    "model": "k2_tiny",
+    "rates": [],  # link rates in Mbit/s; [] = auto (module docstring)
+    "balance": [1.0, 0.5],  # rates=auto: all-to-all time on the wire / compute per step, one rate each
+    # tokens per step: enough that the all-to-alls outweigh the data-parallel gradient reduction, which
+    # crosses the same link once per step (the embedding and output layer dominate it)
+    "global_batch_tokens": 8192,
+    "micro_batch_size": 2,  # sequences per microbatch: 16 microbatches per DP rank, 15 overlapped pairs
+    # K2's proportions: its routed experts are most of a layer's compute (k2_tiny's 64-wide experts are a
+    # small share of it), and K2 decouples the weight gradients, which run under the dispatches too
+    "moe_ffn_hidden_size": 256,
+    "decouple_wgrad": True,
+    "iters": 6,  # steps per run (the first is not timed)
+    "rounds": 1,  # off/on pairs per rate
+    "repeats": 5,  # timed calls per hardware / link measurement
+    "timeout": 900,  # seconds per trainer run
+    "number": 0,  # picks the namespaces' names and subnet (k2.launcher.benchmarks.shaped_link)
+}
+_REPO = Path(__file__).resolve().parents[1]
+GOALS = {"speedup": 1.3, "exposed_cut": 0.6, "prediction_error": 0.2}
+
+
+def _model(o: dict) -> list[str]:
+    """The settings of the benchmarked model and layout (the runs' and the prediction's)."""
+    return [f"model={o['model']}", "parallel=single", "parallel.ep=2",
+            f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}", f"train.micro_batch_size={o['micro_batch_size']}",
+            f"schedule.global_batch_tokens={o['global_batch_tokens']}",
+            f"pipeline.decouple_wgrad={str(o['decouple_wgrad']).lower()}"]
+
+
+def _overrides(o: dict, run_dir: Path, overlap: bool) -> list[str]:
+    return [*_model(o), f"train.iters={o['iters']}", "train.eval_interval=0",
+            "schedule.phases.0.steps=0", "checkpoint.save_at_end=false", "run.wandb.mode=disabled",
+            "train.progress=false", "resume=never", f"run.dir={run_dir}",
+            f"pipeline.ep_overlap={str(overlap).lower()}", f"pipeline.trace={run_dir / 'trace'}"]
+
+
+def _train(link: ShapedLink, o: dict, run_dir: Path, overlap: bool) -> dict[str, Any]:
+    """One 2-rank ``k2-train`` run on the link; its timed steps' figures (module docstring)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    link.run_pair([sys.executable, "-m", "k2.launcher.train", *_overrides(o, run_dir, overlap)], env, _REPO,
+                  o["timeout"])
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["step"] > 1]
+    traces = read_trace(str(run_dir / "trace"))
+    steps = [r["step"] for r in recs]
+    return {"step_s": [r["step_time_s"] for r in recs], "loss": [r["loss"] for r in recs],
+            "exposed_s": [max(_exposed(ev, s) for ev in traces.values()) for s in steps],
+            "compute_s": [max(_pass_s(ev, s) - _exposed(ev, s) for ev in traces.values()) for s in steps],
+            "a2a_bytes": [max(_a2a_bytes(ev, s) for ev in traces.values()) for s in steps],
+            "a2a_count": [max(_a2a_count(ev, s) for ev in traces.values()) for s in steps]}
+
+
+def _events(events: list, step: int) -> list:
+    return [e for e in events if e["step"] == step and e["pass"] == "train"]
+
+
+def _exposed(events: list, step: int) -> float:
+    """Seconds the rank's main thread spent in all-to-alls in ``step``: the ones it ran itself (no
+    overlap; their ``wait`` events have no length) and its waits for communication nodes (overlap)."""
+    ev = _events(events, step)
+    own = sum(e["end"] - e["start"] for e in ev if e["kind"] == "a2a" and e.get("thread") == "MainThread")
+    waits = sum(e["end"] - e["start"] for e in ev if e["kind"] == "wait" and e.get("what") in ("dispatch", "combine"))
+    return own + waits
+
+
+def _pass_s(events: list, step: int) -> float:
+    end = [e for e in _events(events, step) if e["kind"] == "end"]
+    return end[0]["end"] - end[0]["start"] if end else 0.0
+
+
+def _a2a_bytes(events: list, step: int) -> int:
+    return sum(e["bytes"] for e in _events(events, step) if e["kind"] == "a2a")
+
+
+def _a2a_count(events: list, step: int) -> int:
+    return sum(1 for e in _events(events, step) if e["kind"] == "a2a")
+
+
+def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict]:
+    """Link rates (Mbit/s) at which a step's all-to-alls take ``balance`` x its compute (module docstring)."""
+    link.set_rate(None)
+    cal = _train(link, {**o, "iters": 3}, tmp / "calibration", False)
+    compute = statistics.median(cal["compute_s"])
+    remote_bytes = statistics.median(cal["a2a_bytes"]) / 2  # half of each all-to-all goes to the other rank
+    n = statistics.median(cal["a2a_count"])
+    probe_rate = 100.0
+    link.set_rate(probe_rate)
+    eff = measure_link(link, o["repeats"], _REPO)
+    efficiency = eff["alltoall_gbps"] * 8e3 / probe_rate  # achieved / nominal
+    rates = []
+    for b in o["balance"]:
+        wire = max(b * compute - n * eff["latency_us"] * 1e-6, 1e-3)
+        rates.append(round(remote_bytes * 8 / wire / 1e6 / efficiency, 1))
+    return rates, {"calibration_compute_s": compute, "calibration_a2a_remote_bytes": remote_bytes,
+                   "calibration_a2a_count": n, "link_efficiency": efficiency}
+
+
+def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
+    """This machine's profile with the shaped link as the network between two one-rank nodes."""
+    from k2.launcher.benchmarks.hardware import write_profile
+
+    prof = dict(device)
+    prof.update(name=f"measured-shaped-link-{link_figures['rate_mbit']:g}mbit", gpus_per_node=1,
+                network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"])
+    for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
+        prof.update({f"{side}_gbps": link_figures["alltoall_gbps"], f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
+                     f"{side}_collective_gbps": link_figures["collective_gbps"]})
+    prof.setdefault("sources", {})["shaped_link"] = (
+        f"k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair shaped with tc tbf at "
+        f"{link_figures['rate_mbit']:g} Mbit/s (all-to-all of 1 MiB per rank, all-reduce of 1 MiB)")
+    write_profile(prof, str(path))
+    return str(path)
+
+
+def _predicted(o: dict, profile: str, overlap: bool) -> dict[str, float]:
+    from k2.launcher.planning.cluster import plan_cluster
+
+    cfg = load_config([*_model(o), "cluster.nodes=2", "cluster.gpus_per_node=1", f"plan.hardware={profile}",
+                       f"pipeline.ep_overlap={str(overlap).lower()}"])
+    p = plan_cluster(cfg).report
+    return {"step_s": p["step_time_s_estimated"], "ep_comm_s": p["step_time_breakdown_s"]["ep_comm"]}
+
+
+def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) -> dict[str, Any]:
+    link.set_rate(rate)
+    lf = {**measure_link(link, o["repeats"], _REPO), "rate_mbit": rate}
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for r in range(o["rounds"]):
+        for overlap in (False, True):
+            runs[overlap].append(_train(link, o, tmp / f"{rate:g}-r{r}-{'on' if overlap else 'off'}", overlap))
+    med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s")}
+           for ov in runs}
+    profile = _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml")
+    pred = {ov: _predicted(o, profile, ov) for ov in (False, True)}
+    off, on = med[False], med[True]
+    out = {
+        "rate_mbit": rate, "link_alltoall_gbps": lf["alltoall_gbps"], "link_latency_us": lf["latency_us"],
+        "step_off_s": off["step_s"], "step_on_s": on["step_s"], "speedup": off["step_s"] / on["step_s"],
+        "exposed_a2a_off_s": off["exposed_s"], "exposed_a2a_on_s": on["exposed_s"],
+        "exposed_cut": 1 - on["exposed_s"] / off["exposed_s"] if off["exposed_s"] > 0 else 0.0,
+        "predicted_off_s": pred[False]["step_s"], "predicted_on_s": pred[True]["step_s"],
+        "predicted_exposed_a2a_off_s": pred[False]["ep_comm_s"], "predicted_exposed_a2a_on_s": pred[True]["ep_comm_s"],
+        "predicted_over_measured_off": pred[False]["step_s"] / off["step_s"],
+        "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
+        "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),
+    }
+    out["goals_met"] = (out["speedup"] >= GOALS["speedup"] and out["exposed_cut"] >= GOALS["exposed_cut"]
+                        and all(abs(out[f"predicted_over_measured_{k}"] - 1) <= GOALS["prediction_error"]
+                                for k in ("off", "on")))
+    return out
+
+
+def bench_ep_overlap(cfg) -> dict[str, Any]:
+    """Step time and exposed all-to-all time with ``pipeline.ep_overlap`` off and on across a shaped link,
+    and k2-plan's prediction of both (module docstring).
+
+    Raises:
+        ConfigError: a bad option, or no root / ``ip`` / ``tc`` (one line saying so).
+    """
+    o = bench_options(cfg, _DEFAULTS)
+    check_minimums(o, {"iters": 2, "rounds": 1, "repeats": 1, "timeout": 1, "micro_batch_size": 1,
+                       "global_batch_tokens": 1, "moe_ffn_hidden_size": 1})
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in o["rates"]):
+        raise ConfigError(f"bench.options.rates={o['rates']!r}; allowed: [] (auto), or a list of link rates in "
+                          "Mbit/s > 0")
+    if not (isinstance(o["balance"], (list, tuple)) and o["balance"] and all(
+            isinstance(b, (int, float)) and b > 0 for b in o["balance"])):
+        raise ConfigError(f"bench.options.balance={o['balance']!r}; allowed: a list of numbers > 0 (all-to-all "
+                          "time on the wire over compute, one link rate each)")
+    check_can_shape()
+    from k2.launcher.benchmarks.operator_cost import OperatorRanks
+    from k2.launcher.benchmarks.perf_model import device_profile
+    from k2.launcher.training.prepare import prepare_run
+
+    with tempfile.TemporaryDirectory(prefix="k2-bench-ep-overlap-") as tmp_name:
+        tmp = Path(tmp_name)
+        run_cfg = load_config(_overrides(o, tmp / "check", True))
+        prepare_run(run_cfg, 2)  # a bad setting fails here, before any namespace exists
+        if run_cfg.data.path is None:
+            from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+
+            prepare_stdlib_corpus(run_cfg.data, progress=False, verbose=False)
+        with ShapedLink(o["number"]) as link:
+            with OperatorRanks(2) as ranks:  # (the link's figures replace the collectives' below)
+                coll = {"collective_gbps": 1.0, "p2p_gbps": 1.0, "latency_us": 0.0}
+                device = device_profile(2, 1, o["repeats"], ranks, coll)["profile"]
+            calibration: dict = {}
+            rates = [float(r) for r in o["rates"]]
+            if not rates:
+                rates, calibration = _auto_rates(link, o, tmp)
+            cases = [_rate_case(link, o, float(rate), device, tmp) for rate in rates]
+    return {"model": o["model"], "layout": "PP1 x EP2 x DP2, one rank per node", "rates_mbit": rates,
+            **calibration, "goals": GOALS, "cases": cases,
+            "all_goals_met": all(c["goals_met"] for c in cases)}
