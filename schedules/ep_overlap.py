@@ -241,8 +241,9 @@ def install_patches() -> None:
     if _ORIG:
         return
     from megatron.core.models.common import fine_grained_callables as fgc
-    from megatron.core.models.common.utils import TransformerLayerNode
+    from megatron.core.models.common.utils import PostProcessNode, PreProcessNode, TransformerLayerNode
     from megatron.core.pipeline_parallel import combined_1f1b
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
     from megatron.core.tensor_parallel.mappings import _AllToAll
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -252,7 +253,9 @@ def install_patches() -> None:
                  backward_dw=TransformerLayerNode.backward_dw,
                  a2a_forward=_AllToAll.__dict__["forward"], a2a_backward=_AllToAll.__dict__["backward"],
                  token_dispatch=MoEAlltoAllTokenDispatcher.token_dispatch,
-                 token_combine=MoEAlltoAllTokenDispatcher.token_combine)
+                 token_combine=MoEAlltoAllTokenDispatcher.token_combine,
+                 pre_process=PreProcessNode.forward_impl, post_process=PostProcessNode.forward_impl,
+                 default_backward=ScheduleNode.default_backward_func)
 
     def combined(*args, **kwargs):
         h = _ACTIVE
@@ -311,8 +314,26 @@ def install_patches() -> None:
         finally:
             _CTX.what, _CTX.layer, _CTX.backward = prev
 
+    def chunk_part(orig):  # the embedding (pre_process) / the output layer and loss (post_process)
+        def call(node, *args):
+            h = _ACTIVE
+            if h is None or h.pipeline.trace is None:
+                return orig(node, *args)
+            return h.compute_node("forward", node, lambda: orig(node, *args))
+        return call
+
+    def default_backward(node, outputs, output_grad):
+        h = _ACTIVE
+        run = lambda: _ORIG["default_backward"](node, outputs, output_grad)  # noqa: E731
+        if h is None or h.pipeline.trace is None or node.name not in ("pre_process", "post_process"):
+            return run()
+        return h.compute_node("backward", node, run)
+
     combined_1f1b.combined_forward_backward_step = combined
     fgc.build_layer_callables = build
+    PreProcessNode.forward_impl = chunk_part(_ORIG["pre_process"])
+    PostProcessNode.forward_impl = chunk_part(_ORIG["post_process"])
+    ScheduleNode.default_backward_func = default_backward
     TransformerLayerNode.backward_impl = backward_impl
     TransformerLayerNode.backward_dw = backward_dw
     _AllToAll.forward = staticmethod(traced_a2a_forward)
@@ -326,13 +347,17 @@ def uninstall_patches() -> None:
     if not _ORIG:
         return
     from megatron.core.models.common import fine_grained_callables as fgc
-    from megatron.core.models.common.utils import TransformerLayerNode
+    from megatron.core.models.common.utils import PostProcessNode, PreProcessNode, TransformerLayerNode
     from megatron.core.pipeline_parallel import combined_1f1b
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
     from megatron.core.tensor_parallel.mappings import _AllToAll
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     combined_1f1b.combined_forward_backward_step = _ORIG["combined"]
     fgc.build_layer_callables = _ORIG["build"]
+    PreProcessNode.forward_impl = _ORIG["pre_process"]
+    PostProcessNode.forward_impl = _ORIG["post_process"]
+    ScheduleNode.default_backward_func = _ORIG["default_backward"]
     TransformerLayerNode.backward_impl = _ORIG["backward_impl"]
     TransformerLayerNode.backward_dw = _ORIG["backward_dw"]
     _AllToAll.forward = _ORIG["a2a_forward"]

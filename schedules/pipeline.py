@@ -377,10 +377,7 @@ def setup_pipeline(pipeline_cfg, chunks: list):
     return PipelineHooks(store, trace, ep_overlap=bool(p.ep_overlap)), store is not None
 
 
-if __name__ == "__main__":  # python -m schedules.pipeline TRACE_DIR OUT.png [STEP]
-    import sys
+if __name__ == "__main__":  # (the trace's command, under its older name)
+    from k2.schedules.pipeline_trace import main
 
-    if len(sys.argv) not in (3, 4):
-        print("usage: python -m k2.schedules.pipeline TRACE_DIR OUT.png [STEP]", file=sys.stderr)
-        sys.exit(2)
-    print(draw_trace(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else None))
+    raise SystemExit(main())

@@ -128,7 +128,9 @@ def read_trace(directory: str) -> dict[int, list[dict]]:
 
 def draw_trace(directory: str, path: str, step: Optional[int] = None) -> str:
     """Draw one training step of a trace as a timeline PNG: a row per rank (ordered by PP rank), F / B /
-    W boxes labelled with their microbatch (shade = model chunk), waits on communication hatched.
+    W boxes labelled with their microbatch (shade = model chunk), waits on communication hatched; with
+    the EP all-to-alls in the trace, a row below each rank for them (dispatch purple, combine red, on the
+    communication thread with ``pipeline.ep_overlap``, on the rank's own thread without it).
 
     Args:
         directory: a ``pipeline.trace`` directory.
@@ -146,27 +148,43 @@ def draw_trace(directory: str, path: str, step: Optional[int] = None) -> str:
     traces = read_trace(directory)
     if step is None:
         step = max(e["step"] for evs in traces.values() for e in evs if e["pass"] == "train")
-    rows = sorted(traces, key=lambda r: (traces[r][0]["pp_rank"], r))
-    sel = {r: [e for e in traces[r] if e["step"] == step and e["pass"] == "train"] for r in rows}
+    ranks = sorted(traces, key=lambda r: (traces[r][0]["pp_rank"], r))
+    sel = {r: [e for e in traces[r] if e["step"] == step and e["pass"] == "train"] for r in ranks}
+    a2a = any(e["kind"] == "a2a" for evs in sel.values() for e in evs)
+    per_rank = 2 if a2a else 1
     t0 = min(e["start"] for evs in sel.values() for e in evs)
-    colors = {"F": ("#9ecae1", "#3182bd"), "B": ("#fdae6b", "#e6550d"), "W": ("#a1d99b", "#31a354")}
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.2), dpi=100)
-    for y, r in enumerate(rows):
+    colors = {"F": ("#9ecae1", "#3182bd"), "B": ("#fdae6b", "#e6550d"), "W": ("#a1d99b", "#31a354"),
+              "dispatch": ("#bcbddc", "#756bb1"), "combine": ("#fcbba1", "#de2d26")}
+    fig, ax = plt.subplots(figsize=(14, 0.6 * per_rank * len(ranks) + 1.4), dpi=100)
+
+    def box(y, e, key, height):
+        x, w = (e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 1e-3)
+        ax.barh(y, w, left=x, height=height, color=colors[key][(e["chunk"] or 0) % 2], edgecolor="black",
+                linewidth=0.3)
+        if e["microbatch"] is not None:
+            ax.text(x + w / 2, y, str(e["microbatch"]), ha="center", va="center", fontsize=6)
+
+    labels = []
+    for i, r in enumerate(ranks):
+        y = i * per_rank
+        labels.append(f"rank {r} (pp {traces[r][0]['pp_rank']})")
+        if a2a:
+            labels.append(f"rank {r} all-to-all")
         for e in sel[r]:
-            x, w = (e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 1e-3)
-            if e["kind"] in colors:
-                shade = colors[e["kind"]][(e["chunk"] or 0) % 2]
-                ax.barh(y, w, left=x, height=0.8, color=shade, edgecolor="black", linewidth=0.3)
-                if e["microbatch"] is not None:
-                    ax.text(x + w / 2, y, str(e["microbatch"]), ha="center", va="center", fontsize=6)
-            elif e["kind"] == "wait" and w > 0.05:
+            if e["kind"] in ("F", "B", "W"):
+                box(y, e, e["kind"], 0.8)
+            elif e["kind"] == "a2a" and e.get("what") in colors:
+                box(y + 1, e, e["what"], 0.6 if e.get("thread") == "MainThread" else 0.8)
+            elif e["kind"] == "wait" and (e["end"] - e["start"]) * 1e3 > 0.05:
+                x, w = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
                 ax.barh(y, w, left=x, height=0.3, color="none", edgecolor="grey", hatch="///", linewidth=0.3)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {r} (pp {traces[r][0]['pp_rank']})" for r in rows])
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first event")
-    ax.set_title(f"pipeline trace, step {step}: F (blue), B (orange), W (green), light = chunk 0, "
-                 "dark = chunk 1; hatched = waiting on p2p")
+    ax.set_title(f"pipeline trace, step {step}: F (blue), B (orange), W (green), light = chunk 0, dark = chunk 1; "
+                 f"hatched = waiting{'; all-to-alls: dispatch (purple), combine (red)' if a2a else ' on p2p'}",
+                 fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
@@ -174,10 +192,18 @@ def draw_trace(directory: str, path: str, step: Optional[int] = None) -> str:
     return path
 
 
-if __name__ == "__main__":  # python -m k2.schedules.pipeline_trace TRACE_DIR OUT.png [STEP]
+def main(argv: Optional[list] = None) -> int:
+    """``python -m k2.schedules.pipeline_trace TRACE_DIR OUT.png [STEP]``: draw a step (:func:`draw_trace`),
+    print the PNG's path; 2 on a wrong command line."""
     import sys
 
-    if len(sys.argv) not in (3, 4):
-        print("usage: python -m k2.schedules.pipeline TRACE_DIR OUT.png [STEP]", file=sys.stderr)
-        sys.exit(2)
-    print(draw_trace(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else None))
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (2, 3):
+        print("usage: python -m k2.schedules.pipeline_trace TRACE_DIR OUT.png [STEP]", file=sys.stderr)
+        return 2
+    print(draw_trace(args[0], args[1], int(args[2]) if len(args) == 3 else None))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
