@@ -216,10 +216,13 @@ def _wrap_layer_callables(layer, funcs: list) -> list:
         name = NODES[i]
 
         def node_fn(node, *args):
-            run = lambda: fn(node, *args)  # noqa: E731
             h = _ACTIVE
-            if h is not None and name not in COMM_NODES and h.pipeline.trace is not None:
-                run = (lambda inner: lambda: h.compute_node("forward", node, inner))(run)
+
+            def run():
+                if h is not None and name not in COMM_NODES and h.pipeline.trace is not None:
+                    return h.compute_node("forward", node, lambda: fn(node, *args))
+                return fn(node, *args)
+
             out = run_layer_part(layer, run, first=(i == 0), last=(i == last))
             if i == last and release is not None:
                 release()
