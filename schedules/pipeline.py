@@ -113,13 +113,20 @@ class PipelineHooks:
         runs the EP overlap (:meth:`enter_phase`)."""
         return self.ep_overlap and not options.recomputes("layer")
 
+    def phase_note(self, options) -> str:
+        """What a phase's start line says of the EP overlap (empty without ``pipeline.ep_overlap``)."""
+        if not self.ep_overlap:
+            return ""
+        return (", EP all-to-all overlapped" if self.overlaps_in(options)
+                else ", EP all-to-all not overlapped in this phase (memory.recompute 'layer' re-runs it)")
+
     def enter_phase(self, options) -> bool:
         """Run the coming steps with or without the EP overlap: on (when ``pipeline.ep_overlap``) unless
         ``options`` (the phase's :class:`k2.model.activation_memory.MemoryOptions`) recompute whole layers,
         which re-runs their all-to-alls in backward, outside megatron's pairs; megatron reads the flag at
         every forward-backward pass. Returns whether the overlap runs."""
         on = self.overlaps_in(options)
-        if self.tcfg is not None:
+        if self.tcfg is not None and self.ep_overlap:
             self.tcfg.overlap_moe_expert_parallel_comm = on
         return on
 

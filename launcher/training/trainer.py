@@ -254,7 +254,8 @@ class Trainer:
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
         apply_phase_memory(self.chunks, phase)
-        self._enter_phase_schedule(phase)
+        if self.pipeline is not None:
+            self.pipeline.enter_phase(phase_memory_options(phase))
         return note
 
     def open_logger(self, resumed_note: str | None) -> None:
@@ -323,7 +324,8 @@ class Trainer:
             self.data.enter(phase, step)
             self._switch_rope(phase)
             apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute
-            self._enter_phase_schedule(phase)
+            if self.pipeline is not None:  # pipeline.ep_overlap: off in a phase recomputing whole layers
+                self.pipeline.enter_phase(phase_memory_options(phase))
             self.logger.message(f"step {step}: {self._describe(phase)}")
         return phase
 
@@ -500,21 +502,13 @@ class Trainer:
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
                         self.data.valid_ds, self.data.dp_rank)
 
-    def _enter_phase_schedule(self, phase) -> None:
-        """``pipeline.ep_overlap`` in ``phase``: off where the phase recomputes whole layers."""
-        if self.pipeline is not None and self.pipeline.ep_overlap:
-            self.pipeline.enter_phase(phase_memory_options(phase))
-
     def _switch_rope(self, phase) -> None:
         if phase.rope_type != self.rope_type:
             set_rope_type(self.model, self.tcfg, self.cfg.model, phase.rope_type)
             self.rope_type = phase.rope_type
 
     def _describe(self, phase) -> str:
-        overlap = ""
-        if self.pipeline is not None and self.pipeline.ep_overlap:
-            overlap = (", EP all-to-all overlapped" if self.pipeline.overlaps_in(phase_memory_options(phase))
-                       else ", EP all-to-all not overlapped in this phase (memory.recompute 'layer' re-runs it)")
+        overlap = self.pipeline.phase_note(phase_memory_options(phase)) if self.pipeline is not None else ""
         return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
                 f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "
                 f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
