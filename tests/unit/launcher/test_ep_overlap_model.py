@@ -87,3 +87,29 @@ def test_profile_comm_stream_setting():
     with pytest.raises(ConfigError, match="comm_stream.*allowed: device, host_thread"):
         profile_from_dict({**d, "comm_stream": "thread"}, "x.yaml")
 
+
+def test_prediction_for_a_shaped_link():
+    """What k2-bench bench=ep_overlap calls: the main phase with the overlap off and on, from a profile
+    mapping (PP1 x EP2, one rank per node, the CPU's thread semantics, a link of tbf's goodput at 100 Mbit/s).
+    The overlap runs, hides part of the all-to-all (what it cannot hide: the warm-up forward's and the
+    cool-down backward's) and shortens the step; the bench's figures are there."""
+    from k2.config import load_config
+    from k2.launcher.planning.overlap_prediction import TCP_PAYLOAD_PER_FRAME, predict_ep_overlap, tbf_goodput_gbps
+
+    assert tbf_goodput_gbps(100.0) == pytest.approx(12.5e-3 * 1448 / 1514) and TCP_PAYLOAD_PER_FRAME < 1
+    link = tbf_goodput_gbps(100.0)
+    prof = {**load_profile("h200").as_dict(), "gpus_per_node": 1, "kernel_launch_us": 30.0, "nongemm_share": 0.0,
+            "gemm_fp32_tflops": 0.1, "attention_tflops": 0.1, "memory_gbps": 10.0, "gemm_tile": 1,
+            "compute_units": None, "comm_stream": "host_thread", "network_latency_us": 300.0,
+            **{f"{side}_{kind}": link for side in ("nvlink", "network") for kind in ("gbps", "alltoall_gbps",
+                                                                                   "collective_gbps")}}
+    cfg = load_config(["model=k2_tiny", "parallel=single", "parallel.ep=2", "pipeline.decouple_wgrad=true",
+                       "cluster.nodes=2", "cluster.gpus_per_node=1"])
+    r = predict_ep_overlap(cfg, prof)
+    off, on = r["off"], r["on"]
+    assert on["ep_overlap"] and not off["ep_overlap"]
+    assert off["exposed_a2a_s"] == pytest.approx(off["ep_comm"]["total_s"]) and off["exposed_a2a_s"] > 0
+    assert 0 < on["exposed_a2a_s"] < off["exposed_a2a_s"] and on["step_s"] < off["step_s"]
+    assert on["ep_comm"]["by_part"]["warmup"] > 0 and on["ep_comm"]["by_part"]["cooldown"] > 0
+    assert r["speedup"] == pytest.approx(off["step_s"] / on["step_s"]) and 0 < r["exposed_cut"] < 1
+    assert sum(on["breakdown_s"].values()) == pytest.approx(on["step_s"]) and on["pass_s"] < on["step_s"]
