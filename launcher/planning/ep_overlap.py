@@ -132,7 +132,7 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
     """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
 
     Args:
-        nodes: the nodes of one step in megatron's issue order.
+        nodes: the nodes of one step in issue order (:func:`step_nodes`).
         comm_stream: ``device`` or ``host_thread``.
         offload_s: seconds of the step's activation copies to and from the host (exposed beyond the step).
 
