@@ -21,6 +21,18 @@ megatron's, taken from its own functions (``megatron.core.pipeline_parallel.sche
   the rank's next F/B cannot start yet (it would otherwise idle), and at the end. Without the split, ``B``
   costs input + weight gradient.
 
+* megatron's combined 1F1B (``ep_overlap=True``; ``overlap_moe_expert_parallel_comm``, the EP overlap of
+  ``pipeline.ep_overlap``): one more warm-up forward per rank (``get_pp_rank_microbatches``; with
+  ``vpp > 1`` only, as megatron runs it), then each 1F1B step is one operation, a *pair*, running one
+  microbatch's forward and another's backward together (``combined_1f1b.py``): it starts when both inputs
+  are there, takes ``pair_time(forward stage, backward stage)`` and delivers the forward's output and the
+  backward's input gradient at its end; without pipelining (``pp = 1``) megatron's
+  ``combined_1f1b_schedule_for_no_pipelining`` runs F(0), then pairs (F(j + 1), B(j)), then B(last). The
+  weight gradients run inside the operations (``backward`` includes them). In a pair the forward's
+  activations build up layer by layer while the backward's are freed: the rank holds at most what it
+  held before the pair plus ``pair_transient_bytes`` of the forward's stage (its largest layer: a layer's
+  forward runs before its partner layer's backward frees), or what it holds after.
+
 Every rank runs its operations one at a time, in its own order, each as soon as its inputs are there
 (discrete-event simulation). Results, per rank: busy time and idle time; the makespan; the *bubble
 fraction* = total idle / total busy over the ranks (for equal stages: ``(pp - 1) / (vpp * m)``, the bubble
@@ -36,7 +48,7 @@ from __future__ import annotations
 import heapq
 import types
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["Op", "PipelineResult", "rank_order", "simulate"]
 
@@ -53,6 +65,8 @@ class Op:
         stage: virtual stage ``chunk * pp + rank``.
         microbatch: 0-based microbatch.
         start, end: times.
+        partner: in a pair (``ep_overlap``), the virtual stage of its other half (the forward and the
+            backward of a pair are two ops with the same times); -1 otherwise.
     """
 
     kind: str
@@ -62,6 +76,7 @@ class Op:
     microbatch: int
     start: float
     end: float
+    partner: int = -1
 
 
 @dataclass
@@ -77,16 +92,21 @@ class PipelineResult:
     ops: list[Op] = field(repr=False)
     peak_activation_bytes: list[float] = field(default_factory=list)  # per rank
     peak_in_flight: list[int] = field(default_factory=list)  # per rank: most (chunk, microbatch) held
+    ep_overlap: bool = False  # megatron's combined 1F1B (pairs; the weight gradients inside)
 
-    def peak_bytes(self, per_stage: Sequence[float]) -> list[float]:
+    def peak_bytes(self, per_stage: Sequence[float], pair_transient: Optional[Sequence[float]] = None) -> list[float]:
         """Per rank, the most bytes held at once when each (virtual stage, microbatch) holds
         ``per_stage[stage]`` from the end of its forward to the end of its backward (or of its weight
-        gradient when split); frees count before allocations at equal times."""
+        gradient when split); frees count before allocations at equal times. During a pair the rank also
+        holds ``pair_transient[forward stage]`` (module docstring)."""
         events = []
         for o in self.ops:
             if o.kind == "F":
                 events.append((o.end, 1, o.rank, per_stage[o.stage]))
-            elif (o.kind == "B" and not self.decouple_wgrad) or o.kind == "W":
+                if o.partner >= 0 and pair_transient is not None:
+                    events += [(o.start, 1, o.rank, pair_transient[o.stage]),
+                               (o.end, -1, o.rank, -pair_transient[o.stage])]
+            elif (o.kind == "B" and (self.ep_overlap or not self.decouple_wgrad)) or o.kind == "W":
                 events.append((o.end, -1, o.rank, -per_stage[o.stage]))
         held, peak = [0.0] * self.pp, [0.0] * self.pp
         for _, _, r, delta in sorted(events):
@@ -110,6 +130,7 @@ class PipelineResult:
             "vpp": self.vpp,
             "num_microbatches": self.num_microbatches,
             "decouple_wgrad": self.decouple_wgrad,
+            "ep_overlap": self.ep_overlap,
             "makespan": self.makespan,
             "bubble_fraction": self.bubble_fraction,
             "busy_per_rank": self.busy,
@@ -117,7 +138,8 @@ class PipelineResult:
             "peak_activation_bytes_per_rank": self.peak_activation_bytes,
         }
         if timeline:
-            out["timeline"] = [[o.kind, o.rank, o.chunk, o.microbatch, o.start, o.end] for o in self.ops]
+            out["timeline"] = [[o.kind, o.rank, o.chunk, o.microbatch, o.start, o.end]
+                               + ([o.partner] if self.ep_overlap else []) for o in self.ops]
         return out
 
 
@@ -131,18 +153,22 @@ def _megatron_schedule():
 
 
 def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
-               group_size: Optional[int] = None) -> list[tuple[str, int, int]]:
-    """The forward/backward order megatron-core runs on PP rank ``rank``: ``[(kind, chunk, microbatch)]``.
+               group_size: Optional[int] = None, ep_overlap: bool = False) -> list[tuple]:
+    """The forward/backward order megatron-core runs on PP rank ``rank``: ``[(kind, chunk, microbatch)]``;
+    with ``ep_overlap`` (megatron's combined 1F1B, module docstring) a steady 1F1B step is one entry
+    ``("P", (forward chunk, microbatch), (backward chunk, microbatch))``.
 
     Args:
         pp, vpp: pipeline and virtual-pipeline sizes.
         num_microbatches: microbatches per step (per DP rank).
         rank: PP rank.
         group_size: ``microbatch_group_size_per_vp_stage`` (None = megatron's default, ``pp``).
+        ep_overlap: megatron's ``overlap_moe_expert_parallel_comm`` schedule.
 
     Raises:
         ValueError: a count megatron's interleaved schedule rejects (``check_microbatches`` in
-            ``parallel/dims.py`` gives the configuration-level message).
+            ``parallel/dims.py`` gives the configuration-level message); ``ep_overlap`` with ``pp > 1`` and
+            no virtual stages (megatron has no combined schedule there).
     """
     s = _megatron_schedule()
     g = pp if group_size is None else group_size
@@ -151,20 +177,28 @@ def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
             raise ValueError(f"interleaved 1F1B needs pp <= group <= microbatches and microbatches % group "
                              f"in {{0}} or >= pp (pp={pp}, group={g}, microbatches={num_microbatches})")
         table = s.get_schedule_table(num_microbatches, vpp, g)
+    elif ep_overlap and pp > 1:
+        raise ValueError(f"megatron's combined 1F1B (EP overlap) needs virtual stages when pp > 1 (pp={pp})")
     else:
         table = [(j, 0) for j in range(num_microbatches)]
     comm = types.SimpleNamespace(
         pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: rank),
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
-    total, _, warmup, remaining = s.get_pp_rank_microbatches(num_microbatches, vpp, g, p2p_communicator=comm)
+    total, _, warmup, remaining = s.get_pp_rank_microbatches(num_microbatches, vpp, g, p2p_communicator=comm,
+                                                             overlap_moe_expert_parallel_comm=ep_overlap)
+    if ep_overlap and pp == 1:  # combined_1f1b_schedule_for_no_pipelining: F(0), (F(j+1), B(j)), B(last)
+        warmup, remaining = 1, total - 1
     fwd = [("F", c, j) for j, c in table]
     bwd = [("B", vpp - 1 - c, j) for j, c in table]
-    order = fwd[:warmup]
+    order: list[tuple] = fwd[:warmup]
     for k in range(remaining):
-        order += [fwd[warmup + k], bwd[k]]
+        if ep_overlap:
+            order.append(("P", fwd[warmup + k][1:], bwd[k][1:]))
+        else:
+            order += [fwd[warmup + k], bwd[k]]
     order += bwd[remaining:]
-    assert len(order) == 2 * total
+    assert sum(2 if e[0] == "P" else 1 for e in order) == 2 * total
     return order
 
 
@@ -181,6 +215,9 @@ def simulate(
     activation_bytes: Optional[Sequence[float]] = None,
     group_size: Optional[int] = None,
     max_deferred_w: int = 1,
+    ep_overlap: bool = False,
+    pair_time: Optional[Callable[[int, int], float]] = None,
+    pair_transient_bytes: Optional[Sequence[float]] = None,
 ) -> PipelineResult:
     """Simulate one step of megatron's (interleaved) 1F1B schedule.
 
@@ -200,6 +237,11 @@ def simulate(
             runs the oldest one ahead of its next F/B. 1 (default, K2): each W runs right after its B,
             or earlier in a gap; larger values let W fill later gaps (zero-bubble style) at the cost of
             activations held longer.
+        ep_overlap: megatron's combined 1F1B (module docstring): ``forward`` / ``backward`` are the
+            costs of a step running one microbatch alone (``backward`` with its weight gradient;
+            ``weight`` and ``decouple_wgrad`` are then not used), ``pair_time(forward stage, backward
+            stage)`` that of a pair; ``pair_transient_bytes``: per virtual stage what a pair with its
+            forward there holds beyond the microbatches (the stage's largest layer).
 
     Returns:
         :class:`PipelineResult`.
@@ -217,13 +259,17 @@ def simulate(
             raise ValueError(f"{name} has a negative value")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
-    b_cost = list(backward) if decouple_wgrad else [b + x for b, x in zip(backward, w)]
-    orders = [rank_order(pp, vpp, num_microbatches, r, group_size) for r in range(pp)]
-    sim = _Simulation(pp, orders, list(forward), b_cost, w, decouple_wgrad, p2p_time, max_deferred_w)
+    if ep_overlap and pair_time is None:
+        raise ValueError("ep_overlap needs pair_time (the seconds of a forward and a backward together)")
+    split = decouple_wgrad and not ep_overlap
+    b_cost = list(backward) if split or ep_overlap else [b + x for b, x in zip(backward, w)]
+    orders = [rank_order(pp, vpp, num_microbatches, r, group_size, ep_overlap) for r in range(pp)]
+    sim = _Simulation(pp, orders, list(forward), b_cost, w, split, p2p_time, max_deferred_w, pair_time)
     sim.run_all()
     makespan = max(o.end for o in sim.ops)
-    result = PipelineResult(pp, vpp, num_microbatches, decouple_wgrad, makespan, sim.busy, sim.ops)
-    result.peak_activation_bytes = result.peak_bytes(act)
+    result = PipelineResult(pp, vpp, num_microbatches, decouple_wgrad, makespan, sim.busy, sim.ops,
+                            ep_overlap=ep_overlap)
+    result.peak_activation_bytes = result.peak_bytes(act, pair_transient_bytes)
     result.peak_in_flight = [int(x) for x in result.peak_bytes([1] * S)]
     return result
 
@@ -233,8 +279,9 @@ class _Simulation:
     as their inputs are there (the previous stage's forward, the next stage's backward, plus
     ``p2p_time``); deferred weight gradients fill the gaps (at most ``max_deferred_w`` held back)."""
 
-    def __init__(self, pp, orders, forward, b_cost, w, decouple_wgrad, p2p_time, max_deferred_w):
+    def __init__(self, pp, orders, forward, b_cost, w, decouple_wgrad, p2p_time, max_deferred_w, pair_time=None):
         self.pp, self.orders, self.forward, self.b_cost, self.w = pp, orders, forward, b_cost, w
+        self.pair_time = pair_time
         self.decouple_wgrad, self.p2p_time, self.max_deferred_w = decouple_wgrad, p2p_time, max_deferred_w
         self.last_stage = len(forward) - 1
         self.pos = [0] * pp  # next op index per rank
@@ -259,6 +306,33 @@ class _Simulation:
         t = self.done.get(("B", stage + 1, mb))
         return None if t is None else max(own, t + self.p2p_time)
 
+    def entry_ready(self, r: int) -> Optional[float]:
+        """When the inputs of rank ``r``'s next entry are there (a pair: both halves'); None if not scheduled."""
+        e = self.orders[r][self.pos[r]]
+        if e[0] == "P":
+            (cf, jf), (cb, jb) = e[1], e[2]
+            tf, tb = self.deps("F", cf * self.pp + r, jf), self.deps("B", cb * self.pp + r, jb)
+            return None if tf is None or tb is None else max(tf, tb)
+        return self.deps(e[0], e[1] * self.pp + r, e[2])
+
+    def run_pair(self, r: int, f: tuple, b: tuple, start: float) -> None:
+        """One combined step: the forward of ``f`` and the backward of ``b`` (``(chunk, microbatch)``)."""
+        sf, sb = f[0] * self.pp + r, b[0] * self.pp + r
+        end = start + self.pair_time(sf, sb)
+        self.ops += [Op("F", r, f[0], sf, f[1], start, end, partner=sb),
+                     Op("B", r, b[0], sb, b[1], start, end, partner=sf)]
+        self.done[("F", sf, f[1])] = self.done[("B", sb, b[1])] = end
+        self.free[r] = end
+        self.busy[r] += end - start
+
+    def run_entry(self, r: int, start: float) -> None:
+        e = self.orders[r][self.pos[r]]
+        if e[0] == "P":
+            self.run_pair(r, e[1], e[2], start)
+        else:
+            self.run(r, e[0], e[1], e[2], start)
+        self.pos[r] += 1
+
     def run(self, r: int, kind: str, chunk: int, mb: int, start: float) -> None:
         stage = chunk * self.pp + r
         dur = self.forward[stage] if kind == "F" else self.b_cost[stage] if kind == "B" else self.w[stage]
@@ -279,18 +353,15 @@ class _Simulation:
         an input that is not scheduled yet."""
         if self.pos[r] == len(self.orders[r]):
             return True  # (run_all handles the cooldown W)
-        kind, chunk, mb = self.orders[r][self.pos[r]]
-        ready = self.deps(kind, chunk * self.pp + r, mb)
+        ready = self.entry_ready(r)
         if len(self.wqueue[r]) >= self.max_deferred_w:  # bound the weight gradients held back
             self.run_oldest_w(r, t)
         elif ready is not None and ready <= t:
-            self.run(r, kind, chunk, mb, t)
-            self.pos[r] += 1
+            self.run_entry(r, t)
         elif self.wqueue[r]:  # the next F/B would wait: fill the gap with a deferred weight gradient
             self.run_oldest_w(r, t)
         elif ready is not None:
-            self.run(r, kind, chunk, mb, ready)
-            self.pos[r] += 1
+            self.run_entry(r, ready)
         else:
             return False
         return True
@@ -312,8 +383,7 @@ class _Simulation:
                 continue
             heapq.heappush(heap, (self.free[r], r))
             for q in list(blocked):  # a rank waiting on an unscheduled input may go on now
-                kq, cq, jq = self.orders[q][self.pos[q]]
-                if self.deps(kq, cq * self.pp + q, jq) is not None:
+                if self.entry_ready(q) is not None:
                     blocked.discard(q)
                     heapq.heappush(heap, (self.free[q], q))
 
@@ -340,12 +410,14 @@ def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
                 continue
             dark = 0.4 * chunk / max(1, result.vpp - 1)  # later model chunks darker
             color = tuple(c * (1.0 - dark) for c in base[kind])
-            by_rank: dict[int, list] = {}
+            by_rank: dict[tuple, list] = {}
             for o in result.ops:
                 if o.kind == kind and o.chunk == chunk:
-                    by_rank.setdefault(o.rank, []).append((o.start, o.end - o.start))
-            for r, bars in by_rank.items():
-                ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=color, edgecolor="none")
+                    by_rank.setdefault((o.rank, o.partner >= 0), []).append((o.start, o.end - o.start))
+            for (r, paired), bars in by_rank.items():
+                # a pair (EP overlap): its forward in the upper half of the row, its backward in the lower
+                y = (r - 0.4, 0.8) if not paired else ((r - 0.4, 0.4) if kind == "F" else (r, 0.4))
+                ax.broken_barh(bars, y, facecolors=color, edgecolor="none")
     ax.set_ylim(result.pp - 0.5, -0.5)
     ax.set_yticks(range(result.pp))
     ax.set_yticklabels([f"pp {r}" for r in range(result.pp)], fontsize=7)
@@ -356,6 +428,8 @@ def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
         kinds.append(("W", "weight grad"))
     if result.vpp > 1:
         kinds.append(("", "darker: later model chunk"))
+    if result.ep_overlap:
+        kinds.append(("", "EP overlap pair: forward above, backward below"))
     ax.legend(handles=[Patch(color=base.get(k, (0.3, 0.3, 0.3)), label=lbl) for k, lbl in kinds],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
     ax.set_title(title or (f"pp {result.pp} x vpp {result.vpp}, {result.num_microbatches} microbatches: "

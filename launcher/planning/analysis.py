@@ -9,9 +9,11 @@ from typing import Any
 
 from k2.launcher.planning.phase_settings import offloads_anything, phase_memory
 from k2.launcher.planning.checkpoint import staged_bytes_per_node
+from k2.launcher.planning.ep_overlap import overlap_applies
 from k2.launcher.planning.hardware import load_profile
 from k2.launcher.planning.memory import gpu_memory, stage_activations, state_bytes, state_bytes_lower_bound
 from k2.launcher.planning.step_time import step_time
+from k2.launcher.planning.what_if import WhatIf
 from k2.model.flops import flops_per_token
 from k2.schedules.pipeline_sim import simulate
 
@@ -152,17 +154,20 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
                                  micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
                                  memory_cfg=mem_cfg, fused_kernels=True)
+        overlap, why = overlap_applies(cfg, dims, recompute, WhatIf.from_config(cfg))
         st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=m, recompute=recompute,
                        offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
-                       profile=profile, max_microbatches=max_microbatches)
+                       profile=profile, max_microbatches=max_microbatches, ep_overlap=overlap,
+                       pair_transient_bytes=[a.layer_gpu_max for a in acts])
         sim, makespan = st.sim, st.step_s
-        busy = [m * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
-                        for v in range(dims.vpp)) for r in range(dims.pp)]
+        busy = st.busy or [m * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
+                                   for v in range(dims.vpp)) for r in range(dims.pp)]
         mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction))
         results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
                         "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
                         "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
                         "memory_settings": mem_cfg, "recompute_s": st.recompute_s,
+                        "ep_overlap": st.ep_overlap, "ep_overlap_note": why,
                         "host_per_node": host_bytes_per_node(mem, dims, gpn) + staged}
     phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
               for p in schedule.phases if p.steps]
@@ -199,6 +204,8 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
         "fits_gpu": fits_gpu, "fits_host": fits_host, "fits": fits_gpu and fits_host,
         "step_time_s_estimated": res["makespan"], "recompute_time_s_estimated": res["recompute_s"],
         "step_time_breakdown_s": dict(res["step_time"].breakdown),
+        "ep_overlap": res["ep_overlap"], "ep_overlap_note": res["ep_overlap_note"],
+        "ep_comm_s": res["step_time"].ep_comm,
     }
 
 

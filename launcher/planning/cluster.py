@@ -24,7 +24,9 @@ dense BF16 peak) and any model / parallel / memory / schedule config, without a 
 ``stages``, ``pp_ranks``, ``memory_per_gpu_bytes``, ``gpu_memory_bytes``, ``host_memory_bytes_per_node``,
 ``phases``, ``fits``, ``bubble_fraction``,
 ``pipeline``, ``flops_per_token``, ``flops``, ``global_batch_tokens``, ``num_microbatches``,
-``step_time_s_estimated``, ``step_time_breakdown_s``, ``tokens_per_s_per_gpu_estimated``, ``hardware``,
+``step_time_s_estimated``, ``step_time_breakdown_s``, ``ep_overlap_requested`` / ``ep_overlap`` /
+``ep_overlap_note`` (``pipeline.ep_overlap`` and whether the main phase runs it, or why not), ``ep_comm_s``
+(its all-to-alls exposed and hidden), ``tokens_per_s_per_gpu_estimated``, ``hardware``,
 ``what_if``, ``step_time_s_flops_only``, ``mfu_estimated``, ``gpu_hours_estimated`` (every phase's steps
 x its estimated step x GPUs), ``checkpoint``
 (:func:`k2.launcher.planning.checkpoint.checkpoint_plan`), with ``plan.step_time_s`` also ``model_tflops_per_gpu``
@@ -250,6 +252,9 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
         "seq_length": main.seq_length,
         "step_time_s_estimated": est,
         "step_time_breakdown_s": dict(st.breakdown),
+        "ep_overlap_requested": bool(cfg.pipeline.ep_overlap),
+        "ep_overlap": main_res["ep_overlap"], "ep_overlap_note": main_res["ep_overlap_note"],
+        "ep_comm_s": st.ep_comm,
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,
         "what_if": st.what_if,

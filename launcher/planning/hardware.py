@@ -20,6 +20,12 @@ from k2.model.kernels import KernelRates
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "hardware"
 
+#: ``comm_stream``: how a communication stream runs beside the compute (``k2.launcher.planning.ep_overlap``):
+#: ``device``, a second CUDA stream; ``host_thread``, a thread of the host process that also runs the compute
+#: (``k2.parallel.comm_stream``, k2-train on CPU)
+DEVICE, HOST_THREAD = "device", "host_thread"
+COMM_STREAMS = (DEVICE, HOST_THREAD)
+
 _REQUIRED = ("peak_bf16_tflops", "gemm_bf16_tflops", "attention_tflops", "memory_gbps", "nvlink_gbps",
              "nvlink_alltoall_gbps", "nvlink_collective_gbps", "network_gbps", "network_alltoall_gbps",
              "network_collective_gbps", "host_gbps")
@@ -58,6 +64,8 @@ class HardwareProfile:
         network_latency_us: per-message latency across nodes (also charged per point-to-point send).
         intra_latency_us: per-message latency inside a node (a measured CPU profile: gloo's; GPUs: 0).
         host_gbps: device <-> host copies per GPU (offload).
+        comm_stream: how the EP overlap's communication stream runs (:data:`COMM_STREAMS`; default
+            ``device``).
         sources: where the numbers come from.
     """
 
@@ -91,6 +99,7 @@ class HardwareProfile:
     operator_us: dict = field(default_factory=dict)
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    comm_stream: str = DEVICE
 
     def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
         """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
@@ -128,13 +137,17 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
     """A :class:`HardwareProfile` from a profile file's mapping.
 
     Raises:
-        ConfigError: a required number missing or not positive, naming ``origin`` and the key.
+        ConfigError: a required number missing or not positive, or ``comm_stream`` not one of
+            :data:`COMM_STREAMS`, naming ``origin`` and the key.
     """
     for key in _REQUIRED:
         v = d.get(key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"plan.hardware={origin}: '{key}' must be a number > 0 (got {v!r})")
     get = d.get
+    if get("comm_stream", DEVICE) not in COMM_STREAMS:
+        raise ConfigError(f"plan.hardware={origin}: 'comm_stream' is {get('comm_stream')!r}; allowed: "
+                          f"{', '.join(COMM_STREAMS)}")
     return HardwareProfile(
         name=str(get("name", Path(origin).stem)), gpu=str(get("gpu", "")),
         gpus_per_node=int(get("gpus_per_node", 8)),
@@ -160,6 +173,7 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
         operator_us={str(k): float(v) for k, v in (get("operator_us") or {}).items()},
         microbatch_overhead_us=float(get("microbatch_overhead_us", 0.0)),
         step_overhead_us=float(get("step_overhead_us", 0.0)),
+        comm_stream=str(get("comm_stream", DEVICE)),
     )
 
 

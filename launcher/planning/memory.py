@@ -329,12 +329,15 @@ class StageActivations:
             the GPU while they are copied out or back in).
         recompute_working: with whole-layer recompute (``memory.recompute`` site ``layer``), the bytes
             one layer's re-run holds during its backward (the largest layer of the stage); else 0.
+        layer_gpu_max: the GPU bytes of the stage's largest layer (what a combined 1F1B pair holds beyond
+            its microbatches: :func:`k2.schedules.pipeline_sim.simulate`'s ``pair_transient_bytes``).
     """
 
     gpu: float
     host: float
     offload_staging: float
     recompute_working: float = 0.0
+    layer_gpu_max: float = 0.0
 
 
 def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size: int, precision: str,
@@ -376,16 +379,16 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             gpu, host = apply_switches(
                 stage_saved(model_cfg, seq_length, micro_batch_size, precision, fused_kernels, emb, loss), **sw)
-            staging = rerun = 0.0
+            staging = rerun = largest = 0.0
             for i in dims.layout[r][v]:
                 g, h = per_kind[pattern[i]]
-                gpu, host, staging = gpu + g, host + h, max(staging, h)
+                gpu, host, staging, largest = gpu + g, host + h, max(staging, h), max(largest, g)
                 rerun = max(rerun, working.get(pattern[i], 0.0))
             # the stage's output is not counted: megatron's schedule frees its data once it is sent
             # (deallocate_pipeline_outputs, on in k2-train as in Megatron-LM's training)
             if not emb and "attn_input" in sw["offload"]:
                 gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
-            out.append(StageActivations(gpu, host, staging, rerun))
+            out.append(StageActivations(gpu, host, staging, rerun, largest))
     return out
 
 

@@ -21,6 +21,16 @@ OPERATORS = {"attention": (125, 186), "dense_mlp": (12, 24), "moe": (103, 89), "
              "embedding": (4, 7), "loss": (56, 44)}
 #: core attention's batched GEMMs (scores, weighted values), forward / backward (counted as above)
 ATTENTION_KERNELS = (2, 4)
+#: the MoE layer's own operators (``OPERATORS["moe"]``: beyond attention and the experts) by megatron's
+#: schedule node of the EP-overlap schedule (:mod:`k2.launcher.planning.stage_model`), forward / backward:
+#: counted the same way on k2_tiny's MoE layer run node by node through megatron-core 0.19.2's
+#: ``build_transformer_layer_callables`` (each node's inputs detached, as its schedule does): ``attn``
+#: (pre-MLP norm, router, shared expert's element-wise part, permutation) 80 / 54, ``dispatch`` 3 / 2,
+#: ``mlp`` (sorting by local expert and back, around the experts' own 9 / 20 each) 12 / 7, ``combine``
+#: (un-permutation, the shared expert's add, the residual) 8 / 8. The forward adds up to the layer's 103;
+#: the backward to 71 of its 89 (the rest is not attributed to a node); the model shares 103 / 89 in
+#: these proportions
+MOE_NODE_OPERATORS = {"attn": (80, 54), "dispatch": (3, 2), "mlp": (12, 7), "combine": (8, 8)}
 
 
 def modelled_operators(model_cfg, part: str, local_experts: int = 0) -> tuple[int, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from k2.launcher.planning.checkpoint import format_checkpoint
+from k2.launcher.planning.ep_overlap import NOT_REQUESTED
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -118,7 +119,8 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
             f"{names[k]} {_human(v)}" for k, v in terms.items() if v) +
         f"; training (3x) {_human(plan['flops_per_token'])}; one step of {plan['global_batch_tokens']:,} "
         f"tokens = {f['step_flops']:.4g} FLOPs",
-        f"  pipeline ({'interleaved ' if plan['vpp'] > 1 else ''}1F1B{', B/W split' if pipe['decouple_wgrad'] else ''},"
+        f"  pipeline ({'interleaved ' if plan['vpp'] > 1 else ''}1F1B{', B/W split' if pipe['decouple_wgrad'] else ''}"
+        f"{', EP overlap: combined 1F1B' if plan.get('ep_overlap') else ''},"
         f" phase {pipe['phase']}): pp {plan['pp']} x vpp {plan['vpp']}, {plan['num_microbatches']:,} microbatches "
         f"of {plan['micro_batch_size']} x {plan['seq_length']:,} tokens per DP rank: bubble "
         f"{100 * plan['bubble_fraction']:.2f}% (idle / busy over the PP ranks)",
@@ -165,6 +167,26 @@ def format_step_time(plan: dict[str, Any]) -> list[str]:
     cells = [f"{k} {v:.3g} s ({100 * v / step:.1f}%)" for k, v in sorted(b.items(), key=lambda kv: -kv[1]) if v > 0]
     for i in range(0, len(cells), 4):
         lines.append(("  breakdown: " if i == 0 else "             ") + ", ".join(cells[i:i + 4]))
+    if plan.get("ep_comm_s"):
+        lines += format_ep_comm(plan["ep_comm_s"], plan.get("ep_overlap", False), plan.get("ep_overlap_note", ""))
+    return lines
+
+
+_A2A_NAMES = {"dispatch_fwd": "dispatch fwd", "combine_fwd": "combine fwd", "dispatch_bwd": "dispatch bwd",
+              "combine_bwd": "combine bwd", "other": "other"}
+
+
+def format_ep_comm(ep: dict[str, Any], overlap: bool, note: str) -> list[str]:
+    """The EP all-to-alls of the busiest rank's step: exposed and hidden, by kind and (with the overlap) by
+    part of the schedule (:func:`k2.launcher.planning.ep_overlap.ep_summary`)."""
+    how = "EP overlap on" if overlap else (note or "EP overlap off")
+    kinds = ", ".join(f"{_A2A_NAMES[k]} {v['exposed_s']:.3g} of {v['total_s']:.3g}" for k, v in ep["by_kind"].items())
+    lines = [f"  EP all-to-all ({how}): {ep['total_s']:.3g} s, exposed {ep['exposed_s']:.3g} s, hidden "
+             f"{ep['hidden_s']:.3g} s; exposed by kind (s): {kinds}"]
+    if "by_part" in ep:
+        b = ep["by_part"]
+        lines.append(f"    exposed in the warm-up forwards {b['warmup']:.3g} s, the steady 1F1B pairs {b['steady']:.3g} s, "
+                     f"the cool-down backwards {b['cooldown']:.3g} s")
     return lines
 
 
@@ -175,18 +197,25 @@ def format_phases(plan: dict[str, Any]) -> list[str]:
     lines = [f"  per phase: fullest GPU (of {c['gpu_memory_gib']:g} GiB) and host memory of the fullest node "
              f"(of {c['host_memory_gib']:g} GiB); recompute = what the memory.recompute sites add to the step",
              f"  {'phase':<14}{'ctx':>8}{'mb x n':>11}{'GPU GiB':>9}{'pp rank':>9}{'host GiB/node':>15}"
-             f"{'step s':>9}{'recompute s':>13}  fits  recompute sites"]
+             f"{'step s':>9}{'recompute s':>13}{'EP overlap':>12}  fits  recompute sites"]
     for p in plan["phases"]:
         verdict = "yes" if p["fits"] else ("NO (GPU)" if not p["fits_gpu"] else "NO (host)")
         lines.append(
             f"  {p['phase']:<14}{p['seq_length']:>8,}{str(p['micro_batch_size']) + ' x ' + str(p['num_microbatches']):>11}"
             f"{_gib(p['device_peak_bytes']):>9}{p['device_pp_rank']:>9}{_gib(p['host_bytes_per_node']):>15}"
-            f"{p['step_time_s_estimated']:>9.4g}{p['recompute_time_s_estimated']:>13.3g}  {verdict:<5} "
-            f"{','.join(p['memory']['recompute']) or '-'}")
+            f"{p['step_time_s_estimated']:>9.4g}{p['recompute_time_s_estimated']:>13.3g}"
+            f"{_overlap_cell(p):>12}  {verdict:<5} {','.join(p['memory']['recompute']) or '-'}")
+    lines += [f"  EP overlap off in phase {p['phase']}: {p['ep_overlap_note']}" for p in plan["phases"]
+              if not p.get("ep_overlap") and plan.get("ep_overlap_requested") and p.get("ep_overlap_note")]
     lines.append(f"  the plan {'fits' if plan['fits'] else 'does NOT fit'}: "
                  + ("every phase fits the GPU and the host memory" if plan["fits"] else
                     "phases " + ", ".join(p["phase"] for p in plan["phases"] if not p["fits"]) + " do not"))
     return lines
+
+
+def _overlap_cell(p: dict[str, Any]) -> str:
+    """``on``, ``off`` (asked for, not run: the note says why) or ``-`` (not asked for)."""
+    return "on" if p.get("ep_overlap") else ("-" if p.get("ep_overlap_note") == NOT_REQUESTED else "off")
 
 
 def format_search(rows: list[dict[str, Any]], capacity: float) -> list[str]:
@@ -194,12 +223,12 @@ def format_search(rows: list[dict[str, Any]], capacity: float) -> list[str]:
     lines = [f"  layouts of this cluster ({len(rows)} valid): those that fit first, each group by estimated "
              "step time ('>' = at least: parameters and gradients alone exceed the GPU)",
              f"  {'rank':<6}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}{'microbatches':>14}{'bubble %':>10}"
-             f"{'step s':>9}{'GiB/GPU':>9}  fits  layout"]
+             f"{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout"]
     for r in rows:
         lines.append(
             f"  {r['rank']:<6}{r['pp']:>4}{r['vpp']:>5}{r['ep']:>5}{r['dp']:>6}{r['num_microbatches']:>14,}"
             f"{100 * r['bubble_fraction']:>10.2f}{r['step_time_s_estimated']:>9.2f}"
-            f"{('>' if r['memory_lower_bound'] else '') + _gib(r['memory_per_gpu_bytes']):>9}  "
+            f"{('>' if r['memory_lower_bound'] else '') + _gib(r['memory_per_gpu_bytes']):>9}{_overlap_cell(r):>12}  "
             f"{'yes ' if r['fits'] else 'NO  '}  {r['layout']}"
         )
     return lines

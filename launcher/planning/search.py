@@ -54,6 +54,7 @@ def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
                     "num_microbatches": a["main"]["num_microbatches"],
                     "bubble_fraction": a["main"]["bubble"],
                     "step_time_s_estimated": a["main"]["makespan"],
+                    "ep_overlap": a["main"]["ep_overlap"], "ep_overlap_note": a["main"]["ep_overlap_note"],
                     "memory_per_gpu_bytes": a["worst_gpu"].total,
                     "memory_lower_bound": a["memory_lower_bound"],
                     "fits": a["fits"],

@@ -327,13 +327,15 @@ def test_k2_plan_json_keys(k2_plan):
     assert isinstance(p["fits"], bool) and p["fits"] == (mem["total"] <= 80 * 2**30)
     assert p["global_batch_tokens"] == 67_108_864 and p["num_microbatches"] == 1024
     assert p["flops_per_token"] == flops_per_token(load_config(["model=kimi_k2"]).model, 4096).training
-    assert 0 < p["bubble_fraction"] < 0.05
+    # (with the recipe's EP overlap the steady pairs are shorter, the fill and drain are not)
+    assert 0 < p["bubble_fraction"] < 0.07
     # MFU of a measured 150 s step: 1.379e19 FLOPs / (150 s x 256 GPUs x 989 TFLOP/s)
     assert p["mfu"] == pytest.approx(p["flops_per_token"] * 67_108_864 / (150 * 256 * 989e12))
     assert p["model_tflops_per_gpu"] == pytest.approx(p["mfu"] * 989)
     # every PP rank: fullest DP rank's memory; the fullest GPU is their maximum
     assert max(r["memory_bytes"]["total"] for r in p["pp_ranks"]) == pytest.approx(mem["total"])
-    # activations: more microbatches in flight on the first PP ranks (interleaved warm-up: 2 (p-r-1) + p + 1)
+    # activations: more microbatches in flight on the first PP ranks (interleaved warm-up: 2 (p-r-1) + p + 1:
+    # megatron's warm-up with the EP overlap's extra microbatch, the same peak as the plain 1F1B forward's)
     assert [r["memory_bytes"]["microbatches_in_flight"] for r in p["pp_ranks"]] == [
         2 * (16 - r - 1) + 16 + 1 for r in range(16)]
     assert p["pipeline"]["peak_in_flight_per_rank"][0] == 47
@@ -380,11 +382,12 @@ def test_search_small_cluster(capsys):
 
 def test_search_kimi_k2_on_32_nodes_matches_the_readme():
     """docs/planning.md: ``k2-plan model=kimi_k2 parallel=k2_256gpu plan.search=true`` on 32 nodes lists
-    111 valid (PP, VPP, EP) layouts, 12 of which fit every phase of K2's schedule, K2's own PP16 x VPP2 x
-    EP16 among them (68.7 GiB on the fullest GPU, ~196 s per step on the H800 profile, the step-time
-    model's figure, the same as k2-plan's for that layout alone), behind the two EP8 layouts whose
-    all-to-all stays inside a node. Each fitting row fits both the GPU and the host (the search's verdict
-    is the planner's, not a separate rule)."""
+    111 valid (PP, VPP, EP) layouts, 12 of which fit every phase of K2's schedule. With K2's EP overlap
+    (the recipe's pipeline.ep_overlap, megatron's combined 1F1B where a layout has virtual stages) K2's own
+    PP16 x VPP2 x EP16 ranks first (68.7 GiB on the fullest GPU, ~122 s per step on the H800 profile, the
+    step-time model's figure), ahead of the EP8 layouts whose all-to-all stays inside a node: those have no
+    virtual stages (VPP2 with EP8 does not fit), so megatron cannot overlap them, and they stay at ~169 s.
+    Each fitting row fits both the GPU and the host (the search's verdict is the planner's)."""
     from k2.launcher.planning.cluster import plan_cluster
 
     cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "plan.search=true"])
@@ -394,7 +397,11 @@ def test_search_kimi_k2_on_32_nodes_matches_the_readme():
     assert rows[: len(fit)] == fit  # the fitting layouts first
     assert all(r["memory_per_gpu_bytes"] <= 80 * 2**30 for r in fit)
     k2 = [r for r in fit if (r["pp"], r["vpp"], r["ep"]) == (16, 2, 16)]
-    assert len(k2) == 1
+    assert len(k2) == 1 and k2[0]["ep_overlap"]
     assert round(k2[0]["memory_per_gpu_bytes"] / 2**30, 1) == 68.7
-    assert round(k2[0]["step_time_s_estimated"]) == 196
-    assert [(r["pp"], r["vpp"], r["ep"]) for r in fit[:3]] == [(32, 1, 8), (16, 1, 8), (16, 2, 16)]
+    assert round(k2[0]["step_time_s_estimated"]) == 122
+    assert [(r["pp"], r["vpp"], r["ep"]) for r in fit[:3]] == [(16, 2, 16), (8, 2, 32), (8, 4, 32)]
+    ep8 = [r for r in fit if r["ep"] == 8]
+    assert [(r["pp"], r["vpp"]) for r in ep8] == [(32, 1), (16, 1)]
+    assert all(not r["ep_overlap"] and 165 < r["step_time_s_estimated"] < 172 for r in ep8)
+    assert not any(r["fits"] for r in rows if (r["pp"], r["vpp"], r["ep"]) == (16, 2, 8))

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from k2.config import load_config
 from k2.launcher.planning import operator_counts as opc
+from k2.launcher.planning import stage_model as smod
 from k2.launcher.planning import step_time as stm
 from k2.launcher.planning.comm import AllToAll, ep_alltoall, expected_nodes_hit, ring_seconds
 from k2.launcher.planning.hardware import HARDWARE_DIR, available_profiles, load_profile
@@ -62,7 +63,7 @@ def k2():
     return cfg, count_params(cfg), flops_per_token(cfg.model, 4096), cluster_profile(cfg)
 
 
-def _k2_step(k2, pp, vpp, ep, extra=None):
+def _k2_step(k2, pp, vpp, ep, extra=None, overlap=False):
     from k2.model.flops import flops_per_token  # noqa: F401  (fl comes from the fixture)
     from k2.parallel.dims import ParallelDims
     from k2.parallel.layout import balanced_layout
@@ -73,7 +74,8 @@ def _k2_step(k2, pp, vpp, ep, extra=None):
                         extra or {})
     dims = ParallelDims.from_config(c.parallel, c.model, 256)
     return stm.step_time(c, dims, counts, fl, tokens=4096, num_microbatches=67108864 // 4096 // dims.dp,
-                         recompute=list(c.memory.recompute), profile=profile, max_microbatches=4 * pp)
+                         recompute=list(c.memory.recompute), profile=profile, max_microbatches=4 * pp,
+                         ep_overlap=overlap)
 
 
 LAYOUTS = [(16, 1, 8), (32, 1, 8), (8, 1, 8), (16, 2, 16), (16, 1, 16), (8, 1, 32)]
@@ -97,11 +99,63 @@ def test_dropping_ep_communication_moves_the_cross_node_layouts(k2):
     intra = [t for (pp, vpp, ep), t in with_comm.items() if ep <= 8]
     cross = [t for (pp, vpp, ep), t in with_comm.items() if ep > 8]
     assert max(intra) < min(cross)
-    with mock.patch.object(stm, "ep_alltoall", lambda *a, **k: AllToAll(0.0, 0.0, 0.0)):
+    with mock.patch.object(smod, "ep_alltoall", lambda *a, **k: AllToAll(0.0, 0.0, 0.0)):
         without = {lay: _k2_step(k2, *lay).step_s for lay in LAYOUTS}
     assert without[(16, 2, 16)] < min(without[(16, 1, 8)], without[(32, 1, 8)])
     for lay in LAYOUTS:
         assert without[lay] < with_comm[lay]
+
+
+def test_ep_overlap_hides_k2s_all_to_all(k2):
+    """pipeline.ep_overlap on K2's layout (PP16 x VPP2 x EP16, H800): the same all-to-alls (77 s of them on
+    the busiest rank), most hidden under the other microbatch of each pair, what is left exposed counted
+    by kind and by part of the schedule; the compute terms unchanged; the step drops by about what is
+    hidden. Without the overlap term this fails (the step stays ~196 s)."""
+    k2_layout = {"parallel": {"layout": "Et|(tt|)*30L"}}  # K2's: the same busiest PP rank with and without
+    off, on = _k2_step(k2, 16, 2, 16, k2_layout), _k2_step(k2, 16, 2, 16, k2_layout, overlap=True)
+    assert on.ep_overlap and not off.ep_overlap
+    assert sum(on.breakdown.values()) == pytest.approx(on.step_s)
+    for term in ("gemm", "attention", "recompute"):
+        assert on.breakdown[term] == pytest.approx(off.breakdown[term], rel=1e-9)
+    total = off.ep_comm["total_s"]
+    assert on.ep_comm["total_s"] == pytest.approx(total) and off.ep_comm["exposed_s"] == pytest.approx(total)
+    assert off.breakdown["ep_comm"] == pytest.approx(total) and total > 70
+    assert on.breakdown["ep_comm"] == pytest.approx(on.ep_comm["exposed_s"])
+    assert on.ep_comm["exposed_s"] < 0.1 * total
+    assert sum(on.ep_comm["by_part"].values()) == pytest.approx(on.ep_comm["exposed_s"])
+    assert sum(v["exposed_s"] for v in on.ep_comm["by_kind"].values()) == pytest.approx(on.ep_comm["exposed_s"])
+    assert on.step_s < off.step_s - 0.8 * total
+    # the combine's un-permutation and residual run on the communication stream (0.8 ms per MoE layer and
+    # microbatch: 3.4 s of the busiest rank's step), mostly hidden too
+    assert off.breakdown["non_gemm"] - 3.4 < on.breakdown["non_gemm"] < off.breakdown["non_gemm"] - 1
+    # megatron has no combined schedule for PP > 1 without virtual stages: EP8 x VPP1 stays exposed
+    ep8 = _k2_step(k2, 16, 1, 8, {"pipeline": {"ep_overlap": True}}, overlap=None)
+    assert not ep8.ep_overlap and ep8.step_s == pytest.approx(_k2_step(k2, 16, 1, 8).step_s)
+
+
+def test_layer_nodes_add_up_to_the_layer(k2):
+    """A layer split into megatron's schedule nodes costs what the layer costs, term by term (K2 on H800
+    with the non-GEMM floor shared over the nodes; k2_tiny's sequential experts on a CPU-like profile)."""
+    from k2.launcher.planning.stage_model import StageModel
+    from k2.launcher.planning.what_if import WhatIf
+    from k2.model.flops import flops_per_token
+    from k2.parallel.dims import ParallelDims
+
+    cfg, _, fl, profile = k2
+    tiny = load_config(["model=k2_tiny", "parallel=cpu4"])
+    cpu = load_profile("h200").__class__(**{**load_profile("h200").as_dict(), "nongemm_share": 0.0,
+                                            "kernel_launch_us": 30.0})
+    cases = [(cfg, fl, profile, 4096, 16, True), (tiny, flops_per_token(tiny.model, 128), cpu, 256, 2, False)]
+    for c, f, prof, tokens, world_ep, grouped in cases:
+        dims = ParallelDims.from_config(c.parallel, c.model, 256 if world_ep == 16 else 4)
+        m = StageModel(c.model, f, dims, tokens=tokens, profile=prof, rates=prof.rates("bf16"), act_bytes=2.0,
+                       grouped=grouped, what_if=WhatIf.from_config(c), recompute=list(c.memory.recompute))
+        for i in (0, 1):  # the dense layer and a MoE layer
+            whole, nodes = m.layer(i), m.layer_nodes(i)
+            assert set(nodes) == ({"attn", "dispatch", "mlp", "combine"} if i else {"attn", "mlp"})
+            for ph in ("F", "B", "W"):
+                for term, v in whole[ph].items():
+                    assert sum(n[ph].get(term, 0.0) for n in nodes.values()) == pytest.approx(v, rel=1e-12), (i, ph, term)
 
 
 def test_each_term_dropped_changes_the_step(k2):
@@ -117,7 +171,7 @@ def test_each_term_dropped_changes_the_step(k2):
     whole = _k2_step(k2, 16, 2, 16, {"memory": {"recompute": ["layer"]}})
     # whole-layer recompute re-runs the forward, its all-to-alls included: more than the selective sites
     assert whole.breakdown["recompute"] > 5 * base.breakdown["recompute"]
-    with mock.patch.object(stm, "nongemm_bytes_per_token", lambda *a, **k: 0.0), \
+    with mock.patch.object(smod, "nongemm_bytes_per_token", lambda *a, **k: 0.0), \
             mock.patch.dict(opc.OPERATORS, {k: (0, 0) for k in opc.OPERATORS}):
         floor_only = _k2_step(k2, 16, 2, 16)
     # the profile's non-GEMM share (0.27 of the compute stream) still holds the non-GEMM time up

@@ -1,5 +1,6 @@
 """Pipeline-schedule simulator (schedules/pipeline_sim.py): the closed form for equal stages, the
-dependencies of every operation, the B/W split, and K2's VPP gain at 256 GPUs."""
+dependencies of every operation, the B/W split, megatron's combined 1F1B (the EP overlap: its extra
+warm-up microbatch, its pairs, what it holds), and K2's VPP gain at 256 GPUs."""
 
 from __future__ import annotations
 
@@ -103,6 +104,77 @@ def test_peak_activation_bytes():
     assert res.peak_in_flight[0] == 2 * 3 + 4 + 1
 
 
+def _megatron_warmup(pp: int, vpp: int, m: int, r: int, overlap: bool) -> int:
+    import types
+
+    from k2.schedules.pipeline_sim import _megatron_schedule
+
+    comm = types.SimpleNamespace(pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: r),
+                                 virtual_pipeline_model_parallel_size=vpp)
+    return _megatron_schedule().get_pp_rank_microbatches(m, vpp, pp, p2p_communicator=comm,
+                                                         overlap_moe_expert_parallel_comm=overlap)[2]
+
+
+def test_combined_1f1b_order_is_megatrons():
+    """The EP overlap's schedule (megatron's combined 1F1B): every rank runs megatron's warm-up count with
+    overlap_moe_expert_parallel_comm (one more forward than without, at most all of them), then each
+    1F1B step as one pair of the forward and the backward the plain order runs in that step, then the
+    cool-down backwards; every forward and backward once. Without pipelining: F(0), (F(j+1), B(j)),
+    B(last) (combined_1f1b_schedule_for_no_pipelining). PP > 1 without virtual stages has no combined
+    schedule in megatron."""
+    for pp, vpp, m in [(4, 2, 8), (2, 2, 4), (4, 2, 4), (16, 2, 32), (4, 3, 8)]:
+        for r in range(pp):
+            plain, ov = rank_order(pp, vpp, m, r), rank_order(pp, vpp, m, r, ep_overlap=True)
+            warm = next((i for i, e in enumerate(ov) if e[0] != "F"), len(ov))
+            assert warm == _megatron_warmup(pp, vpp, m, r, True) == min(_megatron_warmup(pp, vpp, m, r, False) + 1, m * vpp)
+            fwd = [e[1:] for e in plain if e[0] == "F"]
+            bwd = [e[1:] for e in plain if e[0] == "B"]
+            pairs = [e for e in ov if e[0] == "P"]
+            assert ov[:warm] == [("F", *x) for x in fwd[:warm]]
+            assert [p[1] for p in pairs] == fwd[warm:] and [p[2] for p in pairs] == bwd[:len(pairs)]
+            assert ov[warm + len(pairs):] == [("B", *x) for x in bwd[len(pairs):]]
+    assert rank_order(1, 1, 4, 0, ep_overlap=True) == [
+        ("F", 0, 0), ("P", (0, 1), (0, 0)), ("P", (0, 2), (0, 1)), ("P", (0, 3), (0, 2)), ("B", 0, 3)]
+    with pytest.raises(ValueError, match="virtual stages"):
+        rank_order(4, 1, 8, 0, ep_overlap=True)
+
+
+def test_combined_1f1b_pairs_simulated():
+    """A pair is one operation: it starts when both its forward's input and its backward's gradient are
+    there and ends both. PP1, 3 microbatches, F 1, B 2, a pair 2.5: F(0) 0-1, pairs 1-3.5 and 3.5-6, B(2)
+    6-8 (plain: 9). PP2 x VPP2: every rank's busy time is its steps' (alone and paired)."""
+    res = simulate(1, 1, 3, [1.0], [2.0], ep_overlap=True, pair_time=lambda sf, sb: 2.5)
+    assert res.makespan == pytest.approx(8.0) and res.busy == [pytest.approx(8.0)]
+    assert [(o.kind, o.microbatch, o.start, o.end, o.partner) for o in res.ops] == [
+        ("F", 0, 0.0, 1.0, -1), ("F", 1, 1.0, 3.5, 0), ("B", 0, 1.0, 3.5, 0), ("F", 2, 3.5, 6.0, 0),
+        ("B", 1, 3.5, 6.0, 0), ("B", 2, 6.0, 8.0, -1)]
+    res = simulate(2, 2, 4, [1.0] * 4, [2.0] * 4, ep_overlap=True, pair_time=lambda sf, sb: 2.5, p2p_time=0.1)
+    for r in range(2):
+        steps = [o for o in res.ops if o.rank == r and not (o.kind == "B" and o.partner >= 0)]
+        assert res.busy[r] == pytest.approx(sum(o.end - o.start for o in steps))
+        assert len([o for o in steps if o.partner >= 0]) == 8 - _megatron_warmup(2, 2, 4, r, True)
+    for o in res.ops:  # a forward after the previous stage's forward (+ the send), a backward after the next's
+        if o.kind == "F" and o.stage > 0:
+            prev = next(x for x in res.ops if x.kind == "F" and x.stage == o.stage - 1 and x.microbatch == o.microbatch)
+            assert o.start >= prev.end + 0.1 - 1e-12
+
+
+def test_combined_1f1b_memory():
+    """What the EP overlap holds: its extra warm-up microbatch is held from the end of the warm-up on (the
+    count is megatron's warm-up count with the overlap), which is what the plain schedule holds at the end
+    of each 1F1B forward, so the peak count is the same; within a pair the forward's layers are built as
+    the backward's are freed, so a pair adds at most its forward stage's largest layer
+    (pair_transient_bytes) -- none on a rank whose microbatches are all in its warm-up."""
+    pp, vpp = 4, 2
+    for m in (8, 4):
+        plain = simulate(pp, vpp, m, [1.0] * 8, [2.0] * 8, activation_bytes=[10.0] * 8)
+        ov = simulate(pp, vpp, m, [1.0] * 8, [2.0] * 8, activation_bytes=[10.0] * 8, ep_overlap=True,
+                      pair_time=lambda sf, sb: 2.5, pair_transient_bytes=[1.0] * 8)
+        warm = [_megatron_warmup(pp, vpp, m, r, True) for r in range(pp)]
+        assert ov.peak_in_flight == plain.peak_in_flight == warm
+        assert ov.peak_activation_bytes == [10.0 * w + (1.0 if w < m * vpp else 0.0) for w in warm]
+
+
 def test_timeline_plot(tmp_path):
     from k2.schedules.pipeline_sim import plot_timeline
 
@@ -139,7 +211,8 @@ def test_k2_vpp2_beats_vpp1_at_256_gpus():
         res = simulate(16, v, 1024, [1.0] * 16 * v, [2.0] * 16 * v)
         assert res.bubble_fraction == pytest.approx(15 / (v * 1024), rel=1e-12)
 
-    common = ["model=kimi_k2", "parallel=k2_256gpu", "train.micro_batch_size=4", "train.precision=bf16"]
+    common = ["model=kimi_k2", "parallel=k2_256gpu", "train.micro_batch_size=4", "train.precision=bf16",
+              "pipeline.ep_overlap=false"]  # (VPP's own gain; megatron's EP overlap needs VPP when PP > 1)
     vpp1_layout = "Etttt|" + "tttt|" * 14 + "tL"
     vpp2_layout = "Ett|" + "tt|" * 14 + "t|" + "tt|" * 15 + "L"
     vpp2 = plan_cluster(load_config(common + [f"parallel.layout={vpp2_layout}"])).report

@@ -1,0 +1,457 @@
+"""``k2-plan``'s model of ``pipeline.ep_overlap``: megatron-core's combined-1F1B schedule, in which the EP
+all-to-alls of one microbatch are in flight while another microbatch computes (K2 report, "Training
+system": interleaved 1F1B with extra warm-up micro-batches so that the all-to-all is covered by
+computation).
+
+What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and so what this models:
+
+* **Which steps.** Every step of the schedule runs through ``combined_forward_backward_step``: the
+  warm-up forwards alone, then in the steady state one microbatch's forward and another's backward as
+  one *pair*, then the cool-down backwards alone; megatron adds one warm-up microbatch per PP rank so
+  that the two halves of a pair are independent (``pipeline_parallel/schedules.py``
+  ``get_pp_rank_microbatches``; the order is :func:`k2.schedules.pipeline_sim.rank_order`'s).
+* **Inside a pair** (``models/common/model_chunk_schedule_plan.py``): forward layer ``i`` of the forward
+  chunk runs with backward layer ``n_b - 1 - i`` of the backward chunk, the longer chunk's leftover
+  layers alone after; within one layer pair (``TransformerLayerSchedulePlan.run``) the nodes
+  (:mod:`k2.launcher.planning.stage_model`) are issued in the order of :data:`PAIR_ORDER`. Each node waits
+  for the previous node of its own microbatch (one CUDA event per microbatch's chunk plan,
+  ``pipeline_parallel/utils.py`` ``ScheduleNode.stream_acquire_context``); the delayed weight gradients
+  (``mlp_dw``, ``attn_dw``: ``backward_dw``, with ``pipeline.decouple_wgrad``; otherwise inside their
+  backward node) record no event. The chunk's first layer's ``attn_dw`` runs after the pair's
+  point-to-point sends, then the loss forward and the embedding backward.
+* **Two streams**, by the profile's ``comm_stream``: ``device`` (CUDA: a node starts as soon as its input
+  is ready and its stream is free; compute nodes on one stream, dispatch and combine on the other, each
+  stream in issue order); ``host_thread`` (``k2.parallel.comm_stream``, what ``k2-train`` runs on CPU):
+  the same, plus a communication node starts no earlier than the host issues it, after the compute nodes
+  before it in issue order (the host runs compute synchronously; the trainer issues each dispatch right
+  after the node it waits for, :data:`HOST_PAIR_ORDER`, where a GPU's stream would start it), and the
+  communication thread's own compute (the combine's un-permutation and residual) takes its seconds from
+  the CPU the compute nodes run on (a compute node running meanwhile is longer by as much).
+* **What is exposed** is the time the compute stream waits: a wait for an all-to-all is ``ep_comm``
+  (attributed to the all-to-alls in flight), a wait for the communication stream's compute is
+  ``non_gemm``. Steps of one microbatch (warm-up, cool-down) expose their all-to-alls, as the schedule
+  without the overlap does (with ``pipeline.decouple_wgrad`` on a GPU a backward's ``mlp_dw`` still runs
+  under its dispatch). Activation offload copies (a copy engine) are exposed only beyond the step's time.
+
+Not modelled: the SMs an all-to-all kernel takes from the compute running beside it on a GPU (no
+published figure for NCCL's all-to-all; DeepSeek-V3 gives DeepEP 20 of 132 SMs), the schedule plans'
+own host cost (the profile's ``microbatch_overhead_us`` is the schedule without the overlap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k2.launcher.planning.hardware import DEVICE, HOST_THREAD
+#: :func:`overlap_applies`' reason when the setting is off
+NOT_REQUESTED = "pipeline.ep_overlap=false"
+#: the all-to-alls of a MoE layer, by direction; ``other``: those of stage extras (the MTP what-if)
+A2A_KINDS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "other")
+#: megatron's issue order of one layer pair (``TransformerLayerSchedulePlan.run``): f = the forward
+#: microbatch, b = the backward one
+PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("b", "mlp"), ("f", "dispatch"), ("b", "mlp_dw"),
+              ("b", "dispatch"), ("f", "mlp"), ("f", "combine"), ("b", "attn"), ("b", "attn_dw"))
+#: the issue order of ``k2-train`` on CPU (``k2.parallel.comm_stream``'s layer pair): megatron's nodes and
+#: stream orders, each dispatch issued right after the node it waits for
+HOST_PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("f", "dispatch"), ("b", "mlp"), ("b", "dispatch"),
+                   ("b", "mlp_dw"), ("f", "mlp"), ("f", "combine"), ("b", "attn"), ("b", "attn_dw"))
+
+
+def _add(d: dict, key: str, v: float) -> None:
+    d[key] = d.get(key, 0.0) + v
+
+
+@dataclass(frozen=True)
+class Node:
+    """One schedule node of one microbatch, as :func:`run_nodes` runs it.
+
+    Attributes:
+        name: the node (``attn``, ``mlp``, ``dispatch``, ``combine``, ``mlp_dw``, ``attn_dw``, ``pre``,
+            ``post``) and, for an all-to-all, its kind (:data:`A2A_KINDS`) in ``kind``.
+        micro: ``f`` (the forward microbatch) or ``b`` (the backward one).
+        comm: runs on the communication stream.
+        wire: seconds of its all-to-all (communication nodes).
+        terms: seconds of its compute per term (a communication node's: the compute on that stream).
+        event: waits for and records its microbatch's event (False: a delayed weight gradient).
+        kind: the all-to-all's kind.
+    """
+
+    name: str
+    micro: str
+    comm: bool = False
+    wire: float = 0.0
+    terms: dict = field(default_factory=dict)
+    event: bool = True
+    kind: str = ""
+
+    @property
+    def compute(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass
+class StepCost:
+    """One step of the combined schedule (a pair, or one microbatch's forward or backward) on one rank.
+
+    Attributes:
+        seconds: its time.
+        terms: its seconds by term, exposed communication and offload included; they sum to ``seconds``.
+        exposed: exposed all-to-all seconds per kind (:data:`A2A_KINDS`); their sum is ``terms['ep_comm']``.
+        wire: all-to-all seconds per kind, exposed or hidden.
+        compute: the compute stream's own work by term (``terms`` less what its waits and the
+            communication thread's compute add).
+    """
+
+    seconds: float
+    terms: dict
+    exposed: dict
+    wire: dict
+    compute: dict = field(default_factory=dict)
+
+
+def _overlap(intervals, a: float, b: float) -> float:
+    return sum(max(0.0, min(e, b) - max(s, a)) for s, e in intervals)
+
+
+def _stretch(start: float, work: float, stolen: list) -> float:
+    """When a compute node of ``work`` seconds started at ``start`` ends, the CPU taken by the
+    communication thread's compute (``stolen``: disjoint intervals, it runs first) added."""
+    t, remaining = start, work
+    for a, b in sorted(stolen):
+        if b <= t:
+            continue
+        if a > t:
+            if t + remaining <= a:
+                return t + remaining
+            remaining -= a - t
+        t = b
+    return t + remaining
+
+
+def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0) -> StepCost:
+    """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
+
+    Args:
+        nodes: the nodes of one step in issue order (:func:`step_nodes`).
+        comm_stream: ``device`` or ``host_thread``.
+        offload_s: seconds of the step's activation copies to and from the host (exposed beyond the step).
+
+    Returns:
+        :class:`StepCost`.
+    """
+    host = comm_stream == HOST_THREAD
+    comp_free = comm_free = 0.0
+    last: dict[str, int] = {}
+    end: list[float] = []
+    terms: dict[str, float] = {}
+    compute: dict[str, float] = {}
+    segments: list = []  # the communication stream's compute
+    wires: list = []  # (start, end, kind)
+    gaps: list = []  # the compute stream's waits
+    for k, n in enumerate(nodes):
+        # a node waits for its microbatch's last event; a delayed weight gradient records and waits for
+        # none (megatron's backward_dw): the compute stream's order puts it after its backward node
+        ready = end[last[n.micro]] if n.event and n.micro in last else 0.0
+        if n.comm:
+            start = max(comm_free, ready, comp_free if host else 0.0)
+            wires.append((start, start + n.wire, n.kind))
+            stop = start + n.wire + n.compute
+            if n.compute:
+                segments.append((start + n.wire, stop))
+            comm_free = stop
+        else:
+            start = max(comp_free, ready)
+            if start > comp_free:
+                gaps.append((comp_free, start))
+            stop = _stretch(start, n.compute, segments) if host else start + n.compute
+            for t, v in n.terms.items():
+                _add(terms, t, v)
+                _add(compute, t, v)
+            if stop > start + n.compute:
+                _add(terms, "non_gemm", stop - start - n.compute)  # the communication thread's compute
+            comp_free = stop
+        end.append(stop)
+        if n.event:
+            last[n.micro] = k
+    total = max(end, default=0.0)
+    if total > comp_free:
+        gaps.append((comp_free, total))
+    exposed = {k: 0.0 for k in A2A_KINDS}
+    for a, b in gaps:
+        on_stream = _overlap(segments, a, b)
+        _add(terms, "non_gemm", on_stream)
+        rest = b - a - on_stream
+        for s, e, kind in wires:
+            x = min(rest, max(0.0, min(e, b) - max(s, a)))
+            exposed[kind] += x
+            rest -= x
+        exposed["other"] += max(0.0, rest)
+    terms["ep_comm"] = sum(exposed.values())
+    terms["offload"] = max(0.0, offload_s - total)
+    wire = {k: sum(w.wire for w in nodes if w.kind == k) for k in A2A_KINDS}
+    return StepCost(total + terms["offload"], terms, exposed, wire, compute)
+
+
+# ---------------------------------------------------------------- the nodes of one stage's microbatch
+
+
+@dataclass
+class StagePlan:
+    """One virtual stage's work for one microbatch, by schedule node.
+
+    Attributes:
+        layers: per layer, in order, :meth:`k2.launcher.planning.stage_model.StageModel.layer_nodes`.
+        pre_f, post_f: before the first layer's forward (the embedding; the schedule's own work) and
+            after the last (the loss, the MTP what-if): ``{"F": terms}``.
+        pre_b, post_b: before the backward's first node (the loss's backward, its weight gradient) and
+            after the last (the embedding's backward): ``{"B": terms, "W": terms}``.
+        offload_f, offload_b: seconds of the activation copies to the host in the forward and back in
+            the backward.
+    """
+
+    layers: list
+    pre_f: dict
+    post_f: dict
+    pre_b: dict
+    post_b: dict
+    offload_f: float = 0.0
+    offload_b: float = 0.0
+
+
+def _extra(terms: dict, micro: str, name: str) -> list[Node]:
+    """A stage's non-layer work as one compute node, its all-to-alls (MTP) as one exposed node after it."""
+    comp = {k: v for k, v in terms.items() if k != "ep_comm" and v}
+    out = [Node(name, micro, terms=comp)] if comp else []
+    if terms.get("ep_comm"):
+        out.append(Node(name, micro, comm=True, wire=terms["ep_comm"], kind="other"))
+    return out
+
+
+def _merged(*parts: dict) -> dict:
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            _add(out, k, v)
+    return out
+
+
+def layer_forward(nodes: dict) -> dict[str, Node]:
+    """A layer's forward nodes (``attn``, ``dispatch``, ``mlp``, ``combine``; no all-to-all in a dense one)."""
+    out = {}
+    for name, part in nodes.items():
+        wire = part["F"].get("ep_comm", 0.0)
+        terms = {k: v for k, v in part["F"].items() if k != "ep_comm"}
+        comm = name in ("dispatch", "combine")
+        out[name] = Node(name, "f", comm=comm, wire=wire, terms=terms, kind=f"{name}_fwd" if comm else "")
+    return out
+
+
+def layer_backward(nodes: dict, decouple_wgrad: bool) -> dict[str, Node]:
+    """A layer's backward nodes: ``combine``, ``mlp`` (+ its weight gradient unless decoupled),
+    ``mlp_dw``, ``dispatch``, ``attn``, ``attn_dw`` (the delayed weight gradients with ``decouple_wgrad``)."""
+    out = {}
+    for name, part in nodes.items():
+        comm = name in ("dispatch", "combine")
+        if comm:
+            terms = {k: v for k, v in part["B"].items() if k != "ep_comm"}
+            out[name] = Node(name, "b", comm=True, wire=part["B"].get("ep_comm", 0.0), terms=terms,
+                             kind=f"{name}_bwd")
+        elif decouple_wgrad:
+            out[name] = Node(name, "b", terms=dict(part["B"]))
+            out[f"{name}_dw"] = Node(f"{name}_dw", "b", terms=dict(part["W"]), event=False)
+        else:
+            out[name] = Node(name, "b", terms=_merged(part["B"], part["W"]))
+    return out
+
+
+def step_nodes(f: StagePlan | None, b: StagePlan | None, decouple_wgrad: bool,
+               order: tuple = PAIR_ORDER) -> list[Node]:
+    """The nodes of one combined step in issue order (``TransformerModelChunkSchedulePlan.run``, each
+    layer pair in ``order``): ``f`` the forward microbatch's stage, ``b`` the backward one's (either
+    None)."""
+    nodes: list[Node] = []
+    if f is not None:
+        nodes += _extra(f.pre_f["F"], "f", "pre")
+    if b is not None:
+        nodes += _extra(_merged(b.pre_b["B"], b.pre_b["W"]), "b", "pre")
+    fl = [layer_forward(x) for x in f.layers] if f is not None else []
+    bl = [layer_backward(x, decouple_wgrad) for x in reversed(b.layers)] if b is not None else []
+    first_dw = None
+    for i in range(max(len(fl), len(bl))):
+        fw = fl[i] if i < len(fl) else {}
+        bw = bl[i] if i < len(bl) else {}
+        for micro, name in order:
+            node = (fw if micro == "f" else bw).get(name)
+            if node is None:
+                continue
+            if micro == "b" and name == "attn_dw" and i == len(bl) - 1:
+                first_dw = node  # after the pair's sends (megatron delays the chunk's first layer's)
+                continue
+            nodes.append(node)
+    if first_dw is not None:
+        nodes.append(first_dw)
+    if f is not None:
+        nodes += _extra(f.post_f["F"], "f", "post")
+    if b is not None:
+        nodes += _extra(_merged(b.post_b["B"], b.post_b["W"]), "b", "post")
+    return nodes
+
+
+def stage_plans(model, dims, schedule_half_s: float, copies_s: list) -> list[StagePlan]:
+    """Per virtual stage its :class:`StagePlan` from ``model``
+    (:class:`k2.launcher.planning.stage_model.StageModel`: layers by node, the embedding, the loss, the
+    MTP what-if), the schedule's own work per microbatch (half before each pass) and the stage's
+    activation copies (``copies_s``: seconds each way)."""
+    cache: dict = {}
+
+    def get(key, make):
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    none = {"F": {}, "B": {}, "W": {}}
+    plans = []
+    for v in range(dims.vpp):
+        for r in range(dims.pp):
+            layers = [get(int(model.fl.moe_pattern[i]), lambda i=i: model.layer_nodes(i)) for i in dims.layout[r][v]]
+            emb = get("embedding", model.embedding) if dims.stage_has_embedding(r, v) else none
+            tail = [get("loss", model.loss)] if dims.stage_has_loss(r, v) else []
+            if tail and model.wi.mtp_layers:
+                tail += [get("mtp", model.mtp)] * model.wi.mtp_layers
+            sched = {"schedule": schedule_half_s} if schedule_half_s else {}
+            plans.append(StagePlan(
+                layers=layers, pre_f={"F": _merged(emb["F"], sched)},
+                post_f={"F": _merged(*(x["F"] for x in tail))},
+                pre_b={"B": _merged(*(x["B"] for x in tail), sched), "W": _merged(*(x["W"] for x in tail))},
+                post_b={"B": dict(emb["B"]), "W": dict(emb["W"])},
+                offload_f=copies_s[v * dims.pp + r], offload_b=copies_s[v * dims.pp + r]))
+    return plans
+
+
+def ep_summary(wire: dict, exposed: dict, by_part: dict | None = None) -> dict:
+    """The EP all-to-alls of a step on the busiest rank (seconds): ``total_s``, ``exposed_s``, ``hidden_s``,
+    per kind (:data:`A2A_KINDS`, those that occur) ``{total_s, exposed_s, hidden_s}``, and with the overlap
+    ``by_part``: the exposed seconds of the warm-up forwards, the steady pairs and the cool-down backwards."""
+    kinds = {k: {"total_s": wire[k], "exposed_s": exposed[k], "hidden_s": wire[k] - exposed[k]}
+             for k in A2A_KINDS if wire.get(k) or exposed.get(k)}
+    total, shown = sum(wire.values()), sum(exposed.values())
+    out = {"total_s": total, "exposed_s": shown, "hidden_s": total - shown, "by_kind": kinds}
+    if by_part is not None:
+        out["by_part"] = dict(by_part)
+    return out
+
+
+class OverlapCosts:
+    """The combined schedule's step costs on one layout (cached): :meth:`forward` and :meth:`backward`
+    (one microbatch alone on a stage), :meth:`pair` (a forward on one stage with a backward on another of
+    the same rank).
+
+    Args:
+        plans: per virtual stage its :class:`StagePlan`.
+        comm_stream: the profile's ``comm_stream``.
+        decouple_wgrad: ``pipeline.decouple_wgrad``.
+    """
+
+    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool):
+        self.plans, self.comm_stream, self.decouple_wgrad = plans, comm_stream, decouple_wgrad
+        self._cache: dict = {}
+
+    def _cost(self, sf: int | None, sb: int | None) -> StepCost:
+        key = (sf, sb)
+        if key not in self._cache:
+            f = self.plans[sf] if sf is not None else None
+            b = self.plans[sb] if sb is not None else None
+            off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
+            order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
+            self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off)
+        return self._cache[key]
+
+    def forward(self, s: int) -> StepCost:
+        return self._cost(s, None)
+
+    def backward(self, s: int) -> StepCost:
+        return self._cost(None, s)
+
+    def pair(self, sf: int, sb: int) -> StepCost:
+        return self._cost(sf, sb)
+
+    def of(self, op) -> StepCost | None:
+        """The cost of a simulated :class:`k2.schedules.pipeline_sim.Op` (None: the backward half of a
+        pair, counted with its forward half)."""
+        if op.partner >= 0:
+            return self.pair(op.stage, op.partner) if op.kind == "F" else None
+        return self.forward(op.stage) if op.kind == "F" else self.backward(op.stage)
+
+
+def rank_costs(costs: OverlapCosts, sim, rank: int) -> dict:
+    """Seconds the simulated combined schedule ``sim`` keeps PP rank ``rank`` busy, by term, and its
+    all-to-alls by kind and part of the schedule: ``{"busy", "terms", "exposed", "wire", "by_part",
+    "pair_exposure", "pair_exposed"}`` (``by_part``: exposed seconds in the warm-up forwards, the steady
+    pairs, the cool-down backwards; ``pair_exposure`` / ``pair_exposed``: a steady pair's mean seconds
+    beyond its compute stream's work by term / its exposed all-to-all by kind, for :func:`extrapolate`)."""
+    out = {"busy": 0.0, "terms": {}, "exposed": {k: 0.0 for k in A2A_KINDS},
+           "wire": {k: 0.0 for k in A2A_KINDS}, "by_part": {"warmup": 0.0, "steady": 0.0, "cooldown": 0.0}}
+    pairs: list[StepCost] = []
+    for op in sim.ops:
+        c = costs.of(op) if op.rank == rank else None
+        if c is None:
+            continue
+        out["busy"] += c.seconds
+        for k, v in c.terms.items():
+            _add(out["terms"], k, v)
+        for k in A2A_KINDS:
+            out["exposed"][k] += c.exposed[k]
+            out["wire"][k] += c.wire[k]
+        part = "steady" if op.partner >= 0 else ("warmup" if op.kind == "F" else "cooldown")
+        out["by_part"][part] += c.terms["ep_comm"]
+        if op.partner >= 0:
+            pairs.append(c)
+    n = max(1, len(pairs))
+    out["pair_exposure"] = {k: sum(p.terms.get(k, 0.0) - p.compute.get(k, 0.0) for p in pairs) / n
+                            for k in out["terms"]}
+    out["pair_exposed"] = {k: sum(p.exposed[k] for p in pairs) / n for k in A2A_KINDS}
+    return out
+
+
+def extrapolate(costs: OverlapCosts, rc: dict, rank: int, pp: int, vpp: int, microbatches: int) -> dict:
+    """``rc`` (:func:`rank_costs` of PP rank ``rank``) with ``microbatches`` more in the steady state: each
+    adds its forward and backward on every chunk of the rank (their compute exactly) in ``vpp`` pairs
+    exposing what the simulated pairs expose on average. Adds ``cycle``: one more microbatch's seconds."""
+    compute: dict = {}
+    wire = {k: 0.0 for k in A2A_KINDS}
+    for c in range(vpp):
+        for step in (costs.forward(c * pp + rank), costs.backward(c * pp + rank)):
+            for k, v in step.compute.items():
+                _add(compute, k, v)
+            for k in A2A_KINDS:
+                wire[k] += step.wire[k]
+    per = {k: compute.get(k, 0.0) + vpp * rc["pair_exposure"].get(k, 0.0) for k in set(compute) | set(rc["terms"])}
+    cycle = sum(per.values())
+    n = microbatches
+    return {"busy": rc["busy"] + n * cycle, "cycle": cycle,
+            "terms": {k: rc["terms"].get(k, 0.0) + n * v for k, v in per.items()},
+            "exposed": {k: v + n * vpp * rc["pair_exposed"][k] for k, v in rc["exposed"].items()},
+            "wire": {k: v + n * wire[k] for k, v in rc["wire"].items()},
+            "by_part": dict(rc["by_part"], steady=rc["by_part"]["steady"]
+                            + n * vpp * rc["pair_exposure"].get("ep_comm", 0.0))}
+
+
+def overlap_applies(cfg, dims, recompute, what_if) -> tuple[bool, str]:
+    """Whether ``pipeline.ep_overlap`` runs in a phase with ``recompute`` (its ``memory.recompute``
+    sites) on ``dims``, and why not: megatron's rules (``transformer/transformer_config.py``: EP > 1; with
+    PP > 1 only the interleaved schedule), whole-layer recompute (it re-runs the all-to-alls in backward,
+    outside the pairs: the trainer runs that phase without the overlap), and the DualPipe what-if (its
+    own overlap). Returns ``(applies, reason)``."""
+    if not bool(getattr(cfg.pipeline, "ep_overlap", False)):
+        return False, NOT_REQUESTED
+    if not getattr(cfg.model, "num_moe_experts", None):
+        return False, "no MoE layers"
+    if what_if.dualpipe:
+        return False, "the DualPipe what-if overlaps the all-to-alls its own way"
+    if dims.ep <= 1:
+        return False, "EP 1: no all-to-all"
+    if dims.pp > 1 and dims.vpp <= 1:
+        return False, f"PP {dims.pp} without virtual stages (megatron's combined 1F1B is interleaved)"
+    if "layer" in set(recompute or ()):
+        return False, "memory.recompute 'layer' re-runs the all-to-alls in backward"
+    return True, "on"
