@@ -42,7 +42,6 @@ import time
 from inspect import signature
 from typing import Optional
 
-from k2.model.activation_memory import run_layer_part
 from k2.schedules.pipeline_trace import get_tag, set_tag, tensors
 
 __all__ = ["OverlapHooks", "install_patches", "uninstall_patches", "NODES", "COMM_NODES"]
@@ -206,6 +205,8 @@ def _wrap_layer_callables(layer, funcs: list) -> list:
     each node, the compute nodes traced, and the dispatcher's router probabilities released after the
     last (``k2.model.recompute.K2TransformerLayer._release_dispatch_probs``)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from k2.model.activation_memory import run_layer_part  # (the model's imports: not at k2-train's start)
 
     # the last node that runs for this layer: the combine of a MoE layer, the MLP of a dense one (its
     # dispatch and combine nodes are megatron's no-ops)
