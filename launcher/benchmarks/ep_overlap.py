@@ -46,7 +46,7 @@ from k2.schedules.pipeline_trace import read_trace
 _DEFAULTS = {
     "model": "k2_tiny",
     "rates": [],  # link rates in Mbit/s; [] = auto (module docstring)
-    "balance": [1.0, 0.5],  # rates=auto: all-to-all time on the wire / compute per step, one rate each
+    "balance": [1.0, 2.0],  # rates=[]: all-to-all time on the wire / compute per step, one rate each
     # tokens per step: enough that the all-to-alls outweigh the data-parallel gradient reduction, which
     # crosses the same link once per step (the embedding and output layer dominate it)
     "global_batch_tokens": 8192,
@@ -133,7 +133,7 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
     n = statistics.median(cal["a2a_count"])
     probe_rate = 100.0
     link.set_rate(probe_rate)
-    eff = measure_link(link, o["repeats"], _REPO)
+    eff = measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o))
     efficiency = eff["alltoall_gbps"] * 8e3 / probe_rate  # achieved / nominal
     rates = []
     for b in o["balance"]:
@@ -149,7 +149,8 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
 
     prof = dict(device)
     prof.update(name=f"measured-shaped-link-{link_figures['rate_mbit']:g}mbit", gpus_per_node=1,
-                network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"])
+                network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
+                comm_stream="host_thread")  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
         prof.update({f"{side}_gbps": link_figures["alltoall_gbps"], f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
                      f"{side}_collective_gbps": link_figures["collective_gbps"]})
@@ -160,18 +161,29 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
     return str(path)
 
 
-def _predicted(o: dict, profile: str, overlap: bool) -> dict[str, float]:
-    from k2.launcher.planning.cluster import plan_cluster
+def _predicted(o: dict, profile: str) -> dict[str, Any]:
+    """k2-plan's step with the overlap off and on for the benchmarked run on ``profile``
+    (:func:`k2.launcher.planning.overlap_prediction.predict_ep_overlap`)."""
+    from k2.launcher.planning.overlap_prediction import predict_ep_overlap
 
-    cfg = load_config([*_model(o), "cluster.nodes=2", "cluster.gpus_per_node=1", f"plan.hardware={profile}",
-                       f"pipeline.ep_overlap={str(overlap).lower()}"])
-    p = plan_cluster(cfg).report
-    return {"step_s": p["step_time_s_estimated"], "ep_comm_s": p["step_time_breakdown_s"]["ep_comm"]}
+    return predict_ep_overlap(load_config([*_model(o), "cluster.nodes=2", "cluster.gpus_per_node=1"]), profile)
+
+
+def _a2a_bytes_per_rank(o: dict) -> int:
+    """Bytes one rank puts into one dispatch all-to-all of the benchmarked run: a microbatch's tokens,
+    each sent to its top-k experts, in fp32 (``micro_batch_size x seq_length x topk x hidden x 4``)."""
+    cfg = load_config(_model(o))
+    from k2.schedules.resolve import resolve_schedule
+    from k2.parallel.dims import ParallelDims
+
+    phase = resolve_schedule(cfg, ParallelDims.from_config(cfg.parallel, cfg.model, 2)).step_phase(1)
+    m = cfg.model
+    return int(phase.micro_batch_size * phase.seq_length * int(m.moe_router_topk) * int(m.hidden_size) * 4)
 
 
 def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) -> dict[str, Any]:
     link.set_rate(rate)
-    lf = {**measure_link(link, o["repeats"], _REPO), "rate_mbit": rate}
+    lf = {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": rate}
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(o["rounds"]):
         for overlap in (False, True):
@@ -179,7 +191,8 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
     med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s")}
            for ov in runs}
     profile = _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml")
-    pred = {ov: _predicted(o, profile, ov) for ov in (False, True)}
+    p = _predicted(o, profile)
+    pred = {False: p["off"], True: p["on"]}
     off, on = med[False], med[True]
     out = {
         "rate_mbit": rate, "link_alltoall_gbps": lf["alltoall_gbps"], "link_latency_us": lf["latency_us"],
@@ -187,7 +200,7 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
         "exposed_a2a_off_s": off["exposed_s"], "exposed_a2a_on_s": on["exposed_s"],
         "exposed_cut": 1 - on["exposed_s"] / off["exposed_s"] if off["exposed_s"] > 0 else 0.0,
         "predicted_off_s": pred[False]["step_s"], "predicted_on_s": pred[True]["step_s"],
-        "predicted_exposed_a2a_off_s": pred[False]["ep_comm_s"], "predicted_exposed_a2a_on_s": pred[True]["ep_comm_s"],
+        "predicted_exposed_a2a_off_s": pred[False]["exposed_a2a_s"], "predicted_exposed_a2a_on_s": pred[True]["exposed_a2a_s"],
         "predicted_over_measured_off": pred[False]["step_s"] / off["step_s"],
         "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
         "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),

@@ -148,7 +148,7 @@ def best(fn, n):
         dist.barrier(); t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
     return min(ts)
 res = {}
-small, big = torch.ones(2), torch.ones(2 * (1 << 18))  # big: 1 MiB, half of it to the other rank
+small, big = torch.ones(2), torch.ones(int(os.environ["K2_BYTES"]) // 4)  # half of big to the other rank
 for name, x in (("small", small), ("big", big)):
     out = torch.empty_like(x)
     best(lambda: dist.all_to_all_single(out, x), 2)
@@ -162,22 +162,29 @@ dist.destroy_process_group()
 """
 
 
-def measure_link(link: ShapedLink, repeats: int = 5, cwd: Optional[Path] = None) -> dict[str, float]:
+def measure_link(link: ShapedLink, repeats: int = 5, cwd: Optional[Path] = None,
+                 alltoall_bytes: int = 1 << 20) -> dict[str, float]:
     """gloo's all-to-all and all-reduce between the two nodes, as the step-time model reads them.
 
+    Args:
+        alltoall_bytes: bytes each rank puts into the measured all-to-all (half of them go to the other
+            rank): a run's own message size, since tbf's token bucket lets short messages through faster
+            than its rate.
+
     Returns:
-        ``alltoall_gbps`` (GB/s each rank sends to the other, 1e9 bytes: an all-to-all of 1 MiB per rank,
-        half of it remote, minus the latency), ``collective_gbps`` (ring bus bandwidth of a 1 MiB
-        all-reduce: 2 (n - 1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all).
+        ``alltoall_gbps`` (GB/s each rank sends to the other, 1e9 bytes: the all-to-all's remote half over
+        its time less the latency), ``collective_gbps`` (ring bus bandwidth of a 1 MiB all-reduce: 2 (n -
+        1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all).
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "K2_REPEATS": str(repeats)}
+    alltoall_bytes = max(8, int(alltoall_bytes) // 8 * 8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K2_REPEATS": str(repeats), "K2_BYTES": str(alltoall_bytes)}
     res = link.run_pair([sys.executable, "-c", _PROBE], env, cwd or Path.cwd(), timeout=300, port=29612)
     line = [ln for ln in res[0].stdout.splitlines() if ln.startswith("K2PROBE ")][0]
     import json
 
     r = json.loads(line[len("K2PROBE "):])
     lat = r["small"]
-    remote = (1 << 20) / 2
+    remote = alltoall_bytes / 2
     return {"alltoall_gbps": remote / max(r["big"] - lat, 1e-9) / 1e9,
             "collective_gbps": (1 << 20) * 2 * (2 - 1) / 2 / max(r["all_reduce_1mib"] - lat, 1e-9) / 1e9,
             "latency_us": lat * 1e6}
