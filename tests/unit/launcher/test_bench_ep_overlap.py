@@ -1,0 +1,50 @@
+"""``k2-bench bench=ep_overlap`` without running it: it refuses in one line where it cannot shape a link
+(no root), refuses bad options before any namespace exists, and reads the exposed all-to-all time of a
+step from a trace the way its docstring says (the all-to-alls the rank's own thread ran, or its waits for
+communication nodes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k2.config.errors import ConfigError
+
+
+def test_without_root_it_says_so_in_one_line(monkeypatch, capsys, no_process_start):
+    import os
+
+    from k2.launcher import bench
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert bench.main(["bench=ep_overlap"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs root" in err[0] and "tc tbf" in err[0], err
+
+
+@pytest.mark.parametrize("option, words", [("rates=[0]", "bench.options.rates"),
+                                           ("balance=[]", "bench.options.balance"),
+                                           ("iters=1", "bench.options.iters=1")])
+def test_bad_options_are_refused_first(option, words):
+    from k2.config.load import load_config
+    from k2.launcher.benchmarks.ep_overlap import bench_ep_overlap
+
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[")):
+        bench_ep_overlap(load_config(["bench=ep_overlap", f"bench.options.{option}"]))
+
+
+def _ev(kind, start, end, **kw):
+    return {"step": 2, "pass": "train", "kind": kind, "start": start, "end": end, **kw}
+
+
+def test_exposed_all_to_all_time_of_a_step():
+    from k2.launcher.benchmarks.ep_overlap import _exposed
+
+    off = [_ev("F", 0, 1), _ev("a2a", 0.2, 0.5, what="dispatch", thread="MainThread"),
+           _ev("post", 0.2, 0.2, what="dispatch"), _ev("wait", 0.5, 0.5, what="dispatch"),
+           _ev("a2a", 0.6, 0.7, what="combine", thread="MainThread"), _ev("B", 1, 2)]
+    assert _exposed(off, 2) == pytest.approx(0.4)
+    on = [_ev("post", 0.1, 0.1, what="dispatch"), _ev("a2a", 0.1, 0.6, what="dispatch", thread="k2-comm-stream"),
+          _ev("F", 0.1, 0.4), _ev("wait", 0.4, 0.6, what="dispatch"), _ev("wait", 0.9, 0.95, what="combine"),
+          _ev("wait", 1.0, 1.5, label="recv_prev")]  # (a pipeline receive is not an all-to-all)
+    assert _exposed(on, 2) == pytest.approx(0.25)
+    assert _exposed(on, 3) == 0
