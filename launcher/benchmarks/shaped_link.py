@@ -26,7 +26,10 @@ from typing import Optional
 
 from k2.config.errors import ConfigError
 
-__all__ = ["ShapedLink", "check_can_shape"]
+__all__ = ["ShapedLink", "check_can_shape", "measure_link"]
+
+#: bytes one TCP flow may queue in front of the link's shaper (``net.ipv4.tcp_limit_output_bytes``)
+TCP_QUEUE_BYTES = 16384
 
 
 def check_can_shape() -> None:
@@ -76,6 +79,12 @@ class ShapedLink:
                 _run(["ip", "-n", ns, "link", "set", dev, "mtu", "1500"])
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                # TCP small queues: a flow may put at most this many bytes in front of the shaper (4 MB
+                # by default), so flows interleave there as they do on a switch's ports and a small
+                # message (megatron's token-count all-gather before each dispatch) does not wait for a
+                # whole all-to-all queued ahead of it
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                      f"net.ipv4.tcp_limit_output_bytes={TCP_QUEUE_BYTES}"])
             self.set_rate(self.rate_mbit)
         except BaseException:
             self.remove()
