@@ -70,7 +70,11 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
         env: from :func:`dist_env`.
         dims: a validated :class:`k2.parallel.dims.ParallelDims`.
         seed: base seed; megatron derives its TP/EP/data-parallel RNG-tracker streams from it.
-        timeout_s: the process group's timeout (seconds a collective may wait for a peer).
+        timeout_s: every process group's timeout (seconds a collective may wait for a peer): the default
+            group's and that of each group megatron creates (PP, EP, DP, model-parallel, ...; megatron's
+            own default for those is ``distributed_timeout_minutes=30``). One value for all, so the hang
+            watchdog, whose allowance stays below it, ends a hang before any NCCL group aborts the
+            process (NCCL's async error handling kills it: no requeue exit, no marker).
         rendezvous_timeout_s: seconds every rank of a launched job waits for the others to arrive
             (:func:`k2.parallel.rendezvous.rendezvous`, ``launch.rendezvous_timeout_s``).
 
@@ -114,7 +118,11 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         expert_model_parallel_size=dims.ep,
+        distributed_timeout_minutes=timeout_s / 60,  # (megatron passes it to timedelta(minutes=...))
     )
+    # megatron-core 0.19.2 creates its expert-DP gloo group without a timeout (torch's 30 min default):
+    # megatron's own setter gives every group it created the run's timeout (a barrier first)
+    ps.update_pg_timeout(datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
