@@ -74,9 +74,9 @@ class ModelConfig:
     # Project-owned core attention: record the per-head max pre-softmax logit every forward
     # (needed by QK-Clip). On GPU this costs one extra no-grad QK^T pass per layer.
     record_max_logits: bool = True
-    # Core attention backend (model/attention.py): auto = te when Transformer Engine imports and CUDA is
-    # present, sdpa (fused SDPA, cuDNN first, + a chunked max-logit pass) on CUDA without TE, eager on
-    # CPU; sdpa | eager | te force one (sdpa also runs on CPU).
+    # Core attention backend (model/attention.py): auto = sdpa (fused SDPA, cuDNN first, + a chunked
+    # max-logit pass) on CUDA, with or without Transformer Engine, eager on CPU; sdpa | eager | te force
+    # one (sdpa also runs on CPU; te, TE's fused attention, only when set: it has not run here yet).
     attention_backend: str = "auto"
     # How the sdpa backend gets QK-Clip's per-head max logit: torch = a chunked q k^T pass in torch (scores
     # written to memory and read back); triton = one Triton kernel keeping only running maxima

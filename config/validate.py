@@ -34,8 +34,7 @@ OPTIMIZERS = ("adamw", "muonclip")
 ROUTER_OPTIMIZERS = ("muon", "adamw")
 #: ``optim.muon_zero1``: how ZeRO-1 shards the Muon matrices (k2.optim.build)
 MUON_ZERO1 = ("byte_range", "layer_wise")
-#: ``k2.model.attention_backend``: auto = te with Transformer Engine on CUDA, sdpa on CUDA without it, eager
-#: on CPU (``k2.model.backends``)
+#: ``k2.model.attention_backend``: auto = sdpa on CUDA (te only when set), eager on CPU (``k2.model.backends``)
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
 MAX_LOGIT_KERNELS = ("torch", "triton")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -95,8 +94,7 @@ def check_model(m) -> None:
     """``model.*``: the compute-backend names (which of them this machine can run is checked by
     :func:`k2.model.backends.check_backend_config`)."""
     _require(m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend", m.attention_backend,
-             f"{', '.join(ATTENTION_BACKENDS)} (auto = te with Transformer Engine on CUDA, sdpa on CUDA "
-             "without it, eager on CPU)")
+             f"{', '.join(ATTENTION_BACKENDS)} (auto = sdpa on CUDA, eager on CPU)")
     _require(m.max_logit_kernel in MAX_LOGIT_KERNELS, "model.max_logit_kernel", m.max_logit_kernel,
              ", ".join(MAX_LOGIT_KERNELS))
     for key in ("hidden_dropout", "attention_dropout"):

@@ -171,12 +171,16 @@ def test_unaligned_width_is_a_clear_error(megatron_world1):
         mod(x, c, probs)
 
 
-def test_backend_resolution():
+def test_backend_resolution(monkeypatch):
+    """``auto`` is sdpa on CUDA even where Transformer Engine imports (every NGC container): TE's fused
+    attention is chosen only by ``model.attention_backend=te``."""
+    from k2.model import backends
     from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
 
+    monkeypatch.setattr(backends, "te_available", lambda: True)  # TE installed
     assert resolve_attention_backend("auto", cuda=False) == "eager"
-    assert resolve_attention_backend("auto", cuda=True, te=False) == "sdpa"
-    assert resolve_attention_backend("auto", cuda=True, te=True) == "te"
+    assert resolve_attention_backend("auto", cuda=True) == "sdpa"
+    assert resolve_attention_backend("te", cuda=True) == "te"
     assert resolve_attention_backend("sdpa", cuda=False) == "sdpa"
     assert resolve_grouped_experts(None, "bf16", cuda=True) is True
     assert resolve_grouped_experts(None, "bf16", cuda=False) is False
