@@ -308,6 +308,11 @@ def check_plan(p) -> None:
     _require(p.what_if.mtp_layers >= 0, "plan.what_if.mtp_layers", p.what_if.mtp_layers, "an integer >= 0")
     if p.what_if.node_limit is not None:
         _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
+    o = p.gpu_overheads
+    for key in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib"):
+        _require(_finite(o[key]) and o[key] >= 0, f"plan.gpu_overheads.{key}", o[key], "GiB >= 0")
+    _require(_finite(o.fragmentation) and 0 <= o.fragmentation < 1, "plan.gpu_overheads.fragmentation",
+             o.fragmentation, "0 <= fraction < 1")
 
 
 def check_submit(s) -> None:

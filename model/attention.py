@@ -44,7 +44,7 @@ from k2.model.recompute import recomputing
 
 # Query rows per chunk in the GPU max-logit pass: bounds its extra memory to
 # b * heads * chunk * s_k fp32 values.
-_MAX_LOGIT_CHUNK = 1024
+MAX_LOGIT_CHUNK = 1024
 
 
 def per_head_max_logit(
@@ -53,7 +53,7 @@ def per_head_max_logit(
     softmax_scale: float,
     causal: bool,
     attention_mask: Optional[torch.Tensor] = None,
-    chunk: int = _MAX_LOGIT_CHUNK,
+    chunk: int = MAX_LOGIT_CHUNK,
 ) -> torch.Tensor:
     """Per-head max of ``softmax_scale * q_i . k_j`` over batch and unmasked positions.
 
