@@ -10,7 +10,7 @@ the ranks rendezvous over TCP as before. Fork safety: this process only imports 
 context, no OpenMP pool exists when it forks; :func:`preimport` checks the first two), so each rank
 starts from a clean runtime and initialises CUDA / gloo / NCCL itself. "No CUDA" includes the driver:
 several imports ask ``torch.cuda.is_available()`` (megatron-core's ``strategies/torch.py``, torch's
-``cpp_extension``, :mod:`k2.parallel.eager_fusions`), whose ``cudaGetDeviceCount`` runs ``cuInit``
+``cpp_extension``), whose ``cudaGetDeviceCount`` runs ``cuInit``
 without setting torch's lazy-init flag, and CUDA in a child forked after ``cuInit`` fails
 ("initialization error"); so the imports run with :func:`cuda_probe_without_init`. Multi-node runs do not come here:
 there srun (or torchrun) starts one process per rank.
@@ -113,7 +113,7 @@ def cuda_probe_without_init():
     torch.multiprocessing). A process that forks CUDA-using children must not have run ``cuInit``, and
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` alone does not avoid it: without NVML torch falls back to the driver
     call. The answer is what the ranks will find (same devices, same ``CUDA_VISIBLE_DEVICES``), so
-    import-time decisions taken here (megatron's ``HAVE_TE``, our eager-compile hook) hold in them; the
+    import-time decisions taken here (megatron's ``HAVE_TE``) hold in them; the
     real call is back in place when the block ends. Only for a process that imports and forks."""
     import torch
 
