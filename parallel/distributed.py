@@ -27,6 +27,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     launched: bool  # True when under torchrun/srun (RANK or SLURM_PROCID present)
+    local_world_size: int = 1  # ranks on this node (LOCAL_WORLD_SIZE; Slurm: this node's task count)
 
     @property
     def spawned_by_k2_train(self) -> bool:
@@ -46,6 +47,7 @@ def dist_env() -> DistEnv:
             int(os.environ["WORLD_SIZE"]),
             int(os.environ.get("LOCAL_RANK", 0)),
             True,
+            int(os.environ.get("LOCAL_WORLD_SIZE") or _slurm_tasks_on_this_node() or 1),
         )
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
         env = DistEnv(
@@ -53,6 +55,7 @@ def dist_env() -> DistEnv:
             int(os.environ["SLURM_NTASKS"]),
             int(os.environ.get("SLURM_LOCALID", 0)),
             True,
+            _slurm_tasks_on_this_node() or 1,
         )
         os.environ.setdefault("RANK", str(env.rank))
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
@@ -60,6 +63,59 @@ def dist_env() -> DistEnv:
         os.environ.setdefault("MASTER_PORT", "29500")
         return env
     return DistEnv(0, 1, 0, False)
+
+
+def _slurm_tasks_on_this_node() -> int:
+    """This node's task count from Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``),
+    e.g. ``8(x4)`` or ``2,1``, at ``SLURM_NODEID``; 0 when not under Slurm or unreadable."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return 0
+    counts = []
+    for part in spec.split(","):
+        n, _, times = part.partition("(x")
+        try:
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            return 0
+    node = int(os.environ.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else 0
+
+
+def local_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The CUDA device (index among this process's visible ones) of a rank.
+
+    * one GPU visible: it (the launcher bound one GPU to each rank: ``srun --gpus-per-task=1``,
+      ``--gpu-bind=single:1``, or ``CUDA_VISIBLE_DEVICES`` per rank);
+    * at least as many visible as ranks on the node: the one at ``local_rank`` (every rank sees the
+      node's GPUs: torchrun, ``k2-train``'s own ranks, ``--gpu-bind=none``).
+
+    Raises:
+        ConfigError: between the two (e.g. ``--gpu-bind=closest`` or ``--gpus-per-task=2`` giving each rank
+            a subset of several GPUs): which of them is this rank's own cannot be told, and ``local_rank``
+            modulo their count puts two ranks on one GPU (NCCL: "duplicate GPU"); also no GPU visible.
+    """
+    from k2.config import ConfigError
+
+    if visible == 1:
+        return 0
+    if visible >= local_world_size and 0 <= local_rank < visible:
+        return local_rank
+    raise ConfigError(
+        f"local rank {local_rank} of {local_world_size} ranks on this node sees {visible} CUDA devices "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each rank needs one GPU of "
+        "its own; allowed: one GPU bound per rank (srun --gpus-per-task=1 or --gpu-bind=single:1) or all of "
+        "the node's GPUs visible to every rank (--gpu-bind=none, torchrun)")
+
+
+def _cuda_device(env: DistEnv):
+    """This rank's CUDA device, made current (:func:`local_device_index`); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", local_device_index(env.local_rank, env.local_world_size,
+                                                     torch.cuda.device_count()))
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
@@ -81,6 +137,8 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
     Raises:
         k2.parallel.rendezvous.RendezvousTimeout: not every rank arrived in time (names the missing
             ranks and nodes).
+        k2.config.ConfigError: the GPUs this rank sees do not tell which one is its own
+            (:func:`local_device_index`).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -88,12 +146,8 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
 
 
     cpu_backend.enable()
-    if torch.cuda.is_available():
-        # modulo: a rank that sees only its own GPU (srun --gpu-bind=closest / single:1) uses device 0
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    device = _cuda_device(env)
+    backend = "nccl" if device is not None else "gloo"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if not env.launched:  # a lone process: any free port (several local runs may coexist)
@@ -112,6 +166,9 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             store=store,
+            # NCCL: the communicator is bound to this rank's GPU and created now, not guessed from the
+            # current device at the first collective (torch warns about the guess and may pick wrong)
+            device_id=device,
         )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,

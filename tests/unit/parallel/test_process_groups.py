@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from support import REPO
 from support.distributed import rank_launch_cmd, trainer_env
 
@@ -38,3 +40,69 @@ def test_every_process_group_gets_the_runs_timeout(tmp_path):
     timeouts = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(timeouts) > 10, timeouts  # the default group and megatron's (PP, EP, DP, MP, ...)
     assert {t for t in timeouts.values()} == {4321.0}, timeouts
+
+
+def test_each_rank_gets_its_own_gpu_or_one_clear_error():
+    """One GPU bound per rank -> it; all the node's GPUs visible -> the one at LOCAL_RANK. A subset of
+    several (``srun --gpu-bind=closest`` on 8 ranks sees 4, ``--gpus-per-task=2``) used to be
+    ``LOCAL_RANK % 4``: ranks 0 and 4 of a node on the same visible index, i.e. with closest binding
+    GPU 0 and GPU 4 by luck, but two ranks on one GPU under other maps; it is refused, naming the binding."""
+    from k2.config import ConfigError
+    from k2.parallel.distributed import local_device_index
+
+    assert [local_device_index(r, 8, 1) for r in range(8)] == [0] * 8
+    assert [local_device_index(r, 8, 8) for r in range(8)] == list(range(8))
+    assert local_device_index(3, 4, 8) == 3
+    with pytest.raises(ConfigError, match=r"local rank 4 of 8 ranks on this node sees 4 CUDA devices.*"
+                                          r"--gpus-per-task=1"):
+        local_device_index(4, 8, 4)
+    with pytest.raises(ConfigError, match="sees 0 CUDA devices"):
+        local_device_index(0, 1, 0)
+
+
+def test_slurm_tasks_on_this_node(monkeypatch):
+    from k2.parallel.distributed import dist_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    monkeypatch.setenv("SLURM_NTASKS", "10")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2),2")
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    env = dist_env()
+    assert (env.rank, env.local_rank, env.local_world_size) == (9, 1, 2)
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert dist_env().local_world_size == 4
+
+
+def test_nccl_is_told_its_device(monkeypatch):
+    """init_process_group gets the rank's GPU as ``device_id`` (NCCL binds and creates its communicator
+    for it at once instead of guessing the device at the first collective). Seam: the device choice and
+    init_process_group itself."""
+    import torch
+    import torch.distributed as dist
+
+    from k2.config import load_config
+    from k2.parallel import distributed
+    from k2.parallel.dims import ParallelDims
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # (init_distributed sets them: restored after the test)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(distributed, "_cuda_device", lambda env: torch.device("cuda", 3))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    cfg = load_config([])
+    with pytest.raises(Stop):
+        distributed.init_distributed(distributed.DistEnv(0, 1, 0, False), ParallelDims.from_config(
+            cfg.parallel, cfg.model, 1), 0)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 3)
