@@ -82,18 +82,21 @@ def _slurm_tasks_on_this_node() -> int:
     return counts[node] if node < len(counts) else 0
 
 
-def local_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+def local_device_index(local_rank: int, local_world_size: int, visible: int, position=None) -> int:
     """The CUDA device (index among this process's visible ones) of a rank.
 
     * one GPU visible: it (the launcher bound one GPU to each rank: ``srun --gpus-per-task=1``,
       ``--gpu-bind=single:1``, or ``CUDA_VISIBLE_DEVICES`` per rank);
     * at least as many visible as ranks on the node: the one at ``local_rank`` (every rank sees the
-      node's GPUs: torchrun, ``k2-train``'s own ranks, ``--gpu-bind=none``).
+      node's GPUs: torchrun, ``k2-train``'s own ranks, ``--gpu-bind=none``);
+    * a subset of several (``srun --gpu-bind=closest``: the GPUs of the rank's socket): the one at
+      ``position``, the rank's place among the node's ranks that see the same devices
+      (:func:`_gpu_position`). ``local_rank`` modulo the count, used before, puts two ranks on one GPU
+      when the ranks are dealt to the sockets round-robin.
 
     Raises:
-        ConfigError: between the two (e.g. ``--gpu-bind=closest`` or ``--gpus-per-task=2`` giving each rank
-            a subset of several GPUs): which of them is this rank's own cannot be told, and ``local_rank``
-            modulo their count puts two ranks on one GPU (NCCL: "duplicate GPU"); also no GPU visible.
+        ConfigError: a subset without a ``position`` (no rendezvous store), more ranks on a subset than it
+            has GPUs, or no GPU visible.
     """
     from k2.config import ConfigError
 
@@ -101,19 +104,41 @@ def local_device_index(local_rank: int, local_world_size: int, visible: int) -> 
         return 0
     if visible >= local_world_size and 0 <= local_rank < visible:
         return local_rank
+    if position is not None and 0 <= position < visible:
+        return position
     raise ConfigError(
         f"local rank {local_rank} of {local_world_size} ranks on this node sees {visible} CUDA devices "
-        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each rank needs one GPU of "
-        "its own; allowed: one GPU bound per rank (srun --gpus-per-task=1 or --gpu-bind=single:1) or all of "
-        "the node's GPUs visible to every rank (--gpu-bind=none, torchrun)")
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        + (f", shared with {position} lower local ranks" if position is not None else "")
+        + ": each rank needs one GPU of its own; allowed: one GPU bound per rank (srun --gpus-per-task=1 or "
+        "--gpu-bind=single:1), a binding that gives each GPU of a rank's set to one rank (--gpu-bind=closest "
+        "with as many ranks as GPUs per socket), or all of the node's GPUs visible to every rank "
+        "(--gpu-bind=none, torchrun)")
 
 
-def _cuda_device(env: DistEnv):
-    """This rank's CUDA device, made current (:func:`local_device_index`); None without CUDA."""
+def _gpu_position(store, env: DistEnv) -> int:
+    """This rank's place among the lower local ranks of its node that see the same ``CUDA_VISIBLE_DEVICES``
+    (exchanged through the rendezvous ``store``; waits for those ranks' keys)."""
+    from k2.parallel.rendezvous import node_name
+
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    prefix = f"k2/gpus/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{node_name()}/"
+    store.set(prefix + str(env.local_rank), mine)
+    lower = [prefix + str(r) for r in range(env.local_rank)]
+    if lower:
+        store.wait(lower)
+    return sum(store.get(k).decode() == mine for k in lower)
+
+
+def _cuda_device(env: DistEnv, store=None):
+    """This rank's CUDA device, made current (:func:`local_device_index`; ``store``: the rendezvous store,
+    for a rank that sees a subset of its node's GPUs); None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    device = torch.device("cuda", local_device_index(env.local_rank, env.local_world_size,
-                                                     torch.cuda.device_count()))
+    visible = torch.cuda.device_count()
+    position = (_gpu_position(store, env) if store is not None and 1 < visible < env.local_world_size
+                else None)
+    device = torch.device("cuda", local_device_index(env.local_rank, env.local_world_size, visible, position))
     torch.cuda.set_device(device)
     return device
 
@@ -146,8 +171,6 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
 
 
     cpu_backend.enable()
-    device = _cuda_device(env)
-    backend = "nccl" if device is not None else "gloo"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if not env.launched:  # a lone process: any free port (several local runs may coexist)
@@ -160,8 +183,9 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
         store = None
         if env.launched and env.world_size > 1:
             store = rendezvous(env.rank, env.world_size, rendezvous_timeout_s, timeout_s)
+        device = _cuda_device(env, store)
         dist.init_process_group(
-            backend=backend,
+            backend="nccl" if device is not None else "gloo",
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -170,6 +194,8 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
             # current device at the first collective (torch warns about the guess and may pick wrong)
             device_id=device,
         )
+    else:  # (a process group made by the caller: the device is still this rank's own)
+        _cuda_device(env)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,

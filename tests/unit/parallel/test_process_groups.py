@@ -43,10 +43,9 @@ def test_every_process_group_gets_the_runs_timeout(tmp_path):
 
 
 def test_each_rank_gets_its_own_gpu_or_one_clear_error():
-    """One GPU bound per rank -> it; all the node's GPUs visible -> the one at LOCAL_RANK. A subset of
-    several (``srun --gpu-bind=closest`` on 8 ranks sees 4, ``--gpus-per-task=2``) used to be
-    ``LOCAL_RANK % 4``: ranks 0 and 4 of a node on the same visible index, i.e. with closest binding
-    GPU 0 and GPU 4 by luck, but two ranks on one GPU under other maps; it is refused, naming the binding."""
+    """One GPU bound per rank -> it; all the node's GPUs visible -> the one at LOCAL_RANK; a subset of
+    several -> the rank's place among those sharing it (next test), refused in one line naming the
+    bindings without that place (no rendezvous store) or with more ranks than GPUs on the subset."""
     from k2.config import ConfigError
     from k2.parallel.distributed import local_device_index
 
@@ -56,8 +55,27 @@ def test_each_rank_gets_its_own_gpu_or_one_clear_error():
     with pytest.raises(ConfigError, match=r"local rank 4 of 8 ranks on this node sees 4 CUDA devices.*"
                                           r"--gpus-per-task=1"):
         local_device_index(4, 8, 4)
+    with pytest.raises(ConfigError, match="shared with 4 lower local ranks"):
+        local_device_index(7, 8, 4, position=4)
     with pytest.raises(ConfigError, match="sees 0 CUDA devices"):
         local_device_index(0, 1, 0)
+
+
+def test_ranks_that_share_a_subset_of_gpus_take_one_each(monkeypatch):
+    """``srun --gpu-bind=closest`` on a two-socket node with the ranks dealt to the sockets round-robin:
+    local ranks 0, 2, 4, 6 see GPUs 0-3, ranks 1, 3, 5, 7 see GPUs 4-7. Each takes its place among the
+    ranks with the same set (exchanged through the rendezvous store): 0, 0, 1, 1, 2, 2, 3, 3 -- where
+    ``LOCAL_RANK % 4`` gave 0, 1, 2, 3, 0, 1, 2, 3 (ranks 0 and 4 both on GPU 0)."""
+    import torch.distributed as dist
+
+    from k2.parallel.distributed import DistEnv, _gpu_position, local_device_index
+
+    store = dist.HashStore()
+    got = []
+    for r in range(8):  # (each rank waits only for the lower ranks' keys: in order, one thread will do)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3" if r % 2 == 0 else "4,5,6,7")
+        got.append(local_device_index(r, 8, 4, _gpu_position(store, DistEnv(r, 8, r, True, 8))))
+    assert got == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_slurm_tasks_on_this_node(monkeypatch):
@@ -98,7 +116,7 @@ def test_nccl_is_told_its_device(monkeypatch):
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # (init_distributed sets them: restored after the test)
     monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setattr(distributed, "_cuda_device", lambda env: torch.device("cuda", 3))
+    monkeypatch.setattr(distributed, "_cuda_device", lambda env, store=None: torch.device("cuda", 3))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     cfg = load_config([])
