@@ -108,6 +108,38 @@ def per_head_max_logit(
     return out
 
 
+def cuda_sdpa_backends() -> list:
+    """SDPA kernels the sdpa backend may run on CUDA, in priority order: cuDNN (it has a kernel for MLA's
+    qk 192 / v 128 head dims), flash, memory-efficient. Not torch's MATH fallback: it materialises the
+    ``[b, heads, s, s]`` scores and probabilities (K2 at 32K tokens: 128 GiB per layer in BF16), which no
+    plan counts, ~10x slower; a shape no fused kernel takes fails instead (:func:`fused_sdpa`)."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def fused_sdpa(sdpa):
+    """``sdpa()`` (a bound ``scaled_dot_product_attention`` call) restricted to :func:`cuda_sdpa_backends`.
+
+    Raises:
+        RuntimeError: no fused kernel takes these inputs (torch's reasons are in its warnings); names the
+            settings that avoid it.
+    """
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        with sdpa_kernel(cuda_sdpa_backends(), set_priority=True):
+            return sdpa()
+    except RuntimeError as e:
+        if "No available kernel" not in str(e):
+            raise
+        raise RuntimeError("model.attention_backend=sdpa: no fused attention kernel (cuDNN, flash, "
+                           "memory-efficient) takes these inputs (torch's warnings above say why), and the "
+                           "unfused MATH kernel is not used (it materialises every score); allowed: "
+                           "model.attention_backend=eager (explicit scores, planned as such) or inputs a "
+                           "fused kernel takes") from e
+
+
 def records_max_logits(module) -> bool:
     """The max-logit rule of every core attention (:class:`K2CoreAttention`, the TE adapter): a forward
     adds to the running max that QK-Clip reads only when ``module.record_max_logits`` is set, in training
@@ -227,19 +259,7 @@ class K2CoreAttention(MegatronModule):
         if backend == "sdpa":
             sdpa = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=None if mask is None else ~mask,
                            dropout_p=dropout, is_causal=causal and mask is None, scale=self.softmax_scale)
-            if q.is_cuda:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                backends = [
-                    SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.FLASH_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.MATH,
-                ]
-                with sdpa_kernel(backends, set_priority=True):
-                    ctx = sdpa()
-            else:
-                ctx = sdpa()
+            ctx = fused_sdpa(sdpa) if q.is_cuda else sdpa()
             if record:
                 with torch.no_grad():
                     self._record(self._max_logit(q, k, causal, mask))

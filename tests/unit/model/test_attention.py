@@ -225,3 +225,32 @@ def test_te_adapter_records_max_logits_of_training_forwards_only():
     mod.record_max_logits = False
     fwd(3.0)
     assert torch.isneginf(mod.max_logits).all()
+
+
+def test_the_gpu_path_never_falls_back_to_the_math_kernel(monkeypatch):
+    """On CUDA the sdpa backend allows only fused kernels (torch's MATH fallback would silently
+    materialise every score, far beyond the memory plan); when none takes the inputs the error names the
+    setting. Seam: ``sdpa_kernel`` records the kernels it is given, and an SDPA call that finds none."""
+    import contextlib
+
+    import torch.nn.attention as attention
+    from torch.nn.attention import SDPBackend
+
+    from k2.model.attention import fused_sdpa
+
+    given = []
+
+    @contextlib.contextmanager
+    def sdpa_kernel(backends, set_priority=False):
+        given.append(list(backends))
+        yield
+
+    monkeypatch.setattr(attention, "sdpa_kernel", sdpa_kernel)
+    assert fused_sdpa(lambda: "out") == "out"
+    assert SDPBackend.MATH not in given[0] and given[0][0] == SDPBackend.CUDNN_ATTENTION
+
+    def no_kernel():
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    with pytest.raises(RuntimeError, match="model.attention_backend=eager"):
+        fused_sdpa(no_kernel)
