@@ -213,6 +213,7 @@ def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
         "memory_per_gpu_bytes": {
             "params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
             "activations": mem.activations, "transient": mem.transient, "reserved": mem.reserved,
+            "allocated": mem.allocated,
             "total": mem.total, "host_pinned": mem.host_pinned,
             "optimizer_offloaded_to_host": mem.optimizer_offloaded,
             "activations_offloaded_to_host_peak": mem.activations_offloaded_peak,
