@@ -12,8 +12,8 @@ Steps:
   that clips, the loss-spike guard skipping a spike injected at step 3 (``K2_TEST_SPIKE``)), saving every 2
   steps; ``async`` in the background with the writer of step 2's checkpoint held until step 4 has started
   (tests/support/scripts/fault_train.py), ``sync`` synchronously, ``resume`` from ``async``'s step-2
-  checkpoint (through the spike again). Each records the metrics and, on a GPU, peak memory (allocated, reserved, the context
-  outside torch's allocator, pinned host memory).
+  checkpoint (through the spike again). Each records the metrics and, on a GPU, peak memory (allocated,
+  reserved, the context outside torch's allocator, pinned host memory).
 * ``compare``: ``async``'s and ``sync``'s checkpoints tensor by tensor (bitwise on CPU; on a GPU the
   largest relative difference, which atomics make non-zero), and ``resume``'s losses against ``async``'s.
   (At this one rank the comparison also passed with the snapshot code from before pinned buffers were
@@ -257,7 +257,8 @@ def _checks() -> dict:
         if SPIKE_STEP in recs else None,
         "async_equals_sync": all(c["same_keys"] and c["optimizer_tensors"] and c["max_relative_difference"] <= tol
                                  for c in ck.values()) if ck else None,
-        "resume_matches": all(v["reference"] is not None and abs(v["loss"] - v["reference"]) <= tol * abs(v["reference"])
+        "resume_matches": all(v["reference"] is not None
+                              and abs(v["loss"] - v["reference"]) <= tol * abs(v["reference"])
                               for v in resume.values()) if resume else None,
         "watchdog_requeue_42": (wd.get("rc") == 42 and str(wd.get("requeue_marker", "")).startswith("hang")
                                 and any(f"save {HUNG}" in x for x in wd.get("hang_lines", []))) if wd else None,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from k2.config.schema_planning import ClusterConfig, GpuOverheadsConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
+from k2.config.schema_planning import (  # noqa: F401  (k2-plan's sections)
+    ClusterConfig, GpuOverheadsConfig, PlanConfig, WhatIfConfig)
 
 
 @dataclass

@@ -376,8 +376,8 @@ def test_search_small_cluster(capsys):
         assert times == sorted(times)
     for r in rows:
         assert r["fits"] == (r["memory_per_gpu_bytes"] <= 0.05 * 2**30)
-        rc, out, err = _run_cli(capsys, ["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4", *NO_GPU_OVERHEADS,
-                                         f"parallel.pp={r['pp']}", f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
+        rc, out, err = _run_cli(capsys, ["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4",
+                                         *NO_GPU_OVERHEADS, f"parallel.pp={r['pp']}", f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
                                          f"parallel.ep={r['ep']}", f"parallel.layout={r['layout']}", "output=json"])
         assert rc == 0, err
         again = json.loads(out)
