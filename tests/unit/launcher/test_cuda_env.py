@@ -28,6 +28,7 @@ def test_k2_train_sets_it_before_the_trainer_starts(monkeypatch, tmp_path):
     configuration is there before any CUDA allocation, and run.deterministic's torch settings are on."""
     from k2.launcher import train
     from k2.launcher.training import trainer
+    from k2.parallel import distributed
 
     seen = {}
 
@@ -39,6 +40,8 @@ def test_k2_train_sets_it_before_the_trainer_starts(monkeypatch, tmp_path):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(trainer, "run", run)
+    # (no process group is made here; another test's in this process must survive the teardown)
+    monkeypatch.setattr(distributed, "destroy_distributed", lambda: None)
     try:
         assert train.main([f"run.dir={tmp_path / 'run'}", "run.deterministic=true", "run.wandb.mode=disabled"]) == 0
     finally:

@@ -79,10 +79,13 @@ def test_ranks_that_share_a_subset_of_gpus_take_one_each(monkeypatch):
 
 
 def test_slurm_tasks_on_this_node(monkeypatch):
+    import os
+
     from k2.parallel.distributed import dist_env
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE"):
-        monkeypatch.delenv(key, raising=False)
+    # a copy: dist_env sets RANK, WORLD_SIZE, ... for Slurm ranks, which must not outlive this test
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE")})
     monkeypatch.setenv("SLURM_PROCID", "9")
     monkeypatch.setenv("SLURM_NTASKS", "10")
     monkeypatch.setenv("SLURM_LOCALID", "1")
