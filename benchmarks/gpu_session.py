@@ -33,12 +33,15 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", "/tmp/gpu_session"))
 TINY = os.environ.get("TINY") == "1"
+# the runs' directories (checkpoints: GBs on a GPU) stay out of $OUT, which the device tool sends back
+RUNS = Path(os.environ.get("RUNS") or (OUT / "runs" if TINY else Path(tempfile.gettempdir()) / "k2-gpu-session"))
 SPIKE_STEP, ITERS, HELD = 3, 4, 2  # injected spike; steps per run; the checkpoint whose writer is held
 HUNG = 2  # the watchdog run saves every step: its second save (the first has the start-up allowance) stops
 
@@ -54,7 +57,7 @@ COMMON = ["model=k2_tiny", "optim=muonclip", "optim.qk_clip_tau=0.1", "memory=k2
           f"train.iters={ITERS}", "train.save_interval=2", "checkpoint.keep_last=10", "checkpoint.save_at_end=false",
           "train.eval_interval=0", "schedule.phases.0.steps=0", "train.spike.action=skip", "train.spike.window=4",
           "train.spike.sigma=1000", "run.seed=7", "run.wandb.mode=disabled", "train.progress=false"]
-GPU_ONLY = ["train.precision=bf16", "model.max_logit_kernel=triton", "run.deterministic=true"]
+GPU_ONLY = ["train.precision=bf16", "run.deterministic=true"]
 # CPU: the sdpa path (torch's CPU SDPA + the chunked max-logit pass) and grouped experts, not the defaults
 TINY_ONLY = ["train.precision=fp32", "model.attention_backend=sdpa", "model.moe_grouped_gemm=true"]
 
@@ -69,12 +72,17 @@ def corpus_overrides() -> list[str]:
 
 
 def overrides(tiny: bool = TINY) -> list[str]:
-    """The trainer's settings of this mode (without ``run.dir``)."""
-    return [*COMMON, *(TINY_ONLY if tiny else GPU_ONLY + GPU_SIZE), *corpus_overrides()]
+    """The trainer's settings of this mode (without ``run.dir``); on a GPU the Triton max-logit kernel
+    when the ``env`` step ran it (else the torch pass, so that a node without Triton's compiler still runs
+    the rest)."""
+    if tiny:
+        return [*COMMON, *TINY_ONLY, *corpus_overrides()]
+    kernel = "triton" if _load("env").get("triton_max_logit") is True else "torch"
+    return [*COMMON, *GPU_ONLY, f"model.max_logit_kernel={kernel}", *GPU_SIZE, *corpus_overrides()]
 
 
 def run_dir(name: str) -> Path:
-    return OUT / "runs" / name
+    return RUNS / name
 
 
 def _write(name: str, data: dict) -> None:
@@ -109,7 +117,23 @@ def step_env() -> None:
             info["cudnn_attention_qk192_v128"] = True
         except RuntimeError as e:
             info["cudnn_attention_qk192_v128"] = f"no: {str(e).splitlines()[0]}"
+        info["triton_max_logit"] = _triton_max_logit(q, k)
     _write("env", info)
+
+
+def _triton_max_logit(q, k):
+    """True when the Triton max-logit kernel compiles here and agrees with the torch pass (BF16
+    tolerance), else why not."""
+    try:
+        from k2.model.attention import per_head_max_logit
+        from k2.model.max_logit_kernel import per_head_max_logit_triton
+
+        got = per_head_max_logit_triton(q, k, 0.07, True)
+        want = per_head_max_logit(q, k, 0.07, True)
+        return bool((got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()) or \
+            f"no: differs from the torch pass by {float((got.float() - want.float()).abs().max()):.3g}"
+    except Exception as e:  # noqa: BLE001 - no compiler, no Triton: recorded, the session goes on without it
+        return f"no: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _memory_stats() -> dict:
@@ -187,7 +211,7 @@ def _checkpoint_tensors(ckpt: Path) -> dict:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = OUT / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    out = RUNS / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
     dcp_to_torch_save(str(ckpt), str(out))
     sd = torch.load(out, weights_only=False)
     out.unlink()

@@ -19,7 +19,8 @@
 # TINY=1 runs the same steps on the CPU with k2_tiny's sizes and the checkout's .venv (CI:
 # tests/unit/test_gpu_session.py), checks bitwise where the GPU mode allows a tolerance.
 # Results in $OUT: status.txt (progress, rc per step), <step>.json, <step>.log (output; tail printed on
-# failure), summary.json.
+# failure), summary.json. The runs' directories (GBs of checkpoints on a GPU) go to $RUNS (default
+# /tmp/k2-gpu-session; with TINY=1 $OUT/runs), not to $OUT, which the device tool sends back.
 #   here:   scripts/offline_wheels.sh   (once: .whl/, git-ignored; megatron-core, emerging-optimizers, hydra,
 #           omegaconf, antlr4, PyYAML, psutil, xxhash, tokenizers, tqdm: what the GPU machine lacks)
 #   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl", "data_cache"], timeout_s=600)
