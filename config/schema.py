@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from k2.config.schema_planning import (  # noqa: F401  (k2-plan's sections)
-    ClusterConfig, GpuOverheadsConfig, PlanConfig, WhatIfConfig)
+from k2.config.schema_planning import ClusterConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
 
 
 @dataclass
@@ -367,10 +366,8 @@ class RunConfig:
     # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
     # and save of a launch (compilation, caches, no measured time yet)
     hang_startup_timeout_s: float = 1800.0
-    # deterministic kernels where torch has them (torch.use_deterministic_algorithms, warn_only: an op
-    # without one warns once instead of failing), cuDNN autotuning off and CUBLAS_WORKSPACE_CONFIG=:4096:8
-    # (cuBLAS needs it for reproducible GEMMs): bitwise-repeatable GPU runs at some speed; off by default
-    # (k2.launcher.training.cuda_env). CPU runs are deterministic either way.
+    # deterministic GPU kernels where torch has them (warn_only: an op without one warns), no cuDNN
+    # autotuning, CUBLAS_WORKSPACE_CONFIG=:4096:8 (launcher/training/cuda_env.py); CPU runs are anyway
     deterministic: bool = False
 
 
@@ -421,10 +418,9 @@ class LaunchConfig:
     # others, e.g. a node that starts late; then the ranks that came stop with an error naming the
     # missing ranks and nodes (k2.parallel.rendezvous)
     rendezvous_timeout_s: int = 600
-    # PYTORCH_CUDA_ALLOC_CONF of the ranks (read by torch's CUDA caching allocator when it starts): k2-train
-    # sets it unless the environment already does; null = leave the environment as it is. Expandable
-    # segments grow in place instead of leaving gaps between fixed-size segments, what k2-plan's
-    # plan.gpu_overheads.fragmentation assumes (PyTorch "CUDA semantics", memory management)
+    # PYTORCH_CUDA_ALLOC_CONF of the ranks: k2-train sets it unless the environment does (null: never).
+    # Expandable segments grow in place instead of leaving gaps between fixed-size segments, what k2-plan's
+    # plan.gpu_overheads.fragmentation assumes (PyTorch "CUDA semantics"; launcher/training/cuda_env.py)
     cuda_alloc_conf: Optional[str] = "expandable_segments:True"
 
 
