@@ -3,6 +3,7 @@
 # code on one GPU (the CPU backend must stay inactive), fp32 losses comparable with the CPU run of the same
 # overrides, a bf16 MuonClip run, and the attention and optimizer benchmarks. Results go to $OUT.
 #   usage (on the GPU machine, checkout with .whl/ and data_cache/): bash benchmarks/gpu_check.sh
+# (the whole trainer on one GPU, every feature, memory against the plan: benchmarks/gpu_session.sh)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -15,9 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 python3 -c "import torch, sys; from k2.parallel import cpu_backend; print(torch.__version__, torch.cuda.get_device_name(0), 'cpu_backend.enable() ->', cpu_backend.enable())" > "$OUT/env.txt" 2>&1
 timeout 150 python3 -m k2.launcher.train "${COMMON[@]}" train.iters=3 run.dir="$OUT/gpu_fp32" > "$OUT/gpu_fp32.log" 2>&1; echo "fp32 rc=$?" >> "$OUT/status.txt"
 timeout 150 python3 -m k2.launcher.train "${COMMON[@]}" train.iters=40 train.precision=bf16 optim=muonclip run.dir="$OUT/gpu_bf16" > "$OUT/gpu_bf16.log" 2>&1; echo "bf16 muonclip rc=$?" >> "$OUT/status.txt"
-if [ -f launcher/benchmarks/ ]; then
-  timeout 120 python3 -m k2.launcher.bench bench=attention output=json > "$OUT/bench_attention.json" 2> "$OUT/bench_attention.log"; echo "bench rc=$?" >> "$OUT/status.txt"
-fi
+timeout 120 python3 -m k2.launcher.bench bench=attention output=json > "$OUT/bench_attention.json" 2> "$OUT/bench_attention.log"; echo "bench rc=$?" >> "$OUT/status.txt"
 timeout 90 python3 -m k2.launcher.bench bench=optimizer output=json > "$OUT/bench_optimizer.json" 2> "$OUT/bench_optimizer.log"; echo "bench optimizer rc=$?" >> "$OUT/status.txt"
 # one summary file (the device tool returns a limited number of files)
 python3 - "$OUT" <<'PY'

@@ -74,9 +74,9 @@ class ModelConfig:
     # Project-owned core attention: record the per-head max pre-softmax logit every forward
     # (needed by QK-Clip). On GPU this costs one extra no-grad QK^T pass per layer.
     record_max_logits: bool = True
-    # Core attention backend (model/attention.py): auto = te when Transformer Engine imports and CUDA is
-    # present, sdpa (fused SDPA, cuDNN first, + a chunked max-logit pass) on CUDA without TE, eager on
-    # CPU; sdpa | eager | te force one (sdpa also runs on CPU).
+    # Core attention backend (model/attention.py): auto = sdpa (fused SDPA, cuDNN first, + a chunked
+    # max-logit pass) on CUDA, with or without Transformer Engine, eager on CPU; sdpa | eager | te force
+    # one (sdpa also runs on CPU; te, TE's fused attention, only when set: it has not run here yet).
     attention_backend: str = "auto"
     # How the sdpa backend gets QK-Clip's per-head max logit: torch = a chunked q k^T pass in torch (scores
     # written to memory and read back); triton = one Triton kernel keeping only running maxima
@@ -366,6 +366,9 @@ class RunConfig:
     # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
     # and save of a launch (compilation, caches, no measured time yet)
     hang_startup_timeout_s: float = 1800.0
+    # deterministic GPU kernels where torch has them (warn_only: an op without one warns), no cuDNN
+    # autotuning, CUBLAS_WORKSPACE_CONFIG=:4096:8 (launcher/training/cuda_env.py); CPU runs are anyway
+    deterministic: bool = False
 
 
 @dataclass
@@ -415,6 +418,10 @@ class LaunchConfig:
     # others, e.g. a node that starts late; then the ranks that came stop with an error naming the
     # missing ranks and nodes (k2.parallel.rendezvous)
     rendezvous_timeout_s: int = 600
+    # PYTORCH_CUDA_ALLOC_CONF of the ranks: k2-train sets it unless the environment does (null: never).
+    # Expandable segments grow in place instead of leaving gaps between fixed-size segments, what k2-plan's
+    # plan.gpu_overheads.fragmentation assumes (PyTorch "CUDA semantics"; launcher/training/cuda_env.py)
+    cuda_alloc_conf: Optional[str] = "expandable_segments:True"
 
 
 @dataclass

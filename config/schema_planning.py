@@ -57,6 +57,29 @@ class WhatIfConfig:
 
 
 @dataclass
+class GpuOverheadsConfig:
+    """``plan.gpu_overheads.*``: GPU memory that is neither training state nor saved activations
+    (launcher/planning/device_overheads.py). Estimates until a GPU measures them: ``benchmarks/gpu_session.sh``
+    reports the CUDA context and the reserved-over-allocated ratio of one GPU."""
+
+    # the CUDA context and loaded kernels (torch, cuBLAS, cuDNN modules; lazy loading, CUDA 12+): outside
+    # torch's allocator, but out of the same GPU memory. ~0.5 GiB is what one process's context takes on
+    # Hopper with CUDA_MODULE_LOADING=LAZY (torch's default since CUDA 11.7)
+    cuda_context_gib: float = 0.5
+    # buffers of one NCCL communicator that carries traffic (the run's default group, DP, EP, expert-DP,
+    # PP, embedding, model-parallel: launcher/planning/device_overheads.py counts them): NCCL allocates
+    # NCCL_BUFFSIZE (4 MiB) of Simple-protocol buffer, plus LL / LL128 buffers, per channel and
+    # connection (NCCL environment-variable docs); tens of channels -> a few hundred MiB
+    nccl_gib_per_communicator: float = 0.25
+    # cuBLAS / cuBLASLt workspaces (torch: 32 MiB per handle and stream on Hopper) and cuDNN attention's
+    workspace_gib: float = 0.25
+    # memory the caching allocator reserves beyond what is allocated at the peak, as a fraction of it,
+    # with launch.cuda_alloc_conf's expandable_segments:True (segments grow in place instead of leaving
+    # unusable gaps: PyTorch "CUDA semantics", memory management)
+    fragmentation: float = 0.05
+
+
+@dataclass
 class PlanConfig:
     """``k2-plan`` settings (launcher/planning/)."""
 
@@ -73,3 +96,5 @@ class PlanConfig:
     what_if: WhatIfConfig = field(default_factory=lambda: WhatIfConfig())
     # compare the step-time model with published runs (recipes/published/runs.yaml): a run's name or "all"
     published: Optional[str] = None
+    # GPU memory besides training state and saved activations (launcher/planning/device_overheads.py)
+    gpu_overheads: GpuOverheadsConfig = field(default_factory=lambda: GpuOverheadsConfig())

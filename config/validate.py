@@ -34,8 +34,7 @@ OPTIMIZERS = ("adamw", "muonclip")
 ROUTER_OPTIMIZERS = ("muon", "adamw")
 #: ``optim.muon_zero1``: how ZeRO-1 shards the Muon matrices (k2.optim.build)
 MUON_ZERO1 = ("byte_range", "layer_wise")
-#: ``k2.model.attention_backend``: auto = te with Transformer Engine on CUDA, sdpa on CUDA without it, eager
-#: on CPU (``k2.model.backends``)
+#: ``k2.model.attention_backend``: auto = sdpa on CUDA (te only when set), eager on CPU (``k2.model.backends``)
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
 MAX_LOGIT_KERNELS = ("torch", "triton")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -95,8 +94,7 @@ def check_model(m) -> None:
     """``model.*``: the compute-backend names (which of them this machine can run is checked by
     :func:`k2.model.backends.check_backend_config`)."""
     _require(m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend", m.attention_backend,
-             f"{', '.join(ATTENTION_BACKENDS)} (auto = te with Transformer Engine on CUDA, sdpa on CUDA "
-             "without it, eager on CPU)")
+             f"{', '.join(ATTENTION_BACKENDS)} (auto = sdpa on CUDA, eager on CPU)")
     _require(m.max_logit_kernel in MAX_LOGIT_KERNELS, "model.max_logit_kernel", m.max_logit_kernel,
              ", ".join(MAX_LOGIT_KERNELS))
     for key in ("hidden_dropout", "attention_dropout"):
@@ -310,6 +308,11 @@ def check_plan(p) -> None:
     _require(p.what_if.mtp_layers >= 0, "plan.what_if.mtp_layers", p.what_if.mtp_layers, "an integer >= 0")
     if p.what_if.node_limit is not None:
         _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
+    o = p.gpu_overheads
+    for key in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib"):
+        _require(_finite(o[key]) and o[key] >= 0, f"plan.gpu_overheads.{key}", o[key], "GiB >= 0")
+    _require(_finite(o.fragmentation) and 0 <= o.fragmentation < 1, "plan.gpu_overheads.fragmentation",
+             o.fragmentation, "0 <= fraction < 1")
 
 
 def check_submit(s) -> None:

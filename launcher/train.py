@@ -83,10 +83,12 @@ def _train(args: list[str]) -> int:
 
 def _run(cfg, plan, overrides: list[str], env) -> int:
     from k2.launcher.datasets.corpus import prepare_stdlib_corpus
+    from k2.launcher.training.cuda_env import apply_determinism, configure_cuda_env
     from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
     from k2.parallel.distributed import destroy_distributed
     from k2.parallel.rendezvous import RendezvousTimeout
 
+    configure_cuda_env(cfg)  # before any CUDA library starts, here and in the ranks
     world = plan.dims.world_size
     if not env.launched and world > 1:
         if cfg.data.path is None:
@@ -102,6 +104,8 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         from k2.launcher.checkpointing.store import CheckpointSaveError
         from k2.launcher.training.step import TrainingDiverged
         from k2.launcher.training.trainer import run
+
+    apply_determinism(cfg)
 
     try:
         record = run(cfg, plan, env)

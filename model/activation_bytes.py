@@ -67,7 +67,7 @@ recompute drops the tensor; offload moves it to host memory (counted in ``offloa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from k2.config.access import setting as _get
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
@@ -239,8 +239,10 @@ def stage_saved(model_cfg: Any, seq_length: int, micro_batch_size: int, precisio
 
 
 def apply_switches(saved: Iterable[Saved], fp8_store: Iterable[str] = (), recompute: Iterable[str] = (),
-                   offload: Iterable[str] = ()) -> tuple[float, float]:
-    """GPU bytes and host (offloaded) bytes of ``saved`` under the ``memory.*`` switches.
+                   offload: Iterable[str] = (), host_block: Optional[Callable[[float], float]] = None
+                   ) -> tuple[float, float]:
+    """GPU bytes and host (offloaded) bytes of ``saved`` under the ``memory.*`` switches; ``host_block``:
+    the host bytes one offloaded entry of ``n`` bytes holds (e.g. a pinned allocator's block), None = ``n``.
 
     Returns:
         ``(gpu_bytes, offloaded_bytes)``.
@@ -264,7 +266,7 @@ def apply_switches(saved: Iterable[Saved], fp8_store: Iterable[str] = (), recomp
         if x.fp8 is not None and x.fp8 in fp8_store:
             nbytes = x.elements * (1 + 4 / FP8_TILE)
         if x.offload is not None and x.offload in offload:
-            host += nbytes
+            host += nbytes if host_block is None else host_block(nbytes)
         else:
             gpu += nbytes
     return gpu, host

@@ -23,8 +23,9 @@ QK-Clip only from Transformer Engine >= 2.9. This module
   Both record the same max logits: the maximum of ``scale * (q_i . k_j)`` equals ``scale * max(q_i . k_j)``
   exactly in floating point (rounding is monotonic and the scale positive).
 
-With Transformer Engine (``te``, :class:`K2TEDotProductAttention`): megatron's ``TEDotProductAttention``
-with TE's ``return_max_logit`` (TE >= 2.9), exposed under this module's ``max_logits`` interface.
+With Transformer Engine (``te``, only when set explicitly: :func:`te_core_attention_class`): megatron's
+``TEDotProductAttention`` with TE's ``return_max_logit`` (TE >= 2.9), exposed under this module's
+``max_logits`` interface and recording rule.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from k2.model.recompute import recomputing
 
 # Query rows per chunk in the GPU max-logit pass: bounds its extra memory to
 # b * heads * chunk * s_k fp32 values.
-_MAX_LOGIT_CHUNK = 1024
+MAX_LOGIT_CHUNK = 1024
 
 
 def per_head_max_logit(
@@ -52,7 +53,7 @@ def per_head_max_logit(
     softmax_scale: float,
     causal: bool,
     attention_mask: Optional[torch.Tensor] = None,
-    chunk: int = _MAX_LOGIT_CHUNK,
+    chunk: int = MAX_LOGIT_CHUNK,
 ) -> torch.Tensor:
     """Per-head max of ``softmax_scale * q_i . k_j`` over batch and unmasked positions.
 
@@ -105,6 +106,46 @@ def per_head_max_logit(
             cols = torch.arange(past, diag_end, device=query.device).unsqueeze(0)
             out = torch.maximum(out, block_max(q_blk, key[:, :, past:diag_end], cols > rows))
     return out
+
+
+def cuda_sdpa_backends() -> list:
+    """SDPA kernels the sdpa backend may run on CUDA, in priority order: cuDNN (it has a kernel for MLA's
+    qk 192 / v 128 head dims), flash, memory-efficient. Not torch's MATH fallback: it materialises the
+    ``[b, heads, s, s]`` scores and probabilities (K2 at 32K tokens: 128 GiB per layer in BF16), which no
+    plan counts, ~10x slower; a shape no fused kernel takes fails instead (:func:`fused_sdpa`)."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def fused_sdpa(sdpa):
+    """``sdpa()`` (a bound ``scaled_dot_product_attention`` call) restricted to :func:`cuda_sdpa_backends`.
+
+    Raises:
+        RuntimeError: no fused kernel takes these inputs (torch's reasons are in its warnings); names the
+            settings that avoid it.
+    """
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        with sdpa_kernel(cuda_sdpa_backends(), set_priority=True):
+            return sdpa()
+    except RuntimeError as e:
+        if "No available kernel" not in str(e):
+            raise
+        raise RuntimeError("model.attention_backend=sdpa: no fused attention kernel (cuDNN, flash, "
+                           "memory-efficient) takes these inputs (torch's warnings above say why), and the "
+                           "unfused MATH kernel is not used (it materialises every score); allowed: "
+                           "model.attention_backend=eager (explicit scores, planned as such) or inputs a "
+                           "fused kernel takes") from e
+
+
+def records_max_logits(module) -> bool:
+    """The max-logit rule of every core attention (:class:`K2CoreAttention`, the TE adapter): a forward
+    adds to the running max that QK-Clip reads only when ``module.record_max_logits`` is set, in training
+    (evaluation forwards between two optimizer steps must not decide the next clip), and once per forward
+    (not again when whole-layer recompute re-runs the layer in backward, :func:`k2.model.recompute.recomputing`)."""
+    return bool(module.record_max_logits) and module.training and not recomputing()
 
 
 class K2CoreAttention(MegatronModule):
@@ -211,27 +252,14 @@ class K2CoreAttention(MegatronModule):
         k = key.permute(1, 2, 0, 3)  # [b, np, sk, hk]
         v = value.permute(1, 2, 0, 3)  # [b, np, sk, hv]
         mask = attention_mask if attention_mask is not None and not causal else None
-        # once per forward: not again when whole-layer recompute re-runs the layer in backward
-        record = self.record_max_logits and self.training and not recomputing()
+        record = records_max_logits(self)
         dropout = self.dropout_p if self.training else 0.0
 
         backend = self.backend if self.backend != "auto" else ("sdpa" if q.is_cuda else "eager")
         if backend == "sdpa":
             sdpa = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=None if mask is None else ~mask,
                            dropout_p=dropout, is_causal=causal and mask is None, scale=self.softmax_scale)
-            if q.is_cuda:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                backends = [
-                    SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.FLASH_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.MATH,
-                ]
-                with sdpa_kernel(backends, set_priority=True):
-                    ctx = sdpa()
-            else:
-                ctx = sdpa()
+            ctx = fused_sdpa(sdpa) if q.is_cuda else sdpa()
             if record:
                 with torch.no_grad():
                     self._record(self._max_logit(q, k, causal, mask))
@@ -260,21 +288,32 @@ _TE_CLASS = None
 
 
 def te_core_attention_class():
-    """:class:`K2TEDotProductAttention`: megatron's ``TEDotProductAttention`` (Transformer Engine's fused
-    attention; needs TE >= 2.9 for ``return_max_logit``) with :class:`K2CoreAttention`'s max-logit
-    interface (``max_logits``, ``reset_max_logits``, ``num_heads``, ``softmax_scale``), for QK-Clip
-    (``optim/qk_clip.py``). Built on first use (TE is optional). The model config must have
-    ``log_max_attention_logit=True`` (``model/build.py`` sets it), which makes megatron request the max
-    logit from TE and keep the running max in ``current_max_attn_logits``.
+    """:class:`K2TEDotProductAttention` (:func:`te_adapter` over megatron's ``TEDotProductAttention``:
+    Transformer Engine's fused attention; needs TE >= 2.9 for ``return_max_logit``). Built on first use
+    (TE is optional). The model config must have ``log_max_attention_logit=True`` (``model/build.py`` sets
+    it), which makes megatron request the max logit from TE and keep the running max in
+    ``current_max_attn_logits``.
 
-    Not tested here (no TE on this project's machines): the TE case of tests/unit/model/test_attention.py runs where TE is installed.
+    Never the default (``model.attention_backend=auto`` resolves to ``sdpa`` on CUDA, :mod:`k2.model.backends`):
+    TE's fused attention has not run in this project; the adapter's max-logit rule is tested with a
+    stand-in base class (tests/unit/model/test_attention.py), the TE case itself runs where TE is installed.
     """
     global _TE_CLASS
-    if _TE_CLASS is not None:
-        return _TE_CLASS
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    if _TE_CLASS is None:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
-    class K2TEDotProductAttention(TEDotProductAttention):
+        _TE_CLASS = te_adapter(TEDotProductAttention)
+    return _TE_CLASS
+
+
+def te_adapter(base):
+    """``base`` (megatron's ``TEDotProductAttention``, or a stand-in with its max-logit bookkeeping: a
+    ``current_max_attn_logits`` running max that every forward updates) with :class:`K2CoreAttention`'s
+    max-logit interface (``max_logits``, ``reset_max_logits``, ``num_heads``, ``record_max_logits``) and its
+    rule (:func:`records_max_logits`): megatron's module updates the running max in every forward,
+    evaluation and recompute re-runs included; here those forwards leave it as it was."""
+
+    class K2TEDotProductAttention(base):
         is_k2_max_logit_attention = True
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -291,6 +330,15 @@ def te_core_attention_class():
             self.record_max_logits = record_max_logits
             self.k2_softmax_scale = softmax_scale
 
+        def forward(self, *args, **kwargs):
+            """megatron's forward; its update of the running max is undone when this forward must not
+            record (:func:`records_max_logits`)."""
+            kept = self.current_max_attn_logits
+            out = super().forward(*args, **kwargs)
+            if not records_max_logits(self):
+                self.current_max_attn_logits = kept
+            return out
+
         @property
         def max_logits(self) -> torch.Tensor:
             """``[np]`` fp32 running max since the last reset (``-inf`` before any forward)."""
@@ -303,8 +351,7 @@ def te_core_attention_class():
         def reset_max_logits(self) -> None:
             self.current_max_attn_logits = None
 
-    _TE_CLASS = K2TEDotProductAttention
-    return _TE_CLASS
+    return K2TEDotProductAttention
 
 
 def is_max_logit_attention(module) -> bool:

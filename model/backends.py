@@ -6,11 +6,14 @@ is present: CUDA, Transformer Engine (the ``gpu`` extra), the precision. :func:`
 trainer's validation (``k2.launcher.training.prepare.prepare_run``), before any process group. This module imports no
 megatron (it runs in the plan).
 
-GPU path without Transformer Engine (docs/gpu.md): BF16 through megatron's mixed-precision wrapper
-(``Float16Module``, ``parallel/distributed.py``), core attention on SDPA with cuDNN first
-(``model/attention.py``), routed experts as grouped GEMMs (``model/grouped_mlp.py``). With TE: TE's fused
-attention with ``return_max_logit`` (:func:`k2.model.attention.te_core_attention_class`); the rest of the
-model stays on megatron's local modules (TE linears, norms and TE's grouped experts are not wired).
+GPU path (docs/gpu.md), whether or not Transformer Engine is installed: BF16 through megatron's
+mixed-precision wrapper (``Float16Module``, ``parallel/distributed.py``), core attention on SDPA with cuDNN
+first (``model/attention.py``), routed experts as grouped GEMMs (``model/grouped_mlp.py``), torch's AdamW
+(:func:`k2.optim.build.use_torch_adam`). TE's fused attention with ``return_max_logit``
+(:func:`k2.model.attention.te_core_attention_class`) runs only when ``model.attention_backend=te`` is set:
+it has not run in this project yet, so ``auto`` does not pick it even where TE imports (every NGC
+container). The rest of the model stays on megatron's local modules (TE linears, norms and TE's grouped
+experts are not wired).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ def te_available() -> bool:
     return True
 
 
-def resolve_attention_backend(setting: str, cuda: Optional[bool] = None, te: Optional[bool] = None) -> str:
-    """The core-attention backend for ``k2.model.attention_backend``: ``auto`` -> ``te`` when Transformer
-    Engine imports and CUDA is present, ``sdpa`` on CUDA without it, ``eager`` on CPU; others as given.
+def resolve_attention_backend(setting: str, cuda: Optional[bool] = None) -> str:
+    """The core-attention backend for ``k2.model.attention_backend``: ``auto`` -> ``sdpa`` on CUDA (with
+    or without Transformer Engine: ``te`` is chosen only explicitly, module docstring), ``eager`` on CPU;
+    others as given.
 
     Raises:
         ValueError: an unknown setting.
@@ -44,10 +48,7 @@ def resolve_attention_backend(setting: str, cuda: Optional[bool] = None, te: Opt
     if setting != "auto":
         return setting
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if not cuda:
-        return "eager"
-    te = te_available() if te is None else te
-    return "te" if te else "sdpa"
+    return "sdpa" if cuda else "eager"
 
 
 def resolve_grouped_experts(setting: Optional[bool], precision: str, cuda: Optional[bool] = None) -> bool:
@@ -86,7 +87,7 @@ def check_backend_config(cfg) -> None:
         if resolve_attention_backend(m.attention_backend) != "sdpa":
             raise ConfigError(f"model.max_logit_kernel=triton is the sdpa backend's; model.attention_backend="
                               f"{m.attention_backend} resolves to {resolve_attention_backend(m.attention_backend)}; "
-                              "allowed: model.attention_backend=sdpa (or auto on CUDA without TE)")
+                              "allowed: model.attention_backend=sdpa (or auto on CUDA)")
     if m.attention_backend == "te" and not (torch.cuda.is_available() and te_available()):
         raise ConfigError("model.attention_backend=te needs Transformer Engine (the gpu extra) and a CUDA "
                           "device; allowed here: auto, sdpa, eager")

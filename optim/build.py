@@ -126,6 +126,25 @@ def _copy_splits_to_master_params(model: list) -> int:
     return n
 
 
+def use_torch_adam() -> None:
+    """Make megatron-core build torch's ``AdamW`` (and read its state as torch's) whether or not
+    Transformer Engine or Apex is installed.
+
+    megatron-core 0.19.2 decides at import: with TE (every NGC container) or Apex, its Adam is their
+    ``FusedAdam`` (``optimizer/__init__.py``: ``USING_PYTORCH_OPTIMIZER = False``) and its distributed
+    optimizer reads and restores the state on the fused layout (``distrib_optimizer.HAVE_APEX_OR_TE``:
+    the ``step`` kept per group). This launcher's checkpoint handling (the state made before a load and
+    the per-parameter ``step`` restored after it, :mod:`k2.launcher.checkpointing.store`), QK-Clip's
+    rescaling of master copies and the optimizer offload are written and tested against torch's
+    ``AdamW`` on megatron's torch path; the fused one has never run here. Idempotent."""
+    import megatron.core.optimizer as mcore_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    mcore_optimizer.USING_PYTORCH_OPTIMIZER = True  # -> torch.optim.AdamW (decoupled weight decay)
+    distrib_optimizer.HAVE_APEX_OR_TE = False
+    distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
+
+
 def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
     """The run's megatron optimizer (see the module docstring).
 
@@ -148,7 +167,7 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-
+    use_torch_adam()
     o = optim_cfg
     # optim.decay_all_params (k2.optim.params.weight_decayed): megatron's documented way to decay every
     # parameter is an empty override dict; None selects its default (wd_mult 0 on 1-D tensors and biases).

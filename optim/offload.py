@@ -28,6 +28,14 @@ import torch
 from megatron.core.optimizer import ChainedOptimizer
 
 
+def host_buffer(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The host buffer of one offloaded tensor: pinned when ``pin`` (CUDA: the copies are asynchronous
+    DMA). Pinned memory is shared with a forked child, not copied on write
+    (:mod:`k2.launcher.checkpointing.background` copies it before a background save forks); tests replace
+    this function to give the buffers shared memory, which behaves so on CPU."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -86,7 +94,7 @@ class StateOffload:
         for key, t in self._tensors():
             host = self._host.get(key)
             if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+                host = host_buffer(t.shape, t.dtype, self.pin)
                 self._host[key] = host
             if t.data.data_ptr() != host.data_ptr():
                 host.copy_(t.data)

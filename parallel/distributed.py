@@ -27,6 +27,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     launched: bool  # True when under torchrun/srun (RANK or SLURM_PROCID present)
+    local_world_size: int = 1  # ranks on this node (LOCAL_WORLD_SIZE; Slurm: this node's task count)
 
     @property
     def spawned_by_k2_train(self) -> bool:
@@ -46,6 +47,7 @@ def dist_env() -> DistEnv:
             int(os.environ["WORLD_SIZE"]),
             int(os.environ.get("LOCAL_RANK", 0)),
             True,
+            int(os.environ.get("LOCAL_WORLD_SIZE") or _slurm_tasks_on_this_node() or 1),
         )
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
         env = DistEnv(
@@ -53,6 +55,7 @@ def dist_env() -> DistEnv:
             int(os.environ["SLURM_NTASKS"]),
             int(os.environ.get("SLURM_LOCALID", 0)),
             True,
+            _slurm_tasks_on_this_node() or 1,
         )
         os.environ.setdefault("RANK", str(env.rank))
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
@@ -60,6 +63,84 @@ def dist_env() -> DistEnv:
         os.environ.setdefault("MASTER_PORT", "29500")
         return env
     return DistEnv(0, 1, 0, False)
+
+
+def _slurm_tasks_on_this_node() -> int:
+    """This node's task count from Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``),
+    e.g. ``8(x4)`` or ``2,1``, at ``SLURM_NODEID``; 0 when not under Slurm or unreadable."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return 0
+    counts = []
+    for part in spec.split(","):
+        n, _, times = part.partition("(x")
+        try:
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            return 0
+    node = int(os.environ.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else 0
+
+
+def local_device_index(local_rank: int, local_world_size: int, visible: int, position=None) -> int:
+    """The CUDA device (index among this process's visible ones) of a rank.
+
+    * one GPU visible: it (the launcher bound one GPU to each rank: ``srun --gpus-per-task=1``,
+      ``--gpu-bind=single:1``, or ``CUDA_VISIBLE_DEVICES`` per rank);
+    * at least as many visible as ranks on the node: the one at ``local_rank`` (every rank sees the
+      node's GPUs: torchrun, ``k2-train``'s own ranks, ``--gpu-bind=none``);
+    * a subset of several (``srun --gpu-bind=closest``: the GPUs of the rank's socket): the one at
+      ``position``, the rank's place among the node's ranks that see the same devices
+      (:func:`_gpu_position`). ``local_rank`` modulo the count, used before, puts two ranks on one GPU
+      when the ranks are dealt to the sockets round-robin.
+
+    Raises:
+        ConfigError: a subset without a ``position`` (no rendezvous store), more ranks on a subset than it
+            has GPUs, or no GPU visible.
+    """
+    from k2.config import ConfigError
+
+    if visible == 1:
+        return 0
+    if visible >= local_world_size and 0 <= local_rank < visible:
+        return local_rank
+    if position is not None and 0 <= position < visible:
+        return position
+    raise ConfigError(
+        f"local rank {local_rank} of {local_world_size} ranks on this node sees {visible} CUDA devices "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        + (f", shared with {position} lower local ranks" if position is not None else "")
+        + ": each rank needs one GPU of its own; allowed: one GPU bound per rank (srun --gpus-per-task=1 or "
+        "--gpu-bind=single:1), a binding that gives each GPU of a rank's set to one rank (--gpu-bind=closest "
+        "with as many ranks as GPUs per socket), or all of the node's GPUs visible to every rank "
+        "(--gpu-bind=none, torchrun)")
+
+
+def _gpu_position(store, env: DistEnv) -> int:
+    """This rank's place among the lower local ranks of its node that see the same ``CUDA_VISIBLE_DEVICES``
+    (exchanged through the rendezvous ``store``; waits for those ranks' keys)."""
+    from k2.parallel.rendezvous import node_name
+
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    prefix = f"k2/gpus/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{node_name()}/"
+    store.set(prefix + str(env.local_rank), mine)
+    lower = [prefix + str(r) for r in range(env.local_rank)]
+    if lower:
+        store.wait(lower)
+    return sum(store.get(k).decode() == mine for k in lower)
+
+
+def _cuda_device(env: DistEnv, store=None):
+    """This rank's CUDA device, made current (:func:`local_device_index`; ``store``: the rendezvous store,
+    for a rank that sees a subset of its node's GPUs); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    visible = torch.cuda.device_count()
+    position = (_gpu_position(store, env) if store is not None and 1 < visible < env.local_world_size
+                else None)
+    device = torch.device("cuda", local_device_index(env.local_rank, env.local_world_size, visible, position))
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
@@ -70,13 +151,19 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
         env: from :func:`dist_env`.
         dims: a validated :class:`k2.parallel.dims.ParallelDims`.
         seed: base seed; megatron derives its TP/EP/data-parallel RNG-tracker streams from it.
-        timeout_s: the process group's timeout (seconds a collective may wait for a peer).
+        timeout_s: every process group's timeout (seconds a collective may wait for a peer): the default
+            group's and that of each group megatron creates (PP, EP, DP, model-parallel, ...; megatron's
+            own default for those is ``distributed_timeout_minutes=30``). One value for all, so the hang
+            watchdog, whose allowance stays below it, ends a hang before any NCCL group aborts the
+            process (NCCL's async error handling kills it: no requeue exit, no marker).
         rendezvous_timeout_s: seconds every rank of a launched job waits for the others to arrive
             (:func:`k2.parallel.rendezvous.rendezvous`, ``launch.rendezvous_timeout_s``).
 
     Raises:
         k2.parallel.rendezvous.RendezvousTimeout: not every rank arrived in time (names the missing
             ranks and nodes).
+        k2.config.ConfigError: the GPUs this rank sees do not tell which one is its own
+            (:func:`local_device_index`).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -84,12 +171,6 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
 
 
     cpu_backend.enable()
-    if torch.cuda.is_available():
-        # modulo: a rank that sees only its own GPU (srun --gpu-bind=closest / single:1) uses device 0
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        backend = "nccl"
-    else:
-        backend = "gloo"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if not env.launched:  # a lone process: any free port (several local runs may coexist)
@@ -102,19 +183,29 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
         store = None
         if env.launched and env.world_size > 1:
             store = rendezvous(env.rank, env.world_size, rendezvous_timeout_s, timeout_s)
+        device = _cuda_device(env, store)
         dist.init_process_group(
-            backend=backend,
+            backend="nccl" if device is not None else "gloo",
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             store=store,
+            # NCCL: the communicator is bound to this rank's GPU and created now, not guessed from the
+            # current device at the first collective (torch warns about the guess and may pick wrong)
+            device_id=device,
         )
+    else:  # (a process group made by the caller: the device is still this rank's own)
+        _cuda_device(env)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         expert_model_parallel_size=dims.ep,
+        distributed_timeout_minutes=timeout_s / 60,  # (megatron passes it to timedelta(minutes=...))
     )
+    # megatron-core 0.19.2 creates its expert-DP gloo group without a timeout (torch's 30 min default):
+    # megatron's own setter gives every group it created the run's timeout (a barrier first)
+    ps.update_pg_timeout(datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine

@@ -1,25 +1,28 @@
-"""Without CUDA, the functions megatron-core and emerging-optimizers decorate with ``torch.compile`` at
-import time are left as they are (eager).
+"""megatron-core's and emerging-optimizers' import-time ``torch.compile`` decorations are left as they are
+(eager), on every machine.
 
 megatron-core's ``jit_fuser`` (``megatron.core.jit``) is ``torch.compile``, applied when its fusion modules
-are imported (bias-dropout-add, bias-GeLU, SwiGLU, ...), and emerging-optimizers decorates its Adam update
-with ``@torch.compile``. Each decoration builds inductor's backend, which imports torch's inductor and
-dynamo stacks: about half of the CPU time of ``import megatron.core`` (measured with ``python -X
-importtime``), paid by every process that imports it: each rank, each tool, each test interpreter. On CPU
-that buys nothing: :mod:`k2.parallel.cpu_backend` disables dynamo (its patch 10), so the decorated
-functions run eagerly anyway. While a module of those two packages executes, :func:`install`'s import
-hook makes ``torch.compile`` return the function unchanged (megatron's ``jit_fuser`` then keeps that
-eager decorator, as megatron itself does where ``torch.compile`` is unavailable). Same functions, same
-numbers, a cheaper start.
+are imported (bias-dropout-add, bias-GeLU, SwiGLU, the router's expert-bias update, ...), and
+emerging-optimizers decorates its scalar optimizers' updates with ``@torch.compile``. While a module of
+those two packages executes, :func:`install`'s import hook makes ``torch.compile`` return the function
+unchanged (megatron's ``jit_fuser`` then keeps that eager decorator, as megatron itself does where
+``torch.compile`` is unavailable).
 
-Nothing changes where CUDA is available (there ``torch.compile`` is wanted), for ``torch.compile`` called
-anywhere else, or when those packages were imported before :func:`install` ran (then cpu_backend's patch
-10 still makes the functions eager). ``import k2.parallel`` installs the hook.
+Why on GPUs too: on K2's path the only decorated function that runs is the router's expert-bias update
+(``TopKRouter._apply_expert_bias``: a sum over the ``[tokens, experts]`` routing map per layer and
+microbatch; our MLPs, norms and attention are not megatron's fused ones, and the optimizers are torch's
+AdamW and our Muon). Compiled, it costs every rank an inductor compilation at its first step (with a C
+compiler on the node for Triton's launcher), another for the evaluation's no-grad branch and another when
+a schedule phase changes the context length, each on the training's critical path and under the hang
+watchdog's allowance. Eager it is a handful of small kernels. On CPU the decorations also cost about half
+of ``import megatron.core``'s CPU time (inductor and dynamo imports, ``python -X importtime``), paid by
+every process; :mod:`k2.parallel.cpu_backend`'s patch 10 keeps functions decorated before :func:`install`
+ran eager there. Same functions, same numbers. ``torch.compile`` called anywhere else is untouched.
+``import k2.parallel`` installs the hook.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -37,17 +40,9 @@ def _eager_compile(model=None, **_options):
     return model
 
 
-@functools.cache
-def _without_cuda() -> bool:
-    """Decided once, at the first module of :data:`PACKAGES` (the CPU backend's own test)."""
-    from k2.parallel.cpu_backend import cuda_available
-
-    return not cuda_available()
-
-
 class _EagerCompileOnImport(importlib.abc.MetaPathFinder):
     """Finds the modules of :data:`PACKAGES` as the path finder would, with a loader that runs each one
-    while ``torch.compile`` is :func:`_eager_compile` (only without CUDA); answers nothing else."""
+    while ``torch.compile`` is :func:`_eager_compile`; answers nothing else."""
 
     def find_spec(self, name, path, target=None):
         if name.partition(".")[0] not in PACKAGES:
@@ -58,8 +53,6 @@ class _EagerCompileOnImport(importlib.abc.MetaPathFinder):
         run_module = spec.loader.exec_module  # (the loader object is this spec's own)
 
         def exec_module(module):
-            if not _without_cuda():
-                return run_module(module)
             import torch
 
             compile_, torch.compile = torch.compile, _eager_compile

@@ -10,7 +10,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p .whl
 pkgs=("$@")
 if [ ${#pkgs[@]} -eq 0 ]; then
-  pkgs=(megatron-core==0.19.2 emerging-optimizers==0.3.0 hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3)
+  # (+ what k2-train imports that the GPU machine lacks: PyYAML for omegaconf, psutil, xxhash for the
+  # checkpoint manifest, tokenizers, tqdm)
+  pkgs=(megatron-core==0.19.2 emerging-optimizers==0.3.0 hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+        PyYAML==6.0.4 psutil==7.2.2 xxhash==4.1.0 tokenizers==0.23.3 tqdm==4.70.1)
 fi
 "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

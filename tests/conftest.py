@@ -47,7 +47,8 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/integration/test_checkpoint.py": 470,
     "tests/integration/test_preemption_cli.py": 265,
     "tests/integration/test_slurm_two_nodes_timeouts.py": 260,  # two Slurm jobs, mostly waiting on timeouts
-    "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
+    "tests/integration/test_hang_watchdog.py": 170,
+    "tests/integration/test_gpu_session.py": 110,  # TINY=1 gpu_session.sh: 4 one-rank runs + benches  # three cpu4 launches of k2-train, each ends in a 15 s hang
     "tests/integration/test_sweep.py": 155,
     "tests/integration/test_bench_runs.py": 150,
     "tests/unit/launcher/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build

@@ -3,9 +3,15 @@
 Built on megatron-core 0.19.2's async dist-checkpointing: :func:`k2.launcher.checkpointing.store.begin_save`
 plans the save with ``async_sharded_save=True, async_strategy="mcore"``, and megatron's
 ``AsyncCallsQueue`` (non-persistent: ``TemporalAsyncCaller``) forks one writer process per save. The fork
-is the snapshot: the writer sees the rank's memory as it was at the step boundary (copy-on-write), so
-the optimizer step that follows -- which updates host-resident (offloaded) optimizer states in place --
-cannot leak into the checkpoint being written. The fork also makes megatron's staging copy of every tensor
+is the snapshot: the writer sees the rank's private memory as it was at the step boundary (copy-on-write),
+so the optimizer step that follows -- which updates host-resident (offloaded) optimizer states in place --
+cannot leak into the checkpoint being written. Not all host memory is copy-on-write: pinned memory (the
+NVIDIA driver maps it shared, open-gpu-kernel-modules ``nv-mmap.c``; "pin_memory lacks Copy-On-Write
+under fork", Megatron-LM PR #2288) and shared memory are the same pages in both processes, and on a GPU
+the offloaded optimizer states live in pinned buffers that every step overwrites (QK-Clip rescales
+master copies there too). So before the fork every tensor of the write that lies in such memory is
+copied into private memory (:func:`_private_host_copies`, run where megatron stages device tensors to the
+host); everything else is left to the fork. The fork also makes megatron's staging copy of every tensor
 that is a view of a larger buffer (its ``prepare_write_data`` clones those in the rank: a
 DistributedOptimizer's states and the parameters of DDP's buffer, the whole checkpoint here) redundant,
 so the rank skips it (:func:`_snapshot_writer_class`) and the writer copies those views after the fork
@@ -134,7 +140,35 @@ def _snapshot_writer_class():
             with _NoClone():
                 super().prepare_write_data(plan, planner)
 
+        @staticmethod
+        def preload_tensors(write_buckets, non_blocking=True):
+            """megatron's staging (device tensors -> host, in the rank, before the fork), after the host
+            tensors a fork would share are copied (:func:`_private_host_copies`)."""
+            return FileSystemWriterAsync.preload_tensors(_private_host_copies(write_buckets), non_blocking)
+
     return SnapshotWriterAsync
+
+
+def _shared_with_a_fork(t) -> bool:
+    """True for a host tensor whose pages a forked child shares instead of copying on write: pinned
+    (page-locked by the CUDA driver) or shared memory (``share_memory_``, ``/dev/shm``)."""
+    return t.device.type == "cpu" and (t.is_shared() or t.is_pinned())
+
+
+def _private_host_copies(write_buckets: list) -> list:
+    """megatron's ``write_buckets`` (``(path, file_name, (bytes_data, tensor_data))``) with every tensor in
+    memory a fork shares (:func:`_shared_with_a_fork`) replaced by a contiguous copy in private (pageable)
+    memory: the bytes of this step, whatever the rank writes into its buffers while the writer runs. Costs
+    one host copy of those bytes in the training loop (on a GPU: the offloaded optimizer states); the
+    copies are released when the save is committed. Other tensors are returned as they are."""
+    import torch
+
+    out = []
+    for path, name, (bytes_data, tensor_data) in write_buckets:
+        tensors = [(item, torch.empty(t.shape, dtype=t.dtype).copy_(t) if _shared_with_a_fork(t) else t)
+                   for item, t in tensor_data]
+        out.append((path, name, (bytes_data, tensors)))
+    return out
 
 
 def _copy_views(write_buckets: list) -> list:

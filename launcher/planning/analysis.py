@@ -11,7 +11,8 @@ from k2.launcher.planning.phase_settings import offloads_anything, phase_memory
 from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.ep_overlap import overlap_applies
 from k2.launcher.planning.hardware import load_profile
-from k2.launcher.planning.memory import gpu_memory, stage_activations, state_bytes, state_bytes_lower_bound
+from k2.launcher.planning.device_memory import device_overheads, gpu_memory
+from k2.launcher.planning.memory import stage_activations, state_bytes, state_bytes_lower_bound
 from k2.launcher.planning.step_time import step_time
 from k2.launcher.planning.what_if import WhatIf
 from k2.model.flops import flops_per_token
@@ -89,11 +90,22 @@ def pp_rank_of(rank: int, dims) -> int:
 
 def host_bytes_per_node(memory: list, dims, gpus_per_node: int) -> float:
     """The most host bytes any node holds: the sum, over the node's ``gpus_per_node`` consecutive ranks, of
-    each GPU's offloaded bytes (the fullest DP rank of its PP rank, :attr:`GpuMemory.host`)."""
+    each GPU's offloaded bytes as pinned buffers hold them (the fullest DP rank of its PP rank,
+    :attr:`k2.launcher.planning.device_memory.GpuMemory.host_pinned`)."""
     nodes = max(1, dims.world_size // gpus_per_node)
-    return max(sum(memory[pp_rank_of(r, dims)].host
+    return max(sum(memory[pp_rank_of(r, dims)].host_pinned
                    for r in range(n * gpus_per_node, min((n + 1) * gpus_per_node, dims.world_size)))
                for n in range(nodes))
+
+
+def staged_pinned_ratio(states) -> float:
+    """Pinned over raw bytes of what a GPU stages for a checkpoint (its parameters and optimizer tensors,
+    one pinned buffer each: :mod:`k2.launcher.planning.host_pinned`), for the fullest GPU; 1 when the
+    states carry no per-tensor figures (the search's lower bound)."""
+    worst = max((x for row in states for x in row), key=lambda x: x.params + x.grads + x.optimizer)
+    raw = worst.param_numel * (worst.params / max(worst.buffer_numel, worst.param_numel, 1)) + worst.optimizer
+    pinned = worst.params_pinned + worst.optimizer_pinned
+    return pinned / raw if pinned and raw else 1.0
 
 
 def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None = None,
@@ -122,7 +134,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         a dict: ``main_phase`` / ``main`` (the phase running the most steps and its result), ``worst`` /
         ``worst_gpu`` (the phase with the fullest GPU), ``phases`` (one row per running phase, in order:
         :func:`_phase_row`), ``fits``, ``capacity_bytes``, ``host_capacity_bytes``, ``results``, ``states``,
-        ``memory_lower_bound``.
+        ``memory_lower_bound``, ``staged_pinned_ratio`` (:func:`staged_pinned_ratio`).
     """
 
     profile = cluster_profile(cfg)
@@ -137,6 +149,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
                              use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
                              model_cfg=cfg.model, cache=cache, router_optimizer=cfg.optim.router_optimizer,
                              muon_zero1=cfg.optim.muon_zero1)
+    ratio = staged_pinned_ratio(states)
+    staged *= ratio  # (staged into pinned buffers, one per tensor)
     main = main_phase(schedule)
     results: dict[Any, dict] = {}
     keys = {}
@@ -162,7 +176,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         sim, makespan = st.sim, st.step_s
         busy = st.busy or [m * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
                                    for v in range(dims.vpp)) for r in range(dims.pp)]
-        mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction))
+        mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction),
+                         device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size))
         results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
                         "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
                         "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
@@ -178,7 +193,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     return {"main_phase": main, "main": main_res, "worst": worst, "worst_gpu": worst_gpu,
             "fits": all(row["fits"] for row in phases), "capacity_bytes": capacity,
             "host_capacity_bytes": host_capacity, "phases": phases,
-            "results": results, "states": states, "memory_lower_bound": lower_bound}
+            "results": results, "states": states, "memory_lower_bound": lower_bound, "staged_pinned_ratio": ratio}
 
 
 def _settings(mem) -> dict:
@@ -199,7 +214,7 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
         "memory": _settings(res["memory_settings"]),
         "device_peak_bytes": gpu.total, "device_pp_rank": gpu.pp_rank,
         "activation_bytes": gpu.activations, "microbatches_in_flight": gpu.in_flight,
-        "host_bytes_per_gpu_peak": max(g.host for g in res["memory"]),
+        "host_bytes_per_gpu_peak": max(g.host_pinned for g in res["memory"]),
         "host_bytes_per_node": res["host_per_node"],
         "fits_gpu": fits_gpu, "fits_host": fits_host, "fits": fits_gpu and fits_host,
         "step_time_s_estimated": res["makespan"], "recompute_time_s_estimated": res["recompute_s"],

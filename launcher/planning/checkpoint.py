@@ -90,7 +90,9 @@ def format_checkpoint(c: dict[str, Any]) -> list[str]:
     return [f"  checkpoint: {c['bytes_total'] / 1e12:.3g} TB, {c['bytes_per_gpu'] / 1e9:.3g} GB per GPU, "
             f"{c['bytes_per_node'] / 1e9:.3g} GB per node; {mode} save stalls {c['stall_s']:.3g} s"
             + (f" (+ {c['background_write_s']:.3g} s written in the background at {c['write_gbps_per_node']:g} GB/s "
-               f"per node, staged copy {c['staged_host_bytes_per_node'] / 2**30:.3g} GiB host memory per node)"
+               f"per node, staged copy {c['staged_host_bytes_per_node'] / 2**30:.3g} GiB host memory per node"
+               + (f", {c['staged_host_bytes_per_node_pinned'] / 2**30:.3g} GiB as pinned buffers)"
+                  if "staged_host_bytes_per_node_pinned" in c else ")")
                if c["async_save"] else f" (written at {c['write_gbps_per_node']:g} GB/s per node)"),
             f"  save every {c['save_interval_s'] / 60:.3g} min ({c['save_interval_steps']:,} steps; Young/Daly "
             f"sqrt(2 x stall x MTBF), MTBF {c['mtbf_hours']:.3g} h): expected goodput "

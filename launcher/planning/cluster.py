@@ -114,6 +114,7 @@ def plan_cluster(cfg) -> ClusterPlan:
     }
     report["max_params_per_gpu"] = max(p["params_per_gpu"] for p in report["pp_ranks"])
     report.update(_memory(counts, schedule, a))
+    report["cuda_alloc_conf"] = cfg.launch.cuda_alloc_conf  # what k2-train sets; the reserved bytes assume it
     report.update(_pipeline_and_flops(cfg, dims, schedule, a))
     if cfg.plan.step_time_s is not None:
         tflops, frac = mfu(report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size,
@@ -123,6 +124,8 @@ def plan_cluster(cfg) -> ClusterPlan:
         dims.world_size / 3600
     report["checkpoint"] = checkpoint_plan(cfg, counts.total, dims.world_size, report["step_time_s_estimated"],
                                            cluster_profile(cfg).host_gbps)
+    report["checkpoint"]["staged_host_bytes_per_node_pinned"] = (report["checkpoint"]["staged_host_bytes_per_node"]
+                                                                 * a["staged_pinned_ratio"])
     if cfg.plan.search:
         report["search"] = search_layouts(cfg, world, counts)
     return ClusterPlan(report, schedule, a["main"]["sim"])
@@ -211,7 +214,9 @@ def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
         "param_and_grad_bytes_total": 6 * counts.total,
         "memory_per_gpu_bytes": {
             "params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-            "activations": mem.activations, "total": mem.total,
+            "activations": mem.activations, "transient": mem.transient, "reserved": mem.reserved,
+            "allocated": mem.allocated,
+            "total": mem.total, "host_pinned": mem.host_pinned,
             "optimizer_offloaded_to_host": mem.optimizer_offloaded,
             "activations_offloaded_to_host_peak": mem.activations_offloaded_peak,
             "microbatches_in_flight": mem.in_flight, "pp_rank": mem.pp_rank,

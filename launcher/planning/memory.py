@@ -48,12 +48,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
 from k2.parallel.distributed import ddp_config
 
-__all__ = ["GpuMemory", "LayoutParam", "StageActivations", "StateBytes", "gpu_memory", "rank_param_lists",
+__all__ = ["LayoutParam", "StageActivations", "StateBytes", "rank_param_lists",
            "stage_activations", "state_bytes", "state_bytes_lower_bound"]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -74,6 +75,10 @@ class StateBytes:
         optimizer: master copies + optimizer states + step counters, before any CPU offload.
         param_numel: elements of this GPU's parameters (unpadded).
         buffer_numel: elements of its DDP buffers (padded).
+        params_pinned: its parameters as pinned host buffers, one per tensor
+            (:func:`k2.launcher.planning.host_pinned.pinned_block_bytes`: a checkpoint's staged copy).
+        optimizer_pinned: its master copies and optimizer states as pinned host buffers, one per tensor
+            (the optimizer offload, a checkpoint's staged copy; step counters stay where torch keeps them).
     """
 
     pp_rank: int
@@ -84,6 +89,8 @@ class StateBytes:
     optimizer: int
     param_numel: int
     buffer_numel: int
+    params_pinned: int = 0
+    optimizer_pinned: int = 0
 
 
 def _route_cfg(model_cfg: Any):
@@ -213,33 +220,41 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
 
 def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
                  use_distributed_optimizer: bool, model_cfg: Any, router_optimizer: str = "muon",
-                 muon_zero1: str = "byte_range") -> tuple[int, int, list, list]:
-    """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank)`` of one chunk."""
+                 muon_zero1: str = "byte_range") -> tuple:
+    """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank, params_pinned,
+    optimizer pinned bytes per DP rank, per expert-DP rank)`` of one chunk (:class:`StateBytes`)."""
     own_buffers = muon and use_distributed_optimizer  # the Muon matrices in DDP buffers of their own
     master = _MASTER_BYTES if precision == "bf16" else 0
     params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
                            layer_wise=own_buffers, model_cfg=model_cfg, router_optimizer=router_optimizer)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
-    buffer_numel = 0
+    dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
+    buffer_numel = params_pinned = 0
     layout = _layout(params, dims, use_distributed_optimizer, own_buffers and muon_zero1 == "layer_wise")
     for key, lay in layout.layouts.items():
         buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
         group = dims.expert_dp if key.is_expert_parallel else dims.dp
-        acc = expert_opt if key.is_expert_parallel else dense_opt
+        acc, pin = (expert_opt, expert_pin) if key.is_expert_parallel else (dense_opt, dense_pin)
         for p, (start, end, bucket) in lay.param_index_map.items():
             b_start, b_end = lay.bucket_indices[bucket]
             is_muon = p.k2_optimizer == "muon"
             per_elem = master + (_MUON_BYTES if is_muon else _ADAM_BYTES)
             per_tensor = 0 if is_muon else _STEP_BYTES
+            # one FP32 host buffer each: the master copy (BF16 parameters) and every state tensor
+            pinned_tensors = (1 if master else 0) + (_MUON_BYTES if is_muon else _ADAM_BYTES) // 4
+            params_pinned += pinned_block_bytes((end - start) * _DTYPE_BYTES[precision])
             if not use_distributed_optimizer:  # every rank updates every parameter
                 for d in range(group):
                     acc[d] += (end - start) * per_elem + per_tensor
+                    pin[d] += pinned_tensors * pinned_block_bytes(4 * (end - start))
                 continue
             size = (b_end - b_start) // group  # the DP shards of this bucket
             for d in range((start - b_start) // size, (end - 1 - b_start) // size + 1):
                 lo, hi = b_start + d * size, b_start + (d + 1) * size
                 acc[d] += (min(end, hi) - max(start, lo)) * per_elem + per_tensor
-    return sum(p.nelement() for p in params), buffer_numel, dense_opt, expert_opt
+                pin[d] += pinned_tensors * pinned_block_bytes(4 * (min(end, hi) - max(start, lo)))
+    return (sum(p.nelement() for p in params), buffer_numel, dense_opt, expert_opt, params_pinned, dense_pin,
+            expert_pin)
 
 
 def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateBytes]]:
@@ -286,8 +301,9 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
     pbytes = _DTYPE_BYTES[precision]
     out = []
     for r in range(dims.pp):
-        buffer_numel = param_numel = 0
+        buffer_numel = param_numel = params_pinned = 0
         dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
+        dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
         for v in range(dims.vpp):
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
@@ -298,16 +314,18 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
                                           muon=optimizer == "muonclip",
                                           use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg,
                                           router_optimizer=router_optimizer, muon_zero1=muon_zero1)
-            n, b, dense, expert = cache[key]
-            param_numel, buffer_numel = param_numel + n, buffer_numel + b
+            n, b, dense, expert, ppin, dpin, epin = cache[key]
+            param_numel, buffer_numel, params_pinned = param_numel + n, buffer_numel + b, params_pinned + ppin
             dense_opt = [x + y for x, y in zip(dense_opt, dense)]
             expert_opt = [x + y for x, y in zip(expert_opt, expert)]
+            dense_pin = [x + y for x, y in zip(dense_pin, dpin)]
+            expert_pin = [x + y for x, y in zip(expert_pin, epin)]
         params_bytes = (buffer_numel if use_distributed_optimizer else param_numel) * pbytes
         row = []
         for d in range(dims.dp):
             e = d % dims.expert_dp
             row.append(StateBytes(r, d, e, params_bytes, buffer_numel * 4, dense_opt[d] + expert_opt[e],
-                                  param_numel, buffer_numel))
+                                  param_numel, buffer_numel, params_pinned, dense_pin[d] + expert_pin[e]))
         out.append(row)
     return out
 
@@ -331,12 +349,15 @@ class StageActivations:
             one layer's re-run holds during its backward (the largest layer of the stage); else 0.
         layer_gpu_max: the GPU bytes of the stage's largest layer (what a combined 1F1B pair holds beyond
             its microbatches: :func:`k2.schedules.pipeline_sim.simulate`'s ``pair_transient_bytes``).
+        host_pinned: ``host`` as pinned buffers hold it on a GPU (one per offloaded tensor,
+            :func:`k2.launcher.planning.host_pinned.pinned_block_bytes`).
     """
 
     gpu: float
     host: float
     offload_staging: float
     recompute_working: float = 0.0
+    host_pinned: float = 0.0
     layer_gpu_max: float = 0.0
 
 
@@ -359,103 +380,38 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
     sw = {k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k, None)) or [])
           if memory_cfg is not None else [] for k in ("fp8_store", "recompute", "offload")}
     pattern = moe_layer_pattern(model_cfg)
-    per_kind, working = {}, {}
+    per_kind, working, pinned = {}, {}, {}
     whole_layer = "layer" in sw["recompute"]
     for kind in set(pattern):
         saved = layer_saved(model_cfg, bool(kind), seq_length, micro_batch_size, precision, fused_kernels)
         if whole_layer:  # the layer input alone; the re-run in backward holds the rest, unswitched
-            per_kind[kind] = apply_switches(layer_recompute_saved(model_cfg, seq_length, micro_batch_size,
-                                                                  precision), offload=sw["offload"])
+            kept = layer_recompute_saved(model_cfg, seq_length, micro_batch_size, precision)
+            per_kind[kind] = apply_switches(kept, offload=sw["offload"])
+            pinned[kind] = apply_switches(kept, offload=sw["offload"], host_block=pinned_block_bytes)[1]
             # the re-run: FP8 storage and the selective recompute sites act, offload does not
             working[kind] = apply_switches(saved, fp8_store=sw["fp8_store"],
                                            recompute=[x for x in sw["recompute"] if x != "layer"])[0]
         else:
             per_kind[kind] = apply_switches(saved, **sw)
+            pinned[kind] = apply_switches(saved, **sw, host_block=pinned_block_bytes)[1]
     B = 2 if precision == "bf16" else 4
     hidden_bytes = seq_length * micro_batch_size * int(model_cfg.hidden_size) * B
     out = []
     for v in range(dims.vpp):
         for r in range(dims.pp):
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
-            gpu, host = apply_switches(
-                stage_saved(model_cfg, seq_length, micro_batch_size, precision, fused_kernels, emb, loss), **sw)
+            ends = stage_saved(model_cfg, seq_length, micro_batch_size, precision, fused_kernels, emb, loss)
+            gpu, host = apply_switches(ends, **sw)
+            host_pinned = apply_switches(ends, **sw, host_block=pinned_block_bytes)[1]
             staging = rerun = largest = 0.0
             for i in dims.layout[r][v]:
                 g, h = per_kind[pattern[i]]
                 gpu, host, staging, largest = gpu + g, host + h, max(staging, h), max(largest, g)
+                host_pinned += pinned[pattern[i]]
                 rerun = max(rerun, working.get(pattern[i], 0.0))
             # the stage's output is not counted: megatron's schedule frees its data once it is sent
             # (deallocate_pipeline_outputs, on in k2-train as in Megatron-LM's training)
             if not emb and "attn_input" in sw["offload"]:
                 gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
-            out.append(StageActivations(gpu, host, staging, rerun, largest))
-    return out
-
-
-@dataclass(frozen=True)
-class GpuMemory:
-    """Memory of the fullest GPU of one PP rank, in bytes (see the module docstring).
-
-    ``optimizer`` is what stays on the GPU after ``optimizer_offload_fraction``; ``activations`` is the
-    peak of the microbatches the schedule holds (+ two layers' worth of offload staging when offloading,
-    + one layer's re-run with whole-layer recompute);
-    ``in_flight`` how many (model chunk, microbatch) pairs that peak holds.
-    """
-
-    pp_rank: int
-    params: int
-    grads: int
-    optimizer: float
-    optimizer_offloaded: float
-    activations: float
-    activations_offloaded_peak: float
-    in_flight: int
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
-
-    @property
-    def host(self) -> float:
-        """Bytes this GPU keeps in host memory: offloaded optimizer states + offloaded activations at peak."""
-        return self.optimizer_offloaded + self.activations_offloaded_peak
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "pp_rank": self.pp_rank,
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "optimizer_offloaded_to_host": self.optimizer_offloaded,
-            "activations": self.activations,
-            "activations_offloaded_to_host_peak": self.activations_offloaded_peak,
-            "microbatches_in_flight": self.in_flight,
-            "total": self.total,
-            "host": self.host,
-        }
-
-
-def gpu_memory(states: list[list[StateBytes]], acts: list[StageActivations], sim, dims,
-               optimizer_offload_fraction: float = 0.0) -> list[GpuMemory]:
-    """Per PP rank, the fullest of its GPUs: states (:func:`state_bytes`) + the activations the simulated
-    schedule ``sim`` (:func:`k2.schedules.pipeline_sim.simulate` run with ``activation_bytes`` = each stage's
-    ``gpu`` bytes) holds at its peak."""
-
-    # host bytes held over the same simulated timeline (from a forward's end to its backward's end)
-    host = sim.peak_bytes([a.host for a in acts]) if any(a.host for a in acts) else None
-    out = []
-    for r in range(dims.pp):
-        worst = max(states[r], key=lambda x: x.params + x.grads + x.optimizer)
-        staging = max(acts[v * dims.pp + r].offload_staging for v in range(dims.vpp))
-        rerun = max(acts[v * dims.pp + r].recompute_working for v in range(dims.vpp))
-        out.append(GpuMemory(
-            pp_rank=r,
-            params=worst.params,
-            grads=worst.grads,
-            optimizer=worst.optimizer * (1.0 - optimizer_offload_fraction),
-            optimizer_offloaded=worst.optimizer * optimizer_offload_fraction,
-            activations=sim.peak_activation_bytes[r] + 2 * staging + rerun,
-            activations_offloaded_peak=host[r] if host else 0.0,
-            in_flight=sim.peak_in_flight[r],
-        ))
+            out.append(StageActivations(gpu, host, staging, rerun, host_pinned, largest))
     return out

@@ -134,9 +134,12 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
         "",
         f"  memory per GPU, GiB (phase {m['phase']}, {m['seq_length']:,}-token sequences: the fullest; "
         "the fullest DP rank of each PP rank; + host = offloaded to CPU memory; mb in flight = the number "
-        "of microbatches whose activations are held at the peak, a count)",
+        "of microbatches whose activations are held at the peak, a count; transient = the largest "
+        "short-lived buffer of a layer: the max-logit pass's score block or the grouped GEMM's stacked "
+        "expert weights; reserved = CUDA context, NCCL buffers, workspaces and allocator fragmentation, "
+        "plan.gpu_overheads)",
         f"  {'pp rank':<8}{'params':>9}{'grads':>9}{'optimizer':>11}{'+ host':>9}{'activations':>13}"
-        f"{'+ host':>9}{'mb in flight':>14}{'total':>9}",
+        f"{'+ host':>9}{'mb in flight':>14}{'transient':>11}{'reserved':>10}{'total':>9}",
     ]
     for r in plan["pp_ranks"]:
         x = r["memory_bytes"]
@@ -144,9 +147,13 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
             f"  {r['pp_rank']:<8}{_gib(x['params']):>9}{_gib(x['grads']):>9}{_gib(x['optimizer']):>11}"
             f"{_gib(x['optimizer_offloaded_to_host']):>9}{_gib(x['activations']):>13}"
             f"{_gib(x['activations_offloaded_to_host_peak']):>9}{x['microbatches_in_flight']:>14}"
-            f"{_gib(x['total']):>9}"
+            f"{_gib(x['transient']):>11}{_gib(x['reserved']):>10}{_gib(x['total']):>9}"
         )
     lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB")
+    if "cuda_alloc_conf" in plan:
+        conf = plan["cuda_alloc_conf"]
+        lines.append(f"  allocator: PYTORCH_CUDA_ALLOC_CONF={conf} (launch.cuda_alloc_conf; k2-train sets it)" if conf
+                     else "  allocator: launch.cuda_alloc_conf=null: the environment's PYTORCH_CUDA_ALLOC_CONF")
     lines += ["", *format_phases(plan)]
     if "gpu_hours_estimated" in plan:
         lines.append(f"  the whole schedule: {plan['gpu_hours_estimated']:,.0f} GPU-hours at the estimated step times")
@@ -195,7 +202,9 @@ def format_phases(plan: dict[str, Any]) -> list[str]:
     cluster's; the verdict of the plan (every phase fits both)."""
     c = plan["cluster"]
     lines = [f"  per phase: fullest GPU (of {c['gpu_memory_gib']:g} GiB) and host memory of the fullest node "
-             f"(of {c['host_memory_gib']:g} GiB); recompute = what the memory.recompute sites add to the step",
+             f"(of {c['host_memory_gib']:g} GiB: offloads and an async save's staged copy as pinned buffers, "
+             "each rounded up to a power of two by torch's CachingHostAllocator); recompute = what the "
+             "memory.recompute sites add to the step",
              f"  {'phase':<14}{'ctx':>8}{'mb x n':>11}{'GPU GiB':>9}{'pp rank':>9}{'host GiB/node':>15}"
              f"{'step s':>9}{'recompute s':>13}{'EP overlap':>12}  fits  recompute sites"]
     for p in plan["phases"]:

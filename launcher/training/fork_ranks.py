@@ -8,7 +8,11 @@ same module (``-m k2.launcher.train``) with the environment contract torchrun gi
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
 the ranks rendezvous over TCP as before. Fork safety: this process only imports (no thread, no CUDA
 context, no OpenMP pool exists when it forks; :func:`preimport` checks the first two), so each rank
-starts from a clean runtime and initialises CUDA / gloo / NCCL itself. Multi-node runs do not come here:
+starts from a clean runtime and initialises CUDA / gloo / NCCL itself. "No CUDA" includes the driver:
+several imports ask ``torch.cuda.is_available()`` (megatron-core's ``strategies/torch.py``, torch's
+``cpp_extension``), whose ``cudaGetDeviceCount`` runs ``cuInit``
+without setting torch's lazy-init flag, and CUDA in a child forked after ``cuInit`` fails
+("initialization error"); so the imports run with :func:`cuda_probe_without_init`. Multi-node runs do not come here:
 there srun (or torchrun) starts one process per rank.
 
 Like torchrun: SIGTERM / SIGINT / SIGUSR1 sent to this process reach every rank; when a rank fails, the
@@ -41,7 +45,8 @@ from typing import Optional
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.training.preemption import PEER_FAILED_ENV
 
-__all__ = ["freeze_imported_objects", "imports_without_collection", "launch", "main", "preimport"]
+__all__ = ["cuda_probe_without_init", "freeze_imported_objects", "imports_without_collection", "launch", "main",
+           "preimport"]
 
 #: the trainer's module: its ranks get the config composed once, before the fork
 TRAINER_MODULE = "k2.launcher.train"
@@ -61,26 +66,66 @@ def preimport() -> None:
     with imports_without_collection(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch
-        # torch.optim's optimizers import torch._dynamo on their first construction (torch._compile's
-        # _disable_dynamo): imported here it is shared by the ranks instead of costing each ~0.5-0.8 s of CPU
-        import torch._dynamo  # noqa: F401
-        import hydra.compose  # noqa: F401
-        import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
-        import megatron.core.datasets.gpt_dataset  # noqa: F401
-        import megatron.core.dist_checkpointing  # noqa: F401
-        import megatron.core.dist_checkpointing.strategies.fully_parallel  # noqa: F401
-        import megatron.core.models.gpt  # noqa: F401
-        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 (the fusions' modules)
-        import megatron.core.optimizer  # noqa: F401
-        import megatron.core.pipeline_parallel  # noqa: F401
-        import tokenizers  # noqa: F401
 
-        import k2.launcher.training.trainer  # noqa: F401
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        with cuda_probe_without_init():  # (module docstring: no cuInit before the fork)
+            # torch.optim's optimizers import torch._dynamo on their first construction (torch._compile's
+            # _disable_dynamo): imported here it is shared by the ranks instead of costing each ~0.5-0.8 s of CPU
+            import torch._dynamo  # noqa: F401
+            import hydra.compose  # noqa: F401
+            import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+            import megatron.core.datasets.gpt_dataset  # noqa: F401
+            import megatron.core.dist_checkpointing  # noqa: F401
+            import megatron.core.dist_checkpointing.strategies.fully_parallel  # noqa: F401
+            import megatron.core.models.gpt  # noqa: F401
+            import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 (the fusions' modules)
+            import megatron.core.optimizer  # noqa: F401
+            import megatron.core.pipeline_parallel  # noqa: F401
+            import tokenizers  # noqa: F401
+
+            import k2.launcher.training.trainer  # noqa: F401
+    if torch.cuda.is_initialized():  # (not is_available(): its own driver call is what must not happen)
         raise RuntimeError("fork_ranks: CUDA was initialised before the ranks were forked")
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:
         raise RuntimeError(f"fork_ranks: threads running before the ranks were forked: {extra}")
+
+
+def _gpus_without_cuda() -> int:
+    """How many GPUs this machine has, asked without initialising CUDA: NVML (torch's own
+    ``_device_count_nvml``, which honours ``CUDA_VISIBLE_DEVICES``), else the NVIDIA driver's
+    ``/proc/driver/nvidia/gpus`` entries (no NVML library, or MIG devices NVML is not asked about), else 0."""
+    import torch
+
+    n = torch.cuda._device_count_nvml()
+    if n >= 0:
+        return n
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def cuda_probe_without_init():
+    """While inside, torch's CUDA availability check (``torch.cuda.is_available``, and ``device_count``
+    where NVML fails) answers from :func:`_gpus_without_cuda` instead of ``cudaGetDeviceCount``, which
+    runs ``cuInit`` in this process (torch's ``is_available`` docstring; the fork-poisoning note of
+    torch.multiprocessing). A process that forks CUDA-using children must not have run ``cuInit``, and
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` alone does not avoid it: without NVML torch falls back to the driver
+    call. The answer is what the ranks will find (same devices, same ``CUDA_VISIBLE_DEVICES``), so
+    import-time decisions taken here (megatron's ``HAVE_TE``) hold in them; the
+    real call is back in place when the block ends. Only for a process that imports and forks."""
+    import torch
+
+    real = getattr(torch._C, "_cuda_getDeviceCount", None)
+    if real is None:  # a torch built without CUDA: nothing can initialise it
+        yield
+        return
+    torch._C._cuda_getDeviceCount = _gpus_without_cuda
+    try:
+        yield
+    finally:
+        torch._C._cuda_getDeviceCount = real
 
 
 @contextlib.contextmanager

@@ -224,10 +224,12 @@ ASYNC = ["checkpoint.async_save=true", "train.save_interval=2", "checkpoint.keep
 @pytest.mark.slow
 def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written(cpu4_reference, tmp_path):
     """checkpoint.async_save=true with optim.offload_fraction=1 (optimizer states in host memory, updated
-    in place by every step): the writer of step 2's checkpoint on rank 0 is held until step 4 has
-    started, so steps 3 and 4 update those states while it is written. The losses equal the synchronous
-    reference's bitwise and every checkpoint's tensors (model and optimizer) equal the reference's: the
-    fork took step 2's state (a writer that read the live tensors would have written step 3's or 4's).
+    in place by every step) in shared memory (``K2_SHARED_OFFLOAD``: what pinned buffers are on a GPU, pages
+    a forked writer shares rather than copies on write): the writer of step 2's checkpoint on rank 0 is
+    held until step 4 has started, so steps 3 and 4 update those states while it is written. The losses
+    equal the synchronous reference's bitwise and every checkpoint's tensors (model and optimizer) equal
+    the reference's: the writer got step 2's state (one that read the live buffers would have written step
+    3's or 4's optimizer states).
     Resuming from the asynchronous step-6 checkpoint equals the uninterrupted reference: the third save
     of a process reuses megatron's cached save plans (``staging.save_strategy``), so this also checks
     that a save planned from the cache restores its own step's state."""
@@ -236,7 +238,8 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
     out = tmp_path / "stdout.txt"
     recs = run_trainer([*CPU4, "train.iters=8", *ASYNC, "optim.offload_fraction=1"], 4, run_dir,
                        script="fault_train.py", env={"K2_FAULT": "none:0:0", "K2_HOLD_WRITER": "2:0",
-                                                     "K2_TEST_OUT": str(tmp_path)}, stdout_to=out)
+                                                     "K2_SHARED_OFFLOAD": "1", "K2_TEST_OUT": str(tmp_path)},
+                       stdout_to=out)
     _assert_same_steps(recs, ref, range(1, 9))
     text = out.read_text()
     assert "step 2: checkpoint staged in" in text and "written in the background" in text, text[-3000:]

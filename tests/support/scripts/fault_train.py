@@ -19,6 +19,10 @@ test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
 
+``$K2_SHARED_OFFLOAD=1`` (optional): the offloaded optimizer states (``optim.offload_fraction``) live in
+shared memory, which a forked background writer shares instead of copying on write, as it shares the
+pinned buffers they live in on a GPU.
+
 ``$K2_HOLD_WRITER`` = ``STEP:RANK`` (optional): the background writer (``checkpoint.async_save``) of
 the checkpoint of step STEP on global rank RANK waits, before it writes, until that rank has started
 step STEP + 2 (so two optimizer steps update the state while it is written, and a fault injected in
@@ -105,6 +109,12 @@ def shard_entries(partial, buckets):
         raise OSError(30, "Read-only file system", str(partial))
     return _shard_entries(partial, buckets)
 
+
+if os.environ.get("K2_SHARED_OFFLOAD") == "1":
+    import k2.optim.offload as offload
+
+    _host_buffer = offload.host_buffer
+    offload.host_buffer = lambda shape, dtype, pin: _host_buffer(shape, dtype, pin).share_memory_()
 
 trainer.init_distributed = init_distributed
 store.shard_entries = shard_entries

@@ -100,3 +100,26 @@ def test_a_preimported_module_runs_as_main_without_runpy_warning():
                        timeout=60)
     assert p.returncode == 0 and p.stdout == "20007\n", p.stderr
     assert "RuntimeWarning" not in p.stderr, p.stderr
+
+
+def test_no_cuda_driver_call_before_the_ranks_are_forked():
+    """The launcher's imports (torch, megatron-core, the trainer) ask whether CUDA is there; on a GPU node
+    ``cudaGetDeviceCount`` runs ``cuInit``, after which a forked rank's CUDA fails ("initialization
+    error"). Seam: ``torch._C._cuda_getDeviceCount`` (what ``torch.cuda.is_available`` calls) counted
+    until the fork: none may happen. The ranks themselves may call it (they own their CUDA)."""
+    src = ("import os, sys, torch\n"
+           "calls = []\n"
+           "real = torch._C._cuda_getDeviceCount\n"
+           "torch._C._cuda_getDeviceCount = lambda: (calls.append(1), real())[1]\n"
+           "fork = os.fork\n"
+           "def counted_fork():\n"
+           "    os.write(2, f'driver calls before the fork: {len(calls)}\\n'.encode())\n"
+           "    return fork()\n"
+           "os.fork = counted_fork\n"
+           "from k2.launcher.training import fork_ranks\n"
+           "fork_ranks.preimport()\n"
+           "assert torch._C._cuda_getDeviceCount is not real  # the counter is back in place for the ranks\n"
+           "sys.exit(fork_ranks.launch(1, ['-c', 'import torch; torch.cuda.is_available()'], rank_env=False))\n")
+    p = subprocess.run([sys.executable, "-c", src], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "driver calls before the fork: 0\n" in p.stderr, p.stderr[-3000:]

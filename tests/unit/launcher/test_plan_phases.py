@@ -53,16 +53,17 @@ def test_every_running_phase_has_a_row_and_host_per_node():
         res = next(r for r in a["results"].values() if row["phase"] in r["phases"])
         mem = res["memory"]
         # host of the one node: every rank's offloaded bytes (optimizer + activations at peak), plus the
-        # copy an asynchronous checkpoint save (the default) stages there
+        # copy an asynchronous checkpoint save (the default) stages there, as pinned blocks
+        # (launcher/planning/host_pinned.py)
         from k2.launcher.planning.checkpoint import staged_bytes_per_node
         from k2.model.params import count_params
 
-        staged = staged_bytes_per_node(cfg, count_params(cfg).total, dims.world_size)
-        want = staged + sum(mem[pp_of[r]].optimizer_offloaded + mem[pp_of[r]].activations_offloaded_peak
-                            for r in range(4))
+        staged = staged_bytes_per_node(cfg, count_params(cfg).total, dims.world_size) * a["staged_pinned_ratio"]
+        want = staged + sum(mem[pp_of[r]].host_pinned for r in range(4))
         assert want > 0 and row["host_bytes_per_node"] == pytest.approx(want)
+        assert a["staged_pinned_ratio"] >= 1 and all(g.host_pinned >= g.host for g in mem)
         assert row["device_peak_bytes"] == pytest.approx(max(g.params + g.grads + g.optimizer + g.activations
-                                                             for g in mem))
+                                                             + g.transient + g.reserved for g in mem))
         assert row["fits_gpu"] == (row["device_peak_bytes"] <= cfg.cluster.gpu_memory_gib * gib)
         assert row["fits_host"] == (row["host_bytes_per_node"] <= cfg.cluster.host_memory_gib * gib)
         assert row["memory"]["recompute"] == sorted(cfg.memory.recompute)

@@ -152,3 +152,43 @@ def test_reused_save_plans_write_each_saves_own_tensors_and_are_dropped_when_the
     for i, (w, b) in enumerate(saved):
         got = dist_checkpointing.load(sd(torch.empty_like(w), torch.empty_like(b)), str(tmp_path / str(i)))
         assert torch.equal(got["w"], w) and torch.equal(got["b"], b), i
+
+
+def _write_after(go, buckets, out):  # a forked writer that writes once the rank has trained on
+    go.wait(60)
+    torch.save({item: t for _, _, (_, tensors) in buckets for item, t in tensors}, out)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")  # (the fork is the subject)
+def test_the_writer_gets_the_step_boundarys_bytes_of_host_memory_a_fork_shares(tmp_path):
+    """Offloaded optimizer states live in pinned host memory on a GPU, which a fork shares instead of
+    copying on write, and the next step overwrites them in place while the writer runs. Seam: the same
+    buffers in shared memory (``share_memory_``), which a fork shares as the driver's pinned mapping is.
+    What the writer writes is the staging-time bytes: for a whole buffer, a view of one, and (left to the
+    fork) a pageable tensor."""
+    import multiprocessing as mp
+
+    from k2.parallel import cpu_backend
+
+    cpu_backend.enable()  # (megatron's staging synchronises CUDA)
+    shared = torch.arange(16.0).share_memory_()
+    view_base = torch.arange(100.0, 132.0).share_memory_()
+    pageable = torch.arange(200.0, 204.0)
+    want = {"whole": shared.clone(), "view": view_base[8:12].clone(), "pageable": pageable.clone()}
+    buckets = [(str(tmp_path / "__0_0.distcp"), "__0_0.distcp",
+                ([], [("whole", shared), ("view", view_base[8:12]), ("pageable", pageable)]))]
+    staged = _snapshot_writer_class().preload_tensors(buckets)  # in the rank, before the fork
+    (_, _, (_, tensors)), = staged
+    assert tensors[2][1] is pageable  # the fork is its snapshot: no copy
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    proc = ctx.Process(target=_write_after, args=(go, staged, tmp_path / "written.pt"))
+    proc.start()
+    shared.add_(1000.0)  # the next optimizer step, in place, while the writer waits
+    view_base.mul_(-1.0)
+    pageable.add_(1000.0)
+    go.set()
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    got = torch.load(tmp_path / "written.pt")
+    assert {k: torch.equal(got[k], want[k]) for k in want} == {k: True for k in want}, got

@@ -177,3 +177,80 @@ def test_te_core_attention_adapter():
     torch.testing.assert_close(mod.max_logits.double().cpu(), ref_max.cpu(), rtol=2e-2, atol=2e-2)
     mod.reset_max_logits()
     assert torch.isneginf(mod.max_logits).all()
+
+
+def test_te_adapter_records_max_logits_of_training_forwards_only():
+    """The TE adapter's rule (``te_adapter`` over a stand-in with megatron's ``TEDotProductAttention``
+    bookkeeping: every forward raises ``current_max_attn_logits`` to its max logit): evaluation forwards
+    and whole-layer recompute re-runs leave the running max QK-Clip reads as it was, as
+    ``K2CoreAttention`` does; ``record_max_logits=False`` records nothing."""
+    import types
+
+    from k2.model.attention import is_max_logit_attention, te_adapter
+    from k2.model.recompute import _RERUN
+
+    class StandIn(torch.nn.Module):  # megatron's TE attention, reduced to its max-logit bookkeeping
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
+            super().__init__()
+            self.current_max_attn_logits = None
+
+        def forward(self, q, k, v, mask):
+            m = q.amax(dim=(0, 1, 3))  # [np]: a stand-in for TE's max logit
+            cur = self.current_max_attn_logits
+            self.current_max_attn_logits = m if cur is None else torch.max(cur, m)
+            return q
+
+    cfg = types.SimpleNamespace(log_max_attention_logit=True, qk_clip=False, num_attention_heads=2)
+    mod = te_adapter(StandIn)(cfg, 1, None, "self")
+    assert is_max_logit_attention(mod) and torch.isneginf(mod.max_logits).all()
+
+    def fwd(value):
+        return mod(torch.full((3, 1, 2, 4), float(value)), None, None, None)
+
+    fwd(1.0)
+    assert mod.max_logits.tolist() == [1.0, 1.0]
+    mod.eval()
+    fwd(5.0)  # validation between two optimizer steps
+    mod.train()
+    assert mod.max_logits.tolist() == [1.0, 1.0]
+    _RERUN.depth = 1  # a whole-layer recompute re-running the layer in backward
+    try:
+        fwd(7.0)
+    finally:
+        _RERUN.depth = 0
+    assert mod.max_logits.tolist() == [1.0, 1.0]
+    fwd(2.0)
+    assert mod.max_logits.tolist() == [2.0, 2.0]
+    mod.reset_max_logits()
+    mod.record_max_logits = False
+    fwd(3.0)
+    assert torch.isneginf(mod.max_logits).all()
+
+
+def test_the_gpu_path_never_falls_back_to_the_math_kernel(monkeypatch):
+    """On CUDA the sdpa backend allows only fused kernels (torch's MATH fallback would silently
+    materialise every score, far beyond the memory plan); when none takes the inputs the error names the
+    setting. Seam: ``sdpa_kernel`` records the kernels it is given, and an SDPA call that finds none."""
+    import contextlib
+
+    import torch.nn.attention as attention
+    from torch.nn.attention import SDPBackend
+
+    from k2.model.attention import fused_sdpa
+
+    given = []
+
+    @contextlib.contextmanager
+    def sdpa_kernel(backends, set_priority=False):
+        given.append(list(backends))
+        yield
+
+    monkeypatch.setattr(attention, "sdpa_kernel", sdpa_kernel)
+    assert fused_sdpa(lambda: "out") == "out"
+    assert SDPBackend.MATH not in given[0] and given[0][0] == SDPBackend.CUDNN_ATTENTION
+
+    def no_kernel():
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    with pytest.raises(RuntimeError, match="model.attention_backend=eager"):
+        fused_sdpa(no_kernel)

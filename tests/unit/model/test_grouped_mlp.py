@@ -171,12 +171,16 @@ def test_unaligned_width_is_a_clear_error(megatron_world1):
         mod(x, c, probs)
 
 
-def test_backend_resolution():
+def test_backend_resolution(monkeypatch):
+    """``auto`` is sdpa on CUDA even where Transformer Engine imports (every NGC container): TE's fused
+    attention is chosen only by ``model.attention_backend=te``."""
+    from k2.model import backends
     from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
 
+    monkeypatch.setattr(backends, "te_available", lambda: True)  # TE installed
     assert resolve_attention_backend("auto", cuda=False) == "eager"
-    assert resolve_attention_backend("auto", cuda=True, te=False) == "sdpa"
-    assert resolve_attention_backend("auto", cuda=True, te=True) == "te"
+    assert resolve_attention_backend("auto", cuda=True) == "sdpa"
+    assert resolve_attention_backend("te", cuda=True) == "te"
     assert resolve_attention_backend("sdpa", cuda=False) == "sdpa"
     assert resolve_grouped_experts(None, "bf16", cuda=True) is True
     assert resolve_grouped_experts(None, "bf16", cuda=False) is False
@@ -184,3 +188,30 @@ def test_backend_resolution():
     assert resolve_grouped_experts(True, "fp32", cuda=False) is True
 
 
+
+
+def test_the_largest_tensor_of_a_grouped_layer_is_what_k2_plan_plans(megatron_world1):
+    """k2-plan's transient term for grouped experts (launcher/planning/device_memory.py:
+    ``stacked_expert_bytes``) is the largest tensor a forward and backward of the module make: fc1's
+    stacked ``[E, 2 ffn, h]`` weights (forward, again in backward) or its weight gradient of that shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k2.launcher.planning.device_memory import stacked_expert_bytes
+    from k2.model.grouped_mlp import K2GroupedMLP
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+            return out
+
+    mod = _experts(K2GroupedMLP)
+    x, c, probs, dy = _inputs([3, 1, 2, 2])  # few tokens: activations smaller than the weights
+    meter = Largest()
+    with meter:
+        _run(mod, x, c, probs, dy)
+    assert meter.largest == stacked_expert_bytes(E, FFN, H, 4) == E * 2 * FFN * H * 4

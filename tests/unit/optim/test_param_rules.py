@@ -84,3 +84,28 @@ def test_optimizer_table_shows_both_rules(megatron_world1):
     by_off = {r["params"]: r for r in off}
     assert by_off["decoder.layers.*.mlp.router.weight"]["optimizer"] == "adamw"
     assert by_off["decoder.final_layernorm.weight"]["weight_decay"] is False
+
+
+def test_megatron_builds_torch_adamw_even_where_transformer_engine_is_installed(megatron_world1, monkeypatch):
+    """With Transformer Engine or Apex installed, megatron-core 0.19.2 sets its Adam to their ``FusedAdam``
+    at import (``USING_PYTORCH_OPTIMIZER = False``; the distributed optimizer's ``HAVE_APEX_OR_TE``), which
+    our checkpoint handling was not written for. Seam: those module settings as the import leaves them
+    with TE, and a stand-in ``FusedAdam``: the optimizer built is still torch's AdamW, on megatron's torch
+    path, for AdamW and for MuonClip's AdamW part."""
+    import megatron.core.optimizer as mcore_optimizer
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    class FusedAdam(torch.optim.Optimizer):  # TE's signature: adam_w_mode instead of a class per mode
+        def __init__(self, params, lr, weight_decay, betas, eps, capturable=False, adam_w_mode=True):
+            super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    monkeypatch.setattr(mcore_optimizer, "Adam", FusedAdam)
+    monkeypatch.setattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    for optim in ("adamw", "muonclip"):
+        _, _, _, optimizer = build_one_rank([f"optim={optim}"])
+        inner = {type(leaf.optimizer) for leaf in leaf_optimizers(optimizer)}
+        assert torch.optim.AdamW in inner and FusedAdam not in inner, (optim, inner)
+        assert distrib_optimizer.HAVE_APEX_OR_TE is False
