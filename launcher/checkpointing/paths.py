@@ -201,6 +201,16 @@ def damaged_checkpoint_error(path, problems: list[str]) -> ConfigError:
     return ConfigError(f"checkpoint {path} is damaged or incomplete: {shown}{_alternatives(path)}")
 
 
+def unsafe_checkpoint_error(path, problems: list[str]) -> ConfigError:
+    """The error for a checkpoint whose pickled parts name globals outside the allow-list of
+    :mod:`k2.launcher.checkpointing.unpickle` (they would run code when loaded): names it and each part."""
+    shown = "; ".join(problems[:3]) + (f"; ... ({len(problems) - 3} more)" if len(problems) > 3 else "")
+    return ConfigError(f"checkpoint {path} is refused: its pickled data would call code a checkpoint never "
+                       f"holds ({shown}); nothing of it was loaded. It was not written by k2-launcher, or it was "
+                       "altered (the manifest's checksums show integrity, not who wrote it: docs/checkpoints.md, "
+                       "'What a checkpoint is trusted with')")
+
+
 def check_checkpoint_files(path, level: str) -> None:
     """Without reading file contents: refuse a checkpoint whose files disagree with its manifest
     (``level`` is ``checkpoint.verify``; ``none`` skips the check).
