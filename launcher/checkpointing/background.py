@@ -50,7 +50,7 @@ from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_sa
 from k2.launcher.gc_pause import gc_paused
 from k2.parallel.distributed import all_reduce_int
 
-__all__ = ["BackgroundSaver", "PipeChannel", "abandon_in_flight_save"]
+__all__ = ["BackgroundSaver", "PipeChannel", "abandon_in_flight_save", "in_flight_writer"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: seconds the rank waits for a finished writer's report to arrive through the pipe
@@ -181,6 +181,27 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
             report.put(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` (``/proc/<pid>/stat``: R, S, D, T, Z, ...); None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def in_flight_writer() -> dict | None:
+    """The background writer of this process's save in flight: ``{"pid", "step", "partial", "state"}``
+    (``state`` as :func:`_process_state`), or None when no writer runs. For the hang watchdog's
+    heartbeat, from its thread (reads only)."""
+    for saver in list(_SAVERS):
+        flight = saver.in_flight
+        proc = flight.get("process") if flight else None
+        if proc is not None and proc.pid is not None:
+            return {"pid": proc.pid, "step": flight["step"], "partial": str(flight["partial"]),
+                    "state": _process_state(proc.pid)}
+    return None
+
+
 class BackgroundSaver:
     """One rank's background saves (module docstring). ``on_commit(path, step, why, seconds)`` runs on
     every rank when a save is committed (``seconds``: from staging to commit). ``on_write_progress()``
@@ -239,6 +260,7 @@ class BackgroundSaver:
         files = [Path(b[0]) for b in request.async_fn_args[1]] if request.async_fn is not None else []
         self.in_flight = {"step": step, "partial": partial, "channels": (results, report), "files": files}
         self.queue.schedule_async_request(request)
+        self.in_flight["process"] = getattr(self.queue.async_calls[-1].async_caller, "process", None)
 
     def poll(self, blocking: bool = False) -> None:
         """Commit the save in flight when every rank's writer is done (``blocking``: wait for them).

@@ -35,10 +35,12 @@ from k2.launcher.checkpointing.manifest import (
     verify,
     write_manifest,
 )
+from k2.launcher.checkpointing.load_progress import load_progress
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
 from k2.launcher.checkpointing.staging import needs_validation, save_strategy
 from k2.launcher.checkpointing.unpickle import pickle_problems, restricted_unpickling
 from k2.launcher.gc_pause import gc_paused
+from k2.launcher.progress import measured
 from k2.optim.build import leaf_optimizers
 
 #: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.
@@ -294,7 +296,9 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
 
     def write() -> dict:
         buckets = request.async_fn_args[1] if request.async_fn is not None else ()
-        request.execute_sync()  # this rank's shards, a barrier, megatron's metadata (collective)
+        files = [Path(b[0]) for b in buckets]
+        with measured(lambda: sum(f.stat().st_size for f in files if f.exists())):  # (the hang watchdog)
+            request.execute_sync()  # this rank's shards, a barrier, megatron's metadata (collective)
         return shard_entries(partial, buckets)
 
     entries = agree(what, write)
@@ -444,7 +448,7 @@ def load_model_weights(path, chunks: list) -> None:
 
     sd = model_sharded_state_dict(chunks)
     try:
-        with restricted_unpickling():
+        with restricted_unpickling(), load_progress():
             loaded = dist_checkpointing.load(sd, str(path))
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
@@ -471,7 +475,7 @@ def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
     _materialise_optimizer_state(optimizer)
     sd = _sharded_state_dict(model, optimizer, is_loading=True, with_rng=same_world)
     try:
-        with restricted_unpickling():  # its pickled parts admit only a checkpoint's classes
+        with restricted_unpickling(), load_progress():  # pickled parts: a checkpoint's classes only
             loaded = dist_checkpointing.load(sd, str(path))
     except Exception as e:  # e.g. damage that checkpoint.verify=size / none does not look for
         first = (str(e).strip().splitlines() or [""])[0]

@@ -15,9 +15,15 @@ test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
 * ``slow_write`` -- the background writer (``checkpoint.async_save``) of the checkpoint of step STEP on
   rank RANK writes its first shard file slowly, 1 KiB every 0.5 s for ``$K2_SLOW_WRITE_S`` seconds (a
   slow file system), before megatron writes it;
-* ``none`` -- no fault (for ``$K2_HOLD_WRITER`` alone);
+* ``sigstop_eval`` -- global rank RANK stops itself (SIGSTOP) in the evaluation that follows step STEP,
+  after ``$K2_STOP_AFTER`` of its batches, having written the time into ``$K2_TEST_OUT/stopped``;
+* ``none`` -- no fault (for ``$K2_HOLD_WRITER`` or ``$K2_EVAL_BATCH_S`` alone);
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
+
+``$K2_EVAL_BATCH_S`` = seconds (optional): every evaluation batch after the first of each evaluation
+takes that long and returns the first batch's losses instead of running the model (a long evaluation,
+200 batches, at the cost of a sleep: what is tested is the loop around the batches, not the model).
 
 ``$K2_HOLD_WRITER`` = ``STEP:RANK`` (optional): the background writer (``checkpoint.async_save``) of
 the checkpoint of step STEP on global rank RANK waits, before it writes, until that rank has started
@@ -48,8 +54,30 @@ HOLD = [int(x) for x in os.environ["K2_HOLD_WRITER"].split(":")] if os.environ.g
 HOLD_FLAG = Path(os.environ.get("K2_TEST_OUT", "/tmp")) / f"k2-hold-writer-{os.getppid()}-{ME}"
 
 
+EVAL_BATCH_S = float(os.environ.get("K2_EVAL_BATCH_S", "0"))
+_eval = {"step": None, "batches": 0, "losses": None}
+
+
+def _eval_batch(forward_backward, iters, model, phase):
+    """One evaluation batch under ``$K2_EVAL_BATCH_S`` / ``sigstop_eval`` (module docstring)."""
+    if _eval["step"] != train_steps:
+        _eval.update(step=train_steps, batches=0, losses=None)
+    _eval["batches"] += 1
+    if KIND == "sigstop_eval" and train_steps == STEP and ME == RANK and \
+            _eval["batches"] == int(os.environ["K2_STOP_AFTER"]) + 1:
+        (Path(os.environ["K2_TEST_OUT"]) / "stopped").write_text(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if _eval["losses"] is None:
+        _eval["losses"] = _run_microbatches(forward_backward, iters, model, phase, True)
+    else:
+        time.sleep(EVAL_BATCH_S)
+    return _eval["losses"]
+
+
 def run_microbatches(forward_backward, iters, model, phase, forward_only):
     global train_steps
+    if forward_only and (EVAL_BATCH_S or KIND == "sigstop_eval"):
+        return _eval_batch(forward_backward, iters, model, phase)
     if not forward_only:
         train_steps += 1
         if HOLD and ME == HOLD[1] and train_steps == HOLD[0] + 2:
