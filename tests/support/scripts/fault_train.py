@@ -17,6 +17,11 @@ test_preemption_cli.py. ``$K2_FAULT`` = ``KIND:STEP:RANK``:
   slow file system), before megatron writes it;
 * ``sigstop_eval`` -- global rank RANK stops itself (SIGSTOP) in the evaluation that follows step STEP,
   after ``$K2_STOP_AFTER`` of its batches, having written the time into ``$K2_TEST_OUT/stopped``;
+* ``writer_sigkill`` / ``writer_sigstop`` -- the background writer (``checkpoint.async_save``) of the
+  checkpoint of step STEP on rank RANK sends itself SIGKILL (``kill -9``, the out-of-memory killer) /
+  SIGSTOP before it writes;
+* ``writer_enospc`` -- that writer's file system is full: its ``fsync`` of each shard (where a full disk
+  shows with delayed allocation) fails with ENOSPC, inside megatron's writer;
 * ``none`` -- no fault (for ``$K2_HOLD_WRITER`` or ``$K2_EVAL_BATCH_S`` alone);
 * ``crash_save`` -- rank RANK dies (``os._exit(1)``) inside the save of step STEP, after writing its
   tensors and before the checkpoint is made visible (a node lost mid-save).
@@ -31,6 +36,7 @@ step STEP + 2 (so two optimizer steps update the state while it is written, and 
 step STEP + 2 hits the write in progress).
 """
 
+import errno
 import os
 import signal
 import sys
@@ -109,7 +115,16 @@ def _run_dir() -> Path:
     return Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("run.dir=")))
 
 
+def _full_disk_fsync(fd):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def writer_started():  # in the forked writer: train_steps is the step of its checkpoint
+    if KIND.startswith("writer_") and ME == RANK and train_steps == STEP:
+        if KIND == "writer_enospc":
+            os.fsync = _full_disk_fsync  # (this process only: the forked writer)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL if KIND == "writer_sigkill" else signal.SIGSTOP)
     if KIND == "slow_write" and ME == RANK and train_steps == STEP:
         shard = _run_dir() / "checkpoints" / f"iter_{STEP:07d}.partial" / f"__{ME}_0.distcp"
         end = time.time() + float(os.environ["K2_SLOW_WRITE_S"])
