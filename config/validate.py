@@ -274,8 +274,9 @@ def check_cluster(c) -> None:
     for key in ("nodes", "gpus_per_node"):
         if c[key] < 1:
             raise ConfigError(f"cluster.{key}={c[key]} must be an integer >= 1")
-    _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
-             "a number > 0 (GiB)")
+    if c.gpu_memory_gib is not None:
+        _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
+                 "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)")
     _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
              "a number > 0 (dense BF16 TFLOP/s per GPU)")
     if c.cpu_peak_tflops is not None:

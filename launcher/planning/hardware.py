@@ -58,6 +58,8 @@ class HardwareProfile:
         network_latency_us: per-message latency across nodes (also charged per point-to-point send).
         intra_latency_us: per-message latency inside a node (a measured CPU profile: gloo's; GPUs: 0).
         host_gbps: device <-> host copies per GPU (offload).
+        gpu_memory_gib: memory of one device, GiB, the capacity ``k2-plan`` plans with unless
+            ``cluster.gpu_memory_gib`` is set (None: not given, e.g. a CPU profile).
         sources: where the numbers come from.
     """
 
@@ -91,6 +93,7 @@ class HardwareProfile:
     operator_us: dict = field(default_factory=dict)
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    gpu_memory_gib: float | None = None
 
     def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
         """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
@@ -160,6 +163,7 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
         operator_us={str(k): float(v) for k, v in (get("operator_us") or {}).items()},
         microbatch_overhead_us=float(get("microbatch_overhead_us", 0.0)),
         step_overhead_us=float(get("step_overhead_us", 0.0)),
+        gpu_memory_gib=float(get("gpu_memory_gib")) if get("gpu_memory_gib") else None,
     )
 
 

@@ -44,6 +44,8 @@ def _pp_rank_by_megatron(dims) -> dict[int, int]:
 
 
 def test_every_running_phase_has_a_row_and_host_per_node():
+    from k2.launcher.planning.analysis import gpu_memory_gib
+
     cfg, dims, a = _analyse(TINY_CPU4)
     assert [row["phase"] for row in a["phases"]] == ["warmup", "stable", "decay", "anneal_128", "anneal_512"]
     pp_of = _pp_rank_by_megatron(dims)
@@ -63,7 +65,7 @@ def test_every_running_phase_has_a_row_and_host_per_node():
         assert want > 0 and row["host_bytes_per_node"] == pytest.approx(want)
         assert row["device_peak_bytes"] == pytest.approx(max(g.params + g.grads + g.optimizer + g.activations
                                                              for g in mem))
-        assert row["fits_gpu"] == (row["device_peak_bytes"] <= cfg.cluster.gpu_memory_gib * gib)
+        assert row["fits_gpu"] == (row["device_peak_bytes"] <= gpu_memory_gib(cfg) * gib)
         assert row["fits_host"] == (row["host_bytes_per_node"] <= cfg.cluster.host_memory_gib * gib)
         assert row["memory"]["recompute"] == sorted(cfg.memory.recompute)
         by_ctx[row["seq_length"]] = row
@@ -137,3 +139,12 @@ def test_small_cluster_sweeps_fit(size, nodes):
     assert (plan["world_size"], plan["nodes"], plan["params"]["num_experts"]) == (8 * nodes, nodes, 384)
     assert plan["fits"] and all(r["fits"] for r in plan["phases"])
     assert plan["memory_per_gpu_bytes"]["total"] < 80 * 2**30
+
+
+@pytest.mark.parametrize("hardware, gib", [("h200", 141.0), ("h100", 80.0), ("h800", 80.0)])
+def test_the_hardware_profile_sets_the_gpu_memory_it_plans_with(hardware, gib):
+    """plan.hardware=h200 plans an H200's memory, with K2's recipe too; cluster.gpu_memory_gib set by
+    hand still wins."""
+    for ov in (TINY_CPU4, ["model=kimi_k2", "parallel=k2_256gpu"]):
+        assert _plan(ov + [f"plan.hardware={hardware}"])["cluster"]["gpu_memory_gib"] == gib, ov
+    assert _plan(TINY_CPU4 + [f"plan.hardware={hardware}", "cluster.gpu_memory_gib=96"])["cluster"]["gpu_memory_gib"] == 96
