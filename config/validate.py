@@ -356,6 +356,12 @@ def check_submit(s) -> None:
         if not str(mount) or re.search(r"[\s,]", str(mount)):
             raise ConfigError(f"submit.container_mounts[{i}]={mount!r}; allowed: SRC[:DST[:FLAGS]] without "
                               "whitespace or commas (one mount per list item)")
+    for name in s.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+            raise ConfigError(f"submit.env.{name}: not an environment variable name; allowed: letters, digits and "
+                              "'_', not starting with a digit (e.g. NCCL_SOCKET_IFNAME)")
+    if s.setup is not None and not str(s.setup):
+        raise ConfigError("submit.setup='' names no file; allowed: the path of a bash file, or null")
     if s.container_mounts and s.container_image is None:
         raise ConfigError("submit.container_mounts is set but submit.container_image is null; set the image "
                           "too, or submit.container_mounts=[]")

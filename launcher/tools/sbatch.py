@@ -159,6 +159,44 @@ def _container_options(cfg) -> list[str]:
     return opts
 
 
+def site_setup_lines(cfg) -> list[str]:
+    """The script's site set-up: ``submit.setup`` sourced (with ``set -u`` off: module and conda scripts
+    read unset variables), then ``submit.env`` exported; every value quoted (:func:`shell_word`)."""
+    sub = cfg.submit
+    lines = []
+    if sub.setup is not None:
+        setup = shell_word(sub.setup)
+        lines += ["# Site set-up (submit.setup): module loads, environments, the site's variables",
+                  "set +u",
+                  f'source {setup} || {{ echo "pretrain.sbatch: sourcing submit.setup failed" >&2; exit 1; }}',
+                  "set -u"]
+    if sub.env:
+        lines.append("# submit.env")
+        lines += [f"export {name}={shell_word(value)}" for name, value in sub.env.items()]
+    return lines
+
+
+def defaults_notes(cfg) -> list[str]:
+    """Lines for ``k2-submit``'s stderr about what the job will get from defaults a new user should
+    check: the interpreter written into the script (a path on this machine), Slurm's partition and
+    account, the time limit."""
+    from k2.config.schema import SubmitConfig
+
+    sub, notes = cfg.submit, []
+    if sub.python is None and sub.container_image is None:
+        notes.append(f"the job runs {sys.executable} (the Python running k2-submit): it must exist at that path on "
+                     "every node (a .venv on a node-local disk does not); submit.python=PATH names another, "
+                     "submit.setup=FILE loads modules or activates an environment first")
+    unset = [k for k in ("partition", "account") if sub[k] is None]
+    if unset:
+        notes.append(f"no {' / '.join('submit.' + k for k in unset)}: Slurm's default for your user applies "
+                     "(many clusters require an account)")
+    if str(sub.time) == SubmitConfig.time:
+        notes.append(f"time limit {sub.time} (the default submit.time; a partition's limit may be lower: the job "
+                     "is then refused or requeued at it)")
+    return notes
+
+
 def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     """The text of ``<run.dir>/pretrain.sbatch`` for ``cfg`` (composed from ``overrides``).
 
@@ -168,7 +206,8 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     ``--job-name=submit.job_name``, ``--requeue``, ``--signal=USR1@submit.signal_seconds`` (to the ranks,
     seconds before the time limit), ``--output=<run.dir>/slurm-%j.out`` (appended to across requeues),
     ``--partition`` / ``--account`` / ``--qos`` / ``--constraint`` / ``--reservation`` when set, then
-    ``submit.extra_args``. The body states the interpreter (:func:`interpreter`), builds the embedded corpus
+    ``submit.extra_args``. The body runs the site set-up (:func:`site_setup_lines`), states the
+    interpreter (:func:`interpreter`), builds the embedded corpus
     once when ``data.path`` is null, sets ``MASTER_ADDR`` / ``MASTER_PORT`` and ``OMP_NUM_THREADS`` (=
     ``submit.cpus_per_task`` when set), runs ``srun`` (:func:`srun_options`) ``python -m k2.launcher.train``
     with :func:`train_overrides`, and requeues the job when the ranks exit with :data:`REQUEUE_EXIT_CODE`.
@@ -226,6 +265,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         "set -euo pipefail",
         "",
         'cd "${K2_WORKDIR:-$SLURM_SUBMIT_DIR}"',
+        *site_setup_lines(cfg),
         f"PYTHON={shell_word(interpreter(cfg))}  # submit.python",
         *run_python,
         "",
@@ -269,10 +309,14 @@ def check_submittable(cfg) -> int:
 
     Raises:
         ConfigError: a value that an ``#SBATCH`` line cannot hold (:func:`sbatch_options`: ``run.dir``
-            goes into ``--output``); ``data.path`` is null (the embedded 18 MB standard-library corpus)
-            for a job of more than one node or with GPUs, without ``submit.embedded_corpus=true``.
+            goes into ``--output``); ``submit.setup`` names no file; ``data.path`` is null (the embedded
+            18 MB standard-library corpus) for a job of more than one node or with GPUs, without
+            ``submit.embedded_corpus=true``.
     """
     sbatch_options(cfg)
+    if cfg.submit.setup is not None and not Path(str(cfg.submit.setup)).is_file():
+        raise ConfigError(f"submit.setup={cfg.submit.setup!r}: no such file here; allowed: the path of a bash file "
+                          "the job sources first, on a file system the nodes see (or null)")
     big = cfg.cluster.nodes > 1 or cfg.submit.request_gpus
     if cfg.data.path is None and cfg.prepare.input is None and big and not cfg.submit.embedded_corpus:
         what = f"{cfg.cluster.nodes} node(s)" + (f" x {cfg.cluster.gpus_per_node} GPUs" if cfg.submit.request_gpus else "")
