@@ -38,7 +38,7 @@ from k2.launcher.checkpointing.manifest import (
 from k2.launcher.checkpointing.load_progress import load_progress
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
 from k2.launcher.checkpointing.staging import needs_validation, save_strategy
-from k2.launcher.checkpointing.unpickle import pickle_problems, restricted_unpickling
+from k2.launcher.checkpointing.unpickle import load_errors, pickle_problems, raise_if_refused, restricted_unpickling
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.progress import measured
 from k2.optim.build import leaf_optimizers
@@ -450,7 +450,8 @@ def load_model_weights(path, chunks: list) -> None:
     try:
         with restricted_unpickling(), load_progress():
             loaded = dist_checkpointing.load(sd, str(path))
-    except Exception as e:
+    except load_errors() as e:
+        raise_if_refused(path, e)
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {path}: model weights could not be loaded ({type(e).__name__}: "
                           f"{first})") from e
@@ -477,7 +478,8 @@ def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
     try:
         with restricted_unpickling(), load_progress():  # pickled parts: a checkpoint's classes only
             loaded = dist_checkpointing.load(sd, str(path))
-    except Exception as e:  # e.g. damage that checkpoint.verify=size / none does not look for
+    except load_errors() as e:  # e.g. damage that checkpoint.verify=size / none does not look for
+        raise_if_refused(path, e)
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {first}); "
                           "if it is damaged, checkpoint.verify=checksum names the file") from e

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Iterable
 
 __all__ = ["METADATA_GLOBALS", "CheckpointUnpickler", "UnsafePickle", "load_metadata", "metadata_problem",
-           "pickle_problems", "restricted_unpickling"]
+           "load_errors", "pickle_problems", "raise_if_refused", "refusal_in", "restricted_unpickling"]
 
 METADATA_FILE = ".metadata"
 LEGACY_COMMON_FILE = "common.pt"  # megatron's common state before it moved into the .distcp files
@@ -209,6 +209,42 @@ def _refusal(e: BaseException) -> str | None:
     if isinstance(e, pickle.UnpicklingError) and "GLOBAL " in text:  # torch's weights_only refusal
         return f"it names {text.split('GLOBAL ', 1)[1].split(' ', 1)[0]}, which is not part of a checkpoint's data"
     return None
+
+
+def refusal_in(error: BaseException) -> str | None:
+    """Why a load failed, when the allow-list refused a pickled part somewhere in ``error`` (its causes,
+    or the per-rank failures of DCP's ``CheckpointException``); else None."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        why = _refusal(e)
+        if why:
+            return why
+        todo += [e.__cause__, e.__context__]
+        todo += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple) and f]
+    return None
+
+
+def raise_if_refused(path, error: BaseException) -> None:
+    """Raise the one-line refusal of the checkpoint at ``path`` (:func:`k2.launcher.checkpointing.paths.
+    unsafe_checkpoint_error`) when its load failed because the allow-list refused a pickled part (one
+    changed after the check before the load); return otherwise."""
+    from k2.launcher.checkpointing.paths import unsafe_checkpoint_error
+
+    why = refusal_in(error)
+    if why:
+        raise unsafe_checkpoint_error(path, [why]) from None
+
+
+def load_errors() -> tuple:
+    """What a failed DCP load raises: any ``Exception``, and DCP's ``CheckpointException`` (a
+    ``BaseException``) that gathers the ranks' read failures."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def pickle_problems(path, names: Iterable[str]) -> list[str]:

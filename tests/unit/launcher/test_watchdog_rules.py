@@ -188,3 +188,45 @@ def test_a_stopped_background_writer_is_named(tmp_path):
     assert HangWatchdog.writer_notes(beats) == [
         "rank 0's background checkpoint writer (host n1, pid 11) is stopped (SIGSTOP or a debugger) while "
         "writing step 4 into /r/checkpoints/iter_0000004.partial"]
+
+
+def test_a_checkpoint_load_reports_progress_per_object_through_the_allow_list(tmp_path):
+    """A DCP load under load_progress() reports every tensor and object it reads (the hang watchdog's
+    progress of a load), and under restricted_unpickling() the pickled parts -- .metadata and an object
+    holding a NumPy array, as megatron's RNG state does -- load through the allow-list."""
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from k2.launcher.checkpointing.load_progress import load_progress
+    from k2.launcher.checkpointing.unpickle import restricted_unpickling
+    from k2.launcher.progress import watch
+
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(5)}
+    state["rng"] = {"numpy": np.random.RandomState(3).get_state(), "step": 7}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    target = {k: torch.zeros(4) for k in state if k != "rng"} | {"rng": {"numpy": None, "step": 0}}
+    moves = []
+    with watch(lambda: moves.append(1)), restricted_unpickling(), load_progress():
+        dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(target["w4"], state["w4"]) and target["rng"]["step"] == 7
+    assert np.array_equal(target["rng"]["numpy"][1], state["rng"]["numpy"][1])
+    assert len(moves) >= 6  # five tensors and the object (or its parts)
+    # an object that would call a function when unpickled: refused by the load itself, never called
+    mark = tmp_path / "PWNED"
+    dcp.save({"evil": _Calls(mark)}, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    with restricted_unpickling(), pytest.raises(BaseException) as e:  # (DCP's CheckpointException)
+        dcp.load({"evil": None}, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    causes = [exc for exc, _ in getattr(e.value, "failures", {}).values()] or [e.value]
+    assert any("GLOBAL posix.system" in str(c) for c in causes), causes
+    assert not mark.exists()
+
+
+class _Calls:
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.mark}",)
