@@ -44,6 +44,20 @@ def _plan(run_dir: Path, *extra: str):
     return prepare_run(load_config([*RUN, *QUIET, f"run.dir={run_dir}", *extra]), 2)
 
 
+#: one step more than the checkpoints hold: a finished run is "nothing to do" and loads nothing
+ONE_MORE = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]
+
+
+def _resume_in_ranks(run_dir: Path) -> str:
+    """k2-train resuming ``run_dir`` on 2 ranks, which must fail; its output."""
+    args = [*ONE_MORE, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
+    proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
+                          env=trainer_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    return out
+
+
 def _flip_byte(path: Path) -> None:
     """Change one byte in the middle of ``path``, keeping its size."""
     data = bytearray(path.read_bytes())
@@ -147,13 +161,7 @@ def test_flipped_byte_in_a_shard_is_refused_at_resume_by_the_ranks(saved_run, tm
     run_dir, ckpt = _copy(saved_run, tmp_path)
     _flip_byte(ckpt / "__1_0.distcp")
     _plan(run_dir)  # the size check before any process group passes
-    # one step more than the checkpoint holds: a finished run is "nothing to do" and loads nothing
-    more = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]
-    args = [*more, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
-    proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
-                          env=trainer_env(), capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    out = _resume_in_ranks(run_dir)
     line = next((x for x in out.splitlines() if f"checkpoint {ckpt} is damaged" in x), None)
     assert line and line.startswith("k2-train: error: "), out[-3000:]
     assert "__1_0.distcp: content changed" in line, line
@@ -239,8 +247,7 @@ def test_a_payload_in_dot_metadata_with_a_rewritten_manifest_is_refused_by_resum
     meta = ckpt / ".metadata"
     meta.write_bytes(_payload_pickle(mark) + meta.read_bytes())
     _rewrite_manifest(ckpt)
-    more = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]  # (a load, not "nothing to do")
-    assert main([*more, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]) == 2
+    assert main([*ONE_MORE, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]) == 2
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"k2-train: error: checkpoint {ckpt} is refused: "), err
@@ -275,12 +282,7 @@ def test_a_payload_in_a_pickled_object_of_a_shard_is_refused_by_the_ranks_and_by
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
     _rewrite_manifest(ckpt)
     _plan(run_dir)  # .metadata itself is clean: no refusal before the ranks start
-    more = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]
-    args = [*more, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
-    proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
-                          env=trainer_env(), capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    out = _resume_in_ranks(run_dir)
     lines = [x for x in out.splitlines() if "is refused" in x]
     assert len(lines) == 1 and lines[0].startswith(f"k2-train: error: checkpoint {ckpt} is refused: "), out[-3000:]
     assert f"__1_0.distcp (the object {index.fqn}): it names posix.system" in lines[0], lines[0]
