@@ -251,12 +251,19 @@ def _writer_outcome(report: "PipeChannel", process) -> dict:
     return entries
 
 
-def _process_state(pid: int) -> str | None:
-    """The one-letter state of process ``pid`` (``/proc/<pid>/stat``: R, S, D, T, Z, ...); None when gone."""
+def _proc_stat(pid) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (proc(5) field 3 on); [] when the
+    process is gone (or not Linux)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` (R, S, D, T, Z, ...); None when gone."""
+    fields = _proc_stat(pid)
+    return fields[0] if fields else None
 
 
 def in_flight_writer() -> dict | None:
@@ -378,12 +385,8 @@ class BackgroundSaver:
         """CPU time (clock ticks, ``/proc/<pid>/stat``) of this rank's writer process; 0 when there is
         none or it is gone (or not Linux)."""
         for call in self.queue.async_calls:
-            proc = getattr(call.async_caller, "process", None)
-            try:
-                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                return int(fields[11]) + int(fields[12])  # utime + stime (proc(5) fields 14, 15)
-            except (AttributeError, OSError, IndexError, ValueError):
-                return 0
+            fields = _proc_stat(getattr(getattr(call.async_caller, "process", None), "pid", None))
+            return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0  # utime + stime (fields 14, 15)
         return 0
 
     def wait(self) -> None:
