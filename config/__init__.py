@@ -15,8 +15,9 @@ Layers of the project; imports point only down this list (``tests/unit/test_laye
 3. ``k2.model`` -- the K2 model on megatron-core, activation memory, FLOP and parameter counts;
 4. ``k2.schedules`` -- the token-based training schedule, LR scheduler, pipeline-schedule hooks;
 5. ``k2.optim`` -- MuonClip and the optimizers under ZeRO-1;
-   then ``k2.launcher.quiet`` and ``k2.launcher.gc_pause`` -- process hygiene (library messages, the garbage
-   collector's pauses) that imports nothing of k2-launcher;
+   then ``k2.launcher.quiet``, ``k2.launcher.gc_pause`` and ``k2.launcher.progress`` -- process hygiene
+   (library messages, the garbage collector's pauses, progress of long work for the hang watchdog) that
+   imports nothing of k2-launcher;
 6. the launcher's building blocks, which do not import each other: ``k2.launcher.datasets``,
    ``k2.launcher.checkpointing``, ``k2.launcher.planning``;
 7. ``k2.launcher.hf`` -- Hugging Face checkpoints in and out (uses checkpointing and datasets);

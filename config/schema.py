@@ -458,8 +458,16 @@ class SubmitConfig:
     # "SRC[:DST[:FLAGS]]" each (run.dir and the data must be visible inside); null / [] = no container
     container_image: Optional[str] = None
     container_mounts: List[str] = field(default_factory=list)
-    # the Python written into the script; null = the one running k2-submit, python3 in a container
+    # the Python written into the script; null = the one running k2-submit, python3 in a container (it
+    # must exist at that path on every node: a checkout's .venv on a node-local disk does not)
     python: Optional[str] = None
+    # site set-up: a bash file the job sources before anything else (module loads, a conda or venv
+    # activation, the site's own variables); it must exist when k2-submit runs, at the same path on the
+    # nodes. null = none
+    setup: Optional[str] = None
+    # environment variables the job exports after submit.setup, e.g. NCCL or network settings
+    # ("+submit.env.NCCL_SOCKET_IFNAME=ib0"); quoted as written, never run
+    env: Dict[str, str] = field(default_factory=dict)
     # a job of several nodes or with GPUs and data.path=null is refused unless this says the embedded
     # standard-library test corpus is meant
     embedded_corpus: bool = False

@@ -15,7 +15,9 @@ class ClusterConfig:
 
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0  # memory of one GPU (H800 / H100: 80 GiB)
+    # memory of one GPU, GiB; null = the one plan.hardware's profile names (h800 / h100: 80, h200: 141), 80
+    # for a profile without one (e.g. a CPU machine's, measured by k2-bench bench=hardware)
+    gpu_memory_gib: Optional[float] = None
     # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
     # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
     host_memory_gib: float = 2048.0

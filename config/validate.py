@@ -272,8 +272,9 @@ def check_cluster(c) -> None:
     for key in ("nodes", "gpus_per_node"):
         if c[key] < 1:
             raise ConfigError(f"cluster.{key}={c[key]} must be an integer >= 1")
-    _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
-             "a number > 0 (GiB)")
+    if c.gpu_memory_gib is not None:
+        _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
+                 "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)")
     _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
              "a number > 0 (dense BF16 TFLOP/s per GPU)")
     if c.cpu_peak_tflops is not None:
@@ -358,6 +359,12 @@ def check_submit(s) -> None:
         if not str(mount) or re.search(r"[\s,]", str(mount)):
             raise ConfigError(f"submit.container_mounts[{i}]={mount!r}; allowed: SRC[:DST[:FLAGS]] without "
                               "whitespace or commas (one mount per list item)")
+    for name in s.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+            raise ConfigError(f"submit.env.{name}: not an environment variable name; allowed: letters, digits and "
+                              "'_', not starting with a digit (e.g. NCCL_SOCKET_IFNAME)")
+    if s.setup is not None and not str(s.setup):
+        raise ConfigError("submit.setup='' names no file; allowed: the path of a bash file, or null")
     if s.container_mounts and s.container_image is None:
         raise ConfigError("submit.container_mounts is set but submit.container_image is null; set the image "
                           "too, or submit.container_mounts=[]")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from k2.config import ConfigError, load_config
-from k2.launcher.checkpointing.paths import CHECKPOINTS, LATEST, latest_checkpoint
+from k2.launcher.checkpointing.paths import CHECKPOINTS, LATEST, resume_point
 from k2.launcher.cli import run_main
 
 PROG = "k2-convert"
@@ -40,13 +40,15 @@ def _overrides(args: list[str]) -> list[str]:
 def resolve_checkpoint(where: Path) -> Path:
     """A checkpoint directory from a checkpoint, a ``checkpoints/`` directory or a run dir.
 
+    A ``latest`` is read as resume reads it (:func:`k2.launcher.checkpointing.paths.resume_point`): it may
+    name only a checkpoint of its own directory; missing, empty or dangling, the newest that verifies.
+
     Raises:
-        ConfigError: none found there.
+        ConfigError: none found there; a ``latest`` that is not a file or points outside its directory.
     """
-    if (where / LATEST).is_file():
-        return where / (where / LATEST).read_text().strip()
-    if (where / CHECKPOINTS / LATEST).is_file():
-        return latest_checkpoint(where)
+    for root in (where, where / CHECKPOINTS):
+        if (root / LATEST).exists():
+            return resume_point(None, root=root)[0]
     if where.is_dir() and where.name.startswith("iter_"):
         return where
     raise ConfigError(f"convert.checkpoint={where}: no checkpoint there (a checkpoint iter_NNNNNNN, a "

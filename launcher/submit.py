@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from k2.config import load_config
 from k2.launcher.cli import run_main
-from k2.launcher.tools.sbatch import check_submittable, render_sbatch, submit_script
+from k2.launcher.tools.sbatch import check_submittable, defaults_notes, render_sbatch, submit_script
 
 PROG = "k2-submit"
 
@@ -37,7 +37,9 @@ submit.constraint, submit.reservation, submit.job_name, submit.signal_seconds an
 (also OMP_NUM_THREADS) set the #SBATCH lines; "submit.extra_args=['--mail-type=END']" adds others.
 submit.cpu_bind / submit.gpu_bind bind the ranks (srun --cpu-bind / --gpu-bind); submit.distribution=cyclic
 lays them round-robin over the nodes; submit.container_image / submit.container_mounts run them in a
-pyxis container; submit.python is the interpreter written into the script (default: this one). A job of
+pyxis container; submit.python is the interpreter written into the script (default: this one; it must
+exist on every node); submit.setup=FILE is sourced first (module loads), "+submit.env.NAME=VALUE" exported.
+Notes on stderr say which defaults the job gets (interpreter, partition, account, time limit). A job of
 more than one node or with GPUs needs data.path (or submit.embedded_corpus=true). -m submits one job per
 unfinished sweep point. Exit status 1: sbatch missing or refused.
 
@@ -81,6 +83,8 @@ def _submit(args: list[str]) -> int:
         prepare_run(cfg, check_submittable(cfg))  # also decides the resume of a used run.dir
         jobs = [(cfg, overrides)]
     texts = [render_sbatch(cfg, ovr) for cfg, ovr in jobs]
+    for note in defaults_notes(jobs[0][0]) if jobs else ():
+        print(f"{PROG}: note: {note}", file=sys.stderr)
     if jobs and jobs[0][0].submit.dry_run:
         sys.stdout.write("\n".join(texts))
         return 0

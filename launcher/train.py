@@ -72,6 +72,8 @@ def _train(args: list[str]) -> int:
         if env.rank == 0:
             print(f"{PROG}: {plan.nothing_to_do}", flush=True)
         return 0
+    if plan.ends_before_decay and env.rank == 0:
+        print(f"{PROG}: note: {plan.ends_before_decay}", flush=True)
     # one owner per run dir (k2.launcher.checkpointing.run_lock): this process, when it spawns the ranks
     # or is global rank 0 of its own launch; taken before anything in the run dir is written
     owner = could_own

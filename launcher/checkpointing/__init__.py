@@ -36,6 +36,7 @@ says so before any process starts.
 Modules: ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),
 ``resume`` (which checkpoint, and whether it may serve this run), ``rng`` (per-rank RNG state),
 ``store`` (save, load, verification on resume, retention), ``background`` (saves written by a forked
-writer while training goes on: ``checkpoint.async_save``). The run state in ``k2_state.json`` is
+writer while training goes on: ``checkpoint.async_save``), ``unpickle`` (the allow-list every pickled part
+of a checkpoint is read through), ``load_progress`` (a load's progress for the hang watchdog). The run state in ``k2_state.json`` is
 defined by :class:`k2.launcher.training.state.TrainState`.
 """

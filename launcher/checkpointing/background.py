@@ -56,7 +56,7 @@ from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_sa
 from k2.launcher.gc_pause import gc_paused
 from k2.parallel.distributed import all_reduce_int
 
-__all__ = ["BackgroundSaver", "PipeChannel", "abandon_in_flight_save"]
+__all__ = ["BackgroundSaver", "CheckpointWriterDied", "PipeChannel", "abandon_in_flight_save", "in_flight_writer"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: seconds the rank waits for a finished writer's report to arrive through the pipe
@@ -106,7 +106,11 @@ class PipeChannel:
 
     def get_nowait(self):
         """In the rank: the next report (raises ``queue.Empty`` when none came within the timeout)."""
-        return self._items.get(timeout=REPORT_TIMEOUT_S)
+        return self.get(REPORT_TIMEOUT_S)
+
+    def get(self, timeout: float):
+        """In the rank: the next report, waiting up to ``timeout`` seconds (``queue.Empty`` if none)."""
+        return self._items.get(timeout=timeout)
 
     def close(self) -> None:
         """In the rank, after the writer is gone: end the thread and free both ends."""
@@ -188,9 +192,42 @@ def _writer_started() -> None:
     writer while the rank trains on, or to kill the rank mid-write)."""
 
 
+class CheckpointWriterDied(RuntimeError):
+    """A background writer ended without reporting (killed by a signal, or exited): the message says how."""
+
+
+def _write_error(e: BaseException, partial: Path) -> BaseException:
+    """``e`` with the cause in words for the errors a full or failing file system gives (the OSError of a
+    failed ``write`` names no file)."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left" if e.errno == errno.ENOSPC else "the disk quota is exceeded"
+        return OSError(e.errno, f"{what} on the file system of {partial} ({e.strerror})")
+    return e
+
+
+def _recording_write_errors(errors: list):
+    """In the writer: megatron-core 0.19.2's ``FileSystemWriterAsync.write_preloaded_data`` returns a
+    write error as data, and ``write_preloaded_data_multithread`` replaces it with an assertion about its
+    type ("<class 'OSError'>"); the original error (ENOSPC, EIO, ...) is recorded here for the report."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.write_preloaded_data
+
+    def write_preloaded_data(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if out is not None and isinstance(out[1], BaseException):
+            errors.append(out[1])
+        return out
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)  # (this process only)
+
+
 def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kwargs) -> None:
     """The body of the forked writer: megatron's ``write_fn(rank, write_buckets, results_queue)`` (its
-    shards into ``partial``), then this rank's manifest entries (or the exception) into ``report``."""
+    shards into ``partial``), then this rank's manifest entries (or the first write error, with its cause
+    in words: :func:`_write_error`) into ``report``."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     try:
@@ -203,16 +240,77 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
     import torch
 
     torch.set_num_threads(1)
+    errors: list = []
     try:
+        _recording_write_errors(errors)
         _writer_started()
         rank, write_buckets, *rest = args
         write_fn(rank, _copy_views(write_buckets), *rest, **kwargs)
+        if errors:
+            raise errors[0]
         report.put(shard_entries(partial, write_buckets))
     except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it at finalize
+        e = _write_error(errors[0] if errors else e, partial)
         try:
             report.put(e)
         except Exception:  # noqa: BLE001 - not picklable: its text
             report.put(RuntimeError(f"{type(e).__name__}: {e}"))
+
+
+#: seconds to wait for the report of a writer that is already gone (what it sent is in the pipe)
+_GONE_REPORT_S = 2.0
+
+
+def _writer_outcome(report: "PipeChannel", process) -> dict:
+    """This rank's manifest entries from its writer's report, once megatron found the writer finished.
+
+    Raises:
+        the writer's reported error; :class:`CheckpointWriterDied` when it ended without a report,
+        naming its pid and how it ended (the signal that killed it, or its exit status).
+    """
+    code = getattr(process, "exitcode", 0)
+    try:
+        entries = report.get(timeout=REPORT_TIMEOUT_S if code == 0 else _GONE_REPORT_S)
+    except queue.Empty:
+        pid = getattr(process, "pid", "?")
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            how = f"was killed by {name}" + (" (kill -9, or the kernel's out-of-memory killer)"
+                                             if name == "SIGKILL" else "")
+        else:
+            how = f"exited with status {code} without reporting"
+        raise CheckpointWriterDied(f"its background writer (pid {pid}) {how}") from None
+    if isinstance(entries, BaseException):
+        raise entries
+    return entries
+
+
+def _proc_stat(pid) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (proc(5) field 3 on); [] when the
+    process is gone (or not Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` (R, S, D, T, Z, ...); None when gone."""
+    fields = _proc_stat(pid)
+    return fields[0] if fields else None
+
+
+def in_flight_writer() -> dict | None:
+    """The background writer of this process's save in flight: ``{"pid", "step", "partial", "state"}``
+    (``state`` as :func:`_process_state`), or None when no writer runs. For the hang watchdog's
+    heartbeat, from its thread (reads only)."""
+    for saver in list(_SAVERS):
+        flight = saver.in_flight
+        proc = flight.get("process") if flight else None
+        if proc is not None and proc.pid is not None:
+            return {"pid": proc.pid, "step": flight["step"], "partial": str(flight["partial"]),
+                    "state": _process_state(proc.pid)}
+    return None
 
 
 class BackgroundSaver:
@@ -257,22 +355,22 @@ class BackgroundSaver:
         else:  # nothing to write on this rank: no writer, no shards
             report.put({})
 
-        def take() -> dict:
-            entries = report.get_nowait()
-            if isinstance(entries, BaseException):
-                raise entries
-            return entries
+        def collect() -> None:  # first: every rank learns of a writer's failure or death on any (one line)
+            flight["entries"] = agree(f"writing checkpoint step {step} into {partial}",
+                                      lambda: _writer_outcome(report, flight.get("process")))
 
-        def commit() -> None:  # every rank learns of a writer's failure on any (one line, its rank)
-            entries = agree(f"writing checkpoint step {step} into {partial}", take)
-            path = commit_save(partial, final, step, entries, state, config_yaml, self.keep_last,
+        def commit() -> None:  # after megatron's own finalize (its metadata)
+            path = commit_save(partial, final, step, flight["entries"], state, config_yaml, self.keep_last,
                                self.keep_every)
             self.on_commit(path, step, why, time.perf_counter() - t0)
 
+        request.finalize_fns.insert(0, collect)
         request.add_finalize_fn(commit)
         files = [Path(b[0]) for b in request.async_fn_args[1]] if request.async_fn is not None else []
-        self.in_flight = {"step": step, "partial": partial, "channels": (results, report), "files": files}
+        flight = {"step": step, "partial": partial, "channels": (results, report), "files": files}
+        self.in_flight = flight
         self.queue.schedule_async_request(request)
+        flight["process"] = getattr(self.queue.async_calls[-1].async_caller, "process", None)
 
     def poll(self, blocking: bool = False) -> None:
         """Commit the save in flight when every rank's writer is done (``blocking``: wait for them).
@@ -321,12 +419,8 @@ class BackgroundSaver:
         """CPU time (clock ticks, ``/proc/<pid>/stat``) of this rank's writer process; 0 when there is
         none or it is gone (or not Linux)."""
         for call in self.queue.async_calls:
-            proc = getattr(call.async_caller, "process", None)
-            try:
-                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                return int(fields[11]) + int(fields[12])  # utime + stime (proc(5) fields 14, 15)
-            except (AttributeError, OSError, IndexError, ValueError):
-                return 0
+            fields = _proc_stat(getattr(getattr(call.async_caller, "process", None), "pid", None))
+            return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0  # utime + stime (fields 14, 15)
         return 0
 
     def wait(self) -> None:

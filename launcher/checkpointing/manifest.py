@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from k2.config.validate import CHECKPOINT_VERIFY_LEVELS as VERIFY_LEVELS
+from k2.launcher.progress import moved
 
 MANIFEST_FILE = "k2_manifest.json"
 STATE_FILE = "k2_state.json"
@@ -47,6 +48,7 @@ def file_checksum(path) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+            moved()  # (for the hang watchdog: hashing a large checkpoint moves)
     return h.hexdigest()
 
 

@@ -6,6 +6,8 @@ manifest (:mod:`k2.launcher.checkpointing.manifest`) against which a checkpoint 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -31,14 +33,77 @@ def latest_checkpoint(run_dir) -> Optional[Path]:
     """The checkpoint ``<run.dir>/checkpoints/latest`` names, or None when there is none.
 
     Raises:
-        ConfigError: ``latest`` names a directory that is not a complete checkpoint.
+        ConfigError: ``latest`` is not a file, names something outside ``checkpoints/``
+            (:func:`read_latest`), or names a directory that is not a complete checkpoint.
     """
-    pointer = checkpoints_dir(run_dir) / LATEST
-    if not pointer.exists():
+    root = checkpoints_dir(run_dir)
+    named = read_latest(root)
+    if named is None:
         return None
-    path = checkpoints_dir(run_dir) / pointer.read_text().strip()
+    path = root / named
     read_state(path)  # complete?
     return path
+
+
+#: the most of a ``latest`` file that is read (it holds one directory name)
+_LATEST_BYTES = 4096
+
+
+def _file_kind(path: Path) -> str:
+    """What ``path`` is when it is not a regular file: a directory, a FIFO, ..."""
+    mode = path.stat().st_mode
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_latest(root) -> Optional[str]:
+    """The checkpoint name the ``latest`` file of the checkpoints directory ``root`` holds: None when
+    there is no ``latest`` (or it is a dangling link), ``""`` when it is empty. A pointer may name only a
+    checkpoint of ``root`` itself -- one directory name, not a path, and not a link to a directory
+    elsewhere -- so that a run never resumes another run's checkpoint without being asked to
+    (``resume.from`` names one explicitly).
+
+    Raises:
+        ConfigError: ``latest`` is not a regular file (e.g. a directory, which the commit of the next
+            checkpoint could not replace); it names something outside ``root`` (a path, ``..``, a link
+            out). The message names the file, what it holds and the checkpoints it may name.
+    """
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    if not pointer.is_file():
+        raise ConfigError(f"{pointer} is {_file_kind(pointer)}, not the file k2-train writes there (one line: the "
+                          f"name of the newest checkpoint); move it away (the run then resumes from the newest "
+                          f"checkpoint that verifies{_names_in(root)}) or pass resume.from=<a checkpoint>")
+    with open(pointer, encoding="utf-8", errors="replace") as f:
+        named = f.read(_LATEST_BYTES).strip()
+    outside = _outside(root, named)
+    if named and outside:
+        raise ConfigError(f"{pointer} names {named!r}, which is not a checkpoint of {root} ({outside}): a pointer "
+                          f"may name only a checkpoint of its own run{_names_in(root)}; write one of those "
+                          "names into it, delete it (the run then resumes from the newest checkpoint that "
+                          "verifies), or resume another run's checkpoint explicitly with resume.from=PATH")
+    return named
+
+
+def _outside(root: Path, named: str) -> Optional[str]:
+    """Why ``named`` (a pointer's text) leaves ``root``, or None when it names an entry of ``root``."""
+    if "/" in named or "\0" in named or named in (".", ".."):
+        return "a path, not the name of a directory in it"
+    target = root / named
+    if target.is_symlink():
+        return f"a link to {os.readlink(target)}"
+    return None
+
+
+def _names_in(root: Path) -> str:
+    names = saved_checkpoint_names(root)
+    return f" ({', '.join(names)})" if names else " (none there)"
 
 
 def resume_point(run_dir, root=None) -> tuple[Optional[Path], Optional[str]]:
@@ -53,18 +118,17 @@ def resume_point(run_dir, root=None) -> tuple[Optional[Path], Optional[str]]:
     before its first save). ``root``: a checkpoints directory to look in instead of ``run_dir``'s.
 
     Raises:
-        ConfigError: ``latest`` exists but names nothing usable and no checkpoint verifies (the marker
-            and what it names are in the message, with how to start afresh).
+        ConfigError: ``latest`` is not a file or points outside ``root`` (:func:`read_latest`); it
+            exists but names nothing usable and no checkpoint verifies (the marker and what it names are
+            in the message, with how to start afresh).
     """
     root = Path(root) if root is not None else checkpoints_dir(run_dir)
     pointer = root / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = read_latest(root)
     if named and (root / named).is_dir():  # damage inside it is judged (and named) by the caller
         return root / named, None
-    if pointer.exists() and not pointer.is_file():
-        named = None
     found = complete_checkpoint_names(root)
-    if named is None and not pointer.exists():
+    if named is None:
         problem = f"{pointer} is missing"
     elif not named:
         problem = f"{pointer} is empty"
@@ -72,7 +136,7 @@ def resume_point(run_dir, root=None) -> tuple[Optional[Path], Optional[str]]:
         problem = f"{pointer} names {named}, which does not exist"
     if found:
         return root / found[-1], f"{problem}; resuming from the newest checkpoint that verifies: {found[-1]}"
-    if not pointer.exists():
+    if named is None:
         return None, None
     raise ConfigError(f"{problem} and no checkpoint in {root} verifies: delete {pointer} to start the run "
                       "afresh, or choose a new run.dir")
@@ -104,12 +168,12 @@ def read_state(path) -> dict:
 
 def saved_checkpoint_names(root: Path) -> list[str]:
     """Names of the ``iter_*`` directories under ``root`` that hold a ``k2_state.json`` (saves that
-    reached their last step, complete or damaged since), sorted by step."""
+    reached their last step, complete or damaged since), sorted by step; links are not followed."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith("iter_") and (p / STATE_FILE).exists())
+    return sorted(p.name for p in root.iterdir()  # (a link to a directory elsewhere is not one of them)
+                  if p.name.startswith("iter_") and not p.is_symlink() and p.is_dir() and (p / STATE_FILE).exists())
 
 
 def complete_checkpoint_names(root: Path) -> list[str]:
@@ -135,6 +199,16 @@ def damaged_checkpoint_error(path, problems: list[str]) -> ConfigError:
     path = Path(path)
     shown = "; ".join(problems[:5]) + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else "")
     return ConfigError(f"checkpoint {path} is damaged or incomplete: {shown}{_alternatives(path)}")
+
+
+def unsafe_checkpoint_error(path, problems: list[str]) -> ConfigError:
+    """The error for a checkpoint whose pickled parts name globals outside the allow-list of
+    :mod:`k2.launcher.checkpointing.unpickle` (they would run code when loaded): names it and each part."""
+    shown = "; ".join(problems[:3]) + (f"; ... ({len(problems) - 3} more)" if len(problems) > 3 else "")
+    return ConfigError(f"checkpoint {path} is refused: its pickled data would call code a checkpoint never "
+                       f"holds ({shown}); nothing of it was loaded. It was not written by k2-launcher, or it was "
+                       "altered (the manifest's checksums show integrity, not who wrote it: docs/checkpoints.md, "
+                       "'What a checkpoint is trusted with')")
 
 
 def check_checkpoint_files(path, level: str) -> None:

@@ -20,8 +20,10 @@ from k2.launcher.checkpointing.paths import (
     read_state,
     resume_point,
     saved_checkpoint_names,
+    unsafe_checkpoint_error,
 )
 from k2.launcher.checkpointing.run_lock import OWNER_LOCK
+from k2.launcher.checkpointing.unpickle import metadata_problem
 
 #: config sections whose change alters what training computes; refused on resume unless resume.force.
 GUARDED = ("model", "schedule", "optim", "data", "run.seed", "train.precision")
@@ -167,7 +169,8 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
     Raises:
         ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`,
             :func:`check_resume_compatible`; a checkpoint whose files disagree with its manifest
-            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`); a ``latest`` that names
+            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`) or whose ``.metadata`` names
+            code outside the allow-list (:func:`k2.launcher.checkpointing.unpickle.metadata_problem`); a ``latest`` that names
             nothing usable with no checkpoint that verifies (:func:`resume_point`).
     """
     from omegaconf import OmegaConf
@@ -190,6 +193,9 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
             return None
     state = read_state(path)
     check_checkpoint_files(path, str(cfg.checkpoint.verify))
+    unsafe = metadata_problem(path)  # whatever checkpoint.verify says: safety, not integrity
+    if unsafe:
+        raise unsafe_checkpoint_error(path, [unsafe])
     saved_cfg = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=True)
     check_resume_compatible(state, saved_cfg, OmegaConf.to_container(cfg, resolve=True), layout,
                             bool(settings["force"]), path)

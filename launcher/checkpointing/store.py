@@ -25,17 +25,22 @@ from k2.launcher.checkpointing.paths import (
     iter_name,
     read_state,
     saved_checkpoint_names,
+    unsafe_checkpoint_error,
 )
 from k2.launcher.checkpointing.manifest import (
     checkpoint_files,
     file_entries,
     is_legacy,
+    rank_share,
     verify,
     write_manifest,
 )
+from k2.launcher.checkpointing.load_progress import load_progress
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
 from k2.launcher.checkpointing.staging import needs_validation, save_strategy
+from k2.launcher.checkpointing.unpickle import load_errors, pickle_problems, raise_if_refused, restricted_unpickling
 from k2.launcher.gc_pause import gc_paused
+from k2.launcher.progress import measured
 from k2.optim.build import leaf_optimizers
 
 #: megatron ``DistributedOptimizer`` format: each rank saves its own flat shards; reshards over DP.
@@ -291,7 +296,9 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
 
     def write() -> dict:
         buckets = request.async_fn_args[1] if request.async_fn is not None else ()
-        request.execute_sync()  # this rank's shards, a barrier, megatron's metadata (collective)
+        files = [Path(b[0]) for b in buckets]
+        with measured(lambda: sum(f.stat().st_size for f in files if f.exists())):  # (the hang watchdog)
+            request.execute_sync()  # this rank's shards, a barrier, megatron's metadata (collective)
         return shard_entries(partial, buckets)
 
     entries = agree(what, write)
@@ -305,8 +312,9 @@ class CheckpointSaveError(RuntimeError):
 
 def verify_checkpoint(path, level: str) -> float:
     """Collective: check the checkpoint at ``path`` against its manifest before it is loaded, each rank
-    hashing its share of the files (``level`` is ``checkpoint.verify``: checksum, size or none); every
-    rank gets the same verdict. Rank 0 prints a warning for a checkpoint without a manifest (written
+    hashing its share of the files (``level`` is ``checkpoint.verify``: checksum, size or none), and read
+    the pickled parts of its share as the load will (:func:`k2.launcher.checkpointing.unpickle.pickle_problems`,
+    at every level); every rank gets the same verdict. Rank 0 prints a warning for a checkpoint without a manifest (written
     before manifests existed: it cannot be verified, and is loaded as it is).
 
     Returns:
@@ -315,7 +323,8 @@ def verify_checkpoint(path, level: str) -> float:
     Raises:
         ConfigError: on rank 0, naming the checkpoint, each damaged file, the checkpoints next to it
             that verify and the ``resume.from=...`` override to use one
-            (:func:`k2.launcher.checkpointing.paths.damaged_checkpoint_error`).
+            (:func:`k2.launcher.checkpointing.paths.damaged_checkpoint_error`); or each pickled part that
+            names code outside the allow-list (:func:`k2.launcher.checkpointing.paths.unsafe_checkpoint_error`).
         SystemExit: status 2 on the other ranks (the same verdict, without repeating the line).
     """
     import torch.distributed as dist
@@ -323,11 +332,14 @@ def verify_checkpoint(path, level: str) -> float:
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     everyone = [None] * world
-    dist.all_gather_object(everyone, verify(path, level, rank, world))
-    problems = sorted({p for part in everyone for p in part})
-    if problems and rank == 0:
-        raise damaged_checkpoint_error(path, problems)
-    if problems:  # rank 0 prints the one error line; the others exit with the same status (2) silently
+    # the pickled parts of this rank's share, read as the load will read them (whatever the level)
+    unsafe = pickle_problems(path, rank_share(checkpoint_files(path), rank, world))
+    dist.all_gather_object(everyone, (verify(path, level, rank, world), unsafe))
+    damaged = sorted({p for part, _ in everyone for p in part})
+    unsafe = sorted({p for _, part in everyone for p in part})
+    if (damaged or unsafe) and rank == 0:
+        raise damaged_checkpoint_error(path, damaged) if damaged else unsafe_checkpoint_error(path, unsafe)
+    if damaged or unsafe:  # rank 0 prints the one error line; the others exit with the same status (2) silently
         raise SystemExit(2)
     seconds = time.perf_counter() - t0
     if rank == 0 and level != "none" and is_legacy(path):
@@ -436,8 +448,10 @@ def load_model_weights(path, chunks: list) -> None:
 
     sd = model_sharded_state_dict(chunks)
     try:
-        loaded = dist_checkpointing.load(sd, str(path))
-    except Exception as e:
+        with restricted_unpickling(), load_progress():
+            loaded = dist_checkpointing.load(sd, str(path))
+    except load_errors() as e:
+        raise_if_refused(path, e)
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {path}: model weights could not be loaded ({type(e).__name__}: "
                           f"{first})") from e
@@ -462,8 +476,10 @@ def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
     _materialise_optimizer_state(optimizer)
     sd = _sharded_state_dict(model, optimizer, is_loading=True, with_rng=same_world)
     try:
-        loaded = dist_checkpointing.load(sd, str(path))
-    except Exception as e:  # e.g. damage that checkpoint.verify=size / none does not look for
+        with restricted_unpickling(), load_progress():  # pickled parts: a checkpoint's classes only
+            loaded = dist_checkpointing.load(sd, str(path))
+    except load_errors() as e:  # e.g. damage that checkpoint.verify=size / none does not look for
+        raise_if_refused(path, e)
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {first}); "
                           "if it is damaged, checkpoint.verify=checksum names the file") from e

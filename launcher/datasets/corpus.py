@@ -26,6 +26,7 @@ from k2.launcher.datasets.idx_format import token_dtype
 from k2.launcher.datasets.indexed_writer import IndexedDatasetWriter
 from k2.launcher.datasets.locks import file_lock
 from k2.launcher.datasets.tokenizer import EOD_TOKEN, PAD_TOKEN, train_byte_level_bpe
+from k2.launcher.progress import moved
 
 CORPUS_FORMAT = 1  # bump when the corpus layout or tokenization changes (forces a rebuild)
 _ENCODE_CHUNK = 64  # documents per tokenizers.encode_batch call (parallel inside tokenizers)
@@ -282,6 +283,7 @@ def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbos
                     tokens[split] += int(arr.size)
                 bar.update(hi - lo)
                 bar.set_postfix(tokens=f"{tokens['train'] + tokens['valid']:,}")
+                moved()  # (for the hang watchdog: rank 0 builds the corpus while the others wait)
         for w in writers.values():
             w.finalize()
 

@@ -100,9 +100,14 @@ def expand_inputs(value: Any) -> list[InputFile]:
             found = [pattern]
             if _classify(pattern) is None:
                 raise ConfigError(f"prepare.input: {pattern} is not of a known format; allowed: {_ALLOWED}")
+        elif os.path.exists(pattern):
+            raise _not_a_file_error(pattern)
         else:
-            found = [p for p in glob.glob(pattern, recursive=True)
-                     if os.path.isfile(p) and _classify(p) is not None]
+            matched = glob.glob(pattern, recursive=True)
+            found = [p for p in matched if os.path.isfile(p) and _classify(p) is not None]
+            others = [p for p in matched if os.path.exists(p) and not os.path.isfile(p) and not os.path.isdir(p)]
+            if not found and others:
+                raise _not_a_file_error(others[0])
         if not found:
             raise ConfigError(f"prepare.input: '{entry}' matches no file of {_ALLOWED}")
         for p in sorted(os.path.abspath(f) for f in found):
@@ -115,6 +120,18 @@ def expand_inputs(value: Any) -> list[InputFile]:
             _require_library(p, kind, comp)
             out.append(InputFile(p, kind, comp, os.path.getsize(p)))
     return out
+
+
+def _not_a_file_error(path: str) -> ConfigError:
+    """The error for an input that exists but is not a regular file (a FIFO, a socket, a device)."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+    return ConfigError(f"prepare.input: {path} is {what}, not a regular file: k2-data reads every input more than "
+                       "once (its checksum for the manifest, then its records in chunks by byte offset, resumable) "
+                       "and needs its size; write the stream into a file first (e.g. cat the pipe > corpus.jsonl)")
 
 
 def _require_library(path: str, kind: str, comp: str) -> None:

@@ -30,8 +30,9 @@ from typing import Optional
 import torch
 
 from k2.config.errors import ConfigError
-from k2.launcher.checkpointing.manifest import verify
-from k2.launcher.checkpointing.paths import CONFIG_FILE, damaged_checkpoint_error, read_state
+from k2.launcher.checkpointing.manifest import checkpoint_files, verify
+from k2.launcher.checkpointing.paths import CONFIG_FILE, damaged_checkpoint_error, read_state, unsafe_checkpoint_error
+from k2.launcher.checkpointing.unpickle import pickle_problems, restricted_unpickling
 from k2.launcher.hf.dist import ensure_process_group
 from k2.launcher.hf.hf_config import hf_config
 from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, numel, tensor_groups
@@ -58,8 +59,9 @@ def checkpoint_config(path: Path, verify_level: str = "checksum"):
     ``size``; ``none``).
 
     Raises:
-        ConfigError: ``path`` is a partial save, not a checkpoint, or its files disagree with its
-            manifest (naming each damaged file).
+        ConfigError: ``path`` is a partial save, not a checkpoint, its files disagree with its
+            manifest (naming each damaged file), or a pickled part names code outside the allow-list of
+            :mod:`k2.launcher.checkpointing.unpickle` (naming each).
     """
     from omegaconf import OmegaConf
 
@@ -67,6 +69,9 @@ def checkpoint_config(path: Path, verify_level: str = "checksum"):
     problems = verify(path, verify_level)
     if problems:
         raise damaged_checkpoint_error(path, problems)
+    unsafe = pickle_problems(path, checkpoint_files(path))  # at every level: safety, not integrity
+    if unsafe:
+        raise unsafe_checkpoint_error(path, unsafe)
     return OmegaConf.load(path / CONFIG_FILE), state
 
 
@@ -127,7 +132,8 @@ def _read_shard(path: Path, meta: dict, tensors: list[Tensor], dtype) -> dict:
                 request[name] = ShardedTensor.from_rank_offsets(
                     t.key, data, (0, t.expert, t.key_shape[0]), replica_id=0)
         slot[t.hf] = name
-    loaded = dist_checkpointing.load({"k2_export": request}, str(path), validate_access_integrity=False)
+    with restricted_unpickling():
+        loaded = dist_checkpointing.load({"k2_export": request}, str(path), validate_access_integrity=False)
     loaded = loaded["k2_export"]
     out = {}
     for t in tensors:
@@ -192,7 +198,8 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
     m = cfg.model
     cast = getattr(torch, DTYPE_NAMES[dtype]) if dtype is not None else None
     ensure_process_group()
-    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    with restricted_unpickling():
+        meta = dist_checkpointing.load_tensors_metadata(str(path))
     groups = tensor_groups(m)
     all_tensors = [t for _, ts in groups for t in ts]
     _check_keys(meta, all_tensors, path)

@@ -64,6 +64,18 @@ def cluster_profile(cfg):
     return dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_node=int(cfg.cluster.gpus_per_node))
 
 
+#: GPU memory planned with when neither ``cluster.gpu_memory_gib`` nor the profile names one (GiB)
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+def gpu_memory_gib(cfg) -> float:
+    """The memory of one GPU that ``k2-plan`` plans with, GiB: ``cluster.gpu_memory_gib`` when set, else
+    the one ``plan.hardware``'s profile names (an H200's 141), else :data:`DEFAULT_GPU_MEMORY_GIB`."""
+    if cfg.cluster.gpu_memory_gib is not None:
+        return float(cfg.cluster.gpu_memory_gib)
+    return cluster_profile(cfg).gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
+
+
 def flops_only_step_time(cfg, dims, phase, recompute=()) -> float:
     """The step time of the FLOPs-only estimate (model FLOPs at ``cluster.peak_tflops x
     plan.compute_efficiency`` per stage, the simulated bubble, no communication): what ``k2-plan``
@@ -119,7 +131,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory (:mod:`k2.launcher.planning.memory`)
     is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`, plus the
     copy an asynchronous checkpoint save stages there: :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The
-    layout fits only when every phase fits both ``cluster.gpu_memory_gib`` per GPU and
+    layout fits only when every phase fits both the GPU memory (:func:`gpu_memory_gib`) and
     ``cluster.host_memory_gib`` per node.
 
     With ``max_microbatches`` (the search), at most that many microbatches are simulated (a multiple of
@@ -139,7 +151,7 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
 
     profile = cluster_profile(cfg)
     staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
-    capacity = float(cfg.cluster.gpu_memory_gib) * 2**30
+    capacity = gpu_memory_gib(cfg) * 2**30
     host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
     gpn = int(cfg.cluster.gpus_per_node)
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None

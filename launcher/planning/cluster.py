@@ -1,7 +1,8 @@
 """``k2-plan``'s engine: a layout, memory per GPU, pipeline bubble and FLOPs for a cluster, before any GPU.
 
-For ``cluster.nodes x cluster.gpus_per_node`` GPUs (``cluster.gpu_memory_gib`` each, ``cluster.peak_tflops``
-dense BF16 peak) and any model / parallel / memory / schedule config, without a GPU or a process group:
+For ``cluster.nodes x cluster.gpus_per_node`` GPUs (``cluster.gpu_memory_gib`` each, else the memory of
+``plan.hardware``'s profile; ``cluster.peak_tflops`` dense BF16 peak) and any model / parallel / memory /
+schedule config, without a GPU or a process group:
 
 * **Layout** (:class:`k2.parallel.dims.ParallelDims`, megatron-core 0.19.2's placement): PP/VPP/EP/DP for
   the world size, which decoder layers each ``[pp_rank][vpp_stage]`` builds and which stage holds the
@@ -42,7 +43,13 @@ from typing import Any
 from omegaconf import ListConfig, OmegaConf
 
 from k2.config import ConfigError
-from k2.launcher.planning.analysis import _memory_key, analyse_layout, cluster_profile, flops_only_step_time
+from k2.launcher.planning.analysis import (
+    _memory_key,
+    analyse_layout,
+    cluster_profile,
+    flops_only_step_time,
+    gpu_memory_gib,
+)
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.search import WORLD_FROM, search_layouts
 from k2.model.flops import mfu
@@ -142,7 +149,7 @@ def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
         "nodes": cfg.cluster.nodes,
         "gpus_per_node": gpn,
         "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
-                    "gpu_memory_gib": float(cfg.cluster.gpu_memory_gib),
+                    "gpu_memory_gib": gpu_memory_gib(cfg),
                     "host_memory_gib": float(cfg.cluster.host_memory_gib),
                     "peak_tflops": float(cfg.cluster.peak_tflops)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,

@@ -66,6 +66,8 @@ class HardwareProfile:
         host_gbps: device <-> host copies per GPU (offload).
         comm_stream: how the EP overlap's communication stream runs (:data:`COMM_STREAMS`; default
             ``device``).
+        gpu_memory_gib: memory of one device, GiB, the capacity ``k2-plan`` plans with unless
+            ``cluster.gpu_memory_gib`` is set (None: not given, e.g. a CPU profile).
         sources: where the numbers come from.
     """
 
@@ -100,6 +102,7 @@ class HardwareProfile:
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
     comm_stream: str = DEVICE
+    gpu_memory_gib: float | None = None
 
     def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
         """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
@@ -174,6 +177,7 @@ def profile_from_dict(d: dict, origin: str) -> HardwareProfile:
         microbatch_overhead_us=float(get("microbatch_overhead_us", 0.0)),
         step_overhead_us=float(get("step_overhead_us", 0.0)),
         comm_stream=str(get("comm_stream", DEVICE)),
+        gpu_memory_gib=float(get("gpu_memory_gib")) if get("gpu_memory_gib") else None,
     )
 
 

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from k2.config import ConfigError
 from k2.launcher.tools.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
@@ -56,28 +56,82 @@ def interpreter(cfg) -> str:
     return "python3" if sub.container_image is not None else sys.executable
 
 
+def shell_word(value) -> str:
+    """``value`` as one bash word that stays on its line: ``shlex.quote`` for printable text, else bash's
+    ANSI-C quoting ``$'...'`` with every character that is not printable (newline, carriage return, tab,
+    other control and format characters, a line or paragraph separator) written as the ``\\xHH`` escapes of
+    its UTF-8 bytes. The one rule for every value that reaches an executable line or a comment of the batch
+    script: no value can end a comment, start a line (an ``#SBATCH`` directive or a command) or run
+    anything (``$(...)``, backticks, ``;``, quotes are literal inside either quoting)."""
+    text = str(value)
+    if text.isprintable():
+        return shlex.quote(text)
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:  # exactly two hex digits each: bash reads at most two
+            out.extend(f"\\x{b:02x}" for b in ch.encode("utf-8", "surrogateescape"))
+    return "$'" + "".join(out) + "'"
+
+
+#: what sbatch's directive parser does not take literally (it splits at whitespace, strips quotes, reads
+#: a backslash as an escape and an unescaped '#' as the start of a comment: src/sbatch/opt.c, _get_argument)
+_DIRECTIVE_SPECIAL = re.compile(r"[\s'\"\\#]")
+
+
+def directive_problem(option: str) -> Optional[str]:
+    """Why ``option`` cannot be written as is into an ``#SBATCH`` line, or None: a character that is not
+    printable (a newline would end the directive and start a new line), whitespace, a quote, a backslash
+    or a '#' (sbatch would split, unquote, unescape or cut the value)."""
+    if not option.isprintable():
+        return "it holds a character that is not printable (e.g. a newline)"
+    bad = _DIRECTIVE_SPECIAL.search(option)
+    if bad:
+        return f"sbatch would split or unquote it at {bad.group()!r}"
+    return None
+
+
+def _directive(setting: str, option: str) -> str:
+    """``option`` for an ``#SBATCH`` line, refused (naming ``setting``) when sbatch cannot read it as is."""
+    why = directive_problem(option)
+    if why is not None:
+        value = option.split("=", 1)[1] if "=" in option else option
+        raise ConfigError(f"{setting}={value!r} cannot be written into an #SBATCH line: {why}; allowed: "
+                          "printable characters without whitespace, quotes, backslashes or '#'")
+    return option
+
+
 def sbatch_options(cfg) -> list[str]:
-    """The ``#SBATCH`` options of ``cfg``'s job, in the order they are written (see :func:`render_sbatch`)."""
+    """The ``#SBATCH`` options of ``cfg``'s job, in the order they are written (see :func:`render_sbatch`).
+
+    Raises:
+        ConfigError: a value sbatch cannot read as written (:func:`directive_problem`), naming its setting.
+    """
     sub, cl = cfg.submit, cfg.cluster
     opts = [
-        f"--job-name={sub.job_name}",
-        f"--nodes={cl.nodes}",
-        f"--ntasks-per-node={cl.gpus_per_node}",
-        *([f"--gpus-per-node={cl.gpus_per_node}"] if sub.request_gpus else []),
-        *([f"--cpus-per-task={sub.cpus_per_task}"] if sub.cpus_per_task is not None else []),
-        "--exclusive",
+        ("submit.job_name", f"--job-name={sub.job_name}"),
+        ("cluster.nodes", f"--nodes={cl.nodes}"),
+        ("cluster.gpus_per_node", f"--ntasks-per-node={cl.gpus_per_node}"),
+        *([("cluster.gpus_per_node", f"--gpus-per-node={cl.gpus_per_node}")] if sub.request_gpus else []),
+        *([("submit.cpus_per_task", f"--cpus-per-task={sub.cpus_per_task}")]
+          if sub.cpus_per_task is not None else []),
+        ("", "--exclusive"),
         # all of each (exclusive) node's memory unless submit.mem names a size: see SubmitConfig.mem
-        f"--mem={0 if sub.mem is None else sub.mem}",
-        f"--time={sub.time}",
-        "--requeue",
-        f"--signal=USR1@{sub.signal_seconds}",
-        "--open-mode=append",
-        f"--output={run_dir(cfg)}/slurm-%j.out",
+        ("submit.mem", f"--mem={0 if sub.mem is None else sub.mem}"),
+        ("submit.time", f"--time={sub.time}"),
+        ("", "--requeue"),
+        ("submit.signal_seconds", f"--signal=USR1@{sub.signal_seconds}"),
+        ("", "--open-mode=append"),
+        ("run.dir", f"--output={run_dir(cfg)}/slurm-%j.out"),
     ]
     for key in ("partition", "account", "qos", "constraint", "reservation"):
         if sub[key] is not None:
-            opts.append(f"--{key}={sub[key]}")
-    return opts + [str(a) for a in sub.extra_args]
+            opts.append((f"submit.{key}", f"--{key}={sub[key]}"))
+    opts += [(f"submit.extra_args[{i}]", str(a)) for i, a in enumerate(sub.extra_args)]
+    return [_directive(setting, option) for setting, option in opts]
 
 
 def srun_options(cfg) -> list[str]:
@@ -105,6 +159,44 @@ def _container_options(cfg) -> list[str]:
     return opts
 
 
+def site_setup_lines(cfg) -> list[str]:
+    """The script's site set-up: ``submit.setup`` sourced (with ``set -u`` off: module and conda scripts
+    read unset variables), then ``submit.env`` exported; every value quoted (:func:`shell_word`)."""
+    sub = cfg.submit
+    lines = []
+    if sub.setup is not None:
+        setup = shell_word(sub.setup)
+        lines += ["# Site set-up (submit.setup): module loads, environments, the site's variables",
+                  "set +u",
+                  f'source {setup} || {{ echo "pretrain.sbatch: sourcing submit.setup failed" >&2; exit 1; }}',
+                  "set -u"]
+    if sub.env:
+        lines.append("# submit.env")
+        lines += [f"export {name}={shell_word(value)}" for name, value in sub.env.items()]
+    return lines
+
+
+def defaults_notes(cfg) -> list[str]:
+    """Lines for ``k2-submit``'s stderr about what the job will get from defaults a new user should
+    check: the interpreter written into the script (a path on this machine), Slurm's partition and
+    account, the time limit."""
+    from k2.config.schema import SubmitConfig
+
+    sub, notes = cfg.submit, []
+    if sub.python is None and sub.container_image is None:
+        notes.append(f"the job runs {sys.executable} (the Python running k2-submit): it must exist at that path on "
+                     "every node (a .venv on a node-local disk does not); submit.python=PATH names another, "
+                     "submit.setup=FILE loads modules or activates an environment first")
+    unset = [k for k in ("partition", "account") if sub[k] is None]
+    if unset:
+        notes.append(f"no {' / '.join('submit.' + k for k in unset)}: Slurm's default for your user applies "
+                     "(many clusters require an account)")
+    if str(sub.time) == SubmitConfig.time:
+        notes.append(f"time limit {sub.time} (the default submit.time; a partition's limit may be lower: the job "
+                     "is then refused or requeued at it)")
+    return notes
+
+
 def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     """The text of ``<run.dir>/pretrain.sbatch`` for ``cfg`` (composed from ``overrides``).
 
@@ -114,7 +206,8 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     ``--job-name=submit.job_name``, ``--requeue``, ``--signal=USR1@submit.signal_seconds`` (to the ranks,
     seconds before the time limit), ``--output=<run.dir>/slurm-%j.out`` (appended to across requeues),
     ``--partition`` / ``--account`` / ``--qos`` / ``--constraint`` / ``--reservation`` when set, then
-    ``submit.extra_args``. The body states the interpreter (:func:`interpreter`), builds the embedded corpus
+    ``submit.extra_args``. The body runs the site set-up (:func:`site_setup_lines`), states the
+    interpreter (:func:`interpreter`), builds the embedded corpus
     once when ``data.path`` is null, sets ``MASTER_ADDR`` / ``MASTER_PORT`` and ``OMP_NUM_THREADS`` (=
     ``submit.cpus_per_task`` when set), runs ``srun`` (:func:`srun_options`) ``python -m k2.launcher.train``
     with :func:`train_overrides`, and requeues the job when the ranks exit with :data:`REQUEUE_EXIT_CODE`.
@@ -126,20 +219,22 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         cfg: the validated config (``load_config(overrides)``).
         overrides: the Hydra overrides it was composed from.
 
+    Every value that reaches the script is either written into an ``#SBATCH`` line as it is, when sbatch
+    reads it literally (:func:`directive_problem`), or refused; or quoted by :func:`shell_word`, in the
+    executable lines and in the comment that repeats the command: no value starts a line of its own.
+
     Raises:
-        ConfigError: ``run.dir`` or ``submit.job_name`` contains whitespace (not expressible in an
-            ``#SBATCH`` line).
+        ConfigError: a value that an ``#SBATCH`` line cannot hold (:func:`sbatch_options`), naming its
+            setting.
     """
     sub = cfg.submit
     rdir = run_dir(cfg)
-    for key, value in (("run.dir", rdir), ("submit.job_name", str(sub.job_name))):
-        if re.search(r"\s", value):
-            raise ConfigError(f"{key}={value!r} contains whitespace, which #SBATCH lines cannot hold")
+    directives = sbatch_options(cfg)  # (refuses what an #SBATCH line cannot hold)
     args = train_overrides(cfg, overrides)
-    quoted = " ".join(shlex.quote(a) for a in args)
-    srun = " ".join(shlex.quote(o) for o in srun_options(cfg))
-    shown = " ".join(shlex.quote(o) for o in overrides if _key_of(o) != "submit.dry_run")
-    container = " ".join(shlex.quote(o) for o in _container_options(cfg))
+    quoted = " ".join(shell_word(a) for a in args)
+    srun = " ".join(shell_word(o) for o in srun_options(cfg))
+    shown = " ".join(shell_word(o) for o in overrides if _key_of(o) != "submit.dry_run")
+    container = " ".join(shell_word(o) for o in _container_options(cfg))
     if container:
         run_python = [
             "# Python on the batch node runs in the container as well (one task).",
@@ -159,7 +254,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         f"#   k2-submit {shown}".rstrip(),
         "# One task per GPU; every task runs `python -m k2.launcher.train` with the same overrides and the same",
         "# absolute run.dir on every (re)start of the job (never derived from the Slurm job id).",
-        *(f"#SBATCH {a}" for a in sbatch_options(cfg)),
+        *(f"#SBATCH {a}" for a in directives),
         "#",
         f"# Requeue convention: the ranks get USR1 {sub.signal_seconds} s before the time limit (and SIGTERM on",
         "# scancel/requeue/preemption); they agree on a step, save a checkpoint, and exit with status",
@@ -170,7 +265,8 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         "set -euo pipefail",
         "",
         'cd "${K2_WORKDIR:-$SLURM_SUBMIT_DIR}"',
-        f"PYTHON={shlex.quote(interpreter(cfg))}  # submit.python",
+        *site_setup_lines(cfg),
+        f"PYTHON={shell_word(interpreter(cfg))}  # submit.python",
         *run_python,
         "",
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1 || true)"',
@@ -196,7 +292,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
         f"srun {srun} \"$PYTHON\" -m k2.launcher.train {quoted} || rc=$?",
         # srun --kill-on-bad-exit may report a signal instead of 42 when it stops the ranks that had not
         # exited yet; rank 0 writes the marker only after every rank finished the checkpoint
-        f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {shlex.quote(rdir + '/requeue')} ]]; then",
+        f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {shell_word(rdir + '/requeue')} ]]; then",
         '  echo "pretrain.sbatch: the trainer asked for a requeue (exit status $rc); requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
@@ -212,12 +308,15 @@ def check_submittable(cfg) -> int:
     ``#SBATCH --output`` line, and a cluster-size job must name its data.
 
     Raises:
-        ConfigError: ``run.dir`` contains whitespace; ``data.path`` is null (the embedded 18 MB
-            standard-library corpus) for a job of more than one node or with GPUs, without
+        ConfigError: a value that an ``#SBATCH`` line cannot hold (:func:`sbatch_options`: ``run.dir``
+            goes into ``--output``); ``submit.setup`` names no file; ``data.path`` is null (the embedded
+            18 MB standard-library corpus) for a job of more than one node or with GPUs, without
             ``submit.embedded_corpus=true``.
     """
-    if re.search(r"\s", run_dir(cfg)):
-        raise ConfigError(f"run.dir={cfg.run.dir!r} must not contain whitespace (it goes into #SBATCH --output)")
+    sbatch_options(cfg)
+    if cfg.submit.setup is not None and not Path(str(cfg.submit.setup)).is_file():
+        raise ConfigError(f"submit.setup={cfg.submit.setup!r}: no such file here; allowed: the path of a bash file "
+                          "the job sources first, on a file system the nodes see (or null)")
     big = cfg.cluster.nodes > 1 or cfg.submit.request_gpus
     if cfg.data.path is None and cfg.prepare.input is None and big and not cfg.submit.embedded_corpus:
         what = f"{cfg.cluster.nodes} node(s)" + (f" x {cfg.cluster.gpus_per_node} GPUs" if cfg.submit.request_gpus else "")

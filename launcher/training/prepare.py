@@ -53,8 +53,30 @@ class RunPlan:
         again, or ``train.iters`` lowered), else None: such a run starts no rank and exits 0."""
         if self.resume_from is None or self.resume_step < self.steps:
             return None
+        total = self.schedule.total_steps
+        more = (f"train on with a larger train.iters (the schedule runs to step {total}); "
+                if self.steps < total else "")
         return (f"the checkpoint {self.resume_from} is at step {self.resume_step}, the run ends at step "
-                f"{self.steps} (train.iters / the schedule): nothing to do")
+                f"{self.steps} (train.iters / the schedule): nothing to do; {more}to start the run afresh, use a "
+                f"new run.dir (or delete {self.resume_from.parent}, the checkpoints of this one)")
+
+    @property
+    def ends_before_decay(self) -> Optional[str]:
+        """A line for the start of a run that ``train.iters`` stops where the schedule's LR is still above
+        where the schedule ends (e.g. before its decay), else None: the weights of such a run are not those
+        of the schedule's end, which a short test run may mean but a shortened schedule is made for."""
+        total = self.schedule.total_steps
+        if self.steps >= total:
+            return None
+        lr_stop = self.schedule.lr_at(self.steps * self.tokens_per_step)
+        lr_end = self.schedule.lr_at(total * self.tokens_per_step)
+        if lr_stop <= lr_end:
+            return None
+        phase = self.schedule.step_phase(self.steps)
+        return (f"train.iters={self.steps} ends the run at step {self.steps} of the {total} of schedule "
+                f"'{self.schedule.name}', in phase '{phase.name}', at LR {lr_stop:.3g}: the LR does not reach the "
+                f"schedule's end ({lr_end:.3g}); to train a shorter run through its decay, shorten the schedule "
+                "(schedule.phases.*: steps, tokens, until_tokens) instead")
 
     @property
     def layout(self) -> dict:

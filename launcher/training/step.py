@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
+from k2.launcher.progress import moved
 from k2.launcher.training.phase_data import microbatch_iterators
 
 
@@ -96,7 +97,7 @@ def reduce_lm_loss(losses: list) -> tuple[float, int]:
 def evaluate(eval_iters: int, plan, phase, model, forward_backward, valid_ds, dp_rank: int) -> float:
     """Per-token validation loss over ``eval_iters`` (``train.eval_iters``) global batches of ``phase``'s
     shape (the same batches at every evaluation within one context length, so values are comparable
-    across steps). Collective: every rank calls it."""
+    across steps); each batch reports progress to the hang watchdog. Collective: every rank calls it."""
     iters = microbatch_iterators(valid_ds, phase, plan, dp_rank)
     for m in model:
         m.eval()
@@ -107,6 +108,7 @@ def evaluate(eval_iters: int, plan, phase, model, forward_backward, valid_ds, dp
             loss, n = reduce_lm_loss(losses)
             total += loss * n
             tokens += n
+            moved()  # a batch done: a long evaluation is not a hang (k2.launcher.progress)
     for m in model:
         m.train()
     return total / max(tokens, 1)

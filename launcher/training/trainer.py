@@ -292,8 +292,9 @@ class Trainer:
         if self.rank == 0:  # the optimizer of every parameter of the model (all ranks')
             table = format_route_table(route_table(r for rank_routes in self.all_routes for r in rank_routes))
             (self.run_dir / "optimizer_params.txt").write_text(table + "\n")
-            if not start:
-                self.logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}):\n{table}")
+            if not start:  # one line: the table is in the file
+                self.logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}): "
+                                    f"{table.splitlines()[-1]}; per parameter: {self.run_dir / 'optimizer_params.txt'}")
         if start >= plan.steps:
             self.logger.message(f"k2-train: the checkpoint is at step {start}, the run ends at step "
                                 f"{plan.steps} (train.iters / the schedule): nothing to do")

@@ -40,6 +40,7 @@ point ``KIND STEP`` (``step``, ``eval`` or ``save``).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -53,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from k2.launcher.progress import probes_grew, watch
+from k2.launcher.checkpointing.background import in_flight_writer
 from k2.launcher.checkpointing.paths import latest_checkpoint
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
 
@@ -114,6 +117,8 @@ class HangWatchdog:
         self._longest: dict = {}  # kind -> longest seconds a point of that kind took
         self._seq, self._kind, self._step = 0, "start-up", None
         self._since = time.monotonic()
+        self._moved = time.time()  # wall time of this rank's last progress (heartbeats compare ranks)
+        self._watching = contextlib.ExitStack()
         self._allowance = self.startup_timeout_s
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -149,15 +154,18 @@ class HangWatchdog:
         if self._kind != "start-up":
             self._longest[self._kind] = max(self._longest.get(self._kind, 0.0), now - self._since)
         self._seq += 1
-        self._kind, self._step, self._since = kind, step, now
+        self._kind, self._step, self._since, self._moved = kind, step, now, time.time()
         self._allowance = self.allowance(kind)
         if self._seam == (kind, step, self.rank):
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def keep_alive(self) -> None:
-        """The current point is still moving (e.g. a background checkpoint writer wrote more bytes since
-        the last call): its allowance starts again. Not a new point: the sequence number stays."""
+        """The current point is still moving (an evaluation batch done, a background checkpoint writer
+        wrote more bytes since the last call, ...): its allowance starts again, and the heartbeat says
+        when this rank last moved. Not a new point: the sequence number stays. Also the sink of
+        :func:`k2.launcher.progress.moved` while the watchdog runs (any thread may call it)."""
         self._since = time.monotonic()
+        self._moved = time.time()
 
     def allowance(self, kind: str) -> float:
         """Seconds a point of ``kind`` may last before it is a hang (module docstring, "Allowances")."""
@@ -185,6 +193,7 @@ class HangWatchdog:
 
     def start(self) -> "HangWatchdog":
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._watching.enter_context(watch(self.keep_alive))
         self._beat()
         self._thread = threading.Thread(target=self._run, name="k2-hang-watchdog", daemon=True)
         self._thread.start()
@@ -193,6 +202,7 @@ class HangWatchdog:
     def stop(self) -> None:
         """End the thread; remove this rank's heartbeat (and the attempt directory once empty)."""
         self._stop.set()
+        self._watching.close()
         if self._handling:  # the main thread got here through a peer's error: the thread ends the process
             self._thread.join()
         if self._thread is not None:
@@ -207,17 +217,31 @@ class HangWatchdog:
     def _beat(self) -> None:
         _write_json(self.dir / f"rank{self.rank}.json", {
             "rank": self.rank, "host": self.host, "pid": self.pid, "point": self.point(), "seq": self._seq,
-            "alive": time.time()})
+            "alive": time.time(), "moved": self._moved, "writer": in_flight_writer()})
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
+            if probes_grew():  # work this rank waits on (e.g. a library's writer threads) moved
+                self.keep_alive()
             try:
                 self._beat()
             except OSError:
                 pass  # a full or flaky file system: the next tick tries again
             if time.monotonic() - self._since > self._allowance:
+                if self._another_rank_moves():
+                    continue
                 self._handle_hang()
                 return
+
+    def _another_rank_moves(self) -> bool:
+        """This rank's allowance ran out, but no rank is stopped or behind and some rank made progress
+        within the allowance (e.g. rank 0 alone builds a dataset or exports while the others wait for
+        it): not a hang. The heartbeats are read again after :attr:`stale_s`."""
+        beats, now = self.read_heartbeats(), time.time()
+        if self.culprits(beats, now) or not any(now - b.get("moved", 0.0) <= self._allowance for b in beats.values()):
+            return False
+        self._since = time.monotonic() - self._allowance + self.stale_s
+        return True
 
     # ------------------------------------------------------------------ a hang
 
@@ -232,19 +256,37 @@ class HangWatchdog:
         return beats
 
     def culprits(self, beats: dict, now: float) -> dict:
-        """rank -> why it is named: no heartbeat, a stale one, or a point behind the others'."""
+        """rank -> why it is named: no heartbeat, a stale one, or a point behind the others' without
+        progress within the allowance (a rank that is behind but moving is working, not hung). A
+        heartbeat is stale after :attr:`stale_s`, or after the allowance less one tick when that is
+        shorter: a rank stopped when the others stopped moving is named as soon as their allowance ends."""
         top = max((b["seq"] for b in beats.values()), default=0)
         top_point = next((b["point"] for b in beats.values() if b["seq"] == top), "?")
+        stale = min(self.stale_s, max(self._allowance - self.tick_s, self.tick_s))
         out = {}
         for r in range(self.world_size):
             b = beats.get(r)
             if b is None:
                 out[r] = "wrote no heartbeat"
-            elif now - b["alive"] > self.stale_s:  # (wall clocks of NTP-synchronised hosts: skew << stale_s)
+            elif now - b["alive"] > stale:  # (wall clocks of NTP-synchronised hosts: skew << stale_s)
                 out[r] = f"stopped responding (last heartbeat at '{b['point']}'; host {b['host']}, pid {b['pid']})"
-            elif b["seq"] < top:
+            elif b["seq"] < top and now - b.get("moved", 0.0) > self._allowance:
                 out[r] = f"did not reach '{top_point}': still at '{b['point']}' (host {b['host']}, pid {b['pid']})"
         return out
+
+    @staticmethod
+    def writer_notes(beats: dict) -> list[str]:
+        """What the ranks' background checkpoint writers are doing when they are not writing: stopped
+        (SIGSTOP, a debugger) or in uninterruptible I/O (a dead file system), one note per rank."""
+        notes = []
+        for r, b in sorted(beats.items()):
+            w = b.get("writer")
+            if w and w.get("state") in ("T", "t", "D"):
+                what = ("is stopped (SIGSTOP or a debugger)" if w["state"] in ("T", "t") else
+                        "waits in uninterruptible I/O (the file system does not answer)")
+                notes.append(f"rank {r}'s background checkpoint writer (host {b['host']}, pid {w['pid']}) {what} "
+                             f"while writing step {w['step']} into {w['partial']}")
+        return notes
 
     def _handle_hang(self) -> None:
         """Name, dump, report, then -- once every rank's stacks are on disk, so that no peer's connection
@@ -262,7 +304,8 @@ class HangWatchdog:
             doomed = self._write_stacks(beats, named, live)
         except Exception as e:  # noqa: BLE001 - the exit below must happen
             print(f"k2-train: hang watchdog (rank {self.rank}): writing stacks failed: {e}", flush=True)
-        who = "; ".join(f"rank {r} {why}" for r, why in sorted(named.items())) or (
+        notes = [f"rank {r} {why}" for r, why in sorted(named.items())] + self.writer_notes(beats)
+        who = "; ".join(notes) or (
             f"no rank is stopped or behind: every rank waits at '{self.point()}' (a collective that never "
             "completes?)")
 

@@ -44,6 +44,20 @@ def _plan(run_dir: Path, *extra: str):
     return prepare_run(load_config([*RUN, *QUIET, f"run.dir={run_dir}", *extra]), 2)
 
 
+#: one step more than the checkpoints hold: a finished run is "nothing to do" and loads nothing
+ONE_MORE = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]
+
+
+def _resume_in_ranks(run_dir: Path) -> str:
+    """k2-train resuming ``run_dir`` on 2 ranks, which must fail; its output."""
+    args = [*ONE_MORE, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
+    proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
+                          env=trainer_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    return out
+
+
 def _flip_byte(path: Path) -> None:
     """Change one byte in the middle of ``path``, keeping its size."""
     data = bytearray(path.read_bytes())
@@ -147,13 +161,7 @@ def test_flipped_byte_in_a_shard_is_refused_at_resume_by_the_ranks(saved_run, tm
     run_dir, ckpt = _copy(saved_run, tmp_path)
     _flip_byte(ckpt / "__1_0.distcp")
     _plan(run_dir)  # the size check before any process group passes
-    # one step more than the checkpoint holds: a finished run is "nothing to do" and loads nothing
-    more = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=3"]
-    args = [*more, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
-    proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
-                          env=trainer_env(), capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    out = _resume_in_ranks(run_dir)
     line = next((x for x in out.splitlines() if f"checkpoint {ckpt} is damaged" in x), None)
     assert line and line.startswith("k2-train: error: "), out[-3000:]
     assert "__1_0.distcp: content changed" in line, line
@@ -188,3 +196,97 @@ def test_checkpoint_without_manifest_from_an_older_version_is_accepted(saved_run
     (ckpt / "k2_state.json").write_text(json.dumps(state))
     assert is_legacy(ckpt) and verify(ckpt, "checksum") == []
     assert _plan(run_dir).resume_from == ckpt
+
+
+# --- pickled parts that would run code (the manifest rewritten to match) ------------------------------
+
+
+def _payload_pickle(mark: Path) -> bytes:
+    """Pickle opcodes that call ``os.system("touch <mark>")`` and discard the result (protocol 0: GLOBAL,
+    MARK, STRING, TUPLE, REDUCE, POP), to go in front of a real pickle stream."""
+    return b"cposix\nsystem\n(" + f"S'touch {mark}'\n".encode() + b"tR0"
+
+
+class _Payload:
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.mark}",)
+
+
+def _rewrite_manifest(ckpt: Path) -> None:
+    """What whoever can write the directory can do: a manifest that matches the files as they are."""
+    from k2.launcher.checkpointing.manifest import checkpoint_files, file_entries, verify, write_manifest
+
+    write_manifest(ckpt, file_entries(ckpt, checkpoint_files(ckpt)))
+    assert verify(ckpt, "checksum") == []
+
+
+def _export_refusal(capsys, ckpt: Path, out: Path) -> str:
+    from k2.launcher import convert
+
+    assert convert.main(["export", f"checkpoint={ckpt}", f"out={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"k2-convert: error: checkpoint {ckpt} is refused: "), err
+    assert not out.exists()
+    return err
+
+
+def test_a_payload_in_dot_metadata_with_a_rewritten_manifest_is_refused_by_resume_and_export(
+        saved_run, tmp_path, capsys):
+    """DCP's .metadata with a call of os.system in front of the real metadata (plain pickle.load would run
+    it and go on to load the checkpoint normally) and the manifest rewritten to match: k2-train refuses it
+    in one line before any rank starts, k2-convert export too, and the command never ran."""
+    from k2.launcher.train import main
+
+    run_dir, ckpt = _copy(saved_run, tmp_path)
+    mark = tmp_path / "PWNED"
+    meta = ckpt / ".metadata"
+    meta.write_bytes(_payload_pickle(mark) + meta.read_bytes())
+    _rewrite_manifest(ckpt)
+    assert main([*ONE_MORE, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"k2-train: error: checkpoint {ckpt} is refused: "), err
+    assert ".metadata: it names posix.system" in err[0] and "spawning" not in out.out, err
+    _export_refusal(capsys, ckpt, tmp_path / "hf")
+    assert not mark.exists()
+
+
+def test_a_payload_in_a_pickled_object_of_a_shard_is_refused_by_the_ranks_and_by_export(saved_run, tmp_path, capsys):
+    """Rank 1's RNG state (a torch.save payload inside __1_0.distcp) replaced by one that calls os.system,
+    .metadata pointing at it (with DCP's own classes only) and the manifest rewritten: the ranks refuse it
+    before the model is built, rank 0 in one line; k2-convert export refuses it too; the command never ran."""
+    import dataclasses
+    import io
+    import pickle
+
+    import torch
+
+    run_dir, ckpt = _copy(saved_run, tmp_path)
+    mark = tmp_path / "PWNED"
+    buf = io.BytesIO()
+    torch.save([_Payload(mark)], buf)
+    shard = ckpt / "__1_0.distcp"
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())  # (a test's own, trusted file)
+    index = next(i for i in meta.storage_data if i.fqn.startswith("rng_state/") and
+                 meta.storage_data[i].relative_path == shard.name)
+    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], offset=offset,
+                                                   length=len(buf.getvalue()))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    _rewrite_manifest(ckpt)
+    _plan(run_dir)  # .metadata itself is clean: no refusal before the ranks start
+    out = _resume_in_ranks(run_dir)
+    lines = [x for x in out.splitlines() if "is refused" in x]
+    assert len(lines) == 1 and lines[0].startswith(f"k2-train: error: checkpoint {ckpt} is refused: "), out[-3000:]
+    assert f"__1_0.distcp (the object {index.fqn}): it names posix.system" in lines[0], lines[0]
+    assert json.loads((ckpt / "k2_state.json").read_text())["step"] == 2  # nothing was trained or saved
+    err = _export_refusal(capsys, ckpt, tmp_path / "hf")
+    assert "it names posix.system" in err
+    assert not mark.exists()

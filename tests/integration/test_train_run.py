@@ -31,6 +31,11 @@ def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
     assert (first["step"], first["consumed_tokens"], first["seq_length"]) == (0, 0, 128)
     assert 7.5 < first["val_loss"] < 9  # ~ln 4096 = 8.32 at init
     text = out.read_text()
+    # the optimizer of every parameter: one line at the start, the table in a file
+    opt = [x for x in text.splitlines() if x.startswith("optimizer adamw")]
+    assert opt == [f"optimizer adamw (qk_clip_tau=None): elements: adamw {opt[0].split('adamw ')[-1].split(';')[0]}; "
+                   f"per parameter: {run_dir / 'optimizer_params.txt'}"], text[:3000]
+    assert "orthogonalised" not in text and "orthogonalised" in (run_dir / "optimizer_params.txt").read_text()
     summary = text[text.index("k2-train: done: "):]
     assert "4 steps run (1..4) of 4, 4,096 tokens in total" in summary and "s wall time" in summary
     assert f"final val_loss {recs[-1]['val_loss']:.4f}" in summary

@@ -213,6 +213,8 @@ def test_finished_run_run_again_is_nothing_to_do(tmp_path, capsys, monkeypatch, 
     assert train.main([f"run.dir={run_dir}", *overrides]) == 0
     out = capsys.readouterr().out
     assert f"checkpoint {ck} is at step {step}, the run ends at step {step}" in out and "nothing to do" in out
+    assert f"to start the run afresh, use a new run.dir (or delete {ck.parent}, the checkpoints of this one)" in out
+    assert ("train on with a larger train.iters (the schedule runs to step 300)" in out) == (step < 300), out
 
     plan = _plan([f"run.dir={run_dir}", *overrides])
     t = trainer.Trainer.__new__(trainer.Trainer)
@@ -220,3 +222,17 @@ def test_finished_run_run_again_is_nothing_to_do(tmp_path, capsys, monkeypatch, 
     consumed = step * plan.tokens_per_step
     t.state = SimpleNamespace(step=step, scheduler=SimpleNamespace(consumed_tokens=consumed))
     assert t._phase_after_restore() is plan.schedule.step_phase(step)
+
+
+def test_train_iters_that_stop_before_the_decay_are_said_at_the_start(tmp_path, capsys, monkeypatch):
+    """train.iters=10 of tiny_wsd's 300 steps: the run stops in warmup, far from the decayed LR; k2-train
+    says so in one line before training (a short test run may mean it). The whole schedule: no line."""
+    from k2.launcher import train
+    from k2.launcher.training import trainer
+
+    monkeypatch.setattr(trainer, "run", lambda *a, **k: {})
+    assert train.main([f"run.dir={tmp_path / 'run'}", "train.iters=10"]) == 0
+    out = capsys.readouterr().out
+    assert ("k2-train: note: train.iters=10 ends the run at step 10 of the 300 of schedule 'tiny_wsd', in phase "
+            "'warmup', at LR 0.0015: the LR does not reach the schedule's end (0.000105)") in out, out
+    assert _plan([f"run.dir={tmp_path / 'other'}"]).ends_before_decay is None

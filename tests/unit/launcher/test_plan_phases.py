@@ -44,6 +44,8 @@ def _pp_rank_by_megatron(dims) -> dict[int, int]:
 
 
 def test_every_running_phase_has_a_row_and_host_per_node():
+    from k2.launcher.planning.analysis import gpu_memory_gib
+
     cfg, dims, a = _analyse(TINY_CPU4)
     assert [row["phase"] for row in a["phases"]] == ["warmup", "stable", "decay", "anneal_128", "anneal_512"]
     pp_of = _pp_rank_by_megatron(dims)
@@ -64,7 +66,7 @@ def test_every_running_phase_has_a_row_and_host_per_node():
         assert a["staged_pinned_ratio"] >= 1 and all(g.host_pinned >= g.host for g in mem)
         assert row["device_peak_bytes"] == pytest.approx(max(g.params + g.grads + g.optimizer + g.activations
                                                              + g.transient + g.reserved for g in mem))
-        assert row["fits_gpu"] == (row["device_peak_bytes"] <= cfg.cluster.gpu_memory_gib * gib)
+        assert row["fits_gpu"] == (row["device_peak_bytes"] <= gpu_memory_gib(cfg) * gib)
         assert row["fits_host"] == (row["host_bytes_per_node"] <= cfg.cluster.host_memory_gib * gib)
         assert row["memory"]["recompute"] == sorted(cfg.memory.recompute)
         by_ctx[row["seq_length"]] = row
@@ -138,3 +140,13 @@ def test_small_cluster_sweeps_fit(size, nodes):
     assert (plan["world_size"], plan["nodes"], plan["params"]["num_experts"]) == (8 * nodes, nodes, 384)
     assert plan["fits"] and all(r["fits"] for r in plan["phases"])
     assert plan["memory_per_gpu_bytes"]["total"] < 80 * 2**30
+
+
+def test_the_hardware_profile_sets_the_gpu_memory_it_plans_with():
+    """plan.hardware=h200 plans an H200's memory, with K2's recipe too; h800 (the default) an 80 GiB
+    GPU's; cluster.gpu_memory_gib set by hand still wins."""
+    gib = lambda ov: _plan(ov)["cluster"]["gpu_memory_gib"]  # noqa: E731
+    assert gib(TINY_CPU4 + ["plan.hardware=h200"]) == 141.0
+    assert gib(["model=kimi_k2", "parallel=k2_256gpu", "plan.hardware=h200"]) == 141.0
+    assert gib(TINY_CPU4) == 80.0
+    assert gib(TINY_CPU4 + ["plan.hardware=h200", "cluster.gpu_memory_gib=96"]) == 96.0

@@ -296,6 +296,8 @@ def test_bad_record_is_named_with_file_and_line_or_skipped(tmp_path, docs, token
     (lambda d: (d / "x.parquet").write_bytes(b"PAR1 not parquet"), "", ["cannot read", "x.parquet"]),
     (lambda d: (d / "x.csv").write_text("a,b\n"), "", ["x.csv", "not of a known format"]),
     (lambda d: None, "", ["matches no file"]),
+    (lambda d: os.mkfifo(d / "x.jsonl"), "", ["x.jsonl is a FIFO (named pipe), not a regular file",
+                                               "write the stream into a file first"]),
     (lambda d: (d / "x.jsonl").write_text("\n\n"), "", ["prepare.input holds no document (1 file: ", "x.jsonl"]),
     (lambda d: (d / "x.jsonl").write_text('{"text": ""}\n'), "", ["holds no document", "1 empty texts"]),
     (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'), "prepare.workers=0", ["prepare.workers=0"]),

@@ -373,3 +373,53 @@ def test_every_sbatch_option_set_is_refused_in_extra_args():
     for name in SBATCH_OPTIONS_SET:
         with pytest.raises(ConfigError, match=f"k2-submit sets {name} itself"):
             load_config([f"submit.extra_args=['{name}=1']"])
+
+
+def test_site_setup_is_sourced_and_env_exported_before_anything_runs(tmp_path):
+    """submit.setup (module loads, an environment) is sourced first, with set -u off (module scripts read
+    unset variables); submit.env is exported after it; srun sees both. A missing file or a bad variable
+    name is refused naming the setting."""
+    from k2.config import ConfigError
+    from k2.launcher.tools.sbatch import check_submittable
+
+    log = tmp_path / "calls.log"
+    setup = tmp_path / "site.sh"
+    setup.write_text(f'echo "setup $UNSET_BY_SITE" >> {log}\nexport K2_SITE_MODULE=cuda-13\n')
+    ov = [*ONE_GPU, f"run.dir={tmp_path}/run", f"submit.setup={setup}", "+submit.env.NCCL_SOCKET_IFNAME=ib0",
+          "+submit.env.K2_QUOTED='a b;$(x)'"]
+    check_submittable(load_config(ov))
+    r, calls = _run_script(tmp_path, ov, 0)
+    assert r.returncode == 0, r.stderr
+    lines = calls.splitlines()
+    assert lines[0] == "setup " and any(ln.startswith("srun ") for ln in lines[1:]), calls
+    d = tmp_path / "bin"
+    (d / "srun").write_text(f'#!/bin/sh\necho "srun $K2_SITE_MODULE $NCCL_SOCKET_IFNAME $K2_QUOTED" >> {log}\n')
+    log.write_text("")
+    script = tmp_path / "pretrain.sbatch"
+    subprocess.run(["bash", str(script)], env={"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path),
+                                               "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n", "SLURM_JOB_NUM_NODES": "1"},
+                   capture_output=True, text=True, timeout=30)
+    assert "srun cuda-13 ib0 a b;$(x)" in log.read_text().splitlines(), log.read_text()
+    with pytest.raises(ConfigError, match="submit.setup='/nope/site.sh': no such file"):
+        check_submittable(load_config([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.setup=/nope/site.sh"]))
+    from omegaconf import OmegaConf
+
+    from k2.config.validate import check_submit
+
+    bad = {**OmegaConf.to_container(load_config([]).submit), "env": {"A-B": "x"}}  # (Hydra refuses it already)
+    with pytest.raises(ConfigError, match="submit.env.A-B: not an environment variable name"):
+        check_submit(OmegaConf.create(bad))
+
+
+def test_k2_submit_notes_the_defaults_a_new_user_should_check(capsys, monkeypatch, tmp_path):
+    """The interpreter written into the script (a path of this machine), no partition / account, the 24 h
+    default: each a note on stderr; set explicitly, no note."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 0
+    err = capsys.readouterr().err
+    assert f"k2-submit: note: the job runs {sys.executable} (the Python running k2-submit): it must exist" in err
+    assert "no submit.partition / submit.account: Slurm's default for your user applies" in err
+    assert "time limit 24:00:00 (the default submit.time" in err
+    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true", "submit.python=/x/python",
+                        "submit.partition=p", "submit.account=a", "submit.time=2:00:00"]) == 0
+    assert "note:" not in capsys.readouterr().err

@@ -91,3 +91,142 @@ def test_bad_settings_name_the_key():
         load_config(["run.hang_timeout_s=0"])
     with pytest.raises(ConfigError, match="run.hang_startup_timeout_s"):
         load_config(["run.hang_startup_timeout_s=-1"])
+
+
+def _run_thread(dog, seconds: float) -> list:
+    """Start ``dog``'s thread (its exit recorded, not taken), let it run ``seconds``, stop it."""
+    exits = []
+    dog._exit = exits.append
+    dog._kill_children = lambda: None
+    dog.start()
+    time.sleep(seconds)
+    dog.stop()
+    return exits
+
+
+def test_progress_inside_a_point_is_not_a_hang_and_a_point_without_it_is(tmp_path):
+    """A point (an evaluation) longer than its allowance whose batches report progress (k2.launcher.progress,
+    as evaluate() does per batch) is not a hang; the same point without progress is, after its allowance."""
+    from k2.launcher.progress import moved
+
+    dog = _dog(tmp_path, timeout_s=1.0, world=1)
+    dog.startup_timeout_s = 1.0
+    dog._allowance = 1.0
+    exits = []
+    dog._exit = exits.append
+    dog._kill_children = lambda: None
+    dog.start()
+    dog.progress("eval", 3)
+    for _ in range(30):  # 3 s of batches, 0.1 s each: 3x the allowance
+        time.sleep(0.1)
+        moved()
+    assert exits == [] and dog.report is None
+    time.sleep(2.5)  # the batches stop: a hang within the allowance plus a tick or two
+    dog.stop()
+    assert exits == [42] and "no progress for 1 s at 'eval 3'" in dog.report, dog.report
+
+
+def test_a_growing_probe_is_progress(tmp_path):
+    """Work the rank waits on in a library (a synchronous save's writer threads): the bytes of its files
+    grow (k2.launcher.progress.measured), which keeps the point alive."""
+    from k2.launcher.progress import measured
+
+    dog = _dog(tmp_path, timeout_s=1.0, world=1)
+    dog.startup_timeout_s = dog._allowance = 1.0
+    written = [0]
+
+    def grow():
+        written[0] += 1
+        return written[0]
+
+    with measured(grow):
+        exits = _run_thread(dog, 3.0)
+    assert exits == [] and dog.report is None
+
+
+def test_waiting_ranks_are_not_hung_while_another_rank_moves(tmp_path):
+    """This rank's allowance ran out (it waits in a collective), but rank 1 -- at the same point, not
+    stopped -- made progress within the allowance (it builds a dataset the others wait for): not a hang.
+    Rank 1 stops moving: a hang that says every rank waits. Rank 1 behind but moving is not named."""
+    dog = _dog(tmp_path, timeout_s=10)
+    dog._allowance = 10.0
+    now = 1000.0
+    beats = {0: {"seq": 3, "point": "phase 4", "alive": now, "moved": now - 30, "host": "h", "pid": 1},
+             1: {"seq": 3, "point": "phase 4", "alive": now, "moved": now - 2, "host": "h", "pid": 2}}
+    dog.read_heartbeats = lambda: beats
+    time_now = time.time
+    try:
+        time.time = lambda: now
+        assert dog.culprits(beats, now) == {} and dog._another_rank_moves()
+        beats[1]["moved"] = now - 20
+        assert not dog._another_rank_moves()
+        beats[1].update(seq=2, point="step 4", moved=now - 1)  # behind, but moving: working, not hung
+        assert dog.culprits(beats, now) == {}
+        beats[1]["moved"] = now - 20
+        assert list(dog.culprits(beats, now)) == [1]
+    finally:
+        time.time = time_now
+
+
+def test_a_rank_stopped_as_the_others_stop_moving_is_named_when_their_allowance_ends(tmp_path):
+    """run.hang_timeout_s=5 (a tick of 0.5 s): the others' allowance ends 5 s after their last progress,
+    when the stopped rank's last heartbeat is about as old; it is named then, not reported as a rank
+    that waits like the others."""
+    dog = _dog(tmp_path, timeout_s=5)
+    dog._allowance = 5.0
+    now = 1000.0
+    beats = {0: {"seq": 9, "point": "eval 6", "alive": now, "moved": now - 5.2, "host": "h", "pid": 1},
+             1: {"seq": 9, "point": "eval 6", "alive": now - 4.8, "moved": now - 5.3, "host": "h", "pid": 2}}
+    assert list(dog.culprits(beats, now)) == [1]
+
+
+def test_a_stopped_background_writer_is_named(tmp_path):
+    beats = {0: {"seq": 5, "point": "save 4", "alive": 1.0, "host": "n1", "pid": 10,
+                 "writer": {"pid": 11, "step": 4, "partial": "/r/checkpoints/iter_0000004.partial", "state": "T"}},
+             1: {"seq": 5, "point": "save 4", "alive": 1.0, "host": "n1", "pid": 12,
+                 "writer": {"pid": 13, "step": 4, "partial": "/r/checkpoints/iter_0000004.partial", "state": "S"}}}
+    assert HangWatchdog.writer_notes(beats) == [
+        "rank 0's background checkpoint writer (host n1, pid 11) is stopped (SIGSTOP or a debugger) while "
+        "writing step 4 into /r/checkpoints/iter_0000004.partial"]
+
+
+def test_a_checkpoint_load_reports_progress_per_object_through_the_allow_list(tmp_path):
+    """A DCP load under load_progress() reports every tensor and object it reads (the hang watchdog's
+    progress of a load), and under restricted_unpickling() the pickled parts -- .metadata and an object
+    holding a NumPy array, as megatron's RNG state does -- load through the allow-list."""
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from k2.launcher.checkpointing.load_progress import load_progress
+    from k2.launcher.checkpointing.unpickle import restricted_unpickling
+    from k2.launcher.progress import watch
+
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(5)}
+    state["rng"] = {"numpy": np.random.RandomState(3).get_state(), "step": 7}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    target = {k: torch.zeros(4) for k in state if k != "rng"} | {"rng": {"numpy": None, "step": 0}}
+    moves = []
+    with watch(lambda: moves.append(1)), restricted_unpickling(), load_progress():
+        dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(target["w4"], state["w4"]) and target["rng"]["step"] == 7
+    assert np.array_equal(target["rng"]["numpy"][1], state["rng"]["numpy"][1])
+    assert len(moves) >= 6  # five tensors and the object (or its parts)
+    # an object that would call a function when unpickled: refused by the load itself, never called
+    mark = tmp_path / "PWNED"
+    dcp.save({"evil": _Calls(mark)}, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    with restricted_unpickling(), pytest.raises(BaseException) as e:  # (DCP's CheckpointException)
+        dcp.load({"evil": None}, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    causes = [exc for exc, _ in getattr(e.value, "failures", {}).values()] or [e.value]
+    assert any("GLOBAL posix.system" in str(c) for c in causes), causes
+    assert not mark.exists()
+
+
+class _Calls:
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.mark}",)
