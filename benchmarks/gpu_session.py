@@ -21,6 +21,9 @@ Steps:
   by tests/integration/test_checkpoint.py on cpu4 with shared-memory buffers.)
 * ``watchdog``: a run whose second save's writer stops (``SIGSTOP``: no bytes written, no CPU, as on a
   dead file system): the hang watchdog ends it with 42, names ``save 2`` and leaves the requeue marker.
+* ``ep_overlap``: ``pipeline.ep_overlap`` on one device (:func:`step_ep_overlap`): megatron's combined
+  1F1B with the communication stream, the layer scopes across its nodes and the deferred wgrads, against
+  the plain schedule; one device has no EP peer, so nothing is hidden or timed.
 * ``plan``: k2-plan for the same configuration on one GPU (and, on CPU, for the GPU mode's configuration:
   a check that it is valid before a device runs it).
 * ``summary``: every step's figures and the checks, ``$OUT/summary.json``, and one line per check.
@@ -206,6 +209,52 @@ def step_watchdog() -> None:
                         "requeue_marker": marker.read_text().strip() if marker.exists() else None})
 
 
+def step_train_overlap(mode: str) -> None:
+    """One k2-train run of ``ep_overlap`` (``mode``: on / off) in this process: megatron's combined-1F1B
+    schedule forced on with EP = 1 (its rule, and ours, want EP >= 2; with one rank megatron's all-to-all
+    returns its input), so that the schedule's nodes, the communication CUDA stream and its events, the
+    layer scopes across nodes (FP8 storage, offload on their own streams) and the deferred wgrads at the
+    nodes' ``backward_dw`` run on the device; ``pipeline.trace`` records its pairs."""
+    from k2.config import validate
+    from k2.launcher import train
+
+    if mode == "on":
+        from megatron.core.models.common import utils as plan_utils
+
+        validate.check_ep_overlap = lambda cfg: None  # (the EP >= 2 rule: one GPU holds one EP rank)
+        # megatron frees a dispatch node's input once its all-to-all has copied it; with EP = 1 the all-to-all
+        # returns its input, which the free would empty under the experts: keep the inputs (memory only)
+        plan_utils.should_free_input = lambda *args, **kwargs: False
+    d = run_dir(f"overlap_{mode}")
+    args = [*overrides(), "train.iters=3", "train.save_interval=null", "train.spike.action=log",
+            "optim.offload_fraction=0", "pipeline.decouple_wgrad=true", f"pipeline.ep_overlap={str(mode == 'on').lower()}",
+            f"pipeline.trace={d / 'trace'}", f"run.dir={d}"]
+    rc = train.main(args)
+    _write(f"train_overlap_{mode}", {"rc": rc, "overrides": args, "metrics": _metrics(d)})
+    sys.exit(rc)
+
+
+def step_ep_overlap() -> None:
+    """``pipeline.ep_overlap`` on one device (:func:`step_train_overlap`, each run a child process): both
+    runs finish, the overlapped one ran megatron's 1F1B pairs, and their losses agree (bitwise on CPU).
+    What one device cannot run: an all-to-all between EP ranks (NCCL needs a GPU per rank), so nothing is
+    hidden here and no overlap is timed; ``k2-bench bench=ep_overlap`` measures it on CPU over a shaped
+    link."""
+    runs = {}
+    for mode in ("off", "on"):
+        p = subprocess.run([sys.executable, __file__, "train_overlap", mode], capture_output=True, text=True)
+        runs[mode] = {**_load(f"train_overlap_{mode}"), "child_rc": p.returncode}
+    from k2.schedules.pipeline_trace import read_trace
+
+    trace = run_dir("overlap_on") / "trace"
+    pairs = sum(1 for evs in read_trace(str(trace)).values() for e in evs
+                if e["kind"] == "pair" and e["f"] and e["b"]) if trace.is_dir() else 0
+    losses = {m: [r["loss"] for r in runs[m].get("metrics", [])] for m in runs}
+    _write("ep_overlap", {"rc": [runs[m]["child_rc"] for m in runs], "pairs": pairs, "losses": losses,
+                          "max_relative_difference": max((abs(a - b) / abs(a) for a, b in zip(*losses.values())),
+                                                         default=None)})
+
+
 def _checkpoint_tensors(ckpt: Path) -> dict:
     """Every tensor of a torch_dist checkpoint but the RNG states, read without a process group."""
     import torch
@@ -269,7 +318,7 @@ def _checks() -> dict:
     """Each check of the session: True, False, or None when its step left no figures."""
     asy, syn, res = _load("train_async"), _load("train_sync"), _load("train_resume")
     recs = {r["step"]: r for r in asy.get("metrics", [])}
-    cmp_, wd = _load("compare"), _load("watchdog")
+    cmp_, wd, ov = _load("compare"), _load("watchdog"), _load("ep_overlap")
     tol = 0.0 if TINY else 1e-2  # CPU: bitwise; GPU: atomics make repeated runs differ a little
     ck = cmp_.get("checkpoints") or {}
     resume = cmp_.get("resume") or {}
@@ -284,6 +333,9 @@ def _checks() -> dict:
         "resume_matches": all(v["reference"] is not None
                               and abs(v["loss"] - v["reference"]) <= tol * abs(v["reference"])
                               for v in resume.values()) if resume else None,
+        "ep_overlap_same_losses": (ov.get("rc") == [0, 0] and ov.get("pairs", 0) > 0
+                                   and len(ov["losses"]["on"]) == 3
+                                   and ov["max_relative_difference"] <= tol) if ov else None,
         "watchdog_requeue_42": (wd.get("rc") == 42 and str(wd.get("requeue_marker", "")).startswith("hang")
                                 and any(f"save {HUNG}" in x for x in wd.get("hang_lines", []))) if wd else None,
     }
@@ -303,7 +355,8 @@ def step_summary() -> None:
                   "context_and_libraries_gib": (mem["device_used_now"] - mem["reserved_now"]) / 2**30}
         if mem.get("pinned_host_peak") is not None and plan.get("host_bytes_per_gpu_peak"):
             ratios["pinned_host_measured_over_planned"] = mem["pinned_host_peak"] / plan["host_bytes_per_gpu_peak"]
-    steps = {n: _load(n) for n in ("env", "train_async", "train_sync", "train_resume", "compare", "watchdog", "plan",
+    steps = {n: _load(n) for n in ("env", "train_async", "train_sync", "train_resume", "compare", "watchdog",
+                                   "ep_overlap", "plan",
                                    "bench_attention", "bench_hardware", "bench_step")}
     checks = _checks()
     summary = {"tiny": TINY, "checks": checks, "memory": ratios,
@@ -332,6 +385,7 @@ def main(argv: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(REPO)]
     steps = {"env": step_env, "train": lambda: step_train(argv[1]), "watchdog": step_watchdog,
+             "train_overlap": lambda: step_train_overlap(argv[1]), "ep_overlap": step_ep_overlap,
              "compare": step_compare, "plan": step_plan, "summary": step_summary}
     if not argv or argv[0] not in steps:
         sys.exit(f"usage: gpu_session.py {{{'|'.join(steps)}}} [async|sync|resume|watchdog]")

@@ -11,6 +11,8 @@
 #   train_resume   from train_async's step-2 checkpoint
 #   compare        async vs sync checkpoints tensor by tensor, resumed vs uninterrupted losses
 #   watchdog       a held background save ended by the hang watchdog with 42 (requeue)
+#   ep_overlap     pipeline.ep_overlap (megatron's combined 1F1B, the communication CUDA stream) against the
+#                  plain schedule, 3 steps each; one GPU has no EP peer: nothing hidden, nothing timed
 #   plan           k2-plan of the same config on one GPU: measured peak memory over planned (summary)
 #   bench_attention, bench_hardware, bench_step   k2-bench on CUDA: K2's attention shape (torch and Triton
 #                  max-logit passes); this GPU's profile for k2-plan ($OUT/h200_measured.yaml: compare with
@@ -78,6 +80,7 @@ step train_sync 120 $PY $G train sync
 step train_resume 100 $PY $G train resume
 step compare 60 $PY $G compare
 step watchdog 90 $PY $G watchdog
+step ep_overlap 120 $PY $G ep_overlap
 step plan 60 $PY $G plan
 if [ "$TINY" = 1 ]; then
     bench bench_attention 60 bench=attention bench.options.devices=cpu bench.options.seq_length=64 \

@@ -108,7 +108,9 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
         from k2.launcher.training.trainer import run
 
     apply_determinism(cfg)
+    import torch.distributed as dist
 
+    caller_group = dist.is_initialized()  # a process group that was here before (a test's) stays as it was
     try:
         record = run(cfg, plan, env)
     except TrainingDiverged as e:  # every rank stops at the same step; one line says why
@@ -123,7 +125,8 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
             error(PROG, e)
         return 1
     finally:
-        destroy_distributed()
+        if not caller_group:
+            destroy_distributed()
     if record.get("preempted") and not env.spawned_by_k2_train:
         return REQUEUE_EXIT_CODE
     # ranks spawned by k2-train exit 0 after a preemption save, so that their launcher does not take the

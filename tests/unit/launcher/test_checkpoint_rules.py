@@ -236,3 +236,18 @@ def test_train_iters_that_stop_before_the_decay_are_said_at_the_start(tmp_path, 
     assert ("k2-train: note: train.iters=10 ends the run at step 10 of the 300 of schedule 'tiny_wsd', in phase "
             "'warmup', at LR 0.0015: the LR does not reach the schedule's end (0.000105)") in out, out
     assert _plan([f"run.dir={tmp_path / 'other'}"]).ends_before_decay is None
+
+
+def test_k2_train_leaves_a_callers_process_group_as_it_was(megatron_world1, tmp_path, monkeypatch):
+    """k2-train's entry called in a process that already has a process group and megatron's parallel state
+    (a test's session world) tears down only what it created: a test that ran it in-process left the next
+    tests of its worker without megatron's groups ("pipeline_model parallel group is not initialized")."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from k2.launcher import train
+    from k2.launcher.training import trainer
+
+    monkeypatch.setattr(trainer, "run", lambda *a, **k: {})
+    assert train.main([f"run.dir={tmp_path / 'run'}", "train.iters=2"]) == 0
+    assert dist.is_initialized() and ps.model_parallel_is_initialized()
