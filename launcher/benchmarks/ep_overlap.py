@@ -246,7 +246,9 @@ def bench_ep_overlap(cfg) -> dict[str, Any]:
 
             prepare_stdlib_corpus(run_cfg.data, progress=False, verbose=False)
         with ShapedLink(o["number"]) as link:
-            with OperatorRanks(2) as ranks:  # (the link's figures replace the collectives' below)
+            # (the operators measured on this benchmark's model; the link's figures replace the collectives')
+            with OperatorRanks(2, [f"model.num_layers={o['num_layers']}",
+                                   f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}"]) as ranks:
                 coll = {"collective_gbps": 1.0, "p2p_gbps": 1.0, "latency_us": 0.0}
                 device = device_profile(2, 1, o["repeats"], ranks, coll)["profile"]
             calibration: dict = {}

@@ -222,9 +222,10 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
     return out
 
 
-def build_case():
+def build_case(model_overrides=()):
     """The main job's model, its DDP wrapper and optimizer as ``k2-train`` builds them (``k2_tiny``,
-    ``parallel=single``, FP32, AdamW, sequential experts) on a one-rank world; returns ``(case,
+    ``parallel=single``, FP32, AdamW, sequential experts; ``model_overrides``: settings of another member of
+    the family, e.g. ``bench=ep_overlap``'s wider experts) on a one-rank world; returns ``(case,
     teardown)`` (release the case, then call ``teardown``)."""
     from k2.launcher.benchmarks import step as step_bench
     from k2.launcher.benchmarks.common import one_rank_world
@@ -236,17 +237,17 @@ def build_case():
     o = dict(step_bench.DEFAULTS, size="tiny", precision="fp32", seq_length=128, microbatches=8,
              micro_batch_size=2, memory="none")
     case = build_k2(o, ["model=k2_tiny", "train.precision=fp32", "run.wandb.mode=disabled", "parallel=single",
-                        "train.micro_batch_size=2"], ["optim=adamw", "model.moe_grouped_gemm=false"])
+                        "train.micro_batch_size=2", *model_overrides], ["optim=adamw", "model.moe_grouped_gemm=false"])
     case.step()
     return case, teardown
 
 
-def _rank_worker(conn) -> None:
+def _rank_worker(conn, model_overrides=()) -> None:
     """One measuring process: builds the case once, then serves ``("ops", threads, rates, repeats)`` (the
     operator figures with ``threads`` threads), ``("call", fn)`` (``fn(case)``) and ``("stop",)``."""
     import torch
 
-    case, teardown = build_case()
+    case, teardown = build_case(model_overrides)
     try:
         conn.send("ready")
         while True:
@@ -270,16 +271,16 @@ class OperatorRanks:
     """``ranks`` processes with the main job's model built in each (:func:`build_case`), which measure the
     per-operator cost at the same time: the share of the CPU each of that many trainer ranks gets (two
     ranks of ``parallel=pp2`` contend for the cores as its two trainer processes do). Close with
-    :meth:`close` (or use as a context manager)."""
+    :meth:`close` (or use as a context manager). ``model_overrides``: :func:`build_case`'s."""
 
-    def __init__(self, ranks: int):
+    def __init__(self, ranks: int, model_overrides=()):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for _ in range(ranks):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_worker, args=(child,), daemon=True)
+            proc = ctx.Process(target=_rank_worker, args=(child, tuple(model_overrides)), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
