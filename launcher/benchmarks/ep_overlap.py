@@ -96,6 +96,7 @@ def _train(link: ShapedLink, o: dict, run_dir: Path, overlap: bool) -> dict[str,
     traces = read_trace(str(run_dir / "trace"))
     steps = [r["step"] for r in recs]
     return {"step_s": [r["step_time_s"] for r in recs], "loss": [r["loss"] for r in recs],
+            "pass_s": [max(_pass_s(ev, s) for ev in traces.values()) for s in steps],
             "exposed_s": [max(_exposed(ev, s) for ev in traces.values()) for s in steps],
             "compute_s": [max(_pass_s(ev, s) - _exposed(ev, s) for ev in traces.values()) for s in steps],
             "a2a_bytes": [max(_a2a_bytes(ev, s) for ev in traces.values()) for s in steps],
@@ -192,7 +193,7 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
     for r in range(o["rounds"]):
         for overlap in (False, True):
             runs[overlap].append(_train(link, o, tmp / f"{rate:g}-r{r}-{'on' if overlap else 'off'}", overlap))
-    med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s")}
+    med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s", "pass_s")}
            for ov in runs}
     profile = _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml")
     p = _predicted(o, profile)
@@ -205,6 +206,10 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
         "exposed_cut": 1 - on["exposed_s"] / off["exposed_s"] if off["exposed_s"] > 0 else 0.0,
         "predicted_off_s": pred[False]["step_s"], "predicted_on_s": pred[True]["step_s"],
         "predicted_exposed_a2a_off_s": pred[False]["exposed_a2a_s"], "predicted_exposed_a2a_on_s": pred[True]["exposed_a2a_s"],
+        # the forward-backward pass alone (the rest of a step: the DP gradient reduction over the same link,
+        # the optimizer, the trainer's bookkeeping)
+        "pass_off_s": off["pass_s"], "pass_on_s": on["pass_s"],
+        "predicted_pass_off_s": pred[False]["pass_s"], "predicted_pass_on_s": pred[True]["pass_s"],
         "predicted_over_measured_off": pred[False]["step_s"] / off["step_s"],
         "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
         "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),
