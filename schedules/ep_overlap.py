@@ -235,6 +235,88 @@ def _wrap_layer_callables(layer, funcs: list) -> list:
     return [None if f is None else wrap(i, f) for i, f in enumerate(funcs)]
 
 
+def _combined(*args, **kwargs):
+    h = _ACTIVE
+    if h is None:
+        return _ORIG["combined"](*args, **kwargs)
+    return h.combined_step(_ORIG["combined"], *args, **kwargs)
+
+
+def _build(layer):
+    funcs, bwd_dw = _ORIG["build"](layer)
+    return _wrap_layer_callables(layer, list(funcs)), bwd_dw
+
+
+def _backward_impl(node, outputs, output_grad):
+    h = _ACTIVE
+    run = lambda: _ORIG["backward_impl"](node, outputs, output_grad)  # noqa: E731
+    if h is None or h.pipeline.trace is None or node.name in COMM_NODES:
+        return run()
+    return h.compute_node("backward", node, run)
+
+
+def _backward_dw(node):
+    h = _ACTIVE
+    if h is None or h.pipeline.store is None:
+        return _ORIG["backward_dw"](node)
+    return h.backward_dw(node)
+
+
+def _named(what, orig):
+    """``orig`` (a dispatcher method) with ``what`` ("dispatch"/"combine") and the layer set for the
+    all-to-alls it runs."""
+    def call(self, *args, **kwargs):
+        prev = getattr(_CTX, "what", None), getattr(_CTX, "layer", None)
+        _CTX.what, _CTX.layer = what, getattr(self, "_k2_layer_number", None)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            _CTX.what, _CTX.layer = prev
+    return call
+
+
+def _traced_a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream=False):
+    a2a_forward = _ORIG["a2a_forward"].__func__
+    what = getattr(_CTX, "what", None)
+    direction = "backward" if getattr(_CTX, "backward", False) else "forward"
+    ctx.k2_what, ctx.k2_layer = what, getattr(_CTX, "layer", None)
+    h = _ACTIVE
+    if h is None or h.pipeline.trace is None:
+        return a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream)
+    token = _current_token(what, direction)
+    start = time.time()
+    out = a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream)
+    h.a2a(token, start, time.time(), _nbytes(input), inline=getattr(_CTX, "token", None) is None)
+    return out
+
+
+def _traced_a2a_backward(ctx, *grad_output):
+    prev = (getattr(_CTX, "what", None), getattr(_CTX, "layer", None), getattr(_CTX, "backward", False))
+    _CTX.what, _CTX.layer, _CTX.backward = getattr(ctx, "k2_what", None), getattr(ctx, "k2_layer", None), True
+    try:
+        return _ORIG["a2a_backward"].__func__(ctx, *grad_output)
+    finally:
+        _CTX.what, _CTX.layer, _CTX.backward = prev
+
+
+def _chunk_part(orig):
+    """The embedding (pre_process) or the output layer and loss (post_process), traced as compute."""
+    def call(node, *args):
+        h = _ACTIVE
+        if h is None or h.pipeline.trace is None:
+            return orig(node, *args)
+        return h.compute_node("forward", node, lambda: orig(node, *args))
+    return call
+
+
+def _default_backward(node, outputs, output_grad):
+    h = _ACTIVE
+    run = lambda: _ORIG["default_backward"](node, outputs, output_grad)  # noqa: E731
+    if h is None or h.pipeline.trace is None or node.name not in ("pre_process", "post_process"):
+        return run()
+    return h.compute_node("backward", node, run)
+
+
 def install_patches() -> None:
     """Route megatron-core's combined-1F1B calls through the active :class:`OverlapHooks` (pass-through
     when none is active; the layer scopes always): ``combined_1f1b.combined_forward_backward_step``,
@@ -260,90 +342,17 @@ def install_patches() -> None:
                  token_combine=MoEAlltoAllTokenDispatcher.token_combine,
                  pre_process=PreProcessNode.forward_impl, post_process=PostProcessNode.forward_impl,
                  default_backward=ScheduleNode.default_backward_func)
-
-    def combined(*args, **kwargs):
-        h = _ACTIVE
-        if h is None:
-            return _ORIG["combined"](*args, **kwargs)
-        return h.combined_step(_ORIG["combined"], *args, **kwargs)
-
-    def build(layer):
-        funcs, bwd_dw = _ORIG["build"](layer)
-        return _wrap_layer_callables(layer, list(funcs)), bwd_dw
-
-    def backward_impl(node, outputs, output_grad):
-        h = _ACTIVE
-        run = lambda: _ORIG["backward_impl"](node, outputs, output_grad)  # noqa: E731
-        if h is None or h.pipeline.trace is None or node.name in COMM_NODES:
-            return run()
-        return h.compute_node("backward", node, run)
-
-    def backward_dw(node):
-        h = _ACTIVE
-        if h is None or h.pipeline.store is None:
-            return _ORIG["backward_dw"](node)
-        return h.backward_dw(node)
-
-    def named(what, orig):
-        def call(self, *args, **kwargs):
-            prev = getattr(_CTX, "what", None), getattr(_CTX, "layer", None)
-            _CTX.what, _CTX.layer = what, getattr(self, "_k2_layer_number", None)
-            try:
-                return orig(self, *args, **kwargs)
-            finally:
-                _CTX.what, _CTX.layer = prev
-        return call
-
-    a2a_forward = _ORIG["a2a_forward"].__func__
-    a2a_backward = _ORIG["a2a_backward"].__func__
-
-    def traced_a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream=False):
-        what = getattr(_CTX, "what", None)
-        direction = "backward" if getattr(_CTX, "backward", False) else "forward"
-        ctx.k2_what, ctx.k2_layer = what, getattr(_CTX, "layer", None)
-        h = _ACTIVE
-        if h is None or h.pipeline.trace is None:
-            return a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream)
-        token = _current_token(what, direction)
-        start = time.time()
-        out = a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream)
-        h.a2a(token, start, time.time(), _nbytes(input), inline=getattr(_CTX, "token", None) is None)
-        return out
-
-    def traced_a2a_backward(ctx, *grad_output):
-        prev = (getattr(_CTX, "what", None), getattr(_CTX, "layer", None), getattr(_CTX, "backward", False))
-        _CTX.what, _CTX.layer, _CTX.backward = getattr(ctx, "k2_what", None), getattr(ctx, "k2_layer", None), True
-        try:
-            return a2a_backward(ctx, *grad_output)
-        finally:
-            _CTX.what, _CTX.layer, _CTX.backward = prev
-
-    def chunk_part(orig):  # the embedding (pre_process) / the output layer and loss (post_process)
-        def call(node, *args):
-            h = _ACTIVE
-            if h is None or h.pipeline.trace is None:
-                return orig(node, *args)
-            return h.compute_node("forward", node, lambda: orig(node, *args))
-        return call
-
-    def default_backward(node, outputs, output_grad):
-        h = _ACTIVE
-        run = lambda: _ORIG["default_backward"](node, outputs, output_grad)  # noqa: E731
-        if h is None or h.pipeline.trace is None or node.name not in ("pre_process", "post_process"):
-            return run()
-        return h.compute_node("backward", node, run)
-
-    combined_1f1b.combined_forward_backward_step = combined
-    fgc.build_layer_callables = build
-    PreProcessNode.forward_impl = chunk_part(_ORIG["pre_process"])
-    PostProcessNode.forward_impl = chunk_part(_ORIG["post_process"])
-    ScheduleNode.default_backward_func = default_backward
-    TransformerLayerNode.backward_impl = backward_impl
-    TransformerLayerNode.backward_dw = backward_dw
-    _AllToAll.forward = staticmethod(traced_a2a_forward)
-    _AllToAll.backward = staticmethod(traced_a2a_backward)
-    MoEAlltoAllTokenDispatcher.token_dispatch = named("dispatch", _ORIG["token_dispatch"])
-    MoEAlltoAllTokenDispatcher.token_combine = named("combine", _ORIG["token_combine"])
+    combined_1f1b.combined_forward_backward_step = _combined
+    fgc.build_layer_callables = _build
+    PreProcessNode.forward_impl = _chunk_part(_ORIG["pre_process"])
+    PostProcessNode.forward_impl = _chunk_part(_ORIG["post_process"])
+    ScheduleNode.default_backward_func = _default_backward
+    TransformerLayerNode.backward_impl = _backward_impl
+    TransformerLayerNode.backward_dw = _backward_dw
+    _AllToAll.forward = staticmethod(_traced_a2a_forward)
+    _AllToAll.backward = staticmethod(_traced_a2a_backward)
+    MoEAlltoAllTokenDispatcher.token_dispatch = _named("dispatch", _ORIG["token_dispatch"])
+    MoEAlltoAllTokenDispatcher.token_combine = _named("combine", _ORIG["token_combine"])
 
 
 def uninstall_patches() -> None:

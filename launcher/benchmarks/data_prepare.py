@@ -221,8 +221,6 @@ def bench_data(cfg) -> dict[str, Any]:
     if o["corpus_mb"] <= 0:
         raise ConfigError(f"bench.options.corpus_mb={o['corpus_mb']} must be > 0")
 
-    from k2.config.load import load_config
-    from k2.launcher.datasets.preprocess import prepare_corpus
     from k2.launcher.datasets.tokenizer import train_byte_level_bpe
     docs = stdlib_docstrings()
     with tempfile.TemporaryDirectory(prefix="k2-bench-data-") as tmp:
@@ -233,56 +231,18 @@ def bench_data(cfg) -> dict[str, Any]:
         inp = root / "corpus.jsonl"
         n_docs = write_jsonl_corpus(inp, o["corpus_mb"], docs)
         texts = [json.loads(line)["text"] for line in inp.open(encoding="utf-8")]
-
-        def raw(method: str) -> tuple[float, float, int]:
-            """(s, CPU-s, tokens) of ``tok.<method>`` over every text, as ``RAW_METHODS`` says."""
-            t0, c0 = time.perf_counter(), _cpu_s()
-            if method == "encode_batch":  # one call; its result is freed after the clock stops
-                enc = tok.encode_batch(texts, add_special_tokens=False)
-                dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
-                return dt, cpu, sum(map(len, enc))
-            size, n = int(o["chunk_documents"]), 0
-            for i in range(0, len(texts), size):  # as k2-data calls it: batch by batch, each freed
-                n += sum(map(len, tok.encode_batch_fast(texts[i:i + size], add_special_tokens=False)))
-            return time.perf_counter() - t0, _cpu_s() - c0, n
-
-        def build(w: int) -> tuple[float, float, int]:
-            out_dir = Path(tempfile.mkdtemp(prefix=f"out_w{w}_", dir=root))  # (a fresh one each round)
-            c = load_config(_prepare_args(inp, out_dir / "c", tok_path, w, int(o["chunk_documents"]),
-                                          int(o["vocab_size"])))
-            t0, c0 = time.perf_counter(), _cpu_s()
-            out = prepare_corpus(c, log=lambda s: None)
-            dt, cpu = time.perf_counter() - t0, _cpu_s() - c0  # (the workers are reaped by then)
-            shutil.rmtree(out_dir)
-            return dt, cpu, out.manifest["tokens"] - out.manifest["documents"]  # (EOD tokens left out)
-
         workers = sorted({1, int(o["workers"])})
-        sides = {**{m: functools.partial(raw, m) for m in RAW_METHODS},
-                 **{w: functools.partial(build, w) for w in workers}}
+        sides = {**{m: functools.partial(_raw_encode, tok, texts, m, int(o["chunk_documents"]))
+                    for m in RAW_METHODS},
+                 **{w: functools.partial(_timed_build, o, root, inp, tok_path, w) for w in workers}}
         runs: dict[Any, list] = {k: [] for k in sides}
         for _ in range(int(o["repeats"])):
             for k, fn in sides.items():
                 runs[k].append(fn())
-        tokens = runs["encode_batch"][0][2]
-        for k, rs in runs.items():  # every side counts the same tokens
-            assert all(t == tokens for _, _, t in rs), (k, [t for _, _, t in rs], tokens)
-        med = {k: (statistics.median(d for d, _, _ in rs), statistics.median(c for _, c, _ in rs))
-               for k, rs in runs.items()}
-        figures: dict[str, Any] = {"corpus_bytes": inp.stat().st_size, "documents": n_docs, "tokens": tokens,
-                                   "cpu_count": os.cpu_count(), "repeats": int(o["repeats"])}
-        for m in RAW_METHODS:
-            figures[f"raw_{m}_tokens_per_s"] = tokens / med[m][0]
-            figures[f"raw_{m}_s"] = [round(d, 4) for d, _, _ in runs[m]]
-            figures[f"raw_{m}_tokens_per_cpu_s"] = tokens / med[m][1]
-        for w in workers:
-            dt, cpu = med[w]
-            figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
-            figures[f"k2_data_workers{w}_s"] = [round(d, 4) for d, _, _ in runs[w]]
-            figures[f"k2_data_workers{w}_over_raw"] = med["encode_batch"][0] / dt
-            figures[f"k2_data_workers{w}_over_raw_fast"] = med["encode_batch_fast"][0] / dt
-            # CPU seconds (this process and its workers): what other load on a shared machine changes least
-            figures[f"k2_data_workers{w}_tokens_per_cpu_s"] = tokens / cpu
-            figures[f"k2_data_workers{w}_cpu_over_raw"] = med["encode_batch"][1] / cpu
+        rates = _rate_figures(runs, workers)
+        figures: dict[str, Any] = {"corpus_bytes": inp.stat().st_size, "documents": n_docs,
+                                   "tokens": rates["tokens"], "cpu_count": os.cpu_count(),
+                                   "repeats": int(o["repeats"]), **rates}
         if o["rss_mb"] > 0:  # memory: a streamed build of a corpus 4x larger uses no more memory
             rss = {}
             for mult in (1, 4):
@@ -295,4 +255,57 @@ def bench_data(cfg) -> dict[str, Any]:
             figures["rss_growth_for_4x_corpus"] = rss[4][1] / rss[1][1]
         if o["memory_limit_mb"] > 0:
             figures["memory_limited"] = _limited_build(o, root, docs, tok_path)
+    return figures
+
+
+def _raw_encode(tok, texts: list, method: str, chunk_documents: int) -> tuple[float, float, int]:
+    """(s, CPU-s, tokens) of ``tok.<method>`` over every text, as ``RAW_METHODS`` says."""
+    t0, c0 = time.perf_counter(), _cpu_s()
+    if method == "encode_batch":  # one call; its result is freed after the clock stops
+        enc = tok.encode_batch(texts, add_special_tokens=False)
+        dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
+        return dt, cpu, sum(map(len, enc))
+    n = 0
+    for i in range(0, len(texts), chunk_documents):  # as k2-data calls it: batch by batch, each freed
+        n += sum(map(len, tok.encode_batch_fast(texts[i:i + chunk_documents], add_special_tokens=False)))
+    return time.perf_counter() - t0, _cpu_s() - c0, n
+
+
+def _timed_build(o: dict, root: Path, inp: Path, tok_path: Path, w: int) -> tuple[float, float, int]:
+    """(s, CPU-s, tokens without the EOD ones) of ``k2-data prepare`` with ``w`` workers, into a fresh
+    directory each call."""
+    from k2.config.load import load_config
+    from k2.launcher.datasets.preprocess import prepare_corpus
+
+    out_dir = Path(tempfile.mkdtemp(prefix=f"out_w{w}_", dir=root))
+    c = load_config(_prepare_args(inp, out_dir / "c", tok_path, w, int(o["chunk_documents"]),
+                                  int(o["vocab_size"])))
+    t0, c0 = time.perf_counter(), _cpu_s()
+    out = prepare_corpus(c, log=lambda s: None)
+    dt, cpu = time.perf_counter() - t0, _cpu_s() - c0  # (the workers are reaped by then)
+    shutil.rmtree(out_dir)
+    return dt, cpu, out.manifest["tokens"] - out.manifest["documents"]
+
+
+def _rate_figures(runs: dict, workers: list) -> dict[str, Any]:
+    """Tokens/s and tokens/CPU-s of each side (medians over the rounds), k2-data's over the raw encode."""
+    tokens = runs["encode_batch"][0][2]
+    for k, rs in runs.items():  # every side counts the same tokens
+        assert all(t == tokens for _, _, t in rs), (k, [t for _, _, t in rs], tokens)
+    med = {k: (statistics.median(d for d, _, _ in rs), statistics.median(c for _, c, _ in rs))
+           for k, rs in runs.items()}
+    figures: dict[str, Any] = {"tokens": tokens}
+    for m in RAW_METHODS:
+        figures[f"raw_{m}_tokens_per_s"] = tokens / med[m][0]
+        figures[f"raw_{m}_s"] = [round(d, 4) for d, _, _ in runs[m]]
+        figures[f"raw_{m}_tokens_per_cpu_s"] = tokens / med[m][1]
+    for w in workers:
+        dt, cpu = med[w]
+        figures[f"k2_data_workers{w}_tokens_per_s"] = tokens / dt
+        figures[f"k2_data_workers{w}_s"] = [round(d, 4) for d, _, _ in runs[w]]
+        figures[f"k2_data_workers{w}_over_raw"] = med["encode_batch"][0] / dt
+        figures[f"k2_data_workers{w}_over_raw_fast"] = med["encode_batch_fast"][0] / dt
+        # CPU seconds (this process and its workers): what other load on a shared machine changes least
+        figures[f"k2_data_workers{w}_tokens_per_cpu_s"] = tokens / cpu
+        figures[f"k2_data_workers{w}_cpu_over_raw"] = med["encode_batch"][1] / cpu
     return figures

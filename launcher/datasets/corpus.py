@@ -238,16 +238,9 @@ def _remove_leftovers(cache_dir: str, name: str) -> None:
 
 
 def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbose, t0) -> dict:
-    from tqdm import tqdm
-
     cache_dir, name = os.path.split(directory)
     vocab_size = expected["vocab_size"]
-    is_valid = [_is_valid_doc(rel, expected["valid_fraction"]) for rel in files]
-    if not any(is_valid):  # tiny corpora: hold out the file with the smallest score
-        is_valid[min(range(len(files)), key=lambda i: _valid_score(files[i]))] = True
-    if all(is_valid):
-        is_valid[max(range(len(files)), key=lambda i: _valid_score(files[i]))] = False
-
+    is_valid = _held_out(files, expected["valid_fraction"])
     tmp = os.path.join(cache_dir, f".{name}.tmp-{os.getpid()}")
     os.makedirs(tmp)
     try:
@@ -260,73 +253,97 @@ def _build_corpus(directory, src, files, texts, utf8, expected, progress, verbos
         train_texts = [t for t, v in zip(texts, is_valid) if not v]
         tok = train_byte_level_bpe(train_texts, vocab_size, length=len(train_texts))
         # (encode_special_tokens is on: a literal "<|endoftext|>" in a source file is text, not a boundary)
-        tok_path = os.path.join(tmp, "tokenizer.json")
-        tok.save(tok_path)
-        eod = tok.token_to_id(EOD_TOKEN)
-        pad = tok.token_to_id(PAD_TOKEN)
+        tok.save(os.path.join(tmp, "tokenizer.json"))
         dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
-
-        writers = {s: IndexedDatasetWriter(os.path.join(tmp, s), dtype) for s in ("train", "valid")}
-        doc_files = {"train": [], "valid": []}
-        tokens = {"train": 0, "valid": 0}
-        with tqdm(
-            total=len(files), unit="doc", desc="k2-data: tokenize", disable=not progress,
-            file=sys.stderr, dynamic_ncols=True,
-        ) as bar:
-            for lo in range(0, len(files), _ENCODE_CHUNK):
-                hi = min(lo + _ENCODE_CHUNK, len(files))
-                for i, ids in zip(range(lo, hi), _encode_chunk(tok, texts[lo:hi])):
-                    split = "valid" if is_valid[i] else "train"
-                    arr = np.asarray(ids + [eod], dtype=dtype)
-                    writers[split].add_documents(arr, np.array([arr.size]))
-                    doc_files[split].append(files[i])
-                    tokens[split] += int(arr.size)
-                bar.update(hi - lo)
-                bar.set_postfix(tokens=f"{tokens['train'] + tokens['valid']:,}")
-                moved()  # (for the hang watchdog: rank 0 builds the corpus while the others wait)
-        for w in writers.values():
-            w.finalize()
-
-        import tokenizers
-
-        outputs = {
-            n: {"bytes": os.path.getsize(os.path.join(tmp, n))}
-            for n in ("tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx")
-        }
-        manifest = {
-            **expected,
-            "corpus": "python-stdlib",
-            "stdlib_dir": src,
-            "tokenizer_vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "eod_token": EOD_TOKEN,
-            "eod_id": eod,
-            "pad_token": PAD_TOKEN,
-            "pad_id": pad,
-            "token_dtype": np.dtype(dtype).name,
-            "tokenizers_version": tokenizers.__version__,
-            "file_count": len(files),
-            "documents": {s: len(v) for s, v in doc_files.items()},
-            "tokens": tokens,
-            "non_utf8_files": [f for f, ok in zip(files, utf8) if not ok],
-            "files": doc_files,  # in .bin document order
-            "outputs": outputs,
-            "build_seconds": round(time.time() - t0, 2),
-        }
+        doc_files, tokens = _write_splits(tmp, tok, dtype, files, texts, is_valid, progress)
+        manifest = _manifest(tmp, expected, src, tok, dtype, files, utf8, doc_files, tokens, t0)
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
             f.write("\n")
-
-        # swap into place: an old (mismatching) directory is moved aside first, then deleted
-        old = None
-        if os.path.exists(directory):
-            old = os.path.join(cache_dir, f".{name}.old-{os.getpid()}")
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        _swap_into_place(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if verbose:
         print(f"k2-data: built {directory} in {time.time() - t0:.1f} s", flush=True)
     return manifest
+
+
+def _held_out(files: list, valid_fraction: float) -> list:
+    """Per file, whether it goes to the validation split (at least one file each way)."""
+    is_valid = [_is_valid_doc(rel, valid_fraction) for rel in files]
+    if not any(is_valid):  # tiny corpora: hold out the file with the smallest score
+        is_valid[min(range(len(files)), key=lambda i: _valid_score(files[i]))] = True
+    if all(is_valid):
+        is_valid[max(range(len(files)), key=lambda i: _valid_score(files[i]))] = False
+    return is_valid
+
+
+def _write_splits(tmp, tok, dtype, files, texts, is_valid, progress) -> tuple:
+    """Tokenize every document (EOD appended) into ``train`` / ``valid`` ``.bin``/``.idx`` under ``tmp``;
+    returns (files per split in document order, tokens per split)."""
+    from tqdm import tqdm
+
+    eod = tok.token_to_id(EOD_TOKEN)
+    writers = {s: IndexedDatasetWriter(os.path.join(tmp, s), dtype) for s in ("train", "valid")}
+    doc_files = {"train": [], "valid": []}
+    tokens = {"train": 0, "valid": 0}
+    with tqdm(
+        total=len(files), unit="doc", desc="k2-data: tokenize", disable=not progress,
+        file=sys.stderr, dynamic_ncols=True,
+    ) as bar:
+        for lo in range(0, len(files), _ENCODE_CHUNK):
+            hi = min(lo + _ENCODE_CHUNK, len(files))
+            for i, ids in zip(range(lo, hi), _encode_chunk(tok, texts[lo:hi])):
+                split = "valid" if is_valid[i] else "train"
+                arr = np.asarray(ids + [eod], dtype=dtype)
+                writers[split].add_documents(arr, np.array([arr.size]))
+                doc_files[split].append(files[i])
+                tokens[split] += int(arr.size)
+            bar.update(hi - lo)
+            bar.set_postfix(tokens=f"{tokens['train'] + tokens['valid']:,}")
+            moved()  # (for the hang watchdog: rank 0 builds the corpus while the others wait)
+    for w in writers.values():
+        w.finalize()
+    return doc_files, tokens
+
+
+def _manifest(tmp, expected, src, tok, dtype, files, utf8, doc_files, tokens, t0) -> dict:
+    """The corpus's ``manifest.json``: the settings it was built with, the tokenizer, counts, outputs."""
+    import tokenizers
+
+    outputs = {
+        n: {"bytes": os.path.getsize(os.path.join(tmp, n))}
+        for n in ("tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx")
+    }
+    return {
+        **expected,
+        "corpus": "python-stdlib",
+        "stdlib_dir": src,
+        "tokenizer_vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "eod_token": EOD_TOKEN,
+        "eod_id": tok.token_to_id(EOD_TOKEN),
+        "pad_token": PAD_TOKEN,
+        "pad_id": tok.token_to_id(PAD_TOKEN),
+        "token_dtype": np.dtype(dtype).name,
+        "tokenizers_version": tokenizers.__version__,
+        "file_count": len(files),
+        "documents": {s: len(v) for s, v in doc_files.items()},
+        "tokens": tokens,
+        "non_utf8_files": [f for f, ok in zip(files, utf8) if not ok],
+        "files": doc_files,  # in .bin document order
+        "outputs": outputs,
+        "build_seconds": round(time.time() - t0, 2),
+    }
+
+
+def _swap_into_place(tmp: str, directory: str) -> None:
+    """Rename ``tmp`` to ``directory``; an old (mismatching) directory is moved aside first, then deleted."""
+    cache_dir, name = os.path.split(directory)
+    old = None
+    if os.path.exists(directory):
+        old = os.path.join(cache_dir, f".{name}.old-{os.getpid()}")
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

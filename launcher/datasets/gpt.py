@@ -62,8 +62,30 @@ def build_datasets(
     """
     import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset
 
+    _check_inputs(resolved, seq_length, train_samples, valid_samples)
+    config = _dataset_config(resolved, seq_length, seed, create_attention_mask)
+    sizes = [int(train_samples), None if valid_samples is None else int(valid_samples), 0]
+
+    os.makedirs(resolved.index_cache_dir, exist_ok=True)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
+    # Independent runs that share index_cache_dir (two runs, the points of a sweep as concurrent jobs)
+    # must not write the same index files at once: megatron writes them with numpy.save (not atomic) and
+    # another run would read a half-written file. The writer holds a file lock: without torch.distributed
+    # the process; with it, global rank 0, which writes while the other ranks wait at megatron's barrier
+    # and then only read what it wrote.
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    lock = (file_lock(os.path.join(resolved.index_cache_dir, ".build.lock"))
+            if not distributed or torch.distributed.get_rank() == 0 else contextlib.nullcontext())
+    with lock:
+        train_ds, valid_ds, _ = builder.build()  # with torch.distributed: rank 0 first, barrier, the rest
+    _check_built(resolved, seq_length, train_ds, valid_ds)
+    return train_ds, valid_ds
+
+
+def _check_inputs(resolved: ResolvedData, seq_length: int, train_samples: int, valid_samples) -> None:
+    """The errors :func:`build_datasets` raises before megatron builds anything."""
     if int(seq_length) <= 0 or int(train_samples) <= 0:
         raise ValueError(f"seq_length ({seq_length}) and train_samples ({train_samples}) must be > 0")
     if resolved.embedded:
@@ -79,41 +101,33 @@ def build_datasets(
     if valid_samples is None and valid_weighted:
         raise ValueError("valid_samples=None (one pass) needs an unweighted validation blend")
 
-    tokenizer = HFTokenizer(resolved.tokenizer_path)
+
+def _dataset_config(resolved: ResolvedData, seq_length: int, seed: int, create_attention_mask: bool):
+    """megatron's ``GPTDatasetConfig``: ``blend_per_split`` with separate validation data, else
+    ``blend`` + ``split`` without a test split."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
     common = dict(
         random_seed=int(seed),
         sequence_length=int(seq_length),
         path_to_cache=resolved.index_cache_dir,
         mmap_bin_files=True,
-        tokenizer=tokenizer,
+        tokenizer=HFTokenizer(resolved.tokenizer_path),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=create_attention_mask,
     )
     if resolved.valid_blend is not None:
-        config = GPTDatasetConfig(
-            blend_per_split=[resolved.train_blend, resolved.valid_blend, None], **common
-        )
-    else:
-        config = GPTDatasetConfig(blend=resolved.train_blend, split=resolved.split, **common)
-        # never build the test split (the builder would otherwise index it with size 0)
-        config.split_matrix = [config.split_matrix[0], config.split_matrix[1], None]
-    sizes = [int(train_samples), None if valid_samples is None else int(valid_samples), 0]
+        return GPTDatasetConfig(blend_per_split=[resolved.train_blend, resolved.valid_blend, None], **common)
+    config = GPTDatasetConfig(blend=resolved.train_blend, split=resolved.split, **common)
+    # never build the test split (the builder would otherwise index it with size 0)
+    config.split_matrix = [config.split_matrix[0], config.split_matrix[1], None]
+    return config
 
-    os.makedirs(resolved.index_cache_dir, exist_ok=True)
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
-    # Independent runs that share index_cache_dir (two runs, the points of a sweep as concurrent jobs)
-    # must not write the same index files at once: megatron writes them with numpy.save (not atomic) and
-    # another run would read a half-written file. The writer holds a file lock: without torch.distributed
-    # the process; with it, global rank 0, which writes while the other ranks wait at megatron's barrier
-    # and then only read what it wrote.
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    lock = (file_lock(os.path.join(resolved.index_cache_dir, ".build.lock"))
-            if not distributed or torch.distributed.get_rank() == 0 else contextlib.nullcontext())
-    with lock:
-        train_ds, valid_ds, _ = builder.build()  # with torch.distributed: rank 0 first, barrier, the rest
 
+def _check_built(resolved: ResolvedData, seq_length: int, train_ds, valid_ds) -> None:
+    """Refuse splits that yield no sample, naming the setting that holds their data."""
     where = "data.path" if not resolved.embedded else "the embedded corpus"
     if train_ds is None or len(train_ds) == 0:
         raise ConfigError(f"{where} yields no training sample of seq_length={seq_length} tokens "
@@ -128,4 +142,3 @@ def build_datasets(
             f"tokens, so it yields no validation sample; lower the schedule phase's seq_length or "
             f"enlarge {setting}"
         )
-    return train_ds, valid_ds

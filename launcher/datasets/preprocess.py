@@ -225,6 +225,21 @@ def _load_chunk(work: str, k: int) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------- the build
 
 
+
+def _tokenizer_entry(tok, path: str, *, trained: bool) -> dict:
+    """The manifest's ``tokenizer`` entry: where it is, its sha256, vocab size and EOD, who made it."""
+    import tokenizers
+
+    return {
+        "path": path,
+        "sha256": tok.unique_identifiers["sha256"],
+        "vocab_size": tok.vocab_size,
+        "eod_id": tok.eod,
+        "eod_token": tok.eod_token,
+        "trained": trained,
+        "tokenizers_version": tokenizers.__version__,
+    }
+
 def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
                    log: Callable[[str], None] = lambda s: print(s, flush=True)) -> PreparedCorpus:
     """Tokenize ``prepare.input`` into megatron indexed datasets at ``prepare.output`` (or reuse them).
@@ -284,8 +299,6 @@ def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
             raise ConfigError(f"prepare.input holds no document ({_files_named(files)}"
                               f"{f'; {n_bad} bad records skipped' if n_bad else ''}"
                               f"{f'; {n_empty} empty texts' if n_empty else ''})")
-        import tokenizers
-
         manifest = {
             "key": key,
             "documents": documents,
@@ -293,15 +306,8 @@ def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
             "empty_documents_skipped": n_empty,
             "bad_records": {"policy": str(p.bad_records), "count": n_bad, "first": bad_list},
             "inputs": key["inputs"],
-            "tokenizer": {
-                "path": tok_path if user_tok is not None else prefix + ".tokenizer.json",
-                "sha256": tok.unique_identifiers["sha256"],
-                "vocab_size": tok.vocab_size,
-                "eod_id": tok.eod,
-                "eod_token": tok.eod_token,
-                "trained": user_tok is None,
-                "tokenizers_version": tokenizers.__version__,
-            },
+            "tokenizer": _tokenizer_entry(tok, tok_path if user_tok is not None else prefix + ".tokenizer.json",
+                                          trained=user_tok is None),
             "token_dtype": np.dtype(dtype).name,
             "datasets": datasets,
             "outputs": outputs,

@@ -317,22 +317,45 @@ def resolve_data(cfg: Any) -> ResolvedData:
         _check_prefixes(valid_blend, "data.valid_path", stats, dtypes)
         split = None
     else:
-        vec = _parse_split(data.split)
-        split = ",".join(f"{x:g}" for x in vec)
-        total = sum(vec)
-        beg, end = vec[0] / total, (vec[0] + vec[1]) / total
-        for p in train_blend[0]:  # megatron slices each prefix's documents by the split bookends
-            n = stats[p][0]
-            if int(round(beg * n)) == 0:
-                raise ConfigError(
-                    f"data.split={data.split!r} leaves no training documents in '{p}' ({n} documents)"
-                )
-            if vec[1] > 0 and int(round(end * n)) - int(round(beg * n)) == 0:
-                raise ConfigError(
-                    f"data.split={data.split!r} leaves no validation documents in '{p}' ({n} "
-                    f"documents); raise the valid share or give data.valid_path"
-                )
+        split = _checked_split(data.split, train_blend, stats)
+    tok_path, tok_vocab = _check_tokenizer(data, model_vocab, train_blend, valid_blend, dtypes)
+    return ResolvedData(
+        train_blend=train_blend,
+        valid_blend=valid_blend,
+        split=split,
+        tokenizer_path=tok_path,
+        tokenizer_vocab_size=tok_vocab,
+        index_cache_dir=index_cache_dir,
+        embedded=False,
+        stats=stats,
+    )
 
+
+
+def _checked_split(split_setting, train_blend, stats: dict) -> str:
+    """``data.split`` as megatron's split string, refused where it leaves a prefix without training (or,
+    with a validation share, validation) documents: megatron slices each prefix's documents by the
+    split's bookends."""
+    vec = _parse_split(split_setting)
+    total = sum(vec)
+    beg, end = vec[0] / total, (vec[0] + vec[1]) / total
+    for p in train_blend[0]:
+        n = stats[p][0]
+        if int(round(beg * n)) == 0:
+            raise ConfigError(
+                f"data.split={split_setting!r} leaves no training documents in '{p}' ({n} documents)"
+            )
+        if vec[1] > 0 and int(round(end * n)) - int(round(beg * n)) == 0:
+            raise ConfigError(
+                f"data.split={split_setting!r} leaves no validation documents in '{p}' ({n} "
+                f"documents); raise the valid share or give data.valid_path"
+            )
+    return ",".join(f"{x:g}" for x in vec)
+
+
+def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: dict) -> tuple[str, int]:
+    """Load ``data.tokenizer`` and check that it built every prefix and holds every token id read;
+    returns (its path, its vocab size)."""
     if data.tokenizer is None:
         raise ConfigError(
             "data.tokenizer is null but data.path is set: give the tokenizer.json that produced the "
@@ -345,17 +368,7 @@ def resolve_data(cfg: Any) -> ResolvedData:
         for p in (blend or ([], None))[0]:
             _check_build_tokenizer(p, key, tok_path, tok.unique_identifiers["sha256"], manifests)
             check_token_ids(p + ".bin", dtypes[p], tok.vocab_size, f"data.tokenizer {tok_path} ({key})")
-    return ResolvedData(
-        train_blend=train_blend,
-        valid_blend=valid_blend,
-        split=split,
-        tokenizer_path=tok_path,
-        tokenizer_vocab_size=tok.vocab_size,
-        index_cache_dir=index_cache_dir,
-        embedded=False,
-        stats=stats,
-    )
-
+    return tok_path, tok.vocab_size
 
 # --------------------------------------------------------------------------- per schedule phase
 
