@@ -8,7 +8,8 @@ Settings (``memory.*``, docs/k2_reference.md "Training system"; the lists are th
 
 Each rank builds one model per setting with the trainer's own builder
 (:func:`k2.launcher.training.setup.setup`: ``k2.model.build``, megatron DDP, the optimizer of ``optim.name``),
-runs megatron's interleaved 1F1B schedule with ``k2.launcher.training.step.forward_step``, same initial weights, synthetic tokens; runs ``warmup`` untimed steps each, then ``steps`` timed steps
+runs megatron's interleaved 1F1B schedule with ``k2.launcher.training.step.forward_step``, same initial weights,
+synthetic tokens; runs ``warmup`` untimed steps each, then ``steps`` timed steps
 round-robin over the settings (median reported; a change of machine load hits all alike), then one step
 each in which every microbatch forward runs inside a :class:`k2.model.saved_bytes_meter.SavedBytesMeter`: what
 the saved-tensor hooks hold after each layer's forward (kept tensors by storage, FP8 tiles, host copies;

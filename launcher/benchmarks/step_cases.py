@@ -144,7 +144,8 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
     _seed(o)
     parts = setup(cfg, dims, resolve_schedule(cfg), memory=MemoryOptions.from_config(cfg),
                   init=lambda chunks, tcfg: _init(chunks, tcfg, o))
-    tcfg, chunks, model, optimizer, clip = parts.tcfg, parts.chunks, parts.model, parts.optimizer, parts.qk_clip
+    tcfg, chunks, model, optimizer = parts.tcfg, parts.chunks, parts.model, parts.optimizer
+    clip = parts.qk_clip
     for g in optimizer.param_groups:
         g["lr"] = o["lr"]  # (no LR scheduler here)
     dev = next(chunks[0].parameters()).device

@@ -11,8 +11,8 @@ the order that matters is written once (Megatron-Bridge's ``setup()`` / ``SetupO
 3. every parameter's optimizer route (:func:`k2.optim.params.tag_parameters`), decided *before* DDP lays
    out its ZeRO-1 buffers, because MuonClip's matrices get buffers of their own;
 4. the pipeline hooks (decoupled weight gradients are set up before DDP registers its grad hooks);
-5. megatron's DDP, then the optimizer of ``optim.name`` (:mod:`k2.optim.registry`), QK-Clip and the LR
-   scheduler, and the two ``TransformerConfig`` hooks megatron's pipeline schedule calls.
+5. megatron's DDP, then the optimizer of ``optim.name`` (its :class:`k2.optim.registry.OptimizerSpec`),
+   QK-Clip and the LR scheduler, and the two ``TransformerConfig`` hooks megatron's pipeline schedule calls.
 
 Requires megatron's ``parallel_state`` initialised for ``dims`` (the process groups are the caller's).
 """
@@ -29,6 +29,7 @@ from k2.model.build import build_model_chunks, layout_independent_init, transfor
 from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
 from k2.optim.params import ParamRoute, param_rules, tag_parameters
 from k2.optim.qk_clip import QKClip
+from k2.optim.registry import optimizer_spec
 from k2.parallel.distributed import wrap_model
 from k2.schedules.lr import TokenLRScheduler
 from k2.schedules.pipeline import setup_pipeline
@@ -109,7 +110,9 @@ def setup(cfg, dims, schedule, *, rope_type: Optional[str] = None, memory: Optio
     dist_opt = bool(cfg.parallel.use_distributed_optimizer)
     layer_wise = uses_layer_wise(cfg.optim, dist_opt)
     routes = tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                            zero1_muon=uses_zero1_muon(cfg.optim, dist_opt), **param_rules(cfg.optim))
+                            zero1_muon=uses_zero1_muon(cfg.optim, dist_opt),
+                            default_route=optimizer_spec(cfg.optim.name).default.route,
+                            **param_rules(cfg.optim))
     hooks, delay_wgrad = setup_pipeline(cfg.pipeline, chunks) if pipeline else (None, False)
     model = wrap_model(chunks, tcfg, dist_opt, layer_wise=layer_wise, delay_wgrad_compute=delay_wgrad)
     optimizer = build_optimizer(cfg.optim, model, tcfg, schedule, dist_opt)

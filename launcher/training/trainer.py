@@ -182,7 +182,8 @@ class Trainer:
         # saved-tensor scopes for every phase's memory.* settings; restore() sets the first phase's
         parts = setup(cfg, plan.dims, plan.schedule, rope_type=self.rope_type,
                       memory_switches=run_memory_options(plan.schedule), pipeline=True, lr_scheduler=True)
-        self.tcfg, self.chunks, self.model, self.optimizer = parts.tcfg, parts.chunks, parts.model, parts.optimizer
+        self.tcfg, self.chunks, self.model = parts.tcfg, parts.chunks, parts.model
+        self.optimizer = parts.optimizer
         self.pipeline, self.qk_clip, scheduler = parts.pipeline, parts.qk_clip, parts.scheduler
         self.all_routes = [None] * dist.get_world_size()
         dist.all_gather_object(self.all_routes, parts.routes)
