@@ -163,8 +163,9 @@ class Trainer:
     # ------------------------------------------------------------------ start-up
 
     def build(self) -> None:
-        """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
-        scheduler, the pipeline hooks and the run state."""
+        """Process groups, the embedded corpus (rank 0), the run's parts
+        (:func:`k2.launcher.training.setup.setup`: model chunks, DDP, optimizer, QK-Clip, the LR scheduler,
+        the pipeline hooks) and the run state."""
         cfg, plan = self.cfg, self.plan
         init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
                          timeout_s=process_group_timeout_s(cfg.run))
