@@ -6,6 +6,9 @@ matrices Muon orthogonalises) -> :mod:`k2.optim.build` (megatron's optimizers as
 :mod:`k2.optim.qk_clip` (per-head weight rescaling from the recorded max logits). Beside them:
 :mod:`k2.optim.distributed_muon` (Muon on megatron's byte-range ZeRO-1 shards) and :mod:`k2.optim.offload`
 (optimizer states in host memory between steps), both used by :mod:`k2.optim.build`.
+:mod:`k2.optim.registry` names the optimizers of ``optim.name``: each describes itself (how it is built,
+which parameters go to which update, the bytes those keep and move, the per-matrix step) for the trainer's
+builder and ``k2-plan``.
 """
 
 import k2.parallel  # noqa: E402,F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)

@@ -40,8 +40,9 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
 
 from __future__ import annotations
 
-from k2.optim.muon import SPLIT_ATTR, K2Muon
+from k2.optim.muon import SPLIT_ATTR, K2Muon, newton_schulz_gemms
 from k2.optim.params import LAYER_WISE_ATTR, ROUTE_ATTR
+from k2.optim.registry import ADAMW_UPDATE, MUON_UPDATE, MatrixStep, OptimizerSpec, optimizer_spec
 from k2.schedules.lr import optimizer_lr_settings
 
 #: Name of :class:`k2.optim.muon.K2Muon` in megatron's emerging-optimizer registry.
@@ -63,8 +64,10 @@ def leaf_optimizers(optimizer):
 
 
 def uses_muon(optim_cfg) -> bool:
-    """True for ``optim=muonclip`` (``optim_cfg``: the ``optim`` section)."""
-    return optim_cfg.name == "muonclip"
+    """True when ``optim.name`` routes weight matrices to Muon (``optim=muonclip``: its
+    :class:`k2.optim.registry.OptimizerSpec` has a ``matrix`` update). ``optim_cfg``: the ``optim``
+    section."""
+    return optimizer_spec(optim_cfg.name).matrix is not None
 
 
 def uses_zero1_muon(optim_cfg, use_distributed_optimizer: bool) -> bool:
@@ -146,7 +149,8 @@ def use_torch_adam() -> None:
 
 
 def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
-    """The run's megatron optimizer (see the module docstring).
+    """The run's megatron optimizer: the ``build`` of ``optim.name``'s
+    :class:`k2.optim.registry.OptimizerSpec` (the module docstring describes AdamW and MuonClip).
 
     The learning rate and weight decay of every param group come from the schedule
     (``k2.schedules.lr.TokenLRScheduler`` sets them before every step; Muon and AdamW groups alike); which
@@ -164,23 +168,52 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
     Returns:
         ``MegatronOptimizer`` (a ``ChainedOptimizer``); grad-norm clipping at ``k2.optim.clip_grad`` over
         all parameters of both optimizers (global norm over all ranks).
-    """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    Raises:
+        ValueError: an unknown ``optim.name``.
+    """
+    return optimizer_spec(optim_cfg.name).build(optim_cfg, model, tcfg, schedule, use_distributed_optimizer)
+
+
+def megatron_settings(optim_cfg, tcfg, schedule, use_distributed_optimizer: bool) -> dict:
+    """The ``OptimizerConfig`` arguments every optimizer here shares: the schedule's LR settings, Adam's
+    betas and eps (the Adam part of any optimizer), grad-norm clipping, the parameter dtype and ZeRO-1.
+    Also makes megatron build torch's AdamW (:func:`use_torch_adam`)."""
     use_torch_adam()
     o = optim_cfg
-    # optim.decay_all_params (k2.optim.params.weight_decayed): megatron's documented way to decay every
-    # parameter is an empty override dict; None selects its default (wd_mult 0 on 1-D tensors and biases).
-    overrides = {} if o.decay_all_params else None
-    dist_opt = bool(use_distributed_optimizer)
-    common = dict(
+    return dict(
         **optimizer_lr_settings(schedule),
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype, use_distributed_optimizer=dist_opt,
+        clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype,
+        use_distributed_optimizer=bool(use_distributed_optimizer),
     )
-    if not uses_muon(o):
-        return _with_offload(o, get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=tcfg.bf16,
-                                                                       **common), model, config_overrides=overrides))
+
+
+def decay_overrides(optim_cfg):
+    """megatron's ``config_overrides`` for ``optim.decay_all_params`` (:func:`k2.optim.params.weight_decayed`):
+    megatron's documented way to decay every parameter is an empty override dict; None selects its default
+    (wd_mult 0 on 1-D tensors and biases)."""
+    return {} if optim_cfg.decay_all_params else None
+
+
+def _build_adamw(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
+    """``optim=adamw``: megatron's Adam (torch's AdamW) over every parameter (module docstring)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    common = megatron_settings(optim_cfg, tcfg, schedule, use_distributed_optimizer)
+    ocfg = OptimizerConfig(optimizer="adam", bf16=tcfg.bf16, **common)
+    optimizer = get_megatron_optimizer(ocfg, model, config_overrides=decay_overrides(optim_cfg))
+    return _with_offload(optim_cfg, optimizer)
+
+
+def _build_muonclip(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
+    """``optim=muonclip``: K2Muon for the Muon matrices, megatron's Adam for the rest (module docstring)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = optim_cfg
+    common = megatron_settings(o, tcfg, schedule, use_distributed_optimizer)
+    overrides = decay_overrides(o)
+    dist_opt = bool(use_distributed_optimizer)
     _register_k2_muon()
     layer_wise = uses_layer_wise(o, dist_opt)
     ocfg = OptimizerConfig(
@@ -322,3 +355,14 @@ def shard_straddlers(full_param_layout) -> list:
             if (start - b_start) // size != (end - 1 - b_start) // size:
                 out.append(p)
     return out
+
+
+#: this module's optimizers (:mod:`k2.optim.registry`)
+SPECS = (
+    OptimizerSpec("adamw", _build_adamw, ADAMW_UPDATE),
+    OptimizerSpec("muonclip", _build_muonclip, ADAMW_UPDATE, matrix=MUON_UPDATE,
+                  matrix_step=MatrixStep(iterations=5, gemms=newton_schulz_gemms),
+                  settings=("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_coefficient_type",
+                            "muon_scale_mode", "muon_extra_scale_factor", "muon_fp32_matmul_prec",
+                            "router_optimizer", "muon_zero1")),
+)

@@ -80,6 +80,15 @@ class MatrixSplit:
         return torch.cat(grouped, dim=1).reshape(-1, cols)
 
 
+def newton_schulz_gemms(m: int, n: int) -> list[tuple[int, int, int]]:
+    """The GEMMs ``(m, k, n)`` (``[m, k] x [k, n]``) of one quintic Newton-Schulz iteration on an ``[m, n]``
+    matrix ``X``, ``m <= n``:
+    ``A = X X^T`` (``[m, n] x [n, m]``), ``A A`` (``[m, m] x [m, m]``) and ``B X`` (``[m, m] x [m, n]``), in
+    all ``4 m^2 n + 2 m^3`` FLOPs (Keller Jordan's Muon; Moonlight, arXiv 2502.16982). ``k2-plan`` prices them
+    as GEMMs (:mod:`k2.model.kernels`)."""
+    return [(m, n, m), (m, m, m), (m, m, n)]
+
+
 def k2_orthogonalize(
     x: torch.Tensor,
     steps: int = 5,

@@ -142,11 +142,11 @@ def _global_names(chunk, tcfg) -> dict[int, str]:
 
 
 def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_optimizer: str = "muon",
-                   decay_all_params: bool = True) -> list[ParamRoute]:
+                   decay_all_params: bool = True, default_route: str = "adamw") -> list[ParamRoute]:
     """Decide and record every trainable parameter's optimizer (call before megatron's DDP wrap).
 
-    Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``"adamw"`` when ``muon`` is
-    False), :data:`k2.optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
+    Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``default_route`` when ``muon``
+    is False), :data:`k2.optim.muon.SPLIT_ATTR` for fused weights, and megatron's :data:`LAYER_WISE_ATTR`
     (True for Muon parameters when ``zero1_muon``: they go into DDP buffers of their own).
 
     Args:
@@ -157,6 +157,8 @@ def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_o
         router_optimizer: ``optim.router_optimizer`` (:func:`route`).
         decay_all_params: ``optim.decay_all_params`` (:func:`weight_decayed`; shown in the table only:
             :func:`k2.optim.build.build_optimizer` applies it).
+        default_route: the route of every parameter when ``muon`` is False: the optimizer's own update
+            (:attr:`k2.optim.registry.OptimizerSpec.default`; AdamW's ``"adamw"``).
 
     Returns:
         this rank's routes, in parameter order.
@@ -169,7 +171,7 @@ def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_o
                 continue
             opt, rule, split, matrices = route(local, p, tcfg, router_optimizer)
             if not muon:
-                opt, rule, split, matrices = "adamw", "optim=adamw", None, "-"
+                opt, rule, split, matrices = default_route, f"optim={default_route}", None, "-"
             setattr(p, ROUTE_ATTR, opt)
             if split is not None:
                 setattr(p, SPLIT_ATTR, split)

@@ -226,6 +226,11 @@ class ParallelDims:
             "num_layers_in_last_pipeline_stage": self.last_stage_layers,
         }
 
+    def checkpoint_layout(self) -> dict[str, int]:
+        """``{"pp", "vpp", "ep", "dp", "world_size"}``: the layout a checkpoint records (its state file's
+        ``layout``) and a resume compares against this run's (:mod:`k2.launcher.checkpointing.resume`)."""
+        return {"pp": self.pp, "vpp": self.vpp, "ep": self.ep, "dp": self.dp, "world_size": self.world_size}
+
     def describe(self) -> str:
         """A human-readable table: one line per PP rank, one column per virtual stage."""
         lines = [

@@ -6,9 +6,10 @@ Settings (``memory.*``, docs/k2_reference.md "Training system"; the lists are th
 * ``none``: nothing; ``fp8``: ``fp8_store`` only; ``recompute``: ``recompute`` only; ``offload``: ``offload``
   only; ``all``: the three together (``memory=k2``).
 
-Each rank builds one model per setting with the trainer's own pieces (``k2.model.build``, megatron DDP, the
-distributed optimizer, megatron's interleaved 1F1B schedule, ``k2.launcher.training.step.forward_step``), same
-initial weights, synthetic tokens; runs ``warmup`` untimed steps each, then ``steps`` timed steps
+Each rank builds one model per setting with the trainer's own builder
+(:func:`k2.launcher.training.setup.setup`: ``k2.model.build``, megatron DDP, the optimizer of ``optim.name``),
+runs megatron's interleaved 1F1B schedule with ``k2.launcher.training.step.forward_step``, same initial weights,
+synthetic tokens; runs ``warmup`` untimed steps each, then ``steps`` timed steps
 round-robin over the settings (median reported; a change of machine load hits all alike), then one step
 each in which every microbatch forward runs inside a :class:`k2.model.saved_bytes_meter.SavedBytesMeter`: what
 the saved-tensor hooks hold after each layer's forward (kept tensors by storage, FP8 tiles, host copies;
@@ -31,14 +32,12 @@ from typing import Any
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.benchmarks.common import bench_options
+from k2.launcher.training.setup import setup
 from k2.launcher.training.step import forward_step
 from k2.model.activation_memory import MemoryOptions
-from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
 from k2.model.saved_bytes_meter import SavedBytesMeter
-from k2.optim.build import build_optimizer
-from k2.optim.params import tag_parameters
 from k2.parallel.dims import ParallelDims
-from k2.parallel.distributed import destroy_distributed, dist_env, init_distributed, wrap_model
+from k2.parallel.distributed import destroy_distributed, dist_env, init_distributed
 from k2.schedules.resolve import resolve_schedule
 
 SETTINGS = ("none", "fp8", "recompute", "offload", "all")
@@ -84,22 +83,16 @@ def _synthetic_iterators(vocab: int, phase, dp_rank: int, vpp: int, seed: int) -
 def _build_setting(setting: str, base: list[str], dims, phase, o: dict):
     """One setting on this rank: the model, its optimizer and data. Returns ``step(forward_step)``."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
     cfg = load_config(base + memory_overrides(setting))
     sched = resolve_schedule(cfg, dims)
-    tcfg = transformer_config(cfg, dims, rope_type=phase.rope_type)
-    chunks = build_model_chunks(cfg, dims, tcfg, MemoryOptions.from_config(cfg, attribute=True))
-    layout_independent_init(chunks, tcfg, o["seed"])
-    tag_parameters(chunks, tcfg, muon=False, zero1_muon=False)
-    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer)
-    optimizer = build_optimizer(cfg.optim, model, tcfg, sched, cfg.parallel.use_distributed_optimizer)
+    parts = setup(cfg, dims, sched, rope_type=phase.rope_type,
+                  memory=MemoryOptions.from_config(cfg, attribute=True), init=o["seed"])
+    model, optimizer = parts.model, parts.optimizer
     for g in optimizer.param_groups:
         g["lr"] = 1e-4  # (no LR scheduler here)
-    tcfg.finalize_model_grads_func = finalize_model_grads
-    tcfg.grad_scale_func = optimizer.scale_loss
     iters = _synthetic_iterators(cfg.model.vocab_size, phase, ps.get_data_parallel_rank(), dims.vpp, o["seed"])
     forward_backward = get_forward_backward_func()
 

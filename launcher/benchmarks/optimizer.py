@@ -11,13 +11,10 @@ from typing import Any
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.benchmarks.common import DTYPES, bench_options, one_rank_world, time_calls
-from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
-from k2.optim.params import param_rules, tag_parameters
+from k2.launcher.training.setup import setup
 from k2.optim.qk_clip import QKClip
 from k2.parallel import cpu_backend
 from k2.parallel.dims import ParallelDims
-from k2.parallel.distributed import wrap_model
 from k2.schedules.resolve import resolve_schedule
 
 _OPTIMIZER_DEFAULTS = {
@@ -40,14 +37,8 @@ def _optimizer_case(name: str, o: dict, extra: tuple = (), world: int = 1):
     cfg = load_config([f"optim={name}", f"model={o['model']}", f"train.precision={o['precision']}",
                        f"optim.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']}", *extra])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
-    tcfg = transformer_config(cfg, dims)
-    chunks = build_model_chunks(cfg, dims, tcfg)
-    layout_independent_init(chunks, tcfg, o["seed"])
-    tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
-                   **param_rules(cfg.optim))
-    model = wrap_model(chunks, tcfg, True, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
-    optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), True)
+    parts = setup(cfg, dims, resolve_schedule(cfg), init=o["seed"])
+    chunks, model, optimizer = parts.chunks, parts.model, parts.optimizer
     for g in optimizer.param_groups:
         g["lr"] = 1e-3  # no LR scheduler here
     gen = torch.Generator(device="cpu").manual_seed(o["seed"])

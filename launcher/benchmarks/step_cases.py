@@ -10,15 +10,12 @@ import time
 from typing import Callable, Optional
 
 from k2.config.load import load_config
+from k2.launcher.training.setup import setup
 from k2.launcher.training.step import forward_step
 from k2.model.activation_memory import MemoryOptions
 from k2.model.attention import K2CoreAttention
-from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
-from k2.optim.params import param_rules, tag_parameters
-from k2.optim.qk_clip import QKClip
+from k2.model.build import layout_independent_init, transformer_config
 from k2.parallel.dims import ParallelDims
-from k2.parallel.distributed import wrap_model
 from k2.schedules.resolve import resolve_schedule
 
 
@@ -138,27 +135,19 @@ def build_baseline(o: dict, base: list[str], device) -> Case:
 
 
 def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
-    """(b)/(c): the trainer's own pieces (as ``launcher.train.run`` and ``bench=memory`` use them)."""
-    from megatron.core.distributed import finalize_model_grads
+    """(b)/(c): the trainer's own pieces (:func:`k2.launcher.training.setup.setup`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
     cfg = load_config(base + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
-    tcfg = transformer_config(cfg, dims)
     _seed(o)
-    chunks = build_model_chunks(cfg, dims, tcfg, MemoryOptions.from_config(cfg))
-    _init(chunks, tcfg, o)
-    tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
-                   **param_rules(cfg.optim))
-    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
-    optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), cfg.parallel.use_distributed_optimizer)
+    parts = setup(cfg, dims, resolve_schedule(cfg), memory=MemoryOptions.from_config(cfg),
+                  init=lambda chunks, tcfg: _init(chunks, tcfg, o))
+    tcfg, chunks, model, optimizer = parts.tcfg, parts.chunks, parts.model, parts.optimizer
+    clip = parts.qk_clip
     for g in optimizer.param_groups:
         g["lr"] = o["lr"]  # (no LR scheduler here)
-    clip = QKClip(model, optimizer, cfg.optim.qk_clip_tau, cfg.model.num_layers)
-    tcfg.finalize_model_grads_func = finalize_model_grads
-    tcfg.grad_scale_func = optimizer.scale_loss
     dev = next(chunks[0].parameters()).device
     batch = _batch(cfg.model.vocab_size, o, dev)
 

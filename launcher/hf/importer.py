@@ -284,8 +284,7 @@ def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     state = {"step": 0, "weights_only": True, "source": str(hf_dir.resolve()), "consumed_tokens": 0,
-             "layout": {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp,
-                        "world_size": world_size},
+             "layout": dims.checkpoint_layout(),
              "optimizer": None, "reason": "k2-convert import", "manifest": True}
     (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
     (partial / CONFIG_FILE).write_text(to_yaml(cfg))

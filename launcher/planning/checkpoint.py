@@ -26,15 +26,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from k2.optim.registry import optimizer_spec
+
 _LLAMA3_HOURS_PER_INTERRUPTION = 54 * 24 / 419  # 3.09 h on 16,384 GPUs (arXiv 2407.21783 section 3.3.4)
 _LLAMA3_GPUS = 16384
-_STATE_BYTES = {"muon": 4, "adamw": 8}
 
 
 def checkpoint_bytes(total_params: int, optimizer: str) -> int:
-    """Bytes of one resumable checkpoint of ``total_params`` parameters (module docstring)."""
-    kind = "muon" if str(optimizer).startswith("muon") else "adamw"
-    return int(total_params) * (2 + 4 + _STATE_BYTES[kind])
+    """Bytes of one resumable checkpoint of ``total_params`` parameters (module docstring; the optimizer's
+    FP32 state bytes per parameter come from its :class:`k2.optim.registry.OptimizerSpec`)."""
+    return int(total_params) * (2 + 4 + optimizer_spec(str(optimizer)).main_update.state_bytes)
 
 
 def async_save(cfg) -> bool:

@@ -52,16 +52,14 @@ from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
+from k2.optim.registry import OptimizerSpec, optimizer_spec
 from k2.parallel.distributed import ddp_config
 
 __all__ = ["LayoutParam", "StageActivations", "StateBytes", "rank_param_lists",
            "stage_activations", "state_bytes", "state_bytes_lower_bound"]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-_ADAM_BYTES = 8  # exp_avg + exp_avg_sq, FP32
-_MUON_BYTES = 4  # momentum, FP32
 _MASTER_BYTES = 4  # FP32 master copy of a BF16 parameter
-_STEP_BYTES = 4  # torch AdamW's per-tensor 'step' (a float32 scalar tensor); Muon keeps none
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,8 @@ class LayoutParam:
 
 
 def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
-                  muon: bool, layer_wise: bool, model_cfg: Any, router_optimizer: str = "muon") -> list[LayoutParam]:
+                  muon: bool, layer_wise: bool, model_cfg: Any, router_optimizer: str = "muon",
+                  default_route: str = "adamw") -> list[LayoutParam]:
     """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
     (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
     ep``), the final norm and output head; tagged as the trainer tags the real parameters."""
@@ -152,6 +151,7 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
         name = spec.name if layer_index is None else spec.name.replace("decoder.layers.0.", "decoder.layers."
                                                                         f"{layer_index}.", 1)
         p = LayoutParam(spec, name, dtype)
+        p.k2_optimizer = default_route
         if muon:
             p.k2_optimizer = route(spec.name, p, rcfg, router_optimizer)[0]
         if spec.expert is not None and ep > 1:
@@ -218,15 +218,18 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
     return FullParamLayout(layouts=layouts)
 
 
-def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str, muon: bool,
-                 use_distributed_optimizer: bool, model_cfg: Any, router_optimizer: str = "muon",
-                 muon_zero1: str = "byte_range") -> tuple:
+def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str,
+                 spec: OptimizerSpec, use_distributed_optimizer: bool, model_cfg: Any,
+                 router_optimizer: str = "muon", muon_zero1: str = "byte_range") -> tuple:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank, params_pinned,
-    optimizer pinned bytes per DP rank, per expert-DP rank)`` of one chunk (:class:`StateBytes`)."""
+    optimizer pinned bytes per DP rank, per expert-DP rank)`` of one chunk (:class:`StateBytes`); ``spec``:
+    the optimizer (its routes and their state bytes)."""
+    muon = spec.matrix is not None
     own_buffers = muon and use_distributed_optimizer  # the Muon matrices in DDP buffers of their own
     master = _MASTER_BYTES if precision == "bf16" else 0
     params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
-                           layer_wise=own_buffers, model_cfg=model_cfg, router_optimizer=router_optimizer)
+                           layer_wise=own_buffers, model_cfg=model_cfg, router_optimizer=router_optimizer,
+                           default_route=spec.default.route)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = params_pinned = 0
@@ -237,11 +240,11 @@ def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool
         acc, pin = (expert_opt, expert_pin) if key.is_expert_parallel else (dense_opt, dense_pin)
         for p, (start, end, bucket) in lay.param_index_map.items():
             b_start, b_end = lay.bucket_indices[bucket]
-            is_muon = p.k2_optimizer == "muon"
-            per_elem = master + (_MUON_BYTES if is_muon else _ADAM_BYTES)
-            per_tensor = 0 if is_muon else _STEP_BYTES
+            update = spec.updates[p.k2_optimizer]
+            per_elem = master + update.state_bytes
+            per_tensor = update.step_bytes
             # one FP32 host buffer each: the master copy (BF16 parameters) and every state tensor
-            pinned_tensors = (1 if master else 0) + (_MUON_BYTES if is_muon else _ADAM_BYTES) // 4
+            pinned_tensors = (1 if master else 0) + update.state_bytes // 4
             params_pinned += pinned_block_bytes((end - start) * _DTYPE_BYTES[precision])
             if not use_distributed_optimizer:  # every rank updates every parameter
                 for d in range(group):
@@ -278,7 +281,7 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         counts: :func:`k2.model.params.count_params` of the model.
         dims: :class:`k2.parallel.dims.ParallelDims`.
         precision: ``train.precision`` (``bf16`` | ``fp32``).
-        optimizer: ``k2.optim.name`` (``adamw`` | ``muonclip``).
+        optimizer: ``k2.optim.name`` (:func:`k2.optim.registry.optimizer_spec`: its routes and state bytes).
         use_distributed_optimizer: ``k2.parallel.use_distributed_optimizer`` (ZeRO-1).
         model_cfg: ``cfg.model``.
         cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
@@ -295,8 +298,7 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
     """
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}; allowed: {', '.join(_DTYPE_BYTES)}")
-    if optimizer not in ("adamw", "muonclip"):
-        raise ValueError(f"optim.name={optimizer!r}; allowed: adamw, muonclip")
+    spec = optimizer_spec(optimizer)
     cache = {} if cache is None else cache
     pbytes = _DTYPE_BYTES[precision]
     out = []
@@ -311,7 +313,7 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
                    use_distributed_optimizer, router_optimizer, muon_zero1)
             if key not in cache:
                 cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
-                                          muon=optimizer == "muonclip",
+                                          spec=spec,
                                           use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg,
                                           router_optimizer=router_optimizer, muon_zero1=muon_zero1)
             n, b, dense, expert, ppin, dpin, epin = cache[key]

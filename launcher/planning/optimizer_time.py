@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from k2.launcher.planning.comm import crosses_nodes, host_copy_seconds, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.model.kernels import KernelRates, gemm_seconds
+from k2.optim.registry import MatrixStep, optimizer_spec
 
-_NS_ITERATIONS = 5
-_UPDATE_BYTES = {"adamw": 4 + 24 + 2 + 8, "muon": 4 + 16 + 2 + 8}
-_STATE_BYTES = {"adamw": 12, "muon": 8}  # FP32 master + moments per parameter
+_MASTER_BYTES = 4  # the FP32 master copy, offloaded with the states
 # aten operators of an unfused (per-tensor) optimizer step: k2-train's AdamW on a CPU (megatron's
 # distributed optimizer over torch's for-loop AdamW: gradient copy to the FP32 shard, norm, clip, mul,
 # lerp, addcmul, sqrt, div, add, the parameter copy back, ...) runs 22 per parameter tensor and 13 once,
@@ -79,15 +78,15 @@ def matrices(model_cfg, layers: list[int], moe_pattern, ep: int) -> tuple[list, 
     return dense, expert
 
 
-def newton_schulz_seconds(shapes: list, rates: KernelRates) -> float:
-    """Seconds of Newton-Schulz on every ``(m, n)`` of ``shapes`` (module docstring)."""
+def newton_schulz_seconds(shapes: list, rates: KernelRates, step: MatrixStep) -> float:
+    """Seconds of the optimizer's per-matrix ``step`` (Muon: Newton-Schulz) on every ``(m, n)`` of ``shapes``
+    (module docstring)."""
     t, per_shape = 0.0, {}  # (a GPU's expert matrices repeat a few shapes thousands of times)
     for a, b in shapes:
         s = per_shape.get((a, b))
         if s is None:
             m, n = min(a, b), max(a, b)
-            s = per_shape[a, b] = _NS_ITERATIONS * (gemm_seconds(m, n, m, rates) + gemm_seconds(m, m, m, rates)
-                                                    + gemm_seconds(m, m, n, rates))
+            s = per_shape[a, b] = step.iterations * sum(gemm_seconds(*g, rates) for g in step.gemms(m, n))
         t += s
     return t
 
@@ -98,7 +97,8 @@ def optimizer_time(optimizer: str, model_cfg, dims, layers: list[int], moe_patte
     """The optimizer step of one GPU of a PP rank holding ``layers``.
 
     Args:
-        optimizer: ``optim.name`` (``muonclip`` or ``adamw``).
+        optimizer: ``optim.name`` (its :class:`k2.optim.registry.OptimizerSpec` gives the update's bytes and
+            the per-matrix step).
         dense_params / expert_params: the GPU's parameters outside / inside the routed experts.
         tensors: its parameter tensors (for the per-tensor launches of an unfused step).
         rates: the device's rates for the Newton-Schulz GEMMs (BF16 on GPUs).
@@ -107,19 +107,21 @@ def optimizer_time(optimizer: str, model_cfg, dims, layers: list[int], moe_patte
     Returns:
         :class:`OptimizerTime`, seconds.
     """
-    kind = "muon" if optimizer.startswith("muon") else "adamw"
+    spec = optimizer_spec(optimizer)
     edp = dims.expert_dp
     shard = dense_params / dims.dp + expert_params / edp
     kernels = 10 if fused else unfused_operators(math.ceil(tensors / dims.dp))
-    update = shard * _UPDATE_BYTES[kind] / rates.memory_bytes + kernels * rates.launch_s
+    update = shard * spec.main_update.update_bytes / rates.memory_bytes + kernels * rates.launch_s
     ns = gather = 0.0
     span = dims.world_size // dims.pp
-    if kind == "muon":
+    if spec.matrix_step is not None:
         dense, expert = matrices(model_cfg, layers, moe_pattern, dims.ep)
-        ns = newton_schulz_seconds(dense, rates) / dims.dp + newton_schulz_seconds(expert, rates) / edp
+        ns = (newton_schulz_seconds(dense, rates, spec.matrix_step) / dims.dp
+              + newton_schulz_seconds(expert, rates, spec.matrix_step) / edp)
         dense_numel = sum(a * b for a, b in dense)
         expert_numel = sum(a * b for a, b in expert)
         gather = (ring_seconds(4 * dense_numel, dims.dp, crosses_nodes(span, profile), profile)
                   + ring_seconds(4 * expert_numel, edp, crosses_nodes(span, profile), profile))
-    offload = 2 * host_copy_seconds(offload_fraction * shard * _STATE_BYTES[kind], profile)
+    state = _MASTER_BYTES + spec.main_update.state_bytes
+    offload = 2 * host_copy_seconds(offload_fraction * shard * state, profile)
     return OptimizerTime(newton_schulz=ns, update=update, muon_gather=gather, offload=offload)

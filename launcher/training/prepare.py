@@ -81,8 +81,7 @@ class RunPlan:
     @property
     def layout(self) -> dict:
         """``{"pp", "vpp", "ep", "dp", "world_size"}``, as a checkpoint records it."""
-        d = self.dims
-        return {"pp": d.pp, "vpp": d.vpp, "ep": d.ep, "dp": d.dp, "world_size": d.world_size}
+        return self.dims.checkpoint_layout()
 
 
 def prepare_run(cfg, world_size: int) -> RunPlan:
@@ -109,8 +108,7 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     steps = schedule.total_steps if iters is None else min(int(iters), schedule.total_steps)
     data = resolve_data(cfg)
     phase_data = resolve_phase_data(cfg, data)
-    layout = {"pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep, "dp": dims.dp, "world_size": world_size}
-    resume_from = plan_resume(cfg, layout)
+    resume_from = plan_resume(cfg, dims.checkpoint_layout())
     resume_step = 0
     if resume_from is not None:
         state = read_state(resume_from)

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
@@ -52,25 +51,17 @@ from k2.launcher.training.phase_memory import apply_phase_memory, phase_memory_o
 from k2.launcher.training.preemption import REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.run_report import write_run_report
+from k2.launcher.training.setup import setup
 from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
 from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
-from k2.model.build import (
-    build_model_chunks,
-    layout_independent_init,
-    moe_layer_pattern,
-    set_rope_type,
-    transformer_config,
-)
+from k2.model.build import moe_layer_pattern, set_rope_type
 from k2.model.flops import step_flops
 from k2.model.saved_bytes_meter import SavedBytesMeter
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
-from k2.optim.params import format_route_table, param_rules, route_table, tag_parameters
-from k2.optim.qk_clip import QKClip
-from k2.parallel.distributed import DistEnv, init_distributed, wrap_model
-from k2.schedules.lr import TokenLRScheduler
-from k2.schedules.pipeline import setup_pipeline
+from k2.optim.build import uses_layer_wise
+from k2.optim.params import format_route_table, route_table
+from k2.parallel.distributed import DistEnv, init_distributed
 
 __all__ = ["Trainer", "run"]
 
@@ -172,8 +163,9 @@ class Trainer:
     # ------------------------------------------------------------------ start-up
 
     def build(self) -> None:
-        """Process groups, the embedded corpus (rank 0), model chunks, DDP, optimizer, QK-Clip, the LR
-        scheduler, the pipeline hooks and the run state."""
+        """Process groups, the embedded corpus (rank 0), the run's parts
+        (:func:`k2.launcher.training.setup.setup`: model chunks, DDP, optimizer, QK-Clip, the LR scheduler,
+        the pipeline hooks) and the run state."""
         cfg, plan = self.cfg, self.plan
         init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
                          timeout_s=process_group_timeout_s(cfg.run))
@@ -188,33 +180,19 @@ class Trainer:
                 prepare_stdlib_corpus(cfg.data, progress=False, verbose=not self.env.spawned_by_k2_train)
             dist.barrier()
         self.rope_type = plan.schedule.step_phase(1).rope_type
-        self.tcfg = transformer_config(cfg, plan.dims, rope_type=self.rope_type)
         # saved-tensor scopes for every phase's memory.* settings; restore() sets the first phase's
-        self.chunks = build_model_chunks(cfg, plan.dims, self.tcfg,
-                                         memory_switches=run_memory_options(plan.schedule))
-        if cfg.train.deterministic_init:
-            layout_independent_init(self.chunks, self.tcfg, cfg.run.seed)
-        dist_opt = cfg.parallel.use_distributed_optimizer
-        layer_wise = uses_layer_wise(cfg.optim, dist_opt)
-        # which parameter goes to which optimizer: decided before DDP lays out its ZeRO-1 buffers
-        routes = tag_parameters(self.chunks, self.tcfg, muon=uses_muon(cfg.optim),
-                                zero1_muon=uses_zero1_muon(cfg.optim, dist_opt),
-                                **param_rules(cfg.optim))
-        # decoupled weight gradients are set up before DDP registers its grad hooks
-        self.pipeline, delay_wgrad = setup_pipeline(cfg.pipeline, self.chunks)
-        self.model = wrap_model(self.chunks, self.tcfg, dist_opt, layer_wise=layer_wise,
-                                delay_wgrad_compute=delay_wgrad)
-        self.optimizer = build_optimizer(cfg.optim, self.model, self.tcfg, plan.schedule, dist_opt)
-        self.qk_clip = QKClip(self.model, self.optimizer, cfg.optim.qk_clip_tau, cfg.model.num_layers)
+        parts = setup(cfg, plan.dims, plan.schedule, rope_type=self.rope_type,
+                      memory_switches=run_memory_options(plan.schedule), pipeline=True, lr_scheduler=True)
+        self.tcfg, self.chunks, self.model = parts.tcfg, parts.chunks, parts.model
+        self.optimizer = parts.optimizer
+        self.pipeline, self.qk_clip, scheduler = parts.pipeline, parts.qk_clip, parts.scheduler
         self.all_routes = [None] * dist.get_world_size()
-        dist.all_gather_object(self.all_routes, routes)
-        scheduler = TokenLRScheduler(plan.schedule, self.optimizer)  # sets step 1's LR
-        self.tcfg.finalize_model_grads_func = finalize_model_grads
-        self.tcfg.grad_scale_func = self.optimizer.scale_loss
+        dist.all_gather_object(self.all_routes, parts.routes)
         self.data = PhaseData(cfg.run.seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank())
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
-        self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name, layer_wise)
+        self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name,
+                                uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
         self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
 
     def prepare_run_dir(self) -> None:

@@ -29,24 +29,13 @@ def build_one_rank(overrides: list[str], layers: int = 2):
     """This process's one-rank model and optimizer, built as the trainer builds them (needs the
     ``megatron_world1`` fixture): ``(cfg, chunks, DDP-wrapped model, megatron optimizer)``. Dense layers
     only unless ``overrides`` set ``model.first_k_dense_replace`` (fast)."""
-    from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
-    from k2.optim.params import param_rules, tag_parameters
-    from k2.parallel.distributed import wrap_model
+    from k2.launcher.training.setup import setup
     from k2.schedules.resolve import resolve_schedule
 
     cfg = load_config([f"model.num_layers={layers}", f"model.first_k_dense_replace={layers}", *overrides])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
-    tcfg = transformer_config(cfg, dims)
-    chunks = build_model_chunks(cfg, dims, tcfg)
-    layout_independent_init(chunks, tcfg, 3)
-    dist_opt = cfg.parallel.use_distributed_optimizer
-    layer_wise = uses_layer_wise(cfg.optim, dist_opt)
-    tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim), zero1_muon=uses_zero1_muon(cfg.optim, dist_opt),
-                   **param_rules(cfg.optim))
-    model = wrap_model(chunks, tcfg, dist_opt, layer_wise=layer_wise)
-    optimizer = build_optimizer(cfg.optim, model, tcfg, resolve_schedule(cfg), dist_opt)
-    return cfg, chunks, model, optimizer
+    parts = setup(cfg, dims, resolve_schedule(cfg), init=3)
+    return cfg, parts.chunks, parts.model, parts.optimizer
 
 
 def measure_state_bytes_script():

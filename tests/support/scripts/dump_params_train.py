@@ -18,12 +18,12 @@ from k2.parallel import cpu_backend
 
 cpu_backend.enable()
 
-import k2.launcher.training.trainer as trainer
+import k2.launcher.training.setup as setup
 from k2.optim.params import _global_names
 
 captured = []
 layout = {"cut": [], "cut_by_byte_range_layout": []}
-_wrap_model = trainer.wrap_model
+_wrap_model = setup.wrap_model
 
 
 def capturing_wrap_model(chunks, tcfg, *args, **kwargs):
@@ -52,17 +52,17 @@ def capturing_wrap_model(chunks, tcfg, *args, **kwargs):
     return model
 
 
-trainer.wrap_model = capturing_wrap_model
+setup.wrap_model = capturing_wrap_model
 
 grads = []  # per step: {global name: main_grad before the DP reduction}
 if os.environ.get("K2_DUMP_GRADS") == "1":
-    _finalize = trainer.finalize_model_grads
+    _finalize = setup.finalize_model_grads
 
     def capturing_finalize(*args, **kwargs):
         grads.append({n: p.main_grad.detach().float().cpu().clone() for n, p in captured})
         return _finalize(*args, **kwargs)
 
-    trainer.finalize_model_grads = capturing_finalize
+    setup.finalize_model_grads = capturing_finalize
 
 from k2.launcher import train
 

@@ -48,19 +48,10 @@ def measure(cfg, plan) -> dict:
     """Build as ``k2-train`` does in the current megatron world, step once, return this rank's bytes."""
     from megatron.core import parallel_state as ps
 
-    from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-    from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
-    from k2.optim.params import param_rules, tag_parameters
-    from k2.parallel.distributed import wrap_model
+    from k2.launcher.training.setup import setup
 
-    tcfg = transformer_config(cfg, plan.dims)
-    chunks = build_model_chunks(cfg, plan.dims, tcfg)
-    layout_independent_init(chunks, tcfg, cfg.run.seed)
-    tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                   zero1_muon=uses_zero1_muon(cfg.optim, cfg.parallel.use_distributed_optimizer),
-                   **param_rules(cfg.optim))
-    model = wrap_model(chunks, tcfg, cfg.parallel.use_distributed_optimizer, layer_wise=uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
-    optimizer = build_optimizer(cfg.optim, model, tcfg, plan.schedule, cfg.parallel.use_distributed_optimizer)
+    parts = setup(cfg, plan.dims, plan.schedule, init=cfg.run.seed)
+    chunks, model, optimizer = parts.chunks, parts.model, parts.optimizer
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()

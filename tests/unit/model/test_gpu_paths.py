@@ -138,19 +138,19 @@ def test_step_bench_released_case_is_freed(megatron_world1, monkeypatch, precisi
     import gc
     import weakref
 
-    import k2.launcher.benchmarks.step_cases as bench_step
+    import k2.launcher.training.setup as setup_module  # the builder bench=step's K2 cases use
     from k2.launcher.benchmarks.step import DEFAULTS, base_overrides, case_overrides
     from k2.launcher.benchmarks.step_cases import build_k2
 
     built = []
-    real = bench_step.build_model_chunks
+    real = setup_module.build_model_chunks
 
     def recording(*args, **kwargs):
         chunks = real(*args, **kwargs)
         built.extend(weakref.ref(c) for c in chunks)
         return chunks
 
-    monkeypatch.setattr(bench_step, "build_model_chunks", recording)
+    monkeypatch.setattr(setup_module, "build_model_chunks", recording)
     o = dict(DEFAULTS, size="tiny", precision=precision, seq_length=16, microbatches=1, warmup=1, repeats=1)
     case = build_k2(o, base_overrides(o), case_overrides(o)["k2_no_muon"])
     case.step()

@@ -285,6 +285,13 @@ def test_megatron_kwargs_and_queries():
         dims.stage_has_loss(2, 0)
 
 
+def test_checkpoint_layout():
+    """The layout a checkpoint records and a resume compares: one dict, from the dims (the trainer's
+    ``RunPlan.layout``, ``k2-convert import``'s state file and the resume planner all take it from here)."""
+    layout = _dims(8, pp=2, vpp=2, ep=2).checkpoint_layout()
+    assert layout == {"pp": 2, "vpp": 2, "ep": 2, "dp": 4, "world_size": 8}
+
+
 # ---------------------------------------------------------------------------- bad input
 
 # (id, world_size, num_layers, num_moe_experts, parallel settings, substrings of the message)
