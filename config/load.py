@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from k2.config.choices import CHOICES, choice_error
 from k2.config.errors import ConfigError
 from k2.config.schema import K2Config
 from k2.config.validate import validate
@@ -171,6 +172,9 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
             raw = compose(config_name=config_name, overrides=list(overrides))
     except HydraException as e:  # unknown group option, bad override syntax, missing key
+        refused = _choice_refused(e)
+        if refused is not None:  # a value outside an Enum-typed setting's (override or recipe)
+            raise refused from None
         msg = str(e).split("\nConfig search path:")[0].strip()
         if e.__cause__ is not None:  # e.g. "Value 'abc' of type 'str' could not be converted to Integer"
             msg += ": " + str(e.__cause__).split("\n")[0]
@@ -192,11 +196,25 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
     except ConfigKeyError as e:
         raise _unknown_key_error(str(getattr(e, "full_key", None) or getattr(e, "key", "?"))) from None
     except OmegaConfBaseException as e:
+        refused = _choice_refused(e)
+        if refused is not None:
+            raise refused from None
         raise ConfigError(f"invalid value for '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     OmegaConf.set_readonly(cfg, True)
     OmegaConf.set_struct(cfg, True)
     validate(cfg)
     return cfg
+
+
+def _choice_refused(exc: BaseException) -> ConfigError | None:
+    """The setting's own error (:func:`k2.config.choices.choice_error`) when ``exc`` -- or an exception it was
+    raised from -- is OmegaConf refusing a value of an Enum-typed setting; None for any other error."""
+    while exc is not None:
+        key = getattr(exc, "full_key", None)
+        if isinstance(exc, ValidationError) and key in CHOICES:
+            return choice_error(key, exc.value)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def to_yaml(cfg: DictConfig) -> str:

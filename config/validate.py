@@ -15,42 +15,53 @@ Every error is a :class:`k2.config.ConfigError` naming the setting and the allow
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from k2.config.choices import (CHOICES, AttentionBackend, BadRecords, CheckpointVerify, ConvertModelType,
+                               MaxLogitKernel, MuonZero1, Output, Precision, ResumeMode, RouterOptimizer,
+                               SpikeAction, TextDocument, WandbMode, check_choice, choice_error, values)
 from k2.config.errors import ConfigError
 from k2.config.validate_launch import SBATCH_OPTIONS_SET, SRUN_DISTRIBUTIONS, check_launch, check_submit  # noqa: F401
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from k2.config.schema import (CheckpointConfig, ClusterConfig, ConvertConfig, DataConfig, K2Config, ModelConfig,
+                                  OptimConfig, PipelineConfig, PlanConfig, PrepareConfig, RunConfig,
+                                  ScheduleConfig, SweepConfig, TrainConfig)
+
 __all__ = [
-    "ATTENTION_BACKENDS", "BAD_RECORDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS",
-    "MIN_EMBEDDED_VOCAB", "MUON_ZERO1", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES",
-    "ROUTER_OPTIMIZERS", "SECTION_CHECKS", "TEXT_DOCUMENTS", "WANDB_MODES", "check_cross_section",
-    "check_phase_memory", "check_prepare", "check_schedule_memory", "resume_settings", "validate",
+    "ATTENTION_BACKENDS", "BAD_RECORDS", "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "CONVERT_MODEL_TYPES",
+    "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "MUON_ZERO1", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS",
+    "RESUME_MODES", "ROUTER_OPTIMIZERS", "SECTION_CHECKS", "TEXT_DOCUMENTS", "WANDB_MODES", "check_cross_section",
+    "check_phase_memory", "check_prepare", "check_schedule_memory", "choice_error", "resume_settings", "validate",
 ]
 
-PRECISIONS = ("fp32", "bf16")
+# The allowed values as tuples of strings, for the callers that list or test them (each from its
+# k2.config.choices Enum, the one place they are written)
+PRECISIONS = values(Precision)
+#: ``optim.name``: the Hydra choices of the ``optim`` group (a str in the schema: one recipe per optimizer)
 OPTIMIZERS = ("adamw", "muonclip")
-#: ``optim.router_optimizer``: the MoE router weight's optimizer under MuonClip
-ROUTER_OPTIMIZERS = ("muon", "adamw")
-#: ``optim.muon_zero1``: how ZeRO-1 shards the Muon matrices (k2.optim.build)
-MUON_ZERO1 = ("byte_range", "layer_wise")
-#: ``k2.model.attention_backend``: auto = sdpa on CUDA (te only when set), eager on CPU (``k2.model.backends``)
-ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
-MAX_LOGIT_KERNELS = ("torch", "triton")
-WANDB_MODES = ("offline", "online", "disabled")
-#: ``output=``: ``k2-plan`` takes all three, ``k2-bench`` text and json
-OUTPUTS = ("text", "table", "json")
+ROUTER_OPTIMIZERS = values(RouterOptimizer)
+MUON_ZERO1 = values(MuonZero1)
+ATTENTION_BACKENDS = values(AttentionBackend)
+MAX_LOGIT_KERNELS = values(MaxLogitKernel)
+WANDB_MODES = values(WandbMode)
+OUTPUTS = values(Output)
 #: the byte-level BPE tokenizer of the embedded corpus: 256 byte ids + <|endoftext|> + <|pad|>
 MIN_EMBEDDED_VOCAB = 256 + 2
 #: ``resume.*`` keys and their defaults (``resume`` is a plain mapping because ``from`` is a Python keyword
 #: and cannot be a dataclass field)
 RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
-RESUME_MODES = ("auto", "never")
-#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
-CHECKPOINT_VERIFY_LEVELS = ("checksum", "size", "none")
-SPIKE_ACTIONS = ("log", "skip", "stop")
-_MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
-_MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
+RESUME_MODES = values(ResumeMode)
+CHECKPOINT_VERIFY_LEVELS = values(CheckpointVerify)
+SPIKE_ACTIONS = values(SpikeAction)
+#: ``convert.model_type``: config.json's model_type of an export (launcher/hf/hf_config.py)
+CONVERT_MODEL_TYPES = values(ConvertModelType)
+#: ``prepare.text_document`` and ``prepare.bad_records`` (k2.launcher.datasets.sources / .preprocess)
+TEXT_DOCUMENTS = values(TextDocument)
+BAD_RECORDS = values(BadRecords)
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
                  "offload": MEMORY_OFFLOAD_SITES}
 
@@ -70,10 +81,8 @@ def _finite(value: Any) -> bool:
 def check_model(m) -> None:
     """``model.*``: the compute-backend names (which of them this machine can run is checked by
     :func:`k2.model.backends.check_backend_config`)."""
-    _require(m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend", m.attention_backend,
-             f"{', '.join(ATTENTION_BACKENDS)} (auto = sdpa on CUDA, eager on CPU)")
-    _require(m.max_logit_kernel in MAX_LOGIT_KERNELS, "model.max_logit_kernel", m.max_logit_kernel,
-             ", ".join(MAX_LOGIT_KERNELS))
+    check_choice(m, "attention_backend", "model.attention_backend")
+    check_choice(m, "max_logit_kernel", "model.max_logit_kernel")
     for key in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, key)
         _require(_finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")
@@ -81,7 +90,7 @@ def check_model(m) -> None:
 
 def check_train(t) -> None:
     """``train.*``: precision, step counts, intervals."""
-    _require(t.precision in PRECISIONS, "train.precision", t.precision, ", ".join(PRECISIONS))
+    check_choice(t, "precision", "train.precision")
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     if t.save_interval is not None and t.save_interval < 1:
@@ -90,7 +99,7 @@ def check_train(t) -> None:
     sp = t.spike
     _require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
     _require(_finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
-    _require(sp.action in SPIKE_ACTIONS, "train.spike.action", sp.action, ", ".join(SPIKE_ACTIONS))
+    check_choice(sp, "action", "train.spike.action")
     _require(sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips,
              "an integer >= 1")
 
@@ -100,21 +109,15 @@ def check_checkpoint(c) -> None:
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
     _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
              "an integer >= 1 or null")
-    _require(c.verify in CHECKPOINT_VERIFY_LEVELS, "checkpoint.verify", c.verify,
-             ", ".join(CHECKPOINT_VERIFY_LEVELS))
-
-
-#: ``convert.model_type``: config.json's model_type of an export (launcher/hf/hf_config.py)
-CONVERT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+    check_choice(c, "verify", "checkpoint.verify")
 
 
 def check_convert(c) -> None:
     """``convert.*`` (``k2-convert``): the model type, shard size and export dtype."""
-    _require(c.model_type in CONVERT_MODEL_TYPES, "convert.model_type", c.model_type,
-             ", ".join(CONVERT_MODEL_TYPES))
+    check_choice(c, "model_type", "convert.model_type")
     _require(c.shard_bytes >= 1, "convert.shard_bytes", c.shard_bytes, "an integer >= 1 (bytes)")
-    _require(c.dtype is None or c.dtype in PRECISIONS, "convert.dtype", c.dtype,
-             f"{', '.join(PRECISIONS)} or null (the checkpoint's dtype)")
+    if c.dtype is not None:
+        check_choice(c, "dtype", "convert.dtype")
 
 
 def check_run(r) -> None:
@@ -125,15 +128,14 @@ def check_run(r) -> None:
              r.hang_timeout_s, "a number > 0 (seconds), or null (derived from the measured step time)")
     _require(_finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0, "run.hang_startup_timeout_s",
              r.hang_startup_timeout_s, "a number > 0 (seconds)")
-    _require(r.wandb.mode in WANDB_MODES, "run.wandb.mode", r.wandb.mode, ", ".join(WANDB_MODES))
+    check_choice(r.wandb, "mode", "run.wandb.mode")
 
 
 def check_optim(o) -> None:
     """``optim.*``: the optimizer, QK-Clip's tau and, for MuonClip, the Muon settings (K2 report section
     2.1; the Newton-Schulz coefficient names are emerging-optimizers')."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
-    _require(o.router_optimizer in ROUTER_OPTIMIZERS, "optim.router_optimizer", o.router_optimizer,
-             ", ".join(ROUTER_OPTIMIZERS))
+    check_choice(o, "router_optimizer", "optim.router_optimizer")
     _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
              o.offload_fraction, "0 <= value <= 1")
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
@@ -149,12 +151,8 @@ def check_optim(o) -> None:
              ", ".join(coeffs))
     _require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
     _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
-    _require(o.muon_scale_mode in _MUON_SCALE_MODES, "optim.muon_scale_mode", o.muon_scale_mode,
-             ", ".join(_MUON_SCALE_MODES))
-    _require(o.muon_zero1 in MUON_ZERO1, "optim.muon_zero1", o.muon_zero1, ", ".join(MUON_ZERO1))
-    _require(o.muon_fp32_matmul_prec in _MUON_MATMUL_PRECISIONS, "optim.muon_fp32_matmul_prec",
-             o.muon_fp32_matmul_prec,
-             f"{', '.join(_MUON_MATMUL_PRECISIONS)} (medium = Newton-Schulz in bf16)")
+    for key in ("muon_scale_mode", "muon_zero1", "muon_fp32_matmul_prec"):
+        check_choice(o, key, f"optim.{key}")
 
 
 def check_memory(mem, prefix: str = "memory") -> None:
@@ -221,11 +219,6 @@ def check_data(d) -> None:
                           "own validation split); set data.path too, or data.valid_path=null")
 
 
-#: ``prepare.text_document`` and ``prepare.bad_records`` (k2.launcher.datasets.sources / .preprocess)
-TEXT_DOCUMENTS = ("file", "paragraph")
-BAD_RECORDS = ("error", "skip")
-
-
 def check_prepare(p) -> None:
     """``prepare.*`` (``k2-data prepare.input=...``): the values alone; the input files are checked by
     ``k2.launcher.datasets.sources``."""
@@ -235,8 +228,8 @@ def check_prepare(p) -> None:
         raise ConfigError("prepare.input is set but prepare.output is null: give the dataset prefix to write "
                           "(prepare.output=/data/corpus_text_document -> .bin/.idx)")
     _require(bool(str(p.text_key).strip()), "prepare.text_key", p.text_key, "a JSONL field / Parquet column name")
-    _require(p.text_document in TEXT_DOCUMENTS, "prepare.text_document", p.text_document, ", ".join(TEXT_DOCUMENTS))
-    _require(p.bad_records in BAD_RECORDS, "prepare.bad_records", p.bad_records, ", ".join(BAD_RECORDS))
+    check_choice(p, "text_document", "prepare.text_document")
+    check_choice(p, "bad_records", "prepare.bad_records")
     _require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
     _require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
     _require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
@@ -397,7 +390,7 @@ def check_ep_overlap(cfg) -> None:
 
 def check_cross_section(cfg) -> None:
     """The rules that involve more than one section, all in one place."""
-    _require(cfg.output in OUTPUTS, "output", cfg.output, ", ".join(OUTPUTS))
+    check_choice(cfg, "output", "output")
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "

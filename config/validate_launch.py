@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 
+from k2.config.choices import SrunDistribution, check_choice, values
 from k2.config.errors import ConfigError
 
 
 #: srun --distribution values k2-submit accepts (the node-level part of srun's option)
-SRUN_DISTRIBUTIONS = ("block", "cyclic")
+SRUN_DISTRIBUTIONS = values(SrunDistribution)
 #: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 #: sbatch --mem: an integer with an optional unit suffix (K, M, G, T; M when none)
@@ -49,9 +50,8 @@ def check_submit(s) -> None:
     if not _SLURM_TIME.fullmatch(str(s.time)):
         raise ConfigError(f"submit.time={s.time!r} is not a Slurm time limit; allowed forms: MM, MM:SS, "
                           "HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (e.g. 24:00:00)")
-    if s.distribution is not None and s.distribution not in SRUN_DISTRIBUTIONS:
-        raise ConfigError(f"submit.distribution={s.distribution!r} is not one of "
-                          f"{', '.join(SRUN_DISTRIBUTIONS)} or null (Slurm's default, block)")
+    if s.distribution is not None:
+        check_choice(s, "distribution", "submit.distribution")
     for key in ("job_name", "partition", "account", "qos", "constraint", "reservation", "container_image",
                 "python"):
         value = s[key]
