@@ -14,7 +14,7 @@ import functools
 import importlib.util
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -23,6 +23,9 @@ from k2.config.choices import CHOICES, choice_error
 from k2.config.errors import ConfigError
 from k2.config.schema import K2Config
 from k2.config.validate import validate
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 #: The config tree: the ``k2.recipes`` package (the repository's ``recipes/`` folder, installed as package
 #: data), so that an installed wheel composes configs from any working directory.
@@ -217,6 +220,6 @@ def _choice_refused(exc: BaseException) -> ConfigError | None:
     return None
 
 
-def to_yaml(cfg: DictConfig) -> str:
+def to_yaml(cfg: K2Config) -> str:
     """The resolved config as YAML (written to ``<run.dir>/config.yaml``)."""
     return OmegaConf.to_yaml(cfg, resolve=True)

@@ -25,11 +25,10 @@ from k2.config.validate_launch import SBATCH_OPTIONS_SET, SRUN_DISTRIBUTIONS, ch
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
-    from k2.config.schema import (CheckpointConfig, ClusterConfig, ConvertConfig, DataConfig, K2Config, ModelConfig,
-                                  OptimConfig, PipelineConfig, PlanConfig, PrepareConfig, RunConfig,
-                                  ScheduleConfig, SweepConfig, TrainConfig)
+    from k2.config.schema import (CheckpointConfig, ClusterConfig, ConvertConfig, DataConfig, K2Config,
+                                  MemoryConfig, ModelConfig, OptimConfig, PhaseMemoryConfig, PipelineConfig,
+                                  PlanConfig, PrepareConfig, RunConfig, ScheduleConfig, SweepConfig,
+                                  TrainConfig)
 
 __all__ = [
     "ATTENTION_BACKENDS", "BAD_RECORDS", "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "CONVERT_MODEL_TYPES",
@@ -78,7 +77,7 @@ def _finite(value: Any) -> bool:
 # --------------------------------------------------------------------------- one section each
 
 
-def check_model(m) -> None:
+def check_model(m: ModelConfig) -> None:
     """``model.*``: the compute-backend names (which of them this machine can run is checked by
     :func:`k2.model.backends.check_backend_config`)."""
     check_choice(m, "attention_backend", "model.attention_backend")
@@ -88,7 +87,7 @@ def check_model(m) -> None:
         _require(_finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")
 
 
-def check_train(t) -> None:
+def check_train(t: TrainConfig) -> None:
     """``train.*``: precision, step counts, intervals."""
     check_choice(t, "precision", "train.precision")
     if t.iters is not None and t.iters < 1:
@@ -104,7 +103,7 @@ def check_train(t) -> None:
              "an integer >= 1")
 
 
-def check_checkpoint(c) -> None:
+def check_checkpoint(c: CheckpointConfig) -> None:
     """``checkpoint.*``: retention and the verification on resume."""
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
     _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
@@ -112,7 +111,7 @@ def check_checkpoint(c) -> None:
     check_choice(c, "verify", "checkpoint.verify")
 
 
-def check_convert(c) -> None:
+def check_convert(c: ConvertConfig) -> None:
     """``convert.*`` (``k2-convert``): the model type, shard size and export dtype."""
     check_choice(c, "model_type", "convert.model_type")
     _require(c.shard_bytes >= 1, "convert.shard_bytes", c.shard_bytes, "an integer >= 1 (bytes)")
@@ -120,7 +119,7 @@ def check_convert(c) -> None:
         check_choice(c, "dtype", "convert.dtype")
 
 
-def check_run(r) -> None:
+def check_run(r: RunConfig) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
@@ -131,7 +130,7 @@ def check_run(r) -> None:
     check_choice(r.wandb, "mode", "run.wandb.mode")
 
 
-def check_optim(o) -> None:
+def check_optim(o: OptimConfig) -> None:
     """``optim.*``: the optimizer, QK-Clip's tau and, for MuonClip, the Muon settings (K2 report section
     2.1; the Newton-Schulz coefficient names are emerging-optimizers')."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
@@ -155,7 +154,7 @@ def check_optim(o) -> None:
         check_choice(o, key, f"optim.{key}")
 
 
-def check_memory(mem, prefix: str = "memory") -> None:
+def check_memory(mem: MemoryConfig | PhaseMemoryConfig, prefix: str = "memory") -> None:
     """``memory.*``: known activation-memory site names (``k2.config.schema``), each at most once.
     ``prefix`` names the section in the message (a schedule phase's override:
     ``schedule.phases.<i>.memory``); keys the mapping lacks are not checked."""
@@ -194,14 +193,14 @@ def check_phase_memory(overrides, key: str) -> None:
     check_memory(overrides, prefix=key)
 
 
-def check_pipeline(p) -> None:
+def check_pipeline(p: PipelineConfig) -> None:
     """``pipeline.*``: the trace directory is a path (whether it names a file is checked by
     :func:`k2.schedules.pipeline.check_pipeline_config`, which looks at the file system)."""
     if p.trace is not None and not str(p.trace).strip():
         raise ConfigError("pipeline.trace=''; allowed: a directory path (created if missing) or null")
 
 
-def check_data(d) -> None:
+def check_data(d: DataConfig) -> None:
     """``data.*``: the embedded corpus's own settings when ``data.path`` is null (the syntax and the
     files of a user dataset are checked by ``k2.launcher.datasets.resolve``)."""
     if d.path is not None:
@@ -219,7 +218,7 @@ def check_data(d) -> None:
                           "own validation split); set data.path too, or data.valid_path=null")
 
 
-def check_prepare(p) -> None:
+def check_prepare(p: PrepareConfig) -> None:
     """``prepare.*`` (``k2-data prepare.input=...``): the values alone; the input files are checked by
     ``k2.launcher.datasets.sources``."""
     if p.input is None:
@@ -237,7 +236,7 @@ def check_prepare(p) -> None:
              p.shard_documents, "null (one dataset) or an integer >= 1 (documents per shard)")
 
 
-def check_cluster(c) -> None:
+def check_cluster(c: ClusterConfig) -> None:
     """``cluster.*``: the target cluster of ``k2-plan`` / ``k2-submit`` and the MFU peak."""
     for key in ("nodes", "gpus_per_node"):
         if c[key] < 1:
@@ -259,7 +258,7 @@ def check_cluster(c) -> None:
                  "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)")
 
 
-def check_plan(p) -> None:
+def check_plan(p: PlanConfig) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
     _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
              p.compute_efficiency, "0 < value <= 1")
@@ -303,18 +302,18 @@ def resume_settings(raw) -> dict:
     return settings
 
 
-def check_sweep(s) -> None:
+def check_sweep(s: SweepConfig) -> None:
     """``sweep.*``: the sparsities of a sweep are distinct integers >= 1 (empty = no sweep)."""
     sparsities = list(s.sparsities or [])
     if sparsities and (min(sparsities) < 1 or len(set(sparsities)) != len(sparsities)):
         raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
 
 
-def check_schedule_memory(s) -> None:
+def check_schedule_memory(s: ScheduleConfig) -> None:
     """``schedule.phases.<i>.memory``: every phase's activation-memory override (:func:`check_phase_memory`;
     the rest of the schedule is checked by :func:`k2.schedules.resolve.resolve_schedule`)."""
     for i, phase in enumerate(list(s.phases or [])):
-        check_phase_memory(phase.get("memory") if hasattr(phase, "get") else None, f"schedule.phases.{i}.memory")
+        check_phase_memory(phase.memory, f"schedule.phases.{i}.memory")
 
 
 #: section name -> its check (receives only that section)
@@ -342,7 +341,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
 # --------------------------------------------------------------------------- rules across sections
 
 
-def check_ep_overlap(cfg) -> None:
+def check_ep_overlap(cfg: K2Config) -> None:
     """The config rules of ``pipeline.ep_overlap`` (``k2.schedules.ep_overlap``): megatron-core's
     ``overlap_moe_expert_parallel_comm`` asserts in ``TransformerConfig.__post_init__``, said as settings,
     and whole-layer recompute, which would re-run the all-to-alls in backward.
@@ -375,9 +374,8 @@ def check_ep_overlap(cfg) -> None:
     top = "layer" in list(cfg.memory.recompute or [])
     layer, layer_phases = top, []
     for phase in list(cfg.schedule.phases or []):  # a phase's override holds until the next one's
-        mem = phase.get("memory") if hasattr(phase, "get") else None
-        if mem is not None and mem.get("recompute") is not None:
-            layer = "layer" in list(mem.get("recompute"))
+        if phase.memory.recompute is not None:
+            layer = "layer" in list(phase.memory.recompute)
         layer_phases.append(layer)
     if all(layer_phases or [top]):
         where = ("memory.recompute" if top else "every schedule.phases.<i>.memory.recompute")
@@ -388,7 +386,7 @@ def check_ep_overlap(cfg) -> None:
                           "pipeline.ep_overlap=false")
 
 
-def check_cross_section(cfg) -> None:
+def check_cross_section(cfg: K2Config) -> None:
     """The rules that involve more than one section, all in one place."""
     check_choice(cfg, "output", "output")
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
@@ -419,7 +417,7 @@ def check_cross_section(cfg) -> None:
                           "model.num_moe_experts=null")
 
 
-def validate(cfg) -> None:
+def validate(cfg: K2Config) -> None:
     """Run every section's check, then the cross-section rules (``load_config`` calls it).
 
     Raises:

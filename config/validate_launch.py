@@ -5,10 +5,15 @@ section's): how ``k2-train`` starts local ranks and what ``k2-submit`` may write
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 
 from k2.config.choices import SrunDistribution, check_choice, values
 from k2.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from k2.config.schema_launch import LaunchConfig, SubmitConfig
 
 
 #: srun --distribution values k2-submit accepts (the node-level part of srun's option)
@@ -36,14 +41,14 @@ SBATCH_OPTIONS_SET = {
 }
 
 
-def check_launch(la) -> None:
+def check_launch(la: LaunchConfig) -> None:
     """``launch.*``: the rendezvous of a multi-rank launch."""
     if la.rendezvous_timeout_s < 1:
         raise ConfigError(f"launch.rendezvous_timeout_s={la.rendezvous_timeout_s} must be an integer >= 1 "
                           "(seconds)")
 
 
-def check_submit(s) -> None:
+def check_submit(s: SubmitConfig) -> None:
     """``submit.*``: the ``#SBATCH`` settings of ``k2-submit``."""
     if s.signal_seconds < 1:
         raise ConfigError(f"submit.signal_seconds={s.signal_seconds} must be an integer >= 1 (seconds)")
