@@ -211,11 +211,14 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
 
 def _choice_refused(exc: BaseException) -> ConfigError | None:
     """The setting's own error (:func:`k2.config.choices.choice_error`) when ``exc`` -- or an exception it was
-    raised from -- is OmegaConf refusing a value of an Enum-typed setting; None for any other error."""
+    raised from -- is OmegaConf refusing a scalar value of an Enum-typed setting; None for any other error
+    (null, a list: OmegaConf's own message, as for a ``str`` field)."""
     while exc is not None:
         key = getattr(exc, "full_key", None)
-        if isinstance(exc, ValidationError) and key in CHOICES:
-            return choice_error(key, exc.value)
+        value = getattr(exc, "value", None)
+        if isinstance(exc, ValidationError) and key in CHOICES and isinstance(value, (str, int, float, bool)):
+            # a number or a bool as the string a str field made of it (the message before the Enum)
+            return choice_error(key, value if isinstance(value, str) else str(value))
         exc = exc.__cause__ or exc.__context__
     return None
 

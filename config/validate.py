@@ -17,11 +17,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
-from k2.config.choices import (CHOICES, AttentionBackend, BadRecords, CheckpointVerify, ConvertModelType,
-                               MaxLogitKernel, MuonZero1, Output, Precision, ResumeMode, RouterOptimizer,
-                               SpikeAction, TextDocument, WandbMode, check_choice, choice_error, values)
+from k2.config.choices import CHOICES, CheckpointVerify, ResumeMode, check_choice, choice_error, values  # noqa: F401
 from k2.config.errors import ConfigError
-from k2.config.validate_launch import SBATCH_OPTIONS_SET, SRUN_DISTRIBUTIONS, check_launch, check_submit  # noqa: F401
+from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 if TYPE_CHECKING:
@@ -31,36 +29,23 @@ if TYPE_CHECKING:
                                   TrainConfig)
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BAD_RECORDS", "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "CONVERT_MODEL_TYPES",
-    "MAX_LOGIT_KERNELS", "MIN_EMBEDDED_VOCAB", "MUON_ZERO1", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS",
-    "RESUME_MODES", "ROUTER_OPTIMIZERS", "SECTION_CHECKS", "TEXT_DOCUMENTS", "WANDB_MODES", "check_cross_section",
-    "check_phase_memory", "check_prepare", "check_schedule_memory", "choice_error", "resume_settings", "validate",
+    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "RESUME_KEYS", "RESUME_MODES",
+    "SECTION_CHECKS", "check_cross_section", "check_phase_memory", "check_prepare", "check_schedule_memory",
+    "choice_error", "resume_settings", "validate",
 ]
 
-# The allowed values as tuples of strings, for the callers that list or test them (each from its
-# k2.config.choices Enum, the one place they are written)
-PRECISIONS = values(Precision)
 #: ``optim.name``: the Hydra choices of the ``optim`` group (a str in the schema: one recipe per optimizer)
 OPTIMIZERS = ("adamw", "muonclip")
-ROUTER_OPTIMIZERS = values(RouterOptimizer)
-MUON_ZERO1 = values(MuonZero1)
-ATTENTION_BACKENDS = values(AttentionBackend)
-MAX_LOGIT_KERNELS = values(MaxLogitKernel)
-WANDB_MODES = values(WandbMode)
-OUTPUTS = values(Output)
 #: the byte-level BPE tokenizer of the embedded corpus: 256 byte ids + <|endoftext|> + <|pad|>
 MIN_EMBEDDED_VOCAB = 256 + 2
 #: ``resume.*`` keys and their defaults (``resume`` is a plain mapping because ``from`` is a Python keyword
 #: and cannot be a dataclass field)
 RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
+# The allowed values of every fixed-choice setting are the Enums of k2.config.choices; as tuples of strings:
+#: ``resume.mode`` (checked here: ``resume`` is no dataclass)
 RESUME_MODES = values(ResumeMode)
+#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
 CHECKPOINT_VERIFY_LEVELS = values(CheckpointVerify)
-SPIKE_ACTIONS = values(SpikeAction)
-#: ``convert.model_type``: config.json's model_type of an export (launcher/hf/hf_config.py)
-CONVERT_MODEL_TYPES = values(ConvertModelType)
-#: ``prepare.text_document`` and ``prepare.bad_records`` (k2.launcher.datasets.sources / .preprocess)
-TEXT_DOCUMENTS = values(TextDocument)
-BAD_RECORDS = values(BadRecords)
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
                  "offload": MEMORY_OFFLOAD_SITES}
 

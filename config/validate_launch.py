@@ -9,15 +9,13 @@ from typing import TYPE_CHECKING
 
 import re
 
-from k2.config.choices import SrunDistribution, check_choice, values
+from k2.config.choices import check_choice
 from k2.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from k2.config.schema_launch import LaunchConfig, SubmitConfig
 
 
-#: srun --distribution values k2-submit accepts (the node-level part of srun's option)
-SRUN_DISTRIBUTIONS = values(SrunDistribution)
 #: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 #: sbatch --mem: an integer with an optional unit suffix (K, M, G, T; M when none)

@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from k2.config import ConfigError
-from k2.config.validate import ATTENTION_BACKENDS
+from k2.config.choices import AttentionBackend, values
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
+
+#: ``model.attention_backend``'s values (:class:`k2.config.choices.AttentionBackend`)
+ATTENTION_BACKENDS = values(AttentionBackend)
 
 
 def te_available() -> bool:

@@ -37,14 +37,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from k2.config.validate import CONVERT_MODEL_TYPES
+from k2.config.choices import ConvertModelType, values
 
 if TYPE_CHECKING:
     from k2.config.schema import ModelConfig
 
 #: HF checkpoints this converter reads and writes (``config.json``'s ``architectures`` / ``model_type``)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-MODEL_TYPES = CONVERT_MODEL_TYPES  # deepseek_v3, kimi_k2 (k2.config.validate)
+MODEL_TYPES = values(ConvertModelType)  # deepseek_v3, kimi_k2 (convert.model_type)
 #: a sharded HF checkpoint's index: ``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``
 INDEX_FILE = "model.safetensors.index.json"
 #: the dtype names of ``convert.dtype`` / ``train.precision`` -> torch dtype names
