@@ -24,9 +24,10 @@ from typing import Any
 from k2.config.errors import ConfigError
 
 __all__ = [
-    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType", "MaxLogitKernel",
-    "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision", "ResumeMode", "RouterOptimizer",
-    "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode", "allowed", "check_choice", "choice_error", "values",
+    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType",
+    "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
+    "ResumeMode", "RouterOptimizer", "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode",
+    "allowed", "check_choice", "choice_error", "values",
 ]
 
 

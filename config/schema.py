@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from k2.config.choices import (AttentionBackend, BadRecords, CheckpointVerify, ConvertModelType, MaxLogitKernel,
-                               MuonMatmulPrecision, MuonScaleMode, MuonZero1, Output, Precision, RouterOptimizer,
-                               SpikeAction, TextDocument, WandbMode)
+from k2.config.choices import (AttentionBackend, BadRecords, CheckpointVerify, ConvertModelType,
+                               MaxLogitKernel, MuonMatmulPrecision, MuonScaleMode, MuonZero1, Output,
+                               Precision, RouterOptimizer, SpikeAction, TextDocument, WandbMode)
 from k2.config.schema_launch import LaunchConfig, SubmitConfig  # noqa: F401  (local ranks, Slurm jobs)
 from k2.config.schema_planning import ClusterConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
 
@@ -188,9 +188,11 @@ class PrepareConfig:
     input: Optional[Any] = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
     output: Optional[str] = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
     text_key: str = "text"  # the JSONL field / Parquet column holding the document
-    text_document: TextDocument = TextDocument.file  # plain text: file = one document per file; paragraph = per blank-line block
+    # plain text: file = one document per file; paragraph = per blank-line block
+    text_document: TextDocument = TextDocument.file
     workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
-    bad_records: BadRecords = BadRecords.error  # error = stop at the first bad record (file:line); skip = report and skip
+    # error = stop at the first bad record (file:line); skip = report and skip
+    bad_records: BadRecords = BadRecords.error
     shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
     chunk_documents: int = 2048  # records per encode_batch_fast call and per committed chunk (resume granularity)
     # ... and a chunk ends early once its records hold this many bytes of input (1 MiB), so that a chunk's
@@ -215,9 +217,11 @@ class OptimConfig:
     muon_nesterov: bool = True
     muon_num_ns_steps: int = 5  # Newton-Schulz iterations
     muon_coefficient_type: str = "simple"  # NS coefficients (3.4445, -4.7750, 2.0315)
-    muon_scale_mode: MuonScaleMode = MuonScaleMode.spectral  # update x sqrt(max(A, B)) for an A x B matrix ...
+    # update x sqrt(max(A, B)) for an A x B matrix ...
+    muon_scale_mode: MuonScaleMode = MuonScaleMode.spectral
     muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
-    muon_fp32_matmul_prec: MuonMatmulPrecision = MuonMatmulPrecision.medium  # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    muon_fp32_matmul_prec: MuonMatmulPrecision = MuonMatmulPrecision.medium
     # Moonshot's parameter rules (Moonlight examples/toy_train.py: every parameter with ndim >= 2 except
     # the token embedding and the output head goes to Muon, and every parameter is decayed; "Muon is
     # Scalable", arXiv 2502.16982, appendix D: decaying the RMSNorm gamma matters for stability).

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
-from k2.config.choices import CHOICES, CheckpointVerify, ResumeMode, check_choice, choice_error, values  # noqa: F401
+# re-exported: the Enum-typed settings and their messages
+from k2.config.choices import CHOICES, choice_error  # noqa: F401
+from k2.config.choices import CheckpointVerify, ResumeMode, check_choice, values
 from k2.config.errors import ConfigError
 from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
@@ -44,7 +46,8 @@ RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
 # The allowed values of every fixed-choice setting are the Enums of k2.config.choices; as tuples of strings:
 #: ``resume.mode`` (checked here: ``resume`` is no dataclass)
 RESUME_MODES = values(ResumeMode)
-#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
+#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest
+#: (k2.launcher.checkpointing.manifest)
 CHECKPOINT_VERIFY_LEVELS = values(CheckpointVerify)
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
                  "offload": MEMORY_OFFLOAD_SITES}
