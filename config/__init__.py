@@ -1,6 +1,7 @@
 """Configuration: the bottom layer of k2-launcher.
 
-What is here: :class:`ConfigError` (``errors``), the typed schema of every setting (``schema``), loading
+What is here: :class:`ConfigError` (``errors``), the typed schema of every setting (``schema``; the
+allowed values of each setting that takes one of a fixed set of names as an ``Enum`` in ``choices``), loading
 the Hydra config tree shipped as ``k2.recipes`` (``load``), one setting of a config node in any of its
 forms (``access``), and every rule that depends on the config alone (``validate``: each section checks
 itself, the rules that span sections live in one place).

@@ -14,14 +14,18 @@ import functools
 import importlib.util
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from k2.config.choices import CHOICES, choice_error
 from k2.config.errors import ConfigError
 from k2.config.schema import K2Config
 from k2.config.validate import validate
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 #: The config tree: the ``k2.recipes`` package (the repository's ``recipes/`` folder, installed as package
 #: data), so that an installed wheel composes configs from any working directory.
@@ -171,6 +175,9 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
             raw = compose(config_name=config_name, overrides=list(overrides))
     except HydraException as e:  # unknown group option, bad override syntax, missing key
+        refused = _choice_refused(e)
+        if refused is not None:  # a value outside an Enum-typed setting's (override or recipe)
+            raise refused from None
         msg = str(e).split("\nConfig search path:")[0].strip()
         if e.__cause__ is not None:  # e.g. "Value 'abc' of type 'str' could not be converted to Integer"
             msg += ": " + str(e.__cause__).split("\n")[0]
@@ -192,6 +199,9 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
     except ConfigKeyError as e:
         raise _unknown_key_error(str(getattr(e, "full_key", None) or getattr(e, "key", "?"))) from None
     except OmegaConfBaseException as e:
+        refused = _choice_refused(e)
+        if refused is not None:
+            raise refused from None
         raise ConfigError(f"invalid value for '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     OmegaConf.set_readonly(cfg, True)
     OmegaConf.set_struct(cfg, True)
@@ -199,6 +209,20 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
     return cfg
 
 
-def to_yaml(cfg: DictConfig) -> str:
+def _choice_refused(exc: BaseException) -> ConfigError | None:
+    """The setting's own error (:func:`k2.config.choices.choice_error`) when ``exc`` -- or an exception it was
+    raised from -- is OmegaConf refusing a scalar value of an Enum-typed setting; None for any other error
+    (null, a list: OmegaConf's own message, as for a ``str`` field)."""
+    while exc is not None:
+        key = getattr(exc, "full_key", None)
+        value = getattr(exc, "value", None)
+        if isinstance(exc, ValidationError) and key in CHOICES and isinstance(value, (str, int, float, bool)):
+            # a number or a bool as the string a str field made of it (the message before the Enum)
+            return choice_error(key, value if isinstance(value, str) else str(value))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def to_yaml(cfg: K2Config) -> str:
     """The resolved config as YAML (written to ``<run.dir>/config.yaml``)."""
     return OmegaConf.to_yaml(cfg, resolve=True)

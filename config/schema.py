@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from k2.config.choices import (AttentionBackend, BadRecords, CheckpointVerify, ConvertModelType,
+                               MaxLogitKernel, MuonMatmulPrecision, MuonScaleMode, MuonZero1, Output,
+                               Precision, RouterOptimizer, SpikeAction, TextDocument, WandbMode)
 from k2.config.schema_launch import LaunchConfig, SubmitConfig  # noqa: F401  (local ranks, Slurm jobs)
 from k2.config.schema_planning import ClusterConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
 
@@ -78,11 +81,11 @@ class ModelConfig:
     # Core attention backend (model/attention.py): auto = sdpa (fused SDPA, cuDNN first, + a chunked
     # max-logit pass) on CUDA, with or without Transformer Engine, eager on CPU; sdpa | eager | te force
     # one (sdpa also runs on CPU; te, TE's fused attention, only when set: it has not run here yet).
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = AttentionBackend.auto
     # How the sdpa backend gets QK-Clip's per-head max logit: torch = a chunked q k^T pass in torch (scores
     # written to memory and read back); triton = one Triton kernel keeping only running maxima
     # (model/max_logit_kernel.py; CUDA; opt-in until measured on a GPU).
-    max_logit_kernel: str = "torch"
+    max_logit_kernel: MaxLogitKernel = MaxLogitKernel.torch
     # Routed experts as grouped GEMMs (torch._grouped_mm, model/grouped_mlp.py) instead of megatron's
     # SequentialMLP loop; same parameters and checkpoints. null = auto: on with CUDA and bf16, off on CPU.
     # (megatron's field of the same name selects Transformer Engine's grouped experts; the K2 build
@@ -185,9 +188,11 @@ class PrepareConfig:
     input: Optional[Any] = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
     output: Optional[str] = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
     text_key: str = "text"  # the JSONL field / Parquet column holding the document
-    text_document: str = "file"  # plain text: file = one document per file; paragraph = per blank-line block
+    # plain text: file = one document per file; paragraph = per blank-line block
+    text_document: TextDocument = TextDocument.file
     workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
-    bad_records: str = "error"  # error = stop at the first bad record (file:line); skip = report and skip
+    # error = stop at the first bad record (file:line); skip = report and skip
+    bad_records: BadRecords = BadRecords.error
     shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
     chunk_documents: int = 2048  # records per encode_batch_fast call and per committed chunk (resume granularity)
     # ... and a chunk ends early once its records hold this many bytes of input (1 MiB), so that a chunk's
@@ -212,15 +217,17 @@ class OptimConfig:
     muon_nesterov: bool = True
     muon_num_ns_steps: int = 5  # Newton-Schulz iterations
     muon_coefficient_type: str = "simple"  # NS coefficients (3.4445, -4.7750, 2.0315)
-    muon_scale_mode: str = "spectral"  # update x sqrt(max(A, B)) for an A x B matrix ...
+    # update x sqrt(max(A, B)) for an A x B matrix ...
+    muon_scale_mode: MuonScaleMode = MuonScaleMode.spectral
     muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
-    muon_fp32_matmul_prec: str = "medium"  # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    # medium = Newton-Schulz in bf16 (K2); highest = fp32
+    muon_fp32_matmul_prec: MuonMatmulPrecision = MuonMatmulPrecision.medium
     # Moonshot's parameter rules (Moonlight examples/toy_train.py: every parameter with ndim >= 2 except
     # the token embedding and the output head goes to Muon, and every parameter is decayed; "Muon is
     # Scalable", arXiv 2502.16982, appendix D: decaying the RMSNorm gamma matters for stability).
     # optimizer of the MoE router weight [experts, hidden] under optim=muonclip: muon (Moonlight, megatron's
     # default routing, Megatron-Bridge's Kimi-K2 recipe) | adamw
-    router_optimizer: str = "muon"
+    router_optimizer: RouterOptimizer = RouterOptimizer.muon
     # decoupled weight decay on every parameter, norm weights and biases included (Moonlight; K2's rule,
     # the muonclip recipe's default); false = megatron's default (no decay for 1-D tensors and biases),
     # the adamw recipe's (the CPU proxy's baseline)
@@ -229,7 +236,7 @@ class OptimConfig:
     # byte-range distributed optimizer, unpadded, a matrix a shard boundary cuts gathered for Newton-Schulz
     # (Distributed Muon, "Muon is Scalable" section 2.3; optim/distributed_muon.py) | layer_wise =
     # megatron's layer-wise distributed optimizer (whole matrices bin-packed into padded DP shards)
-    muon_zero1: str = "byte_range"
+    muon_zero1: MuonZero1 = MuonZero1.byte_range
     # share of the optimizer states (FP32 master weights, AdamW moments, Muon momentum) kept in host memory
     # (pinned with CUDA) between optimizer steps, by k2-train and in k2-plan's figures (K2 offloads part of
     # them at 32 nodes; optim/offload.py). Needs the distributed optimizer (byte-range for MuonClip).
@@ -252,7 +259,7 @@ class SpikeConfig:
     # 11-sigma gradient-norm outliers that recover by themselves) | skip = no update for that step (weights,
     # optimizer states, router expert bias as before it), its tokens count as consumed | stop = end the run
     # with the divergence exit status
-    action: str = "log"
+    action: SpikeAction = SpikeAction.log
     # with action=skip: this many spikes in a row stop the run (the window no longer describes it)
     max_consecutive_skips: int = 10
 
@@ -264,7 +271,7 @@ class TrainConfig:
 
     iters: Optional[int] = None  # cap on optimizer steps; null = run to the end of the schedule
     micro_batch_size: int = 2  # sequences per microbatch (a schedule phase may override it)
-    precision: str = "fp32"  # fp32 | bf16
+    precision: Precision = Precision.fp32
     eval_interval: int = 50
     eval_iters: int = 4
     log_interval: int = 10  # steps between log lines when not on a terminal
@@ -334,7 +341,7 @@ class ScheduleConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "k2-launcher"
     entity: Optional[str] = None
     name: Optional[str] = None
@@ -382,7 +389,7 @@ class CheckpointConfig:
     save_at_end: bool = True  # save when the run ends (train.iters or the end of the schedule)
     # what resume checks against the checkpoint's manifest before loading it: "checksum" (every file's
     # size and xxh3-64 checksum, read in parallel by the ranks), "size" (a stat per file), "none"
-    verify: str = "checksum"
+    verify: CheckpointVerify = CheckpointVerify.checksum
     # at the end of the run, also export the last checkpoint as a Hugging Face directory
     # <run.dir>/hf (k2-convert export; launcher/hf/): config.json, safetensors shards, tokenizer
     export_hf: bool = False
@@ -404,9 +411,9 @@ class ConvertConfig:
     out: Optional[str] = None  # export: the HF directory to create (must not exist)
     # config.json's model_type: deepseek_v3 (loads in transformers without custom code) | kimi_k2 (K2's
     # own label; the pinned transformers does not register it)
-    model_type: str = "deepseek_v3"
+    model_type: ConvertModelType = ConvertModelType.deepseek_v3
     shard_bytes: int = 2147483648  # bytes per safetensors shard (export) / at most per .distcp file (import)
-    dtype: Optional[str] = None  # export: fp32 | bf16; null = the checkpoint's dtype
+    dtype: Optional[Precision] = None  # export; null = the checkpoint's dtype
 
 
 @dataclass
@@ -460,6 +467,6 @@ class K2Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    output: str = "text"  # text | json (k2-plan, k2-bench)
+    output: Output = Output.text  # k2-plan, k2-bench
     plot: Optional[str] = None  # k2-plan: write a PNG of the per-rank pipeline timeline to this path
     plot_schedule: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR, context over tokens) here

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from k2.config.choices import SrunDistribution
+
 
 @dataclass
 class LaunchConfig:
@@ -41,7 +43,7 @@ class SubmitConfig:
     # block (ranks 0..gpus_per_node-1 on the first node, ...: with PP outermost in megatron's rank order,
     # a pipeline stage's TP/EP/DP ranks share a node); cyclic deals them round-robin (rank r on node
     # r % nodes: the ranks of one stage on different nodes)
-    distribution: Optional[str] = None
+    distribution: Optional[SrunDistribution] = None
     # sbatch --mem per node; null = --mem=0, all of each (exclusive) node's memory: offloaded optimizer
     # states / activations live there (k2-plan), and Slurm's memory cgroups give a job only what it asks
     mem: Optional[str] = None

@@ -15,41 +15,38 @@ Every error is a :class:`k2.config.ConfigError` naming the setting and the allow
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+# re-exported: the Enum-typed settings and their messages
+from k2.config.choices import CHOICES, choice_error  # noqa: F401
+from k2.config.choices import CheckpointVerify, ResumeMode, check_choice, values
 from k2.config.errors import ConfigError
-from k2.config.validate_launch import SBATCH_OPTIONS_SET, SRUN_DISTRIBUTIONS, check_launch, check_submit  # noqa: F401
+from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
+if TYPE_CHECKING:
+    from k2.config.schema import (CheckpointConfig, ClusterConfig, ConvertConfig, DataConfig, K2Config,
+                                  MemoryConfig, ModelConfig, OptimConfig, PhaseMemoryConfig, PipelineConfig,
+                                  PlanConfig, PrepareConfig, RunConfig, ScheduleConfig, SweepConfig,
+                                  TrainConfig)
+
 __all__ = [
-    "ATTENTION_BACKENDS", "BAD_RECORDS", "CHECKPOINT_VERIFY_LEVELS", "CONVERT_MODEL_TYPES", "MAX_LOGIT_KERNELS",
-    "MIN_EMBEDDED_VOCAB", "MUON_ZERO1", "OPTIMIZER_CHECKS", "OPTIMIZERS", "OUTPUTS", "PRECISIONS", "RESUME_KEYS", "RESUME_MODES",
-    "ROUTER_OPTIMIZERS", "SECTION_CHECKS", "TEXT_DOCUMENTS", "WANDB_MODES", "check_cross_section",
-    "check_phase_memory", "check_prepare", "check_schedule_memory", "resume_settings", "validate",
+    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZER_CHECKS", "OPTIMIZERS", "RESUME_KEYS",
+    "RESUME_MODES", "SECTION_CHECKS", "check_cross_section", "check_phase_memory", "check_prepare",
+    "check_schedule_memory", "choice_error", "resume_settings", "validate",
 ]
 
-PRECISIONS = ("fp32", "bf16")
-#: ``optim.router_optimizer``: the MoE router weight's optimizer under MuonClip
-ROUTER_OPTIMIZERS = ("muon", "adamw")
-#: ``optim.muon_zero1``: how ZeRO-1 shards the Muon matrices (k2.optim.build)
-MUON_ZERO1 = ("byte_range", "layer_wise")
-#: ``k2.model.attention_backend``: auto = sdpa on CUDA (te only when set), eager on CPU (``k2.model.backends``)
-ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "te")
-MAX_LOGIT_KERNELS = ("torch", "triton")
-WANDB_MODES = ("offline", "online", "disabled")
-#: ``output=``: ``k2-plan`` takes all three, ``k2-bench`` text and json
-OUTPUTS = ("text", "table", "json")
 #: the byte-level BPE tokenizer of the embedded corpus: 256 byte ids + <|endoftext|> + <|pad|>
 MIN_EMBEDDED_VOCAB = 256 + 2
 #: ``resume.*`` keys and their defaults (``resume`` is a plain mapping because ``from`` is a Python keyword
 #: and cannot be a dataclass field)
 RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
-RESUME_MODES = ("auto", "never")
-#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest (k2.launcher.checkpointing.manifest)
-CHECKPOINT_VERIFY_LEVELS = ("checksum", "size", "none")
-SPIKE_ACTIONS = ("log", "skip", "stop")
-_MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
-_MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")
+# The allowed values of every fixed-choice setting are the Enums of k2.config.choices; as tuples of strings:
+#: ``resume.mode`` (checked here: ``resume`` is no dataclass)
+RESUME_MODES = values(ResumeMode)
+#: ``checkpoint.verify``: what resume checks against a checkpoint's manifest
+#: (k2.launcher.checkpointing.manifest)
+CHECKPOINT_VERIFY_LEVELS = values(CheckpointVerify)
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
                  "offload": MEMORY_OFFLOAD_SITES}
 
@@ -66,21 +63,19 @@ def _finite(value: Any) -> bool:
 # --------------------------------------------------------------------------- one section each
 
 
-def check_model(m) -> None:
+def check_model(m: ModelConfig) -> None:
     """``model.*``: the compute-backend names (which of them this machine can run is checked by
     :func:`k2.model.backends.check_backend_config`)."""
-    _require(m.attention_backend in ATTENTION_BACKENDS, "model.attention_backend", m.attention_backend,
-             f"{', '.join(ATTENTION_BACKENDS)} (auto = sdpa on CUDA, eager on CPU)")
-    _require(m.max_logit_kernel in MAX_LOGIT_KERNELS, "model.max_logit_kernel", m.max_logit_kernel,
-             ", ".join(MAX_LOGIT_KERNELS))
+    check_choice(m, "attention_backend", "model.attention_backend")
+    check_choice(m, "max_logit_kernel", "model.max_logit_kernel")
     for key in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, key)
         _require(_finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")
 
 
-def check_train(t) -> None:
+def check_train(t: TrainConfig) -> None:
     """``train.*``: precision, step counts, intervals."""
-    _require(t.precision in PRECISIONS, "train.precision", t.precision, ", ".join(PRECISIONS))
+    check_choice(t, "precision", "train.precision")
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     if t.save_interval is not None and t.save_interval < 1:
@@ -89,34 +84,28 @@ def check_train(t) -> None:
     sp = t.spike
     _require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
     _require(_finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
-    _require(sp.action in SPIKE_ACTIONS, "train.spike.action", sp.action, ", ".join(SPIKE_ACTIONS))
+    check_choice(sp, "action", "train.spike.action")
     _require(sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips,
              "an integer >= 1")
 
 
-def check_checkpoint(c) -> None:
+def check_checkpoint(c: CheckpointConfig) -> None:
     """``checkpoint.*``: retention and the verification on resume."""
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
     _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
              "an integer >= 1 or null")
-    _require(c.verify in CHECKPOINT_VERIFY_LEVELS, "checkpoint.verify", c.verify,
-             ", ".join(CHECKPOINT_VERIFY_LEVELS))
+    check_choice(c, "verify", "checkpoint.verify")
 
 
-#: ``convert.model_type``: config.json's model_type of an export (launcher/hf/hf_config.py)
-CONVERT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-
-
-def check_convert(c) -> None:
+def check_convert(c: ConvertConfig) -> None:
     """``convert.*`` (``k2-convert``): the model type, shard size and export dtype."""
-    _require(c.model_type in CONVERT_MODEL_TYPES, "convert.model_type", c.model_type,
-             ", ".join(CONVERT_MODEL_TYPES))
+    check_choice(c, "model_type", "convert.model_type")
     _require(c.shard_bytes >= 1, "convert.shard_bytes", c.shard_bytes, "an integer >= 1 (bytes)")
-    _require(c.dtype is None or c.dtype in PRECISIONS, "convert.dtype", c.dtype,
-             f"{', '.join(PRECISIONS)} or null (the checkpoint's dtype)")
+    if c.dtype is not None:
+        check_choice(c, "dtype", "convert.dtype")
 
 
-def check_run(r) -> None:
+def check_run(r: RunConfig) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
@@ -124,15 +113,14 @@ def check_run(r) -> None:
              r.hang_timeout_s, "a number > 0 (seconds), or null (derived from the measured step time)")
     _require(_finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0, "run.hang_startup_timeout_s",
              r.hang_startup_timeout_s, "a number > 0 (seconds)")
-    _require(r.wandb.mode in WANDB_MODES, "run.wandb.mode", r.wandb.mode, ", ".join(WANDB_MODES))
+    check_choice(r.wandb, "mode", "run.wandb.mode")
 
 
-def check_optim(o) -> None:
+def check_optim(o: OptimConfig) -> None:
     """``optim.*``: the optimizer, the settings every optimizer shares, QK-Clip's tau, then the optimizer's own
     settings (:data:`OPTIMIZER_CHECKS`)."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
-    _require(o.router_optimizer in ROUTER_OPTIMIZERS, "optim.router_optimizer", o.router_optimizer,
-             ", ".join(ROUTER_OPTIMIZERS))
+    check_choice(o, "router_optimizer", "optim.router_optimizer")
     _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
              o.offload_fraction, "0 <= value <= 1")
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
@@ -142,7 +130,7 @@ def check_optim(o) -> None:
         own(o)
 
 
-def check_muonclip(o) -> None:
+def check_muonclip(o: OptimConfig) -> None:
     """``optim.*`` of ``optim=muonclip``: the Muon settings (K2 report section 2.1; the Newton-Schulz
     coefficient names are emerging-optimizers')."""
     from typing import get_args
@@ -154,15 +142,11 @@ def check_muonclip(o) -> None:
              ", ".join(coeffs))
     _require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
     _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
-    _require(o.muon_scale_mode in _MUON_SCALE_MODES, "optim.muon_scale_mode", o.muon_scale_mode,
-             ", ".join(_MUON_SCALE_MODES))
-    _require(o.muon_zero1 in MUON_ZERO1, "optim.muon_zero1", o.muon_zero1, ", ".join(MUON_ZERO1))
-    _require(o.muon_fp32_matmul_prec in _MUON_MATMUL_PRECISIONS, "optim.muon_fp32_matmul_prec",
-             o.muon_fp32_matmul_prec,
-             f"{', '.join(_MUON_MATMUL_PRECISIONS)} (medium = Newton-Schulz in bf16)")
+    for key in ("muon_scale_mode", "muon_zero1", "muon_fp32_matmul_prec"):
+        check_choice(o, key, f"optim.{key}")
 
 
-def check_memory(mem, prefix: str = "memory") -> None:
+def check_memory(mem: MemoryConfig | PhaseMemoryConfig, prefix: str = "memory") -> None:
     """``memory.*``: known activation-memory site names (``k2.config.schema``), each at most once.
     ``prefix`` names the section in the message (a schedule phase's override:
     ``schedule.phases.<i>.memory``); keys the mapping lacks are not checked."""
@@ -201,14 +185,14 @@ def check_phase_memory(overrides, key: str) -> None:
     check_memory(overrides, prefix=key)
 
 
-def check_pipeline(p) -> None:
+def check_pipeline(p: PipelineConfig) -> None:
     """``pipeline.*``: the trace directory is a path (whether it names a file is checked by
     :func:`k2.schedules.pipeline.check_pipeline_config`, which looks at the file system)."""
     if p.trace is not None and not str(p.trace).strip():
         raise ConfigError("pipeline.trace=''; allowed: a directory path (created if missing) or null")
 
 
-def check_data(d) -> None:
+def check_data(d: DataConfig) -> None:
     """``data.*``: the embedded corpus's own settings when ``data.path`` is null (the syntax and the
     files of a user dataset are checked by ``k2.launcher.datasets.resolve``)."""
     if d.path is not None:
@@ -226,12 +210,7 @@ def check_data(d) -> None:
                           "own validation split); set data.path too, or data.valid_path=null")
 
 
-#: ``prepare.text_document`` and ``prepare.bad_records`` (k2.launcher.datasets.sources / .preprocess)
-TEXT_DOCUMENTS = ("file", "paragraph")
-BAD_RECORDS = ("error", "skip")
-
-
-def check_prepare(p) -> None:
+def check_prepare(p: PrepareConfig) -> None:
     """``prepare.*`` (``k2-data prepare.input=...``): the values alone; the input files are checked by
     ``k2.launcher.datasets.sources``."""
     if p.input is None:
@@ -240,8 +219,8 @@ def check_prepare(p) -> None:
         raise ConfigError("prepare.input is set but prepare.output is null: give the dataset prefix to write "
                           "(prepare.output=/data/corpus_text_document -> .bin/.idx)")
     _require(bool(str(p.text_key).strip()), "prepare.text_key", p.text_key, "a JSONL field / Parquet column name")
-    _require(p.text_document in TEXT_DOCUMENTS, "prepare.text_document", p.text_document, ", ".join(TEXT_DOCUMENTS))
-    _require(p.bad_records in BAD_RECORDS, "prepare.bad_records", p.bad_records, ", ".join(BAD_RECORDS))
+    check_choice(p, "text_document", "prepare.text_document")
+    check_choice(p, "bad_records", "prepare.bad_records")
     _require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
     _require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
     _require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
@@ -249,7 +228,7 @@ def check_prepare(p) -> None:
              p.shard_documents, "null (one dataset) or an integer >= 1 (documents per shard)")
 
 
-def check_cluster(c) -> None:
+def check_cluster(c: ClusterConfig) -> None:
     """``cluster.*``: the target cluster of ``k2-plan`` / ``k2-submit`` and the MFU peak."""
     for key in ("nodes", "gpus_per_node"):
         if c[key] < 1:
@@ -271,7 +250,7 @@ def check_cluster(c) -> None:
                  "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)")
 
 
-def check_plan(p) -> None:
+def check_plan(p: PlanConfig) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
     _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
              p.compute_efficiency, "0 < value <= 1")
@@ -315,18 +294,18 @@ def resume_settings(raw) -> dict:
     return settings
 
 
-def check_sweep(s) -> None:
+def check_sweep(s: SweepConfig) -> None:
     """``sweep.*``: the sparsities of a sweep are distinct integers >= 1 (empty = no sweep)."""
     sparsities = list(s.sparsities or [])
     if sparsities and (min(sparsities) < 1 or len(set(sparsities)) != len(sparsities)):
         raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
 
 
-def check_schedule_memory(s) -> None:
+def check_schedule_memory(s: ScheduleConfig) -> None:
     """``schedule.phases.<i>.memory``: every phase's activation-memory override (:func:`check_phase_memory`;
     the rest of the schedule is checked by :func:`k2.schedules.resolve.resolve_schedule`)."""
     for i, phase in enumerate(list(s.phases or [])):
-        check_phase_memory(phase.get("memory") if hasattr(phase, "get") else None, f"schedule.phases.{i}.memory")
+        check_phase_memory(phase.memory, f"schedule.phases.{i}.memory")
 
 
 #: section name -> its check (receives only that section)
@@ -363,7 +342,7 @@ SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
 # --------------------------------------------------------------------------- rules across sections
 
 
-def check_ep_overlap(cfg) -> None:
+def check_ep_overlap(cfg: K2Config) -> None:
     """The config rules of ``pipeline.ep_overlap`` (``k2.schedules.ep_overlap``): megatron-core's
     ``overlap_moe_expert_parallel_comm`` asserts in ``TransformerConfig.__post_init__``, said as settings,
     and whole-layer recompute, which would re-run the all-to-alls in backward.
@@ -396,9 +375,8 @@ def check_ep_overlap(cfg) -> None:
     top = "layer" in list(cfg.memory.recompute or [])
     layer, layer_phases = top, []
     for phase in list(cfg.schedule.phases or []):  # a phase's override holds until the next one's
-        mem = phase.get("memory") if hasattr(phase, "get") else None
-        if mem is not None and mem.get("recompute") is not None:
-            layer = "layer" in list(mem.get("recompute"))
+        if phase.memory.recompute is not None:
+            layer = "layer" in list(phase.memory.recompute)
         layer_phases.append(layer)
     if all(layer_phases or [top]):
         where = ("memory.recompute" if top else "every schedule.phases.<i>.memory.recompute")
@@ -409,9 +387,9 @@ def check_ep_overlap(cfg) -> None:
                           "pipeline.ep_overlap=false")
 
 
-def check_cross_section(cfg) -> None:
+def check_cross_section(cfg: K2Config) -> None:
     """The rules that involve more than one section, all in one place."""
-    _require(cfg.output in OUTPUTS, "output", cfg.output, ", ".join(OUTPUTS))
+    check_choice(cfg, "output", "output")
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
@@ -440,7 +418,7 @@ def check_cross_section(cfg) -> None:
                           "model.num_moe_experts=null")
 
 
-def validate(cfg) -> None:
+def validate(cfg: K2Config) -> None:
     """Run every section's check, then the cross-section rules (``load_config`` calls it).
 
     Raises:

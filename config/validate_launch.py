@@ -5,13 +5,17 @@ section's): how ``k2-train`` starts local ranks and what ``k2-submit`` may write
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 
+from k2.config.choices import check_choice
 from k2.config.errors import ConfigError
 
+if TYPE_CHECKING:
+    from k2.config.schema_launch import LaunchConfig, SubmitConfig
 
-#: srun --distribution values k2-submit accepts (the node-level part of srun's option)
-SRUN_DISTRIBUTIONS = ("block", "cyclic")
+
 #: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 #: sbatch --mem: an integer with an optional unit suffix (K, M, G, T; M when none)
@@ -35,23 +39,22 @@ SBATCH_OPTIONS_SET = {
 }
 
 
-def check_launch(la) -> None:
+def check_launch(la: LaunchConfig) -> None:
     """``launch.*``: the rendezvous of a multi-rank launch."""
     if la.rendezvous_timeout_s < 1:
         raise ConfigError(f"launch.rendezvous_timeout_s={la.rendezvous_timeout_s} must be an integer >= 1 "
                           "(seconds)")
 
 
-def check_submit(s) -> None:
+def check_submit(s: SubmitConfig) -> None:
     """``submit.*``: the ``#SBATCH`` settings of ``k2-submit``."""
     if s.signal_seconds < 1:
         raise ConfigError(f"submit.signal_seconds={s.signal_seconds} must be an integer >= 1 (seconds)")
     if not _SLURM_TIME.fullmatch(str(s.time)):
         raise ConfigError(f"submit.time={s.time!r} is not a Slurm time limit; allowed forms: MM, MM:SS, "
                           "HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (e.g. 24:00:00)")
-    if s.distribution is not None and s.distribution not in SRUN_DISTRIBUTIONS:
-        raise ConfigError(f"submit.distribution={s.distribution!r} is not one of "
-                          f"{', '.join(SRUN_DISTRIBUTIONS)} or null (Slurm's default, block)")
+    if s.distribution is not None:
+        check_choice(s, "distribution", "submit.distribution")
     for key in ("job_name", "partition", "account", "qos", "constraint", "reservation", "container_image",
                 "python"):
         value = s[key]

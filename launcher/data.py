@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import errno
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from k2.config import load_config
 from k2.launcher.cli import error, run_main
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.datasets.preprocess import prepare_corpus
 from k2.launcher.datasets.resolve import resolve_data
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 PROG = "k2-data"
 
@@ -53,7 +56,7 @@ def _data(args: list[str]) -> int:
         return 1
 
 
-def _build(cfg) -> int:
+def _build(cfg: K2Config) -> int:
     if cfg.prepare.input is not None:
         return _prepare(cfg)
     resolved = resolve_data(cfg)
@@ -91,7 +94,7 @@ def _build(cfg) -> int:
     return 0
 
 
-def _prepare(cfg) -> int:
+def _prepare(cfg: K2Config) -> int:
     out = prepare_corpus(cfg)
     m = out.manifest
     if len(m["datasets"]) > 1:  # (one dataset: the total line below says it all)

@@ -67,10 +67,15 @@ recompute drops the tensor; offload moves it to host memory (counted in ``offloa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from k2.config.access import setting as _get
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from k2.config.schema import ModelConfig
 
 __all__ = ["Saved", "SITES", "apply_switches", "layer_recompute_saved", "layer_saved", "stage_saved"]
 
@@ -147,7 +152,8 @@ def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> lis
     return out
 
 
-def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: int, precision: str,
+def layer_saved(model_cfg: ModelConfig | Mapping[str, Any],
+                moe: bool, seq_length: int, micro_batch_size: int, precision: str,
                 fused_kernels: bool) -> list[Saved]:
     """The tensors one transformer layer keeps for backward for one microbatch (module docstring).
 
@@ -211,7 +217,8 @@ def layer_saved(model_cfg: Any, moe: bool, seq_length: int, micro_batch_size: in
     return out
 
 
-def layer_recompute_saved(model_cfg: Any, seq_length: int, micro_batch_size: int, precision: str) -> list[Saved]:
+def layer_recompute_saved(model_cfg: ModelConfig | Mapping[str, Any],
+                          seq_length: int, micro_batch_size: int, precision: str) -> list[Saved]:
     """What one transformer layer keeps for backward with ``memory.recompute`` site ``layer`` (whole-layer
     recompute, ``model/recompute.py``): its input ``[s, b, h]`` alone (offload site ``attn_input``). The
     layer's other tensors exist only while its backward re-runs it: :func:`layer_saved` with FP8 storage and
@@ -221,7 +228,8 @@ def layer_recompute_saved(model_cfg: Any, seq_length: int, micro_batch_size: int
     return [Saved("layer.input", T * int(_get(model_cfg, "hidden_size")), B, "attn_input")]
 
 
-def stage_saved(model_cfg: Any, seq_length: int, micro_batch_size: int, precision: str, fused_kernels: bool,
+def stage_saved(model_cfg: ModelConfig | Mapping[str, Any],
+                seq_length: int, micro_batch_size: int, precision: str, fused_kernels: bool,
                 embedding: bool, loss: bool) -> list[Saved]:
     """The extra tensors of the embedding stage (token ids) and of the loss stage (final norm, output head
     input, cross-entropy softmax and labels) for one microbatch."""

@@ -35,6 +35,7 @@ aux-loss tracker see each forward once (tests/unit/model/test_activation_memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECO
 from k2.model.mlp import K2MLP, K2SequentialMLP
 from k2.model.recompute import K2TransformerLayer
 from k2.model.saved_tensors import Policy, SavedTensorScope, chain_prefetch, current_scope, mark
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _GROUPS = {
     "fp8_store": MEMORY_FP8_SITES,
@@ -70,7 +74,7 @@ class MemoryOptions:
     attribute: bool = False
 
     @classmethod
-    def from_config(cls, cfg, attribute: bool = False) -> "MemoryOptions":
+    def from_config(cls, cfg: K2Config, attribute: bool = False) -> "MemoryOptions":
         if "memory" not in cfg:  # a config tree without the memory group: all off
             return cls(attribute=attribute)
         return cls.from_sites(cfg.memory, attribute)

@@ -18,12 +18,18 @@ experts are not wired).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from k2.config import ConfigError
-from k2.config.validate import ATTENTION_BACKENDS
+from k2.config.choices import AttentionBackend, values
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+
+#: ``model.attention_backend``'s values (:class:`k2.config.choices.AttentionBackend`)
+ATTENTION_BACKENDS = values(AttentionBackend)
 
 
 def te_available() -> bool:
@@ -62,7 +68,7 @@ def resolve_grouped_experts(setting: Optional[bool], precision: str, cuda: Optio
     return bool(cuda) and precision == "bf16"
 
 
-def check_backend_config(cfg) -> None:
+def check_backend_config(cfg: K2Config) -> None:
     """Check that this machine can run ``k2.model.attention_backend``, ``k2.model.max_logit_kernel`` and
     ``k2.model.moe_grouped_gemm`` (their allowed values are :mod:`k2.config.validate`'s).
 
@@ -74,8 +80,7 @@ def check_backend_config(cfg) -> None:
             ``parallel.tp > 1`` (expert tensor parallelism), or a torch without ``_grouped_mm``.
     """
     m = cfg.model
-    pipeline = cfg.get("pipeline") if hasattr(cfg, "get") else None
-    if pipeline is not None and pipeline.ep_overlap and cfg.train.precision != "bf16" and torch.cuda.is_available():
+    if cfg.pipeline.ep_overlap and cfg.train.precision != "bf16" and torch.cuda.is_available():
         raise ConfigError(f"pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's combined-"
                           f"1F1B rule), got {cfg.train.precision}; allowed: train.precision=bf16, or "
                           "pipeline.ep_overlap=false")

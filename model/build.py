@@ -18,7 +18,7 @@ import dataclasses
 import zlib
 from collections.abc import Sequence
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +32,13 @@ from k2.model.mlp import K2MLP, K2SequentialMLP, build_k2_shared_experts
 from k2.model.recompute import K2MLASelfAttention, K2TransformerLayer
 from k2.model.router import K2Router
 
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config, ModelConfig
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def moe_layer_pattern(model_cfg) -> list[int]:
+def moe_layer_pattern(model_cfg: ModelConfig) -> list[int]:
     """megatron ``moe_layer_freq`` list: 0 = dense layer, 1 = MoE layer, one entry per layer.
 
     Raises:
@@ -51,7 +54,7 @@ def moe_layer_pattern(model_cfg) -> list[int]:
     return [0] * k + [1] * (n - k)
 
 
-def rope_fields(model_cfg, rope_type: str) -> dict:
+def rope_fields(model_cfg: ModelConfig, rope_type: str) -> dict:
     """megatron ``MLATransformerConfig`` RoPE fields for ``rope_type`` (``rope`` | ``yarn``).
 
     megatron's MLA multiplies the softmax scale by ``yarn_mscale(rotary_scaling_factor, mscale_all_dim)^2``
@@ -73,7 +76,7 @@ def rope_fields(model_cfg, rope_type: str) -> dict:
     )
 
 
-def transformer_config(cfg, dims, rope_type: Optional[str] = None):
+def transformer_config(cfg: K2Config, dims, rope_type: Optional[str] = None):
     """megatron ``MLATransformerConfig`` for ``cfg.model`` under the parallel layout ``dims``.
 
     Args:
@@ -171,8 +174,7 @@ def transformer_config(cfg, dims, rope_type: Optional[str] = None):
             moe_router_fusion=False,
         )
     tcfg = MLATransformerConfig(**kw)
-    pipeline = cfg.get("pipeline") if hasattr(cfg, "get") else getattr(cfg, "pipeline", None)
-    if m.num_moe_experts and pipeline is not None and pipeline.ep_overlap:
+    if m.num_moe_experts and cfg.pipeline.ep_overlap:
         enable_ep_overlap(tcfg, torch.cuda.is_available())
     return tcfg
 
@@ -286,7 +288,7 @@ def reset_moe_process_state() -> None:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None,
+def build_model_chunks(cfg: K2Config, dims, tcfg, memory: Optional[MemoryOptions] = None,
                        memory_switches: Sequence[MemoryOptions] = ()) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
@@ -339,7 +341,7 @@ def build_model_chunks(cfg, dims, tcfg, memory: Optional[MemoryOptions] = None,
     return chunks
 
 
-def set_rope_type(chunks: list, tcfg, model_cfg, rope_type: str) -> int:
+def set_rope_type(chunks: list, tcfg, model_cfg: ModelConfig, rope_type: str) -> int:
     """Switch every MLA layer of ``chunks`` to ``rope_type`` in place (a schedule phase boundary).
 
     megatron's ``MLASelfAttention.__init__`` builds ``rotary_pos_emb`` (``RotaryEmbedding`` for

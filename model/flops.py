@@ -36,9 +36,14 @@ megatron-core wheel; ``tests/unit/model/test_flops.py`` calls it): the same term
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.access import setting as _get
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from k2.config.schema import ModelConfig
 
 __all__ = ["FlopsPerToken", "flops_per_token", "mfu", "step_flops"]
 
@@ -46,7 +51,7 @@ __all__ = ["FlopsPerToken", "flops_per_token", "mfu", "step_flops"]
 TRAINING_FACTOR = 3
 
 
-def _moe_pattern(model_cfg: Any) -> list[int]:
+def _moe_pattern(model_cfg: ModelConfig | Mapping[str, Any]) -> list[int]:
     n = int(_get(model_cfg, "num_layers"))
     k = int(_get(model_cfg, "first_k_dense_replace", 0))
     if not _get(model_cfg, "num_moe_experts"):
@@ -138,7 +143,7 @@ class FlopsPerToken:
         }
 
 
-def flops_per_token(model_cfg: Any, seq_length: int) -> FlopsPerToken:
+def flops_per_token(model_cfg: ModelConfig | Mapping[str, Any], seq_length: int) -> FlopsPerToken:
     """Forward FLOPs per token of ``model_cfg`` at ``seq_length`` (formula in the module docstring).
 
     Args:
@@ -180,7 +185,7 @@ def flops_per_token(model_cfg: Any, seq_length: int) -> FlopsPerToken:
     )
 
 
-def step_flops(model_cfg: Any, seq_length: int, tokens: int) -> float:
+def step_flops(model_cfg: ModelConfig | Mapping[str, Any], seq_length: int, tokens: int) -> float:
     """Model FLOPs of one training step of ``tokens`` tokens at ``seq_length``: ``3 x forward x tokens``."""
     return flops_per_token(model_cfg, seq_length).training * int(tokens)
 

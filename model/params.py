@@ -58,10 +58,13 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from k2.model.build import moe_layer_pattern
 from k2.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = [
     "COMPONENTS",
@@ -330,7 +333,7 @@ class ModelParams:
         }
 
 
-def _reduced_config(cfg, num_layers: int, first_k_dense: int):
+def _reduced_config(cfg: K2Config, num_layers: int, first_k_dense: int):
     """``cfg`` with ``k2.model.num_layers`` / ``first_k_dense_replace`` replaced and the single layout."""
     from omegaconf import OmegaConf
 
@@ -356,7 +359,7 @@ def _quiet():
         mlog.setLevel(level)
 
 
-def build_representative_model(cfg):
+def build_representative_model(cfg: K2Config):
     """The meta-device ``GPTModel`` of :func:`count_params` and its local MoE-layer indices.
 
     Args:
@@ -401,7 +404,7 @@ def build_representative_model(cfg):
     return model, moe_local
 
 
-def count_params(cfg) -> ModelParams:
+def count_params(cfg: K2Config) -> ModelParams:
     """Per-component parameter counts of ``cfg.model`` from megatron modules built on the meta device.
 
     Args:

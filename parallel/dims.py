@@ -36,11 +36,16 @@ The layer counts per stage and the cost-balanced layouts of the planner are :mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from k2.config.access import setting as _get
 from k2.config.errors import ConfigError
 from k2.parallel.layout import counts_even, counts_from_layout, counts_uneven, divisors, format_values
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from k2.config.schema import ModelConfig, ParallelConfig
 
 
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> Optional[int]:
@@ -89,8 +94,8 @@ class ParallelDims:
     @classmethod
     def from_config(
         cls,
-        parallel_cfg: Any,
-        model_cfg: Any,
+        parallel_cfg: ParallelConfig | Mapping[str, Any],
+        model_cfg: ModelConfig | Mapping[str, Any],
         world_size: int,
         *,
         world_size_from: str = "launch.nproc_per_node x nodes",
@@ -256,7 +261,7 @@ class ParallelDims:
             )
 
 
-def _layer_table(parallel_cfg: Any, pp: int, vpp: int, num_layers: int):
+def _layer_table(parallel_cfg: ParallelConfig | Mapping[str, Any], pp: int, vpp: int, num_layers: int):
     """``(layout[pp_rank][vpp_stage] -> global layer indices, layout string, first, last)`` from
     ``parallel.layout`` or ``parallel.first/last_stage_layers`` or the even split (module docstring).
 
@@ -293,7 +298,8 @@ def _layer_table(parallel_cfg: Any, pp: int, vpp: int, num_layers: int):
     return table, layout_str, first, last
 
 
-def _check_experts(model_cfg: Any, tp: int, pp: int, ep: int, dp: int, world_size: int) -> None:
+def _check_experts(model_cfg: ModelConfig | Mapping[str, Any],
+                   tp: int, pp: int, ep: int, dp: int, world_size: int) -> None:
     """Experts over EP, and EP over the DP ranks (megatron carves EP out of DP).
 
     Raises:

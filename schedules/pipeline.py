@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from k2.config import ConfigError
 from k2.model.wgrad import WgradStore, check_ddp_hooks, decouple_linear_wgrad
@@ -44,6 +44,9 @@ from k2.schedules.ep_overlap import activate as overlap_activate
 from k2.schedules.ep_overlap import install_patches as install_overlap_patches
 from k2.schedules.pipeline_trace import PipelineTrace, TracedWork, draw_trace, get_tag, read_trace, set_tag, tensors
 
+if TYPE_CHECKING:
+    from k2.config.schema import PipelineConfig
+
 __all__ = ["PipelineHooks", "PipelineTrace", "check_pipeline_config", "read_trace", "draw_trace",
            "setup_pipeline"]
 
@@ -51,7 +54,7 @@ _ACTIVE: Optional["PipelineHooks"] = None  # the hooks of the forward-backward p
 _ORIG: dict = {}  # megatron's functions replaced by install_patches()
 
 
-def check_pipeline_config(pipeline_cfg) -> None:
+def check_pipeline_config(pipeline_cfg: PipelineConfig) -> None:
     """``pipeline.trace`` must not name an existing file (it is a directory, created when missing); the
     config-only rules of the section are :func:`k2.config.validate.check_pipeline`'s.
 
@@ -351,7 +354,7 @@ def uninstall_patches() -> None:
     _ORIG.clear()
 
 
-def setup_pipeline(pipeline_cfg, chunks: list):
+def setup_pipeline(pipeline_cfg: PipelineConfig, chunks: list):
     """The trainer's entry: decouple the linear layers' weight gradients of ``chunks`` when
     ``pipeline.decouple_wgrad`` (before DDP wraps them), start the CPU stand-in of the communication
     stream when ``pipeline.ep_overlap`` runs without CUDA (``k2.parallel.comm_stream``), and build the

@@ -8,11 +8,14 @@ megatron's microbatch rule for every phase that runs a step. Every error names
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from k2.config.errors import ConfigError
 from k2.parallel.dims import check_microbatches
 from k2.schedules.wsd import LR_STYLES, PHASE_LENGTH_KEYS, ROPE_TYPES, LRSegment, Phase, Schedule, ceil_div
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config, ModelConfig
 
 
 def _get(node: Any, key: str, default: Any = None) -> Any:
@@ -31,7 +34,7 @@ def _fmt(n: int) -> str:
     return f"{n:,}"
 
 
-def _supported_length(model_cfg: Any, rope_type: str) -> tuple[int, str]:
+def _supported_length(model_cfg: ModelConfig, rope_type: str) -> tuple[int, str]:
     """Longest context the model's position settings allow under ``rope_type`` and why."""
     max_pos = int(_get(model_cfg, "max_position_embeddings"))
     if rope_type == "yarn":
@@ -45,7 +48,7 @@ def _supported_length(model_cfg: Any, rope_type: str) -> tuple[int, str]:
     return max_pos, f"model.max_position_embeddings={max_pos}"
 
 
-def resolve_schedule(cfg: Any, dims: Any = None) -> Schedule:
+def resolve_schedule(cfg: K2Config, dims: Any = None) -> Schedule:
     """Validate ``cfg.schedule`` against ``cfg.model`` (and the parallel layout) and resolve it.
 
     Args:
@@ -96,7 +99,7 @@ def resolve_schedule(cfg: Any, dims: Any = None) -> Schedule:
                     phases=phases, _segments=segments)
 
 
-def _resolve_phase(i: int, ph: Any, prev: Optional[dict], done: list, B: int, model_cfg: Any,
+def _resolve_phase(i: int, ph: Any, prev: Optional[dict], done: list, B: int, model_cfg: ModelConfig,
                    default_mbs: Any) -> dict:
     """Phase ``i`` of ``schedule.phases`` with every default filled in from ``prev`` (the resolved phase
     before it) and checked; a dict of its settings (``start`` / ``end`` in nominal tokens)."""
@@ -190,7 +193,7 @@ def _phase_lr(key: str, where: str, ph: Any, prev: Optional[dict]):
     return style, lr_start, lr_end
 
 
-def _phase_context(key: str, ph: Any, prev: Optional[dict], B: int, model_cfg: Any, default_mbs: Any):
+def _phase_context(key: str, ph: Any, prev: Optional[dict], B: int, model_cfg: ModelConfig, default_mbs: Any):
     """``(seq_length, rope_type, micro_batch_size)`` of the phase, checked against the model's position
     settings and the global batch in tokens."""
     seq = _get(ph, "seq_length")

@@ -17,7 +17,7 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from k2.launcher.datasets.indexed_writer import IndexedDatasetWriter
 from k2.launcher.datasets.locks import file_lock
 from k2.launcher.datasets.tokenizer import EOD_TOKEN, PAD_TOKEN, train_byte_level_bpe
 from k2.launcher.progress import moved
+
+if TYPE_CHECKING:
+    from k2.config.schema import DataConfig
 
 CORPUS_FORMAT = 1  # bump when the corpus layout or tokenization changes (forces a rebuild)
 _ENCODE_CHUNK = 64  # documents per tokenizers.encode_batch call (parallel inside tokenizers)
@@ -99,7 +102,7 @@ def _python_version() -> str:
     return platform.python_version()
 
 
-def stdlib_corpus_dir(data_cfg: Any) -> str:
+def stdlib_corpus_dir(data_cfg: DataConfig) -> str:
     """Absolute ``<data.cache_dir>/stdlib-<python version>-v<data.vocab_size>`` (may not exist yet)."""
     cache_dir = os.path.abspath(os.path.expanduser(str(data_cfg.cache_dir)))
     return os.path.join(cache_dir, f"stdlib-{_python_version()}-v{int(data_cfg.vocab_size)}")
@@ -164,7 +167,7 @@ def _encode_chunk(tok, texts: Sequence[str]) -> list[list[int]]:
 
 
 def prepare_stdlib_corpus(
-    data_cfg: Any, *, progress: bool = True, verbose: bool = True, stdlib_dir: Optional[str] = None
+    data_cfg: DataConfig, *, progress: bool = True, verbose: bool = True, stdlib_dir: Optional[str] = None
 ) -> CorpusPaths:
     """Build the embedded stdlib corpus into ``<data.cache_dir>/stdlib-<pyver>-v<vocab>/`` (or reuse it).
 

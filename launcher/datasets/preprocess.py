@@ -35,7 +35,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from k2.launcher.datasets.sources import (
 )
 from k2.launcher.datasets.tokenize_pool import TokenizerPool
 from k2.launcher.datasets.tokenizer import HFTokenizer, load_user_tokenizer, train_byte_level_bpe
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["PREPARE_FORMAT", "PreparedCorpus", "build_manifest", "prepare_corpus", "unfinished_build", "work_dir"]
 
@@ -123,7 +126,7 @@ def build_manifest(prefix: str, cache: Optional[dict] = None) -> Optional[dict]:
 # --------------------------------------------------------------------------- settings and state
 
 
-def _settings(cfg: Any) -> tuple[str, list[InputFile]]:
+def _settings(cfg: K2Config) -> tuple[str, list[InputFile]]:
     p = cfg.prepare
     prefix = os.path.abspath(os.path.expanduser(str(p.output)))
     for suffix in (".bin", ".idx"):
@@ -135,14 +138,14 @@ def _settings(cfg: Any) -> tuple[str, list[InputFile]]:
     return prefix, files
 
 
-def _user_tokenizer(cfg: Any) -> Optional[HFTokenizer]:
+def _user_tokenizer(cfg: K2Config) -> Optional[HFTokenizer]:
     """``data.tokenizer`` loaded and checked against ``model.vocab_size``, or None (train one)."""
     if cfg.data.tokenizer is None:
         return None
     return load_user_tokenizer(cfg.data.tokenizer, int(cfg.model.vocab_size))
 
 
-def _key(cfg: Any, files: list[InputFile], hashes: list[str], user_tok: Optional[HFTokenizer]) -> dict:
+def _key(cfg: K2Config, files: list[InputFile], hashes: list[str], user_tok: Optional[HFTokenizer]) -> dict:
     """What the output depends on: a build (finished or not) with another key is not reused."""
     p = cfg.prepare
     return {
@@ -240,7 +243,7 @@ def _tokenizer_entry(tok, path: str, *, trained: bool) -> dict:
         "tokenizers_version": tokenizers.__version__,
     }
 
-def prepare_corpus(cfg: Any, *, progress: Optional[bool] = None,
+def prepare_corpus(cfg: K2Config, *, progress: Optional[bool] = None,
                    log: Callable[[str], None] = lambda s: print(s, flush=True)) -> PreparedCorpus:
     """Tokenize ``prepare.input`` into megatron indexed datasets at ``prepare.output`` (or reuse them).
 
@@ -324,7 +327,7 @@ def _result(prefix: str, manifest: dict, rebuilt: bool) -> PreparedCorpus:
                           manifest["tokenizer"]["path"], prefix + ".manifest.json", manifest, rebuilt)
 
 
-def _texts_for_training(cfg: Any, files: list[InputFile]):
+def _texts_for_training(cfg: K2Config, files: list[InputFile]):
     """Document texts of the input, streamed, for training the tokenizer (bad records per the policy)."""
     p = cfg.prepare
     for fi, line, raw, _ in read_records(files, str(p.text_key), str(p.text_document)):
@@ -338,7 +341,7 @@ def _texts_for_training(cfg: Any, files: list[InputFile]):
             yield text
 
 
-def _trained_tokenizer(cfg: Any, files: list[InputFile], work: str, log) -> str:
+def _trained_tokenizer(cfg: K2Config, files: list[InputFile], work: str, log) -> str:
     """``PREFIX.partial/tokenizer.json``: trained on the input once (a resumed build reuses it)."""
     path = os.path.join(work, "tokenizer.json")
     if os.path.isfile(path):
@@ -371,7 +374,7 @@ def _bad_record_error(where: str, why: str) -> ConfigError:
                        f"report and skip such records")
 
 
-def _tokenize_all(cfg, files, work, tok_path, dtype, progress, log) -> tuple[int, int, list]:
+def _tokenize_all(cfg: K2Config, files, work, tok_path, dtype, progress, log) -> tuple[int, int, list]:
     """Tokenize every chunk not yet committed; returns (bad records, empty texts, the first bad ones)."""
     from tqdm import tqdm
 

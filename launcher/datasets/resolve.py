@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from k2.launcher.datasets.corpus import stdlib_corpus_dir
 from k2.launcher.datasets.idx_format import DTYPE_OF_CODE, HEADER_BYTES, INDEX_HEADER, VERSION
 from k2.launcher.datasets.preprocess import build_manifest, unfinished_build
 from k2.launcher.datasets.tokenizer import load_user_tokenizer
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
@@ -267,7 +270,7 @@ def _parse_split(split: Any) -> list[float]:
     return v
 
 
-def resolve_data(cfg: Any) -> ResolvedData:
+def resolve_data(cfg: K2Config) -> ResolvedData:
     """Validate the ``data`` settings against each other and ``k2.model.vocab_size``; no heavy work.
 
     ``data.path`` null selects the embedded stdlib corpus (``data.vocab_size``, ``data.valid_fraction``,
@@ -373,23 +376,22 @@ def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: d
 # --------------------------------------------------------------------------- per schedule phase
 
 
-def phase_data_settings(cfg: Any) -> list[tuple[Any, Any]]:
+def phase_data_settings(cfg: K2Config) -> list[tuple[Any, Any]]:
     """Per schedule phase, the ``(data.path, data.valid_path)`` it trains and validates on: its own
     ``schedule.phases.<i>.data.path`` / ``.valid_path``, else the previous phase's (the first phase:
     ``data.path`` / ``data.valid_path``). Reads the config only (no file is opened)."""
     path, valid = _plain(cfg.data.path), _plain(cfg.data.valid_path)
     out = []
     for ph in cfg.schedule.phases:
-        d = ph.get("data") if hasattr(ph, "get") else getattr(ph, "data", None)
-        if d is not None and d.get("path") is not None:
-            path = _plain(d.get("path"))
-        if d is not None and d.get("valid_path") is not None:
-            valid = _plain(d.get("valid_path"))
+        if ph.data.path is not None:
+            path = _plain(ph.data.path)
+        if ph.data.valid_path is not None:
+            valid = _plain(ph.data.valid_path)
         out.append((path, valid))
     return out
 
 
-def resolve_phase_data(cfg: Any, base: ResolvedData) -> tuple[ResolvedData, ...]:
+def resolve_phase_data(cfg: K2Config, base: ResolvedData) -> tuple[ResolvedData, ...]:
     """:class:`ResolvedData` of every schedule phase (index = ``Phase.index``), validated like
     ``data.path`` (files, token ids, split); phases with the same settings share one object, and a
     schedule that names no phase data gets ``base`` for every phase.

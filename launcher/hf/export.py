@@ -25,7 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ from k2.launcher.checkpointing.unpickle import pickle_problems, restricted_unpic
 from k2.launcher.hf.dist import ensure_process_group
 from k2.launcher.hf.hf_config import hf_config
 from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, numel, tensor_groups
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -75,7 +78,7 @@ def checkpoint_config(path: Path, verify_level: str = "checksum"):
     return OmegaConf.load(path / CONFIG_FILE), state
 
 
-def rope_type_at(cfg, step: int) -> str:
+def rope_type_at(cfg: K2Config, step: int) -> str:
     """``rope`` | ``yarn``: what the schedule of ``cfg`` trains step ``step`` with (step 0: the first).
     At the end of the schedule it is the last phase's, also when that phase has no tokens: K2's schedule
     ends with a zero-length YaRN phase whose settings are the result (YaRN, factor 32 over 4,096)."""
@@ -148,7 +151,7 @@ def _read_shard(path: Path, meta: dict, tensors: list[Tensor], dtype) -> dict:
     return out
 
 
-def _tokenizer_files(cfg, out: Path) -> tuple[Optional[str], dict]:
+def _tokenizer_files(cfg: K2Config, out: Path) -> tuple[Optional[str], dict]:
     """Copy the run's ``tokenizer.json`` (if it has one) and write ``tokenizer_config.json``.
 
     Returns:

@@ -10,10 +10,13 @@ and fields, loadable by ``AutoModelForCausalLM.from_pretrained`` without custom 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from k2.config.errors import ConfigError
 from k2.launcher.hf.mapping import ARCHITECTURE, MODEL_TYPES
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 #: our ``model.*`` key -> ``config.json`` field, for the fields both sides have one to one
 FIELDS: tuple[tuple[str, str], ...] = (
@@ -49,7 +52,7 @@ YARN_FIELDS: tuple[tuple[str, str], ...] = (
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def n_shared_experts(m) -> int:
+def n_shared_experts(m: ModelConfig) -> int:
     """Shared experts of ``moe_ffn_hidden_size`` each (``n_shared_experts``).
 
     Raises:
@@ -63,7 +66,7 @@ def n_shared_experts(m) -> int:
     return shared // f
 
 
-def hf_config(m, rope_type: str, precision: str, model_type: str = "deepseek_v3",
+def hf_config(m: ModelConfig, rope_type: str, precision: str, model_type: str = "deepseek_v3",
               token_ids: Optional[dict] = None) -> dict:
     """``config.json`` for the model config ``m`` (``cfg.model``).
 
@@ -124,7 +127,7 @@ def _plain(v):
     return float(v) if isinstance(v, float) else v
 
 
-def check_hf_config(hf: dict, m, source: str) -> None:
+def check_hf_config(hf: dict, m: ModelConfig, source: str) -> None:
     """Refuse a ``config.json`` that does not describe the model config ``m`` (``cfg.model``).
 
     Raises:

@@ -37,7 +37,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -56,6 +56,9 @@ from k2.launcher.hf.dist import ensure_process_group
 from k2.launcher.hf.fp8 import FP8_DTYPES, FP8_HEADER_DTYPES, SCALE_SUFFIX, block_size, dequantize, scale_shape
 from k2.launcher.hf.hf_config import check_hf_config
 from k2.launcher.hf.mapping import DTYPE_NAMES, INDEX_FILE, Tensor, numel, tensor_groups
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 SINGLE_FILE = "model.safetensors"
 
@@ -242,7 +245,7 @@ def _resolver(groups, reader: _Reader, dtype):
     return resolve
 
 
-def import_hf(hf_dir, cfg, world_size: int) -> ImportReport:
+def import_hf(hf_dir, cfg: K2Config, world_size: int) -> ImportReport:
     """Convert the HF directory ``hf_dir`` into ``<cfg.run.dir>/checkpoints/iter_0000000`` (module
     docstring).
 

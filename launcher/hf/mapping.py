@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from k2.config.validate import CONVERT_MODEL_TYPES
+from k2.config.choices import ConvertModelType, values
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 #: HF checkpoints this converter reads and writes (``config.json``'s ``architectures`` / ``model_type``)
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-MODEL_TYPES = CONVERT_MODEL_TYPES  # deepseek_v3, kimi_k2 (k2.config.validate)
+MODEL_TYPES = values(ConvertModelType)  # deepseek_v3, kimi_k2 (convert.model_type)
 #: a sharded HF checkpoint's index: ``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``
 INDEX_FILE = "model.safetensors.index.json"
 #: the dtype names of ``convert.dtype`` / ``train.precision`` -> torch dtype names
@@ -137,13 +140,13 @@ class Tensor:
     fp32: bool = False
 
 
-def _row_applies(row: Row, m, layer: int) -> bool:
+def _row_applies(row: Row, m: ModelConfig, layer: int) -> bool:
     dense = not m.num_moe_experts or layer < int(m.first_k_dense_replace)
     return {"all": True, "dense": dense, "moe": not dense, "q_lora": m.q_lora_rank is not None,
             "no_q_lora": m.q_lora_rank is None}[row.where]
 
 
-def _key_shape(key: str, m) -> tuple:
+def _key_shape(key: str, m: ModelConfig) -> tuple:
     """Global shape of our sharded key ``key`` (one layer's) for the model config ``m``."""
     h, heads = int(m.hidden_size), int(m.num_attention_heads)
     qk, rope, v = int(m.qk_head_dim), int(m.qk_pos_emb_head_dim), int(m.v_head_dim)
@@ -181,7 +184,7 @@ def _hf_shape(key_shape: tuple, expert: bool, part: Optional[str]) -> tuple:
     return tuple(shape)
 
 
-def layer_tensors(m, layer: int) -> list[Tensor]:
+def layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
     """The HF tensors of decoder layer ``layer`` (0-based) of the model config ``m`` (``cfg.model``), in
     table order, routed experts expanded (gate, up, down of expert 0, then expert 1, ...)."""
     plain, experts = [], []
@@ -200,7 +203,7 @@ def layer_tensors(m, layer: int) -> list[Tensor]:
     return out
 
 
-def edge_tensors(m) -> list[Tensor]:
+def edge_tensors(m: ModelConfig) -> list[Tensor]:
     """Embedding, final norm and output head (the output head is absent with tied embeddings)."""
     out = []
     for hf, key in EDGE_TABLE:
@@ -211,7 +214,7 @@ def edge_tensors(m) -> list[Tensor]:
     return out
 
 
-def tensor_groups(m) -> list[tuple[str, list[Tensor]]]:
+def tensor_groups(m: ModelConfig) -> list[tuple[str, list[Tensor]]]:
     """Every HF tensor of the model in groups that are converted together: ``("embedding", [...])``, one
     group per layer's attention + norms + router + shared expert, one per routed expert
     (``"layer 3 expert 17"``), then ``("head", [...])``. A group holds whole ``[gate; up]`` pairs, so a

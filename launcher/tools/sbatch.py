@@ -18,11 +18,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from k2.config import ConfigError
 from k2.launcher.tools.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _PROG = "k2-submit"
 
@@ -32,7 +35,7 @@ def _key_of(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].strip()
 
 
-def train_overrides(cfg, overrides: Sequence[str]) -> list[str]:
+def train_overrides(cfg: K2Config, overrides: Sequence[str]) -> list[str]:
     """The overrides every rank of the job gets: the submitted ones without ``submit.*`` and ``run.dir``,
     then ``run.dir=<absolute run.dir>`` (resolved now, so a requeued job writes to the same directory)."""
     kept = [o for o in overrides if not (_key_of(o) == "submit" or _key_of(o).startswith("submit.")
@@ -40,12 +43,12 @@ def train_overrides(cfg, overrides: Sequence[str]) -> list[str]:
     return kept + [f"run.dir={run_dir(cfg)}"]
 
 
-def run_dir(cfg) -> str:
+def run_dir(cfg: K2Config) -> str:
     """``run.dir`` as an absolute path (relative paths are taken from the current directory)."""
     return os.path.abspath(os.path.expanduser(str(cfg.run.dir)))
 
 
-def interpreter(cfg) -> str:
+def interpreter(cfg: K2Config) -> str:
     """The Python the batch script runs: ``submit.python``; else ``python3`` inside
     ``submit.container_image``; else the interpreter running ``k2-submit`` (it has k2-launcher installed
     and must be on a file system the nodes see). Written into the script, so a script submitted by hand or
@@ -104,7 +107,7 @@ def _directive(setting: str, option: str) -> str:
     return option
 
 
-def sbatch_options(cfg) -> list[str]:
+def sbatch_options(cfg: K2Config) -> list[str]:
     """The ``#SBATCH`` options of ``cfg``'s job, in the order they are written (see :func:`render_sbatch`).
 
     Raises:
@@ -134,7 +137,7 @@ def sbatch_options(cfg) -> list[str]:
     return [_directive(setting, option) for setting, option in opts]
 
 
-def srun_options(cfg) -> list[str]:
+def srun_options(cfg: K2Config) -> list[str]:
     """The ``srun`` options of the training step: kill the step when one rank fails, the CPU / GPU binding,
     the cores per rank (srun does not inherit sbatch's ``--cpus-per-task`` since Slurm 22.05), the rank
     distribution and the pyxis container."""
@@ -149,7 +152,7 @@ def srun_options(cfg) -> list[str]:
     return opts + _container_options(cfg)
 
 
-def _container_options(cfg) -> list[str]:
+def _container_options(cfg: K2Config) -> list[str]:
     sub = cfg.submit
     if sub.container_image is None:
         return []
@@ -159,7 +162,7 @@ def _container_options(cfg) -> list[str]:
     return opts
 
 
-def site_setup_lines(cfg) -> list[str]:
+def site_setup_lines(cfg: K2Config) -> list[str]:
     """The script's site set-up: ``submit.setup`` sourced (with ``set -u`` off: module and conda scripts
     read unset variables), then ``submit.env`` exported; every value quoted (:func:`shell_word`)."""
     sub = cfg.submit
@@ -176,7 +179,7 @@ def site_setup_lines(cfg) -> list[str]:
     return lines
 
 
-def defaults_notes(cfg) -> list[str]:
+def defaults_notes(cfg: K2Config) -> list[str]:
     """Lines for ``k2-submit``'s stderr about what the job will get from defaults a new user should
     check: the interpreter written into the script (a path on this machine), Slurm's partition and
     account, the time limit."""
@@ -197,7 +200,7 @@ def defaults_notes(cfg) -> list[str]:
     return notes
 
 
-def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
+def render_sbatch(cfg: K2Config, overrides: Sequence[str] = ()) -> str:
     """The text of ``<run.dir>/pretrain.sbatch`` for ``cfg`` (composed from ``overrides``).
 
     ``#SBATCH`` lines (:func:`sbatch_options`): ``--nodes=cluster.nodes``, ``--ntasks-per-node`` =
@@ -240,7 +243,7 @@ def render_sbatch(cfg, overrides: Sequence[str] = ()) -> str:
     return "\n".join(lines + _run_lines(cfg, quoted))
 
 
-def _header_lines(cfg, shown: str, directives: Sequence[str]) -> list[str]:
+def _header_lines(cfg: K2Config, shown: str, directives: Sequence[str]) -> list[str]:
     """The script's comment header (the command that renders it again, the requeue convention) and its
     ``#SBATCH`` lines."""
     return [
@@ -263,7 +266,7 @@ def _header_lines(cfg, shown: str, directives: Sequence[str]) -> list[str]:
     ]
 
 
-def _setup_lines(cfg) -> list[str]:
+def _setup_lines(cfg: K2Config) -> list[str]:
     """The site set-up, the interpreter (``k2py`` runs it, in the container when one is set), the
     rendezvous address and port, and ``OMP_NUM_THREADS``."""
     sub = cfg.submit
@@ -298,7 +301,7 @@ def _setup_lines(cfg) -> list[str]:
     ]
 
 
-def _run_lines(cfg, quoted: str) -> list[str]:
+def _run_lines(cfg: K2Config, quoted: str) -> list[str]:
     """``srun`` of the ranks and the requeue when they ask for one (exit status or marker file)."""
     srun = " ".join(shell_word(o) for o in srun_options(cfg))
     marker = shell_word(run_dir(cfg) + "/requeue")
@@ -319,7 +322,7 @@ def _run_lines(cfg, quoted: str) -> list[str]:
     ]
 
 
-def check_submittable(cfg) -> int:
+def check_submittable(cfg: K2Config) -> int:
     """The world size ``cluster.nodes x cluster.gpus_per_node`` of a job; ``run.dir`` must go into an
     ``#SBATCH --output`` line, and a cluster-size job must name its data.
 
@@ -342,7 +345,7 @@ def check_submittable(cfg) -> int:
     return cfg.cluster.nodes * cfg.cluster.gpus_per_node
 
 
-def submit_script(cfg, text: str) -> int:
+def submit_script(cfg: K2Config, text: str) -> int:
     """Write ``<run.dir>/pretrain.sbatch`` and ``sbatch`` it from the current directory (the job's working
     directory); the job id goes to stdout.
 

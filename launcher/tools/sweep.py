@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
@@ -34,6 +34,9 @@ from k2.launcher.training import fork_ranks
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 from k2.launcher.training.prepare import prepare_run
 from k2.model.flops import TRAINING_FACTOR, flops_per_token
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -88,7 +91,7 @@ def sweep_points(overrides: Sequence[str]) -> tuple[object, list[Point]]:
     return cfg, points
 
 
-def gemm_flops_per_token(model_cfg, seq_length: int) -> float:
+def gemm_flops_per_token(model_cfg: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token of everything but the router (the part the sweep keeps fixed)."""
 
     f = flops_per_token(model_cfg, seq_length)

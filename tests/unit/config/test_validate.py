@@ -67,7 +67,8 @@ def test_each_section_check_receives_only_its_section():
     for name, check in V.SECTION_CHECKS.items():
         check(cfg[name])  # each check takes the section node alone; the defaults pass
     assert set(V.SECTION_CHECKS) <= set(cfg.keys())
-    bad_run = OmegaConf.merge(cfg.run, {"wandb": {"mode": "x"}})
+    # the typed section cannot hold a value outside run.wandb.mode's Enum: the check gets an untyped copy
+    bad_run = OmegaConf.merge(OmegaConf.to_container(cfg.run), {"wandb": {"mode": "x"}})
     with pytest.raises(ConfigError, match="run.wandb.mode"):
         V.check_run(bad_run)
 
