@@ -84,6 +84,13 @@ def overrides(tiny: bool = TINY) -> list[str]:
     return [*COMMON, *GPU_ONLY, f"model.max_logit_kernel={kernel}", *GPU_SIZE, *corpus_overrides()]
 
 
+def _child() -> list[str]:
+    """The interpreter of this script's own child runs (``watchdog``, ``ep_overlap``): with ``TINY=1``
+    gpu_session.sh's ``$PYTHON`` when set (the session's interpreter for every step; the CPU test passes one
+    that forks from a process with torch already imported), else this process's."""
+    return [(os.environ.get("PYTHON") if TINY else None) or sys.executable, __file__]
+
+
 def run_dir(name: str) -> Path:
     return RUNS / name
 
@@ -202,7 +209,7 @@ def step_train(kind: str) -> None:
 def step_watchdog() -> None:
     """The held save of ``train watchdog``, in a child process (the watchdog ends it with ``os._exit``)."""
     t0 = time.time()
-    p = subprocess.run([sys.executable, __file__, "train", "watchdog"], capture_output=True, text=True)
+    p = subprocess.run([*_child(), "train", "watchdog"], capture_output=True, text=True)
     marker = run_dir("watchdog") / "requeue"
     hang_lines = [x for x in (p.stdout + p.stderr).splitlines() if "hang" in x.lower()][-3:]
     _write("watchdog", {"rc": p.returncode, "seconds": time.time() - t0, "hang_lines": hang_lines,
@@ -242,7 +249,7 @@ def step_ep_overlap() -> None:
     link."""
     runs = {}
     for mode in ("off", "on"):
-        p = subprocess.run([sys.executable, __file__, "train_overlap", mode], capture_output=True, text=True)
+        p = subprocess.run([*_child(), "train_overlap", mode], capture_output=True, text=True)
         runs[mode] = {**_load(f"train_overlap_{mode}"), "child_rc": p.returncode}
     from k2.schedules.pipeline_trace import read_trace
 

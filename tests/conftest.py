@@ -45,10 +45,15 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/integration/test_slurm_real.py": 590,
     "tests/integration/test_slurm_two_nodes.py": 510,  # a 2-node Slurm job through two faults + a 4-rank reference
     "tests/integration/test_checkpoint.py": 470,
+    # 4 runs of 6 steps on 4 ranks + a resume (alone: 107 CPU-s, 168 s wall on a loaded Xeon; unlisted, it
+    # started after every listed file)
+    "tests/integration/test_ep_overlap.py": 240,
+    "tests/integration/test_hang_progress.py": 80,  # (alone: 18 CPU-s, 71 s wall: mostly waiting)
     "tests/integration/test_preemption_cli.py": 265,
     "tests/integration/test_slurm_two_nodes_timeouts.py": 260,  # two Slurm jobs, mostly waiting on timeouts
-    "tests/integration/test_hang_watchdog.py": 170,
-    "tests/integration/test_gpu_session.py": 110,  # TINY=1 gpu_session.sh: 4 one-rank runs + benches  # three cpu4 launches of k2-train, each ends in a 15 s hang
+    "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
+    # TINY=1 gpu_session.sh: its steps forked by the fork server (alone: 68 CPU-s, 170 s wall on a loaded Xeon)
+    "tests/integration/test_gpu_session.py": 80,
     "tests/integration/test_sweep.py": 155,
     "tests/integration/test_bench_runs.py": 150,
     "tests/unit/launcher/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build
@@ -96,22 +101,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fork_server(tmp_path_factory):
-    """The session's fork server (tests/support/zygote.py): started here, stopped at the end of the
-    session; trainer launches of tests/support/distributed.py go through it. Skipped with
-    ``K2_TEST_LAUNCHER=fork|torchrun``."""
-    import os
+def _start_fork_server(path: str):
+    """Start tests/support/zygote.py serving on the Unix socket ``path``; returns its ``Popen`` once it
+    listens. Raises RuntimeError when it does not start within 120 s."""
     import subprocess
     import sys
     import time
 
-    from support.distributed import FORK_SERVER_ENV, SUPPORT, trainer_env
+    from support.distributed import SUPPORT, trainer_env
 
-    if os.environ.get("K2_TEST_LAUNCHER", "server") != "server":
-        yield None
-        return
-    path = str(tmp_path_factory.mktemp("fork_server") / "socket")
     proc = subprocess.Popen([sys.executable, str(SUPPORT / "zygote.py"), path], cwd=REPO, env=trainer_env(),
                             stdout=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -120,16 +118,67 @@ def fork_server(tmp_path_factory):
         time.sleep(0.05)
     if not ready or proc.poll() is not None:
         raise RuntimeError("the tests' fork server did not start (tests/support/zygote.py)")
+    return proc
+
+
+def _stop_fork_server(proc) -> None:
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _wants_fork_server() -> bool:
+    return os.environ.get("K2_TEST_LAUNCHER", "server") == "server"
+
+
+def pytest_configure(config):
+    """Under xdist, the controller starts one fork server for all its workers (they inherit its socket
+    through ``K2_TEST_FORK_SERVER``): one import of torch and megatron-core (~7.5 CPU-s) for the session
+    instead of one per worker. It serves its clients concurrently (a fork per launch)."""
+    from support.distributed import FORK_SERVER_ENV
+
+    is_controller = not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None)
+    if not is_controller or not _wants_fork_server() or os.environ.get(FORK_SERVER_ENV):
+        return
+    path = os.path.join(tempfile.mkdtemp(prefix="fork-server-", dir=_CHILDREN_TMP), "socket")
+    config._k2_fork_server = _start_fork_server(path)
+    os.environ[FORK_SERVER_ENV] = path  # (before the workers start: they inherit it)
+
+
+def pytest_unconfigure(config):
+    from support.distributed import FORK_SERVER_ENV
+
+    proc = getattr(config, "_k2_fork_server", None)
+    if proc is not None:
+        os.environ.pop(FORK_SERVER_ENV, None)
+        _stop_fork_server(proc)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory):
+    """The session's fork server (tests/support/zygote.py): trainer launches of tests/support/distributed.py
+    go through it. Under xdist the controller's (``pytest_configure``); else started here and stopped at
+    the end of the session. Skipped with ``K2_TEST_LAUNCHER=fork|torchrun``."""
+    from support.distributed import FORK_SERVER_ENV
+
+    if not _wants_fork_server():
+        yield None
+        return
+    if os.environ.get(FORK_SERVER_ENV):  # the xdist controller's
+        yield os.environ[FORK_SERVER_ENV]
+        return
+    path = str(tmp_path_factory.mktemp("fork_server") / "socket")
+    proc = _start_fork_server(path)
     os.environ[FORK_SERVER_ENV] = path
     try:
         yield path
     finally:
         os.environ.pop(FORK_SERVER_ENV, None)
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop_fork_server(proc)
 
 
 @pytest.fixture(scope="session")

@@ -49,10 +49,16 @@ def _run(root: Path, layout: str, overlap: bool, extra: tuple = ()) -> dict:
     return {"records": records, "traces": traces, "dumps": dumps, "run": out / "run"}
 
 
+# what reads a checkpoint: the resume test, of cpu4 with the overlap on; the other three runs write none
+# (~1.4 CPU-s per save of a 4-rank run), so their numbers are compared with a run that saved
+NO_SAVES = ("train.save_interval=null",)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, stdlib_corpus):
     root = tmp_path_factory.mktemp("ep_overlap")
-    return {(layout, overlap): _run(root, layout, overlap) for layout in LAYOUTS for overlap in (False, True)}
+    return {(layout, overlap): _run(root, layout, overlap, () if (layout, overlap) == ("cpu4", True) else NO_SAVES)
+            for layout in LAYOUTS for overlap in (False, True)}
 
 
 def _assert_bitwise(a: dict, b: dict, what: str) -> None:
