@@ -86,8 +86,9 @@ def _train(args: list[str]) -> int:
 def _run(cfg, plan, overrides: list[str], env) -> int:
     from k2.launcher.datasets.corpus import prepare_stdlib_corpus
     from k2.launcher.training.cuda_env import apply_determinism, configure_cuda_env
-    from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
+    from k2.launcher.training.launch import spawn_local_ranks
     from k2.parallel.distributed import destroy_distributed
+    from k2.parallel.processes import exit_with_parent
     from k2.parallel.rendezvous import RendezvousTimeout
 
     configure_cuda_env(cfg)  # before any CUDA library starts, here and in the ranks

@@ -30,7 +30,6 @@ SCRIPT) [ARGS...]`` (a free port on 127.0.0.1 when none is given).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -44,6 +43,7 @@ from typing import Optional
 
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.training.preemption import PEER_FAILED_ENV
+from k2.parallel.processes import die_with_parent, free_port
 
 __all__ = ["cuda_probe_without_init", "freeze_imported_objects", "imports_without_collection", "launch", "main",
            "preimport"]
@@ -52,7 +52,6 @@ __all__ = ["cuda_probe_without_init", "freeze_imported_objects", "imports_withou
 TRAINER_MODULE = "k2.launcher.train"
 #: seconds between SIGTERM and SIGKILL for the other ranks of a failed launch (torchrun's default)
 STOP_GRACE_S = 30.0
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def preimport() -> None:
@@ -154,14 +153,6 @@ def freeze_imported_objects() -> None:
     gc.freeze()
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when the thread that forked it exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _run_rank(rank: int, nproc: int, port: int, target: list[str], rank_env: bool) -> int:
     """Run ``target`` as ``python`` would (``-m MODULE``, ``-c CODE`` or ``SCRIPT``) in this forked
     process; returns its exit status."""
@@ -205,12 +196,6 @@ def _signal_all(pids, signum: int) -> None:
             pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Optional[socket.socket] = None,
            rank_env: bool = True) -> int:
     """Fork ``nproc`` ranks of ``target`` from this process and wait for them (module docstring).
@@ -239,7 +224,7 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
             pass  # each rank reports it as usual
     # the port last, right before the fork: the less time between releasing it and rank 0's bind, the
     # less chance another process takes it (an ephemeral port: any new connection on the host may)
-    port = port or _free_port()
+    port = port or free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
@@ -251,7 +236,7 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
             os.environ[PEER_FAILED_ENV] = str(failed)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, signal.SIG_DFL)
-            _die_with_parent()
+            die_with_parent()
             code = 1
             try:
                 code = _run_rank(rank, nproc, port, target, rank_env)

@@ -93,9 +93,9 @@ def test_sigterm_to_the_launcher_reaches_every_rank():
 def test_a_preimported_module_runs_as_main_without_runpy_warning():
     """``-m MODULE`` after the launcher imported MODULE (as a sweep's preimport does) runs it as ``__main__``
     with no RuntimeWarning from runpy (one per sweep point before)."""
-    src = ("import sys, warnings; warnings.simplefilter('default'); import k2.launcher.tools.hostlist; "
+    src = ("import sys, warnings; warnings.simplefilter('default'); import k2.parallel.hostlist; "
            "from k2.launcher.training.fork_ranks import launch; "
-           "sys.exit(launch(1, ['-m', 'k2.launcher.tools.hostlist', 'master-port', '7'], rank_env=False))")
+           "sys.exit(launch(1, ['-m', 'k2.parallel.hostlist', 'master-port', '7'], rank_env=False))")
     p = subprocess.run([sys.executable, "-W", "default", "-c", src], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and p.stdout == "20007\n", p.stderr
