@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 
-from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
 from k2.parallel.processes import die_with_parent, free_port
 
@@ -71,14 +72,24 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
             signal.signal(sig, handler)
 
 
-def spawn_local_ranks(cfg, overrides: list[str]) -> int:
-    """Start ``launch.nproc_per_node`` local ranks of ``k2.launcher.train`` with ``overrides``, forked by
+def spawn_local_ranks(cfg, plan, entry: Callable[[Any, Any], int]) -> int:
+    """Start ``launch.nproc_per_node`` local ranks that each call ``entry(cfg, plan)``, forked by
     :mod:`k2.launcher.training.fork_ranks` (one import of the trainer for all of them), and wait for them.
+
+    The ranks get this process's composed config and plan as they are (pickled into a file of a private
+    temporary directory that fork_ranks reads once before it forks): they neither compose the config nor
+    plan the run again, so every rank trains what this process validated and decided (the resume
+    checkpoint chosen under the run dir's lock included).
 
     Signals: see :func:`forwarding_signals` (the ranks save a checkpoint and stop on SIGTERM / SIGUSR1:
     :mod:`k2.launcher.training.preemption`). Killing ``k2-train`` by pid therefore leaves no orphaned
     rank behind, with any signal (module docstring). The caller holds the run directory's lock
-    (:class:`k2.launcher.checkpointing.run_lock.RunDirLock`); the ranks are told not to take it.
+    (:class:`k2.launcher.checkpointing.run_lock.RunDirLock`); the ranks do not take it.
+
+    Args:
+        cfg: the read-only config of :func:`k2.config.load_config`.
+        plan: its :class:`k2.launcher.training.prepare.RunPlan` for ``launch.nproc_per_node`` ranks.
+        entry: a module-level function (pickled by its name): ``k2.launcher.train.rank_main``.
 
     Returns:
         the first failed rank's exit status (e.g. 3 when training diverged), or
@@ -87,17 +98,21 @@ def spawn_local_ranks(cfg, overrides: list[str]) -> int:
         requeue status; 0 when the run finished.
     """
     port = cfg.launch.master_port or free_port()
-    cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(cfg.launch.nproc_per_node),
-           f"--master-port={port}", "-m", "k2.launcher.train", *overrides]
+    nproc = cfg.launch.nproc_per_node
     env = dict(os.environ)
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
-    env[LOCK_HELD_ENV] = "1"  # this process owns the run dir for them
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
-    print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks (forked after one import of the "
-          f"trainer; rendezvous 127.0.0.1:{port}): {' '.join(cmd[2:])}", flush=True)
-    child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
-    with forwarding_signals(child, to_workers=True):
-        rc = child.wait()
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    with tempfile.TemporaryDirectory(prefix="k2-ranks-") as tmp:  # (mode 0700: this user's only)
+        call = Path(tmp) / "call.pkl"
+        call.write_bytes(pickle.dumps((entry, (cfg, plan))))
+        cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), f"--master-port={port}",
+               f"--call={call}"]
+        print(f"k2-train: spawning {nproc} local ranks (forked after one import of the trainer; rendezvous "
+              f"127.0.0.1:{port}), each running {entry.__module__}.{entry.__qualname__} with this composed "
+              f"config and plan", flush=True)
+        child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+        with forwarding_signals(child, to_workers=True):
+            rc = child.wait()
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
     if marker.exists() and marker.read_text().startswith("hang"):  # the ranks' hang watchdog stopped them
         print(f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "
