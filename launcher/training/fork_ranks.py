@@ -26,8 +26,9 @@ passes a rank's own status on: 2 for a bad setting, 3 for divergence), 0 when al
 gets SIGKILL when this process dies (``PR_SET_PDEATHSIG``).
 
 Usage: ``python -m k2.launcher.training.fork_ranks NPROC [--master-port=PORT] (-m MODULE | -c CODE |
-SCRIPT) [ARGS...]`` or ``... NPROC [--master-port=PORT] --call=FILE`` (each rank calls the function
-pickled in FILE with its arguments: :class:`Call`); a free port on 127.0.0.1 when none is given.
+SCRIPT) [ARGS...]`` or ``... NPROC [--master-port=PORT] --call-fd=FD`` (each rank calls the function
+pickled, with its arguments, into the inherited pipe FD: :class:`Call`); a free port on 127.0.0.1 when none
+is given.
 """
 
 from __future__ import annotations
@@ -172,20 +173,18 @@ class Call:
     args: tuple = ()
 
     @classmethod
-    def read(cls, path: str) -> "Call":
-        """The ``(fn, args)`` pickle at ``path``, written by :func:`k2.launcher.training.launch.spawn_local_ranks`
-        in a private temporary directory of the same user; the file is removed once read.
+    def receive(cls, fd: int) -> "Call":
+        """The ``(fn, args)`` pickle read to its end from the pipe ``fd`` this process inherited from its
+        parent (:func:`k2.launcher.training.launch.spawn_local_ranks`, the same user's process); ``fd`` is
+        closed.
 
         Raises:
-            OSError: the file cannot be read.
+            EOFError, pickle.UnpicklingError: the parent died before it wrote the whole call.
         """
         import pickle
 
-        file = Path(path)
-        try:
-            fn, args = pickle.loads(file.read_bytes())
-        finally:
-            file.unlink(missing_ok=True)
+        with os.fdopen(fd, "rb") as pipe:
+            fn, args = pickle.loads(pipe.read())
         return cls(fn, tuple(args))
 
 
@@ -351,8 +350,8 @@ def main(argv: list[str]) -> int:
         port, rest = int(rest[0].split("=", 1)[1]), rest[1:]
     sys.path[0] = os.getcwd()  # as under python -m: the working directory first
     preimport()
-    if len(rest) == 1 and rest[0].startswith("--call="):
-        return launch(nproc, Call.read(rest[0].split("=", 1)[1]), port=port)
+    if len(rest) == 1 and rest[0].startswith("--call-fd="):
+        return launch(nproc, Call.receive(int(rest[0].split("=", 1)[1])), port=port)
     return launch(nproc, rest, port=port)
 
 

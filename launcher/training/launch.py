@@ -17,7 +17,7 @@ import pickle
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -76,10 +76,10 @@ def spawn_local_ranks(cfg, plan, entry: Callable[[Any, Any], int]) -> int:
     """Start ``launch.nproc_per_node`` local ranks that each call ``entry(cfg, plan)``, forked by
     :mod:`k2.launcher.training.fork_ranks` (one import of the trainer for all of them), and wait for them.
 
-    The ranks get this process's composed config and plan as they are (pickled into a file of a private
-    temporary directory that fork_ranks reads once before it forks): they neither compose the config nor
-    plan the run again, so every rank trains what this process validated and decided (the resume
-    checkpoint chosen under the run dir's lock included).
+    The ranks get this process's composed config and plan as they are (pickled through a pipe that
+    fork_ranks reads once before it forks: no file to write or leave behind): they neither compose the
+    config nor plan the run again, so every rank trains what this process validated and decided (the
+    resume checkpoint chosen under the run dir's lock included).
 
     Signals: see :func:`forwarding_signals` (the ranks save a checkpoint and stop on SIGTERM / SIGUSR1:
     :mod:`k2.launcher.training.preemption`). Killing ``k2-train`` by pid therefore leaves no orphaned
@@ -102,17 +102,22 @@ def spawn_local_ranks(cfg, plan, entry: Callable[[Any, Any], int]) -> int:
     env = dict(os.environ)
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    with tempfile.TemporaryDirectory(prefix="k2-ranks-") as tmp:  # (mode 0700: this user's only)
-        call = Path(tmp) / "call.pkl"
-        call.write_bytes(pickle.dumps((entry, (cfg, plan))))
-        cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), f"--master-port={port}",
-               f"--call={call}"]
-        print(f"k2-train: spawning {nproc} local ranks (forked after one import of the trainer; rendezvous "
-              f"127.0.0.1:{port}), each running {entry.__module__}.{entry.__qualname__} with this composed "
-              f"config and plan", flush=True)
-        child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
-        with forwarding_signals(child, to_workers=True):
-            rc = child.wait()
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), f"--master-port={port}",
+           f"--call-fd={read_fd}"]
+    print(f"k2-train: spawning {nproc} local ranks (forked after one import of the trainer; rendezvous "
+          f"127.0.0.1:{port}), each running {entry.__module__}.{entry.__qualname__} with this composed "
+          f"config and plan", flush=True)
+    try:
+        child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, pass_fds=(read_fd,))
+    finally:
+        os.close(read_fd)
+    # written from a thread: the pipe holds 64 KiB, and the launcher reads only after its imports (seconds),
+    # while this thread must be passing signals on from the start
+    threading.Thread(target=_send, args=(write_fd, pickle.dumps((entry, (cfg, plan)))), name="k2-send-call",
+                     daemon=True).start()
+    with forwarding_signals(child, to_workers=True):
+        rc = child.wait()
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
     if marker.exists() and marker.read_text().startswith("hang"):  # the ranks' hang watchdog stopped them
         print(f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "
@@ -123,3 +128,13 @@ def spawn_local_ranks(cfg, plan, entry: Callable[[Any, Any], int]) -> int:
               f"exit status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
         return REQUEUE_EXIT_CODE
     return rc
+
+
+def _send(fd: int, payload: bytes) -> None:
+    """Write ``payload`` into the pipe ``fd`` and close it (the reader's end of file); a launcher that died
+    first (broken pipe) is reported by its exit status instead."""
+    try:
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(payload)
+    except BrokenPipeError:
+        pass
