@@ -1,8 +1,10 @@
 """``k2-train``: train a K2-family model with megatron-core's PP/VPP/EP/ZeRO-1 machinery.
 
 ``k2-train parallel=cpu4`` spawns ``launch.nproc_per_node`` local ranks itself (forked after one import
-of the trainer: :mod:`k2.launcher.training.fork_ranks`) when it is not already under torchrun or srun; ``torchrun -m
-k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run the same code as one rank each.
+of the trainer: :mod:`k2.launcher.training.fork_ranks`) when it is not already under torchrun or srun; it
+composes the config and plans the run once, and each rank enters :func:`rank_main` with them. ``torchrun -m
+k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run as one rank each (each composes
+the config from its command line).
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
 Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
