@@ -323,7 +323,8 @@ def test_existing_run_refused(capsys, tmp_path):
 
 def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
     """A run dir with a checkpoint is not 'used up': submitting it again continues it (auto-resume)."""
-    from test_checkpoint_rules import SINGLE, _fake_checkpoint
+    from support.fake_runs import SINGLE
+    from support.fake_runs import fake_checkpoint as _fake_checkpoint
 
     run_dir = tmp_path / "run"
     (run_dir).mkdir()
@@ -336,7 +337,7 @@ def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
 def test_k2_on_32_nodes_renders_the_cluster_lines(capsys, monkeypatch, tmp_path):
     """K2 on 32 nodes with a real dataset: memory, CPUs, binding, QoS / constraint / reservation, extra
     options and the container in the rendered script; without data.path the same job is refused."""
-    from test_phase_blends import _write_dataset
+    from support.fake_runs import write_dataset as _write_dataset
     from tokenizers import Tokenizer, models
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(15)} | {"<|endoftext|>": 15}, unk_token="w0"))
