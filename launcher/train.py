@@ -1,8 +1,10 @@
 """``k2-train``: train a K2-family model with megatron-core's PP/VPP/EP/ZeRO-1 machinery.
 
 ``k2-train parallel=cpu4`` spawns ``launch.nproc_per_node`` local ranks itself (forked after one import
-of the trainer: :mod:`k2.launcher.training.fork_ranks`) when it is not already under torchrun or srun; ``torchrun -m
-k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run the same code as one rank each.
+of the trainer: :mod:`k2.launcher.training.fork_ranks`) when it is not already under torchrun or srun; it
+composes the config and plans the run once, and each rank enters :func:`rank_main` with them. ``torchrun -m
+k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run as one rank each (each composes
+the config from its command line).
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
 Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -46,7 +47,7 @@ examples:
 def _train(args: list[str]) -> int:
     # imported here, not at the top (as in _run): --help prints before torch is imported
     from k2.launcher.checkpointing.resume import plan_resume
-    from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV, RunDirLock, raise_if_busy
+    from k2.launcher.checkpointing.run_lock import RunDirLock, raise_if_busy
     from k2.launcher.tools.sweep import run_sweep, split_multirun
     from k2.launcher.training.prepare import prepare_run
     from k2.parallel.distributed import dist_env
@@ -61,7 +62,7 @@ def _train(args: list[str]) -> int:
         return run_sweep(overrides)
     cfg = load_config(overrides)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
-    could_own = env.rank == 0 and os.environ.get(LOCK_HELD_ENV) != "1"
+    could_own = env.rank == 0
     try:
         plan = prepare_run(cfg, world)  # every setting first: a bad one exits 2 before run.dir is created
     except ConfigError:
@@ -80,23 +81,54 @@ def _train(args: list[str]) -> int:
     with (RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext()):
         if owner:  # decided again under the lock: a previous owner may have saved or pruned since
             plan = dataclasses.replace(plan, resume_from=plan_resume(cfg, plan.layout))
-        return _run(cfg, plan, overrides, env)
+        return _run(cfg, plan, env)
 
 
-def _run(cfg, plan, overrides: list[str], env) -> int:
+def _run(cfg, plan, env) -> int:
+    """Start the local ranks (outside torchrun / srun, world size > 1) or run as this launch's rank."""
     from k2.launcher.datasets.corpus import prepare_stdlib_corpus
-    from k2.launcher.training.cuda_env import apply_determinism, configure_cuda_env
-    from k2.launcher.training.launch import exit_with_parent, spawn_local_ranks
-    from k2.parallel.distributed import destroy_distributed
-    from k2.parallel.rendezvous import RendezvousTimeout
+    from k2.launcher.training.cuda_env import configure_cuda_env
+    from k2.launcher.training.launch import spawn_local_ranks
 
-    configure_cuda_env(cfg)  # before any CUDA library starts, here and in the ranks
-    world = plan.dims.world_size
-    if not env.launched and world > 1:
+    configure_cuda_env(cfg)  # before any CUDA library starts, here and (inherited) in the ranks
+    if not env.launched and plan.dims.world_size > 1:
         if cfg.data.path is None:
             prepare_stdlib_corpus(cfg.data)  # once, before the ranks start
-        return spawn_local_ranks(cfg, overrides)
-    if env.spawned_by_k2_train:
+        # the ranks call rank_main by its module's name: under ``python -m k2.launcher.train`` this module
+        # is ``__main__``, which in the rank launcher is another module
+        import k2.launcher.train
+
+        return spawn_local_ranks(cfg, plan, k2.launcher.train.rank_main)
+    return _run_rank(cfg, plan, env, spawned=False)
+
+
+def rank_main(cfg, plan) -> int:
+    """The entry of a rank that ``k2-train`` spawned (:func:`k2.launcher.training.launch.spawn_local_ranks`):
+    train with the config ``k2-train`` composed and validated and the plan it made (resume decision
+    included, taken under the run dir's lock), as one rank of torchrun's environment contract (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``...), without composing or planning again.
+
+    Args:
+        cfg: the read-only config of :func:`k2.config.load_config`.
+        plan: :class:`k2.launcher.training.prepare.RunPlan` of that config for this world size.
+
+    Returns:
+        the rank's exit status (module docstring; 0 after a preemption save: the parent turns the
+        requeue marker into :data:`REQUEUE_EXIT_CODE`).
+    """
+    from k2.parallel.distributed import dist_env
+
+    return run_main(PROG, lambda _args: _run_rank(cfg, plan, dist_env(), spawned=True), [])
+
+
+def _run_rank(cfg, plan, env, spawned: bool) -> int:
+    """Train as rank ``env.rank``; ``spawned``: started by this process's parent ``k2-train``."""
+    from k2.launcher.training.cuda_env import apply_determinism
+    from k2.parallel.distributed import destroy_distributed
+    from k2.parallel.processes import exit_with_parent
+    from k2.parallel.rendezvous import RendezvousTimeout
+
+    if spawned:
         exit_with_parent()  # no rank outlives k2-train (k2.launcher.training.launch)
     # imported here, not at the top: the trainer imports megatron-core (~6 s of CPU), which a process that
     # only checks the settings and starts the local ranks (or a sweep) does not need
@@ -127,7 +159,7 @@ def _run(cfg, plan, overrides: list[str], env) -> int:
     finally:
         if not caller_group:
             destroy_distributed()
-    if record.get("preempted") and not env.spawned_by_k2_train:
+    if record.get("preempted") and not spawned:
         return REQUEUE_EXIT_CODE
     # ranks spawned by k2-train exit 0 after a preemption save, so that their launcher does not take the
     # first rank to finish for a failure and stop the others mid-save; the parent turns the requeue

@@ -7,8 +7,8 @@ The inventory below lists what autograd saves in ``k2-train``'s layers: megatron
 (``MLASelfAttention``), SwiGLU ``MLP``, ``MoELayer`` with ``TopKRouter`` (FP32), the alltoall token
 dispatcher and ``SequentialMLP`` experts (the router probabilities multiply the SwiGLU output inside each
 expert), our :class:`k2.model.attention.K2CoreAttention` and torch's RMSNorm. It was read off saved-tensor
-hooks on the CPU proxy; ``tests/unit/launcher/test_memory_plan.py`` checks the total against the bytes measured the same
-way. Notation: ``T = micro_batch_size x seq_length`` tokens, ``Tk = T x top-k`` routed token copies (the
+hooks on the CPU proxy; ``tests/unit/launcher/planning/test_memory_plan.py`` checks the total against the
+bytes measured the same way. Notation: ``T = micro_batch_size x seq_length`` tokens, ``Tk = T x top-k`` routed token copies (the
 expected count on every EP rank: the all-to-all exchanges as many tokens as it receives on average),
 ``B`` = 2 bytes (BF16) or 4 (FP32) per element, widths as in :mod:`k2.model.flops`.
 

@@ -24,7 +24,7 @@ megatron-core 0.19.2 reads ``recompute_granularity`` / ``recompute_modules`` on 
 recompute modules we never set: ``core_attn``, ``mlp``, ``moe``, ``moe_act``, ``shared_experts``) -- so
 :func:`set_memory_options` on built chunks switches everything, and a model built with one phase's
 options and switched computes and saves exactly what one built with the other's would (bitwise,
-tests/unit/launcher/test_phase_memory.py). Only the scopes themselves are installed at build time:
+tests/unit/launcher/training/test_phase_memory.py). Only the scopes themselves are installed at build time:
 :func:`install` installs them when any of the options the run will use needs them.
 
 Router metrics: none of these recomputes re-runs the router (megatron's ``moe`` / ``mlp`` layer recompute

@@ -174,11 +174,9 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if not env.launched:  # a lone process: any free port (several local runs may coexist)
-            import socket
+            from k2.parallel.processes import free_port
 
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("MASTER_PORT", "29500")
         store = None
         if env.launched and env.world_size > 1:

@@ -56,26 +56,26 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/integration/test_gpu_session.py": 80,
     "tests/integration/test_sweep.py": 155,
     "tests/integration/test_bench_runs.py": 150,
-    "tests/unit/launcher/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build
+    "tests/unit/launcher/planning/test_memory_plan.py": 150,  # 24 single-rank meter runs + a 4-rank state-bytes build
     "tests/integration/test_phase_data.py": 145,
     "tests/integration/test_pipeline_wgrad.py": 145,
     "tests/integration/test_train_run.py": 125,
     "tests/integration/test_schedule_run.py": 115,
     "tests/integration/test_activation_plan_measured.py": 115,  # one cpu4 launch, 9 builds + steps
-    "tests/unit/launcher/test_bench.py": 108,
+    "tests/unit/launcher/benchmarks/test_bench.py": 108,
     "tests/integration/test_muonclip_parallel.py": 107,
     "tests/integration/test_hf_convert_runs.py": 105,
     "tests/integration/test_memory_train.py": 105,
-    "tests/unit/launcher/test_plan.py": 87,
-    "tests/unit/launcher/test_data.py": 78,
-    "tests/unit/launcher/test_hf_convert.py": 68,  # + an import in a child process
+    "tests/unit/launcher/planning/test_plan.py": 87,
+    "tests/unit/launcher/datasets/test_data.py": 78,
+    "tests/unit/launcher/hf/test_hf_convert.py": 68,  # + an import in a child process
     "tests/unit/config/test_validate.py": 63,
     "tests/integration/test_background_write_watchdog.py": 50,  # one 1-rank run waiting 24 s on a slow writer
     "tests/integration/test_spike_guard.py": 35,  # one cpu4 run of 4 steps, a checkpoint per step
     "tests/integration/test_checkpoint_integrity.py": 38,
     "tests/integration/test_resume_rng_context.py": 35,
     "tests/integration/test_startup_signal.py": 20,
-    "tests/unit/launcher/test_prepare_corpus.py": 40,
+    "tests/unit/launcher/datasets/test_prepare_corpus.py": 40,
     "tests/unit/schedules/test_trace_plot.py": 12,
 }
 

@@ -215,10 +215,11 @@ def bench_memory(cfg) -> dict[str, Any]:
         ConfigError: a bad option.
     """
     import json
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
+
+    from k2.parallel.processes import free_port
 
 
     o = bench_options(cfg, DEFAULTS)
@@ -232,9 +233,7 @@ def bench_memory(cfg) -> dict[str, Any]:
 
     checked = load_config(base + ["memory=k2"])  # the layout and the settings are valid
     resolve_schedule(checked, ParallelDims.from_config(checked.parallel, checked.model, world))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "memory.json")
         mp.start_processes(_worker, args=(world, port, base, o, out_path), nprocs=world, join=True,

@@ -133,7 +133,7 @@ def time_calls(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, cud
 def one_rank_world():
     """A one-rank process group + megatron parallel state (gloo on CPU); returns a teardown function
     (a no-op when the caller already had a world, e.g. the test session's)."""
-    import socket
+    from k2.parallel.processes import free_port
 
     import torch
     import torch.distributed as dist
@@ -142,9 +142,7 @@ def one_rank_world():
 
     made_dist = made_ps = False
     if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         made_dist = True

@@ -193,13 +193,11 @@ def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: 
 
 def measure_collectives(ranks: int, threads: int, repeats: int) -> dict[str, Any]:
     """Collective figures between ``ranks`` local processes (module docstring)."""
-    import socket
+    from k2.parallel.processes import free_port
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_collective_worker, args=(r, ranks, port, threads, repeats, q)) for r in range(ranks)]

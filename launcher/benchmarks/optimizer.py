@@ -101,17 +101,16 @@ def _zero1_figures(o: dict) -> dict[str, Any]:
     """The DP=2 ZeRO-1 comparison on two spawned local ranks (gloo on CPU, NCCL with two GPUs): figures of
     :func:`bench_optimizer`. Spawned, not forked: the calling process may hold a process group already."""
     import json
-    import socket
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
 
+    from k2.parallel.processes import free_port
+
     if 0 < torch.cuda.device_count() < 2:
         return {"dp2": f"skipped: {torch.cuda.device_count()} CUDA device, 2 needed for the DP=2 cases"}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/zero1.json"
         mp.start_processes(_zero1_rank, args=(o, port, out), nprocs=2, join=True, start_method="spawn")

@@ -40,7 +40,6 @@ checkpoint, so nothing complete-looking is ever wrong.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import pickle
@@ -55,10 +54,10 @@ from typing import Callable, Optional
 from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
 from k2.launcher.gc_pause import gc_paused
 from k2.parallel.distributed import all_reduce_int
+from k2.parallel.processes import die_with_parent
 
 __all__ = ["BackgroundSaver", "CheckpointWriterDied", "PipeChannel", "abandon_in_flight_save", "in_flight_writer"]
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: seconds the rank waits for a finished writer's report to arrive through the pipe
 REPORT_TIMEOUT_S = 60.0
 _SAVERS: "list[BackgroundSaver]" = []  # of this process, for abandon_in_flight_save
@@ -230,10 +229,7 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
     in words: :func:`_write_error`) into ``report``."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the writer then outlives a killed rank by its write
-        pass
+    die_with_parent()  # (not Linux: the writer then outlives a killed rank by its write)
     os.nice(10)  # the rank's next steps come first
     # one intra-op thread: the rank's OpenMP pool did not survive the fork, and a parallel torch op
     # (the copies of _copy_views) would wait for it forever (torch's DataLoader workers do the same)

@@ -1,7 +1,7 @@
 """One owner per run directory: an exclusive ``flock`` on ``<run.dir>/.owner.lock``, held for the run.
 
 The owner is the process that starts a run: ``k2-train`` when it spawns its local ranks itself (the ranks
-it spawns then take no lock, see :data:`LOCK_HELD_ENV`), otherwise global rank 0 (one process per rank
+it spawns take no lock: they enter training directly with its plan), otherwise global rank 0 (one process per rank
 under torchrun or srun, or a single-process run). The lock is taken before anything in the run
 directory is written (the start-up removal of ``.partial`` saves, metrics, checkpoints), the resume
 decision is made again under it, and it is
@@ -25,12 +25,10 @@ from typing import Optional
 
 from k2.config.errors import ConfigError
 
-__all__ = ["LOCK_HELD_ENV", "OWNER_LOCK", "RunDirBusy", "RunDirLock", "raise_if_busy"]
+__all__ = ["OWNER_LOCK", "RunDirBusy", "RunDirLock", "raise_if_busy"]
 
 #: the lock file's name inside the run directory
 OWNER_LOCK = ".owner.lock"
-#: set to ``1`` in the environment of processes started by an owner that holds the lock for them
-LOCK_HELD_ENV = "K2_RUN_LOCK_HELD"
 
 
 class RunDirBusy(ConfigError):

@@ -5,7 +5,7 @@ The constants of ``megatron.core.datasets.indexed_dataset`` (``_INDEX_HEADER``, 
 ``.idx`` reader (:mod:`k2.launcher.datasets.resolve`) and writer
 (:mod:`k2.launcher.datasets.indexed_writer`) need. Restated, not imported, because importing that module
 imports megatron-core and torch: ~2.4 s and ~900 MB of resident memory, which ``k2-data`` otherwise never
-needs. ``tests/unit/launcher/test_indexed_writer.py`` checks them against megatron-core's own and the
+needs. ``tests/unit/launcher/datasets/test_indexed_writer.py`` checks them against megatron-core's own and the
 written bytes against its ``IndexedDatasetBuilder``.
 
 Layout: the header ``MMIDIDX\\0\\0``, version ``<Q`` 1, the dtype code ``<B``, the sequence count ``<Q``,

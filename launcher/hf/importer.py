@@ -27,7 +27,7 @@ and converted (FP8: the FP32 dequantised copy and its scale grid), and ``P`` meg
 planning state, which grows with the number of checkpoint items (tensor chunks and ``_extra_state``
 objects), not their bytes: ~13 MB for 658 items measured, i.e. ~20 KB an item (Kimi K2: ~10^5 items,
 about 2 GB, against 2 TB of BF16 weights). Never the whole model: ``k2-bench bench=hf_convert``
-measures it, tests/unit/launcher/test_hf_convert.py keeps it.
+measures it, tests/unit/launcher/hf/test_hf_convert.py keeps it.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ from typing import Any
 import yaml
 
 from k2.config.errors import ConfigError
+from k2.config.load import RECIPES_DIR
 from k2.model.kernels import KernelRates
 
-HARDWARE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "hardware"
+HARDWARE_DIR = RECIPES_DIR / "hardware"
 
 #: ``comm_stream``: how a communication stream runs beside the compute (``k2.launcher.planning.ep_overlap``):
 #: ``device``, a second CUDA stream; ``host_thread``, a thread of the host process that also runs the compute

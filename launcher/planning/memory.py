@@ -2,7 +2,7 @@
 
 State bytes (parameters, gradients, optimizer) are what megatron-core allocates for the layout, computed
 with megatron's *own* buffer-layout functions so that padding and ZeRO-1 sharding are exactly the
-trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/test_memory_plan.py``):
+trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/planning/test_memory_plan.py``):
 
 * each PP rank's model chunks get their parameter list (names and shapes from
   :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU),

@@ -11,14 +11,14 @@ and checkpoint stalls included) is compared as the predicted step over the plan'
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from k2.config.errors import ConfigError
+from k2.config.load import RECIPES_DIR
 
-RUNS_FILE = Path(__file__).resolve().parents[2] / "recipes" / "published" / "runs.yaml"
+RUNS_FILE = RECIPES_DIR / "published" / "runs.yaml"
 _FIGURES = ("step_time", "gpu_hours")  # what a run published (module docstring)
 
 

@@ -1,3 +1,3 @@
 """Tools around training runs: the sparsity sweep (``sweep``, ``sweep_report``) and Slurm submission
-(``sbatch``, ``hostlist``).
+(``sbatch``; its hostlist helpers are :mod:`k2.parallel.hostlist`).
 """

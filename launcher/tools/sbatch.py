@@ -1,8 +1,8 @@
 """The Slurm batch script of a run: :func:`render_sbatch` writes it, :func:`submit_script` submits it.
 
 The rendered script runs one task per GPU (``srun``), sets ``MASTER_ADDR`` to the first host of the
-allocation (``scontrol show hostnames``, else ``python -m k2.launcher.tools.hostlist first-host``) and
-``MASTER_PORT`` from the job id (:func:`k2.launcher.tools.hostlist.master_port`), and starts ``python -m
+allocation (``scontrol show hostnames``, else ``python -m k2.parallel.hostlist first-host``) and
+``MASTER_PORT`` from the job id (:func:`k2.parallel.hostlist.master_port`), and starts ``python -m
 k2.launcher.train`` with the submitted overrides and a fixed absolute ``run.dir``, so every (re)start of
 the job uses the same run directory. Requeue convention: a trainer that exits with
 :data:`REQUEUE_EXIT_CODE` asks to be continued; the script then runs ``scontrol requeue $SLURM_JOB_ID``
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from k2.config import ConfigError
-from k2.launcher.tools.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
+from k2.parallel.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -291,10 +291,10 @@ def _setup_lines(cfg: K2Config) -> list[str]:
         "",
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1 || true)"',
         'if [[ -z "$MASTER_ADDR" ]]; then',
-        '  MASTER_ADDR="$(k2py -m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST")"',
+        '  MASTER_ADDR="$(k2py -m k2.parallel.hostlist first-host "$SLURM_JOB_NODELIST")"',
         "fi",
         "export MASTER_ADDR",
-        "# = k2.launcher.tools.hostlist.master_port($SLURM_JOB_ID): the same on every node and every restart",
+        "# = k2.parallel.hostlist.master_port($SLURM_JOB_ID): the same on every node and every restart",
         f"export MASTER_PORT=$(({MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_SPAN}))",
         omp,
         "",

@@ -3,8 +3,10 @@ start ``launch.nproc_per_node`` ranks on one machine (:func:`k2.launcher.trainin
 
 Why not torchrun's fresh interpreters: importing torch + megatron-core + the trainer costs ~8 s of CPU
 per process, paid by every rank of every launch (a 4-rank CPU run spends most of its start-up there;
-an 8-GPU node pays it 8 times). Forked ranks share one import. What each rank runs is unchanged: the
-same module (``-m k2.launcher.train``) with the environment contract torchrun gives it (``RANK``,
+an 8-GPU node pays it 8 times). Forked ranks share one import. Each rank of ``k2-train`` calls
+``k2.launcher.train.rank_main`` with the config and plan ``k2-train`` composed (a :class:`Call`: nothing
+is composed again); a module or script runs as under ``python``. Either way each rank gets the
+environment contract torchrun gives it (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
 the ranks rendezvous over TCP as before. Fork safety: this process only imports (no thread, no CUDA
 context, no OpenMP pool exists when it forks; :func:`preimport` checks the first two), so each rank
@@ -24,13 +26,14 @@ passes a rank's own status on: 2 for a bad setting, 3 for divergence), 0 when al
 gets SIGKILL when this process dies (``PR_SET_PDEATHSIG``).
 
 Usage: ``python -m k2.launcher.training.fork_ranks NPROC [--master-port=PORT] (-m MODULE | -c CODE |
-SCRIPT) [ARGS...]`` (a free port on 127.0.0.1 when none is given).
+SCRIPT) [ARGS...]`` or ``... NPROC [--master-port=PORT] --call-fd=FD`` (each rank calls the function
+pickled, with its arguments, into the inherited pipe FD: :class:`Call`); a free port on 127.0.0.1 when none
+is given.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -40,19 +43,21 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.training.preemption import PEER_FAILED_ENV
+from k2.parallel.processes import die_with_parent, free_port
 
 __all__ = ["cuda_probe_without_init", "freeze_imported_objects", "imports_without_collection", "launch", "main",
            "preimport"]
 
-#: the trainer's module: its ranks get the config composed once, before the fork
+#: the trainer's module: ranks started as ``-m k2.launcher.train`` (torchrun-like) get its config composed
+#: once, before the fork
 TRAINER_MODULE = "k2.launcher.train"
 #: seconds between SIGTERM and SIGKILL for the other ranks of a failed launch (torchrun's default)
 STOP_GRACE_S = 30.0
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def preimport() -> None:
@@ -154,24 +159,51 @@ def freeze_imported_objects() -> None:
     gc.freeze()
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when the thread that forked it exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+@dataclass(frozen=True)
+class Call:
+    """A function each rank calls, with arguments made once by the process that asked for the launch
+    (``k2-train``: its composed config and plan) and inherited by the ranks through the fork.
+
+    Attributes:
+        fn: a module-level function (so that it can be pickled by name) returning the rank's exit status.
+        args: its positional arguments.
+    """
+
+    fn: Callable[..., int]
+    args: tuple = ()
+
+    @classmethod
+    def receive(cls, fd: int) -> "Call":
+        """The ``(fn, args)`` pickle read to its end from the pipe ``fd`` this process inherited from its
+        parent (:func:`k2.launcher.training.launch.spawn_local_ranks`, the same user's process); ``fd`` is
+        closed.
+
+        Raises:
+            EOFError, pickle.UnpicklingError: the parent died before it wrote the whole call.
+        """
+        import pickle
+
+        with os.fdopen(fd, "rb") as pipe:
+            fn, args = pickle.loads(pipe.read())
+        return cls(fn, tuple(args))
 
 
-def _run_rank(rank: int, nproc: int, port: int, target: list[str], rank_env: bool) -> int:
-    """Run ``target`` as ``python`` would (``-m MODULE``, ``-c CODE`` or ``SCRIPT``) in this forked
-    process; returns its exit status."""
+#: what :func:`launch` runs in each rank
+Target = Union[list, Call]
+
+
+def _run_rank(rank: int, nproc: int, port: int, target: Target, rank_env: bool) -> int:
+    """Run ``target`` in this forked process: a :class:`Call`, or as ``python`` would (``-m MODULE``,
+    ``-c CODE`` or ``SCRIPT``); returns its exit status."""
     import runpy
 
     if rank_env:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)})
-    if target[0] == "-c":
+    if isinstance(target, Call):
+        runner = lambda: sys.exit(target.fn(*target.args))  # noqa: E731
+    elif target[0] == "-c":
         sys.argv = ["-c", *target[2:]]
         sys.path[0] = ""
         runner = lambda: exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: E731
@@ -205,19 +237,14 @@ def _signal_all(pids, signum: int) -> None:
             pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Optional[socket.socket] = None,
+def launch(nproc: int, target: Target, port: Optional[int] = None, watch: Optional[socket.socket] = None,
            rank_env: bool = True) -> int:
     """Fork ``nproc`` ranks of ``target`` from this process and wait for them (module docstring).
 
     Args:
         nproc: ranks to start (>= 1).
-        target: ``["-m", MODULE, *args]``, ``["-c", CODE, *args]`` or ``[SCRIPT, *args]``.
+        target: ``["-m", MODULE, *args]``, ``["-c", CODE, *args]``, ``[SCRIPT, *args]`` or a :class:`Call`
+            (each rank calls it, inheriting its arguments through the fork).
         port: ``MASTER_PORT`` on 127.0.0.1; a free one when None (chosen after the imports: less time
             for another process to take it).
         watch: a connected socket whose peer going away (EOF) kills every rank and returns 1 (a process
@@ -230,7 +257,8 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
     Returns:
         the first failed rank's exit status (128 + N for a rank killed by signal N), 0 when all succeed.
     """
-    if target[:2] == ["-m", TRAINER_MODULE] and not set(target[2:]) & {"-m", "--multirun"}:
+    if not isinstance(target, Call) and target[:2] == ["-m", TRAINER_MODULE] \
+            and not set(target[2:]) & {"-m", "--multirun"}:
         from k2.config import ConfigError, load_config
 
         try:  # once here, not once per rank: the forked ranks find it in load_config's cache
@@ -239,7 +267,7 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
             pass  # each rank reports it as usual
     # the port last, right before the fork: the less time between releasing it and rank 0's bind, the
     # less chance another process takes it (an ephemeral port: any new connection on the host may)
-    port = port or _free_port()
+    port = port or free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
@@ -251,7 +279,7 @@ def launch(nproc: int, target: list[str], port: Optional[int] = None, watch: Opt
             os.environ[PEER_FAILED_ENV] = str(failed)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, signal.SIG_DFL)
-            _die_with_parent()
+            die_with_parent()
             code = 1
             try:
                 code = _run_rank(rank, nproc, port, target, rank_env)
@@ -322,6 +350,8 @@ def main(argv: list[str]) -> int:
         port, rest = int(rest[0].split("=", 1)[1]), rest[1:]
     sys.path[0] = os.getcwd()  # as under python -m: the working directory first
     preimport()
+    if len(rest) == 1 and rest[0].startswith("--call-fd="):
+        return launch(nproc, Call.receive(int(rest[0].split("=", 1)[1])), port=port)
     return launch(nproc, rest, port=port)
 
 

@@ -6,38 +6,30 @@ Signals go only to the rank processes (the rank launcher's direct children), nev
 itself (wandb's service, megatron's checkpoint-writer helpers): those end with their rank. When the
 parent dies without passing anything on (``kill -9``), the kernel kills the rank launcher
 (``PR_SET_PDEATHSIG``), which takes its ranks with it the same way, and each rank kills itself as soon as
-its parent is gone (:func:`exit_with_parent`), so no rank outlives its launcher.
+its parent is gone (:func:`k2.parallel.processes.exit_with_parent`), so no rank outlives its launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 
-from k2.launcher.checkpointing.run_lock import LOCK_HELD_ENV
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
+from k2.parallel.processes import die_with_parent, free_port
 
-__all__ = ["exit_with_parent", "forwarding_signals", "free_port", "spawn_local_ranks"]
+__all__ = ["forwarding_signals", "spawn_local_ranks"]
 
 #: signals a launcher passes on to the processes it started
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-def free_port() -> int:
-    """An unused TCP port on the loopback interface (so that several local runs can coexist)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -80,53 +72,24 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
             signal.signal(sig, handler)
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_parent() -> None:
-    """``preexec_fn``: the kernel SIGKILLs this child when the thread that started it exits (Linux;
-    elsewhere nothing is set). k2-train starts the rank launcher from its main thread and waits on it there."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
-    """In a rank spawned by ``k2-train``: a daemon thread that SIGKILLs this process as soon as its
-    parent (the rank launcher, or torchrun) is gone, i.e. when this process is re-parented (checked every
-    ``poll_s`` seconds).
-
-    A thread as well as the launcher's ``PR_SET_PDEATHSIG``: that signal fires when the parent *thread*
-    that forked the rank exits, which in another launcher (torchrun) need not be the one that lives as
-    long as the launcher. A rank that finds itself already re-parented (its parent died before this call)
-    is killed at once.
-
-    Returns:
-        the started thread.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            ppid = os.getppid()
-            if ppid != parent or ppid == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            threading.Event().wait(poll_s)
-
-    t = threading.Thread(target=watch, name="k2-exit-with-parent", daemon=True)
-    t.start()
-    return t
-
-
-def spawn_local_ranks(cfg, overrides: list[str]) -> int:
-    """Start ``launch.nproc_per_node`` local ranks of ``k2.launcher.train`` with ``overrides``, forked by
+def spawn_local_ranks(cfg, plan, entry: Callable[[Any, Any], int]) -> int:
+    """Start ``launch.nproc_per_node`` local ranks that each call ``entry(cfg, plan)``, forked by
     :mod:`k2.launcher.training.fork_ranks` (one import of the trainer for all of them), and wait for them.
+
+    The ranks get this process's composed config and plan as they are (pickled through a pipe that
+    fork_ranks reads once before it forks: no file to write or leave behind): they neither compose the
+    config nor plan the run again, so every rank trains what this process validated and decided (the
+    resume checkpoint chosen under the run dir's lock included).
 
     Signals: see :func:`forwarding_signals` (the ranks save a checkpoint and stop on SIGTERM / SIGUSR1:
     :mod:`k2.launcher.training.preemption`). Killing ``k2-train`` by pid therefore leaves no orphaned
     rank behind, with any signal (module docstring). The caller holds the run directory's lock
-    (:class:`k2.launcher.checkpointing.run_lock.RunDirLock`); the ranks are told not to take it.
+    (:class:`k2.launcher.checkpointing.run_lock.RunDirLock`); the ranks do not take it.
+
+    Args:
+        cfg: the read-only config of :func:`k2.config.load_config`.
+        plan: its :class:`k2.launcher.training.prepare.RunPlan` for ``launch.nproc_per_node`` ranks.
+        entry: a module-level function (pickled by its name): ``k2.launcher.train.rank_main``.
 
     Returns:
         the first failed rank's exit status (e.g. 3 when training diverged), or
@@ -135,15 +98,24 @@ def spawn_local_ranks(cfg, overrides: list[str]) -> int:
         requeue status; 0 when the run finished.
     """
     port = cfg.launch.master_port or free_port()
-    cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(cfg.launch.nproc_per_node),
-           f"--master-port={port}", "-m", "k2.launcher.train", *overrides]
+    nproc = cfg.launch.nproc_per_node
     env = dict(os.environ)
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
-    env[LOCK_HELD_ENV] = "1"  # this process owns the run dir for them
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node)))
-    print(f"k2-train: spawning {cfg.launch.nproc_per_node} local ranks (forked after one import of the "
-          f"trainer; rendezvous 127.0.0.1:{port}): {' '.join(cmd[2:])}", flush=True)
-    child = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), f"--master-port={port}",
+           f"--call-fd={read_fd}"]
+    print(f"k2-train: spawning {nproc} local ranks (forked after one import of the trainer; rendezvous "
+          f"127.0.0.1:{port}), each running {entry.__module__}.{entry.__qualname__} with this composed "
+          f"config and plan", flush=True)
+    try:
+        child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, pass_fds=(read_fd,))
+    finally:
+        os.close(read_fd)
+    # written from a thread: the pipe holds 64 KiB, and the launcher reads only after its imports (seconds),
+    # while this thread must be passing signals on from the start
+    threading.Thread(target=_send, args=(write_fd, pickle.dumps((entry, (cfg, plan)))), name="k2-send-call",
+                     daemon=True).start()
     with forwarding_signals(child, to_workers=True):
         rc = child.wait()
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
@@ -156,3 +128,13 @@ def spawn_local_ranks(cfg, overrides: list[str]) -> int:
               f"exit status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
         return REQUEUE_EXIT_CODE
     return rc
+
+
+def _send(fd: int, payload: bytes) -> None:
+    """Write ``payload`` into the pipe ``fd`` and close it (the reader's end of file); a launcher that died
+    first (broken pipe) is reported by its exit status instead."""
+    try:
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(payload)
+    except BrokenPipeError:
+        pass

@@ -55,7 +55,7 @@ BASE = ["parallel=cpu4"]
 
 
 #: the settings measured at each shape: all of them at both (the single-rank test of
-#: tests/unit/launcher/test_memory_plan.py runs every switch alone at both shapes)
+#: tests/unit/launcher/planning/test_memory_plan.py runs every switch alone at both shapes)
 SHAPE_SETTINGS = {shape: tuple(SETTINGS) for shape in SHAPES}
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from support import REPO
-from support.distributed import rank_launch_cmd, run_trainer, trainer_env
+from support.distributed import SUPPORT, rank_launch_cmd, run_trainer, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -62,10 +62,14 @@ def test_metrics_jsonl_is_complete(tmp_path, stdlib_corpus):
 
 def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpus):
     """``k2-train parallel=pp2`` (no torchrun around it) starts 2 ranks itself; wandb runs offline; the
-    summary names the wandb dir. The same command again, on the finished run, is "nothing to do": exit 0,
-    no rank started, metrics.jsonl untouched."""
+    summary names the wandb dir. The config is composed and the run planned once, by ``k2-train``: its
+    ranks train with what it handed them (tests/support/call_log logs every call of ``load_config`` and
+    ``prepare_run`` in every process of the run). The same command again, on the finished run, is
+    "nothing to do": exit 0, no rank started, metrics.jsonl untouched."""
     run_dir = tmp_path / "run"
-    env = trainer_env({"WANDB_MODE": "offline"})
+    calls = tmp_path / "calls.log"
+    env = trainer_env({"WANDB_MODE": "offline", "K2_TEST_CALL_LOG": str(calls), "PYTHONPATH": os.pathsep.join(
+        [str(SUPPORT / "call_log"), *filter(None, [os.environ.get("PYTHONPATH")])])})
     cmd = [sys.executable, "-m", "k2.launcher.train", "parallel=pp2", "train.iters=2",
            "train.eval_interval=0", "train.progress=false", f"run.dir={run_dir}", "run.wandb.mode=offline",
            f"launch.master_port={29700 + os.getpid() % 200}"]
@@ -77,6 +81,9 @@ def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpu
     recs = [json.loads(x) for x in metrics.splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     assert any((run_dir / "wandb").glob("offline-run-*")), list(run_dir.iterdir())
+    logged = [line.split() for line in calls.read_text().splitlines()]
+    assert [name for _, name in logged] == ["load_config", "prepare_run"], logged  # not once more per rank
+    assert len({pid for pid, _ in logged}) == 1, logged  # both in k2-train itself
 
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-4000:]

@@ -3,8 +3,9 @@ checker, scripts that wrap the trainer with an injected fault or a dump, closed-
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
+
+from k2.parallel.processes import free_port  # noqa: F401 (the tests import it from here)
 
 #: the repository root (tests run from a checkout; the package itself is imported as installed)
 REPO = Path(__file__).resolve().parents[2]
@@ -12,8 +13,3 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def free_port() -> int:
-    """An unused TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -44,10 +44,10 @@ def tree_copy(tmp_path):
 
 def test_checker_reports_a_planted_upward_import(tree_copy):
     f = tree_copy / "model" / "flops.py"
-    f.write_text(f.read_text() + "\nfrom k2.launcher.tools.hostlist import master_port  # planted\n")
+    f.write_text(f.read_text() + "\nfrom k2.launcher.tools.sbatch import MASTER_PORT_BASE  # planted\n")
     found = check(tree_copy, DIRS)
     assert [(v.kind, v.module, v.target) for v in found] == [
-        ("upward", "k2.model.flops", "k2.launcher.tools.hostlist")]
+        ("upward", "k2.model.flops", "k2.launcher.tools.sbatch")]
 
 
 def test_checker_reports_a_planted_cycle_and_a_sibling_import(tree_copy):

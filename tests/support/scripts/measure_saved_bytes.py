@@ -19,7 +19,7 @@ Per case, this rank writes:
 * ``pp_rank``.
 
 Used by tests/integration/test_activation_plan_measured.py (cpu4, through ``run_trainer``) and, in
-process with a one-rank megatron world, by tests/unit/launcher/test_memory_plan.py (:func:`measure`).
+process with a one-rank megatron world, by tests/unit/launcher/planning/test_memory_plan.py (:func:`measure`).
 """
 
 import gc

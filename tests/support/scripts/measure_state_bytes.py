@@ -10,8 +10,8 @@ optimizer states exist), and write what this rank allocated to $K2_TEST_OUT/stat
   (k2.optim.offload: the storages its ``host_storages`` names);
 * ``pp_rank``, ``dp_rank``, ``expert_dp_rank``.
 
-Used by tests/unit/launcher/test_memory_plan.py (predicted == measured): run under torchrun with the trainer's
-overrides, or :func:`measure` in an existing one-rank megatron world.
+Used by tests/unit/launcher/planning/test_memory_plan.py (predicted == measured): run under torchrun with
+the trainer's overrides, or :func:`measure` in an existing one-rank megatron world.
 """
 
 import json

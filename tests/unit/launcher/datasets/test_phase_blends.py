@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
+from support.fake_runs import write_dataset as _write_dataset
 from support.helpers import run_tool
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
@@ -24,15 +24,6 @@ PHASES = ("[{name:a,steps:2,lr_style:constant,lr_start:1.0e-3,seq_length:128},"
           "{name:c,steps:2,lr_style:constant,seq_length:512},"
           "{name:d,steps:2,lr_style:constant,seq_length:128,data:{path:A,valid_path:V}},"
           "{name:e,steps:2,lr_style:constant,data:{path:B}}]")
-
-
-def _write_dataset(prefix, docs, vocab=16):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for d in docs:
-        b.add_document(np.asarray(d, dtype=np.uint16), [len(d)])
-    b.finalize(prefix + ".idx")
 
 
 def test_settings_inherit_from_the_previous_phase():

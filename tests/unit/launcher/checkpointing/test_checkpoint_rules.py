@@ -8,27 +8,11 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
+
 import pytest
 
-
-def _fake_checkpoint(run_dir: Path, step: int, overrides: list[str], layout: dict) -> Path:
-    """A directory with what a complete checkpoint's non-tensor files hold (enough for the plan), without
-    a manifest (as a checkpoint of an older k2-launcher: accepted unverified)."""
-    from k2.config.load import load_config, to_yaml
-
-    path = run_dir / "checkpoints" / f"iter_{step:07d}"
-    path.mkdir(parents=True)
-    (path / "metadata.json").write_text("{}")
-    (path / ".metadata").write_bytes(b"")
-    (path / "config.yaml").write_text(to_yaml(load_config(overrides)))
-    (path / "k2_state.json").write_text(json.dumps({"step": step, "layout": layout,
-                                                    "optimizer_dp_fixed": False}))
-    (run_dir / "checkpoints" / "latest").write_text(path.name + "\n")
-    return path
-
-
-SINGLE = {"pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": 1}
+from support.fake_runs import SINGLE
+from support.fake_runs import fake_checkpoint as _fake_checkpoint
 
 
 def _plan(overrides, world=1):

@@ -14,7 +14,8 @@ from k2.config.load import load_config
 from k2.launcher.checkpointing.paths import latest_checkpoint
 from k2.launcher.training.prepare import prepare_run
 
-from test_checkpoint_rules import SINGLE, _fake_checkpoint
+from support.fake_runs import SINGLE
+from support.fake_runs import fake_checkpoint as _fake_checkpoint
 
 
 def _plan(run_dir, *extra):

@@ -7,7 +7,6 @@ model/params.py, and must equal its counts exactly.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import textwrap
 import time
@@ -19,6 +18,7 @@ from k2.launcher.plan import main
 from k2.model.params import classify_param, count_params
 
 from support import REPO as ROOT
+from support import free_port
 from support.distributed import rank_launch_cmd, trainer_env
 K2_OFFICIAL_TOTAL = 1_026_470_731_056  # docs/k2_reference.md: the official config sum incl. embeddings
 
@@ -200,16 +200,10 @@ _REAL_BUILD = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tiny_meta_count_equals_real_single_rank_build():
     """The meta count equals the parameters of the k2_tiny model k2-train builds on one gloo rank,
     component by component."""
-    proc = subprocess.run(rank_launch_cmd(1, ["-c", _REAL_BUILD], [str(_free_port())]), cwd=ROOT,
+    proc = subprocess.run(rank_launch_cmd(1, ["-c", _REAL_BUILD], [str(free_port())]), cwd=ROOT,
                           env=trainer_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(s for s in proc.stdout.splitlines() if s.startswith("SIZES="))

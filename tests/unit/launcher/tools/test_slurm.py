@@ -17,7 +17,7 @@ import pytest
 from k2.launcher import submit
 from k2.config.load import load_config
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
-from k2.launcher.tools.hostlist import expand_hostlist, first_host, master_port
+from k2.parallel.hostlist import expand_hostlist, first_host, master_port
 from k2.config.validate import SBATCH_OPTIONS_SET
 from k2.launcher.tools.sbatch import render_sbatch
 
@@ -102,7 +102,7 @@ def test_master_port_range_and_determinism():
 
 def test_module_cli(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no scontrol: the parser answers
-    run = lambda *a: subprocess.run([sys.executable, "-m", "k2.launcher.tools.hostlist", *a], cwd=REPO, env=env,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "k2.parallel.hostlist", *a], cwd=REPO, env=env,
                                     capture_output=True, text=True, timeout=60)
     r = run("master-port", "123456")
     assert r.returncode == 0 and r.stdout == "23456\n"
@@ -141,14 +141,14 @@ def test_render_sbatch_lines_and_run_dir(tmp_path):
     assert f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {tmp_path}/r1/requeue ]]" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1' in text
-    assert 'k2py -m k2.launcher.tools.hostlist first-host "$SLURM_JOB_NODELIST"' in text
+    assert 'k2py -m k2.parallel.hostlist first-host "$SLURM_JOB_NODELIST"' in text
     assert "--exclusive" in lines and "--mem=0" in lines  # all of each exclusive node's memory
     assert f"PYTHON={sys.executable}  # submit.python" in text.splitlines()  # stated, not from the environment
     assert "K2_PYTHON" not in text
 
 
 def test_master_port_in_bash_equals_master_port(tmp_path):
-    """The script's shell arithmetic gives k2.launcher.tools.hostlist.master_port's port."""
+    """The script's shell arithmetic gives k2.parallel.hostlist.master_port's port."""
     line = next(ln for ln in render_sbatch(load_config([]), []).splitlines() if "MASTER_PORT=" in ln)
     for job in (0, 7, 123456, 2**31 - 1):
         r = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job}; {line}; echo $MASTER_PORT"], capture_output=True,
@@ -323,7 +323,8 @@ def test_existing_run_refused(capsys, tmp_path):
 
 def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
     """A run dir with a checkpoint is not 'used up': submitting it again continues it (auto-resume)."""
-    from test_checkpoint_rules import SINGLE, _fake_checkpoint
+    from support.fake_runs import SINGLE
+    from support.fake_runs import fake_checkpoint as _fake_checkpoint
 
     run_dir = tmp_path / "run"
     (run_dir).mkdir()
@@ -336,7 +337,7 @@ def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
 def test_k2_on_32_nodes_renders_the_cluster_lines(capsys, monkeypatch, tmp_path):
     """K2 on 32 nodes with a real dataset: memory, CPUs, binding, QoS / constraint / reservation, extra
     options and the container in the rendered script; without data.path the same job is refused."""
-    from test_phase_blends import _write_dataset
+    from support.fake_runs import write_dataset as _write_dataset
     from tokenizers import Tokenizer, models
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(15)} | {"<|endoftext|>": 15}, unk_token="w0"))

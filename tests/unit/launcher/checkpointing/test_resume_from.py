@@ -9,7 +9,8 @@ from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.training.prepare import prepare_run
 
-from test_checkpoint_rules import SINGLE, _fake_checkpoint
+from support.fake_runs import SINGLE
+from support.fake_runs import fake_checkpoint as _fake_checkpoint
 
 
 def _refusal(tmp_path, where) -> str:
@@ -48,7 +49,7 @@ def test_resume_compares_the_datasets_not_the_path_strings(tmp_path, monkeypatch
     from tokenizers import Tokenizer, models
 
     from k2.launcher.datasets.fingerprint import dataset_fingerprint
-    from test_phase_blends import _write_dataset
+    from support.fake_runs import write_dataset as _write_dataset
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(15)} | {"<|endoftext|>": 15}, unk_token="w0"))
     tok.save(str(tmp_path / "tok.json"))

@@ -24,6 +24,25 @@ def _launch(n: int, code: str, port: int | None = None, **kw) -> subprocess.Pope
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
+def test_a_call_runs_in_every_rank_with_the_arguments_made_before_the_fork():
+    """A :class:`Call` target (what k2-train hands its ranks: ``rank_main`` with its composed config and
+    plan): each rank calls the function with the launcher's own argument object, under torchrun's
+    environment, and the function's return value is the rank's exit status."""
+    src = ("import os, sys; from k2.launcher.training.fork_ranks import Call, launch\n"
+           "made = {'by': os.getpid()}\n"
+           "def rank(a):\n"
+           "    os.write(1, f\"{os.environ['RANK']} {a['by']} {os.getpid()}\\n\".encode())\n"
+           "    return 0\n"
+           "sys.exit(launch(2, Call(rank, (made,))) + launch(1, Call(int, ('3',)), rank_env=False))")
+    p = subprocess.Popen([sys.executable, "-c", src], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 3, err  # the second launch's one rank returned 3
+    lines = sorted(x.split() for x in out.splitlines())
+    assert [x[0] for x in lines] == ["0", "1"], out
+    assert {x[1] for x in lines} == {str(p.pid)} and str(p.pid) not in {x[2] for x in lines}, out
+
+
 def test_each_rank_gets_torchruns_environment_and_its_arguments():
     code = ("import json, os, sys; os.write(1, (json.dumps({k: os.environ[k] for k in ('RANK', 'LOCAL_RANK', "
             "'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT')} | "
@@ -93,9 +112,9 @@ def test_sigterm_to_the_launcher_reaches_every_rank():
 def test_a_preimported_module_runs_as_main_without_runpy_warning():
     """``-m MODULE`` after the launcher imported MODULE (as a sweep's preimport does) runs it as ``__main__``
     with no RuntimeWarning from runpy (one per sweep point before)."""
-    src = ("import sys, warnings; warnings.simplefilter('default'); import k2.launcher.tools.hostlist; "
+    src = ("import sys, warnings; warnings.simplefilter('default'); import k2.parallel.hostlist; "
            "from k2.launcher.training.fork_ranks import launch; "
-           "sys.exit(launch(1, ['-m', 'k2.launcher.tools.hostlist', 'master-port', '7'], rank_env=False))")
+           "sys.exit(launch(1, ['-m', 'k2.parallel.hostlist', 'master-port', '7'], rank_env=False))")
     p = subprocess.run([sys.executable, "-W", "default", "-c", src], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and p.stdout == "20007\n", p.stderr
