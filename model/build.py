@@ -76,6 +76,31 @@ def rope_fields(model_cfg: ModelConfig, rope_type: str) -> dict:
     )
 
 
+def _moe_fields(m: ModelConfig) -> dict:
+    """The MoE settings of megatron's ``TransformerConfig`` from ``model.*`` (grouped GEMM and the fused
+    permute/router kernels off here: ``k2.model.grouped_mlp`` and plain torch)."""
+    return dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=moe_layer_pattern(m),
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_dtype=m.moe_router_dtype,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+
+
 def transformer_config(cfg: K2Config, dims, rope_type: Optional[str] = None):
     """megatron ``MLATransformerConfig`` for ``cfg.model`` under the parallel layout ``dims``.
 
@@ -153,26 +178,7 @@ def transformer_config(cfg: K2Config, dims, rope_type: Optional[str] = None):
         **megatron_recompute_fields(MemoryOptions.from_config(cfg)),
     )
     if m.num_moe_experts:
-        kw.update(
-            num_moe_experts=m.num_moe_experts,
-            moe_router_topk=m.moe_router_topk,
-            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-            moe_layer_freq=moe_layer_pattern(m),
-            moe_router_score_function=m.moe_router_score_function,
-            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=m.moe_router_bias_update_rate,
-            moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
-            moe_router_num_groups=m.moe_router_num_groups,
-            moe_router_group_topk=m.moe_router_group_topk,
-            moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-            moe_router_dtype=m.moe_router_dtype,
-            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
-            moe_router_fusion=False,
-        )
+        kw.update(_moe_fields(m))
     tcfg = MLATransformerConfig(**kw)
     if m.num_moe_experts and cfg.pipeline.ep_overlap:
         enable_ep_overlap(tcfg, torch.cuda.is_available())

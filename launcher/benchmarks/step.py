@@ -172,102 +172,26 @@ def bench_step(cfg) -> dict[str, Any]:
     """
     import torch
 
-
     o = _options(cfg)
     cuda = torch.cuda.is_available()
     base = base_overrides(o)
     cases = case_overrides(o)
-
     for ov in cases.values():  # every case is valid before anything is built
         check_backend_config(load_config(base + ov))
     cpu_backend.enable()
     teardown = one_rank_world()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model_cfg = load_config(base).model
     tokens = o["microbatches"] * o["micro_batch_size"] * o["seq_length"]
     flops = step_flops(model_cfg, o["seq_length"], tokens)
     names = ["baseline", *cases]
     resident = o["resident"] or (3 if cuda else len(names))
-    toggled = names[2:]
-    per_group = max(1, resident - 2)
-    groups = [toggled[i:i + per_group] for i in range(0, len(toggled), per_group)] or [[]]
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    opt_samples: dict[str, list[float]] = {n: [] for n in names}
-    saved: dict[str, float] = {}
-    persistent: dict[str, int] = {}
-    step_peak: dict[str, int] = {}
-    features: dict[str, dict] = {}
-
-    def build(name: str) -> Case:
-        sync(cuda)
-        before = torch.cuda.memory_allocated() if cuda else 0
-        case = build_baseline(o, base, device) if name == "baseline" else build_k2(o, base, cases[name])
-        for _ in range(o["warmup"]):  # (the optimizer states are created on the first step)
-            case.step()
-        sync(cuda)
-        if cuda:
-            persistent[name] = torch.cuda.memory_allocated() - before
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            case.step()
-            sync(cuda)
-            step_peak[name] = torch.cuda.max_memory_allocated() - start
-        if case.features is not None:
-            features[name] = case.features
-        meter = SavedBytesMeter()
-        case.metered_step(meter)
-        saved[name] = meter.per_forward()["device_total"] + meter.per_forward()["host_total"]
-        progress(f"{name} built and warmed up" + (f", {persistent[name] / 2**30:.1f} GiB held" if cuda else ""))
-        return case
-
-    started = time.perf_counter()
-
-    def progress(text: str) -> None:  # (stderr: a long GPU run shows how far it got)
-        print(f"bench=step [{time.perf_counter() - started:.0f} s] {text}", file=sys.stderr, flush=True)
-
+    run = _StepRuns(o, base, cases, cuda)
     try:
         peak = gemm_peak_tflops(cuda)
-        live = {n: build(n) for n in ("baseline", "k2")}
-        for group in groups:
-            for n in group:
-                live[n] = build(n)
-            for _ in range(o["repeats"]):
-                for n, case in live.items():
-                    sync(cuda)
-                    t0 = time.perf_counter()
-                    case.step()
-                    sync(cuda)
-                    samples[n].append(time.perf_counter() - t0)
-                    opt_samples[n].append(case.optimizer_s)
-            for n in group:
-                live.pop(n).release()
-            free_case(cuda)
-            progress(f"timed {', '.join(live)} and {', '.join(group) or 'no toggled case'}")
+        run.time_cases(names, resident)
     finally:
-        live = {}
         free_case(cuda)
         teardown()
-
-    out_cases: dict[str, dict] = {}
-    for n in names:
-        step_s = statistics.median(samples[n])
-        tflops = flops / step_s / 1e12
-        f = {"step_ms": step_s * 1e3, "optimizer_ms": statistics.median(opt_samples[n]) * 1e3,
-             "tokens_per_s": tokens / step_s, "model_tflops": tflops,
-             "mfu": tflops / peak["gemm_peak_tflops"], "saved_activation_bytes": int(saved[n]),
-             "timed_steps": len(samples[n])}
-        if n in features:
-            f["features"] = features[n]
-        if cuda:
-            f["peak_memory_bytes"] = int(persistent[n] + step_peak[n])
-            f["persistent_bytes"] = int(persistent[n])
-        out_cases[n] = f
-    ref = out_cases["baseline"]
-    for f in out_cases.values():
-        for key in ("tokens_per_s", "model_tflops", "mfu", "step_ms", "saved_activation_bytes",
-                    "peak_memory_bytes"):
-            if key in f:
-                f[f"{key}_over_baseline"] = f[key] / ref[key] if ref[key] else None
     figures = {
         "config": {"size": o["size"], "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
                    "num_moe_experts": model_cfg.num_moe_experts, "moe_router_topk": model_cfg.moe_router_topk,
@@ -281,7 +205,7 @@ def bench_step(cfg) -> dict[str, Any]:
         **peak,
         "timing": {"warmup": o["warmup"], "repeats": o["repeats"], "resident": resident,
                    "order": "round-robin over the resident cases"},
-        "cases": out_cases,
+        "cases": run.case_figures(names, tokens, flops, peak["gemm_peak_tflops"]),
     }
     if o["json_out"]:
         from omegaconf import OmegaConf
@@ -294,3 +218,101 @@ def bench_step(cfg) -> dict[str, Any]:
 
     reset_moe_process_state()  # leave no 3-layer MoE tracker / aux-loss scale to the rest of the process
     return figures
+
+
+class _StepRuns:
+    """The cases of :func:`bench_step` built, warmed up, metered and timed; what each measured."""
+
+    def __init__(self, o: dict, base: list[str], cases: dict[str, list[str]], cuda: bool):
+        import torch
+
+        self.o, self.base, self.cases, self.cuda = o, base, cases, cuda
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.samples: dict[str, list[float]] = {}  # step seconds
+        self.opt_samples: dict[str, list[float]] = {}  # optimizer seconds of those steps
+        self.saved: dict[str, float] = {}  # saved activation bytes per forward
+        self.persistent: dict[str, int] = {}  # GPU bytes held by a built, warmed-up case
+        self.step_peak: dict[str, int] = {}  # GPU peak growth over one step
+        self.features: dict[str, dict] = {}
+        self.started = time.perf_counter()
+
+    def progress(self, text: str) -> None:  # (stderr: a long GPU run shows how far it got)
+        print(f"bench=step [{time.perf_counter() - self.started:.0f} s] {text}", file=sys.stderr, flush=True)
+
+    def build(self, name: str) -> Case:
+        """Build case ``name``, warm it up, measure its memory (GPU) and its saved activation bytes."""
+        import torch
+
+        o, cuda = self.o, self.cuda
+        sync(cuda)
+        before = torch.cuda.memory_allocated() if cuda else 0
+        case = (build_baseline(o, self.base, self.device) if name == "baseline"
+                else build_k2(o, self.base, self.cases[name]))
+        for _ in range(o["warmup"]):  # (the optimizer states are created on the first step)
+            case.step()
+        sync(cuda)
+        if cuda:
+            self.persistent[name] = torch.cuda.memory_allocated() - before
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            case.step()
+            sync(cuda)
+            self.step_peak[name] = torch.cuda.max_memory_allocated() - start
+        if case.features is not None:
+            self.features[name] = case.features
+        meter = SavedBytesMeter()
+        case.metered_step(meter)
+        self.saved[name] = meter.per_forward()["device_total"] + meter.per_forward()["host_total"]
+        held = f", {self.persistent[name] / 2**30:.1f} GiB held" if cuda else ""
+        self.progress(f"{name} built and warmed up{held}")
+        return case
+
+    def time_cases(self, names: list[str], resident: int) -> None:
+        """Time every case round-robin: ``baseline`` and ``k2`` stay built, the toggled cases are built
+        ``resident - 2`` at a time (GPU memory) and released after their group."""
+        for n in names:
+            self.samples[n], self.opt_samples[n] = [], []
+        toggled = names[2:]
+        per_group = max(1, resident - 2)
+        groups = [toggled[i:i + per_group] for i in range(0, len(toggled), per_group)] or [[]]
+        live = {n: self.build(n) for n in ("baseline", "k2")}
+        for group in groups:
+            for n in group:
+                live[n] = self.build(n)
+            for _ in range(self.o["repeats"]):
+                for n, case in live.items():
+                    sync(self.cuda)
+                    t0 = time.perf_counter()
+                    case.step()
+                    sync(self.cuda)
+                    self.samples[n].append(time.perf_counter() - t0)
+                    self.opt_samples[n].append(case.optimizer_s)
+            for n in group:
+                live.pop(n).release()
+            free_case(self.cuda)
+            self.progress(f"timed {', '.join(live)} and {', '.join(group) or 'no toggled case'}")
+
+    def case_figures(self, names: list[str], tokens: int, flops: float, peak_tflops: float) -> dict[str, dict]:
+        """Per case: step and optimizer ms, tokens/s, model TFLOP/s, MFU, saved bytes (GPU: peak memory),
+        and each one's ratio to ``baseline``."""
+        out: dict[str, dict] = {}
+        for n in names:
+            step_s = statistics.median(self.samples[n])
+            tflops = flops / step_s / 1e12
+            f = {"step_ms": step_s * 1e3, "optimizer_ms": statistics.median(self.opt_samples[n]) * 1e3,
+                 "tokens_per_s": tokens / step_s, "model_tflops": tflops,
+                 "mfu": tflops / peak_tflops, "saved_activation_bytes": int(self.saved[n]),
+                 "timed_steps": len(self.samples[n])}
+            if n in self.features:
+                f["features"] = self.features[n]
+            if self.cuda:
+                f["peak_memory_bytes"] = int(self.persistent[n] + self.step_peak[n])
+                f["persistent_bytes"] = int(self.persistent[n])
+            out[n] = f
+        ref = out["baseline"]
+        for f in out.values():
+            for key in ("tokens_per_s", "model_tflops", "mfu", "step_ms", "saved_activation_bytes",
+                        "peak_memory_bytes"):
+                if key in f:
+                    f[f"{key}_over_baseline"] = f[key] / ref[key] if ref[key] else None
+        return out
