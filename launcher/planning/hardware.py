@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from k2.config.errors import ConfigError
-from k2.model.kernels import KernelRates
+from k2.launcher.planning.kernels import KernelRates
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "hardware"
 

@@ -35,9 +35,9 @@ Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffer
 K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over
 256 GPUs, 24 GB per GPU on average.
 
-Activation bytes come from :func:`k2.model.activation_bytes.layer_activation_bytes` (bytes one microbatch's
+Activation bytes come from :func:`k2.launcher.planning.activation_bytes.layer_activation_bytes` (bytes one microbatch's
 forward keeps for its backward, per layer, with the ``memory.*`` switches) times what the pipeline holds:
-:func:`k2.schedules.pipeline_sim.simulate` tracks, per PP rank, the activations of every (model chunk,
+:func:`k2.launcher.planning.pipeline_sim.simulate` tracks, per PP rank, the activations of every (model chunk,
 microbatch) from the end of its forward to the end of its backward and reports the peak.
 """
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from k2.launcher.planning.host_pinned import pinned_block_bytes
-from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
+from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
 from k2.parallel.distributed import ddp_config
@@ -348,7 +348,7 @@ class StageActivations:
         recompute_working: with whole-layer recompute (``memory.recompute`` site ``layer``), the bytes
             one layer's re-run holds during its backward (the largest layer of the stage); else 0.
         layer_gpu_max: the GPU bytes of the stage's largest layer (what a combined 1F1B pair holds beyond
-            its microbatches: :func:`k2.schedules.pipeline_sim.simulate`'s ``pair_transient_bytes``).
+            its microbatches: :func:`k2.launcher.planning.pipeline_sim.simulate`'s ``pair_transient_bytes``).
         host_pinned: ``host`` as pinned buffers hold it on a GPU (one per offloaded tensor,
             :func:`k2.launcher.planning.host_pinned.pinned_block_bytes`).
     """

@@ -4,7 +4,7 @@ optimizer and the pipeline bubble, per term, on a hardware profile (:mod:`k2.lau
 Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens (one GPU, TP = 1; a layer's
 costs: :mod:`k2.launcher.planning.stage_model`):
 
-* **GEMMs** at their shapes (:mod:`k2.model.kernels`: roofline, tile and wave quantization, a launch cost
+* **GEMMs** at their shapes (:mod:`k2.launcher.planning.kernels`: roofline, tile and wave quantization, a launch cost
   each): MLA's projections ``[T, h] x [h, r_q]`` ..., the dense / shared SwiGLU, the router, the routed
   experts as one grouped GEMM of ``E / ep`` experts of ``T k ep / E`` tokens each (balanced routing;
   megatron's sequential loop of ``E / ep`` GEMMs where ``model.moe_grouped_gemm`` is off, the CPU default),
@@ -34,13 +34,13 @@ costs: :mod:`k2.launcher.planning.stage_model`):
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
   back during the backward on a copy stream (its own engine and PCIe path); only what exceeds the pass's
   time (compute and all-to-alls) is exposed.
-* **The schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
+* **The pipeline schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
   trainer's step functions beyond the model's operators, per microbatch and virtual stage and per step.
 * **PP sends**: ``T x h`` activations per stage boundary, across nodes when PP ranks are on different nodes,
   as the simulator's ``p2p_time``.
 
 The pipeline: megatron's (interleaved) 1F1B order simulated with these per-stage times
-(:func:`k2.schedules.pipeline_sim.simulate`; with the EP overlap its combined order, a steady pair one
+(:func:`k2.launcher.planning.pipeline_sim.simulate`; with the EP overlap its combined order, a steady pair one
 operation); the **bubble** is the busiest PP rank's idle time in it
 (with the DualPipe what-if, PP rank r runs stage r and stage PP - 1 - r, half the microbatches each, and
 DualPipe's bubble ``(PP/2 - 1)(F&B + B - 3W)``, arXiv 2412.19437 table 2).
@@ -76,7 +76,7 @@ from k2.launcher.planning.ep_overlap import (A2A_KINDS, OverlapCosts, ep_summary
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.stage_model import StageModel, _add
 from k2.launcher.planning.what_if import WhatIf, tp_group_profile
-from k2.schedules.pipeline_sim import simulate
+from k2.launcher.planning.pipeline_sim import simulate
 
 DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
@@ -100,7 +100,7 @@ class StepTime:
         F, B, W: per virtual stage the seconds of one microbatch's forward / input gradient / weight
             gradient (what the simulator ran).
         p2p_s: one PP send.
-        sim: the simulated pipeline (:class:`k2.schedules.pipeline_sim.PipelineResult`).
+        sim: the simulated pipeline (:class:`k2.launcher.planning.pipeline_sim.PipelineResult`).
         makespan: the pipeline's seconds (extrapolated past the simulated microbatches).
         recompute_s: what recompute adds (``breakdown['recompute']``).
         what_if: the what-if settings' labels.
@@ -182,7 +182,7 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
         ep_overlap: run megatron's combined 1F1B (:mod:`k2.launcher.planning.ep_overlap`); None = where
             :func:`k2.launcher.planning.ep_overlap.overlap_applies` says the trainer runs it.
         pair_transient_bytes: per virtual stage the GPU bytes a combined pair holds beyond its
-            microbatches (its largest layer's; :func:`k2.schedules.pipeline_sim.simulate`).
+            microbatches (its largest layer's; :func:`k2.launcher.planning.pipeline_sim.simulate`).
 
     Returns:
         :class:`StepTime`.
@@ -193,11 +193,11 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
     model = stage_model(cfg, dims, fl, tokens=tokens, device=device, what_if=what_if, recompute=recompute)
     model.tp_comm = tp_comm_seconds(tokens, model.s["h"], model.a, what_if.tp, profile)
     stages = compute_terms(model, dims)
-    schedule_work_s = add_schedule_work(stages, device)
+    schedule_work_half_s = add_schedule_work(stages, device)
     copy_s = add_offload(stages, offload_bytes, device, dims.pp * dims.vpp)
     if what_if.dualpipe:
         hide_ep_comm_dualpipe(stages)
-    ep_costs = ep_comm_costs(cfg, model, dims, device, what_if, schedule_work_s, copy_s)
+    ep_costs = ep_comm_costs(cfg, model, dims, device, what_if, schedule_work_half_s, copy_s)
     pp_send_s = pp_send_seconds(dims, tokens * model.s["h"] * model.a, device)
     micro = microbatch_split(num_microbatches, dims.pp, what_if.pipeline_flushes, max_microbatches)
     if ep_overlap is None:
@@ -317,12 +317,12 @@ def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
         stage["B"]["ep_comm"] = _hide_behind(stage["B"].get("ep_comm", 0.0), forward_compute)
 
 
-def ep_comm_costs(cfg, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf, schedule_work_s: float,
+def ep_comm_costs(cfg, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf, schedule_work_half_s: float,
                   copy_s: list[float]) -> OverlapCosts | None:
     """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
     OverlapCosts`); None without EP or experts, and under DualPipe (:func:`hide_ep_comm_dualpipe`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
-        return OverlapCosts(stage_plans(model, dims, schedule_work_s, copy_s), device.comm_stream,
+        return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
                             bool(cfg.pipeline.decouple_wgrad))
     return None
 

@@ -18,7 +18,7 @@ from k2.launcher.planning import stage_model as smod
 from k2.launcher.planning import step_time as stm
 from k2.launcher.planning.comm import AllToAll, ep_alltoall, expected_nodes_hit, ring_seconds
 from k2.launcher.planning.hardware import HARDWARE_DIR, available_profiles, load_profile
-from k2.model.kernels import KernelRates, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
+from k2.launcher.planning.kernels import KernelRates, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 
 
 def test_gemm_roofline_tile_and_wave_quantization():
