@@ -43,7 +43,7 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     for v in range(dims.vpp):
         for r in range(dims.pp):
             f = b = w = 0.0
-            for i in dims.layout[r][v]:
+            for i in dims.stage_layers[r][v]:
                 gemm = fl.layer_gemm(i)
                 f += fl.layer(i)
                 b += gemm + 2 * fl.attention_core + up + (down if fl.moe_pattern[i] else 0)

@@ -166,7 +166,7 @@ def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
         "params_active": counts.active,
         "params": counts.as_dict(),
         "megatron_layout": dims.megatron_layout,
-        "layout": dims.layout,
+        "layout": dims.stage_layers,
         "embedding_stage": {"pp_rank": 0, "vpp_stage": 0},
         "loss_stage": {"pp_rank": dims.pp - 1, "vpp_stage": dims.vpp - 1},
     }

@@ -189,7 +189,7 @@ def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bo
 
 
 def _kinds(counts, dims, r: int, v: int) -> tuple:
-    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.layout[r][v])
+    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.stage_layers[r][v])
 
 
 def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
@@ -404,7 +404,7 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
             gpu, host = apply_switches(ends, **sw)
             host_pinned = apply_switches(ends, **sw, host_block=pinned_block_bytes)[1]
             staging = rerun = largest = 0.0
-            for i in dims.layout[r][v]:
+            for i in dims.stage_layers[r][v]:
                 g, h = per_kind[pattern[i]]
                 gpu, host, staging, largest = gpu + g, host + h, max(staging, h), max(largest, g)
                 host_pinned += pinned[pattern[i]]

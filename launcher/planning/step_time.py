@@ -249,7 +249,7 @@ def compute_terms(model: StageModel, dims) -> list[dict]:
     """Per virtual stage (index ``v * pp + rank``) its layers' kernels, EP all-to-alls (exposed), recompute
     and TP traffic by pass and term (:class:`k2.launcher.planning.stage_model.StageModel`)."""
     same_kind: dict = {}
-    return [_stage_totals(model, dims.layout[r][v], dims.stage_has_loss(r, v), same_kind,
+    return [_stage_totals(model, dims.stage_layers[r][v], dims.stage_has_loss(r, v), same_kind,
                           dims.stage_has_embedding(r, v))
             for v in range(dims.vpp) for r in range(dims.pp)]
 

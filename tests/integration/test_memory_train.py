@@ -58,7 +58,7 @@ def _planned_rank0_bytes(layer_recompute: bool, **sites) -> float:
     cfg = load_config(["parallel=cpu4"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
     pattern = moe_layer_pattern(cfg.model)
-    layers = [i for v in range(dims.vpp) for i in dims.layout[0][v]]
+    layers = [i for v in range(dims.vpp) for i in dims.stage_layers[0][v]]
     if layer_recompute:
         return len(layers) * sum(apply_switches(layer_recompute_saved(cfg.model, 128, 2, "fp32")))
     sites = sites or {"recompute": ["layernorm"]}
