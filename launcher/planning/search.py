@@ -50,7 +50,7 @@ def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
                 a = analyse_layout(c, dims, counts, schedule,
                                    max_microbatches=_SEARCH_MICROBATCHES * pp, cache=cache, prune=True)
                 rows.append({
-                    "pp": pp, "vpp": vpp, "ep": ep, "dp": dims.dp, "layout": layout,
+                    "pp": pp, "vpp": vpp, "ep": ep, "dp": dims.dp, "layout": layer_layout,
                     "num_microbatches": a["main"]["num_microbatches"],
                     "bubble_fraction": a["main"]["bubble"],
                     "step_time_s_estimated": a["main"]["makespan"],
