@@ -154,7 +154,6 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
     capacity = gpu_memory_gib(cfg) * 2**30
     host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
-    gpn = int(cfg.cluster.gpus_per_node)
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
     lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
     if not lower_bound:
@@ -174,29 +173,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
         if key in results:
             results[key]["phases"].append(phase.name)
             continue
-        recompute = _settings_key(settings)[1] if settings is not None else ()
-        fl = flops_per_token(cfg.model, phase.seq_length)
-        tokens = phase.seq_length * phase.micro_batch_size
-        m = phase.num_microbatches
-        acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
-                                 micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
-                                 memory_cfg=settings, fused_kernels=True)
-        overlap, why = overlap_applies(cfg, dims, recompute, WhatIf.from_config(cfg))
-        st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=m, recompute=recompute,
-                       offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
-                       profile=profile, max_microbatches=max_microbatches, ep_overlap=overlap,
-                       pair_transient_bytes=[a.layer_gpu_max for a in acts])
-        sim, makespan = st.sim, st.step_s
-        busy = st.busy or [m * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
-                                   for v in range(dims.vpp)) for r in range(dims.pp)]
-        mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction),
-                         device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size))
-        results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
-                        "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
-                        "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
-                        "memory_settings": settings, "recompute_s": st.recompute_s,
-                        "ep_overlap": st.ep_overlap, "ep_overlap_note": why,
-                        "host_per_node": host_bytes_per_node(mem, dims, gpn) + staged}
+        results[key] = _simulate_phase(cfg, dims, counts, phase, settings, states, profile=profile,
+                                       max_microbatches=max_microbatches, host_staged=staged)
     phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
               for p in schedule.phases if p.steps]
     main_res = results[keys[main.index]]
@@ -207,6 +185,37 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
             "fits": all(row["fits"] for row in phases), "capacity_bytes": capacity,
             "host_capacity_bytes": host_capacity, "phases": phases,
             "results": results, "states": states, "memory_lower_bound": lower_bound, "staged_pinned_ratio": ratio}
+
+
+def _simulate_phase(cfg, dims, counts, phase, settings, states, *, profile, max_microbatches: int | None,
+                    host_staged: float) -> dict[str, Any]:
+    """One phase of :func:`analyse_layout` with its memory ``settings``: its activations, step time
+    (:func:`k2.launcher.planning.step_time.step_time`), bubble, the fullest GPU of each PP rank
+    (``states``: the layout's training state) and the fullest node's host bytes (``host_staged``: an
+    asynchronous save's copy)."""
+    recompute = _settings_key(settings)[1] if settings is not None else ()
+    fl = flops_per_token(cfg.model, phase.seq_length)
+    tokens = phase.seq_length * phase.micro_batch_size
+    acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
+                             micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
+                             memory_cfg=settings, fused_kernels=True)
+    overlap, why = overlap_applies(cfg, dims, recompute, WhatIf.from_config(cfg))
+    microbatches = phase.num_microbatches
+    st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=microbatches, recompute=recompute,
+                   offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
+                   profile=profile, max_microbatches=max_microbatches, ep_overlap=overlap,
+                   pair_transient_bytes=[a.layer_gpu_max for a in acts])
+    sim, makespan = st.sim, st.step_s
+    busy = st.busy or [microbatches * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
+                                          for v in range(dims.vpp)) for r in range(dims.pp)]
+    mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction),
+                     device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size))
+    return {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
+            "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
+            "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": microbatches,
+            "memory_settings": settings, "recompute_s": st.recompute_s,
+            "ep_overlap": st.ep_overlap, "ep_overlap_note": why,
+            "host_per_node": host_bytes_per_node(mem, dims, int(cfg.cluster.gpus_per_node)) + host_staged}
 
 
 def _settings(mem) -> dict:
