@@ -38,12 +38,8 @@ def test_the_check_sees_an_import_of_a_planner_module(tmp_path):
     """The check fails on a copy of the tree with one caller reaching into a planner module."""
     import shutil
 
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    for package, folder in package_dirs(REPO / "pyproject.toml").items():
-        if package == "k2.recipes":  # data, no code
-            (tmp_path / folder).mkdir()
-            continue
-        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")  # the other package folders: absent
+    shutil.copytree(REPO / "launcher", tmp_path / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "benchmarks").mkdir()
     plan = tmp_path / "launcher" / "plan.py"
     plan.write_text(plan.read_text() + "\nfrom k2.launcher.planning.cluster import plan_cluster\n")
