@@ -81,10 +81,10 @@ def _tensors(counts, layers, ep: int, emb: bool, loss: bool, q_lora: bool) -> in
     projections and norms (8 with a q LoRA rank, else 6: counted on k2-train's modules), a dense MLP's 2 +
     its norm, an MoE layer's norm, router, shared expert 2 and 2 per local expert (megatron's sequential
     experts and its grouped module alike); the embedding; the output layer and the final norm."""
-    n = 0
-    E = getattr(counts, "num_experts", 0) or 0
-    attn = 8 if q_lora else 6
+    tensors = 0
+    experts = getattr(counts, "num_experts", 0) or 0
+    attention = 8 if q_lora else 6
     for i in layers:
-        n += attn
-        n += (2 + 2 + 2 * (E // ep)) if counts.moe_pattern[i] else 3
-    return n + (1 if emb else 0) + (2 if loss else 0)
+        tensors += attention
+        tensors += (2 + 2 + 2 * (experts // ep)) if counts.moe_pattern[i] else 3
+    return tensors + (1 if emb else 0) + (2 if loss else 0)

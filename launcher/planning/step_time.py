@@ -400,14 +400,14 @@ def _overlap_pipeline(cfg, dims, ep_costs, *, micro: Microbatches, p2p, activati
     ranks = [extrapolate(ep_costs, rank_costs(ep_costs, sim, r), r, dims.pp, dims.vpp, unsimulated)
              for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: ranks[r]["busy"])
-    rc = ranks[busiest]
+    busiest_cost = ranks[busiest]
     flushes = micro.flushes
-    makespan = flushes * (sim.makespan + unsimulated * rc["cycle"])
-    breakdown = {k: flushes * v for k, v in rc["terms"].items()}
-    breakdown["bubble"] = makespan - flushes * rc["busy"]
-    ep = ep_summary({k: flushes * v for k, v in rc["wire"].items()},
-                    {k: flushes * v for k, v in rc["exposed"].items()},
-                    {k: flushes * v for k, v in rc["by_part"].items()})
+    makespan = flushes * (sim.makespan + unsimulated * busiest_cost["cycle"])
+    breakdown = {k: flushes * v for k, v in busiest_cost["terms"].items()}
+    breakdown["bubble"] = makespan - flushes * busiest_cost["busy"]
+    ep = ep_summary({k: flushes * v for k, v in busiest_cost["wire"].items()},
+                    {k: flushes * v for k, v in busiest_cost["exposed"].items()},
+                    {k: flushes * v for k, v in busiest_cost["by_part"].items()})
     return _Pipeline(sim, F, B, [0.0] * num_stages, makespan, busiest, breakdown, ep,
                      busy=[flushes * x["busy"] for x in ranks])
 
