@@ -302,7 +302,7 @@ def step_compare() -> None:
 def step_plan() -> None:
     """k2-plan of this mode's configuration on one GPU (and the GPU mode's, on CPU: valid before it runs)."""
     from k2.config import load_config
-    from k2.launcher.planning.cluster import plan_cluster
+    from k2.launcher.planning import plan_cluster
 
     out = {}
     for label, tiny in ([("tiny", True), ("gpu", False)] if TINY else [("gpu", False)]):

@@ -4,7 +4,7 @@ Example::
 
     k2-plan model=kimi_k2 parallel=k2_256gpu plot=k2.png      # K2's run; + output=json, plan.search=true
 
-What it reports: :mod:`k2.launcher.planning.cluster`. Output: tables (``output=text``, the default, or
+What it reports: :func:`k2.launcher.planning.plan_cluster` (the planner's one entry point). Output: tables (``output=text``, the default, or
 ``table``) or one JSON object on stdout (``output=json``); ``plot=PATH.png`` also draws the per-rank
 pipeline timeline into ``PATH.png``, ``plot_schedule=PATH.png`` the LR schedule (either, both or none). A bad setting prints one line
 ``k2-plan: error: ...`` to stderr and exits with status 2.
@@ -20,7 +20,7 @@ from k2.config import ConfigError, load_config
 from k2.launcher.cli import run_main
 
 if TYPE_CHECKING:
-    from k2.launcher.planning.cluster import ClusterPlan
+    from k2.launcher.planning import ClusterPlan
 
 # the planner, the plots and the data checks are imported where they are used: --help does not wait
 # for the model's imports (megatron-core, torch)
@@ -47,7 +47,7 @@ examples:
 
 def _plot_timeline(plan: ClusterPlan, path: str) -> None:
     """``plot=PATH``: the per-rank pipeline timeline of the main phase."""
-    from k2.schedules.pipeline_sim import plot_timeline
+    from k2.launcher.planning import plot_timeline
 
     r = plan.report
     try:
@@ -90,12 +90,11 @@ def _format_phase_data(rows: list[dict]) -> str:
 
 
 def _plan(args: list[str]) -> int:
-    from k2.launcher.planning.cluster import plan_cluster
-    from k2.launcher.planning.report import format_text
+    from k2.launcher.planning import format_text, plan_cluster
 
     cfg = load_config(args)
     if cfg.plan.published:
-        from k2.launcher.planning.published import compare_published, format_published
+        from k2.launcher.planning import compare_published, format_published
 
         rows = compare_published(str(cfg.plan.published))
         print(json.dumps({"published": rows}) if cfg.output == "json" else format_published(rows))

@@ -85,7 +85,7 @@ def newton_schulz_gemms(m: int, n: int) -> list[tuple[int, int, int]]:
     matrix ``X``, ``m <= n``:
     ``A = X X^T`` (``[m, n] x [n, m]``), ``A A`` (``[m, m] x [m, m]``) and ``B X`` (``[m, m] x [m, n]``), in
     all ``4 m^2 n + 2 m^3`` FLOPs (Keller Jordan's Muon; Moonlight, arXiv 2502.16982). ``k2-plan`` prices them
-    as GEMMs (:mod:`k2.model.kernels`)."""
+    as GEMMs (:mod:`k2.launcher.planning.kernels`)."""
     return [(m, n, m), (m, m, m), (m, m, n)]
 
 

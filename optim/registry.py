@@ -60,7 +60,7 @@ class MatrixStep:
     Attributes:
         iterations: iterations per step (the planner's figure: 5, K2's and Moonlight's).
         gemms: ``gemms(m, n)`` -> the GEMMs ``(m, k, n)`` of one iteration on an ``[m, n]`` matrix, ``m <= n``
-            (priced by :func:`k2.model.kernels.gemm_seconds`).
+            (priced by :func:`k2.launcher.planning.kernels.gemm_seconds`).
     """
 
     iterations: int

@@ -68,7 +68,7 @@ class ParallelDims:
         ep: expert-parallel size, carved out of the DP ranks (megatron's ``expert_model_parallel_size``).
         dp: data-parallel size, derived: ``world_size // (tp * pp)``.
         num_layers: decoder layers of the model (``k2.model.num_layers``).
-        layout: ``layout[pp_rank][vpp_stage]`` = global 0-based decoder-layer indices built by that
+        stage_layers: ``stage_layers[pp_rank][vpp_stage]`` = global 0-based decoder-layer indices built by that
             virtual stage, equal to what megatron-core builds. May be empty (e.g. K2's loss-only stage).
         megatron_layout: value for ``TransformerConfig.pipeline_model_parallel_layout`` (the
             ``k2.parallel.layout`` string) or ``None`` for megatron's own split.
@@ -84,7 +84,7 @@ class ParallelDims:
     ep: int
     dp: int
     num_layers: int
-    layout: list[list[list[int]]]
+    stage_layers: list[list[list[int]]]
     megatron_layout: str | None
     first_stage_layers: int | None
     last_stage_layers: int | None
@@ -162,7 +162,7 @@ class ParallelDims:
             ep=ep,
             dp=dp,
             num_layers=num_layers,
-            layout=table,
+            stage_layers=table,
             megatron_layout=layout_str,
             first_stage_layers=first,
             last_stage_layers=last,
@@ -193,7 +193,7 @@ class ParallelDims:
     def layers(self, pp_rank: int, vpp_stage: int) -> list[int]:
         """Global 0-based decoder-layer indices built by (pp_rank, vpp_stage) (a copy)."""
         self._check_stage(pp_rank, vpp_stage)
-        return list(self.layout[pp_rank][vpp_stage])
+        return list(self.stage_layers[pp_rank][vpp_stage])
 
     def stage_has_embedding(self, pp_rank: int, vpp_stage: int) -> bool:
         """True for the one virtual stage that owns the input embedding: (pp_rank 0, vpp_stage 0)."""
@@ -214,7 +214,7 @@ class ParallelDims:
             IndexError: ``pp_rank`` outside ``[0, pp)``.
         """
         self._check_stage(pp_rank, 0)
-        layers = [i for v in range(self.vpp) for i in self.layout[pp_rank][v]]
+        layers = [i for v in range(self.vpp) for i in self.stage_layers[pp_rank][v]]
         emb = any(self.stage_has_embedding(pp_rank, v) for v in range(self.vpp))
         loss = any(self.stage_has_loss(pp_rank, v) for v in range(self.vpp))
         return layers, emb, loss
@@ -245,7 +245,7 @@ class ParallelDims:
         for r in range(self.pp):
             cells = []
             for v in range(self.vpp):
-                ids = self.layout[r][v]
+                ids = self.stage_layers[r][v]
                 parts = (["E"] if self.stage_has_embedding(r, v) else []) + (
                     [f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])] if ids else []
                 ) + (["L"] if self.stage_has_loss(r, v) else [])

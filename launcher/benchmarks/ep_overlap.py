@@ -169,7 +169,7 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
 def _predicted(o: dict, profile: str) -> dict[str, Any]:
     """k2-plan's step with the overlap off and on for the benchmarked run on ``profile``
     (:func:`k2.launcher.planning.overlap_prediction.predict_ep_overlap`)."""
-    from k2.launcher.planning.overlap_prediction import predict_ep_overlap
+    from k2.launcher.planning import predict_ep_overlap
 
     return predict_ep_overlap(load_config([*_model(o), "cluster.nodes=2", "cluster.gpus_per_node=1"]), profile)
 

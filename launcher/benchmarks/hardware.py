@@ -106,7 +106,7 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
         ops = None
         if operators and not cuda:
             from k2.launcher.benchmarks.operator_cost import measure_operator_cost
-            from k2.model.kernels import KernelRates
+            from k2.launcher.planning import KernelRates
 
             rates = KernelRates(gemm_flops=rate * 1e12, attention_flops=min(attention, rate) * 1e12,
                                 memory_bytes=memory_gbps * 1e9)

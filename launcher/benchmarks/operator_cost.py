@@ -42,7 +42,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from k2.launcher.benchmarks.common import best_time
-from k2.model.kernels import KernelRates, gemm_seconds
+from k2.launcher.planning import KernelRates, gemm_seconds
 
 #: the parts measured (module docstring)
 PARTS = ("moe_layer", "dense_layer", "embedding", "head", "optimizer")

@@ -41,7 +41,7 @@ from k2.launcher.benchmarks import pipeline as trainer_runs
 from k2.launcher.benchmarks.common import bench_options, check_minimums
 from k2.launcher.benchmarks.hardware import measure_collectives, measure_device, operator_profile_keys, write_profile
 from k2.launcher.benchmarks.operator_cost import OperatorRanks
-from k2.model.kernels import KernelRates
+from k2.launcher.planning import KernelRates
 from k2.schedules.pipeline import read_trace
 
 _DEFAULTS = {
@@ -150,7 +150,7 @@ def profiled_single_step(case) -> dict[str, float]:
 def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
     """Per part: operators counted on k2-train's modules and charged by the model, and the part's
     measured cost per operator at each configuration's threads."""
-    from k2.launcher.planning.operator_counts import modelled_operators
+    from k2.launcher.planning import modelled_operators
 
     model = load_config(["model=k2_tiny"]).model
     local = int(model.num_moe_experts)
@@ -171,7 +171,7 @@ def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
 
 
 def _predicted(name: str, profile: str) -> dict[str, Any]:
-    from k2.launcher.planning.cluster import plan_cluster
+    from k2.launcher.planning import plan_cluster
 
     cfg = load_config([f"parallel={name}", "model=k2_tiny", "cluster.nodes=1",
                        f"cluster.gpus_per_node={_CONFIGS[name]}", f"plan.hardware={profile}"])

@@ -1,4 +1,5 @@
-"""Bubble, estimated step time, memory per GPU and fit of one layout (``k2-plan`` and its search): every
+"""One layout analysed (for :func:`k2.launcher.planning.cluster.plan_cluster` and its search): bubble,
+estimated step time, memory per GPU and fit of every phase, each
 phase simulated with megatron's order, per-stage F / B / W times from the step-time model
 (:mod:`k2.launcher.planning.step_time`) on the ``plan.hardware`` profile.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k2.launcher.planning.phase_settings import offloads_anything, phase_memory
+from k2.launcher.planning.phase_settings import offloads_anything, phase_memory_settings
 from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.ep_overlap import overlap_applies
 from k2.launcher.planning.hardware import load_profile
@@ -16,7 +17,7 @@ from k2.launcher.planning.memory import stage_activations, state_bytes, state_by
 from k2.launcher.planning.step_time import step_time
 from k2.launcher.planning.what_if import WhatIf
 from k2.model.flops import flops_per_token
-from k2.schedules.pipeline_sim import simulate
+from k2.launcher.planning.pipeline_sim import simulate
 
 
 def main_phase(schedule):
@@ -42,7 +43,7 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     for v in range(dims.vpp):
         for r in range(dims.pp):
             f = b = w = 0.0
-            for i in dims.layout[r][v]:
+            for i in dims.stage_layers[r][v]:
                 gemm = fl.layer_gemm(i)
                 f += fl.layer(i)
                 b += gemm + 2 * fl.attention_core + up + (down if fl.moe_pattern[i] else 0)
@@ -87,7 +88,7 @@ def flops_only_step_time(cfg, dims, phase, recompute=()) -> float:
                     decouple_wgrad=bool(cfg.pipeline.decouple_wgrad)).makespan
 
 
-def _memory_key(mem) -> tuple:
+def _settings_key(mem) -> tuple:
     if mem is None:
         return ()
     get = (lambda k: mem.get(k)) if hasattr(mem, "get") else (lambda k: getattr(mem, k, None))
@@ -126,8 +127,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     layout (``k2-plan`` and its search).
 
     Every phase that runs a step is planned with its own context length, microbatch and ``memory.*``
-    settings (:func:`phase_memory`); phases with the same ones share one simulation. Each is simulated
-    with megatron's order (:func:`k2.schedules.pipeline_sim.simulate`, stage times and the terms after the
+    settings (:func:`phase_memory_settings`); phases with the same ones share one simulation. Each is simulated
+    with megatron's order (:func:`k2.launcher.planning.pipeline_sim.simulate`, stage times and the terms after the
     pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory (:mod:`k2.launcher.planning.memory`)
     is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`, plus the
     copy an asynchronous checkpoint save stages there: :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The
@@ -153,7 +154,6 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
     capacity = gpu_memory_gib(cfg) * 2**30
     host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
-    gpn = int(cfg.cluster.gpus_per_node)
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
     lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
     if not lower_bound:
@@ -167,35 +167,14 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
     results: dict[Any, dict] = {}
     keys = {}
     for phase in [p for p in schedule.phases if p.steps]:
-        mem_cfg = phase_memory(cfg, phase)
-        key = (phase.seq_length, phase.micro_batch_size, phase.num_microbatches, _memory_key(mem_cfg))
+        settings = phase_memory_settings(cfg, phase)
+        key = (phase.seq_length, phase.micro_batch_size, phase.num_microbatches, _settings_key(settings))
         keys[phase.index] = key
         if key in results:
             results[key]["phases"].append(phase.name)
             continue
-        recompute = _memory_key(mem_cfg)[1] if mem_cfg is not None else ()
-        fl = flops_per_token(cfg.model, phase.seq_length)
-        tokens = phase.seq_length * phase.micro_batch_size
-        m = phase.num_microbatches
-        acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
-                                 micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
-                                 memory_cfg=mem_cfg, fused_kernels=True)
-        overlap, why = overlap_applies(cfg, dims, recompute, WhatIf.from_config(cfg))
-        st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=m, recompute=recompute,
-                       offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
-                       profile=profile, max_microbatches=max_microbatches, ep_overlap=overlap,
-                       pair_transient_bytes=[a.layer_gpu_max for a in acts])
-        sim, makespan = st.sim, st.step_s
-        busy = st.busy or [m * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
-                                   for v in range(dims.vpp)) for r in range(dims.pp)]
-        mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction),
-                         device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size))
-        results[key] = {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
-                        "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
-                        "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": m,
-                        "memory_settings": mem_cfg, "recompute_s": st.recompute_s,
-                        "ep_overlap": st.ep_overlap, "ep_overlap_note": why,
-                        "host_per_node": host_bytes_per_node(mem, dims, gpn) + staged}
+        results[key] = _simulate_phase(cfg, dims, counts, phase, settings, states, profile=profile,
+                                       max_microbatches=max_microbatches, host_staged=staged)
     phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
               for p in schedule.phases if p.steps]
     main_res = results[keys[main.index]]
@@ -208,9 +187,40 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
             "results": results, "states": states, "memory_lower_bound": lower_bound, "staged_pinned_ratio": ratio}
 
 
+def _simulate_phase(cfg, dims, counts, phase, settings, states, *, profile, max_microbatches: int | None,
+                    host_staged: float) -> dict[str, Any]:
+    """One phase of :func:`analyse_layout` with its memory ``settings``: its activations, step time
+    (:func:`k2.launcher.planning.step_time.step_time`), bubble, the fullest GPU of each PP rank
+    (``states``: the layout's training state) and the fullest node's host bytes (``host_staged``: an
+    asynchronous save's copy)."""
+    recompute = _settings_key(settings)[1] if settings is not None else ()
+    fl = flops_per_token(cfg.model, phase.seq_length)
+    tokens = phase.seq_length * phase.micro_batch_size
+    acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
+                             micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
+                             memory_cfg=settings, fused_kernels=True)
+    overlap, why = overlap_applies(cfg, dims, recompute, WhatIf.from_config(cfg))
+    microbatches = phase.num_microbatches
+    st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=microbatches, recompute=recompute,
+                   offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
+                   profile=profile, max_microbatches=max_microbatches, ep_overlap=overlap,
+                   pair_transient_bytes=[a.layer_gpu_max for a in acts])
+    sim, makespan = st.sim, st.step_s
+    busy = st.busy or [microbatches * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
+                                          for v in range(dims.vpp)) for r in range(dims.pp)]
+    mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction),
+                     device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size))
+    return {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
+            "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
+            "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": microbatches,
+            "memory_settings": settings, "recompute_s": st.recompute_s,
+            "ep_overlap": st.ep_overlap, "ep_overlap_note": why,
+            "host_per_node": host_bytes_per_node(mem, dims, int(cfg.cluster.gpus_per_node)) + host_staged}
+
+
 def _settings(mem) -> dict:
     keys = ("fp8_store", "recompute", "offload")
-    return dict(zip(keys, (list(x) for x in _memory_key(mem)))) if mem is not None else {k: [] for k in keys}
+    return dict(zip(keys, (list(x) for x in _settings_key(mem)))) if mem is not None else {k: [] for k in keys}
 
 
 def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bound: bool) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``k2-plan``'s engine: a layout, memory per GPU, pipeline bubble and FLOPs for a cluster, before any GPU.
+"""The plan of one config for one cluster, before any GPU: :func:`plan_cluster`, the planner's one entry
+point (:mod:`k2.launcher.planning`): a layout, memory per GPU, pipeline bubble, step time and FLOPs.
 
 For ``cluster.nodes x cluster.gpus_per_node`` GPUs (``cluster.gpu_memory_gib`` each, else the memory of
 ``plan.hardware``'s profile; ``cluster.peak_tflops`` dense BF16 peak) and any model / parallel / memory /
@@ -10,11 +11,11 @@ schedule config, without a GPU or a process group:
   GPUs = 32 nodes) is reused for any node count that is a multiple of it; another node count is refused.
   ``plan.search=true`` ranks every valid (pp, vpp, ep) (:mod:`k2.launcher.planning.search`).
 * **Memory per GPU** (:mod:`k2.launcher.planning.memory`): parameters, FP32 gradient buffers and
-  optimizer states as megatron lays them out, activations in flight in the simulated schedule with the
+  optimizer states as megatron lays them out, activations in flight in the simulated pipeline schedule with the
   ``memory.*`` switches; reported for the fullest GPU over the phases that run, and per phase (``phases``:
   the fullest GPU and the host memory of the fullest node of each phase that runs, against
   ``cluster.gpu_memory_gib`` and ``cluster.host_memory_gib``; ``fits`` only when every phase fits both).
-* **Pipeline bubble** (:mod:`k2.schedules.pipeline_sim`, :mod:`k2.launcher.planning.analysis`):
+* **Pipeline bubble** (:mod:`k2.launcher.planning.pipeline_sim`, :mod:`k2.launcher.planning.analysis`):
   megatron's (interleaved) 1F1B order simulated with per-stage costs from the layout's FLOPs;
   ``pipeline.decouple_wgrad=true`` plans the trainer's decoupled weight gradients.
 * **FLOPs and MFU** (:mod:`k2.model.flops`, the formula ``k2-train`` logs MFU with).
@@ -44,7 +45,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from k2.config import ConfigError
 from k2.launcher.planning.analysis import (
-    _memory_key,
+    _settings_key,
     analyse_layout,
     cluster_profile,
     flops_only_step_time,
@@ -55,7 +56,7 @@ from k2.launcher.planning.search import WORLD_FROM, search_layouts
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
-from k2.schedules.pipeline_sim import PipelineResult
+from k2.launcher.planning.pipeline_sim import PipelineResult
 from k2.schedules.resolve import lr_at_tokens, resolve_schedule
 from k2.schedules.wsd import Schedule
 
@@ -69,7 +70,7 @@ class ClusterPlan:
     Attributes:
         report: the JSON-ready record (module docstring lists its keys); bytes, FLOPs, seconds.
         schedule: the resolved training schedule (``plot=`` draws it).
-        pipeline: the simulated schedule of the main phase (``plot=`` draws its per-rank timeline).
+        pipeline: the simulated pipeline schedule of the main phase (``plot=`` draws its per-rank timeline).
     """
 
     report: dict[str, Any]
@@ -165,7 +166,7 @@ def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
         "params_active": counts.active,
         "params": counts.as_dict(),
         "megatron_layout": dims.megatron_layout,
-        "layout": dims.layout,
+        "layout": dims.stage_layers,
         "embedding_stage": {"pp_rank": 0, "vpp_stage": 0},
         "loss_stage": {"pp_rank": dims.pp - 1, "vpp_stage": dims.vpp - 1},
     }
@@ -247,7 +248,7 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
     step_flops = fl.training * tokens_per_step
     est = main_res["makespan"]
     st = main_res["step_time"]
-    flops_only = flops_only_step_time(cfg, dims, main, tuple(_memory_key(main_res["memory_settings"])[1]))
+    flops_only = flops_only_step_time(cfg, dims, main, tuple(_settings_key(main_res["memory_settings"])[1]))
     query = cfg.plan.query_tokens
     if query is not None:
         query = OmegaConf.to_container(query) if isinstance(query, ListConfig) else [query]

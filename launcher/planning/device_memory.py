@@ -125,7 +125,7 @@ class GpuMemory:
     :mod:`k2.launcher.planning.memory` for the state and activation terms).
 
     ``optimizer`` is what stays on the GPU after ``optimizer_offload_fraction``; ``activations`` is the
-    peak of the microbatches the schedule holds (+ two layers' worth of offload staging when offloading,
+    peak of the microbatches the pipeline schedule holds (+ two layers' worth of offload staging when offloading,
     + one layer's re-run with whole-layer recompute); ``in_flight`` how many (model chunk, microbatch)
     pairs that peak holds; ``transient`` the largest short-lived buffer, ``reserved`` what the GPU holds
     besides the allocated peak (:class:`DeviceOverheads`); ``*_pinned``: the host bytes as pinned buffers.
@@ -186,7 +186,7 @@ def gpu_memory(states: list[list[StateBytes]], acts: list[StageActivations], sim
                optimizer_offload_fraction: float = 0.0, overheads: DeviceOverheads | None = None
                ) -> list[GpuMemory]:
     """Per PP rank, the fullest of its GPUs: states (:func:`k2.launcher.planning.memory.state_bytes`) +
-    the activations the simulated schedule ``sim`` (:func:`k2.schedules.pipeline_sim.simulate` run with
+    the activations the simulated pipeline schedule ``sim`` (:func:`k2.launcher.planning.pipeline_sim.simulate` run with
     ``activation_bytes`` = each stage's ``gpu`` bytes) holds at its peak + ``overheads`` (none: 0). The
     offloaded optimizer share of the pinned bytes is ``optimizer_offload_fraction`` of all of them."""
 

@@ -9,7 +9,7 @@ What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and s
   warm-up forwards alone, then in the steady state one microbatch's forward and another's backward as
   one *pair*, then the cool-down backwards alone; megatron adds one warm-up microbatch per PP rank so
   that the two halves of a pair are independent (``pipeline_parallel/schedules.py``
-  ``get_pp_rank_microbatches``; the order is :func:`k2.schedules.pipeline_sim.rank_order`'s).
+  ``get_pp_rank_microbatches``; the order is :func:`k2.launcher.planning.pipeline_sim.rank_order`'s).
 * **Inside a pair** (``models/common/model_chunk_schedule_plan.py``): forward layer ``i`` of the forward
   chunk runs with backward layer ``n_b - 1 - i`` of the backward chunk, the longer chunk's leftover
   layers alone after; within one layer pair (``TransformerLayerSchedulePlan.run``) the nodes
@@ -297,10 +297,10 @@ def step_nodes(f: StagePlan | None, b: StagePlan | None, decouple_wgrad: bool,
     return nodes
 
 
-def stage_plans(model, dims, schedule_half_s: float, copies_s: list) -> list[StagePlan]:
+def stage_plans(model, dims, schedule_work_half_s: float, copies_s: list) -> list[StagePlan]:
     """Per virtual stage its :class:`StagePlan` from ``model``
     (:class:`k2.launcher.planning.stage_model.StageModel`: layers by node, the embedding, the loss, the
-    MTP what-if), the schedule's own work per microbatch (half before each pass) and the stage's
+    MTP what-if), the pipeline schedule's own work per microbatch (half before each pass) and the stage's
     activation copies (``copies_s``: seconds each way)."""
     cache: dict = {}
 
@@ -313,12 +313,12 @@ def stage_plans(model, dims, schedule_half_s: float, copies_s: list) -> list[Sta
     plans = []
     for v in range(dims.vpp):
         for r in range(dims.pp):
-            layers = [get(int(model.fl.moe_pattern[i]), lambda i=i: model.layer_nodes(i)) for i in dims.layout[r][v]]
+            layers = [get(int(model.fl.moe_pattern[i]), lambda i=i: model.layer_nodes(i)) for i in dims.stage_layers[r][v]]
             emb = get("embedding", model.embedding) if dims.stage_has_embedding(r, v) else none
             tail = [get("loss", model.loss)] if dims.stage_has_loss(r, v) else []
             if tail and model.wi.mtp_layers:
                 tail += [get("mtp", model.mtp)] * model.wi.mtp_layers
-            sched = {"schedule": schedule_half_s} if schedule_half_s else {}
+            sched = {"schedule": schedule_work_half_s} if schedule_work_half_s else {}
             plans.append(StagePlan(
                 layers=layers, pre_f={"F": _merged(emb["F"], sched)},
                 post_f={"F": _merged(*(x["F"] for x in tail))},
@@ -376,7 +376,7 @@ class OverlapCosts:
         return self._cost(sf, sb)
 
     def of(self, op) -> StepCost | None:
-        """The cost of a simulated :class:`k2.schedules.pipeline_sim.Op` (None: the backward half of a
+        """The cost of a simulated :class:`k2.launcher.planning.pipeline_sim.Op` (None: the backward half of a
         pair, counted with its forward half)."""
         if op.partner >= 0:
             return self.pair(op.stage, op.partner) if op.kind == "F" else None

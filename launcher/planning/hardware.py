@@ -17,7 +17,7 @@ import yaml
 
 from k2.config.errors import ConfigError
 from k2.config.load import RECIPES_DIR
-from k2.model.kernels import KernelRates
+from k2.launcher.planning.kernels import KernelRates
 
 HARDWARE_DIR = RECIPES_DIR / "hardware"
 

@@ -10,7 +10,7 @@ c10::llvm::PowerOf2Ceil(size)``) rounds every such block up to a power of two an
 reuse after it is freed, so a 1.1 GiB tensor holds 2 GiB of page-locked memory for the rest of the run.
 The planner sizes every pinned buffer by that rule (:func:`pinned_block_bytes`); raw bytes stay what the
 device <-> host copies move. Where the planner's inventory lists a group of same-kind tensors as one entry
-(``k2.model.activation_bytes.Saved``), the group is rounded as one block: an estimate within the rule's
+(``k2.launcher.planning.activation_bytes.Saved``), the group is rounded as one block: an estimate within the rule's
 factor of 2.
 
 Exception: the offloaded optimizer states that a background save snapshots are copied into pageable

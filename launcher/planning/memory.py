@@ -35,9 +35,9 @@ Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffer
 K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over
 256 GPUs, 24 GB per GPU on average.
 
-Activation bytes come from :func:`k2.model.activation_bytes.layer_activation_bytes` (bytes one microbatch's
+Activation bytes come from :func:`k2.launcher.planning.activation_bytes.layer_activation_bytes` (bytes one microbatch's
 forward keeps for its backward, per layer, with the ``memory.*`` switches) times what the pipeline holds:
-:func:`k2.schedules.pipeline_sim.simulate` tracks, per PP rank, the activations of every (model chunk,
+:func:`k2.launcher.planning.pipeline_sim.simulate` tracks, per PP rank, the activations of every (model chunk,
 microbatch) from the end of its forward to the end of its backward and reports the peak.
 """
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from k2.launcher.planning.host_pinned import pinned_block_bytes
-from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
+from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
 from k2.optim.registry import OptimizerSpec, optimizer_spec
@@ -189,7 +189,7 @@ def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bo
 
 
 def _kinds(counts, dims, r: int, v: int) -> tuple:
-    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.layout[r][v])
+    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.stage_layers[r][v])
 
 
 def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
@@ -350,7 +350,7 @@ class StageActivations:
         recompute_working: with whole-layer recompute (``memory.recompute`` site ``layer``), the bytes
             one layer's re-run holds during its backward (the largest layer of the stage); else 0.
         layer_gpu_max: the GPU bytes of the stage's largest layer (what a combined 1F1B pair holds beyond
-            its microbatches: :func:`k2.schedules.pipeline_sim.simulate`'s ``pair_transient_bytes``).
+            its microbatches: :func:`k2.launcher.planning.pipeline_sim.simulate`'s ``pair_transient_bytes``).
         host_pinned: ``host`` as pinned buffers hold it on a GPU (one per offloaded tensor,
             :func:`k2.launcher.planning.host_pinned.pinned_block_bytes`).
     """
@@ -406,7 +406,7 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
             gpu, host = apply_switches(ends, **sw)
             host_pinned = apply_switches(ends, **sw, host_block=pinned_block_bytes)[1]
             staging = rerun = largest = 0.0
-            for i in dims.layout[r][v]:
+            for i in dims.stage_layers[r][v]:
                 g, h = per_kind[pattern[i]]
                 gpu, host, staging, largest = gpu + g, host + h, max(staging, h), max(largest, g)
                 host_pinned += pinned[pattern[i]]

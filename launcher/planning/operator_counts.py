@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from k2.config.access import setting
 
-#: aten operators per microbatch beyond the GEMMs (priced one launch each by :mod:`k2.model.kernels`) and core
+#: aten operators per microbatch beyond the GEMMs (priced one launch each by :mod:`k2.launcher.planning.kernels`) and core
 #: attention's batched GEMMs (:data:`ATTENTION_KERNELS`), forward / backward, views included (on a CPU each
 #: costs the dispatch and the module code around it): counted with torch's dispatch mode on k2-train's own
 #: modules (k2_tiny, FP32, megatron's sequential experts; ``k2-bench bench=hardware`` counts them again and

@@ -3,7 +3,7 @@
 * **Muon's Newton-Schulz** (``optim.name=muonclip``): 5 iterations per matrix ``X`` of shape ``[m, n]``
   (``m <= n``), each ``A = X X^T`` (``[m, n] x [n, m]``), ``A A`` (``[m, m] x [m, m]``) and ``B X``
   (``[m, m] x [m, n]``): ``5 (4 m^2 n + 2 m^3)`` FLOPs (Keller Jordan's Muon, the quintic iteration the
-  Moonlight paper, arXiv 2502.16982, and K2 use), priced as GEMMs (:mod:`k2.model.kernels`). Distributed
+  Moonlight paper, arXiv 2502.16982, and K2 use), priced as GEMMs (:mod:`k2.launcher.planning.kernels`). Distributed
   Muon (Moonlight section 2.3) gathers each matrix's gradient over the DP group and runs the iteration on
   the ranks whose ZeRO-1 shard holds it: a rank runs ``1 / dp`` of its PP rank's dense matrices and
   ``1 / expert_dp`` of its experts, and all-gathers the FP32 gradients of its matrices (``muon_gather``).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from k2.launcher.planning.comm import crosses_nodes, host_copy_seconds, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
-from k2.model.kernels import KernelRates, gemm_seconds
+from k2.launcher.planning.kernels import KernelRates, gemm_seconds
 from k2.optim.registry import MatrixStep, optimizer_spec
 
 _MASTER_BYTES = 4  # the FP32 master copy, offloaded with the states

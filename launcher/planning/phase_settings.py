@@ -6,25 +6,25 @@ planner's import of the model (several CPU-seconds) for a run that offloads noth
 from __future__ import annotations
 
 
-def memory_cfg(cfg):
+def memory_settings(cfg):
     """The ``memory`` section of ``cfg``, or None for a config without one."""
     return cfg.get("memory") if hasattr(cfg, "get") else getattr(cfg, "memory", None)
 
 
-def phase_memory(cfg, phase):
+def phase_memory_settings(cfg, phase):
     """The ``memory.*`` settings ``phase`` runs with: its own (a schedule phase may override them, already
     resolved on :class:`k2.schedules.wsd.Phase`), else ``cfg.memory``; None for a config without one."""
     own = getattr(phase, "memory", None)
-    return own if own is not None else memory_cfg(cfg)
+    return own if own is not None else memory_settings(cfg)
 
 
 def offloads_anything(cfg, schedule) -> bool:
-    """True when ``optim.offload_fraction`` > 0 or a running phase of ``schedule`` (:func:`phase_memory`)
+    """True when ``optim.offload_fraction`` > 0 or a running phase of ``schedule`` (:func:`phase_memory_settings`)
     offloads an activation site."""
     if float(cfg.optim.offload_fraction) > 0:
         return True
     for phase in schedule.phases:
-        mem = phase_memory(cfg, phase) if phase.steps else None
+        mem = phase_memory_settings(cfg, phase) if phase.steps else None
         if mem is not None and list(mem.get("offload") or []):
             return True
     return False

@@ -1,4 +1,4 @@
-"""``plan.search=true``: every valid (PP, VPP, EP) of a cluster with a cost-balanced layout, ranked.
+"""``plan.search=true``: every valid layout (PP, VPP, EP) of a cluster with a cost-balanced layer layout, ranked.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _SEARCH_MICROBATCHES = 4  # plan.search simulates min(m, 4 pp) microbatches and 
 
 
 def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
-    """``plan.search=true``: every valid (pp, vpp, ep) for the world size, with a cost-balanced layout
+    """``plan.search=true``: every valid layout (pp, vpp, ep) for the world size, with a cost-balanced layer layout
     (:func:`k2.parallel.layout.balanced_layout`): the layouts that fit in memory first, each group ranked by
     the step-time model's estimate (:mod:`k2.launcher.planning.step_time`: an EP group that crosses nodes
     pays its all-to-all) (``fits`` marks them)."""
@@ -36,10 +36,10 @@ def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
         for vpp in _SEARCH_VPP:
             if (vpp > 1 and pp < 2) or pp * vpp > L + 1:
                 continue
-            layout = balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head)
+            layer_layout = balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head)
             dp = world // pp
             for ep in [d for d in range(1, dp + 1) if dp % d == 0 and (experts % d == 0 if experts else d == 1)]:
-                par = dict(base["parallel"], pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, layout=layout,
+                par = dict(base["parallel"], pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, layout=layer_layout,
                            first_stage_layers=None, last_stage_layers=None)
                 c = OmegaConf.merge(cfg, {"parallel": par})
                 try:
@@ -50,7 +50,7 @@ def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
                 a = analyse_layout(c, dims, counts, schedule,
                                    max_microbatches=_SEARCH_MICROBATCHES * pp, cache=cache, prune=True)
                 rows.append({
-                    "pp": pp, "vpp": vpp, "ep": ep, "dp": dims.dp, "layout": layout,
+                    "pp": pp, "vpp": vpp, "ep": ep, "dp": dims.dp, "layout": layer_layout,
                     "num_microbatches": a["main"]["num_microbatches"],
                     "bubble_fraction": a["main"]["bubble"],
                     "step_time_s_estimated": a["main"]["makespan"],

@@ -4,7 +4,7 @@ optimizer and the pipeline bubble, per term, on a hardware profile (:mod:`k2.lau
 Per virtual stage and microbatch of ``T = micro_batch_size x seq_length`` tokens (one GPU, TP = 1; a layer's
 costs: :mod:`k2.launcher.planning.stage_model`):
 
-* **GEMMs** at their shapes (:mod:`k2.model.kernels`: roofline, tile and wave quantization, a launch cost
+* **GEMMs** at their shapes (:mod:`k2.launcher.planning.kernels`: roofline, tile and wave quantization, a launch cost
   each): MLA's projections ``[T, h] x [h, r_q]`` ..., the dense / shared SwiGLU, the router, the routed
   experts as one grouped GEMM of ``E / ep`` experts of ``T k ep / E`` tokens each (balanced routing;
   megatron's sequential loop of ``E / ep`` GEMMs where ``model.moe_grouped_gemm`` is off, the CPU default),
@@ -34,20 +34,26 @@ costs: :mod:`k2.launcher.planning.stage_model`):
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
   back during the backward on a copy stream (its own engine and PCIe path); only what exceeds the pass's
   time (compute and all-to-alls) is exposed.
-* **The schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
+* **The pipeline schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
   trainer's step functions beyond the model's operators, per microbatch and virtual stage and per step.
 * **PP sends**: ``T x h`` activations per stage boundary, across nodes when PP ranks are on different nodes,
   as the simulator's ``p2p_time``.
 
 The pipeline: megatron's (interleaved) 1F1B order simulated with these per-stage times
-(:func:`k2.schedules.pipeline_sim.simulate`; with the EP overlap its combined order, a steady pair one
+(:func:`k2.launcher.planning.pipeline_sim.simulate`; with the EP overlap its combined order, a steady pair one
 operation); the **bubble** is the busiest PP rank's idle time in it
 (with the DualPipe what-if, PP rank r runs stage r and stage PP - 1 - r, half the microbatches each, and
 DualPipe's bubble ``(PP/2 - 1)(F&B + B - 3W)``, arXiv 2412.19437 table 2).
 After the pipeline: the **DP gradient reduce-scatter** (FP32, megatron's ZeRO-1 buffers) and **parameter
 all-gather** (BF16), exposed (``overlap_grad_reduce`` / ``overlap_param_gather`` are off in ``k2-train``;
 the ``fsdp`` what-if: per pipeline flush, :func:`k2.launcher.planning.comm.fsdp_exposed`), and the
-**optimizer step** (:mod:`k2.launcher.planning.optimizer_time`).
+**optimizer step** (:mod:`k2.launcher.planning.optimizer_time`); both in :mod:`k2.launcher.planning.after_pipeline`.
+
+:func:`step_time` is the outline; each term is one function of its own (:func:`compute_terms`,
+:func:`add_schedule_work`, :func:`add_offload`, :func:`hide_ep_comm_dualpipe`, :func:`ep_comm_costs`,
+:func:`pp_send_seconds`, :func:`tp_comm_seconds`, the pipeline and its bubble, then
+:func:`~k2.launcher.planning.after_pipeline.dp_comm_terms` and
+:func:`~k2.launcher.planning.after_pipeline.optimizer_terms`).
 
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
 them; :mod:`k2.launcher.planning.what_if`): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (FSDP2 under
@@ -63,18 +69,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from k2.launcher.planning.comm import crosses_nodes, fsdp_exposed, host_copy_seconds, p2p_seconds, ring_seconds
+from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
+from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds, ring_seconds
 from k2.launcher.planning.ep_overlap import (A2A_KINDS, OverlapCosts, ep_summary, extrapolate, overlap_applies,
                                             rank_costs, stage_plans)
 from k2.launcher.planning.hardware import HardwareProfile
-from k2.launcher.planning.optimizer_time import optimizer_time
 from k2.launcher.planning.stage_model import StageModel, _add
 from k2.launcher.planning.what_if import WhatIf, tp_group_profile
-from k2.schedules.pipeline_sim import simulate
+from k2.launcher.planning.pipeline_sim import simulate
 
 DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
 TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
+PASSES = ("F", "B", "W")  # forward, input gradient, weight gradient (the zero-bubble schedules' F, B, W)
 
 
 @dataclass
@@ -87,12 +94,13 @@ class StepTime:
             communication by kind (``ep_comm``, ``pp_p2p`` within ``bubble``, ``dp_grad_reduce_scatter``,
             ``dp_param_all_gather``, ``muon_gather``), ``recompute``, ``offload`` (exposed host copies of
             activations), ``bubble`` (idle time of the busiest PP rank in the simulated schedule, its waits
-            for PP sends included), ``optimizer`` (Newton-Schulz + update) and ``optimizer_offload``. They
-            sum to ``step_s``.
+            for PP sends included), ``optimizer`` (Newton-Schulz + update), ``optimizer_offload`` and
+            ``schedule`` (the pipeline schedule's and the step functions' own CPU work). They sum to
+            ``step_s``.
         F, B, W: per virtual stage the seconds of one microbatch's forward / input gradient / weight
             gradient (what the simulator ran).
         p2p_s: one PP send.
-        sim: the simulated pipeline (:class:`k2.schedules.pipeline_sim.PipelineResult`).
+        sim: the simulated pipeline (:class:`k2.launcher.planning.pipeline_sim.PipelineResult`).
         makespan: the pipeline's seconds (extrapolated past the simulated microbatches).
         recompute_s: what recompute adds (``breakdown['recompute']``).
         what_if: the what-if settings' labels.
@@ -118,12 +126,140 @@ class StepTime:
     busy: list | None = None
 
 
+@dataclass(frozen=True)
+class Microbatches:
+    """How one DP rank's microbatches of a step go through the pipeline.
+
+    Attributes:
+        flushes: pipeline flushes per step (the ``pipeline_flushes`` what-if; 1 in ``k2-train``), each with
+            its own fill and drain and at least pp microbatches.
+        per_flush: microbatches per flush (rounded up).
+        simulated: microbatches per flush the simulator runs (a multiple of pp under ``max_microbatches``);
+            the rest are extrapolated at the busiest rank's per-microbatch time.
+    """
+
+    flushes: int
+    per_flush: int
+    simulated: int
+
+
+@dataclass
+class _Pipeline:
+    """The simulated pipeline of one step on the busiest PP rank (:func:`_plain_pipeline`,
+    :func:`_overlap_pipeline`): terms by kind (``bubble`` included), the EP all-to-all detail."""
+
+    sim: Any
+    F: list
+    B: list
+    W: list
+    makespan: float
+    busiest: int
+    breakdown: dict
+    ep: dict | None
+    busy: list | None = None
+
+
+def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, recompute=(), offload_bytes=None,
+              activation_bytes=None, profile: HardwareProfile, max_microbatches: int | None = None,
+              ep_overlap: bool | None = None, pair_transient_bytes=None) -> StepTime:
+    """The step time of one phase on one layout, with its breakdown (module docstring): each term is one
+    function below, the pipeline's bubble from the simulator.
+
+    Args:
+        cfg: the config (``model``, ``optim``, ``train.precision``, ``pipeline.decouple_wgrad``,
+            ``pipeline.ep_overlap``, ``plan.what_if``, ``model.moe_grouped_gemm``).
+        dims: :class:`k2.parallel.dims.ParallelDims`.
+        counts: :class:`k2.model.params.ModelParams` (parameters per GPU for the DP traffic and optimizer).
+        fl: :class:`k2.model.flops.FlopsPerToken` at the phase's context length.
+        tokens: tokens per microbatch (``micro_batch_size x seq_length``).
+        num_microbatches: microbatches per step per DP rank.
+        recompute: ``memory.recompute`` sites of the phase.
+        offload_bytes: per virtual stage the bytes one microbatch offloads to the host (None = 0).
+        activation_bytes: per virtual stage the GPU bytes one microbatch keeps (for the simulator).
+        profile: the :class:`HardwareProfile`.
+        max_microbatches: simulate at most this many (a multiple of pp) and extrapolate the rest at the
+            busiest rank's per-microbatch time (``plan.search``).
+        ep_overlap: run megatron's combined 1F1B (:mod:`k2.launcher.planning.ep_overlap`); None = where
+            :func:`k2.launcher.planning.ep_overlap.overlap_applies` says the trainer runs it.
+        pair_transient_bytes: per virtual stage the GPU bytes a combined pair holds beyond its
+            microbatches (its largest layer's; :func:`k2.launcher.planning.pipeline_sim.simulate`).
+
+    Returns:
+        :class:`StepTime`.
+    """
+    what_if = WhatIf.from_config(cfg)
+    # the what-if TP group runs as one device of tp GPUs; its own traffic is on the GPUs' NVLink
+    device = tp_group_profile(profile, what_if.tp) if what_if.tp > 1 else profile
+    model = stage_model(cfg, dims, fl, tokens=tokens, device=device, what_if=what_if, recompute=recompute)
+    model.tp_comm = tp_comm_seconds(tokens, model.s["h"], model.a, what_if.tp, profile)
+    stages = compute_terms(model, dims)
+    schedule_work_half_s = add_schedule_work(stages, device)
+    copy_s = add_offload(stages, offload_bytes, device, dims.pp * dims.vpp)
+    if what_if.dualpipe:
+        hide_ep_comm_dualpipe(stages)
+    ep_costs = ep_comm_costs(cfg, model, dims, device, what_if, schedule_work_half_s, copy_s)
+    pp_send_s = pp_send_seconds(dims, tokens * model.s["h"] * model.a, device)
+    micro = microbatch_split(num_microbatches, dims.pp, what_if.pipeline_flushes, max_microbatches)
+    if ep_overlap is None:
+        ep_overlap = overlap_applies(cfg, dims, recompute, what_if)[0]
+    sim_args = dict(micro=micro, p2p=pp_send_s if dims.pp > 1 else 0.0, activation_bytes=activation_bytes)
+    if ep_overlap and ep_costs is not None:
+        pipe = _overlap_pipeline(cfg, dims, ep_costs, pair_transient_bytes=pair_transient_bytes, **sim_args)
+    else:
+        pipe = _plain_pipeline(cfg, dims, stages, what_if, ep_costs, num_microbatches=num_microbatches, **sim_args)
+    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if what_if.tp > 1 else ())}
+    for k, v in pipe.breakdown.items():
+        breakdown[k] = breakdown.get(k, 0.0) + v
+    rank = rank_params(dims, counts, pipe.busiest, what_if.dualpipe)
+    forward_s = fsdp_forward_seconds(stages, dims, pipe.busiest, what_if.dualpipe, micro.per_flush)
+    after = {**dp_comm_terms(dims, rank, device, what_if.fsdp, micro.flushes, forward_s),
+             **optimizer_terms(cfg, dims, counts, rank, device, q_lora=bool(model.s["r_q"])),
+             "schedule": device.step_overhead_us * 1e-6}
+    breakdown.update({k: v for k, v in after.items() if k != "schedule"})
+    breakdown["schedule"] += after["schedule"]
+    step = pipe.makespan + sum(after.values())
+    return StepTime(step_s=step, breakdown=breakdown, F=pipe.F, B=pipe.B, W=pipe.W, p2p_s=pp_send_s, sim=pipe.sim,
+                    makespan=pipe.makespan, recompute_s=breakdown["recompute"], what_if=what_if.labels(),
+                    ep_overlap=bool(ep_overlap and ep_costs is not None), ep_comm=pipe.ep, busy=pipe.busy)
+
+
+# ---- the terms of each virtual stage's passes (seconds of one microbatch): {"F": {term: s}, "B": ..., "W": ...}
+
+def stage_model(cfg, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf, recompute) -> StageModel:
+    """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision`` (FP8
+    GEMMs with the ``fp8_gemm`` what-if; under DualPipe compute keeps 112 of 132 SMs), activations of 4
+    bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so (unset: with BF16)."""
+    precision = str(cfg.train.precision)
+    compute_fraction = (132 - DEEPSEEK_COMM_SMS) / 132 if what_if.dualpipe else 1.0
+    rates = device.rates(precision, fp8_gemm=what_if.fp8_gemm, compute_fraction=compute_fraction)
+    activation_element_bytes = 4.0 if precision == "fp32" else 2.0
+    grouped = cfg.model.get("moe_grouped_gemm") if hasattr(cfg.model, "get") else None
+    grouped = (precision == "bf16") if grouped is None else bool(grouped)
+    return StageModel(cfg.model, fl, dims, tokens=tokens, profile=device, rates=rates,
+                      act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute)
+
+
+def tp_comm_seconds(tokens: int, hidden: int, element_bytes: float, tp: int, gpu: HardwareProfile) -> float:
+    """Sequence-parallel TP (the ``tp`` what-if) per layer and pass: 2 all-gathers + 2 reduce-scatters of
+    ``tokens x hidden`` activations within the node (0 without TP)."""
+    return 4 * ring_seconds(tokens * hidden * element_bytes, tp, False, gpu) if tp > 1 else 0.0
+
+
+def compute_terms(model: StageModel, dims) -> list[dict]:
+    """Per virtual stage (index ``v * pp + rank``) its layers' kernels, EP all-to-alls (exposed), recompute
+    and TP traffic by pass and term (:class:`k2.launcher.planning.stage_model.StageModel`)."""
+    same_kind: dict = {}
+    return [_stage_totals(model, dims.stage_layers[r][v], dims.stage_has_loss(r, v), same_kind,
+                          dims.stage_has_embedding(r, v))
+            for v in range(dims.vpp) for r in range(dims.pp)]
+
+
 def _stage_totals(model: StageModel, layers: list[int], has_loss: bool, cache: dict,
                   has_embedding: bool = False) -> dict:
     """Seconds per pass and term of one microbatch on a virtual stage holding ``layers`` (+ the embedding,
     the loss).
     Layers of one kind cost the same: ``cache`` keeps one per kind."""
-    tot = {"F": {}, "B": {}, "W": {}}
+    tot = {ph: {} for ph in PASSES}
     parts = []
     for i in layers:
         key = int(model.fl.moe_pattern[i])
@@ -149,206 +285,131 @@ def _stage_totals(model: StageModel, layers: list[int], has_loss: bool, cache: d
     return tot
 
 
+def add_schedule_work(stages: list[dict], device: HardwareProfile) -> float:
+    """The ``schedule`` term: the pipeline schedule's own work per microbatch and virtual stage (a measured
+    CPU profile's ``microbatch_overhead_us``), half before each pass; returns that half (seconds)."""
+    half_s = device.microbatch_overhead_us * 1e-6 / 2
+    for stage in stages:
+        for ph in ("F", "B"):
+            _add(stage[ph], "schedule", half_s)
+    return half_s
+
+
+def add_offload(stages: list[dict], offload_bytes, device: HardwareProfile, num_stages: int) -> list[float]:
+    """The ``offload`` term: a stage's offloaded activations go out during its forward and come back
+    during its backward on a copy stream; only what the pass's own time does not cover is exposed.
+    Returns per virtual stage the seconds of one copy each way."""
+    copy_s = [host_copy_seconds(b, device) for b in (offload_bytes if offload_bytes is not None
+                                                      else [0.0] * num_stages)]
+    for stage, t in zip(stages, copy_s):
+        stage["F"]["offload"] = _hide_behind(t, sum(stage["F"].values()))
+        stage["B"]["offload"] = _hide_behind(t, sum(stage["B"].values()) + sum(stage["W"].values()))
+    return copy_s
+
+
+def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
+    """The ``ep_comm`` term under the DualPipe what-if: a pass's all-to-alls hidden behind the paired
+    microbatch's opposite pass (arXiv 2412.19437 section 3.2.1); what exceeds that compute is exposed."""
+    for stage in stages:
+        forward_compute = _compute_s(stage["F"])
+        backward_compute = _compute_s(stage["B"]) + sum(stage["W"].values())
+        stage["F"]["ep_comm"] = _hide_behind(stage["F"].get("ep_comm", 0.0), backward_compute)
+        stage["B"]["ep_comm"] = _hide_behind(stage["B"].get("ep_comm", 0.0), forward_compute)
+
+
+def ep_comm_costs(cfg, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf, schedule_work_half_s: float,
+                  copy_s: list[float]) -> OverlapCosts | None:
+    """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
+    OverlapCosts`); None without EP or experts, and under DualPipe (:func:`hide_ep_comm_dualpipe`)."""
+    if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
+        return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
+                            bool(cfg.pipeline.decouple_wgrad))
+    return None
+
+
+def pp_send_seconds(dims, activation_bytes: float, device: HardwareProfile) -> float:
+    """One PP send of a microbatch's ``tokens x hidden`` activations (``activation_bytes``): consecutive PP
+    ranks are world / pp ranks apart, on other nodes once that is a node or more."""
+    world_span = dims.world_size // dims.pp
+    return p2p_seconds(activation_bytes, world_span >= device.gpus_per_node, device)
+
+
 def _hide_behind(comm: float, compute: float) -> float:
     return max(0.0, comm - compute)
 
 
-@dataclass
-class _Pipeline:
-    """The simulated pipeline of one step on the busiest PP rank (:func:`_plain_pipeline`,
-    :func:`_overlap_pipeline`): terms by kind (``bubble`` included), the EP all-to-all detail."""
-
-    sim: Any
-    F: list
-    B: list
-    W: list
-    makespan: float
-    busiest: int
-    breakdown: dict
-    ep: dict | None
-    busy: list | None = None
+def _compute_s(terms: dict) -> float:
+    """A pass's seconds without its communication and copies (``ep_comm``, ``offload``)."""
+    return sum(x for k, x in terms.items() if k not in ("ep_comm", "offload"))
 
 
-def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, recompute=(), offload_bytes=None,
-              activation_bytes=None, profile: HardwareProfile, max_microbatches: int | None = None,
-              ep_overlap: bool | None = None, pair_transient_bytes=None) -> StepTime:
-    """The step time of one phase on one layout, with its breakdown (module docstring).
+# ---- the pipeline: the bubble (and every per-stage term over the step's microbatches)
 
-    Args:
-        cfg: the config (``model``, ``optim``, ``train.precision``, ``pipeline.decouple_wgrad``,
-            ``pipeline.ep_overlap``, ``plan.what_if``, ``model.moe_grouped_gemm``).
-        dims: :class:`k2.parallel.dims.ParallelDims`.
-        counts: :class:`k2.model.params.ModelParams` (parameters per GPU for the DP traffic and optimizer).
-        fl: :class:`k2.model.flops.FlopsPerToken` at the phase's context length.
-        tokens: tokens per microbatch (``micro_batch_size x seq_length``).
-        num_microbatches: microbatches per step per DP rank.
-        recompute: ``memory.recompute`` sites of the phase.
-        offload_bytes: per virtual stage the bytes one microbatch offloads to the host (None = 0).
-        activation_bytes: per virtual stage the GPU bytes one microbatch keeps (for the simulator).
-        profile: the :class:`HardwareProfile`.
-        max_microbatches: simulate at most this many (a multiple of pp) and extrapolate the rest at the
-            busiest rank's per-microbatch time (``plan.search``).
-        ep_overlap: run megatron's combined 1F1B (:mod:`k2.launcher.planning.ep_overlap`); None = where
-            :func:`k2.launcher.planning.ep_overlap.overlap_applies` says the trainer runs it.
-        pair_transient_bytes: per virtual stage the GPU bytes a combined pair holds beyond its
-            microbatches (its largest layer's; :func:`k2.schedules.pipeline_sim.simulate`).
-
-    Returns:
-        :class:`StepTime`.
-    """
-    wi = WhatIf.from_config(cfg)
-    gpu_profile = profile
-    if wi.tp > 1:
-        profile = tp_group_profile(profile, wi.tp)
-    precision = str(cfg.train.precision)
-    fraction = (132 - DEEPSEEK_COMM_SMS) / 132 if wi.dualpipe else 1.0
-    rates = profile.rates(precision, fp8_gemm=wi.fp8_gemm, compute_fraction=fraction)
-    act_bytes = 4.0 if precision == "fp32" else 2.0
-    grouped = cfg.model.get("moe_grouped_gemm") if hasattr(cfg.model, "get") else None
-    grouped = (precision == "bf16") if grouped is None else bool(grouped)
-    model = StageModel(cfg.model, fl, dims, tokens=tokens, profile=profile, rates=rates, act_bytes=act_bytes,
-                        grouped=grouped, what_if=wi, recompute=recompute)
-    # sequence-parallel TP (what-if): 2 all-gathers + 2 reduce-scatters of T x h per layer and pass, NVLink
-    model.tp_comm = 4 * ring_seconds(tokens * model.s["h"] * act_bytes, wi.tp, False, gpu_profile) if wi.tp > 1 else 0.0
-    S = dims.pp * dims.vpp
-    cache: dict = {}
-    kinds = [_stage_totals(model, dims.layout[r][v], dims.stage_has_loss(r, v), cache, dims.stage_has_embedding(r, v))
-             for v in range(dims.vpp) for r in range(dims.pp)]
-    # the schedule's own work per microbatch and virtual stage (a measured CPU profile), half in each pass
-    for st in kinds:
-        for ph in ("F", "B"):
-            _add(st[ph], "schedule", profile.microbatch_overhead_us * 1e-6 / 2)
-    # offloaded activations: out during F, back during B, hidden behind the pass's compute
-    copies = [host_copy_seconds(b, profile) for b in (offload_bytes if offload_bytes is not None else [0.0] * S)]
-    for st, t in zip(kinds, copies):
-        st["F"]["offload"] = _hide_behind(t, sum(st["F"].values()))
-        st["B"]["offload"] = _hide_behind(t, sum(st["B"].values()) + sum(st["W"].values()))
-    if wi.dualpipe:  # EP traffic overlapped with the paired microbatch's opposite pass
-        for st in kinds:
-            f_comp = sum(x for k, x in st["F"].items() if k not in ("ep_comm", "offload"))
-            b_comp = sum(x for k, x in st["B"].items() if k not in ("ep_comm", "offload")) + sum(st["W"].values())
-            st["F"]["ep_comm"] = _hide_behind(st["F"].get("ep_comm", 0.0), b_comp)
-            st["B"]["ep_comm"] = _hide_behind(st["B"].get("ep_comm", 0.0), f_comp)
-    costs = None
-    if dims.ep > 1 and model.s["E"] and not wi.dualpipe:  # the all-to-alls by kind (and the overlap's steps)
-        costs = OverlapCosts(stage_plans(model, dims, profile.microbatch_overhead_us * 1e-6 / 2, copies),
-                             profile.comm_stream, bool(cfg.pipeline.decouple_wgrad))
-    world_span = dims.world_size // dims.pp
-    # consecutive PP ranks are world / pp ranks apart: on other nodes once that is a node or more
-    p2p = p2p_seconds(tokens * model.s["h"] * act_bytes, world_span >= profile.gpus_per_node, profile)
-    # per pipeline flush (what-if pipeline_flushes; a flush keeps at least pp microbatches)
-    flushes = max(1, min(wi.pipeline_flushes, num_microbatches // dims.pp))
-    m = -(-num_microbatches // flushes)
-    m_sim = (m if max_microbatches is None or m <= max_microbatches
-             else max(dims.pp, max_microbatches // dims.pp * dims.pp))
-    sim_args = dict(m=m, m_sim=m_sim, flushes=flushes, p2p=p2p if dims.pp > 1 else 0.0,
-                    activation_bytes=activation_bytes)
-    if ep_overlap is None:
-        ep_overlap = overlap_applies(cfg, dims, recompute, wi)[0]
-    if ep_overlap and costs is not None:
-        pipe = _overlap_pipeline(cfg, dims, costs, pair_transient_bytes=pair_transient_bytes, **sim_args)
-    else:
-        pipe = _plain_pipeline(cfg, dims, kinds, wi, costs, num_microbatches=num_microbatches, **sim_args)
-    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if wi.tp > 1 else ())}
-    for k, v in pipe.breakdown.items():
-        breakdown[k] = breakdown.get(k, 0.0) + v
-    fsdp_forward = -(-num_microbatches // flushes) * sum(
-        w * sum(x for k, x in kinds[i]["F"].items() if k not in ("ep_comm", "offload"))
-        for i, w in _stages_held(pipe.busiest, dims.pp, dims.vpp, wi.dualpipe))
-    after = _after_pipeline(cfg, dims, counts, profile, wi, pipe.busiest, bool(model.s["r_q"]), flushes,
-                            fsdp_forward)
-    breakdown.update({k: v for k, v in after.items() if k != "schedule"})
-    breakdown["schedule"] += after["schedule"]
-    step = pipe.makespan + sum(after.values())
-    return StepTime(step_s=step, breakdown=breakdown, F=pipe.F, B=pipe.B, W=pipe.W, p2p_s=p2p, sim=pipe.sim,
-                    makespan=pipe.makespan, recompute_s=breakdown["recompute"], what_if=wi.labels(),
-                    ep_overlap=bool(ep_overlap and costs is not None), ep_comm=pipe.ep, busy=pipe.busy)
+def microbatch_split(num_microbatches: int, pp: int, pipeline_flushes: int,
+                     max_microbatches: int | None) -> Microbatches:
+    """:class:`Microbatches` of a step of ``num_microbatches`` per DP rank."""
+    flushes = max(1, min(pipeline_flushes, num_microbatches // pp))
+    per_flush = -(-num_microbatches // flushes)
+    simulated = (per_flush if max_microbatches is None or per_flush <= max_microbatches
+                 else max(pp, max_microbatches // pp * pp))
+    return Microbatches(flushes, per_flush, simulated)
 
 
-def _plain_pipeline(cfg, dims, kinds, wi, costs, *, m, m_sim, flushes, p2p, activation_bytes,
+def _plain_pipeline(cfg, dims, stages, what_if, ep_costs, *, micro: Microbatches, p2p, activation_bytes,
                     num_microbatches) -> _Pipeline:
     """megatron's (interleaved) 1F1B, every all-to-all exposed (the DualPipe what-if: its own rule)."""
-    F = [sum(st["F"].values()) for st in kinds]
-    B = [sum(st["B"].values()) for st in kinds]
-    W = [sum(st["W"].values()) for st in kinds]
-    sim = simulate(dims.pp, dims.vpp, m_sim, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
+    F = [sum(st["F"].values()) for st in stages]
+    B = [sum(st["B"].values()) for st in stages]
+    W = [sum(st["W"].values()) for st in stages]
+    sim = simulate(dims.pp, dims.vpp, micro.simulated, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
                    p2p_time=p2p, activation_bytes=activation_bytes)
-    held = [_stages_held(r, dims.pp, dims.vpp, wi.dualpipe) for r in range(dims.pp)]
+    held = [_stages_held(r, dims.pp, dims.vpp, what_if.dualpipe) for r in range(dims.pp)]
     period = [sum(w * (F[i] + B[i] + W[i]) for i, w in held[r]) for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: period[r])
-    makespan = flushes * (sim.makespan + (m - m_sim) * period[busiest])
-    m = num_microbatches
-    busy = m * period[busiest]
-    if wi.dualpipe and dims.pp > 1:  # DualPipe's bubble (table 2): (PP/2 - 1)(F&B + B - 3W), B the full backward
+    makespan = micro.flushes * (sim.makespan + (micro.per_flush - micro.simulated) * period[busiest])
+    busy = num_microbatches * period[busiest]
+    if what_if.dualpipe and dims.pp > 1:  # DualPipe's bubble (table 2): (PP/2 - 1)(F&B + B - 3W), B the full backward
         f, b, w = (sum(x * X[i] for i, x in held[busiest]) for X in (F, [p + q for p, q in zip(B, W)], W))
         makespan = busy + max(0.0, (dims.pp / 2 - 1) * (f + b + b - 3 * w))
     breakdown: dict = {}
     for i, x in held[busiest]:
-        for ph in ("F", "B", "W"):
-            for k, y in kinds[i][ph].items():
-                _add(breakdown, k, m * x * y)
+        for ph in PASSES:
+            for k, y in stages[i][ph].items():
+                _add(breakdown, k, num_microbatches * x * y)
     breakdown["bubble"] = makespan - busy
     ep = None
-    if costs is not None:  # every all-to-all exposed
-        wire = {k: m * sum(costs.forward(i).wire[k] + costs.backward(i).wire[k] for i, _ in held[busiest])
+    if ep_costs is not None:  # every all-to-all exposed
+        wire = {k: num_microbatches * sum(ep_costs.forward(i).wire[k] + ep_costs.backward(i).wire[k]
+                                          for i, _ in held[busiest])
                 for k in A2A_KINDS}
         ep = ep_summary(wire, wire)
     return _Pipeline(sim, F, B, W, makespan, busiest, breakdown, ep)
 
 
-def _overlap_pipeline(cfg, dims, costs, *, m, m_sim, flushes, p2p, activation_bytes,
+def _overlap_pipeline(cfg, dims, ep_costs, *, micro: Microbatches, p2p, activation_bytes,
                       pair_transient_bytes) -> _Pipeline:
     """megatron's combined 1F1B (:mod:`k2.launcher.planning.ep_overlap`): warm-up forwards and cool-down
     backwards alone, the steady pairs as one operation each; the busiest rank's terms from its steps."""
-    S = dims.pp * dims.vpp
-    F = [costs.forward(s).seconds for s in range(S)]
-    B = [costs.backward(s).seconds for s in range(S)]
-    sim = simulate(dims.pp, dims.vpp, m_sim, F, B, None, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
+    num_stages = dims.pp * dims.vpp
+    F = [ep_costs.forward(s).seconds for s in range(num_stages)]
+    B = [ep_costs.backward(s).seconds for s in range(num_stages)]
+    sim = simulate(dims.pp, dims.vpp, micro.simulated, F, B, None, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
                    p2p_time=p2p, activation_bytes=activation_bytes, ep_overlap=True,
-                   pair_time=lambda sf, sb: costs.pair(sf, sb).seconds, pair_transient_bytes=pair_transient_bytes)
-    ranks = [extrapolate(costs, rank_costs(costs, sim, r), r, dims.pp, dims.vpp, m - m_sim) for r in range(dims.pp)]
+                   pair_time=lambda sf, sb: ep_costs.pair(sf, sb).seconds, pair_transient_bytes=pair_transient_bytes)
+    unsimulated = micro.per_flush - micro.simulated
+    ranks = [extrapolate(ep_costs, rank_costs(ep_costs, sim, r), r, dims.pp, dims.vpp, unsimulated)
+             for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: ranks[r]["busy"])
-    rc = ranks[busiest]
-    makespan = flushes * (sim.makespan + (m - m_sim) * rc["cycle"])
-    breakdown = {k: flushes * v for k, v in rc["terms"].items()}
-    breakdown["bubble"] = makespan - flushes * rc["busy"]
-    ep = ep_summary({k: flushes * v for k, v in rc["wire"].items()},
-                    {k: flushes * v for k, v in rc["exposed"].items()},
-                    {k: flushes * v for k, v in rc["by_part"].items()})
-    return _Pipeline(sim, F, B, [0.0] * S, makespan, busiest, breakdown, ep,
+    busiest_cost = ranks[busiest]
+    flushes = micro.flushes
+    makespan = flushes * (sim.makespan + unsimulated * busiest_cost["cycle"])
+    breakdown = {k: flushes * v for k, v in busiest_cost["terms"].items()}
+    breakdown["bubble"] = makespan - flushes * busiest_cost["busy"]
+    ep = ep_summary({k: flushes * v for k, v in busiest_cost["wire"].items()},
+                    {k: flushes * v for k, v in busiest_cost["exposed"].items()},
+                    {k: flushes * v for k, v in busiest_cost["by_part"].items()})
+    return _Pipeline(sim, F, B, [0.0] * num_stages, makespan, busiest, breakdown, ep,
                      busy=[flushes * x["busy"] for x in ranks])
-
-
-def _after_pipeline(cfg, dims, counts, profile, wi, busiest: int, q_lora: bool, flushes: int,
-                    fsdp_forward_s: float) -> dict:
-    """After the pipeline, on the busiest PP rank's GPU: the DP traffic (exposed; the ``fsdp`` what-if's
-    rule), the optimizer and its offloaded states, the schedule's own work per step (seconds by term)."""
-    precision = str(cfg.train.precision)
-    world_span = dims.world_size // dims.pp
-    layers, emb, loss = dims.pp_rank_contents(busiest)
-    if wi.dualpipe and dims.pp > 1 and dims.vpp == 1:  # the rank keeps both its stages' parameters
-        l2, e2, s2 = dims.pp_rank_contents(dims.pp - 1 - busiest)
-        layers, emb, loss = sorted(set(layers) | set(l2)), emb or e2, loss or s2
-    per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
-    expert = sum(counts.moe_pattern[i] for i in layers) * counts.routed_experts // dims.ep
-    dense = per_gpu - expert
-    cross = crosses_nodes(world_span, profile)
-    # bytes per parameter: ZeRO-1's FP32 gradient buffers, BF16 parameters; FSDP as AutoModel ran it: the
-    # dense gradients reduced in FP32 (reduce_dtype), the experts' in their BF16 dtype (no mixed-precision
-    # policy on their fully_shard), both gathered in BF16 (fsdp_exposed)
-    rs = (ring_seconds(4 * dense, dims.dp, cross, profile)
-          + ring_seconds((2 if wi.fsdp else 4) * expert, dims.expert_dp, cross, profile))
-    ag = (ring_seconds(2 * dense, dims.dp, cross, profile) + ring_seconds(2 * expert, dims.expert_dp, cross, profile))
-    if wi.fsdp:
-        rs, ag = fsdp_exposed(rs, ag, flushes=flushes, layers=len(layers), forward_compute_s=fsdp_forward_s)
-    nrates = profile.part_rates(profile.rates("bf16" if precision != "fp32" else "fp32"), "optimizer")
-    tensors = _tensors(counts, layers, dims.ep, emb, loss, q_lora)
-    opt = optimizer_time(str(cfg.optim.name), cfg.model, dims, layers, counts.moe_pattern, dense_params=dense,
-                         expert_params=expert, tensors=tensors, profile=profile, rates=nrates,
-                         offload_fraction=float(cfg.optim.offload_fraction), fused=precision != "fp32")
-    return {"dp_grad_reduce_scatter": rs, "dp_param_all_gather": ag, "optimizer": opt.newton_schulz + opt.update,
-            "muon_gather": opt.muon_gather, "optimizer_offload": opt.offload,
-            "schedule": profile.step_overhead_us * 1e-6}
 
 
 def _stages_held(rank: int, pp: int, vpp: int, dualpipe: bool) -> list[tuple[int, float]]:
@@ -363,15 +424,7 @@ def _stages_held(rank: int, pp: int, vpp: int, dualpipe: bool) -> list[tuple[int
     return [(v * pp + rank, 1.0) for v in range(vpp)]
 
 
-def _tensors(counts, layers, ep: int, emb: bool, loss: bool, q_lora: bool) -> int:
-    """Parameter tensors on one GPU of a PP rank (for per-tensor optimizer launches): per layer MLA's
-    projections and norms (8 with a q LoRA rank, else 6: counted on k2-train's modules), a dense MLP's 2 +
-    its norm, an MoE layer's norm, router, shared expert 2 and 2 per local expert (megatron's sequential
-    experts and its grouped module alike); the embedding; the output layer and the final norm."""
-    n = 0
-    E = getattr(counts, "num_experts", 0) or 0
-    attn = 8 if q_lora else 6
-    for i in layers:
-        n += attn
-        n += (2 + 2 + 2 * (E // ep)) if counts.moe_pattern[i] else 3
-    return n + (1 if emb else 0) + (2 if loss else 0)
+def fsdp_forward_seconds(stages: list[dict], dims, rank: int, dualpipe: bool, per_flush: int) -> float:
+    """The forward compute of PP rank ``rank`` per pipeline flush (what the ``fsdp`` what-if's all-gathers
+    hide behind: :func:`k2.launcher.planning.comm.fsdp_exposed`)."""
+    return per_flush * sum(w * _compute_s(stages[i]["F"]) for i, w in _stages_held(rank, dims.pp, dims.vpp, dualpipe))

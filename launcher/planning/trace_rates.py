@@ -18,7 +18,7 @@ The trace's GEMM kernels (``dpsk::grouped_gemm::cuda::*``, FP8 with per-128 scal
 
 Left out: the router's BF16 cuBLAS GEMMs (0.54 ms, not FP8) and DeepGEMM's layout transposes (0.50 ms,
 memory-bound). :func:`trace_gemm_seconds` reads these figures from the trace; :func:`derive_fp8_rates` finds
-the profile rates with which the step-time model's own kernel function (:mod:`k2.model.kernels`: roofline,
+the profile rates with which the step-time model's own kernel function (:mod:`k2.launcher.planning.kernels`: roofline,
 tile and wave quantization, launch cost; at 112/132 of the rate as it prices DualPipe) gives the same
 seconds for the same chunk pair. The rates are a measurement of the hardware at training shapes, not a fit
 to any run's step time. Own code: no library reads kernel classes out of a profiler trace.

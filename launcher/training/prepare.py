@@ -10,7 +10,7 @@ from typing import Optional
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
-from k2.launcher.planning.phase_settings import offloads_anything
+from k2.launcher.planning import offloads_anything
 from k2.launcher.training.resume_data import check_resume_data
 from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.model.backends import check_backend_config
@@ -101,7 +101,7 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     if offloads_anything(cfg, schedule):
         # imported only here: the planner imports the model (megatron-core), which a run that offloads
         # nothing (and a bad setting) must not wait for
-        from k2.launcher.planning.analysis import check_host_memory
+        from k2.launcher.planning import check_host_memory
 
         check_host_memory(cfg, dims, schedule)
     iters = cfg.train.iters

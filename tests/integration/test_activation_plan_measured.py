@@ -1,4 +1,4 @@
-"""The activation planner (launcher/planning/memory.py ``stage_activations`` over model/activation_bytes.py,
+"""The activation planner (launcher/planning/memory.py ``stage_activations`` over launcher/planning/activation_bytes.py,
 the pipeline simulator's peak in flight) against the saved-tensor meter on cpu4: PP2 x VPP2 (interleaved
 1F1B), EP2, DP2, over the memory settings none, FP8 storage, selective (op) recompute, whole-layer
 recompute, offload and memory=k2, each at 2 x 128 tokens (FP32) and at 1 x 256 (BF16).
@@ -34,7 +34,7 @@ from k2.launcher.planning.analysis import stage_costs
 from k2.launcher.planning.memory import stage_activations
 from k2.model.flops import flops_per_token
 from k2.parallel.dims import ParallelDims
-from k2.schedules.pipeline_sim import simulate
+from k2.launcher.planning.pipeline_sim import simulate
 
 from support import REPO, SCRIPTS
 

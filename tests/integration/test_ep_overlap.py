@@ -124,7 +124,7 @@ def _moe_layers(layout: str) -> dict:
     cfg = load_config(LAYOUTS[layout])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
     k = int(cfg.model.first_k_dense_replace)
-    return {(r, v): [i + 1 for i in dims.layout[r][v] if i >= k] for r in range(dims.pp) for v in range(dims.vpp)}
+    return {(r, v): [i + 1 for i in dims.stage_layers[r][v] if i >= k] for r in range(dims.pp) for v in range(dims.vpp)}
 
 
 def unhidden_all_to_alls(traces: dict, layout: str) -> tuple[int, list]:

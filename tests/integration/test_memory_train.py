@@ -49,16 +49,16 @@ TWO_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=4096", "train
 def _planned_rank0_bytes(layer_recompute: bool, **sites) -> float:
     """The planner's bytes per microbatch kept by the layers of PP rank 0 (both its model chunks) of cpu4
     (k2_tiny, FP32, 2 x 128 tokens, CPU kernels) with the ``memory.*`` site lists ``sites`` (default:
-    layernorm recompute), device plus host: model/activation_bytes.py."""
+    layernorm recompute), device plus host: launcher/planning/activation_bytes.py."""
     from k2.config.load import load_config
-    from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved
+    from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved
     from k2.model.build import moe_layer_pattern
     from k2.parallel.dims import ParallelDims
 
     cfg = load_config(["parallel=cpu4"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
     pattern = moe_layer_pattern(cfg.model)
-    layers = [i for v in range(dims.vpp) for i in dims.layout[0][v]]
+    layers = [i for v in range(dims.vpp) for i in dims.stage_layers[0][v]]
     if layer_recompute:
         return len(layers) * sum(apply_switches(layer_recompute_saved(cfg.model, 128, 2, "fp32")))
     sites = sites or {"recompute": ["layernorm"]}

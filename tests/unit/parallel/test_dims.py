@@ -98,7 +98,7 @@ def megatron_table(megatron, monkeypatch, dims: ParallelDims) -> list[list[list[
 
 
 def _all_layers(dims: ParallelDims) -> list[int]:
-    return sorted(i for row in dims.layout for stage in row for i in stage)
+    return sorted(i for row in dims.stage_layers for stage in row for i in stage)
 
 
 # ---------------------------------------------------------------------------- recipes
@@ -129,9 +129,9 @@ def test_recipe(recipe, megatron, monkeypatch):
     assert dims.vpp == (cfg.parallel.vpp or 1)
     assert dims.megatron_layout == cfg.parallel.layout
     if expected is not None:
-        assert dims.layout == expected
+        assert dims.stage_layers == expected
     assert _all_layers(dims) == list(range(cfg.model.num_layers))
-    assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+    assert dims.stage_layers == megatron_table(megatron, monkeypatch, dims)
     assert dims.stage_has_embedding(0, 0) and dims.stage_has_loss(dims.pp - 1, dims.vpp - 1)
     if recipe != "k2_256gpu":  # the local recipes run k2_tiny's schedule in every phase (K2's: test_k2_layout)
         from k2.schedules.resolve import resolve_schedule
@@ -146,18 +146,18 @@ def test_k2_layout(megatron, monkeypatch):
     assert (dims.pp, dims.vpp, dims.ep, dims.dp, dims.expert_dp) == (16, 2, 16, 16, 1)
     assert dims.num_layers == 61 and _all_layers(dims) == list(range(61))
     # first virtual stage: embedding + layer 0; last: the loss alone
-    assert dims.layout[0][0] == [0]
+    assert dims.stage_layers[0][0] == [0]
     assert dims.stage_has_embedding(0, 0)
     assert not dims.stage_has_loss(0, 0)
-    assert dims.layout[15][1] == []
+    assert dims.stage_layers[15][1] == []
     assert dims.stage_has_loss(15, 1) and not dims.stage_has_embedding(15, 1)
     # every other virtual stage holds two consecutive layers, in order vpp_stage * pp + pp_rank
-    assert dims.layout[1][0] == [1, 2] and dims.layout[15][0] == [29, 30]
-    assert dims.layout[0][1] == [31, 32] and dims.layout[14][1] == [59, 60]
+    assert dims.stage_layers[1][0] == [1, 2] and dims.stage_layers[15][0] == [29, 30]
+    assert dims.stage_layers[0][1] == [31, 32] and dims.stage_layers[14][1] == [59, 60]
     assert dims.virtual_stage(0, 1) == 16
     assert sum(1 for r in range(16) for v in range(2) if dims.stage_has_embedding(r, v)) == 1
     assert sum(1 for r in range(16) for v in range(2) if dims.stage_has_loss(r, v)) == 1
-    assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+    assert dims.stage_layers == megatron_table(megatron, monkeypatch, dims)
     # K2's batch: 16,384 sequences, mbs 1, dp 16 -> 1024 microbatches (a multiple of pp=16)
     assert check_microbatches(dims, 16384, 1) == 1024
     # the plan-side world size of k2_256gpu, any multiple of 32 nodes reuses the group
@@ -192,7 +192,7 @@ MEGATRON_CASES = [
 def test_table_matches_megatron(world_size, num_layers, par, megatron, monkeypatch):
     dims = _dims(world_size, num_layers, **par)
     assert _all_layers(dims) == list(range(num_layers))
-    assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+    assert dims.stage_layers == megatron_table(megatron, monkeypatch, dims)
 
 
 # K2's 61 layers over PP16 (docs/k2_reference.md "Training system"): VPP 1 with first/last-stage overrides, VPP 2
@@ -217,13 +217,13 @@ def test_k2_61_layers_over_pp16(par, megatron, monkeypatch):
             _dims(256, 61, 384, ep=16, **par)
         return
     dims = _dims(256, 61, 384, ep=16, **par)
-    in_pipeline_order = [i for v in range(dims.vpp) for r in range(dims.pp) for i in dims.layout[r][v]]
+    in_pipeline_order = [i for v in range(dims.vpp) for r in range(dims.pp) for i in dims.stage_layers[r][v]]
     assert in_pipeline_order == list(range(61))  # every layer exactly once, in order
-    assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+    assert dims.stage_layers == megatron_table(megatron, monkeypatch, dims)
     if "first_stage_layers" in par:
-        assert len(dims.layout[0][0]) == par["first_stage_layers"]
+        assert len(dims.stage_layers[0][0]) == par["first_stage_layers"]
     if "last_stage_layers" in par:
-        assert len(dims.layout[15][0]) == par["last_stage_layers"]
+        assert len(dims.stage_layers[15][0]) == par["last_stage_layers"]
 
 
 @pytest.mark.parametrize("vpp", [2, 4])
@@ -241,8 +241,8 @@ def test_balanced_layout(megatron, monkeypatch):
     for pp, vpp in [(16, 1), (16, 2), (16, 4), (8, 3), (4, 2), (1, 1), (2, 1)]:
         layout = balanced_layout([1.0] * 61, pp, vpp, 0.0, 2.2)
         dims = _dims(pp * 16, 61, 384, ep=16, pp=pp, vpp=vpp if vpp > 1 else None, layout=layout)
-        assert dims.layout == megatron_table(megatron, monkeypatch, dims)
-        loads = [sum(len(dims.layout[r][v]) for v in range(vpp)) + (2.2 if r == pp - 1 else 0) for r in range(pp)]
+        assert dims.stage_layers == megatron_table(megatron, monkeypatch, dims)
+        loads = [sum(len(dims.stage_layers[r][v]) for v in range(vpp)) + (2.2 if r == pp - 1 else 0) for r in range(pp)]
         assert max(loads) <= -(-(61 + 2.2) // pp) + 0.2 + 1e-9, (pp, vpp, loads)
     with pytest.raises(ValueError):
         balanced_layout([1.0], 0)
@@ -263,8 +263,8 @@ def test_megatron_crashes_on_pp2_vpp_first_and_last(megatron, monkeypatch):
     suggestion = msg.split("parallel.layout='")[1].split("'")[0]
     assert suggestion == "Ett|tt|tt|ttL"
     dims = _dims(2, 8, pp=2, vpp=2, layout=suggestion)
-    assert dims.layout == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
-    assert dims.layout == megatron_table(megatron, monkeypatch, dims)
+    assert dims.stage_layers == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert dims.stage_layers == megatron_table(megatron, monkeypatch, dims)
 
 
 def test_megatron_kwargs_and_queries():

@@ -1,4 +1,4 @@
-"""Pipeline-schedule simulator (schedules/pipeline_sim.py): the closed form for equal stages, the
+"""Pipeline-schedule simulator (launcher/planning/pipeline_sim.py): the closed form for equal stages, the
 dependencies of every operation, the B/W split, megatron's combined 1F1B (the EP overlap: its extra
 warm-up microbatch, its pairs, what it holds), and K2's VPP gain at 256 GPUs."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from k2.schedules.pipeline_sim import rank_order, simulate
+from k2.launcher.planning.pipeline_sim import rank_order, simulate
 
 
 def _valid(p: int, v: int, m: int) -> bool:
@@ -107,7 +107,7 @@ def test_peak_activation_bytes():
 def _megatron_warmup(pp: int, vpp: int, m: int, r: int, overlap: bool) -> int:
     import types
 
-    from k2.schedules.pipeline_sim import _megatron_schedule
+    from k2.launcher.planning.pipeline_sim import _megatron_schedule
 
     comm = types.SimpleNamespace(pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: r),
                                  virtual_pipeline_model_parallel_size=vpp)
@@ -176,7 +176,7 @@ def test_combined_1f1b_memory():
 
 
 def test_timeline_plot(tmp_path):
-    from k2.schedules.pipeline_sim import plot_timeline
+    from k2.launcher.planning.pipeline_sim import plot_timeline
 
     import matplotlib.image as mpimg
     import numpy as np

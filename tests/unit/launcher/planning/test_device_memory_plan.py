@@ -64,7 +64,7 @@ def test_offloaded_optimizer_states_are_planned_as_the_pinned_blocks_of_the_trai
 def test_offloaded_activations_are_planned_per_saved_entry_as_pinned_blocks():
     """model/saved_tensors.py pins one host buffer per offloaded storage and microbatch: each offloaded
     entry of the activation inventory is one block (and only the offloaded ones)."""
-    from k2.model.activation_bytes import apply_switches, layer_saved
+    from k2.launcher.planning.activation_bytes import apply_switches, layer_saved
 
     cfg = load_config(["model=kimi_k2"])
     saved = layer_saved(cfg.model, True, 4096, 1, "bf16", True)

@@ -1,4 +1,4 @@
-"""Memory per GPU (launcher/planning/memory.py, model/activation_bytes.py) against what the trainer allocates.
+"""Memory per GPU (launcher/planning/memory.py, launcher/planning/activation_bytes.py) against what the trainer allocates.
 
 * parameter / gradient / optimizer bytes: predicted with megatron's buffer-layout functions, measured in
   a real 4-rank gloo build (and one-rank builds in this process) of the trainer's model, DDP and
@@ -130,9 +130,9 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
 
 def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
                         offload: list[str] | None = None) -> tuple[float, float]:
-    """(device, host) bytes of the same microbatch from model/activation_bytes.py (CPU kernels);
+    """(device, host) bytes of the same microbatch from launcher/planning/activation_bytes.py (CPU kernels);
     ``offload``: these ``memory.offload`` sites instead of the config's."""
-    from k2.model.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
+    from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
     from k2.model.build import moe_layer_pattern
 
     cfg = load_config(["model=k2_tiny", *overrides])
@@ -198,7 +198,7 @@ def test_activation_bytes_per_switch(megatron_world1, switch):
     measured ones; and what the switch changes against memory=none (device bytes dropped, host bytes added
     per offload site) within 10% of the measured change, so that a planner ignoring one switch fails even
     where the switch moves only a few percent of the total."""
-    from k2.model.activation_bytes import SITES
+    from k2.launcher.planning.activation_bytes import SITES
 
     for overrides, seq, mbs in _shapes(switch):
         none_overrides = [o for o in overrides if o not in switch]
@@ -219,7 +219,7 @@ def test_activation_bytes_per_switch(megatron_world1, switch):
 def test_switches_on_a_k2_moe_layer():
     """What each memory.* switch does to one K2 MoE layer's activations (4,096 tokens, BF16, GPU kernels),
     against closed forms written from docs/k2_reference.md's widths."""
-    from k2.model.activation_bytes import apply_switches, layer_saved
+    from k2.launcher.planning.activation_bytes import apply_switches, layer_saved
 
     m = load_config(["model=kimi_k2"]).model
     T, h, H, Tk = 4096, 7168, 64, 4096 * 8

@@ -12,12 +12,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from k2.config import load_config
+from k2.launcher.planning import after_pipeline
 from k2.launcher.planning import operator_counts as opc
 from k2.launcher.planning import stage_model as smod
 from k2.launcher.planning import step_time as stm
 from k2.launcher.planning.comm import AllToAll, ep_alltoall, expected_nodes_hit, ring_seconds
 from k2.launcher.planning.hardware import HARDWARE_DIR, available_profiles, load_profile
-from k2.model.kernels import KernelRates, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
+from k2.launcher.planning.kernels import KernelRates, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 
 
 def test_gemm_roofline_tile_and_wave_quantization():
@@ -162,7 +163,7 @@ def test_each_term_dropped_changes_the_step(k2):
     """DP traffic, recompute, the optimizer and the non-GEMM kernels each add their share: zeroing one
     lowers the step by about that term (the pipeline re-simulated)."""
     base = _k2_step(k2, 16, 2, 16)
-    with mock.patch.object(stm, "ring_seconds", lambda *a, **k: 0.0):
+    with mock.patch.object(after_pipeline, "ring_seconds", lambda *a, **k: 0.0):
         no_dp = _k2_step(k2, 16, 2, 16)
     assert base.step_s - no_dp.step_s == pytest.approx(
         base.breakdown["dp_grad_reduce_scatter"] + base.breakdown["dp_param_all_gather"], rel=1e-6)
