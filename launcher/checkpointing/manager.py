@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
 
 from k2.launcher.checkpointing.background import BackgroundSaver
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
@@ -93,12 +93,15 @@ class SyncSaver:
     Args:
         run_dir: ``run.dir``; keep_last / keep_every: ``checkpoint.keep_last`` / ``keep_every``.
         on_commit: ``(path, step, reason, seconds)``, called once the checkpoint is complete.
+        on_write_progress: unused (a synchronous write reports its progress to the hang watchdog through
+            :func:`k2.launcher.progress.measured`); accepted as the background strategy takes it.
     """
 
     in_flight = None  # (never a save in flight)
 
     def __init__(self, run_dir, keep_last: int, keep_every: Optional[int],
-                 on_commit: Callable[[Path, int, str, float], None]):
+                 on_commit: Callable[[Path, int, str, float], None],
+                 on_write_progress: Optional[Callable[[], None]] = None):
         self.run_dir, self.keep_last, self.keep_every, self.on_commit = run_dir, keep_last, keep_every, on_commit
 
     def save(self, step: int, why: str, model: list, optimizer, state: dict, config_yaml: str) -> None:
@@ -153,9 +156,9 @@ class CheckpointManager:
         self.resume_from, self.clock, self.watchdog = resume_from, clock, watchdog
         self.log, self.after_commit = log, after_commit
         self._commits: list[tuple[Path, int, str, float]] = []  # committed, not yet reported (_report)
-        strategy = BackgroundSaver if checkpoint.async_save else SyncSaver
-        extra: dict[str, Any] = {"on_write_progress": watchdog.keep_alive} if checkpoint.async_save else {}
-        self.saver = strategy(self.run_dir, checkpoint.keep_last, checkpoint.keep_every, self._committed, **extra)
+        strategy = BackgroundSaver if checkpoint.async_save else SyncSaver  # checkpoint.async_save
+        self.saver = strategy(self.run_dir, checkpoint.keep_last, checkpoint.keep_every, self._committed,
+                              watchdog.keep_alive)
 
     # ------------------------------------------------------------------ restore
 
