@@ -33,9 +33,9 @@ that work here reshard over DP only (``dp_reshardable``; the layer-wise Muon opt
 So a resume may change the DP size (AdamW, MuonClip's byte-range Distributed Muon) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
 says so before any process starts.
 
-Who saves what, and when: :class:`~k2.launcher.checkpointing.manager.CheckpointManager` (``manager``), over the
-parts of a run registered once as ``Stateful`` (``state_dict()`` / ``load_state_dict()``) plus the model and
-optimizer tensors; the training loop calls it at every step boundary.
+Who saves what, and when: :class:`~k2.launcher.checkpointing.manager.CheckpointManager` (``manager``), over
+the parts of a run registered once as ``Stateful`` (``state_dict()`` / ``load_state_dict()``) plus the model
+and optimizer tensors; the training loop calls it at every step boundary.
 
 Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore),
 ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),

@@ -36,11 +36,13 @@ from k2.launcher.checkpointing.background import BackgroundSaver
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
 from k2.launcher.checkpointing.store import load_checkpoint, load_model_weights, save_checkpoint
 
-__all__ = ["END_OF_RUN", "RUN_STATE", "CheckpointManager", "Stateful", "SyncSaver", "load_record", "state_record"]
+__all__ = ["END_OF_RUN", "RUN_STATE", "CheckpointManager", "Stateful", "SyncSaver", "load_record",
+           "state_record"]
 
 #: the registered part whose record is the top level of ``k2_state.json``
 RUN_STATE = "train_state"
-#: reasons for a save after which the run stops: the save is committed before :meth:`CheckpointManager.save` returns
+#: the reason of the save at the end of the run (like ``preempted: ...``, committed before
+#: :meth:`CheckpointManager.save` returns: the run stops after it)
 END_OF_RUN = "end of run"
 
 
@@ -102,7 +104,8 @@ class SyncSaver:
     def __init__(self, run_dir, keep_last: int, keep_every: Optional[int],
                  on_commit: Callable[[Path, int, str, float], None],
                  on_write_progress: Optional[Callable[[], None]] = None):
-        self.run_dir, self.keep_last, self.keep_every, self.on_commit = run_dir, keep_last, keep_every, on_commit
+        self.run_dir, self.keep_last, self.keep_every = run_dir, keep_last, keep_every
+        self.on_commit = on_commit
 
     def save(self, step: int, why: str, model: list, optimizer, state: dict, config_yaml: str) -> None:
         """Collective: write and commit checkpoint ``step``, then ``on_commit``.
@@ -150,9 +153,12 @@ class CheckpointManager:
 
     def __init__(self, run_dir, checkpoint, save_interval: Optional[int], states: Mapping[str, Stateful],
                  model: list, optimizer, config_yaml: str, resume_from: Optional[Path], clock, watchdog,
-                 log: Callable[[str], None], after_commit: Callable[[Path, int, str], None] = lambda *a: None):
-        self.run_dir, self.save_interval, self.save_at_end = Path(run_dir), save_interval, checkpoint.save_at_end
-        self.states, self.model, self.optimizer, self.config_yaml = dict(states), model, optimizer, config_yaml
+                 log: Callable[[str], None],
+                 after_commit: Callable[[Path, int, str], None] = lambda *a: None):
+        self.run_dir, self.save_interval = Path(run_dir), save_interval
+        self.save_at_end = checkpoint.save_at_end
+        self.states, self.model, self.optimizer = dict(states), model, optimizer
+        self.config_yaml = config_yaml
         self.resume_from, self.clock, self.watchdog = resume_from, clock, watchdog
         self.log, self.after_commit = log, after_commit
         self._commits: list[tuple[Path, int, str, float]] = []  # committed, not yet reported (_report)

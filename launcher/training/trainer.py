@@ -221,8 +221,8 @@ class Trainer:
         split, the loss-spike window (``k2_state.json``), and the model and optimizer tensors."""
         states = {RUN_STATE: self.state, "goodput": self.goodput, "spike": self.spike}
         return CheckpointManager(
-            self.run_dir, self.cfg.checkpoint, self.cfg.train.save_interval, states, self.model, self.optimizer,
-            self.config_yaml, self.plan.resume_from, self.goodput, self.watchdog,
+            self.run_dir, self.cfg.checkpoint, self.cfg.train.save_interval, states, self.model,
+            self.optimizer, self.config_yaml, self.plan.resume_from, self.goodput, self.watchdog,
             log=lambda line: self.logger.message(line), after_commit=self._export_at_end)
 
     def restore(self) -> str | None:

@@ -80,7 +80,8 @@ def test_a_record_written_before_the_manager_restores_every_part_and_is_written_
     written = state_record(parts, "train.save_interval")
     old = {k: v for k, v in OLD_RECORD.items() if k != "manifest"}  # (added by the commit: store.commit_save)
     assert sorted(written) == sorted(old)
-    assert {k: v for k, v in written.items() if k != "goodput"} == {k: v for k, v in old.items() if k != "goodput"}
+    assert ({k: v for k, v in written.items() if k != "goodput"}
+            == {k: v for k, v in old.items() if k != "goodput"})
     # goodput continues: no time has passed in this start, so every counter is the checkpoint's
     assert written["goodput"] == {**old["goodput"], "starts": 2}
 
@@ -127,7 +128,8 @@ def _manager(monkeypatch, tmp_path, events: list, **checkpoint) -> CheckpointMan
     section = SimpleNamespace(**{"async_save": False, "keep_last": 2, "keep_every": None, "save_at_end": True,
                                  **checkpoint})
     parts = _parts(monkeypatch)
-    watchdog = SimpleNamespace(progress=lambda kind, step: events.append((kind, step)), keep_alive=lambda: None)
+    watchdog = SimpleNamespace(progress=lambda kind, step: events.append((kind, step)),
+                               keep_alive=lambda: None)
     return CheckpointManager(tmp_path, section, 2, parts, [], None, "", None, _Clock(events), watchdog,
                              log=lambda line: events.append(("log", line)),
                              after_commit=lambda path, step, reason: events.append(("after", step, reason)))
@@ -140,8 +142,9 @@ def test_saves_every_interval_and_at_the_end_and_reports_after_the_stall(monkeyp
     assert ckpt.maybe_save(2, last_step=False) is True
     assert events[:4] == [("save", 2), ("stall", "checkpoint"), ("write", 2, "train.save_interval", 2),
                           ("/stall", "checkpoint")]
-    assert events[4][0] == "log" and events[4][1].startswith(f"step 2: checkpoint {tmp_path}/checkpoints/iter_0000002 "
-                                                             "(train.save_interval, ")
+    assert events[4][0] == "log"
+    line = f"step 2: checkpoint {tmp_path / 'checkpoints' / 'iter_0000002'} (train.save_interval, "
+    assert events[4][1].startswith(line)
     assert events[5] == ("after", 2, "train.save_interval") and len(events) == 6
     events.clear()
     assert ckpt.maybe_save(3, last_step=False) is False and events == []
@@ -162,3 +165,52 @@ def test_latest_is_the_run_s_newest_checkpoint_or_the_one_it_resumed_from(monkey
     assert ckpt.latest() is None and ckpt.restore(world_size=4) is None  # a fresh run
     ckpt.resume_from = tmp_path / "elsewhere" / "iter_0000004"
     assert ckpt.latest() == ckpt.resume_from
+
+
+class _Background:
+    """BackgroundSaver's surface: a save stays in flight until ``poll`` finds its (simulated) writers done."""
+
+    def __init__(self, run_dir, keep_last, keep_every, on_commit, on_write_progress=None):
+        self.on_commit, self.in_flight, self.done, self.events = on_commit, None, False, None
+
+    def save(self, step, why, model, optimizer, state, config_yaml):
+        self.poll(blocking=True)  # at most one in flight
+        self.events.append(("stage", step, why))
+        self.in_flight, self.done = {"step": step, "why": why}, False
+
+    def poll(self, blocking=False):
+        if self.in_flight is not None and (blocking or self.done):
+            flight, self.in_flight = self.in_flight, None
+            self.events.append(("commit", flight["step"]))
+            self.on_commit(Path("iter") / str(flight["step"]), flight["step"], flight["why"], 1.0)
+
+    def abandon(self):
+        self.events.append(("abandon",))
+        self.in_flight = None
+
+    def close(self):
+        self.abandon()
+
+
+def test_a_background_save_is_staged_then_committed_at_a_later_boundary_and_before_the_run_stops(
+        monkeypatch, tmp_path):
+    events: list = []
+    monkeypatch.setattr(manager, "BackgroundSaver", _Background)
+    ckpt = _manager(monkeypatch, tmp_path, events, async_save=True)
+    ckpt.saver.events = events
+    assert ckpt.maybe_save(2, last_step=False) and ckpt.in_flight_step == 2
+    assert [e[0] for e in events] == ["save", "stall", "stage", "log", "/stall"]
+    assert "step 2: checkpoint staged in" in events[3][1] and "written in the background" in events[3][1]
+    events.clear()
+    assert not ckpt.maybe_save(3, last_step=False) and ckpt.in_flight_step == 2  # writers still busy
+    ckpt.saver.done = True
+    assert not ckpt.maybe_save(3, last_step=False) and ckpt.in_flight_step is None
+    # committed, reported inside the stall (the loop waited for it there)
+    assert [e[0] for e in events] == ["stall", "/stall", "stall", "commit", "log", "after", "/stall"]
+    events.clear()
+    ckpt.save(3, "preempted: SIGTERM")  # the run stops here: committed before save returns
+    assert ("commit", 3) in events and ("save", 3) in events and ckpt.in_flight_step is None
+    assert ("after", 3, "preempted: SIGTERM") in events
+    ckpt.maybe_save(4, last_step=False)
+    ckpt.abandon()
+    assert events[-1] == ("abandon",) and ckpt.in_flight_step is None
