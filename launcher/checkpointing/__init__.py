@@ -33,10 +33,16 @@ that work here reshard over DP only (``dp_reshardable``; the layer-wise Muon opt
 So a resume may change the DP size (AdamW, MuonClip's byte-range Distributed Muon) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
 says so before any process starts.
 
-Modules: ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),
+Who saves what, and when: :class:`~k2.launcher.checkpointing.manager.CheckpointManager` (``manager``), over
+the parts of a run registered once as ``Stateful`` (``state_dict()`` / ``load_state_dict()``) plus the model
+and optimizer tensors; the training loop calls it at every step boundary.
+
+Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore),
+``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),
 ``resume`` (which checkpoint, and whether it may serve this run), ``rng`` (per-rank RNG state),
 ``store`` (save, load, verification on resume, retention), ``background`` (saves written by a forked
 writer while training goes on: ``checkpoint.async_save``), ``unpickle`` (the allow-list every pickled part
 of a checkpoint is read through), ``load_progress`` (a load's progress for the hang watchdog). The run state in ``k2_state.json`` is
-defined by :class:`k2.launcher.training.state.TrainState`.
+defined by :class:`k2.launcher.training.state.TrainState` (its top level) and the other registered parts (one
+key each: ``goodput``, ``spike``).
 """

@@ -95,7 +95,7 @@ class GoodputClock:
         self.spent = {c: 0.0 for c in CATEGORIES}  # this start
         self.startup_done = False
 
-    def load(self, saved: Optional[dict]) -> None:
+    def load_state_dict(self, saved: Optional[dict]) -> None:
         """Continue the counters of a checkpoint's ``goodput`` state (None: a checkpoint without one)."""
         if not saved:
             return
@@ -141,7 +141,7 @@ class GoodputClock:
         return rec
 
     def state_dict(self) -> dict:
-        """The ``goodput`` entry of ``k2_state.json`` (:meth:`load` continues it)."""
+        """The ``goodput`` entry of ``k2_state.json`` (:meth:`load_state_dict` continues it)."""
         return self.totals()
 
     def summary(self) -> str:

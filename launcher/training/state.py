@@ -11,8 +11,10 @@ phase's blend at its sequence length), ``data_path`` (the prefixes of that blend
 (prefix -> :func:`k2.launcher.datasets.fingerprint.dataset_fingerprint`),
 ``seq_length``, ``scheduler`` (:meth:`k2.schedules.lr.TokenLRScheduler.state_dict`), ``layout`` (``pp``,
 ``vpp``, ``ep``, ``dp``, ``world_size``), ``optimizer`` (``k2.optim.name``), ``optimizer_dp_fixed`` (True for
-MuonClip's layer-wise ZeRO-1, whose state resumes only at the same DP size), ``wandb_run_id``, ``reason``;
-the trainer adds ``goodput`` (the run's wall-time split so far, :mod:`k2.launcher.training.goodput`).
+MuonClip's layer-wise ZeRO-1, whose state resumes only at the same DP size), ``wandb_run_id``; the
+checkpoint manager (:mod:`k2.launcher.checkpointing.manager`) adds ``reason`` and the other registered
+parts under their names: ``goodput`` (the run's wall-time split so far, :mod:`k2.launcher.training.goodput`)
+and ``spike`` (the loss-spike window, :mod:`k2.launcher.training.spike`).
 """
 
 from __future__ import annotations
@@ -49,13 +51,8 @@ class TrainState:
     step: int = 0
     wandb_run_id: Optional[str] = None
 
-    def state_dict(self, reason: str) -> dict:
-        """The JSON record of ``k2_state.json`` (module docstring) after step :attr:`step`.
-
-        Args:
-            reason: why this checkpoint is written (``train.save_interval``, ``end of run``, ``preempted:
-                ...``), for people reading the checkpoint.
-        """
+    def state_dict(self) -> dict:
+        """The top level of ``k2_state.json`` (module docstring) after step :attr:`step`."""
         phase = self.data.phase
         return {
             "step": self.step,
@@ -72,7 +69,6 @@ class TrainState:
             "optimizer": self.optimizer,
             "optimizer_dp_fixed": self.optimizer_dp_fixed,
             "wandb_run_id": self.wandb_run_id,
-            "reason": reason,
         }
 
     def load_state_dict(self, saved: dict) -> None:

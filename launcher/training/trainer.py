@@ -5,9 +5,10 @@ optimizer, QK-Clip and the LR scheduler (:meth:`Trainer.build`); the checkpoint 
 (:meth:`Trainer.restore`); the metrics logger; then one optimizer step after another in megatron's
 pipeline schedule (``get_forward_backward_func``: interleaved 1F1B when ``parallel.vpp > 1``), each in
 the schedule phase that holds its first token, with evaluation, preemption and checkpoints at step
-boundaries (with ``checkpoint.async_save`` a save is staged there and committed at a later one,
-:mod:`k2.launcher.checkpointing.background`). What a checkpoint records besides the tensors is
-:class:`TrainState`; the wall-time split of the run (goodput) is :mod:`k2.launcher.training.goodput`.
+boundaries. Checkpoints are the :class:`~k2.launcher.checkpointing.manager.CheckpointManager`'s: the
+trainer registers its parts with state once (:meth:`Trainer.make_checkpointer`) and calls it at every
+step boundary; what a checkpoint records besides the tensors is :class:`TrainState`; the wall-time split
+of the run (goodput) is :mod:`k2.launcher.training.goodput`.
 
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
 length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per
@@ -32,15 +33,10 @@ from omegaconf import OmegaConf
 
 from k2.config import to_yaml
 from k2.config.validate import resume_settings
-from k2.launcher.checkpointing.background import BackgroundSaver, abandon_in_flight_save
-from k2.launcher.checkpointing.paths import latest_checkpoint, read_state, resume_point
-from k2.launcher.checkpointing.store import (
-    load_checkpoint,
-    load_model_weights,
-    remove_partial_saves,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from k2.launcher.checkpointing.background import abandon_in_flight_save
+from k2.launcher.checkpointing.manager import END_OF_RUN, RUN_STATE, CheckpointManager
+from k2.launcher.checkpointing.paths import latest_checkpoint, resume_point
+from k2.launcher.checkpointing.store import remove_partial_saves, verify_checkpoint
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
 from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_mfu
@@ -108,7 +104,6 @@ class Trainer:
         self.started = time.perf_counter()  # for the end-of-run summary
         # wall-time split over every start of the run (k2.launcher.training.goodput)
         self.goodput = GoodputClock(process_start_time(parent=env.spawned_by_k2_train))
-        self.saver: BackgroundSaver | None = None  # checkpoint.async_save (set in train)
 
     # ------------------------------------------------------------------ the outline
 
@@ -116,43 +111,38 @@ class Trainer:
         """Build, restore, train to ``plan.steps`` (or a preemption); returns the last record."""
         self.build()
         self.prepare_run_dir()
+        self.checkpointer = self.make_checkpointer()
         resumed_note = self.restore()
         self.open_logger(resumed_note)
         preempted = False
-        c = self.cfg.checkpoint  # checkpoint.async_save: saves written in the background
-        self.saver = BackgroundSaver(self.run_dir, c.keep_last, c.keep_every, self._saved,
-                                     self.watchdog.keep_alive) if c.async_save else None
         self.goodput.end_startup()
         try:
             self.evaluate_before_training()
             for step in range(self.state.step + 1, self.plan.steps + 1):
                 self.preemption.step = step  # named by a signal's log line
                 phase = self.enter_phase(step)
-                overlapped = self.saver is not None and self.saver.in_flight is not None
+                overlapped = self.checkpointer.in_flight_step is not None
                 self.record = self.train_step(step, phase)
                 if overlapped:  # a background write ran during this step
                     self.record["checkpoint_in_flight"] = True
                 self.maybe_evaluate(step, phase)
                 self.logger.log({**self.record, **self.goodput.fields()})
-                self.finish_save(blocking=False)  # commits a background save whose writers are done
-                saved = self.maybe_save(step)
+                saved = self.checkpointer.maybe_save(step, last_step=step == self.plan.steps)
                 # agreed after the periodic save: a signal that arrives while step N saves stops at N
                 preempted = step < self.plan.steps and self.stop_for_preemption(step, saved)
                 if preempted:
                     break
-            self.finish_save(blocking=True)
+            self.checkpointer.wait()
             self.summarize(preempted)
         except TrainingDiverged:  # agreed by every rank: the save in flight holds earlier, sound weights
-            self.finish_save(blocking=True)  # (already committed where the error message named it)
+            self.checkpointer.wait()  # (already committed where the error message named it)
             raise
         except BaseException:  # the ranks may not agree on anything any more
-            if self.saver is not None:
-                self.saver.abandon()
+            self.checkpointer.abandon()
             raise
         finally:
             self.watchdog.stop()
-            if self.saver is not None:
-                self.saver.close()
+            self.checkpointer.close()
             self.logger.close()
         if self.cfg.train.report and self.rank == 0:  # the run's curves as PNGs and its summary
             print(write_run_report(self.run_dir).text(), flush=True)
@@ -204,26 +194,19 @@ class Trainer:
             remove_partial_saves(self.run_dir)
             (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
 
+    def make_checkpointer(self) -> CheckpointManager:
+        """The checkpoint manager over this rank's parts with state: the run's position, its wall-time
+        split, the loss-spike window (``k2_state.json``), and the model and optimizer tensors."""
+        states = {RUN_STATE: self.state, "goodput": self.goodput, "spike": self.spike}
+        return CheckpointManager(
+            self.run_dir, self.cfg.checkpoint, self.cfg.train.save_interval, states, self.model,
+            self.optimizer, self.config_yaml, self.plan.resume_from, self.goodput, self.watchdog,
+            log=lambda line: self.logger.message(line), after_commit=self._export_at_end)
+
     def restore(self) -> str | None:
-        """Load ``plan.resume_from`` (if any) into the model, optimizer and :attr:`state` (a weights-only
-        checkpoint of ``k2-convert import``: the model alone, the run starts at step 0); enter the phase
-        of the next step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
-        note = None
-        saved = read_state(self.plan.resume_from) if self.plan.resume_from is not None else None
-        if saved is not None and saved.get("weights_only"):  # k2-convert import: a fresh run from weights
-            load_model_weights(self.plan.resume_from, self.model)
-            self.optimizer.reload_model_params()  # the fp32 master copies follow (megatron's own call)
-            note = (f"initialised from the weights in {self.plan.resume_from} (imported from "
-                    f"{saved.get('source')}): step 0, new optimizer state")
-        elif saved is not None:
-            same_world = saved["layout"]["world_size"] == self.env.world_size
-            load_checkpoint(self.plan.resume_from, self.model, self.optimizer, same_world=same_world)
-            self.state.load_state_dict(saved)
-            self.goodput.load(saved.get("goodput"))
-            self.spike.load_state_dict(saved.get("spike"))
-            note = (f"resumed from {self.plan.resume_from} (step {self.state.step}, "
-                    f"{self.state.scheduler.consumed_tokens:,} tokens"
-                    f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
+        """Load ``plan.resume_from`` (if any) through the checkpoint manager; enter the phase of the next
+        step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
+        note = self.checkpointer.restore(self.env.world_size)
         self.forward_backward = get_forward_backward_func()
         if self.pipeline is not None:  # W drained during p2p, event trace
             self.forward_backward = self.pipeline.wrap(self.forward_backward, self.tcfg, self.model,
@@ -360,8 +343,7 @@ class Trainer:
             record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
         if step <= self.replayed_until:
             record["replayed"] = True
-        self.spike.finish_step(step, record, self.logger.message,
-                               lambda: latest_checkpoint(self.run_dir) or self.plan.resume_from)
+        self.spike.finish_step(step, record, self.logger.message, self.checkpointer.latest)
         return record
 
     def maybe_evaluate(self, step: int, phase) -> None:
@@ -378,57 +360,19 @@ class Trainer:
         if not self.preemption.agreed():
             return False
         why = f"preempted: {self.preemption.reason}"
-        self.finish_save(blocking=True)
+        self.checkpointer.wait()
         if saved:
             self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
         else:
-            self.save(step, why)
+            self.checkpointer.save(step, why)
         if self.rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
             (self.run_dir / REQUEUE_MARKER).write_text(f"{step}\n")
         dist.barrier()  # the marker exists before any rank exits
         return True
 
-    def maybe_save(self, step: int) -> bool:
-        """A checkpoint every ``train.save_interval`` steps and at the end (``checkpoint.save_at_end``).
-        Returns True when it saved."""
-        every, last = self.cfg.train.save_interval, step == self.plan.steps
-        if (every and step % every == 0) or (last and self.cfg.checkpoint.save_at_end):
-            self.save(step, "end of run" if last else "train.save_interval")
-            return True
-        return False
-
-    def save(self, step: int, why: str) -> None:
-        """Collective: checkpoint ``step`` (tensors + :attr:`state`), visible only once complete."""
-        self.watchdog.progress("save", step)
-        t0 = time.perf_counter()
-        c = self.cfg.checkpoint
-        state = {**self.state.state_dict(why), "goodput": self.goodput.state_dict(), "spike": self.spike.state_dict()}
-        with self.goodput.timed("checkpoint"):
-            if self.saver is not None:  # staged; committed at a later step boundary (finish_save)
-                self.saver.save(step, why, self.model, self.optimizer, state, self.config_yaml)
-                self.logger.message(f"step {step}: checkpoint staged in {time.perf_counter() - t0:.2f} s, "
-                                    "written in the background")
-            else:
-                path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, state,
-                                       self.config_yaml, c.keep_last, c.keep_every)
-        if self.saver is None:
-            self._saved(path, step, why, time.perf_counter() - t0)
-        elif why.startswith("preempted") or why == "end of run":  # the run stops here: commit it now
-            self.finish_save(blocking=True)
-
-    def finish_save(self, blocking: bool) -> None:
-        """Collective: commit the background save in flight once every rank's writer is done
-        (``blocking``: wait for them); the wait counts as checkpoint stall."""
-        if self.saver is not None and self.saver.in_flight is not None:
-            if blocking:  # the wait for the writers gets the watchdog's allowance of a save
-                self.watchdog.progress("save", self.saver.in_flight["step"])
-            with self.goodput.timed("checkpoint"):
-                self.saver.poll(blocking=blocking)
-
-    def _saved(self, path: Path, step: int, why: str, seconds: float) -> None:
-        """A checkpoint is committed: the log line, and at the end of the run the Hugging Face copy."""
-        self.logger.message(f"step {step}: checkpoint {path} ({why}, {seconds:.1f} s)")
-        if why == "end of run" and self.cfg.checkpoint.export_hf and self.rank == 0:
+    def _export_at_end(self, path: Path, step: int, why: str) -> None:
+        """After a checkpoint is committed: at the end of the run, the Hugging Face copy (rank 0)."""
+        if why == END_OF_RUN and self.cfg.checkpoint.export_hf and self.rank == 0:
             self.watchdog.progress("export", step)  # rank 0 alone, for as long as the export takes
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
@@ -460,13 +404,8 @@ class Trainer:
     def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
         """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
         so all ranks stop at the same step), before anything of the step is saved."""
-        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm), self._last_sound_checkpoint)
-
-    def _last_sound_checkpoint(self):
-        """Collective (every rank, on an agreed divergence): commit the background save in flight (it holds
-        earlier, sound weights), then the newest complete checkpoint, or the one this run resumed from."""
-        self.finish_save(blocking=True)
-        return latest_checkpoint(self.run_dir) or self.plan.resume_from
+        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm),
+                     self.checkpointer.last_sound_checkpoint)
 
     def _phase_after_restore(self):
         """The phase of the next step; for a checkpoint at the schedule's end (which

@@ -24,7 +24,7 @@ def test_split_adds_up_and_continues_from_a_checkpoint(monkeypatch):
     f = clock.fields()
     assert f["goodput"] == pytest.approx(0.3) and f["time_total_s"] == 20.0
     resumed = GoodputClock(started=now[0])
-    resumed.load(clock.state_dict())
+    resumed.load_state_dict(clock.state_dict())
     now[0] = 1015.0
     resumed.end_startup()
     t2 = resumed.totals()
