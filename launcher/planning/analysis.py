@@ -11,6 +11,7 @@ from typing import Any
 from k2.launcher.planning.phase_settings import offloads_anything, phase_memory_settings
 from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.ep_overlap import overlap_applies
+from k2.config.hardware import peak_tflops
 from k2.launcher.planning.hardware import load_profile
 from k2.launcher.planning.device_memory import device_overheads, gpu_memory
 from k2.launcher.planning.memory import stage_activations, state_bytes, state_bytes_lower_bound
@@ -78,10 +79,11 @@ def gpu_memory_gib(cfg) -> float:
 
 
 def flops_only_step_time(cfg, dims, phase, recompute=()) -> float:
-    """The step time of the FLOPs-only estimate (model FLOPs at ``cluster.peak_tflops x
-    plan.compute_efficiency`` per stage, the simulated bubble, no communication): what ``k2-plan``
-    reported before the performance model, kept for comparison (``step_time_s_flops_only``)."""
-    tflops = float(cfg.cluster.peak_tflops) * float(cfg.plan.compute_efficiency)
+    """The step time of the FLOPs-only estimate (model FLOPs at the device peak,
+    :func:`k2.config.hardware.peak_tflops`, x ``plan.compute_efficiency`` per stage, the simulated bubble,
+    no communication): what ``k2-plan`` reported before the performance model, kept for comparison
+    (``step_time_s_flops_only``)."""
+    tflops = peak_tflops(cfg) * float(cfg.plan.compute_efficiency)
     fl = flops_per_token(cfg.model, phase.seq_length)
     F, B, W = stage_costs(fl, dims, phase.seq_length * phase.micro_batch_size, tflops, recompute)
     return simulate(dims.pp, dims.vpp, phase.num_microbatches, F, B, W,

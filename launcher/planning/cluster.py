@@ -53,6 +53,7 @@ from k2.launcher.planning.analysis import (
 )
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.search import WORLD_FROM, search_layouts
+from k2.config.hardware import peak_tflops
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
@@ -126,7 +127,7 @@ def plan_cluster(cfg) -> ClusterPlan:
     report.update(_pipeline_and_flops(cfg, dims, schedule, a))
     if cfg.plan.step_time_s is not None:
         tflops, frac = mfu(report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size,
-                           float(cfg.cluster.peak_tflops))
+                           peak_tflops(cfg))
         report.update(step_time_s=float(cfg.plan.step_time_s), model_tflops_per_gpu=tflops, mfu=frac)
     report["gpu_hours_estimated"] = sum(r["steps"] * r["step_time_s_estimated"] for r in a["phases"]) * \
         dims.world_size / 3600
@@ -152,7 +153,7 @@ def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
         "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
                     "gpu_memory_gib": gpu_memory_gib(cfg),
                     "host_memory_gib": float(cfg.cluster.host_memory_gib),
-                    "peak_tflops": float(cfg.cluster.peak_tflops)},
+                    "peak_tflops": peak_tflops(cfg)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
                                  "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},
         "tp": dims.tp,
@@ -271,7 +272,7 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,
         "what_if": st.what_if,
-        "mfu_estimated": mfu(step_flops, est, dims.world_size, float(cfg.cluster.peak_tflops))[1],
+        "mfu_estimated": mfu(step_flops, est, dims.world_size, peak_tflops(cfg))[1],
         "step_time_s_flops_only": flops_only,
         "compute_efficiency": float(cfg.plan.compute_efficiency),
         "schedule": schedule.as_dict(),
