@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import ListConfig, OmegaConf
 
@@ -61,6 +61,9 @@ from k2.launcher.planning.pipeline_sim import PipelineResult
 from k2.schedules.resolve import lr_at_tokens, resolve_schedule
 from k2.schedules.wsd import Schedule
 
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+
 __all__ = ["ClusterPlan", "check_model_parallel_group", "plan_cluster"]
 
 
@@ -79,7 +82,7 @@ class ClusterPlan:
     pipeline: PipelineResult
 
 
-def check_model_parallel_group(cfg, world: int) -> None:
+def check_model_parallel_group(cfg: K2Config, world: int) -> None:
     """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group
     (TP x PP x EP GPUs; K2: PP16 x EP16 = 256 GPUs = 32 nodes) is reused for any node count that is a
     multiple of it.
@@ -100,7 +103,7 @@ def check_model_parallel_group(cfg, world: int) -> None:
     )
 
 
-def plan_cluster(cfg) -> ClusterPlan:
+def plan_cluster(cfg: K2Config) -> ClusterPlan:
     """Plan ``cfg`` (a validated config) on its ``cluster``.
 
     Raises:
@@ -140,7 +143,7 @@ def plan_cluster(cfg) -> ClusterPlan:
     return ClusterPlan(report, schedule, a["main"]["sim"])
 
 
-def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
+def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
     """Model, cluster, parallel sizes and the layer table."""
     gpn = cfg.cluster.gpus_per_node
     group = dims.tp * dims.pp * dims.ep
@@ -241,7 +244,7 @@ def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
     }
 
 
-def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) -> dict[str, Any]:
+def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a: dict) -> dict[str, Any]:
     """The main phase's simulated pipeline, FLOPs, estimated step time and MFU; the schedule."""
     main, main_res = a["main_phase"], a["main"]
     fl, sim = main_res["flops"], main_res["sim"]

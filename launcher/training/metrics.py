@@ -31,9 +31,15 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-def step_mfu(flops: float, seconds: float, num_ranks: int, cluster, on_gpu: bool) -> tuple[float, Optional[float]]:
+if TYPE_CHECKING:
+    from k2.config.schema import WandbConfig
+    from k2.config.schema_planning import ClusterConfig
+
+
+def step_mfu(flops: float, seconds: float, num_ranks: int, cluster: ClusterConfig,
+             on_gpu: bool) -> tuple[float, Optional[float]]:
     """``(model TFLOP/s per rank, MFU)`` of a step against the peak of the device the run used:
     ``cluster.peak_tflops`` on a GPU; on CPU ``cluster.cpu_peak_tflops`` (a GEMM rate of one rank), or no
     MFU (None) when that is null -- a GPU's BF16 peak would give a meaningless 1e-6 on a CPU.
@@ -118,7 +124,7 @@ class MetricsLogger:
         run_dir: str,
         enabled: bool,
         total_steps: int,
-        wandb_cfg=None,
+        wandb_cfg: Optional[WandbConfig] = None,
         config: Optional[dict] = None,
         progress: bool = True,
         start_step: int = 0,
@@ -147,7 +153,8 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True)
 
-    def _init_wandb(self, wandb_cfg, config: Optional[dict], wandb_run_id: Optional[str]) -> None:
+    def _init_wandb(self, wandb_cfg: WandbConfig, config: Optional[dict],
+                    wandb_run_id: Optional[str]) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 

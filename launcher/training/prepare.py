@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import read_state
@@ -18,6 +18,9 @@ from k2.parallel.dims import ParallelDims
 from k2.schedules.pipeline import check_pipeline_config
 from k2.schedules.resolve import resolve_schedule
 from k2.schedules.wsd import Schedule
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["RunPlan", "prepare_run"]
 
@@ -84,7 +87,7 @@ class RunPlan:
         return self.dims.checkpoint_layout()
 
 
-def prepare_run(cfg, world_size: int) -> RunPlan:
+def prepare_run(cfg: K2Config, world_size: int) -> RunPlan:
     """Check a validated config for ``world_size`` ranks on this machine and decide the run.
 
     On top of :func:`k2.config.validate.validate` (done by ``load_config``): the pipeline trace path, the
