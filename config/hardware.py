@@ -1,8 +1,8 @@
 """Finding and reading the hardware profile ``plan.hardware`` names (the section of
 :mod:`k2.config.schema_hardware`), for ``k2-plan``'s step-time model and the trainer's MFU.
 
-``plan.hardware`` is a profile's name in ``recipes/hardware/`` (``h800``, ``h100``, ``h200``) or the path of a
-YAML file ``k2-bench bench=hardware`` wrote. The file is read through
+``plan.hardware`` is a profile's name in ``recipes/hardware/`` (``h800``, ``h100``, ``h200``) or the path of
+a YAML file ``k2-bench bench=hardware`` wrote. The file is read through
 ``OmegaConf.structured(HardwareProfileConfig)``; every fault is one :class:`k2.config.ConfigError` naming
 ``plan.hardware``, the file and the key.
 """
@@ -48,8 +48,9 @@ def load_hardware_profile(name_or_path: str) -> HardwareProfileConfig:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"plan.hardware={name!r}: not a profile (allowed: {', '.join(available_profiles())}, "
-                          f"or the path of a YAML file k2-bench bench=hardware wrote; {e.__class__.__name__})"
+        raise ConfigError(f"plan.hardware={name!r}: not a profile (allowed: "
+                          f"{', '.join(available_profiles())}, or the path of a YAML file k2-bench "
+                          f"bench=hardware wrote; {e.__class__.__name__})"
                           ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"plan.hardware={name!r}: the file holds no mapping of profile keys")

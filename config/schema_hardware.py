@@ -92,6 +92,6 @@ class HardwareProfileConfig:
 
 
 #: the numbers every profile gives, each > 0
-REQUIRED_POSITIVE = ("peak_bf16_tflops", "gemm_bf16_tflops", "attention_tflops", "memory_gbps", "nvlink_gbps",
-                     "nvlink_alltoall_gbps", "nvlink_collective_gbps", "network_gbps", "network_alltoall_gbps",
-                     "network_collective_gbps", "host_gbps")
+REQUIRED_POSITIVE = ("peak_bf16_tflops", "gemm_bf16_tflops", "attention_tflops", "memory_gbps",
+                     "nvlink_gbps", "nvlink_alltoall_gbps", "nvlink_collective_gbps", "network_gbps",
+                     "network_alltoall_gbps", "network_collective_gbps", "host_gbps")

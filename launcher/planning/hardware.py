@@ -46,7 +46,8 @@ class HardwareProfile(HardwareProfileConfig):
         return KernelRates(gemm_flops=gemm * 1e12 * compute_fraction,
                            attention_flops=attention * 1e12 * compute_fraction,
                            memory_bytes=self.memory_gbps * 1e9 * self.memory_efficiency,
-                           launch_s=self.kernel_launch_us * 1e-6, tile=self.gemm_tile, units=self.compute_units,
+                           launch_s=self.kernel_launch_us * 1e-6, tile=self.gemm_tile,
+                           units=self.compute_units,
                            gemm_bytes_per_element=nbytes,
                            grouped_gemm_flops=grouped * 1e12 * compute_fraction if grouped else None)
 

@@ -98,8 +98,8 @@ class StageModel:
     """Per-layer costs of one phase on one layout: :func:`k2.launcher.planning.step_time.step_time` drives
     it, and :mod:`k2.launcher.planning.trace_rates` prices a published trace's chunk with it (seconds)."""
 
-    def __init__(self, model_cfg: ModelConfig, fl, dims, *, tokens: int, profile: HardwareProfile, rates: KernelRates,
-                 act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
+    def __init__(self, model_cfg: ModelConfig, fl, dims, *, tokens: int, profile: HardwareProfile,
+                 rates: KernelRates, act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
         self.s, self.fl, self.dims, self.T = _shapes(model_cfg), fl, dims, tokens
         self.profile, self.rates, self.a = profile, rates, act_bytes
         self.grouped, self.wi, self.recompute = grouped, what_if, set(recompute or ())

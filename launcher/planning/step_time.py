@@ -163,8 +163,9 @@ class _Pipeline:
 
 
 def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches: int, recompute=(),
-              offload_bytes=None, activation_bytes=None, profile: HardwareProfile, max_microbatches: int | None = None,
-              ep_overlap: bool | None = None, pair_transient_bytes=None) -> StepTime:
+              offload_bytes=None, activation_bytes=None, profile: HardwareProfile,
+              max_microbatches: int | None = None, ep_overlap: bool | None = None,
+              pair_transient_bytes=None) -> StepTime:
     """The step time of one phase on one layout, with its breakdown (module docstring): each term is one
     function below, the pipeline's bubble from the simulator.
 

@@ -58,5 +58,6 @@ def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, ne
 
 
 def test_an_unknown_name_lists_the_shipped_profiles():
-    with pytest.raises(ConfigError, match=r"plan.hardware='h900': not a profile \(allowed: h100, h200, h800"):
+    with pytest.raises(ConfigError,
+                       match=r"plan.hardware='h900': not a profile \(allowed: h100, h200, h800"):
         load_hardware_profile("h900")
