@@ -9,6 +9,7 @@ a YAML file ``k2-bench bench=hardware`` wrote. The file is read through
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -102,4 +103,10 @@ def peak_tflops(cfg: K2Config) -> float:
     override = cfg.cluster.peak_tflops
     if override is not None:
         return float(override)
-    return float(load_hardware_profile(str(cfg.plan.hardware)).peak_bf16_tflops)
+    return _profile_peak_tflops(str(cfg.plan.hardware))
+
+
+@functools.lru_cache(maxsize=8)
+def _profile_peak_tflops(name_or_path: str) -> float:
+    """``peak_bf16_tflops`` of the profile ``name_or_path`` (read once: the trainer asks every step)."""
+    return float(load_hardware_profile(name_or_path).peak_bf16_tflops)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from k2.config.hardware import peak_tflops
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
@@ -99,6 +100,7 @@ def prepare_run(cfg: K2Config, world_size: int) -> RunPlan:
     """
     check_pipeline_config(cfg.pipeline)
     check_backend_config(cfg)
+    peak_tflops(cfg)  # the MFU peak on a GPU: plan.hardware's profile is read (and a bad one named) here
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
     schedule = resolve_schedule(cfg, dims)
     if offloads_anything(cfg, schedule):

@@ -61,3 +61,21 @@ def test_an_unknown_name_lists_the_shipped_profiles():
     with pytest.raises(ConfigError,
                        match=r"plan.hardware='h900': not a profile \(allowed: h100, h200, h800"):
         load_hardware_profile("h900")
+
+
+def test_mfu_peak_is_the_profiles_unless_cluster_peak_tflops_overrides():
+    """MFU's device peak (k2-train on a GPU, k2-plan): plan.hardware's BF16 peak, cluster.peak_tflops where
+    set (the K2 parallel recipes set 989); on CPU cluster.cpu_peak_tflops or no MFU."""
+    from k2.config import load_config
+    from k2.config.hardware import peak_tflops
+    from k2.launcher.training.metrics import step_mfu
+
+    assert peak_tflops(load_config([])) == pytest.approx(989.4)
+    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2"])) == 989.0
+    assert peak_tflops(load_config(["cluster.peak_tflops=500", "plan.hardware=h200"])) == 500.0
+    cfg = load_config([])
+    tflops, mfu = step_mfu(2e15, 2.0, 4, cfg, on_gpu=True)
+    assert tflops == pytest.approx(2e15 / 2.0 / 4 / 1e12) and mfu == pytest.approx(tflops / 989.4)
+    assert step_mfu(2e15, 2.0, 4, cfg, on_gpu=False)[1] is None
+    with pytest.raises(ConfigError, match="cluster.peak_tflops"):
+        load_config(["cluster.peak_tflops=0"])
