@@ -21,7 +21,9 @@ class ClusterConfig:
     # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
     # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
     host_memory_gib: float = 2048.0
-    peak_tflops: float = 989.0  # dense BF16 peak of one GPU in TFLOP/s (H800 / H100 SXM: 989)
+    # dense BF16 peak of one GPU in TFLOP/s that MFU (k2-train, k2-plan) and k2-plan's FLOPs-only estimate use;
+    # null = peak_bf16_tflops of plan.hardware's profile (h800 / h100 / h200: 989.4); a number overrides it
+    peak_tflops: Optional[float] = None
     # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
     # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
     cpu_peak_tflops: Optional[float] = None

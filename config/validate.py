@@ -236,8 +236,9 @@ def check_cluster(c: ClusterConfig) -> None:
     if c.gpu_memory_gib is not None:
         _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
                  "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)")
-    _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
-             "a number > 0 (dense BF16 TFLOP/s per GPU)")
+    if c.peak_tflops is not None:
+        _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
+                 "a number > 0 (dense BF16 TFLOP/s per GPU), or null (plan.hardware's profile's peak)")
     if c.cpu_peak_tflops is not None:
         _require(_finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0, "cluster.cpu_peak_tflops",
                  c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")

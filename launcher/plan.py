@@ -21,6 +21,7 @@ from k2.launcher.cli import run_main
 
 if TYPE_CHECKING:
     from k2.launcher.planning import ClusterPlan
+    from k2.config.schema import K2Config
 
 # the planner, the plots and the data checks are imported where they are used: --help does not wait
 # for the model's imports (megatron-core, torch)
@@ -71,7 +72,7 @@ def _plot_schedule(plan: ClusterPlan, path: str) -> None:
     print(f"{PROG}: wrote {path} (schedule)", file=sys.stderr)
 
 
-def phase_data_rows(cfg) -> list[dict]:
+def phase_data_rows(cfg: K2Config) -> list[dict]:
     """Per schedule phase: its name and the ``data.path`` / ``data.valid_path`` it trains and validates on
     (null = the embedded corpus; a valid_path of null carves validation out of the path by data.split)."""
     from k2.launcher.datasets.resolve import phase_data_settings

@@ -20,10 +20,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 PROG = "k2-train"
 
@@ -84,7 +87,7 @@ def _train(args: list[str]) -> int:
         return _run(cfg, plan, env)
 
 
-def _run(cfg, plan, env) -> int:
+def _run(cfg: K2Config, plan, env) -> int:
     """Start the local ranks (outside torchrun / srun, world size > 1) or run as this launch's rank."""
     from k2.launcher.datasets.corpus import prepare_stdlib_corpus
     from k2.launcher.training.cuda_env import configure_cuda_env
@@ -102,7 +105,7 @@ def _run(cfg, plan, env) -> int:
     return _run_rank(cfg, plan, env, spawned=False)
 
 
-def rank_main(cfg, plan) -> int:
+def rank_main(cfg: K2Config, plan) -> int:
     """The entry of a rank that ``k2-train`` spawned (:func:`k2.launcher.training.launch.spawn_local_ranks`):
     train with the config ``k2-train`` composed and validated and the plan it made (resume decision
     included, taken under the run dir's lock), as one rank of torchrun's environment contract (``RANK``,
@@ -121,7 +124,7 @@ def rank_main(cfg, plan) -> int:
     return run_main(PROG, lambda _args: _run_rank(cfg, plan, dist_env(), spawned=True), [])
 
 
-def _run_rank(cfg, plan, env, spawned: bool) -> int:
+def _run_rank(cfg: K2Config, plan, env, spawned: bool) -> int:
     """Train as rank ``env.rank``; ``spawned``: started by this process's parent ``k2-train``."""
     from k2.launcher.training.cuda_env import apply_determinism
     from k2.parallel.distributed import destroy_distributed

@@ -38,11 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from k2.config.access import setting as _get
-
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from k2.config.schema import ModelConfig
 
 __all__ = ["FlopsPerToken", "flops_per_token", "mfu", "step_flops"]
@@ -51,10 +47,9 @@ __all__ = ["FlopsPerToken", "flops_per_token", "mfu", "step_flops"]
 TRAINING_FACTOR = 3
 
 
-def _moe_pattern(model_cfg: ModelConfig | Mapping[str, Any]) -> list[int]:
-    n = int(_get(model_cfg, "num_layers"))
-    k = int(_get(model_cfg, "first_k_dense_replace", 0))
-    if not _get(model_cfg, "num_moe_experts"):
+def _moe_pattern(model_cfg: ModelConfig) -> list[int]:
+    n, k = int(model_cfg.num_layers), int(model_cfg.first_k_dense_replace)
+    if not model_cfg.num_moe_experts:
         return [0] * n
     if not 0 <= k <= n:
         raise ValueError(f"model.first_k_dense_replace={k} must be in [0, model.num_layers={n}]")
@@ -143,7 +138,7 @@ class FlopsPerToken:
         }
 
 
-def flops_per_token(model_cfg: ModelConfig | Mapping[str, Any], seq_length: int) -> FlopsPerToken:
+def flops_per_token(model_cfg: ModelConfig, seq_length: int) -> FlopsPerToken:
     """Forward FLOPs per token of ``model_cfg`` at ``seq_length`` (formula in the module docstring).
 
     Args:
@@ -158,34 +153,34 @@ def flops_per_token(model_cfg: ModelConfig | Mapping[str, Any], seq_length: int)
     """
     if int(seq_length) < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")
-    g = lambda k, d=None: _get(model_cfg, k, d)  # noqa: E731
-    h, H = int(g("hidden_size")), int(g("num_attention_heads"))
-    d_qk, d_r, d_v = int(g("qk_head_dim")), int(g("qk_pos_emb_head_dim")), int(g("v_head_dim"))
-    r_q, r_kv = g("q_lora_rank"), int(g("kv_lora_rank"))
+    m = model_cfg
+    h, H = int(m.hidden_size), int(m.num_attention_heads)
+    d_qk, d_r, d_v = int(m.qk_head_dim), int(m.qk_pos_emb_head_dim), int(m.v_head_dim)
+    r_q, r_kv = m.q_lora_rank, int(m.kv_lora_rank)
     q = h * r_q + r_q * H * (d_qk + d_r) if r_q else h * H * (d_qk + d_r)
     kv = h * (r_kv + d_r) + r_kv * H * (d_qk + d_v)
     proj = 2 * (q + kv + H * d_v * h)
     up = 2 * ((r_q * H * (d_qk + d_r) if r_q else 0) + r_kv * H * (d_qk + d_v))
     core = 2 * H * (d_qk + d_r) * seq_length / 2 + 2 * H * d_v * seq_length / 2
-    E = int(g("num_moe_experts") or 0)
-    topk = int(g("moe_router_topk", 0)) if E else 0
-    f_e = int(g("moe_ffn_hidden_size") or 0) if E else 0
-    f_s = int(g("moe_shared_expert_intermediate_size") or 0) if E else 0
+    E = int(m.num_moe_experts or 0)
+    topk = int(m.moe_router_topk) if E else 0
+    f_e = int(m.moe_ffn_hidden_size or 0) if E else 0
+    f_s = int(m.moe_shared_expert_intermediate_size or 0) if E else 0
     return FlopsPerToken(
         seq_length=int(seq_length),
         attention_proj=proj,
         attention_up_proj=up,
         attention_core=core,
-        dense_mlp=2 * 3 * h * int(g("ffn_hidden_size")),
+        dense_mlp=2 * 3 * h * int(m.ffn_hidden_size),
         router=2 * h * E,
         routed_experts=topk * 2 * 3 * h * f_e,
         shared_experts=2 * 3 * h * f_s,
-        lm_head=2 * h * int(g("vocab_size")),
+        lm_head=2 * h * int(m.vocab_size),
         moe_pattern=tuple(_moe_pattern(model_cfg)),
     )
 
 
-def step_flops(model_cfg: ModelConfig | Mapping[str, Any], seq_length: int, tokens: int) -> float:
+def step_flops(model_cfg: ModelConfig, seq_length: int, tokens: int) -> float:
     """Model FLOPs of one training step of ``tokens`` tokens at ``seq_length``: ``3 x forward x tokens``."""
     return flops_per_token(model_cfg, seq_length).training * int(tokens)
 

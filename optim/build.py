@@ -40,10 +40,15 @@ What megatron-core 0.19.2 gets wrong for K2 and how it is handled here (each che
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from k2.optim.muon import SPLIT_ATTR, K2Muon, newton_schulz_gemms
 from k2.optim.params import LAYER_WISE_ATTR, ROUTE_ATTR
 from k2.optim.registry import ADAMW_UPDATE, MUON_UPDATE, MatrixStep, OptimizerSpec, optimizer_spec
 from k2.schedules.lr import optimizer_lr_settings
+
+if TYPE_CHECKING:
+    from k2.config.schema import OptimConfig
 
 #: Name of :class:`k2.optim.muon.K2Muon` in megatron's emerging-optimizer registry.
 K2_MUON = "k2_muon"
@@ -63,20 +68,20 @@ def leaf_optimizers(optimizer):
         yield from leaf_optimizers(child)
 
 
-def uses_muon(optim_cfg) -> bool:
+def uses_muon(optim_cfg: OptimConfig) -> bool:
     """True when ``optim.name`` routes weight matrices to Muon (``optim=muonclip``: its
     :class:`k2.optim.registry.OptimizerSpec` has a ``matrix`` update). ``optim_cfg``: the ``optim``
     section."""
     return optimizer_spec(optim_cfg.name).matrix is not None
 
 
-def uses_zero1_muon(optim_cfg, use_distributed_optimizer: bool) -> bool:
+def uses_zero1_muon(optim_cfg: OptimConfig, use_distributed_optimizer: bool) -> bool:
     """True when the Muon matrices are sharded by ZeRO-1 (MuonClip + ``k2.parallel.use_distributed_optimizer``):
     they then sit in DDP buffers of their own (:func:`k2.optim.params.tag_parameters`)."""
     return uses_muon(optim_cfg) and bool(use_distributed_optimizer)
 
 
-def uses_layer_wise(optim_cfg, use_distributed_optimizer: bool) -> bool:
+def uses_layer_wise(optim_cfg: OptimConfig, use_distributed_optimizer: bool) -> bool:
     """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (:func:`uses_zero1_muon` and
     ``optim.muon_zero1=layer_wise``); False for the byte-range Distributed Muon
     (:mod:`k2.optim.distributed_muon`)."""
@@ -148,7 +153,7 @@ def use_torch_adam() -> None:
     distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
 
 
-def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
+def build_optimizer(optim_cfg: OptimConfig, model: list, tcfg, schedule, use_distributed_optimizer: bool):
     """The run's megatron optimizer: the ``build`` of ``optim.name``'s
     :class:`k2.optim.registry.OptimizerSpec` (the module docstring describes AdamW and MuonClip).
 
@@ -175,7 +180,7 @@ def build_optimizer(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
     return optimizer_spec(optim_cfg.name).build(optim_cfg, model, tcfg, schedule, use_distributed_optimizer)
 
 
-def megatron_settings(optim_cfg, tcfg, schedule, use_distributed_optimizer: bool) -> dict:
+def megatron_settings(optim_cfg: OptimConfig, tcfg, schedule, use_distributed_optimizer: bool) -> dict:
     """The ``OptimizerConfig`` arguments every optimizer here shares: the schedule's LR settings, Adam's
     betas and eps (the Adam part of any optimizer), grad-norm clipping, the parameter dtype and ZeRO-1.
     Also makes megatron build torch's AdamW (:func:`use_torch_adam`)."""
@@ -189,14 +194,14 @@ def megatron_settings(optim_cfg, tcfg, schedule, use_distributed_optimizer: bool
     )
 
 
-def decay_overrides(optim_cfg):
+def decay_overrides(optim_cfg: OptimConfig):
     """megatron's ``config_overrides`` for ``optim.decay_all_params`` (:func:`k2.optim.params.weight_decayed`):
     megatron's documented way to decay every parameter is an empty override dict; None selects its default
     (wd_mult 0 on 1-D tensors and biases)."""
     return {} if optim_cfg.decay_all_params else None
 
 
-def _build_adamw(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
+def _build_adamw(optim_cfg: OptimConfig, model: list, tcfg, schedule, use_distributed_optimizer: bool):
     """``optim=adamw``: megatron's Adam (torch's AdamW) over every parameter (module docstring)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -206,7 +211,7 @@ def _build_adamw(optim_cfg, model: list, tcfg, schedule, use_distributed_optimiz
     return _with_offload(optim_cfg, optimizer)
 
 
-def _build_muonclip(optim_cfg, model: list, tcfg, schedule, use_distributed_optimizer: bool):
+def _build_muonclip(optim_cfg: OptimConfig, model: list, tcfg, schedule, use_distributed_optimizer: bool):
     """``optim=muonclip``: K2Muon for the Muon matrices, megatron's Adam for the rest (module docstring)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -238,7 +243,7 @@ def _build_muonclip(optim_cfg, model: list, tcfg, schedule, use_distributed_opti
     return optimizer
 
 
-def _with_offload(optim_cfg, optimizer):
+def _with_offload(optim_cfg: OptimConfig, optimizer):
     """``optimizer`` (megatron's ``ChainedOptimizer``) as a :class:`k2.optim.offload.OffloadedOptimizer` when
     ``optim.offload_fraction > 0`` (its distributed optimizers' states in host memory between steps)."""
     if not optim_cfg.offload_fraction:

@@ -26,12 +26,15 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from k2.model.build import global_param_name
 from k2.optim.muon import SPLIT_ATTR, MatrixSplit
+
+if TYPE_CHECKING:
+    from k2.config.schema import OptimConfig
 
 #: Parameter attribute: ``"muon"`` or ``"adamw"``.
 ROUTE_ATTR = "k2_optimizer"
@@ -88,7 +91,7 @@ def weight_decayed(name: str, p, decay_all_params: bool = True) -> bool:
     return decay_all_params or not (p.dim() == 1 or name.endswith(".bias"))
 
 
-def param_rules(optim_cfg) -> dict:
+def param_rules(optim_cfg: OptimConfig) -> dict:
     """The ``optim`` section's parameter rules as keyword arguments of :func:`tag_parameters`:
     ``{"router_optimizer": ..., "decay_all_params": ...}``."""
     return {"router_optimizer": optim_cfg.router_optimizer, "decay_all_params": bool(optim_cfg.decay_all_params)}

@@ -38,13 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from k2.config.access import setting as _get
 from k2.config.errors import ConfigError
 from k2.parallel.layout import counts_even, counts_from_layout, counts_uneven, divisors, format_values
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from k2.config.schema import ModelConfig, ParallelConfig
 
 
@@ -94,8 +91,8 @@ class ParallelDims:
     @classmethod
     def from_config(
         cls,
-        parallel_cfg: ParallelConfig | Mapping[str, Any],
-        model_cfg: ModelConfig | Mapping[str, Any],
+        parallel_cfg: ParallelConfig,
+        model_cfg: ModelConfig,
         world_size: int,
         *,
         world_size_from: str = "launch.nproc_per_node x nodes",
@@ -122,18 +119,18 @@ class ParallelDims:
                 (remaining) PP x VPP stages; ``k2.model.num_moe_experts`` not divisible by ep; ep not
                 dividing tp * dp.
         """
-        tp = _positive_int(_get(parallel_cfg, "tp", 1), "parallel.tp")
+        tp = _positive_int(parallel_cfg.tp, "parallel.tp")
         if tp != 1:
             raise ConfigError(
                 f"parallel.tp={tp} is not supported yet: tensor parallelism is not wired into the K2 "
                 "model, optimizer and CPU backend; allowed parallel.tp: 1"
             )
-        pp = _positive_int(_get(parallel_cfg, "pp", 1), "parallel.pp")
-        ep = _positive_int(_get(parallel_cfg, "ep", 1), "parallel.ep")
-        vpp_raw = _get(parallel_cfg, "vpp", None)
+        pp = _positive_int(parallel_cfg.pp, "parallel.pp")
+        ep = _positive_int(parallel_cfg.ep, "parallel.ep")
+        vpp_raw = parallel_cfg.vpp
         vpp = 1 if vpp_raw is None else _positive_int(vpp_raw, "parallel.vpp")
         world_size = _positive_int(world_size, f"world size ({world_size_from})")
-        num_layers = _positive_int(_get(model_cfg, "num_layers"), "model.num_layers")
+        num_layers = _positive_int(model_cfg.num_layers, "model.num_layers")
 
         # ---- world size over tp x pp
         if world_size % (tp * pp) != 0:
@@ -261,7 +258,7 @@ class ParallelDims:
             )
 
 
-def _layer_table(parallel_cfg: ParallelConfig | Mapping[str, Any], pp: int, vpp: int, num_layers: int):
+def _layer_table(parallel_cfg: ParallelConfig, pp: int, vpp: int, num_layers: int):
     """``(layout[pp_rank][vpp_stage] -> global layer indices, layout string, first, last)`` from
     ``parallel.layout`` or ``parallel.first/last_stage_layers`` or the even split (module docstring).
 
@@ -269,9 +266,9 @@ def _layer_table(parallel_cfg: ParallelConfig | Mapping[str, Any], pp: int, vpp:
         ConfigError: the layout together with first/last_stage_layers, or any error of
             :mod:`k2.parallel.layout` naming the setting.
     """
-    layout_str = _get(parallel_cfg, "layout", None)
-    first = _get(parallel_cfg, "first_stage_layers", None)
-    last = _get(parallel_cfg, "last_stage_layers", None)
+    layout_str = parallel_cfg.layout
+    first = parallel_cfg.first_stage_layers
+    last = parallel_cfg.last_stage_layers
     if layout_str is not None and (first is not None or last is not None):
         raise ConfigError(
             f"parallel.layout={layout_str!r} cannot be combined with parallel.first_stage_layers="
@@ -298,14 +295,14 @@ def _layer_table(parallel_cfg: ParallelConfig | Mapping[str, Any], pp: int, vpp:
     return table, layout_str, first, last
 
 
-def _check_experts(model_cfg: ModelConfig | Mapping[str, Any],
+def _check_experts(model_cfg: ModelConfig,
                    tp: int, pp: int, ep: int, dp: int, world_size: int) -> None:
     """Experts over EP, and EP over the DP ranks (megatron carves EP out of DP).
 
     Raises:
         ConfigError: EP without experts, experts not divisible by EP, or EP not dividing DP.
     """
-    num_experts = _get(model_cfg, "num_moe_experts", None)
+    num_experts = model_cfg.num_moe_experts
     if not num_experts:
         if ep != 1:
             raise ConfigError(

@@ -15,15 +15,8 @@ from k2.parallel.dims import check_microbatches
 from k2.schedules.wsd import LR_STYLES, PHASE_LENGTH_KEYS, ROPE_TYPES, LRSegment, Phase, Schedule, ceil_div
 
 if TYPE_CHECKING:
-    from k2.config.schema import K2Config, ModelConfig
+    from k2.config.schema import K2Config, MemoryConfig, ModelConfig, PhaseConfig
 
-
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    if node is None:
-        return default
-    if isinstance(node, dict):
-        return node.get(key, default)
-    return getattr(node, key, default)
 
 
 def _is_int(v: Any) -> bool:
@@ -36,10 +29,10 @@ def _fmt(n: int) -> str:
 
 def _supported_length(model_cfg: ModelConfig, rope_type: str) -> tuple[int, str]:
     """Longest context the model's position settings allow under ``rope_type`` and why."""
-    max_pos = int(_get(model_cfg, "max_position_embeddings"))
+    max_pos = int(model_cfg.max_position_embeddings)
     if rope_type == "yarn":
-        orig = int(_get(model_cfg, "original_max_position_embeddings"))
-        factor = float(_get(model_cfg, "rotary_scaling_factor"))
+        orig = int(model_cfg.original_max_position_embeddings)
+        factor = float(model_cfg.rotary_scaling_factor)
         yarn_max = int(orig * factor)
         if yarn_max < max_pos:
             return yarn_max, (
@@ -75,36 +68,36 @@ def resolve_schedule(cfg: K2Config, dims: Any = None) -> Schedule:
             batch megatron's pipeline schedule cannot split into microbatches.
     """
     s = cfg.schedule
-    B = _get(s, "global_batch_tokens")
+    B = s.global_batch_tokens
     if not _is_int(B) or B < 1:
         raise ConfigError(f"schedule.global_batch_tokens={B!r} must be an integer >= 1 (tokens per step)")
-    wd = _get(s, "weight_decay", 0.0)
+    wd = s.weight_decay
     if wd is None or float(wd) < 0:
         raise ConfigError(f"schedule.weight_decay={wd!r} must be a number >= 0")
-    raw = list(_get(s, "phases") or [])
+    raw = list(s.phases or [])
     if not raw:
         raise ConfigError("schedule.phases is empty; a schedule needs at least one phase "
                           "(see recipes/schedule/)")
     recs: list[dict] = []
     for i, ph in enumerate(raw):
         recs.append(_resolve_phase(i, ph, recs[-1] if recs else None, recs, B, cfg.model,
-                                   _get(cfg.train, "micro_batch_size")))
+                                   cfg.train.micro_batch_size))
     if recs[-1]["end"] <= 0:
         raise ConfigError("the schedule has no tokens: every phase in schedule.phases has length 0")
     segments = _lr_segments(recs)
-    memories = _phase_memories(raw, _get(cfg, "memory"))
+    memories = _phase_memories(raw, cfg.memory)
     phases = tuple(_phase(rec, segments[rec["segment"]], B, _microbatches(rec, raw, dims, B), memories[i])
                    for i, rec in enumerate(recs))
-    return Schedule(name=str(_get(s, "name", "")), global_batch_tokens=B, weight_decay=float(wd),
+    return Schedule(name=str(s.name), global_batch_tokens=B, weight_decay=float(wd),
                     phases=phases, _segments=segments)
 
 
-def _resolve_phase(i: int, ph: Any, prev: Optional[dict], done: list, B: int, model_cfg: ModelConfig,
+def _resolve_phase(i: int, ph: PhaseConfig, prev: Optional[dict], done: list, B: int, model_cfg: ModelConfig,
                    default_mbs: Any) -> dict:
     """Phase ``i`` of ``schedule.phases`` with every default filled in from ``prev`` (the resolved phase
     before it) and checked; a dict of its settings (``start`` / ``end`` in nominal tokens)."""
     key = f"schedule.phases.{i}"
-    name = str(_get(ph, "name") or f"phase{i}")
+    name = str(ph.name or f"phase{i}")
     if any(r["name"] == name for r in done):
         raise ConfigError(f"{key}.name={name!r} is used twice; phase names must be unique")
     where = f"{key} ('{name}')"
@@ -120,10 +113,10 @@ def _resolve_phase(i: int, ph: Any, prev: Optional[dict], done: list, B: int, mo
     return rec
 
 
-def _phase_length(key: str, where: str, ph: Any, start: int, prev: Optional[dict], B: int):
+def _phase_length(key: str, where: str, ph: PhaseConfig, start: int, prev: Optional[dict], B: int):
     """``(kind, value, end)``: which of tokens / steps / until_tokens the phase sets, its value, and the
     phase's nominal end in tokens from the start of training."""
-    given = [k for k in PHASE_LENGTH_KEYS if _get(ph, k) is not None]
+    given = [k for k in PHASE_LENGTH_KEYS if getattr(ph, k) is not None]
     if len(given) != 1:
         raise ConfigError(
             f"{where} sets {', '.join(given) if given else 'no length'}; set exactly one of "
@@ -131,7 +124,7 @@ def _phase_length(key: str, where: str, ph: Any, start: int, prev: Optional[dict
             f"schedule.global_batch_tokens={_fmt(B)}) or {key}.until_tokens (end, tokens from the start)"
         )
     kind = given[0]
-    value = _get(ph, kind)
+    value = getattr(ph, kind)
     if not _is_int(value):
         raise ConfigError(f"{key}.{kind}={value!r} must be an integer")
     if value < 0:
@@ -156,14 +149,14 @@ def _phase_length(key: str, where: str, ph: Any, start: int, prev: Optional[dict
     return kind, value, value
 
 
-def _phase_lr(key: str, where: str, ph: Any, prev: Optional[dict]):
+def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: Optional[dict]):
     """``(lr_style, lr_start, lr_end)`` of the phase (None, None for ``continue``)."""
-    style = _get(ph, "lr_style")
+    style = ph.lr_style
     if style not in LR_STYLES:
         raise ConfigError(
             f"{key}.lr_style={style!r} is not a known decay style; allowed: {', '.join(LR_STYLES)}"
         )
-    lr_start, lr_end = _get(ph, "lr_start"), _get(ph, "lr_end")
+    lr_start, lr_end = ph.lr_start, ph.lr_end
     if style == "continue":
         if prev is None:
             raise ConfigError(f"{key}.lr_style=continue on the first phase: there is no rule to "
@@ -193,26 +186,27 @@ def _phase_lr(key: str, where: str, ph: Any, prev: Optional[dict]):
     return style, lr_start, lr_end
 
 
-def _phase_context(key: str, ph: Any, prev: Optional[dict], B: int, model_cfg: ModelConfig, default_mbs: Any):
+def _phase_context(key: str, ph: PhaseConfig, prev: Optional[dict], B: int, model_cfg: ModelConfig,
+                   default_mbs: Any):
     """``(seq_length, rope_type, micro_batch_size)`` of the phase, checked against the model's position
     settings and the global batch in tokens."""
-    seq = _get(ph, "seq_length")
+    seq = ph.seq_length
     if seq is None:
         if prev is None:
             raise ConfigError(f"{key}.seq_length is not set; the first phase needs a context length")
         seq = prev["seq_length"]
     if not _is_int(seq) or seq < 1:
         raise ConfigError(f"{key}.seq_length={seq!r} must be an integer >= 1 (tokens)")
-    rope = _get(ph, "rope_type")
+    rope = ph.rope_type
     if rope is None:
-        rope = prev["rope_type"] if prev is not None else _get(model_cfg, "rope_type")
+        rope = prev["rope_type"] if prev is not None else model_cfg.rope_type
     if rope not in ROPE_TYPES:
         raise ConfigError(f"{key}.rope_type={rope!r}; allowed: {', '.join(ROPE_TYPES)}")
     longest, why = _supported_length(model_cfg, rope)
     if seq > longest:
         raise ConfigError(
             f"{key}.seq_length={_fmt(seq)} with rope_type={rope} is longer than the model's position "
-            f"settings support ({why}, model={_get(model_cfg, 'name')}); allowed: seq_length <= "
+            f"settings support ({why}, model={model_cfg.name}); allowed: seq_length <= "
             f"{_fmt(longest)}"
         )
     if B % seq:
@@ -223,7 +217,7 @@ def _phase_context(key: str, ph: Any, prev: Optional[dict], B: int, model_cfg: M
             f"{_fmt(B)} (e.g. {', '.join(_fmt(d) for d in divs[-4:]) or '1'}), or change "
             f"schedule.global_batch_tokens to a multiple of {_fmt(seq)}"
         )
-    mbs = _get(ph, "micro_batch_size")
+    mbs = ph.micro_batch_size
     if mbs is None:
         mbs = prev["micro_batch_size"] if prev is not None else default_mbs
     if not _is_int(mbs) or mbs < 1:
@@ -244,14 +238,14 @@ def _lr_segments(recs: list[dict]) -> tuple[LRSegment, ...]:
     return tuple(LRSegment(**d) for d in segs)
 
 
-def _microbatches(rec: dict, raw: list, dims: Any, B: int) -> Optional[int]:
+def _microbatches(rec: dict, raw: list[PhaseConfig], dims: Any, B: int) -> Optional[int]:
     """Microbatches per DP rank of a phase that runs a step, checked against megatron's pipeline
     schedule for ``dims``; None without ``dims`` or for a phase that runs no step."""
     first, last = ceil_div(rec["start"], B) + 1, ceil_div(rec["end"], B)
     if dims is None or last < first:
         return None
     key = f"schedule.phases.{rec['index']}"
-    mbs_name = (f"{key}.micro_batch_size" if _get(raw[rec["index"]], "micro_batch_size") is not None
+    mbs_name = (f"{key}.micro_batch_size" if raw[rec["index"]].micro_batch_size is not None
                 else "train.micro_batch_size")
     try:
         return check_microbatches(dims, rec["global_batch_size"], rec["micro_batch_size"],
@@ -269,7 +263,7 @@ def _microbatches(rec: dict, raw: list, dims: Any, B: int) -> Optional[int]:
 _MEMORY_KEYS = ("fp8_store", "recompute", "offload")
 
 
-def _phase_memories(raw: list, base: Any) -> list[dict]:
+def _phase_memories(raw: list[PhaseConfig], base: MemoryConfig | None) -> list[dict]:
     """Each phase's ``memory.*`` site lists: ``base`` (the memory group; None = all off) with the
     ``schedule.phases.<i>.memory`` overrides of that phase and the ones before it (a key left out or null =
     the previous phase's).
@@ -279,10 +273,10 @@ def _phase_memories(raw: list, base: Any) -> list[dict]:
     """
     from k2.config.validate import check_phase_memory
 
-    current = {k: list(_get(base, k) or []) for k in _MEMORY_KEYS}
+    current = {k: list((getattr(base, k) if base is not None else None) or []) for k in _MEMORY_KEYS}
     out = []
     for i, ph in enumerate(raw):
-        over = _get(ph, "memory")
+        over = ph.memory
         check_phase_memory(over, f"schedule.phases.{i}.memory")
         if over is not None:
             current = {k: (list(over[k]) if k in over and over[k] is not None else v) for k, v in current.items()}

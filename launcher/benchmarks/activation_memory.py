@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
@@ -39,6 +39,9 @@ from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.parallel.dims import ParallelDims
 from k2.parallel.distributed import destroy_distributed, dist_env, init_distributed
 from k2.schedules.resolve import resolve_schedule
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 SETTINGS = ("none", "fp8", "recompute", "offload", "all")
 
@@ -201,7 +204,7 @@ def _summarise(raw: dict) -> dict[str, Any]:
     return figures
 
 
-def bench_memory(cfg) -> dict[str, Any]:
+def bench_memory(cfg: K2Config) -> dict[str, Any]:
     """Saved bytes per microbatch and step time for memory none / fp8 / recompute / offload / all (CPU
     proxy, several ranks, one run).
 

@@ -4,11 +4,14 @@ plain-torch reference (also the reference of the attention tests).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.launcher.benchmarks.common import DTYPES, bench_options, time_calls
 from k2.model.attention import K2CoreAttention
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 
 def reference_attention(q, k, v, scale: float):
@@ -127,7 +130,7 @@ def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype
     return figures
 
 
-def bench_attention(cfg) -> dict[str, Any]:
+def bench_attention(cfg: K2Config) -> dict[str, Any]:
     """K2CoreAttention vs a plain-torch reference: max |diff|, times, max-logit recording overhead.
 
     Per case (``cpu`` always unless ``devices=cuda``; ``cuda`` when a GPU is present, with K2's

@@ -30,10 +30,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.launcher.benchmarks.common import bench_options
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _DEFAULTS = {
     "moe_experts": 64,  # experts per MoE layer (k2_tiny: 8)
@@ -75,7 +78,7 @@ def per_save_stalls(recs: list[dict], interval: int, iters: int) -> list[float]:
     return [cum[b] - cum[a] for a, b in zip(steps, steps[1:])]
 
 
-def bench_checkpoint(cfg) -> dict[str, Any]:
+def bench_checkpoint(cfg: K2Config) -> dict[str, Any]:
     """Save stall with ``checkpoint.async_save`` off and on, and the slowdown of overlapped steps, in
     one benchmark run (module docstring).
 

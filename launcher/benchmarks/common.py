@@ -10,14 +10,17 @@ import platform
 import re
 import statistics
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from k2.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 DTYPES = ("fp32", "bf16")
 
 
-def bench_options(cfg, defaults: dict[str, Any]) -> dict[str, Any]:
+def bench_options(cfg: K2Config, defaults: dict[str, Any]) -> dict[str, Any]:
     """``cfg.bench.options`` over ``defaults``, each value converted to its default's type.
 
     Raises:

@@ -39,10 +39,13 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 from typing import Any
 
 from k2.launcher.benchmarks.common import bench_options
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 DEFAULTS = {"corpus_mb": 8.0, "repeats": 3, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2,
             "chunk_documents": 2048, "memory_limit_mb": 0}
@@ -196,7 +199,7 @@ def _limited_build(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict
                 time.sleep(0.1)
 
 
-def bench_data(cfg) -> dict[str, Any]:
+def bench_data(cfg: K2Config) -> dict[str, Any]:
     """Tokens/s of ``k2-data prepare`` (1 and ``workers`` processes) over the tokenizer's raw
     ``encode_batch`` (and ``encode_batch_fast``) on the same JSONL input in one run; peak RSS of a
     streamed build at two corpus sizes.

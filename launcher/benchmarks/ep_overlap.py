@@ -35,13 +35,16 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.benchmarks.common import bench_options, check_minimums
 from k2.launcher.benchmarks.shaped_link import ShapedLink, check_can_shape, measure_link
 from k2.schedules.pipeline_trace import read_trace
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _DEFAULTS = {
     "model": "k2_tiny",
@@ -220,7 +223,7 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
     return out
 
 
-def bench_ep_overlap(cfg) -> dict[str, Any]:
+def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
     """Step time and exposed all-to-all time with ``pipeline.ep_overlap`` off and on across a shaped link,
     and k2-plan's prediction of both (module docstring).
 

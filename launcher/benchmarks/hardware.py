@@ -29,9 +29,12 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.launcher.benchmarks.common import bench_options, best_time, check_minimums
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _DEFAULTS = {
     "threads": 0,  # CPU threads of the measurements; 0 = os.cpu_count() // ranks (what a k2-train rank gets)
@@ -249,7 +252,7 @@ def write_profile(profile: dict[str, Any], path: str) -> None:
     Path(path).write_text(head + yaml.safe_dump(profile, sort_keys=False))
 
 
-def bench_hardware(cfg) -> dict[str, Any]:
+def bench_hardware(cfg: K2Config) -> dict[str, Any]:
     """This machine's hardware profile (module docstring); with ``bench.options.out`` also written there.
 
     Raises:

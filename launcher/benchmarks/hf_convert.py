@@ -22,9 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.launcher.benchmarks.common import bench_options
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 DEFAULTS = {
     "hidden_size": 512,
@@ -159,7 +162,7 @@ def convert_in_child(verb: str, args: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench_hf_convert(cfg) -> dict[str, Any]:
+def bench_hf_convert(cfg: K2Config) -> dict[str, Any]:
     """Peak host memory of import and export against the largest tensor group and the whole model."""
     from k2.config.load import load_config
 

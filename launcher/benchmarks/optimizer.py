@@ -6,7 +6,7 @@ with ``optim.offload_fraction=1``, and megatron's layer-wise optimizer (``optim.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
@@ -16,6 +16,9 @@ from k2.optim.qk_clip import QKClip
 from k2.parallel import cpu_backend
 from k2.parallel.dims import ParallelDims
 from k2.schedules.resolve import resolve_schedule
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _OPTIMIZER_DEFAULTS = {
     "model": "k2_tiny",
@@ -129,7 +132,7 @@ def _zero1_figures(o: dict) -> dict[str, Any]:
     }
 
 
-def bench_optimizer(cfg) -> dict[str, Any]:
+def bench_optimizer(cfg: K2Config) -> dict[str, Any]:
     """Optimizer step of optim=muonclip vs optim=adamw on the CPU proxy (one rank, ZeRO-1 on).
 
     Both optimizers are built by the trainer's code (``k2.optim.build``) for ``bench.options.model``

@@ -34,7 +34,7 @@ import os
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.load import load_config
 from k2.launcher.benchmarks import pipeline as trainer_runs
@@ -43,6 +43,9 @@ from k2.launcher.benchmarks.hardware import measure_collectives, measure_device,
 from k2.launcher.benchmarks.operator_cost import OperatorRanks
 from k2.launcher.planning import KernelRates
 from k2.schedules.pipeline import read_trace
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _DEFAULTS = {
     "iters": 8,  # steps per trainer run (the first is not timed)
@@ -184,7 +187,7 @@ def _predicted(name: str, profile: str) -> dict[str, Any]:
             "breakdown": b, "largest_term": max(b, key=b.get), "compute": compute}
 
 
-def bench_perf_model(cfg) -> dict[str, Any]:
+def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
     """Predicted / measured step time of ``parallel=single`` and ``parallel=pp2`` (module docstring).
 
     Raises:

@@ -21,13 +21,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.benchmarks.common import bench_options
 from k2.launcher.training.prepare import prepare_run
 from k2.schedules.pipeline import read_trace
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _DEFAULTS = {
     "parallel": "cpu4",  # a parallel recipe (PP with VPP: K2's interleaved 1F1B)
@@ -114,7 +117,7 @@ def _case(o: dict, cuda: bool, tmp: Path) -> dict[str, Any]:
     }
 
 
-def bench_pipeline(cfg) -> dict[str, Any]:
+def bench_pipeline(cfg: K2Config) -> dict[str, Any]:
     """Step time with decoupled weight gradients on vs off (``pipeline.decouple_wgrad``), CPU and GPU.
 
     Figures per case (``cpu``; ``cuda`` when at least ``nproc`` GPUs are present): ``step_time_off_ms``,

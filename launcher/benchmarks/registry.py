@@ -31,7 +31,7 @@ Times are milliseconds (median of ``repeats`` timed calls after ``warmup`` untim
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from k2.config.errors import ConfigError
 from k2.launcher.benchmarks.activation_memory import bench_memory
@@ -40,29 +40,32 @@ from k2.launcher.benchmarks.common import describe, system_info
 from k2.launcher.benchmarks.data_prepare import bench_data
 from k2.launcher.benchmarks.optimizer import bench_optimizer
 
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
-def bench_step(cfg) -> dict[str, Any]:
+
+def bench_step(cfg: K2Config) -> dict[str, Any]:
     """One K2 training step vs a plain megatron-core step, each K2 feature toggled off (one process)."""
     from k2.launcher.benchmarks.step import bench_step as run
 
     return run(cfg)
 
 
-def bench_pipeline(cfg) -> dict[str, Any]:
+def bench_pipeline(cfg: K2Config) -> dict[str, Any]:
     """Step time with decoupled weight gradients (pipeline.decouple_wgrad) on vs off, in one run."""
     from k2.launcher.benchmarks.pipeline import bench_pipeline as run
 
     return run(cfg)
 
 
-def bench_hf_convert(cfg) -> dict[str, Any]:
+def bench_hf_convert(cfg: K2Config) -> dict[str, Any]:
     """Peak host memory of k2-convert import / export against the largest tensor group and the model."""
     from k2.launcher.benchmarks.hf_convert import bench_hf_convert as run
 
     return run(cfg)
 
 
-def bench_hardware(cfg) -> dict[str, Any]:
+def bench_hardware(cfg: K2Config) -> dict[str, Any]:
     """This machine's hardware profile for k2-plan's step-time model (GEMM rate by shape, memory bandwidth,
     per-operator cost, the backend's collectives); bench.options.out=PATH.yaml writes it."""
     from k2.launcher.benchmarks.hardware import bench_hardware as run
@@ -70,7 +73,7 @@ def bench_hardware(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
-def bench_perf_model(cfg) -> dict[str, Any]:
+def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
     """k2-plan's step-time model against measured parallel=single and parallel=pp2 runs of the main job's
     model, on a profile measured in the same run: predicted / measured per component."""
     from k2.launcher.benchmarks.perf_model import bench_perf_model as run
@@ -78,7 +81,7 @@ def bench_perf_model(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
-def bench_ep_overlap(cfg) -> dict[str, Any]:
+def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
     """pipeline.ep_overlap off vs on with EP across two network namespaces joined by a tc-tbf-shaped link:
     step time, exposed all-to-all time, and k2-plan's prediction of both for that link (needs root)."""
     from k2.launcher.benchmarks.ep_overlap import bench_ep_overlap as run
@@ -86,7 +89,7 @@ def bench_ep_overlap(cfg) -> dict[str, Any]:
     return run(cfg)
 
 
-def bench_checkpoint(cfg) -> dict[str, Any]:
+def bench_checkpoint(cfg: K2Config) -> dict[str, Any]:
     """The loop's wait per save with checkpoint.async_save off and on, and the slowdown of overlapped steps."""
     from k2.launcher.benchmarks.checkpoint import bench_checkpoint as run
 
@@ -109,7 +112,7 @@ BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
 }
 
 
-def run_bench(cfg) -> dict[str, Any]:
+def run_bench(cfg: K2Config) -> dict[str, Any]:
     """The JSON record of ``cfg.bench.name`` (``none``: the list of benchmarks).
 
     Raises:

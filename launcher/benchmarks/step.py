@@ -40,7 +40,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
@@ -51,6 +51,9 @@ from k2.model.build import reset_moe_process_state
 from k2.model.flops import step_flops
 from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.parallel import cpu_backend
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 DEFAULTS = {
     "size": "auto",  # auto (k2 on CUDA, tiny on CPU) | k2 | tiny
@@ -82,7 +85,7 @@ K2_SMALL = ["model=kimi_k2", "model.num_layers=3", "model.first_k_dense_replace=
 TINY = ["model=k2_tiny", "model.num_layers=3", "model.first_k_dense_replace=1"]
 
 
-def _options(cfg) -> dict:
+def _options(cfg: K2Config) -> dict:
     import torch
 
 
@@ -159,7 +162,7 @@ def gemm_peak_tflops(cuda: bool, repeats: int = 10) -> dict:
             "gemm_peak_tflops": 2 * n ** 3 / (ms / 1e3) / 1e12}
 
 
-def bench_step(cfg) -> dict[str, Any]:
+def bench_step(cfg: K2Config) -> dict[str, Any]:
     """One K2 training step vs a plain megatron-core step, each K2 feature toggled off (one process).
 
     Figures: ``config`` (model widths, tokens, precision, memory setting), the measured GEMM peak,

@@ -69,12 +69,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from k2.config.access import setting as _get
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from k2.config.schema import ModelConfig
 
 __all__ = ["Saved", "SITES", "apply_switches", "layer_recompute_saved", "layer_saved", "stage_saved"]
@@ -152,7 +149,7 @@ def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> lis
     return out
 
 
-def layer_saved(model_cfg: ModelConfig | Mapping[str, Any],
+def layer_saved(model_cfg: ModelConfig,
                 moe: bool, seq_length: int, micro_batch_size: int, precision: str,
                 fused_kernels: bool) -> list[Saved]:
     """The tensors one transformer layer keeps for backward for one microbatch (module docstring).
@@ -164,13 +161,13 @@ def layer_saved(model_cfg: ModelConfig | Mapping[str, Any],
         precision: ``bf16`` | ``fp32`` (``train.precision``).
         fused_kernels: GPU kernels (fused RMSNorm, SDPA attention) instead of the CPU's composite ones.
     """
-    g = lambda k, d=None: _get(model_cfg, k, d)  # noqa: E731
+    m = model_cfg
     B = 2 if precision == "bf16" else 4
     s, b = int(seq_length), int(micro_batch_size)
     T = s * b
-    h, H = int(g("hidden_size")), int(g("num_attention_heads"))
-    d_qk, d_r, d_v = int(g("qk_head_dim")), int(g("qk_pos_emb_head_dim")), int(g("v_head_dim"))
-    r_q, r_kv = g("q_lora_rank"), int(g("kv_lora_rank"))
+    h, H = int(m.hidden_size), int(m.num_attention_heads)
+    d_qk, d_r, d_v = int(m.qk_head_dim), int(m.qk_pos_emb_head_dim), int(m.v_head_dim)
+    r_q, r_kv = m.q_lora_rank, int(m.kv_lora_rank)
     out = _norm("attn_norm", T, h, B, fused_kernels, "attn_input", "layernorm")
     out.append(Saved("attn_norm.output", T * h, B, "mla_up_proj", recompute="layernorm"))
     # the latents are their RMSNorms' inputs (the kv latent includes the shared rope key)
@@ -201,8 +198,8 @@ def layer_saved(model_cfg: ModelConfig | Mapping[str, Any],
     out += _norm("mlp_norm", T, h, B, fused_kernels, "mlp_input", "layernorm")
     out.append(Saved("mlp_norm.output", T * h, B, recompute="layernorm"))
     if not moe:
-        return out + _swiglu("dense_mlp", T, int(g("ffn_hidden_size")), B, routed=False)
-    E, k = int(g("num_moe_experts")), int(g("moe_router_topk"))
+        return out + _swiglu("dense_mlp", T, int(m.ffn_hidden_size), B, routed=False)
+    E, k = int(m.num_moe_experts), int(m.moe_router_topk)
     Tk = T * k
     out += [
         Saved("router", 16 * T * E + 12 * Tk + 8 * T + 16 * E + 4, 1),
@@ -210,14 +207,14 @@ def layer_saved(model_cfg: ModelConfig | Mapping[str, Any],
         Saved("routed.fc1_input", Tk * h, B, "moe_fc1_input", "moe_fc1_input"),
         Saved("routed.probs", Tk, 4),
     ]
-    out += _swiglu("routed", Tk, int(g("moe_ffn_hidden_size")), B, routed=True)
-    f_s = g("moe_shared_expert_intermediate_size")
+    out += _swiglu("routed", Tk, int(m.moe_ffn_hidden_size), B, routed=True)
+    f_s = m.moe_shared_expert_intermediate_size
     if f_s:
         out += _swiglu("shared", T, int(f_s), B, routed=False)
     return out
 
 
-def layer_recompute_saved(model_cfg: ModelConfig | Mapping[str, Any],
+def layer_recompute_saved(model_cfg: ModelConfig,
                           seq_length: int, micro_batch_size: int, precision: str) -> list[Saved]:
     """What one transformer layer keeps for backward with ``memory.recompute`` site ``layer`` (whole-layer
     recompute, ``model/recompute.py``): its input ``[s, b, h]`` alone (offload site ``attn_input``). The
@@ -225,17 +222,17 @@ def layer_recompute_saved(model_cfg: ModelConfig | Mapping[str, Any],
     the selective recompute sites but no offload (``model/recompute.py``), one layer at a time."""
     B = 2 if precision == "bf16" else 4
     T = int(seq_length) * int(micro_batch_size)
-    return [Saved("layer.input", T * int(_get(model_cfg, "hidden_size")), B, "attn_input")]
+    return [Saved("layer.input", T * int(model_cfg.hidden_size), B, "attn_input")]
 
 
-def stage_saved(model_cfg: ModelConfig | Mapping[str, Any],
+def stage_saved(model_cfg: ModelConfig,
                 seq_length: int, micro_batch_size: int, precision: str, fused_kernels: bool,
                 embedding: bool, loss: bool) -> list[Saved]:
     """The extra tensors of the embedding stage (token ids) and of the loss stage (final norm, output head
     input, cross-entropy softmax and labels) for one microbatch."""
     B = 2 if precision == "bf16" else 4
     T = int(seq_length) * int(micro_batch_size)
-    h, V = int(_get(model_cfg, "hidden_size")), int(_get(model_cfg, "vocab_size"))
+    h, V = int(model_cfg.hidden_size), int(model_cfg.vocab_size)
     out: list[Saved] = []
     if embedding:
         out.append(Saved("token_ids", T, 8))

@@ -7,10 +7,14 @@ step_time` adds them to the pipeline's makespan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from k2.launcher.planning.comm import crosses_nodes, fsdp_exposed, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.optimizer_time import optimizer_time
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def dp_comm_terms(dims, rank: RankParams, device: HardwareProfile, fsdp: bool, f
     return {"dp_grad_reduce_scatter": reduce_scatter_s, "dp_param_all_gather": all_gather_s}
 
 
-def optimizer_terms(cfg, dims, counts, rank: RankParams, device: HardwareProfile, *,
+def optimizer_terms(cfg: K2Config, dims, counts, rank: RankParams, device: HardwareProfile, *,
                     q_lora: bool) -> dict[str, float]:
     """``optimizer`` (Newton-Schulz + update), ``muon_gather`` and ``optimizer_offload`` of the rank's
     parameters (:func:`k2.launcher.planning.optimizer_time.optimizer_time`)."""

@@ -6,11 +6,12 @@ phase simulated with megatron's order, per-stage F / B / W times from the step-t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.phase_settings import offloads_anything, phase_memory_settings
 from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.ep_overlap import overlap_applies
+from k2.config.hardware import peak_tflops
 from k2.launcher.planning.hardware import load_profile
 from k2.launcher.planning.device_memory import device_overheads, gpu_memory
 from k2.launcher.planning.memory import stage_activations, state_bytes, state_bytes_lower_bound
@@ -18,6 +19,9 @@ from k2.launcher.planning.step_time import step_time
 from k2.launcher.planning.what_if import WhatIf
 from k2.model.flops import flops_per_token
 from k2.launcher.planning.pipeline_sim import simulate
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 
 def main_phase(schedule):
@@ -57,7 +61,7 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     return F, B, W
 
 
-def cluster_profile(cfg):
+def cluster_profile(cfg: K2Config):
     """The hardware profile ``plan.hardware`` names, on ``cluster.gpus_per_node`` GPUs per node (the
     cluster's node size decides which links a group crosses)."""
     import dataclasses
@@ -69,7 +73,7 @@ def cluster_profile(cfg):
 DEFAULT_GPU_MEMORY_GIB = 80.0
 
 
-def gpu_memory_gib(cfg) -> float:
+def gpu_memory_gib(cfg: K2Config) -> float:
     """The memory of one GPU that ``k2-plan`` plans with, GiB: ``cluster.gpu_memory_gib`` when set, else
     the one ``plan.hardware``'s profile names (an H200's 141), else :data:`DEFAULT_GPU_MEMORY_GIB`."""
     if cfg.cluster.gpu_memory_gib is not None:
@@ -77,11 +81,12 @@ def gpu_memory_gib(cfg) -> float:
     return cluster_profile(cfg).gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
 
 
-def flops_only_step_time(cfg, dims, phase, recompute=()) -> float:
-    """The step time of the FLOPs-only estimate (model FLOPs at ``cluster.peak_tflops x
-    plan.compute_efficiency`` per stage, the simulated bubble, no communication): what ``k2-plan``
-    reported before the performance model, kept for comparison (``step_time_s_flops_only``)."""
-    tflops = float(cfg.cluster.peak_tflops) * float(cfg.plan.compute_efficiency)
+def flops_only_step_time(cfg: K2Config, dims, phase, recompute=()) -> float:
+    """The step time of the FLOPs-only estimate (model FLOPs at the device peak,
+    :func:`k2.config.hardware.peak_tflops`, x ``plan.compute_efficiency`` per stage, the simulated bubble,
+    no communication): what ``k2-plan`` reported before the performance model, kept for comparison
+    (``step_time_s_flops_only``)."""
+    tflops = peak_tflops(cfg) * float(cfg.plan.compute_efficiency)
     fl = flops_per_token(cfg.model, phase.seq_length)
     F, B, W = stage_costs(fl, dims, phase.seq_length * phase.micro_batch_size, tflops, recompute)
     return simulate(dims.pp, dims.vpp, phase.num_microbatches, F, B, W,
@@ -121,7 +126,7 @@ def staged_pinned_ratio(states) -> float:
     return pinned / raw if pinned and raw else 1.0
 
 
-def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None = None,
+def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: int | None = None,
                    cache: dict | None = None, prune: bool = False) -> dict[str, Any]:
     """Bubble, estimated step time, memory per GPU and host per node, and the fit, of every phase of one
     layout (``k2-plan`` and its search).
@@ -187,7 +192,8 @@ def analyse_layout(cfg, dims, counts, schedule, *, max_microbatches: int | None 
             "results": results, "states": states, "memory_lower_bound": lower_bound, "staged_pinned_ratio": ratio}
 
 
-def _simulate_phase(cfg, dims, counts, phase, settings, states, *, profile, max_microbatches: int | None,
+def _simulate_phase(cfg: K2Config, dims, counts, phase, settings, states, *, profile,
+                    max_microbatches: int | None,
                     host_staged: float) -> dict[str, Any]:
     """One phase of :func:`analyse_layout` with its memory ``settings``: its activations, step time
     (:func:`k2.launcher.planning.step_time.step_time`), bubble, the fullest GPU of each PP rank
@@ -246,7 +252,7 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
     }
 
 
-def check_host_memory(cfg, dims, schedule) -> None:
+def check_host_memory(cfg: K2Config, dims, schedule) -> None:
     """``k2-train``'s check, before any process group starts, that every phase's host memory per node
     (offloaded optimizer states + the peak of offloaded activations, :func:`analyse_layout`'s
     ``host_bytes_per_node``) fits ``cluster.host_memory_gib``. A run that offloads nothing is not planned

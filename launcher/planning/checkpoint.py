@@ -22,11 +22,14 @@ Young/Daly save interval and the expected goodput.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from k2.optim.registry import optimizer_spec
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 _LLAMA3_HOURS_PER_INTERRUPTION = 54 * 24 / 419  # 3.09 h on 16,384 GPUs (arXiv 2407.21783 section 3.3.4)
 _LLAMA3_GPUS = 16384
@@ -38,25 +41,26 @@ def checkpoint_bytes(total_params: int, optimizer: str) -> int:
     return int(total_params) * (2 + 4 + optimizer_spec(str(optimizer)).main_update.state_bytes)
 
 
-def async_save(cfg) -> bool:
+def async_save(cfg: K2Config) -> bool:
     """``checkpoint.async_save`` (default true where the config has no such key)."""
     return bool(OmegaConf.select(cfg, "checkpoint.async_save", default=True))
 
 
-def mtbf_hours(cfg, world: int) -> float:
+def mtbf_hours(cfg: K2Config, world: int) -> float:
     """``cluster.mtbf_hours``, or Llama 3's interruption rate for ``world`` GPUs."""
     m = OmegaConf.select(cfg, "cluster.mtbf_hours", default=None)
     return float(m) if m is not None else _LLAMA3_HOURS_PER_INTERRUPTION * _LLAMA3_GPUS / world
 
 
-def staged_bytes_per_node(cfg, total_params: int, world: int) -> float:
+def staged_bytes_per_node(cfg: K2Config, total_params: int, world: int) -> float:
     """Host bytes per node an asynchronous save stages (0 when ``checkpoint.async_save`` is off)."""
     if not async_save(cfg):
         return 0.0
     return checkpoint_bytes(total_params, cfg.optim.name) / world * int(cfg.cluster.gpus_per_node)
 
 
-def checkpoint_plan(cfg, total_params: int, world: int, step_s: float, host_gbps: float) -> dict[str, Any]:
+def checkpoint_plan(cfg: K2Config, total_params: int, world: int, step_s: float,
+                    host_gbps: float) -> dict[str, Any]:
     """The checkpoint figures of one plan (JSON ``checkpoint``; bytes, seconds, hours).
 
     Args:

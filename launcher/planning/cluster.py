@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import ListConfig, OmegaConf
 
@@ -53,12 +53,16 @@ from k2.launcher.planning.analysis import (
 )
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.search import WORLD_FROM, search_layouts
+from k2.config.hardware import peak_tflops
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
 from k2.launcher.planning.pipeline_sim import PipelineResult
 from k2.schedules.resolve import lr_at_tokens, resolve_schedule
 from k2.schedules.wsd import Schedule
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["ClusterPlan", "check_model_parallel_group", "plan_cluster"]
 
@@ -78,7 +82,7 @@ class ClusterPlan:
     pipeline: PipelineResult
 
 
-def check_model_parallel_group(cfg, world: int) -> None:
+def check_model_parallel_group(cfg: K2Config, world: int) -> None:
     """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group
     (TP x PP x EP GPUs; K2: PP16 x EP16 = 256 GPUs = 32 nodes) is reused for any node count that is a
     multiple of it.
@@ -99,7 +103,7 @@ def check_model_parallel_group(cfg, world: int) -> None:
     )
 
 
-def plan_cluster(cfg) -> ClusterPlan:
+def plan_cluster(cfg: K2Config) -> ClusterPlan:
     """Plan ``cfg`` (a validated config) on its ``cluster``.
 
     Raises:
@@ -126,7 +130,7 @@ def plan_cluster(cfg) -> ClusterPlan:
     report.update(_pipeline_and_flops(cfg, dims, schedule, a))
     if cfg.plan.step_time_s is not None:
         tflops, frac = mfu(report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size,
-                           float(cfg.cluster.peak_tflops))
+                           peak_tflops(cfg))
         report.update(step_time_s=float(cfg.plan.step_time_s), model_tflops_per_gpu=tflops, mfu=frac)
     report["gpu_hours_estimated"] = sum(r["steps"] * r["step_time_s_estimated"] for r in a["phases"]) * \
         dims.world_size / 3600
@@ -139,7 +143,7 @@ def plan_cluster(cfg) -> ClusterPlan:
     return ClusterPlan(report, schedule, a["main"]["sim"])
 
 
-def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
+def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
     """Model, cluster, parallel sizes and the layer table."""
     gpn = cfg.cluster.gpus_per_node
     group = dims.tp * dims.pp * dims.ep
@@ -152,7 +156,7 @@ def _identity(cfg, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
         "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
                     "gpu_memory_gib": gpu_memory_gib(cfg),
                     "host_memory_gib": float(cfg.cluster.host_memory_gib),
-                    "peak_tflops": float(cfg.cluster.peak_tflops)},
+                    "peak_tflops": peak_tflops(cfg)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
                                  "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},
         "tp": dims.tp,
@@ -240,7 +244,7 @@ def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
     }
 
 
-def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) -> dict[str, Any]:
+def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a: dict) -> dict[str, Any]:
     """The main phase's simulated pipeline, FLOPs, estimated step time and MFU; the schedule."""
     main, main_res = a["main_phase"], a["main"]
     fl, sim = main_res["flops"], main_res["sim"]
@@ -271,7 +275,7 @@ def _pipeline_and_flops(cfg, dims: ParallelDims, schedule: Schedule, a: dict) ->
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,
         "what_if": st.what_if,
-        "mfu_estimated": mfu(step_flops, est, dims.world_size, float(cfg.cluster.peak_tflops))[1],
+        "mfu_estimated": mfu(step_flops, est, dims.world_size, peak_tflops(cfg))[1],
         "step_time_s_flops_only": flops_only,
         "compute_efficiency": float(cfg.plan.compute_efficiency),
         "schedule": schedule.as_dict(),

@@ -30,10 +30,13 @@ Host memory (``host_pinned``): the offloaded optimizer states and activations as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.memory import StageActivations, StateBytes
 from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["DeviceOverheads", "GpuMemory", "device_overheads", "gpu_memory", "max_logit_block_bytes",
            "nccl_communicators", "stacked_expert_bytes"]
@@ -99,7 +102,7 @@ def stacked_expert_bytes(local_experts: int, ffn: int, hidden: int, element_byte
     return local_experts * max(2 * ffn * hidden, hidden * ffn) * element_bytes
 
 
-def device_overheads(cfg, dims, seq_length: int, micro_batch_size: int) -> DeviceOverheads:
+def device_overheads(cfg: K2Config, dims, seq_length: int, micro_batch_size: int) -> DeviceOverheads:
     """:class:`DeviceOverheads` of one phase (its ``seq_length`` and ``micro_batch_size``) on a CUDA GPU."""
     from k2.model.attention import MAX_LOGIT_CHUNK
 

@@ -41,8 +41,12 @@ own host cost (the profile's ``microbatch_overhead_us`` is the schedule without 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from k2.launcher.planning.hardware import DEVICE, HOST_THREAD
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 #: :func:`overlap_applies`' reason when the setting is off
 NOT_REQUESTED = "pipeline.ep_overlap=false"
 #: the all-to-alls of a MoE layer, by direction; ``other``: those of stage extras (the MTP what-if)
@@ -436,15 +440,15 @@ def extrapolate(costs: OverlapCosts, rc: dict, rank: int, pp: int, vpp: int, mic
                             + n * vpp * rc["pair_exposure"].get("ep_comm", 0.0))}
 
 
-def overlap_applies(cfg, dims, recompute, what_if) -> tuple[bool, str]:
+def overlap_applies(cfg: K2Config, dims, recompute, what_if) -> tuple[bool, str]:
     """Whether ``pipeline.ep_overlap`` runs in a phase with ``recompute`` (its ``memory.recompute``
     sites) on ``dims``, and why not: megatron's rules (``transformer/transformer_config.py``: EP > 1; with
     PP > 1 only the interleaved schedule), whole-layer recompute (it re-runs the all-to-alls in backward,
     outside the pairs: the trainer runs that phase without the overlap), and the DualPipe what-if (its
     own overlap). Returns ``(applies, reason)``."""
-    if not bool(getattr(cfg.pipeline, "ep_overlap", False)):
+    if not cfg.pipeline.ep_overlap:
         return False, NOT_REQUESTED
-    if not getattr(cfg.model, "num_moe_experts", None):
+    if not cfg.model.num_moe_experts:
         return False, "no MoE layers"
     if what_if.dualpipe:
         return False, "the DualPipe what-if overlaps the all-to-alls its own way"

@@ -46,7 +46,7 @@ from __future__ import annotations
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
@@ -54,6 +54,9 @@ from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
 from k2.optim.registry import OptimizerSpec, optimizer_spec
 from k2.parallel.distributed import ddp_config
+
+if TYPE_CHECKING:
+    from k2.config.schema import MemoryConfig, ModelConfig
 
 __all__ = ["LayoutParam", "StageActivations", "StateBytes", "rank_param_lists",
            "stage_activations", "state_bytes", "state_bytes_lower_bound"]
@@ -91,7 +94,7 @@ class StateBytes:
     optimizer_pinned: int = 0
 
 
-def _route_cfg(model_cfg: Any):
+def _route_cfg(model_cfg: ModelConfig):
     """What :func:`k2.optim.params.route` reads from megatron's ``TransformerConfig`` (SwiGLU is always on)."""
     return types.SimpleNamespace(gated_linear_unit=True, num_attention_heads=model_cfg.num_attention_heads,
                                  num_query_groups=None, kv_channels=None)
@@ -134,7 +137,7 @@ class LayoutParam:
 
 
 def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
-                  muon: bool, layer_wise: bool, model_cfg: Any, router_optimizer: str = "muon",
+                  muon: bool, layer_wise: bool, model_cfg: ModelConfig, router_optimizer: str = "muon",
                   default_route: str = "adamw") -> list[LayoutParam]:
     """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
     (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
@@ -173,7 +176,7 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
     return params
 
 
-def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: Any,
+def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: ModelConfig,
                      router_optimizer: str = "muon") -> list:
     """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
 
@@ -219,7 +222,7 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
 
 
 def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str,
-                 spec: OptimizerSpec, use_distributed_optimizer: bool, model_cfg: Any,
+                 spec: OptimizerSpec, use_distributed_optimizer: bool, model_cfg: ModelConfig,
                  router_optimizer: str = "muon", muon_zero1: str = "byte_range") -> tuple:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank, params_pinned,
     optimizer pinned bytes per DP rank, per expert-DP rank)`` of one chunk (:class:`StateBytes`); ``spec``:
@@ -273,7 +276,7 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
 
 
 def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: Any, cache: Optional[dict] = None, router_optimizer: str = "muon",
+                model_cfg: ModelConfig, cache: Optional[dict] = None, router_optimizer: str = "muon",
                 muon_zero1: str = "byte_range") -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
@@ -363,8 +366,9 @@ class StageActivations:
     layer_gpu_max: float = 0.0
 
 
-def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size: int, precision: str,
-                      memory_cfg: Any = None, fused_kernels: bool = True) -> list[StageActivations]:
+def stage_activations(model_cfg: ModelConfig, dims, *, seq_length: int, micro_batch_size: int, precision: str,
+                      memory_cfg: MemoryConfig | dict | None = None,
+                      fused_kernels: bool = True) -> list[StageActivations]:
     """Per virtual stage (pipeline order ``vpp_stage * pp + pp_rank``) the activation bytes of one microbatch.
 
     Args:
@@ -379,7 +383,7 @@ def stage_activations(model_cfg: Any, dims, *, seq_length: int, micro_batch_size
         ValueError: an unknown ``memory.*`` site.
     """
 
-    sw = {k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k, None)) or [])
+    sw = {k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k)) or [])
           if memory_cfg is not None else [] for k in ("fp8_store", "recompute", "offload")}
     pattern = moe_layer_pattern(model_cfg)
     per_kind, working, pinned = {}, {}, {}

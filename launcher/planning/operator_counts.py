@@ -7,7 +7,10 @@ of k2-train's modules by ``k2-bench bench=hardware`` (and its test).
 
 from __future__ import annotations
 
-from k2.config.access import setting
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 #: aten operators per microbatch beyond the GEMMs (priced one launch each by :mod:`k2.launcher.planning.kernels`) and core
 #: attention's batched GEMMs (:data:`ATTENTION_KERNELS`), forward / backward, views included (on a CPU each
@@ -33,14 +36,14 @@ ATTENTION_KERNELS = (2, 4)
 MOE_NODE_OPERATORS = {"attn": (80, 54), "dispatch": (3, 2), "mlp": (12, 7), "combine": (8, 8)}
 
 
-def modelled_operators(model_cfg, part: str, local_experts: int = 0) -> tuple[int, int]:
+def modelled_operators(model_cfg: ModelConfig, part: str, local_experts: int = 0) -> tuple[int, int]:
     """Operators the model charges a launch for, forward / backward, per microbatch of one ``part``:
     ``dense_layer``, ``moe_layer`` (with ``local_experts`` sequential experts; 0 = grouped), ``embedding``,
     ``loss`` (final norm, output layer, loss): :data:`OPERATORS` plus its GEMMs (one forward, two backward:
     input and weight gradient) and core attention's batched GEMMs. What ``k2-bench bench=hardware``
     counts on k2-train's modules is compared with this."""
     # MLA: q (down + up, or one), kv down, kv up, output
-    projections = 5 if setting(model_cfg, "q_lora_rank") else 4
+    projections = 5 if model_cfg.q_lora_rank else 4
     f, b = 0, 0
 
     def add(ops, gemms=0):
@@ -54,7 +57,7 @@ def modelled_operators(model_cfg, part: str, local_experts: int = 0) -> tuple[in
         if part == "dense_layer":
             add(OPERATORS["dense_mlp"], 2)
         else:
-            add(OPERATORS["moe"], 1 + (2 if setting(model_cfg, "moe_shared_expert_intermediate_size") else 0))
+            add(OPERATORS["moe"], 1 + (2 if model_cfg.moe_shared_expert_intermediate_size else 0))
             for _ in range(local_experts):
                 add(OPERATORS["moe_per_expert"], 2)
     elif part == "embedding":

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from k2.launcher.planning.comm import crosses_nodes, host_copy_seconds, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.kernels import KernelRates, gemm_seconds
 from k2.optim.registry import MatrixStep, optimizer_spec
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 _MASTER_BYTES = 4  # the FP32 master copy, offloaded with the states
 # aten operators of an unfused (per-tensor) optimizer step: k2-train's AdamW on a CPU (megatron's
@@ -56,17 +60,18 @@ class OptimizerTime:
         return self.newton_schulz + self.update + self.muon_gather + self.offload
 
 
-def matrices(model_cfg, layers: list[int], moe_pattern, ep: int) -> tuple[list, list]:
+def matrices(model_cfg: ModelConfig, layers: list[int], moe_pattern, ep: int) -> tuple[list, list]:
     """Muon's matrices ``(m, n)`` of the given layers on one GPU: ``(dense, expert)`` lists (expert
     matrices: the GPU's ``num_moe_experts / ep`` experts)."""
-    g = lambda k, d=None: getattr(model_cfg, k, d) if not isinstance(model_cfg, dict) else model_cfg.get(k, d)  # noqa: E731
-    h, H = int(g("hidden_size")), int(g("num_attention_heads"))
-    d_qk, d_r, d_v = int(g("qk_head_dim")), int(g("qk_pos_emb_head_dim")), int(g("v_head_dim"))
-    r_q, r_kv = g("q_lora_rank"), int(g("kv_lora_rank"))
+    m = model_cfg
+    h, H = int(m.hidden_size), int(m.num_attention_heads)
+    d_qk, d_r, d_v = int(m.qk_head_dim), int(m.qk_pos_emb_head_dim), int(m.v_head_dim)
+    r_q, r_kv = m.q_lora_rank, int(m.kv_lora_rank)
     attn = ([(h, int(r_q)), (int(r_q), H * (d_qk + d_r))] if r_q else [(h, H * (d_qk + d_r))])
     attn += [(h, r_kv + d_r), (r_kv, H * (d_qk + d_v)), (H * d_v, h)]
-    E = int(g("num_moe_experts") or 0)
-    f, f_e, f_s = int(g("ffn_hidden_size")), int(g("moe_ffn_hidden_size") or 0), int(g("moe_shared_expert_intermediate_size") or 0)
+    E = int(m.num_moe_experts or 0)
+    f, f_e = int(m.ffn_hidden_size), int(m.moe_ffn_hidden_size or 0)
+    f_s = int(m.moe_shared_expert_intermediate_size or 0)
     dense, expert = [], []
     for i in layers:
         dense += attn
@@ -91,7 +96,8 @@ def newton_schulz_seconds(shapes: list, rates: KernelRates, step: MatrixStep) ->
     return t
 
 
-def optimizer_time(optimizer: str, model_cfg, dims, layers: list[int], moe_pattern, *, dense_params: int,
+def optimizer_time(optimizer: str, model_cfg: ModelConfig, dims, layers: list[int], moe_pattern, *,
+                   dense_params: int,
                    expert_params: int, tensors: int, profile: HardwareProfile, rates: KernelRates,
                    offload_fraction: float, fused: bool) -> OptimizerTime:
     """The optimizer step of one GPU of a PP rank holding ``layers``.

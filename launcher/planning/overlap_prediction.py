@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 #: TCP payload per Ethernet frame at MTU 1500 as ``tc tbf`` counts it on a veth: 1,448 bytes of data
 #: (1,500 less 20 of IPv4, 20 of TCP and 12 of the timestamp option Linux sends by default) in
@@ -32,7 +35,7 @@ def tbf_goodput_gbps(rate_mbit: float, payload_per_frame: float = TCP_PAYLOAD_PE
     return rate_mbit * 1e6 / 8 * payload_per_frame / 1e9
 
 
-def predict_ep_overlap(cfg, profile: str | dict | None = None) -> dict[str, Any]:
+def predict_ep_overlap(cfg: K2Config, profile: str | dict | None = None) -> dict[str, Any]:
     """The main phase's step with ``pipeline.ep_overlap`` off and on, for ``cfg`` on ``profile``.
 
     Args:

@@ -5,20 +5,25 @@ planner's import of the model (several CPU-seconds) for a run that offloads noth
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def memory_settings(cfg):
-    """The ``memory`` section of ``cfg``, or None for a config without one."""
-    return cfg.get("memory") if hasattr(cfg, "get") else getattr(cfg, "memory", None)
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config, MemoryConfig
+    from k2.schedules.wsd import Phase
 
 
-def phase_memory_settings(cfg, phase):
+def memory_settings(cfg: K2Config) -> MemoryConfig:
+    """The ``memory`` section of ``cfg``."""
+    return cfg.memory
+
+
+def phase_memory_settings(cfg: K2Config, phase: Phase) -> MemoryConfig | dict:
     """The ``memory.*`` settings ``phase`` runs with: its own (a schedule phase may override them, already
-    resolved on :class:`k2.schedules.wsd.Phase`), else ``cfg.memory``; None for a config without one."""
-    own = getattr(phase, "memory", None)
-    return own if own is not None else memory_settings(cfg)
+    resolved on :class:`k2.schedules.wsd.Phase` as a mapping of site lists), else ``cfg.memory``."""
+    return phase.memory if phase.memory is not None else memory_settings(cfg)
 
 
-def offloads_anything(cfg, schedule) -> bool:
+def offloads_anything(cfg: K2Config, schedule) -> bool:
     """True when ``optim.offload_fraction`` > 0 or a running phase of ``schedule`` (:func:`phase_memory_settings`)
     offloads an activation site."""
     if float(cfg.optim.offload_fraction) > 0:

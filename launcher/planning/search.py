@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.launcher.planning.analysis import analyse_layout
@@ -12,13 +12,16 @@ from k2.parallel.dims import ParallelDims
 from k2.parallel.layout import balanced_layout
 from k2.schedules.resolve import resolve_schedule
 
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+
 #: how k2-plan names its world size in error messages
 WORLD_FROM = "cluster.nodes x cluster.gpus_per_node"
 _SEARCH_VPP = (1, 2, 3, 4)  # virtual stages per PP rank tried by plan.search
 _SEARCH_MICROBATCHES = 4  # plan.search simulates min(m, 4 pp) microbatches and extrapolates (docstring)
 
 
-def search_layouts(cfg, world: int, counts) -> list[dict[str, Any]]:
+def search_layouts(cfg: K2Config, world: int, counts) -> list[dict[str, Any]]:
     """``plan.search=true``: every valid layout (pp, vpp, ep) for the world size, with a cost-balanced layer layout
     (:func:`k2.parallel.layout.balanced_layout`): the layouts that fit in memory first, each group ranked by
     the step-time model's estimate (:mod:`k2.launcher.planning.step_time`: an EP group that crosses nodes

@@ -14,12 +14,16 @@ nodes' terms add up to :meth:`StageModel.layer`'s.
 
 from __future__ import annotations
 
-from k2.config.access import setting as _g
+from typing import TYPE_CHECKING
+
 from k2.launcher.planning.comm import ep_alltoall
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.operator_counts import ATTENTION_KERNELS, MOE_NODE_OPERATORS, OPERATORS
 from k2.launcher.planning.what_if import WhatIf
 from k2.launcher.planning.kernels import KernelRates, attention_seconds, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 #: element-wise backward bytes per forward byte: it reads the saved input and the output gradient and
 #: writes the input gradient
@@ -28,22 +32,22 @@ BACKWARD_BYTES_FACTOR = 1.5
 NODES = ("attn", "dispatch", "mlp", "combine")
 
 
-def _shapes(model_cfg):
-    g = lambda k, d=None: _g(model_cfg, k, d)  # noqa: E731
-    h, H = int(g("hidden_size")), int(g("num_attention_heads"))
-    d_qk, d_r, d_v = int(g("qk_head_dim")), int(g("qk_pos_emb_head_dim")), int(g("v_head_dim"))
-    r_q, r_kv = g("q_lora_rank"), int(g("kv_lora_rank"))
+def _shapes(model_cfg: ModelConfig) -> dict:
+    m = model_cfg
+    h, H = int(m.hidden_size), int(m.num_attention_heads)
+    d_qk, d_r, d_v = int(m.qk_head_dim), int(m.qk_pos_emb_head_dim), int(m.v_head_dim)
+    r_q, r_kv = m.q_lora_rank, int(m.kv_lora_rank)
     q = [(h, int(r_q)), (int(r_q), H * (d_qk + d_r))] if r_q else [(h, H * (d_qk + d_r))]
     up = [q[-1]] if r_q else []
     up.append((r_kv, H * (d_qk + d_v)))
     proj = q + [(h, r_kv + d_r), (r_kv, H * (d_qk + d_v)), (H * d_v, h)]
-    E = int(g("num_moe_experts") or 0)
+    E = int(m.num_moe_experts or 0)
     return {
         "h": h, "H": H, "d_qk": d_qk, "d_r": d_r, "d_v": d_v, "r_q": int(r_q or 0), "r_kv": r_kv,
-        "attn": proj, "up": up, "E": E, "k": int(g("moe_router_topk", 0) or 0) if E else 0,
-        "f": int(g("ffn_hidden_size")), "f_e": int(g("moe_ffn_hidden_size") or 0),
-        "f_s": int(g("moe_shared_expert_intermediate_size") or 0), "V": int(g("vocab_size")),
-        "groups": int(g("moe_router_num_groups") or 0), "group_topk": int(g("moe_router_group_topk") or 0),
+        "attn": proj, "up": up, "E": E, "k": int(m.moe_router_topk or 0) if E else 0,
+        "f": int(m.ffn_hidden_size), "f_e": int(m.moe_ffn_hidden_size or 0),
+        "f_s": int(m.moe_shared_expert_intermediate_size or 0), "V": int(m.vocab_size),
+        "groups": int(m.moe_router_num_groups or 0), "group_topk": int(m.moe_router_group_topk or 0),
     }
 
 
@@ -94,8 +98,8 @@ class StageModel:
     """Per-layer costs of one phase on one layout: :func:`k2.launcher.planning.step_time.step_time` drives
     it, and :mod:`k2.launcher.planning.trace_rates` prices a published trace's chunk with it (seconds)."""
 
-    def __init__(self, model_cfg, fl, dims, *, tokens: int, profile: HardwareProfile, rates: KernelRates,
-                 act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
+    def __init__(self, model_cfg: ModelConfig, fl, dims, *, tokens: int, profile: HardwareProfile,
+                 rates: KernelRates, act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
         self.s, self.fl, self.dims, self.T = _shapes(model_cfg), fl, dims, tokens
         self.profile, self.rates, self.a = profile, rates, act_bytes
         self.grouped, self.wi, self.recompute = grouped, what_if, set(recompute or ())

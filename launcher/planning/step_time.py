@@ -67,7 +67,7 @@ modules on the stage holding the loss: :meth:`StageModel.mtp`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
 from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds, ring_seconds
@@ -77,6 +77,9 @@ from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.stage_model import StageModel, _add
 from k2.launcher.planning.what_if import WhatIf, tp_group_profile
 from k2.launcher.planning.pipeline_sim import simulate
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
@@ -159,9 +162,10 @@ class _Pipeline:
     busy: list | None = None
 
 
-def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, recompute=(), offload_bytes=None,
-              activation_bytes=None, profile: HardwareProfile, max_microbatches: int | None = None,
-              ep_overlap: bool | None = None, pair_transient_bytes=None) -> StepTime:
+def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches: int, recompute=(),
+              offload_bytes=None, activation_bytes=None, profile: HardwareProfile,
+              max_microbatches: int | None = None, ep_overlap: bool | None = None,
+              pair_transient_bytes=None) -> StepTime:
     """The step time of one phase on one layout, with its breakdown (module docstring): each term is one
     function below, the pipeline's bubble from the simulator.
 
@@ -225,7 +229,8 @@ def step_time(cfg, dims, counts, fl, *, tokens: int, num_microbatches: int, reco
 
 # ---- the terms of each virtual stage's passes (seconds of one microbatch): {"F": {term: s}, "B": ..., "W": ...}
 
-def stage_model(cfg, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf, recompute) -> StageModel:
+def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf,
+                recompute) -> StageModel:
     """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision`` (FP8
     GEMMs with the ``fp8_gemm`` what-if; under DualPipe compute keeps 112 of 132 SMs), activations of 4
     bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so (unset: with BF16)."""
@@ -233,7 +238,7 @@ def stage_model(cfg, dims, fl, *, tokens: int, device: HardwareProfile, what_if:
     compute_fraction = (132 - DEEPSEEK_COMM_SMS) / 132 if what_if.dualpipe else 1.0
     rates = device.rates(precision, fp8_gemm=what_if.fp8_gemm, compute_fraction=compute_fraction)
     activation_element_bytes = 4.0 if precision == "fp32" else 2.0
-    grouped = cfg.model.get("moe_grouped_gemm") if hasattr(cfg.model, "get") else None
+    grouped = cfg.model.moe_grouped_gemm
     grouped = (precision == "bf16") if grouped is None else bool(grouped)
     return StageModel(cfg.model, fl, dims, tokens=tokens, profile=device, rates=rates,
                       act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute)
@@ -317,8 +322,8 @@ def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
         stage["B"]["ep_comm"] = _hide_behind(stage["B"].get("ep_comm", 0.0), forward_compute)
 
 
-def ep_comm_costs(cfg, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf, schedule_work_half_s: float,
-                  copy_s: list[float]) -> OverlapCosts | None:
+def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf,
+                  schedule_work_half_s: float, copy_s: list[float]) -> OverlapCosts | None:
     """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
     OverlapCosts`); None without EP or experts, and under DualPipe (:func:`hide_ep_comm_dualpipe`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
@@ -355,8 +360,8 @@ def microbatch_split(num_microbatches: int, pp: int, pipeline_flushes: int,
     return Microbatches(flushes, per_flush, simulated)
 
 
-def _plain_pipeline(cfg, dims, stages, what_if, ep_costs, *, micro: Microbatches, p2p, activation_bytes,
-                    num_microbatches) -> _Pipeline:
+def _plain_pipeline(cfg: K2Config, dims, stages, what_if, ep_costs, *, micro: Microbatches, p2p,
+                    activation_bytes, num_microbatches) -> _Pipeline:
     """megatron's (interleaved) 1F1B, every all-to-all exposed (the DualPipe what-if: its own rule)."""
     F = [sum(st["F"].values()) for st in stages]
     B = [sum(st["B"].values()) for st in stages]
@@ -386,7 +391,7 @@ def _plain_pipeline(cfg, dims, stages, what_if, ep_costs, *, micro: Microbatches
     return _Pipeline(sim, F, B, W, makespan, busiest, breakdown, ep)
 
 
-def _overlap_pipeline(cfg, dims, ep_costs, *, micro: Microbatches, p2p, activation_bytes,
+def _overlap_pipeline(cfg: K2Config, dims, ep_costs, *, micro: Microbatches, p2p, activation_bytes,
                       pair_transient_bytes) -> _Pipeline:
     """megatron's combined 1F1B (:mod:`k2.launcher.planning.ep_overlap`): warm-up forwards and cool-down
     backwards alone, the steady pairs as one operation each; the busiest rank's terms from its steps."""

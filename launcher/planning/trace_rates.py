@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.step_time import DEEPSEEK_COMM_SMS, StageModel
 from k2.launcher.planning.what_if import WhatIf
+
+if TYPE_CHECKING:
+    from k2.config.schema import ModelConfig
 
 #: the trace's chunk pair: tokens per microbatch, MoE layers per chunk, EP size
 TRACE_TOKENS, TRACE_LAYERS, TRACE_EP = 4096, 4, 64
@@ -87,7 +91,8 @@ def trace_gemm_seconds(trace: dict) -> dict[str, float]:
     return {"dense": out["dense"], "expert": out["expert"]}
 
 
-def chunk_gemm_seconds(model_cfg, profile: HardwareProfile, dense_tflops: float, grouped_tflops: float,
+def chunk_gemm_seconds(model_cfg: ModelConfig, profile: HardwareProfile, dense_tflops: float,
+                       grouped_tflops: float,
                        recompute: tuple = ("mla_up_proj",)) -> dict[str, float]:
     """The step-time model's seconds for the trace's FP8 GEMMs: ``TRACE_LAYERS`` MoE layers of
     ``model_cfg`` (DeepSeek-V3), forward, input gradient (B) and weight gradient (W) of ``TRACE_TOKENS``
@@ -108,7 +113,8 @@ def chunk_gemm_seconds(model_cfg, profile: HardwareProfile, dense_tflops: float,
     return {c: TRACE_LAYERS * v for c, v in per_layer.items()}
 
 
-def derive_fp8_rates(model_cfg, profile: HardwareProfile, measured: dict | None = None) -> dict[str, float]:
+def derive_fp8_rates(model_cfg: ModelConfig, profile: HardwareProfile,
+                     measured: dict | None = None) -> dict[str, float]:
     """The profile's ``gemm_fp8_tflops`` and ``gemm_grouped_fp8_tflops`` (TFLOP/s on all 132 SMs) with
     which :func:`chunk_gemm_seconds` equals ``measured`` (default :data:`TRACE_GEMM_S`), each found by
     bisection (the model's seconds fall as the rate rises). Returns ``{"gemm_fp8_tflops": ...,

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
 from k2.launcher.planning.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class WhatIf:
     mtp_layers: int = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "WhatIf":
+    def from_config(cls, cfg: K2Config) -> "WhatIf":
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
         return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
                    sel("node_limit", None), int(sel("tp", 1)),

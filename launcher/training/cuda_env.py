@@ -16,7 +16,10 @@
 from __future__ import annotations
 
 import os
-from typing import MutableMapping, Optional
+from typing import TYPE_CHECKING, MutableMapping, Optional
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["ALLOC_CONF_ENV", "apply_determinism", "configure_cuda_env"]
 
@@ -24,7 +27,7 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 
 
-def configure_cuda_env(cfg, environ: Optional[MutableMapping[str, str]] = None) -> None:
+def configure_cuda_env(cfg: K2Config, environ: Optional[MutableMapping[str, str]] = None) -> None:
     """Put the environment settings of the module docstring into ``environ`` (default ``os.environ``),
     keeping any value already there. Imports nothing heavy (k2-train's parent runs it)."""
     env = os.environ if environ is None else environ
@@ -34,7 +37,7 @@ def configure_cuda_env(cfg, environ: Optional[MutableMapping[str, str]] = None) 
         env.setdefault(CUBLAS_ENV, ":4096:8")
 
 
-def apply_determinism(cfg) -> None:
+def apply_determinism(cfg: K2Config) -> None:
     """In a rank, before the model is built: ``run.deterministic``'s torch settings (module docstring);
     nothing when it is off."""
     if not cfg.run.deterministic:

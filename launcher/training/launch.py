@@ -19,12 +19,15 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import psutil
 
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
 from k2.parallel.processes import die_with_parent, free_port
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["forwarding_signals", "spawn_local_ranks"]
 
@@ -72,7 +75,7 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
             signal.signal(sig, handler)
 
 
-def spawn_local_ranks(cfg, plan, entry: Callable[[Any, Any], int]) -> int:
+def spawn_local_ranks(cfg: K2Config, plan, entry: Callable[[Any, Any], int]) -> int:
     """Start ``launch.nproc_per_node`` local ranks that each call ``entry(cfg, plan)``, forked by
     :mod:`k2.launcher.training.fork_ranks` (one import of the trainer for all of them), and wait for them.
 

@@ -2,8 +2,8 @@
 
 ``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
 ``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the
-step, ``model/flops.py``, against ``cluster.peak_tflops``; on CPU against ``cluster.cpu_peak_tflops``, null
-when that is null: :func:`step_mfu`), and ``val_loss`` on validation steps. A fresh
+step, ``model/flops.py``, on a GPU against ``plan.hardware``'s BF16 peak or ``cluster.peak_tflops`` where
+set; on CPU against ``cluster.cpu_peak_tflops``, null when that is null: :func:`step_mfu`), and ``val_loss`` on validation steps. A fresh
 run with validation on starts with one record ``{"step": 0, "consumed_tokens": 0, "phase", "seq_length",
 "val_loss"}``: the validation loss before training (no ``loss``; readers of training steps skip step 0). wandb runs
 offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
@@ -31,20 +31,30 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-def step_mfu(flops: float, seconds: float, num_ranks: int, cluster, on_gpu: bool) -> tuple[float, Optional[float]]:
-    """``(model TFLOP/s per rank, MFU)`` of a step against the peak of the device the run used:
-    ``cluster.peak_tflops`` on a GPU; on CPU ``cluster.cpu_peak_tflops`` (a GEMM rate of one rank), or no
-    MFU (None) when that is null -- a GPU's BF16 peak would give a meaningless 1e-6 on a CPU.
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config, WandbConfig
+
+
+def step_mfu(flops: float, seconds: float, num_ranks: int, cfg: K2Config,
+             on_gpu: bool) -> tuple[float, Optional[float]]:
+    """``(model TFLOP/s per rank, MFU)`` of a step against the peak of the device the run used: on a GPU
+    the BF16 peak of ``plan.hardware``'s profile, or ``cluster.peak_tflops`` where set
+    (:func:`k2.config.hardware.peak_tflops`); on CPU ``cluster.cpu_peak_tflops`` (a GEMM rate of one rank),
+    or no MFU (None) when that is null -- a GPU's BF16 peak would give a meaningless 1e-6 on a CPU.
 
     Args:
         flops: model FLOPs of the step (``k2.model.flops.step_flops``); seconds: its wall time;
-        num_ranks: the world size; cluster: ``cfg.cluster``; on_gpu: the run's ranks use CUDA devices.
+        num_ranks: the world size; cfg: the run's config; on_gpu: the run's ranks use CUDA devices.
+
+    Raises:
+        ConfigError: on a GPU, ``plan.hardware`` names no readable profile.
     """
+    from k2.config.hardware import peak_tflops
     from k2.model.flops import mfu
 
-    peak = cluster.peak_tflops if on_gpu else cluster.cpu_peak_tflops
+    peak = peak_tflops(cfg) if on_gpu else cfg.cluster.cpu_peak_tflops
     tflops, fraction = mfu(flops, seconds, num_ranks, float(peak) if peak is not None else 1.0)
     return tflops, (fraction if peak is not None else None)
 
@@ -118,7 +128,7 @@ class MetricsLogger:
         run_dir: str,
         enabled: bool,
         total_steps: int,
-        wandb_cfg=None,
+        wandb_cfg: Optional[WandbConfig] = None,
         config: Optional[dict] = None,
         progress: bool = True,
         start_step: int = 0,
@@ -147,7 +157,8 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True)
 
-    def _init_wandb(self, wandb_cfg, config: Optional[dict], wandb_run_id: Optional[str]) -> None:
+    def _init_wandb(self, wandb_cfg: WandbConfig, config: Optional[dict],
+                    wandb_run_id: Optional[str]) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 

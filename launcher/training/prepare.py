@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from k2.config.hardware import peak_tflops
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
@@ -18,6 +19,9 @@ from k2.parallel.dims import ParallelDims
 from k2.schedules.pipeline import check_pipeline_config
 from k2.schedules.resolve import resolve_schedule
 from k2.schedules.wsd import Schedule
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["RunPlan", "prepare_run"]
 
@@ -84,7 +88,7 @@ class RunPlan:
         return self.dims.checkpoint_layout()
 
 
-def prepare_run(cfg, world_size: int) -> RunPlan:
+def prepare_run(cfg: K2Config, world_size: int) -> RunPlan:
     """Check a validated config for ``world_size`` ranks on this machine and decide the run.
 
     On top of :func:`k2.config.validate.validate` (done by ``load_config``): the pipeline trace path, the
@@ -96,6 +100,7 @@ def prepare_run(cfg, world_size: int) -> RunPlan:
     """
     check_pipeline_config(cfg.pipeline)
     check_backend_config(cfg)
+    peak_tflops(cfg)  # the MFU peak on a GPU: plan.hardware's profile is read (and a bad one named) here
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
     schedule = resolve_schedule(cfg, dims)
     if offloads_anything(cfg, schedule):

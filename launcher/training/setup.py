@@ -20,7 +20,7 @@ Requires megatron's ``parallel_state`` initialised for ``dims`` (the process gro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from megatron.core.distributed import finalize_model_grads
 
@@ -33,6 +33,9 @@ from k2.optim.registry import optimizer_spec
 from k2.parallel.distributed import wrap_model
 from k2.schedules.lr import TokenLRScheduler
 from k2.schedules.pipeline import setup_pipeline
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
 
 __all__ = ["CONFIG_INIT", "SetupOutput", "setup"]
 
@@ -69,7 +72,7 @@ class SetupOutput:
     scheduler: Optional[TokenLRScheduler] = None
 
 
-def _initialise(init, chunks: list, tcfg, cfg) -> None:
+def _initialise(init, chunks: list, tcfg, cfg: K2Config) -> None:
     """The initial weights of ``chunks`` (see :func:`setup`'s ``init``)."""
     if init == CONFIG_INIT:
         if cfg.train.deterministic_init:
@@ -80,7 +83,8 @@ def _initialise(init, chunks: list, tcfg, cfg) -> None:
         layout_independent_init(chunks, tcfg, int(init))
 
 
-def setup(cfg, dims, schedule, *, rope_type: Optional[str] = None, memory: Optional[MemoryOptions] = None,
+def setup(cfg: K2Config, dims, schedule, *, rope_type: Optional[str] = None,
+          memory: Optional[MemoryOptions] = None,
           memory_switches: Sequence[MemoryOptions] = (),
           init: Union[str, int, Callable[[list, Any], None], None] = CONFIG_INIT,
           pipeline: bool = False, lr_scheduler: bool = False) -> SetupOutput:

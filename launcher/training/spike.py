@@ -32,12 +32,15 @@ import os
 import statistics
 from collections import deque
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from k2.launcher.training.step import TrainingDiverged
 from k2.parallel.distributed import all_reduce_int
+
+if TYPE_CHECKING:
+    from k2.config.schema import SpikeConfig
 
 __all__ = ["SpikeGuard", "TEST_SPIKE_ENV"]
 
@@ -72,7 +75,7 @@ class SpikeGuard:
     ``optimizer.step()``, then :meth:`finish_step` with the step's metrics record.
     """
 
-    def __init__(self, cfg, rank: int = 0):
+    def __init__(self, cfg: SpikeConfig, rank: int = 0):
         self.window, self.sigma, self.action = int(cfg.window), float(cfg.sigma), cfg.action
         self.max_consecutive_skips = int(cfg.max_consecutive_skips)
         self.rank = rank

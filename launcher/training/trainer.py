@@ -332,7 +332,7 @@ class Trainer:
         # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
         record["model_tflops_per_gpu"], record["mfu"] = step_mfu(
             step_flops(self.cfg.model, phase.seq_length, self.plan.tokens_per_step), dt,
-            self.env.world_size, self.cfg.cluster, torch.cuda.is_available())
+            self.env.world_size, self.cfg, torch.cuda.is_available())
         m = self.cfg.model
         record.update(moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
                                        moe_layer_pattern(m)))

@@ -52,12 +52,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from k2.launcher.progress import probes_grew, watch
 from k2.launcher.checkpointing.background import in_flight_writer
 from k2.launcher.checkpointing.paths import latest_checkpoint
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
+
+if TYPE_CHECKING:
+    from k2.config.schema import RunConfig
 
 __all__ = ["FLOOR_S", "HANG_DIR", "HangWatchdog", "TEST_HANG_ENV", "process_group_timeout_s"]
 
@@ -73,7 +76,7 @@ STEP_FACTOR = 10.0
 PG_TIMEOUT_FLOOR_S = 1200
 
 
-def process_group_timeout_s(run_cfg) -> int:
+def process_group_timeout_s(run_cfg: RunConfig) -> int:
     """The process group's timeout (seconds) for ``run`` settings: above every watchdog allowance, so
     that a hang is ended by the watchdog (which names the rank) rather than by a collective's error."""
     explicit = run_cfg.hang_timeout_s or 0
@@ -127,7 +130,7 @@ class HangWatchdog:
         self._handling = False
 
     @classmethod
-    def for_run(cls, run_cfg, run_dir, rank: int, world_size: int) -> "HangWatchdog":
+    def for_run(cls, run_cfg: RunConfig, run_dir, rank: int, world_size: int) -> "HangWatchdog":
         """A started watchdog for this launch (collective when a process group exists: rank 0 names the
         attempt directory and broadcasts it)."""
         import torch.distributed as dist

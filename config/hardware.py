@@ -1,0 +1,112 @@
+"""Finding and reading the hardware profile ``plan.hardware`` names (the section of
+:mod:`k2.config.schema_hardware`), for ``k2-plan``'s step-time model and the trainer's MFU.
+
+``plan.hardware`` is a profile's name in ``recipes/hardware/`` (``h800``, ``h100``, ``h200``) or the path of
+a YAML file ``k2-bench bench=hardware`` wrote. The file is read through
+``OmegaConf.structured(HardwareProfileConfig)``; every fault is one :class:`k2.config.ConfigError` naming
+``plan.hardware``, the file and the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from k2.config.choices import allowed
+from k2.config.errors import ConfigError
+from k2.config.load import RECIPES_DIR
+from k2.config.schema_hardware import REQUIRED_POSITIVE, CommStream, HardwareProfileConfig
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+
+__all__ = ["HARDWARE_DIR", "available_profiles", "hardware_profile_from_mapping", "load_hardware_profile",
+           "peak_tflops"]
+
+HARDWARE_DIR = RECIPES_DIR / "hardware"
+
+
+def available_profiles() -> list[str]:
+    """Names of the profiles shipped in ``recipes/hardware/``."""
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware_profile(name_or_path: str) -> HardwareProfileConfig:
+    """The profile ``plan.hardware`` names: a shipped one by name, or a YAML file by path.
+
+    Raises:
+        ConfigError: neither a shipped name nor a readable YAML mapping (naming ``plan.hardware`` and the
+            allowed names), or a bad key of the file (:func:`hardware_profile_from_mapping`).
+    """
+    name = str(name_or_path)
+    path = HARDWARE_DIR / f"{name}.yaml" if "/" not in name and not name.endswith(".yaml") else Path(name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"plan.hardware={name!r}: not a profile (allowed: "
+                          f"{', '.join(available_profiles())}, or the path of a YAML file k2-bench "
+                          f"bench=hardware wrote; {e.__class__.__name__})"
+                          ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"plan.hardware={name!r}: the file holds no mapping of profile keys")
+    return hardware_profile_from_mapping(data, name, path)
+
+
+def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
+                                  path: Optional[Path] = None) -> HardwareProfileConfig:
+    """A profile file's mapping as a :class:`HardwareProfileConfig`, the left-out figures filled in
+    (``name``: the stem of ``origin``; FP8 peak and GEMM rate: 2 x BF16; a zero optional rate or memory:
+    null).
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, a required number (``REQUIRED_POSITIVE``)
+            missing or not a finite number > 0, or ``comm_stream`` not one of its values; naming
+            ``plan.hardware=origin``, the file (``path``) and the key.
+    """
+    where = f"plan.hardware={origin}" + (f" ({path})" if path is not None and str(path) != origin else "")
+    comm = data.get("comm_stream", CommStream.device.value)
+    if comm not in CommStream.__members__:
+        raise ConfigError(f"{where}: 'comm_stream' is {comm!r}; allowed: {allowed(CommStream)}")
+    for key in REQUIRED_POSITIVE:  # bools are ints to Python, strings OmegaConf would convert: refused here
+        v = data.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{where}: '{key}' must be a number > 0 (got {v!r})")
+    try:
+        prof: HardwareProfileConfig = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(HardwareProfileConfig), data))
+    except ConfigKeyError as e:
+        raise ConfigError(f"{where}: unknown key '{e.full_key}'; allowed: "
+                          f"{', '.join(HardwareProfileConfig.__dataclass_fields__)}") from None
+    except (MissingMandatoryValue, OmegaConfBaseException) as e:
+        raise ConfigError(f"{where}: '{e.full_key}': {str(e).splitlines()[0]}") from None
+    prof.name = str(prof.name) if prof.name is not None else Path(origin).stem
+    prof.peak_fp8_tflops = prof.peak_fp8_tflops or 2 * prof.peak_bf16_tflops
+    prof.gemm_fp8_tflops = prof.gemm_fp8_tflops or 2 * prof.gemm_bf16_tflops
+    for key in ("gemm_fp32_tflops", "gemm_grouped_bf16_tflops", "gemm_grouped_fp8_tflops", "gpu_memory_gib"):
+        setattr(prof, key, getattr(prof, key) or None)
+    return prof
+
+
+def peak_tflops(cfg: K2Config) -> float:
+    """Dense BF16 peak of one device, TFLOP/s, that MFU is measured against: ``cluster.peak_tflops`` where
+    set (an explicit override), else ``peak_bf16_tflops`` of the profile ``plan.hardware`` names.
+
+    Raises:
+        ConfigError: the profile cannot be read (:func:`load_hardware_profile`).
+    """
+    override = cfg.cluster.peak_tflops
+    if override is not None:
+        return float(override)
+    return _profile_peak_tflops(str(cfg.plan.hardware))
+
+
+@functools.lru_cache(maxsize=8)
+def _profile_peak_tflops(name_or_path: str) -> float:
+    """``peak_bf16_tflops`` of the profile ``name_or_path`` (read once: the trainer asks every step)."""
+    return float(load_hardware_profile(name_or_path).peak_bf16_tflops)

@@ -1,0 +1,97 @@
+"""The hardware profile: one device type and its node, the section ``k2-plan``'s step-time model and the
+trainer's MFU read (``plan.hardware`` names it).
+
+A profile is a YAML file: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``: every
+number with its source on its line) or a file ``k2-bench bench=hardware`` wrote on the machine it
+measured. :func:`k2.config.hardware.load_hardware_profile` reads it through
+``OmegaConf.structured(HardwareProfileConfig)``: an unknown key, a value of the wrong type or a missing
+required number is one :class:`k2.config.ConfigError` naming the file and the key.
+
+Units: TFLOP/s (1e12 FLOP/s) for compute rates, GB/s (1e9 bytes/s, per GPU and per direction) for
+bandwidths, microseconds for latencies and per-operator costs, GiB for memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from k2.config.choices import Choice
+
+__all__ = ["CommStream", "HardwareProfileConfig", "REQUIRED_POSITIVE"]
+
+
+class CommStream(Choice):
+    """``comm_stream``: how the EP overlap's communication stream runs beside the compute
+    (``k2.launcher.planning.ep_overlap``): ``device``, a second CUDA stream; ``host_thread``, a thread of the
+    host process that also runs the compute (``k2.parallel.comm_stream``, k2-train on CPU)."""
+
+    device = "device"
+    host_thread = "host_thread"
+
+
+@dataclass
+class HardwareProfileConfig:
+    """One device type and its node (the profile file's keys, same names).
+
+    ``name``, ``peak_fp8_tflops`` and ``gemm_fp8_tflops`` are filled in when the file leaves them out
+    (:func:`k2.config.hardware.load_hardware_profile`): the file's stem, 2 x the BF16 figure.
+    """
+
+    name: Optional[str] = None  # the profile's name; null = the file's stem
+    gpu: str = ""  # the device it describes
+    gpus_per_node: int = 8  # devices sharing the fast intra-node links (NVLink; on a CPU machine the ranks)
+    # datasheet dense peaks, TFLOP/s (MFU is reported against the BF16 one); FP8 null = 2 x BF16
+    peak_bf16_tflops: float = MISSING
+    peak_fp8_tflops: Optional[float] = None
+    # achieved GEMM ceilings at large shapes, TFLOP/s; FP8 null = 2 x BF16; FP32 null = BF16 / 2 (Hopper's
+    # TF32-less FP32 path is not modelled); grouped expert GEMMs null = the dense ceiling
+    gemm_bf16_tflops: float = MISSING
+    gemm_fp8_tflops: Optional[float] = None
+    gemm_fp32_tflops: Optional[float] = None
+    gemm_grouped_bf16_tflops: Optional[float] = None
+    gemm_grouped_fp8_tflops: Optional[float] = None
+    # a CPU profile's large-square GEMM rate, TFLOP/s (k2-bench bench=hardware records it; the model
+    # uses gemm_bf16_tflops, the rate at the job's own shapes)
+    gemm_ceiling_tflops: Optional[float] = None
+    # the least share of the compute stream the non-GEMM kernels take (0 = bytes at bandwidth alone)
+    nongemm_share: float = 0.0
+    attention_tflops: float = MISSING  # achieved core-attention rate (forward and backward), TFLOP/s
+    memory_gbps: float = MISSING  # memory peak, GB/s
+    memory_efficiency: float = 1.0  # the fraction of memory_gbps element-wise kernels reach
+    # time one kernel adds to the stream beyond its roofline time, us (a measured CPU profile: the cost of
+    # one operator of a transformer layer)
+    kernel_launch_us: float = 0.0
+    gemm_tile: int = 128  # GEMM output tile edge for tile quantization (1: off)
+    compute_units: Optional[int] = 132  # SMs for wave quantization (null: off)
+    # intra-node link peak per direction and what an all-to-all and a ring collective achieve, GB/s per GPU
+    nvlink_gbps: float = MISSING
+    nvlink_alltoall_gbps: float = MISSING
+    nvlink_collective_gbps: float = MISSING
+    # the same across nodes (per GPU NIC), GB/s
+    network_gbps: float = MISSING
+    network_alltoall_gbps: float = MISSING
+    network_collective_gbps: float = MISSING
+    network_latency_us: float = 0.0  # per message across nodes (also charged per point-to-point send), us
+    intra_latency_us: float = 0.0  # per message inside a node (a measured CPU profile: gloo's), us
+    host_gbps: float = MISSING  # device <-> host copies per GPU (offload), GB/s
+    # per part (embedding, loss, optimizer) the cost of one of its operators where measured apart, us; a
+    # part not named costs kernel_launch_us
+    operator_us: dict[str, float] = field(default_factory=dict)
+    # the training schedule's own work beyond the model's operators, per microbatch and virtual stage and
+    # per step, us (a measured CPU profile; GPU profiles: 0, hidden behind the kernels)
+    microbatch_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
+    comm_stream: CommStream = CommStream.device
+    # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
+    # (null: not given, e.g. a CPU profile)
+    gpu_memory_gib: Optional[float] = None
+    sources: dict[str, Any] = field(default_factory=dict)  # where the numbers come from
+
+
+#: the numbers every profile gives, each > 0
+REQUIRED_POSITIVE = ("peak_bf16_tflops", "gemm_bf16_tflops", "attention_tflops", "memory_gbps",
+                     "nvlink_gbps", "nvlink_alltoall_gbps", "nvlink_collective_gbps", "network_gbps",
+                     "network_alltoall_gbps", "network_collective_gbps", "host_gbps")
