@@ -142,7 +142,7 @@ def _triton_max_logit(q, k):
         want = per_head_max_logit(q, k, 0.07, True)
         return bool((got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()) or \
             f"no: differs from the torch pass by {float((got.float() - want.float()).abs().max()):.3g}"
-    except Exception as e:  # noqa: BLE001 - no compiler, no Triton: recorded, the session goes on without it
+    except Exception as e:
         return f"no: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
@@ -234,7 +234,8 @@ def step_train_overlap(mode: str) -> None:
         plan_utils.should_free_input = lambda *args, **kwargs: False
     d = run_dir(f"overlap_{mode}")
     args = [*overrides(), "train.iters=3", "train.save_interval=null", "train.spike.action=log",
-            "optim.offload_fraction=0", "pipeline.decouple_wgrad=true", f"pipeline.ep_overlap={str(mode == 'on').lower()}",
+            "optim.offload_fraction=0", "pipeline.decouple_wgrad=true",
+            f"pipeline.ep_overlap={str(mode == 'on').lower()}",
             f"pipeline.trace={d / 'trace'}", f"run.dir={d}"]
     rc = train.main(args)
     _write(f"train_overlap_{mode}", {"rc": rc, "overrides": args, "metrics": _metrics(d)})

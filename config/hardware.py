@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -59,7 +59,7 @@ def load_hardware_profile(name_or_path: str) -> HardwareProfileConfig:
 
 
 def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
-                                  path: Optional[Path] = None) -> HardwareProfileConfig:
+                                  path: Path | None = None) -> HardwareProfileConfig:
     """A profile file's mapping as a :class:`HardwareProfileConfig`, the left-out figures filled in
     (``name``: the stem of ``origin``; FP8 peak and GEMM rate: 2 x BF16; a zero optional rate or memory:
     null).

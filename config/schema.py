@@ -12,12 +12,25 @@ megatron equivalent say so in their comment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-from k2.config.choices import (AttentionBackend, BadRecords, CheckpointVerify, ConvertModelType,
-                               MaxLogitKernel, MuonMatmulPrecision, MuonScaleMode, MuonZero1, Output,
-                               Precision, RouterOptimizer, SpikeAction, TextDocument, WandbMode)
-from k2.config.schema_launch import LaunchConfig, SubmitConfig  # noqa: F401  (local ranks, Slurm jobs)
+from k2.config.choices import (
+    AttentionBackend,
+    BadRecords,
+    CheckpointVerify,
+    ConvertModelType,
+    MaxLogitKernel,
+    MuonMatmulPrecision,
+    MuonScaleMode,
+    MuonZero1,
+    Output,
+    Precision,
+    RouterOptimizer,
+    SpikeAction,
+    TextDocument,
+    WandbMode,
+)
+from k2.config.schema_launch import LaunchConfig, SubmitConfig
 from k2.config.schema_planning import ClusterConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
 
 
@@ -35,25 +48,25 @@ class ModelConfig:
     first_k_dense_replace: int = 1
     # MLA (megatron MLATransformerConfig names)
     multi_latent_attention: bool = True
-    q_lora_rank: Optional[int] = 64
+    q_lora_rank: int | None = 64
     kv_lora_rank: int = 32
     qk_head_dim: int = 32  # "nope" part of q/k per head
     qk_pos_emb_head_dim: int = 16  # rotary part of q/k per head
     v_head_dim: int = 32
     # MoE
-    num_moe_experts: Optional[int] = 8
+    num_moe_experts: int | None = 8
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 64
-    moe_shared_expert_intermediate_size: Optional[int] = 64  # 1 shared expert of moe_ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = 64  # 1 shared expert of moe_ffn_hidden_size
     moe_router_score_function: str = "sigmoid"
     moe_router_enable_expert_bias: bool = True
     moe_router_bias_update_rate: float = 1.0e-3
-    moe_router_topk_scaling_factor: Optional[float] = 2.827
-    moe_router_num_groups: Optional[int] = None
-    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: float | None = 2.827
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     moe_router_load_balancing_type: str = "seq_aux_loss"
     moe_aux_loss_coeff: float = 1.0e-4
-    moe_router_dtype: Optional[str] = "fp32"
+    moe_router_dtype: str | None = "fp32"
     moe_token_dispatcher_type: str = "alltoall"
     # Vocabulary / positions
     vocab_size: int = 4096
@@ -90,7 +103,7 @@ class ModelConfig:
     # SequentialMLP loop; same parameters and checkpoints. null = auto: on with CUDA and bf16, off on CPU.
     # (megatron's field of the same name selects Transformer Engine's grouped experts; the K2 build
     # passes false to megatron and swaps in its own module.)
-    moe_grouped_gemm: Optional[bool] = None
+    moe_grouped_gemm: bool | None = None
 
 
 @dataclass
@@ -100,14 +113,14 @@ class ParallelConfig:
     name: str = "single"
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None  # virtual stages per PP rank (None or 1 = no interleaving)
+    vpp: int | None = None  # virtual stages per PP rank (None or 1 = no interleaving)
     ep: int = 1
     # megatron pipeline_model_parallel_layout string, e.g. "Et|(tt|)*30L" (E=embedding, t=layer,
     # L=loss, '|' separates virtual stages in order vpp_rank*pp + pp_rank). Mutually exclusive with
     # first/last_stage_layers.
-    layout: Optional[str] = None
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
+    layout: str | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     use_distributed_optimizer: bool = True  # ZeRO-1 over DP
 
 
@@ -156,9 +169,9 @@ class MemoryConfig:
     K2: ``fp8_store=[moe_fc1_input, swiglu_input]``,
     ``recompute=[layernorm, swiglu, mla_up_proj, moe_down_proj]``, offload of the rest."""
 
-    fp8_store: List[str] = field(default_factory=list)
-    recompute: List[str] = field(default_factory=list)
-    offload: List[str] = field(default_factory=list)
+    fp8_store: list[str] = field(default_factory=list)
+    recompute: list[str] = field(default_factory=list)
+    offload: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -168,9 +181,9 @@ class DataConfig:
     corpus built by ``k2-data`` into ``cache_dir``."""
 
     name: str = "stdlib"
-    path: Optional[Any] = None
-    valid_path: Optional[Any] = None
-    tokenizer: Optional[str] = None  # a HF tokenizer.json; None = the one k2-data trained
+    path: Any | None = None
+    valid_path: Any | None = None
+    tokenizer: str | None = None  # a HF tokenizer.json; None = the one k2-data trained
     cache_dir: str = "data_cache"
     # k2-data settings for the embedded corpus
     vocab_size: int = 4096
@@ -185,15 +198,15 @@ class PrepareConfig:
     (``launcher/datasets/preprocess.py``). The tokenizer is ``data.tokenizer`` or, when that is null, a
     byte-level BPE of ``data.vocab_size`` ids trained on the input."""
 
-    input: Optional[Any] = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
-    output: Optional[str] = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
+    input: Any | None = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
+    output: str | None = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
     text_key: str = "text"  # the JSONL field / Parquet column holding the document
     # plain text: file = one document per file; paragraph = per blank-line block
     text_document: TextDocument = TextDocument.file
     workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
     # error = stop at the first bad record (file:line); skip = report and skip
     bad_records: BadRecords = BadRecords.error
-    shard_documents: Optional[int] = None  # documents per output shard; null = one PREFIX.bin/.idx
+    shard_documents: int | None = None  # documents per output shard; null = one PREFIX.bin/.idx
     chunk_documents: int = 2048  # records per encode_batch_fast call and per committed chunk (resume granularity)
     # ... and a chunk ends early once its records hold this many bytes of input (1 MiB), so that a chunk's
     # memory (its text, and ~100 bytes per token of tokenizer output) is bounded whatever the document size
@@ -244,7 +257,7 @@ class OptimConfig:
     # QK-Clip (any optimizer): after each step, heads whose max pre-softmax logit S exceeds tau get their
     # q/k weights scaled so that S becomes tau (K2: 100); null = off (max logits are still logged).
     # megatron's equivalent: qk_clip + qk_clip_threshold.
-    qk_clip_tau: Optional[float] = None
+    qk_clip_tau: float | None = None
 
 
 @dataclass
@@ -269,7 +282,7 @@ class TrainConfig:
     """Train loop. The context length and the global batch (in tokens) come from the ``schedule`` group,
     per phase; the global batch in sequences is derived (``schedule.global_batch_tokens / seq_length``)."""
 
-    iters: Optional[int] = None  # cap on optimizer steps; null = run to the end of the schedule
+    iters: int | None = None  # cap on optimizer steps; null = run to the end of the schedule
     micro_batch_size: int = 2  # sequences per microbatch (a schedule phase may override it)
     precision: Precision = Precision.fp32
     eval_interval: int = 50
@@ -278,7 +291,7 @@ class TrainConfig:
     progress: bool = True
     deterministic_init: bool = True  # layout-independent init (same weights for any PP/VPP/EP)
     # checkpoint every N optimizer steps (launcher/checkpointing/); null = only at the end of the run
-    save_interval: Optional[int] = None
+    save_interval: int | None = None
     # on the first step of each phase, count the bytes the transformer layers keep for backward (the
     # saved-tensor meter, model/saved_tensors.py) -> saved_bytes_per_microbatch in metrics.jsonl (rank 0's
     # layers, device + host). Costs memory on that step (every counted storage is held to its end): off
@@ -293,9 +306,9 @@ class PhaseMemoryConfig:
     """A schedule phase's ``memory.*`` overrides (``schedule.phases.<i>.memory``): site lists as in
     :class:`MemoryConfig`; null = the previous phase's."""
 
-    fp8_store: Optional[List[str]] = None
-    recompute: Optional[List[str]] = None
-    offload: Optional[List[str]] = None
+    fp8_store: list[str] | None = None
+    recompute: list[str] | None = None
+    offload: list[str] | None = None
 
 
 @dataclass
@@ -303,8 +316,8 @@ class PhaseDataConfig:
     """The data of one schedule phase (``schedule.phases.<i>.data``), the ``data.path`` / ``data.valid_path``
     forms; null = the previous phase's (the first phase: ``data.*``). The tokenizer is ``data.tokenizer``."""
 
-    path: Optional[Any] = None  # a prefix, a list of prefixes or a blend [w1, prefix1, w2, prefix2, ...]
-    valid_path: Optional[Any] = None  # null = the previous phase's validation set
+    path: Any | None = None  # a prefix, a list of prefixes or a blend [w1, prefix1, w2, prefix2, ...]
+    valid_path: Any | None = None  # null = the previous phase's validation set
 
 
 @dataclass
@@ -312,19 +325,19 @@ class PhaseConfig:
     """One phase of the training schedule (``schedules/wsd.py`` has the rules). Set exactly one length."""
 
     name: str = "phase"
-    tokens: Optional[int] = None  # length in tokens (0 = skipped)
-    steps: Optional[int] = None  # length in optimizer steps of schedule.global_batch_tokens (warmup)
-    until_tokens: Optional[int] = None  # end of the phase, in tokens from the start of training
+    tokens: int | None = None  # length in tokens (0 = skipped)
+    steps: int | None = None  # length in optimizer steps of schedule.global_batch_tokens (warmup)
+    until_tokens: int | None = None  # end of the phase, in tokens from the start of training
     # constant | linear | cosine | exponential | minus_sqrt | continue (the previous rule goes on)
     lr_style: str = "constant"
-    lr_start: Optional[float] = None  # LR at the start; null = the previous phase's end LR
-    lr_end: Optional[float] = None  # LR at the end; null = lr_start (constant)
-    seq_length: Optional[int] = None  # context length in tokens; null = the previous phase's
-    rope_type: Optional[str] = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
-    micro_batch_size: Optional[int] = None  # sequences; null = the previous phase's (first: train.*)
+    lr_start: float | None = None  # LR at the start; null = the previous phase's end LR
+    lr_end: float | None = None  # LR at the end; null = lr_start (constant)
+    seq_length: int | None = None  # context length in tokens; null = the previous phase's
+    rope_type: str | None = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
+    micro_batch_size: int | None = None  # sequences; null = the previous phase's (first: train.*)
     # activation memory from this phase on: memory.fp8_store / recompute / offload (site lists, as in the
     # memory group); a key left null = the previous phase's (first: the memory group's)
-    memory: "PhaseMemoryConfig" = field(default_factory=lambda: PhaseMemoryConfig())
+    memory: PhaseMemoryConfig = field(default_factory=lambda: PhaseMemoryConfig())
     # this phase's data blend (and validation set); null = the previous phase's (first: data.path)
     data: PhaseDataConfig = field(default_factory=PhaseDataConfig)
 
@@ -336,16 +349,16 @@ class ScheduleConfig:
     name: str = "none"
     global_batch_tokens: int = 2048  # tokens per optimizer step, the same in every phase
     weight_decay: float = 0.1  # decoupled weight decay, every step (x each param group's wd_mult)
-    phases: List[PhaseConfig] = field(default_factory=list)
+    phases: list[PhaseConfig] = field(default_factory=list)
 
 
 @dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline
     project: str = "k2-launcher"
-    entity: Optional[str] = None
-    name: Optional[str] = None
-    group: Optional[str] = None  # wandb run group (a sweep's points share one: launcher/tools/sweep.py)
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None  # wandb run group (a sweep's points share one: launcher/tools/sweep.py)
 
 
 @dataclass
@@ -354,8 +367,8 @@ class SweepConfig:
     ``model.num_moe_experts = sparsity x model.moe_router_topk``, run dir ``<dir>/sparsity_<S>``."""
 
     name: str = "none"
-    sparsities: List[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
-    val_loss_target: Optional[float] = None  # FLOPs to reach this validation loss are compared
+    sparsities: list[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
+    val_loss_target: float | None = None  # FLOPs to reach this validation loss are compared
     dir: str = "runs/sweeps/${sweep.name}"
 
 
@@ -366,11 +379,11 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     # wall-clock budget of this process in minutes: at the first step boundary past it, every rank
     # saves a checkpoint and exits with the requeue code (42), as on SIGTERM/SIGUSR1; null = none
-    max_minutes: Optional[float] = None
+    max_minutes: float | None = None
     # hang watchdog (launcher/training/watchdog.py, docs/fault_tolerance.md): seconds a step, evaluation or
     # save may make no progress before the job is stopped with the rank(s) named, every rank's stacks in
     # <run.dir>/hang/ and exit 42 (requeue); null = 10x the longest such point so far, at least 120 s
-    hang_timeout_s: Optional[float] = None
+    hang_timeout_s: float | None = None
     # the same for the start-up (process groups, build, checkpoint load) and the first step, evaluation
     # and save of a launch (compilation, caches, no measured time yet)
     hang_startup_timeout_s: float = 1800.0
@@ -385,7 +398,7 @@ class CheckpointConfig:
     at the end of the run, and on preemption."""
 
     keep_last: int = 2  # newest complete checkpoints kept (the one `latest` names is always kept)
-    keep_every: Optional[int] = None  # also keep every checkpoint whose step is a multiple of this
+    keep_every: int | None = None  # also keep every checkpoint whose step is a multiple of this
     save_at_end: bool = True  # save when the run ends (train.iters or the end of the schedule)
     # what resume checks against the checkpoint's manifest before loading it: "checksum" (every file's
     # size and xxh3-64 checksum, read in parallel by the ranks), "size" (a stat per file), "none"
@@ -406,14 +419,14 @@ class ConvertConfig:
     """``k2-convert`` (launcher/hf/): Hugging Face DeepSeek-V3 / Kimi K2 checkpoints in and out. On the
     command line ``hf=``, ``out=`` and ``checkpoint=`` are short for ``convert.hf=`` ..."""
 
-    hf: Optional[str] = None  # import: the HF directory (config.json + safetensors index and shards)
-    checkpoint: Optional[str] = None  # export: a checkpoint, a checkpoints/ dir or a run dir (its latest)
-    out: Optional[str] = None  # export: the HF directory to create (must not exist)
+    hf: str | None = None  # import: the HF directory (config.json + safetensors index and shards)
+    checkpoint: str | None = None  # export: a checkpoint, a checkpoints/ dir or a run dir (its latest)
+    out: str | None = None  # export: the HF directory to create (must not exist)
     # config.json's model_type: deepseek_v3 (loads in transformers without custom code) | kimi_k2 (K2's
     # own label; the pinned transformers does not register it)
     model_type: ConvertModelType = ConvertModelType.deepseek_v3
     shard_bytes: int = 2147483648  # bytes per safetensors shard (export) / at most per .distcp file (import)
-    dtype: Optional[Precision] = None  # export; null = the checkpoint's dtype
+    dtype: Precision | None = None  # export; null = the checkpoint's dtype
 
 
 @dataclass
@@ -430,13 +443,13 @@ class PipelineConfig:
     ep_overlap: bool = False
     # directory for an event trace of the schedule: one rank<R>.jsonl per rank (F, B, W, send, recv,
     # wait per microbatch; `python -m schedules.pipeline DIR out.png` draws a step); null = no trace
-    trace: Optional[str] = None
+    trace: str | None = None
 
 
 @dataclass
 class BenchConfig:
     name: str = "none"
-    options: Optional[Any] = None
+    options: Any | None = None
 
 
 @dataclass
@@ -458,7 +471,7 @@ class K2Config:
     # directory or a run dir) resumes from there. `resume.force=true` accepts changed model / schedule /
     # optimizer / data settings. A plain mapping: `from` is a Python keyword (checked in
     # k2.config.validate.resume_settings).
-    resume: Dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False})
+    resume: dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False})
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -468,5 +481,5 @@ class K2Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     output: Output = Output.text  # k2-plan, k2-bench
-    plot: Optional[str] = None  # k2-plan: write a PNG of the per-rank pipeline timeline to this path
-    plot_schedule: Optional[str] = None  # k2-plan: write a PNG of the schedule (LR, context over tokens) here
+    plot: str | None = None  # k2-plan: write a PNG of the per-rank pipeline timeline to this path
+    plot_schedule: str | None = None  # k2-plan: write a PNG of the schedule (LR, context over tokens) here

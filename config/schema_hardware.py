@@ -14,7 +14,7 @@ bandwidths, microseconds for latencies and per-operator costs, GiB for memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -40,22 +40,22 @@ class HardwareProfileConfig:
     (:func:`k2.config.hardware.load_hardware_profile`): the file's stem, 2 x the BF16 figure.
     """
 
-    name: Optional[str] = None  # the profile's name; null = the file's stem
+    name: str | None = None  # the profile's name; null = the file's stem
     gpu: str = ""  # the device it describes
     gpus_per_node: int = 8  # devices sharing the fast intra-node links (NVLink; on a CPU machine the ranks)
     # datasheet dense peaks, TFLOP/s (MFU is reported against the BF16 one); FP8 null = 2 x BF16
     peak_bf16_tflops: float = MISSING
-    peak_fp8_tflops: Optional[float] = None
+    peak_fp8_tflops: float | None = None
     # achieved GEMM ceilings at large shapes, TFLOP/s; FP8 null = 2 x BF16; FP32 null = BF16 / 2 (Hopper's
     # TF32-less FP32 path is not modelled); grouped expert GEMMs null = the dense ceiling
     gemm_bf16_tflops: float = MISSING
-    gemm_fp8_tflops: Optional[float] = None
-    gemm_fp32_tflops: Optional[float] = None
-    gemm_grouped_bf16_tflops: Optional[float] = None
-    gemm_grouped_fp8_tflops: Optional[float] = None
+    gemm_fp8_tflops: float | None = None
+    gemm_fp32_tflops: float | None = None
+    gemm_grouped_bf16_tflops: float | None = None
+    gemm_grouped_fp8_tflops: float | None = None
     # a CPU profile's large-square GEMM rate, TFLOP/s (k2-bench bench=hardware records it; the model
     # uses gemm_bf16_tflops, the rate at the job's own shapes)
-    gemm_ceiling_tflops: Optional[float] = None
+    gemm_ceiling_tflops: float | None = None
     # the least share of the compute stream the non-GEMM kernels take (0 = bytes at bandwidth alone)
     nongemm_share: float = 0.0
     attention_tflops: float = MISSING  # achieved core-attention rate (forward and backward), TFLOP/s
@@ -65,7 +65,7 @@ class HardwareProfileConfig:
     # one operator of a transformer layer)
     kernel_launch_us: float = 0.0
     gemm_tile: int = 128  # GEMM output tile edge for tile quantization (1: off)
-    compute_units: Optional[int] = 132  # SMs for wave quantization (null: off)
+    compute_units: int | None = 132  # SMs for wave quantization (null: off)
     # intra-node link peak per direction and what an all-to-all and a ring collective achieve, GB/s per GPU
     nvlink_gbps: float = MISSING
     nvlink_alltoall_gbps: float = MISSING
@@ -87,7 +87,7 @@ class HardwareProfileConfig:
     comm_stream: CommStream = CommStream.device
     # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
     # (null: not given, e.g. a CPU profile)
-    gpu_memory_gib: Optional[float] = None
+    gpu_memory_gib: float | None = None
     sources: dict[str, Any] = field(default_factory=dict)  # where the numbers come from
 
 

@@ -5,7 +5,6 @@ starts its local ranks and how ``k2-submit`` renders and submits a Slurm job.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 from k2.config.choices import SrunDistribution
 
@@ -15,7 +14,7 @@ class LaunchConfig:
     """Local process launch: ``k2-train`` spawns this many ranks itself when not under torchrun/srun."""
 
     nproc_per_node: int = 1
-    master_port: Optional[int] = None  # None = a free port
+    master_port: int | None = None  # None = a free port
     # seconds every rank of a multi-rank launch waits at the rendezvous (MASTER_ADDR:MASTER_PORT) for the
     # others, e.g. a node that starts late; then the ranks that came stop with an error naming the
     # missing ranks and nodes (k2.parallel.rendezvous)
@@ -23,7 +22,7 @@ class LaunchConfig:
     # PYTORCH_CUDA_ALLOC_CONF of the ranks: k2-train sets it unless the environment does (null: never).
     # Expandable segments grow in place instead of leaving gaps between fixed-size segments, what k2-plan's
     # plan.gpu_overheads.fragmentation assumes (PyTorch "CUDA semantics"; launcher/training/cuda_env.py)
-    cuda_alloc_conf: Optional[str] = "expandable_segments:True"
+    cuda_alloc_conf: str | None = "expandable_segments:True"
 
 
 @dataclass
@@ -32,8 +31,8 @@ class SubmitConfig:
 
     dry_run: bool = False  # print the rendered script, write and submit nothing
     time: str = "24:00:00"  # sbatch --time (wall-clock limit of one (re)start), e.g. "24:00:00"
-    partition: Optional[str] = None  # sbatch --partition; null = the cluster's default
-    account: Optional[str] = None  # sbatch --account; null = the user's default
+    partition: str | None = None  # sbatch --partition; null = the cluster's default
+    account: str | None = None  # sbatch --account; null = the user's default
     job_name: str = "k2"  # sbatch --job-name
     signal_seconds: int = 120  # sbatch --signal=USR1@N: seconds before the time limit the ranks get USR1
     # --gpus-per-node=cluster.gpus_per_node (one task per GPU); false for CPU-only nodes (the CPU proxy,
@@ -43,33 +42,33 @@ class SubmitConfig:
     # block (ranks 0..gpus_per_node-1 on the first node, ...: with PP outermost in megatron's rank order,
     # a pipeline stage's TP/EP/DP ranks share a node); cyclic deals them round-robin (rank r on node
     # r % nodes: the ranks of one stage on different nodes)
-    distribution: Optional[SrunDistribution] = None
+    distribution: SrunDistribution | None = None
     # sbatch --mem per node; null = --mem=0, all of each (exclusive) node's memory: offloaded optimizer
     # states / activations live there (k2-plan), and Slurm's memory cgroups give a job only what it asks
-    mem: Optional[str] = None
-    cpus_per_task: Optional[int] = None  # sbatch/srun --cpus-per-task and OMP_NUM_THREADS; null = Slurm's
+    mem: str | None = None
+    cpus_per_task: int | None = None  # sbatch/srun --cpus-per-task and OMP_NUM_THREADS; null = Slurm's
     cpu_bind: str = "none"  # srun --cpu-bind: none, cores, threads, sockets, ldoms, rank, map_cpu:..., ...
-    gpu_bind: Optional[str] = None  # srun --gpu-bind: null (no option), closest, none, single:N, map_gpu:...
-    qos: Optional[str] = None  # sbatch --qos
-    constraint: Optional[str] = None  # sbatch --constraint (node features, e.g. "h100&ib")
-    reservation: Optional[str] = None  # sbatch --reservation
+    gpu_bind: str | None = None  # srun --gpu-bind: null (no option), closest, none, single:N, map_gpu:...
+    qos: str | None = None  # sbatch --qos
+    constraint: str | None = None  # sbatch --constraint (node features, e.g. "h100&ib")
+    reservation: str | None = None  # sbatch --reservation
     # more #SBATCH options, "--option[=value]" each (quoted for Hydra: "submit.extra_args=['--mail-type=END']");
     # the ones k2-submit sets from other settings are refused (their setting is named)
-    extra_args: List[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)
     # pyxis/enroot: srun --container-image (it must hold k2-launcher) and --container-mounts, one
     # "SRC[:DST[:FLAGS]]" each (run.dir and the data must be visible inside); null / [] = no container
-    container_image: Optional[str] = None
-    container_mounts: List[str] = field(default_factory=list)
+    container_image: str | None = None
+    container_mounts: list[str] = field(default_factory=list)
     # the Python written into the script; null = the one running k2-submit, python3 in a container (it
     # must exist at that path on every node: a checkout's .venv on a node-local disk does not)
-    python: Optional[str] = None
+    python: str | None = None
     # site set-up: a bash file the job sources before anything else (module loads, a conda or venv
     # activation, the site's own variables); it must exist when k2-submit runs, at the same path on the
     # nodes. null = none
-    setup: Optional[str] = None
+    setup: str | None = None
     # environment variables the job exports after submit.setup, e.g. NCCL or network settings
     # ("+submit.env.NCCL_SOCKET_IFNAME=ib0"); quoted as written, never run
-    env: Dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     # a job of several nodes or with GPUs and data.path=null is refused unless this says the embedded
     # standard-library test corpus is meant
     embedded_corpus: bool = False

@@ -6,7 +6,7 @@ its step-time model's hardware profile and what-if settings included (docs/perfo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -17,16 +17,16 @@ class ClusterConfig:
     gpus_per_node: int = 8
     # memory of one GPU, GiB; null = the one plan.hardware's profile names (h800 / h100: 80, h200: 141), 80
     # for a profile without one (e.g. a CPU machine's, measured by k2-bench bench=hardware)
-    gpu_memory_gib: Optional[float] = None
+    gpu_memory_gib: float | None = None
     # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
     # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
     host_memory_gib: float = 2048.0
     # dense BF16 peak of one GPU in TFLOP/s that MFU (k2-train, k2-plan) and k2-plan's FLOPs-only estimate use;
     # null = peak_bf16_tflops of plan.hardware's profile (h800 / h100 / h200: 989.4); a number overrides it
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     # on CPU, MFU is against this GEMM peak of one rank in TFLOP/s (e.g. a measured torch.mm rate);
     # null = no MFU on CPU (mfu null in metrics.jsonl; a GPU's peak would make it meaningless)
-    cpu_peak_tflops: Optional[float] = None
+    cpu_peak_tflops: float | None = None
     # k2-plan's checkpoint figures (launcher/planning/checkpoint.py, docs/performance_model.md): GB/s one node
     # writes to the shared file system. 10 = a 100 Gb/s storage NIC per node (DGX H100 reference: 2 x 200 Gb/s
     # storage links; parallel file systems deliver 1-10 GB/s per client node)
@@ -34,7 +34,7 @@ class ClusterConfig:
     # mean time between failures of the whole job, hours; null = Llama 3's rate for this many GPUs: 419
     # unexpected interruptions in 54 days on 16,384 H100 (arXiv 2407.21783 section 3.3.4), i.e. 3.09 h x
     # 16,384 / GPUs (198 h on 256 GPUs)
-    mtbf_hours: Optional[float] = None
+    mtbf_hours: float | None = None
 
 
 @dataclass
@@ -48,7 +48,7 @@ class WhatIfConfig:
     fsdp: bool = False
     dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
     deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
-    node_limit: Optional[int] = None  # node-limited routing: a token goes to at most this many nodes
+    node_limit: int | None = None  # node-limited routing: a token goes to at most this many nodes
     # gradient accumulation over this many pipeline schedules per step, each a full flush (fill and drain)
     # of num_microbatches / pipeline_flushes microbatches (torch pipelining's schedule.step() per local batch)
     pipeline_flushes: int = 1
@@ -87,9 +87,9 @@ class GpuOverheadsConfig:
 class PlanConfig:
     """``k2-plan`` settings (launcher/planning/)."""
 
-    query_tokens: Optional[Any] = None  # list of token counts -> "lr_at_tokens" in the JSON
+    query_tokens: Any | None = None  # list of token counts -> "lr_at_tokens" in the JSON
     search: bool = False  # list the valid PP/VPP/EP layouts of the cluster, ranked by estimated step time
-    step_time_s: Optional[float] = None  # a measured step time (s) -> MFU against cluster.peak_tflops
+    step_time_s: float | None = None  # a measured step time (s) -> MFU against cluster.peak_tflops
     # the FLOPs-only estimate k2-plan reported before its performance model (step_time_s_flops_only): a
     # stage's model FLOPs at this fraction of cluster.peak_tflops, communication assumed hidden
     compute_efficiency: float = 0.5
@@ -99,6 +99,6 @@ class PlanConfig:
     # settings of published runs that k2-train does not have, for comparisons only (docs/performance_model.md)
     what_if: WhatIfConfig = field(default_factory=lambda: WhatIfConfig())
     # compare the step-time model with published runs (recipes/published/runs.yaml): a run's name or "all"
-    published: Optional[str] = None
+    published: str | None = None
     # GPU memory besides training state and saved activations (launcher/planning/device_overheads.py)
     gpu_overheads: GpuOverheadsConfig = field(default_factory=lambda: GpuOverheadsConfig())

@@ -15,20 +15,34 @@ Every error is a :class:`k2.config.ConfigError` naming the setting and the allow
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 # re-exported: the Enum-typed settings and their messages
-from k2.config.choices import CHOICES, choice_error  # noqa: F401
-from k2.config.choices import CheckpointVerify, ResumeMode, check_choice, values
+from k2.config.choices import CHOICES, CheckpointVerify, ResumeMode, check_choice, choice_error, values
 from k2.config.errors import ConfigError
-from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
+from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 
 if TYPE_CHECKING:
-    from k2.config.schema import (CheckpointConfig, ClusterConfig, ConvertConfig, DataConfig, K2Config,
-                                  MemoryConfig, ModelConfig, OptimConfig, PhaseMemoryConfig, PipelineConfig,
-                                  PlanConfig, PrepareConfig, RunConfig, ScheduleConfig, SweepConfig,
-                                  TrainConfig)
+    from k2.config.schema import (
+        CheckpointConfig,
+        ClusterConfig,
+        ConvertConfig,
+        DataConfig,
+        K2Config,
+        MemoryConfig,
+        ModelConfig,
+        OptimConfig,
+        PhaseMemoryConfig,
+        PipelineConfig,
+        PlanConfig,
+        PrepareConfig,
+        RunConfig,
+        ScheduleConfig,
+        SweepConfig,
+        TrainConfig,
+    )
 
 __all__ = [
     "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZER_CHECKS", "OPTIMIZERS", "RESUME_KEYS",

@@ -5,9 +5,8 @@ section's): how ``k2-train`` starts local ranks and what ``k2-submit`` may write
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import re
+from typing import TYPE_CHECKING
 
 from k2.config.choices import check_choice
 from k2.config.errors import ConfigError

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import run_main
@@ -59,7 +59,7 @@ def _bench(args: list[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-bench [HYDRA_OVERRIDE ...]``; 0, or 2 for a bad setting."""
     return run_main(PROG, _bench, argv, usage=USAGE)
 

@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from k2.config import ConfigError
 from k2.launcher.quiet import quiet_libraries
@@ -74,8 +74,8 @@ def help_text(prog: str, usage: str) -> str:
             "stderr)\n")
 
 
-def run_main(prog: str, body: Callable[[list[str]], int], argv: Optional[Sequence[str]] = None,
-             usage: Optional[str] = None) -> int:
+def run_main(prog: str, body: Callable[[list[str]], int], argv: Sequence[str] | None = None,
+             usage: str | None = None) -> int:
     """Run a tool's ``body(args) -> exit status`` under the shared contract.
 
     Args:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from k2.config import ConfigError, load_config
 from k2.launcher.checkpointing.paths import CHECKPOINTS, LATEST, resume_point
@@ -85,7 +85,7 @@ def _convert(args: list[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-convert {import|export} [HYDRA_OVERRIDE ...]``: 0, or 2 for a bad setting or bad input."""
     return run_main(PROG, _convert, argv, usage=USAGE)
 

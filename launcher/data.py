@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import errno
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from k2.config import load_config
 from k2.launcher.cli import error, run_main
@@ -115,7 +116,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-data [HYDRA_OVERRIDE ...]``: corpus summary out; 0, or 2 for a bad setting."""
     return run_main(PROG, _data, argv, usage=USAGE)
 

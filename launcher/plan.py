@@ -4,24 +4,25 @@ Example::
 
     k2-plan model=kimi_k2 parallel=k2_256gpu plot=k2.png      # K2's run; + output=json, plan.search=true
 
-What it reports: :func:`k2.launcher.planning.plan_cluster` (the planner's one entry point). Output: tables (``output=text``, the default, or
-``table``) or one JSON object on stdout (``output=json``); ``plot=PATH.png`` also draws the per-rank
-pipeline timeline into ``PATH.png``, ``plot_schedule=PATH.png`` the LR schedule (either, both or none). A bad setting prints one line
-``k2-plan: error: ...`` to stderr and exits with status 2.
+What it reports: :func:`k2.launcher.planning.plan_cluster` (the planner's one entry point). Output: tables
+(``output=text``, the default, or ``table``) or one JSON object on stdout (``output=json``); ``plot=PATH.png``
+also draws the per-rank pipeline timeline into ``PATH.png``, ``plot_schedule=PATH.png`` the LR schedule (either,
+both or none). A bad setting prints one line ``k2-plan: error: ...`` to stderr and exits with status 2.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import run_main
 
 if TYPE_CHECKING:
-    from k2.launcher.planning import ClusterPlan
     from k2.config.schema import K2Config
+    from k2.launcher.planning import ClusterPlan
 
 # the planner, the plots and the data checks are imported where they are used: --help does not wait
 # for the model's imports (megatron-core, torch)
@@ -113,7 +114,7 @@ def _plan(args: list[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-plan [HYDRA_OVERRIDE ...]``; 0, or 2 for a bad setting."""
     return run_main(PROG, _plan, argv, usage=USAGE)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["measured", "moved", "probes_grew", "watch"]
 
@@ -64,7 +64,7 @@ def probes_grew() -> bool:
     for entry in entries:
         try:
             value = entry[0]()
-        except Exception:  # noqa: BLE001 - a file that is gone, a race with the block's end
+        except Exception:
             continue
         if entry[1] is None or value > entry[1]:
             grew = True

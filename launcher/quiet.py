@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["quiet_libraries", "ignore_library_warnings"]
 

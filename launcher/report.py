@@ -7,8 +7,8 @@ Exit status: 0 done; 2 a bad argument, or ``RUN_DIR`` holds no ``metrics.jsonl``
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from k2.launcher.cli import HELP_FLAGS, error
 
@@ -30,7 +30,7 @@ exit status: 0 done, 2 a bad argument or no metrics.jsonl in RUN_DIR
 """
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-report RUN_DIR [OUT_DIR]``; the exit status of the module docstring."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in HELP_FLAGS for a in args):

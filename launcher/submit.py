@@ -19,7 +19,7 @@ refused; 2 a bad setting (``k2-submit: error: ...`` on stderr, naming it).
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from k2.config import load_config
 from k2.launcher.cli import run_main
@@ -95,7 +95,7 @@ def _submit(args: list[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-submit [-m] [HYDRA_OVERRIDE ...]``; the exit status of the module docstring."""
     return run_main(PROG, _submit, argv, usage=USAGE)
 

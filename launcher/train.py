@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
@@ -170,7 +171,7 @@ def _run_rank(cfg: K2Config, plan, env, spawned: bool) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``k2-train [HYDRA_OVERRIDE ...]``; returns the exit status (module docstring)."""
     return run_main(PROG, _train, argv, usage=USAGE)
 

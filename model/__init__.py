@@ -4,4 +4,4 @@ memory (FP8 storage, recompute, offload); the dgrad/wgrad split of the linear la
 and parameter counts used by the planner, the trainer and the tools (the planner's own counts -- saved
 activation bytes, kernel seconds -- are in :mod:`k2.launcher.planning`)."""
 
-import k2.parallel  # noqa: E402,F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)
+import k2.parallel  # noqa: F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)

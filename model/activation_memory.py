@@ -74,7 +74,7 @@ class MemoryOptions:
     attribute: bool = False
 
     @classmethod
-    def from_config(cls, cfg: K2Config, attribute: bool = False) -> "MemoryOptions":
+    def from_config(cls, cfg: K2Config, attribute: bool = False) -> MemoryOptions:
         if "memory" not in cfg:  # a config tree without the memory group: all off
             return cls(attribute=attribute)
         return cls.from_sites(cfg.memory, attribute)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +51,7 @@ def per_head_max_logit(
     key: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: torch.Tensor | None = None,
     chunk: int = MAX_LOGIT_CHUNK,
 ) -> torch.Tensor:
     """Per-head max of ``softmax_scale * q_i . k_j`` over batch and unmasked positions.
@@ -166,11 +165,11 @@ class K2CoreAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        k_channels: Optional[int] = None,
-        v_channels: Optional[int] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
         record_max_logits: bool = True,
         backend: str = "auto",
@@ -227,9 +226,9 @@ class K2CoreAttention(MegatronModule):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
         """Attention output ``[sq, b, np * hv]`` (see class docstring for input shapes).

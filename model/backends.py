@@ -18,7 +18,7 @@ experts are not wired).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,7 +41,7 @@ def te_available() -> bool:
     return True
 
 
-def resolve_attention_backend(setting: str, cuda: Optional[bool] = None) -> str:
+def resolve_attention_backend(setting: str, cuda: bool | None = None) -> str:
     """The core-attention backend for ``k2.model.attention_backend``: ``auto`` -> ``sdpa`` on CUDA (with
     or without Transformer Engine: ``te`` is chosen only explicitly, module docstring), ``eager`` on CPU;
     others as given.
@@ -57,7 +57,7 @@ def resolve_attention_backend(setting: str, cuda: Optional[bool] = None) -> str:
     return "sdpa" if cuda else "eager"
 
 
-def resolve_grouped_experts(setting: Optional[bool], precision: str, cuda: Optional[bool] = None) -> bool:
+def resolve_grouped_experts(setting: bool | None, precision: str, cuda: bool | None = None) -> bool:
     """``k2.model.moe_grouped_gemm``: True/False as given; None (auto) = grouped on CUDA in bf16, megatron's
     sequential experts otherwise. The CPU proxy keeps ``SequentialMLP`` by default: its order of
     operations is what the bitwise-equality tests of other features (offload, wgrad split, parallel
@@ -73,7 +73,8 @@ def check_backend_config(cfg: K2Config) -> None:
     ``k2.model.moe_grouped_gemm`` (their allowed values are :mod:`k2.config.validate`'s).
 
     Raises:
-        ConfigError: ``pipeline.ep_overlap`` on CUDA without bf16; ``te`` without Transformer Engine or CUDA; the Triton max-logit kernel without
+        ConfigError: ``pipeline.ep_overlap`` on CUDA without bf16; ``te`` without Transformer Engine or CUDA;
+        the Triton max-logit kernel without
             Triton and CUDA or with another backend than sdpa;
             grouped experts with widths ``torch._grouped_mm`` cannot take (``k2.model.hidden_size`` and
             ``k2.model.moe_ffn_hidden_size`` must be multiples of 8: 16-byte rows in bf16) or with

@@ -18,7 +18,7 @@ import dataclasses
 import zlib
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from k2.model.router import K2Router
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config, ModelConfig
+    from k2.parallel.dims import ParallelDims
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -101,7 +102,33 @@ def _moe_fields(m: ModelConfig) -> dict:
     )
 
 
-def transformer_config(cfg: K2Config, dims, rope_type: Optional[str] = None):
+def _parallel_fields(dims: ParallelDims) -> dict:
+    """The parallel layout's settings of megatron's ``TransformerConfig`` (TP, PP, VPP, EP, the layer layout) and
+    the pipeline's p2p settings."""
+    return dict(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        expert_model_parallel_size=dims.ep,
+        pipeline_model_parallel_layout=dims.megatron_layout,
+        num_layers_in_first_pipeline_stage=dims.first_stage_layers,
+        num_layers_in_last_pipeline_stage=dims.last_stage_layers,
+        sequence_parallel=False,
+        # Interleaved 1F1B: overlapped, unbatched p2p (as Megatron-LM's training defaults). With PP=2
+        # the previous and next stage are the same rank, and megatron's *batched* p2p posts
+        # [send_prev(grad), send_next(activation)] on one side against [recv_prev(activation),
+        # recv_next(grad)] on the other; a backend that matches a peer's messages in posting order
+        # (gloo) then swaps activations and gradients of equal shape silently. The unbatched path
+        # splits the two directions over two communicators (megatron p2p_communication._p2p_ops).
+        overlap_p2p_comm=dims.vpp > 1,
+        batch_p2p_comm=dims.vpp <= 1,
+        # a stage's output is freed once sent (its grad_fn is all the backward needs), as Megatron-LM's
+        # training sets it: the schedule does not hold one [s, b, h] per microbatch in flight
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def transformer_config(cfg: K2Config, dims, rope_type: str | None = None):
     """megatron ``MLATransformerConfig`` for ``cfg.model`` under the parallel layout ``dims``.
 
     Args:
@@ -138,26 +165,7 @@ def transformer_config(cfg: K2Config, dims, rope_type: Optional[str] = None):
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         **rope_fields(m, rope_type or m.rope_type),
-        # parallelism
-        tensor_model_parallel_size=dims.tp,
-        pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-        expert_model_parallel_size=dims.ep,
-        pipeline_model_parallel_layout=dims.megatron_layout,
-        num_layers_in_first_pipeline_stage=dims.first_stage_layers,
-        num_layers_in_last_pipeline_stage=dims.last_stage_layers,
-        sequence_parallel=False,
-        # Interleaved 1F1B: overlapped, unbatched p2p (as Megatron-LM's training defaults). With PP=2
-        # the previous and next stage are the same rank, and megatron's *batched* p2p posts
-        # [send_prev(grad), send_next(activation)] on one side against [recv_prev(activation),
-        # recv_next(grad)] on the other; a backend that matches a peer's messages in posting order
-        # (gloo) then swaps activations and gradients of equal shape silently. The unbatched path
-        # splits the two directions over two communicators (megatron p2p_communication._p2p_ops).
-        overlap_p2p_comm=dims.vpp > 1,
-        batch_p2p_comm=dims.vpp <= 1,
-        # a stage's output is freed once sent (its grad_fn is all the backward needs), as Megatron-LM's
-        # training sets it: the schedule does not hold one [s, b, h] per microbatch in flight
-        deallocate_pipeline_outputs=True,
+        **_parallel_fields(dims),
         # precision
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -255,7 +263,7 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
     return spec
 
 
-def decoder_block_spec(tcfg, vp_stage: Optional[int], pp_rank: Optional[int], record_max_logits: bool,
+def decoder_block_spec(tcfg, vp_stage: int | None, pp_rank: int | None, record_max_logits: bool,
                        attention_backend: str = "eager", grouped_experts: bool = False,
                        max_logit_kernel: str = "torch"):
     """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in
@@ -294,7 +302,7 @@ def reset_moe_process_state() -> None:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-def build_model_chunks(cfg: K2Config, dims, tcfg, memory: Optional[MemoryOptions] = None,
+def build_model_chunks(cfg: K2Config, dims, tcfg, memory: MemoryOptions | None = None,
                        memory_switches: Sequence[MemoryOptions] = ()) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 

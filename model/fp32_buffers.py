@@ -10,12 +10,10 @@ through :func:`fp32_buffer` before each update. (megatron does the same for ``ex
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
-def fp32_buffer(module: torch.nn.Module, name: str, device: Optional[torch.device] = None) -> torch.Tensor:
+def fp32_buffer(module: torch.nn.Module, name: str, device: torch.device | None = None) -> torch.Tensor:
     """``module.<name>`` as an fp32 tensor on ``device`` (default: where it is); when it is not, it is
     converted (values kept) and set back on the module under the same name, so a registered buffer stays
     registered. Returns the tensor to update in place."""

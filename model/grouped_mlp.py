@@ -25,8 +25,6 @@ gradient is one grouped GEMM (``[out, T] x [T, in]`` grouped over the token dime
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from k2.model.mlp import K2SequentialMLP, mlp_forward
@@ -38,7 +36,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 def grouped_weight_grad(grad_output: torch.Tensor, inputs: torch.Tensor, offs: torch.Tensor,
-                        empty: Optional[torch.Tensor]) -> torch.Tensor:
+                        empty: torch.Tensor | None) -> torch.Tensor:
     """Per-expert weight gradients ``dW_e = dY_e^T X_e`` as one grouped GEMM.
 
     Args:
@@ -110,7 +108,7 @@ class _GroupedLinear:
     """The ``linear_fc1`` / ``linear_fc2`` of all local experts as one callable with megatron's
     ``(output, bias)`` return (what :func:`k2.model.mlp.mlp_forward` calls)."""
 
-    def __init__(self, linears: list, offs: torch.Tensor, empty: Optional[torch.Tensor]):
+    def __init__(self, linears: list, offs: torch.Tensor, empty: torch.Tensor | None):
 
         self.linears, self.offs, self.empty = linears, offs, empty
         self.weights = [lin.weight for lin in linears]

@@ -10,8 +10,9 @@ tiles in registers (``tl.dot``, FP32 accumulation) and keeps only a running row 
 first half of a flash-attention forward without the softmax: ``b x heads x ceil(sq / BLOCK_M)`` block
 maxima go to memory, nothing else. Causal masking skips the key tiles above the diagonal.
 
-Status: opt-in (``model.max_logit_kernel=triton``) until it is measured on a GPU; tested here with
-Triton's CPU interpreter (``TRITON_INTERPRET=1``) against a float64 reference (``tests/unit/model/test_max_logit_kernel.py``).
+Status: opt-in (``model.max_logit_kernel=triton``) until it is measured on a GPU; tested here with Triton's CPU
+interpreter (``TRITON_INTERPRET=1``) against a float64 reference
+(``tests/unit/model/test_max_logit_kernel.py``).
 """
 
 from __future__ import annotations

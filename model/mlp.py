@@ -11,7 +11,8 @@ keep megatron's ``MLP`` parameters and state-dict layout:
 * :class:`K2SharedExpertMLP` -- the shared expert (megatron ``SharedExpertMLP``: gate, overlap);
 * :class:`K2SequentialMLP` -- the routed experts (megatron ``SequentialMLP``, one ``MLP`` per expert).
 
-Switches (``model/activation_memory.py`` :class:`~k2.model.activation_memory.MemoryOptions`, docs/k2_reference.md "Training system"):
+Switches (``model/activation_memory.py`` :class:`~k2.model.activation_memory.MemoryOptions`,
+          docs/k2_reference.md "Training system"):
 
 * ``recompute=swiglu``: SwiGLU (with the probability scale where megatron applies it) keeps only its
   input, and its output, which ``linear_fc2`` saves for the weight gradient, is recomputed from that
@@ -28,8 +29,6 @@ Switches (``model/activation_memory.py`` :class:`~k2.model.activation_memory.Mem
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
@@ -40,7 +39,7 @@ from k2.model.recompute import recompute_output
 from k2.model.saved_tensors import mark, mark_recompute
 
 
-def swiglu(u: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(u: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(u1) * u2`` for ``u = [u1, u2]`` ``[..., 2f]`` (megatron's ``gated_linear_unit`` layout),
     times ``probs`` ``[...]`` when given, in ``u``'s dtype. Returns ``[..., f]``."""
     u1, u2 = torch.chunk(u, 2, dim=-1)
@@ -50,7 +49,7 @@ def swiglu(u: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tenso
     return a
 
 
-def mlp_forward(mlp: MLP, hidden_states: torch.Tensor, probs: Optional[torch.Tensor], memory,
+def mlp_forward(mlp: MLP, hidden_states: torch.Tensor, probs: torch.Tensor | None, memory,
                 routed: bool) -> torch.Tensor:
     """``fc2(swiglu(fc1(x)))`` of a megatron ``MLP`` with the memory switches of ``memory``.
 
@@ -107,7 +106,7 @@ class K2MLP(MLP):
 
     memory = None
 
-    def forward(self, hidden_states: torch.Tensor, per_token_scale: Optional[torch.Tensor] = None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         """``[s, b, h] -> ([s, b, h], None)`` (megatron's ``(output, bias)``)."""
         return mlp_forward(self, hidden_states, per_token_scale, self.memory, routed=False), None
 
@@ -116,7 +115,7 @@ class K2SharedExpertMLP(SharedExpertMLP, K2MLP):
     """megatron ``SharedExpertMLP`` (gate, overlap) on :func:`mlp_forward` (its ``super().forward``)."""
 
 
-def build_k2_shared_experts(*, config, pg_collection, gate: bool, submodules, name: Optional[str] = None):
+def build_k2_shared_experts(*, config, pg_collection, gate: bool, submodules, name: str | None = None):
     """Spec builder of the shared expert (megatron's ``moe_module_specs._build_shared_experts`` minus the
     TE-only fused variant)."""
     if getattr(config, "use_grouped_gemm_for_shared_expert", False):

@@ -57,8 +57,9 @@ import logging
 import re
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from k2.model.build import moe_layer_pattern
 from k2.parallel.dims import ParallelDims

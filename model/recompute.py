@@ -34,7 +34,7 @@ these is on, ``model/activation_memory.py``) the outputs are saved as usual: cor
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -75,7 +75,7 @@ class _Recomputed:
 
     def __init__(self, node):
         self.node = node
-        self.pending: Optional[dict] = None
+        self.pending: dict | None = None
 
     def output(self, i: int) -> torch.Tensor:
         if self.pending is None or i not in self.pending:
@@ -85,7 +85,7 @@ class _Recomputed:
         return self.pending.pop(i)
 
 
-def recompute_output(fn: Callable, *inputs: Optional[torch.Tensor], site: str):
+def recompute_output(fn: Callable, *inputs: torch.Tensor | None, site: str):
     """``fn(*inputs)``, keeping only ``inputs`` for backward (see the module docstring).
 
     Args:
@@ -176,12 +176,12 @@ def recompute_layer(fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: t
     ``hidden_states [s, b, h]`` is saved (through the saved-tensor hooks: offload ``attn_input`` moves it
     to host); backward re-runs ``fn`` with autograd and back-propagates through the re-run.
 
-    The re-run has a saved-tensor scope of its own in which FP8 storage and the selective recompute sites act
-    on its tensors (they live one layer at a time) and offload does not (they are used right away). Side effects happen once: megatron's router
-    counts (``local_tokens_per_expert``), its aux loss and :class:`k2.model.router.K2Router`'s token counts
-    run only with grad enabled, i.e. in the re-run; the max-logit recording only outside it
-    (:func:`recomputing`). Decoupled weight gradients (``model/wgrad.py``) are queued by the re-run's
-    backward as by a plain one.
+    The re-run has a saved-tensor scope of its own in which FP8 storage and the selective recompute sites act on
+    its tensors (they live one layer at a time) and offload does not (they are used right away). Side effects
+    happen once: megatron's router counts (``local_tokens_per_expert``), its aux loss and
+    :class:`k2.model.router.K2Router`'s token counts run only with grad enabled, i.e. in the re-run; the
+    max-logit recording only outside it (:func:`recomputing`). Decoupled weight gradients (``model/wgrad.py``)
+    are queued by the re-run's backward as by a plain one.
 
     Args:
         fn: the layer's forward from its input (deterministic; may use parameters and other tensors it

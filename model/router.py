@@ -16,7 +16,7 @@ none) falls back to megatron's implementation.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -24,7 +24,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from k2.model.fp32_buffers import fp32_buffer
 
 
-def stable_topk(scores: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def stable_topk(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with ties resolved to the lowest index.
 
     Args:
@@ -42,16 +42,16 @@ def stable_topk(scores: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Te
 class StableTopK:
     """Top-k selector plugged into megatron's ``router_replay`` slot (see module docstring)."""
 
-    layer_number: Optional[int] = None
+    layer_number: int | None = None
 
     def get_replay_topk(
         self,
         scores: torch.Tensor,
         topk: int,
-        num_groups: Optional[int] = None,
-        group_topk: Optional[int] = None,
-        default_compute_topk: Optional[Callable] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Callable | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if group_topk:
             return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         return stable_topk(scores, topk)
@@ -76,7 +76,7 @@ class K2Router(TopKRouter):
             persistent=False,
         )
 
-    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """megatron's routing; returns ``(probs, routing_map)``, each ``[num_tokens, num_experts]``."""
         # both token counters stay fp32 under the BF16 wrapper (model/fp32_buffers.py): megatron's own one
         # feeds the expert-bias update (K2's aux-loss-free balancing), ours the expert-load metric

@@ -5,7 +5,7 @@ Used by ``k2-bench bench=memory``, ``train.measure_saved_bytes`` and the planner
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,7 +55,7 @@ class SavedBytesMeter:
         self.serial = 0  # storages held so far (:meth:`alive`'s ``since``)
 
     @staticmethod
-    def active() -> Optional["SavedBytesMeter"]:
+    def active() -> SavedBytesMeter | None:
         return active_meter()
 
     @contextlib.contextmanager

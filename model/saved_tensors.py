@@ -14,8 +14,8 @@ docs/k2_reference.md "Training system", "Activation memory". One mechanism serve
   when backward reaches layer ``i``'s output, :func:`chain_prefetch`). On CPU it is a plain copy.
 * **Recompute** (``Policy.recompute``, :func:`mark_recompute`): nothing is kept; backward gets the tensor
   from a function of other saved tensors (``model/recompute.py``).
-* **Meter** (:class:`k2.model.saved_bytes_meter.SavedBytesMeter`): the bytes that stay saved per forward, by site, on device and on
-  host, measured from what the hooks hold -- not estimated.
+* **Meter** (:class:`k2.model.saved_bytes_meter.SavedBytesMeter`): the bytes that stay saved per forward, by site,
+  on device and on host, measured from what the hooks hold -- not estimated.
 
 Which saved tensor gets which treatment is decided by *sites*: a scope (one per transformer layer, see
 ``model/activation_memory.py``) collects ``mark(tensor, policy)`` calls -- "any saved tensor sharing ``tensor``'s
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -64,7 +64,7 @@ class Policy:
     site: str
     fp8: bool = False
     offload: bool = False
-    recompute: Optional[Callable[[], torch.Tensor]] = None  # see mark_recompute
+    recompute: Callable[[], torch.Tensor] | None = None  # see mark_recompute
 
     @property
     def transforms(self) -> bool:
@@ -94,13 +94,13 @@ def set_active_meter(meter) -> None:
     _METER["meter"] = meter
 
 
-def current_scope() -> Optional["SavedTensorScope"]:
+def current_scope() -> SavedTensorScope | None:
     """The innermost open scope of this thread (None outside any; backward never has one)."""
     s = _stack()
     return s[-1] if s else None
 
 
-def mark(tensor: Optional[torch.Tensor], policy: Optional[Policy]) -> None:
+def mark(tensor: torch.Tensor | None, policy: Policy | None) -> None:
     """In the current scope, saved tensors sharing ``tensor``'s storage belong to ``policy``'s site.
     A no-op outside a scope (e.g. during a recompute in backward) or with ``policy=None``."""
     scope = current_scope()
@@ -191,7 +191,7 @@ class _Saved:
 
     __slots__ = ("policy", "tensor", "fp8", "host", "group", "key", "view")
 
-    def __init__(self, tensor: torch.Tensor, policy: Optional[Policy], group: "SavedTensorScope"):
+    def __init__(self, tensor: torch.Tensor, policy: Policy | None, group: SavedTensorScope):
         self.policy = policy
         self.group = group
         self.key = _storage_key(tensor)
@@ -295,11 +295,11 @@ class SavedTensorScope:
         self.copies: list = []
         self.d2h_event = None
         self.h2d_event = None
-        self.prev: Optional[SavedTensorScope] = None  # the group backward reaches next (prefetch)
+        self.prev: SavedTensorScope | None = None  # the group backward reaches next (prefetch)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
     # -- forward
-    def __enter__(self) -> "SavedTensorScope":
+    def __enter__(self) -> SavedTensorScope:
         _stack().append(self)
         self._hooks.__enter__()
         return self
@@ -344,7 +344,7 @@ class SavedTensorScope:
             return
         self.marks[key] = (policy, StorageWeakRef(tensor.untyped_storage()))
 
-    def policy_of(self, tensor: torch.Tensor) -> Optional[Policy]:
+    def policy_of(self, tensor: torch.Tensor) -> Policy | None:
         """The site of a saved tensor: its storage's mark, else the innermost open region, else None."""
         hit = self.marks.get(_storage_key(tensor))
         if hit is not None and not hit[1].expired():

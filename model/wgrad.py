@@ -34,8 +34,8 @@ from __future__ import annotations
 import time
 import types
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -62,11 +62,11 @@ class WgradItem:
 
     module: torch.nn.Module
     weight: torch.Tensor
-    bias: Optional[torch.Tensor]
+    bias: torch.Tensor | None
     input: torch.Tensor
     grad_output: torch.Tensor
     accumulate_into_main_grad: bool
-    tag: Optional[tuple]
+    tag: tuple | None
     nbytes: int = 0  # bytes held by the deferred tensors (input + output gradient); set on creation
 
     def __post_init__(self):
@@ -88,7 +88,7 @@ class DeferredWgrad:
 
     run: Callable[[], None]
     tensors: list
-    tag: Optional[tuple]
+    tag: tuple | None
     nbytes: int = 0
 
     def __post_init__(self):
@@ -110,14 +110,14 @@ class WgradStore:
 
     def __init__(self):
         self.queue: deque[WgradItem] = deque()
-        self.tag: Optional[tuple] = None
+        self.tag: tuple | None = None
         self.held_bytes = 0
         self.peak_bytes = 0
         self.max_tags_held = 0
         self._tags: dict = {}
         #: called after each :meth:`drain` that ran items: ``on_drain(tags, n_items, nbytes, start, end,
         #: where)`` (``time.time()`` seconds); the pipeline trace records W events with it
-        self.on_drain: Optional[Callable] = None
+        self.on_drain: Callable | None = None
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -167,7 +167,7 @@ class WgradStore:
         return n
 
 
-def accumulate_weight_grad(param: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+def accumulate_weight_grad(param: torch.Tensor | None, grad: torch.Tensor) -> None:
     """What autograd's AccumulateGrad does for a leaf: ``param.grad += grad`` (or set it); a weight
     ``[out, in]`` or a bias ``[out]``; nothing for ``param=None``."""
     if param is None:
@@ -178,7 +178,7 @@ def accumulate_weight_grad(param: Optional[torch.Tensor], grad: torch.Tensor) ->
         param.grad = param.grad + grad
 
 
-def split_store(module) -> Optional["WgradStore"]:
+def split_store(module) -> WgradStore | None:
     """The :class:`WgradStore` of a linear layer whose backward :func:`decouple_linear_wgrad` split, or
     None."""
     return getattr(module, _SPLIT_ATTR, None)

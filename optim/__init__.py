@@ -1,4 +1,5 @@
-"""MuonClip (layer 5, above ``k2.schedules``; K2 report section 2.1): Muon for weight matrices, AdamW for the rest, QK-Clip after each step.
+"""MuonClip (layer 5, above ``k2.schedules``; K2 report section 2.1): Muon for weight matrices, AdamW for the
+rest, QK-Clip after each step.
 
 Modules (one direction): :mod:`k2.optim.muon` (the K2 Muon update on top of emerging-optimizers' Newton-Schulz)
 -> :mod:`k2.optim.params` (which parameter goes to which optimizer, and how a stored tensor splits into the
@@ -11,4 +12,4 @@ which parameters go to which update, the bytes those keep and move, the per-matr
 builder and ``k2-plan``.
 """
 
-import k2.parallel  # noqa: E402,F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)
+import k2.parallel  # noqa: F401 (first: without CUDA, megatron-core's import-time torch.compile stays eager)

@@ -277,6 +277,7 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
     """
     import copy
 
+    import torch
     from megatron.core.optimizer import (
         ChainedOptimizer,
         _get_megatron_optimizer_based_on_param_groups,
@@ -287,8 +288,6 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
     from megatron.core.utils import get_pg_rank
 
     from k2.optim.distributed_muon import DistributedK2Muon, DistributedMuonOptimizer
-
-    import torch
 
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model, True)
     tp = ProcessGroupCollection.use_mpu_process_groups()

@@ -29,7 +29,6 @@ shards: up to 2x the parameter and gradient bytes of the byte-range layout on K2
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from emerging_optimizers import utils as eo_utils
@@ -56,7 +55,7 @@ class Piece:
     shape: tuple
     start: int
     end: int
-    straddle_offset: Optional[int]
+    straddle_offset: int | None
 
 
 def straddling_params(buffers) -> list:
@@ -122,7 +121,7 @@ class DistributedK2Muon(K2Muon):
             dev = todo[0][0].device if todo else torch.device("cuda" if torch.cuda.is_available() else "cpu")
             flat = torch.zeros(self.straddle_numel, dtype=self.straddle_dtype, device=dev)
             for p, _, n in todo:
-                piece: Optional[Piece] = getattr(p, PIECE_ATTR, None)
+                piece: Piece | None = getattr(p, PIECE_ATTR, None)
                 if piece is not None and piece.straddle_offset is not None:
                     o = piece.straddle_offset
                     flat[o + piece.start: o + piece.end].copy_(n.reshape(-1))

@@ -35,8 +35,8 @@ What is reused and what is ours:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
@@ -183,14 +183,14 @@ class K2Muon(Muon):
         Raises:
             ValueError: ``p`` is neither 2-D nor 3-D, or its :class:`MatrixSplit` does not fit.
         """
-        split: Optional[MatrixSplit] = getattr(p, SPLIT_ATTR, None)
+        split: MatrixSplit | None = getattr(p, SPLIT_ATTR, None)
         if grad.ndim == 3:  # [E, out, in]: every expert's matrix on its own
             return torch.stack([self._one(grad[e], split) for e in range(grad.shape[0])])
         if grad.ndim != 2:
             raise ValueError(f"K2Muon takes 2-D or stacked 3-D weights, got shape {tuple(grad.shape)}")
         return self._one(grad, split)
 
-    def _one(self, g: torch.Tensor, split: Optional[MatrixSplit]) -> torch.Tensor:
+    def _one(self, g: torch.Tensor, split: MatrixSplit | None) -> torch.Tensor:
         if split is None:
             return self.scaled_orthogonalize_fn(g)
         return split.join([self.scaled_orthogonalize_fn(part) for part in split.parts(g)])

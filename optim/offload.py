@@ -88,7 +88,7 @@ class StateOffload:
     @torch.no_grad()
     def to_host(self) -> None:
         """Copy the offloaded tensors into their (pinned) host buffers and free their device memory."""
-        for opt, p, own in self.entries:
+        for _opt, p, own in self.entries:
             if own:
                 p.grad = None  # a view of DDP's gradient buffer, on the device; set again next step
         for key, t in self._tensors():

@@ -11,10 +11,10 @@ tensor. The MoE expert bias is a buffer, updated by megatron's aux-loss-free bal
 optimizer.
 
 Weight decay (``optim.decay_all_params``, true in the muonclip recipe, false in the adamw baseline):
-Moonlight decays every parameter, and "Muon is Scalable" (arXiv 2502.16982, appendix D) calls decaying
-the RMSNorm gamma important for stability; false gives megatron's default (no decay for 1-D tensors and biases, its ``get_standard_config_overrides``).
-:func:`weight_decayed` is the rule; :func:`k2.optim.build.build_optimizer` gives megatron the matching
-param-group overrides.
+Moonlight decays every parameter, and "Muon is Scalable" (arXiv 2502.16982, appendix D) calls decaying the
+RMSNorm gamma important for stability; false gives megatron's default (no decay for 1-D tensors and biases, its
+``get_standard_config_overrides``). :func:`weight_decayed` is the rule; :func:`k2.optim.build.build_optimizer`
+gives megatron the matching param-group overrides.
 
 :func:`tag_parameters` writes the decision onto each parameter (before megatron's DDP builds its buffers:
 the ZeRO-1 layout depends on it) and returns one :class:`ParamRoute` per parameter;
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,7 +67,7 @@ class ParamRoute:
     weight_decay: bool
 
 
-def _split_for(name: str, p: torch.Tensor, tcfg) -> tuple[Optional[MatrixSplit], list[str]]:
+def _split_for(name: str, p: torch.Tensor, tcfg) -> tuple[MatrixSplit | None, list[str]]:
     """The :class:`MatrixSplit` of a stored 2-D weight and the names of its matrices."""
     if name.endswith("linear_fc1.weight") and tcfg.gated_linear_unit:
         half = p.shape[0] // 2
@@ -98,7 +99,7 @@ def param_rules(optim_cfg: OptimConfig) -> dict:
 
 
 def route(name: str, p: torch.Tensor, tcfg,
-          router_optimizer: str = "muon") -> tuple[str, str, Optional[MatrixSplit], str]:
+          router_optimizer: str = "muon") -> tuple[str, str, MatrixSplit | None, str]:
     """K2 optimizer of one parameter.
 
     Args:

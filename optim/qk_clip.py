@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -115,7 +114,7 @@ class QKClip:
             non-MLA attention, tensor parallelism).
     """
 
-    def __init__(self, model: list, optimizer, tau: Optional[float], num_layers: int):
+    def __init__(self, model: list, optimizer, tau: float | None, num_layers: int):
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 
@@ -161,7 +160,7 @@ class QKClip:
                 self._masters[id(w)] = self._master_of(optimizer, w)
 
     @staticmethod
-    def _master_of(optimizer, p) -> Optional[tuple]:
+    def _master_of(optimizer, p) -> tuple | None:
         """``(master tensor, start, end)`` of ``p``'s fp32 master copy; ``start`` is None for a whole copy;
         None when the optimizer steps ``p`` itself (fp32, no copy) or this rank holds no copy."""
         main = getattr(p, "main_param", None)

@@ -14,8 +14,9 @@ The spec modules are imported on the first lookup, so importing this module cost
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 __all__ = ["ADAMW_UPDATE", "MUON_UPDATE", "MatrixStep", "OptimizerSpec", "ParamUpdate", "optimizer_names",
            "optimizer_spec"]
@@ -85,8 +86,8 @@ class OptimizerSpec:
     name: str
     build: Callable[..., Any]
     default: ParamUpdate
-    matrix: Optional[ParamUpdate] = None
-    matrix_step: Optional[MatrixStep] = None
+    matrix: ParamUpdate | None = None
+    matrix_step: MatrixStep | None = None
     settings: tuple[str, ...] = field(default=())
 
     @property

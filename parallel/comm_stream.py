@@ -50,8 +50,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any
 
 __all__ = ["CommStream", "resolve", "install", "uninstall", "active_stream"]
 
@@ -128,7 +129,7 @@ class CommStream:
         return False
 
 
-def resolve(x: Any, stream: Optional[CommStream] = None) -> Any:
+def resolve(x: Any, stream: CommStream | None = None) -> Any:
     """``x`` with every :class:`~concurrent.futures.Future` in it (also inside tuples / lists) replaced
     by its result, waiting where needed; the wait is reported to ``stream.observer``."""
     if isinstance(x, Future):
@@ -188,7 +189,7 @@ def _layer_pair(f_layer, b_layer, f_input=None, b_grad=None, is_last_layer_in_bw
     return f_input, b_grad
 
 
-def active_stream() -> Optional[CommStream]:
+def active_stream() -> CommStream | None:
     """The installed :class:`CommStream`, or None."""
     return _STATE.get("stream")
 

@@ -36,7 +36,7 @@ The layer counts per stage and the cost-balanced layouts of the planner are :mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.parallel.layout import counts_even, counts_from_layout, counts_uneven, divisors, format_values
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from k2.config.schema import ModelConfig, ParallelConfig
 
 
-def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> Optional[int]:
+def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,7 +96,7 @@ class ParallelDims:
         world_size: int,
         *,
         world_size_from: str = "launch.nproc_per_node x nodes",
-    ) -> "ParallelDims":
+    ) -> ParallelDims:
         """Validate ``parallel_cfg`` against ``model_cfg`` and ``world_size`` and build the layer table.
 
         Args:

@@ -17,7 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["MASTER_PORT_BASE", "MASTER_PORT_SPAN", "expand_hostlist", "first_host", "master_port"]
 

@@ -5,8 +5,6 @@ cost-balanced layout string for the planner's search. Pure Python; every error n
 
 from __future__ import annotations
 
-from typing import Optional
-
 from k2.config.errors import ConfigError
 
 # Layout-string syntax accepted by megatron-core 0.19.2's PipelineParallelLayerLayout.parse_str_to_list.
@@ -47,7 +45,7 @@ def counts_even(num_layers: int, pp: int, vpp: int) -> list[list[int]]:
 
 
 def counts_uneven(
-    num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]
+    num_layers: int, pp: int, vpp: int, first: int | None, last: int | None
 ) -> list[list[int]]:
     """megatron ``num_layers_in_first/last_pipeline_stage``: the count for PP rank 0 (pp-1) is split
     evenly over that rank's vpp virtual stages; the rest goes evenly to the middle PP ranks."""
@@ -205,7 +203,7 @@ def balanced_layout(layer_costs: list[float], pp: int, vpp: int = 1, embedding_c
         raise ValueError("balanced_layout needs pp, vpp >= 1 and non-negative costs")
     n, S = len(layer_costs), pp * vpp
 
-    def place(cap: float) -> Optional[list[int]]:
+    def place(cap: float) -> list[int] | None:
         """Layers per stage when no rank carries more than ``cap``: each stage of rank r takes layers, in
         pipeline order, up to about ``(cap - fixed_r) / vpp`` (a layer goes in if at least half of it
         fits there and all of it fits in the rank's ``cap``). None if layers are left over."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 import threading
 import time
 from inspect import signature
-from typing import Optional
 
 from k2.schedules.pipeline_trace import get_tag, set_tag, tensors
 
@@ -51,7 +50,7 @@ NODES = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine", "mtp_
 #: the nodes on the communication stream, and the all-to-all each carries
 COMM_NODES = {"moe_dispatch": "dispatch", "moe_combine": "combine"}
 
-_ACTIVE: Optional["OverlapHooks"] = None  # the hooks of the forward-backward pass running now
+_ACTIVE: OverlapHooks | None = None  # the hooks of the forward-backward pass running now
 _ORIG: dict = {}  # megatron's functions replaced by install_patches()
 _CTX = threading.local()  # the all-to-all running on this thread: what, direction, tag, layer
 
@@ -88,8 +87,8 @@ class OverlapHooks:
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
-        self.f_tag: Optional[tuple] = None  # (chunk, microbatch) of the running pair's forward
-        self.b_tag: Optional[tuple] = None  # ... and backward
+        self.f_tag: tuple | None = None  # (chunk, microbatch) of the running pair's forward
+        self.b_tag: tuple | None = None  # ... and backward
 
     def _event(self, *args, **kw) -> None:
         self.pipeline._event(*args, **kw)
@@ -184,7 +183,7 @@ def _fields(token: dict) -> dict:
 # --- megatron's functions, routed to the active hooks ---------------------------------------------------
 
 
-def _current_token(what: Optional[str], direction: str) -> dict:
+def _current_token(what: str | None, direction: str) -> dict:
     """The all-to-all's identity: the communication node running on this thread (overlap), else the
     microbatch the pipeline hooks know is running (``k2.schedules.pipeline.PipelineHooks.current``)."""
     token = getattr(_CTX, "token", None)
@@ -390,7 +389,7 @@ def number_dispatchers(chunks: list) -> None:
                 dispatcher._k2_layer_number = mod.layer_number
 
 
-def activate(hooks: Optional[OverlapHooks]) -> None:
+def activate(hooks: OverlapHooks | None) -> None:
     """Make ``hooks`` the active ones (None: none) for the pass that starts now."""
     global _ACTIVE
     _ACTIVE = hooks

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from k2.config import ConfigError
 from k2.model.wgrad import WgradStore, check_ddp_hooks, decouple_linear_wgrad
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["PipelineHooks", "PipelineTrace", "check_pipeline_config", "read_trace", "draw_trace",
            "setup_pipeline"]
 
-_ACTIVE: Optional["PipelineHooks"] = None  # the hooks of the forward-backward pass running now
+_ACTIVE: PipelineHooks | None = None  # the hooks of the forward-backward pass running now
 _ORIG: dict = {}  # megatron's functions replaced by install_patches()
 
 
@@ -83,10 +84,10 @@ class PipelineHooks:
             through :class:`k2.schedules.ep_overlap.OverlapHooks` (:attr:`overlap`).
     """
 
-    def __init__(self, store=None, trace: Optional[PipelineTrace] = None, ep_overlap: bool = False):
+    def __init__(self, store=None, trace: PipelineTrace | None = None, ep_overlap: bool = False):
         self.store, self.trace = store, trace
         #: (chunk, microbatch) whose forward or backward megatron's plain schedule runs now
-        self.current: Optional[tuple] = None
+        self.current: tuple | None = None
         self.ep_overlap = ep_overlap
         self.overlap = OverlapHooks(self) if ep_overlap else None
         self.tcfg = None  # the run's megatron config (wrap())

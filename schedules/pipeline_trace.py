@@ -25,7 +25,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 __all__ = ["PipelineTrace", "TracedWork", "read_trace", "draw_trace", "get_tag", "set_tag", "tensors"]
 
@@ -126,7 +125,7 @@ def read_trace(directory: str) -> dict[int, list[dict]]:
     return out
 
 
-def draw_trace(directory: str, path: str, step: Optional[int] = None) -> str:
+def draw_trace(directory: str, path: str, step: int | None = None) -> str:
     """Draw one training step of a trace as a timeline PNG: a row per rank (ordered by PP rank), F / B /
     W boxes labelled with their microbatch (shade = model chunk), waits on communication hatched; with
     the EP all-to-alls in the trace, a row below each rank for them (dispatch purple, combine red, on the
@@ -192,7 +191,7 @@ def draw_trace(directory: str, path: str, step: Optional[int] = None) -> str:
     return path
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     """``python -m k2.schedules.pipeline_trace TRACE_DIR OUT.png [STEP]``: draw a step (:func:`draw_trace`),
     print the PNG's path; 2 on a wrong command line."""
     import sys

@@ -8,7 +8,8 @@ megatron's microbatch rule for every phase that runs a step. Every error names
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.parallel.dims import check_microbatches
@@ -92,7 +93,7 @@ def resolve_schedule(cfg: K2Config, dims: Any = None) -> Schedule:
                     phases=phases, _segments=segments)
 
 
-def _resolve_phase(i: int, ph: PhaseConfig, prev: Optional[dict], done: list, B: int, model_cfg: ModelConfig,
+def _resolve_phase(i: int, ph: PhaseConfig, prev: dict | None, done: list, B: int, model_cfg: ModelConfig,
                    default_mbs: Any) -> dict:
     """Phase ``i`` of ``schedule.phases`` with every default filled in from ``prev`` (the resolved phase
     before it) and checked; a dict of its settings (``start`` / ``end`` in nominal tokens)."""
@@ -113,7 +114,7 @@ def _resolve_phase(i: int, ph: PhaseConfig, prev: Optional[dict], done: list, B:
     return rec
 
 
-def _phase_length(key: str, where: str, ph: PhaseConfig, start: int, prev: Optional[dict], B: int):
+def _phase_length(key: str, where: str, ph: PhaseConfig, start: int, prev: dict | None, B: int):
     """``(kind, value, end)``: which of tokens / steps / until_tokens the phase sets, its value, and the
     phase's nominal end in tokens from the start of training."""
     given = [k for k in PHASE_LENGTH_KEYS if getattr(ph, k) is not None]
@@ -149,7 +150,7 @@ def _phase_length(key: str, where: str, ph: PhaseConfig, start: int, prev: Optio
     return kind, value, value
 
 
-def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: Optional[dict]):
+def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: dict | None):
     """``(lr_style, lr_start, lr_end)`` of the phase (None, None for ``continue``)."""
     style = ph.lr_style
     if style not in LR_STYLES:
@@ -186,7 +187,7 @@ def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: Optional[dict]):
     return style, lr_start, lr_end
 
 
-def _phase_context(key: str, ph: PhaseConfig, prev: Optional[dict], B: int, model_cfg: ModelConfig,
+def _phase_context(key: str, ph: PhaseConfig, prev: dict | None, B: int, model_cfg: ModelConfig,
                    default_mbs: Any):
     """``(seq_length, rope_type, micro_batch_size)`` of the phase, checked against the model's position
     settings and the global batch in tokens."""
@@ -238,7 +239,7 @@ def _lr_segments(recs: list[dict]) -> tuple[LRSegment, ...]:
     return tuple(LRSegment(**d) for d in segs)
 
 
-def _microbatches(rec: dict, raw: list[PhaseConfig], dims: Any, B: int) -> Optional[int]:
+def _microbatches(rec: dict, raw: list[PhaseConfig], dims: Any, B: int) -> int | None:
     """Microbatches per DP rank of a phase that runs a step, checked against megatron's pipeline
     schedule for ``dims``; None without ``dims`` or for a phase that runs no step."""
     first, last = ceil_div(rec["start"], B) + 1, ceil_div(rec["end"], B)
@@ -284,7 +285,7 @@ def _phase_memories(raw: list[PhaseConfig], base: MemoryConfig | None) -> list[d
     return out
 
 
-def _phase(rec: dict, seg: LRSegment, B: int, num_microbatches: Optional[int], memory: dict) -> Phase:
+def _phase(rec: dict, seg: LRSegment, B: int, num_microbatches: int | None, memory: dict) -> Phase:
     """The resolved :class:`Phase`: its LR at both ends (as written, unless inside a continued rule) and
     its first and last step (the rounding rule of :mod:`k2.schedules.wsd`)."""
     lr_start, lr_end = seg.lr(rec["start"]), seg.lr(rec["end"])

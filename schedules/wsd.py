@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 # megatron OptimizerParamScheduler decay curves + "continue" (the previous phase's rule goes on).
 LR_STYLES = ("constant", "linear", "cosine", "exponential", "minus_sqrt", "continue")
@@ -123,10 +123,10 @@ class Phase:
     rope_type: str
     micro_batch_size: int
     global_batch_size: int
-    first_step: Optional[int]
-    last_step: Optional[int]
-    num_microbatches: Optional[int] = None
-    memory: Optional[dict] = None
+    first_step: int | None
+    last_step: int | None
+    num_microbatches: int | None = None
+    memory: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -199,7 +199,7 @@ class Schedule:
         """Exact token count a boundary at ``tokens`` lands on: ``ceil(tokens / B) * B``."""
         return self.boundary_step(tokens) * self.global_batch_tokens
 
-    def phase_at(self, tokens: int) -> Optional[Phase]:
+    def phase_at(self, tokens: int) -> Phase | None:
         """The phase holding token number ``tokens`` (0-based), or ``None`` past the end.
 
         Zero-length phases hold no token and are never returned.
@@ -214,7 +214,7 @@ class Schedule:
                 return p
         return None
 
-    def step_phase(self, step: int) -> Optional[Phase]:
+    def step_phase(self, step: int) -> Phase | None:
         """The phase step ``step`` (1-based) runs in: the one holding its first token ``(step-1)*B``."""
         if step < 1:
             raise ValueError(f"step={step} must be >= 1")

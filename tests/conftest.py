@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-
 import os
 
 # one intra-op thread per test process (also under a bare `python -m pytest`; scripts/k2 test sets it
 # too): xdist workers and trainer ranks outnumber the cores, and spinning OpenMP threads waste CPU
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
+import atexit
+import shutil
+import tempfile
 
 # The processes the tests start get a temp dir of this session's, removed when it ends: wandb makes two
 # temp dirs in every process that imports it (media, artifacts), which a rank killed by a test's signal
@@ -33,9 +32,7 @@ import pytest  # noqa: E402
 gc.set_threshold(10_000, 10, 10)
 
 import k2.parallel  # noqa: E402,F401 (before any test module imports megatron-core: k2.parallel.eager_fusions)
-
-from support import REPO, free_port  # noqa: F401 (REPO: for tests that import it from here)
-
+from support import REPO, free_port  # noqa: E402
 
 # The multi-process files that take longest, heaviest first (seconds on 2 CPU cores, summed over the
 # file's tests). With `--dist loadfile --no-loadscope-reorder` the xdist workers take whole files in

@@ -10,7 +10,8 @@ import platform
 import re
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 
@@ -136,12 +137,12 @@ def time_calls(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, cud
 def one_rank_world():
     """A one-rank process group + megatron parallel state (gloo on CPU); returns a teardown function
     (a no-op when the caller already had a world, e.g. the test session's)."""
-    from k2.parallel.processes import free_port
-
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from k2.parallel.processes import free_port
 
     made_dist = made_ps = False
     if not dist.is_initialized():

@@ -39,8 +39,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2.launcher.benchmarks.common import bench_options
 
@@ -60,7 +59,7 @@ RAW_METHODS = ("encode_batch", "encode_batch_fast")
 _CGROUP_V2, _CGROUP_V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
 
 
-def stdlib_docstrings(limit: Optional[int] = None) -> list[str]:
+def stdlib_docstrings(limit: int | None = None) -> list[str]:
     """Docstrings of the stdlib's top-level modules (module, class and function ones), in file order:
     real text with unicode and code, the benchmark's (and the tests') corpus. ``limit``: at most this many."""
     out = []
@@ -123,7 +122,7 @@ runpy.run_module("k2.launcher.data", run_name="__main__")
 """
 
 
-def _peak_rss_mb(args: list[str], cgroup: Optional[Path] = None) -> tuple[Optional[float], int]:
+def _peak_rss_mb(args: list[str], cgroup: Path | None = None) -> tuple[float | None, int]:
     """``(peak resident memory in MB, exit status)`` of a ``k2-data`` process run with ``args`` (its own
     ``VmHWM``; None when it was killed before it could report it), inside the memory cgroup directory
     ``cgroup`` when given (the child writes its pid into ``cgroup.procs`` before it runs k2-data). Raises
@@ -143,7 +142,7 @@ def _peak_rss_mb(args: list[str], cgroup: Optional[Path] = None) -> tuple[Option
         report.unlink(missing_ok=True)
 
 
-def _memory_cgroup(limit_mb: float) -> tuple[Optional[Path], str]:
+def _memory_cgroup(limit_mb: float) -> tuple[Path | None, str]:
     """A new memory cgroup limited to ``limit_mb`` MB: ``(its directory, "cgroup v2" / "cgroup v1")``, or
     ``(None, why not)`` where this machine gives none (no cgroup file system, not root, no memory
     controller)."""

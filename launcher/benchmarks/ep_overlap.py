@@ -160,7 +160,8 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
                 network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
                 comm_stream="host_thread")  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
-        prof.update({f"{side}_gbps": link_figures["alltoall_gbps"], f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
+        prof.update({f"{side}_gbps": link_figures["alltoall_gbps"],
+                     f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
                      f"{side}_collective_gbps": link_figures["collective_gbps"]})
     prof.setdefault("sources", {})["shaped_link"] = (
         f"k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair shaped with tc tbf at "
@@ -181,8 +182,8 @@ def _a2a_bytes_per_rank(o: dict) -> int:
     """Bytes one rank puts into one dispatch all-to-all of the benchmarked run: a microbatch's tokens,
     each sent to its top-k experts, in fp32 (``micro_batch_size x seq_length x topk x hidden x 4``)."""
     cfg = load_config(_model(o))
-    from k2.schedules.resolve import resolve_schedule
     from k2.parallel.dims import ParallelDims
+    from k2.schedules.resolve import resolve_schedule
 
     phase = resolve_schedule(cfg, ParallelDims.from_config(cfg.parallel, cfg.model, 2)).step_phase(1)
     m = cfg.model
@@ -196,7 +197,8 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
     for r in range(o["rounds"]):
         for overlap in (False, True):
             runs[overlap].append(_train(link, o, tmp / f"{rate:g}-r{r}-{'on' if overlap else 'off'}", overlap))
-    med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s", "pass_s")}
+    med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s",
+                                                                                        "pass_s")}
            for ov in runs}
     profile = _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml")
     p = _predicted(o, profile)
@@ -208,7 +210,8 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
         "exposed_a2a_off_s": off["exposed_s"], "exposed_a2a_on_s": on["exposed_s"],
         "exposed_cut": 1 - on["exposed_s"] / off["exposed_s"] if off["exposed_s"] > 0 else 0.0,
         "predicted_off_s": pred[False]["step_s"], "predicted_on_s": pred[True]["step_s"],
-        "predicted_exposed_a2a_off_s": pred[False]["exposed_a2a_s"], "predicted_exposed_a2a_on_s": pred[True]["exposed_a2a_s"],
+        "predicted_exposed_a2a_off_s": pred[False]["exposed_a2a_s"],
+        "predicted_exposed_a2a_on_s": pred[True]["exposed_a2a_s"],
         # the forward-backward pass alone (the rest of a step: the DP gradient reduction over the same link,
         # the optimizer, the trainer's bookkeeping)
         "pass_off_s": off["pass_s"], "pass_on_s": on["pass_s"],

@@ -196,9 +196,9 @@ def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: 
 
 def measure_collectives(ranks: int, threads: int, repeats: int) -> dict[str, Any]:
     """Collective figures between ``ranks`` local processes (module docstring)."""
-    from k2.parallel.processes import free_port
-
     import torch.multiprocessing as mp
+
+    from k2.parallel.processes import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

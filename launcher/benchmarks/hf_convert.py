@@ -123,16 +123,15 @@ def _child(verb: str, args: dict) -> None:
     "seconds"}`` (``ru_maxrss`` is in KiB on Linux)."""
     import resource
 
+    import megatron.core.dist_checkpointing  # noqa: F401  (the modules a conversion uses, imported before
+    import safetensors.torch  # noqa: F401     the baseline: their code is not what it holds)
+
+    import k2.launcher.hf.lazy_save
+    import k2.parallel.dims  # noqa: F401
     from k2.config.load import load_config
     from k2.launcher.hf.dist import ensure_process_group
     from k2.launcher.hf.export import export_hf
     from k2.launcher.hf.importer import import_hf
-
-    import megatron.core.dist_checkpointing  # noqa: F401  (the modules a conversion uses, imported before
-    import safetensors.torch  # noqa: F401     the baseline: their code is not what it holds)
-
-    import k2.launcher.hf.lazy_save  # noqa: F401
-    import k2.parallel.dims  # noqa: F401
 
     cfg = load_config(args["overrides"])
     ensure_process_group()

@@ -39,7 +39,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from k2.launcher.benchmarks.common import best_time
 from k2.launcher.planning import KernelRates, gemm_seconds
@@ -135,7 +136,7 @@ def _gemm_seconds(gemms: list, repeats: int, sync) -> tuple[float, float]:
     flops = seconds = 0.0
     for (m, k, n, b), count in Counter(gemms).items():
         x, y = torch.randn(b, m, k), torch.randn(b, k, n)
-        fn = (lambda: torch.bmm(x, y)) if b > 1 else (lambda: torch.mm(x[0], y[0]))
+        fn = (lambda x=x, y=y: torch.bmm(x, y)) if b > 1 else (lambda x=x, y=y: torch.mm(x[0], y[0]))
         flops += count * 2.0 * b * m * k * n
         seconds += count * best_time(fn, repeats, sync)
     return flops, seconds
@@ -260,7 +261,7 @@ def _rank_worker(conn, model_overrides=()) -> None:
                     conn.send(measure_operator_cost(KernelRates(**cmd[2]), cmd[3], case=case))
                 else:
                     conn.send(cmd[1](case))
-            except Exception as e:  # noqa: BLE001  (reported to the parent, which raises it)
+            except Exception as e:
                 conn.send(e)
     finally:
         case.release()
@@ -321,7 +322,7 @@ class OperatorRanks:
             if proc.is_alive():
                 proc.kill()
 
-    def __enter__(self) -> "OperatorRanks":
+    def __enter__(self) -> OperatorRanks:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,8 +17,8 @@ Usage::
     k2-bench bench=checkpoint                  # save stall, checkpoint.async_save off vs on; overlapped steps
     k2-bench bench=ep_overlap                  # pipeline.ep_overlap off vs on across a shaped link (root)
 
-The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects a function of
-:data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
+The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects
+a function of :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
 benchmark's options (defaults in the recipe and in the function; an unknown option or a bad value is a
 :class:`k2.config.ConfigError`: ``k2-bench: error: ...``, exit status 2).
 
@@ -31,7 +31,8 @@ Times are milliseconds (median of ``repeats`` timed calls after ``warmup`` untim
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.launcher.benchmarks.activation_memory import bench_memory

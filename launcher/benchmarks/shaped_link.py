@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from k2.config.errors import ConfigError
 
@@ -58,14 +57,14 @@ class ShapedLink:
         rate_mbit: the link rate in Mbit/s (1e6 bits per second), each direction; None = unshaped.
     """
 
-    def __init__(self, number: int = 0, rate_mbit: Optional[float] = None):
+    def __init__(self, number: int = 0, rate_mbit: float | None = None):
         self.number = int(number)
         self.netns = [f"k2ovl{self.number}-node{i}" for i in (0, 1)]
         self.dev = [f"k2ovl{self.number}a", f"k2ovl{self.number}b"]  # (interface names: <= 15 characters)
         self.addr = [f"10.232.{self.number}.1", f"10.232.{self.number}.2"]
         self.rate_mbit = rate_mbit
 
-    def __enter__(self) -> "ShapedLink":
+    def __enter__(self) -> ShapedLink:
         check_can_shape()
         self.remove()  # what an earlier run may have left
         try:
@@ -94,7 +93,7 @@ class ShapedLink:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    def set_rate(self, rate_mbit: Optional[float]) -> None:
+    def set_rate(self, rate_mbit: float | None) -> None:
         """Shape both directions at ``rate_mbit`` Mbit/s (None: no shaping). The token bucket holds 64 KB
         (about 40 full frames), and a packet waits at most 1 s in the queue before it is dropped (TCP
         then retransmits, which only happens if a burst overflows it)."""
@@ -178,7 +177,7 @@ dist.destroy_process_group()
 """
 
 
-def measure_link(link: ShapedLink, repeats: int = 5, cwd: Optional[Path] = None,
+def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
                  alltoall_bytes: int = 1 << 20) -> dict[str, float]:
     """gloo's all-to-all and all-reduce between the two nodes, as the step-time model reads them.
 
@@ -188,9 +187,9 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Optional[Path] = None,
             than its rate.
 
     Returns:
-        ``alltoall_gbps`` (GB/s each rank sends to the other, 1e9 bytes: the all-to-all's remote half over
-        its time less the latency, sustained over 16 back to back), ``collective_gbps`` (ring bus bandwidth of a 1 MiB all-reduce: 2 (n -
-        1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all).
+        ``alltoall_gbps`` (GB/s each rank sends to the other, 1e9 bytes: the all-to-all's remote half over its
+        time less the latency, sustained over 16 back to back), ``collective_gbps`` (ring bus bandwidth of a 1
+        MiB all-reduce: 2 (n - 1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all).
     """
     alltoall_bytes = max(8, int(alltoall_bytes) // 8 * 8)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K2_REPEATS": str(repeats), "K2_BYTES": str(alltoall_bytes)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from k2.config.load import load_config
 from k2.launcher.training.setup import setup
@@ -54,13 +54,13 @@ class Case:
     forward inside ``meter.measure()``; ``release()`` drops its model and optimizer. ``optimizer_s``: the
     optimizer part (optimizer step + QK-Clip) of the last step, seconds."""
 
-    def __init__(self, step: Callable[[Callable], None], unlink: Optional[Callable[[], None]] = None):
+    def __init__(self, step: Callable[[Callable], None], unlink: Callable[[], None] | None = None):
         self._step = step
         self._unlink = unlink
         self.optimizer_s = 0.0
-        self.features: Optional[dict] = None  # K2 cases: built_features
-        self.model: Optional[list] = None  # K2 cases: the DDP-wrapped model chunks
-        self.schedule: Optional[Callable[[int], None]] = None  # K2 cases: n microbatches, no optimizer
+        self.features: dict | None = None  # K2 cases: built_features
+        self.model: list | None = None  # K2 cases: the DDP-wrapped model chunks
+        self.schedule: Callable[[int], None] | None = None  # K2 cases: n microbatches, no optimizer
         self.optimizer = None  # K2 cases: the optimizer
 
     def step(self) -> None:

@@ -20,29 +20,29 @@ crash at any point before the rename of ``latest`` leaves the previous checkpoin
 checks the checkpoint against its manifest (``checkpoint.verify``; :mod:`.manifest`): sizes before any
 process group, checksums in the ranks, in parallel, before the model is built.
 
-What is in a checkpoint: model parameters of every chunk (megatron sharded state dict: global
-layer numbers, experts by global index), the optimizer (megatron's ``DistributedOptimizer`` in the
-``dp_reshardable`` format: fp32 master weights, Adam moments, Muon momentum; megatron's layer-wise optimizer
-with ``optim.muon_zero1=layer_wise``), the LR/schedule position (``k2.schedules.lr.TokenLRScheduler`` state: tokens consumed, steps),
-the data position (the step: global batch ``j`` of a context stretch reads samples ``[jG, (j+1)G)``, see
-``k2.launcher.training.phase_data.PhaseData``), the RNG state of every rank (torch CPU/CUDA generators, Python,
-NumPy, megatron's model-parallel RNG-tracker streams) and the wandb run id.
+What is in a checkpoint: model parameters of every chunk (megatron sharded state dict: global layer numbers,
+experts by global index), the optimizer (megatron's ``DistributedOptimizer`` in the ``dp_reshardable`` format:
+fp32 master weights, Adam moments, Muon momentum; megatron's layer-wise optimizer with
+``optim.muon_zero1=layer_wise``), the LR/schedule position (``k2.schedules.lr.TokenLRScheduler`` state: tokens
+consumed, steps), the data position (the step: global batch ``j`` of a context stretch reads samples ``[jG,
+(j+1)G)``, see ``k2.launcher.training.phase_data.PhaseData``), the RNG state of every rank (torch CPU/CUDA
+generators, Python, NumPy, megatron's model-parallel RNG-tracker streams) and the wandb run id.
 
-Resharding: megatron's dist-checkpointing reshards model tensors for any layout; its optimizer formats
-that work here reshard over DP only (``dp_reshardable``; the layer-wise Muon optimizer: the same DP).
-So a resume may change the DP size (AdamW, MuonClip's byte-range Distributed Muon) but not PP, VPP or EP; :func:`k2.launcher.checkpointing.resume.check_resume_compatible`
-says so before any process starts.
+Resharding: megatron's dist-checkpointing reshards model tensors for any layout; its optimizer formats that work
+here reshard over DP only (``dp_reshardable``; the layer-wise Muon optimizer: the same DP). So a resume may
+change the DP size (AdamW, MuonClip's byte-range Distributed Muon) but not PP, VPP or EP;
+:func:`k2.launcher.checkpointing.resume.check_resume_compatible` says so before any process starts.
 
 Who saves what, and when: :class:`~k2.launcher.checkpointing.manager.CheckpointManager` (``manager``), over
 the parts of a run registered once as ``Stateful`` (``state_dict()`` / ``load_state_dict()``) plus the model
 and optimizer tensors; the training loop calls it at every step boundary.
 
-Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore),
-``manifest`` (what a checkpoint holds, its verification), ``paths`` (names, completeness),
-``resume`` (which checkpoint, and whether it may serve this run), ``rng`` (per-rank RNG state),
-``store`` (save, load, verification on resume, retention), ``background`` (saves written by a forked
-writer while training goes on: ``checkpoint.async_save``), ``unpickle`` (the allow-list every pickled part
-of a checkpoint is read through), ``load_progress`` (a load's progress for the hang watchdog). The run state in ``k2_state.json`` is
-defined by :class:`k2.launcher.training.state.TrainState` (its top level) and the other registered parts (one
-key each: ``goodput``, ``spike``).
+Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore), ``manifest``
+(what a checkpoint holds, its verification), ``paths`` (names, completeness), ``resume`` (which checkpoint, and
+whether it may serve this run), ``rng`` (per-rank RNG state), ``store`` (save, load, verification on resume,
+retention), ``background`` (saves written by a forked writer while training goes on: ``checkpoint.async_save``),
+``unpickle`` (the allow-list every pickled part of a checkpoint is read through), ``load_progress`` (a load's
+progress for the hang watchdog). The run state in ``k2_state.json`` is defined by
+:class:`k2.launcher.training.state.TrainState` (its top level) and the other registered parts (one key each:
+``goodput``, ``spike``).
 """

@@ -48,8 +48,8 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
 from k2.launcher.gc_pause import gc_paused
@@ -60,7 +60,7 @@ __all__ = ["BackgroundSaver", "CheckpointWriterDied", "PipeChannel", "abandon_in
 
 #: seconds the rank waits for a finished writer's report to arrive through the pipe
 REPORT_TIMEOUT_S = 60.0
-_SAVERS: "list[BackgroundSaver]" = []  # of this process, for abandon_in_flight_save
+_SAVERS: list[BackgroundSaver] = []  # of this process, for abandon_in_flight_save
 
 
 class PipeChannel:
@@ -245,11 +245,11 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
         if errors:
             raise errors[0]
         report.put(shard_entries(partial, write_buckets))
-    except BaseException as e:  # noqa: BLE001 - reported to the rank, which raises it at finalize
+    except BaseException as e:
         e = _write_error(errors[0] if errors else e, partial)
         try:
             report.put(e)
-        except Exception:  # noqa: BLE001 - not picklable: its text
+        except Exception:
             report.put(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
@@ -257,7 +257,7 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
 _GONE_REPORT_S = 2.0
 
 
-def _writer_outcome(report: "PipeChannel", process) -> dict:
+def _writer_outcome(report: PipeChannel, process) -> dict:
     """This rank's manifest entries from its writer's report, once megatron found the writer finished.
 
     Raises:
@@ -319,15 +319,15 @@ class BackgroundSaver:
     Collective: :meth:`save`, :meth:`poll` and :meth:`wait` on every rank at the same step.
     """
 
-    def __init__(self, run_dir, keep_last: int, keep_every: Optional[int],
+    def __init__(self, run_dir, keep_last: int, keep_every: int | None,
                  on_commit: Callable[[Path, int, str, float], None],
-                 on_write_progress: Optional[Callable[[], None]] = None):
+                 on_write_progress: Callable[[], None] | None = None):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.run_dir, self.keep_last, self.keep_every, self.on_commit = run_dir, keep_last, keep_every, on_commit
         self.on_write_progress = on_write_progress
         self.queue = AsyncCallsQueue(persistent=False)  # a fresh fork per save: the snapshot
-        self.in_flight: Optional[dict] = None
+        self.in_flight: dict | None = None
         _SAVERS.append(self)
 
     def save(self, step: int, why: str, model: list, optimizer, state: dict, config_yaml: str) -> None:

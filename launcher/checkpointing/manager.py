@@ -29,8 +29,9 @@ writer are k2-launcher's (:mod:`k2.launcher.checkpointing`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from k2.launcher.checkpointing.background import BackgroundSaver
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
@@ -57,7 +58,7 @@ class Stateful(Protocol):
 
     def state_dict(self) -> dict: ...
 
-    def load_state_dict(self, state_dict: Optional[dict]) -> None: ...
+    def load_state_dict(self, state_dict: dict | None) -> None: ...
 
 
 def state_record(states: Mapping[str, Stateful], reason: str) -> dict:
@@ -101,9 +102,9 @@ class SyncSaver:
 
     in_flight = None  # (never a save in flight)
 
-    def __init__(self, run_dir, keep_last: int, keep_every: Optional[int],
+    def __init__(self, run_dir, keep_last: int, keep_every: int | None,
                  on_commit: Callable[[Path, int, str, float], None],
-                 on_write_progress: Optional[Callable[[], None]] = None):
+                 on_write_progress: Callable[[], None] | None = None):
         self.run_dir, self.keep_last, self.keep_every = run_dir, keep_last, keep_every
         self.on_commit = on_commit
 
@@ -151,8 +152,8 @@ class CheckpointManager:
     Collective: every method but :meth:`abandon` and :meth:`close` runs on every rank at the same step.
     """
 
-    def __init__(self, run_dir, checkpoint, save_interval: Optional[int], states: Mapping[str, Stateful],
-                 model: list, optimizer, config_yaml: str, resume_from: Optional[Path], clock, watchdog,
+    def __init__(self, run_dir, checkpoint, save_interval: int | None, states: Mapping[str, Stateful],
+                 model: list, optimizer, config_yaml: str, resume_from: Path | None, clock, watchdog,
                  log: Callable[[str], None],
                  after_commit: Callable[[Path, int, str], None] = lambda *a: None):
         self.run_dir, self.save_interval = Path(run_dir), save_interval
@@ -168,7 +169,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, world_size: int) -> Optional[str]:
+    def restore(self, world_size: int) -> str | None:
         """Load :attr:`resume_from` (if any) into the model, the optimizer and every registered part; a
         weights-only checkpoint of ``k2-convert import`` loads the model alone (the run starts at step 0
         with a new optimizer state). The RNG state of each rank is restored when ``world_size`` is the
@@ -199,7 +200,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saves
 
     @property
-    def in_flight_step(self) -> Optional[int]:
+    def in_flight_step(self) -> int | None:
         """The step of the background save being written, or None."""
         flight = self.saver.in_flight
         return flight["step"] if flight is not None else None
@@ -245,11 +246,11 @@ class CheckpointManager:
         checkpoint stall and gets the hang watchdog's allowance of a save)."""
         self._poll(blocking=True)
 
-    def latest(self) -> Optional[Path]:
+    def latest(self) -> Path | None:
         """The newest complete checkpoint of the run, or the one it resumed from (None: neither)."""
         return latest_checkpoint(self.run_dir) or self.resume_from
 
-    def last_sound_checkpoint(self) -> Optional[Path]:
+    def last_sound_checkpoint(self) -> Path | None:
         """Collective (every rank, on an agreed divergence): commit the background save in flight (it
         holds earlier, sound weights), then :meth:`latest`."""
         self.wait()

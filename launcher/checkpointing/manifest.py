@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from k2.config.validate import CHECKPOINT_VERIFY_LEVELS as VERIFY_LEVELS
 from k2.launcher.progress import moved
@@ -107,7 +107,7 @@ def is_legacy(directory) -> bool:
     return not (isinstance(state, dict) and state.get("manifest"))
 
 
-def read_manifest(directory) -> tuple[Optional[dict], Optional[str]]:
+def read_manifest(directory) -> tuple[dict | None, str | None]:
     """``(files, None)``: the manifest's ``{name: entry}``; or ``(None, problem)`` naming what is wrong."""
     path = Path(directory) / MANIFEST_FILE
     try:

@@ -9,7 +9,6 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Optional
 
 from k2.config.errors import ConfigError
 from k2.launcher.checkpointing.manifest import STATE_FILE, check_structure
@@ -29,7 +28,7 @@ def checkpoints_dir(run_dir) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-def latest_checkpoint(run_dir) -> Optional[Path]:
+def latest_checkpoint(run_dir) -> Path | None:
     """The checkpoint ``<run.dir>/checkpoints/latest`` names, or None when there is none.
 
     Raises:
@@ -60,7 +59,7 @@ def _file_kind(path: Path) -> str:
     return "not a regular file"
 
 
-def read_latest(root) -> Optional[str]:
+def read_latest(root) -> str | None:
     """The checkpoint name the ``latest`` file of the checkpoints directory ``root`` holds: None when
     there is no ``latest`` (or it is a dangling link), ``""`` when it is empty. A pointer may name only a
     checkpoint of ``root`` itself -- one directory name, not a path, and not a link to a directory
@@ -91,7 +90,7 @@ def read_latest(root) -> Optional[str]:
     return named
 
 
-def _outside(root: Path, named: str) -> Optional[str]:
+def _outside(root: Path, named: str) -> str | None:
     """Why ``named`` (a pointer's text) leaves ``root``, or None when it names an entry of ``root``."""
     if "/" in named or "\0" in named or named in (".", ".."):
         return "a path, not the name of a directory in it"
@@ -106,7 +105,7 @@ def _names_in(root: Path) -> str:
     return f" ({', '.join(names)})" if names else " (none there)"
 
 
-def resume_point(run_dir, root=None) -> tuple[Optional[Path], Optional[str]]:
+def resume_point(run_dir, root=None) -> tuple[Path | None, str | None]:
     """The checkpoint a ``resume=auto`` run continues from, and a line for the log when ``latest`` could
     not say it.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
 
 from k2.config.errors import ConfigError
 from k2.config.validate import resume_settings
@@ -157,7 +156,7 @@ def resume_from_path(raw) -> Path:
                       f"{MANIFEST_FILE} in it, no latest, no {CHECKPOINTS}/{LATEST}); {_FROM_ALLOWED}")
 
 
-def plan_resume(cfg, layout: dict) -> Optional[Path]:
+def plan_resume(cfg, layout: dict) -> Path | None:
     """Decide, before any process group exists, which checkpoint this run resumes from.
 
     ``resume.from=PATH`` -> that checkpoint; ``resume=auto`` (default) -> ``<run.dir>/checkpoints/latest``
@@ -169,9 +168,9 @@ def plan_resume(cfg, layout: dict) -> Optional[Path]:
     Raises:
         ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`,
             :func:`check_resume_compatible`; a checkpoint whose files disagree with its manifest
-            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`) or whose ``.metadata`` names
-            code outside the allow-list (:func:`k2.launcher.checkpointing.unpickle.metadata_problem`); a ``latest`` that names
-            nothing usable with no checkpoint that verifies (:func:`resume_point`).
+            (:func:`k2.launcher.checkpointing.paths.check_checkpoint_files`) or whose ``.metadata`` names code
+            outside the allow-list (:func:`k2.launcher.checkpointing.unpickle.metadata_problem`); a ``latest``
+            that names nothing usable with no checkpoint that verifies (:func:`resume_point`).
     """
     from omegaconf import OmegaConf
 

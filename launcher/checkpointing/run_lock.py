@@ -21,7 +21,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Optional
 
 from k2.config.errors import ConfigError
 
@@ -46,7 +45,7 @@ class RunDirLock:
         self.run_dir, self._fd = run_dir, fd
 
     @classmethod
-    def acquire(cls, run_dir, wait_owner_s: float = 2.0) -> "RunDirLock":
+    def acquire(cls, run_dir, wait_owner_s: float = 2.0) -> RunDirLock:
         """Take the lock of ``run_dir`` without waiting for it.
 
         Args:
@@ -86,7 +85,7 @@ class RunDirLock:
             os.close(self._fd)  # closing the only descriptor releases the flock
             self._fd = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -105,7 +104,7 @@ def raise_if_busy(run_dir) -> None:
 def _read_owner(fd: int, wait_s: float) -> str:
     """``host H, pid P`` from the lock file, waiting up to ``wait_s`` for a just-started owner to write."""
     deadline = time.monotonic() + wait_s
-    text: Optional[str] = None
+    text: str | None = None
     while True:
         text = os.pread(fd, 256, 0).decode(errors="replace").strip()
         if text or time.monotonic() >= deadline:

@@ -10,11 +10,19 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from k2.config.errors import ConfigError
+from k2.launcher.checkpointing.load_progress import load_progress
+from k2.launcher.checkpointing.manifest import (
+    checkpoint_files,
+    file_entries,
+    is_legacy,
+    rank_share,
+    verify,
+    write_manifest,
+)
 from k2.launcher.checkpointing.paths import (
     CONFIG_FILE,
     LATEST,
@@ -27,15 +35,6 @@ from k2.launcher.checkpointing.paths import (
     saved_checkpoint_names,
     unsafe_checkpoint_error,
 )
-from k2.launcher.checkpointing.manifest import (
-    checkpoint_files,
-    file_entries,
-    is_legacy,
-    rank_share,
-    verify,
-    write_manifest,
-)
-from k2.launcher.checkpointing.load_progress import load_progress
 from k2.launcher.checkpointing.rng import rng_state, set_rng_state
 from k2.launcher.checkpointing.staging import needs_validation, save_strategy
 from k2.launcher.checkpointing.unpickle import load_errors, pickle_problems, raise_if_refused, restricted_unpickling
@@ -155,7 +154,7 @@ def agree(what: str, fn):
 
     try:
         out, err = fn(), None
-    except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
+    except Exception as e:
         out, err = None, f"{what} failed on rank {dist.get_rank()}: {type(e).__name__}: {e}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, err)
@@ -224,7 +223,7 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
 
 
 def commit_save(partial: Path, final: Path, step: int, entries: dict, state: dict, config_yaml: str,
-                keep_last: int, keep_every: Optional[int]) -> Path:
+                keep_last: int, keep_every: int | None) -> Path:
     """Collective, second half of a save (every shard and megatron's metadata written): rank 0 gets
     every rank's manifest ``entries`` (its shards' sizes and checksums), writes ``k2_state.json``,
     ``config.yaml`` and the manifest, renames ``partial`` to ``final``, points ``latest`` at it and
@@ -270,7 +269,7 @@ def shard_entries(partial: Path, write_buckets) -> dict:
 
 
 def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, config_yaml: str,
-                    keep_last: int, keep_every: Optional[int]) -> Path:
+                    keep_last: int, keep_every: int | None) -> Path:
     """Write checkpoint ``iter_<step>`` on every rank and make it ``latest`` once all ranks are done
     (synchronously; in the background: :mod:`k2.launcher.checkpointing.background`).
 
@@ -312,10 +311,10 @@ class CheckpointSaveError(RuntimeError):
 
 def verify_checkpoint(path, level: str) -> float:
     """Collective: check the checkpoint at ``path`` against its manifest before it is loaded, each rank
-    hashing its share of the files (``level`` is ``checkpoint.verify``: checksum, size or none), and read
-    the pickled parts of its share as the load will (:func:`k2.launcher.checkpointing.unpickle.pickle_problems`,
-    at every level); every rank gets the same verdict. Rank 0 prints a warning for a checkpoint without a manifest (written
-    before manifests existed: it cannot be verified, and is loaded as it is).
+    hashing its share of the files (``level`` is ``checkpoint.verify``: checksum, size or none), and read the
+    pickled parts of its share as the load will (:func:`k2.launcher.checkpointing.unpickle.pickle_problems`, at
+    every level); every rank gets the same verdict. Rank 0 prints a warning for a checkpoint without a manifest
+    (written before manifests existed: it cannot be verified, and is loaded as it is).
 
     Returns:
         The seconds it took (the slowest rank's share decides).
@@ -350,7 +349,7 @@ def verify_checkpoint(path, level: str) -> float:
     return seconds
 
 
-def prune(root: Path, keep_last: int, keep_every: Optional[int]) -> list[str]:
+def prune(root: Path, keep_last: int, keep_every: int | None) -> list[str]:
     """Delete complete checkpoints except the newest ``keep_last`` and every step that is a multiple of
     ``keep_every``; the one ``latest`` names is always kept. Returns the names removed."""
     root = Path(root)

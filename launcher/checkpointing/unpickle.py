@@ -37,8 +37,8 @@ import contextlib
 import io
 import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 __all__ = ["METADATA_GLOBALS", "CheckpointUnpickler", "UnsafePickle", "load_metadata", "metadata_problem",
            "load_errors", "pickle_problems", "raise_if_refused", "refusal_in", "restricted_unpickling"]
@@ -131,7 +131,7 @@ def metadata_problem(path) -> str | None:
     try:
         with open(Path(path) / METADATA_FILE, "rb") as f:
             _NamesOnly(f).load()
-    except Exception as e:  # noqa: BLE001 - only a refusal is reported (see _refusal)
+    except Exception as e:
         why = _refusal(e)
         return f"{METADATA_FILE}: {why}" if why else None
     return None
@@ -266,7 +266,7 @@ def pickle_problems(path, names: Iterable[str]) -> list[str]:
     def attempt(where: str, read) -> None:
         try:
             read()
-        except Exception as e:  # noqa: BLE001 - only a refusal is reported (see _refusal)
+        except Exception as e:
             why = _refusal(e)
             if why:
                 problems.append(f"{where}: {why}")

@@ -16,8 +16,9 @@ import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -63,7 +64,7 @@ def default_stdlib_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def list_stdlib_files(stdlib_dir: Optional[str] = None) -> list[str]:
+def list_stdlib_files(stdlib_dir: str | None = None) -> list[str]:
     """All ``*.py`` files under the stdlib directory, recursively, as sorted POSIX relative paths.
 
     ``site-packages`` / ``dist-packages`` (third-party code) and ``__pycache__`` are skipped; symlinked
@@ -133,7 +134,7 @@ def _expected(vocab_size: int, valid_fraction: float, source_sha256: str) -> dic
     }
 
 
-def _read_matching_manifest(directory: str, expected: dict) -> Optional[dict]:
+def _read_matching_manifest(directory: str, expected: dict) -> dict | None:
     """The manifest of ``directory`` if it matches ``expected`` and every output file is intact."""
     try:
         with open(os.path.join(directory, "manifest.json")) as f:
@@ -167,7 +168,7 @@ def _encode_chunk(tok, texts: Sequence[str]) -> list[list[int]]:
 
 
 def prepare_stdlib_corpus(
-    data_cfg: DataConfig, *, progress: bool = True, verbose: bool = True, stdlib_dir: Optional[str] = None
+    data_cfg: DataConfig, *, progress: bool = True, verbose: bool = True, stdlib_dir: str | None = None
 ) -> CorpusPaths:
     """Build the embedded stdlib corpus into ``<data.cache_dir>/stdlib-<pyver>-v<vocab>/`` (or reuse it).
 

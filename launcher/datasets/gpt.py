@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
 
 from k2.config.errors import ConfigError
 from k2.launcher.datasets.locks import file_lock
@@ -19,7 +18,7 @@ def build_datasets(
     seq_length: int,
     seed: int,
     train_samples: int,
-    valid_samples: Optional[int],
+    valid_samples: int | None,
     *,
     create_attention_mask: bool = False,
 ):

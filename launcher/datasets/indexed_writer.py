@@ -49,9 +49,9 @@ class IndexedDatasetWriter:
             raise ValueError(f"token dtype {self.dtype} has no megatron DType code; allowed: "
                              + ", ".join(str(d) for d in CODE_OF_DTYPE))
         self._code = CODE_OF_DTYPE[self.dtype]
-        self._bin = open(prefix + ".bin", "wb")  # noqa: SIM115 (closed by finalize)
+        self._bin = open(prefix + ".bin", "wb")
         self._lengths_path = prefix + ".lengths.tmp"
-        self._lengths = open(self._lengths_path, "wb")  # noqa: SIM115 (closed by finalize)
+        self._lengths = open(self._lengths_path, "wb")
         self.documents = 0
         self.tokens = 0
 

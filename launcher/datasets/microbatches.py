@@ -5,7 +5,8 @@ Units: a sample is one sequence of ``seq_length`` tokens; batch sizes are in sam
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

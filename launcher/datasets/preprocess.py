@@ -34,8 +34,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -97,7 +98,7 @@ def _build_prefixes(prefix: str) -> list[str]:
     return candidates
 
 
-def unfinished_build(prefix: str) -> Optional[str]:
+def unfinished_build(prefix: str) -> str | None:
     """The work directory of an unfinished ``k2-data`` build that writes ``prefix`` (itself, or the shard
     ``BASE_NNNNN`` of ``BASE``), or None."""
     for c in _build_prefixes(prefix):
@@ -106,7 +107,7 @@ def unfinished_build(prefix: str) -> Optional[str]:
     return None
 
 
-def build_manifest(prefix: str, cache: Optional[dict] = None) -> Optional[dict]:
+def build_manifest(prefix: str, cache: dict | None = None) -> dict | None:
     """The manifest of the finished ``k2-data`` build that wrote the dataset ``prefix`` (``PREFIX`` or
     the shard's ``BASE.manifest.json``, listing it among its datasets), or None (not written by
     ``k2-data prepare``, or its manifest is unreadable). ``cache``: manifests already read, by path
@@ -138,14 +139,14 @@ def _settings(cfg: K2Config) -> tuple[str, list[InputFile]]:
     return prefix, files
 
 
-def _user_tokenizer(cfg: K2Config) -> Optional[HFTokenizer]:
+def _user_tokenizer(cfg: K2Config) -> HFTokenizer | None:
     """``data.tokenizer`` loaded and checked against ``model.vocab_size``, or None (train one)."""
     if cfg.data.tokenizer is None:
         return None
     return load_user_tokenizer(cfg.data.tokenizer, int(cfg.model.vocab_size))
 
 
-def _key(cfg: K2Config, files: list[InputFile], hashes: list[str], user_tok: Optional[HFTokenizer]) -> dict:
+def _key(cfg: K2Config, files: list[InputFile], hashes: list[str], user_tok: HFTokenizer | None) -> dict:
     """What the output depends on: a build (finished or not) with another key is not reused."""
     p = cfg.prepare
     return {
@@ -162,7 +163,7 @@ def _key(cfg: K2Config, files: list[InputFile], hashes: list[str], user_tok: Opt
     }
 
 
-def _read_json(path: str) -> Optional[dict]:
+def _read_json(path: str) -> dict | None:
     try:
         with open(path) as f:
             return json.load(f)
@@ -178,7 +179,7 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def _finished(prefix: str, key: dict) -> Optional[dict]:
+def _finished(prefix: str, key: dict) -> dict | None:
     """The manifest of a finished build of ``prefix`` with this key whose outputs are intact, or None."""
     manifest = _read_json(prefix + ".manifest.json")
     if manifest is None or manifest.get("key") != key or unfinished_build(prefix):
@@ -243,7 +244,7 @@ def _tokenizer_entry(tok, path: str, *, trained: bool) -> dict:
         "tokenizers_version": tokenizers.__version__,
     }
 
-def prepare_corpus(cfg: K2Config, *, progress: Optional[bool] = None,
+def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
                    log: Callable[[str], None] = lambda s: print(s, flush=True)) -> PreparedCorpus:
     """Tokenize ``prepare.input`` into megatron indexed datasets at ``prepare.output`` (or reuse them).
 

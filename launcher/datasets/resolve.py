@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
-Blend = tuple[list[str], Optional[list[float]]]  # megatron's (prefixes, weights or None)
+Blend = tuple[list[str], list[float] | None]  # megatron's (prefixes, weights or None)
 
 #: ``.bin`` files up to this size are scanned for token ids outside the tokenizer's vocabulary when the
 #: settings are checked (numpy over a memory map: ~2 GB/s from the page cache, so at most ~1 s per file;
@@ -59,8 +59,8 @@ class ResolvedData:
     """
 
     train_blend: Blend
-    valid_blend: Optional[Blend]
-    split: Optional[str]
+    valid_blend: Blend | None
+    split: str | None
     tokenizer_path: str
     tokenizer_vocab_size: int
     index_cache_dir: str

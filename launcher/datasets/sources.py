@@ -24,8 +24,9 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 from k2.config.errors import ConfigError
 
@@ -55,7 +56,7 @@ class BadRecord(ValueError):
         self.where, self.why = where, why
 
 
-def _classify(path: str) -> Optional[tuple[str, str]]:
+def _classify(path: str) -> tuple[str, str] | None:
     name = path.lower()
     comp = next((c for c in COMPRESSIONS if name.endswith(c)), "")
     base = name[: len(name) - len(comp)]
@@ -271,7 +272,8 @@ def record_text(path: str, kind: str, line: int, raw: Any, text_key: str) -> str
     """The document text of one record (runs in the worker processes).
 
     Raises:
-        BadRecord: a text document that is not UTF-8; a JSONL line that is not a JSON object, lacks ``text_key`` or whose value is not a
+        BadRecord: a text document that is not UTF-8; a JSONL line that is not a JSON object, lacks ``text_key``
+        or whose value is not a
             string; a Parquet cell that is null or not a string.
     """
     if kind == "text":

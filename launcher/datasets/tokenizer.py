@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 from k2.launcher.datasets.sources import file_sha256
 
@@ -30,7 +30,7 @@ _PAD_CANDIDATES = (PAD_TOKEN, "<pad>", "[PAD]", "<|padding|>")
 NO_PAD_ID = -1
 
 
-def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, length: Optional[int] = None):
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None):
     """Train a byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` ids (GPT-2's byte-level
     pre-tokenizer, no prefix space; special tokens ``<|endoftext|>`` = EOD and ``<|pad|>`` first, ids 0
     and 1) on ``texts``, streamed once (``tokenizers``' ``BpeTrainer.train_from_iterator``; it keeps word
@@ -77,7 +77,7 @@ class HFTokenizer:
     """
 
     def __init__(
-        self, path: str, eod_token: Optional[str] = None, pad_token: Optional[str] = None
+        self, path: str, eod_token: str | None = None, pad_token: str | None = None
     ) -> None:
         from tokenizers import Tokenizer
 
@@ -100,12 +100,12 @@ class HFTokenizer:
         self.pad: int = NO_PAD_ID if pad_id is None or pad_id == eod_id else pad_id
         self.eod_token: str = self._tok.id_to_token(self.eod)
 
-        self.unique_identifiers: "OrderedDict[str, str]" = OrderedDict()
+        self.unique_identifiers: OrderedDict[str, str] = OrderedDict()
         self.unique_identifiers["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
         self.unique_identifiers["tokenizer_path"] = path
         self.unique_identifiers["sha256"] = file_sha256(path)
 
-    def _lookup(self, explicit: Optional[str], candidates: Sequence[str]) -> Optional[int]:
+    def _lookup(self, explicit: str | None, candidates: Sequence[str]) -> int | None:
         for tok in (explicit,) if explicit is not None else candidates:
             i = self._tok.token_to_id(tok)
             if i is not None:
@@ -150,7 +150,7 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
 
 
-def load_user_tokenizer(path, model_vocab: int) -> "HFTokenizer":
+def load_user_tokenizer(path, model_vocab: int) -> HFTokenizer:
     """``data.tokenizer``: the ``tokenizer.json`` at ``path`` (``~`` expanded), checked against the model.
 
     Args:

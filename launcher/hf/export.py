@@ -25,7 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,7 +53,7 @@ class ExportReport:
     total_bytes: int
     largest_shard_bytes: int
     largest_group_bytes: int
-    tokenizer: Optional[str]
+    tokenizer: str | None
 
 
 def checkpoint_config(path: Path, verify_level: str = "checksum"):
@@ -151,7 +151,7 @@ def _read_shard(path: Path, meta: dict, tensors: list[Tensor], dtype) -> dict:
     return out
 
 
-def _tokenizer_files(cfg: K2Config, out: Path) -> tuple[Optional[str], dict]:
+def _tokenizer_files(cfg: K2Config, out: Path) -> tuple[str | None, dict]:
     """Copy the run's ``tokenizer.json`` (if it has one) and write ``tokenizer_config.json``.
 
     Returns:
@@ -176,7 +176,7 @@ def _tokenizer_files(cfg: K2Config, out: Path) -> tuple[Optional[str], dict]:
 
 
 def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int = 2 << 30,
-              dtype: Optional[str] = None, verify_level: str = "checksum") -> ExportReport:
+              dtype: str | None = None, verify_level: str = "checksum") -> ExportReport:
     """Write the HF directory ``out`` for the k2-launcher checkpoint ``checkpoint`` (module docstring).
 
     Args:

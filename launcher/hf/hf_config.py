@@ -10,7 +10,7 @@ and fields, loadable by ``AutoModelForCausalLM.from_pretrained`` without custom 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from k2.config.errors import ConfigError
 from k2.launcher.hf.mapping import ARCHITECTURE, MODEL_TYPES
@@ -67,7 +67,7 @@ def n_shared_experts(m: ModelConfig) -> int:
 
 
 def hf_config(m: ModelConfig, rope_type: str, precision: str, model_type: str = "deepseek_v3",
-              token_ids: Optional[dict] = None) -> dict:
+              token_ids: dict | None = None) -> dict:
     """``config.json`` for the model config ``m`` (``cfg.model``).
 
     Args:

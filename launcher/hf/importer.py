@@ -37,7 +37,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -116,7 +116,7 @@ class _Reader:
     def __init__(self, hf_dir: Path, weight_map: dict, block: tuple[int, int]):
         self.hf_dir, self.weight_map, self.block = hf_dir, weight_map, block
 
-    def _shard(self, name: str, needed_by: Optional[str] = None) -> str:
+    def _shard(self, name: str, needed_by: str | None = None) -> str:
         shard = self.weight_map.get(name)
         if shard is None:
             if needed_by is not None:

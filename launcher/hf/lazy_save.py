@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import queue
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from k2.config.choices import ConvertModelType, values
 
@@ -69,7 +69,7 @@ class Row:
     hf: str
     ours: str
     where: str = "all"
-    part: Optional[str] = None
+    part: str | None = None
     expert: bool = False
     linear: bool = False
     fp32: bool = False
@@ -134,8 +134,8 @@ class Tensor:
     key: str
     shape: tuple
     key_shape: tuple
-    expert: Optional[int] = None
-    part: Optional[str] = None
+    expert: int | None = None
+    part: str | None = None
     linear: bool = False
     fp32: bool = False
 
@@ -177,7 +177,7 @@ def _key_shape(key: str, m: ModelConfig) -> tuple:
     return tuple(int(x) for x in shapes[name])
 
 
-def _hf_shape(key_shape: tuple, expert: bool, part: Optional[str]) -> tuple:
+def _hf_shape(key_shape: tuple, expert: bool, part: str | None) -> tuple:
     shape = list(key_shape[1:] if expert else key_shape)
     if part is not None:
         shape[-2] //= 2

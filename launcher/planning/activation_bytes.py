@@ -4,13 +4,13 @@ Why our own code: megatron-core has no activation-memory model for MLA + MoE lay
 ``theoretical_memory_usage`` covers dense GPT layers only and none of K2's switches).
 
 The inventory below lists what autograd saves in ``k2-train``'s layers: megatron-core 0.19.2's MLA
-(``MLASelfAttention``), SwiGLU ``MLP``, ``MoELayer`` with ``TopKRouter`` (FP32), the alltoall token
-dispatcher and ``SequentialMLP`` experts (the router probabilities multiply the SwiGLU output inside each
-expert), our :class:`k2.model.attention.K2CoreAttention` and torch's RMSNorm. It was read off saved-tensor
-hooks on the CPU proxy; ``tests/unit/launcher/planning/test_memory_plan.py`` checks the total against the
-bytes measured the same way. Notation: ``T = micro_batch_size x seq_length`` tokens, ``Tk = T x top-k`` routed token copies (the
-expected count on every EP rank: the all-to-all exchanges as many tokens as it receives on average),
-``B`` = 2 bytes (BF16) or 4 (FP32) per element, widths as in :mod:`k2.model.flops`.
+(``MLASelfAttention``), SwiGLU ``MLP``, ``MoELayer`` with ``TopKRouter`` (FP32), the alltoall token dispatcher
+and ``SequentialMLP`` experts (the router probabilities multiply the SwiGLU output inside each expert), our
+:class:`k2.model.attention.K2CoreAttention` and torch's RMSNorm. It was read off saved-tensor hooks on the CPU
+proxy; ``tests/unit/launcher/planning/test_memory_plan.py`` checks the total against the bytes measured the same
+way. Notation: ``T = micro_batch_size x seq_length`` tokens, ``Tk = T x top-k`` routed token copies (the
+expected count on every EP rank: the all-to-all exchanges as many tokens as it receives on average), ``B`` = 2
+bytes (BF16) or 4 (FP32) per element, widths as in :mod:`k2.model.flops`.
 
 Per layer (``site`` = the ``memory.*`` site names of ``config/schema.py`` that act on the tensor: ``O``
 offload, ``F`` FP8 storage, ``R`` recompute drops it):
@@ -66,8 +66,9 @@ recompute drops the tensor; offload moves it to host memory (counted in ``offloa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING
 
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 
@@ -104,18 +105,18 @@ class Saved:
     name: str
     elements: float
     bytes_per_element: float
-    offload: Optional[str] = None
-    fp8: Optional[str] = None
-    recompute: Optional[str | tuple] = None
-    only_with: Optional[str] = None
+    offload: str | None = None
+    fp8: str | None = None
+    recompute: str | tuple | None = None
+    only_with: str | None = None
 
     @property
     def nbytes(self) -> float:
         return self.elements * self.bytes_per_element
 
 
-def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: Optional[str],
-          recompute: Optional[str], input_extra: int = 0) -> list[Saved]:
+def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: str | None,
+          recompute: str | None, input_extra: int = 0) -> list[Saved]:
     """What an RMSNorm over ``width`` saves: fused CUDA kernel = its input + FP32 rstd; torch's composite
     (CPU) = FP32 copies of the input and of ``x * rstd`` + rstd. ``recompute`` drops everything but the
     input; ``offload`` moves the input (the residual-stream sites ``attn_input`` / ``mlp_input`` name
@@ -244,7 +245,7 @@ def stage_saved(model_cfg: ModelConfig,
 
 
 def apply_switches(saved: Iterable[Saved], fp8_store: Iterable[str] = (), recompute: Iterable[str] = (),
-                   offload: Iterable[str] = (), host_block: Optional[Callable[[float], float]] = None
+                   offload: Iterable[str] = (), host_block: Callable[[float], float] | None = None
                    ) -> tuple[float, float]:
     """GPU bytes and host (offloaded) bytes of ``saved`` under the ``memory.*`` switches; ``host_block``:
     the host bytes one offloaded entry of ``n`` bytes holds (e.g. a pinned allocator's block), None = ``n``.

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from k2.launcher.planning.phase_settings import offloads_anything, phase_memory_settings
-from k2.launcher.planning.checkpoint import staged_bytes_per_node
-from k2.launcher.planning.ep_overlap import overlap_applies
 from k2.config.hardware import peak_tflops
-from k2.launcher.planning.hardware import load_profile
+from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.device_memory import device_overheads, gpu_memory
+from k2.launcher.planning.ep_overlap import overlap_applies
+from k2.launcher.planning.hardware import load_profile
 from k2.launcher.planning.memory import stage_activations, state_bytes, state_bytes_lower_bound
+from k2.launcher.planning.phase_settings import offloads_anything, phase_memory_settings
+from k2.launcher.planning.pipeline_sim import simulate
 from k2.launcher.planning.step_time import step_time
 from k2.launcher.planning.what_if import WhatIf
 from k2.model.flops import flops_per_token
-from k2.launcher.planning.pipeline_sim import simulate
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -35,9 +35,9 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     and weight gradient (W), from the model FLOPs of the stage's layers (:mod:`k2.model.flops`; the LM head
     on the loss stage, the embedding lookup costs 0) at ``tflops`` TFLOP/s.
 
-    B = the weight GEMMs' forward FLOPs + twice core attention's (it has no weights) + the FLOPs of
-    recomputed GEMMs (``memory.recompute``: ``mla_up_proj`` redoes the q/kv up-projections,
-    ``moe_down_proj`` the routed experts' down-projection, ``layer`` the whole layer's forward); W = the weight GEMMs' forward FLOPs.
+    B = the weight GEMMs' forward FLOPs + twice core attention's (it has no weights) + the FLOPs of recomputed
+    GEMMs (``memory.recompute``: ``mla_up_proj`` redoes the q/kv up-projections, ``moe_down_proj`` the routed
+    experts' down-projection, ``layer`` the whole layer's forward); W = the weight GEMMs' forward FLOPs.
     """
     rate = tflops * 1e12
     F, B, W = [], [], []
@@ -131,14 +131,14 @@ def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: i
     """Bubble, estimated step time, memory per GPU and host per node, and the fit, of every phase of one
     layout (``k2-plan`` and its search).
 
-    Every phase that runs a step is planned with its own context length, microbatch and ``memory.*``
-    settings (:func:`phase_memory_settings`); phases with the same ones share one simulation. Each is simulated
-    with megatron's order (:func:`k2.launcher.planning.pipeline_sim.simulate`, stage times and the terms after the
-    pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory (:mod:`k2.launcher.planning.memory`)
-    is the fullest GPU of each PP rank, host memory the fullest node (:func:`host_bytes_per_node`, plus the
-    copy an asynchronous checkpoint save stages there: :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The
-    layout fits only when every phase fits both the GPU memory (:func:`gpu_memory_gib`) and
-    ``cluster.host_memory_gib`` per node.
+    Every phase that runs a step is planned with its own context length, microbatch and ``memory.*`` settings
+    (:func:`phase_memory_settings`); phases with the same ones share one simulation. Each is simulated with
+    megatron's order (:func:`k2.launcher.planning.pipeline_sim.simulate`, stage times and the terms after the
+    pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory
+    (:mod:`k2.launcher.planning.memory`) is the fullest GPU of each PP rank, host memory the fullest node
+    (:func:`host_bytes_per_node`, plus the copy an asynchronous checkpoint save stages there:
+    :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The layout fits only when every phase fits
+    both the GPU memory (:func:`gpu_memory_gib`) and ``cluster.host_memory_gib`` per node.
 
     With ``max_microbatches`` (the search), at most that many microbatches are simulated (a multiple of
     pp) and the rest of the step is extrapolated at the busiest rank's per-microbatch time; exact for

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import ListConfig, OmegaConf
 
 from k2.config import ConfigError
+from k2.config.hardware import peak_tflops
 from k2.launcher.planning.analysis import (
     _settings_key,
     analyse_layout,
@@ -52,12 +53,11 @@ from k2.launcher.planning.analysis import (
     gpu_memory_gib,
 )
 from k2.launcher.planning.checkpoint import checkpoint_plan
+from k2.launcher.planning.pipeline_sim import PipelineResult
 from k2.launcher.planning.search import WORLD_FROM, search_layouts
-from k2.config.hardware import peak_tflops
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
-from k2.launcher.planning.pipeline_sim import PipelineResult
 from k2.schedules.resolve import lr_at_tokens, resolve_schedule
 from k2.schedules.wsd import Schedule
 

@@ -317,7 +317,8 @@ def stage_plans(model, dims, schedule_work_half_s: float, copies_s: list) -> lis
     plans = []
     for v in range(dims.vpp):
         for r in range(dims.pp):
-            layers = [get(int(model.fl.moe_pattern[i]), lambda i=i: model.layer_nodes(i)) for i in dims.stage_layers[r][v]]
+            layers = [get(int(model.fl.moe_pattern[i]),
+                          lambda i=i: model.layer_nodes(i)) for i in dims.stage_layers[r][v]]
             emb = get("embedding", model.embedding) if dims.stage_has_embedding(r, v) else none
             tail = [get("loss", model.loss)] if dims.stage_has_loss(r, v) else []
             if tail and model.wi.mtp_layers:

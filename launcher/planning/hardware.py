@@ -14,8 +14,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-from k2.config.hardware import (HARDWARE_DIR, available_profiles, hardware_profile_from_mapping,
-                               load_hardware_profile)
+from k2.config.hardware import HARDWARE_DIR, available_profiles, hardware_profile_from_mapping, load_hardware_profile
 from k2.config.schema_hardware import CommStream, HardwareProfileConfig
 from k2.launcher.planning.kernels import KernelRates
 

@@ -5,18 +5,19 @@ with megatron's *own* buffer-layout functions so that padding and ZeRO-1 shardin
 trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/planning/test_memory_plan.py``):
 
 * each PP rank's model chunks get their parameter list (names and shapes from
-  :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU),
-  as :class:`LayoutParam` stand-ins tagged like the trainer tags the parameters (``allreduce=False`` on expert parameters when
-  ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` -- megatron's buffer key that gives them buffers of
-  their own -- on the Muon matrices of ``optim=muonclip`` under ZeRO-1, routed by
+  :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU), as
+  :class:`LayoutParam` stand-ins tagged like the trainer tags the parameters (``allreduce=False`` on expert
+  parameters when ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` -- megatron's buffer key that gives them
+  buffers of their own -- on the Muon matrices of ``optim=muonclip`` under ZeRO-1, routed by
   :func:`k2.optim.params.route`);
 * megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1: ``optim=adamw``, and
   ``optim=muonclip`` with ``optim.muon_zero1=byte_range``, the Distributed Muon of
   :mod:`k2.optim.distributed_muon`) or ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole
-  matrices bin-packed into the DP shards, ``optim.muon_zero1=layer_wise``) lays each chunk's parameters
-  into DDP's contiguous buffers: one buffer per (dtype, expert, Muon) group, a parameter starting on a
-  64-element boundary, each buffer padded to a multiple of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without ``k2.parallel.use_distributed_optimizer`` the
-  buffers are unpadded (``_compute_default_per_buffer_param_layout``).
+  matrices bin-packed into the DP shards, ``optim.muon_zero1=layer_wise``) lays each chunk's parameters into
+  DDP's contiguous buffers: one buffer per (dtype, expert, Muon) group, a parameter starting on a 64-element
+  boundary, each buffer padded to a multiple of ``lcm(dp, 128)`` (``optimizer/param_layout.py``). Without
+  ``k2.parallel.use_distributed_optimizer`` the buffers are unpadded
+  (``_compute_default_per_buffer_param_layout``).
 
 Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffers are FP32,
 ``grad_reduce_in_fp32`` in :func:`k2.parallel.distributed.ddp_config`, the trainer's):
@@ -25,12 +26,12 @@ Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffer
   optimizer; the parameters themselves without it;
 * ``grads``: the gradient buffers, padded numel x 4 B;
 * ``optimizer``: for each parameter the elements this DP rank updates (its overlap with the rank's shard:
-  ``buffer / dp`` per bucket, the expert buffers over the expert-DP group ``dp / ep``; the layer-wise
-  layout gives whole matrices to one rank; all of it without the distributed optimizer): an FP32 master
-  copy (4 B/element, only for BF16 parameters: FP32 parameters are their own master copy), AdamW's two
-  moments (8 B/element) or Muon's momentum (4 B/element), and the optimizer's per-tensor step counter
-  (a 4-byte scalar per (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optim.offload_fraction`` of it lives in
-  host memory (megatron's ``optimizer_cpu_offload``; K2 offloads part of the states at 32 nodes).
+  ``buffer / dp`` per bucket, the expert buffers over the expert-DP group ``dp / ep``; the layer-wise layout
+  gives whole matrices to one rank; all of it without the distributed optimizer): an FP32 master copy (4
+  B/element, only for BF16 parameters: FP32 parameters are their own master copy), AdamW's two moments (8
+  B/element) or Muon's momentum (4 B/element), and the optimizer's per-tensor step counter (a 4-byte scalar per
+  (sharded) tensor, torch's AdamW; emerging-optimizers' Muon keeps none). ``optim.offload_fraction`` of it lives
+  in host memory (megatron's ``optimizer_cpu_offload``; K2 offloads part of the states at 32 nodes).
 
 K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over
 256 GPUs, 24 GB per GPU on average.
@@ -46,10 +47,10 @@ from __future__ import annotations
 import types
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING
 
-from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
+from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
 from k2.optim.registry import OptimizerSpec, optimizer_spec
@@ -121,7 +122,7 @@ class LayoutParam:
         self.k2_optimizer = "adamw"
 
     @property
-    def data(self) -> "LayoutParam":
+    def data(self) -> LayoutParam:
         return self
 
     def nelement(self) -> int:
@@ -150,7 +151,7 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
     local_experts = counts.num_experts // ep if counts.num_experts else 0
     specs = counts.specs
 
-    def make(spec, layer_index: Optional[int]):
+    def make(spec, layer_index: int | None):
         name = spec.name if layer_index is None else spec.name.replace("decoder.layers.0.", "decoder.layers."
                                                                         f"{layer_index}.", 1)
         p = LayoutParam(spec, name, dtype)
@@ -276,7 +277,7 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
 
 
 def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: ModelConfig, cache: Optional[dict] = None, router_optimizer: str = "muon",
+                model_cfg: ModelConfig, cache: dict | None = None, router_optimizer: str = "muon",
                 muon_zero1: str = "byte_range") -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 

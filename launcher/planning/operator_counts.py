@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from k2.config.schema import ModelConfig
 
-#: aten operators per microbatch beyond the GEMMs (priced one launch each by :mod:`k2.launcher.planning.kernels`) and core
-#: attention's batched GEMMs (:data:`ATTENTION_KERNELS`), forward / backward, views included (on a CPU each
-#: costs the dispatch and the module code around it): counted with torch's dispatch mode on k2-train's own
-#: modules (k2_tiny, FP32, megatron's sequential experts; ``k2-bench bench=hardware`` counts them again and
-#: prints them): a dense layer 146 / 228 operators (attention and its norms 125 / 186 + 7 / 14 GEMMs, the
-#: dense MLP 12 / 24 + 2 / 4 GEMMs), an MoE layer of 8 local experts 326 / 487 (4 local experts: 282 / 391,
-#: so 9 / 20 + 2 / 4 GEMMs per expert), the word embedding 4 / 7, the final norm, output layer and loss
-#: 56 / 44 + 1 / 2 GEMMs
+#: aten operators per microbatch beyond the GEMMs (priced one launch each by
+#: :mod:`k2.launcher.planning.kernels`) and core attention's batched GEMMs (:data:`ATTENTION_KERNELS`),
+#: forward / backward, views included (on a CPU each costs the dispatch and the module code around it):
+#: counted with torch's dispatch mode on k2-train's own modules (k2_tiny, FP32, megatron's sequential experts;
+#: ``k2-bench bench=hardware`` counts them again and prints them): a dense layer 146 / 228 operators
+#: (attention and its norms 125 / 186 + 7 / 14 GEMMs, the dense MLP 12 / 24 + 2 / 4 GEMMs), an MoE layer of 8
+#: local experts 326 / 487 (4 local experts: 282 / 391, so 9 / 20 + 2 / 4 GEMMs per expert), the word
+#: embedding 4 / 7, the final norm, output layer and loss 56 / 44 + 1 / 2 GEMMs
 OPERATORS = {"attention": (125, 186), "dense_mlp": (12, 24), "moe": (103, 89), "moe_per_expert": (9, 20),
              "embedding": (4, 7), "loss": (56, 44)}
 #: core attention's batched GEMMs (scores, weighted values), forward / backward (counted as above)

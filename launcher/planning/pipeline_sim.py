@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import heapq
 import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 __all__ = ["Op", "PipelineResult", "rank_order", "simulate"]
 
@@ -94,7 +94,7 @@ class PipelineResult:
     peak_in_flight: list[int] = field(default_factory=list)  # per rank: most (chunk, microbatch) held
     ep_overlap: bool = False  # megatron's combined 1F1B (pairs; the weight gradients inside)
 
-    def peak_bytes(self, per_stage: Sequence[float], pair_transient: Optional[Sequence[float]] = None) -> list[float]:
+    def peak_bytes(self, per_stage: Sequence[float], pair_transient: Sequence[float] | None = None) -> list[float]:
         """Per rank, the most bytes held at once when each (virtual stage, microbatch) holds
         ``per_stage[stage]`` from the end of its forward to the end of its backward (or of its weight
         gradient when split); frees count before allocations at equal times. During a pair the rank also
@@ -153,7 +153,7 @@ def _megatron_schedule():
 
 
 def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
-               group_size: Optional[int] = None, ep_overlap: bool = False) -> list[tuple]:
+               group_size: int | None = None, ep_overlap: bool = False) -> list[tuple]:
     """The forward/backward order megatron-core runs on PP rank ``rank``: ``[(kind, chunk, microbatch)]``;
     with ``ep_overlap`` (megatron's combined 1F1B, module docstring) a steady 1F1B step is one entry
     ``("P", (forward chunk, microbatch), (backward chunk, microbatch))``.
@@ -208,16 +208,16 @@ def simulate(
     num_microbatches: int,
     forward: Sequence[float],
     backward: Sequence[float],
-    weight: Optional[Sequence[float]] = None,
+    weight: Sequence[float] | None = None,
     *,
     decouple_wgrad: bool = False,
     p2p_time: float = 0.0,
-    activation_bytes: Optional[Sequence[float]] = None,
-    group_size: Optional[int] = None,
+    activation_bytes: Sequence[float] | None = None,
+    group_size: int | None = None,
     max_deferred_w: int = 1,
     ep_overlap: bool = False,
-    pair_time: Optional[Callable[[int, int], float]] = None,
-    pair_transient_bytes: Optional[Sequence[float]] = None,
+    pair_time: Callable[[int, int], float] | None = None,
+    pair_transient_bytes: Sequence[float] | None = None,
 ) -> PipelineResult:
     """Simulate one step of megatron's (interleaved) 1F1B schedule.
 
@@ -291,7 +291,7 @@ class _Simulation:
         self.wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
         self.ops: list[Op] = []
 
-    def deps(self, kind: str, stage: int, mb: int) -> Optional[float]:
+    def deps(self, kind: str, stage: int, mb: int) -> float | None:
         """When the inputs of (kind, stage, mb) are there; None if an input is not scheduled yet."""
         if kind == "F":
             if stage == 0:
@@ -306,7 +306,7 @@ class _Simulation:
         t = self.done.get(("B", stage + 1, mb))
         return None if t is None else max(own, t + self.p2p_time)
 
-    def entry_ready(self, r: int) -> Optional[float]:
+    def entry_ready(self, r: int) -> float | None:
         """When the inputs of rank ``r``'s next entry are there (a pair: both halves'); None if not scheduled."""
         e = self.orders[r][self.pos[r]]
         if e[0] == "P":

@@ -110,9 +110,11 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
              "lm_head": "LM head"}
     pipe = plan["pipeline"]
     lines = [
-        f"  cluster: {c['nodes']} node{'s' if c['nodes'] != 1 else ''} x {c['gpus_per_node']} GPUs, {c['gpu_memory_gib']:g} GiB and "
+        f"  cluster: {c['nodes']} node{'s' if c['nodes'] != 1 else ''} x {c['gpus_per_node']} GPUs, "
+        f"{c['gpu_memory_gib']:g} GiB and "
         f"{c['peak_tflops']:g} TFLOP/s (BF16 peak) each; model-parallel group {g['shape']} = {g['gpus']} GPUs "
-        f"= {g['nodes']:g} node{'s' if g['nodes'] != 1 else ''}, {g['replicas']} replica{'s' if g['replicas'] != 1 else ''} (DP {plan['dp']}); "
+        f"= {g['nodes']:g} node{'s' if g['nodes'] != 1 else ''}, "
+        f"{g['replicas']} replica{'s' if g['replicas'] != 1 else ''} (DP {plan['dp']}); "
         f"the group is reused for any node count that is a multiple of {g['nodes']:g}",
         f"  FLOPs per token (phase {f['phase']}, {f['seq_length']:,}-token sequences): forward "
         f"{_human(f['forward_per_token'])} = " + " + ".join(
@@ -192,7 +194,8 @@ def format_ep_comm(ep: dict[str, Any], overlap: bool, note: str) -> list[str]:
              f"{ep['hidden_s']:.3g} s; exposed by kind (s): {kinds}"]
     if "by_part" in ep:
         b = ep["by_part"]
-        lines.append(f"    exposed in the warm-up forwards {b['warmup']:.3g} s, the steady 1F1B pairs {b['steady']:.3g} s, "
+        lines.append(f"    exposed in the warm-up forwards {b['warmup']:.3g} s, "
+                     f"the steady 1F1B pairs {b['steady']:.3g} s, "
                      f"the cool-down backwards {b['cooldown']:.3g} s")
     return lines
 
@@ -210,7 +213,8 @@ def format_phases(plan: dict[str, Any]) -> list[str]:
     for p in plan["phases"]:
         verdict = "yes" if p["fits"] else ("NO (GPU)" if not p["fits_gpu"] else "NO (host)")
         lines.append(
-            f"  {p['phase']:<14}{p['seq_length']:>8,}{str(p['micro_batch_size']) + ' x ' + str(p['num_microbatches']):>11}"
+            f"  {p['phase']:<14}{p['seq_length']:>8,}"
+            f"{str(p['micro_batch_size']) + ' x ' + str(p['num_microbatches']):>11}"
             f"{_gib(p['device_peak_bytes']):>9}{p['device_pp_rank']:>9}{_gib(p['host_bytes_per_node']):>15}"
             f"{p['step_time_s_estimated']:>9.4g}{p['recompute_time_s_estimated']:>13.3g}"
             f"{_overlap_cell(p):>12}  {verdict:<5} {','.join(p['memory']['recompute']) or '-'}")

@@ -18,9 +18,15 @@ from typing import TYPE_CHECKING
 
 from k2.launcher.planning.comm import ep_alltoall
 from k2.launcher.planning.hardware import HardwareProfile
+from k2.launcher.planning.kernels import (
+    KernelRates,
+    attention_seconds,
+    elementwise_seconds,
+    gemm_seconds,
+    grouped_gemm_seconds,
+)
 from k2.launcher.planning.operator_counts import ATTENTION_KERNELS, MOE_NODE_OPERATORS, OPERATORS
 from k2.launcher.planning.what_if import WhatIf
-from k2.launcher.planning.kernels import KernelRates, attention_seconds, elementwise_seconds, gemm_seconds, grouped_gemm_seconds
 
 if TYPE_CHECKING:
     from k2.config.schema import ModelConfig

@@ -71,12 +71,19 @@ from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
 from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds, ring_seconds
-from k2.launcher.planning.ep_overlap import (A2A_KINDS, OverlapCosts, ep_summary, extrapolate, overlap_applies,
-                                            rank_costs, stage_plans)
+from k2.launcher.planning.ep_overlap import (
+    A2A_KINDS,
+    OverlapCosts,
+    ep_summary,
+    extrapolate,
+    overlap_applies,
+    rank_costs,
+    stage_plans,
+)
 from k2.launcher.planning.hardware import HardwareProfile
+from k2.launcher.planning.pipeline_sim import simulate
 from k2.launcher.planning.stage_model import StageModel, _add
 from k2.launcher.planning.what_if import WhatIf, tp_group_profile
-from k2.launcher.planning.pipeline_sim import simulate
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config

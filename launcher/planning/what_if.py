@@ -43,7 +43,7 @@ class WhatIf:
     mtp_layers: int = 0
 
     @classmethod
-    def from_config(cls, cfg: K2Config) -> "WhatIf":
+    def from_config(cls, cfg: K2Config) -> WhatIf:
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
         return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
                    sel("node_limit", None), int(sel("tp", 1)),

@@ -17,12 +17,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING
 
 from k2.config import ConfigError
-from k2.parallel.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
+from k2.parallel.hostlist import MASTER_PORT_BASE, MASTER_PORT_SPAN
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -85,7 +86,7 @@ def shell_word(value) -> str:
 _DIRECTIVE_SPECIAL = re.compile(r"[\s'\"\\#]")
 
 
-def directive_problem(option: str) -> Optional[str]:
+def directive_problem(option: str) -> str | None:
     """Why ``option`` cannot be written as is into an ``#SBATCH`` line, or None: a character that is not
     printable (a newline would end the directive and start a new line), whitespace, a quote, a backslash
     or a '#' (sbatch would split, unquote, unescape or cut the value)."""
@@ -278,7 +279,8 @@ def _setup_lines(cfg: K2Config) -> list[str]:
         ]
     else:
         run_python = [
-            'command -v "$PYTHON" >/dev/null || { echo "pretrain.sbatch: $PYTHON not found; set submit.python to a Python with k2-launcher installed" >&2; exit 1; }',
+            'command -v "$PYTHON" >/dev/null || { echo "pretrain.sbatch: $PYTHON not found; set submit.python'
+            ' to a Python with k2-launcher installed" >&2; exit 1; }',
             'k2py() { "$PYTHON" "$@"; }',
         ]
     omp = (f"export OMP_NUM_THREADS={sub.cpus_per_task}  # submit.cpus_per_task" if sub.cpus_per_task is not None
@@ -338,7 +340,8 @@ def check_submittable(cfg: K2Config) -> int:
                           "the job sources first, on a file system the nodes see (or null)")
     big = cfg.cluster.nodes > 1 or cfg.submit.request_gpus
     if cfg.data.path is None and cfg.prepare.input is None and big and not cfg.submit.embedded_corpus:
-        what = f"{cfg.cluster.nodes} node(s)" + (f" x {cfg.cluster.gpus_per_node} GPUs" if cfg.submit.request_gpus else "")
+        gpus = f" x {cfg.cluster.gpus_per_node} GPUs" if cfg.submit.request_gpus else ""
+        what = f"{cfg.cluster.nodes} node(s){gpus}"
         raise ConfigError(f"data.path is null: this job ({what}) would train on the embedded 18 MB standard-library "
                           "test corpus; set data.path to a k2-data dataset prefix, or submit.embedded_corpus=true "
                           "if that corpus is meant")

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
@@ -136,7 +137,7 @@ def point_status(point: Point, plan) -> str:
     return "finished" if int(read_state(ck)["step"]) >= plan.steps else "partial"
 
 
-def set_aside_unresumable(point: Point) -> Optional[Path]:
+def set_aside_unresumable(point: Point) -> Path | None:
     """A point killed before its first checkpoint left metrics but nothing to resume from: move its run dir
     to ``<run_dir>.stale-<time>`` so the point starts again. Returns the new path, or None."""
 

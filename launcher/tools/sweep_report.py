@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 
-
-def _flops_to_target(curve: list[tuple[float, float]], target: Optional[float]) -> Optional[float]:
+def _flops_to_target(curve: list[tuple[float, float]], target: float | None) -> float | None:
     """Training FLOPs at which the validation loss first reaches ``target``, interpolated linearly in
     log(FLOPs) between the two evaluations around the crossing; None when it never does."""
     if target is None:
@@ -164,7 +163,7 @@ def comparison_line(row: dict, base: dict) -> str:
             f"({' and '.join(missed)} did not reach it)")
 
 
-def report_main(argv: Optional[Sequence[str]] = None) -> int:
+def report_main(argv: Sequence[str] | None = None) -> int:
     """``k2-sweep-report SWEEP_DIR``: print the table and the FLOP savings; write CSV/Markdown/PNG there."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):

@@ -16,7 +16,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, MutableMapping, Optional
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -27,7 +28,7 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 
 
-def configure_cuda_env(cfg: K2Config, environ: Optional[MutableMapping[str, str]] = None) -> None:
+def configure_cuda_env(cfg: K2Config, environ: MutableMapping[str, str] | None = None) -> None:
     """Put the environment settings of the module docstring into ``environ`` (default ``os.environ``),
     keeping any value already there. Imports nothing heavy (k2-train's parent runs it)."""
     env = os.environ if environ is None else environ

@@ -42,9 +42,9 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from pathlib import Path
 
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.training.preemption import PEER_FAILED_ENV
@@ -75,17 +75,17 @@ def preimport() -> None:
         with cuda_probe_without_init():  # (module docstring: no cuInit before the fork)
             # torch.optim's optimizers import torch._dynamo on their first construction (torch._compile's
             # _disable_dynamo): imported here it is shared by the ranks instead of costing each ~0.5-0.8 s of CPU
-            import torch._dynamo  # noqa: F401
             import hydra.compose  # noqa: F401
-            import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
-            import megatron.core.datasets.gpt_dataset  # noqa: F401
-            import megatron.core.dist_checkpointing  # noqa: F401
-            import megatron.core.dist_checkpointing.strategies.fully_parallel  # noqa: F401
-            import megatron.core.models.gpt  # noqa: F401
-            import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 (the fusions' modules)
-            import megatron.core.optimizer  # noqa: F401
+            import megatron.core.datasets.blended_megatron_dataset_builder
+            import megatron.core.datasets.gpt_dataset
+            import megatron.core.dist_checkpointing
+            import megatron.core.dist_checkpointing.strategies.fully_parallel
+            import megatron.core.models.gpt
+            import megatron.core.models.gpt.gpt_layer_specs
+            import megatron.core.optimizer
             import megatron.core.pipeline_parallel  # noqa: F401
             import tokenizers  # noqa: F401
+            import torch._dynamo
 
             import k2.launcher.training.trainer  # noqa: F401
     if torch.cuda.is_initialized():  # (not is_available(): its own driver call is what must not happen)
@@ -173,7 +173,7 @@ class Call:
     args: tuple = ()
 
     @classmethod
-    def receive(cls, fd: int) -> "Call":
+    def receive(cls, fd: int) -> Call:
         """The ``(fn, args)`` pickle read to its end from the pipe ``fd`` this process inherited from its
         parent (:func:`k2.launcher.training.launch.spawn_local_ranks`, the same user's process); ``fd`` is
         closed.
@@ -189,7 +189,7 @@ class Call:
 
 
 #: what :func:`launch` runs in each rank
-Target = Union[list, Call]
+Target = list | Call
 
 
 def _run_rank(rank: int, nproc: int, port: int, target: Target, rank_env: bool) -> int:
@@ -237,7 +237,7 @@ def _signal_all(pids, signum: int) -> None:
             pass
 
 
-def launch(nproc: int, target: Target, port: Optional[int] = None, watch: Optional[socket.socket] = None,
+def launch(nproc: int, target: Target, port: int | None = None, watch: socket.socket | None = None,
            rank_env: bool = True) -> int:
     """Fork ``nproc`` ranks of ``target`` from this process and wait for them (module docstring).
 
@@ -283,7 +283,7 @@ def launch(nproc: int, target: Target, port: Optional[int] = None, watch: Option
             code = 1
             try:
                 code = _run_rank(rank, nproc, port, target, rank_env)
-            except BaseException:  # noqa: BLE001 - report and exit as an uncaught exception would
+            except BaseException:
                 import traceback
 
                 traceback.print_exc()
@@ -303,7 +303,7 @@ def launch(nproc: int, target: Target, port: Optional[int] = None, watch: Option
             signal.signal(sig, handler)
 
 
-def _wait(children: dict[int, int], watch: Optional[socket.socket], failed: Path) -> int:
+def _wait(children: dict[int, int], watch: socket.socket | None, failed: Path) -> int:
     """Reap ``children`` (pid -> rank); the status rules of :func:`launch`; ``failed``: the file of
     :func:`k2.launcher.training.preemption.peer_failure`."""
     status, deadline = 0, None

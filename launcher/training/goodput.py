@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 __all__ = ["CATEGORIES", "GoodputClock", "earlier_start_cost", "process_start_time"]
 
@@ -44,7 +44,7 @@ def process_start_time(parent: bool = False) -> float:
 
         proc = psutil.Process()
         return (proc.parent() if parent and proc.parent() is not None else proc).create_time()
-    except Exception:  # noqa: BLE001 - no /proc: the start-up then counts from the trainer's creation
+    except Exception:
         return time.time()
 
 
@@ -95,7 +95,7 @@ class GoodputClock:
         self.spent = {c: 0.0 for c in CATEGORIES}  # this start
         self.startup_done = False
 
-    def load_state_dict(self, saved: Optional[dict]) -> None:
+    def load_state_dict(self, saved: dict | None) -> None:
         """Continue the counters of a checkpoint's ``goodput`` state (None: a checkpoint without one)."""
         if not saved:
             return
@@ -154,7 +154,7 @@ class GoodputClock:
                 f"over {t['starts']} start{'s' if t['starts'] != 1 else ''} ({parts})")
 
 
-def set_aside_earlier_start(run_dir, resume_step: Optional[int], clock: GoodputClock) -> tuple[int, Optional[str]]:
+def set_aside_earlier_start(run_dir, resume_step: int | None, clock: GoodputClock) -> tuple[int, str | None]:
     """Rank 0, before the metrics logger opens: move the records a restart throws away to
     ``metrics.replayed.jsonl`` (:func:`k2.launcher.training.metrics.set_aside_replayed_metrics`) and
     count their time into ``clock`` (:func:`earlier_start_cost`).

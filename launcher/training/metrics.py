@@ -1,13 +1,13 @@
 """Per-step metrics: ``<run.dir>/metrics.jsonl``, wandb, and a progress bar (rank 0 only).
 
-``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``,
-``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the
-step, ``model/flops.py``, on a GPU against ``plan.hardware``'s BF16 peak or ``cluster.peak_tflops`` where
-set; on CPU against ``cluster.cpu_peak_tflops``, null when that is null: :func:`step_mfu`), and ``val_loss`` on validation steps. A fresh
-run with validation on starts with one record ``{"step": 0, "consumed_tokens": 0, "phase", "seq_length",
-"val_loss"}``: the validation loss before training (no ``loss``; readers of training steps skip step 0). wandb runs
-offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes a network
-call in offline mode.
+``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step``, ``consumed_tokens``, ``lr``,
+``loss``, ``grad_norm``, ``tokens_per_s``, ``model_tflops_per_gpu`` and ``mfu`` (model FLOPs of the step,
+``model/flops.py``, on a GPU against ``plan.hardware``'s BF16 peak or ``cluster.peak_tflops`` where set; on CPU
+against ``cluster.cpu_peak_tflops``, null when that is null: :func:`step_mfu`), and ``val_loss`` on validation
+steps. A fresh run with validation on starts with one record ``{"step": 0, "consumed_tokens": 0, "phase",
+"seq_length", "val_loss"}``: the validation loss before training (no ``loss``; readers of training steps skip
+step 0). wandb runs offline unless ``run.wandb.mode`` says otherwise (``disabled`` turns it off); it never makes
+a network call in offline mode.
 
 A logger never costs a checkpoint: any failure of wandb (its service killed by a job manager's SIGTERM,
 a lost connection, a full disk) prints one warning, turns wandb off for the rest of the process and
@@ -31,14 +31,14 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config, WandbConfig
 
 
 def step_mfu(flops: float, seconds: float, num_ranks: int, cfg: K2Config,
-             on_gpu: bool) -> tuple[float, Optional[float]]:
+             on_gpu: bool) -> tuple[float, float | None]:
     """``(model TFLOP/s per rank, MFU)`` of a step against the peak of the device the run used: on a GPU
     the BF16 peak of ``plan.hardware``'s profile, or ``cluster.peak_tflops`` where set
     (:func:`k2.config.hardware.peak_tflops`); on CPU ``cluster.cpu_peak_tflops`` (a GEMM rate of one rank),
@@ -103,7 +103,7 @@ def _teardown_wandb() -> None:
         import wandb
 
         wandb.teardown()
-    except Exception:  # noqa: BLE001 - the connection is already broken; nothing more to report
+    except Exception:
         pass
 
 
@@ -128,12 +128,12 @@ class MetricsLogger:
         run_dir: str,
         enabled: bool,
         total_steps: int,
-        wandb_cfg: Optional[WandbConfig] = None,
-        config: Optional[dict] = None,
+        wandb_cfg: WandbConfig | None = None,
+        config: dict | None = None,
         progress: bool = True,
         start_step: int = 0,
         log_interval: int = 10,
-        wandb_run_id: Optional[str] = None,
+        wandb_run_id: str | None = None,
     ):
         self.enabled = enabled
         self._wandb = None
@@ -157,8 +157,8 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True)
 
-    def _init_wandb(self, wandb_cfg: WandbConfig, config: Optional[dict],
-                    wandb_run_id: Optional[str]) -> None:
+    def _init_wandb(self, wandb_cfg: WandbConfig, config: dict | None,
+                    wandb_run_id: str | None) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
@@ -185,7 +185,7 @@ class MetricsLogger:
         """Run one wandb call; on any exception warn once, stop using wandb, and carry on."""
         try:
             fn(*args)
-        except Exception as e:  # noqa: BLE001 - whatever wandb raises, the run must go on
+        except Exception as e:
             self._wandb = None
             _teardown_wandb()
             print(f"k2-train: warning: wandb failed in {what} ({type(e).__name__}: {e}); wandb logging is off "
@@ -193,7 +193,7 @@ class MetricsLogger:
                   file=sys.stderr, flush=True)
 
     @property
-    def wandb_run_id(self) -> Optional[str]:
+    def wandb_run_id(self) -> str | None:
         """The wandb run's id (kept in checkpoints so that a resume continues it); None without wandb.
         Still the run's id after wandb failed, so that the next start continues the same run."""
         return self._wandb_id

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Optional
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: Exit status with which a trainer asks for the job to be requeued (it saved a checkpoint on a signal or
@@ -31,9 +30,10 @@ REQUEUE_MARKER = "requeue"
 PEER_FAILED_ENV = "K2_PEER_FAILED_FILE"
 
 
-def peer_failure() -> Optional[str]:
+def peer_failure() -> str | None:
     """In a rank: the line naming the rank whose failure made its launcher stop this one (e.g. ``rank 2
-    was killed by signal 9 (SIGKILL)``), or None (not forked by :func:`k2.launcher.training.fork_ranks.launch`, or no rank failed)."""
+    was killed by signal 9 (SIGKILL)``), or None (not forked by :func:`k2.launcher.training.fork_ranks.launch`,
+                                                  or no rank failed)."""
     path = os.environ.get(PEER_FAILED_ENV)
     try:
         return Path(path).read_text().strip() or None if path else None
@@ -50,16 +50,16 @@ class Preemption:
             ``on_signal`` may be replaced later (e.g. once the metrics logger exists).
     """
 
-    def __init__(self, max_minutes: Optional[float] = None, on_signal=None):
-        self.signal_name: Optional[str] = None
+    def __init__(self, max_minutes: float | None = None, on_signal=None):
+        self.signal_name: str | None = None
         #: the step in progress (set by the training loop; 0 before the first), for log lines
         self.step = 0
-        self.reason: Optional[str] = None
+        self.reason: str | None = None
         self._deadline = None if max_minutes is None else time.monotonic() + 60.0 * float(max_minutes)
         self.on_signal = on_signal
         self._previous = {}
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self

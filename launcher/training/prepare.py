@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from k2.config.hardware import peak_tflops
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.paths import read_state
 from k2.launcher.checkpointing.resume import plan_resume
+from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.launcher.planning import offloads_anything
 from k2.launcher.training.resume_data import check_resume_data
-from k2.launcher.datasets.resolve import ResolvedData, resolve_data, resolve_phase_data
 from k2.model.backends import check_backend_config
 from k2.parallel.dims import ParallelDims
 from k2.schedules.pipeline import check_pipeline_config
@@ -47,12 +47,12 @@ class RunPlan:
     steps: int
     data: ResolvedData
     tokens_per_step: int
-    resume_from: Optional[Path] = None
+    resume_from: Path | None = None
     resume_step: int = 0
     phase_data: tuple = ()
 
     @property
-    def nothing_to_do(self) -> Optional[str]:
+    def nothing_to_do(self) -> str | None:
         """The line to print when the checkpoint already reaches the run's last step (a finished run run
         again, or ``train.iters`` lowered), else None: such a run starts no rank and exits 0."""
         if self.resume_from is None or self.resume_step < self.steps:
@@ -65,7 +65,7 @@ class RunPlan:
                 f"new run.dir (or delete {self.resume_from.parent}, the checkpoints of this one)")
 
     @property
-    def ends_before_decay(self) -> Optional[str]:
+    def ends_before_decay(self) -> str | None:
         """A line for the start of a run that ``train.iters`` stops where the schedule's LR is still above
         where the schedule ends (e.g. before its decay), else None: the weights of such a run are not those
         of the schedule's end, which a short test run may mean but a shortened schedule is made for."""

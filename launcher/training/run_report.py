@@ -24,7 +24,6 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 #: the directory of the PNGs inside the run dir
 REPORT_DIR = "report"
@@ -109,7 +108,7 @@ def phase_boundaries(records: list[dict]) -> list[tuple[float, str]]:
     return out
 
 
-def _tau(run_dir: Path) -> Optional[float]:
+def _tau(run_dir: Path) -> float | None:
     """``optim.qk_clip_tau`` of the run's ``config.yaml`` (None: no file, or QK-Clip off)."""
     path = run_dir / "config.yaml"
     if not path.exists():
@@ -120,7 +119,7 @@ def _tau(run_dir: Path) -> Optional[float]:
     return float(tau) if tau is not None else None
 
 
-def draw_figures(series: dict, boundaries: list, tau: Optional[float]) -> dict:
+def draw_figures(series: dict, boundaries: list, tau: float | None) -> dict:
     """figure name -> matplotlib ``Figure`` (one line per series of :data:`FIGURES` present, in that
     order; MFU on a second axis of ``throughput``; tau as a dashed line; phase boundaries dotted)."""
     import matplotlib

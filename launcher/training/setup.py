@@ -19,8 +19,9 @@ Requires megatron's ``parallel_state`` initialised for ``dims`` (the process gro
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.distributed import finalize_model_grads
 
@@ -69,7 +70,7 @@ class SetupOutput:
     qk_clip: QKClip
     routes: list[ParamRoute]
     pipeline: Any = None
-    scheduler: Optional[TokenLRScheduler] = None
+    scheduler: TokenLRScheduler | None = None
 
 
 def _initialise(init, chunks: list, tcfg, cfg: K2Config) -> None:
@@ -83,10 +84,10 @@ def _initialise(init, chunks: list, tcfg, cfg: K2Config) -> None:
         layout_independent_init(chunks, tcfg, int(init))
 
 
-def setup(cfg: K2Config, dims, schedule, *, rope_type: Optional[str] = None,
-          memory: Optional[MemoryOptions] = None,
+def setup(cfg: K2Config, dims, schedule, *, rope_type: str | None = None,
+          memory: MemoryOptions | None = None,
           memory_switches: Sequence[MemoryOptions] = (),
-          init: Union[str, int, Callable[[list, Any], None], None] = CONFIG_INIT,
+          init: str | int | Callable[[list, Any], None] | None = CONFIG_INIT,
           pipeline: bool = False, lr_scheduler: bool = False) -> SetupOutput:
     """Build this rank's training parts in the trainer's order (module docstring).
 

@@ -31,8 +31,9 @@ import math
 import os
 import statistics
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,7 +58,7 @@ def _injected(step: int, rank: int) -> float:
     return float(factor) if int(at) == step else 1.0
 
 
-def _outlier(value: Optional[float], window: deque, sigma: float, min_count: int) -> bool:
+def _outlier(value: float | None, window: deque, sigma: float, min_count: int) -> bool:
     if value is None or len(window) < min_count:
         return False
     mean = statistics.fmean(window)
@@ -137,7 +138,7 @@ class SpikeGuard:
             return update_ok, grad_norm, False
         return update_ok, measured["grad_norm"] if measured["spike"] else grad_norm, measured["spike"]
 
-    def _decide(self, step: int, loss: float, grad_norm: Optional[float]) -> bool:
+    def _decide(self, step: int, loss: float, grad_norm: float | None) -> bool:
         seen = loss * _injected(step, self.rank)
         min_count = max(2, self.window // 2)
         which = [name for name, value, window in (("loss", seen, self.losses),
@@ -167,7 +168,7 @@ class SpikeGuard:
     # ------------------------------------------------------------------ reporting
 
     def finish_step(self, step: int, record: dict, log: Callable[[str], None],
-                    last_checkpoint: Callable[[], Optional[Path]]) -> None:
+                    last_checkpoint: Callable[[], Path | None]) -> None:
         """Report the decision of ``step`` and stop the run when it must end.
 
         Adds to ``record`` (the step's ``metrics.jsonl`` record) ``spike`` (bool) and, for a spike,
@@ -205,7 +206,7 @@ class SpikeGuard:
         """The window for ``k2_state.json`` (JSON floats round-trip exactly)."""
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms), "consecutive": self.consecutive}
 
-    def load_state_dict(self, saved: Optional[dict]) -> None:
+    def load_state_dict(self, saved: dict | None) -> None:
         """Continue from a checkpoint's ``spike`` record (None: a checkpoint written without the guard)."""
         if not saved:
             return

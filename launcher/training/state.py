@@ -20,7 +20,6 @@ and ``spike`` (the loss-spike window, :mod:`k2.launcher.training.spike`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from k2.launcher.datasets.fingerprint import dataset_fingerprint
 from k2.launcher.training.phase_data import PhaseData
@@ -49,7 +48,7 @@ class TrainState:
     optimizer: str
     optimizer_dp_fixed: bool
     step: int = 0
-    wandb_run_id: Optional[str] = None
+    wandb_run_id: str | None = None
 
     def state_dict(self) -> dict:
         """The top level of ``k2_state.json`` (module docstring) after step :attr:`step`."""

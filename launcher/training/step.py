@@ -4,9 +4,9 @@ ranks, the validation loss, and the divergence check of a step's loss and gradie
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -120,8 +120,8 @@ class TrainingDiverged(RuntimeError):
     :data:`k2.launcher.cli.DIVERGED_EXIT`."""
 
 
-def check_finite(step: int, lr: float, loss: float, grad_norm: Optional[float],
-                 last_checkpoint: Callable[[], Optional[Path]]) -> None:
+def check_finite(step: int, lr: float, loss: float, grad_norm: float | None,
+                 last_checkpoint: Callable[[], Path | None]) -> None:
     """Stop the run when ``loss`` or ``grad_norm`` (both global: the same on every rank) is not finite.
 
     Args:

@@ -10,13 +10,13 @@ trainer registers its parts with state once (:meth:`Trainer.make_checkpointer`) 
 step boundary; what a checkpoint records besides the tensors is :class:`TrainState`; the wall-time split
 of the run (goodput) is :mod:`k2.launcher.training.goodput`.
 
-The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence
-length rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per
-step (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's
-RoPE/YaRN (:func:`k2.model.build.set_rope_type`); one with other ``memory.*`` settings (FP8 storage,
-offload, recompute) switches them (:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
-:class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last
-phase, or ``train.iters``).
+The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence length
+rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per step
+(microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's RoPE/YaRN
+(:func:`k2.model.build.set_rope_type`); one with other ``memory.*`` settings (FP8 storage, offload, recompute)
+switches them (:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
+:class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last phase,
+or ``train.iters``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from k2.launcher.checkpointing.paths import latest_checkpoint, resume_point
 from k2.launcher.checkpointing.store import remove_partial_saves, verify_checkpoint
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
-from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_mfu
 from k2.launcher.training.hf_export import export_checkpoint
+from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_mfu
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, phase_memory_options, run_memory_options

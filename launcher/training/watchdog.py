@@ -51,12 +51,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
-from k2.launcher.progress import probes_grew, watch
 from k2.launcher.checkpointing.background import in_flight_writer
 from k2.launcher.checkpointing.paths import latest_checkpoint
+from k2.launcher.progress import probes_grew, watch
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _py_spy() -> Optional[str]:
+def _py_spy() -> str | None:
     here = Path(sys.executable).parent / "py-spy"
     return str(here) if here.exists() else shutil.which("py-spy")
 
@@ -107,7 +108,7 @@ class HangWatchdog:
         exit: called with the exit status after a hang was handled (tests replace ``os._exit``).
     """
 
-    def __init__(self, run_dir, rank: int, world_size: int, attempt: str, timeout_s: Optional[float],
+    def __init__(self, run_dir, rank: int, world_size: int, attempt: str, timeout_s: float | None,
                  startup_timeout_s: float, pg_timeout_s: float = 3600.0, exit: Callable[[int], None] = os._exit):
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / HANG_DIR / attempt
@@ -124,13 +125,13 @@ class HangWatchdog:
         self._watching = contextlib.ExitStack()
         self._allowance = self.startup_timeout_s
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._seam = self._parse_seam()
-        self.report: Optional[str] = None
+        self.report: str | None = None
         self._handling = False
 
     @classmethod
-    def for_run(cls, run_cfg: RunConfig, run_dir, rank: int, world_size: int) -> "HangWatchdog":
+    def for_run(cls, run_cfg: RunConfig, run_dir, rank: int, world_size: int) -> HangWatchdog:
         """A started watchdog for this launch (collective when a process group exists: rank 0 names the
         attempt directory and broadcasts it)."""
         import torch.distributed as dist
@@ -150,7 +151,7 @@ class HangWatchdog:
         the main thread. Exceptions are printed, not raised."""
         self._callbacks.append(fn)
 
-    def progress(self, kind: str, step: Optional[int] = None) -> None:
+    def progress(self, kind: str, step: int | None = None) -> None:
         """Mark the start of point ``kind`` (``step`` / ``eval`` / ``save`` / ``phase`` / ``export``) of
         ``step`` on this rank."""
         now = time.monotonic()
@@ -194,7 +195,7 @@ class HangWatchdog:
         """A heartbeat older than this belongs to a rank that stopped running."""
         return max(3.0 * self.tick_s, 5.0)
 
-    def start(self) -> "HangWatchdog":
+    def start(self) -> HangWatchdog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._watching.enter_context(watch(self.keep_alive))
         self._beat()
@@ -305,7 +306,7 @@ class HangWatchdog:
         doomed: list = []
         try:
             doomed = self._write_stacks(beats, named, live)
-        except Exception as e:  # noqa: BLE001 - the exit below must happen
+        except Exception as e:
             print(f"k2-train: hang watchdog (rank {self.rank}): writing stacks failed: {e}", flush=True)
         notes = [f"rank {r} {why}" for r, why in sorted(named.items())] + self.writer_notes(beats)
         who = "; ".join(notes) or (
@@ -323,7 +324,7 @@ class HangWatchdog:
         for fn in self._callbacks:
             try:
                 fn(self.report)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"k2-train: hang watchdog (rank {self.rank}): on_hang callback failed: {e}", flush=True)
         self._wait_for_stacks(timeout=20.0)
         for pid in doomed:

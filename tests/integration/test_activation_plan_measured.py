@@ -32,15 +32,15 @@ import pytest
 from k2.config.load import load_config
 from k2.launcher.planning.analysis import stage_costs
 from k2.launcher.planning.memory import stage_activations
+from k2.launcher.planning.pipeline_sim import simulate
 from k2.model.flops import flops_per_token
 from k2.parallel.dims import ParallelDims
-from k2.launcher.planning.pipeline_sim import simulate
-
 from support import REPO, SCRIPTS
 
 pytestmark = pytest.mark.slow
 
-OFFLOAD_ALL = "memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj,mlp_input,moe_fc1_input,swiglu_input,fc2_input]"
+OFFLOAD_ALL = ("memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj,mlp_input,moe_fc1_input,swiglu_input,"
+               "fc2_input]")
 SETTINGS = {
     "none": ["memory=none"],
     "fp8": ["memory.fp8_store=[moe_fc1_input,swiglu_input]"],
@@ -84,7 +84,7 @@ def measured(tmp_path_factory, stdlib_corpus):
             by_pp.setdefault(fig["pp_rank"], []).append(fig)
         result[name] = {}
         for pp_rank, figs in by_pp.items():
-            mean = lambda key: sum(f[key] for f in figs) / len(figs)  # noqa: E731
+            mean = lambda key, figs=figs: sum(f[key] for f in figs) / len(figs)  # noqa: E731
             chunks = len(figs[0]["per_chunk_device"])
             result[name][pp_rank] = {
                 "per_chunk_device": [sum(f["per_chunk_device"][v] for f in figs) / len(figs) for v in range(chunks)],

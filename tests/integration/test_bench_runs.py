@@ -8,7 +8,9 @@ the same functions on the same arguments, without a fresh interpreter's imports 
 from __future__ import annotations
 
 import json
+
 import pytest
+
 from k2.launcher.bench import main
 from support.helpers import run_tool
 

@@ -36,7 +36,8 @@ METRICS = ("loss", "grad_norm", "max_attn_logit", "max_attn_logit_per_layer", "q
 
 
 def _run(root: Path, layout: str, overlap: bool, extra: tuple = ()) -> dict:
-    out = root / f"{layout}-{'on' if overlap else 'off'}{'-' + '-'.join(e.split('=')[0] for e in extra) if extra else ''}"
+    tag = "-" + "-".join(e.split("=")[0] for e in extra) if extra else ""
+    out = root / f"{layout}-{'on' if overlap else 'off'}{tag}"
     records = run_trainer([*LAYOUTS[layout], *SIX_STEPS, f"pipeline.ep_overlap={str(overlap).lower()}",
                            f"pipeline.trace={out / 'trace'}", *extra], 4, out / "run",
                           script="dump_params_train.py", env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"})

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-from k2.config.load import load_config
 
+from k2.config.load import load_config
 from support.flops import tiny_forward_by_hand
 
 

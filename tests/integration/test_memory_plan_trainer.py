@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+
 import pytest
+
 from support import REPO, SCRIPTS
 from support.helpers import predict_state_bytes
 

@@ -1,9 +1,9 @@
 """Everything on (memory=k2: FP8 storage, the four recomputes, offload) trains on cpu4 (PP2 x VPP2 x EP2
 x DP2, interleaved 1F1B, distributed optimizer) like memory=none.
 
-Step 1's forward is the same computation (FP8 storage and offload change only what backward reads;
-recompute only when it is computed), so its loss and MoE metrics must agree; the next steps carry the
-FP8 gradient error (<= 2^-4 per parameter, tests/unit/model/test_activation_memory.py), so they agree closely. The 200-step
+Step 1's forward is the same computation (FP8 storage and offload change only what backward reads; recompute
+only when it is computed), so its loss and MoE metrics must agree; the next steps carry the FP8 gradient error
+(<= 2^-4 per parameter, tests/unit/model/test_activation_memory.py), so they agree closely. The 200-step
 validation-loss comparison is benchmarks/memory_convergence.sh.
 
 A schedule phase that changes the memory settings switches them at its boundary: whole-layer recompute,

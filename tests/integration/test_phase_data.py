@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from support.distributed import run_trainer
 from k2.config.load import load_config
 from k2.launcher.datasets.preprocess import prepare_corpus
+from support.distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 

@@ -52,13 +52,14 @@ def test_gradients_and_parameters_equal_with_and_without_split(runs):
             assert a.keys() == b.keys()
             for name in a:
                 torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-9,
-                                           msg=lambda m: f"{layout} rank {rank} step {step} {name}: {m}")
+                                           msg=lambda m, rank=rank, step=step, name=name:
+                                           f"{layout} rank {rank} step {step} {name}: {m}")
                 if ".linear_" in name and a[name].abs().sum() > 0:
                     deferred_seen += 1  # a decoupled layer with a real gradient
         assert p_on.keys() == p_off.keys()
         for name in p_off:
             torch.testing.assert_close(p_on[name], p_off[name], rtol=1e-6, atol=1e-9,
-                                       msg=lambda m: f"{layout} rank {rank} param {name}: {m}")
+                                       msg=lambda m, rank=rank, name=name: f"{layout} rank {rank} param {name}: {m}")
     assert deferred_seen > 0
     if layout == "cpu4":  # the expert weights are among them, on both EP ranks
         names = {n for r in range(4) for n in on["dumps"][r][0][0] if ".global_experts." in n}

@@ -23,7 +23,8 @@ import pytest
 
 from support import REPO
 from support.distributed import run_trainer, trainer_env
-from support.slurm_local import LocalSlurm, SlurmUnavailable, wait_for as _wait
+from support.slurm_local import LocalSlurm, SlurmUnavailable
+from support.slurm_local import wait_for as _wait
 
 pytestmark = pytest.mark.slow
 

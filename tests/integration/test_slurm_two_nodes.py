@@ -30,8 +30,8 @@ import pytest
 
 from support.distributed import run_trainer
 from support.slurm_local import wait_for
-from support.slurm_two_nodes import KILL_WAIT_S, NODES, SLURMD_TIMEOUT_S
 from support.slurm_two_node_jobs import TRAIN, Job, no_ranks_left, ranks
+from support.slurm_two_nodes import KILL_WAIT_S, NODES, SLURMD_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 

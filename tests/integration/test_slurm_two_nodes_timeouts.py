@@ -19,8 +19,8 @@ import pytest
 
 from support import REPO
 from support.slurm_local import wait_for
-from support.slurm_two_nodes import KILL_WAIT_S, NODES
 from support.slurm_two_node_jobs import DONE, JOB, Job, no_ranks_left, ranks
+from support.slurm_two_nodes import KILL_WAIT_S, NODES
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,8 @@ def test_the_time_limit_notice_saves_and_requeues(two_nodes, tmp_path):
                       f'exec {sys.executable} {REPO / "tests/support/scripts/slow_steps_train.py"} "$@"; fi\n'
                       f'exec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    long_run = ["parallel=single", "schedule.phases.1.until_tokens=20_000_000", "schedule.phases.2.until_tokens=30_000_000",
+    long_run = ["parallel=single", "schedule.phases.1.until_tokens=20_000_000",
+                "schedule.phases.2.until_tokens=30_000_000",
                 "train.save_interval=null",
                 "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled", "cluster.nodes=1",
                 "cluster.gpus_per_node=1", "submit.request_gpus=false", f"submit.time={limit_min}",

@@ -13,10 +13,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 import pytest
+
 from support import REPO
 from support.distributed import rank_launch_cmd, trainer_env
-
 
 # a short CPU version of recipes/experiment/sparsity_sweep.yaml: one rank, 8 steps of 4 sequences per point
 SHORT = ["+experiment=sparsity_sweep", "parallel=single", "train.iters=8", "schedule.global_batch_tokens=512",

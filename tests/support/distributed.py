@@ -34,8 +34,8 @@ def trainer_env(extra: dict | None = None) -> dict:
 
 
 def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]:
-    """Command that runs ``target`` (``["-m", module]``, ``["-c", code]`` or ``[script]``) with ``args`` on ``nproc`` local
-    gloo ranks (one plain process for one rank). By default the launch is forked by the session's fork
+    """Command that runs ``target`` (``["-m", module]``, ``["-c", code]`` or ``[script]``) with ``args`` on
+    ``nproc`` local gloo ranks (one plain process for one rank). By default the launch is forked by the session's fork
     server (tests/support/zygote.py: torch and megatron-core imported once per session); with
     ``K2_TEST_LAUNCHER=fork`` the ranks are forked from one fresh interpreter per launch
     (k2.launcher.training.fork_ranks, what k2-train itself runs), with ``K2_TEST_LAUNCHER=torchrun``
@@ -98,7 +98,8 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     if expect_failure:
         assert proc.returncode != 0, f"trainer did not fail: {' '.join(cmd)}\n{proc.stdout[-3000:]}"
     else:
-        assert proc.returncode == 0, f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, (f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     path = run_dir / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] > 0]
 

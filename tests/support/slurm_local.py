@@ -141,7 +141,7 @@ class LocalSlurm:
         if "STATUS:" not in check.stdout or "Success" not in check.stdout:
             raise SlurmUnavailable(f"munged did not start: {p.stderr}{check.stdout}{check.stderr}")
 
-    def start(self, timeout: float = 60) -> "LocalSlurm":
+    def start(self, timeout: float = 60) -> LocalSlurm:
         ensure_installed()
         self._start_munge()
         self._write_conf()

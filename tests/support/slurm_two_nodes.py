@@ -42,7 +42,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script (by hand): import the sibling module
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.slurm_local import BASE_CONF, LocalSlurm, SlurmUnavailable, alive, ensure_installed  # noqa: E402
+from support.slurm_local import BASE_CONF, LocalSlurm, SlurmUnavailable, alive, ensure_installed
 
 NODES = ("k2node1", "k2node2")
 #: the slurmd ports (each in its node's own network namespace)
@@ -219,7 +219,7 @@ class TwoNodeSlurm(LocalSlurm):
         if p.returncode != 0:
             raise SlurmUnavailable(f"slurmd -N {node} failed to start: {p.stderr[-2000:]}")
 
-    def start(self, timeout: float = 90) -> "TwoNodeSlurm":
+    def start(self, timeout: float = 90) -> TwoNodeSlurm:
         ensure_installed()
         try:
             self._make_network()

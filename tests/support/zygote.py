@@ -39,9 +39,9 @@ def _preimport() -> None:
     fork_ranks.preimport()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import k2.launcher.train  # noqa: F401
+        import k2.launcher.benchmarks.step
+        import k2.launcher.train
         import k2.launcher.training.trainer  # noqa: F401
-        import k2.launcher.benchmarks.step  # noqa: F401
     fork_ranks.freeze_imported_objects()  # (again: the imports above came after preimport's)
 
 
@@ -97,7 +97,7 @@ def _launcher(conn: socket.socket, request: dict, fds: list[int]) -> None:
         if nproc > 1:
             _compose_script_config(request["target"])
         code = fork_ranks.launch(max(1, nproc), request["target"], watch=conn, rank_env=nproc > 1)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         import traceback
 
         traceback.print_exc()

@@ -1,7 +1,7 @@
 """The structure of the project, checked from the source: imports point only down the layers
 (``k2.config``'s docstring), siblings of a layer do not import each other, there is no import cycle, no
 module imports a bare top-level folder (``model``, ``launcher``, ...), no product module is much past
-500 lines, and pyproject.toml installs every package folder under the ``k2`` namespace.
+500 lines and no product function past 80, and pyproject.toml installs every package folder under the ``k2`` namespace.
 
 The checker is shown to fail: on a copy of the tree with one upward import planted, and with a cycle
 planted, it reports exactly those.
@@ -84,6 +84,17 @@ def test_no_bare_top_level_imports_in_tests_and_scripts():
 def test_no_product_module_past_500_lines():
     long = {str(p.relative_to(REPO)): n for p in modules(REPO, DIRS).values()
             if (n := len(p.read_text().splitlines())) > 520}
+    assert not long, long
+
+
+def test_no_product_function_past_80_lines():
+    """Functions (and methods) of the product, docstring included, at most 80 lines each."""
+    long = {}
+    for path in modules(REPO, DIRS).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > 80:
+                    long[f"{path.relative_to(REPO)}:{node.lineno} {node.name}"] = n
     assert not long, long
 
 

@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-
 import torch
 
 from k2.parallel import cpu_backend

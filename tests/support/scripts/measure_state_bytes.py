@@ -19,7 +19,6 @@ import os
 import sys
 from pathlib import Path
 
-
 import torch
 
 

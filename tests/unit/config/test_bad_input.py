@@ -11,7 +11,6 @@ import pytest
 
 from k2.launcher.train import main
 
-
 CASES = {
     "world_not_divisible_by_pp": (["parallel=cpu4", "parallel.pp=3"], ["parallel.pp=3", "world size 4"]),
     "layers_not_divisible_over_pp_vpp": (["parallel=cpu4", "model.num_layers=5"], ["model.num_layers", "5"]),
@@ -56,7 +55,8 @@ CASES = {
                                   ["model.attention_backend", "flash", "sdpa"]),
     "max_logit_kernel_unknown": (["model.max_logit_kernel=cuda"], ["model.max_logit_kernel", "torch, triton"]),
     "grouped_gemm_unaligned_width": (["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size=60"],
-                                     ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60", "multiple of 8"]),
+                                     ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60",
+                                      "multiple of 8"]),
     "grouped_gemm_with_tp": (["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
                              ["model.moe_grouped_gemm=true", "parallel.tp=2"]),
     "option_style": (["--parallel", "cpu4"], ["'--parallel' is not an override", "write parallel=cpu4"]),
@@ -66,8 +66,9 @@ CASES = {
 }
 
 try:  # (only where it is bad input: no Transformer Engine or no CUDA)
-    from k2.model.backends import te_available as _te
     import torch as _torch
+
+    from k2.model.backends import te_available as _te
 
     _TE_HERE = _torch.cuda.is_available() and _te()
 except Exception:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from k2.launcher import train
 from k2.config.load import load_config
+from k2.launcher import train
 
 
 @pytest.mark.parametrize(

@@ -102,9 +102,9 @@ def test_ep_overlap_runs_in_the_phases_without_whole_layer_recompute():
 
     from k2.config.load import load_config
     from k2.launcher.training.phase_memory import phase_memory_options
+    from k2.parallel.dims import ParallelDims
     from k2.schedules.pipeline import PipelineHooks
     from k2.schedules.resolve import resolve_schedule
-    from k2.parallel.dims import ParallelDims
 
     cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "pipeline.ep_overlap=true"])
     schedule = resolve_schedule(cfg, ParallelDims.from_config(cfg.parallel, cfg.model, 256))

@@ -29,10 +29,9 @@ def _run(overrides: list[str]) -> dict:
 
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from k2.model.attention import K2CoreAttention
-
-    from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
     from k2.model.activation_memory import MemoryOptions
+    from k2.model.attention import K2CoreAttention
+    from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
     from k2.model.router import K2Router
     from k2.model.saved_bytes_meter import SavedBytesMeter
     from k2.parallel.dims import ParallelDims

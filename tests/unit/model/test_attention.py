@@ -33,7 +33,8 @@ def make_module(heads=4, dk=48, dv=32, record=True, backend="auto"):
                             use_cpu_initialization=True)
     mod = K2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
                           attention_type="self", softmax_scale=1.0 / math.sqrt(dk),
-                          k_channels=dk, v_channels=dv, pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
+                          k_channels=dk, v_channels=dv,
+                          pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
                           record_max_logits=record, backend=backend)
     return mod
 

@@ -99,8 +99,8 @@ def test_memory_switches_apply_as_in_the_sequential_module(megatron_world1):
     one scale per row-wise 1 x 128 tile), and the saved bytes per site are the same as there."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from k2.model.grouped_mlp import K2GroupedMLP
     from k2.model.activation_memory import MemoryOptions
+    from k2.model.grouped_mlp import K2GroupedMLP
     from k2.model.mlp import K2SequentialMLP
     from k2.model.saved_bytes_meter import SavedBytesMeter
 

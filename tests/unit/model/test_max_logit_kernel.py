@@ -69,8 +69,9 @@ def test_matches_float64_reference_and_the_torch_path(kernel_results, i):
 def test_sdpa_attention_uses_the_kernel_when_selected(megatron_world1, monkeypatch):
     """K2CoreAttention(backend=sdpa, max_logit_kernel=triton) records what the kernel returns where it can
     run (made to look so here) and the torch pass otherwise (CPU without the interpreter)."""
-    import k2.model.max_logit_kernel as mlk
     from test_attention import make_module
+
+    import k2.model.max_logit_kernel as mlk
 
     mod = make_module(backend="sdpa")
     mod.max_logit_kernel = "triton"

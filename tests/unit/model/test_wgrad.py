@@ -91,7 +91,7 @@ def test_bitwise_equal_to_megatron_linear_and_accumulates_over_microbatches(mega
     split.load_state_dict(ref.state_dict())
     store = WgradStore()
     decouple_linear_wgrad([split], store)
-    for mb in range(2):
+    for _mb in range(2):
         x = torch.randn(4, 2, 16)
         dy = torch.randn(4, 2, 8)
         ref(x.clone().requires_grad_()).backward(dy)

@@ -126,7 +126,8 @@ def test_combined_1f1b_order_is_megatrons():
         for r in range(pp):
             plain, ov = rank_order(pp, vpp, m, r), rank_order(pp, vpp, m, r, ep_overlap=True)
             warm = next((i for i, e in enumerate(ov) if e[0] != "F"), len(ov))
-            assert warm == _megatron_warmup(pp, vpp, m, r, True) == min(_megatron_warmup(pp, vpp, m, r, False) + 1, m * vpp)
+            assert warm == _megatron_warmup(pp, vpp, m, r, True) == min(_megatron_warmup(pp, vpp, m, r, False) + 1,
+                                                                        m * vpp)
             fwd = [e[1:] for e in plain if e[0] == "F"]
             bwd = [e[1:] for e in plain if e[0] == "B"]
             pairs = [e for e in ov if e[0] == "P"]
@@ -176,10 +177,10 @@ def test_combined_1f1b_memory():
 
 
 def test_timeline_plot(tmp_path):
-    from k2.launcher.planning.pipeline_sim import plot_timeline
-
     import matplotlib.image as mpimg
     import numpy as np
+
+    from k2.launcher.planning.pipeline_sim import plot_timeline
 
     def pixels(path, rgb):  # decoded pixels of one colour (plot_timeline's chunk-0 colours)
         img = mpimg.imread(path)[..., :3]

@@ -17,7 +17,6 @@ from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.schedules.lr import TokenLRScheduler
 from k2.schedules.resolve import resolve_schedule
-
 from support.k2_schedule import ANNEAL_END, DECAY_END, K2_BATCH_TOKENS, PEAK, T, ceil_div, k2_lr
 
 

@@ -8,13 +8,10 @@ import statistics
 import pytest
 import torch
 
-from k2.launcher.benchmarks.registry import BENCHMARKS
 from k2.launcher.bench import main
 from k2.launcher.benchmarks.attention import reference_attention
-
+from k2.launcher.benchmarks.registry import BENCHMARKS
 from support.helpers import run_tool
-
-
 
 
 def test_none_lists_benchmarks(capsys):
@@ -176,7 +173,7 @@ def test_step_bench_cases_figures_and_ratios(capsys, tmp_path):
                            "k2_no_recompute", "k2_no_grouped_gemm"]
     assert fig["config"]["tokens_per_step"] == 64 and fig["gemm_peak_tflops"] > 0
     base = cases["baseline"]
-    for name, c in cases.items():
+    for c in cases.values():
         assert c["timed_steps"] == 1 and c["step_ms"] > 0
         assert c["tokens_per_s"] == pytest.approx(64 / (c["step_ms"] / 1e3))
         assert c["model_tflops"] == pytest.approx(fig["config"]["model_flops_per_step"] / (c["step_ms"] / 1e3) / 1e12)
@@ -307,8 +304,8 @@ def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
     from k2.config import load_config
     from k2.launcher.plan import main as plan_main
     from k2.launcher.planning.hardware import load_profile
-    from k2.launcher.planning.optimizer_time import unfused_operators
     from k2.launcher.planning.operator_counts import modelled_operators
+    from k2.launcher.planning.optimizer_time import unfused_operators
 
     out = tmp_path / "this_machine.yaml"
     rc = main(["bench=hardware", "bench.options.ranks=1", "bench.options.repeats=1", "bench.options.gemm_size=64",

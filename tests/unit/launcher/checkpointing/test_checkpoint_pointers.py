@@ -13,7 +13,6 @@ from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.checkpointing.paths import latest_checkpoint
 from k2.launcher.training.prepare import prepare_run
-
 from support.fake_runs import SINGLE
 from support.fake_runs import fake_checkpoint as _fake_checkpoint
 

@@ -39,9 +39,9 @@ def test_the_snapshot_writer_does_not_clone_while_planning():
         def resolve_data(self, item):
             return flat[2:6]
 
-    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
-    from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     for cls in (writer_cls, writer_cls.__mro__[1]):  # ours, then megatron's

@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from support import REPO
+from k2.config.errors import ConfigError
+from k2.config.load import load_config
 from k2.launcher import data as data_entry
 from k2.launcher.datasets import corpus as D
 from k2.launcher.datasets.gpt import build_datasets
 from k2.launcher.datasets.microbatches import MicrobatchIterator
 from k2.launcher.datasets.resolve import resolve_data
-from k2.config.errors import ConfigError
-from k2.config.load import load_config
 from k2.launcher.datasets.tokenizer import EOD_TOKEN, HFTokenizer
+from support import REPO
 
 #: the default data.vocab_size: the read-only tests use the session's default corpus (built once per
 #: checkout into data_cache/, shared with the README's main job and the trainer tests)
@@ -138,7 +138,8 @@ def test_second_call_is_idempotent_and_fast(corpus_cache, corpus, capsys):
 
 
 def test_cli_summary_reuses_the_corpus(corpus_cache, corpus, capsys):
-    assert data_entry.main([f"data.cache_dir={corpus_cache}", f"data.vocab_size={VOCAB}", f"model.vocab_size={VOCAB}"]) == 0
+    assert data_entry.main([f"data.cache_dir={corpus_cache}", f"data.vocab_size={VOCAB}",
+                            f"model.vocab_size={VOCAB}"]) == 0
     out = capsys.readouterr().out
     assert "already up to date" in out
     assert f"{corpus.manifest['documents']['valid']:,d} documents" in out

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from support.fake_runs import write_dataset as _write_dataset
-from support.helpers import run_tool
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher import plan as plan_entry
 from k2.launcher.datasets.resolve import phase_data_settings, resolve_data, resolve_phase_data
 from k2.launcher.training import phase_data as PD
 from k2.schedules.resolve import resolve_schedule
+from support.fake_runs import write_dataset as _write_dataset
+from support.helpers import run_tool
 
 # 2,048 tokens per step; at 128 tokens 16 sequences per step, at 512 tokens 4
 PHASES = ("[{name:a,steps:2,lr_style:constant,lr_start:1.0e-3,seq_length:128},"

@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import REPO
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher import data as data_entry
+from k2.launcher.benchmarks.data_prepare import stdlib_docstrings
 from k2.launcher.datasets import preprocess as P
 from k2.launcher.datasets.resolve import resolve_data
-from k2.launcher.benchmarks.data_prepare import stdlib_docstrings
 from k2.launcher.datasets.tokenizer import EOD_TOKEN, HFTokenizer, train_byte_level_bpe
+from support import REPO
 
 VOCAB = 600
 

@@ -275,9 +275,8 @@ KIMI_K2_BASE_CONFIG = {
 
 
 def test_kimi_k2_base_config_matches_the_kimi_k2_recipe_and_not_k2_tiny(tmp_path):
-    from k2.launcher.hf.hf_config import check_hf_config
-
     from k2.launcher.hf.export import rope_type_at
+    from k2.launcher.hf.hf_config import check_hf_config
     from k2.schedules.resolve import resolve_schedule
 
     k2 = _cfg(tmp_path, "model=kimi_k2")

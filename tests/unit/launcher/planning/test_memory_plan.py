@@ -1,4 +1,5 @@
-"""Memory per GPU (launcher/planning/memory.py, launcher/planning/activation_bytes.py) against what the trainer allocates.
+"""Memory per GPU (launcher/planning/memory.py, launcher/planning/activation_bytes.py) against what the trainer
+allocates.
 
 * parameter / gradient / optimizer bytes: predicted with megatron's buffer-layout functions, measured in
   a real 4-rank gloo build (and one-rank builds in this process) of the trainer's model, DDP and
@@ -21,12 +22,7 @@ from k2.model.params import count_params
 from k2.parallel.dims import ParallelDims
 
 # ---------------------------------------------------------------------------- states
-
 from support.helpers import measure_state_bytes_script, predict_state_bytes
-
-
-
-
 
 
 @pytest.mark.parametrize("overrides", [
@@ -203,7 +199,8 @@ def test_activation_bytes_per_switch(megatron_world1, switch):
     for overrides, seq, mbs in _shapes(switch):
         none_overrides = [o for o in overrides if o not in switch]
         got, plain = metered(overrides, seq, mbs), metered(none_overrides, seq, mbs)
-        predicted, predicted_plain = predict_saved_bytes(overrides, seq, mbs), predict_saved_bytes(none_overrides, seq, mbs)
+        predicted, predicted_plain = predict_saved_bytes(overrides, seq, mbs), predict_saved_bytes(none_overrides,
+                                                                                                   seq, mbs)
         for what, m, p in zip(("device", "host"), (got["device_total"], got["host_total"]), predicted):
             assert p == pytest.approx(m, rel=0.10, abs=1024), (switch, what, p, m)
         dropped_m = plain["device_total"] - got["device_total"]

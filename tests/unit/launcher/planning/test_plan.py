@@ -16,10 +16,10 @@ import pytest
 from k2.config.load import load_config
 from k2.launcher.plan import main
 from k2.model.params import classify_param, count_params
-
 from support import REPO as ROOT
 from support import free_port
 from support.distributed import rank_launch_cmd, trainer_env
+
 K2_OFFICIAL_TOTAL = 1_026_470_731_056  # docs/k2_reference.md: the official config sum incl. embeddings
 
 
@@ -231,7 +231,8 @@ def test_tiny_meta_count_equals_real_single_rank_build():
 
 def test_plan_json_and_plot(capsys, tmp_path):
     """k2-plan schedule=k2_15t5: phases with nominal and landed token ranges, steps, LR at each boundary;
-    lr_at_tokens for plan.query_tokens; plot= and plot_schedule= each write the PNG they name (closed forms in tests/unit/schedules/test_schedule.py)."""
+    lr_at_tokens for plan.query_tokens; plot= and plot_schedule= each write the PNG they name (closed forms in
+    tests/unit/schedules/test_schedule.py)."""
     from support.k2_schedule import ANNEAL_END, K2_BATCH_TOKENS, T, ceil_div, k2_lr
 
     B = K2_BATCH_TOKENS
@@ -373,7 +374,8 @@ def test_search_small_cluster(capsys):
     for r in rows:
         assert r["fits"] == (r["memory_per_gpu_bytes"] <= 0.05 * 2**30)
         rc, out, err = _run_cli(capsys, ["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4",
-                                         *NO_GPU_OVERHEADS, f"parallel.pp={r['pp']}", f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
+                                         *NO_GPU_OVERHEADS, f"parallel.pp={r['pp']}",
+                                         f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
                                          f"parallel.ep={r['ep']}", f"parallel.layout={r['layout']}", "output=json"])
         assert rc == 0, err
         again = json.loads(out)

@@ -156,7 +156,8 @@ def test_layer_nodes_add_up_to_the_layer(k2):
             assert set(nodes) == ({"attn", "dispatch", "mlp", "combine"} if i else {"attn", "mlp"})
             for ph in ("F", "B", "W"):
                 for term, v in whole[ph].items():
-                    assert sum(n[ph].get(term, 0.0) for n in nodes.values()) == pytest.approx(v, rel=1e-12), (i, ph, term)
+                    assert sum(n[ph].get(term, 0.0) for n in nodes.values()) == pytest.approx(v, rel=1e-12), (i, ph,
+                                                                                                              term)
 
 
 def test_each_term_dropped_changes_the_step(k2):

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from k2.launcher import submit
 from k2.config.load import load_config
+from k2.config.validate import SBATCH_OPTIONS_SET
+from k2.launcher import submit
+from k2.launcher.tools.sbatch import render_sbatch
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 from k2.parallel.hostlist import expand_hostlist, first_host, master_port
-from k2.config.validate import SBATCH_OPTIONS_SET
-from k2.launcher.tools.sbatch import render_sbatch
-
 from support import REPO
+
 EXAMPLE = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "run.dir=/shared/runs/k2",
            "submit.python=/shared/envs/k2/bin/python", "submit.cpus_per_task=16", "submit.cpu_bind=cores",
            "submit.gpu_bind=closest", "submit.embedded_corpus=true", "submit.dry_run=true"]
@@ -102,8 +102,11 @@ def test_master_port_range_and_determinism():
 
 def test_module_cli(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no scontrol: the parser answers
-    run = lambda *a: subprocess.run([sys.executable, "-m", "k2.parallel.hostlist", *a], cwd=REPO, env=env,
-                                    capture_output=True, text=True, timeout=60)
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "k2.parallel.hostlist", *a], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+
     r = run("master-port", "123456")
     assert r.returncode == 0 and r.stdout == "23456\n"
     r = run("first-host", "gpu[008-010],x")
@@ -279,7 +282,8 @@ def test_missing_sbatch(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3", "submit.embedded_corpus=true"], "parallel.pp"),  # 24 ranks
+    (["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3", "submit.embedded_corpus=true"],
+     "parallel.pp"),  # 24 ranks
     (["cluster.nodes=0"], "cluster.nodes"),
     (["cluster.gpus_per_node=8"], "schedule.global_batch_tokens"),  # k2_tiny's batch on 8 ranks
     (["submit.time=tomorrow"], "submit.time"),
@@ -292,7 +296,8 @@ def test_missing_sbatch(capsys, monkeypatch, tmp_path):
     (["submit.gpu_bind=nearest"], "submit.gpu_bind"),
     (["submit.qos=a b"], "submit.qos"),
     (["submit.extra_args=['mail-type=END']"], "submit.extra_args[0]"),
-    (["submit.extra_args=['--comment=x','--mem=10G']"], "submit.extra_args[1]='--mem=10G': k2-submit sets --mem itself; use submit.mem"),
+    (["submit.extra_args=['--comment=x','--mem=10G']"],
+     "submit.extra_args[1]='--mem=10G': k2-submit sets --mem itself; use submit.mem"),
     (["submit.extra_args=[--exclusive]"], "every job is exclusive"),
     (["submit.container_mounts=[/a:/b]"], "submit.container_image"),
     (["submit.container_image=img", "submit.container_mounts=['a b']"], "submit.container_mounts[0]"),
@@ -337,8 +342,9 @@ def test_resubmitting_a_run_with_a_checkpoint_renders(capsys, tmp_path):
 def test_k2_on_32_nodes_renders_the_cluster_lines(capsys, monkeypatch, tmp_path):
     """K2 on 32 nodes with a real dataset: memory, CPUs, binding, QoS / constraint / reservation, extra
     options and the container in the rendered script; without data.path the same job is refused."""
-    from support.fake_runs import write_dataset as _write_dataset
     from tokenizers import Tokenizer, models
+
+    from support.fake_runs import write_dataset as _write_dataset
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(15)} | {"<|endoftext|>": 15}, unk_token="w0"))
     tok.save(str(tmp_path / "tok.json"))
@@ -398,7 +404,8 @@ def test_site_setup_is_sourced_and_env_exported_before_anything_runs(tmp_path):
     log.write_text("")
     script = tmp_path / "pretrain.sbatch"
     subprocess.run(["bash", str(script)], env={"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path),
-                                               "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n", "SLURM_JOB_NUM_NODES": "1"},
+                                               "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n",
+                                               "SLURM_JOB_NUM_NODES": "1"},
                    capture_output=True, text=True, timeout=30)
     assert "srun cuda-13 ib0 a b;$(x)" in log.read_text().splitlines(), log.read_text()
     with pytest.raises(ConfigError, match="submit.setup='/nope/site.sh': no such file"):

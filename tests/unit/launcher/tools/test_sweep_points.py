@@ -3,14 +3,7 @@ report compares FLOPs to a validation-loss target; bad sweeps are refused before
 
 from __future__ import annotations
 
-
 import pytest
-
-
-
-
-
-
 
 
 def test_points_derive_experts_and_keep_gemm_flops_equal():

@@ -158,8 +158,8 @@ def test_k2_train_refuses_host_memory_too_small(tmp_path, capsys, no_process_sta
     assert rc == 2 and len(lines) == 1, err
     import re
 
-    named = re.search(r"cluster\.host_memory_gib=0\.001: phase '(\w+)' needs ([0-9.e-]+) GiB .*, ([0-9.e-]+) GiB available",
-                      lines[0])
+    named = re.search(r"cluster\.host_memory_gib=0\.001: phase '(\w+)' needs ([0-9.e-]+) GiB .*, "
+                      r"([0-9.e-]+) GiB available", lines[0])
     assert named, lines[0]
     assert float(named[2]) == pytest.approx(need, rel=5e-3) and float(named[3]) == 0.001
     assert named[1] in {row["phase"] for row in plan["phases"]}

@@ -9,7 +9,6 @@ import pytest
 
 from k2.launcher import report as report_entry
 from k2.launcher.training.run_report import FIGURES, draw_figures, phase_boundaries, run_series, write_run_report
-
 from support.helpers import run_tool
 
 B = 1024  # tokens per step
@@ -70,7 +69,8 @@ def test_write_report_pngs_and_summary(run_dir):
     text = r.text()
     for needle in ("steps           6 (6,144 tokens)", "final loss      7.4000",
                    "val loss        7.7000 last, 7.7000 best (at 6,144 tokens)", "tokens/s        1,004 median",
-                   "MFU             none (a CPU run", "max attn logit  16.00 (QK-Clip at tau 12.5 clipped 3 head-steps)",
+                   "MFU             none (a CPU run",
+                   "max attn logit  16.00 (QK-Clip at tau 12.5 clipped 3 head-steps)",
                    "MoE balance     busiest expert 1.60x the mean"):
         assert needle in text, text
     # a run with QK-Clip off says so instead of counting clips
