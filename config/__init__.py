@@ -2,7 +2,7 @@
 
 What is here: :class:`ConfigError` (``errors``), the typed schema of every setting (``schema``; the
 allowed values of each setting that takes one of a fixed set of names as an ``Enum`` in ``choices``), loading
-the Hydra config tree shipped as ``k2.recipes`` (``load``), the hardware profile ``plan.hardware`` names
+the Hydra config tree shipped as ``k2.recipes`` (``load``; where it is and a group's recipes: ``recipes``), the hardware profile ``plan.hardware`` names
 (``schema_hardware``, read by ``hardware``), and every rule that depends on the config alone
 (``validate``: each section checks itself, the rules that span sections live in one place). Every function
 that takes the config or a section is typed with the schema's class and reads its attributes.
@@ -31,6 +31,7 @@ Layers of the project; imports point only down this list (``tests/unit/test_laye
 """
 
 from k2.config.errors import ConfigError
-from k2.config.load import RECIPES_DIR, load_config, to_yaml
+from k2.config.load import load_config, to_yaml
+from k2.config.recipes import RECIPES_DIR
 
 __all__ = ["ConfigError", "RECIPES_DIR", "load_config", "to_yaml"]

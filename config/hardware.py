@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from k2.config.choices import allowed
 from k2.config.errors import ConfigError
-from k2.config.load import RECIPES_DIR
+from k2.config.recipes import RECIPES_DIR, recipe_names
 from k2.config.schema_hardware import REQUIRED_POSITIVE, CommStream, HardwareProfileConfig
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ HARDWARE_DIR = RECIPES_DIR / "hardware"
 
 def available_profiles() -> list[str]:
     """Names of the profiles shipped in ``recipes/hardware/``."""
-    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+    return list(recipe_names("hardware"))
 
 
 def load_hardware_profile(name_or_path: str) -> HardwareProfileConfig:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib.util
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -22,15 +20,13 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from k2.config.choices import CHOICES, choice_error
 from k2.config.errors import ConfigError
+from k2.config.recipes import RECIPES_DIR
 from k2.config.schema import K2Config
 from k2.config.validate import validate
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-#: The config tree: the ``k2.recipes`` package (the repository's ``recipes/`` folder, installed as package
-#: data), so that an installed wheel composes configs from any working directory.
-RECIPES_DIR = Path(importlib.util.find_spec("k2.recipes").submodule_search_locations[0])
 
 
 def _allowed_keys(node: DictConfig) -> list[str]:

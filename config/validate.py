@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 # re-exported: the Enum-typed settings and their messages
 from k2.config.choices import CHOICES, CheckpointVerify, ResumeMode, check_choice, choice_error, values
 from k2.config.errors import ConfigError
+from k2.config.recipes import recipe_names
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
 from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZER_CHECKS", "OPTIMIZERS", "RESUME_KEYS",
+    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "RESUME_KEYS",
     "RESUME_MODES", "SECTION_CHECKS", "check_cross_section", "check_phase_memory", "check_prepare",
     "check_schedule_memory", "choice_error", "resume_settings", "validate",
 ]
@@ -131,20 +132,20 @@ def check_run(r: RunConfig) -> None:
 
 
 def check_optim(o: OptimConfig) -> None:
-    """``optim.*``: the optimizer, the settings every optimizer shares, QK-Clip's tau, then the optimizer's own
-    settings (:data:`OPTIMIZER_CHECKS`)."""
+    """``optim.*``: the optimizer (one of :data:`OPTIMIZERS`), the settings every optimizer shares, QK-Clip's tau,
+    then the optimizer's own settings: ``check_optim_<name>`` of this module where the optimizer has any."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
     check_choice(o, "router_optimizer", "optim.router_optimizer")
     _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
              o.offload_fraction, "0 <= value <= 1")
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
-    own = OPTIMIZER_CHECKS[o.name]
+    own = globals().get(f"check_optim_{o.name}")
     if own is not None:
         own(o)
 
 
-def check_muonclip(o: OptimConfig) -> None:
+def check_optim_muonclip(o: OptimConfig) -> None:
     """``optim.*`` of ``optim=muonclip``: the Muon settings (K2 report section 2.1; the Newton-Schulz
     coefficient names are emerging-optimizers')."""
     from typing import get_args
@@ -324,14 +325,9 @@ def check_schedule_memory(s: ScheduleConfig) -> None:
 
 
 #: section name -> its check (receives only that section)
-#: ``optim.name`` -> the check of that optimizer's own ``optim.*`` settings (None: it has none); its keys are
-#: the allowed names, the optimizers of ``k2.optim.registry`` (the config layer cannot import it; a test
-#: keeps the two and the ``optim`` recipe group equal)
-OPTIMIZER_CHECKS: dict[str, Callable[[Any], None] | None] = {
-    "adamw": None,
-    "muonclip": check_muonclip,
-}
-OPTIMIZERS = tuple(OPTIMIZER_CHECKS)
+#: ``optim.name``'s allowed values: the ``optim`` recipe group, one recipe per optimizer of
+#: ``k2.optim.registry`` (the config layer cannot import it; a test keeps the two equal)
+OPTIMIZERS = recipe_names("optim")
 
 SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "model": check_model,

@@ -43,11 +43,10 @@ HELP_FLAGS = ("-h", "--help")
 
 def _recipe_groups() -> tuple[Path, dict[str, list[str]]]:
     """The config tree's directory and, per config group, its recipe names (sorted)."""
-    from k2.config.load import RECIPES_DIR
+    from k2.config.recipes import RECIPES_DIR, recipe_names
 
     root = Path(RECIPES_DIR)
-    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml"))
-              for d in sorted(root.iterdir()) if d.is_dir() and any(d.glob("*.yaml"))}
+    groups = {d.name: list(recipe_names(d.name)) for d in sorted(root.iterdir()) if recipe_names(d.name)}
     return root, groups
 
 

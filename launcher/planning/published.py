@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from k2.config.errors import ConfigError
-from k2.config.load import RECIPES_DIR
+from k2.config.recipes import RECIPES_DIR
 
 RUNS_FILE = RECIPES_DIR / "published" / "runs.yaml"
 _FIGURES = ("step_time", "gpu_hours")  # what a run published (module docstring)

@@ -16,7 +16,7 @@ TOOLS = ["train", "plan", "data", "bench", "submit"]
 def test_help_exits_0_with_usage_config_tree_and_examples(capsys, tool, flag):
     """``k2-<tool> --help`` (also after overrides) prints its usage, the config tree and the recipes of
     each group, and example overrides; nothing runs and nothing reaches Hydra's parser."""
-    from k2.config.load import RECIPES_DIR
+    from k2.config.recipes import RECIPES_DIR
 
     main = importlib.import_module(f"k2.launcher.{tool}").main
     rc, out, err = run_tool(capsys, main, ["model=kimi_k2", flag])

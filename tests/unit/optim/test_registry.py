@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import yaml
 
-from k2.config.load import RECIPES_DIR
+from k2.config.recipes import RECIPES_DIR
 from k2.config.schema import OptimConfig
 from k2.config.validate import OPTIMIZERS
 from k2.launcher.planning.checkpoint import checkpoint_bytes

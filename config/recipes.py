@@ -1,0 +1,23 @@
+"""The config tree: where the recipes are and which recipes a config group holds.
+
+The tree is the ``k2.recipes`` package (the repository's ``recipes/`` folder, installed as package data), so
+an installed wheel composes configs from any working directory. A group's choices are its recipe files: a
+setting chosen by recipe (``optim=<name>``, ``plan.hardware=<name>``) allows exactly the names found here, and
+adding a recipe file adds a choice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+__all__ = ["RECIPES_DIR", "recipe_names"]
+
+#: the folder of the config tree (``recipes/`` in the repository)
+RECIPES_DIR = Path(importlib.util.find_spec("k2.recipes").submodule_search_locations[0])
+
+
+def recipe_names(group: str) -> tuple[str, ...]:
+    """The recipes of config group ``group``: the stems of ``recipes/<group>/*.yaml``, sorted (empty for a
+    folder that does not exist)."""
+    return tuple(sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml")))
