@@ -1,14 +1,14 @@
 """Configuration: the bottom layer of k2-launcher.
 
-What is here: :class:`ConfigError` (``errors``), the typed schema of every setting (``schema``; the
-allowed values of each setting that takes one of a fixed set of names as an ``Enum`` in ``choices``), loading
-the Hydra config tree shipped as ``k2.recipes`` (``load``; where it is and a group's recipes: ``recipes``), the hardware profile ``plan.hardware`` names
-(``schema_hardware``, read by ``hardware``), and every rule that depends on the config alone
-(``validate``: each section checks itself, the rules that span sections live in one place). Every function
-that takes the config or a section is typed with the schema's class and reads its attributes.
-:func:`load_config` runs the validation, so every tool (``k2-train``, ``k2-plan``, ``k2-submit``, the
-sweep, ``k2-bench``, ``k2-data``) applies the same checks. Checks that need the machine (files, CUDA,
-Transformer Engine) or a world size stay with the module that owns them.
+What is here: :class:`ConfigError` (``errors``), the typed schema of every setting (``schema``; the allowed
+values of each setting that takes one of a fixed set of names as an ``Enum`` in ``choices``), loading the Hydra
+config tree shipped as ``k2.recipes`` (``load``; where it is and a group's recipes: ``recipes``), the hardware
+profile ``plan.hardware`` names (``schema_hardware``, read by ``hardware``), and every rule that depends on the
+config alone (``validate``: each section checks itself, the rules that span sections live in one place). Every
+function that takes the config or a section is typed with the schema's class and reads its attributes.
+:func:`load_config` runs the validation, so every tool (``k2-train``, ``k2-plan``, ``k2-submit``, the sweep,
+``k2-bench``, ``k2-data``) applies the same checks. Checks that need the machine (files, CUDA, Transformer
+Engine) or a world size stay with the module that owns them.
 
 Layers of the project; imports point only down this list (``tests/unit/test_layering.py`` enforces it):
 
