@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import subprocess
+import types
 import typing
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def _string_settings(cls=K2Config, prefix: str = "") -> list[tuple[str, str]]:
     for f in dataclasses.fields(cls):
         t, key = hints[f.name], prefix + f.name
         args = [a for a in typing.get_args(t) if a is not type(None)]
-        if typing.get_origin(t) is typing.Union and len(args) == 1:
+        if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1:  # Optional[X], X | None
             t = args[0]
         origin, args = typing.get_origin(t), typing.get_args(t)
         if dataclasses.is_dataclass(t):
