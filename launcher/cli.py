@@ -45,9 +45,8 @@ def _recipe_groups() -> tuple[Path, dict[str, list[str]]]:
     """The config tree's directory and, per config group, its recipe names (sorted)."""
     from k2.config.recipes import RECIPES_DIR, recipe_names
 
-    root = Path(RECIPES_DIR)
-    groups = {d.name: list(recipe_names(d.name)) for d in sorted(root.iterdir()) if recipe_names(d.name)}
-    return root, groups
+    groups = {d.name: list(names) for d in sorted(RECIPES_DIR.iterdir()) if (names := recipe_names(d.name))}
+    return RECIPES_DIR, groups
 
 
 def help_text(prog: str, usage: str) -> str:

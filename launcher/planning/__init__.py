@@ -60,12 +60,6 @@ if TYPE_CHECKING:
     from k2.launcher.planning.published import compare_published, format_published
     from k2.launcher.planning.report import format_text
 
-__all__ = [
-    "ClusterPlan", "KernelRates", "check_host_memory", "compare_published", "format_published", "format_text",
-    "gemm_seconds", "modelled_operators", "offloads_anything", "plan_cluster", "plot_timeline",
-    "predict_ep_overlap",
-]
-
 #: the public names -> the module that defines them
 _ENTRY = {
     "plan_cluster": "cluster", "ClusterPlan": "cluster", "format_text": "report",
