@@ -67,8 +67,10 @@ class PipeChannel:
     """A one-way channel from a forked writer process to its rank: length-prefixed pickles over an
     ``os.pipe``, drained by a daemon thread in the rank, so that a large report never blocks the writer.
     Offers the ``put`` / ``get_nowait`` that megatron's ``FileSystemWriterAsync`` uses on its results
-    queue (``get_nowait`` waits up to :data:`REPORT_TIMEOUT_S`: it is called once the writer has exited,
-    while the thread may still be reading)."""
+    queue. Both are read only once the writer has exited: :meth:`get_nowait` then closes the rank's own
+    write end, so the thread reads what the writer sent up to end-of-file, and returns at once whether a
+    report came or not (a writer killed before it reported costs no wait; the thread is given up to
+    :data:`REPORT_TIMEOUT_S` only while a process the writer forked still holds the pipe open)."""
 
     def __init__(self):
         self._r, self._w = os.pipe()
@@ -104,22 +106,28 @@ class PipeChannel:
             view = view[os.write(self._w, view):]
 
     def get_nowait(self):
-        """In the rank: the next report (raises ``queue.Empty`` when none came within the timeout)."""
-        return self.get(REPORT_TIMEOUT_S)
+        """In the rank, once the writer has exited: its next report.
 
-    def get(self, timeout: float):
-        """In the rank: the next report, waiting up to ``timeout`` seconds (``queue.Empty`` if none)."""
-        return self._items.get(timeout=timeout)
+        Raises:
+            queue.Empty: the writer sent none (it was killed, or exited without reporting).
+        """
+        self._finish(REPORT_TIMEOUT_S)
+        return self._items.get_nowait()
+
+    def _finish(self, timeout: float) -> None:
+        """Close the rank's write end (the last one once the writer is gone) and wait up to ``timeout``
+        seconds for the thread to read the rest and end; the read end is freed when it did."""
+        if os.getpid() != self._owner or self._w < 0:
+            return
+        os.close(self._w)
+        self._w = -1
+        self._thread.join(timeout=timeout)
+        if not self._thread.is_alive():
+            os.close(self._r)
 
     def close(self) -> None:
         """In the rank, after the writer is gone: end the thread and free both ends."""
-        if os.getpid() != self._owner or self._w < 0:
-            return
-        os.close(self._w)  # the last write end once the writer is gone: the thread reads EOF and ends
-        self._thread.join(timeout=2.0)
-        if not self._thread.is_alive():
-            os.close(self._r)
-        self._w = -1
+        self._finish(2.0)
 
 
 @functools.cache
@@ -253,10 +261,6 @@ def _background_writer(write_fn, report: PipeChannel, partial: Path, *args, **kw
             report.put(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
-#: seconds to wait for the report of a writer that is already gone (what it sent is in the pipe)
-_GONE_REPORT_S = 2.0
-
-
 def _writer_outcome(report: PipeChannel, process) -> dict:
     """This rank's manifest entries from its writer's report, once megatron found the writer finished.
 
@@ -266,7 +270,7 @@ def _writer_outcome(report: PipeChannel, process) -> dict:
     """
     code = getattr(process, "exitcode", 0)
     try:
-        entries = report.get(timeout=REPORT_TIMEOUT_S if code == 0 else _GONE_REPORT_S)
+        entries = report.get_nowait()
     except queue.Empty:
         pid = getattr(process, "pid", "?")
         if code is not None and code < 0:
