@@ -9,6 +9,7 @@ a YAML file ``k2-bench bench=hardware`` wrote. The file is read through
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from pathlib import Path
@@ -47,15 +48,28 @@ def load_hardware_profile(name_or_path: str) -> HardwareProfileConfig:
     name = str(name_or_path)
     path = HARDWARE_DIR / f"{name}.yaml" if "/" not in name and not name.endswith(".yaml") else Path(name)
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"plan.hardware={name!r}: not a profile (allowed: "
-                          f"{', '.join(available_profiles())}, or the path of a YAML file k2-bench "
-                          f"bench=hardware wrote; {e.__class__.__name__})"
-                          ) from None
+        text = path.read_text()
+    except OSError as e:
+        raise _not_a_profile(name, e) from None
+    # the file is read on every call (a profile a bench rewrites is seen at once); its parse is cached:
+    # k2-plan's layout search loads the profile twice per layout, and the schema merge costs ~40 ms
+    return copy.deepcopy(_parse_profile(name, str(path), text))
+
+
+def _not_a_profile(name: str, e: Exception) -> ConfigError:
+    return ConfigError(f"plan.hardware={name!r}: not a profile (allowed: {', '.join(available_profiles())}, or "
+                       f"the path of a YAML file k2-bench bench=hardware wrote; {e.__class__.__name__})")
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_profile(name: str, path: str, text: str) -> HardwareProfileConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise _not_a_profile(name, e) from None
     if not isinstance(data, dict):
         raise ConfigError(f"plan.hardware={name!r}: the file holds no mapping of profile keys")
-    return hardware_profile_from_mapping(data, name, path)
+    return hardware_profile_from_mapping(data, name, Path(path))
 
 
 def hardware_profile_from_mapping(data: dict[str, Any], origin: str,

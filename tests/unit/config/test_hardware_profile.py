@@ -79,3 +79,27 @@ def test_mfu_peak_is_the_profiles_unless_cluster_peak_tflops_overrides():
     assert step_mfu(2e15, 2.0, 4, cfg, on_gpu=False)[1] is None
     with pytest.raises(ConfigError, match="cluster.peak_tflops"):
         load_config(["cluster.peak_tflops=0"])
+
+
+def test_a_rewritten_profile_is_read_again_and_each_load_is_its_own_object(tmp_path):
+    """Loads parse a file once (k2-plan's search loads the profile twice per layout) but read it every
+    time: a bench that rewrites the file is seen at once, and a caller's change to one load is not in the
+    next."""
+    import time
+
+    from k2.config import hardware
+
+    path = tmp_path / "link.yaml"
+    path.write_text(yaml.safe_dump({**_shipped(), "network_gbps": 12.5}))
+    first = load_hardware_profile(str(path))
+    first.operator_us["embedding"] = 1.0
+    first.network_gbps = 0.0
+    again = load_hardware_profile(str(path))
+    assert again.network_gbps == 12.5 and "embedding" not in (again.operator_us or {})
+    path.write_text(yaml.safe_dump({**_shipped(), "network_gbps": 25.0}))
+    assert load_hardware_profile(str(path)).network_gbps == 25.0
+    hardware._parse_profile.cache_clear()
+    t0 = time.process_time()
+    for _ in range(20):
+        load_hardware_profile(str(path))
+    assert hardware._parse_profile.cache_info().misses == 1 and time.process_time() - t0 < 0.5

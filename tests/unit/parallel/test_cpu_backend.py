@@ -58,3 +58,31 @@ def test_patches_make_megatron_cuda_calls_host_calls():
         "print('ok')\n"
     )
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
+
+
+def test_every_device_argument_is_the_hosts_and_other_operators_stay_native():
+    """The CUDA ``device`` of each kind of torch function megatron-core calls (factories, ``*_like``,
+    ``Tensor.new_*``, ``Tensor.to`` by keyword and by position) lands on the host; nothing intercepts the
+    other operators (no torch-function mode: a Python call per operator would double the cost of a small
+    model's operators)."""
+    p = _run(
+        "import torch\n"
+        "from k2.parallel import cpu_backend\n"
+        "assert cpu_backend.enable() is True\n"
+        "x = torch.ones(4)\n"
+        "made = [torch.empty(2, device='cuda'), torch.zeros(2, device=0), torch.ones(2, device='cuda:0'),\n"
+        "        torch.full((2,), 1.0, device=torch.device('cuda', 0)), torch.tensor([1.0], device='cuda'),\n"
+        "        torch.arange(3, device='cuda'), torch.randn(2, device='cuda'),\n"
+        "        torch.randint(5, (2,), device='cuda'), torch.randperm(4, device='cuda'),\n"
+        "        torch.empty_strided((2,), (1,), device='cuda'),\n"
+        "        torch.eye(2, device='cuda'), torch.linspace(0, 1, 3, device='cuda'),\n"
+        "        torch.zeros_like(x, device='cuda'), torch.empty_like(x, device=0), x.new_zeros(2, device='cuda'),\n"
+        "        x.new_empty(2, device='cuda'), x.new_tensor([1.0], device='cuda'), x.to('cuda'), x.to(0),\n"
+        "        x.to(torch.device('cuda')), x.to(device='cuda', dtype=torch.float64), x.to('cuda', torch.int32),\n"
+        "        torch.as_tensor([1.0], device='cuda'), x.cuda()]\n"
+        "assert all(t.device.type == 'cpu' for t in made), [t.device for t in made]\n"
+        "assert x.to(torch.float64).dtype == torch.float64 and x.to('cuda', torch.int32).dtype == torch.int32\n"
+        "assert not torch._C._is_torch_function_mode_enabled()\n"
+        "print('ok')\n"
+    )
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
