@@ -196,8 +196,15 @@ def _patch_device_args() -> None:
     CPU-sized model is made of; these wrappers cost only the factory calls and ``.to()``."""
     import importlib
 
+    import torch.utils._device as device_context
+
     torch.Tensor.cuda = lambda self, *a, **k: self
     wanted = _device_functions()
+    # ``with torch.device("meta"):`` (transformers builds its models so) adds the device to the calls of a
+    # set of torch's factories that it builds once, by identity, from the torch namespace and compares
+    # with the function a call reaches it with -- torch's own, which each wrapper below calls: the set
+    # is built now, before the wrappers replace those names (after, a factory would ignore the context)
+    device_context._device_constructors()
     for owner_name in _DEVICE_OWNERS:
         mod, _, attr = owner_name.rpartition(".")
         owner = getattr(importlib.import_module(mod), attr) if mod else importlib.import_module(owner_name)

@@ -62,9 +62,9 @@ def test_patches_make_megatron_cuda_calls_host_calls():
 
 def test_every_device_argument_is_the_hosts_and_other_operators_stay_native():
     """The CUDA ``device`` of each kind of torch function megatron-core calls (factories, ``*_like``,
-    ``Tensor.new_*``, ``Tensor.to`` by keyword and by position) lands on the host; nothing intercepts the
-    other operators (no torch-function mode: a Python call per operator would double the cost of a small
-    model's operators)."""
+    ``Tensor.new_*``, ``Tensor.to`` by keyword and by position) lands on the host, a ``torch.device``
+    context still gives the factories its device; nothing intercepts the other operators (no
+    torch-function mode: a Python call per operator would double the cost of a small model's operators)."""
     p = _run(
         "import torch\n"
         "from k2.parallel import cpu_backend\n"
@@ -83,6 +83,9 @@ def test_every_device_argument_is_the_hosts_and_other_operators_stay_native():
         "assert all(t.device.type == 'cpu' for t in made), [t.device for t in made]\n"
         "assert x.to(torch.float64).dtype == torch.float64 and x.to('cuda', torch.int32).dtype == torch.int32\n"
         "assert not torch._C._is_torch_function_mode_enabled()\n"
+        "with torch.device('meta'):\n"  # (transformers builds its models so: the context's device stands)
+        "    assert [torch.arange(3).device.type, torch.empty(2).device.type, x.new_zeros(2).device.type,\n"
+        "            torch.zeros(2, device='cuda').device.type] == ['meta', 'meta', 'cpu', 'cpu']\n"
         "print('ok')\n"
     )
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
