@@ -308,7 +308,7 @@ def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
     from k2.launcher.planning.optimizer_time import unfused_operators
 
     out = tmp_path / "this_machine.yaml"
-    rc = main(["bench=hardware", "bench.options.ranks=1", "bench.options.repeats=1", "bench.options.gemm_size=64",
+    rc = main(["bench=hardware", "bench.options.ranks=1", "bench.options.repeats=3", "bench.options.gemm_size=64",
                f"bench.options.out={out}", "output=json"])
     assert rc == 0
     rec = json.loads(capsys.readouterr().out)["figures"]
