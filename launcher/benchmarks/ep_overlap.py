@@ -4,20 +4,23 @@ link, against ``k2-plan``'s prediction for that link, in one benchmark run.
 1. Two "nodes": network namespaces joined by a veth pair shaped with ``tc tbf``
    (:class:`k2.launcher.benchmarks.shaped_link.ShapedLink`; needs root). One ``k2-train`` rank per node,
    EP across the two (``parallel=single parallel.ep=2``: PP1, EP2, DP2), the main job's model
-   (``k2_tiny``, fp32, one OpenMP thread per rank) with K2's proportions (experts 4x wider: most of a
-   layer's compute, as in K2; decoupled weight gradients, as K2 trains), so every dispatch and combine
-   crosses the link.
+   (``k2_tiny``, fp32, one OpenMP thread per rank) with K2's proportions (experts 16x wider, 1,024: the
+   expert nodes then take ~60% of a layer's time in the trainer's own trace, where K2's experts are ~70%
+   of its layer FLOPs at 4K tokens; at 256 wide they took 37%, the attention nodes the rest; decoupled
+   weight gradients, as K2 trains), so every dispatch and combine crosses the link.
 2. The link rates: with ``rates=[]`` (auto), an unshaped calibration run (overlap off, traced) gives the
    forward-backward pass's compute and the all-to-all bytes per step; each rate is the one at which the
    all-to-alls of a step take ``balance`` times that compute on the wire (``balance`` 1: the all-to-all
    costs about as much as the compute that can hide it), at the link's measured efficiency. A list of
-   Mbit/s values sets them instead.
+   Mbit/s values sets them instead. The calibration run is also predicted (``unshaped_*``): the model's
+   compute against this run's where the link costs little.
 3. Per rate: the link's gloo all-to-all and all-reduce are measured, then ``rounds`` pairs of runs with
    the overlap off and on (alternating, ``iters`` steps each, the first not timed; each writes a
-   ``pipeline.trace``).
+   ``pipeline.trace``); the figures pool the timed steps of all rounds.
 4. ``k2-plan``'s step-time model predicts both settings on this machine's profile measured in the same
-   run (``k2.launcher.benchmarks.perf_model.device_profile``: the two ranks' share of the CPU) with the
-   link's measured figures.
+   run (``k2.launcher.benchmarks.perf_model.device_profile``: the two ranks' share of the CPU), before and
+   after all runs and taken as the median of the two (as ``bench=perf_model`` does: on a shared machine
+   the speed drifts over the minutes the runs take), with the link's measured figures.
 
 Figures per rate: ``step_off_s`` / ``step_on_s`` (median ``step_time_s`` of the timed steps) and
 ``speedup`` (off / on); ``exposed_a2a_off_s`` / ``exposed_a2a_on_s`` (per step, the rank's main thread's
@@ -56,13 +59,13 @@ _DEFAULTS = {
     "micro_batch_size": 2,  # sequences per microbatch: 16 microbatches per DP rank, 15 overlapped pairs
     # K2's proportions: its routed experts are most of a layer's compute (k2_tiny's 64-wide experts are a
     # small share of it), and K2 decouples the weight gradients, which run under the dispatches too
-    "moe_ffn_hidden_size": 256,
+    "moe_ffn_hidden_size": 1024,
     # more MoE layers per microbatch than k2_tiny's 3 (of 4): the embedding and the loss of each microbatch,
     # which nothing hides, are a smaller share of the step, as in K2's 61 layers
     "num_layers": 8,
     "decouple_wgrad": True,
     "iters": 6,  # steps per run (the first is not timed)
-    "rounds": 1,  # off/on pairs per rate
+    "rounds": 2,  # off/on pairs per rate (their steps pooled: the machine's speed drifts between runs)
     "repeats": 5,  # timed calls per hardware / link measurement
     "timeout": 900,  # seconds per trainer run
     "number": 0,  # picks the namespaces' names and subnet (k2.launcher.benchmarks.shaped_link)
@@ -132,10 +135,12 @@ def _a2a_count(events: list, step: int) -> int:
     return sum(1 for e in _events(events, step) if e["kind"] == "a2a")
 
 
-def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict]:
-    """Link rates (Mbit/s) at which a step's all-to-alls take ``balance`` x its compute (module docstring)."""
+def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict, dict]:
+    """Link rates (Mbit/s) at which a step's all-to-alls take ``balance`` x its compute (module docstring);
+    also the calibration's figures and the unshaped run itself (``{"run", "link"}``, predicted at the end)."""
     link.set_rate(None)
     cal = _train(link, {**o, "iters": 3}, tmp / "calibration", False)
+    unshaped = {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": None}
     compute = statistics.median(cal["compute_s"])
     remote_bytes = statistics.median(cal["a2a_bytes"]) / 2  # half of each all-to-all goes to the other rank
     n = statistics.median(cal["a2a_count"])
@@ -148,7 +153,7 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
         wire = max(b * compute - n * eff["latency_us"] * 1e-6, 1e-3)
         rates.append(round(remote_bytes * 8 / wire / 1e6 / efficiency, 1))
     return rates, {"calibration_compute_s": compute, "calibration_a2a_remote_bytes": remote_bytes,
-                   "calibration_a2a_count": n, "link_efficiency": efficiency}
+                   "calibration_a2a_count": n, "link_efficiency": efficiency}, {"run": cal, "link": unshaped}
 
 
 def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
@@ -156,7 +161,8 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
     from k2.launcher.benchmarks.hardware import write_profile
 
     prof = dict(device)
-    prof.update(name=f"measured-shaped-link-{link_figures['rate_mbit']:g}mbit", gpus_per_node=1,
+    rate = link_figures["rate_mbit"]
+    prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_node=1,
                 network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
                 comm_stream="host_thread")  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
@@ -164,8 +170,9 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
                      f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
                      f"{side}_collective_gbps": link_figures["collective_gbps"]})
     prof.setdefault("sources", {})["shaped_link"] = (
-        f"k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair shaped with tc tbf at "
-        f"{link_figures['rate_mbit']:g} Mbit/s (all-to-all of 1 MiB per rank, all-reduce of 1 MiB)")
+        "k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair "
+        + (f"shaped with tc tbf at {rate:g} Mbit/s" if rate else "(not shaped)")
+        + " (the run's all-to-all size, 16 back to back; all-reduce of 1 MiB)")
     write_profile(prof, str(path))
     return str(path)
 
@@ -190,18 +197,25 @@ def _a2a_bytes_per_rank(o: dict) -> int:
     return int(phase.micro_batch_size * phase.seq_length * int(m.moe_router_topk) * int(m.hidden_size) * 4)
 
 
-def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) -> dict[str, Any]:
+def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path) -> dict[str, Any]:
+    """At ``rate``: the link's figures, then ``rounds`` pairs of runs with the overlap off and on."""
     link.set_rate(rate)
     lf = {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": rate}
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(o["rounds"]):
         for overlap in (False, True):
             runs[overlap].append(_train(link, o, tmp / f"{rate:g}-r{r}-{'on' if overlap else 'off'}", overlap))
+    return {"link": lf, "runs": runs}
+
+
+def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, Any]:
+    """One rate's figures (module docstring): its runs (:func:`_rate_runs`) against the prediction."""
+    lf, runs = measured["link"], measured["runs"]
+    rate = lf["rate_mbit"]
     med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s",
                                                                                         "pass_s")}
            for ov in runs}
-    profile = _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml")
-    p = _predicted(o, profile)
+    p = _predicted(o, _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml"))
     pred = {False: p["off"], True: p["on"]}
     off, on = med[False], med[True]
     out = {
@@ -226,6 +240,24 @@ def _rate_case(link: ShapedLink, o: dict, rate: float, device: dict, tmp: Path) 
     return out
 
 
+def _unshaped_case(o: dict, unshaped: dict, device: dict, tmp: Path) -> dict[str, float]:
+    """The calibration run (overlap off, link not shaped) against its prediction: how far the model's
+    compute is from this run's when the link costs little (what the shaped rates add is the rest)."""
+    step = statistics.median(unshaped["run"]["step_s"])
+    p = _predicted(o, _profile(o, unshaped["link"], device, tmp / "profile-unshaped.yaml"))["off"]
+    return {"unshaped_step_off_s": step, "unshaped_predicted_off_s": p["step_s"],
+            "unshaped_predicted_over_measured_off": p["step_s"] / step}
+
+
+def _device(ranks, o: dict) -> dict:
+    """This machine's profile for the two ranks now (:func:`k2.launcher.benchmarks.perf_model.device_profile`;
+    the link's measured figures replace its collectives)."""
+    from k2.launcher.benchmarks.perf_model import device_profile
+
+    return device_profile(2, 1, o["repeats"], ranks, {"collective_gbps": 1.0, "p2p_gbps": 1.0,
+                                                     "latency_us": 0.0})["profile"]
+
+
 def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
     """Step time and exposed all-to-all time with ``pipeline.ep_overlap`` off and on across a shaped link,
     and k2-plan's prediction of both (module docstring).
@@ -245,7 +277,7 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
                           "time on the wire over compute, one link rate each)")
     check_can_shape()
     from k2.launcher.benchmarks.operator_cost import OperatorRanks
-    from k2.launcher.benchmarks.perf_model import device_profile
+    from k2.launcher.benchmarks.perf_model import median_measurement
     from k2.launcher.training.prepare import prepare_run
 
     with tempfile.TemporaryDirectory(prefix="k2-bench-ep-overlap-") as tmp_name:
@@ -256,17 +288,21 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
             from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 
             prepare_stdlib_corpus(run_cfg.data, progress=False, verbose=False)
-        with ShapedLink(o["number"]) as link:
-            # (the operators measured on this benchmark's model; the link's figures replace the collectives')
-            with OperatorRanks(2, [f"model.num_layers={o['num_layers']}",
-                                   f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}"]) as ranks:
-                coll = {"collective_gbps": 1.0, "p2p_gbps": 1.0, "latency_us": 0.0}
-                device = device_profile(2, 1, o["repeats"], ranks, coll)["profile"]
+        shape = [f"model.num_layers={o['num_layers']}", f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}"]
+        with ShapedLink(o["number"]) as link, OperatorRanks(2, shape) as ranks:
+            # the operators measured on this benchmark's model before and after the runs (their median: the
+            # machine's speed drifts over the minutes the runs take), the links' figures per rate
+            before = _device(ranks, o)
             calibration: dict = {}
+            unshaped = None
             rates = [float(r) for r in o["rates"]]
             if not rates:
-                rates, calibration = _auto_rates(link, o, tmp)
-            cases = [_rate_case(link, o, float(rate), device, tmp) for rate in rates]
+                rates, calibration, unshaped = _auto_rates(link, o, tmp)
+            measured = [_rate_runs(link, o, float(rate), tmp) for rate in rates]
+            device = median_measurement([before, _device(ranks, o)])
+        cases = [_rate_case(o, m, device, tmp) for m in measured]
+        if unshaped is not None:
+            calibration.update(_unshaped_case(o, unshaped, device, tmp))
     return {"model": o["model"], "layout": "PP1 x EP2 x DP2, one rank per node", "rates_mbit": rates,
             **calibration, "goals": GOALS, "cases": cases,
             "all_goals_met": all(c["goals_met"] for c in cases)}

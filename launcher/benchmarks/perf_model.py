@@ -95,12 +95,15 @@ def _device_profile(name: str, threads: int, repeats: int, ranks: OperatorRanks,
     return out
 
 
-def _median(items: list) -> Any:
-    """The median of the measurements ``items``: numbers by value (two: their mean), mappings key by key,
-    anything else from the first."""
+def median_measurement(items: list) -> Any:
+    """The median of the measurements ``items``: numbers by value (two: their mean; integers stay integers,
+    the lower middle one: a profile's counts are integer settings), mappings key by key, anything else from
+    the first."""
     a = items[0]
     if isinstance(a, dict):
-        return {k: _median([x[k] for x in items]) for k in a}
+        return {k: median_measurement([x[k] for x in items]) for k in a}
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+        return statistics.median_low(items)
     if isinstance(a, (int, float)) and not isinstance(a, bool) and all(x is not None for x in items):
         return statistics.median(items)
     return a
@@ -227,7 +230,7 @@ def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
             ranks.close()
         profiles, ops = {}, {}
         for name in _CONFIGS:
-            both = _median(measured[name])
+            both = median_measurement(measured[name])
             profiles[name], ops[name] = str(tmp / f"{name}.yaml"), both["operator_cost"]
             write_profile(both["profile"], profiles[name])
         for name in _CONFIGS:

@@ -48,3 +48,17 @@ def test_exposed_all_to_all_time_of_a_step():
           _ev("wait", 1.0, 1.5, label="recv_prev")]  # (a pipeline receive is not an all-to-all)
     assert _exposed(on, 2) == pytest.approx(0.25)
     assert _exposed(on, 3) == 0
+
+
+def test_profiles_measured_before_and_after_the_runs_are_merged_key_by_key():
+    """The bench predicts on the median of the profiles measured before and after its runs: two numbers
+    give their mean, an integer setting stays an integer one (a profile whose ``gemm_tile`` became 1.0
+    was refused by the schema), mappings merge key by key, text comes from the first."""
+    from k2.launcher.benchmarks.perf_model import median_measurement
+
+    before = {"kernel_launch_us": 20.0, "gemm_tile": 1, "operator_us": {"loss": 40.0}, "name": "a"}
+    after = {"kernel_launch_us": 30.0, "gemm_tile": 1, "operator_us": {"loss": 50.0}, "name": "b"}
+    merged = median_measurement([before, after])
+    assert merged == {"kernel_launch_us": 25.0, "gemm_tile": 1, "operator_us": {"loss": 45.0}, "name": "a"}
+    assert type(merged["gemm_tile"]) is int
+    assert median_measurement([3, 1, 2]) == 2 and median_measurement([1.0, 4.0]) == 2.5
