@@ -62,3 +62,28 @@ def test_profiles_measured_before_and_after_the_runs_are_merged_key_by_key():
     assert merged == {"kernel_launch_us": 25.0, "gemm_tile": 1, "operator_us": {"loss": 45.0}, "name": "a"}
     assert type(merged["gemm_tile"]) is int
     assert median_measurement([3, 1, 2]) == 2 and median_measurement([1.0, 4.0]) == 2.5
+
+
+def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path):
+    """``compute_scale`` scales the profile's compute (rates down, per-operator costs up) and nothing of its
+    links, so that the model's unshaped step equals the measured one: a calibration run 1.3x slower than
+    predicted gives a profile whose prediction is that run's step."""
+    import yaml
+
+    from k2.config.recipes import RECIPES_DIR
+    from k2.launcher.benchmarks import ep_overlap as eo
+
+    o = dict(eo._DEFAULTS)
+    device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
+    link = {"rate_mbit": None, "alltoall_gbps": 0.06, "collective_gbps": 0.05, "latency_us": 60.0}
+    predicted = eo._predicted(o, eo._profile(o, link, device, tmp_path / "a.yaml"))["off"]["step_s"]
+    measured = {"run": {"step_s": [1.3 * predicted]}, "link": link}
+    u = eo._unshaped_case(o, measured, device, tmp_path)
+    assert u["unshaped_predicted_over_measured_off"] == pytest.approx(1 / 1.3)
+    calibrated = eo._calibrated(device, u["compute_scale"])
+    assert u["compute_scale"] > 1.3  # (the link's share of the step does not scale)
+    assert calibrated["kernel_launch_us"] == pytest.approx(device["kernel_launch_us"] * u["compute_scale"])
+    assert calibrated["gemm_bf16_tflops"] == pytest.approx(device["gemm_bf16_tflops"] / u["compute_scale"])
+    assert all(calibrated[k] == device[k] for k in device if k.startswith(("network", "nvlink")))
+    again = eo._predicted(o, eo._profile(o, link, calibrated, tmp_path / "b.yaml"))["off"]["step_s"]
+    assert again == pytest.approx(1.3 * predicted, rel=1e-6)
