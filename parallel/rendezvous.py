@@ -67,6 +67,23 @@ def _who_came(store, key: str, rank: int, world_size: int, where: str, timeout_s
             f"{_missing_nodes(joined)}")
 
 
+def _all_arrived(store, keys: list[str], where: str, rank: int) -> bool:
+    """Whether every rank's key is in the store. Rank 0 counts its timeout from its own arrival, so a rank
+    that came later can still be waiting when rank 0 has reported who came and stopped, taking its store
+    with it: that is this rank's end too, in one line (torch raises DistNetworkError, a RuntimeError).
+
+    Raises:
+        RendezvousTimeout: the store is gone.
+    """
+    try:
+        return store.check(keys)
+    except (RuntimeError, OSError) as e:
+        raise RendezvousTimeout(
+            f"{where}: rank {rank} on {node_name()}: rank 0's store closed while this rank waited for the "
+            f"others (rank 0 reached its launch.rendezvous_timeout_s first and reported who came; "
+            f"{str(e).splitlines()[0]})") from None
+
+
 def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_s: float):
     """Meet every rank at ``MASTER_ADDR:MASTER_PORT`` (module docstring).
 
@@ -81,9 +98,9 @@ def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_
         the ``torch.distributed.TCPStore`` for ``init_process_group(store=...)``.
 
     Raises:
-        RendezvousTimeout: rank 0 could not be reached, or some rank did not arrive, within ``timeout_s``;
-            the message names ``MASTER_ADDR:MASTER_PORT``, the ranks and nodes that joined and those
-            that did not.
+        RendezvousTimeout: rank 0 could not be reached, or some rank did not arrive, within ``timeout_s``,
+            or rank 0's store closed while this rank waited (rank 0 timed out first); the message names
+            ``MASTER_ADDR:MASTER_PORT``, the ranks and nodes that joined and those that did not.
     """
     import torch.distributed as dist
 
@@ -107,7 +124,7 @@ def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_
     # polled, not store.wait(timeout): a timed-out wait leaves the client's connection unusable, and the
     # store is still needed to say who came
     keys = [f"{key}{r}" for r in range(world_size)]
-    while not store.check(keys):
+    while not _all_arrived(store, keys, where, rank):
         if time.monotonic() - start >= timeout_s:
             raise RendezvousTimeout(_who_came(store, key, rank, world_size, f"{where}: ", timeout_s))
         time.sleep(0.2)

@@ -23,9 +23,9 @@ operator that reaches the dispatcher, views included), forward and backward apar
 and its other operators' tensor bytes are recorded. Each part is then timed ``repeats`` times, the parts
 in turn (round-robin: a change of the machine's load hits all alike), and its fastest run kept (as
 ``bench=hardware``'s other figures: the machine's capability, least disturbed by other load; the median
-is kept beside it). The part's recorded GEMMs are then run alone at their shapes (``gemm_s``; one microbatch's GEMM
-FLOPs over their ``gemm_s``, the layers, the embedding and the head together, is the profile's CPU GEMM
-rate: the rate at the job's own shapes and mix).
+is kept beside it). After each part, in the same turn, its recorded GEMMs are run alone at their shapes
+(``gemm_s``, the fastest; one microbatch's GEMM FLOPs over their ``gemm_s``, the layers, the embedding and
+the head together, is the profile's CPU GEMM rate: the rate at the job's own shapes and mix).
 The cost per operator is what the part's time leaves after its GEMMs, over its counted operators: the
 dispatch, the module code around the operator and, at this size, its memory traffic (the other
 operators' bytes at the measured memory bandwidth, ``bytes_s``, are printed: a few percent here).
@@ -42,7 +42,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from k2.launcher.benchmarks.common import best_time
 from k2.launcher.planning import KernelRates, gemm_seconds
 
 #: the parts measured (module docstring)
@@ -128,18 +127,32 @@ def _parts(case, seq_length: int, micro_batch_size: int) -> dict[str, tuple[Call
             "schedule_1": (None, lambda: case.schedule(1)), "schedule_3": (None, lambda: case.schedule(3))}
 
 
-def _gemm_seconds(gemms: list, repeats: int, sync) -> tuple[float, float]:
-    """FLOPs and seconds of the recorded GEMMs ``(m, k, n, batch)`` each run alone at its shape (the
-    fastest of ``repeats`` after one untimed): what the part's GEMMs cost at this machine's rate."""
+def _gemm_pass(gemms: list) -> tuple[float, Callable]:
+    """FLOPs of the recorded GEMMs ``(m, k, n, batch)`` and a function that runs them all alone at their
+    shapes, each as often as recorded: what the part's GEMMs cost at this machine's rate."""
     import torch
 
-    flops = seconds = 0.0
+    flops, calls = 0.0, []
     for (m, k, n, b), count in Counter(gemms).items():
         x, y = torch.randn(b, m, k), torch.randn(b, k, n)
         fn = (lambda x=x, y=y: torch.bmm(x, y)) if b > 1 else (lambda x=x, y=y: torch.mm(x[0], y[0]))
         flops += count * 2.0 * b * m * k * n
-        seconds += count * best_time(fn, repeats, sync)
-    return flops, seconds
+        calls += [fn] * count
+
+    def run() -> None:
+        for fn in calls:
+            fn()
+
+    return flops, run
+
+
+def _timed(fn: Callable, sync) -> float:
+    """Seconds of one call of ``fn`` (the device synchronised before and after)."""
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
 
 
 def _run(fwd, other) -> None:
@@ -174,6 +187,7 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
         parts = _parts(case, 128, 2)
         bare = dataclasses.replace(rates, launch_s=0.0)
         out: dict[str, Any] = {}
+        gemm_runs: dict[str, Callable] = {}
         for name, (fwd, other) in parts.items():
             _run(fwd, other)  # warm-up (allocations, lazy state)
             counter = _counter()
@@ -183,19 +197,23 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
             if fwd is not None:
                 with counter:
                     loss.backward()
-            flops, alone = _gemm_seconds(counter.gemms, repeats, sync) if name in _PRICED else (0.0, 0.0)
+            flops, gemm_run = _gemm_pass(counter.gemms) if name in _PRICED else (0.0, None)
+            if gemm_run is not None:
+                gemm_run()  # (warm-up)
+                gemm_runs[name] = gemm_run
             out[name] = {"forward_ops": forward_ops, "backward_ops": counter.ops - forward_ops,
-                         "gemms": len(counter.gemms), "gemm_flops": flops, "gemm_s": alone,
+                         "gemms": len(counter.gemms), "gemm_flops": flops,
                          "gemm_model_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
                          "bytes_s": counter.nbytes / rates.memory_bytes}
+        # each part and then its GEMMs alone, in turn: a change of the machine's load hits a part's run and its
+        # GEMMs' alike (timed apart, a slow stretch during the GEMMs made them longer than the whole part)
         samples: dict[str, list[float]] = {n: [] for n in parts}
+        gemm_samples: dict[str, list[float]] = {n: [] for n in gemm_runs}
         for _ in range(repeats):
             for name, (fwd, other) in parts.items():
-                sync()
-                t = time.perf_counter()
-                _run(fwd, other)
-                sync()
-                samples[name].append(time.perf_counter() - t)
+                samples[name].append(_timed(lambda f=fwd, o=other: _run(f, o), sync))
+                if name in gemm_runs:
+                    gemm_samples[name].append(_timed(gemm_runs[name], sync))
         for m in case.model:
             m.zero_grad_buffer()
         gpt = case.model[0].module
@@ -212,6 +230,7 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
         for name, row in out.items():
             if name == "schedule":
                 continue
+            row["gemm_s"] = min(gemm_samples[name]) if name in gemm_samples else 0.0
             row["seconds"] = min(samples[name])
             row["seconds_median"] = statistics.median(samples[name])
             ops = row["forward_ops"] + row["backward_ops"]

@@ -63,3 +63,25 @@ def test_an_unreachable_rank_0_is_named(master):
     msg = str(out[1])
     assert isinstance(out[1], RendezvousTimeout) and "could not reach rank 0's store within 2 s" in msg, msg
     assert "is the node 127.0.0.1 up?" in msg, msg
+
+
+def test_a_rank_whose_rank_0_timed_out_first_stops_in_one_line(master, monkeypatch):
+    """Rank 0 counts its timeout from its own arrival: a rank that came more than rank 0's linger later was
+    still polling when rank 0 reported and stopped, and torch's DistNetworkError from the closed store
+    ended it with a traceback (seen in a two-node Slurm run). It is a RendezvousTimeout now."""
+    import torch.distributed as dist
+
+    class ClosedStore:  # (rank 0's server stopped after this rank set its key)
+        def __init__(self, *a, **k):
+            pass
+
+        def set(self, *a):
+            pass
+
+        def check(self, keys):
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    monkeypatch.setattr(dist, "TCPStore", ClosedStore)
+    with pytest.raises(RendezvousTimeout, match="rank 0's store closed while this rank waited") as e:
+        rendezvous(1, 2, timeout_s=20, collective_timeout_s=30)
+    assert "MASTER_ADDR:MASTER_PORT=127.0.0.1:" in str(e.value) and "\n" not in str(e.value)
