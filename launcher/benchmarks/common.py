@@ -123,6 +123,14 @@ def time_calls(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, cud
         for fn in fns.values():
             fn()
     sync()
+    return {k: statistics.median(v) * 1e3 for k, v in interleaved_samples(fns, repeats, sync).items()}
+
+
+def interleaved_samples(fns: dict[str, Callable[[], Any]], repeats: int,
+                        sync: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds of ``repeats`` calls of each function, the calls interleaved round-robin in the order of
+    ``fns`` (a drift of the machine's load or clocks hits every function alike), each timed from a
+    ``sync()`` to one after it (a device synchronisation, or nothing on a CPU)."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -130,8 +138,8 @@ def time_calls(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, cud
             t0 = time.perf_counter()
             fn()
             sync()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+            samples[name].append(time.perf_counter() - t0)
+    return samples
 
 
 def one_rank_world():

@@ -37,11 +37,11 @@ Python module code between operators, which is what dominates here, hence this m
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from k2.launcher.benchmarks.common import interleaved_samples
 from k2.launcher.planning import KernelRates, gemm_seconds
 
 #: the parts measured (module docstring)
@@ -146,15 +146,6 @@ def _gemm_pass(gemms: list) -> tuple[float, Callable]:
     return flops, run
 
 
-def _timed(fn: Callable, sync) -> float:
-    """Seconds of one call of ``fn`` (the device synchronised before and after)."""
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
-
-
 def _run(fwd, other) -> None:
     if fwd is not None:
         fwd().backward()
@@ -207,13 +198,12 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
                          "bytes_s": counter.nbytes / rates.memory_bytes}
         # each part and then its GEMMs alone, in turn: a change of the machine's load hits a part's run and its
         # GEMMs' alike (timed apart, a slow stretch during the GEMMs made them longer than the whole part)
-        samples: dict[str, list[float]] = {n: [] for n in parts}
-        gemm_samples: dict[str, list[float]] = {n: [] for n in gemm_runs}
-        for _ in range(repeats):
-            for name, (fwd, other) in parts.items():
-                samples[name].append(_timed(lambda f=fwd, o=other: _run(f, o), sync))
-                if name in gemm_runs:
-                    gemm_samples[name].append(_timed(gemm_runs[name], sync))
+        turn: dict[str, Callable] = {}
+        for name, (fwd, other) in parts.items():
+            turn[name] = lambda f=fwd, o=other: _run(f, o)
+            if name in gemm_runs:
+                turn[f"{name}/gemms"] = gemm_runs[name]
+        samples = interleaved_samples(turn, repeats, sync)
         for m in case.model:
             m.zero_grad_buffer()
         gpt = case.model[0].module
@@ -230,7 +220,7 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
         for name, row in out.items():
             if name == "schedule":
                 continue
-            row["gemm_s"] = min(gemm_samples[name]) if name in gemm_samples else 0.0
+            row["gemm_s"] = min(samples[f"{name}/gemms"]) if name in gemm_runs else 0.0
             row["seconds"] = min(samples[name])
             row["seconds_median"] = statistics.median(samples[name])
             ops = row["forward_ops"] + row["backward_ops"]
