@@ -99,6 +99,9 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
                           f"{', '.join(HardwareProfileConfig.__dataclass_fields__)}") from None
     except (MissingMandatoryValue, OmegaConfBaseException) as e:
         raise ConfigError(f"{where}: '{e.full_key}': {str(e).splitlines()[0]}") from None
+    if not 0 <= prof.alltoall_host_cpu_share < 1:
+        raise ConfigError(f"{where}: 'alltoall_host_cpu_share' must be a number >= 0 and < 1 (the share of a "
+                          f"core; got {prof.alltoall_host_cpu_share!r})")
     prof.name = str(prof.name) if prof.name is not None else Path(origin).stem
     prof.peak_fp8_tflops = prof.peak_fp8_tflops or 2 * prof.peak_bf16_tflops
     prof.gemm_fp8_tflops = prof.gemm_fp8_tflops or 2 * prof.gemm_bf16_tflops

@@ -85,6 +85,11 @@ class HardwareProfileConfig:
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
     comm_stream: CommStream = CommStream.device
+    # with comm_stream host_thread: the share of one core (0 <= share < 1) that the host's own work on an
+    # all-to-all (gloo's threads, the kernel's TCP and shaping) takes while the all-to-all is on the wire;
+    # a compute node running beside it is slower by as much (k2-bench bench=ep_overlap measures it on its
+    # link: the process's CPU seconds over the wall seconds of back-to-back all-to-alls of the run's size)
+    alltoall_host_cpu_share: float = 0.0
     # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
     # (null: not given, e.g. a CPU profile)
     gpu_memory_gib: float | None = None

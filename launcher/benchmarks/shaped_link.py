@@ -146,7 +146,7 @@ class ShapedLink:
 
 
 _PROBE = r"""
-import json, os, statistics, time
+import json, os, resource, statistics, time
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
@@ -168,6 +168,22 @@ def burst():
         dist.all_to_all_single(out, big)
 burst()
 res["big"] = best(burst, max(1, int(os.environ["K2_REPEATS"]) // 2)) / 16
+# the host's work on them, issued as k2-train issues them with the overlap on (from its communication
+# thread): this process's CPU seconds (every thread's, user and kernel) per wall second
+from k2.parallel.comm_stream import CommStream
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+stream = CommStream()
+def streamed():
+    for f in [stream.submit(dist.all_to_all_single, out, big) for _ in range(16)]:
+        f.result()
+streamed()
+dist.barrier(); c, t = cpu(), time.perf_counter()
+for _ in range(max(1, int(os.environ["K2_REPEATS"]) // 2)):
+    streamed()
+res["big_cpu_share"] = (cpu() - c) / (time.perf_counter() - t)
+stream.close()
 y = torch.ones(1 << 18)
 best(lambda: dist.all_reduce(y), 1)
 res["all_reduce_1mib"] = best(lambda: dist.all_reduce(y), int(os.environ["K2_REPEATS"]))
@@ -189,7 +205,10 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
     Returns:
         ``alltoall_gbps`` (GB/s each rank sends to the other, 1e9 bytes: the all-to-all's remote half over its
         time less the latency, sustained over 16 back to back), ``collective_gbps`` (ring bus bandwidth of a 1
-        MiB all-reduce: 2 (n - 1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all).
+        MiB all-reduce: 2 (n - 1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all),
+        ``host_cpu_share`` (the CPU seconds rank 0's process spends, in all its threads and the kernel, per
+        wall second of those back-to-back all-to-alls: the share of a core the link's all-to-all takes from
+        the compute beside it, k2-plan's ``alltoall_host_cpu_share``).
     """
     alltoall_bytes = max(8, int(alltoall_bytes) // 8 * 8)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K2_REPEATS": str(repeats), "K2_BYTES": str(alltoall_bytes)}
@@ -202,4 +221,4 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
     remote = alltoall_bytes / 2
     return {"alltoall_gbps": remote / max(r["big"] - lat, 1e-9) / 1e9,
             "collective_gbps": (1 << 20) * 2 * (2 - 1) / 2 / max(r["all_reduce_1mib"] - lat, 1e-9) / 1e9,
-            "latency_us": lat * 1e6}
+            "latency_us": lat * 1e6, "host_cpu_share": r["big_cpu_share"]}

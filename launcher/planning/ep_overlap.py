@@ -26,7 +26,10 @@ What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and s
   before it in issue order (the host runs compute synchronously; the trainer issues each dispatch right
   after the node it waits for, :data:`HOST_PAIR_ORDER`, where a GPU's stream would start it), and the
   communication thread's own compute (the combine's un-permutation and residual) takes its seconds from
-  the CPU the compute nodes run on (a compute node running meanwhile is longer by as much).
+  the CPU the compute nodes run on (a compute node running meanwhile is longer by as much), and so does
+  the host's work on each all-to-all while it is on the wire (gloo's threads, the kernel's TCP and
+  shaping: the profile's ``alltoall_host_cpu_share`` of the CPU, measured on the link; term
+  ``ep_comm_host``). Without the overlap that work sits inside the all-to-all's own time.
 * **What is exposed** is the time the compute stream waits: a wait for an all-to-all is ``ep_comm``
   (attributed to the all-to-alls in flight), a wait for the communication stream's compute is
   ``non_gemm``. Steps of one microbatch (warm-up, cool-down) expose their all-to-alls, as the schedule
@@ -40,6 +43,7 @@ own host cost (the profile's ``microbatch_overhead_us`` is the schedule without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -114,31 +118,36 @@ class StepCost:
 
 
 def _overlap(intervals, a: float, b: float) -> float:
-    return sum(max(0.0, min(e, b) - max(s, a)) for s, e in intervals)
+    return sum(max(0.0, min(e, b) - max(s, a)) for s, e, _ in intervals)
 
 
 def _stretch(start: float, work: float, stolen: list) -> float:
-    """When a compute node of ``work`` seconds started at ``start`` ends, the CPU taken by the
-    communication thread's compute (``stolen``: disjoint intervals, it runs first) added."""
+    """When a compute node of ``work`` seconds started at ``start`` ends, with the CPU the host takes for
+    communication meanwhile: ``stolen`` holds ``(a, b, share)`` intervals in which ``share`` of the CPU
+    goes elsewhere (1: the communication thread's compute, which runs first; the all-to-all's own host
+    work: the profile's ``alltoall_host_cpu_share``); overlapping shares add up, to at most all of it."""
+    live = [x for x in stolen if x[1] > start]
     t, remaining = start, work
-    for a, b in sorted(stolen):
-        if b <= t:
-            continue
-        if a > t:
-            if t + remaining <= a:
-                return t + remaining
-            remaining -= a - t
-        t = b
+    for nxt in sorted({x for a, b, _ in live for x in (a, b) if x > start}) + [math.inf]:
+        speed = 1.0 - min(1.0, sum(share for a, b, share in live if a <= t < b))
+        if speed > 0 and t + remaining / speed <= nxt:
+            return t + remaining / speed
+        remaining -= (nxt - t) * speed
+        t = nxt
     return t + remaining
 
 
-def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0) -> StepCost:
+def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0,
+              host_share: float = 0.0) -> StepCost:
     """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
 
     Args:
         nodes: the nodes of one step in issue order (:func:`step_nodes`).
         comm_stream: ``device`` or ``host_thread``.
         offload_s: seconds of the step's activation copies to and from the host (exposed beyond the step).
+        host_share: with ``host_thread``, the share of the CPU an all-to-all's host work takes while it is
+            on the wire (the profile's ``alltoall_host_cpu_share``): a compute node beside it is longer by
+            as much (term ``ep_comm_host``).
 
     Returns:
         :class:`StepCost`.
@@ -149,7 +158,8 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
     end: list[float] = []
     terms: dict[str, float] = {}
     compute: dict[str, float] = {}
-    segments: list = []  # the communication stream's compute
+    segments: list = []  # the communication stream's compute: (start, end, 1.0)
+    on_wire: list = []  # the all-to-alls' host work: (start, end, host_share)
     wires: list = []  # (start, end, kind)
     gaps: list = []  # the compute stream's waits
     for k, n in enumerate(nodes):
@@ -161,18 +171,22 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
             wires.append((start, start + n.wire, n.kind))
             stop = start + n.wire + n.compute
             if n.compute:
-                segments.append((start + n.wire, stop))
+                segments.append((start + n.wire, stop, 1.0))
+            if host_share and n.wire:
+                on_wire.append((start, start + n.wire, host_share))
             comm_free = stop
         else:
             start = max(comp_free, ready)
             if start > comp_free:
                 gaps.append((comp_free, start))
-            stop = _stretch(start, n.compute, segments) if host else start + n.compute
+            stop = _stretch(start, n.compute, segments + on_wire) if host else start + n.compute
             for t, v in n.terms.items():
                 _add(terms, t, v)
                 _add(compute, t, v)
             if stop > start + n.compute:
-                _add(terms, "non_gemm", stop - start - n.compute)  # the communication thread's compute
+                by_thread = _stretch(start, n.compute, segments) - start - n.compute
+                _add(terms, "non_gemm", by_thread)  # the communication thread's compute
+                _add(terms, "ep_comm_host", stop - start - n.compute - by_thread)  # the all-to-alls' host work
             comp_free = stop
         end.append(stop)
         if n.event:
@@ -355,10 +369,12 @@ class OverlapCosts:
         plans: per virtual stage its :class:`StagePlan`.
         comm_stream: the profile's ``comm_stream``.
         decouple_wgrad: ``pipeline.decouple_wgrad``.
+        host_share: the profile's ``alltoall_host_cpu_share`` (:func:`run_nodes`).
     """
 
-    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool):
+    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, host_share: float = 0.0):
         self.plans, self.comm_stream, self.decouple_wgrad = plans, comm_stream, decouple_wgrad
+        self.host_share = host_share
         self._cache: dict = {}
 
     def _cost(self, sf: int | None, sb: int | None) -> StepCost:
@@ -368,7 +384,8 @@ class OverlapCosts:
             b = self.plans[sb] if sb is not None else None
             off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
             order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
-            self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off)
+            self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off,
+                                         self.host_share)
         return self._cache[key]
 
     def forward(self, s: int) -> StepCost:

@@ -45,6 +45,8 @@ def test_left_out_figures_are_filled_in(tmp_path):
     ({"operator_us": {"loss": "slow"}}, ["'operator_us.loss'", "'slow'"]),
     ({"memory_gbsp": 3350}, ["unknown key 'memory_gbsp'", "memory_gbps"]),
     ({"comm_stream": "gpu"}, ["'comm_stream'", "allowed: device, host_thread"]),
+    ({"alltoall_host_cpu_share": 1.0}, ["'alltoall_host_cpu_share'", ">= 0 and < 1", "got 1.0"]),
+    ({"alltoall_host_cpu_share": -0.1}, ["'alltoall_host_cpu_share'", ">= 0 and < 1"]),
 ])
 def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, needles):
     path = tmp_path / "bad.yaml"

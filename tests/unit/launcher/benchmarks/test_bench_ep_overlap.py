@@ -75,7 +75,8 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
 
     o = dict(eo._DEFAULTS)
     device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
-    link = {"rate_mbit": None, "alltoall_gbps": 0.06, "collective_gbps": 0.05, "latency_us": 60.0}
+    link = {"rate_mbit": None, "alltoall_gbps": 0.06, "collective_gbps": 0.05, "latency_us": 60.0,
+            "host_cpu_share": 0.05}
     predicted = eo._predicted(o, eo._profile(o, link, device, tmp_path / "a.yaml"))["off"]["step_s"]
     measured = {"run": {"step_s": [1.3 * predicted]}, "link": link}
     u = eo._unshaped_case(o, measured, device, tmp_path)

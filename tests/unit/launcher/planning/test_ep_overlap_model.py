@@ -62,6 +62,22 @@ def test_communication_thread_compute_takes_the_cpu():
     assert sum(cpu.terms.values()) == pytest.approx(cpu.seconds)
 
 
+def test_an_all_to_alls_host_work_takes_the_cpu_beside_it():
+    """All-to-alls of 2 with half of a core busy on each while on the wire (``alltoall_host_cpu_share``
+    0.5). By hand on k2-train's CPU thread: combine_bwd 0-2 beside attn_f (4 s of work: 1 done by 2, ends
+    5), dispatch_f 5-7 beside mlp_b (ends 11), dispatch_b 11-13 beside mlp_dw (ends 14), mlp_f 14-18,
+    combine_f 18-20 beside attn_b (ends 24), attn_dw 24-25: 25 s, 1 s per all-to-all as ``ep_comm_host``,
+    nothing exposed. A GPU's stream has no such cost (21 s)."""
+    def pair(stream):
+        return eo.OverlapCosts([_stage(_layer(2.0))], stream, True, host_share=0.5).pair(0, 0)
+
+    cpu = pair(eo.HOST_THREAD)
+    assert cpu.seconds == pytest.approx(25.0)
+    assert cpu.terms["ep_comm_host"] == pytest.approx(4.0) and cpu.terms["ep_comm"] == 0
+    assert sum(cpu.terms.values()) == pytest.approx(cpu.seconds)
+    assert pair(eo.DEVICE).seconds == pytest.approx(21.0)
+
+
 def test_decoupled_weight_gradients_hide_more():
     """Without the split, mlp_b carries its W (7 s): dispatch_b starts at 12 and attn_b waits for it
     until 17; with the split it starts at 10 and mlp_dw covers it."""
