@@ -21,7 +21,10 @@ link, against ``k2-plan``'s prediction for that link, in one benchmark run.
 4. ``k2-plan``'s step-time model predicts both settings on this machine's profile measured in the same
    run (``k2.launcher.benchmarks.perf_model.device_profile``: the two ranks' share of the CPU), before and
    after all runs and taken as the median of the two (as ``bench=perf_model`` does: on a shared machine
-   the speed drifts over the minutes the runs take), with the link's measured figures.
+   the speed drifts over the minutes the runs take), with the link's measured figures (its all-to-all and
+   all-reduce rates, its latency, and the share of a core the host's work on an all-to-all takes while it
+   is on the wire: the profile's ``alltoall_host_cpu_share``, which slows the compute beside an overlapped
+   all-to-all).
 
 Figures per rate: ``step_off_s`` / ``step_on_s`` (median ``step_time_s`` of the timed steps) and
 ``speedup`` (off / on); ``exposed_a2a_off_s`` / ``exposed_a2a_on_s`` (per step, the rank's main thread's
@@ -30,8 +33,9 @@ time in all-to-alls it waited for: without the overlap every all-to-all is run b
 (1 - on / off); ``predicted_off_s`` / ``predicted_on_s`` with ``predicted_over_measured_*`` on the profile
 as measured, and with a calibration run the same on that profile with its compute scaled by
 ``compute_scale`` (``calibrated_*``: what the link and the schedule add is then predicted, the compute is
-this run's own); and the goals: ``speedup >= 1.3``, ``exposed_cut >= 0.6``, both predictions within 20%
-(the calibrated ones where there are).
+this run's own; ``calibrated_predicted_ep_comm_host_on_s``: the seconds the all-to-alls' host work adds to
+the compute beside them, from ``link_host_cpu_share``); and the goals: ``speedup >= 1.3``,
+``exposed_cut >= 0.6``, both predictions within 20% (the calibrated ones where there are).
 """
 
 from __future__ import annotations

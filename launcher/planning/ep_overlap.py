@@ -186,7 +186,8 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
             if stop > start + n.compute:
                 by_thread = _stretch(start, n.compute, segments) - start - n.compute
                 _add(terms, "non_gemm", by_thread)  # the communication thread's compute
-                _add(terms, "ep_comm_host", stop - start - n.compute - by_thread)  # the all-to-alls' host work
+                if stop - start - n.compute > by_thread:  # the all-to-alls' host work
+                    _add(terms, "ep_comm_host", stop - start - n.compute - by_thread)
             comp_free = stop
         end.append(stop)
         if n.event:

@@ -129,3 +129,12 @@ def test_prediction_for_a_shaped_link():
     assert on["ep_comm"]["by_part"]["warmup"] > 0 and on["ep_comm"]["by_part"]["cooldown"] > 0
     assert r["speedup"] == pytest.approx(off["step_s"] / on["step_s"]) and 0 < r["exposed_cut"] < 1
     assert sum(on["breakdown_s"].values()) == pytest.approx(on["step_s"]) and on["pass_s"] < on["step_s"]
+    # the link's host work (a tenth of a core while an all-to-all is on the wire) slows the compute beside
+    # the overlapped all-to-alls; without the overlap it is inside the all-to-all's own (measured) time.
+    # This step waits for the link: the slower compute fills time it waited anyway (exposed less by as much)
+    busy = predict_ep_overlap(cfg, {**prof, "alltoall_host_cpu_share": 0.1})
+    assert busy["off"]["step_s"] == pytest.approx(off["step_s"])
+    host = busy["on"]["breakdown_s"]["ep_comm_host"]
+    assert 0 < host <= 0.1 * on["ep_comm"]["total_s"] and on["breakdown_s"].get("ep_comm_host", 0.0) == 0
+    assert busy["on"]["exposed_a2a_s"] == pytest.approx(on["exposed_a2a_s"] - host)
+    assert busy["on"]["step_s"] == pytest.approx(on["step_s"])
