@@ -102,6 +102,10 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
     if not 0 <= prof.alltoall_host_cpu_share < 1:
         raise ConfigError(f"{where}: 'alltoall_host_cpu_share' must be a number >= 0 and < 1 (the share of a "
                           f"core; got {prof.alltoall_host_cpu_share!r})")
+    loaded = prof.network_loaded_latency_us
+    if loaded is not None and not (math.isfinite(loaded) and loaded >= prof.network_latency_us):
+        raise ConfigError(f"{where}: 'network_loaded_latency_us' must be null or a number >= network_latency_us "
+                          f"({prof.network_latency_us!r}; got {loaded!r})")
     prof.name = str(prof.name) if prof.name is not None else Path(origin).stem
     prof.peak_fp8_tflops = prof.peak_fp8_tflops or 2 * prof.peak_bf16_tflops
     prof.gemm_fp8_tflops = prof.gemm_fp8_tflops or 2 * prof.gemm_bf16_tflops

@@ -76,6 +76,10 @@ class HardwareProfileConfig:
     network_collective_gbps: float = MISSING
     network_latency_us: float = 0.0  # per message across nodes (also charged per point-to-point send), us
     intra_latency_us: float = 0.0  # per message inside a node (a measured CPU profile: gloo's), us
+    # per message across nodes while an all-to-all is on the same link, us: a small collective (the MoE
+    # dispatcher's token-count all-gather) queues behind the all-to-all's bytes in front of the link
+    # (k2-bench bench=ep_overlap measures it on its shaped link); null: network_latency_us
+    network_loaded_latency_us: float | None = None
     host_gbps: float = MISSING  # device <-> host copies per GPU (offload), GB/s
     # per part (embedding, loss, optimizer) the cost of one of its operators where measured apart, us; a
     # part not named costs kernel_launch_us

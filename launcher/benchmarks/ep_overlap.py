@@ -12,30 +12,35 @@ link, against ``k2-plan``'s prediction for that link, in one benchmark run.
    forward-backward pass's compute and the all-to-all bytes per step; each rate is the one at which the
    all-to-alls of a step take ``balance`` times that compute on the wire (``balance`` 1: the all-to-all
    costs about as much as the compute that can hide it), at the link's measured efficiency. A list of
-   Mbit/s values sets them instead. The calibration run is also predicted (``unshaped_*``): the model's
-   compute against this run's where the link costs little, and ``compute_scale``, the factor on the
-   profile's compute at which the model's step equals this run's (its communication terms kept).
-3. Per rate: the link's gloo all-to-all and all-reduce are measured, then ``rounds`` pairs of runs with
-   the overlap off and on (alternating, ``iters`` steps each, the first not timed; each writes a
-   ``pipeline.trace``); the figures pool the timed steps of all rounds.
+   Mbit/s values sets them instead.
+3. Per rate: an unshaped calibration run (overlap off) right before the rate's runs (the first rate's is
+   the run that chose the rates): predicted as ``unshaped_*``, the model's compute against this run's
+   where the link costs little, and ``compute_scale``, the factor on the profile's compute at which the
+   model's step equals this run's (its communication terms kept); one per rate, since the machine's speed
+   drifts over the minutes a rate takes. Then the link's gloo all-to-all and all-reduce are measured, and
+   ``rounds`` pairs of runs with the overlap off and on (alternating, ``iters`` steps each, the first not
+   timed; each writes a ``pipeline.trace``); the figures pool the timed steps of all rounds.
 4. ``k2-plan``'s step-time model predicts both settings on this machine's profile measured in the same
    run (``k2.launcher.benchmarks.perf_model.device_profile``: the two ranks' share of the CPU), before and
    after all runs and taken as the median of the two (as ``bench=perf_model`` does: on a shared machine
    the speed drifts over the minutes the runs take), with the link's measured figures (its all-to-all and
-   all-reduce rates, its latency, and the share of a core the host's work on an all-to-all takes while it
-   is on the wire: the profile's ``alltoall_host_cpu_share``, which slows the compute beside an overlapped
-   all-to-all).
+   all-reduce rates, its latency, the latency of a small all-gather while all-to-alls are on the wire: the
+   profile's ``network_loaded_latency_us``, what megatron's token-count all-gather before each dispatch
+   takes when it queues behind the other microbatch's all-to-all; and the share of a core the host's
+   work on an all-to-all takes while it is on the wire: the profile's ``alltoall_host_cpu_share``, which
+   slows the compute beside an overlapped all-to-all).
 
 Figures per rate: ``step_off_s`` / ``step_on_s`` (median ``step_time_s`` of the timed steps) and
 ``speedup`` (off / on); ``exposed_a2a_off_s`` / ``exposed_a2a_on_s`` (per step, the rank's main thread's
 time in all-to-alls it waited for: without the overlap every all-to-all is run by that thread, with it the
 ``wait`` events on communication nodes; the larger rank, median over steps) and ``exposed_cut``
 (1 - on / off); ``predicted_off_s`` / ``predicted_on_s`` with ``predicted_over_measured_*`` on the profile
-as measured, and with a calibration run the same on that profile with its compute scaled by
-``compute_scale`` (``calibrated_*``: what the link and the schedule add is then predicted, the compute is
-this run's own; ``calibrated_predicted_ep_comm_host_on_s``: the seconds the all-to-alls' host work adds to
-the compute beside them, from ``link_host_cpu_share``); and the goals: ``speedup >= 1.3``,
-``exposed_cut >= 0.6``, both predictions within 20% (the calibrated ones where there are).
+as measured, and the same on that profile with its compute scaled by the rate's ``compute_scale``
+(``calibrated_*``: what the link and the schedule add is then predicted, the compute is the calibration
+run's own; ``calibrated_predicted_ep_comm_host_on_s``: the seconds the all-to-alls' host work adds to the
+compute beside them, from ``link_host_cpu_share``; ``calibrated_predicted_ep_token_counts_on_s``: the
+token-count all-gathers, from ``link_latency_us`` and ``link_loaded_latency_us``); and the goals:
+``speedup >= 1.3``, ``exposed_cut >= 0.6``, both calibrated predictions within 20%.
 """
 
 from __future__ import annotations
@@ -150,9 +155,8 @@ def _a2a_count(events: list, step: int) -> int:
 def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict, dict]:
     """Link rates (Mbit/s) at which a step's all-to-alls take ``balance`` x its compute (module docstring);
     also the calibration's figures and the unshaped run itself (``{"run", "link"}``, predicted at the end)."""
-    link.set_rate(None)
-    cal = _train(link, o, tmp / "calibration", False)
-    unshaped = {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": None}
+    unshaped = _unshaped_run(link, o, tmp / "calibration")
+    cal = unshaped["run"]
     compute = statistics.median(cal["compute_s"])
     remote_bytes = statistics.median(cal["a2a_bytes"]) / 2  # half of each all-to-all goes to the other rank
     n = statistics.median(cal["a2a_count"])
@@ -165,7 +169,7 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
         wire = max(b * compute - n * eff["latency_us"] * 1e-6, 1e-3)
         rates.append(round(remote_bytes * 8 / wire / 1e6 / efficiency, 1))
     return rates, {"calibration_compute_s": compute, "calibration_a2a_remote_bytes": remote_bytes,
-                   "calibration_a2a_count": n, "link_efficiency": efficiency}, {"run": cal, "link": unshaped}
+                   "calibration_a2a_count": n, "link_efficiency": efficiency}, unshaped
 
 
 def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
@@ -177,7 +181,8 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
     prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_node=1,
                 network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
                 comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
-                alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95))
+                alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),
+                network_loaded_latency_us=max(link_figures.get("loaded_latency_us", 0.0), link_figures["latency_us"]))
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
         prof.update({f"{side}_gbps": link_figures["alltoall_gbps"],
                      f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
@@ -211,22 +216,34 @@ def _a2a_bytes_per_rank(o: dict) -> int:
     return int(phase.micro_batch_size * phase.seq_length * int(m.moe_router_topk) * int(m.hidden_size) * 4)
 
 
-def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path) -> dict[str, Any]:
-    """At ``rate``: the link's figures, then ``rounds`` pairs of runs with the overlap off and on."""
+def _unshaped_run(link: ShapedLink, o: dict, run_dir: Path) -> dict[str, Any]:
+    """A calibration run: overlap off, the link not shaped (``{"run", "link"}``, :func:`_unshaped_case`)."""
+    link.set_rate(None)
+    run = _train(link, o, run_dir, False)
+    return {"run": run, "link": {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": None}}
+
+
+def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path, unshaped: dict | None = None) -> dict[str, Any]:
+    """At ``rate``: a calibration run right before (``unshaped``: the one just run, else a new one: the
+    machine's speed drifts over the minutes a rate takes), the link's figures, then ``rounds`` pairs of runs
+    with the overlap off and on."""
+    unshaped = unshaped or _unshaped_run(link, o, tmp / f"calibration-{rate:g}")
     link.set_rate(rate)
     lf = {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": rate}
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(o["rounds"]):
         for overlap in (False, True):
             runs[overlap].append(_train(link, o, tmp / f"{rate:g}-r{r}-{'on' if overlap else 'off'}", overlap))
-    return {"link": lf, "runs": runs}
+    return {"link": lf, "runs": runs, "unshaped": unshaped}
 
 
-def _rate_case(o: dict, measured: dict, device: dict, tmp: Path, calibrated: dict | None) -> dict[str, Any]:
+def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, Any]:
     """One rate's figures (module docstring): its runs (:func:`_rate_runs`) against the prediction on the
-    profile as measured and, with ``calibrated`` (:func:`_calibrated`), on the calibrated one."""
+    profile as measured and on the one calibrated by the rate's unshaped run (:func:`_unshaped_case`)."""
     lf, runs = measured["link"], measured["runs"]
     rate = lf["rate_mbit"]
+    unshaped = _unshaped_case(o, measured["unshaped"], device, tmp / f"unshaped-{rate:g}")
+    calibrated = _calibrated(device, unshaped["compute_scale"])
     med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s",
                                                                                         "pass_s")}
            for ov in runs}
@@ -235,7 +252,8 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path, calibrated: dic
     off, on = med[False], med[True]
     out = {
         "rate_mbit": rate, "link_alltoall_gbps": lf["alltoall_gbps"], "link_latency_us": lf["latency_us"],
-        "link_host_cpu_share": lf["host_cpu_share"],
+        "link_loaded_latency_us": lf["loaded_latency_us"], "link_host_cpu_share": lf["host_cpu_share"],
+        **unshaped,
         "step_off_s": off["step_s"], "step_on_s": on["step_s"], "speedup": off["step_s"] / on["step_s"],
         "exposed_a2a_off_s": off["exposed_s"], "exposed_a2a_on_s": on["exposed_s"],
         "exposed_cut": 1 - on["exposed_s"] / off["exposed_s"] if off["exposed_s"] > 0 else 0.0,
@@ -250,15 +268,14 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path, calibrated: dic
         "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
         "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),
     }
-    keys = ["predicted_over_measured_off", "predicted_over_measured_on"]
-    if calibrated is not None:
-        c = _predicted(o, _profile(o, lf, calibrated, tmp / f"profile-{rate:g}-calibrated.yaml"))
-        out.update(calibrated_predicted_off_s=c["off"]["step_s"], calibrated_predicted_on_s=c["on"]["step_s"],
-                   calibrated_predicted_exposed_a2a_on_s=c["on"]["exposed_a2a_s"],
-                   calibrated_predicted_ep_comm_host_on_s=c["on"]["breakdown_s"].get("ep_comm_host", 0.0),
-                   calibrated_predicted_over_measured_off=c["off"]["step_s"] / off["step_s"],
-                   calibrated_predicted_over_measured_on=c["on"]["step_s"] / on["step_s"])
-        keys = [f"calibrated_{k}" for k in keys]
+    c = _predicted(o, _profile(o, lf, calibrated, tmp / f"profile-{rate:g}-calibrated.yaml"))
+    out.update(calibrated_predicted_off_s=c["off"]["step_s"], calibrated_predicted_on_s=c["on"]["step_s"],
+               calibrated_predicted_exposed_a2a_on_s=c["on"]["exposed_a2a_s"],
+               calibrated_predicted_ep_comm_host_on_s=c["on"]["breakdown_s"].get("ep_comm_host", 0.0),
+               calibrated_predicted_ep_token_counts_on_s=c["on"]["breakdown_s"].get("ep_token_counts", 0.0),
+               calibrated_predicted_over_measured_off=c["off"]["step_s"] / off["step_s"],
+               calibrated_predicted_over_measured_on=c["on"]["step_s"] / on["step_s"])
+    keys = ["calibrated_predicted_over_measured_off", "calibrated_predicted_over_measured_on"]
     out["goals_met"] = (out["speedup"] >= GOALS["speedup"] and out["exposed_cut"] >= GOALS["exposed_cut"]
                         and all(abs(out[k] - 1) <= GOALS["prediction_error"] for k in keys))
     return out
@@ -294,6 +311,7 @@ def _unshaped_case(o: dict, unshaped: dict, device: dict, tmp: Path) -> dict[str
     profile's compute (:func:`_calibrated`) at which the model's step equals this run's (the
     communication terms kept): ``(measured step - communication) / compute``."""
     step = statistics.median(unshaped["run"]["step_s"])
+    tmp.mkdir(parents=True, exist_ok=True)
     p = _predicted(o, _profile(o, unshaped["link"], device, tmp / "profile-unshaped.yaml"))["off"]
     compute = sum(p["breakdown_s"].get(k, 0.0) for k in _COMPUTE_TERMS)
     scale = max(step - (p["step_s"] - compute), 1e-9) / compute if compute > 0 else 1.0
@@ -350,13 +368,10 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
             rates = [float(r) for r in o["rates"]]
             if not rates:
                 rates, calibration, unshaped = _auto_rates(link, o, tmp)
-            measured = [_rate_runs(link, o, float(rate), tmp) for rate in rates]
+            measured = [_rate_runs(link, o, float(rate), tmp, unshaped if i == 0 else None)
+                        for i, rate in enumerate(rates)]
             device = median_measurement([before, _device(ranks, o)])
-        calibrated = None
-        if unshaped is not None:
-            calibration.update(_unshaped_case(o, unshaped, device, tmp))
-            calibrated = _calibrated(device, calibration["compute_scale"])
-        cases = [_rate_case(o, m, device, tmp, calibrated) for m in measured]
+        cases = [_rate_case(o, m, device, tmp) for m in measured]
     return {"model": o["model"], "layout": "PP1 x EP2 x DP2, one rank per node", "rates_mbit": rates,
             **calibration, "goals": GOALS, "cases": cases,
             "all_goals_met": all(c["goals_met"] for c in cases)}

@@ -183,6 +183,28 @@ dist.barrier(); c, t = cpu(), time.perf_counter()
 for _ in range(max(1, int(os.environ["K2_REPEATS"]) // 2)):
     streamed()
 res["big_cpu_share"] = (cpu() - c) / (time.perf_counter() - t)
+# a small all-gather (megatron's token counts before each dispatch: 8 int64 per rank, its own process
+# group, from the main thread) while all-to-alls are on the wire: it queues behind their bytes
+group = dist.new_group([0, 1])
+counts, gathered = torch.ones(8, dtype=torch.int64), torch.empty(16, dtype=torch.int64)
+def gather():
+    t = time.perf_counter(); dist.all_gather_into_tensor(gathered, counts, group=group)
+    return time.perf_counter() - t
+res["small_gather"] = best(gather, int(os.environ["K2_REPEATS"]))
+n = torch.tensor([min(8000, int(0.6 / max(res["big"], 1e-5)) + 20)])
+dist.broadcast(n, 0)  # (both ranks issue as many)
+def pump():
+    for _ in range(int(n)):
+        dist.all_to_all_single(out, big)
+dist.barrier()
+f, loaded = stream.submit(pump), []
+for _ in range(60):
+    x = gather()
+    if not f.done():
+        loaded.append(x)
+    time.sleep(0.001)
+f.result()
+res["loaded_gather"] = statistics.median(loaded) if loaded else res["small_gather"]
 stream.close()
 y = torch.ones(1 << 18)
 best(lambda: dist.all_reduce(y), 1)
@@ -208,7 +230,9 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
         MiB all-reduce: 2 (n - 1) / n of the buffer per rank), ``latency_us`` (a 2-element all-to-all),
         ``host_cpu_share`` (the CPU seconds rank 0's process spends, in all its threads and the kernel, per
         wall second of those back-to-back all-to-alls: the share of a core the link's all-to-all takes from
-        the compute beside it, k2-plan's ``alltoall_host_cpu_share``).
+        the compute beside it, k2-plan's ``alltoall_host_cpu_share``), ``loaded_latency_us`` (``latency_us``
+        plus what a small all-gather on another process group takes longer, median, while all-to-alls of
+        that size run back to back from a communication thread: k2-plan's ``network_loaded_latency_us``).
     """
     alltoall_bytes = max(8, int(alltoall_bytes) // 8 * 8)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K2_REPEATS": str(repeats), "K2_BYTES": str(alltoall_bytes)}
@@ -221,4 +245,5 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
     remote = alltoall_bytes / 2
     return {"alltoall_gbps": remote / max(r["big"] - lat, 1e-9) / 1e9,
             "collective_gbps": (1 << 20) * 2 * (2 - 1) / 2 / max(r["all_reduce_1mib"] - lat, 1e-9) / 1e9,
-            "latency_us": lat * 1e6, "host_cpu_share": r["big_cpu_share"]}
+            "latency_us": lat * 1e6, "host_cpu_share": r["big_cpu_share"],
+            "loaded_latency_us": max(lat, lat + r["loaded_gather"] - r["small_gather"]) * 1e6}

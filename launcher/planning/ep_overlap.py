@@ -30,6 +30,12 @@ What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and s
   the host's work on each all-to-all while it is on the wire (gloo's threads, the kernel's TCP and
   shaping: the profile's ``alltoall_host_cpu_share`` of the CPU, measured on the link; term
   ``ep_comm_host``). Without the overlap that work sits inside the all-to-all's own time.
+* **The token-count all-gather** (megatron's alltoall dispatcher, before each dispatch: term
+  ``ep_token_counts``, priced by :meth:`k2.launcher.planning.stage_model.StageModel.token_counts_s`) ends
+  the forward's ``attn`` node on the compute stream; where an all-to-all is on the wire then, its messages
+  queue behind that all-to-all's bytes and it waits longer (the profile's ``network_loaded_latency_us``:
+  :meth:`~k2.launcher.planning.stage_model.StageModel.token_counts_queue_s`). Without the overlap nothing
+  is on the wire when it runs.
 * **What is exposed** is the time the compute stream waits: a wait for an all-to-all is ``ep_comm``
   (attributed to the all-to-alls in flight), a wait for the communication stream's compute is
   ``non_gemm``. Steps of one microbatch (warm-up, cool-down) expose their all-to-alls, as the schedule
@@ -137,8 +143,23 @@ def _stretch(start: float, work: float, stolen: list) -> float:
     return t + remaining
 
 
+def _compute_end(n: Node, start: float, host: bool, segments: list, on_wire: list, terms: dict) -> float:
+    """When compute node ``n`` started at ``start`` ends (:func:`run_nodes`); on the host's thread the
+    seconds the CPU's other work adds go to ``terms`` (``non_gemm``: the communication thread's compute,
+    ``ep_comm_host``: the all-to-alls' own host work)."""
+    if not host:
+        return start + n.compute
+    stop = _stretch(start, n.compute, segments + on_wire)
+    if stop > start + n.compute:
+        by_thread = _stretch(start, n.compute, segments) - start - n.compute
+        _add(terms, "non_gemm", by_thread)
+        if stop - start - n.compute > by_thread:
+            _add(terms, "ep_comm_host", stop - start - n.compute - by_thread)
+    return stop
+
+
 def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0,
-              host_share: float = 0.0) -> StepCost:
+              host_share: float = 0.0, counts_queue_s: float = 0.0) -> StepCost:
     """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
 
     Args:
@@ -148,6 +169,9 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
         host_share: with ``host_thread``, the share of the CPU an all-to-all's host work takes while it is
             on the wire (the profile's ``alltoall_host_cpu_share``): a compute node beside it is longer by
             as much (term ``ep_comm_host``).
+        counts_queue_s: seconds a node's token-count all-gather (term ``ep_token_counts``, at the node's
+            end) waits longer when an all-to-all is on the wire then
+            (:meth:`k2.launcher.planning.stage_model.StageModel.token_counts_queue_s`).
 
     Returns:
         :class:`StepCost`.
@@ -179,15 +203,13 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
             start = max(comp_free, ready)
             if start > comp_free:
                 gaps.append((comp_free, start))
-            stop = _stretch(start, n.compute, segments + on_wire) if host else start + n.compute
+            stop = _compute_end(n, start, host, segments, on_wire, terms)
+            if counts_queue_s and n.terms.get("ep_token_counts") and any(a < stop < b for a, b, _ in wires):
+                _add(terms, "ep_token_counts", counts_queue_s)  # (a wait: not the stream's own work)
+                stop += counts_queue_s
             for t, v in n.terms.items():
                 _add(terms, t, v)
                 _add(compute, t, v)
-            if stop > start + n.compute:
-                by_thread = _stretch(start, n.compute, segments) - start - n.compute
-                _add(terms, "non_gemm", by_thread)  # the communication thread's compute
-                if stop - start - n.compute > by_thread:  # the all-to-alls' host work
-                    _add(terms, "ep_comm_host", stop - start - n.compute - by_thread)
             comp_free = stop
         end.append(stop)
         if n.event:
@@ -371,11 +393,13 @@ class OverlapCosts:
         comm_stream: the profile's ``comm_stream``.
         decouple_wgrad: ``pipeline.decouple_wgrad``.
         host_share: the profile's ``alltoall_host_cpu_share`` (:func:`run_nodes`).
+        counts_queue_s: the token-count all-gather's wait behind an all-to-all on the wire (:func:`run_nodes`).
     """
 
-    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, host_share: float = 0.0):
+    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, host_share: float = 0.0,
+                 counts_queue_s: float = 0.0):
         self.plans, self.comm_stream, self.decouple_wgrad = plans, comm_stream, decouple_wgrad
-        self.host_share = host_share
+        self.host_share, self.counts_queue_s = host_share, counts_queue_s
         self._cache: dict = {}
 
     def _cost(self, sf: int | None, sb: int | None) -> StepCost:
@@ -386,7 +410,7 @@ class OverlapCosts:
             off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
             order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
             self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off,
-                                         self.host_share)
+                                         self.host_share, self.counts_queue_s)
         return self._cache[key]
 
     def forward(self, s: int) -> StepCost:

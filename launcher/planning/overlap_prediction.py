@@ -7,8 +7,9 @@ A shaped link as a profile (``plan.hardware`` file): the bench's measured machin
 ``network_alltoall_gbps`` / ``network_collective_gbps`` / ``network_gbps`` (and the same ``nvlink_*``: no
 rank has a neighbour on its node) the link's measured gloo all-to-all / all-reduce rates, or, without a
 measurement, :func:`tbf_goodput_gbps` of the ``tc tbf`` rate; ``network_latency_us`` /
-``intra_latency_us`` the link's measured small-message latency; ``comm_stream: host_thread`` (k2-train on
-CPU runs the communication stream as a thread of the rank's process).
+``intra_latency_us`` the link's measured small-message latency, ``network_loaded_latency_us`` the same
+while all-to-alls are on the wire; ``comm_stream: host_thread`` (k2-train on CPU runs the communication
+stream as a thread of the rank's process).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Per-layer costs of ``k2-plan``'s step-time model (:mod:`k2.launcher.planning.step_time` assembles them):
 one microbatch of ``T`` tokens through one layer on one GPU, per pass (``F`` forward, ``B`` input gradient,
-``W`` weight gradient) and term (``gemm``, ``attention``, ``non_gemm``, ``ep_comm``, ``recompute``,
-``tp_comm``), seconds.
+``W`` weight gradient) and term (``gemm``, ``attention``, ``non_gemm``, ``ep_comm``, ``ep_token_counts``,
+``recompute``, ``tp_comm``), seconds.
 
 A layer is also split into megatron-core's schedule nodes (``models/gpt/fine_grained_callables.py``
 ``build_transformer_layer_callables``, 0.19.2), which the EP-overlap model
 (:mod:`k2.launcher.planning.ep_overlap`) runs on two streams: ``attn`` (``pre_dispatch_computation``:
-attention, the pre-MLP norm, the shared expert, the router and the token permutation), ``dispatch``
+attention, the pre-MLP norm, the shared expert, the router, the all-gather of the token counts per
+expert and the token permutation), ``dispatch``
 (``moe_dispatch``: the all-to-all), ``mlp`` (the routed experts, or a dense layer's MLP) and ``combine``
 (``moe_combine``: the all-to-all, the un-permutation, the shared expert's add and the residual). The
 nodes' terms add up to :meth:`StageModel.layer`'s.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from k2.launcher.planning.comm import ep_alltoall
+from k2.launcher.planning.comm import crosses_nodes, ep_alltoall, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.kernels import (
     KernelRates,
@@ -203,6 +204,8 @@ class StageModel:
             self._gemms([(s["h"], s["E"])], attn)  # the router
             local, m = self.expert_gemms(mlp, self.dims.ep, shared_out=attn)
             self._moe_nongemm(nodes, 0 if self.grouped else local)
+            if self.dims.ep > 1:
+                _add(attn["F"], "ep_token_counts", self.token_counts_s())
             for name, seconds in zip(("dispatch", "combine"), self._ep_alltoalls()):
                 _add(nodes[name]["F"], "ep_comm", seconds)
                 _add(nodes[name]["B"], "ep_comm", seconds)
@@ -282,6 +285,29 @@ class StageModel:
         a2a = [ep_alltoall(self.T, s["k"], s["h"], d.ep, d.tp, self.profile, bytes_per_element=b,
                            dedup_nodes=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
         return a2a[0].seconds, a2a[1].seconds
+
+    def _token_counts_group(self) -> tuple[int, bool]:
+        """The ranks of the token-count all-gather (megatron's ``tp_ep`` group) and whether it crosses nodes."""
+        group = max(self.dims.tp, 1) * self.dims.ep
+        return group, crosses_nodes(group, self.profile)
+
+    def token_counts_s(self) -> float:
+        """Seconds of the all-gather of the token counts per expert in one MoE layer's forward
+        (megatron-core 0.19.2 ``MoEAlltoAllTokenDispatcher.preprocess``: each of the ``tp x ep`` ranks gives
+        its ``E`` int64 counts, so that the dispatch's split sizes are known; without token dropping it
+        is a collective on the compute stream before every dispatch): a ring of that group
+        (:func:`k2.launcher.planning.comm.ring_seconds`), latency-bound."""
+        group, cross = self._token_counts_group()
+        return ring_seconds(group * self.s["E"] * 8, group, cross, self.profile)
+
+    def token_counts_queue_s(self) -> float:
+        """Seconds :meth:`token_counts_s` waits longer where an all-to-all is on the wire meanwhile: each
+        ring step's message queues behind the all-to-all's bytes in front of the link (the profile's
+        ``network_loaded_latency_us`` over ``network_latency_us``; 0 inside a node)."""
+        group, cross = self._token_counts_group()
+        p = self.profile
+        loaded = p.network_loaded_latency_us if p.network_loaded_latency_us is not None else p.network_latency_us
+        return (group - 1) * max(0.0, loaded - p.network_latency_us) * 1e-6 if cross else 0.0
 
     def embedding(self) -> dict:
         """The word embedding: a gather of ``T`` rows forward; backward its dense ``[V, h]`` FP32

@@ -335,7 +335,8 @@ def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfil
     OverlapCosts`); None without EP or experts, and under DualPipe (:func:`hide_ep_comm_dualpipe`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
         return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
-                            bool(cfg.pipeline.decouple_wgrad), device.alltoall_host_cpu_share)
+                            bool(cfg.pipeline.decouple_wgrad), device.alltoall_host_cpu_share,
+                            model.token_counts_queue_s())
     return None
 
 

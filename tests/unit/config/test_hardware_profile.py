@@ -35,6 +35,7 @@ def test_left_out_figures_are_filled_in(tmp_path):
     assert p.peak_fp8_tflops == 2 * p.peak_bf16_tflops and p.gemm_fp8_tflops == 2 * p.gemm_bf16_tflops
     assert p.gemm_fp32_tflops is None and p.gpu_memory_gib is None and p.compute_units == 132
     assert p.comm_stream == CommStream.host_thread == "host_thread"
+    assert p.network_loaded_latency_us is None  # (not given: k2-plan takes network_latency_us)
 
 
 @pytest.mark.parametrize("change,needles", [
@@ -47,6 +48,8 @@ def test_left_out_figures_are_filled_in(tmp_path):
     ({"comm_stream": "gpu"}, ["'comm_stream'", "allowed: device, host_thread"]),
     ({"alltoall_host_cpu_share": 1.0}, ["'alltoall_host_cpu_share'", ">= 0 and < 1", "got 1.0"]),
     ({"alltoall_host_cpu_share": -0.1}, ["'alltoall_host_cpu_share'", ">= 0 and < 1"]),
+    ({"network_loaded_latency_us": 5}, ["'network_loaded_latency_us'", ">= network_latency_us", "got 5"]),
+    ({"network_loaded_latency_us": float("nan")}, ["'network_loaded_latency_us'", "null or a number"]),
 ])
 def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, needles):
     path = tmp_path / "bad.yaml"

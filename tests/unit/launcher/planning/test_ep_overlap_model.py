@@ -78,6 +78,24 @@ def test_an_all_to_alls_host_work_takes_the_cpu_beside_it():
     assert pair(eo.DEVICE).seconds == pytest.approx(21.0)
 
 
+def test_the_token_count_all_gather_waits_behind_an_all_to_all_on_the_wire():
+    """The dispatcher's token-count all-gather ends the forward's attention node (``ep_token_counts``: 0.5
+    of its 4 s). Queued behind combine_bwd (on the wire 0-4.5) it waits 1 s longer (``counts_queue_s``):
+    attn_f 0-5, so mlp_b starts at 5 instead of waiting 4-4.5 for the combine, and everything after moves
+    by 0.5: 22 s against 21.5, the combine's exposed 0.5 s now the all-gather's wait. A forward alone has
+    nothing on the wire when its all-gather runs (its own dispatch comes after): no wait."""
+    layer = _layer(4.5)
+    layer["attn"]["F"] = {"gemm": 3.5, "ep_token_counts": 0.5}
+    costs = {q: eo.OverlapCosts([_stage(layer)], eo.DEVICE, True, counts_queue_s=q) for q in (0.0, 1.0)}
+    plain, queued = costs[0.0].pair(0, 0), costs[1.0].pair(0, 0)
+    assert (plain.seconds, queued.seconds) == pytest.approx((21.5, 22.0))
+    assert (plain.terms["ep_token_counts"], queued.terms["ep_token_counts"]) == pytest.approx((0.5, 1.5))
+    assert (plain.exposed["combine_bwd"], queued.exposed["combine_bwd"]) == pytest.approx((0.5, 0.0))
+    assert sum(queued.terms.values()) == pytest.approx(queued.seconds)
+    assert queued.compute["ep_token_counts"] == pytest.approx(0.5)  # (the wait is not the stream's work)
+    assert costs[1.0].forward(0).terms["ep_token_counts"] == pytest.approx(0.5)
+
+
 def test_decoupled_weight_gradients_hide_more():
     """Without the split, mlp_b carries its W (7 s): dispatch_b starts at 12 and attn_b waits for it
     until 17; with the split it starts at 10 and mlp_dw covers it."""

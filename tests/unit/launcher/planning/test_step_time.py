@@ -82,6 +82,20 @@ def _k2_step(k2, pp, vpp, ep, extra=None, overlap=False):
 LAYOUTS = [(16, 1, 8), (32, 1, 8), (8, 1, 8), (16, 2, 16), (16, 1, 16), (8, 1, 32)]
 
 
+def test_every_moe_layer_forward_gathers_the_token_counts_over_its_ep_group(k2):
+    """megatron's alltoall dispatcher all-gathers the token counts per expert (384 int64 per rank) over
+    the EP group before each dispatch: K2's EP16 spans two nodes, so a ring of 15 steps at the network's
+    latency (10 us on H800) per MoE layer forward; the busiest PP rank's 4 MoE layers x 1,024 microbatches
+    per step (~0.6 s)."""
+    from k2.launcher.planning.comm import ring_seconds
+
+    st = _k2_step(k2, 16, 2, 16, {"parallel": {"layout": "Et|(tt|)*30L"}})
+    one = ring_seconds(16 * 384 * 8, 16, True, k2[3])
+    assert one == pytest.approx(15 * 10e-6, rel=0.05)
+    assert st.breakdown["ep_token_counts"] == pytest.approx(1024 * 4 * one)
+    assert sum(st.breakdown.values()) == pytest.approx(st.step_s)
+
+
 def test_breakdown_sums_to_the_step_and_is_largest_on_k2s_all_to_all(k2):
     """K2's layout on 32 H800 nodes: the terms sum to the step; EP16 over two nodes makes the exposed
     all-to-all the largest term; the FLOPs are the model's (GEMMs + attention at their rates)."""
