@@ -88,3 +88,31 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
     assert all(calibrated[k] == device[k] for k in device if k.startswith(("network", "nvlink")))
     again = eo._predicted(o, eo._profile(o, link, calibrated, tmp_path / "b.yaml"))["off"]["step_s"]
     assert again == pytest.approx(1.3 * predicted, rel=1e-6)
+
+
+def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
+    """The machine's speed drifts between rates, so each rate's calibrated prediction takes its compute from
+    the unshaped run just before that rate's runs: two rates measured alike, whose calibration runs were
+    1.2x and 1.5x the model's unshaped step, get those runs' compute scales and predictions in that ratio's
+    direction (one calibration for the whole run gave both the first rate's)."""
+    import yaml
+
+    from k2.config.recipes import RECIPES_DIR
+    from k2.launcher.benchmarks import ep_overlap as eo
+
+    o = dict(eo._DEFAULTS)
+    device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
+    unshaped_link = {"rate_mbit": None, "alltoall_gbps": 0.06, "collective_gbps": 0.05, "latency_us": 60.0,
+                     "host_cpu_share": 0.5, "loaded_latency_us": 60.0}
+    base = eo._predicted(o, eo._profile(o, unshaped_link, device, tmp_path / "u.yaml"))["off"]["step_s"]
+    run = {"step_s": [2.0], "exposed_s": [0.5], "pass_s": [1.9], "loss": [3.0]}
+    cases = []
+    for rate, factor in ((100.0, 1.2), (140.0, 1.5)):
+        measured = {"link": {**unshaped_link, "rate_mbit": rate, "loaded_latency_us": 900.0},  # (the same link)
+                    "runs": {False: [run], True: [run]},
+                    "unshaped": {"run": {"step_s": [factor * base]}, "link": unshaped_link}}
+        cases.append(eo._rate_case(o, measured, device, tmp_path / f"r{rate:g}"))
+    assert [c["unshaped_predicted_over_measured_off"] for c in cases] == pytest.approx([1 / 1.2, 1 / 1.5])
+    assert cases[0]["compute_scale"] < cases[1]["compute_scale"]
+    assert cases[0]["calibrated_predicted_off_s"] < cases[1]["calibrated_predicted_off_s"]
+    assert cases[0]["link_loaded_latency_us"] == 900.0
