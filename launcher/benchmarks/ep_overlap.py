@@ -182,7 +182,8 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
                 network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
                 comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
                 alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),
-                network_loaded_latency_us=max(link_figures.get("loaded_latency_us", 0.0), link_figures["latency_us"]))
+                # (measure_link's loaded latency is never below its latency; a mapping without one: no queue)
+                network_loaded_latency_us=link_figures.get("loaded_latency_us", link_figures["latency_us"]))
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
         prof.update({f"{side}_gbps": link_figures["alltoall_gbps"],
                      f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
