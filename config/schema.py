@@ -190,6 +190,13 @@ class DataConfig:
     valid_fraction: float = 0.02
     split: str = "98,2,0"  # used only when valid_path is None and path is a user dataset
     num_workers: int = 0
+    # megatron's shuffle seed of the documents and samples (train and validation); null = run.seed. A sweep
+    # fixes it so that every cell reads the same data order and is evaluated on the same held-out tokens
+    seed: int | None = None
+    # index (and shuffle) at least this many training tokens per context length; null = what the schedule
+    # trains there. megatron shuffles the samples over the whole index, so its size decides their order: a
+    # sweep's trunk and its cooldown branches set the trunk's, so that they read the same samples
+    index_tokens: int | None = None
 
 
 @dataclass
@@ -362,13 +369,36 @@ class WandbConfig:
 
 
 @dataclass
+class SweepCooldownConfig:
+    """How every budget of a sweep ends: a cooldown branch of its trunk (Hagele et al. 2024, arXiv
+    2405.18392: a 1-sqrt decay over ~20% of the tokens matches a cosine run of that length; MiniCPM, arXiv
+    2404.06395: 10% of the tokens is the least that does)."""
+
+    style: str = "minus_sqrt"  # the decay curve (schedules/wsd.py): minus_sqrt | linear | cosine | exponential
+    fraction: float = 0.2  # of the budget's tokens spent in the decay; 0.1 <= fraction < 1
+    lr_end: float = 0.0  # the LR at the budget's last token
+
+
+@dataclass
 class SweepConfig:
-    """Sparsity sweep (``k2-train -m +experiment=sparsity_sweep``, launcher/tools/sweep.py): one run per sparsity,
-    ``model.num_moe_experts = sparsity x model.moe_router_topk``, run dir ``<dir>/sparsity_<S>``."""
+    """Sparsity sweep grid (``k2-train -m +experiment=sparsity_sweep``, launcher/tools/sweep.py and
+    sweep_grid.py): per arm (sparsity = experts / top-k at fixed activated parameters; 1 = every expert
+    active, the dense arm), size and seed one trunk at the schedule's constant LR up to the last branch point,
+    and per budget one cooldown branch from the trunk's checkpoint; run dirs under ``dir``."""
 
     name: str = "none"
     sparsities: list[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
-    val_loss_target: float | None = None  # FLOPs to reach this validation loss are compared
+    seeds: list[int] = field(default_factory=list)  # run.seed of each trunk (model init); [] = [run.seed]
+    # training tokens of each budget (a branch's end); [] = one budget, where the schedule ends
+    budgets_tokens: list[int] = field(default_factory=list)
+    cooldown: SweepCooldownConfig = field(default_factory=SweepCooldownConfig)
+    # optional size ladder: size name -> overrides of that size (e.g. [model.hidden_size=96]); {} = one size
+    sizes: dict[str, list[str]] = field(default_factory=dict)
+    # a cell whose median moe_load_max_over_mean after warm-up is above this is "collapsed" (kept out of fits):
+    # most tokens of some MoE layer go to a few experts (the ceiling is experts / top-k; the CPU proxy with
+    # K2's bias rate sat at 3.6-3.9 of 4.0, balanced runs at 1.3-2.4 with 8-64 experts)
+    collapsed_load: float = 3.0
+    jobs: int = 1  # cells trained at once on this machine (k2-train -m); each is one k2-train
     dir: str = "runs/sweeps/${sweep.name}"
 
 
@@ -399,6 +429,8 @@ class CheckpointConfig:
 
     keep_last: int = 2  # newest complete checkpoints kept (the one `latest` names is always kept)
     keep_every: int | None = None  # also keep every checkpoint whose step is a multiple of this
+    # also save at these steps and keep those checkpoints (a sweep's trunk: its branch points)
+    save_steps: list[int] = field(default_factory=list)
     save_at_end: bool = True  # save when the run ends (train.iters or the end of the schedule)
     # what resume checks against the checkpoint's manifest before loading it: "checksum" (every file's
     # size and xxh3-64 checksum, read in parallel by the ranks), "size" (a stat per file), "none"
@@ -469,9 +501,12 @@ class K2Config:
     # resume (recipes/resume/: auto | never): `mode` auto = resume from <run.dir>/checkpoints/latest when
     # there is one; never = refuse a non-empty run.dir. `resume.from=PATH` (a checkpoint, a checkpoints/
     # directory or a run dir) resumes from there. `resume.force=true` accepts changed model / schedule /
-    # optimizer / data settings. A plain mapping: `from` is a Python keyword (checked in
+    # optimizer / data settings. `resume.branch_from=PATH`: while run.dir has no checkpoint of its own, start
+    # from PATH's as a branch whose schedule may differ after that step (a WSD cooldown branch,
+    # launcher/checkpointing/branch.py). A plain mapping: `from` is a Python keyword (checked in
     # k2.config.validate.resume_settings).
-    resume: dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False})
+    resume: dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False,
+                                                            "branch_from": None})
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -55,7 +55,9 @@ __all__ = [
 MIN_EMBEDDED_VOCAB = 256 + 2
 #: ``resume.*`` keys and their defaults (``resume`` is a plain mapping because ``from`` is a Python keyword
 #: and cannot be a dataclass field)
-RESUME_KEYS = {"mode": "auto", "from": None, "force": False}
+RESUME_KEYS = {"mode": "auto", "from": None, "force": False, "branch_from": None}
+#: ``sweep.cooldown.style``: the decay curves of schedules/wsd.py
+SWEEP_COOLDOWN_STYLES = ("minus_sqrt", "linear", "cosine", "exponential")
 # The allowed values of every fixed-choice setting are the Enums of k2.config.choices; as tuples of strings:
 #: ``resume.mode`` (checked here: ``resume`` is no dataclass)
 RESUME_MODES = values(ResumeMode)
@@ -110,6 +112,9 @@ def check_checkpoint(c: CheckpointConfig) -> None:
     _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
              "an integer >= 1 or null")
     check_choice(c, "verify", "checkpoint.verify")
+    steps = list(c.save_steps or [])
+    _require(all(isinstance(x, int) and x >= 1 for x in steps), "checkpoint.save_steps", steps,
+             "a list of steps (integers >= 1)")
 
 
 def check_convert(c: ConvertConfig) -> None:
@@ -210,6 +215,8 @@ def check_pipeline(p: PipelineConfig) -> None:
 def check_data(d: DataConfig) -> None:
     """``data.*``: the embedded corpus's own settings when ``data.path`` is null (the syntax and the
     files of a user dataset are checked by ``k2.launcher.datasets.resolve``)."""
+    _require(d.index_tokens is None or (isinstance(d.index_tokens, int) and d.index_tokens > 0),
+             "data.index_tokens", d.index_tokens, "a token count > 0, or null (what the schedule trains)")
     if d.path is not None:
         return
     if not isinstance(d.vocab_size, int) or d.vocab_size < MIN_EMBEDDED_VOCAB:
@@ -307,14 +314,35 @@ def resume_settings(raw) -> dict:
                           "(or resume.from=PATH to resume from a given checkpoint)")
     if settings["mode"] == "never" and settings["from"] is not None:
         raise ConfigError("resume=never contradicts resume.from; set one of them")
+    if settings["branch_from"] is not None and (settings["mode"] == "never" or settings["from"] is not None):
+        raise ConfigError("resume.branch_from (start as a branch of that checkpoint, then resume the branch's "
+                          "own) contradicts resume=never and resume.from; set one of them")
     return settings
 
 
 def check_sweep(s: SweepConfig) -> None:
-    """``sweep.*``: the sparsities of a sweep are distinct integers >= 1 (empty = no sweep)."""
+    """``sweep.*``: distinct sparsities >= 1 (empty = no sweep), distinct seeds, distinct budgets > 0, a cooldown
+    of 10% to under 100% of each budget (MiniCPM, arXiv 2404.06395: shorter decays lose) on a known decay curve,
+    a positive collapse threshold and job count, and each size's overrides a list of ``key=value``."""
     sparsities = list(s.sparsities or [])
     if sparsities and (min(sparsities) < 1 or len(set(sparsities)) != len(sparsities)):
         raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
+    seeds = list(s.seeds or [])
+    _require(len(set(seeds)) == len(seeds), "sweep.seeds", seeds, "distinct integers ([] = [run.seed])")
+    budgets = list(s.budgets_tokens or [])
+    _require(len(set(budgets)) == len(budgets) and all(isinstance(b, int) and b > 0 for b in budgets),
+             "sweep.budgets_tokens", budgets, "distinct token counts > 0 ([] = where the schedule ends)")
+    c = s.cooldown
+    _require(0.1 <= c.fraction < 1.0, "sweep.cooldown.fraction", c.fraction,
+             "0.1 <= fraction < 1 (a decay over less than 10% of a budget's tokens ends above its loss)")
+    _require(c.style in SWEEP_COOLDOWN_STYLES, "sweep.cooldown.style", c.style, ", ".join(SWEEP_COOLDOWN_STYLES))
+    _require(c.lr_end >= 0, "sweep.cooldown.lr_end", c.lr_end, "an LR >= 0")
+    _require(s.collapsed_load > 1.0, "sweep.collapsed_load", s.collapsed_load,
+             "a load max/mean > 1 (1 = perfectly balanced)")
+    _require(isinstance(s.jobs, int) and s.jobs >= 1, "sweep.jobs", s.jobs, "an integer >= 1")
+    for name, overrides in dict(s.sizes or {}).items():
+        _require(all(isinstance(o, str) and "=" in o for o in overrides), f"sweep.sizes.{name}", list(overrides),
+                 "a list of key=value overrides")
 
 
 def check_schedule_memory(s: ScheduleConfig) -> None:

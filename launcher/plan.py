@@ -93,7 +93,15 @@ def _format_phase_data(rows: list[dict]) -> str:
 
 def _plan(args: list[str]) -> int:
     from k2.launcher.planning import format_text, plan_cluster
+    from k2.launcher.tools.sweep import split_multirun
 
+    multirun, args = split_multirun(args)
+    if multirun:  # a sweep's grid: every arm's fit, and the GPU-hours against separate runs
+        from k2.launcher.tools.sweep_submit import format_costs, plan_sweep
+
+        grid, rows = plan_sweep(args)
+        print(json.dumps({"sweep": rows}) if load_config(args).output == "json" else format_costs(grid, rows))
+        return 0
     cfg = load_config(args)
     if cfg.plan.published:
         from k2.launcher.planning import compare_published, format_published

@@ -9,8 +9,9 @@ Example (prints the script, submits nothing)::
 (:func:`k2.launcher.training.prepare.prepare_run`: layout, schedule, data, the checkpoint a used
 ``run.dir`` resumes from), writes ``<run.dir>/pretrain.sbatch`` (:func:`k2.launcher.tools.sbatch.render_sbatch`)
 and runs ``sbatch`` on it from the current directory; the job id goes to stdout. ``submit.*`` keys set the
-``#SBATCH`` lines. With ``-m`` (a sweep, :mod:`k2.launcher.tools.sweep`): one job per unfinished point,
-each with its own run dir; every point is checked before anything is submitted.
+``#SBATCH`` lines. With ``-m`` (a sweep, :mod:`k2.launcher.tools.sweep_submit`): k2-plan's check that every
+run of the grid fits and its GPU-hours, then one job per unfinished trunk and per unfinished branch, each
+branch after its trunk's job (``--dependency=afterok``); every run is checked before anything is submitted.
 
 Exit status: 0 submitted (or ``submit.dry_run=true``: the script on stdout); 1 ``sbatch`` missing or
 refused; 2 a bad setting (``k2-submit: error: ...`` on stderr, naming it).
@@ -41,7 +42,8 @@ pyxis container; submit.python is the interpreter written into the script (defau
 exist on every node); submit.setup=FILE is sourced first (module loads), "+submit.env.NAME=VALUE" exported.
 Notes on stderr say which defaults the job gets (interpreter, partition, account, time limit). A job of
 more than one node or with GPUs needs data.path (or submit.embedded_corpus=true). -m submits one job per
-unfinished sweep point. Exit status 1: sbatch missing or refused.
+unfinished run of a sweep's grid (trunks, then their branches after them). Exit status 1: sbatch
+missing or refused.
 
 examples:
   k2-submit model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 data.path=/shared/data/corpus_text_document \\
@@ -52,36 +54,19 @@ examples:
 """
 
 
-def _sweep_jobs(overrides: Sequence[str]) -> list:
-    """``(cfg, overrides)`` of every sweep point not finished yet (all points validated first)."""
-    from k2.launcher.tools.sweep import check_points, point_status, sweep_points
-
-    _, points = sweep_points(overrides)
-    cfgs = {p.name: load_config(list(p.overrides)) for p in points}
-    for p in points:
-        check_submittable(cfgs[p.name])
-    plans = check_points(points, lambda c: c.cluster.nodes * c.cluster.gpus_per_node)
-    todo = []
-    for p in points:
-        if point_status(p, plans[p.name]) == "finished":
-            print(f"{PROG}: {p.name}: finished, not submitted", file=sys.stderr)
-        else:
-            todo.append((cfgs[p.name], list(p.overrides)))
-    return todo
-
-
 def _submit(args: list[str]) -> int:
     # imported here: --help does not wait for torch (the run checks import the model's backends)
     from k2.launcher.tools.sweep import split_multirun
     from k2.launcher.training.prepare import prepare_run
 
     multirun, overrides = split_multirun(args)
-    if multirun:
-        jobs = _sweep_jobs(overrides)
-    else:
-        cfg = load_config(overrides)
-        prepare_run(cfg, check_submittable(cfg))  # also decides the resume of a used run.dir
-        jobs = [(cfg, overrides)]
+    if multirun:  # the sweep's grid: its cost, then every unfinished trunk and branch
+        from k2.launcher.tools.sweep_submit import submit_sweep
+
+        return submit_sweep(overrides, PROG)
+    cfg = load_config(overrides)
+    prepare_run(cfg, check_submittable(cfg))  # also decides the resume of a used run.dir
+    jobs = [(cfg, overrides)]
     texts = [render_sbatch(cfg, ovr) for cfg, ovr in jobs]
     for note in defaults_notes(jobs[0][0]) if jobs else ():
         print(f"{PROG}: note: {note}", file=sys.stderr)

@@ -48,7 +48,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from k2.launcher.checkpointing.store import CheckpointSaveError, agree, begin_save, commit_save, shard_entries
@@ -325,11 +325,11 @@ class BackgroundSaver:
 
     def __init__(self, run_dir, keep_last: int, keep_every: int | None,
                  on_commit: Callable[[Path, int, str, float], None],
-                 on_write_progress: Callable[[], None] | None = None):
+                 on_write_progress: Callable[[], None] | None = None, keep_steps: Collection[int] = ()):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.run_dir, self.keep_last, self.keep_every, self.on_commit = run_dir, keep_last, keep_every, on_commit
-        self.on_write_progress = on_write_progress
+        self.on_write_progress, self.keep_steps = on_write_progress, tuple(keep_steps)
         self.queue = AsyncCallsQueue(persistent=False)  # a fresh fork per save: the snapshot
         self.in_flight: dict | None = None
         _SAVERS.append(self)
@@ -361,7 +361,7 @@ class BackgroundSaver:
 
         def commit() -> None:  # after megatron's own finalize (its metadata)
             path = commit_save(partial, final, step, flight["entries"], state, config_yaml, self.keep_last,
-                               self.keep_every)
+                               self.keep_every, self.keep_steps)
             self.on_commit(path, step, why, time.perf_counter() - t0)
 
         request.finalize_fns.insert(0, collect)

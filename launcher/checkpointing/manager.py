@@ -29,7 +29,7 @@ writer are k2-launcher's (:mod:`k2.launcher.checkpointing`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -104,9 +104,9 @@ class SyncSaver:
 
     def __init__(self, run_dir, keep_last: int, keep_every: int | None,
                  on_commit: Callable[[Path, int, str, float], None],
-                 on_write_progress: Callable[[], None] | None = None):
+                 on_write_progress: Callable[[], None] | None = None, keep_steps: Collection[int] = ()):
         self.run_dir, self.keep_last, self.keep_every = run_dir, keep_last, keep_every
-        self.on_commit = on_commit
+        self.on_commit, self.keep_steps = on_commit, tuple(keep_steps)
 
     def save(self, step: int, why: str, model: list, optimizer, state: dict, config_yaml: str) -> None:
         """Collective: write and commit checkpoint ``step``, then ``on_commit``.
@@ -116,7 +116,7 @@ class SyncSaver:
         """
         t0 = time.perf_counter()
         path = save_checkpoint(self.run_dir, step, model, optimizer, state, config_yaml, self.keep_last,
-                               self.keep_every)
+                               self.keep_every, self.keep_steps)
         self.on_commit(path, step, why, time.perf_counter() - t0)
 
     def poll(self, blocking: bool = False) -> None:
@@ -164,8 +164,9 @@ class CheckpointManager:
         self.log, self.after_commit = log, after_commit
         self._commits: list[tuple[Path, int, str, float]] = []  # committed, not yet reported (_report)
         strategy = BackgroundSaver if checkpoint.async_save else SyncSaver  # checkpoint.async_save
+        self.save_steps = frozenset(int(s) for s in checkpoint.save_steps or ())  # checkpoint.save_steps
         self.saver = strategy(self.run_dir, checkpoint.keep_last, checkpoint.keep_every, self._committed,
-                              watchdog.keep_alive)
+                              watchdog.keep_alive, keep_steps=self.save_steps)
 
     # ------------------------------------------------------------------ restore
 
@@ -207,12 +208,14 @@ class CheckpointManager:
 
     def maybe_save(self, step: int, last_step: bool) -> bool:
         """Once per step boundary, after the step is logged: commit a background save whose writers are
-        done, then save ``step`` when it is due -- every ``train.save_interval`` steps, and at the last
-        step with ``checkpoint.save_at_end`` (committed before this returns). Returns True when it saved."""
+        done, then save ``step`` when it is due -- every ``train.save_interval`` steps, at each step of
+        ``checkpoint.save_steps``, and at the last step with ``checkpoint.save_at_end`` (committed before this
+        returns). Returns True when it saved."""
         self.commit_finished()
         every = self.save_interval
-        if (every and step % every == 0) or (last_step and self.save_at_end):
-            self.save(step, END_OF_RUN if last_step else "train.save_interval")
+        if (every and step % every == 0) or step in self.save_steps or (last_step and self.save_at_end):
+            reason = "checkpoint.save_steps" if step in self.save_steps else "train.save_interval"
+            self.save(step, END_OF_RUN if last_step else reason)
             return True
         return False
 

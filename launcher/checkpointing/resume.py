@@ -10,6 +10,7 @@ from pathlib import Path
 
 from k2.config.errors import ConfigError
 from k2.config.validate import resume_settings
+from k2.launcher.checkpointing.branch import check_branch_schedule
 from k2.launcher.checkpointing.manifest import MANIFEST_FILE, REQUIRED, STATE_FILE
 from k2.launcher.checkpointing.paths import (
     CHECKPOINTS,
@@ -66,7 +67,7 @@ def _show(value) -> str:
 
 
 def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dict, force: bool,
-                            path) -> list[str]:
+                            path, unguarded: tuple[str, ...] = ()) -> list[str]:
     """Refuse a resume that would silently change training or that the checkpoint cannot serve.
 
     A weights-only checkpoint (``"weights_only": true`` in ``k2_state.json``, written by ``k2-convert
@@ -78,6 +79,8 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
         saved_cfg / cfg: the resolved configs (dicts) of the checkpoint's run and of this run.
         layout: this run's ``{"pp", "vpp", "ep", "dp", "world_size"}``.
         force: ``resume.force``: accept changes of guarded settings (never a layout change).
+        unguarded: guarded sections left to another check (a branch's ``schedule``:
+            :func:`k2.launcher.checkpointing.branch.check_branch_schedule`).
 
     Returns:
         The accepted changes of guarded settings (to be logged), empty when none.
@@ -111,7 +114,7 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
             f"{saved['world_size']} (DP={saved['dp']})"
         )
     changes = []
-    for key in GUARDED:
+    for key in (k for k in GUARDED if k not in unguarded):
         changes += _diff(_select(saved_cfg, key), _select(cfg, key), key)
     # the datasets' paths are compared by contents instead (k2.launcher.training.resume_data)
     changes = [c for c in changes if not _DATA_PATH_KEY.fullmatch(c.split(":", 1)[0])]
@@ -161,9 +164,11 @@ def plan_resume(cfg, layout: dict) -> Path | None:
 
     ``resume.from=PATH`` -> that checkpoint; ``resume=auto`` (default) -> ``<run.dir>/checkpoints/latest``
     when it exists, the newest checkpoint that verifies when ``latest`` is missing, empty or names
-    nothing complete (:func:`k2.launcher.checkpointing.paths.resume_point`); otherwise a fresh start,
-    also in a run dir whose run was killed before its first save (``resume=never`` refuses any non-empty
-    run dir).
+    nothing complete (:func:`k2.launcher.checkpointing.paths.resume_point`); otherwise
+    ``resume.branch_from=PATH``'s checkpoint when set (a cooldown branch of another run:
+    :mod:`k2.launcher.checkpointing.branch`; its schedule may differ after the checkpoint's step only);
+    otherwise a fresh start, also in a run dir whose run was killed before its first save
+    (``resume=never`` refuses any non-empty run dir).
 
     Raises:
         ConfigError: see :func:`k2.config.validate.resume_settings`, :func:`read_state`,
@@ -182,12 +187,15 @@ def plan_resume(cfg, layout: dict) -> Path | None:
             raise ConfigError(f"resume=never and run.dir={run_dir} is not empty; choose a new run.dir "
                               "or drop resume=never to resume from its latest checkpoint")
         return None
+    branch = False
     if settings["from"] is not None:
         path = resume_from_path(settings["from"])
     else:
         # a run killed before its first save (metrics.jsonl, no checkpoint) starts afresh: the trainer
         # sets its records aside and counts their time as lost (k2.launcher.training.goodput)
         path, _ = resume_point(run_dir)
+        if path is None and settings["branch_from"] is not None:  # a branch's first start
+            path, branch = resume_from_path(settings["branch_from"]), True
         if path is None:
             return None
     state = read_state(path)
@@ -195,7 +203,19 @@ def plan_resume(cfg, layout: dict) -> Path | None:
     unsafe = metadata_problem(path)  # whatever checkpoint.verify says: safety, not integrity
     if unsafe:
         raise unsafe_checkpoint_error(path, [unsafe])
-    saved_cfg = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=True)
+    saved = OmegaConf.load(path / CONFIG_FILE)
+    saved_cfg = OmegaConf.to_container(saved, resolve=True)
     check_resume_compatible(state, saved_cfg, OmegaConf.to_container(cfg, resolve=True), layout,
-                            bool(settings["force"]), path)
+                            bool(settings["force"]), path, unguarded=("schedule",) if branch else ())
+    if branch:
+        check_branch_schedule(cfg, saved.schedule, int(state["step"]), path)
     return path
+
+
+def is_branch_start(cfg, resume_from: Path | None) -> bool:
+    """True when ``resume_from`` (from :func:`plan_resume`) is ``resume.branch_from``'s checkpoint: the run
+    starts as a branch (not from a checkpoint of its own run dir)."""
+    if resume_from is None or resume_settings(cfg.resume)["branch_from"] is None:
+        return False
+    own = (Path(cfg.run.dir) / CHECKPOINTS).resolve()
+    return not Path(resume_from).resolve().is_relative_to(own)

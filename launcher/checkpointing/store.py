@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -223,7 +224,7 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
 
 
 def commit_save(partial: Path, final: Path, step: int, entries: dict, state: dict, config_yaml: str,
-                keep_last: int, keep_every: int | None) -> Path:
+                keep_last: int, keep_every: int | None, keep_steps: Collection[int] = ()) -> Path:
     """Collective, second half of a save (every shard and megatron's metadata written): rank 0 gets
     every rank's manifest ``entries`` (its shards' sizes and checksums), writes ``k2_state.json``,
     ``config.yaml`` and the manifest, renames ``partial`` to ``final``, points ``latest`` at it and
@@ -255,7 +256,7 @@ def commit_save(partial: Path, final: Path, step: int, entries: dict, state: dic
         tmp = root / (LATEST + ".tmp")
         tmp.write_text(final.name + "\n")
         os.replace(tmp, root / LATEST)
-        prune(root, keep_last, keep_every)
+        prune(root, keep_last, keep_every, keep_steps)
 
     agree(f"committing checkpoint step {step} in {partial}", publish)
     return final
@@ -269,7 +270,7 @@ def shard_entries(partial: Path, write_buckets) -> dict:
 
 
 def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, config_yaml: str,
-                    keep_last: int, keep_every: int | None) -> Path:
+                    keep_last: int, keep_every: int | None, keep_steps: Collection[int] = ()) -> Path:
     """Write checkpoint ``iter_<step>`` on every rank and make it ``latest`` once all ranks are done
     (synchronously; in the background: :mod:`k2.launcher.checkpointing.background`).
 
@@ -279,7 +280,7 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
         model: the DDP-wrapped model chunks; optimizer: the megatron optimizer.
         state: JSON-able run state for ``k2_state.json`` (rank 0's value is written).
         config_yaml: the resolved config.
-        keep_last / keep_every: retention (see :func:`prune`).
+        keep_last / keep_every / keep_steps: retention (see :func:`prune`).
 
     Returns:
         The path of the complete checkpoint.
@@ -301,7 +302,7 @@ def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, con
         return shard_entries(partial, buckets)
 
     entries = agree(what, write)
-    return commit_save(partial, final, step, entries, state, config_yaml, keep_last, keep_every)
+    return commit_save(partial, final, step, entries, state, config_yaml, keep_last, keep_every, keep_steps)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -349,15 +350,17 @@ def verify_checkpoint(path, level: str) -> float:
     return seconds
 
 
-def prune(root: Path, keep_last: int, keep_every: int | None) -> list[str]:
-    """Delete complete checkpoints except the newest ``keep_last`` and every step that is a multiple of
-    ``keep_every``; the one ``latest`` names is always kept. Returns the names removed."""
+def prune(root: Path, keep_last: int, keep_every: int | None, keep_steps: Collection[int] = ()) -> list[str]:
+    """Delete complete checkpoints except the newest ``keep_last``, every step that is a multiple of
+    ``keep_every`` and every step of ``keep_steps`` (``checkpoint.save_steps``: a sweep trunk's branch
+    points); the one ``latest`` names is always kept. Returns the names removed."""
     root = Path(root)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
     names = saved_checkpoint_names(root)
     keep = set(names[-keep_last:]) if keep_last > 0 else set()
     if keep_every:
         keep |= {n for n in names if int(n.split("_")[1]) % keep_every == 0}
+    keep |= {n for n in names if int(n.split("_")[1]) in set(keep_steps)}
     if latest:
         keep.add(latest)
     removed = [n for n in names if n not in keep]

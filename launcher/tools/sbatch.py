@@ -355,11 +355,21 @@ def submit_script(cfg: K2Config, text: str) -> int:
     Returns:
         0 when submitted; 1 when ``sbatch`` is missing, the script cannot be written, or sbatch refuses it.
     """
+    return 0 if submit_job(cfg, text) is not None else 1
+
+
+def submit_job(cfg: K2Config, text: str, after: Sequence[str] = ()) -> str | None:
+    """:func:`submit_script`, returning the job id (None when it failed, the reason on stderr).
+
+    Args:
+        after: job ids this job starts after, each finished successfully (``sbatch --dependency=afterok:...``;
+            a job requeued after preemption keeps its id, so the dependency waits for its final end).
+    """
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         print(f"{_PROG}: error: sbatch not found on PATH; run k2-submit on a Slurm login node, or add "
               "submit.dry_run=true to print the script", file=sys.stderr)
-        return 1
+        return None
     rdir = Path(run_dir(cfg))
     try:
         rdir.mkdir(parents=True, exist_ok=True)
@@ -367,13 +377,15 @@ def submit_script(cfg: K2Config, text: str) -> int:
         script.write_text(text)
     except OSError as e:
         print(f"{_PROG}: error: cannot write the script into run.dir={rdir}: {e}", file=sys.stderr)
-        return 1
-    r = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
+        return None
+    dependency = [f"--dependency=afterok:{':'.join(after)}"] if after else []
+    r = subprocess.run([sbatch, "--parsable", *dependency, str(script)], capture_output=True, text=True)
     if r.returncode != 0:
         print(f"{_PROG}: error: sbatch {script} failed (exit {r.returncode}): {r.stderr.strip()}",
               file=sys.stderr)
-        return 1
+        return None
     job_id = r.stdout.strip().split(";")[0]
     print(job_id)
-    print(f"{_PROG}: submitted job {job_id}: script {script}, log {rdir}/slurm-{job_id}.out", file=sys.stderr)
-    return 0
+    waits = f", after job {', '.join(after)}" if after else ""
+    print(f"{_PROG}: submitted job {job_id}{waits}: script {script}, log {rdir}/slurm-{job_id}.out", file=sys.stderr)
+    return job_id

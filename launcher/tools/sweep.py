@@ -1,59 +1,49 @@
-"""Sparsity sweep: K2's sparsity scaling experiment as one command (docs/k2_reference.md, "Model": at fixed
-activated parameters and top-k, grow the number of experts; sparsity = experts / top-k).
+"""``k2-train -m``: run a sparsity sweep's grid on this machine (:mod:`k2.launcher.tools.sweep_grid` says
+which runs; ``k2-submit -m`` submits the same runs to Slurm instead, :mod:`k2.launcher.tools.sweep_submit`).
 
-``k2-train -m +experiment=sparsity_sweep`` (``-m`` / ``--multirun``, Hydra's multirun flag) runs one
-training per ``sweep.sparsities`` entry, one after another on this machine; ``k2-submit -m
-+experiment=sparsity_sweep`` submits one Slurm job per point instead. A point differs from the base config
-only in ``model.num_moe_experts = sparsity x model.moe_router_topk`` (expert width and shared expert
-unchanged, so the activated parameters and the GEMM FLOPs per token are the same; the router's
-``2 h E`` FLOPs per token grow with E and are reported apart), and has a stable run dir
-``<sweep.dir>/sparsity_<S>``: a re-run of the same command skips the finished points and resumes the
-others from their checkpoints (:mod:`k2.launcher.checkpointing`). Every point is validated (layout, EP vs expert
-count, schedule) before anything runs; an error names the point.
+Every run of the grid is checked as ``k2-train`` would check it before anything trains; then trunks and
+their cooldown branches (cells) train as ordinary ``k2-train`` processes, ``sweep.jobs`` at a time, a branch
+only once its trunk has saved its branch point. The command is resumable: finished cells are skipped,
+partial ones resume from their own checkpoints, a trunk resumes from its latest. A failed run is named with
+its log while the rest go on (its branches are skipped and named); the exit status says whether all finished.
+SIGTERM / SIGUSR1 / SIGINT to the sweep are passed on as SIGTERM to the runs in flight, which save and stop;
+the sweep then exits 42 (re-run the same command to continue).
 
-The sweep is expanded here rather than by Hydra's BasicSweeper because a point is *derived* from the
-sparsity (experts = sparsity x top-k) and must be validated and skipped-if-finished as a whole; the points
-are ordinary ``k2-train`` runs with Hydra overrides, so each one can also be run or resubmitted by hand.
-
-``k2-sweep-report SWEEP_DIR`` (:mod:`k2.launcher.tools.sweep_report`) collects the points' metrics into a
-table and a plot.
+Each run writes its output to ``<run dir>/k2-train.log``; a finished cell gets ``cell.json`` (its wall-clock,
+the trunk's up to its branch point, the peak resident memory of its process, its final validation loss).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
-from k2.launcher.checkpointing.paths import latest_checkpoint, read_state
-from k2.launcher.training import fork_ranks
+from k2.launcher.tools.sweep_grid import (
+    CELL_FILE,
+    Cell,
+    Grid,
+    Trunk,
+    build_grid,
+    cell_status,
+    trunk_status,
+    write_grid_manifest,
+)
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
-from k2.launcher.training.prepare import prepare_run
 from k2.model.flops import TRAINING_FACTOR, flops_per_token
 
-if TYPE_CHECKING:
-    from k2.config.schema import ModelConfig
-
 MULTIRUN_FLAGS = ("-m", "--multirun")
-
-
-@dataclass(frozen=True)
-class Point:
-    """One sweep point: its sparsity, expert count, run dir and the full ``k2-train`` overrides."""
-
-    sparsity: int
-    experts: int
-    run_dir: str
-    overrides: tuple
-
-    @property
-    def name(self) -> str:
-        return f"sparsity_{self.sparsity}"
+LOG_FILE = "k2-train.log"
+_PROG = "k2-train -m"
 
 
 def split_multirun(argv: Sequence[str]) -> tuple[bool, list[str]]:
@@ -63,132 +53,249 @@ def split_multirun(argv: Sequence[str]) -> tuple[bool, list[str]]:
     return multirun, [a for a in args if a not in MULTIRUN_FLAGS]
 
 
-def sweep_points(overrides: Sequence[str]) -> tuple[object, list[Point]]:
-    """The base config and the points of the sweep it declares (``sweep.*``).
-
-    Raises:
-        ConfigError: no ``sweep.sparsities``, a sparsity < 1, duplicates, or a model without experts.
-    """
-    cfg = load_config(list(overrides))
-    sw = cfg.sweep
-    if not sw.sparsities:
-        raise ConfigError("k2-train -m needs sweep.sparsities (e.g. +experiment=sparsity_sweep); "
-                          "allowed: a list of integers >= 1")
-    sparsities = [int(s) for s in sw.sparsities]
-    if min(sparsities) < 1 or len(set(sparsities)) != len(sparsities):
-        raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
-    if not cfg.model.num_moe_experts:
-        raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
-                          "model.num_moe_experts=null")
-    topk = int(cfg.model.moe_router_topk)
-    base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in
-            ("model.num_moe_experts", "run.dir", "run.wandb.group", "run.wandb.name")]
-    points = []
-    for s in sparsities:
-        run_dir = str(Path(sw.dir) / f"sparsity_{s}")
-        points.append(Point(s, s * topk, run_dir, tuple(base + [
-            f"model.num_moe_experts={s * topk}", f"run.dir={run_dir}",
-            f"run.wandb.group={sw.name}", f"run.wandb.name={sw.name}-sparsity_{s}"])))
-    return cfg, points
-
-
-def gemm_flops_per_token(model_cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token of everything but the router (the part the sweep keeps fixed)."""
-
-    f = flops_per_token(model_cfg, seq_length)
-    terms = f.terms()
+def gemm_flops_per_token(model_cfg, seq_length: int) -> float:
+    """Training FLOPs per token of everything but the router (the part the arms keep equal)."""
+    terms = flops_per_token(model_cfg, seq_length).terms()
     return TRAINING_FACTOR * (sum(terms.values()) - terms["router"])
 
 
-def check_points(points: list[Point], world_size_of) -> dict:
-    """Validate every point as ``k2-train`` would (no process starts) and confirm equal activated FLOPs.
+def run_overrides_for_check(overrides: Sequence[str]) -> list[str]:
+    """A run's overrides without ``resume.branch_from`` (a branch's trunk may not have saved yet)."""
+    return [o for o in overrides if not o.startswith("resume.branch_from=")]
+
+
+def check_grid(grid: Grid, world_size_of) -> None:
+    """Check every trunk and cell as ``k2-train`` would (no process starts) and the arms' equal FLOPs.
 
     Args:
-        world_size_of: cfg -> the world size the point will run with.
-
-    Returns:
-        ``{point name: plan}``.
+        world_size_of: cfg -> the world size the run will have.
 
     Raises:
-        ConfigError: naming the point (sparsity and expert count) and the setting.
+        ConfigError: naming the run (its dir) and the setting.
     """
+    from k2.launcher.training.prepare import prepare_run
 
-    plans, flops = {}, {}
-    for p in points:
+    flops = {}
+    for name, ovr in [(t.run_dir, t.overrides) for t in grid.trunks] + [(c.run_dir, c.overrides) for c in grid.cells]:
         try:
-            cfg = load_config(list(p.overrides))
-            plans[p.name] = prepare_run(cfg, world_size_of(cfg))
+            cfg = load_config(run_overrides_for_check(ovr))
+            plan = prepare_run(cfg, world_size_of(cfg))
         except ConfigError as e:
-            raise ConfigError(f"sweep point sparsity={p.sparsity} (model.num_moe_experts={p.experts}, "
-                              f"run.dir={p.run_dir}): {e}") from None
-        seq = plans[p.name].schedule.step_phase(1).seq_length
-        flops[p.name] = gemm_flops_per_token(cfg.model, seq)
-    if len(set(flops.values())) != 1:
-        raise ConfigError(f"sweep points differ in FLOPs per token beyond the router: {flops}")
-    return plans
+            raise ConfigError(f"sweep run {name}: {e}") from None
+        size = next((part for part in Path(name).parts if part in cfg.sweep.sizes), None)
+        flops.setdefault(size, set()).add(gemm_flops_per_token(cfg.model, plan.schedule.step_phase(1).seq_length))
+    unequal = {k: v for k, v in flops.items() if len(v) != 1}
+    if unequal:
+        raise ConfigError(f"sweep arms differ in FLOPs per token beyond the router: {unequal}")
 
 
-def point_status(point: Point, plan) -> str:
-    """``finished`` (a checkpoint at the run's last step), ``partial`` (an earlier checkpoint) or ``new``."""
+@dataclass
+class Task:
+    """One ``k2-train`` of the grid: a trunk, or a cell (whose ``after`` is its trunk's task name)."""
 
-    ck = latest_checkpoint(point.run_dir)
-    if ck is None:
-        return "new"
-    return "finished" if int(read_state(ck)["step"]) >= plan.steps else "partial"
-
-
-def set_aside_unresumable(point: Point) -> Path | None:
-    """A point killed before its first checkpoint left metrics but nothing to resume from: move its run dir
-    to ``<run_dir>.stale-<time>`` so the point starts again. Returns the new path, or None."""
-
-    rd = Path(point.run_dir)
-    if rd.exists() and (rd / "metrics.jsonl").exists() and latest_checkpoint(rd) is None:
-        dest = rd.with_name(f"{rd.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
-        rd.rename(dest)
-        return dest
-    return None
+    name: str
+    run_dir: Path
+    overrides: tuple[str, ...]
+    cell: Cell | None = None
+    after: str | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    started: float = 0.0
+    rc: int | None = None
+    peak_rss_bytes: int | None = None
 
 
-def _run_point(point: Point) -> int:
-    """``k2-train <point overrides>`` in a child forked from this process (which imported the trainer once
-    for every point: :func:`k2.launcher.training.fork_ranks.preimport`); SIGTERM/SIGUSR1/SIGINT sent to
-    the sweep are passed on to it (so a killed sweep stops its point with a checkpoint instead of
-    orphaning it), and the child dies with the sweep. Returns the point's exit status."""
-    return fork_ranks.launch(1, ["-m", "k2.launcher.train", *point.overrides], rank_env=False)
+def plan_tasks(grid: Grid) -> tuple[list[Task], dict[str, str]]:
+    """The unfinished runs in training order (each trunk, then its cells) and the status of every run."""
+    tasks, status = [], {}
+
+    def rel(p: Path) -> str:
+        return os.path.relpath(p, grid.dir)
+
+    for trunk in grid.trunks:
+        cells = grid.cells_of(trunk)
+        cstat = {rel(c.run_dir): cell_status(c) for c in cells}
+        tstat = "finished" if all(s == "finished" for s in cstat.values()) else trunk_status(trunk)
+        status[rel(trunk.run_dir)] = tstat
+        status.update(cstat)
+        if tstat != "finished":
+            tasks.append(Task(rel(trunk.run_dir), trunk.run_dir, trunk.overrides))
+        for c in cells:
+            if cstat[rel(c.run_dir)] != "finished":
+                tasks.append(Task(rel(c.run_dir), c.run_dir, c.overrides, cell=c,
+                                  after=rel(trunk.run_dir) if tstat != "finished" else None))
+    return tasks, status
+
+
+def _records(run_dir: Path) -> list[dict]:
+    out = []
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a torn last record of a killed run
+                continue
+    return out
+
+
+def _machine() -> dict:
+    """The CPU that finished a cell (``/proc/cpuinfo``'s model name), its cores, the threads per run."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None)
+    except OSError:
+        cpu = None
+    return {"cpu": cpu or platform.processor(), "cpu_count": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "host": platform.node()}
+
+
+def write_cell_file(cell: Cell, peak_rss_bytes: int | None) -> dict:
+    """``cell.json`` of a finished cell: its own wall-clock and the trunk's up to the branch point (from the
+    runs' goodput clocks in ``metrics.jsonl``), its process's peak resident memory, its final loss."""
+    recs = _records(cell.run_dir)
+    at_branch = next((r for r in recs if r.get("step") == cell.branch_step), {})
+    last = recs[-1] if recs else {}
+    trunk_s = at_branch.get("time_total_s")
+    info = {"status": "finished", "tokens": last.get("consumed_tokens"), "final_val_loss": last.get("val_loss"),
+            "wall_clock_s": (last["time_total_s"] - trunk_s) if trunk_s and "time_total_s" in last else None,
+            "trunk_wall_clock_s": trunk_s, "peak_rss_bytes": peak_rss_bytes, "machine": _machine()}
+    tmp = cell.run_dir / (CELL_FILE + ".tmp")
+    tmp.write_text(json.dumps(info, indent=1) + "\n")
+    os.replace(tmp, cell.run_dir / CELL_FILE)
+    return info
+
+
+class Runner:
+    """Trains the tasks of :func:`plan_tasks`, ``jobs`` at a time (see the module docstring)."""
+
+    def __init__(self, tasks: list[Task], jobs: int):
+        self.pending, self.jobs = list(tasks), jobs
+        self.running: list[Task] = []
+        self.done: dict[str, int] = {}  # task name -> exit status (None-free)
+        self.stopping: str | None = None
+        self.total, self.started_count = len(tasks), 0
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        if self.jobs > 1 and "OMP_NUM_THREADS" not in env:  # the cores shared among the runs at once
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
+        return env
+
+    def _start(self, task: Task) -> None:
+        task.run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(task.run_dir / LOG_FILE, "ab")
+        task.proc = subprocess.Popen([sys.executable, "-m", "k2.launcher.train", *task.overrides], stdout=log,
+                                     stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        log.close()
+        task.started = time.time()
+        self.running.append(task)
+        self.started_count += 1
+        print(f"{_PROG}: [{self.started_count}/{self.total}] {task.name}: started (log {task.run_dir / LOG_FILE})",
+              flush=True)
+
+    def _poll(self, task: Task) -> bool:
+        pid, status, usage = os.wait4(task.proc.pid, os.WNOHANG)
+        if pid == 0:
+            return False
+        task.rc = os.waitstatus_to_exitcode(status)
+        task.proc.returncode = task.rc
+        task.peak_rss_bytes = int(usage.ru_maxrss) * 1024  # Linux: KiB
+        return True
+
+    def _finished(self, task: Task) -> None:
+        self.running.remove(task)
+        self.done[task.name] = task.rc
+        took = time.time() - task.started
+        if task.rc == 0:
+            extra = ""
+            if task.cell is not None:
+                info = write_cell_file(task.cell, task.peak_rss_bytes)
+                if info["final_val_loss"] is not None:
+                    extra = f", val_loss {info['final_val_loss']:.4f}"
+            print(f"{_PROG}: {task.name}: finished in {took:.0f} s{extra}", flush=True)
+        elif task.rc == REQUEUE_EXIT_CODE:
+            print(f"{_PROG}: {task.name}: stopped with a checkpoint (exit {task.rc})", flush=True)
+        else:
+            print(f"{_PROG}: {task.name}: FAILED (exit {task.rc}) after {took:.0f} s; its log: "
+                  f"{task.run_dir / LOG_FILE}", file=sys.stderr, flush=True)
+
+    def stop(self, signum, _frame=None) -> None:
+        """A signal to the sweep: no new run starts; the ones in flight get SIGTERM (they save and stop)."""
+        self.stopping = signal.Signals(signum).name
+        for t in self.running:
+            try:
+                os.killpg(t.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _ready(self) -> Task | None:
+        for t in self.pending:
+            dep = self.done.get(t.after) if t.after else 0
+            if t.after and t.after not in self.done:
+                continue
+            self.pending.remove(t)
+            if dep != 0:  # its trunk failed or stopped
+                self.done[t.name] = -1
+                if dep != REQUEUE_EXIT_CODE:
+                    print(f"{_PROG}: {t.name}: skipped (its trunk {t.after} did not finish)", file=sys.stderr)
+                continue
+            return t
+        return None
+
+    def run(self) -> dict[str, int]:
+        """Train every task; returns ``{task name: exit status}`` (-1: skipped)."""
+        while (self.pending and not self.stopping) or self.running:
+            while not self.stopping and len(self.running) < self.jobs:
+                task = self._ready()
+                if task is None:
+                    break
+                self._start(task)
+            for t in list(self.running):
+                if self._poll(t):
+                    self._finished(t)
+            time.sleep(0.5)
+        return self.done
 
 
 def run_sweep(overrides: Sequence[str]) -> int:
-    """``k2-train -m ...``: validate all points, then run the unfinished ones one after another.
+    """``k2-train -m ...``: check every run, then train the unfinished ones.
 
     Returns:
-        0 when every point finished; the failing point's exit status otherwise (42 = preempted: re-run
-        the same command to continue); 2 for a config error (nothing ran).
+        0 when every cell finished; 42 when stopped by a signal or a run was preempted (re-run the same
+        command to continue); 1 when a run failed (the others ran); 2 for a config error (nothing ran).
     """
-
     try:
-        cfg, points = sweep_points(overrides)
-        for p in points:
-            moved = set_aside_unresumable(p)
-            if moved:
-                print(f"k2-train -m: {p.name}: no checkpoint to resume from; old run moved to {moved}")
-        plans = check_points(points, lambda c: c.launch.nproc_per_node)
+        _, grid = build_grid(overrides)
+        check_grid(grid, lambda c: c.launch.nproc_per_node)
     except ConfigError as e:
         print(f"k2-train: error: {e}", file=sys.stderr)
         return 2
-    status = {p.name: point_status(p, plans[p.name]) for p in points}
-    print(f"k2-train -m: sweep '{cfg.sweep.name}' in {cfg.sweep.dir}: "
-          + ", ".join(f"{p.name} (E={p.experts}): {status[p.name]}" for p in points), flush=True)
-    if any(s != "finished" for s in status.values()):
-        fork_ranks.preimport()  # once for all the points (~8 s of CPU each otherwise)
-    for i, p in enumerate(points, 1):
-        if status[p.name] == "finished":
-            continue
-        print(f"k2-train -m: [{i}/{len(points)}] {p.name}: k2-train {' '.join(p.overrides)}", flush=True)
-        rc = _run_point(p)
-        if rc != 0:
-            what = "was preempted" if rc == REQUEUE_EXIT_CODE else f"failed (exit {rc})"
-            print(f"k2-train -m: {p.name} {what}; re-run the same command to continue the sweep",
-                  file=sys.stderr)
-            return rc
-    print(f"k2-train -m: all {len(points)} points finished; report: k2-sweep-report {cfg.sweep.dir}")
+    write_grid_manifest(grid)
+    tasks, status = plan_tasks(grid)
+    counts = {s: list(status.values()).count(s) for s in ("finished", "partial", "new")}
+    print(f"{_PROG}: sweep '{grid.name}' in {grid.dir}: {len(grid.trunks)} trunks, {len(grid.cells)} cells "
+          f"({counts['finished']} runs finished, {counts['partial']} partial, {counts['new']} new); "
+          f"{len(tasks)} to train, {grid.jobs} at a time", flush=True)
+    runner = Runner(tasks, grid.jobs)
+    handlers = {s: signal.signal(s, runner.stop) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        done = runner.run()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    failed = [n for n, rc in done.items() if rc not in (0, REQUEUE_EXIT_CODE, -1)]
+    skipped = [n for n, rc in done.items() if rc == -1]
+    if runner.stopping or any(rc == REQUEUE_EXIT_CODE for rc in done.values()):
+        print(f"{_PROG}: stopped ({runner.stopping or 'a run was preempted'}); re-run the same command to "
+              "continue the sweep", file=sys.stderr)
+        return REQUEUE_EXIT_CODE
+    if failed:
+        print(f"{_PROG}: {len(failed)} run(s) failed: {', '.join(failed)}"
+              + (f"; skipped (their trunk failed): {', '.join(skipped)}" if skipped else "")
+              + "; the others finished; fix the cause and re-run the same command", file=sys.stderr)
+        return 1
+    print(f"{_PROG}: all {len(grid.cells)} cells finished; report: k2-sweep-report {grid.dir}")
     return 0
+
+
+__all__ = ["Runner", "Task", "Trunk", "check_grid", "plan_tasks", "run_sweep", "split_multirun"]

@@ -35,10 +35,13 @@ class PhaseData:
     switch -- reads the same samples.
 
     Args:
-        seed: ``run.seed`` (megatron's dataset shuffle seed).
+        seed: ``data.seed`` (null: ``run.seed``), megatron's dataset shuffle seed.
         eval_iters: ``train.eval_iters`` (validation global batches indexed per build).
         plan: the run's plan (datasets, schedule, steps, layout).
         dp_rank: this rank's data-parallel index.
+        index_tokens: ``data.index_tokens``: index at least this many training tokens per stretch (megatron
+            shuffles the samples over the whole index, whose size therefore decides their order); None =
+            the stretch's own.
 
     Attributes:
         phase: the phase served now; first_step: first step of its stretch; samples_before: ``o`` above;
@@ -46,8 +49,9 @@ class PhaseData:
         phase's sequence length; iters: one iterator per model chunk.
     """
 
-    def __init__(self, seed: int, eval_iters: int, plan: RunPlan, dp_rank: int):
+    def __init__(self, seed: int, eval_iters: int, plan: RunPlan, dp_rank: int, index_tokens: int | None = None):
         self.seed, self.eval_iters, self.plan, self.dp_rank = int(seed), int(eval_iters), plan, dp_rank
+        self.index_tokens = index_tokens
         self.phase = None
         self.key = None
         self.first_step = 1
@@ -88,7 +92,8 @@ class PhaseData:
             self.data = self.phase_data(phase)
             self.train_ds, self.valid_ds = build_datasets(
                 self.data, phase.seq_length, self.seed,
-                train_samples=sum(b - a + 1 for _, a, b in same) * G,
+                train_samples=max(sum(b - a + 1 for _, a, b in same) * G,
+                                  -(-int(self.index_tokens or 0) // phase.seq_length)),
                 valid_samples=max(1, self.eval_iters) * G,
             )
             self.key, self.first_step, rebuilt = key, first, True

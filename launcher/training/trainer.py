@@ -34,8 +34,10 @@ from omegaconf import OmegaConf
 from k2.config import to_yaml
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.background import abandon_in_flight_save
+from k2.launcher.checkpointing.branch import seed_branch_run_dir
 from k2.launcher.checkpointing.manager import END_OF_RUN, RUN_STATE, CheckpointManager
 from k2.launcher.checkpointing.paths import latest_checkpoint, resume_point
+from k2.launcher.checkpointing.resume import is_branch_start
 from k2.launcher.checkpointing.store import remove_partial_saves, verify_checkpoint
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
@@ -98,6 +100,8 @@ class Trainer:
     def __init__(self, cfg, plan: RunPlan, env: DistEnv, preemption: Preemption):
         self.cfg, self.plan, self.env, self.preemption = cfg, plan, env, preemption
         self.run_dir = Path(cfg.run.dir)
+        # resume.branch_from's checkpoint, at a branch's first start (launcher/checkpointing/branch.py)
+        self.branched = is_branch_start(cfg, plan.resume_from)
         self.config_yaml = to_yaml(cfg)
         self.rank = 0
         self.record: dict = {}
@@ -178,7 +182,9 @@ class Trainer:
         self.pipeline, self.qk_clip, scheduler = parts.pipeline, parts.qk_clip, parts.scheduler
         self.all_routes = [None] * dist.get_world_size()
         dist.all_gather_object(self.all_routes, parts.routes)
-        self.data = PhaseData(cfg.run.seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank())
+        data_seed = cfg.run.seed if cfg.data.seed is None else cfg.data.seed  # data.seed: null = run.seed
+        self.data = PhaseData(data_seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank(),
+                              index_tokens=cfg.data.index_tokens)
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name,
@@ -187,9 +193,12 @@ class Trainer:
 
     def prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save and the requeue marker of
-        the previous run are removed."""
+        the previous run are removed; a branch's first start copies the trunk's records up to the branch
+        point and writes ``branch.json``."""
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.branched:
+                seed_branch_run_dir(self.run_dir, self.plan.resume_from, self.plan.resume_step)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
             remove_partial_saves(self.run_dir)
             (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
@@ -207,6 +216,9 @@ class Trainer:
         """Load ``plan.resume_from`` (if any) through the checkpoint manager; enter the phase of the next
         step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
         note = self.checkpointer.restore(self.env.world_size)
+        if self.branched:  # a wandb run of its own, not the trunk's continued
+            self.state.wandb_run_id = None
+            note = f"branched from {self.plan.resume_from} (step {self.state.step}): {note}"
         self.forward_backward = get_forward_backward_func()
         if self.pipeline is not None:  # W drained during p2p, event trace
             self.forward_backward = self.pipeline.wrap(self.forward_backward, self.tcfg, self.model,

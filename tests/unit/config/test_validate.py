@@ -85,12 +85,14 @@ def test_cross_section_rules_in_one_place():
 
 
 def test_resume_settings_defaults_and_errors():
-    assert V.resume_settings(None) == {"mode": "auto", "from": None, "force": False}
+    assert V.resume_settings(None) == {"mode": "auto", "from": None, "force": False, "branch_from": None}
     assert V.resume_settings("never")["mode"] == "never"
     with pytest.raises(ConfigError, match="resume=never contradicts resume.from"):
         V.resume_settings({"mode": "never", "from": "/x"})
     with pytest.raises(ConfigError, match="unknown setting resume.frm"):
         V.resume_settings({"frm": 3})
+    with pytest.raises(ConfigError, match="resume.branch_from .* contradicts resume=never and resume.from"):
+        V.resume_settings({"from": "/x", "branch_from": "/y"})
 
 
 def test_ep_overlap_runs_in_the_phases_without_whole_layer_recompute():

@@ -120,13 +120,13 @@ class _Clock:
 
 
 def _manager(monkeypatch, tmp_path, events: list, **checkpoint) -> CheckpointManager:
-    def save_checkpoint(run_dir, step, model, optimizer, state, config_yaml, keep_last, keep_every):
+    def save_checkpoint(run_dir, step, model, optimizer, state, config_yaml, keep_last, keep_every, keep_steps=()):
         events.append(("write", step, state["reason"], state["step"]))
         return Path(run_dir) / "checkpoints" / f"iter_{step:07d}"
 
     monkeypatch.setattr(manager, "save_checkpoint", save_checkpoint)
     section = SimpleNamespace(**{"async_save": False, "keep_last": 2, "keep_every": None, "save_at_end": True,
-                                 **checkpoint})
+                                 "save_steps": [], **checkpoint})
     parts = _parts(monkeypatch)
     watchdog = SimpleNamespace(progress=lambda kind, step: events.append((kind, step)),
                                keep_alive=lambda: None)
@@ -153,6 +153,17 @@ def test_saves_every_interval_and_at_the_end_and_reports_after_the_stall(monkeyp
     assert ckpt.in_flight_step is None
 
 
+def test_saves_at_each_of_checkpoint_save_steps(monkeypatch, tmp_path):
+    """A sweep's trunk saves exactly at its branch points (``checkpoint.save_steps``) besides the interval."""
+    events: list = []
+    ckpt = _manager(monkeypatch, tmp_path, events, save_steps=[3, 7])
+    saved = [s for s in range(1, 9) if ckpt.maybe_save(s, last_step=False)]
+    assert saved == [2, 3, 4, 6, 7, 8]
+    reasons = {e[1]: e[2] for e in events if e[0] == "write"}
+    assert reasons == {2: "train.save_interval", 3: "checkpoint.save_steps", 4: "train.save_interval",
+                       6: "train.save_interval", 7: "checkpoint.save_steps", 8: "train.save_interval"}
+
+
 def test_no_periodic_or_end_save_when_switched_off(monkeypatch, tmp_path):
     events: list = []
     ckpt = _manager(monkeypatch, tmp_path, events, save_at_end=False)
@@ -170,7 +181,7 @@ def test_latest_is_the_run_s_newest_checkpoint_or_the_one_it_resumed_from(monkey
 class _Background:
     """BackgroundSaver's surface: a save stays in flight until ``poll`` finds its (simulated) writers done."""
 
-    def __init__(self, run_dir, keep_last, keep_every, on_commit, on_write_progress=None):
+    def __init__(self, run_dir, keep_last, keep_every, on_commit, on_write_progress=None, keep_steps=()):
         self.on_commit, self.in_flight, self.done, self.events = on_commit, None, False, None
 
     def save(self, step, why, model, optimizer, state, config_yaml):

@@ -144,6 +144,8 @@ def test_prune_keeps_last_k_every_m_and_latest(tmp_path):
     left = sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir())
     assert left == [40, 50, 90, 100]
     assert len(removed) == 6
+    prune(root, keep_last=1, keep_every=None, keep_steps=[50])  # a sweep trunk's branch point stays
+    assert sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir()) == [40, 50, 100]
 
 
 def test_replayed_metrics_are_set_aside(tmp_path):
