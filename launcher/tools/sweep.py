@@ -65,7 +65,9 @@ def run_overrides_for_check(overrides: Sequence[str]) -> list[str]:
 
 
 def check_grid(grid: Grid, world_size_of) -> None:
-    """Check every trunk and cell as ``k2-train`` would (no process starts) and the arms' equal FLOPs.
+    """Check every run as ``k2-train`` would (no process starts) and the arms' equal FLOPs: each trunk
+    whole (:func:`k2.launcher.training.prepare.prepare_run`), each of its cells' schedules on the trunk's
+    layout (a cell differs from its trunk only in the schedule after the branch point and its run dir).
 
     Args:
         world_size_of: cfg -> the world size the run will have.
@@ -73,16 +75,23 @@ def check_grid(grid: Grid, world_size_of) -> None:
     Raises:
         ConfigError: naming the run (its dir) and the setting.
     """
+    from omegaconf import OmegaConf
+
     from k2.launcher.training.prepare import prepare_run
+    from k2.schedules.resolve import resolve_schedule
 
     flops = {}
-    for name, ovr in [(t.run_dir, t.overrides) for t in grid.trunks] + [(c.run_dir, c.overrides) for c in grid.cells]:
+    for trunk in grid.trunks:
+        name = trunk.run_dir
         try:
-            cfg = load_config(run_overrides_for_check(ovr))
+            cfg = load_config(run_overrides_for_check(trunk.overrides))
             plan = prepare_run(cfg, world_size_of(cfg))
+            for cell in grid.cells_of(trunk):
+                name = cell.run_dir
+                resolve_schedule(OmegaConf.merge(cfg, {"schedule": {"phases": list(cell.phases)}}), plan.dims)
         except ConfigError as e:
             raise ConfigError(f"sweep run {name}: {e}") from None
-        size = next((part for part in Path(name).parts if part in cfg.sweep.sizes), None)
+        size = trunk.size
         flops.setdefault(size, set()).add(gemm_flops_per_token(cfg.model, plan.schedule.step_phase(1).seq_length))
     unequal = {k: v for k, v in flops.items() if len(v) != 1}
     if unequal:
@@ -181,11 +190,15 @@ class Runner:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
         return env
 
+    def command(self, task: Task) -> list[str]:
+        """The process of ``task``: ``k2-train <its overrides>`` in this interpreter."""
+        return [sys.executable, "-m", "k2.launcher.train", *task.overrides]
+
     def _start(self, task: Task) -> None:
         task.run_dir.mkdir(parents=True, exist_ok=True)
         log = open(task.run_dir / LOG_FILE, "ab")
-        task.proc = subprocess.Popen([sys.executable, "-m", "k2.launcher.train", *task.overrides], stdout=log,
-                                     stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        task.proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                                     start_new_session=True)
         log.close()
         task.started = time.time()
         self.running.append(task)

@@ -76,6 +76,7 @@ class Cell:
         last_step: its last step, ``budget_tokens / B``.
         run_dir: ``<trunk dir>/../budget_<budget_tokens>``.
         overrides: the full ``k2-train`` overrides.
+        phases: its ``schedule.phases`` (the trunk's up to the branch point, then the cooldown).
     """
 
     trunk: Trunk
@@ -84,6 +85,7 @@ class Cell:
     last_step: int
     run_dir: Path
     overrides: tuple[str, ...]
+    phases: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,11 @@ def _trunk_and_cells(cfg, base: list[str], size_ovr: list[str], who: tuple, budg
         decay = {"name": "cooldown", "until_tokens": budget, "lr_style": cooldown["style"],
                  "lr_start": constant.get("lr_start"), "lr_end": cooldown["lr_end"]}
         run_dir = root / f"budget_{budget}"
+        phases = [*_with_constant_until(warmup, constant, step * B), decay]
         cells.append(Cell(trunk, budget, step, budget // B, run_dir, tuple([
             *common, f"run.dir={run_dir}", f"run.wandb.name={label}-budget_{budget}",
-            "schedule.phases=" + hydra_value([*_with_constant_until(warmup, constant, step * B), decay]),
-            f"resume.branch_from={checkpoints_dir(trunk.run_dir) / iter_name(step)}"])))
+            "schedule.phases=" + hydra_value(phases),
+            f"resume.branch_from={checkpoints_dir(trunk.run_dir) / iter_name(step)}"]), tuple(phases)))
     return trunk, cells
 
 

@@ -36,7 +36,7 @@ def sweep_costs(grid: Grid) -> list[dict]:
             cfg = load_config(run_overrides_for_check(trunk.overrides))
             rep = plan_cluster(cfg).report
             seen[key] = {"arm": trunk.arm, "size": trunk.size, "experts": trunk.experts, "fits": bool(rep["fits"]),
-                         "memory_per_gpu_gib": rep["memory_per_gpu_bytes"] / _GIB,
+                         "memory_per_gpu_gib": rep["memory_per_gpu_bytes"]["total"] / _GIB,
                          "gpu_memory_gib": rep["gpu_memory_bytes"] / _GIB, "gpus": int(rep["world_size"]),
                          "step_time_s": float(rep["step_time_s_estimated"]), "grid_steps": 0, "separate_steps": 0}
             rows.append(seen[key])

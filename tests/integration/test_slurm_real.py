@@ -136,28 +136,45 @@ def test_sbatch_job_killed_before_its_first_save_then_requeued_mid_run_has_the_u
     assert recs[-1]["time_replayed_s"] > 0 and recs[-1]["goodput"] < 1
 
 
-def test_two_point_sweep_is_two_jobs_with_stable_run_dirs(slurm, tmp_path, stdlib_corpus):
-    """`k2-submit -m` submits one job per sparsity point, each into its own run dir; a second submission
-    of the finished sweep submits nothing."""
+def test_a_two_arm_two_budget_grid_submits_its_branches_after_their_trunks(slurm, tmp_path, stdlib_corpus):
+    """`k2-submit -m` submits a 2-arm x 2-budget grid as 2 trunk jobs and 4 branch jobs, each branch with
+    --dependency=afterok on its trunk's job: every branch starts after its trunk has ended (with its branch
+    points saved); k2-sweep-report reads the result; a second submission of the finished grid submits
+    nothing."""
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "+experiment=sparsity_sweep", "parallel=single", "sweep.sparsities=[2,4]",
-            "train.iters=3", "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled",
-            "cluster.nodes=1", "cluster.gpus_per_node=1", "submit.request_gpus=false", "submit.time=30",
+    args = ["-m", "+experiment=sparsity_sweep", "sweep.sparsities=[1,4]", "sweep.seeds=[1]",
+            "sweep.budgets_tokens=[10240,20480]", "schedule.global_batch_tokens=2048", "train.micro_batch_size=2",
+            "schedule.phases.0.steps=2", "train.eval_interval=1000", "train.eval_iters=1", "train.progress=false",
+            "run.wandb.mode=disabled", "model.vocab_size=4096", "data.vocab_size=4096", "cluster.nodes=1",
+            "cluster.gpus_per_node=1", "submit.request_gpus=false", "submit.time=30", "submit.cpus_per_task=1",
             f"sweep.dir={sweep_dir}"]
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
     submit = [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *args]
-    sub = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    sub = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert sub.returncode == 0, sub.stderr
+    assert "GPU-hours as trunks + cooldown branches" in sub.stderr, sub.stderr  # k2-plan's check came first
     jobs = sub.stdout.split()
-    assert len(jobs) == 2, sub.stdout
+    assert len(jobs) == 6, sub.stdout  # per arm: the trunk, then its two branches
     _wait(lambda: all(slurm.job_field(j, "JobState") in ("COMPLETED", "FAILED", "CANCELLED") for j in jobs),
-          600, lambda: f"jobs {jobs}", every=1)
-    assert [slurm.job_field(j, "JobState") for j in jobs] == ["COMPLETED", "COMPLETED"]
-    for s in (2, 4):
-        run_dir = sweep_dir / f"sparsity_{s}"
-        assert (run_dir / "pretrain.sbatch").read_text().count(f"run.dir={run_dir}") >= 1
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in recs] == [1, 2, 3]
-    again = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+          900, lambda: f"jobs {jobs}: " + " ".join(slurm.job_field(j, "JobState") for j in jobs), every=1)
+    assert [slurm.job_field(j, "JobState") for j in jobs] == ["COMPLETED"] * 6, [slurm.diagnose(j) for j in jobs]
+    for arm in (0, 1):
+        trunk, branches = jobs[3 * arm], jobs[3 * arm + 1:3 * arm + 3]
+        for b in branches:
+            assert slurm.job_field(b, "StartTime") >= slurm.job_field(trunk, "EndTime"), (b, trunk)
+    for s in (1, 4):
+        trunk_dir = sweep_dir / f"sparsity_{s}" / "seed_1" / "trunk"
+        for budget, step in ((10240, 4), (20480, 8)):
+            cell = sweep_dir / f"sparsity_{s}" / "seed_1" / f"budget_{budget}"
+            assert json.loads((cell / "branch.json").read_text())["trunk_step"] == step
+            assert (trunk_dir / "checkpoints" / f"iter_{step:07d}").is_dir()
+            assert [json.loads(x)["step"] for x in (cell / "metrics.jsonl").read_text().splitlines()] == \
+                list(range(0, budget // 2048 + 1))
+    rep = subprocess.run([sys.executable, "-c", "from k2.launcher.sweep_report import cli; cli()", str(sweep_dir)],
+                         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    cells = json.loads((sweep_dir / "sweep.json").read_text())["cells"]
+    assert len(cells) == 4 and all(c["finished"] for c in cells), cells
+    again = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.strip() == "", again.stdout + again.stderr
-    assert again.stderr.count("finished, not submitted") == 2
+    assert again.stderr.count("every branch finished, not submitted") == 2

@@ -106,21 +106,23 @@ def test_a_branch_is_the_run_of_its_schedule_from_scratch(grid, tmp_path):
 def test_a_branch_killed_midway_resumes_bitwise_and_a_second_run_trains_nothing(grid, tmp_path):
     sweep_dir, _ = grid
     mine = tmp_path / "sweep"
-    args = [*SHORT, "sweep.sparsities=[4]", "train.save_interval=2", f"sweep.dir={mine}"]
+    # saves at steps 18 and 20, each committed before the next step starts
+    args = [*SHORT, "sweep.sparsities=[4]", "train.save_interval=2", "checkpoint.async_save=false",
+            f"sweep.dir={mine}"]
     p = subprocess.Popen(rank_launch_cmd(1, ["-m", "k2.launcher.train"], ["-m", *args]), cwd=REPO,
                          env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = mine / CELL / "metrics.jsonl"
+    saved = mine / CELL / "checkpoints" / "iter_0000018"
     deadline = time.time() + 600
-    while time.time() < deadline and not (metrics.exists() and '"step": 19' in metrics.read_text()):
+    while time.time() < deadline and not saved.is_dir():
         assert p.poll() is None, p.communicate()[0][-3000:]
-        time.sleep(0.2)
-    # kill -9 the branch (its checkpoint at step 18 exists) and the sweep
+        time.sleep(0.05)
+    # kill -9 the branch (its checkpoint at step 18 exists, not yet its last) and the sweep
     for proc in psutil.process_iter(["cmdline"]):
         if any(str(mine / CELL) in a for a in (proc.info["cmdline"] or [])):
             os.killpg(proc.pid, signal.SIGKILL) if proc.pid == os.getpgid(proc.pid) else proc.kill()
     p.kill()
     p.communicate(timeout=60)
-    assert (mine / CELL / "checkpoints" / "iter_0000018").is_dir()
+    assert not (mine / CELL / "checkpoints" / "iter_0000020").exists(), "killed after its last step: retry"
     assert not (mine / CELL / "cell.json").exists()
     again = _sweep(args)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

@@ -1,0 +1,69 @@
+"""The grid's runner on one machine (launcher/tools/sweep.py ``Runner``): runs at most ``jobs`` at a time, a
+branch only after its trunk finished, a failed trunk named with its log while the other trunk's runs go on
+(its own branches skipped and named), a signal stopping the runs in flight. The runs are stand-in processes."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from k2.launcher.tools.sweep import Runner, Task
+
+
+def _tasks(root: Path) -> list[Task]:
+    out = []
+    for arm in ("a", "b"):
+        out.append(Task(f"{arm}/trunk", root / arm / "trunk", (arm, "trunk")))
+        out += [Task(f"{arm}/budget_{n}", root / arm / f"budget_{n}", (arm, "cell"), after=f"{arm}/trunk")
+                for n in (1, 2)]
+    return out
+
+
+class _Fake(Runner):
+    """Trunk ``a`` fails (exit 3); every other run sleeps briefly and succeeds; start order recorded."""
+
+    def __init__(self, tasks, jobs):
+        super().__init__(tasks, jobs)
+        self.order, self.peak = [], 0
+
+    def command(self, task):
+        self.order.append(task.name)
+        self.peak = max(self.peak, len(self.running) + 1)
+        code = 3 if task.name == "a/trunk" else 0
+        return [sys.executable, "-c", f"import time, sys; time.sleep(0.3); sys.exit({code})"]
+
+
+def test_a_failed_trunk_is_named_its_branches_skipped_and_the_rest_run(tmp_path, capsys):
+    runner = _Fake(_tasks(tmp_path), jobs=2)
+    done = runner.run()
+    assert done == {"a/trunk": 3, "a/budget_1": -1, "a/budget_2": -1, "b/trunk": 0, "b/budget_1": 0, "b/budget_2": 0}
+    assert runner.order.index("b/budget_1") > runner.order.index("b/trunk") and "a/budget_1" not in runner.order
+    assert runner.peak == 2  # sweep.jobs
+    err = capsys.readouterr().err
+    assert "a/trunk: FAILED (exit 3) after" in err and str(tmp_path / "a" / "trunk" / "k2-train.log") in err
+    assert "a/budget_1: skipped (its trunk a/trunk did not finish)" in err
+    assert not (tmp_path / "a" / "budget_1").exists()
+
+
+def test_a_signal_stops_the_runs_in_flight_and_starts_no_other(tmp_path):
+    class Slow(Runner):
+        def command(self, task):  # saves and exits 42 on SIGTERM, as k2-train does
+            return [sys.executable, "-c", "import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\ntime.sleep(60)"]
+
+    runner = Slow(_tasks(tmp_path), jobs=2)
+    import threading
+
+    def stop():
+        while len(runner.running) < 2:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        runner.stop(signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    t0 = time.time()
+    done = runner.run()
+    assert time.time() - t0 < 30 and runner.stopping == "SIGTERM"
+    assert done == {"a/trunk": 42, "b/trunk": 42}  # no branch started
