@@ -1,189 +1,421 @@
-"""``k2-sweep-report``'s engine: one row per sweep point (parameters, tokens, training FLOPs, final validation
-loss, the FLOPs to reach ``sweep.val_loss_target`` interpolated in log FLOPs between evaluations, the
-savings against the lowest sparsity), as CSV, Markdown and a plot of validation loss against FLOPs.
+"""``k2-sweep-report SWEEP_DIR``: the report of a sparsity sweep grid (arms x sizes x seeds x budgets, each
+budget a WSD cooldown branch of its trunk): per-arm fits with intervals, compute multipliers against the
+reference arm at target losses, paired loss differences, a leave-one-out check and "provisional" flags.
+
+Outputs (in SWEEP_DIR or ``--out``; each written to a temporary name and renamed, so a killed report never
+leaves a file that looks complete):
+
+* ``sweep_cells.csv``: one row per cell (arm, sparsity, experts, seed, budget, tokens, training FLOPs,
+  parameters total/active, final validation loss, fit residual, wall-clock, tokens/s, peak memory, expert
+  load, collapsed, in the fit, and the problem of a missing/unfinished/unreadable cell naming its file);
+* ``sweep.md``: the FLOP formula, the cells, the fits, the multipliers, the paired differences, the
+  leave-one-out check, the provisional reasons and the incomplete cells;
+* ``sweep.json``: all of it, machine-readable; the same inputs give the same bytes (fixed bootstrap seed, no
+  time stamps, paths relative to SWEEP_DIR);
+* ``sweep_loss_vs_flops.png`` and ``sweep_multiplier.png`` (:mod:`k2.launcher.tools.sweep_plots`).
+
+Public API: :func:`report_main(argv) <report_main>` -> exit status; :func:`write_report(grid, analysis,
+out_dir) <write_report>` -> ``{kind: path}``; :func:`summary_lines`; the pieces are
+:func:`k2.launcher.tools.sweep_collect.collect_grid` and :func:`k2.launcher.tools.sweep_analysis.analyze`.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import io
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from k2.launcher.tools.sweep_analysis import Analysis, ReportOptions, analyze, arm_label
+from k2.launcher.tools.sweep_collect import GridData, SweepInputError, collect_grid, read_grid_spec
 
-def _flops_to_target(curve: list[tuple[float, float]], target: float | None) -> float | None:
-    """Training FLOPs at which the validation loss first reaches ``target``, interpolated linearly in
-    log(FLOPs) between the two evaluations around the crossing; None when it never does."""
-    if target is None:
-        return None
-    prev = None
-    for f, v in curve:
-        if v <= target:
-            if prev is None or prev[1] == v or prev[0] <= 0:
-                return f
-            (f0, v0), (f1, v1) = prev, (f, v)
-            t = (v0 - target) / (v0 - v1)
-            return math.exp(math.log(f0) + t * (math.log(f1) - math.log(f0)))
-        prev = (f, v)
-    return None
+__all__ = ["FLOP_FORMULA", "cell_rows", "report_main", "summary_lines", "write_report"]
+
+FLOP_FORMULA = (
+    "C = sum over a cell's training steps (the trunk's up to the branch point, then the branch's) of "
+    "flops_per_token(cfg.model, seq_length).training x the step's tokens, each step at its own context length "
+    "(k2.model.flops): training = 3 x forward; forward per token = MLA projections + causal core attention "
+    "(s/2 keys per query) + dense SwiGLU FFNs + router 2 h E + the top-k routed experts + the shared expert "
+    "+ LM head 2 h V, per MoE/dense layer; a [m,k]x[k,n] product counts 2mkn, element-wise work 0.")
+
+#: what the intervals are worth with few seeds, as measured by the slow test
+#: tests/unit/launcher/tools/test_sweep_analysis.py::test_interval_coverage_on_synthetic_grids
+INTERVAL_CAVEAT = ("With few seeds these intervals are too narrow: on synthetic grids of 4 seeds (40 draws) a 95% "
+                   "interval held the true alpha in 85% of draws and the true multiplier in 79%; fewer seeds do worse "
+                   "(2 seeds give 3 distinct resamples).")
+
+CSV_COLUMNS = ("cell", "arm", "sparsity", "experts", "size", "seed", "budget_tokens", "status", "tokens", "flops",
+               "params_total", "params_active", "final_val_loss", "fit_residual_log", "wall_clock_s",
+               "trunk_wall_clock_s", "tokens_per_s", "peak_rss_bytes", "load_median", "load_max", "collapsed",
+               "in_fit", "problem")
 
 
-def collect(sweep_dir) -> list[dict]:
-    """One row per point directory under ``sweep_dir`` (``sparsity_*`` with config.yaml + metrics.jsonl).
-
-    Raises:
-        ValueError: no point directory.
-    """
-    from omegaconf import OmegaConf
-
-    from k2.model.flops import flops_per_token  # (here: --help must not wait for the model's imports)
-    from k2.model.params import count_params
-
+def cell_rows(grid: GridData, analysis: Analysis) -> list[dict]:
+    """One row per cell (:data:`CSV_COLUMNS`), grid.json's order; ``fit_residual_log``: ``ln L_obs - ln
+    L_fit`` of a cell in its arm's fit."""
+    resid = {}
+    for af in analysis.arms.values():
+        if af.fit is not None:
+            resid |= {c.label: r for c, r in zip(af.cells, af.fit.residuals)}
+    fitted = {c.label for af in analysis.arms.values() for c in af.cells}
     rows = []
-    dirs = sorted((d for d in Path(sweep_dir).glob("sparsity_*") if d.is_dir() and ".stale-" not in d.name),
-                  key=lambda d: int(d.name.split("_")[1]))
-    for d in dirs:
-        if not (d / "config.yaml").exists() or not (d / "metrics.jsonl").exists():
-            continue
-        cfg = OmegaConf.load(d / "config.yaml")
-        recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        params = count_params(cfg)
-        flops, curve, per_token, prev_tokens = 0.0, [], {}, 0
-        for r in recs:  # each step's tokens at its own context length
-            if r["step"] == 0:  # the evaluation before training: no FLOPs yet (a log-FLOPs curve)
-                continue
-            seq = int(r["seq_length"])
-            if seq not in per_token:
-                per_token[seq] = flops_per_token(cfg.model, seq).training
-            flops += per_token[seq] * (r["consumed_tokens"] - prev_tokens)
-            prev_tokens = r["consumed_tokens"]
-            if "val_loss" in r:
-                curve.append((flops, float(r["val_loss"])))
-        target = cfg.sweep.val_loss_target if "sweep" in cfg else None
-        rows.append({
-            "sparsity": int(cfg.model.num_moe_experts) // int(cfg.model.moe_router_topk),
-            "experts": int(cfg.model.num_moe_experts),
-            "topk": int(cfg.model.moe_router_topk),
-            "params_total": params.total,
-            "params_active": params.active,
-            "steps": recs[-1]["step"] if recs else 0,
-            "tokens": recs[-1]["consumed_tokens"] if recs else 0,
-            "flops": flops,
-            "final_val_loss": curve[-1][1] if curve else None,
-            "val_loss_target": target,
-            "flops_to_target": _flops_to_target(curve, target),
-            "curve": curve,
-            "run_dir": str(d),
-        })
-    if not rows:
-        raise ValueError(f"{sweep_dir}: no sweep point (sparsity_*/config.yaml + metrics.jsonl) found")
-    base = rows[0]["flops_to_target"]
-    for row in rows:
-        f = row["flops_to_target"]
-        row["flops_savings_vs_lowest"] = (base / f) if (base and f) else None
+    for c in grid.cells:
+        s = c.spec
+        rows.append({"cell": s.cell, "arm": s.arm, "sparsity": s.sparsity, "experts": s.experts, "size": s.size,
+                     "seed": s.seed, "budget_tokens": s.budget_tokens, "status": c.status, "tokens": c.tokens,
+                     "flops": c.flops, "params_total": c.params_total, "params_active": c.params_active,
+                     "final_val_loss": c.final_val_loss, "fit_residual_log": resid.get(c.label),
+                     "wall_clock_s": c.wall_clock_s, "trunk_wall_clock_s": c.trunk_wall_clock_s,
+                     "tokens_per_s": c.tokens_per_s, "peak_rss_bytes": c.peak_rss_bytes,
+                     "load_median": c.load_median, "load_max": c.load_max, "collapsed": c.collapsed,
+                     "in_fit": c.label in fitted, "problem": c.problem})
     return rows
 
 
-COLUMNS = ("sparsity", "experts", "params_total", "params_active", "tokens", "flops", "final_val_loss",
-           "flops_to_target", "flops_savings_vs_lowest")
+def _clean(v):
+    """JSON-safe: NaN/inf -> None, tuples -> lists (``json`` would write NaN, which is not JSON)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_clean(x) for x in v]
+    return v
 
 
-def _fmt(key: str, v) -> str:
-    if v is None:
-        return "not reached" if key in ("flops_to_target", "flops_savings_vs_lowest") else "-"
-    if key in ("flops", "flops_to_target"):
-        return f"{v:.3e}"
-    if key == "final_val_loss":
-        return f"{v:.4f}"
-    if key == "flops_savings_vs_lowest":
-        return f"{v:.2f}x"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+def _arm_json(af, analysis: Analysis) -> dict:
+    fit = af.fit.as_dict() if af.fit else None
+    return {"arm": af.arm, "label": arm_label(af.arm, af.sparsity), "sparsity": af.sparsity, "experts": af.experts,
+            "cells": [c.label for c in af.cells], "budgets": af.budgets, "loss_range": af.loss_range,
+            "excluded": [{"cell": c, "why": w} for c, w in af.excluded], "fit": fit, "error": af.error,
+            "intervals": af.intervals, "bootstrap_resamples": len(af.boot),
+            "bootstrap_failed": sum(b is None for b in af.boot), "provisional": af.provisional}
 
 
-def write_report(rows: list[dict], out_dir) -> dict:
-    """``sweep.csv``, ``sweep.md`` and ``sweep.png`` (validation loss vs training FLOPs, one curve per
-    sparsity, the target as a line) in ``out_dir``. Returns their paths."""
-    import csv
+def _per_token(grid: GridData) -> dict[str, dict]:
+    """Per arm, from its first cell read: training FLOPs per token at its last context length and the
+    router's share of them (the one term that differs between arms of equal activated parameters)."""
+    out = {}
+    for c in grid.cells:
+        if c.flops_per_token and c.spec.arm not in out:
+            out[c.spec.arm] = {"seq_length": c.seq_length, "training_flops_per_token": c.flops_per_token,
+                               "router_share": c.router_share}
+    return out
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def report_json(grid: GridData, analysis: Analysis) -> dict:
+    """Everything the report holds, as one JSON-ready dict (see the module docstring)."""
+    o, per_token = analysis.options, _per_token(grid)
+    cells = cell_rows(grid, analysis)
+    for row, c in zip(cells, grid.cells):
+        row |= {"curve": c.curve, "branch_point": c.branch_point, "branch_step": c.spec.branch_step,
+                "notes": c.notes}
+    spec = grid.spec
+    return _clean({
+        "grid": {"name": spec.name, "topk": spec.topk, "reference_arm": spec.reference_arm,
+                 "cooldown": spec.cooldown, "collapsed_load": spec.collapsed_load,
+                 "warmup_steps": spec.warmup_steps},
+        "options": {"reference": analysis.reference, "targets": list(o.targets) if o.targets else None,
+                    "irreducible": o.irreducible, "include_collapsed": o.include_collapsed,
+                    "n_bootstrap": o.n_bootstrap, "level": o.level, "rng_seed": o.rng_seed,
+                    "interval": "percentile, bootstrap over seeds (the same resample for every arm)"},
+        "flop_formula": FLOP_FORMULA, "flops_per_token": per_token, "seeds": analysis.seeds,
+        "cells": cells, "fits": {a: _arm_json(af, analysis) for a, af in analysis.arms.items()},
+        "targets": analysis.targets, "targets_note": analysis.targets_note,
+        "multipliers": analysis.multipliers, "paired_differences": analysis.paired,
+        "leave_one_out": analysis.loo,
+        "incomplete_cells": [{"cell": c.label, "status": c.status, "problem": c.problem} for c in grid.incomplete],
+        "provisional": {"overall": bool(analysis.provisional), "reasons": analysis.provisional},
+    })
+
+
+def _f(v, spec: str = "", none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return none
+    return format(v, spec)
+
+
+def _iv(iv, spec: str = ".4f") -> str:
+    return f"[{_f(iv[0], spec)}, {_f(iv[1], spec)}]" if iv else "-"
+
+
+def _table(head: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _md_cells(rows: list[dict]) -> list[str]:
+    head = ("cell", "sparsity", "experts", "seed", "budget tokens", "status", "tokens", "training FLOPs",
+            "params total / active", "final val loss", "fit residual (ln)", "wall-clock s (trunk s)", "tokens/s",
+            "peak RSS MiB", "expert load median / max", "collapsed", "in fit")
+    body = [(r["cell"], str(r["sparsity"]), str(r["experts"]), str(r["seed"]), f"{r['budget_tokens']:,}",
+             r["status"], _f(r["tokens"], ","), _f(r["flops"], ".4e"),
+             f"{_f(r['params_total'], ',')} / {_f(r['params_active'], ',')}", _f(r["final_val_loss"], ".4f"),
+             _f(r["fit_residual_log"], "+.4f"),
+             f"{_f(r['wall_clock_s'], '.0f')} ({_f(r['trunk_wall_clock_s'], '.0f')})",
+             _f(r["tokens_per_s"], ",.0f"), _f(r["peak_rss_bytes"] and r["peak_rss_bytes"] / 2**20, ",.0f"),
+             f"{_f(r['load_median'], '.2f')} / {_f(r['load_max'], '.2f')}",
+             {True: "**yes**", False: "no", None: "-"}[r["collapsed"]], "yes" if r["in_fit"] else "no")
+            for r in rows]
+    return _table(head, body)
+
+
+def _md_fits(analysis: Analysis) -> list[str]:
+    pct = f"{analysis.options.level:.0%}"
+    head = ["arm", "cells (budgets)", "alpha", f"alpha {pct}", "A", f"A {pct}"]
+    head += ["E", f"E {pct}"] if analysis.options.irreducible else []
+    head += ["rms residual (ln)", "max abs residual (ln)", "converged", "provisional"]
+    body = []
+    for af in analysis.arms.values():
+        if af.fit is None:
+            body.append([arm_label(af.arm, af.sparsity), f"{len(af.cells)} ({af.budgets})"]
+                        + ["-"] * (len(head) - 3) + ["; ".join(af.provisional)])
+            continue
+        law, res = af.fit.law, af.fit.residuals
+        row = [arm_label(af.arm, af.sparsity), f"{len(af.cells)} ({af.budgets})", f"{law.alpha:.4f}",
+               _iv(af.intervals.get("alpha")), f"{law.A:.4g}", _iv(af.intervals.get("A"), ".4g")]
+        if analysis.options.irreducible:
+            row += [f"{law.E:.4f}", _iv(af.intervals.get("E"))]
+        row += [f"{math.sqrt(sum(r * r for r in res) / len(res)):.4f}", f"{max(abs(r) for r in res):.4f}",
+                "yes" if af.fit.converged else f"**no** ({af.fit.message})", "; ".join(af.provisional) or "no"]
+        body.append(row)
+    return _table(head, body)
+
+
+def _md_comparisons(analysis: Analysis) -> list[str]:
+    pct = f"{analysis.options.level:.0%}"
+    lines = []
+    for base, rows in analysis.multipliers.items():
+        b = analysis.arms[base]
+        lines += ["", f"### Against {arm_label(base, b.sparsity)}", "",
+                  f"Compute multiplier C_{base}(L*) / C_arm(L*) (> 1: the arm needs fewer FLOPs to reach L*), "
+                  f"{pct} interval:", ""]
+        lines += _table(("arm", "L*", "multiplier", f"{pct} interval", "resamples", "L* inside both arms' data"),
+                        [(r["arm"], f"{r['target_loss']:g}", _f(r["multiplier"], ".3f") + "x",
+                          _iv(r["interval"], ".3f"), str(r["resamples"]), "yes" if r["inside_data"] else "**no**")
+                         for r in rows])
+        lines += [""] + [f"- {arm}: {_sign([r for r in rows if r['arm'] == arm])}"
+                         for arm in dict.fromkeys(r["arm"] for r in rows)]
+        lines += ["", "Paired final-loss difference, arm minus baseline, per seed (nats):", ""]
+        lines += _table(("arm", "size", "budget tokens", "seeds", "differences", "mean", "std. error"),
+                        [(r["arm"], str(r["size"] or "-"), f"{r['budget_tokens']:,}", str(r["seeds"]),
+                          ", ".join(f"{d:+.4f}" for d in r["differences"]) or "-", _f(r["mean"], "+.4f"),
+                          _f(r["stderr"], ".4f")) for r in analysis.paired[base]])
+    return lines
+
+
+def markdown(grid: GridData, analysis: Analysis) -> str:
+    """``sweep.md``'s text."""
+    o, n_fin = analysis.options, sum(c.status == "finished" for c in grid.cells)
+    prov = "**provisional**" if analysis.provisional else "final (no provisional reason)"
+    lines = [f"# Sparsity sweep `{grid.spec.name}`", "",
+             f"{n_fin} of {len(grid.cells)} cells finished; seeds {analysis.seeds}; reference arm "
+             f"{arm_label(analysis.reference, analysis.arms[analysis.reference].sparsity)}; this report is {prov}.",
+             "", "![loss vs FLOPs](sweep_loss_vs_flops.png) ![multiplier](sweep_multiplier.png)", "",
+             "## Method", "", f"Training FLOPs: {FLOP_FORMULA}", "",
+             f"Fit per arm: L = A * C^(-alpha){' + E' if o.irreducible else ''} on (training FLOPs, final "
+             "validation loss) of the finished cells, seeds pooled; Huber loss (delta 1e-3) of ln-loss residuals, "
+             "L-BFGS-B from a grid of starts (Besiroglu et al. 2024, arXiv 2404.10102). Intervals: "
+             f"{o.level:.0%} percentile intervals of {o.n_bootstrap} bootstrap resamples of the seeds (RNG seed "
+             f"{o.rng_seed}; every arm refitted on the same resample). {INTERVAL_CAVEAT} Collapsed cells (median "
+             f"moe_load_max_over_mean after step {grid.spec.warmup_steps} above {grid.spec.collapsed_load:g}) are "
+             + ("included." if o.include_collapsed else "left out.") + f" Targets: {analysis.targets_note}.",
+             ""]
+    lines += _table(("arm", "context length", "training FLOPs per token", "router share"),
+                    [(arm, str(v["seq_length"]), f"{v['training_flops_per_token']:.4e}", f"{v['router_share']:.2%}")
+                     for arm, v in _per_token(grid).items()])
+    lines += ["", "## Cells", ""] + _md_cells(cell_rows(grid, analysis))
+    lines += ["", "## Fits", ""] + _md_fits(analysis)
+    lines += ["", "## Comparisons"] + _md_comparisons(analysis)
+    lines += ["", "## Leave-one-out (each arm refitted without its largest budget, which it predicts)", ""]
+    lines += _table(("arm", "held-out budget tokens", "observed", "predicted", "error (nats)", "note"),
+                    [(r["arm"], _f(r.get("held_out_budget_tokens"), ","), _f(r.get("observed"), ".4f"),
+                      _f(r.get("predicted"), ".4f"), _f(r.get("error"), "+.4f"), r.get("note", ""))
+                     for r in analysis.loo])
+    lines += ["", "## Provisional", ""] + ([f"- {w}" for w in analysis.provisional] or ["- none"])
+    lines += ["", "## Missing, unfinished or unreadable cells", ""]
+    lines += [f"- {c.label}: {c.status}: {c.problem}" for c in grid.incomplete] or ["- none"]
+    notes = [n for c in grid.cells for n in c.notes]
+    lines += (["", "## Notes", ""] + [f"- {n}" for n in notes]) if notes else []
+    return "\n".join(lines) + "\n"
+
+
+def _sign(rows: list[dict]) -> str:
+    """One phrase for an arm's multipliers over the targets against one baseline."""
+    ms = [r["multiplier"] for r in rows if math.isfinite(r["multiplier"])]
+    if not ms:
+        return "no multiplier"
+    ivs = [r["interval"] for r in rows]
+    if all(m > 1 for m in ms):
+        resolved = all(iv and iv[0] > 1 for iv in ivs)
+        return "fewer FLOPs at every target" + (", every interval above 1" if resolved else
+                                                 " (not resolved: an interval reaches 1)")
+    if all(m < 1 for m in ms):
+        resolved = all(iv and iv[1] < 1 for iv in ivs)
+        return "more FLOPs at every target" + (", every interval below 1" if resolved else
+                                                " (not resolved: an interval reaches 1)")
+    return "mixed: fewer FLOPs at some targets, more at others"
+
+
+def summary_lines(grid: GridData, analysis: Analysis) -> list[str]:
+    """The short stdout summary: alphas, multipliers, signs against dense/reference and the lowest sparsity,
+    the provisional flag."""
+    pct, n_fin = f"{analysis.options.level:.0%}", sum(c.status == "finished" for c in grid.cells)
+    out = [f"sweep {grid.spec.name}: {n_fin} of {len(grid.cells)} cells finished, seeds {analysis.seeds}"]
+    out += [f"  {c.label}: {c.status}: {c.problem}" for c in grid.incomplete]
+    out.append(f"fits L = A * C^(-alpha){' + E' if analysis.options.irreducible else ''} ({pct} seed-bootstrap "
+               "intervals):")
+    for af in analysis.arms.values():
+        alpha = (f"alpha {af.fit.law.alpha:.4f} {_iv(af.intervals.get('alpha'))}" if af.fit else f"no fit ({af.error})")
+        out.append(f"  {arm_label(af.arm, af.sparsity)}: {alpha}"
+                   + (f" PROVISIONAL ({'; '.join(af.provisional)})" if af.provisional else ""))
+    for base, rows in analysis.multipliers.items():
+        label = arm_label(base, analysis.arms[base].sparsity)
+        out.append(f"multipliers C_base(L*) / C_arm(L*) against {label} (> 1: fewer FLOPs):")
+        for t in analysis.targets:
+            at = [f"{r['arm']} {_f(r['multiplier'], '.3f')}x {_iv(r['interval'], '.3f')}"
+                  for r in rows if r["target_loss"] == t]
+            out.append(f"  L* = {t:g}: " + "; ".join(at))
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            out.append(f"  sign: {arm} vs {label}: {_sign([r for r in rows if r['arm'] == arm])}")
+    out.append("provisional: " + (f"yes ({len(analysis.provisional)} reason(s), listed in sweep.md)"
+                                  if analysis.provisional else "no"))
+    return out
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(tmp_path)``, then rename onto ``path``: a killed report leaves no half-written file there."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_report(grid: GridData, analysis: Analysis, out_dir) -> dict[str, str]:
+    """Write the five outputs (module docstring) into ``out_dir``. Returns ``{csv, md, json, loss_png,
+    multiplier_png}`` -> path."""
+    from k2.launcher.tools.sweep_plots import plot_loss_vs_flops, plot_multipliers
 
     out = Path(out_dir)
-    with open(out / "sweep.csv", "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(COLUMNS)
-        for r in rows:
-            w.writerow(["" if r[c] is None else r[c] for c in COLUMNS])
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(c, r[c]) for c in COLUMNS) + " |" for r in rows]
-    (out / "sweep.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r["curve"]:
-            xs, ys = zip(*r["curve"])
-            ax.plot(xs, ys, marker="o", ms=3, label=f"sparsity {r['sparsity']} ({r['experts']} experts)")
-    target = rows[0]["val_loss_target"]
-    if target is not None:
-        ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Sparsity sweep: validation loss vs training FLOPs")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=120)
-    plt.close(fig)
-    return {k: str(out / f"sweep.{k}") for k in ("csv", "md", "png")}
+    paths = {"csv": out / "sweep_cells.csv", "md": out / "sweep.md", "json": out / "sweep.json",
+             "loss_png": out / "sweep_loss_vs_flops.png", "multiplier_png": out / "sweep_multiplier.png"}
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in cell_rows(grid, analysis))
+    _write_atomic(paths["csv"], lambda p: p.write_text(buf.getvalue()))
+    _write_atomic(paths["md"], lambda p: p.write_text(markdown(grid, analysis)))
+    text = json.dumps(report_json(grid, analysis), indent=1, sort_keys=True) + "\n"
+    _write_atomic(paths["json"], lambda p: p.write_text(text))
+    _write_atomic(paths["loss_png"], lambda p: plot_loss_vs_flops(grid, analysis, p))
+    _write_atomic(paths["multiplier_png"], lambda p: plot_multipliers(analysis, p))
+    return {k: str(v) for k, v in paths.items()}
 
 
-USAGE = """usage: k2-sweep-report SWEEP_DIR
-
-Read the sweep.dir of a `k2-train -m +experiment=sparsity_sweep` run (one sparsity_<S>/ run dir per point)
-and print one row per point (parameters, tokens, training FLOPs, final validation loss, the FLOPs to reach
-sweep.val_loss_target and the savings against the lowest sparsity); writes sweep.csv, sweep.md and sweep.png
-(validation loss against training FLOPs) into SWEEP_DIR.
-
-exit status: 0 done, 2 a bad argument or no sweep point in SWEEP_DIR
-"""
+class _UsageError(Exception):
+    """A bad argument: one line, exit 2."""
 
 
-def comparison_line(row: dict, base: dict) -> str:
-    """One line comparing a point's FLOPs to ``sweep.val_loss_target`` with the lowest sparsity's (``base``)."""
-    target, s = row["val_loss_target"], row["flops_savings_vs_lowest"]
-    if s:
-        return (f"sparsity {row['sparsity']} reaches val loss {target} with {s:.2f}x fewer FLOPs than sparsity "
-                f"{base['sparsity']}")
-    missed = [f"sparsity {r['sparsity']}" for r in (base, row) if r["flops_to_target"] is None]
-    return (f"sparsity {row['sparsity']}: FLOPs to val loss {target} not comparable with sparsity {base['sparsity']} "
-            f"({' and '.join(missed)} did not reach it)")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own prints the usage too; the brief error line is the contract
+        raise _UsageError(message)
 
 
-def report_main(argv: Sequence[str] | None = None) -> int:
-    """``k2-sweep-report SWEEP_DIR``: print the table and the FLOP savings; write CSV/Markdown/PNG there."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(USAGE, end="")
-        return 0
-    if len(args) != 1:
-        print(USAGE.splitlines()[0], file=sys.stderr)
-        print(f"k2-sweep-report: error: expected one SWEEP_DIR, got {len(args)} arguments", file=sys.stderr)
-        return 2
+def _targets(text: str) -> tuple[float, ...]:
     try:
-        rows = collect(args[0])
-    except ValueError as e:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': expected comma-separated losses, e.g. 3.4,3.3") from None
+    if not all(math.isfinite(v) and v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"'{text}': every target loss must be a finite number > 0")
+    return vals
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}': expected an integer >= 0")
+    return int(text)
+
+
+def _level(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': expected a number in (0, 1), e.g. 0.95")
+    return v
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="k2-sweep-report", description=(
+        "Report a sparsity sweep grid (SWEEP_DIR/grid.json and its cells): per-arm fits L = A * C^(-alpha) with "
+        "seed-bootstrap intervals, compute multipliers against the reference arm at target losses, paired loss "
+        "differences, a leave-one-out check, provisional flags. Writes sweep_cells.csv, sweep.md, sweep.json, "
+        "sweep_loss_vs_flops.png and sweep_multiplier.png. Exit status: 0 done (a partial grid too: its missing "
+        "cells are named), 2 a bad argument or no grid.json / no readable cell."))
+    p.add_argument("sweep_dir", metavar="SWEEP_DIR")
+    p.add_argument("--out", metavar="DIR", help="write the outputs here (default: SWEEP_DIR)")
+    p.add_argument("--reference", metavar="ARM", help="the baseline arm (default: grid.json's reference_arm)")
+    p.add_argument("--targets", type=_targets, metavar="L1,L2,...",
+                   help="target losses for the multipliers (default: 3 inside the overlap of the arms' losses)")
+    p.add_argument("--irreducible", action="store_true", help="fit L = E + A * C^(-alpha)")
+    p.add_argument("--include-collapsed", action="store_true", help="keep collapsed cells in the fits")
+    p.add_argument("--bootstrap", type=_count, default=1000, metavar="N", help="bootstrap resamples (default 1000)")
+    p.add_argument("--level", type=_level, default=0.95, help="interval level (default 0.95)")
+    p.add_argument("--seed", type=_count, default=0, help="the bootstrap's RNG seed (default 0)")
+    return p
+
+
+def _options(argv: list[str]) -> tuple[argparse.Namespace, ReportOptions]:
+    """Parse and check everything that needs no cell read (``--reference`` against grid.json).
+    Raises _UsageError or SweepInputError."""
+    a = _parser().parse_args(argv)
+    spec = read_grid_spec(a.sweep_dir)
+    if a.reference is not None and a.reference not in spec.arms:
+        raise _UsageError(f"--reference={a.reference}; allowed: {', '.join(spec.arms)}")
+    if a.out is not None:
+        try:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _UsageError(f"--out={a.out}: cannot create it ({e.strerror})") from None
+    return a, ReportOptions(reference=a.reference, targets=a.targets, irreducible=a.irreducible,
+                            include_collapsed=a.include_collapsed, n_bootstrap=a.bootstrap, level=a.level,
+                            rng_seed=a.seed)
+
+
+def report_main(argv: Sequence[str] | None = None, *, params_of=None) -> int:
+    """``k2-sweep-report SWEEP_DIR [--out DIR] [--reference ARM] [--targets L,..] [--irreducible]
+    [--include-collapsed] [--bootstrap N] [--level P] [--seed N]``.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        params_of: passed to :func:`~k2.launcher.tools.sweep_collect.collect_grid` (tests: a stand-in for
+            the parameter count, which imports megatron-core).
+
+    Returns:
+        0 done (a partial grid too), 2 a bad argument, no grid.json or no readable cell (one line on stderr).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(x in ("-h", "--help") for x in args):  # anywhere, as every k2 tool (k2.launcher.cli.HELP_FLAGS)
+        _parser().print_help()
+        return 0
+    try:
+        a, opts = _options(args)
+        grid = collect_grid(a.sweep_dir, params_of=params_of)
+    except (_UsageError, SweepInputError) as e:
         print(f"k2-sweep-report: error: {e}", file=sys.stderr)
         return 2
-    paths = write_report(rows, args[0])
-    print(Path(paths["md"]).read_text(), end="")
-    if rows[0]["val_loss_target"] is not None:
-        for r in rows[1:]:
-            print(comparison_line(r, rows[0]))
-    print(f"written: {paths['csv']}, {paths['md']}, {paths['png']}")
+    analysis = analyze(grid, opts)
+    paths = write_report(grid, analysis, a.out or a.sweep_dir)
+    print("\n".join(summary_lines(grid, analysis)))
+    print("written: " + ", ".join(paths.values()))
     return 0
 
 

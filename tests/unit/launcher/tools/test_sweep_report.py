@@ -1,115 +1,127 @@
-"""k2-sweep-report on synthetic sweep points (no training): the training-FLOPs sum over steps at two context
-lengths, the FLOPs to the target interpolated in log FLOPs (written out here in closed form), the savings
-column, "not reached", and a plot that really has the curves in it."""
+"""``k2-sweep-report`` end to end on fake grids: the five outputs and the summary, the same bytes on a second
+run, a half-finished grid reported with its incomplete cells named by file (exit 0, provisional), bad
+arguments refused in one line (exit 2), and the parameter count of the real model."""
 
 from __future__ import annotations
 
 import csv
 import json
-import math
+import shutil
 
+import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
-from k2.config.load import load_config
 from k2.launcher.sweep_report import main as report_main
-from k2.model.flops import flops_per_token
+from support.fake_sweep import fake_params, write_grid
 
-TARGET = 8.25
-# per point: (step, consumed tokens, seq_length, val_loss or None); step 0 is the evaluation before training
-STEPS = [(0, 0, 128, 8.50), (1, 2048, 128, None), (2, 4096, 128, 8.40), (3, 6144, 512, None),
-         (4, 8192, 512, None)]
-VAL_AT_4 = {2: 8.30, 4: 8.20, 8: 8.10}  # sparsity -> val loss at step 4
+OUTPUTS = ("sweep_cells.csv", "sweep.md", "sweep.json", "sweep_loss_vs_flops.png", "sweep_multiplier.png")
 
 
-def _point(sweep_dir, sparsity: int, val_at_4: float, val_at_2: float = 8.40):
-    cfg = load_config(["+experiment=sparsity_sweep", f"model.num_moe_experts={2 * sparsity}",
-                       f"sweep.val_loss_target={TARGET}"])
-    d = sweep_dir / f"sparsity_{sparsity}"
-    d.mkdir(parents=True)
-    OmegaConf.save(cfg, d / "config.yaml")
-    with open(d / "metrics.jsonl", "w") as f:
-        for step, tokens, seq, val in STEPS:
-            rec = {"step": step, "consumed_tokens": tokens, "seq_length": seq}
-            if step == 2:
-                val = val_at_2
-            if step == 4:
-                val = val_at_4
-            if val is not None:
-                rec["val_loss"] = val
-            f.write(json.dumps(rec) + "\n")
-    return cfg
+def _law(arm, seed, budget, flops):
+    """Sparsity 4 below dense by 2% of the loss, seeds 0.002 nats apart."""
+    return (0.98 if arm == "sparsity_4" else 1.0) * 5.0 * (flops / 1e10) ** -0.06 + 0.002 * seed
 
 
-def test_flops_sum_interpolation_and_savings(tmp_path, capsys):
-    cfgs = {s: _point(tmp_path, s, v) for s, v in VAL_AT_4.items()}
-    assert report_main([str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    rows = {int(r["sparsity"]): r for r in csv.DictReader(open(tmp_path / "sweep.csv"))}
-    assert sorted(rows) == [2, 4, 8]
-    f2 = {}
-    for s, cfg in cfgs.items():
-        short, long = (flops_per_token(cfg.model, n).training for n in (128, 512))
-        total = 2 * 2048 * short + 2 * 2048 * long  # steps 1-2 at seq 128, steps 3-4 at 512
-        assert float(rows[s]["flops"]) == pytest.approx(total, rel=1e-12)
-        at2, at4 = 2 * 2048 * short, total  # the FLOPs of the evaluations after steps 2 and 4
-        assert float(rows[s]["final_val_loss"]) == VAL_AT_4[s]
-        if VAL_AT_4[s] > TARGET:
-            assert rows[s]["flops_to_target"] == ""  # never reached
-            continue
-        # crossing between step 2 (8.40) and step 4: t = (8.40 - 8.25) / (8.40 - v4) of the way in log FLOPs
-        t = (8.40 - TARGET) / (8.40 - VAL_AT_4[s])
-        f2[s] = at2 ** (1 - t) * at4 ** t
-        assert float(rows[s]["flops_to_target"]) == pytest.approx(f2[s], rel=1e-9)
-        assert at2 < f2[s] < at4
-    # sparsity 2 never reached the target: no savings column, and the report says why
-    assert all(rows[s]["flops_savings_vs_lowest"] == "" for s in rows)
-    assert "not reached" in (tmp_path / "sweep.md").read_text()
-    assert ("sparsity 4: FLOPs to val loss 8.25 not comparable with sparsity 2 (sparsity 2 did not reach it)"
-            in out.splitlines()) and " with (" not in out
+@pytest.fixture
+def grid_dir(tmp_path):
+    write_grid(tmp_path, [1, 4], [1, 2], [4, 8, 16], _law)
+    return tmp_path
 
 
-def test_help_exits_0(capsys):
-    assert report_main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: k2-sweep-report SWEEP_DIR")
-    assert report_main([]) == 2 and "expected one SWEEP_DIR" in capsys.readouterr().err
+def run(argv, capsys):
+    rc = report_main([str(a) for a in argv], params_of=fake_params)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def test_savings_against_the_lowest_sparsity(tmp_path, capsys):
-    """All three reach the target; sparsity 2 right at its first evaluation after training (no
-    interpolation: the loss is already below it), the others in between."""
-    _point(tmp_path, 2, 8.20, val_at_2=8.24)
-    _point(tmp_path, 4, 8.10, val_at_2=8.30)
-    cfg8 = _point(tmp_path, 8, 8.05, val_at_2=8.26)
-    assert report_main([str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    rows = {int(r["sparsity"]): r for r in csv.DictReader(open(tmp_path / "sweep.csv"))}
-    short, long = (flops_per_token(cfg8.model, n).training for n in (128, 512))
-    f_of = {s: float(rows[s]["flops_to_target"]) for s in rows}
-    base = f_of[2]
-    # sparsity 2: step 2's evaluation (8.24) is the first at or below 8.25: exactly step 2's FLOPs
-    cfg2 = OmegaConf.load(tmp_path / "sparsity_2" / "config.yaml")
-    assert base == pytest.approx(2 * 2048 * flops_per_token(cfg2.model, 128).training, rel=1e-12)
-    # sparsity 8: 8.26 at step 2, 8.05 at step 4
-    t = (8.26 - TARGET) / (8.26 - 8.05)
-    at2, at4 = 2 * 2048 * short, 2 * 2048 * (short + long)
-    assert f_of[8] == pytest.approx(math.exp((1 - t) * math.log(at2) + t * math.log(at4)), rel=1e-9)
-    for s in (2, 4, 8):
-        assert float(rows[s]["flops_savings_vs_lowest"]) == pytest.approx(base / f_of[s], rel=1e-12)
-    assert float(rows[2]["flops_savings_vs_lowest"]) == 1.0
-    assert f"{base / f_of[4]:.2f}x fewer FLOPs than sparsity 2" in out
+def test_outputs_summary_and_same_numbers_twice(grid_dir, tmp_path_factory, capsys):
+    rc, out, err = run([grid_dir, "--bootstrap", "50"], capsys)
+    assert rc == 0 and err == ""
+    assert all((grid_dir / f).stat().st_size > 0 for f in OUTPUTS)
+    assert not list(grid_dir.glob(".*.tmp"))  # written under a temporary name, then renamed
+    lines = out.splitlines()
+    assert lines[0] == "sweep fake_sweep: 12 of 12 cells finished, seeds [1, 2]"
+    assert any(ln.startswith("  dense (sparsity 1): alpha 0.0600 [") for ln in lines)
+    assert "  sign: sparsity_4 vs dense (sparsity 1): fewer FLOPs at every target, every interval above 1" in lines
+    # sparsity 4 is 2% lower at every FLOPs with the same alpha: C_dense / C_4 = 0.98^(-1/0.06) at every loss
+    rep = json.loads((grid_dir / "sweep.json").read_text())
+    for r in rep["multipliers"]["sparsity_1"]:
+        assert r["multiplier"] == pytest.approx(0.98 ** (-1 / 0.06), rel=1e-4)
+    assert rep["provisional"] == {"overall": False, "reasons": []}
+    assert "C = sum over a cell's training steps" in rep["flop_formula"]
+    rows = list(csv.DictReader(open(grid_dir / "sweep_cells.csv")))
+    assert len(rows) == 12 and {r["in_fit"] for r in rows} == {"True"}
+    assert rows[0]["params_total"] == str(fake_params_of(rows[0]))
+    # a second run (into another dir) writes the same bytes
+    other = tmp_path_factory.mktemp("again")
+    assert run([grid_dir, "--bootstrap", "50", "--out", other], capsys)[0] == 0
+    for f in ("sweep_cells.csv", "sweep.md", "sweep.json"):
+        assert (other / f).read_bytes() == (grid_dir / f).read_bytes(), f
 
 
-def test_plot_has_one_curve_per_point_and_the_target_line(tmp_path, capsys):
+def fake_params_of(row) -> int:
+    return 1_000_000 + 50_000 * int(row["experts"])
+
+
+def test_the_loss_figure_has_every_arm_in_its_colour(grid_dir, capsys):
     import matplotlib.image as mpimg
-    import numpy as np
 
-    for s, v in VAL_AT_4.items():
-        _point(tmp_path, s, v)
-    assert report_main([str(tmp_path)]) == 0
-    img = mpimg.imread(tmp_path / "sweep.png")[..., :3]  # decoded pixels, not only the header
-    assert img.shape[0] > 300 and img.shape[1] > 500
-    # matplotlib's default cycle: C0 blue, C1 orange, C2 green for the three points
-    for rgb in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0x2C, 0xA0, 0x2C)):
-        close = np.all(np.abs(img - np.array(rgb) / 255.0) < 0.03, axis=-1)
-        assert close.sum() > 50, rgb
+    assert run([grid_dir, "--bootstrap", "0"], capsys)[0] == 0
+    img = mpimg.imread(grid_dir / "sweep_loss_vs_flops.png")[..., :3]  # decoded pixels, not only the header
+    for rgb in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):  # matplotlib's C0, C1: dense, sparsity 4
+        assert np.all(np.abs(img - np.array(rgb) / 255.0) < 0.03, axis=-1).sum() > 200, rgb
+
+
+def test_half_finished_grid_is_reported_with_its_incomplete_cells_named(grid_dir, capsys):
+    torn = grid_dir / "sparsity_4/seed_1/budget_8192/metrics.jsonl"  # torn mid-file
+    lines = torn.read_text().splitlines()
+    torn.write_text("\n".join(lines[:3] + [lines[3][:25]] + lines[4:]) + "\n")
+    (grid_dir / "sparsity_4/seed_2/budget_16384/cell.json").unlink()  # still running
+    shutil.rmtree(grid_dir / "sparsity_1/seed_2/budget_4096")  # never started
+    rc, out, err = run([grid_dir, "--bootstrap", "20"], capsys)
+    assert rc == 0 and err == ""
+    named = ["sparsity_4/seed_1/budget_8192/metrics.jsonl:4: not a valid metrics record",
+             "sparsity_4/seed_2/budget_16384/cell.json: absent (not finished)",
+             "sparsity_1/seed_2/budget_4096/: no such directory"]
+    md = (grid_dir / "sweep.md").read_text()
+    for text in named:
+        assert text in out and text in md
+    assert "9 of 12 cells finished" in out and "provisional: yes" in out
+    rep = json.loads((grid_dir / "sweep.json").read_text())
+    assert rep["provisional"]["overall"] is True
+    assert "sparsity_4: 2 cell(s) missing, unfinished or unreadable" in rep["provisional"]["reasons"]
+    assert {c["status"] for c in rep["incomplete_cells"]} == {"unreadable", "unfinished", "missing"}
+    assert rep["fits"]["sparsity_4"]["fit"]["alpha"] == pytest.approx(0.06, abs=1e-3)  # fitted on the rest
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: SWEEP_DIR"),
+    (["{d}", "--bogus"], "unrecognized arguments: --bogus"),
+    (["{d}", "--targets", "abc"], "argument --targets: 'abc': expected comma-separated losses"),
+    (["{d}", "--targets", "3.0,-1"], "every target loss must be a finite number > 0"),
+    (["{d}", "--level", "1.5"], "argument --level: '1.5': expected a number in (0, 1)"),
+    (["{d}", "--bootstrap", "-3"], "argument --bootstrap: '-3': expected an integer >= 0"),
+    (["{d}", "--reference", "dense"], "--reference=dense; allowed: sparsity_1, sparsity_4"),
+    (["{d}/nowhere"], "grid.json: no such file"),
+])
+def test_bad_arguments_exit_2_with_one_line(grid_dir, capsys, argv, message):
+    rc, out, err = run([a.format(d=grid_dir) for a in argv], capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("k2-sweep-report: error: ") and message in err, err
+
+
+def test_no_readable_cell_exits_2(grid_dir, capsys):
+    for d in grid_dir.glob("sparsity_*"):
+        shutil.rmtree(d)
+    rc, _, err = run([grid_dir], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "no readable cell among the 12 of grid.json" in err
+
+
+def test_help_and_the_real_parameter_count(tmp_path, capsys):
+    """The default parameter count is k2.model.params.count_params: k2_tiny at 8 experts, top-2."""
+    assert report_main(["SWEEP_DIR", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: k2-sweep-report")
+    write_grid(tmp_path, [4], [1], [4, 8], _law, reference="sparsity_4")
+    assert report_main([str(tmp_path), "--bootstrap", "0"]) == 0
+    row = next(csv.DictReader(open(tmp_path / "sweep_cells.csv")))
+    assert (row["params_total"], row["params_active"]) == ("2068992", "1626624")
