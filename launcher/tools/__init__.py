@@ -1,3 +1,5 @@
-"""Tools around training runs: the sparsity sweep (``sweep``, ``sweep_report``) and Slurm submission
-(``sbatch``; its hostlist helpers are :mod:`k2.parallel.hostlist`).
+"""Tools around training runs: the sparsity sweep (``sweep`` runs the grid; ``sweep_report`` reports it from
+``sweep_collect`` (reading the cells), ``sweep_fit`` (the power-law fit), ``sweep_analysis`` (intervals,
+multipliers, paired differences) and ``sweep_plots``) and Slurm submission (``sbatch``; its hostlist
+helpers are :mod:`k2.parallel.hostlist`).
 """

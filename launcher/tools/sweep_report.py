@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from k2.launcher.tools.sweep_analysis import Analysis, ReportOptions, analyze, arm_label
+from k2.launcher.tools.sweep_analysis import Analysis, ArmFit, ReportOptions, analyze, arm_label
 from k2.launcher.tools.sweep_collect import GridData, SweepInputError, collect_grid, read_grid_spec
 
 __all__ = ["FLOP_FORMULA", "cell_rows", "report_main", "summary_lines", "write_report"]
@@ -88,7 +88,7 @@ def _clean(v):
     return v
 
 
-def _arm_json(af, analysis: Analysis) -> dict:
+def _arm_json(af: ArmFit) -> dict:
     fit = af.fit.as_dict() if af.fit else None
     return {"arm": af.arm, "label": arm_label(af.arm, af.sparsity), "sparsity": af.sparsity, "experts": af.experts,
             "cells": [c.label for c in af.cells], "budgets": af.budgets, "loss_range": af.loss_range,
@@ -125,7 +125,7 @@ def report_json(grid: GridData, analysis: Analysis) -> dict:
                     "n_bootstrap": o.n_bootstrap, "level": o.level, "rng_seed": o.rng_seed,
                     "interval": "percentile, bootstrap over seeds (the same resample for every arm)"},
         "flop_formula": FLOP_FORMULA, "flops_per_token": per_token, "seeds": analysis.seeds,
-        "cells": cells, "fits": {a: _arm_json(af, analysis) for a, af in analysis.arms.items()},
+        "cells": cells, "fits": {a: _arm_json(af) for a, af in analysis.arms.items()},
         "targets": analysis.targets, "targets_note": analysis.targets_note,
         "multipliers": analysis.multipliers, "paired_differences": analysis.paired,
         "leave_one_out": analysis.loo,

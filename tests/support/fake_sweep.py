@@ -50,7 +50,7 @@ def write_grid(sweep_dir: Path, sparsities: list[int], seeds: list[int], budget_
     cells, out = [], {}
     for s in sparsities:
         arm, cfg = f"sparsity_{s}", model_config(s * TOPK)
-        per_token = flops_per_token(cfg.model, SEQ).training
+        per_token, text = flops_per_token(cfg.model, SEQ).training, OmegaConf.to_yaml(cfg)
         for seed in seeds:
             for steps in budget_steps:
                 budget = steps * STEP_TOKENS
@@ -58,7 +58,7 @@ def write_grid(sweep_dir: Path, sparsities: list[int], seeds: list[int], budget_
                 flops = per_token * budget
                 loss = final_loss(arm, seed, budget, flops)
                 lv = load(arm, seed, budget) if load else 1.2
-                write_cell(sweep_dir / name, cfg, steps, branch, loss, lv)
+                write_cell(sweep_dir / name, text, steps, branch, loss, lv)
                 cells.append({"cell": name, "arm": arm, "sparsity": s, "experts": s * TOPK, "size": None,
                               "seed": seed, "budget_tokens": budget, "branch_step": branch,
                               "trunk_dir": f"{arm}/seed_{seed}/trunk", "run_dir": name})
@@ -73,9 +73,10 @@ def write_grid(sweep_dir: Path, sparsities: list[int], seeds: list[int], budget_
 def write_cell(run_dir: Path, cfg, steps: int, branch_step: int, final_loss: float, load: float,
                finished: bool = True) -> None:
     """One cell's run dir: a step-0 evaluation, ``steps`` training records (val_loss every 4 steps, above
-    the final loss as a constant-LR trunk is, and the final loss at the last step)."""
+    the final loss as a constant-LR trunk is, and the final loss at the last step). ``cfg``: a config or
+    its YAML text."""
     run_dir.mkdir(parents=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
+    (run_dir / "config.yaml").write_text(cfg if isinstance(cfg, str) else OmegaConf.to_yaml(cfg))
     recs = [{"step": 0, "consumed_tokens": 0, "seq_length": SEQ, "val_loss": 8.3}]
     for i in range(1, steps + 1):
         rec = {"step": i, "consumed_tokens": i * STEP_TOKENS, "seq_length": SEQ, "lr": 1e-3, "loss": 6.0,
