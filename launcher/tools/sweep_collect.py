@@ -296,6 +296,21 @@ def _read_done(cell: Cell, path: Path) -> None:
         raise ValueError("finished, but metrics.jsonl has no val_loss")
 
 
+def _trained_to_budget(spec: CellSpec, records: list[dict]) -> bool:
+    """The cell's last record is its budget's last step, evaluated: finished, though no ``cell.json`` says so
+    (``k2-train -m`` writes that file; a cell run by ``k2-submit -m``'s Slurm jobs has none)."""
+    last = records[-1] if records else {}
+    return last.get("consumed_tokens") == spec.budget_tokens and last.get("val_loss") is not None
+
+
+def _wall_clock(spec: CellSpec, records: list[dict]) -> tuple[float | None, float | None]:
+    """The branch's own wall-clock and the trunk's up to the branch point, from the goodput clock of the
+    records (the branch's clock continues the trunk's checkpointed one)."""
+    at_branch = next((r for r in records if r.get("step") == spec.branch_step), {})
+    trunk_s, end_s = at_branch.get("time_total_s"), records[-1].get("time_total_s")
+    return (end_s - trunk_s if trunk_s is not None and end_s is not None else None), trunk_s
+
+
 def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Configs) -> Cell:
     """One cell's row; a file that cannot be read makes the cell ``unreadable`` with ``problem`` naming it."""
     d = sweep_dir / spec.run_dir
@@ -316,6 +331,9 @@ def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Config
         if finished:
             current = "cell.json"
             _read_done(cell, done_path)
+        elif _trained_to_budget(spec, records):  # a run that ended outside k2-train -m (e.g. a Slurm job)
+            cell.status, cell.problem = "finished", None
+            cell.wall_clock_s, cell.trunk_wall_clock_s = _wall_clock(spec, records)
     except Exception as e:  # any failure to read one cell is reported with its file; the grid goes on
         where = str(e) if str(e).startswith(spec.run_dir) else f"{spec.run_dir}/{current}: {type(e).__name__}: {e}"
         return Cell(spec, "unreadable", problem=where)

@@ -67,6 +67,8 @@ def test_incomplete_cells_are_named_with_their_files(tmp_path):
     torn = tmp_path / specs[1]["run_dir"] / "metrics.jsonl"  # a finished cell torn mid-file
     lines = torn.read_text().splitlines()
     torn.write_text("\n".join(lines[:4] + [lines[4][:20]] + lines[5:]) + "\n")
+    short = tmp_path / specs[2]["run_dir"] / "metrics.jsonl"  # no cell.json, and short of its budget
+    short.write_text("".join(x + "\n" for x in short.read_text().splitlines()[:-1]))
     cut = tmp_path / specs[3]["run_dir"]  # an unfinished cell killed mid-write: its last line torn
     (cut / "cell.json").unlink()
     (cut / "metrics.jsonl").write_text((cut / "metrics.jsonl").read_text()[:-15])
@@ -117,3 +119,19 @@ def test_no_grid_json_or_no_readable_cell(tmp_path):
     _grid(tmp_path, [_spec("sparsity_1", 1, 1, 8192)])
     with pytest.raises(SweepInputError, match="no readable cell among the 1 of grid.json"):
         collect_grid(tmp_path, params_of=fake_params)
+
+
+def test_a_cell_trained_to_its_budget_without_cell_json_is_finished(tmp_path):
+    """A cell run by k2-submit -m's Slurm jobs gets no cell.json (k2-train -m writes it): its metrics at its
+    budget's last step, evaluated, make it finished, its wall-clock read off the goodput clock."""
+    write_cell(tmp_path / "a", model_config(8), 8, 6, 5.0, 1.0, finished=False)
+    recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["time_total_s"] = 10.0 * r["step"]
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _grid(tmp_path, [_spec("sparsity_4", 4, 1, 8192, branch=6) | {"run_dir": "a"}], reference_arm="sparsity_4")
+    cell = collect_grid(tmp_path, params_of=fake_params).cells[0]
+    assert cell.status == "finished" and cell.problem is None and cell.final_val_loss == 5.0
+    assert (cell.wall_clock_s, cell.trunk_wall_clock_s) == (20.0, 60.0)
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:-1]))
+    assert collect_grid(tmp_path, params_of=fake_params).cells[0].status == "unfinished"  # short of its budget
