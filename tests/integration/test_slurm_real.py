@@ -174,7 +174,7 @@ def test_a_two_arm_two_budget_grid_submits_its_branches_after_their_trunks(slurm
                          cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stderr
     cells = json.loads((sweep_dir / "sweep.json").read_text())["cells"]
-    assert len(cells) == 4 and all(c["finished"] for c in cells), cells
+    assert len(cells) == 4 and all(c["status"] == "finished" for c in cells), cells
     again = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.strip() == "", again.stdout + again.stderr
     assert again.stderr.count("every branch finished, not submitted") == 2
