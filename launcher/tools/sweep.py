@@ -147,7 +147,7 @@ def _records(run_dir: Path) -> list[dict]:
     return out
 
 
-def _machine() -> dict:
+def _machine(threads: str | None) -> dict:
     """The CPU that finished a cell (``/proc/cpuinfo``'s model name), its cores, the threads per run."""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -155,10 +155,10 @@ def _machine() -> dict:
     except OSError:
         cpu = None
     return {"cpu": cpu or platform.processor(), "cpu_count": os.cpu_count(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "host": platform.node()}
+            "omp_num_threads": threads, "host": platform.node()}
 
 
-def write_cell_file(cell: Cell, peak_rss_bytes: int | None) -> dict:
+def write_cell_file(cell: Cell, peak_rss_bytes: int | None, threads: str | None = None) -> dict:
     """``cell.json`` of a finished cell: its own wall-clock and the trunk's up to the branch point (from the
     runs' goodput clocks in ``metrics.jsonl``), its process's peak resident memory, its final loss."""
     recs = _records(cell.run_dir)
@@ -167,7 +167,7 @@ def write_cell_file(cell: Cell, peak_rss_bytes: int | None) -> dict:
     trunk_s = at_branch.get("time_total_s")
     info = {"status": "finished", "tokens": last.get("consumed_tokens"), "final_val_loss": last.get("val_loss"),
             "wall_clock_s": (last["time_total_s"] - trunk_s) if trunk_s and "time_total_s" in last else None,
-            "trunk_wall_clock_s": trunk_s, "peak_rss_bytes": peak_rss_bytes, "machine": _machine()}
+            "trunk_wall_clock_s": trunk_s, "peak_rss_bytes": peak_rss_bytes, "machine": _machine(threads)}
     tmp = cell.run_dir / (CELL_FILE + ".tmp")
     tmp.write_text(json.dumps(info, indent=1) + "\n")
     os.replace(tmp, cell.run_dir / CELL_FILE)
@@ -222,7 +222,7 @@ class Runner:
         if task.rc == 0:
             extra = ""
             if task.cell is not None:
-                info = write_cell_file(task.cell, task.peak_rss_bytes)
+                info = write_cell_file(task.cell, task.peak_rss_bytes, self._env().get("OMP_NUM_THREADS"))
                 if info["final_val_loss"] is not None:
                     extra = f", val_loss {info['final_val_loss']:.4f}"
             print(f"{_PROG}: {task.name}: finished in {took:.0f} s{extra}", flush=True)
