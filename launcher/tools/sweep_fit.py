@@ -53,7 +53,7 @@ _BLAS: ThreadpoolController | None = None
 
 def _one_blas_thread():
     """A context that keeps the BLAS libraries on one thread. L-BFGS-B's few-by-few LAPACK calls wake
-    OpenBLAS's thread pool at every iteration: measured on a 2-core machine under load, one 4-start fit
+    OpenBLAS's thread pool at every iteration: measured on a 2-core Xeon under load, one 4-start fit
     took 0.62 s with the pool and 0.017 s on one thread. (The controller is made once, after scipy's
     BLAS is loaded: ``threadpoolctl`` only limits the libraries loaded when it looks.)"""
     global _BLAS

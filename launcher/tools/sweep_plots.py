@@ -34,6 +34,8 @@ def _colors(arms: list[str]) -> dict[str, str]:
 def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
     """Write the loss-vs-FLOPs figure (PNG) to ``path``."""
     plt = _pyplot()
+    from matplotlib import ticker
+
     colors = _colors(list(analysis.arms))
     fig, ax = plt.subplots(figsize=(8, 5))
     for cell in grid.cells:
@@ -56,12 +58,15 @@ def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
     for t in analysis.targets:
         ax.axhline(t, color="gray", ls=":", lw=0.8)
     ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())  # (labels at every minor tick of a short range overlap)
+    # labels at 1, 2 and 5 x 10^k: a sweep spans one or two decades, where matplotlib labels one tick or all
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.0e}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("training FLOPs (router included)")
     ax.set_ylabel("validation loss (nats)")
     ax.set_title(f"{grid.spec.name}: validation loss vs training FLOPs "
                  "(o finished, x collapsed, ^ branch point, : targets)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -258,7 +258,9 @@ def _sign(rows: list[dict]) -> str:
         resolved = all(iv and iv[1] < 1 for iv in ivs)
         return "more FLOPs at every target" + (", every interval below 1" if resolved else
                                                 " (not resolved: an interval reaches 1)")
-    return "mixed: fewer FLOPs at some targets, more at others"
+    fewer = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] > 1]
+    more = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] < 1]
+    return f"mixed: fewer FLOPs at L* = {', '.join(fewer)}; more at L* = {', '.join(more)}"
 
 
 def summary_lines(grid: GridData, analysis: Analysis) -> list[str]:
