@@ -76,7 +76,10 @@ def test_half_finished_grid_is_reported_with_its_incomplete_cells_named(grid_dir
     torn = grid_dir / "sparsity_4/seed_1/budget_8192/metrics.jsonl"  # torn mid-file
     lines = torn.read_text().splitlines()
     torn.write_text("\n".join(lines[:3] + [lines[3][:25]] + lines[4:]) + "\n")
-    (grid_dir / "sparsity_4/seed_2/budget_16384/cell.json").unlink()  # still running
+    running = grid_dir / "sparsity_4/seed_2/budget_16384"  # still running: no cell.json, short of its budget
+    (running / "cell.json").unlink()
+    (running / "metrics.jsonl").write_text("".join(x + "\n" for x in (running / "metrics.jsonl").read_text()
+                                                   .splitlines()[:-1]))
     shutil.rmtree(grid_dir / "sparsity_1/seed_2/budget_4096")  # never started
     rc, out, err = run([grid_dir, "--bootstrap", "20"], capsys)
     assert rc == 0 and err == ""
