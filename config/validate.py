@@ -251,8 +251,8 @@ def check_prepare(p: PrepareConfig) -> None:
     _require(p.tasks is None or p.tasks >= 1, "prepare.tasks", p.tasks,
              "null (one build in this process) or an integer >= 1 (tasks of an array build)")
     if p.tasks is None:
-        for key in ("task", "submit"):
-            if p[key] not in (None, False):
+        for key, given in (("task", p.task is not None), ("submit", bool(p.submit))):
+            if given:
                 raise ConfigError(f"prepare.{key}={p[key]} needs prepare.tasks (the tasks of an array build)")
         return
     _require(p.task is None or 0 <= p.task < p.tasks, "prepare.task", p.task,

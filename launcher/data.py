@@ -74,6 +74,9 @@ def _data(args: list[str]) -> int:
         if verb == "finalize":
             return _finalize(cfg)
         return _build(cfg, args)
+    except KeyboardInterrupt:  # (committed chunks are kept: a build resumes after them)
+        error(PROG, "interrupted (Ctrl-C); run the same command again: the build resumes where it stopped")
+        return 130
     except OSError as e:  # a full disk, a read-only file system, no permission: one line naming the path
         where = e.filename or (f"prepare.output={cfg.prepare.output}" if cfg.prepare.input is not None
                                else f"data.cache_dir={cfg.data.cache_dir}")

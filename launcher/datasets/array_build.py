@@ -132,7 +132,8 @@ def plan_build(cfg: K2Config, log: Log, start_over: bool) -> tuple[str, dict] | 
             shutil.rmtree(work)
             raise ConfigError(f"prepare.input holds no document ({files_named(files)}: every file is empty)")
         tok_path = user_tok.path if user_tok is not None else _sample_tokenizer(cfg, files, pieces, work, log)
-        plan = {"key": key, "pieces": pieces, "tokenizer": tok_path, "trained": user_tok is None}
+        plan = {"key": key, "pieces": pieces, "tokenizer": tok_path, "trained": user_tok is None,
+                "tasks": int(cfg.prepare.tasks)}
         write_json(os.path.join(work, PLAN_FILE), plan)
     log(f"k2-data: planned {prefix}: {len(pieces)} pieces of ~{cfg.prepare.shard_bytes:,} input bytes "
         f"(prepare.shard_bytes) from {files_named(files)}")
