@@ -166,7 +166,7 @@ class Preemption:
         if name == "SIGINT":
             return (f"k2-train: Ctrl-C (SIGINT) during {during}: saving a checkpoint {when} (a background save "
                     f"in flight is finished first), then exiting with status {INTERRUPT_EXIT}; Ctrl-C again stops "
-                    f"at once without saving ({kept_note(self.run_dir)})")
+                    f"at once without saving (now: {kept_note(self.run_dir)})")
         return (f"k2-train: {name} received during {during}; saving a checkpoint {when}, then exiting with "
                 f"{REQUEUE_EXIT_CODE} (requeue)")
 
