@@ -1,6 +1,6 @@
 """Every test under tests/integration starts ranks, a sweep, Slurm or k2-train's own launcher: all are
-marked ``slow`` (skip locally with ``-m 'not slow'``; CI runs them). Shared here: the two-node Slurm
-cluster of the files that submit jobs to one."""
+marked ``slow`` (skip locally with ``-m 'not slow'``; CI runs them). Shared here: the one-node and the
+two-node Slurm clusters of the files that submit jobs to one."""
 
 import os
 
@@ -11,6 +11,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node Slurm on localhost (tests/support/slurm_local.py) for one test file. Where Slurm cannot
+    start, the test fails naming the step that failed, unless ``K2_ALLOW_NO_SLURM=1`` (then it skips)."""
+    from support.slurm_local import LocalSlurm, SlurmUnavailable
+
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        if os.environ.get("K2_ALLOW_NO_SLURM") == "1":
+            pytest.skip(f"Slurm cannot run here: {e}")
+        raise
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def _ctrl_c(p: subprocess.Popen) -> None:
     os.killpg(p.pid, signal.SIGINT)
 
 
-def _finish(p: subprocess.Popen, timeout: float = 300) -> tuple[str, float]:
+def _finish(p: subprocess.Popen, timeout: float = 600) -> tuple[str, float]:
     t0 = time.time()
     try:
         out, _ = p.communicate(timeout=timeout)
@@ -160,6 +160,6 @@ def test_one_rank_finishes_the_save_in_flight_or_stops_at_once(tmp_path, stdlib_
         assert "iter_0000002" in done and _state(run_dir)["step"] in (pressed_after, pressed_after + 1), out[-3000:]
         assert out.index("Ctrl-C (SIGINT) during step") < out.index("iter_0000002 (train.save_interval"), out[-3000:]
         return
-    assert took < 5 and out.count(STOPPED_AT_ONCE) == 1, (took, out[-3000:])
+    assert took < 15 and out.count(STOPPED_AT_ONCE) == 1, (took, out[-3000:])
     assert done == [] and (run_dir / "checkpoints" / "iter_0000002.partial").is_dir()
     assert "no checkpoint exists yet: the next start begins at step 1" in out.split(STOPPED_AT_ONCE)[1]
