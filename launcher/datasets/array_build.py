@@ -65,7 +65,7 @@ from k2.launcher.datasets.tokenizer import HFTokenizer
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-__all__ = ["finalize", "plan_build", "prepare_array", "run_task", "unfinished_tasks"]
+__all__ = ["PLAN_FILE", "finalize", "plan_build", "prepare_array", "run_task", "unfinished_tasks"]
 
 PLAN_FILE = "plan.json"
 Log = Callable[[str], None]

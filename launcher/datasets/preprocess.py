@@ -330,10 +330,12 @@ def _result(prefix: str, manifest: dict, rebuilt: bool) -> PreparedCorpus:
 
 def document_texts(cfg: K2Config, files: list[InputFile], max_bytes: int | None = None):
     """Document texts of ``files`` (whole files or ranges), streamed, for training the tokenizer (bad
-    records per the policy); with ``max_bytes``, those of the records that start within the first
-    ``max_bytes`` bytes read (at least one record)."""
+    records per the policy); with ``max_bytes``, those of the first records until they hold ``max_bytes``
+    bytes of input (characters, for Parquet cells; at least one record)."""
     p = cfg.prepare
-    for fi, line, raw, pos in read_records(files, str(p.text_key), str(p.text_document)):
+    held = 0
+    for fi, line, raw, _ in read_records(files, str(p.text_key), str(p.text_document)):
+        held += len(raw)
         try:
             text = record_text(files[fi].where, files[fi].kind, line, raw, str(p.text_key))
         except BadRecord as e:
@@ -342,7 +344,7 @@ def document_texts(cfg: K2Config, files: list[InputFile], max_bytes: int | None 
             continue
         if text:
             yield text
-        if max_bytes is not None and pos >= max_bytes:
+        if max_bytes is not None and held >= max_bytes:
             return
 
 

@@ -24,8 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from k2.launcher.datasets.array_build import finalize, plan_build, unfinished_tasks
-from k2.launcher.datasets.preprocess import write_json
+from k2.launcher.datasets.array_build import PLAN_FILE, finalize, plan_build, unfinished_tasks
+from k2.launcher.datasets.preprocess import work_dir, write_json
 from k2.launcher.tools.sbatch import directive, interpreter, shell_word, site_setup_lines
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ def array_options(cfg: K2Config, prefix: str, tasks: Sequence[int]) -> list[str]
     """The ``#SBATCH`` options of the array job (module docstring), each checked as sbatch reads it."""
     sub = cfg.submit
     cpus = sub.cpus_per_task if sub.cpus_per_task is not None else cfg.prepare.workers
-    opts = [("", f"--job-name=k2-data-{os.path.basename(prefix)}"), ("prepare.tasks", f"--array={_array_spec(tasks)}"),
+    opts = [("prepare.output", f"--job-name=k2-data-{os.path.basename(prefix)}"),
+            ("prepare.tasks", f"--array={_array_spec(tasks)}"),
             ("", "--ntasks=1"), ("submit.cpus_per_task", f"--cpus-per-task={cpus}"),
             ("submit.time", f"--time={sub.time}"), ("", "--open-mode=append"),
             ("prepare.output", f"--output={prefix}.slurm-%A_%a.out")]
@@ -117,8 +118,8 @@ def submit_array(cfg: K2Config, overrides: Sequence[str], log: Callable[[str], N
         log(f"{_PROG}: {prefix} is up to date (its manifest matches the inputs and settings): nothing to submit")
         return 0
     tasks = int(cfg.prepare.tasks)
-    work = prefix + ".partial"
-    write_json(os.path.join(work, "plan.json"), {**plan, "tasks": tasks})
+    work = work_dir(prefix)
+    write_json(os.path.join(work, PLAN_FILE), {**plan, "tasks": tasks})
     pending = sorted(unfinished_tasks(work, plan, tasks))
     if not pending:
         finalize(cfg, prefix, tasks, log)

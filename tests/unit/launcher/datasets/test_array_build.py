@@ -92,6 +92,17 @@ def test_pieces_are_cut_at_line_starts_and_compressed_files_are_not_cut(corpus):
     assert line_start(files[0].path, 1, files[0].bytes) == big.index(b"\n") + 1
 
 
+def test_the_tokenizer_sample_holds_the_records_of_its_byte_budget(corpus):
+    """The sample of a piece: its first records until they hold the budget's bytes (not the first record
+    only, nor the reader's whole read-ahead block)."""
+    files = expand_inputs(str(corpus / "a_large.jsonl"))
+    cfg = load_config(_args(corpus, "/tmp/unused", "prepare.tasks=2"))
+    lines = Path(files[0].path).read_bytes().splitlines(keepends=True)
+    sizes = [sum(map(len, lines[:i + 1])) for i in range(len(lines))]
+    expect = next(i for i, s in enumerate(sizes) if s >= 3000) + 1
+    assert len(list(P.document_texts(cfg, files, max_bytes=3000))) == expect > 3
+
+
 def test_one_task_and_three_tasks_write_the_same_bytes_and_the_one_process_documents(
         tmp_path, corpus, tokenizer_json):
     one = A.prepare_array(load_config(_args(corpus, tmp_path / "one" / "c", "prepare.tasks=1",
