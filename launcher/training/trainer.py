@@ -68,7 +68,7 @@ def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
     """Train on this rank (process groups are created here). Returns the last step's metrics record
     (with ``"preempted": <reason>`` when the run stopped for preemption).
 
-    The SIGTERM / SIGUSR1 handlers and the ``run.max_minutes`` clock (:class:`Preemption`) start first
+    The SIGTERM / SIGUSR1 / SIGINT handlers and the ``run.max_minutes`` clock (:class:`Preemption`) start first
     thing, so a signal during start-up (process groups, model build, checkpoint load) is honoured at the
     first step boundary -- a checkpoint and exit status 42 -- instead of killing the rank with the
     signal's default action, and the budget counts the start-up too.
@@ -370,9 +370,9 @@ class Trainer:
                 self.record["val_loss"] = self._evaluate(phase)
 
     def stop_for_preemption(self, step: int, saved: bool = False) -> bool:
-        """Collective: when any rank got SIGTERM / SIGUSR1 or ran out of ``run.max_minutes``, save this
-        step (unless ``saved``: its periodic checkpoint was just written), leave the requeue marker
-        (rank 0) and return True on every rank."""
+        """Collective: when any rank got SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) or ran out of ``run.max_minutes``,
+        save this step (unless ``saved``: its periodic checkpoint was just written), leave the requeue
+        marker -- the interrupt marker for Ctrl-C -- (rank 0) and return True on every rank."""
         if not self.preemption.agreed():
             return False
         why = self.preemption.why
@@ -381,6 +381,7 @@ class Trainer:
             self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
         else:
             self.checkpointer.save(step, why)
+            self.checkpointer.wait()  # committed before the marker says it is saved
         if self.rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
             self.preemption.leave_marker(self.run_dir, step)
         dist.barrier()  # the marker exists before any rank exits
