@@ -49,6 +49,7 @@ from k2.launcher.datasets.preprocess import (
     PreparedCorpus,
     document_texts,
     files_named,
+    prepared,
     publish,
     read_json,
     settings,
@@ -246,7 +247,7 @@ def finalize(cfg: K2Config, prefix: str, tasks: int | None, log: Log) -> Prepare
             manifest = read_json(prefix + MANIFEST_SUFFIX)
             if manifest is not None and not unfinished_build(prefix):
                 log(f"k2-data: {prefix} is finalized already")
-                return _result(prefix, manifest, rebuilt=False)
+                return prepared(prefix, manifest, rebuilt=False)
             raise ConfigError(f"prepare.output={prefix}: no array build planned there ({work}/{PLAN_FILE} is "
                               "missing); run k2-data with prepare.tasks first")
         tasks = int(tasks or plan.get("tasks") or 1)
@@ -260,7 +261,7 @@ def finalize(cfg: K2Config, prefix: str, tasks: int | None, log: Log) -> Prepare
         publish(prefix, os.path.join(work, "out"), outputs, manifest)
         shutil.rmtree(work)
     log(f"k2-data: finalized {prefix}: {len(manifest['datasets'])} shards, {manifest['documents']:,} documents")
-    return _result(prefix, manifest, rebuilt=True)
+    return prepared(prefix, manifest, rebuilt=True)
 
 
 def _pending_line(pending: dict, tasks: int) -> str:
@@ -304,12 +305,6 @@ def _manifest(prefix: str, work: str, plan: dict, tasks: int) -> tuple[dict, dic
     return manifest, manifest["outputs"]
 
 
-def _result(prefix: str, manifest: dict, rebuilt: bool) -> PreparedCorpus:
-    d = os.path.dirname(prefix)
-    return PreparedCorpus([os.path.join(d, x["prefix"]) for x in manifest["datasets"]],
-                          manifest["tokenizer"]["path"], prefix + MANIFEST_SUFFIX, manifest, rebuilt)
-
-
 # --------------------------------------------------------------------------- the entry
 
 
@@ -327,7 +322,7 @@ def prepare_array(cfg: K2Config, *, progress: bool | None = None,
     prefix, plan = plan_build(cfg, log, start_over=p.task is None)
     if plan is None:
         log(f"k2-data: {prefix} is up to date (its manifest matches the inputs and settings): nothing rebuilt")
-        return _result(prefix, read_json(prefix + MANIFEST_SUFFIX), rebuilt=False)
+        return prepared(prefix, read_json(prefix + MANIFEST_SUFFIX), rebuilt=False)
     tasks, work = int(p.tasks), work_dir(prefix)
     if p.task is None:
         write_json(os.path.join(work, PLAN_FILE), {**plan, "tasks": tasks})

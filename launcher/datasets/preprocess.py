@@ -57,9 +57,9 @@ if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
 __all__ = ["MANIFEST_SUFFIX", "PREPARE_FORMAT", "PreparedCorpus", "build_manifest", "build_manifest_path",
-           "document_texts", "files_named", "output_prefix", "prepare_corpus", "publish", "read_json", "settings",
-           "settings_key", "tokenizer_entry", "trained_tokenizer", "unfinished_build", "user_tokenizer", "work_dir",
-           "write_json"]
+           "document_texts", "files_named", "output_prefix", "prepare_corpus", "prepared", "publish", "read_json",
+           "settings", "settings_key", "tokenizer_entry", "trained_tokenizer", "unfinished_build", "user_tokenizer",
+           "work_dir", "write_json"]
 
 # bump when the output layout or tokenization changes (forces a rebuild); 2: the manifest records every
 # output's size and xxh3-64 checksum
@@ -278,7 +278,7 @@ def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
     manifest = _finished(prefix, key)
     if manifest is not None:
         log(f"k2-data: {prefix} is up to date (its manifest matches the inputs and settings): nothing rebuilt")
-        return _result(prefix, manifest, rebuilt=False)
+        return prepared(prefix, manifest, rebuilt=False)
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     with file_lock(os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.lock"), remove=True):
         work = work_dir(prefix)
@@ -319,10 +319,11 @@ def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
         publish(prefix, os.path.join(work, "out"), outputs, manifest)
         shutil.rmtree(work)
     log(f"k2-data: built {prefix} in {time.time() - t0:.1f} s")
-    return _result(prefix, manifest, rebuilt=True)
+    return prepared(prefix, manifest, rebuilt=True)
 
 
-def _result(prefix: str, manifest: dict, rebuilt: bool) -> PreparedCorpus:
+def prepared(prefix: str, manifest: dict, rebuilt: bool) -> PreparedCorpus:
+    """The :class:`PreparedCorpus` of the build of ``prefix`` whose manifest is ``manifest``."""
     d = os.path.dirname(prefix)
     return PreparedCorpus([os.path.join(d, x["prefix"]) for x in manifest["datasets"]],
                           manifest["tokenizer"]["path"], prefix + MANIFEST_SUFFIX, manifest, rebuilt)
