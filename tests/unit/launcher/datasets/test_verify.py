@@ -1,8 +1,9 @@
 """Damaged k2-data outputs (k2.launcher.datasets.verify, resolve, the k2-data / k2-train entries), each as a
 new user would damage them: the ``.idx`` 100 bytes short, 64 bytes of the ``.bin`` zeroed (its size
-unchanged), a file deleted. ``k2-data verify`` names each bad file in one line and exits 2; k2-train refuses
-a short ``.idx`` in one line (exit 2) before any rank starts, and a zeroed ``.bin`` too with
-``data.verify=true`` (without it the sizes and headers agree: it is not found, as documented)."""
+unchanged), the ``.bin`` cut in half. ``k2-data verify`` names each bad file in one line and exits 2;
+k2-train refuses a short ``.idx`` or a cut ``.bin`` in one line (exit 2) before any rank starts, and a
+zeroed ``.bin`` too with ``data.verify=true`` (without it the sizes and headers agree: it is not found, as
+documented)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,16 @@ def test_k2_train_refuses_a_short_idx_in_one_line_before_any_rank(built, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"k2-train: error: data.path: {idx} is damaged: "), err
     assert "truncated" in err[0] and no_process_start == []
+
+
+def test_k2_train_refuses_a_bin_cut_in_half_naming_both_files(built, tmp_path, capsys, no_process_start):
+    prefixes, tok, _ = built
+    bin_path = Path(prefixes[0] + ".bin")
+    bin_path.write_bytes(bin_path.read_bytes()[: bin_path.stat().st_size // 2])
+    assert train_entry.main(_train_args(prefixes[0], tok, tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bin_path} has" in err[0] and f"{prefixes[0]}.idx describes" in err[0], err
+    assert no_process_start == []
 
 
 def test_a_zeroed_bin_is_refused_with_data_verify_before_any_step(built, tmp_path, capsys, no_process_start):
