@@ -2,6 +2,7 @@
 marked ``slow`` (skip locally with ``-m 'not slow'``; CI runs them). Shared here: the one-node and the
 two-node Slurm clusters of the files that submit jobs to one."""
 
+import contextlib
 import os
 
 import pytest
@@ -17,19 +18,32 @@ def pytest_collection_modifyitems(config, items):
 def slurm(tmp_path_factory):
     """A one-node Slurm on localhost (tests/support/slurm_local.py) for one test file, on ports no other
     test cluster on this machine holds (so files on different xdist workers, and other checkouts' suites,
-    run theirs side by side). Where Slurm cannot start, the test fails naming the step that failed,
-    unless ``K2_ALLOW_NO_SLURM=1`` (then it skips)."""
-    from support.slurm_local import LocalSlurm, SlurmUnavailable
+    run theirs side by side). Skipped where Slurm is not installed, unless ``K2_INSTALL_SLURM=1`` (which
+    installs it); where it cannot start, the test fails naming the step, unless ``K2_ALLOW_NO_SLURM=1``."""
+    from support.slurm_local import LocalSlurm
 
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
+    with _skipped_where_slurm_cannot_run():
         cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@contextlib.contextmanager
+def _skipped_where_slurm_cannot_run():
+    """Skip (the reason in pytest's summary) where Slurm is not installed and installing it was not asked
+    for (``K2_INSTALL_SLURM=1``), or where it cannot start and ``K2_ALLOW_NO_SLURM=1``; otherwise a failed
+    start fails the test, naming the step."""
+    from support.slurm_local import SlurmNotInstalled, SlurmUnavailable
+
+    try:
+        yield
+    except SlurmNotInstalled as e:
+        pytest.skip(str(e))
     except SlurmUnavailable as e:
         if os.environ.get("K2_ALLOW_NO_SLURM") == "1":
             pytest.skip(f"Slurm cannot run here: {e}")
         raise
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +56,8 @@ def two_nodes(tmp_path_factory):
 
     cluster = TwoNodeSlurm(tmp_path_factory.mktemp("slurm2"))
     try:
-        cluster.start()
+        with _skipped_where_slurm_cannot_run():
+            cluster.start()
     except NamespacesRefused as e:
         pytest.skip(f"the kernel refuses network namespaces here: {e}")
     yield cluster

@@ -6,7 +6,7 @@ alone, which resumes after its committed chunks and, finishing last, writes the 
 documents in manifest order equal the one-process build's token for token, and ``k2-data verify`` finds
 every output at its size and checksum.
 
-Needs root (apt-get, munged, slurmd), as tests/integration/test_slurm_real.py.
+Needs root (munged, slurmd) and Slurm installed (or ``K2_INSTALL_SLURM=1``), as tests/integration/test_slurm_real.py.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ job must finish with the same losses as an uninterrupted run, bit for bit.
 (Slurm's own time-limit notice, ``--signal=USR1@N``, saving and requeueing a job:
 tests/integration/test_slurm_two_nodes_timeouts.py.)
 
-Needs root (apt-get, munged, slurmd); CI runs as root. Where Slurm cannot start, the test fails with the
-step that failed, unless ``K2_ALLOW_NO_SLURM=1`` (then it skips, naming the reason).
+Needs root (munged, slurmd) and Slurm installed, or ``K2_INSTALL_SLURM=1`` to install it (CI does; skipped
+otherwise). Where Slurm cannot start, the test fails with the step that failed, unless
+``K2_ALLOW_NO_SLURM=1`` (then it skips, naming the reason).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A real one-node Slurm cluster on localhost for tests (Debian's slurm-wlm 22.05 + munge, run as root).
 
 How it was found to work on these machines: docs/slurm_local.md. ``LocalSlurm.start`` installs
-the packages with apt-get when ``slurmctld`` is missing, claims a free pair of ports
+the packages with apt-get when ``slurmctld`` is missing and ``K2_INSTALL_SLURM=1`` says so, claims a free pair of ports
 (:func:`claim_slot`), starts a munged of its own (its own socket, the system key), writes a slurm.conf
 into a temporary directory, starts slurmctld and slurmd with absolute paths, and waits until the node is
 idle; ``stop`` stops what ``start`` started -- slurmctld, slurmd and its munged -- by their pid files,
@@ -65,6 +65,15 @@ class SlurmUnavailable(RuntimeError):
     """Slurm cannot run here; the message says which step failed and its output."""
 
 
+class SlurmNotInstalled(SlurmUnavailable):
+    """slurmctld or munged is missing and installing them was not asked for (``K2_INSTALL_SLURM=1``): a
+    person's ``scripts/k2 test`` does not change the system unless told to; ``.ci/run`` tells it to."""
+
+
+#: the environment variable that lets the Slurm tests install the system packages (root, apt-get)
+INSTALL_OPT_IN = "K2_INSTALL_SLURM"
+
+
 def _run(cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
@@ -75,13 +84,17 @@ INSTALL_LOCK = Path("/tmp/k2-tests-slurm-install.lock")
 
 
 def ensure_installed(timeout: int = 900) -> None:
-    """apt-get install slurm-wlm munge when slurmctld is not on PATH (needs root and Debian's registry).
+    """apt-get install slurm-wlm munge when slurmctld is not on PATH and ``K2_INSTALL_SLURM=1`` (needs root
+    and Debian's registry; :class:`SlurmNotInstalled` without the opt-in).
     One process installs at a time (:data:`INSTALL_LOCK`); the others wait for it and find the packages
     installed, and apt-get itself waits up to ``timeout`` s for a dpkg lock held by anything else."""
     from k2.launcher.datasets.locks import file_lock
 
     if shutil.which("slurmctld") and shutil.which("munged"):
         return
+    if os.environ.get(INSTALL_OPT_IN) != "1":
+        raise SlurmNotInstalled(f"slurmctld and munged are not installed; {INSTALL_OPT_IN}=1 scripts/k2 test "
+                                f"installs {' '.join(PACKAGES)} with apt-get (root) and runs these tests")
     if os.geteuid() != 0:
         raise SlurmUnavailable("slurmctld is not installed and installing it needs root (apt-get)")
     with file_lock(str(INSTALL_LOCK)):

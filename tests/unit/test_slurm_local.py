@@ -64,3 +64,20 @@ def test_stop_ends_the_clusters_own_munged_and_removes_its_directory(sl, tmp_pat
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+def test_a_missing_slurm_is_installed_only_when_asked(sl, monkeypatch):
+    """Without K2_INSTALL_SLURM=1 a machine without slurmctld is left as it is: SlurmNotInstalled (the
+    fixtures skip on it, naming the opt-in) and no apt-get; with it, apt-get is what runs."""
+    monkeypatch.setattr(sl.shutil, "which", lambda name: None)
+    calls = []
+    monkeypatch.setattr(sl, "_run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no"))
+    monkeypatch.delenv("K2_INSTALL_SLURM", raising=False)
+    with pytest.raises(sl.SlurmNotInstalled, match="K2_INSTALL_SLURM=1 scripts/k2 test installs slurm-wlm munge"):
+        sl.ensure_installed()
+    assert calls == []
+    monkeypatch.setenv("K2_INSTALL_SLURM", "1")
+    monkeypatch.setattr(sl.os, "geteuid", lambda: 0)
+    with pytest.raises(sl.SlurmUnavailable, match="apt-get install slurm-wlm munge failed"):
+        sl.ensure_installed(timeout=1)
+    assert calls and calls[0][0] == "apt-get"
