@@ -71,7 +71,7 @@ def test_a_missing_slurm_is_installed_only_when_asked(sl, monkeypatch):
     fixtures skip on it, naming the opt-in) and no apt-get; with it, apt-get is what runs."""
     monkeypatch.setattr(sl.shutil, "which", lambda name: None)
     calls = []
-    monkeypatch.setattr(sl, "_run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no"))
+    monkeypatch.setattr(sl, "_run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", ""))
     monkeypatch.delenv("K2_INSTALL_SLURM", raising=False)
     with pytest.raises(sl.SlurmNotInstalled, match="K2_INSTALL_SLURM=1 scripts/k2 test installs slurm-wlm munge"):
         sl.ensure_installed()
