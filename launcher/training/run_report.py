@@ -108,20 +108,40 @@ def phase_boundaries(records: list[dict]) -> list[tuple[float, str]]:
     return out
 
 
-def _tau(run_dir: Path) -> float | None:
-    """``optim.qk_clip_tau`` of the run's ``config.yaml`` (None: no file, or QK-Clip off)."""
+def _config_value(run_dir: Path, key: str):
+    """``key`` (dotted) of the run's ``config.yaml``; None when there is no file or no such key."""
     path = run_dir / "config.yaml"
     if not path.exists():
         return None
     from omegaconf import OmegaConf
 
-    tau = OmegaConf.select(OmegaConf.load(path), "optim.qk_clip_tau")
+    return OmegaConf.select(OmegaConf.load(path), key)
+
+
+def _tau(run_dir: Path) -> float | None:
+    """``optim.qk_clip_tau`` of the run's ``config.yaml`` (None: no file, or QK-Clip off)."""
+    tau = _config_value(run_dir, "optim.qk_clip_tau")
     return float(tau) if tau is not None else None
 
 
-def draw_figures(series: dict, boundaries: list, tau: float | None) -> dict:
+def moe_ceiling(run_dir: Path) -> float | None:
+    """The largest ``moe_load_max_over_mean`` a step can show: experts / top-k, every token of some MoE
+    layer on the same top-k experts (a collapsed router). None without a MoE config."""
+    experts, topk = _config_value(run_dir, "model.num_moe_experts"), _config_value(run_dir, "model.moe_router_topk")
+    return experts / topk if experts and topk else None
+
+
+#: what the MoE load figure calls healthy, from measurement on the CPU proxy (k2_tiny, 8 experts, top-2,
+#: 2,048-token steps): with the weights frozen and the expert bias converged, single steps still show
+#: 1.3-1.7, because a step's 16 sequences route unevenly by their content; a collapsed layer sits near
+#: the ceiling (3.6-4.0 with K2's bias rate 1e-3 on that proxy; recipes/model/k2_tiny.yaml)
+MOE_HEALTHY = "healthy: flat and far below the ceiling; one step's own batch makes 1.3-1.7 on the CPU proxy"
+
+
+def draw_figures(series: dict, boundaries: list, tau: float | None, ceiling: float | None = None) -> dict:
     """figure name -> matplotlib ``Figure`` (one line per series of :data:`FIGURES` present, in that
-    order; MFU on a second axis of ``throughput``; tau as a dashed line; phase boundaries dotted)."""
+    order; MFU on a second axis of ``throughput``; tau as a dashed line; phase boundaries dotted; on the
+    MoE load figure, 1 = balanced and ``ceiling`` = collapsed (:func:`moe_ceiling`) as dashed lines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,6 +158,10 @@ def draw_figures(series: dict, boundaries: list, tau: float | None) -> dict:
             ax.plot(xs, ys, marker="o" if k == "val_loss" else None, ms=3, lw=1.2, label=label)
         if name == "max_logit" and tau is not None:
             ax.axhline(tau, color="red", ls="--", lw=1, label=f"QK-Clip tau = {tau:g}")
+        if name == "moe_balance":
+            ax.axhline(1.0, color="green", ls="--", lw=1, label="1 = balanced")
+            if ceiling is not None:
+                ax.axhline(ceiling, color="red", ls="--", lw=1, label=f"{ceiling:g} = collapsed (experts / top-k)")
         handles = []
         if name == "throughput" and "mfu" in series:
             ax2 = ax.twinx()
@@ -152,7 +176,7 @@ def draw_figures(series: dict, boundaries: list, tau: float | None) -> dict:
             ax.set_yscale("log")
         ax.set_xlabel("tokens")
         ax.set_ylabel(ylabel)
-        ax.set_title(title)
+        ax.set_title(f"{title}\n({MOE_HEALTHY})" if name == "moe_balance" else title)
         # one legend below the axes: inside them it covered the phase names at the top and the curves
         lines = ax.get_legend_handles_labels()[0] + handles
         ax.legend(handles=lines, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(lines), 4),
@@ -188,7 +212,10 @@ def summarize(records: list[dict], series: dict, run_dir: Path) -> list[tuple[st
         out.append(("max attn logit", f"{max(series['max_attn_logit'][1]):.2f} ({clip})"))
     if "moe_load_max_over_mean" in series:
         ys = series["moe_load_max_over_mean"][1]
-        out.append(("MoE balance", f"busiest expert {ys[-1]:.2f}x the mean (last step), {max(ys):.2f}x max"))
+        ceiling = moe_ceiling(run_dir)
+        scale = f"; 1 = balanced, {ceiling:g} = collapsed" if ceiling else "; 1 = balanced"
+        out.append(("MoE balance", f"busiest expert {ys[-1]:.2f}x the mean (last step), {max(ys):.2f}x max, "
+                                   f"{statistics.median(ys[len(ys) // 5:]):.2f}x median after the first fifth{scale}"))
     wandb_dir = run_dir / "wandb"
     if wandb_dir.is_dir():
         offline = sorted(p.name for p in wandb_dir.glob("offline-run-*"))
@@ -212,7 +239,7 @@ def write_run_report(run_dir, out_dir=None) -> RunReport:
     out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     report = RunReport(run_dir, summary=summarize(records, series, run_dir))
-    for name, fig in draw_figures(series, phase_boundaries(records), _tau(run_dir)).items():
+    for name, fig in draw_figures(series, phase_boundaries(records), _tau(run_dir), moe_ceiling(run_dir)).items():
         path = out / f"{name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -32,7 +32,7 @@ def run_dir(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()) + '{"step": 7, "lo')
-    (d / "config.yaml").write_text("optim:\n  qk_clip_tau: 12.5\n")
+    (d / "config.yaml").write_text("optim:\n  qk_clip_tau: 12.5\nmodel:\n  num_moe_experts: 8\n  moe_router_topk: 2\n")
     return d
 
 
@@ -57,6 +57,11 @@ def test_plotted_series_equal_metrics_jsonl(run_dir):
     tau = [ln for ln in figs["max_logit"].axes[0].lines if ln.get_linestyle() == "--"]
     assert len(tau) == 1 and list(tau[0].get_ydata()) == [12.5, 12.5]
     assert len(figs["throughput"].axes) == 1  # MFU null everywhere: no MFU axis
+    # the MoE load figure says what healthy is: 1 = balanced, experts / top-k = collapsed, dashed
+    figs = draw_figures(run_series(recs), phase_boundaries(recs), 12.5, 4.0)
+    ax = figs["moe_balance"].axes[0]
+    assert sorted(ln.get_ydata()[0] for ln in ax.lines if ln.get_linestyle() == "--") == [1.0, 4.0]
+    assert "healthy" in ax.get_title() and "collapsed" in ax.get_legend_handles_labels()[1][-1]
     assert figs["loss"].axes[0].lines[1].get_xydata()[0].tolist() == [0.0, 8.3]  # val loss before training
 
 
@@ -71,7 +76,8 @@ def test_write_report_pngs_and_summary(run_dir):
                    "val loss        7.7000 last, 7.7000 best (at 6,144 tokens)", "tokens/s        1,004 median",
                    "MFU             none (a CPU run",
                    "max attn logit  16.00 (QK-Clip at tau 12.5 clipped 3 head-steps)",
-                   "MoE balance     busiest expert 1.60x the mean"):
+                   "MoE balance     busiest expert 1.60x the mean (last step), 1.60x max, 1.40x median after "
+                   "the first fifth; 1 = balanced, 4 = collapsed"):
         assert needle in text, text
     # a run with QK-Clip off says so instead of counting clips
     (run_dir / "config.yaml").write_text("optim:\n  qk_clip_tau: null\n")
