@@ -101,8 +101,8 @@ def test_the_test_command_says_first_whether_the_slurm_tests_change_this_machine
     """`scripts/k2 test` (README): without Slurm installed, one note before the suite says that the Slurm
     tests are skipped and that K2_INSTALL_SLURM=1 installs it and runs them; with K2_INSTALL_SLURM=1 the note
     says they install it (as CI asks, .ci/run); with Slurm installed and no opt-in, no note. pytest is a
-    stand-in (nothing runs); pyproject's `-ra` has pytest count the skips with their reasons. "Installed" is slurmctld and munged on
-    PATH: stand-ins in a directory of this test's."""
+    stand-in (nothing runs); pyproject's `-ra` has pytest count the skips with their reasons. "Installed"
+    is slurmctld and munged on PATH: stand-ins in a directory of this test's."""
     root = _checkout(tmp_path)
     python = root / ".venv" / "bin" / "python"
     text = python.read_text()
