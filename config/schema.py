@@ -11,7 +11,7 @@ megatron equivalent say so in their comment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from k2.config.choices import (
@@ -233,6 +233,18 @@ class PrepareConfig:
     tokenizer_sample_bytes: int = 1 << 30
 
 
+def _own(optimizer: str, default: Any) -> Any:
+    """A setting of ``optim`` that belongs to ``optimizer`` alone, with its default
+    (:func:`optimizer_settings` lists them)."""
+    return field(default=default, metadata={"optimizer": optimizer})
+
+
+def optimizer_settings(optimizer: str) -> tuple[str, ...]:
+    """The ``optim`` keys that belong to ``optimizer`` (an ``optim.name``) alone, in declaration order:
+    ``("muon_momentum", ..., "muon_zero1")`` for ``muonclip``, none for ``adamw``."""
+    return tuple(f.name for f in fields(OptimConfig) if f.metadata.get("optimizer") == optimizer)
+
+
 @dataclass
 class OptimConfig:
     """Optimizer. ``name`` picks the Hydra choice (adamw now; muonclip in a later issue). The learning
@@ -244,22 +256,25 @@ class OptimConfig:
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
     # optim=muonclip (optim/, docs/optimizer.md): Muon for weight matrices, megatron
-    # OptimizerConfig names, defaults = K2 (docs/k2_reference.md "Optimizer")
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_num_ns_steps: int = 5  # Newton-Schulz iterations
-    muon_coefficient_type: str = "simple"  # NS coefficients (3.4445, -4.7750, 2.0315)
+    # OptimizerConfig names, defaults = K2 (docs/k2_reference.md "Optimizer"). The settings of one optimizer
+    # alone are declared with _own(<optimizer>, default): k2.optim.registry's spec of that optimizer reads
+    # them from here (optimizer_settings), and the ones megatron's OptimizerConfig also has go to it by name.
+    muon_momentum: float = _own("muonclip", 0.95)
+    muon_nesterov: bool = _own("muonclip", True)
+    muon_num_ns_steps: int = _own("muonclip", 5)  # Newton-Schulz iterations
+    muon_coefficient_type: str = _own("muonclip", "simple")  # NS coefficients (3.4445, -4.7750, 2.0315)
     # update x sqrt(max(A, B)) for an A x B matrix ...
-    muon_scale_mode: MuonScaleMode = MuonScaleMode.spectral
-    muon_extra_scale_factor: float = 0.2  # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
+    muon_scale_mode: MuonScaleMode = _own("muonclip", MuonScaleMode.spectral)
+    # ... x 0.2: update RMS ~ AdamW's (same lr and weight decay)
+    muon_extra_scale_factor: float = _own("muonclip", 0.2)
     # medium = Newton-Schulz in bf16 (K2); highest = fp32
-    muon_fp32_matmul_prec: MuonMatmulPrecision = MuonMatmulPrecision.medium
+    muon_fp32_matmul_prec: MuonMatmulPrecision = _own("muonclip", MuonMatmulPrecision.medium)
     # Moonshot's parameter rules (Moonlight examples/toy_train.py: every parameter with ndim >= 2 except
     # the token embedding and the output head goes to Muon, and every parameter is decayed; "Muon is
     # Scalable", arXiv 2502.16982, appendix D: decaying the RMSNorm gamma matters for stability).
     # optimizer of the MoE router weight [experts, hidden] under optim=muonclip: muon (Moonlight, megatron's
     # default routing, Megatron-Bridge's Kimi-K2 recipe) | adamw
-    router_optimizer: RouterOptimizer = RouterOptimizer.muon
+    router_optimizer: RouterOptimizer = _own("muonclip", RouterOptimizer.muon)
     # decoupled weight decay on every parameter, norm weights and biases included (Moonlight; K2's rule,
     # the muonclip recipe's default); false = megatron's default (no decay for 1-D tensors and biases),
     # the adamw recipe's (the CPU proxy's baseline)
@@ -268,7 +283,7 @@ class OptimConfig:
     # byte-range distributed optimizer, unpadded, a matrix a shard boundary cuts gathered for Newton-Schulz
     # (Distributed Muon, "Muon is Scalable" section 2.3; optim/distributed_muon.py) | layer_wise =
     # megatron's layer-wise distributed optimizer (whole matrices bin-packed into padded DP shards)
-    muon_zero1: MuonZero1 = MuonZero1.byte_range
+    muon_zero1: MuonZero1 = _own("muonclip", MuonZero1.byte_range)
     # share of the optimizer states (FP32 master weights, AdamW moments, Muon momentum) kept in host memory
     # (pinned with CUDA) between optimizer steps, by k2-train and in k2-plan's figures (K2 offloads part of
     # them at 32 nodes; optim/offload.py). Needs the distributed optimizer (byte-range for MuonClip).

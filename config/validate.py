@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from k2.config.choices import CHOICES, CheckpointVerify, ResumeMode, check_choice, choice_error, values
 from k2.config.errors import ConfigError
 from k2.config.recipes import recipe_names
-from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES
+from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES, optimizer_settings
 from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "RESUME_KEYS",
+    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "OPTIMIZER_CHECKS", "RESUME_KEYS",
     "RESUME_MODES", "SECTION_CHECKS", "check_cross_section", "check_phase_memory", "check_prepare",
     "check_schedule_memory", "choice_error", "resume_settings", "validate",
 ]
@@ -138,14 +138,14 @@ def check_run(r: RunConfig) -> None:
 
 def check_optim(o: OptimConfig) -> None:
     """``optim.*``: the optimizer (one of :data:`OPTIMIZERS`), the settings every optimizer shares, QK-Clip's tau,
-    then the optimizer's own settings: ``check_optim_<name>`` of this module where the optimizer has any."""
+    then the optimizer's own settings: its check in :data:`OPTIMIZER_CHECKS` where it has any."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
     check_choice(o, "router_optimizer", "optim.router_optimizer")
     _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
              o.offload_fraction, "0 <= value <= 1")
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
-    own = globals().get(f"check_optim_{o.name}")
+    own = OPTIMIZER_CHECKS.get(o.name)
     if own is not None:
         own(o)
 
@@ -162,8 +162,14 @@ def check_optim_muonclip(o: OptimConfig) -> None:
              ", ".join(coeffs))
     _require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
     _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
-    for key in ("muon_scale_mode", "muon_zero1", "muon_fp32_matmul_prec"):
-        check_choice(o, key, f"optim.{key}")
+    for key in optimizer_settings("muonclip"):  # its Enum-typed settings
+        if f"optim.{key}" in CHOICES:
+            check_choice(o, key, f"optim.{key}")
+
+
+#: ``optim.name`` -> the check of that optimizer's own settings (:func:`k2.config.schema.optimizer_settings`),
+#: for the optimizers that have any; :func:`check_optim` runs it after the shared settings
+OPTIMIZER_CHECKS: dict[str, Callable[[OptimConfig], None]] = {"muonclip": check_optim_muonclip}
 
 
 def check_memory(mem: MemoryConfig | PhaseMemoryConfig, prefix: str = "memory") -> None:

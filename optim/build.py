@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from k2.config.schema import optimizer_settings
 from k2.optim.muon import SPLIT_ATTR, K2Muon, newton_schulz_gemms
 from k2.optim.params import LAYER_WISE_ATTR, ROUTE_ATTR
 from k2.optim.registry import ADAMW_UPDATE, MUON_UPDATE, MatrixStep, OptimizerSpec, optimizer_spec
@@ -68,26 +69,6 @@ def leaf_optimizers(optimizer):
         yield from leaf_optimizers(child)
 
 
-def uses_muon(optim_cfg: OptimConfig) -> bool:
-    """True when ``optim.name`` routes weight matrices to Muon (``optim=muonclip``: its
-    :class:`k2.optim.registry.OptimizerSpec` has a ``matrix`` update). ``optim_cfg``: the ``optim``
-    section."""
-    return optimizer_spec(optim_cfg.name).matrix is not None
-
-
-def uses_zero1_muon(optim_cfg: OptimConfig, use_distributed_optimizer: bool) -> bool:
-    """True when the Muon matrices are sharded by ZeRO-1 (MuonClip + ``k2.parallel.use_distributed_optimizer``):
-    they then sit in DDP buffers of their own (:func:`k2.optim.params.tag_parameters`)."""
-    return uses_muon(optim_cfg) and bool(use_distributed_optimizer)
-
-
-def uses_layer_wise(optim_cfg: OptimConfig, use_distributed_optimizer: bool) -> bool:
-    """True when the Muon matrices go through megatron's layer-wise ZeRO-1 (:func:`uses_zero1_muon` and
-    ``optim.muon_zero1=layer_wise``); False for the byte-range Distributed Muon
-    (:mod:`k2.optim.distributed_muon`)."""
-    return uses_zero1_muon(optim_cfg, use_distributed_optimizer) and optim_cfg.muon_zero1 == "layer_wise"
-
-
 def _register_k2_muon() -> None:
     """Add :class:`k2.optim.muon.K2Muon` to megatron's emerging-optimizer registry (its documented extension
     point), with the K2 routing: every parameter :mod:`k2.optim.params` did not tag ``"muon"`` -> Adam."""
@@ -98,23 +79,10 @@ def _register_k2_muon() -> None:
     if K2_MUON in eo._EMERGING_OPTIMIZERS:
         return
 
-    def to_kwargs(config, model_chunks, pg_collection) -> dict:
-        return dict(
-            lr=config.lr,
-            momentum=config.muon_momentum,
-            weight_decay=config.weight_decay,
-            nesterov=config.muon_nesterov,
-            coefficient_type=config.muon_coefficient_type,
-            num_ns_steps=config.muon_num_ns_steps,
-            scale_mode=config.muon_scale_mode,
-            extra_scale_factor=config.muon_extra_scale_factor,
-            fp32_matmul_prec=config.muon_fp32_matmul_prec,
-        )
-
     not_muon = ParamPredicate(name="k2_adamw", fn=lambda p: getattr(p, ROUTE_ATTR, "adamw") != "muon")
     eo._EMERGING_OPTIMIZERS[K2_MUON] = eo.EmergingOptimizerEntry(
         optimizer_cls=K2Muon,
-        config_to_kwargs=to_kwargs,
+        config_to_kwargs=lambda config, model_chunks, pg_collection: _muon_kwargs(config),
         default_param_overrides={ParamKey(predicate=not_muon): {"optimizer": "adam"}},
     )
 
@@ -218,25 +186,18 @@ def _build_muonclip(optim_cfg: OptimConfig, model: list, tcfg, schedule, use_dis
     o = optim_cfg
     common = megatron_settings(o, tcfg, schedule, use_distributed_optimizer)
     overrides = decay_overrides(o)
-    dist_opt = bool(use_distributed_optimizer)
     _register_k2_muon()
-    layer_wise = uses_layer_wise(o, dist_opt)
+    place = optimizer_spec(o.name).placement(o, use_distributed_optimizer)
     ocfg = OptimizerConfig(
         optimizer=K2_MUON,
         # layer-wise ZeRO-1: bf16=True selects megatron's mixed-precision wrapper, which fp32 parameters
         # also need there (module docstring); it keeps fp32 parameters as their own master copy.
-        bf16=True if layer_wise else tcfg.bf16,
-        use_layer_wise_distributed_optimizer=layer_wise,
-        muon_momentum=o.muon_momentum,
-        muon_nesterov=o.muon_nesterov,
-        muon_num_ns_steps=o.muon_num_ns_steps,
-        muon_coefficient_type=o.muon_coefficient_type,
-        muon_scale_mode=o.muon_scale_mode,
-        muon_extra_scale_factor=o.muon_extra_scale_factor,
-        muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
+        bf16=True if place.layer_wise else tcfg.bf16,
+        use_layer_wise_distributed_optimizer=place.layer_wise,
+        **_megatron_muon_settings(o),
         **common,
     )
-    if dist_opt and not layer_wise:
+    if place.zero1_muon and not place.layer_wise:
         return _with_offload(o, _byte_range_muonclip(ocfg, model, overrides))
     optimizer = get_megatron_optimizer(ocfg, model, config_overrides=overrides)
     _copy_splits_to_master_params(model)
@@ -257,8 +218,20 @@ def _with_offload(optim_cfg: OptimConfig, optimizer):
                               StateOffload(leaves, float(optim_cfg.offload_fraction)))
 
 
+def _megatron_muon_settings(optim_cfg: OptimConfig) -> dict:
+    """MuonClip's own settings (:func:`k2.config.schema.optimizer_settings`) that megatron's
+    ``OptimizerConfig`` also has, under the same names (``muon_momentum``, ``muon_nesterov``, ...)."""
+    from dataclasses import fields
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    megatron = {f.name for f in fields(OptimizerConfig)}
+    return {k: getattr(optim_cfg, k) for k in optimizer_settings("muonclip") if k in megatron}
+
+
 def _muon_kwargs(config) -> dict:
-    """:class:`k2.optim.muon.K2Muon`'s arguments from megatron's ``OptimizerConfig``."""
+    """:class:`k2.optim.muon.K2Muon`'s arguments from megatron's ``OptimizerConfig`` (both the layer-wise
+    and the byte-range path build it from these)."""
     return dict(
         lr=config.lr, momentum=config.muon_momentum, weight_decay=config.weight_decay,
         nesterov=config.muon_nesterov, coefficient_type=config.muon_coefficient_type,
@@ -366,7 +339,5 @@ SPECS = (
     OptimizerSpec("adamw", _build_adamw, ADAMW_UPDATE),
     OptimizerSpec("muonclip", _build_muonclip, ADAMW_UPDATE, matrix=MUON_UPDATE,
                   matrix_step=MatrixStep(iterations=5, gemms=newton_schulz_gemms),
-                  settings=("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_coefficient_type",
-                            "muon_scale_mode", "muon_extra_scale_factor", "muon_fp32_matmul_prec",
-                            "router_optimizer", "muon_zero1")),
+                  settings=optimizer_settings("muonclip")),
 )

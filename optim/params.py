@@ -157,7 +157,7 @@ def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_o
         chunks: this rank's unwrapped model chunks (``GPTModel``).
         tcfg: megatron ``TransformerConfig``.
         muon: optimizer is MuonClip.
-        zero1_muon: the Muon matrices are sharded by ZeRO-1 (:func:`k2.optim.build.uses_zero1_muon`).
+        zero1_muon: the Muon matrices are sharded by ZeRO-1 (:attr:`k2.optim.registry.Placement.zero1_muon`).
         router_optimizer: ``optim.router_optimizer`` (:func:`route`).
         decay_all_params: ``optim.decay_all_params`` (:func:`weight_decayed`; shown in the table only:
             :func:`k2.optim.build.build_optimizer` applies it).

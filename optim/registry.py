@@ -16,10 +16,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ADAMW_UPDATE", "MUON_UPDATE", "MatrixStep", "OptimizerSpec", "ParamUpdate", "optimizer_names",
-           "optimizer_spec"]
+from k2.config.choices import MuonZero1
+
+if TYPE_CHECKING:
+    from k2.config.schema import OptimConfig
+
+__all__ = ["ADAMW_UPDATE", "MUON_UPDATE", "MatrixStep", "OptimizerSpec", "ParamUpdate", "Placement",
+           "optimizer_names", "optimizer_spec"]
 
 #: the modules whose ``SPECS`` are the registered optimizers, in the order ``allowed:`` lists them
 _MODULES = ("k2.optim.build",)
@@ -69,6 +74,28 @@ class MatrixStep:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where one run's parameters go under its optimizer: what the trainer's builder tags and wraps
+    (:func:`k2.optim.params.tag_parameters`, :func:`k2.parallel.distributed.wrap_model`) and the planner
+    lays out (``k2.launcher.planning.memory``), so both read the same answer.
+
+    Attributes:
+        muon: weight matrices are routed to the matrix update (Muon); False: every parameter takes the
+            default update.
+        zero1_muon: those matrices are sharded by ZeRO-1 (``k2.parallel.use_distributed_optimizer``): they
+            sit in DDP buffers of their own.
+        layer_wise: ... by megatron's layer-wise distributed optimizer (``optim.muon_zero1=layer_wise``);
+            False: megatron's byte-range one, running Distributed Muon (:mod:`k2.optim.distributed_muon`).
+        router_optimizer: ``optim.router_optimizer``, the MoE router weight's update when ``muon``.
+    """
+
+    muon: bool
+    zero1_muon: bool
+    layer_wise: bool
+    router_optimizer: str
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     """One optimizer of ``optim.name``.
 
@@ -80,7 +107,8 @@ class OptimizerSpec:
             of them when ``matrix`` is None).
         matrix: the update of the weight matrices :func:`k2.optim.params.route` picks (Muon), or None.
         matrix_step: the extra per-matrix work of ``matrix``, or None.
-        settings: the ``optim`` keys that belong to this optimizer alone (its config section).
+        settings: the ``optim`` keys that belong to this optimizer alone (its config section): the schema
+            declares them (:func:`k2.config.schema.optimizer_settings`).
     """
 
     name: str
@@ -101,6 +129,15 @@ class OptimizerSpec:
         offload and update traffic): the matrix update when there is one (most of K2's parameters are
         matrices), else the default."""
         return self.matrix if self.matrix is not None else self.default
+
+    def placement(self, optim_cfg: OptimConfig, use_distributed_optimizer: bool) -> Placement:
+        """The :class:`Placement` of the parameters under the ``optim`` section ``optim_cfg`` (of this
+        optimizer) and ``k2.parallel.use_distributed_optimizer``."""
+        muon = self.matrix is not None
+        zero1_muon = muon and bool(use_distributed_optimizer)
+        return Placement(muon=muon, zero1_muon=zero1_muon,
+                         layer_wise=zero1_muon and optim_cfg.muon_zero1 == MuonZero1.layer_wise,
+                         router_optimizer=str(optim_cfg.router_optimizer))
 
 
 _SPECS: dict[str, OptimizerSpec] = {}

@@ -162,10 +162,9 @@ def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: i
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
     lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
     if not lower_bound:
-        states = state_bytes(counts, dims, precision=cfg.train.precision, optimizer=cfg.optim.name,
+        states = state_bytes(counts, dims, precision=cfg.train.precision, optim=cfg.optim,
                              use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-                             model_cfg=cfg.model, cache=cache, router_optimizer=cfg.optim.router_optimizer,
-                             muon_zero1=cfg.optim.muon_zero1)
+                             model_cfg=cfg.model, cache=cache)
     ratio = staged_pinned_ratio(states)
     staged *= ratio  # (staged into pinned buffers, one per tensor)
     main = main_phase(schedule)

@@ -53,11 +53,11 @@ from k2.launcher.planning.activation_bytes import apply_switches, layer_recomput
 from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.model.build import moe_layer_pattern
 from k2.optim.params import route
-from k2.optim.registry import OptimizerSpec, optimizer_spec
+from k2.optim.registry import OptimizerSpec, Placement, optimizer_spec
 from k2.parallel.distributed import ddp_config
 
 if TYPE_CHECKING:
-    from k2.config.schema import MemoryConfig, ModelConfig
+    from k2.config.schema import MemoryConfig, ModelConfig, OptimConfig
 
 __all__ = ["LayoutParam", "StageActivations", "StateBytes", "rank_param_lists",
            "stage_activations", "state_bytes", "state_bytes_lower_bound"]
@@ -223,21 +223,20 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
 
 
 def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str,
-                 spec: OptimizerSpec, use_distributed_optimizer: bool, model_cfg: ModelConfig,
-                 router_optimizer: str = "muon", muon_zero1: str = "byte_range") -> tuple:
+                 spec: OptimizerSpec, place: Placement, use_distributed_optimizer: bool,
+                 model_cfg: ModelConfig) -> tuple:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank, params_pinned,
     optimizer pinned bytes per DP rank, per expert-DP rank)`` of one chunk (:class:`StateBytes`); ``spec``:
-    the optimizer (its routes and their state bytes)."""
-    muon = spec.matrix is not None
-    own_buffers = muon and use_distributed_optimizer  # the Muon matrices in DDP buffers of their own
+    the optimizer (its routes and their state bytes); ``place``: where it puts the parameters."""
     master = _MASTER_BYTES if precision == "bf16" else 0
-    params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=muon,
-                           layer_wise=own_buffers, model_cfg=model_cfg, router_optimizer=router_optimizer,
+    # (layer_wise=: megatron's flag on the Muon matrices that sit in DDP buffers of their own)
+    params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=place.muon,
+                           layer_wise=place.zero1_muon, model_cfg=model_cfg, router_optimizer=place.router_optimizer,
                            default_route=spec.default.route)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = params_pinned = 0
-    layout = _layout(params, dims, use_distributed_optimizer, own_buffers and muon_zero1 == "layer_wise")
+    layout = _layout(params, dims, use_distributed_optimizer, place.layer_wise)
     for key, lay in layout.layouts.items():
         buffer_numel += lay.bucket_indices[-1][1] if lay.bucket_indices else 0
         group = dims.expert_dp if key.is_expert_parallel else dims.dp
@@ -276,22 +275,20 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
     return out
 
 
-def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed_optimizer: bool,
-                model_cfg: ModelConfig, cache: dict | None = None, router_optimizer: str = "muon",
-                muon_zero1: str = "byte_range") -> list[list[StateBytes]]:
+def state_bytes(counts, dims, *, precision: str, optim: OptimConfig, use_distributed_optimizer: bool,
+                model_cfg: ModelConfig, cache: dict | None = None) -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
     Args:
         counts: :func:`k2.model.params.count_params` of the model.
         dims: :class:`k2.parallel.dims.ParallelDims`.
         precision: ``train.precision`` (``bf16`` | ``fp32``).
-        optimizer: ``k2.optim.name`` (:func:`k2.optim.registry.optimizer_spec`: its routes and state bytes).
+        optim: the ``optim`` section: its optimizer's spec (:func:`k2.optim.registry.optimizer_spec`) gives the
+            routes, their state bytes and where the parameters go (:class:`k2.optim.registry.Placement`).
         use_distributed_optimizer: ``k2.parallel.use_distributed_optimizer`` (ZeRO-1).
         model_cfg: ``cfg.model``.
         cache: a dict kept across calls for the same model, precision and optimizer (``k2-plan``'s
             search): chunks with the same layers, embedding/loss, ep, dp and expert-DP are laid out once.
-        router_optimizer: ``optim.router_optimizer`` (:func:`k2.optim.params.route`).
-        muon_zero1: ``optim.muon_zero1`` (``byte_range`` | ``layer_wise``: the Muon matrices' ZeRO-1 layout).
 
     Returns:
         ``out[pp_rank][dp_rank]`` (the expert-DP rank of DP rank ``d`` is taken as ``d % expert_dp``; the
@@ -302,7 +299,8 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
     """
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"train.precision={precision!r}; allowed: {', '.join(_DTYPE_BYTES)}")
-    spec = optimizer_spec(optimizer)
+    spec = optimizer_spec(optim.name)
+    place = spec.placement(optim, use_distributed_optimizer)
     cache = {} if cache is None else cache
     pbytes = _DTYPE_BYTES[precision]
     out = []
@@ -313,13 +311,12 @@ def state_bytes(counts, dims, *, precision: str, optimizer: str, use_distributed
         for v in range(dims.vpp):
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
-            key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, optimizer,
-                   use_distributed_optimizer, router_optimizer, muon_zero1)
+            key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, spec.name,
+                   use_distributed_optimizer, place)
             if key not in cache:
-                cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision,
-                                          spec=spec,
-                                          use_distributed_optimizer=use_distributed_optimizer, model_cfg=model_cfg,
-                                          router_optimizer=router_optimizer, muon_zero1=muon_zero1)
+                cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision, spec=spec,
+                                          place=place, use_distributed_optimizer=use_distributed_optimizer,
+                                          model_cfg=model_cfg)
             n, b, dense, expert, ppin, dpin, epin = cache[key]
             param_numel, buffer_numel, params_pinned = param_numel + n, buffer_numel + b, params_pinned + ppin
             dense_opt = [x + y for x, y in zip(dense_opt, dense)]

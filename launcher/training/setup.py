@@ -27,7 +27,7 @@ from megatron.core.distributed import finalize_model_grads
 
 from k2.model.activation_memory import MemoryOptions
 from k2.model.build import build_model_chunks, layout_independent_init, transformer_config
-from k2.optim.build import build_optimizer, uses_layer_wise, uses_muon, uses_zero1_muon
+from k2.optim.build import build_optimizer
 from k2.optim.params import ParamRoute, param_rules, tag_parameters
 from k2.optim.qk_clip import QKClip
 from k2.optim.registry import optimizer_spec
@@ -113,13 +113,12 @@ def setup(cfg: K2Config, dims, schedule, *, rope_type: str | None = None,
     chunks = build_model_chunks(cfg, dims, tcfg, memory, memory_switches=memory_switches)
     _initialise(init, chunks, tcfg, cfg)
     dist_opt = bool(cfg.parallel.use_distributed_optimizer)
-    layer_wise = uses_layer_wise(cfg.optim, dist_opt)
-    routes = tag_parameters(chunks, tcfg, muon=uses_muon(cfg.optim),
-                            zero1_muon=uses_zero1_muon(cfg.optim, dist_opt),
-                            default_route=optimizer_spec(cfg.optim.name).default.route,
-                            **param_rules(cfg.optim))
+    spec = optimizer_spec(cfg.optim.name)
+    place = spec.placement(cfg.optim, dist_opt)
+    routes = tag_parameters(chunks, tcfg, muon=place.muon, zero1_muon=place.zero1_muon,
+                            default_route=spec.default.route, **param_rules(cfg.optim))
     hooks, delay_wgrad = setup_pipeline(cfg.pipeline, chunks) if pipeline else (None, False)
-    model = wrap_model(chunks, tcfg, dist_opt, layer_wise=layer_wise, delay_wgrad_compute=delay_wgrad)
+    model = wrap_model(chunks, tcfg, dist_opt, layer_wise=place.layer_wise, delay_wgrad_compute=delay_wgrad)
     optimizer = build_optimizer(cfg.optim, model, tcfg, schedule, dist_opt)
     qk_clip = QKClip(model, optimizer, cfg.optim.qk_clip_tau, cfg.model.num_layers)
     scheduler = TokenLRScheduler(schedule, optimizer) if lr_scheduler else None

@@ -57,8 +57,8 @@ from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
 from k2.model.build import moe_layer_pattern, set_rope_type
 from k2.model.flops import step_flops
 from k2.model.saved_bytes_meter import SavedBytesMeter
-from k2.optim.build import uses_layer_wise
 from k2.optim.params import format_route_table, route_table
+from k2.optim.registry import optimizer_spec
 from k2.parallel.distributed import DistEnv, init_distributed
 
 __all__ = ["Trainer", "run"]
@@ -190,7 +190,8 @@ class Trainer:
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name,
-                                uses_layer_wise(cfg.optim, cfg.parallel.use_distributed_optimizer))
+                                optimizer_spec(cfg.optim.name).placement(
+                                    cfg.optim, cfg.parallel.use_distributed_optimizer).layer_wise)
         self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
 
     def prepare_run_dir(self) -> None:

@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import yaml
 
+from k2.config import load_config
 from k2.config.recipes import RECIPES_DIR
-from k2.config.schema import OptimConfig
-from k2.config.validate import OPTIMIZERS
+from k2.config.schema import OptimConfig, optimizer_settings
+from k2.config.validate import OPTIMIZER_CHECKS, OPTIMIZERS
 from k2.launcher.planning.checkpoint import checkpoint_bytes
 from k2.optim.registry import optimizer_names, optimizer_spec
 
@@ -52,3 +53,34 @@ def test_newton_schulz_flops():
     m, n = 3, 7
     flops = sum(2 * a * k * b for a, k, b in optimizer_spec("muonclip").matrix_step.gemms(m, n))
     assert flops == 4 * m * m * n + 2 * m ** 3
+
+
+@pytest.mark.parametrize("overrides,dist_opt,want", [
+    (["optim=adamw"], True, (False, False, False)),
+    (["optim=muonclip"], False, (True, False, False)),
+    (["optim=muonclip"], True, (True, True, False)),
+    (["optim=muonclip", "optim.muon_zero1=layer_wise"], True, (True, True, True)),
+    (["optim=muonclip", "optim.muon_zero1=layer_wise"], False, (True, False, False)),
+])
+def test_placement_follows_the_optimizer_and_zero1(overrides, dist_opt, want):
+    """Where the parameters go (the trainer's builder and the planner both read it): Muon matrices only
+    under MuonClip, in buffers of their own only under ZeRO-1, layer-wise only when asked for."""
+    cfg = load_config(overrides)
+    place = optimizer_spec(cfg.optim.name).placement(cfg.optim, dist_opt)
+    assert (place.muon, place.zero1_muon, place.layer_wise) == want
+    assert place.router_optimizer == "muon"
+
+
+def test_muonclip_settings_are_declared_once():
+    """MuonClip's own keys are the schema's (``_own("muonclip", ...)``); the ones megatron's OptimizerConfig
+    also has reach it by name, every ``muon_*`` key but the ZeRO-1 layout; the check of those keys is found in
+    the one table of optimizer checks, which has an entry for each optimizer with keys of its own."""
+    from k2.optim.build import _megatron_muon_settings
+
+    spec = optimizer_spec("muonclip")
+    assert spec.settings == optimizer_settings("muonclip") and "muon_momentum" in spec.settings
+    assert optimizer_spec("adamw").settings == ()
+    passed = _megatron_muon_settings(load_config(["optim=muonclip", "optim.muon_momentum=0.9"]).optim)
+    assert set(passed) == {k for k in spec.settings if k.startswith("muon_")} - {"muon_zero1"}
+    assert passed["muon_momentum"] == 0.9
+    assert set(OPTIMIZER_CHECKS) == {n for n in optimizer_names() if optimizer_spec(n).settings}
