@@ -18,16 +18,17 @@ description).
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Any
 
 from k2.config.errors import ConfigError
 
 __all__ = [
-    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType",
+    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType", "LrStyle",
     "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
-    "ResumeMode", "RouterOptimizer", "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode",
-    "allowed", "check_choice", "choice_error", "values",
+    "ResumeMode", "RopeType", "RouterOptimizer", "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode",
+    "allowed", "check_choice", "choice_error", "choice_setting", "values",
 ]
 
 
@@ -83,6 +84,24 @@ class MuonMatmulPrecision(Choice):
     medium = "medium"
     high = "high"
     highest = "highest"
+
+
+class RopeType(Choice):
+    """``model.rope_type`` and ``schedule.phases.<i>.rope_type``: the rotary position embedding (plain RoPE
+    while pretraining at 4K, YaRN for the 128K extension; ``k2.model.build.rope_fields``)."""
+
+    rope = "rope"
+    yarn = "yarn"
+
+
+# Written with Enum's functional form because ``continue`` is a Python keyword (no class attribute can have
+# that name), and OmegaConf assigns a member by its name, so the name must be the value a recipe writes.
+LrStyle = Choice("LrStyle", [(s, s) for s in ("constant", "linear", "cosine", "exponential", "minus_sqrt",
+                                              "continue")], module=__name__)
+LrStyle.__doc__ = """``schedule.phases.<i>.lr_style``: a phase's learning-rate rule between ``lr_start`` and
+``lr_end``: ``constant``, megatron-core's decay curves (``OptimizerParamScheduler``: ``linear``, ``cosine``,
+``exponential``, ``minus_sqrt``; ``k2.schedules.wsd.decay_coefficient``), or ``continue`` (the previous
+phase's rule goes on)."""
 
 
 class AttentionBackend(Choice):
@@ -178,6 +197,10 @@ _ALLOWED = "{setting}={value!r}; allowed: {allowed}"
 CHOICES: dict[str, tuple[type[Choice], str]] = {
     "model.attention_backend": (AttentionBackend, _ALLOWED + " (auto = sdpa on CUDA, eager on CPU)"),
     "model.max_logit_kernel": (MaxLogitKernel, _ALLOWED),
+    "model.rope_type": (RopeType, _ALLOWED),
+    "schedule.phases.<i>.lr_style": (LrStyle, _ALLOWED),
+    "schedule.phases.<i>.rope_type": (RopeType, _ALLOWED + " or null (the previous phase's; the first phase: "
+                                                "model.rope_type)"),
     "train.precision": (Precision, _ALLOWED),
     "train.spike.action": (SpikeAction, _ALLOWED),
     "checkpoint.verify": (CheckpointVerify, _ALLOWED),
@@ -196,10 +219,19 @@ CHOICES: dict[str, tuple[type[Choice], str]] = {
 }
 
 
+def choice_setting(key: str) -> str | None:
+    """The key of :data:`CHOICES` that the setting ``key`` is: itself, or the list item's pattern
+    (``schedule.phases.2.lr_style`` -> ``schedule.phases.<i>.lr_style``); None for a key of no Enum-typed
+    setting."""
+    pattern = re.sub(r"\[\d+\]|\.\d+(?=\.)", ".<i>", key)
+    return key if key in CHOICES else pattern if pattern in CHOICES else None
+
+
 def choice_error(setting: str, value: Any) -> ConfigError:
     """The error for ``value`` outside the allowed values of the Enum-typed ``setting`` (a key of
-    :data:`CHOICES`), naming the setting and every allowed value."""
-    choice, message = CHOICES[setting]
+    :data:`CHOICES`, or a list item of one: ``schedule.phases.2.lr_style``), naming the setting and every
+    allowed value."""
+    choice, message = CHOICES[choice_setting(setting)]
     return ConfigError(message.format(setting=setting, value=value, allowed=allowed(choice)))
 
 
@@ -207,5 +239,5 @@ def check_choice(section: Any, key: str, setting: str) -> None:
     """``section.key`` is one of the values of ``setting``'s Enum (null allowed where the schema says
     ``Optional``: the caller skips it)."""
     value = section[key]
-    if value not in values(CHOICES[setting][0]):
+    if value not in values(CHOICES[choice_setting(setting)][0]):
         raise choice_error(setting, value)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from k2.config.choices import CHOICES, choice_error
+from k2.config.choices import choice_error, choice_setting
 from k2.config.errors import ConfigError
 from k2.config.recipes import RECIPES_DIR
 from k2.config.schema import K2Config
@@ -213,7 +213,8 @@ def _choice_refused(exc: BaseException) -> ConfigError | None:
     while exc is not None:
         key = getattr(exc, "full_key", None)
         value = getattr(exc, "value", None)
-        if isinstance(exc, ValidationError) and key in CHOICES and isinstance(value, (str, int, float, bool)):
+        if (isinstance(exc, ValidationError) and key is not None and choice_setting(key) is not None
+                and isinstance(value, (str, int, float, bool))):
             # a number or a bool as the string a str field made of it (the message before the Enum)
             return choice_error(key, value if isinstance(value, str) else str(value))
         exc = exc.__cause__ or exc.__context__

@@ -19,12 +19,14 @@ from k2.config.choices import (
     BadRecords,
     CheckpointVerify,
     ConvertModelType,
+    LrStyle,
     MaxLogitKernel,
     MuonMatmulPrecision,
     MuonScaleMode,
     MuonZero1,
     Output,
     Precision,
+    RopeType,
     RouterOptimizer,
     SpikeAction,
     TextDocument,
@@ -71,7 +73,7 @@ class ModelConfig:
     # Vocabulary / positions
     vocab_size: int = 4096
     max_position_embeddings: int = 4096
-    rope_type: str = "rope"  # "rope" while pretraining at 4K; "yarn" for the 128K extension
+    rope_type: RopeType = RopeType.rope  # rope while pretraining at 4K; yarn for the 128K extension
     rotary_base: float = 50000.0
     rotary_scaling_factor: float = 32.0  # YaRN factor (used when rope_type == "yarn")
     original_max_position_embeddings: int = 4096
@@ -363,11 +365,11 @@ class PhaseConfig:
     steps: int | None = None  # length in optimizer steps of schedule.global_batch_tokens (warmup)
     until_tokens: int | None = None  # end of the phase, in tokens from the start of training
     # constant | linear | cosine | exponential | minus_sqrt | continue (the previous rule goes on)
-    lr_style: str = "constant"
+    lr_style: LrStyle = LrStyle.constant
     lr_start: float | None = None  # LR at the start; null = the previous phase's end LR
     lr_end: float | None = None  # LR at the end; null = lr_start (constant)
     seq_length: int | None = None  # context length in tokens; null = the previous phase's
-    rope_type: str | None = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
+    rope_type: RopeType | None = None  # rope | yarn; null = the previous phase's (first: model.rope_type)
     micro_batch_size: int | None = None  # sequences; null = the previous phase's (first: train.*)
     # activation memory from this phase on: memory.fp8_store / recompute / offload (site lists, as in the
     # memory group); a key left null = the previous phase's (first: the memory group's)

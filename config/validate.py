@@ -85,6 +85,7 @@ def check_model(m: ModelConfig) -> None:
     :func:`k2.model.backends.check_backend_config`)."""
     check_choice(m, "attention_backend", "model.attention_backend")
     check_choice(m, "max_logit_kernel", "model.max_logit_kernel")
+    check_choice(m, "rope_type", "model.rope_type")
     for key in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, key)
         _require(_finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from k2.config.choices import RopeType, allowed, values
 from k2.model.activation_memory import MemoryOptions, megatron_recompute_fields
 from k2.model.activation_memory import install as install_memory
 from k2.model.attention import K2CoreAttention, te_core_attention_class
@@ -63,10 +64,10 @@ def rope_fields(model_cfg: ModelConfig, rope_type: str) -> dict:
     extension), so the YaRN factor (``k2.model.rotary_scaling_factor``) is only passed when YaRN is on
     (1.0 otherwise, which makes that mscale 1); the recipe keeps the YaRN numbers for that phase.
     """
-    if rope_type not in ("rope", "yarn"):
-        raise ValueError(f"rope_type={rope_type!r}; allowed: rope, yarn")
+    if rope_type not in values(RopeType):
+        raise ValueError(f"rope_type={rope_type!r}; allowed: {allowed(RopeType)}")
     return dict(
-        rope_type=rope_type,
+        rope_type=str(rope_type),  # megatron's config keeps the plain string
         rotary_base=model_cfg.rotary_base,
         rotary_scaling_factor=float(model_cfg.rotary_scaling_factor) if rope_type == "yarn" else 1.0,
         original_max_position_embeddings=model_cfg.original_max_position_embeddings,

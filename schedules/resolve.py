@@ -11,9 +11,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from k2.config.choices import LrStyle, RopeType, choice_error, values
 from k2.config.errors import ConfigError
 from k2.parallel.dims import check_microbatches
-from k2.schedules.wsd import LR_STYLES, PHASE_LENGTH_KEYS, ROPE_TYPES, LRSegment, Phase, Schedule, ceil_div
+from k2.schedules.wsd import LR_RULES, PHASE_LENGTH_KEYS, LRSegment, Phase, Schedule, ceil_div
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config, MemoryConfig, ModelConfig, PhaseConfig
@@ -153,15 +154,13 @@ def _phase_length(key: str, where: str, ph: PhaseConfig, start: int, prev: dict 
 def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: dict | None):
     """``(lr_style, lr_start, lr_end)`` of the phase (None, None for ``continue``)."""
     style = ph.lr_style
-    if style not in LR_STYLES:
-        raise ConfigError(
-            f"{key}.lr_style={style!r} is not a known decay style; allowed: {', '.join(LR_STYLES)}"
-        )
+    if style not in values(LrStyle):
+        raise choice_error(f"{key}.lr_style", style)
     lr_start, lr_end = ph.lr_start, ph.lr_end
     if style == "continue":
         if prev is None:
             raise ConfigError(f"{key}.lr_style=continue on the first phase: there is no rule to "
-                              f"continue; allowed: {', '.join(LR_STYLES[:-1])}")
+                              f"continue; allowed: {', '.join(LR_RULES)}")
         if lr_start is not None or lr_end is not None:
             raise ConfigError(
                 f"{where} has lr_style=continue and sets lr_start/lr_end; a continued phase takes "
@@ -182,7 +181,7 @@ def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: dict | None):
     if style == "constant" and lr_end != lr_start:
         raise ConfigError(
             f"{key} is constant but lr_end={lr_end} != lr_start={lr_start}; set {key}.lr_end to "
-            f"null or to lr_start, or pick a decay style ({', '.join(LR_STYLES[1:-1])})"
+            f"null or to lr_start, or pick a decay style ({', '.join(LR_RULES[1:])})"
         )
     return style, lr_start, lr_end
 
@@ -201,8 +200,8 @@ def _phase_context(key: str, ph: PhaseConfig, prev: dict | None, B: int, model_c
     rope = ph.rope_type
     if rope is None:
         rope = prev["rope_type"] if prev is not None else model_cfg.rope_type
-    if rope not in ROPE_TYPES:
-        raise ConfigError(f"{key}.rope_type={rope!r}; allowed: {', '.join(ROPE_TYPES)}")
+    if rope not in values(RopeType):
+        raise choice_error(f"{key}.rope_type", rope)
     longest, why = _supported_length(model_cfg, rope)
     if seq > longest:
         raise ConfigError(

@@ -56,9 +56,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# megatron OptimizerParamScheduler decay curves + "continue" (the previous phase's rule goes on).
-LR_STYLES = ("constant", "linear", "cosine", "exponential", "minus_sqrt", "continue")
-ROPE_TYPES = ("rope", "yarn")
+from k2.config.choices import LrStyle, RopeType, values
+
+#: the LR rules a segment runs: every ``schedule.phases.<i>.lr_style`` but ``continue`` (which stretches the
+#: previous phase's rule); ``constant`` first, then megatron's decay curves
+LR_RULES = tuple(s for s in values(LrStyle) if s != "continue")
 PHASE_LENGTH_KEYS = ("tokens", "steps", "until_tokens")
 
 
@@ -83,7 +85,7 @@ def decay_coefficient(style: str, ratio: float) -> float:
         return 2.0 * math.pow(0.5, r) - 1.0
     if style == "minus_sqrt":
         return 1.0 - math.sqrt(r)
-    raise ValueError(f"unknown decay style {style!r}; allowed: {', '.join(LR_STYLES[:-1])}")
+    raise ValueError(f"unknown decay style {style!r}; allowed: {', '.join(LR_RULES)}")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -116,11 +118,11 @@ class Phase:
     name: str
     start_tokens: int
     end_tokens: int
-    lr_style: str
+    lr_style: LrStyle
     lr_start: float
     lr_end: float
     seq_length: int
-    rope_type: str
+    rope_type: RopeType
     micro_batch_size: int
     global_batch_size: int
     first_step: int | None

@@ -6,22 +6,25 @@ from __future__ import annotations
 import json
 
 import pytest
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ValidationError
+from omegaconf._utils import is_structured_config
 from omegaconf.nodes import EnumNode
 
 from k2.config import ConfigError, load_config, to_yaml
 from k2.config.choices import CHOICES, AttentionBackend, Choice, Precision, allowed, choice_error
 from k2.config.load import _choice_refused
-from k2.config.schema import K2Config
+from k2.config.schema import K2Config, PhaseConfig
 
 
 def _enum_fields(node: DictConfig, prefix: str = "") -> dict[str, type]:
-    """Every Enum-typed field of the schema, by dotted key."""
+    """Every Enum-typed field of the schema, by dotted key (a list's items: ``<key>.<i>.``)."""
     out = {}
     for key in node.keys():
         child = node._get_node(key)
-        if isinstance(child, DictConfig):
+        if isinstance(child, ListConfig) and is_structured_config(child._metadata.element_type):
+            out.update(_enum_fields(OmegaConf.structured(child._metadata.element_type), f"{prefix}{key}.<i>."))
+        elif isinstance(child, DictConfig):
             out.update(_enum_fields(child, f"{prefix}{key}."))
         elif isinstance(child, EnumNode):
             out[f"{prefix}{key}"] = child.enum_type
@@ -40,13 +43,15 @@ def test_every_enum_field_has_its_message_and_its_values_once():
 
 def test_a_value_outside_the_enum_is_the_settings_one_error():
     schema = OmegaConf.structured(K2Config)
+    schema.schedule.phases = [PhaseConfig()]  # a list item's setting: schedule.phases.<i>.<key>
     for setting in sorted(CHOICES):  # OmegaConf's refusal as load_config maps it (cheap: no Hydra compose)
         with pytest.raises(ValidationError) as e:
-            OmegaConf.update(schema, setting, "bogus")
+            OmegaConf.update(schema, setting.replace("<i>", "0"), "bogus")
         refused = _choice_refused(e.value)
-        assert refused is not None and str(refused) == str(choice_error(setting, "bogus"))
-        assert f"{setting}='bogus'" in str(refused) and allowed(CHOICES[setting][0]) in str(refused)
-    for setting in ("output", "optim.muon_zero1"):  # and through a Hydra override, top level and nested
+        key = setting.replace(".<i>", "[0]")  # as OmegaConf names a list item
+        assert refused is not None and str(refused) == str(choice_error(key, "bogus"))
+        assert f"{key}='bogus'" in str(refused) and allowed(CHOICES[setting][0]) in str(refused)
+    for setting in ("output", "optim.muon_zero1", "model.rope_type"):  # and through a Hydra override
         with pytest.raises(ConfigError) as e:
             load_config([f"{setting}=bogus"])
         assert str(e.value) == str(choice_error(setting, "bogus"))
@@ -61,3 +66,15 @@ def test_an_enum_value_reads_as_the_plain_string():
     assert json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True)))["train"]["precision"] == "bf16"
     saved = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)), resolve=True)
     assert saved == OmegaConf.to_container(cfg, resolve=True)  # a saved config equals the live one
+
+
+@pytest.mark.parametrize("setting", ["schedule.phases.1.lr_style", "schedule.phases.0.rope_type"])
+def test_a_schedule_phase_setting_outside_its_enum_is_one_line_naming_it(setting):
+    """``lr_style`` and ``rope_type`` of a phase (a list item) are refused while the config is composed, in
+    one line that names the phase's setting and every allowed value."""
+    with pytest.raises(ConfigError) as e:
+        load_config(["schedule=tiny_wsd", f"{setting}=bogus"])
+    msg = str(e.value)
+    choice = CHOICES[setting.replace(".1.", ".<i>.").replace(".0.", ".<i>.")][0]
+    assert "\n" not in msg and msg.startswith(setting.replace(".1.", "[1].").replace(".0.", "[0].") + "='bogus'")
+    assert f"allowed: {allowed(choice)}" in msg
