@@ -11,10 +11,19 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-__all__ = ["RECIPES_DIR", "recipe_names"]
+__all__ = ["RECIPES_DIR", "recipe_names", "repo_root"]
 
 #: the folder of the config tree (``recipes/`` in the repository)
 RECIPES_DIR = Path(importlib.util.find_spec("k2.recipes").submodule_search_locations[0])
+
+
+def repo_root() -> Path | None:
+    """The root folder of the repository this code runs from (the one holding ``recipes/`` and
+    ``pyproject.toml``), or None for an installed wheel (no checkout). The folder the benchmarks run their
+    trainers in, so that relative settings (``data.cache_dir=data_cache``) mean what they mean to a user
+    who runs ``k2-train`` there."""
+    root = RECIPES_DIR.parent
+    return root if (root / "pyproject.toml").is_file() else None
 
 
 def recipe_names(group: str) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""Helpers for the processes a run starts: a free rendezvous port, and the two ways a child process
-ends with its parent (the kernel's ``PR_SET_PDEATHSIG`` and a watching thread).
+"""Helpers for the processes a run starts: a free rendezvous port, the environment of a child that
+starts a job of its own, and the two ways a child process ends with its parent (the kernel's
+``PR_SET_PDEATHSIG`` and a watching thread).
 
 One module for what the launcher (``k2-train``'s rank launcher, its forked ranks), the background
 checkpoint writer, the benchmarks' worker processes and the tests all need, in the lowest layer that
@@ -14,9 +15,23 @@ import signal
 import socket
 import threading
 
-__all__ = ["die_with_parent", "exit_with_parent", "free_port"]
+__all__ = ["JOB_VARS", "child_env", "die_with_parent", "exit_with_parent", "free_port"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: the variables that place a process in a distributed job: torch.distributed's rendezvous (``RANK``,
+#: ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; :func:`k2.parallel.distributed.dist_env`
+#: reads them) and ``K2_SPAWNED`` (set by ``k2-train``'s rank launcher on its ranks); Slurm's ``SLURM_*``
+#: as well (:func:`child_env`)
+JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that starts a job of its own (a trainer a benchmark runs,
+    ``k2-convert`` after a run): this process's, without :data:`JOB_VARS` and ``SLURM_*`` (else the child
+    would take this job's rank, world and rendezvous for its own), with ``extra`` set on top."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("SLURM_")}
+    env.update(extra)
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -23,7 +23,6 @@ dist-checkpointing), 0.78 s for Llama-3-70B on 1,856 GPUs (torchtitan).
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -33,7 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
+from k2.config.recipes import repo_root
 from k2.launcher.benchmarks.common import bench_options
+from k2.parallel.processes import child_env
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -45,7 +46,6 @@ _DEFAULTS = {
     "save_interval": 4,  # a save every N steps: four timed, two of them in the steady state
     "timeout": 1800,  # seconds per run
 }
-_REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(o: dict, async_save: bool, run_dir: Path) -> tuple[list[dict], str]:
@@ -56,10 +56,9 @@ def _run(o: dict, async_save: bool, run_dir: Path) -> tuple[list[dict], str]:
         f"checkpoint.async_save={str(async_save).lower()}", "run.wandb.mode=disabled", "train.progress=false",
         "launch.nproc_per_node=1", f"run.dir={run_dir}",
     ]
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     cmd = [sys.executable, "-m", "k2.launcher.train", *overrides]
-    proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=o["timeout"])
+    proc = subprocess.run(cmd, cwd=repo_root(), env=child_env(), capture_output=True, text=True,
+                          timeout=o["timeout"])
     if proc.returncode != 0:
         raise RuntimeError(f"bench=checkpoint: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

@@ -46,7 +46,6 @@ token-count all-gathers, from ``link_latency_us`` and ``link_loaded_latency_us``
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -55,8 +54,10 @@ from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
+from k2.config.recipes import repo_root
 from k2.launcher.benchmarks.common import bench_options, check_minimums
 from k2.launcher.benchmarks.shaped_link import ShapedLink, check_can_shape, measure_link
+from k2.parallel.processes import child_env
 from k2.schedules.pipeline_trace import read_trace
 
 if TYPE_CHECKING:
@@ -87,7 +88,6 @@ _DEFAULTS = {
     "timeout": 900,  # seconds per trainer run
     "number": 0,  # picks the namespaces' names and subnet (k2.launcher.benchmarks.shaped_link)
 }
-_REPO = Path(__file__).resolve().parents[1]
 GOALS = {"speedup": 1.3, "exposed_cut": 0.6, "prediction_error": 0.2}
 
 
@@ -109,10 +109,8 @@ def _overrides(o: dict, run_dir: Path, overlap: bool) -> list[str]:
 
 def _train(link: ShapedLink, o: dict, run_dir: Path, overlap: bool) -> dict[str, Any]:
     """One 2-rank ``k2-train`` run on the link; its timed steps' figures (module docstring)."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    link.run_pair([sys.executable, "-m", "k2.launcher.train", *_overrides(o, run_dir, overlap)], env, _REPO,
+    env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    link.run_pair([sys.executable, "-m", "k2.launcher.train", *_overrides(o, run_dir, overlap)], env, repo_root(),
                   o["timeout"])
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["step"] > 1]
@@ -162,7 +160,7 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
     n = statistics.median(cal["a2a_count"])
     probe_rate = 100.0
     link.set_rate(probe_rate)
-    eff = measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o))
+    eff = measure_link(link, o["repeats"], repo_root(), _a2a_bytes_per_rank(o))
     efficiency = eff["alltoall_gbps"] * 8e3 / probe_rate  # achieved / nominal
     rates = []
     for b in o["balance"]:
@@ -221,7 +219,8 @@ def _unshaped_run(link: ShapedLink, o: dict, run_dir: Path) -> dict[str, Any]:
     """A calibration run: overlap off, the link not shaped (``{"run", "link"}``, :func:`_unshaped_case`)."""
     link.set_rate(None)
     run = _train(link, o, run_dir, False)
-    return {"run": run, "link": {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": None}}
+    link_figures = measure_link(link, o["repeats"], repo_root(), _a2a_bytes_per_rank(o))
+    return {"run": run, "link": {**link_figures, "rate_mbit": None}}
 
 
 def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path, unshaped: dict | None = None) -> dict[str, Any]:
@@ -230,7 +229,7 @@ def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path, unshaped: dict
     with the overlap off and on."""
     unshaped = unshaped or _unshaped_run(link, o, tmp / f"calibration-{rate:g}")
     link.set_rate(rate)
-    lf = {**measure_link(link, o["repeats"], _REPO, _a2a_bytes_per_rank(o)), "rate_mbit": rate}
+    lf = {**measure_link(link, o["repeats"], repo_root(), _a2a_bytes_per_rank(o)), "rate_mbit": rate}
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(o["rounds"]):
         for overlap in (False, True):

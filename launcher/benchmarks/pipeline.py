@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
+from k2.config.recipes import repo_root
 from k2.launcher.benchmarks.common import bench_options
 from k2.launcher.training.prepare import prepare_run
+from k2.parallel.processes import child_env
 from k2.schedules.pipeline import read_trace
 
 if TYPE_CHECKING:
@@ -41,7 +43,6 @@ _DEFAULTS = {
     "devices": "auto",  # auto (cpu, plus cuda with >= nproc GPUs) | cpu | cuda
     "timeout": 1200,  # seconds per run
 }
-_REPO = Path(__file__).resolve().parents[1]
 
 
 def trainer_command(overrides: list[str], nproc: int) -> list[str]:
@@ -60,12 +61,10 @@ def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
         f"pipeline.trace={run_dir / 'trace'}",  # for the CPU seconds per pass (both configurations)
     ]
     cmd = trainer_command(overrides, o["nproc"])
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // o["nproc"]))
+    env = child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // o["nproc"])))
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=o["timeout"])
+    proc = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=o["timeout"])
     if proc.returncode != 0:
         raise RuntimeError(f"bench=pipeline: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

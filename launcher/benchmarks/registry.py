@@ -18,9 +18,9 @@ Usage::
     k2-bench bench=ep_overlap                  # pipeline.ep_overlap off vs on across a shaped link (root)
 
 The registry (:data:`BENCHMARKS`). ``bench=<name>`` picks a recipe in ``recipes/bench/`` whose ``name`` selects
-a function of :data:`BENCHMARKS` (name -> ``function(cfg) -> dict of figures``); ``bench.options.*`` are that
-benchmark's options (defaults in the recipe and in the function; an unknown option or a bad value is a
-:class:`k2.config.ConfigError`: ``k2-bench: error: ...``, exit status 2).
+the function ``bench_<name>(cfg) -> dict of figures`` of the module :data:`BENCHMARKS` names;
+``bench.options.*`` are that benchmark's options (defaults in the recipe and in the function; an unknown
+option or a bad value is a :class:`k2.config.ConfigError`: ``k2-bench: error: ...``, exit status 2).
 
 JSON output: ``{"bench": name, "system": {...}, "options": {...}, "figures": {...}}`` with ``system`` =
 torch and megatron-core versions, Python, device name, CPU count, torch threads, CUDA/cuDNN versions.
@@ -30,87 +30,39 @@ Times are milliseconds (median of ``repeats`` timed calls after ``warmup`` untim
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
-from k2.launcher.benchmarks.activation_memory import bench_memory
-from k2.launcher.benchmarks.attention import bench_attention
 from k2.launcher.benchmarks.common import describe, system_info
-from k2.launcher.benchmarks.data_prepare import bench_data
-from k2.launcher.benchmarks.optimizer import bench_optimizer
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-
-def bench_step(cfg: K2Config) -> dict[str, Any]:
-    """One K2 training step vs a plain megatron-core step, each K2 feature toggled off (one process)."""
-    from k2.launcher.benchmarks.step import bench_step as run
-
-    return run(cfg)
-
-
-def bench_pipeline(cfg: K2Config) -> dict[str, Any]:
-    """Step time with decoupled weight gradients (pipeline.decouple_wgrad) on vs off, in one run."""
-    from k2.launcher.benchmarks.pipeline import bench_pipeline as run
-
-    return run(cfg)
-
-
-def bench_hf_convert(cfg: K2Config) -> dict[str, Any]:
-    """Peak host memory of k2-convert import / export against the largest tensor group and the model."""
-    from k2.launcher.benchmarks.hf_convert import bench_hf_convert as run
-
-    return run(cfg)
-
-
-def bench_hardware(cfg: K2Config) -> dict[str, Any]:
-    """This machine's hardware profile for k2-plan's step-time model (GEMM rate by shape, memory bandwidth,
-    per-operator cost, the backend's collectives); bench.options.out=PATH.yaml writes it."""
-    from k2.launcher.benchmarks.hardware import bench_hardware as run
-
-    return run(cfg)
-
-
-def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
-    """k2-plan's step-time model against measured parallel=single and parallel=pp2 runs of the main job's
-    model, on a profile measured in the same run: predicted / measured per component."""
-    from k2.launcher.benchmarks.perf_model import bench_perf_model as run
-
-    return run(cfg)
-
-
-def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
-    """pipeline.ep_overlap off vs on with EP across two network namespaces joined by a tc-tbf-shaped link:
-    step time, exposed all-to-all time, and k2-plan's prediction of both for that link (needs root)."""
-    from k2.launcher.benchmarks.ep_overlap import bench_ep_overlap as run
-
-    return run(cfg)
-
-
-def bench_checkpoint(cfg: K2Config) -> dict[str, Any]:
-    """The loop's wait per save with checkpoint.async_save off and on, and the slowdown of overlapped steps."""
-    from k2.launcher.benchmarks.checkpoint import bench_checkpoint as run
-
-    return run(cfg)
-
-
-#: name -> function(cfg) -> dict of figures (nested dicts = one section per case).
-BENCHMARKS: dict[str, Callable[[Any], dict[str, Any]]] = {
-    "attention": bench_attention,
-    "optimizer": bench_optimizer,
-    "pipeline": bench_pipeline,  # k2.launcher.benchmarks.pipeline
-    "ep_overlap": bench_ep_overlap,  # k2.launcher.benchmarks.ep_overlap
-    "memory": bench_memory,
-    "step": bench_step,  # k2.launcher.benchmarks.step
-    "hf_convert": bench_hf_convert,  # k2.launcher.benchmarks.hf_convert
-    "data": bench_data,  # k2.launcher.benchmarks.data_prepare
-    "hardware": bench_hardware,  # k2.launcher.benchmarks.hardware
-    "perf_model": bench_perf_model,  # k2.launcher.benchmarks.perf_model
-    "checkpoint": bench_checkpoint,  # k2.launcher.benchmarks.checkpoint
+#: ``bench.name`` -> the module of this package that defines its function ``bench_<name>(cfg) -> dict of
+#: figures`` (nested dicts = one section per case). A module is imported when its benchmark is first
+#: looked up (:func:`benchmark`), as the planner's entry point (``k2.launcher.planning``) resolves its names:
+#: most benchmarks import megatron-core and the model, which one benchmark's run should not wait for.
+BENCHMARKS: dict[str, str] = {
+    "attention": "attention",
+    "optimizer": "optimizer",
+    "pipeline": "pipeline",
+    "ep_overlap": "ep_overlap",
+    "memory": "activation_memory",
+    "step": "step",
+    "hf_convert": "hf_convert",
+    "data": "data_prepare",
+    "hardware": "hardware",
+    "perf_model": "perf_model",
+    "checkpoint": "checkpoint",
 }
+
+
+def benchmark(name: str) -> Callable[[K2Config], dict[str, Any]]:
+    """The function of benchmark ``name`` (a key of :data:`BENCHMARKS`), its module imported now."""
+    return getattr(importlib.import_module(f"{__package__}.{BENCHMARKS[name]}"), f"bench_{name}")
 
 
 def run_bench(cfg: K2Config) -> dict[str, Any]:
@@ -121,12 +73,12 @@ def run_bench(cfg: K2Config) -> dict[str, Any]:
     """
     name = cfg.bench.name
     if name == "none":
-        return {"bench": "none", "available": {k: describe(fn) for k, fn in BENCHMARKS.items()}}
+        return {"bench": "none", "available": {k: describe(benchmark(k)) for k in BENCHMARKS}}
     if name not in BENCHMARKS:
         raise ConfigError(f"bench.name={name!r}; available: none, {', '.join(BENCHMARKS)}")
     with warnings.catch_warnings():  # importing megatron warns about the missing TE/Apex
         warnings.simplefilter("ignore")
-        figures = BENCHMARKS[name](cfg)
+        figures = benchmark(name)(cfg)
     options = cfg.bench.options
     from omegaconf import OmegaConf
 

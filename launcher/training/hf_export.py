@@ -10,13 +10,11 @@ rank) and the other ranks are not held up. A failed export is reported and leave
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-#: environment variables of a launcher that must not reach the child (it is a job of one process)
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")
+from k2.parallel.processes import child_env
 
 
 def export_dir(run_dir, checkpoint: Path) -> Path:
@@ -28,10 +26,9 @@ def export_checkpoint(run_dir, checkpoint: Path, model_type: str) -> str:
     """Run ``k2-convert export`` of ``checkpoint`` into :func:`export_dir`; returns the line to log (the
     tool's summary, or a warning with the last line of its error output)."""
     out = export_dir(run_dir, checkpoint)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
     cmd = [sys.executable, "-m", "k2.launcher.convert", "export", f"checkpoint={checkpoint}", f"out={out}",
            f"convert.model_type={model_type}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode == 0:
         return (proc.stdout.strip().splitlines() or [f"k2-convert: exported {checkpoint} -> {out}"])[-1]
     last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]

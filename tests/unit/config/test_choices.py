@@ -7,8 +7,8 @@ import json
 
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ValidationError
 from omegaconf._utils import is_structured_config
+from omegaconf.errors import ValidationError
 from omegaconf.nodes import EnumNode
 
 from k2.config import ConfigError, load_config, to_yaml
