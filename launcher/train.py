@@ -54,14 +54,18 @@ examples:
 
 
 def _train(args: list[str]) -> int:
-    # imported here, not at the top (as in _run): --help prints before torch is imported
+    from k2.launcher.tools.sweep import split_multirun
+
+    multirun, overrides = split_multirun(args)
+    # a mistyped key or a bad value is refused here, before torch and megatron-core are imported (seconds
+    # to tens of seconds on a busy machine); so are the imports below, not at the top: --help prints first
+    cfg = None if multirun else load_config(overrides)
     from k2.launcher.checkpointing.resume import plan_resume
     from k2.launcher.checkpointing.run_lock import RunDirLock, raise_if_busy
-    from k2.launcher.tools.sweep import run_sweep, split_multirun
+    from k2.launcher.tools.sweep import run_sweep
     from k2.launcher.training.prepare import prepare_run
     from k2.parallel.distributed import dist_env
 
-    multirun, overrides = split_multirun(args)
     env = dist_env()
     if multirun:
         if env.launched:
@@ -69,7 +73,6 @@ def _train(args: list[str]) -> int:
                         "submit the points with k2-submit -m)")
             return BAD_SETTING_EXIT
         return run_sweep(overrides)
-    cfg = load_config(overrides)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
     could_own = env.rank == 0
     try:

@@ -41,6 +41,23 @@ def test_k2_train_refuses_a_bad_setting_without_importing_megatron():
     assert proc.stderr.strip().startswith("k2-train: error: train.save_interval=0"), proc.stderr
 
 
+@pytest.mark.parametrize("override,message", [
+    ("train.iterz=3", "unknown config key 'train.iterz' (did you mean 'train.iters'?)"),
+    ("schedule.phases.0.lr_style=linaer", "schedule.phases[0].lr_style='linaer'; allowed: constant, linear"),
+])
+def test_k2_train_refuses_a_mistyped_key_before_importing_torch(override, message):
+    """A mistyped key or value is refused while the config is composed, before torch (and so megatron-core)
+    is imported: seconds of CPU per process, tens of seconds on a loaded machine. A fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (f"import sys\nfrom k2.launcher.train import main\nrc = main([{override!r}])\n"
+            "print(rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[0] == "2 []", proc.stdout + proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith(f"k2-train: error: {message}"), proc.stderr
+
+
 def test_help_prints_before_the_heavy_imports():
     """Every tool's ``--help`` returns before torch / megatron-core are imported (they take seconds of CPU
     per process; a user asking for help should not wait for them): one fresh interpreter per tool."""
