@@ -37,7 +37,8 @@ Who saves what, and when: :class:`~k2.launcher.checkpointing.manager.CheckpointM
 the parts of a run registered once as ``Stateful`` (``state_dict()`` / ``load_state_dict()``) plus the model
 and optimizer tensors; the training loop calls it at every step boundary.
 
-Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore), ``manifest``
+Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore), ``reasons``
+(why a checkpoint was written), ``manifest``
 (what a checkpoint holds, its verification), ``paths`` (names, completeness), ``resume`` (which checkpoint, and
 whether it may serve this run), ``rng`` (per-rank RNG state), ``store`` (save, load, verification on resume,
 retention), ``background`` (saves written by a forked writer while training goes on: ``checkpoint.async_save``),

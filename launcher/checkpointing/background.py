@@ -33,8 +33,9 @@ The commit -- megatron's metadata, our manifest, ``.partial`` -> ``iter_N``, ``l
 function that every rank runs at the same step boundary: :meth:`BackgroundSaver.poll` asks all ranks
 each step (megatron's one-integer all-reduce) and finalizes when every writer is done. At most one save
 is in flight (the next one waits for it). Every exit path finalizes (:meth:`BackgroundSaver.wait`: end of
-run, preemption, divergence) or abandons (:meth:`BackgroundSaver.abandon`, :func:`abandon_in_flight_save`:
-an error, the hang watchdog): an abandoned save stays ``.partial`` and ``latest`` names the previous
+run, preemption, divergence) or abandons (:meth:`BackgroundSaver.abandon`, through
+:meth:`k2.launcher.checkpointing.manager.CheckpointManager.abandon`: an error, the hang watchdog): an
+abandoned save stays ``.partial`` and ``latest`` names the previous
 checkpoint, so nothing complete-looking is ever wrong.
 """
 
@@ -56,11 +57,11 @@ from k2.launcher.gc_pause import gc_paused
 from k2.parallel.distributed import all_reduce_int
 from k2.parallel.processes import die_with_parent
 
-__all__ = ["BackgroundSaver", "CheckpointWriterDied", "PipeChannel", "abandon_in_flight_save", "in_flight_writer"]
+__all__ = ["BackgroundSaver", "CheckpointWriterDied", "PipeChannel", "in_flight_writer"]
 
 #: seconds the rank waits for a finished writer's report to arrive through the pipe
 REPORT_TIMEOUT_S = 60.0
-_SAVERS: list[BackgroundSaver] = []  # of this process, for abandon_in_flight_save
+_SAVERS: list[BackgroundSaver] = []  # of this process, for in_flight_writer
 
 
 class PipeChannel:
@@ -449,9 +450,3 @@ class BackgroundSaver:
         if self in _SAVERS:
             _SAVERS.remove(self)
 
-
-def abandon_in_flight_save() -> None:
-    """Abandon every background save of this process (:meth:`BackgroundSaver.abandon`): for exit paths
-    where the ranks cannot agree any more (an error on one rank, a hang watchdog). No collective."""
-    for saver in list(_SAVERS):
-        saver.abandon()

@@ -36,11 +36,63 @@ import json
 import math
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config, WandbConfig
+    from k2.schedules.wsd import Phase
+
+
+def step_record(step: int, phase: Phase, *, consumed_tokens: int, lr: float, loss: float,
+                grad_norm: SupportsFloat | None, update_ok: bool, seconds: float, tokens_per_step: int,
+                attn: Mapping[str, Any], mfu: tuple[float, float | None],
+                extra: Iterable[Mapping[str, Any]] = (), saved_bytes_per_microbatch: float | None = None,
+                replayed: bool = False) -> dict[str, Any]:
+    """The record of optimizer step ``step`` in ``metrics.jsonl`` (module docstring), its keys in this order:
+    ``step``, ``consumed_tokens``, the phase's ``phase`` / ``seq_length`` / ``global_batch_size`` /
+    ``num_microbatches`` / ``layer_recompute``, ``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``,
+    ``step_time_s``, ``update_successful``, ``attn``'s keys, ``model_tflops_per_gpu``, ``mfu``, each
+    ``extra``'s keys, then ``saved_bytes_per_microbatch`` and ``replayed`` where they apply.
+
+    Args:
+        step: the optimizer step (1-based); phase: the schedule phase it ran in.
+        consumed_tokens: tokens trained on after the step; lr: the step's learning rate.
+        loss: the step's global per-token loss; grad_norm: the global gradient norm (None: not measured).
+        update_ok: the optimizer applied the update (megatron's ``update_successful``).
+        seconds: the step's wall time; tokens_per_step: tokens of one step (``tokens_per_s`` from both).
+        attn: QK-Clip's ``max_attn_logit``, ``max_attn_logit_per_layer``, ``qk_clipped_heads``.
+        mfu: ``(model TFLOP/s per rank, MFU)``, :func:`step_mfu`.
+        extra: more fields, in order (the MoE routing of :mod:`k2.launcher.training.moe_metrics`, the
+            pipeline's ``wgrad_deferred_peak_bytes``).
+        saved_bytes_per_microbatch: bytes kept for backward per microbatch (``train.measure_saved_bytes``).
+        replayed: the step is re-run after a resume (its first record is in :data:`REPLAYED_METRICS`).
+    """
+    record = {
+        "step": step,
+        "consumed_tokens": consumed_tokens,
+        "phase": phase.name,
+        "seq_length": phase.seq_length,
+        "global_batch_size": phase.global_batch_size,
+        "num_microbatches": phase.num_microbatches,
+        "layer_recompute": "layer" in (phase.memory or {}).get("recompute", ()),
+        "lr": lr,
+        "loss": loss,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_per_s": tokens_per_step / seconds,
+        "step_time_s": seconds,
+        "update_successful": update_ok,
+        **attn,
+    }
+    record["model_tflops_per_gpu"], record["mfu"] = mfu
+    for fields in extra:
+        record.update(fields)
+    if saved_bytes_per_microbatch is not None:
+        record["saved_bytes_per_microbatch"] = saved_bytes_per_microbatch
+    if replayed:
+        record["replayed"] = True
+    return record
 
 
 def step_mfu(flops: float, seconds: float, num_ranks: int, cfg: K2Config,
@@ -151,43 +203,44 @@ def _teardown_wandb() -> None:
 
 
 class MetricsLogger:
-    """Writes metrics on the logging rank; a no-op elsewhere.
+    """Writes metrics on the logging rank; a no-op elsewhere. Made before the run's checkpoint is restored
+    (its console lines: :meth:`message`), opened after it (:meth:`open`: ``metrics.jsonl``, wandb and the
+    progress bar continue the run from the checkpoint's step and wandb run).
 
     Args:
-        run_dir: the run directory (created if missing).
+        run_dir: the run directory (created by :meth:`open` if missing).
         enabled: True on global rank 0.
-        total_steps: for the progress bar.
-        wandb_cfg: ``cfg.run.wandb``.
-        config: resolved config (dict) to store with the wandb run.
-        progress: show a tqdm bar on a terminal; elsewhere (a log file, CI) a plain line every
-            ``log_interval`` steps instead.
-        start_step: steps already done (>0 on resume).
-        log_interval: steps between plain log lines when stderr is not a terminal.
-        wandb_run_id: continue this wandb run (from the checkpoint) instead of starting one.
     """
 
-    def __init__(
-        self,
-        run_dir: str,
-        enabled: bool,
-        total_steps: int,
-        wandb_cfg: WandbConfig | None = None,
-        config: dict | None = None,
-        progress: bool = True,
-        start_step: int = 0,
-        log_interval: int = 10,
-        wandb_run_id: str | None = None,
-    ):
+    def __init__(self, run_dir: str | Path, enabled: bool):
         self.enabled = enabled
-        self._wandb = None
-        self._bar = None
-        self._fh = None
-        self._total = total_steps
-        self._plain_every = 0
-        self._wandb_id = wandb_run_id
-        if not enabled:
-            return
         self.run_dir = Path(run_dir)
+        self._wandb: Any = None
+        self._bar: Any = None
+        self._fh: Any = None
+        self._total = 0
+        self._plain_every = 0
+        self._wandb_id: str | None = None
+
+    def open(self, total_steps: int, wandb_cfg: WandbConfig | None = None, config: dict | None = None,
+             progress: bool = True, start_step: int = 0, log_interval: int = 10,
+             wandb_run_id: str | None = None) -> MetricsLogger:
+        """Open ``metrics.jsonl`` (appended), the wandb run and the progress bar. Returns this logger.
+
+        Args:
+            total_steps: for the progress bar.
+            wandb_cfg: ``cfg.run.wandb``.
+            config: resolved config (dict) to store with the wandb run.
+            progress: show a tqdm bar on a terminal; elsewhere (a log file, CI) a plain line every
+                ``log_interval`` steps instead.
+            start_step: steps already done (>0 on resume).
+            log_interval: steps between plain log lines when stderr is not a terminal.
+            wandb_run_id: continue this wandb run (from the checkpoint) instead of starting one.
+        """
+        self._total = total_steps
+        self._wandb_id = wandb_run_id
+        if not self.enabled:
+            return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
@@ -199,6 +252,7 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True)
+        return self
 
     def _init_wandb(self, wandb_cfg: WandbConfig, config: dict | None,
                     wandb_run_id: str | None) -> None:

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from k2.launcher.checkpointing.reasons import SaveReason
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 #: Exit status with which a trainer asks for the job to be requeued (it saved a checkpoint on a signal or
 #: at ``run.max_minutes``). The batch script runs ``scontrol requeue $SLURM_JOB_ID`` when ``srun`` returns
@@ -47,6 +49,9 @@ INTERRUPT_MARKER = "interrupted"
 #: (:mod:`k2.launcher.training.fork_ranks`): the file in which it names a failed rank before it sends
 #: the other ranks SIGTERM
 PEER_FAILED_ENV = "K2_PEER_FAILED_FILE"
+#: the checkpoint reason of each agreed stop (:attr:`Preemption.reason` -> ``k2_state.json``'s ``reason``)
+_SAVE_REASONS = {"signal": SaveReason.PREEMPTED_SIGNAL, "run.max_minutes": SaveReason.PREEMPTED_TIME,
+                 "interrupt": SaveReason.INTERRUPTED}
 
 
 def peer_failure() -> str | None:
@@ -193,10 +198,10 @@ class Preemption:
         return bool(flag)
 
     @property
-    def why(self) -> str:
-        """The reason of the agreed stop as a checkpoint records it (``preempted: signal``, ``interrupted:
-        Ctrl-C (SIGINT)``)."""
-        return "interrupted: Ctrl-C (SIGINT)" if self.reason == "interrupt" else f"preempted: {self.reason}"
+    def why(self) -> SaveReason:
+        """The reason of the agreed stop as its checkpoint records it (``preempted: signal``, ``preempted:
+        run.max_minutes``, ``interrupted: Ctrl-C (SIGINT)``)."""
+        return _SAVE_REASONS[self.reason]
 
     def leave_marker(self, run_dir, step: int) -> None:
         """Rank 0, after the stop's checkpoint: ``<run.dir>/interrupted`` for Ctrl-C, else the requeue

@@ -2,7 +2,7 @@
 ``TransformerConfig``, the model chunks, DDP, the optimizer, QK-Clip, the LR scheduler and the pipeline
 hooks).
 
-The trainer (:meth:`k2.launcher.training.trainer.Trainer.build`), the benchmarks that build a model
+The trainer (:class:`k2.launcher.training.trainer.Trainer`, when it is made), the benchmarks that build a model
 (``bench=step``, ``bench=optimizer``, ``bench=memory``) and the tests' one-rank builder all call it, so
 the order that matters is written once (Megatron-Bridge's ``setup()`` / ``SetupOutput`` does the same):
 

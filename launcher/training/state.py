@@ -50,6 +50,11 @@ class TrainState:
     step: int = 0
     wandb_run_id: str | None = None
 
+    @property
+    def consumed_tokens(self) -> int:
+        """Tokens trained on (the schedule position, counted by the LR scheduler)."""
+        return self.scheduler.consumed_tokens
+
     def state_dict(self) -> dict:
         """The top level of ``k2_state.json`` (module docstring) after step :attr:`step`."""
         phase = self.data.phase
@@ -70,9 +75,10 @@ class TrainState:
             "wandb_run_id": self.wandb_run_id,
         }
 
-    def load_state_dict(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict | None) -> None:
         """Continue from a checkpoint's record: the step, the schedule position and the wandb run (the
         data position follows from the step when the phase is entered)."""
+        assert saved is not None, "the run's position is the top level of every k2_state.json"
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step = int(saved["step"])
         self.wandb_run_id = saved.get("wandb_run_id")

@@ -1,14 +1,17 @@
 """The training loop of one rank: :class:`Trainer` (``k2-train`` runs :func:`run` on every rank).
 
-Flow, in the order of :meth:`Trainer.train`: process groups, the model chunks, DDP, the distributed
-optimizer, QK-Clip and the LR scheduler (:meth:`Trainer.build`); the checkpoint this run continues from
-(:meth:`Trainer.restore`); the metrics logger; then one optimizer step after another in megatron's
-pipeline schedule (``get_forward_backward_func``: interleaved 1F1B when ``parallel.vpp > 1``), each in
-the schedule phase that holds its first token, with evaluation, preemption and checkpoints at step
-boundaries. Checkpoints are the :class:`~k2.launcher.checkpointing.manager.CheckpointManager`'s: the
-trainer registers its parts with state once (:meth:`Trainer.make_checkpointer`) and calls it at every
-step boundary; what a checkpoint records besides the tensors is :class:`TrainState`; the wall-time split
-of the run (goodput) is :mod:`k2.launcher.training.goodput`.
+Flow: :class:`Trainer` builds the run when it is made (``__init__``, in this order): process groups, the
+model chunks, DDP, the distributed optimizer, QK-Clip and the LR scheduler
+(:func:`k2.launcher.training.setup.setup`); the checkpoint manager over the run's parts; the checkpoint this
+run continues from; the metrics. :meth:`Trainer.train` then runs one optimizer step after another in
+megatron's pipeline schedule (``get_forward_backward_func``: interleaved 1F1B when ``parallel.vpp > 1``),
+each in the schedule phase that holds its first token, with evaluation, preemption and checkpoints at step
+boundaries. Checkpoints are the :class:`~k2.launcher.checkpointing.manager.CheckpointManager`'s, the only
+door of the trainer to them: the trainer registers its parts with state once and calls it at every step
+boundary (torchtitan's ``self.checkpointer.save(step, last_step=...)``); what a checkpoint records besides
+the tensors is :class:`TrainState`; the wall-time split of the run (goodput) is
+:mod:`k2.launcher.training.goodput`; the step's record of ``metrics.jsonl`` is
+:func:`k2.launcher.training.metrics.step_record`.
 
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence length
 rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per step
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -31,18 +35,17 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
-from k2.config import to_yaml
-from k2.config.validate import resume_settings
-from k2.launcher.checkpointing.background import abandon_in_flight_save
-from k2.launcher.checkpointing.branch import seed_branch_run_dir
-from k2.launcher.checkpointing.manager import END_OF_RUN, RUN_STATE, CheckpointManager
-from k2.launcher.checkpointing.paths import latest_checkpoint, resume_point
-from k2.launcher.checkpointing.resume import is_branch_start
-from k2.launcher.checkpointing.store import remove_partial_saves, verify_checkpoint
+from k2.launcher.checkpointing.manager import CheckpointManager
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
 from k2.launcher.training.hf_export import export_checkpoint
-from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_torn_records, step_mfu
+from k2.launcher.training.metrics import (
+    REPLAYED_METRICS,
+    MetricsLogger,
+    set_aside_torn_records,
+    step_mfu,
+    step_record,
+)
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, phase_memory_options, run_memory_options
@@ -61,10 +64,14 @@ from k2.optim.params import format_route_table, route_table
 from k2.optim.registry import optimizer_spec
 from k2.parallel.distributed import DistEnv, init_distributed
 
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+    from k2.schedules.wsd import Phase
+
 __all__ = ["Trainer", "run"]
 
 
-def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
+def run(cfg: K2Config, plan: RunPlan, env: DistEnv) -> dict[str, Any]:
     """Train on this rank (process groups are created here). Returns the last step's metrics record
     (with ``"preempted": <reason>`` when the run stopped for preemption).
 
@@ -92,34 +99,63 @@ def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
 
 
 class Trainer:
-    """One rank's run: build, restore, then train step by step (:meth:`train` is the outline).
+    """One rank's run: built, with its checkpoint restored and its metrics open, when it is made; then
+    trained step by step (:meth:`train` is the outline).
 
     Args:
         cfg: a validated config; plan: the run's decisions; env: rank and world; preemption: the
             installed signal / wall-time flag, agreed on by all ranks at every step boundary.
+
+    Collective: every rank makes its trainer (process groups are created here) and trains it.
     """
 
-    def __init__(self, cfg, plan: RunPlan, env: DistEnv, preemption: Preemption):
+    def __init__(self, cfg: K2Config, plan: RunPlan, env: DistEnv, preemption: Preemption) -> None:
         self.cfg, self.plan, self.env, self.preemption = cfg, plan, env, preemption
         self.run_dir = Path(cfg.run.dir)
-        # resume.branch_from's checkpoint, at a branch's first start (launcher/checkpointing/branch.py)
-        self.branched = is_branch_start(cfg, plan.resume_from)
-        self.config_yaml = to_yaml(cfg)
-        self.rank = 0
-        self.record: dict = {}
+        self.record: dict[str, Any] = {}  # the last step's metrics
         self.started = time.perf_counter()  # for the end-of-run summary
         # wall-time split over every start of the run (k2.launcher.training.goodput)
         self.goodput = GoodputClock(process_start_time(parent=env.spawned_by_k2_train))
+        self.rank = self._init_process_groups()
+        self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
+        CheckpointManager.verify(plan.resume_from, cfg.checkpoint)  # before the heavy work: damage is refused first
+        self._prepare_corpus()
+        self.rope_type = plan.schedule.step_phase(1).rope_type
+        # the run's parts; saved-tensor scopes for every phase's memory.* settings (the first phase's: below)
+        parts = setup(cfg, plan.dims, plan.schedule, rope_type=self.rope_type,
+                      memory_switches=run_memory_options(plan.schedule), pipeline=True, lr_scheduler=True)
+        self.tcfg, self.chunks, self.model, self.optimizer = parts.tcfg, parts.chunks, parts.model, parts.optimizer
+        self.pipeline, self.qk_clip = parts.pipeline, parts.qk_clip
+        self.all_routes = self._gather(parts.routes)  # which optimizer each parameter gets, of every rank
+        data_seed = cfg.run.seed if cfg.data.seed is None else cfg.data.seed  # data.seed: null = run.seed
+        self.data = PhaseData(data_seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank(),
+                              index_tokens=cfg.data.index_tokens)
+        # train.measure_saved_bytes: the steps that open a phase
+        self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
+        placement = optimizer_spec(cfg.optim.name).placement(cfg.optim, cfg.parallel.use_distributed_optimizer)
+        self.state = TrainState(parts.scheduler, self.data, plan.layout, cfg.optim.name, placement.layer_wise)
+        self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
+        self.logger = MetricsLogger(self.run_dir, enabled=self.rank == 0)  # (its records open below)
+        # the parts with state, registered once: the run's position, its wall-time split, the loss-spike
+        # window (k2_state.json), and the model and optimizer tensors
+        self.checkpointer = CheckpointManager(
+            config=cfg, resume_from=plan.resume_from, run_state=self.state, clock=self.goodput,
+            states={"spike": self.spike}, model=self.model, optimizer=self.optimizer, watchdog=self.watchdog,
+            log=self.logger.message, after_last_save=self._export_at_end)
+        self.prepare_run_dir()
+        resumed_note = self.checkpointer.restore(env.world_size)
+        if self.checkpointer.branch_start:  # a wandb run of its own, not the trunk's continued
+            self.state.wandb_run_id = None
+        self.forward_backward = self._schedule()
+        self._enter_first_phase()
+        # steps up to this one are re-run (their earlier records set aside): marked "replayed"
+        self.replayed_until = self.open_logger(resumed_note)
 
     # ------------------------------------------------------------------ the outline
 
-    def train(self) -> dict:
-        """Build, restore, train to ``plan.steps`` (or a preemption); returns the last record."""
-        self.build()
-        self.prepare_run_dir()
-        self.checkpointer = self.make_checkpointer()
-        resumed_note = self.restore()
-        self.open_logger(resumed_note)
+    def train(self) -> dict[str, Any]:
+        """Train to ``plan.steps`` (or a preemption) from where the checkpoint left the run; returns the
+        last record."""
         preempted = False
         self.goodput.end_startup()
         try:
@@ -158,96 +194,70 @@ class Trainer:
 
     # ------------------------------------------------------------------ start-up
 
-    def build(self) -> None:
-        """Process groups, the embedded corpus (rank 0), the run's parts
-        (:func:`k2.launcher.training.setup.setup`: model chunks, DDP, optimizer, QK-Clip, the LR scheduler,
-        the pipeline hooks) and the run state."""
-        cfg, plan = self.cfg, self.plan
-        init_distributed(self.env, plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
+    def _init_process_groups(self) -> int:
+        """Process groups and megatron's parallel state for ``plan.dims``; returns this rank."""
+        cfg = self.cfg
+        init_distributed(self.env, self.plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
                          timeout_s=process_group_timeout_s(cfg.run))
-        self.rank = dist.get_rank()
-        self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
-        # a hang ends the run without a collective: a background save in flight stays .partial
-        self.watchdog.on_hang(lambda _report: abandon_in_flight_save())
-        if plan.resume_from is not None:  # before the heavy work: damage is refused first
-            verify_checkpoint(plan.resume_from, cfg.checkpoint.verify)
-        if cfg.data.path is None:  # embedded corpus: rank 0 builds it (idempotent), the rest wait
+        return dist.get_rank()
+
+    def _prepare_corpus(self) -> None:
+        """The embedded corpus (``data.path`` unset): rank 0 builds it (idempotent), the rest wait."""
+        if self.cfg.data.path is None:
             if self.rank == 0:
-                prepare_stdlib_corpus(cfg.data, progress=False, verbose=not self.env.spawned_by_k2_train)
+                prepare_stdlib_corpus(self.cfg.data, progress=False, verbose=not self.env.spawned_by_k2_train)
             dist.barrier()
-        self.rope_type = plan.schedule.step_phase(1).rope_type
-        # saved-tensor scopes for every phase's memory.* settings; restore() sets the first phase's
-        parts = setup(cfg, plan.dims, plan.schedule, rope_type=self.rope_type,
-                      memory_switches=run_memory_options(plan.schedule), pipeline=True, lr_scheduler=True)
-        self.tcfg, self.chunks, self.model = parts.tcfg, parts.chunks, parts.model
-        self.optimizer = parts.optimizer
-        self.pipeline, self.qk_clip, scheduler = parts.pipeline, parts.qk_clip, parts.scheduler
-        self.all_routes = [None] * dist.get_world_size()
-        dist.all_gather_object(self.all_routes, parts.routes)
-        data_seed = cfg.run.seed if cfg.data.seed is None else cfg.data.seed  # data.seed: null = run.seed
-        self.data = PhaseData(data_seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank(),
-                              index_tokens=cfg.data.index_tokens)
-        # train.measure_saved_bytes: the steps that open a phase
-        self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
-        self.state = TrainState(scheduler, self.data, plan.layout, cfg.optim.name,
-                                optimizer_spec(cfg.optim.name).placement(
-                                    cfg.optim, cfg.parallel.use_distributed_optimizer).layer_wise)
-        self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
+
+    @staticmethod
+    def _gather(mine: Any) -> list[Any]:
+        """Collective: every rank's ``mine``, by rank."""
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def prepare_run_dir(self) -> None:
-        """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save and the requeue marker of
-        the previous run are removed; a branch's first start copies the trunk's records up to the branch
-        point and writes ``branch.json``."""
+        """Rank 0: the run dir, its ``config.yaml``; leftovers of a killed save are removed and a branch's
+        first start copies the trunk's records up to the branch point (the checkpoint manager's
+        :meth:`~k2.launcher.checkpointing.manager.CheckpointManager.prepare`); the requeue and interrupt
+        markers of the previous start are removed."""
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self.branched:
-                seed_branch_run_dir(self.run_dir, self.plan.resume_from, self.plan.resume_step)
-            (self.run_dir / "config.yaml").write_text(self.config_yaml)
-            remove_partial_saves(self.run_dir)
+            self.checkpointer.prepare()
+            (self.run_dir / "config.yaml").write_text(self.checkpointer.config_yaml)
             for marker in (REQUEUE_MARKER, INTERRUPT_MARKER):
                 (self.run_dir / marker).unlink(missing_ok=True)
 
-    def make_checkpointer(self) -> CheckpointManager:
-        """The checkpoint manager over this rank's parts with state: the run's position, its wall-time
-        split, the loss-spike window (``k2_state.json``), and the model and optimizer tensors."""
-        states = {RUN_STATE: self.state, "goodput": self.goodput, "spike": self.spike}
-        return CheckpointManager(
-            self.run_dir, self.cfg.checkpoint, self.cfg.train.save_interval, states, self.model,
-            self.optimizer, self.config_yaml, self.plan.resume_from, self.goodput, self.watchdog,
-            log=lambda line: self.logger.message(line), after_commit=self._export_at_end)
+    def _schedule(self) -> Any:
+        """megatron's pipeline schedule (forward-backward over the microbatches of a step); with the
+        pipeline hooks, W drained during p2p and the event trace, from the step after the checkpoint."""
+        forward_backward = get_forward_backward_func()
+        if self.pipeline is not None:
+            return self.pipeline.wrap(forward_backward, self.tcfg, self.model, first_step=self.state.step + 1)
+        return forward_backward
 
-    def restore(self) -> str | None:
-        """Load ``plan.resume_from`` (if any) through the checkpoint manager; enter the phase of the next
-        step; hook the pipeline schedule. Returns a line saying what was resumed, or None."""
-        note = self.checkpointer.restore(self.env.world_size)
-        if self.branched:  # a wandb run of its own, not the trunk's continued
-            self.state.wandb_run_id = None
-            note = f"branched from {self.plan.resume_from} (step {self.state.step}): {note}"
-        self.forward_backward = get_forward_backward_func()
-        if self.pipeline is not None:  # W drained during p2p, event trace
-            self.forward_backward = self.pipeline.wrap(self.forward_backward, self.tcfg, self.model,
-                                                       first_step=self.state.step + 1)
+    def _enter_first_phase(self) -> None:
+        """After the restore: enter the phase of the next step (its datasets, RoPE, ``memory.*``)."""
         phase = self._phase_after_restore()
         self.data.enter(phase, self.state.step + 1)
         self._switch_rope(phase)
         apply_phase_memory(self.chunks, phase)
         if self.pipeline is not None:
             self.pipeline.enter_phase(phase_memory_options(phase))
-        return note
 
-    def open_logger(self, resumed_note: str | None) -> None:
-        """The metrics logger (rank 0 writes), and the start-up lines: the layout, what was resumed, which
-        optimizer each parameter gets (also ``<run.dir>/optimizer_params.txt``)."""
+    def open_logger(self, resumed_note: str | None) -> int:
+        """Open the metrics (rank 0 writes), and print the start-up lines: the layout, what was resumed,
+        which optimizer each parameter gets (also ``<run.dir>/optimizer_params.txt``). Returns the last step
+        that is re-run (its earlier record set aside; the checkpoint's step when none is)."""
         cfg, plan, start = self.cfg, self.plan, self.state.step
-        self.replayed_until, fresh_note, torn_notes = start, None, []
+        replayed_until, fresh_note, torn_notes = start, None, []
         if self.rank == 0:  # records a restart throws away: set aside, their time counted as lost
             torn_notes = set_aside_torn_records(self.run_dir)  # (first: a kill's cut record)
             resumed = start if self.plan.resume_from is not None else None
-            self.replayed_until, fresh_note = set_aside_earlier_start(self.run_dir, resumed, self.goodput)
-        self.logger = MetricsLogger(
-            str(self.run_dir), enabled=self.rank == 0, total_steps=plan.steps, wandb_cfg=cfg.run.wandb,
-            config=OmegaConf.to_container(cfg, resolve=True), progress=cfg.train.progress,
-            log_interval=cfg.train.log_interval, start_step=start, wandb_run_id=self.state.wandb_run_id,
+            replayed_until, fresh_note = set_aside_earlier_start(self.run_dir, resumed, self.goodput)
+        self.logger.open(
+            total_steps=plan.steps, wandb_cfg=cfg.run.wandb, config=OmegaConf.to_container(cfg, resolve=True),
+            progress=cfg.train.progress, log_interval=cfg.train.log_interval, start_step=start,
+            wandb_run_id=self.state.wandb_run_id,
         )
         self.state.wandb_run_id = self.logger.wandb_run_id
         n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
@@ -258,15 +268,14 @@ class Trainer:
             f"rank-0 params={n_params:,}; run.dir={self.run_dir}")
         for note in [*torn_notes, fresh_note] if fresh_note else torn_notes:
             self.logger.message(note)
-        if resumed_note and self.rank == 0 and resume_settings(self.cfg.resume)["from"] is None:
-            marker_note = resume_point(self.run_dir)[1]  # latest was missing, empty or dangling
-            if marker_note:
-                self.logger.message(f"k2-train: {marker_note}")
+        marker_note = self.checkpointer.latest_note() if self.rank == 0 else None  # latest was not usable
+        if marker_note:
+            self.logger.message(f"k2-train: {marker_note}")
         if resumed_note:
             self.logger.message(
                 f"k2-train: {resumed_note}"
-                + (f"; steps {start + 1}..{self.replayed_until} are re-run (their earlier records moved to "
-                   f"{REPLAYED_METRICS})" if self.replayed_until > start else ""))
+                + (f"; steps {start + 1}..{replayed_until} are re-run (their earlier records moved to "
+                   f"{REPLAYED_METRICS})" if replayed_until > start else ""))
         if self.rank == 0:  # the optimizer of every parameter of the model (all ranks')
             table = format_route_table(route_table(r for rank_routes in self.all_routes for r in rank_routes))
             (self.run_dir / "optimizer_params.txt").write_text(table + "\n")
@@ -280,6 +289,7 @@ class Trainer:
             self.logger.message(f"step {start + 1}: {self._describe(self.data.phase)}")
         self.preemption.on_signal = lambda name: self.logger.message(
             self.preemption.notice(name, f"step {self.preemption.step}"))
+        return replayed_until
 
     # ------------------------------------------------------------------ one step
 
@@ -294,10 +304,11 @@ class Trainer:
             self.logger.log_before_training({"step": 0, "consumed_tokens": 0, "phase": phase.name,
                                              "seq_length": phase.seq_length, "val_loss": val_loss})
 
-    def enter_phase(self, step: int):
+    def enter_phase(self, step: int) -> Phase:
         """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets, RoPE
         and the ``memory.*`` settings without a restart."""
-        phase = self.plan.schedule.phase_at(self.state.scheduler.consumed_tokens)
+        phase = self.plan.schedule.phase_at(self.state.consumed_tokens)
+        assert phase is not None, step  # (the run ends before the schedule: RunPlan.steps)
         if phase.index != self.data.phase.index:
             self.watchdog.progress("phase", step)  # dataset rebuild: its own allowance
             self.data.enter(phase, step)
@@ -308,7 +319,7 @@ class Trainer:
             self.logger.message(f"step {step}: {self._describe(phase)}")
         return phase
 
-    def train_step(self, step: int, phase) -> dict:
+    def train_step(self, step: int, phase: Phase) -> dict[str, Any]:
         """One optimizer step: forward-backward over the global batch, the optimizer, QK-Clip, the LR of
         the next step. Returns the step's metrics record (``metrics.jsonl``)."""
         self.watchdog.progress("step", step)
@@ -330,40 +341,25 @@ class Trainer:
         self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
         self.goodput.add("productive", dt)
-        record = {
-            "step": step,
-            "consumed_tokens": scheduler.consumed_tokens,
-            "phase": phase.name,
-            "seq_length": phase.seq_length,
-            "global_batch_size": phase.global_batch_size,
-            "num_microbatches": phase.num_microbatches,
-            "layer_recompute": "layer" in (phase.memory or {}).get("recompute", ()),
-            "lr": lr,
-            "loss": loss,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "tokens_per_s": self.plan.tokens_per_step / dt,
-            "step_time_s": dt,
-            "update_successful": bool(update_ok),
-            **attn,  # max_attn_logit, max_attn_logit_per_layer, qk_clipped_heads
-        }
-        # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
-        record["model_tflops_per_gpu"], record["mfu"] = step_mfu(
-            step_flops(self.cfg.model, phase.seq_length, self.plan.tokens_per_step), dt,
-            self.env.world_size, self.cfg, torch.cuda.is_available())
-        m = self.cfg.model
-        record.update(moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
-                                       moe_layer_pattern(m)))
-        if self.pipeline is not None:  # wgrad_deferred_peak_bytes
-            record.update(self.pipeline.step_metrics())
+        saved_bytes = None
         if meter is not None:  # rank 0's layers: kept for backward per microbatch (all its model chunks)
             per = meter.per_forward()
-            record["saved_bytes_per_microbatch"] = (per["device_total"] + per["host_total"]) / phase.num_microbatches
-        if step <= self.replayed_until:
-            record["replayed"] = True
+            saved_bytes = (per["device_total"] + per["host_total"]) / phase.num_microbatches
+        m = self.cfg.model
+        record = step_record(
+            step, phase, consumed_tokens=self.state.consumed_tokens, lr=lr, loss=loss, grad_norm=grad_norm,
+            update_ok=bool(update_ok), seconds=dt, tokens_per_step=self.plan.tokens_per_step, attn=attn,
+            # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
+            mfu=step_mfu(step_flops(m, phase.seq_length, self.plan.tokens_per_step), dt, self.env.world_size,
+                         self.cfg, torch.cuda.is_available()),
+            extra=[moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
+                                    moe_layer_pattern(m)),
+                   self.pipeline.step_metrics() if self.pipeline is not None else {}],  # wgrad_deferred_peak_bytes
+            saved_bytes_per_microbatch=saved_bytes, replayed=step <= self.replayed_until)
         self.spike.finish_step(step, record, self.logger.message, self.checkpointer.latest)
         return record
 
-    def maybe_evaluate(self, step: int, phase) -> None:
+    def maybe_evaluate(self, step: int, phase: Phase) -> None:
         """Validation loss every ``train.eval_interval`` steps and at the last step (into the record)."""
         every = self.cfg.train.eval_interval
         if every and (step % every == 0 or step == self.plan.steps):
@@ -380,17 +376,16 @@ class Trainer:
         self.checkpointer.wait()
         if saved:
             self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
-        else:
+        else:  # (committed before save returns: the run stops after it, so the marker says it is saved)
             self.checkpointer.save(step, why)
-            self.checkpointer.wait()  # committed before the marker says it is saved
         if self.rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
             self.preemption.leave_marker(self.run_dir, step)
         dist.barrier()  # the marker exists before any rank exits
         return True
 
-    def _export_at_end(self, path: Path, step: int, why: str) -> None:
-        """After a checkpoint is committed: at the end of the run, the Hugging Face copy (rank 0)."""
-        if why == END_OF_RUN and self.cfg.checkpoint.export_hf and self.rank == 0:
+    def _export_at_end(self, path: Path, step: int) -> None:
+        """After the end-of-run checkpoint is committed: the Hugging Face copy (rank 0)."""
+        if self.cfg.checkpoint.export_hf and self.rank == 0:
             self.watchdog.progress("export", step)  # rank 0 alone, for as long as the export takes
             self.logger.message(export_checkpoint(self.run_dir, path, self.cfg.convert.model_type))
 
@@ -406,12 +401,12 @@ class Trainer:
         lines = [
             f"k2-train: {self._ending(preempted)}: {ran} steps run"
             + (f" ({first}..{last})" if ran else "") + f" of {self.plan.steps}, "
-            f"{self.state.scheduler.consumed_tokens:,} tokens in total, "
+            f"{self.state.consumed_tokens:,} tokens in total, "
             f"{time.perf_counter() - self.started:.1f} s wall time"
             + (f", final val_loss {val:.4f}" if val is not None else ""),
             f"  metrics:     {self.run_dir / 'metrics.jsonl'}",
             f"  checkpoints: {self.run_dir / 'checkpoints'} (latest: "
-            f"{getattr(latest_checkpoint(self.run_dir), 'name', 'none')})",
+            f"{getattr(self.checkpointer.latest(this_run_only=True), 'name', 'none')})",
             f"  {self.goodput.summary()}",
             f"  wandb:       {wandb_dir if wandb_dir is not None else 'off (run.wandb.mode=disabled)'}",
         ]
@@ -424,31 +419,31 @@ class Trainer:
             return "done"
         return "stopped by Ctrl-C" if self.preemption.reason == "interrupt" else "stopped for preemption"
 
-    def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
+    def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm: SupportsFloat | None) -> None:
         """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
         so all ranks stop at the same step), before anything of the step is saved."""
         check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm),
                      self.checkpointer.last_sound_checkpoint)
 
-    def _phase_after_restore(self):
+    def _phase_after_restore(self) -> Phase:
         """The phase of the next step; for a checkpoint at the schedule's end (which
         :func:`k2.launcher.train` reports as "nothing to do" before any rank starts), the phase of its
         last step, so that a trainer started directly still reaches that message instead of failing."""
         schedule = self.plan.schedule
-        phase = schedule.phase_at(self.state.scheduler.consumed_tokens)
+        phase = schedule.phase_at(self.state.consumed_tokens)
         return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
 
-    def _evaluate(self, phase) -> float:
+    def _evaluate(self, phase: Phase) -> float:
         self.watchdog.progress("eval", self.state.step)
         return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
                         self.data.valid_ds, self.data.dp_rank)
 
-    def _switch_rope(self, phase) -> None:
+    def _switch_rope(self, phase: Phase) -> None:
         if phase.rope_type != self.rope_type:
             set_rope_type(self.model, self.tcfg, self.cfg.model, phase.rope_type)
             self.rope_type = phase.rope_type
 
-    def _describe(self, phase) -> str:
+    def _describe(self, phase: Phase) -> str:
         overlap = self.pipeline.phase_note(phase_memory_options(phase)) if self.pipeline is not None else ""
         return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
                 f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "

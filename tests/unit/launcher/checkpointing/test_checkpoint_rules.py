@@ -206,7 +206,7 @@ def test_finished_run_run_again_is_nothing_to_do(tmp_path, capsys, monkeypatch, 
     t = trainer.Trainer.__new__(trainer.Trainer)
     t.plan = plan
     consumed = step * plan.tokens_per_step
-    t.state = SimpleNamespace(step=step, scheduler=SimpleNamespace(consumed_tokens=consumed))
+    t.state = SimpleNamespace(step=step, consumed_tokens=consumed)
     assert t._phase_after_restore() is plan.schedule.step_phase(step)
 
 

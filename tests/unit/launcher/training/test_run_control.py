@@ -110,7 +110,7 @@ def test_metrics_logger_survives_a_dead_wandb(tmp_path, capsys):
 
     from k2.launcher.training.metrics import MetricsLogger
 
-    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=3, progress=False, wandb_run_id="abc123")
+    logger = MetricsLogger(tmp_path, enabled=True).open(total_steps=3, progress=False, wandb_run_id="abc123")
     logger._wandb = _DeadWandb()
     for step in (1, 2, 3):
         logger.log({"step": step, "loss": 1.0})
