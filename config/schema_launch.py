@@ -1,5 +1,6 @@
-"""The ``launch`` and ``submit`` sections of the config schema (:mod:`k2.config.schema`): how ``k2-train``
-starts its local ranks and how ``k2-submit`` renders and submits a Slurm job.
+"""The ``launch``, ``submit`` and ``sweep`` sections of the config schema (:mod:`k2.config.schema`): how
+``k2-train`` starts its local ranks, how ``k2-submit`` renders and submits a Slurm job, and the grid of runs
+``k2-train -m`` launches for a sparsity sweep.
 """
 
 from __future__ import annotations
@@ -72,3 +73,37 @@ class SubmitConfig:
     # a job of several nodes or with GPUs and data.path=null is refused unless this says the embedded
     # standard-library test corpus is meant
     embedded_corpus: bool = False
+
+
+@dataclass
+class SweepCooldownConfig:
+    """How every budget of a sweep ends: a cooldown branch of its trunk (Hagele et al. 2024, arXiv
+    2405.18392: a 1-sqrt decay over ~20% of the tokens matches a cosine run of that length; MiniCPM, arXiv
+    2404.06395: 10% of the tokens is the least that does)."""
+
+    style: str = "minus_sqrt"  # the decay curve (schedules/wsd.py): minus_sqrt | linear | cosine | exponential
+    fraction: float = 0.2  # of the budget's tokens spent in the decay; 0.1 <= fraction < 1
+    lr_end: float = 0.0  # the LR at the budget's last token
+
+
+@dataclass
+class SweepConfig:
+    """Sparsity sweep grid (``k2-train -m +experiment=sparsity_sweep``, launcher/tools/sweep.py and
+    sweep_grid.py): per arm (sparsity = experts / top-k at fixed activated parameters; 1 = every expert
+    active, the dense arm), size and seed one trunk at the schedule's constant LR up to the last branch point,
+    and per budget one cooldown branch from the trunk's checkpoint; run dirs under ``dir``."""
+
+    name: str = "none"
+    sparsities: list[int] = field(default_factory=list)  # experts / top-k (K2: 8, 16, 32, 48)
+    seeds: list[int] = field(default_factory=list)  # run.seed of each trunk (model init); [] = [run.seed]
+    # training tokens of each budget (a branch's end); [] = one budget, where the schedule ends
+    budgets_tokens: list[int] = field(default_factory=list)
+    cooldown: SweepCooldownConfig = field(default_factory=SweepCooldownConfig)
+    # optional size ladder: size name -> overrides of that size (e.g. [model.hidden_size=96]); {} = one size
+    sizes: dict[str, list[str]] = field(default_factory=dict)
+    # a cell whose median moe_load_max_over_mean after warm-up is above this is "collapsed" (kept out of fits):
+    # most tokens of some MoE layer go to a few experts (the ceiling is experts / top-k; the CPU proxy with
+    # K2's bias rate sat at 3.6-3.9 of 4.0, balanced runs at 1.3-2.4 with 8-64 experts)
+    collapsed_load: float = 3.0
+    jobs: int = 1  # cells trained at once on this machine (k2-train -m); each is one k2-train
+    dir: str = "runs/sweeps/${sweep.name}"
