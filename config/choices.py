@@ -94,14 +94,21 @@ class RopeType(Choice):
     yarn = "yarn"
 
 
-# Written with Enum's functional form because ``continue`` is a Python keyword (no class attribute can have
-# that name), and OmegaConf assigns a member by its name, so the name must be the value a recipe writes.
-LrStyle = Choice("LrStyle", [(s, s) for s in ("constant", "linear", "cosine", "exponential", "minus_sqrt",
-                                              "continue")], module=__name__)
-LrStyle.__doc__ = """``schedule.phases.<i>.lr_style``: a phase's learning-rate rule between ``lr_start`` and
-``lr_end``: ``constant``, megatron-core's decay curves (``OptimizerParamScheduler``: ``linear``, ``cosine``,
-``exponential``, ``minus_sqrt``; ``k2.schedules.wsd.decay_coefficient``), or ``continue`` (the previous
-phase's rule goes on)."""
+class LrStyle(Choice):
+    """``schedule.phases.<i>.lr_style``: a phase's learning-rate rule between ``lr_start`` and ``lr_end``:
+    ``constant``, megatron-core's decay curves (``OptimizerParamScheduler``: ``linear``, ``cosine``,
+    ``exponential``, ``minus_sqrt``; ``k2.schedules.wsd.decay_coefficient``), or ``continue`` (the previous
+    phase's rule goes on)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+    exponential = "exponential"
+    minus_sqrt = "minus_sqrt"
+    # ``continue`` is a Python keyword, so no statement can name it, and OmegaConf assigns a member by its
+    # name, so the name must be the value a recipe writes: set through the class body's namespace (Enum's
+    # own, which makes it a member like the others; LrStyle["continue"] reads it)
+    locals()["continue"] = "continue"
 
 
 class AttentionBackend(Choice):
@@ -227,11 +234,23 @@ def choice_setting(key: str) -> str | None:
     return key if key in CHOICES else pattern if pattern in CHOICES else None
 
 
+def _choice_of(setting: str) -> tuple[type[Choice], str]:
+    """``CHOICES``'s entry of ``setting`` (:func:`choice_setting`).
+
+    Raises:
+        KeyError: ``setting`` is no Enum-typed setting.
+    """
+    key = choice_setting(setting)
+    if key is None:
+        raise KeyError(f"{setting} takes no Enum's values (k2.config.choices.CHOICES)")
+    return CHOICES[key]
+
+
 def choice_error(setting: str, value: Any) -> ConfigError:
     """The error for ``value`` outside the allowed values of the Enum-typed ``setting`` (a key of
     :data:`CHOICES`, or a list item of one: ``schedule.phases.2.lr_style``), naming the setting and every
     allowed value."""
-    choice, message = CHOICES[choice_setting(setting)]
+    choice, message = _choice_of(setting)
     return ConfigError(message.format(setting=setting, value=value, allowed=allowed(choice)))
 
 
@@ -239,5 +258,5 @@ def check_choice(section: Any, key: str, setting: str) -> None:
     """``section.key`` is one of the values of ``setting``'s Enum (null allowed where the schema says
     ``Optional``: the caller skips it)."""
     value = section[key]
-    if value not in values(CHOICES[choice_setting(setting)][0]):
+    if value not in values(_choice_of(setting)[0]):
         raise choice_error(setting, value)

@@ -13,7 +13,7 @@ import difflib
 import functools
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -49,7 +49,7 @@ _MOVED = {
 }
 
 
-def _schema_node(path: str):
+def _schema_node(path: str) -> Any:
     """The schema node at ``path``; list items (``schedule.phases.0``) resolve to their element type."""
     node = OmegaConf.structured(K2Config)
     for part in [p for p in path.split(".") if p]:
@@ -87,7 +87,8 @@ def _one_line(msg: str) -> str:
     items = [ln.strip() for ln in rest.splitlines() if ln.strip()]
     if not items:
         return head.strip()
-    out, opts = [head.strip()], []
+    out: list[str] = [head.strip()]
+    opts: list[str] = []
     for ln in items:
         if ln.endswith(":"):
             if opts:
@@ -107,14 +108,14 @@ def _structured_schema() -> DictConfig:
     return OmegaConf.structured(K2Config)
 
 
-def _store_schema_once(store) -> None:
+def _store_schema_once(store: Any) -> None:
     """Register the schema in Hydra's config store once per process (the store outlives
     ``GlobalHydra.clear()``; storing converts the dataclass again, ~0.07 s of CPU)."""
     if "k2_schema.yaml" not in store.repo:
         store.store(name="k2_schema", node=K2Config)
 
 
-def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> K2Config:
     """Compose ``recipes/<config_name>.yaml`` with Hydra ``overrides`` and validate it.
 
     Args:
@@ -122,7 +123,8 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
         config_name: the root config in ``recipes/``.
 
     Returns:
-        A read-only, struct-mode ``DictConfig`` with every key of :class:`k2.config.schema.K2Config`;
+        A read-only, struct-mode ``DictConfig`` with every key of :class:`k2.config.schema.K2Config`, typed
+        as that schema (its sections and values are the schema's; OmegaConf's functions take it as it is);
         calls with the same arguments in one process share one (composed once, see ``_compose``).
 
     Raises:
@@ -158,7 +160,7 @@ def _check_option_style(overrides: list[str]) -> None:
 # OmegaConf) and the result is read-only, so the callers share it; ranks forked after their launcher
 # composed it inherit it (k2.launcher.training.fork_ranks). Errors are not cached: each call raises again.
 @functools.lru_cache(maxsize=64)
-def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
+def _compose(overrides: tuple[str, ...], config_name: str) -> K2Config:
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
@@ -189,6 +191,7 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
 
     schema = _structured_schema()  # (OmegaConf.merge copies its first argument: the cached one stays clean)
     raw_container = OmegaConf.to_container(raw, resolve=False)
+    assert isinstance(raw_container, dict)  # (Hydra composes a mapping)
     raw_container.pop("hydra", None)
     try:
         cfg = OmegaConf.merge(schema, OmegaConf.create(raw_container))
@@ -202,11 +205,12 @@ def _compose(overrides: tuple[str, ...], config_name: str) -> DictConfig:
         raise ConfigError(f"invalid value for '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     OmegaConf.set_readonly(cfg, True)
     OmegaConf.set_struct(cfg, True)
-    validate(cfg)
-    return cfg
+    typed = cast(K2Config, cfg)  # merged into the schema above: its keys and value types are K2Config's
+    validate(typed)
+    return typed
 
 
-def _choice_refused(exc: BaseException) -> ConfigError | None:
+def _choice_refused(exc: BaseException | None) -> ConfigError | None:
     """The setting's own error (:func:`k2.config.choices.choice_error`) when ``exc`` -- or an exception it was
     raised from -- is OmegaConf refusing a scalar value of an Enum-typed setting; None for any other error
     (null, a list: OmegaConf's own message, as for a ``str`` field)."""

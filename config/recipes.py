@@ -13,8 +13,18 @@ from pathlib import Path
 
 __all__ = ["RECIPES_DIR", "recipe_names", "repo_root"]
 
+
+
+def _package_dir(name: str) -> Path:
+    """The folder of the installed package ``name``."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{name} is not installed (pip install -e . installs it with k2-launcher)")
+    return Path(spec.submodule_search_locations[0])
+
+
 #: the folder of the config tree (``recipes/`` in the repository)
-RECIPES_DIR = Path(importlib.util.find_spec("k2.recipes").submodule_search_locations[0])
+RECIPES_DIR = _package_dir("k2.recipes")
 
 
 def repo_root() -> Path | None:

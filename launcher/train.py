@@ -73,6 +73,7 @@ def _train(args: list[str]) -> int:
                         "submit the points with k2-submit -m)")
             return BAD_SETTING_EXIT
         return run_sweep(overrides)
+    assert cfg is not None  # (loaded above: one run)
     world = env.world_size if env.launched else cfg.launch.nproc_per_node
     could_own = env.rank == 0
     try:

@@ -45,12 +45,14 @@ if TYPE_CHECKING:
     from k2.config.schema import ModelConfig, ParallelConfig
 
 
-def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
+def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")
     return value
+
+
+def _positive_int_or_none(value: Any, name: str) -> int | None:
+    return None if value is None else _positive_int(value, name)
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,8 @@ class ParallelDims:
             )
 
 
-def _layer_table(parallel_cfg: ParallelConfig, pp: int, vpp: int, num_layers: int):
+def _layer_table(parallel_cfg: ParallelConfig, pp: int, vpp: int,
+                 num_layers: int) -> tuple[list[list[list[int]]], str | None, int | None, int | None]:
     """``(layout[pp_rank][vpp_stage] -> global layer indices, layout string, first, last)`` from
     ``parallel.layout`` or ``parallel.first/last_stage_layers`` or the even split (module docstring).
 
@@ -279,8 +282,8 @@ def _layer_table(parallel_cfg: ParallelConfig, pp: int, vpp: int, num_layers: in
     if layout_str is not None:
         counts = counts_from_layout(layout_str, pp, vpp, num_layers)
     elif first is not None or last is not None:
-        first = _positive_int(first, "parallel.first_stage_layers", allow_none=True)
-        last = _positive_int(last, "parallel.last_stage_layers", allow_none=True)
+        first = _positive_int_or_none(first, "parallel.first_stage_layers")
+        last = _positive_int_or_none(last, "parallel.last_stage_layers")
         counts = counts_uneven(num_layers, pp, vpp, first, last)
     else:
         counts = counts_even(num_layers, pp, vpp)

@@ -138,7 +138,9 @@ class Phase:
     @property
     def steps(self) -> int:
         """Number of optimizer steps the phase runs (0 when skipped)."""
-        return 0 if self.first_step is None else self.last_step - self.first_step + 1
+        if self.first_step is None or self.last_step is None:
+            return 0
+        return self.last_step - self.first_step + 1
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,9 @@ class Schedule:
             lo -= 1
         while hi + 1 < len(running) and running[hi + 1].seq_length == phase.seq_length:
             hi += 1
-        return running[lo].first_step, running[hi].last_step
+        first, last = running[lo].first_step, running[hi].last_step
+        assert first is not None and last is not None  # (running phases: both set)
+        return first, last
 
     # ------------------------------------------------------------------ learning rate
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from k2.config.errors import ConfigError
 from k2.config.validate import resume_settings
@@ -25,6 +26,9 @@ from k2.launcher.checkpointing.paths import (
 from k2.launcher.checkpointing.run_lock import OWNER_LOCK
 from k2.launcher.checkpointing.unpickle import metadata_problem
 
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+
 #: config sections whose change alters what training computes; refused on resume unless resume.force.
 GUARDED = ("model", "schedule", "optim", "data", "run.seed", "train.precision")
 #: the dataset paths among them (and a blend's items): not compared as strings
@@ -32,7 +36,7 @@ _DATA_PATH_KEY = re.compile(r"(schedule\.phases\.\d+\.)?data\.(path|valid_path)(
 
 
 
-def _select(container: dict, dotted: str):
+def _select(container: dict, dotted: str) -> Any:
     node = container
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -44,7 +48,7 @@ def _select(container: dict, dotted: str):
 _ABSENT = "<absent>"
 
 
-def _diff(a, b, prefix: str) -> list[str]:
+def _diff(a: Any, b: Any, prefix: str) -> list[str]:
     """``["key: old -> new", ...]`` for every leaf that differs, with dotted keys and list items by
     index (``schedule.phases.1.steps: 100 -> 120``); a key or item on one side only shows ``<absent>``."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -62,12 +66,12 @@ def _diff(a, b, prefix: str) -> list[str]:
     return [f"{prefix}: {_show(a)} -> {_show(b)}"]
 
 
-def _show(value) -> str:
+def _show(value: Any) -> str:
     return value if value is _ABSENT else repr(value)
 
 
 def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dict, force: bool,
-                            path, unguarded: tuple[str, ...] = ()) -> list[str]:
+                            path: str | Path, unguarded: tuple[str, ...] = ()) -> list[str]:
     """Refuse a resume that would silently change training or that the checkpoint cannot serve.
 
     A weights-only checkpoint (``"weights_only": true`` in ``k2_state.json``, written by ``k2-convert
@@ -132,7 +136,7 @@ _FROM_ALLOWED = ("allowed: a checkpoint (checkpoints/iter_NNNNNNN), a checkpoint
                  "run dir (its checkpoints/latest)")
 
 
-def resume_from_path(raw) -> Path:
+def resume_from_path(raw: str | Path) -> Path:
     """The checkpoint ``resume.from=raw`` names: ``raw`` itself, the one a ``checkpoints/`` directory's
     ``latest`` names, or a run dir's ``checkpoints/latest``.
 
@@ -159,7 +163,7 @@ def resume_from_path(raw) -> Path:
                       f"{MANIFEST_FILE} in it, no latest, no {CHECKPOINTS}/{LATEST}); {_FROM_ALLOWED}")
 
 
-def plan_resume(cfg, layout: dict) -> Path | None:
+def plan_resume(cfg: K2Config, layout: dict[str, int]) -> Path | None:
     """Decide, before any process group exists, which checkpoint this run resumes from.
 
     ``resume.from=PATH`` -> that checkpoint; ``resume=auto`` (default) -> ``<run.dir>/checkpoints/latest``
@@ -188,6 +192,7 @@ def plan_resume(cfg, layout: dict) -> Path | None:
                               "or drop resume=never to resume from its latest checkpoint")
         return None
     branch = False
+    path: Path | None
     if settings["from"] is not None:
         path = resume_from_path(settings["from"])
     else:
@@ -204,15 +209,16 @@ def plan_resume(cfg, layout: dict) -> Path | None:
     if unsafe:
         raise unsafe_checkpoint_error(path, [unsafe])
     saved = OmegaConf.load(path / CONFIG_FILE)
-    saved_cfg = OmegaConf.to_container(saved, resolve=True)
-    check_resume_compatible(state, saved_cfg, OmegaConf.to_container(cfg, resolve=True), layout,
+    saved_cfg, run_cfg = OmegaConf.to_container(saved, resolve=True), OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(saved_cfg, dict) and isinstance(run_cfg, dict)  # (configs are mappings)
+    check_resume_compatible(state, saved_cfg, run_cfg, layout,
                             bool(settings["force"]), path, unguarded=("schedule",) if branch else ())
     if branch:
         check_branch_schedule(cfg, saved.schedule, int(state["step"]), path)
     return path
 
 
-def is_branch_start(cfg, resume_from: Path | None) -> bool:
+def is_branch_start(cfg: K2Config, resume_from: Path | None) -> bool:
     """True when ``resume_from`` (from :func:`plan_resume`) is ``resume.branch_from``'s checkpoint: the run
     starts as a branch (not from a checkpoint of its own run dir)."""
     if resume_from is None or resume_settings(cfg.resume)["branch_from"] is None:

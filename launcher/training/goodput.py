@@ -67,7 +67,7 @@ def earlier_start_cost(records: Iterable[dict], checkpoint_total_s: float) -> di
 def read_records_after(path: Path, step: int) -> list[dict]:
     """The JSON records of ``path`` (``metrics.jsonl``) with ``"step" > step`` (lines cut by a kill are
     skipped); ``step=-1``: every record."""
-    out = []
+    out: list[dict] = []
     if not Path(path).exists():
         return out
     for line in Path(path).read_text().splitlines():

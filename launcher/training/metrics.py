@@ -36,9 +36,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, SupportsFloat
+from typing import TYPE_CHECKING, Any, Literal, SupportsFloat, cast
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config, WandbConfig
@@ -133,7 +133,7 @@ def _is_record(line: bytes) -> bool:
         return False
 
 
-def set_aside_torn_records(run_dir) -> list[str]:
+def set_aside_torn_records(run_dir: str | Path) -> list[str]:
     """Rank 0, before anything reads or appends to :data:`APPEND_ONLY_RECORDS`: move every line of them
     that is not a JSON object (a record cut by a kill, or such a text an earlier start left between
     records) to ``<name>.torn`` (appended, a line each) and rewrite the file without it (atomically); a
@@ -158,14 +158,15 @@ def set_aside_torn_records(run_dir) -> list[str]:
     return notes
 
 
-def set_aside_replayed_metrics(run_dir, resume_step: int) -> int:
+def set_aside_replayed_metrics(run_dir: str | Path, resume_step: int) -> int:
     """Move the records of steps after ``resume_step`` from ``metrics.jsonl`` to
     :data:`REPLAYED_METRICS` (appended). Returns the last step that had a record (``resume_step`` when
     none is moved). Rank 0, before the logger opens the file."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return resume_step
-    keep, moved = [], []
+    keep: list[str] = []
+    moved: list[str] = []
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
@@ -183,7 +184,7 @@ def set_aside_replayed_metrics(run_dir, resume_step: int) -> int:
     return max([resume_step] + [int(json.loads(line)["step"]) for line in moved])
 
 
-def _jsonable(v):
+def _jsonable(v: Any) -> Any:
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -259,15 +260,15 @@ class MetricsLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        resume = None
+        resume: Literal["must", "allow"] | None = None
         if wandb_run_id is not None:
             resume = "must" if wandb_cfg.mode == "online" else "allow"
         self._wandb = wandb.init(
-            mode=wandb_cfg.mode,
+            mode=cast(Literal["online", "offline", "disabled"], str(wandb_cfg.mode)),  # (WandbMode's values)
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
             name=wandb_cfg.name,
-            group=wandb_cfg.get("group"),
+            group=getattr(wandb_cfg, "group", None),  # (a section written before the key existed: none)
             dir=str(self.run_dir),
             config=config,
             reinit="finish_previous",
@@ -278,7 +279,7 @@ class MetricsLogger:
         self._wandb.define_metric("step")
         self._wandb.define_metric("*", step_metric="step")
 
-    def _call_wandb(self, what: str, fn, *args) -> None:
+    def _call_wandb(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run one wandb call; on any exception warn once, stop using wandb, and carry on."""
         try:
             fn(*args)

@@ -16,7 +16,7 @@ def _routers(model: list):
                 yield mod
 
 
-def moe_step_metrics(model: list, num_layers: int, num_experts: int, num_microbatches: int,
+def moe_step_metrics(model: list, num_layers: int, num_experts: int | None, num_microbatches: int,
                      moe_layer_freq) -> dict:
     """Expert-load and aux-loss metrics of the step just run (collective over all ranks).
 

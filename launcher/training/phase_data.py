@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from k2.launcher.datasets.gpt import build_datasets
 from k2.launcher.datasets.microbatches import MicrobatchIterator
 from k2.launcher.datasets.resolve import blend_key
 from k2.launcher.training.prepare import RunPlan
+
+if TYPE_CHECKING:
+    from k2.launcher.datasets.resolve import ResolvedData
+    from k2.schedules.wsd import Phase
 
 __all__ = ["PhaseData", "microbatch_iterators"]
 
@@ -52,15 +58,17 @@ class PhaseData:
     def __init__(self, seed: int, eval_iters: int, plan: RunPlan, dp_rank: int, index_tokens: int | None = None):
         self.seed, self.eval_iters, self.plan, self.dp_rank = int(seed), int(eval_iters), plan, dp_rank
         self.index_tokens = index_tokens
-        self.phase = None
-        self.key = None
+        # the phase served and its data: set by the first enter(), before anything reads them
+        self.phase: Phase
+        self.data: ResolvedData
+        self.key: tuple | None = None
         self.first_step = 1
         self.samples_before = 0
-        self.data = None
-        self.train_ds = self.valid_ds = None
-        self.iters = None
+        self.train_ds: Any = None
+        self.valid_ds: Any = None
+        self.iters: list[MicrobatchIterator] = []
 
-    def phase_data(self, phase):
+    def phase_data(self, phase: Phase) -> ResolvedData:
         """The :class:`ResolvedData` ``phase`` trains on."""
         return self.plan.phase_data[phase.index] if self.plan.phase_data else self.plan.data
 
@@ -71,7 +79,7 @@ class PhaseData:
         """``(key, first step, last step)`` of every stretch up to ``plan.steps``, in order."""
         out: list = []
         for p in self.plan.schedule.phases:
-            if p.first_step is None or p.first_step > self.plan.steps:
+            if p.first_step is None or p.last_step is None or p.first_step > self.plan.steps:
                 continue
             last = min(p.last_step, self.plan.steps)
             if out and out[-1][0] == self._key(p):
@@ -80,7 +88,7 @@ class PhaseData:
                 out.append((self._key(p), p.first_step, last))
         return out
 
-    def enter(self, phase, step: int) -> bool:
+    def enter(self, phase: Phase, step: int) -> bool:
         """Serve ``phase`` from ``step`` on; returns True when the datasets were rebuilt."""
         rebuilt = False
         key = self._key(phase)

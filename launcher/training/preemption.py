@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from k2.launcher.checkpointing.reasons import SaveReason
 
@@ -136,7 +137,7 @@ class Preemption:
         self.reason: str | None = None
         self._deadline = None if max_minutes is None else time.monotonic() + 60.0 * float(max_minutes)
         self.on_signal = on_signal
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal -> the handler installed before (restored by uninstall)
 
     def install(self) -> Preemption:
         for sig in SIGNALS:
@@ -201,6 +202,7 @@ class Preemption:
     def why(self) -> SaveReason:
         """The reason of the agreed stop as its checkpoint records it (``preempted: signal``, ``preempted:
         run.max_minutes``, ``interrupted: Ctrl-C (SIGINT)``)."""
+        assert self.reason is not None, "no stop agreed yet (agreed() first)"
         return _SAVE_REASONS[self.reason]
 
     def leave_marker(self, run_dir, step: int) -> None:

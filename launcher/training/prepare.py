@@ -77,6 +77,7 @@ class RunPlan:
         if lr_stop <= lr_end:
             return None
         phase = self.schedule.step_phase(self.steps)
+        assert phase is not None  # (steps < the schedule's total)
         return (f"train.iters={self.steps} ends the run at step {self.steps} of the {total} of schedule "
                 f"'{self.schedule.name}', in phase '{phase.name}', at LR {lr_stop:.3g}: the LR does not reach the "
                 f"schedule's end ({lr_end:.3g}); to train a shorter run through its decay, shorten the schedule "

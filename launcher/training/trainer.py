@@ -120,7 +120,7 @@ class Trainer:
         self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
         CheckpointManager.verify(plan.resume_from, cfg.checkpoint)  # before the heavy work: damage is refused first
         self._prepare_corpus()
-        self.rope_type = plan.schedule.step_phase(1).rope_type
+        self.rope_type = self._phase_of_step(1).rope_type
         # the run's parts; saved-tensor scopes for every phase's memory.* settings (the first phase's: below)
         parts = setup(cfg, plan.dims, plan.schedule, rope_type=self.rope_type,
                       memory_switches=run_memory_options(plan.schedule), pipeline=True, lr_scheduler=True)
@@ -133,6 +133,7 @@ class Trainer:
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         placement = optimizer_spec(cfg.optim.name).placement(cfg.optim, cfg.parallel.use_distributed_optimizer)
+        assert parts.scheduler is not None  # (lr_scheduler=True)
         self.state = TrainState(parts.scheduler, self.data, plan.layout, cfg.optim.name, placement.layer_wise)
         self.spike = SpikeGuard(cfg.train.spike, self.rank)  # train.spike.*
         self.logger = MetricsLogger(self.run_dir, enabled=self.rank == 0)  # (its records open below)
@@ -254,8 +255,10 @@ class Trainer:
             torn_notes = set_aside_torn_records(self.run_dir)  # (first: a kill's cut record)
             resumed = start if self.plan.resume_from is not None else None
             replayed_until, fresh_note = set_aside_earlier_start(self.run_dir, resumed, self.goodput)
+        config = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(config, dict)
         self.logger.open(
-            total_steps=plan.steps, wandb_cfg=cfg.run.wandb, config=OmegaConf.to_container(cfg, resolve=True),
+            total_steps=plan.steps, wandb_cfg=cfg.run.wandb, config=config,
             progress=cfg.train.progress, log_interval=cfg.train.log_interval, start_step=start,
             wandb_run_id=self.state.wandb_run_id,
         )
@@ -341,10 +344,12 @@ class Trainer:
         self._stop_if_diverged(step, lr, loss, grad_norm)
         dt = time.perf_counter() - t0
         self.goodput.add("productive", dt)
+        microbatches = phase.num_microbatches
+        assert microbatches, phase.name  # (every phase of the run's schedule has its count: RunPlan.schedule)
         saved_bytes = None
         if meter is not None:  # rank 0's layers: kept for backward per microbatch (all its model chunks)
             per = meter.per_forward()
-            saved_bytes = (per["device_total"] + per["host_total"]) / phase.num_microbatches
+            saved_bytes = (per["device_total"] + per["host_total"]) / microbatches
         m = self.cfg.model
         record = step_record(
             step, phase, consumed_tokens=self.state.consumed_tokens, lr=lr, loss=loss, grad_norm=grad_norm,
@@ -352,8 +357,7 @@ class Trainer:
             # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
             mfu=step_mfu(step_flops(m, phase.seq_length, self.plan.tokens_per_step), dt, self.env.world_size,
                          self.cfg, torch.cuda.is_available()),
-            extra=[moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, phase.num_microbatches,
-                                    moe_layer_pattern(m)),
+            extra=[moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, microbatches, moe_layer_pattern(m)),
                    self.pipeline.step_metrics() if self.pipeline is not None else {}],  # wgrad_deferred_peak_bytes
             saved_bytes_per_microbatch=saved_bytes, replayed=step <= self.replayed_until)
         self.spike.finish_step(step, record, self.logger.message, self.checkpointer.latest)
@@ -429,9 +433,14 @@ class Trainer:
         """The phase of the next step; for a checkpoint at the schedule's end (which
         :func:`k2.launcher.train` reports as "nothing to do" before any rank starts), the phase of its
         last step, so that a trainer started directly still reaches that message instead of failing."""
-        schedule = self.plan.schedule
-        phase = schedule.phase_at(self.state.consumed_tokens)
-        return phase if phase is not None else schedule.step_phase(max(self.state.step, 1))
+        phase = self.plan.schedule.phase_at(self.state.consumed_tokens)
+        return phase if phase is not None else self._phase_of_step(max(self.state.step, 1))
+
+    def _phase_of_step(self, step: int) -> Phase:
+        """The phase of ``step``, one of the run's (``step <= plan.steps``: the schedule holds it)."""
+        phase = self.plan.schedule.step_phase(step)
+        assert phase is not None, step
+        return phase
 
     def _evaluate(self, phase: Phase) -> float:
         self.watchdog.progress("eval", self.state.step)
