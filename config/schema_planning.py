@@ -18,9 +18,10 @@ class ClusterConfig:
     # memory of one GPU, GiB; null = the one plan.hardware's profile names (h800 / h100: 80, h200: 141), 80
     # for a profile without one (e.g. a CPU machine's, measured by k2-bench bench=hardware)
     gpu_memory_gib: float | None = None
-    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
-    # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
-    host_memory_gib: float = 2048.0
+    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use; null = the
+    # host memory of plan.hardware's profile per GPU x gpus_per_node (h800 / h100 / h200 / b200 / b300: 2,048
+    # per 8-GPU host; an NVL72 compute tray: 960 per 4 GPUs), 2,048 for a profile without one
+    host_memory_gib: float | None = None
     # dense BF16 peak of one GPU in TFLOP/s that MFU (k2-train, k2-plan) and k2-plan's FLOPs-only estimate use;
     # null = peak_bf16_tflops of plan.hardware's profile (h800 / h100 / h200: 989.4); a number overrides it
     peak_tflops: float | None = None

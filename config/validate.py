@@ -264,8 +264,9 @@ def check_cluster(c: ClusterConfig) -> None:
     if c.cpu_peak_tflops is not None:
         _require(_finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0, "cluster.cpu_peak_tflops",
                  c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
-    _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
-             "a number > 0 (GiB of host memory per node, e.g. 2048)")
+    if c.host_memory_gib is not None:
+        _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
+                 "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)")
     _require(_finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0, "cluster.checkpoint_write_gbps",
              c.checkpoint_write_gbps, "a number > 0 (GB/s one node writes to storage)")
     if c.mtbf_hours is not None:

@@ -178,7 +178,7 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
 
     prof = dict(device)
     rate = link_figures["rate_mbit"]
-    prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_node=1,
+    prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_host=1,
                 network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
                 comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
                 alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),

@@ -51,6 +51,7 @@ from k2.launcher.planning.analysis import (
     cluster_profile,
     flops_only_step_time,
     gpu_memory_gib,
+    host_memory_gib,
 )
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.pipeline_sim import PipelineResult
@@ -155,7 +156,7 @@ def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[st
         "gpus_per_node": gpn,
         "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
                     "gpu_memory_gib": gpu_memory_gib(cfg),
-                    "host_memory_gib": float(cfg.cluster.host_memory_gib),
+                    "host_memory_gib": host_memory_gib(cfg),
                     "peak_tflops": peak_tflops(cfg)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
                                  "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},

@@ -1,6 +1,7 @@
 """Hardware profiles of ``k2-plan``'s step-time model: data files with a source for every number.
 
-``plan.hardware`` names a profile: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``) or
+``plan.hardware`` names a profile: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``, ``b200``,
+``b300``, ``gb200_nvl72``, ``gb300_nvl72``) or
 the path of a YAML file that ``k2-bench bench=hardware`` wrote on the machine it measured (GEMM rate by
 shape, memory bandwidth, the backend's collective bandwidths). The file's keys, their units (TFLOP/s, GB/s
 = 1e9 bytes/s per GPU and per direction, microseconds) and its reading are the config's
@@ -49,6 +50,25 @@ class HardwareProfile(HardwareProfileConfig):
                            units=self.compute_units,
                            gemm_bytes_per_element=nbytes,
                            grouped_gemm_flops=grouped * 1e12 * compute_fraction if grouped else None)
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs joined by NVLink: ``nvlink_domain_gpus``, else one host's ``gpus_per_host``."""
+        return int(self.nvlink_domain_gpus or self.gpus_per_host)
+
+    def alltoall_gbps(self, deepep: bool) -> tuple[float, float]:
+        """The all-to-all's achieved GB/s ``(inside, across)`` an NVLink domain: NCCL's (megatron's
+        ``alltoall`` dispatcher), or DeepEP's (``deepep``; where the profile gives none, NCCL's)."""
+        if deepep:
+            return (self.nvlink_alltoall_deepep_gbps or self.nvlink_alltoall_gbps,
+                    self.network_alltoall_deepep_gbps or self.network_alltoall_gbps)
+        return self.nvlink_alltoall_gbps, self.network_alltoall_gbps
+
+    def comm_share(self, deepep: bool) -> float:
+        """The share of ``compute_units`` an all-to-all kernel occupies while it runs (NCCL's
+        ``alltoall_comm_units``, DeepEP's ``deepep_comm_units``; 0 where not given)."""
+        units = self.deepep_comm_units if deepep else self.alltoall_comm_units
+        return units / self.compute_units if units and self.compute_units else 0.0
 
     def part_rates(self, rates: KernelRates, part: str) -> KernelRates:
         """``rates`` with the launch cost of ``part``'s operators (:attr:`operator_us`)."""

@@ -273,7 +273,7 @@ class StageModel:
         if self.wi.node_limit:
             return int(self.wi.node_limit)
         groups, topk = self.s["groups"], self.s["group_topk"]
-        per_node = max(1, min(self.dims.ep, self.profile.gpus_per_node))
+        per_node = max(1, min(self.dims.ep, self.profile.domain_gpus))
         nodes = -(-self.dims.ep // per_node)
         return topk if groups and topk and nodes == groups else None
 
@@ -282,8 +282,8 @@ class StageModel:
         (:func:`k2.launcher.planning.comm.ep_alltoall`; DeepEP's FP8 dispatch under the what-if)."""
         s, d, wi = self.s, self.dims, self.wi
         dispatch_bytes = (1 + 4 / 128) if (wi.deepep and wi.fp8_gemm) else self.a  # FP8 + a scale per 128
-        a2a = [ep_alltoall(self.T, s["k"], s["h"], d.ep, d.tp, self.profile, bytes_per_element=b,
-                           dedup_nodes=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
+        a2a = [ep_alltoall(self.T, s["k"], s["h"], d.ep, self.profile, bytes_per_element=b,
+                           deepep=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
         return a2a[0].seconds, a2a[1].seconds
 
     def _token_counts_group(self) -> tuple[int, bool]:

@@ -27,8 +27,8 @@ costs: :mod:`k2.launcher.planning.stage_model`):
   1F1B step runs one microbatch's forward with another's backward on a compute and a communication
   stream, and only the compute stream's waits are exposed (:mod:`k2.launcher.planning.ep_overlap`);
   the DualPipe what-if hides them behind the paired microbatch's compute (DeepSeek-V3, arXiv 2412.19437
-  section 3.2.1), with 20 of 132 SMs given to communication (section 3.2.2) so compute runs at 112/132
-  of its rates.
+  section 3.2.1), with the profile's ``deepep_comm_units`` SMs given to communication (DeepSeek-V3: 20
+  of 132, section 3.2.2) so compute runs at the rest of ``compute_units``' share of its rates.
 * **Recompute** (``memory.recompute``): the sites' forward work again in the backward (``layer``: the whole
   forward, its all-to-alls included).
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
@@ -80,15 +80,13 @@ from k2.launcher.planning.ep_overlap import (
     rank_costs,
     stage_plans,
 )
-from k2.launcher.planning.hardware import HardwareProfile
+from k2.launcher.planning.hardware import HOST_THREAD, HardwareProfile
 from k2.launcher.planning.pipeline_sim import simulate
 from k2.launcher.planning.stage_model import StageModel, _add
 from k2.launcher.planning.what_if import WhatIf, tp_group_profile
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
-
-DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
 TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
 PASSES = ("F", "B", "W")  # forward, input gradient, weight gradient (the zero-bubble schedules' F, B, W)
@@ -239,10 +237,11 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
 def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf,
                 recompute) -> StageModel:
     """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision`` (FP8
-    GEMMs with the ``fp8_gemm`` what-if; under DualPipe compute keeps 112 of 132 SMs), activations of 4
-    bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so (unset: with BF16)."""
+    GEMMs with the ``fp8_gemm`` what-if; under DualPipe compute keeps the SMs DeepEP leaves it, the
+    profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800), activations of 4 bytes
+    (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so (unset: with BF16)."""
     precision = str(cfg.train.precision)
-    compute_fraction = (132 - DEEPSEEK_COMM_SMS) / 132 if what_if.dualpipe else 1.0
+    compute_fraction = 1.0 - device.comm_share(deepep=True) if what_if.dualpipe else 1.0
     rates = device.rates(precision, fp8_gemm=what_if.fp8_gemm, compute_fraction=compute_fraction)
     activation_element_bytes = 4.0 if precision == "fp32" else 2.0
     grouped = cfg.model.moe_grouped_gemm
@@ -332,19 +331,23 @@ def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
 def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf,
                   schedule_work_half_s: float, copy_s: list[float]) -> OverlapCosts | None:
     """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
-    OverlapCosts`); None without EP or experts, and under DualPipe (:func:`hide_ep_comm_dualpipe`)."""
+    OverlapCosts`, with what an all-to-all on the wire takes from the compute beside it: on a GPU the SMs of
+    its kernel, NCCL's or DeepEP's, :meth:`~k2.launcher.planning.hardware.HardwareProfile.comm_share`, on
+    the host's thread the profile's ``alltoall_host_cpu_share``); None without EP or experts, and under
+    DualPipe (:func:`hide_ep_comm_dualpipe`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
+        share = (device.alltoall_host_cpu_share if device.comm_stream == HOST_THREAD
+                 else device.comm_share(deepep=what_if.deepep))
         return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
-                            bool(cfg.pipeline.decouple_wgrad), device.alltoall_host_cpu_share,
-                            model.token_counts_queue_s())
+                            bool(cfg.pipeline.decouple_wgrad), share, model.token_counts_queue_s())
     return None
 
 
 def pp_send_seconds(dims, activation_bytes: float, device: HardwareProfile) -> float:
     """One PP send of a microbatch's ``tokens x hidden`` activations (``activation_bytes``): consecutive PP
-    ranks are world / pp ranks apart, on other nodes once that is a node or more."""
+    ranks are world / pp ranks apart, in other NVLink domains once that is a domain or more."""
     world_span = dims.world_size // dims.pp
-    return p2p_seconds(activation_bytes, world_span >= device.gpus_per_node, device)
+    return p2p_seconds(activation_bytes, world_span >= device.domain_gpus, device)
 
 
 def _hide_behind(comm: float, compute: float) -> float:

@@ -70,4 +70,8 @@ def tp_group_profile(profile: HardwareProfile, tp: int) -> HardwareProfile:
         nvlink_alltoall_gbps=profile.nvlink_alltoall_gbps * x, nvlink_gbps=profile.nvlink_gbps * x,
         nvlink_collective_gbps=profile.nvlink_collective_gbps * x, network_gbps=profile.network_gbps * x,
         network_alltoall_gbps=profile.network_alltoall_gbps * x,
-        network_collective_gbps=profile.network_collective_gbps * x, host_gbps=profile.host_gbps * x)
+        network_collective_gbps=profile.network_collective_gbps * x, host_gbps=profile.host_gbps * x,
+        nvlink_alltoall_deepep_gbps=(profile.nvlink_alltoall_deepep_gbps or 0) * x or None,
+        network_alltoall_deepep_gbps=(profile.network_alltoall_deepep_gbps or 0) * x or None,
+        alltoall_comm_units=(profile.alltoall_comm_units or 0) * tp or None,
+        deepep_comm_units=(profile.deepep_comm_units or 0) * tp or None)

@@ -388,9 +388,10 @@ def test_search_kimi_k2_on_32_nodes_matches_the_readme():
     111 valid (PP, VPP, EP) layouts, 6 of which fit every phase of K2's schedule (with the GPU's transient
     and reserved terms, launcher/planning/device_memory.py). With K2's EP overlap (the recipe's
     pipeline.ep_overlap, megatron's combined 1F1B where a layout has virtual stages) K2's own PP16 x VPP2 x
-    EP16 ranks first (78.4 GiB on the fullest GPU, ~122 s per step on the H800 profile, the step-time
-    model's figure), ahead of the EP8 layout whose all-to-all stays inside a node: it has no virtual stages
-    (VPP2 with EP8 does not fit), so megatron cannot overlap it, and it stays at ~169 s. Each fitting row fits
+    EP16 ranks first (78.4 GiB on the fullest GPU, ~136 s per step on the H800 profile, the step-time
+    model's figure: its all-to-alls hidden, their NCCL kernels' SMs taken from the compute beside them),
+    ahead of the EP8 layout whose all-to-all stays inside a node: it has no virtual stages (VPP2 with EP8
+    does not fit), so megatron cannot overlap it, and it stays at ~169 s. Each fitting row fits
     both the GPU and the host (the search's verdict is the planner's)."""
     from k2.launcher.planning.cluster import plan_cluster
 
@@ -403,7 +404,7 @@ def test_search_kimi_k2_on_32_nodes_matches_the_readme():
     k2 = [r for r in fit if (r["pp"], r["vpp"], r["ep"]) == (16, 2, 16)]
     assert len(k2) == 1 and k2[0]["ep_overlap"]
     assert round(k2[0]["memory_per_gpu_bytes"] / 2**30, 1) == 78.4
-    assert round(k2[0]["step_time_s_estimated"]) == 122
+    assert round(k2[0]["step_time_s_estimated"]) == 136
     assert [(r["pp"], r["vpp"], r["ep"]) for r in fit[:3]] == [(16, 2, 16), (8, 2, 32), (8, 3, 32)]
     ep8 = [r for r in fit if r["ep"] == 8]
     assert [(r["pp"], r["vpp"]) for r in ep8] == [(32, 1)]
