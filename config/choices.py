@@ -25,7 +25,7 @@ from k2.config.errors import ConfigError
 
 __all__ = [
     "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType",
-    "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
+    "Fp8Recipe", "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
     "ResumeMode", "RouterOptimizer", "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode",
     "allowed", "check_choice", "choice_error", "values",
 ]
@@ -53,6 +53,17 @@ class Precision(Choice):
 
     fp32 = "fp32"
     bf16 = "bf16"
+
+
+class Fp8Recipe(Choice):
+    """``train.fp8_recipe``: the GEMMs' FP8 scaling, megatron-core's ``fp8_recipe`` values that Transformer
+    Engine runs: ``blockwise`` (DeepSeek-V3's fine-grained scaling: a scale per 1 x 128 tile of the
+    activations and gradients, per 128 x 128 block of the weights, arXiv 2412.19437 section 3.3.2; Hopper
+    and later), ``mxfp8`` (OCP microscaling: an 8-bit power-of-two scale per 32 consecutive elements,
+    Blackwell's tensor cores)."""
+
+    blockwise = "blockwise"
+    mxfp8 = "mxfp8"
 
 
 class RouterOptimizer(Choice):
@@ -179,6 +190,7 @@ CHOICES: dict[str, tuple[type[Choice], str]] = {
     "model.attention_backend": (AttentionBackend, _ALLOWED + " (auto = sdpa on CUDA, eager on CPU)"),
     "model.max_logit_kernel": (MaxLogitKernel, _ALLOWED),
     "train.precision": (Precision, _ALLOWED),
+    "train.fp8_recipe": (Fp8Recipe, _ALLOWED + " or null (GEMMs in train.precision)"),
     "train.spike.action": (SpikeAction, _ALLOWED),
     "checkpoint.verify": (CheckpointVerify, _ALLOWED),
     "convert.model_type": (ConvertModelType, _ALLOWED),

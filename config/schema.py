@@ -19,6 +19,7 @@ from k2.config.choices import (
     BadRecords,
     CheckpointVerify,
     ConvertModelType,
+    Fp8Recipe,
     MaxLogitKernel,
     MuonMatmulPrecision,
     MuonScaleMode,
@@ -292,6 +293,11 @@ class TrainConfig:
     iters: int | None = None  # cap on optimizer steps; null = run to the end of the schedule
     micro_batch_size: int = 2  # sequences per microbatch (a schedule phase may override it)
     precision: Precision = Precision.fp32
+    # the GEMMs in FP8 through Transformer Engine's recipe of this scaling (megatron-core's fp8 = e4m3 and
+    # fp8_recipe): blockwise | mxfp8 (config/choices.py Fp8Recipe); null = the GEMMs in train.precision (K2:
+    # BF16). Needs train.precision=bf16, a CUDA device, Transformer Engine and sequential experts
+    # (model/backends.py); k2-plan prices it on any machine (launcher/planning/hardware.py)
+    fp8_recipe: Fp8Recipe | None = None
     eval_interval: int = 50
     eval_iters: int = 4
     log_interval: int = 10  # steps between log lines when not on a terminal

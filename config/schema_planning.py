@@ -43,12 +43,13 @@ class WhatIfConfig:
     """``plan.what_if.*``: labelled settings of published runs for ``k2-plan``'s comparisons; k2-train has
     none of them (launcher/planning/step_time.py)."""
 
-    fp8_gemm: bool = False  # GEMMs at the profile's FP8 rate (DeepSeek-V3, Megatron FP8 recipes)
     # FSDP2 under torch's pipelining (NeMo AutoModel): per pipeline flush the gradients are reduce-scattered
     # (exposed) and the parameters gathered again (overlapped but for the first layer's)
     fsdp: bool = False
     dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
-    deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
+    # megatron's flex dispatcher with DeepEP: DeepEP's all-to-all rates and SMs (the profile's *_deepep_*
+    # figures), an FP8 payload with train.fp8_recipe, one network copy per remote node
+    deepep: bool = False
     node_limit: int | None = None  # node-limited routing: a token goes to at most this many nodes
     # gradient accumulation over this many pipeline schedules per step, each a full flush (fill and drain)
     # of num_microbatches / pipeline_flushes microbatches (torch pipelining's schedule.step() per local batch)

@@ -91,8 +91,14 @@ def check_model(m: ModelConfig) -> None:
 
 
 def check_train(t: TrainConfig) -> None:
-    """``train.*``: precision, step counts, intervals."""
+    """``train.*``: precision (the FP8 recipe's with it), step counts, intervals."""
     check_choice(t, "precision", "train.precision")
+    if t.fp8_recipe is not None:
+        check_choice(t, "fp8_recipe", "train.fp8_recipe")
+        if t.precision != "bf16":
+            raise ConfigError(f"train.fp8_recipe={t.fp8_recipe} runs the GEMMs in FP8 beside BF16 weights and "
+                              f"activations (megatron-core's FP8 training); got train.precision={t.precision}; "
+                              "allowed: train.precision=bf16, or train.fp8_recipe=null")
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     if t.save_interval is not None and t.save_interval < 1:

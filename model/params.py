@@ -335,7 +335,9 @@ class ModelParams:
 
 
 def _reduced_config(cfg: K2Config, num_layers: int, first_k_dense: int):
-    """``cfg`` with ``k2.model.num_layers`` / ``first_k_dense_replace`` replaced and the single layout."""
+    """``cfg`` with ``k2.model.num_layers`` / ``first_k_dense_replace`` replaced, the single layout and the
+    GEMMs in the training precision (FP8 GEMMs, ``train.fp8_recipe``, hold the same parameters; megatron
+    builds their config only with Transformer Engine)."""
     from omegaconf import OmegaConf
 
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -343,6 +345,7 @@ def _reduced_config(cfg: K2Config, num_layers: int, first_k_dense: int):
     c["model"]["first_k_dense_replace"] = first_k_dense
     c["parallel"].update(tp=1, pp=1, vpp=None, ep=1, layout=None, first_stage_layers=None,
                          last_stage_layers=None)
+    c["train"]["fp8_recipe"] = None
     return OmegaConf.create(c)
 
 

@@ -28,7 +28,7 @@ schedule config, without a GPU or a process group:
 ``pipeline``, ``flops_per_token``, ``flops``, ``global_batch_tokens``, ``num_microbatches``,
 ``step_time_s_estimated``, ``step_time_breakdown_s``, ``ep_overlap_requested`` / ``ep_overlap`` /
 ``ep_overlap_note`` (``pipeline.ep_overlap`` and whether the main phase runs it, or why not), ``ep_comm_s``
-(its all-to-alls exposed and hidden), ``tokens_per_s_per_gpu_estimated``, ``hardware``,
+(its all-to-alls exposed and hidden), ``tokens_per_s_per_gpu_estimated``, ``hardware``, ``gemm_precision``,
 ``what_if``, ``step_time_s_flops_only``, ``mfu_estimated``, ``gpu_hours_estimated`` (every phase's steps
 x its estimated step x GPUs), ``checkpoint``
 (:func:`k2.launcher.planning.checkpoint.checkpoint_plan`), with ``plan.step_time_s`` also ``model_tflops_per_gpu``
@@ -275,6 +275,8 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
         "ep_comm_s": st.ep_comm,
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,
+        # the layers' GEMMs: train.fp8_recipe's FP8 scaling, else train.precision
+        "gemm_precision": str(cfg.train.fp8_recipe or cfg.train.precision),
         "what_if": st.what_if,
         "mfu_estimated": mfu(step_flops, est, dims.world_size, peak_tflops(cfg))[1],
         "step_time_s_flops_only": flops_only,

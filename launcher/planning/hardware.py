@@ -32,11 +32,12 @@ class HardwareProfile(HardwareProfileConfig):
     """A read profile (:class:`k2.config.schema_hardware.HardwareProfileConfig`: its fields, units and
     defaults) with the kernel rates of :mod:`k2.launcher.planning.kernels` it gives."""
 
-    def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
-        """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
-        what-if of published runs), with ``compute_fraction`` of the compute units (e.g. SMs left to
-        compute when others run communication kernels)."""
-        if fp8_gemm:
+    def rates(self, precision: str, *, fp8: bool = False, compute_fraction: float = 1.0) -> KernelRates:
+        """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8``: FP8 GEMMs,
+        ``train.fp8_recipe``: the profile's FP8 rates, which Blackwell's MXFP8 and Hopper's blockwise scaling
+        both run at), with ``compute_fraction`` of the compute units (e.g. SMs left to compute when others
+        run communication kernels)."""
+        if fp8:
             gemm, nbytes, grouped = self.gemm_fp8_tflops, 1.0, self.gemm_grouped_fp8_tflops
         elif precision == "fp32":
             gemm, nbytes, grouped = self.gemm_fp32_tflops or self.gemm_bf16_tflops / 2, 4.0, None

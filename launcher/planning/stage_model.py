@@ -1,7 +1,7 @@
 """Per-layer costs of ``k2-plan``'s step-time model (:mod:`k2.launcher.planning.step_time` assembles them):
 one microbatch of ``T`` tokens through one layer on one GPU, per pass (``F`` forward, ``B`` input gradient,
-``W`` weight gradient) and term (``gemm``, ``attention``, ``non_gemm``, ``ep_comm``, ``ep_token_counts``,
-``recompute``, ``tp_comm``), seconds.
+``W`` weight gradient) and term (``gemm``, ``attention``, ``non_gemm``, ``quantize``, ``ep_comm``,
+``ep_token_counts``, ``recompute``, ``tp_comm``), seconds.
 
 A layer is also split into megatron-core's schedule nodes (``models/gpt/fine_grained_callables.py``
 ``build_transformer_layer_callables``, 0.19.2), which the EP-overlap model
@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 BACKWARD_BYTES_FACTOR = 1.5
 #: megatron's schedule nodes of a transformer layer (module docstring), in forward order
 NODES = ("attn", "dispatch", "mlp", "combine")
+#: bytes moved per element to quantise a BF16 GEMM operand for an FP8 GEMM (``train.fp8_recipe``): the BF16
+#: tensor read (2), its FP8 copies along rows and along columns written (the weight gradient's GEMM takes
+#: the transpose; Transformer Engine makes both at once), each with one scale byte per 32 elements (MXFP8's
+#: E8M0 per 1 x 32; blockwise: an FP32 scale per 1 x 128, the same 1/32 byte)
+FP8_QUANTIZE_BYTES = 2 + 2 * (1 + 1 / 32)
 
 
 def _shapes(model_cfg: ModelConfig) -> dict:
@@ -106,17 +111,27 @@ class StageModel:
     it, and :mod:`k2.launcher.planning.trace_rates` prices a published trace's chunk with it (seconds)."""
 
     def __init__(self, model_cfg: ModelConfig, fl, dims, *, tokens: int, profile: HardwareProfile,
-                 rates: KernelRates, act_bytes: float, grouped: bool, what_if: WhatIf, recompute):
+                 rates: KernelRates, act_bytes: float, grouped: bool, what_if: WhatIf, recompute,
+                 fp8_recipe: str | None = None, high_rates: KernelRates | None = None):
+        """``rates``: the layers' GEMMs' (FP8 with ``fp8_recipe``: :meth:`quantize_s` prices their
+        operands' quantisation); ``high_rates``: the router's and the output head's, which stay in the
+        training precision (default ``rates``)."""
         self.s, self.fl, self.dims, self.T = _shapes(model_cfg), fl, dims, tokens
         self.profile, self.rates, self.a = profile, rates, act_bytes
+        self.high_rates = high_rates or rates
         self.grouped, self.wi, self.recompute = grouped, what_if, set(recompute or ())
+        self.fp8_recipe = fp8_recipe
         self.tp_comm = 0.0
 
     # ---- one layer: {"F": {...}, "B": {...}, "W": {...}} seconds per term
     def _gemms(self, shapes, out: dict, m: float | None = None, groups: int = 1, tag: str = "gemm",
                rates: KernelRates | None = None) -> dict:
+        """The GEMMs ``[m, k] x [k, n]`` of ``shapes`` (``groups`` of each: the local experts) forward, input
+        and weight gradient into ``out`` under ``tag``; at ``rates`` (default the layers': FP8 with a recipe,
+        their operands' quantisation under ``quantize``)."""
         T = self.T if m is None else m
         r = rates or self.rates
+        kernels = 1 if groups > 1 and self.grouped else groups
         for k, n in shapes:
             if groups > 1 and self.grouped:
                 f, b, w = (grouped_gemm_seconds(groups, T, k, n, r), grouped_gemm_seconds(groups, T, n, k, r),
@@ -128,7 +143,18 @@ class StageModel:
             _add(out["F"], tag, f)
             _add(out["B"], tag, b)
             _add(out["W"], tag, w)
+            if self.fp8_recipe and rates is None:
+                _add(out["F"], "quantize", self.quantize_s(groups * T * k, kernels))
+                _add(out["B"], "quantize", self.quantize_s(groups * T * n, kernels))
         return out
+
+    def quantize_s(self, elements: float, kernels: int = 1) -> float:
+        """Seconds to quantise ``elements`` of one FP8 GEMM operand (``train.fp8_recipe``) in ``kernels``
+        launches: :data:`FP8_QUANTIZE_BYTES` per element at the memory rate. Per GEMM the forward quantises
+        its input, the backward its output gradient (the weight gradient takes their column-wise copies);
+        the weights are quantised once per step (Transformer Engine keeps them over a step's microbatches),
+        not counted."""
+        return elementwise_seconds(FP8_QUANTIZE_BYTES * elements, kernels, self.rates)
 
     def _nongemm(self, kind: str, out: dict, experts: int = 0, rates: KernelRates | None = None) -> None:
         """The element-wise operators of ``kind``: their bytes at the memory rate plus one launch each
@@ -201,7 +227,7 @@ class StageModel:
         if "layernorm" in self.recompute:
             rec_attn += elementwise_seconds(2 * (s["h"] + s["r_q"] + s["r_kv"]) * self.a * T, 3, r)
         if moe:
-            self._gemms([(s["h"], s["E"])], attn)  # the router
+            self._gemms([(s["h"], s["E"])], attn, rates=self.high_rates)  # the router (not a TE linear)
             local, m = self.expert_gemms(mlp, self.dims.ep, shared_out=attn)
             self._moe_nongemm(nodes, 0 if self.grouped else local)
             if self.dims.ep > 1:
@@ -244,12 +270,14 @@ class StageModel:
 
     def _nongemm_floor(self, out: dict) -> None:
         """The profile's ``nongemm_share``: non-GEMM time at least that share of the pass's compute stream
-        (GEMMs + attention + non-GEMM), per pass."""
+        (GEMMs + attention + non-GEMM, the FP8 quantisation among the non-GEMM kernels), per pass."""
         share = self.profile.nongemm_share
         if share <= 0:
             return
         for ph in ("F", "B"):
-            out[ph]["non_gemm"] = max(out[ph].get("non_gemm", 0.0), share / (1 - share) * self._compute_s(out, ph))
+            q = out[ph].get("quantize", 0.0)
+            floor = share / (1 - share) * self._compute_s(out, ph) - q
+            out[ph]["non_gemm"] = max(out[ph].get("non_gemm", 0.0), floor)
 
     def _share_nongemm_floor(self, nodes: dict) -> None:
         """:meth:`_nongemm_floor` on the layer's nodes together: what the floor adds to the layer's
@@ -259,7 +287,7 @@ class StageModel:
             return
         for ph in ("F", "B"):
             compute = {n: self._compute_s(p, ph) for n, p in nodes.items()}
-            have = sum(p[ph].get("non_gemm", 0.0) for p in nodes.values())
+            have = sum(p[ph].get("non_gemm", 0.0) + p[ph].get("quantize", 0.0) for p in nodes.values())
             extra = share / (1 - share) * sum(compute.values()) - have
             if extra <= 0:
                 continue
@@ -281,7 +309,7 @@ class StageModel:
         """Seconds of one MoE layer's dispatch and of its combine all-to-all in one pass
         (:func:`k2.launcher.planning.comm.ep_alltoall`; DeepEP's FP8 dispatch under the what-if)."""
         s, d, wi = self.s, self.dims, self.wi
-        dispatch_bytes = (1 + 4 / 128) if (wi.deepep and wi.fp8_gemm) else self.a  # FP8 + a scale per 128
+        dispatch_bytes = (1 + 4 / 128) if (wi.deepep and self.fp8_recipe) else self.a  # FP8 + a scale per 128
         a2a = [ep_alltoall(self.T, s["k"], s["h"], d.ep, self.profile, bytes_per_element=b,
                            deepep=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
         return a2a[0].seconds, a2a[1].seconds
@@ -323,7 +351,7 @@ class StageModel:
     def loss(self) -> dict:
         """The final norm, the output layer and the loss (their operators at the profile's ``loss`` cost)."""
         out = _passes()
-        r = self.profile.part_rates(self.rates, "loss")
+        r = self.profile.part_rates(self.high_rates, "loss")  # (the output head: not a TE linear)
         self._gemms([(self.s["h"], self.s["V"])], out, rates=r)
         self._nongemm("loss", out, rates=r)
         self._nongemm_floor(out)

@@ -55,10 +55,16 @@ the ``fsdp`` what-if: per pipeline flush, :func:`k2.launcher.planning.comm.fsdp_
 :func:`~k2.launcher.planning.after_pipeline.dp_comm_terms` and
 :func:`~k2.launcher.planning.after_pipeline.optimizer_terms`).
 
+GEMM precision: ``train.fp8_recipe`` (``blockwise`` | ``mxfp8``, k2-train's setting for Transformer Engine)
+runs the layers' GEMMs at the profile's FP8 rates, each FP8 GEMM's input and output gradient quantised
+first (term ``quantize``: :meth:`k2.launcher.planning.stage_model.StageModel.quantize_s`); the router and
+the output head stay in ``train.precision``.
+
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
-them; :mod:`k2.launcher.planning.what_if`): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (FSDP2 under
+them; :mod:`k2.launcher.planning.what_if`): ``fsdp`` (FSDP2 under
 torch's pipelining: :func:`k2.launcher.planning.comm.fsdp_exposed`), ``dualpipe``,
-``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
+``deepep`` (megatron's ``flex`` dispatcher: DeepEP's rates and SMs, FP8 dispatch with an FP8 recipe, a
+token crosses to each remote node once: NVLink forwarding),
 ``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
 that many pipeline schedules, each with its own fill and drain), ``mtp_layers`` (multi-token-prediction
 modules on the stage holding the loss: :meth:`StageModel.mtp`).
@@ -236,18 +242,23 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
 
 def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf,
                 recompute) -> StageModel:
-    """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision`` (FP8
-    GEMMs with the ``fp8_gemm`` what-if; under DualPipe compute keeps the SMs DeepEP leaves it, the
-    profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800), activations of 4 bytes
-    (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so (unset: with BF16)."""
+    """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision``, the
+    layers' GEMMs at the FP8 rates with ``train.fp8_recipe`` (the router and the output head stay in
+    ``train.precision``, as megatron's TE linears are the layers' only), under DualPipe on the SMs DeepEP
+    leaves the compute (the profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800),
+    activations of 4 bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so
+    (unset: with BF16)."""
     precision = str(cfg.train.precision)
+    recipe = cfg.train.fp8_recipe
     compute_fraction = 1.0 - device.comm_share(deepep=True) if what_if.dualpipe else 1.0
-    rates = device.rates(precision, fp8_gemm=what_if.fp8_gemm, compute_fraction=compute_fraction)
+    rates = device.rates(precision, fp8=recipe is not None, compute_fraction=compute_fraction)
+    high = device.rates(precision, compute_fraction=compute_fraction)
     activation_element_bytes = 4.0 if precision == "fp32" else 2.0
     grouped = cfg.model.moe_grouped_gemm
     grouped = (precision == "bf16") if grouped is None else bool(grouped)
     return StageModel(cfg.model, fl, dims, tokens=tokens, profile=device, rates=rates,
-                      act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute)
+                      act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute,
+                      fp8_recipe=None if recipe is None else str(recipe), high_rates=high)
 
 
 def tp_comm_seconds(tokens: int, hidden: int, element_bytes: float, tp: int, gpu: HardwareProfile) -> float:

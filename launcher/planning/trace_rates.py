@@ -101,7 +101,7 @@ def chunk_gemm_seconds(model_cfg: ModelConfig, profile: HardwareProfile, dense_t
     (the profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800, as in the trace).
     The router (BF16 in the trace) is left out on both sides. Returns ``{"dense": s, "expert": s}``."""
     fraction = 1.0 - profile.comm_share(deepep=True)
-    rates = dataclasses.replace(profile.rates("bf16", fp8_gemm=True), gemm_flops=dense_tflops * 1e12 * fraction,
+    rates = dataclasses.replace(profile.rates("bf16", fp8=True), gemm_flops=dense_tflops * 1e12 * fraction,
                                 grouped_gemm_flops=grouped_tflops * 1e12 * fraction)
     m = StageModel(model_cfg, None, None, tokens=TRACE_TOKENS, profile=profile, rates=rates, act_bytes=2.0,
                     grouped=True, what_if=WhatIf(), recompute=recompute)

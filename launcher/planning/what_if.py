@@ -22,10 +22,10 @@ class WhatIf:
     """``plan.what_if.*`` (defaults: none of them).
 
     Attributes:
-        fp8_gemm: GEMMs at the profile's FP8 rates.
         fsdp: FSDP2 under torch's pipelining as NeMo AutoModel runs it (the DP traffic per pipeline flush).
         dualpipe: DeepSeek's DualPipe (arXiv 2412.19437 section 3.2.1).
-        deepep: DeepEP dispatch (FP8 payload with ``fp8_gemm``, one network copy per remote node).
+        deepep: megatron's ``flex`` dispatcher with DeepEP (its rates and SMs, FP8 payload with
+            ``train.fp8_recipe``, one network copy per remote node).
         node_limit: a token's experts on at most this many nodes (None: the model's group-limited routing).
         tp: each planned GPU stands for a TP group of this many GPUs.
         pipeline_flushes: gradient accumulation over this many pipeline schedules per step.
@@ -33,7 +33,6 @@ class WhatIf:
             arXiv 2412.19437 section 2.2): their time counts, their FLOPs stay out of the model FLOPs.
     """
 
-    fp8_gemm: bool = False
     fsdp: bool = False
     dualpipe: bool = False
     deepep: bool = False
@@ -45,12 +44,12 @@ class WhatIf:
     @classmethod
     def from_config(cls, cfg: K2Config) -> WhatIf:
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
-        return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
+        return cls(bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
                    sel("node_limit", None), int(sel("tp", 1)),
                    int(sel("pipeline_flushes", 1) or 1), int(sel("mtp_layers", 0) or 0))
 
     def labels(self) -> list[str]:
-        return [k for k in ("fp8_gemm", "fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
+        return [k for k in ("fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
             [f"tp{self.tp}"] if self.tp > 1 else []) + (
             [f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else []) + (
             [f"mtp{self.mtp_layers}"] if self.mtp_layers else [])
