@@ -114,6 +114,9 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
     if not 0 <= prof.alltoall_host_cpu_share < 1:
         raise ConfigError(f"{where}: 'alltoall_host_cpu_share' must be a number >= 0 and < 1 (the share of a "
                           f"core; got {prof.alltoall_host_cpu_share!r})")
+    slow = prof.alltoall_beside_compute_slowdown
+    if not (math.isfinite(slow) and slow >= 1):
+        raise ConfigError(f"{where}: 'alltoall_beside_compute_slowdown' must be a number >= 1 (got {slow!r})")
     loaded = prof.network_loaded_latency_us
     if loaded is not None and not (math.isfinite(loaded) and loaded >= prof.network_latency_us):
         raise ConfigError(f"{where}: 'network_loaded_latency_us' must be null or a number >= network_latency_us "

@@ -109,6 +109,11 @@ class HardwareProfileConfig:
     # a compute node running beside it is slower by as much (k2-bench bench=ep_overlap measures it on its
     # link: the process's CPU seconds over the wall seconds of back-to-back all-to-alls of the run's size)
     alltoall_host_cpu_share: float = 0.0
+    # with comm_stream host_thread: how much longer (>= 1) an all-to-all takes on the wire while the host
+    # computes beside it, its communication threads and the kernel's TCP getting less of the CPU (k2-bench
+    # bench=ep_overlap measures it on its link: back-to-back all-to-alls from the communication thread with
+    # and without a GEMM loop on the main thread)
+    alltoall_beside_compute_slowdown: float = 1.0
     # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
     # (null: not given, e.g. a CPU profile)
     gpu_memory_gib: float | None = None

@@ -54,9 +54,6 @@ class WhatIfConfig:
     # gradient accumulation over this many pipeline schedules per step, each a full flush (fill and drain)
     # of num_microbatches / pipeline_flushes microbatches (torch pipelining's schedule.step() per local batch)
     pipeline_flushes: int = 1
-    # tensor parallelism of a published run: each planned GPU stands for a TP group of this many GPUs (rates
-    # and links x tp, sequence-parallel gathers per layer; plan it with cluster.gpus_per_node / tp)
-    tp: int = 1
     # multi-token-prediction modules on the stage holding the loss (DeepSeek-V3, arXiv 2412.19437 section
     # 2.2: a [2h -> h] projection, one transformer block, the shared output head again, per token)
     mtp_layers: int = 0

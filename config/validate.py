@@ -287,7 +287,6 @@ def check_plan(p: PlanConfig) -> None:
     if p.step_time_s is not None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
-    _require(p.what_if.tp >= 1, "plan.what_if.tp", p.what_if.tp, "an integer >= 1")
     _require(p.what_if.pipeline_flushes >= 1, "plan.what_if.pipeline_flushes", p.what_if.pipeline_flushes,
              "an integer >= 1")
     _require(p.what_if.mtp_layers >= 0, "plan.what_if.mtp_layers", p.what_if.mtp_layers, "an integer >= 0")

@@ -73,7 +73,8 @@ def check_backend_config(cfg: K2Config) -> None:
     ``k2.model.moe_grouped_gemm`` (their allowed values are :mod:`k2.config.validate`'s).
 
     Raises:
-        ConfigError: ``train.fp8_recipe`` this machine cannot run (:func:`check_fp8_recipe`);
+        ConfigError: ``train.fp8_recipe`` this machine cannot run (:func:`check_fp8_recipe`); a recompute
+            site k2-train does not run (:func:`check_recompute_sites`);
             ``pipeline.ep_overlap`` on CUDA without bf16; ``te`` without Transformer Engine or CUDA;
         the Triton max-logit kernel without
             Triton and CUDA or with another backend than sdpa;
@@ -83,6 +84,7 @@ def check_backend_config(cfg: K2Config) -> None:
     """
     m = cfg.model
     check_fp8_recipe(cfg)
+    check_recompute_sites(cfg)
     if cfg.pipeline.ep_overlap and cfg.train.precision != "bf16" and torch.cuda.is_available():
         raise ConfigError(f"pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's combined-"
                           f"1F1B rule), got {cfg.train.precision}; allowed: train.precision=bf16, or "
@@ -150,3 +152,24 @@ def check_fp8_recipe(cfg: K2Config, cuda: bool | None = None, te: bool | None = 
         raise ConfigError(f"train.fp8_recipe={recipe} needs megatron's sequential experts (K2's grouped experts run "
                           "torch._grouped_mm in BF16, which Transformer Engine's recipe does not reach); allowed: "
                           "model.moe_grouped_gemm=false, or train.fp8_recipe=null")
+
+
+def check_recompute_sites(cfg: K2Config) -> None:
+    """``memory.recompute`` (and each schedule phase's) holds no site that only ``k2-plan`` plans
+    (:data:`k2.config.schema.PLANNED_ONLY_RECOMPUTE`: megatron's ``core_attn``, ``mlp`` and ``moe`` module
+    recompute, which the K2 layers do not run yet).
+
+    Raises:
+        ConfigError: one line naming the setting, the site and what k2-train runs.
+    """
+    from k2.config.schema import MEMORY_RECOMPUTE_SITES, PLANNED_ONLY_RECOMPUTE
+
+    lists = [("memory.recompute", cfg.memory.recompute)]
+    for i, phase in enumerate(list(cfg.schedule.phases or [])):
+        lists.append((f"schedule.phases.{i}.memory.recompute", (phase.get("memory") or {}).get("recompute")))
+    for setting, sites in lists:
+        planned = [x for x in (sites or ()) if x in PLANNED_ONLY_RECOMPUTE]
+        if planned:
+            runs = [x for x in MEMORY_RECOMPUTE_SITES if x not in PLANNED_ONLY_RECOMPUTE]
+            raise ConfigError(f"{setting} has {', '.join(planned)}: megatron's module recompute, which k2-plan plans "
+                              f"and k2-train does not run yet; allowed for k2-train: {', '.join(runs)}")

@@ -84,21 +84,24 @@ class ClusterPlan:
 
 
 def check_model_parallel_group(cfg: K2Config, world: int) -> None:
-    """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group
-    (TP x PP x EP GPUs; K2: PP16 x EP16 = 256 GPUs = 32 nodes) is reused for any node count that is a
-    multiple of it.
+    """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group (PP x
+    the larger of TP and EP's common multiple: EP spans the TP x DP ranks with expert TP 1; K2: PP16 x EP16 =
+    256 GPUs = 32 nodes) is reused for any node count that is a multiple of it.
 
     Raises:
         ConfigError: ``world`` is not a multiple of the group, naming the allowed ``cluster.nodes``.
     """
     par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
-    group = int(par.tp or 1) * int(par.pp or 1) * int(par.ep or 1)
+    tp, pp, ep = int(par.tp or 1), int(par.pp or 1), int(par.ep or 1)
+    group = pp * math.lcm(tp, ep)
     if group < 1 or world % group == 0:
         return
     step = math.lcm(group, gpn) // gpn
+    shape = f"parallel.pp={pp} x parallel.ep={ep}" if tp == 1 else \
+        f"parallel.pp={pp} x lcm(parallel.tp={tp}, parallel.ep={ep})"
     raise ConfigError(
         f"cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node={gpn} = {world} GPUs is not a multiple "
-        f"of the model-parallel group parallel.pp={par.pp} x parallel.ep={par.ep} = {group} GPUs "
+        f"of the model-parallel group {shape} = {group} GPUs "
         f"({group / gpn:g} nodes); the group is reused for any node count that is a multiple of {step} "
         f"(allowed cluster.nodes: {step}, {2 * step}, {3 * step}, ...)"
     )
@@ -113,7 +116,8 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
     """
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     check_model_parallel_group(cfg, world)
-    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM,
+                                    tp_supported=True)
     schedule = resolve_schedule(cfg, dims)
     try:
         counts = count_params(cfg)
@@ -147,7 +151,7 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
 def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
     """Model, cluster, parallel sizes and the layer table."""
     gpn = cfg.cluster.gpus_per_node
-    group = dims.tp * dims.pp * dims.ep
+    group = dims.pp * math.lcm(dims.tp, dims.ep)
     return {
         "model": cfg.model.name,
         "parallel": cfg.parallel.name,
@@ -159,7 +163,9 @@ def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[st
                     "host_memory_gib": host_memory_gib(cfg),
                     "peak_tflops": peak_tflops(cfg)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
-                                 "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},
+                                 "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}",
+                                 # k2-train runs TP 1 only; k2-plan plans megatron's TP layout
+                                 "k2_train_runs": dims.tp == 1},
         "tp": dims.tp,
         "pp": dims.pp,
         "vpp": dims.vpp,
@@ -202,7 +208,7 @@ def _pp_ranks(dims: ParallelDims, counts: ModelParams, memory: list) -> list[dic
     rows = []
     for r in range(dims.pp):
         layers, emb, loss = dims.pp_rank_contents(r)
-        per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
+        per_gpu = counts.stage(layers, emb, loss, ep=dims.ep, tp=dims.tp)
         rows.append({
             "pp_rank": r,
             "layers": layers,

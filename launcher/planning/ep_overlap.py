@@ -233,12 +233,14 @@ class OverlapCosts:
         comm_share: the share of the processor an all-to-all on the wire takes from the compute beside it
             (:func:`k2.launcher.planning.two_streams.run_nodes`).
         counts_queue_s: the token-count all-gather's wait behind an all-to-all on the wire (:func:`run_nodes`).
+        wire_slowdown: how much longer an all-to-all takes on the wire beside the host's compute
+            (``host_thread``; :func:`k2.launcher.planning.two_streams.run_nodes`).
     """
 
     def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, comm_share: float = 0.0,
-                 counts_queue_s: float = 0.0):
+                 counts_queue_s: float = 0.0, wire_slowdown: float = 1.0):
         self.plans, self.comm_stream, self.decouple_wgrad = plans, comm_stream, decouple_wgrad
-        self.comm_share, self.counts_queue_s = comm_share, counts_queue_s
+        self.comm_share, self.counts_queue_s, self.wire_slowdown = comm_share, counts_queue_s, wire_slowdown
         self._cache: dict = {}
 
     def _cost(self, sf: int | None, sb: int | None) -> StepCost:
@@ -249,7 +251,7 @@ class OverlapCosts:
             off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
             order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
             self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off,
-                                         self.comm_share, self.counts_queue_s)
+                                         self.comm_share, self.counts_queue_s, self.wire_slowdown)
         return self._cache[key]
 
     def forward(self, s: int) -> StepCost:
@@ -325,8 +327,8 @@ def extrapolate(costs: OverlapCosts, rc: dict, rank: int, pp: int, vpp: int, mic
 def overlap_applies(cfg: K2Config, dims, recompute, what_if) -> tuple[bool, str]:
     """Whether ``pipeline.ep_overlap`` runs in a phase with ``recompute`` (its ``memory.recompute``
     sites) on ``dims``, and why not: megatron's rules (``transformer/transformer_config.py``: EP > 1; with
-    PP > 1 only the interleaved schedule), whole-layer recompute (it re-runs the all-to-alls in backward,
-    outside the pairs: the trainer runs that phase without the overlap), and the DualPipe what-if (its
+    PP > 1 only the interleaved schedule), whole-layer and MoE-layer recompute (they re-run the all-to-alls
+    in backward, outside the pairs: the trainer runs that phase without the overlap), and the DualPipe what-if (its
     own overlap). Returns ``(applies, reason)``."""
     if not cfg.pipeline.ep_overlap:
         return False, NOT_REQUESTED
@@ -338,6 +340,7 @@ def overlap_applies(cfg: K2Config, dims, recompute, what_if) -> tuple[bool, str]
         return False, "EP 1: no all-to-all"
     if dims.pp > 1 and dims.vpp <= 1:
         return False, f"PP {dims.pp} without virtual stages (megatron's combined 1F1B is interleaved)"
-    if "layer" in set(recompute or ()):
-        return False, "memory.recompute 'layer' re-runs the all-to-alls in backward"
+    rerun = [x for x in ("layer", "moe") if x in set(recompute or ())]
+    if rerun:
+        return False, f"memory.recompute '{rerun[0]}' re-runs the all-to-alls in backward"
     return True, "on"

@@ -41,8 +41,7 @@ def compare_run(run: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
 
     cfg = load_config(list(run["overrides"]) + list(extra))
     p = plan_cluster(cfg).report
-    tp = int(cfg.plan.what_if.tp)
-    gpus = p["world_size"] * tp
+    gpus = p["world_size"]
     kind = run.get("published_figure", "step_time")
     if kind not in _FIGURES:
         raise ConfigError(f"{RUNS_FILE.name}: run {run['name']}: published_figure={kind!r}; allowed: "
@@ -58,7 +57,7 @@ def compare_run(run: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
         "step_s": p["step_time_s_estimated"],
         "predicted_tokens_per_s_per_gpu": p["global_batch_tokens"] / step / gpus,
         "published_tokens_per_s_per_gpu": run["published_tokens_per_s_per_gpu"],
-        "mfu_bf16_peak": p["mfu_estimated"] / tp, "breakdown_s": breakdown,
+        "mfu_bf16_peak": p["mfu_estimated"], "breakdown_s": breakdown,
         "what_if": p["what_if"], "gemm_precision": p["gemm_precision"], "hardware": p["hardware"],
         "source": run["source"],
     }

@@ -233,13 +233,16 @@ def _overlap_cell(p: dict[str, Any]) -> str:
 
 def format_search(rows: list[dict[str, Any]], capacity: float) -> list[str]:
     """Text table of ``plan.search``'s ranked layouts."""
+    tp = any(r.get("tp", 1) > 1 for r in rows)  # (a TP column only when the search tried TP: parallel.tp > 1)
     lines = [f"  layouts of this cluster ({len(rows)} valid): those that fit first, each group by estimated "
-             "step time ('>' = at least: parameters and gradients alone exceed the GPU)",
-             f"  {'rank':<6}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}{'microbatches':>14}{'bubble %':>10}"
-             f"{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout"]
+             "step time ('>' = at least: parameters and gradients alone exceed the GPU"
+             + ("; TP > 1: k2-plan plans it, k2-train does not run it" if tp else "") + ")",
+             f"  {'rank':<6}{'tp' if tp else '':>{4 if tp else 0}}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}"
+             f"{'microbatches':>14}{'bubble %':>10}{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout"]
     for r in rows:
+        tp_cell = f"{r.get('tp', 1):>4}" if tp else ""
         lines.append(
-            f"  {r['rank']:<6}{r['pp']:>4}{r['vpp']:>5}{r['ep']:>5}{r['dp']:>6}{r['num_microbatches']:>14,}"
+            f"  {r['rank']:<6}{tp_cell}{r['pp']:>4}{r['vpp']:>5}{r['ep']:>5}{r['dp']:>6}{r['num_microbatches']:>14,}"
             f"{100 * r['bubble_fraction']:>10.2f}{r['step_time_s_estimated']:>9.2f}"
             f"{('>' if r['memory_lower_bound'] else '') + _gib(r['memory_per_gpu_bytes']):>9}{_overlap_cell(r):>12}  "
             f"{'yes ' if r['fits'] else 'NO  '}  {r['layout']}"

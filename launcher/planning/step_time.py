@@ -51,7 +51,7 @@ the ``fsdp`` what-if: per pipeline flush, :func:`k2.launcher.planning.comm.fsdp_
 
 :func:`step_time` is the outline; each term is one function of its own (:func:`compute_terms`,
 :func:`add_schedule_work`, :func:`add_offload`, :func:`hide_ep_comm_dualpipe`, :func:`ep_comm_costs`,
-:func:`pp_send_seconds`, :func:`tp_comm_seconds`, the pipeline and its bubble, then
+:func:`pp_send_seconds`, the pipeline and its bubble, then
 :func:`~k2.launcher.planning.after_pipeline.dp_comm_terms` and
 :func:`~k2.launcher.planning.after_pipeline.optimizer_terms`).
 
@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
-from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds, ring_seconds
+from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds
 from k2.launcher.planning.ep_overlap import (
     A2A_KINDS,
     OverlapCosts,
@@ -89,7 +89,7 @@ from k2.launcher.planning.ep_overlap import (
 from k2.launcher.planning.hardware import HOST_THREAD, HardwareProfile
 from k2.launcher.planning.pipeline_sim import simulate
 from k2.launcher.planning.stage_model import StageModel, _add
-from k2.launcher.planning.what_if import WhatIf, tp_group_profile
+from k2.launcher.planning.what_if import WhatIf
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -203,10 +203,8 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
         :class:`StepTime`.
     """
     what_if = WhatIf.from_config(cfg)
-    # the what-if TP group runs as one device of tp GPUs; its own traffic is on the GPUs' NVLink
-    device = tp_group_profile(profile, what_if.tp) if what_if.tp > 1 else profile
+    device = profile
     model = stage_model(cfg, dims, fl, tokens=tokens, device=device, what_if=what_if, recompute=recompute)
-    model.tp_comm = tp_comm_seconds(tokens, model.s["h"], model.a, what_if.tp, profile)
     stages = compute_terms(model, dims)
     schedule_work_half_s = add_schedule_work(stages, device)
     copy_s = add_offload(stages, offload_bytes, device, dims.pp * dims.vpp)
@@ -222,7 +220,7 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
         pipe = _overlap_pipeline(cfg, dims, ep_costs, pair_transient_bytes=pair_transient_bytes, **sim_args)
     else:
         pipe = _plain_pipeline(cfg, dims, stages, what_if, ep_costs, num_microbatches=num_microbatches, **sim_args)
-    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if what_if.tp > 1 else ())}
+    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if dims.tp > 1 else ())}
     for k, v in pipe.breakdown.items():
         breakdown[k] = breakdown.get(k, 0.0) + v
     rank = rank_params(dims, counts, pipe.busiest, what_if.dualpipe)
@@ -259,12 +257,6 @@ def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile
     return StageModel(cfg.model, fl, dims, tokens=tokens, profile=device, rates=rates,
                       act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute,
                       fp8_recipe=None if recipe is None else str(recipe), high_rates=high)
-
-
-def tp_comm_seconds(tokens: int, hidden: int, element_bytes: float, tp: int, gpu: HardwareProfile) -> float:
-    """Sequence-parallel TP (the ``tp`` what-if) per layer and pass: 2 all-gathers + 2 reduce-scatters of
-    ``tokens x hidden`` activations within the node (0 without TP)."""
-    return 4 * ring_seconds(tokens * hidden * element_bytes, tp, False, gpu) if tp > 1 else 0.0
 
 
 def compute_terms(model: StageModel, dims) -> list[dict]:
@@ -347,10 +339,11 @@ def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfil
     the host's thread the profile's ``alltoall_host_cpu_share``); None without EP or experts, and under
     DualPipe (:func:`hide_ep_comm_dualpipe`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
-        share = (device.alltoall_host_cpu_share if device.comm_stream == HOST_THREAD
-                 else device.comm_share(deepep=what_if.deepep))
+        host = device.comm_stream == HOST_THREAD
+        share = device.alltoall_host_cpu_share if host else device.comm_share(deepep=what_if.deepep)
         return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
-                            bool(cfg.pipeline.decouple_wgrad), share, model.token_counts_queue_s())
+                            bool(cfg.pipeline.decouple_wgrad), share, model.token_counts_queue_s(),
+                            device.alltoall_beside_compute_slowdown if host else 1.0)
     return None
 
 

@@ -121,7 +121,7 @@ _MAX_PASSES = 20
 
 
 def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0,
-              comm_share: float = 0.0, counts_queue_s: float = 0.0) -> StepCost:
+              comm_share: float = 0.0, counts_queue_s: float = 0.0, wire_slowdown: float = 1.0) -> StepCost:
     """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
 
     Args:
@@ -137,28 +137,35 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
         counts_queue_s: seconds a node's token-count all-gather (term ``ep_token_counts``, at the node's
             end) waits longer when an all-to-all is on the wire then
             (:meth:`k2.launcher.planning.stage_model.StageModel.token_counts_queue_s`).
+        wire_slowdown: with ``host_thread``, how much longer an all-to-all takes on the wire while the host
+            computes beside it (the profile's ``alltoall_beside_compute_slowdown``: gloo's threads and the
+            kernel's TCP get less of the CPU); its stretched time is the communication stream's, exposed
+            where the compute stream waits for it.
 
-    On a GPU an all-to-all issued after a compute node may still run beside it (its stream starts it as
-    soon as its input is ready), so each compute node is priced beside the all-to-alls of the previous pass
-    until their times no longer move (a host thread issues an all-to-all only after the compute before it:
-    one pass).
+    A node is priced beside what runs at the same time, which a later-issued node may be (on a GPU an
+    all-to-all issued after a compute node starts as soon as its input is ready; on the host's thread an
+    all-to-all runs beside the compute issued after it): each pass prices the nodes beside the previous
+    pass's all-to-alls and compute until their times no longer move.
 
     Returns:
         :class:`StepCost`.
     """
     host = comm_stream == HOST_THREAD
-    placed: dict[int, tuple] = {}
-    for _ in range(_MAX_PASSES if comm_share and not host else 1):
-        run = _one_pass(nodes, host, comm_share, counts_queue_s, placed)
-        if run["on_wire"] == placed:
+    slow = max(1.0, float(wire_slowdown)) if host else 1.0
+    placed: dict = {"on_wire": {}, "busy": {}}
+    for _ in range(_MAX_PASSES if (comm_share and not host) or slow > 1 else 1):
+        run = _one_pass(nodes, host, comm_share, counts_queue_s, placed, slow)
+        if run["on_wire"] == placed["on_wire"] and run["busy"] == placed["busy"]:
             break
-        placed = run["on_wire"]
+        placed = {"on_wire": run["on_wire"], "busy": run["busy"]}
     return _step_cost(nodes, run, offload_s)
 
 
-def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: float, placed: dict) -> dict:
-    """One pass of :func:`run_nodes` over ``nodes``; ``placed``: where the previous pass put each
-    all-to-all (node index -> ``(start, end, comm_share)``), for the compute nodes issued before it."""
+def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: float, placed: dict,
+              slowdown: float = 1.0) -> dict:
+    """One pass of :func:`run_nodes` over ``nodes``; ``placed``: where the previous pass put each all-to-all
+    (``on_wire``: node index -> ``(start, end, comm_share)``) and each compute node (``busy``: node index ->
+    ``(start, end, share of the wire's speed lost beside it)``), for the nodes issued before them."""
     comp_free = comm_free = 0.0
     last: dict[str, int] = {}
     end: list[float] = []
@@ -166,6 +173,8 @@ def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: 
     compute: dict[str, float] = {}
     segments: list = []  # the communication stream's compute: (start, end, 1.0)
     on_wire: dict[int, tuple] = {}  # the all-to-alls on the wire by node index: (start, end, comm_share)
+    busy: dict[int, tuple] = {}  # the compute nodes by index: (start, end, the wire's lost speed beside them)
+    lost = 1.0 - 1.0 / slowdown
     wires: list = []  # (start, end, kind)
     gaps: list = []  # the compute stream's waits
     for k, n in enumerate(nodes):
@@ -174,19 +183,23 @@ def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: 
         ready = end[last[n.micro]] if n.event and n.micro in last else 0.0
         if n.comm:
             start = max(comm_free, ready, comp_free if host else 0.0)
-            wires.append((start, start + n.wire, n.kind))
-            stop = start + n.wire + n.compute
+            beside = list(busy.values()) + [c for j, c in placed["busy"].items() if j > k]
+            wire_end = _stretch(start, n.wire, beside) if lost and n.wire else start + n.wire
+            wires.append((start, wire_end, n.kind))
+            stop = wire_end + n.compute
             if n.compute:
-                segments.append((start + n.wire, stop, 1.0))
+                segments.append((wire_end, stop, 1.0))
             if comm_share and n.wire:
-                on_wire[k] = (start, start + n.wire, comm_share)
+                on_wire[k] = (start, wire_end, comm_share)
             comm_free = stop
         else:
             start = max(comp_free, ready)
             if start > comp_free:
                 gaps.append((comp_free, start))
-            beside = list(on_wire.values()) + [w for j, w in placed.items() if j > k]
+            beside = list(on_wire.values()) + [w for j, w in placed["on_wire"].items() if j > k]
             stop = _compute_end(n, start, host, segments, beside, terms)
+            if lost:
+                busy[k] = (start, stop, lost)
             if counts_queue_s and n.terms.get("ep_token_counts") and any(a < stop < b for a, b, _ in wires):
                 _add(terms, "ep_token_counts", counts_queue_s)  # (a wait: not the stream's own work)
                 stop += counts_queue_s
@@ -198,7 +211,7 @@ def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: 
         if n.event:
             last[n.micro] = k
     return {"end": end, "comp_free": comp_free, "terms": terms, "compute": compute, "segments": segments,
-            "on_wire": on_wire, "wires": wires, "gaps": gaps}
+            "on_wire": on_wire, "busy": busy, "wires": wires, "gaps": gaps}
 
 
 def _step_cost(nodes: list[Node], run: dict, offload_s: float) -> StepCost:
@@ -220,5 +233,6 @@ def _step_cost(nodes: list[Node], run: dict, offload_s: float) -> StepCost:
         exposed["other"] += max(0.0, rest)
     terms["ep_comm"] = sum(exposed.values())
     terms["offload"] = max(0.0, offload_s - total)
-    wire = {k: sum(w.wire for w in nodes if w.kind == k) for k in A2A_KINDS}
+    # (the all-to-alls' time on the wire as run: stretched beside the host's compute, :func:`run_nodes`)
+    wire = {k: sum(e - s for s, e, kind in wires if kind == k) for k in A2A_KINDS}
     return StepCost(total + terms["offload"], terms, exposed, wire, run["compute"])

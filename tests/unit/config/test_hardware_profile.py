@@ -97,13 +97,15 @@ def test_an_unknown_name_lists_the_shipped_profiles():
 
 def test_mfu_peak_is_the_profiles_unless_cluster_peak_tflops_overrides():
     """MFU's device peak (k2-train on a GPU, k2-plan): plan.hardware's BF16 peak, cluster.peak_tflops where
-    set (the K2 parallel recipes set 989); on CPU cluster.cpu_peak_tflops or no MFU."""
+    set (no recipe pins it: K2's on a B200 is measured against the B200's 2,250); on CPU
+    cluster.cpu_peak_tflops or no MFU."""
     from k2.config import load_config
     from k2.config.hardware import peak_tflops
     from k2.launcher.training.metrics import step_mfu
 
     assert peak_tflops(load_config([])) == pytest.approx(989.4)
-    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2"])) == 989.0
+    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2"])) == pytest.approx(989.4)
+    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2", "plan.hardware=b200"])) == 2250.0
     assert peak_tflops(load_config(["cluster.peak_tflops=500", "plan.hardware=h200"])) == 500.0
     cfg = load_config([])
     tflops, mfu = step_mfu(2e15, 2.0, 4, cfg, on_gpu=True)

@@ -170,3 +170,21 @@ def test_prediction_for_a_shaped_link():
     assert 0 < host <= 0.1 * on["ep_comm"]["total_s"] and on["breakdown_s"].get("ep_comm_host", 0.0) == 0
     assert busy["on"]["exposed_a2a_s"] == pytest.approx(on["exposed_a2a_s"] - host)
     assert busy["on"]["step_s"] == pytest.approx(on["step_s"])
+
+
+def test_an_all_to_all_beside_the_hosts_compute_takes_longer_on_the_wire():
+    """All-to-alls of 3 that take twice as long on the wire while the host computes (``wire_slowdown`` 2: the
+    profile's ``alltoall_beside_compute_slowdown``). By hand on k2-train's CPU thread, settled: combine_bwd
+    0-5 (half speed beside attn_f 0-4, then full), so mlp_b waits 4-5; dispatch_f 5-11 (half beside mlp_b
+    5-10 and mlp_dw 10-12); dispatch_b 11-16.5 (half beside mlp_dw and mlp_f 12-16, full 16-16.5), so attn_b
+    waits 16-16.5; combine_f 16.5-22.5 beside attn_b 16.5-21.5 and attn_dw 21.5-22.5: 22.5 s, 1.5 s
+    exposed. At full speed all of it hides (21 s)."""
+    def pair(slowdown):
+        return eo.OverlapCosts([_stage(_layer(3.0))], eo.HOST_THREAD, True, wire_slowdown=slowdown).pair(0, 0)
+
+    slow, fast = pair(2.0), pair(1.0)
+    assert (slow.seconds, fast.seconds) == pytest.approx((22.5, 21.0))
+    assert slow.exposed["combine_bwd"] == pytest.approx(1.0) and slow.exposed["dispatch_bwd"] == pytest.approx(0.5)
+    assert slow.terms["ep_comm"] == pytest.approx(1.5) and fast.terms["ep_comm"] == 0
+    assert slow.wire["dispatch_bwd"] == pytest.approx(5.5) and fast.wire["dispatch_bwd"] == pytest.approx(3.0)
+    assert sum(slow.terms.values()) == pytest.approx(slow.seconds)

@@ -116,6 +116,7 @@ def test_fp8_gemms_run_at_the_fp8_rate_after_quantising_their_operands(k2):
     launch each: term ``quantize``); the output head (and the router) stay at the BF16 rate."""
     from k2.launcher.planning.kernels import elementwise_seconds, gemm_seconds
     from k2.launcher.planning.stage_model import FP8_QUANTIZE_BYTES, StageModel
+    from k2.launcher.planning.tp_layout import attention_gemms
     from k2.launcher.planning.what_if import WhatIf
 
     cfg, _, fl, profile = k2
@@ -129,13 +130,13 @@ def test_fp8_gemms_run_at_the_fp8_rate_after_quantising_their_operands(k2):
     fp8, bf16 = model(True), model(False)
     out = {"F": {}, "B": {}, "W": {}}
     fp8.attention_gemms(out)
-    shapes = fp8.s["attn"]
+    shapes = attention_gemms(fp8.s, T, 1)
     r8 = profile.rates("bf16", fp8=True)
-    assert out["F"]["gemm"] == pytest.approx(sum(gemm_seconds(T, k, n, r8) for k, n in shapes))
-    assert out["F"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * T * k, 1, r8)
-                                                     for k, _ in shapes))
-    assert out["B"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * T * n, 1, r8)
-                                                     for _, n in shapes))
+    assert out["F"]["gemm"] == pytest.approx(sum(gemm_seconds(m, k, n, r8) for m, k, n in shapes))
+    assert out["F"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * k, 1, r8)
+                                                     for m, k, _ in shapes))
+    assert out["B"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * n, 1, r8)
+                                                     for m, _, n in shapes))
     assert FP8_QUANTIZE_BYTES == pytest.approx(2 + 2 * 33 / 32) and "quantize" not in out["W"]
     bf = {"F": {}, "B": {}, "W": {}}
     bf16.attention_gemms(bf)
