@@ -55,7 +55,8 @@ from k2.launcher.planning.analysis import (
 )
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.pipeline_sim import PipelineResult
-from k2.launcher.planning.search import WORLD_FROM, search_layouts
+from k2.launcher.planning.search import WORLD_FROM
+from k2.launcher.planning.verdict import search_verdict, with_layout
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
@@ -115,6 +116,15 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
             setting megatron cannot build, naming the setting.
     """
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    verdict = rows = None
+    if cfg.plan.search:  # the search first: the plan below is of the layout it recommends (verdict module)
+        try:
+            counts = count_params(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        rows, verdict = search_verdict(cfg, world, counts)
+        if verdict["recommended"] is not None:
+            cfg = with_layout(cfg, verdict["recommended"])
     check_model_parallel_group(cfg, world)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM,
                                     tp_supported=True)
@@ -143,9 +153,20 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
                                            cluster_profile(cfg).host_gbps)
     report["checkpoint"]["staged_host_bytes_per_node_pinned"] = (report["checkpoint"]["staged_host_bytes_per_node"]
                                                                  * a["staged_pinned_ratio"])
-    if cfg.plan.search:
-        report["search"] = search_layouts(cfg, world, counts)
+    if verdict is not None:
+        report["search"] = rows
+        report["verdict"] = _verdict(verdict, report)
     return ClusterPlan(report, schedule, a["main"]["sim"])
+
+
+def _verdict(verdict: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """The search's verdict (:func:`k2.launcher.planning.verdict.search_verdict`) with the recommended layout's
+    step, MFU and the two largest terms of its step (``dominant``: ``[term, seconds]``)."""
+    terms = sorted(report["step_time_breakdown_s"].items(), key=lambda kv: -kv[1])
+    return {**verdict, "step_time_s_estimated": report["step_time_s_estimated"],
+            "mfu_estimated": report["mfu_estimated"], "dominant": [list(t) for t in terms[:2]],
+            "memory_per_gpu_bytes": report["memory_per_gpu_bytes"]["total"],
+            "gpu_memory_bytes": report["gpu_memory_bytes"]}
 
 
 def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
