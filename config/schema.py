@@ -206,6 +206,9 @@ class DataConfig:
     # trains there. megatron shuffles the samples over the whole index, so its size decides their order: a
     # sweep's trunk and its cooldown branches set the trunk's, so that they read the same samples
     index_tokens: int | None = None
+    # k2-train reads every dataset's whole .bin/.idx before any rank starts and compares their xxh3-64
+    # checksums with the k2-data manifest (the cost is printed); false = sizes and index headers only
+    verify: bool = False
 
 
 @dataclass
@@ -228,6 +231,15 @@ class PrepareConfig:
     # memory (its text, and ~100 bytes per token of tokenizer output) is bounded whatever the document size
     chunk_bytes: int = 1 << 20
     progress: bool = True  # progress bar on stderr (documents/s, tokens/s, ETA)
+    # across machines (launcher/datasets/array_build.py): the input is cut into pieces of shard_bytes at
+    # record boundaries, one output shard PREFIX_NNNNN each, built by `tasks` tasks (task t: pieces t,
+    # t + tasks, ...); the bytes do not depend on the task count. null = one build in this process
+    tasks: int | None = None
+    task: int | None = None  # with tasks: build only this task's pieces (an array task: $SLURM_ARRAY_TASK_ID)
+    submit: bool = False  # with tasks: plan here, then sbatch an array of the unfinished tasks (submit.*)
+    shard_bytes: int = 1 << 30  # with tasks: input bytes per piece (and output shard); 1 GiB
+    # with tasks and data.tokenizer=null: bytes of input the BPE is trained on, from the start of every piece
+    tokenizer_sample_bytes: int = 1 << 30
 
 
 @dataclass

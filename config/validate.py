@@ -254,6 +254,24 @@ def check_prepare(p: PrepareConfig) -> None:
     _require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
     _require(p.shard_documents is None or p.shard_documents >= 1, "prepare.shard_documents",
              p.shard_documents, "null (one dataset) or an integer >= 1 (documents per shard)")
+    _require(p.tasks is None or p.tasks >= 1, "prepare.tasks", p.tasks,
+             "null (one build in this process) or an integer >= 1 (tasks of an array build)")
+    if p.tasks is None:
+        for key, given in (("task", p.task is not None), ("submit", bool(p.submit))):
+            if given:
+                raise ConfigError(f"prepare.{key}={p[key]} needs prepare.tasks (the tasks of an array build)")
+        return
+    _require(p.task is None or 0 <= p.task < p.tasks, "prepare.task", p.task,
+             f"null (every task here) or 0..{p.tasks - 1} (one task of prepare.tasks={p.tasks})")
+    if p.task is not None and p.submit:
+        raise ConfigError("prepare.task and prepare.submit=true together: submit plans and sbatches the array, "
+                          "each of whose tasks runs one prepare.task; give one or the other")
+    if p.shard_documents is not None:
+        raise ConfigError(f"prepare.shard_documents={p.shard_documents} with prepare.tasks: an array build "
+                          "writes one shard per piece of prepare.shard_bytes of input; set one or the other")
+    _require(p.shard_bytes >= 1, "prepare.shard_bytes", p.shard_bytes, "an integer >= 1 (input bytes per shard)")
+    _require(p.tokenizer_sample_bytes >= 1, "prepare.tokenizer_sample_bytes", p.tokenizer_sample_bytes,
+             "an integer >= 1 (input bytes the BPE is trained on)")
 
 
 def check_cluster(c: ClusterConfig) -> None:

@@ -6,6 +6,8 @@
   one line naming the step, its LR and the last checkpoint.
 * A run that saved a checkpoint and stopped for preemption exits with
   :data:`k2.launcher.training.preemption.REQUEUE_EXIT_CODE` (42; the Slurm script requeues on it).
+* Ctrl-C (SIGINT) that reaches a tool outside its own handling prints one line ``<tool>: interrupted
+  (Ctrl-C)`` and exits with :data:`INTERRUPT_EXIT` (130), without a traceback.
 * ``-h`` / ``--help`` anywhere in the arguments prints the tool's usage (:func:`help_text`: what it does,
   its examples, where the config tree is and which recipes each group offers) and exits 0, before the
   arguments reach Hydra.
@@ -20,10 +22,10 @@ from pathlib import Path
 
 from k2.config import ConfigError
 from k2.launcher.quiet import quiet_libraries
-from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
+from k2.launcher.training.preemption import INTERRUPT_EXIT, REQUEUE_EXIT_CODE
 
-__all__ = ["BAD_SETTING_EXIT", "DIVERGED_EXIT", "HELP_FLAGS", "REQUEUE_EXIT_CODE", "error", "help_text",
-           "quiet_libraries", "run_main"]
+__all__ = ["BAD_SETTING_EXIT", "DIVERGED_EXIT", "HELP_FLAGS", "INTERRUPT_EXIT", "REQUEUE_EXIT_CODE", "error",
+           "help_text", "quiet_libraries", "run_main"]
 
 #: Exit status of a tool given a bad setting (argparse's convention).
 BAD_SETTING_EXIT = 2
@@ -84,7 +86,8 @@ def run_main(prog: str, body: Callable[[list[str]], int], argv: Sequence[str] | 
 
     Returns:
         0 after printing the help text when an argument is ``-h`` / ``--help``; otherwise ``body``'s
-        status, or :data:`BAD_SETTING_EXIT` after printing the error line of a ConfigError.
+        status, :data:`BAD_SETTING_EXIT` after printing the error line of a ConfigError, or
+        :data:`INTERRUPT_EXIT` after a line for a KeyboardInterrupt (Ctrl-C).
     """
     quiet_libraries()
     args = list(sys.argv[1:] if argv is None else argv)
@@ -96,3 +99,6 @@ def run_main(prog: str, body: Callable[[list[str]], int], argv: Sequence[str] | 
     except ConfigError as e:
         error(prog, e)
         return BAD_SETTING_EXIT
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT

@@ -7,12 +7,15 @@ k2.launcher.train ...`` and ``srun python -m k2.launcher.train ...`` run as one 
 the config from its command line).
 With ``-m`` / ``--multirun`` it runs a sweep, one training per point (:mod:`k2.launcher.tools.sweep`).
 
-Exit status: 0 when the run finished, 2 for a bad setting or a run dir another trainer owns
-(:mod:`k2.launcher.checkpointing.run_lock`), 3 when the loss or gradient norm became NaN / inf
+Exit status: 0 when the run finished, 2 for a bad setting, a damaged dataset (a truncated or mismatched
+``.idx`` / ``.bin``; with ``data.verify=true`` a checksum that differs from the k2-data manifest) or a run
+dir another trainer owns (:mod:`k2.launcher.checkpointing.run_lock`), 3 when the loss or gradient norm became NaN / inf
 (``k2.launcher.cli.DIVERGED_EXIT``), 1 when a checkpoint could not be saved (one line naming the
 directory and the rank), 42 (``REQUEUE_EXIT_CODE``) when it saved a
-checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``), 1 when not every
-rank reached the rendezvous within ``launch.rendezvous_timeout_s`` (the error names the missing nodes).
+checkpoint and stopped for preemption (SIGTERM / SIGUSR1 or ``run.max_minutes``), 130 (``INTERRUPT_EXIT``)
+when stopped by Ctrl-C (SIGINT: the first press saves the step, a second stops at once:
+:mod:`k2.launcher.training.preemption`), 1 when not every rank reached the rendezvous within
+``launch.rendezvous_timeout_s`` (the error names the missing nodes).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from k2.config import ConfigError, load_config
 from k2.launcher.cli import BAD_SETTING_EXIT, DIVERGED_EXIT, REQUEUE_EXIT_CODE, error, run_main
+from k2.launcher.training.preemption import INTERRUPT_EXIT
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -37,7 +41,8 @@ Train a K2-family model. Outside torchrun/srun it starts launch.nproc_per_node l
 torchrun or srun it runs as one rank. A run.dir holding a checkpoint is resumed from its latest one (a
 finished run prints "nothing to do"). -m runs a sweep, one training per point. Outputs: <run.dir>/
 metrics.jsonl, checkpoints/, config.yaml, wandb/. Exit status 3: the loss or gradient norm became NaN /
-inf; 42: a checkpoint was saved for preemption (the Slurm script requeues).
+inf; 42: a checkpoint was saved for preemption (the Slurm script requeues); 130: stopped by Ctrl-C (the
+first press saves the step in progress, a second stops at once).
 
 examples:
   k2-train parallel=cpu4                                  # 4 CPU ranks, the k2_tiny demo (300 steps)
@@ -73,6 +78,8 @@ def _train(args: list[str]) -> int:
         if could_own:  # a run dir another trainer is writing right now: say that, not what it holds
             raise_if_busy(cfg.run.dir)
         raise
+    if cfg.data.verify and env.rank == 0:  # every file read whole, before any rank starts (the others wait)
+        _verify_data(plan)
     if plan.nothing_to_do:  # a finished run run again: no rank starts
         if env.rank == 0:
             print(f"{PROG}: {plan.nothing_to_do}", flush=True)
@@ -82,10 +89,28 @@ def _train(args: list[str]) -> int:
     # one owner per run dir (k2.launcher.checkpointing.run_lock): this process, when it spawns the ranks
     # or is global rank 0 of its own launch; taken before anything in the run dir is written
     owner = could_own
-    with (RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext()):
-        if owner:  # decided again under the lock: a previous owner may have saved or pruned since
-            plan = dataclasses.replace(plan, resume_from=plan_resume(cfg, plan.layout))
-        return _run(cfg, plan, env)
+    try:
+        with (RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext()):
+            if owner:  # decided again under the lock: a previous owner may have saved or pruned since
+                plan = dataclasses.replace(plan, resume_from=plan_resume(cfg, plan.layout))
+            return _run(cfg, plan, env)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, teardown): one line, no traceback
+        from k2.launcher.training.preemption import kept_note
+
+        error(PROG, f"interrupted (Ctrl-C); {kept_note(cfg.run.dir)}")
+        return INTERRUPT_EXIT
+
+
+def _verify_data(plan) -> None:
+    """``data.verify=true``: every dataset of every phase against its k2-data manifest
+    (:func:`k2.launcher.datasets.verify.verify_datasets`; the embedded corpus once it is built)."""
+    import os
+
+    from k2.launcher.datasets.verify import verify_datasets
+
+    prefixes = [p for d in (plan.phase_data or (plan.data,)) for blend in (d.train_blend, d.valid_blend)
+                if blend is not None for p in blend[0]]
+    verify_datasets([p for p in prefixes if os.path.isfile(p + ".bin")], log=lambda s: print(s, flush=True))
 
 
 def _run(cfg: K2Config, plan, env) -> int:
@@ -164,7 +189,7 @@ def _run_rank(cfg: K2Config, plan, env, spawned: bool) -> int:
         if not caller_group:
             destroy_distributed()
     if record.get("preempted") and not spawned:
-        return REQUEUE_EXIT_CODE
+        return INTERRUPT_EXIT if record["preempted"] == "interrupt" else REQUEUE_EXIT_CODE
     # ranks spawned by k2-train exit 0 after a preemption save, so that their launcher does not take the
     # first rank to finish for a failure and stop the others mid-save; the parent turns the requeue
     # marker the save left into REQUEUE_EXIT_CODE (spawn_local_ranks)

@@ -13,6 +13,14 @@ the sides, so a change in the load of a shared machine hits them alike; each fig
 the rounds, and each ratio is of two medians of the same run. Tokens counted are the tokenizer's ids
 without the EOD tokens, so every side counts the same thing.
 
+Across machines (``prepare.tasks``, :mod:`k2.launcher.datasets.array_build`): in each round the same corpus is
+also built as an array of ``array_tasks`` tasks run at once as separate ``k2-data`` processes (as a Slurm
+array's tasks on one node would run; the plan made first, the last task finalizing) and as the same
+array build in one process (``prepare.tasks=1``: the same bytes); the ratio of their medians is the
+speed-up of the array here, and each task's peak RSS (``VmHWM``) is reported. On a machine with fewer
+cores than tasks the tasks share the cores: the ratio then shows the cost of splitting, not a cluster's
+speed-up, which is the tasks x the rate of one task (``array_one_process_tokens_per_s``).
+
 Memory: the build streams. Peak RSS (``VmHWM`` of a separate ``k2-data`` process, 1 worker) is
 measured for corpora of ``rss_mb`` and 4 x ``rss_mb`` MB: streamed, it stays flat while the corpus grows,
 so it does not depend on the corpus fitting in memory. With ``memory_limit_mb`` > 0 a third build runs
@@ -47,7 +55,7 @@ if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
 DEFAULTS = {"corpus_mb": 8.0, "repeats": 3, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2,
-            "chunk_documents": 2048, "memory_limit_mb": 0}
+            "chunk_documents": 2048, "memory_limit_mb": 0, "array_tasks": 4, "array_pieces_per_task": 4}
 # The raw references, timed over the same documents: ``encode_batch`` in one call over all of them, its
 # result freed after the clock stops (the limit the pipeline is measured against); and
 # ``encode_batch_fast`` (tokenizers >= 0.20: the same ids without the character offsets) called as k2-data
@@ -237,11 +245,17 @@ def bench_data(cfg: K2Config) -> dict[str, Any]:
         sides = {**{m: functools.partial(_raw_encode, tok, texts, m, int(o["chunk_documents"]))
                     for m in RAW_METHODS},
                  **{w: functools.partial(_timed_build, o, root, inp, tok_path, w) for w in workers}}
+        tasks = int(o["array_tasks"])
+        if tasks > 0:  # the array build: one process, then `tasks` processes at once (module docstring)
+            sides.update({f"array{n}": functools.partial(_timed_array, o, root, inp, tok_path, n)
+                          for n in (1, tasks)})
         runs: dict[Any, list] = {k: [] for k in sides}
         for _ in range(int(o["repeats"])):
             for k, fn in sides.items():
                 runs[k].append(fn())
-        rates = _rate_figures(runs, workers)
+        rates = _rate_figures({k: v for k, v in runs.items() if not str(k).startswith("array")}, workers)
+        if tasks > 0:
+            rates.update(_array_figures(runs, tasks, rates["tokens"]))
         figures: dict[str, Any] = {"corpus_bytes": inp.stat().st_size, "documents": n_docs,
                                    "tokens": rates["tokens"], "cpu_count": os.cpu_count(),
                                    "repeats": int(o["repeats"]), **rates}
@@ -287,6 +301,49 @@ def _timed_build(o: dict, root: Path, inp: Path, tok_path: Path, w: int) -> tupl
     dt, cpu = time.perf_counter() - t0, _cpu_s() - c0  # (the workers are reaped by then)
     shutil.rmtree(out_dir)
     return dt, cpu, out.manifest["tokens"] - out.manifest["documents"]
+
+
+def _timed_array(o: dict, root: Path, inp: Path, tok_path: Path, tasks: int) -> tuple[float, float, int, list]:
+    """(s, CPU-s, tokens without the EOD ones, each task's peak RSS in MB) of an array build of ``tasks``
+    tasks: the plan in this process, then the tasks at once, each a ``k2-data`` process (the last one
+    finalizes), into a fresh directory each call; ``tasks`` = 1 is the same build in one process."""
+    import json as _json
+
+    from k2.config.load import load_config
+    from k2.launcher.datasets.array_build import plan_build
+
+    out_dir = Path(tempfile.mkdtemp(prefix=f"out_a{tasks}_", dir=root))
+    pieces = int(o["array_pieces_per_task"]) * int(o["array_tasks"])
+    args = [*_prepare_args(inp, out_dir / "c", tok_path, 1, int(o["chunk_documents"]), int(o["vocab_size"])),
+            f"prepare.tasks={tasks}", f"prepare.shard_bytes={max(1, inp.stat().st_size // pieces)}"]
+    t0, c0 = time.perf_counter(), _cpu_s()
+    plan_build(load_config(args), log=lambda s: None, start_over=True)
+    reports = [Path(out_dir / f"rss{t}.kb") for t in range(tasks)]
+    procs = [subprocess.Popen([sys.executable, "-c", _REPORT_PEAK_RSS, str(reports[t]), *args, f"prepare.task={t}"],
+                              stdout=subprocess.DEVNULL) for t in range(tasks)]
+    codes = [p.wait() for p in procs]
+    dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
+    if any(codes):
+        raise RuntimeError(f"k2-data array tasks failed: exit statuses {codes}")
+    manifest = _json.loads((out_dir / "c.manifest.json").read_text())
+    rss = [round(int(r.read_text().strip()) / 1024, 1) for r in reports]
+    shutil.rmtree(out_dir)
+    return dt, cpu, manifest["tokens"] - manifest["documents"], rss
+
+
+def _array_figures(runs: dict, tasks: int, tokens: int) -> dict[str, Any]:
+    """The array's figures (module docstring): medians of the one-process and the ``tasks``-process builds,
+    their ratio, each task's peak RSS (the largest over the rounds)."""
+    one, many = runs["array1"], runs[f"array{tasks}"]
+    assert all(t == tokens for _, _, t, _ in one + many), "the array builds wrote other tokens"
+    med1, medn = statistics.median(d for d, *_ in one), statistics.median(d for d, *_ in many)
+    return {"array_tasks": tasks,
+            "array_one_process_s": [round(d, 4) for d, *_ in one],
+            f"array_{tasks}_tasks_s": [round(d, 4) for d, *_ in many],
+            "array_one_process_tokens_per_s": tokens / med1,
+            f"array_{tasks}_tasks_tokens_per_s": tokens / medn,
+            f"array_{tasks}_tasks_speedup": med1 / medn,
+            "array_task_peak_rss_mb": [max(r[i] for *_, r in many) for i in range(tasks)]}
 
 
 def _rate_figures(runs: dict, workers: list) -> dict[str, Any]:

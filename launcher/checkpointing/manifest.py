@@ -1,8 +1,8 @@
 """What a complete checkpoint holds, recorded in it, and the check of a checkpoint against that record.
 
 ``k2_manifest.json`` lists every other file of the checkpoint directory with its size in bytes and
-its xxh3-64 checksum (``xxhash``: 5-5.7 GB/s on one core of a loaded 2-core machine, several times
-zlib.crc32's speed, so hashing runs about as fast as the files are read). It is written last and
+its xxh3-64 checksum (:mod:`k2.launcher.checksums`, the checksum of every k2-launcher manifest). It is
+written last and
 atomically (a temporary name, then a rename), after every rank hashed the files it wrote
 (:func:`rank_share`) and rank 0 gathered the entries; a checkpoint whose manifest is missing,
 unreadable or disagrees with its files is damaged or incomplete. The manifest carries a checksum of
@@ -25,38 +25,31 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from k2.config.validate import CHECKPOINT_VERIFY_LEVELS as VERIFY_LEVELS
+from k2.launcher.checksums import ALGORITHM
+from k2.launcher.checksums import file_checksum as _file_checksum
+from k2.launcher.checksums import file_entries as _file_entries
 from k2.launcher.progress import moved
 
 MANIFEST_FILE = "k2_manifest.json"
 STATE_FILE = "k2_state.json"
 #: files a complete checkpoint always holds (megatron's ``metadata.json`` and ``.metadata``, the run state)
 REQUIRED = ("metadata.json", ".metadata", STATE_FILE)
-ALGORITHM = "xxh3_64"
-_CHUNK = 8 << 20  # bytes read per hash update
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # torch_dist: __<global rank>_<n>.distcp
 
 
 def file_checksum(path) -> str:
-    """The xxh3-64 checksum of the file at ``path`` as 16 hex digits (read in 8 MiB chunks).
+    """The xxh3-64 checksum of the file at ``path`` as 16 hex digits (:func:`k2.launcher.checksums.file_checksum`),
+    reporting each chunk to the hang watchdog (hashing a large checkpoint moves).
 
     Raises:
         OSError: the file cannot be read.
     """
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            moved()  # (for the hang watchdog: hashing a large checkpoint moves)
-    return h.hexdigest()
+    return _file_checksum(path, on_bytes=lambda _n: moved())
 
 
 def file_entries(directory, names: Iterable[str]) -> dict:
     """``{name: {"size": bytes, "xxh3_64": hex}}`` for the files ``names`` of ``directory``."""
-    directory = Path(directory)
-    return {n: {"size": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)}
-            for n in names}
+    return _file_entries(directory, names, on_bytes=lambda _n: moved())
 
 
 def checkpoint_files(directory) -> list[str]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from k2.config.validate import check_data
+from k2.launcher.checksums import file_entries
 from k2.launcher.datasets.idx_format import token_dtype
 from k2.launcher.datasets.indexed_writer import IndexedDatasetWriter
 from k2.launcher.datasets.locks import file_lock
@@ -32,7 +33,9 @@ from k2.launcher.progress import moved
 if TYPE_CHECKING:
     from k2.config.schema import DataConfig
 
-CORPUS_FORMAT = 1  # bump when the corpus layout or tokenization changes (forces a rebuild)
+# bump when the corpus layout or tokenization changes (forces a rebuild); 2: the manifest records every
+# output's size and xxh3-64 checksum (``k2-data verify``, ``data.verify``)
+CORPUS_FORMAT = 2
 _ENCODE_CHUNK = 64  # documents per tokenizers.encode_batch call (parallel inside tokenizers)
 
 
@@ -145,7 +148,7 @@ def _read_matching_manifest(directory: str, expected: dict) -> dict | None:
         return None
     for name, meta in manifest.get("outputs", {}).items():
         p = os.path.join(directory, name)
-        if not os.path.isfile(p) or os.path.getsize(p) != meta.get("bytes"):
+        if not os.path.isfile(p) or not isinstance(meta, dict) or os.path.getsize(p) != meta.get("size"):
             return None
     return manifest
 
@@ -316,10 +319,7 @@ def _manifest(tmp, expected, src, tok, dtype, files, utf8, doc_files, tokens, t0
     """The corpus's ``manifest.json``: the settings it was built with, the tokenizer, counts, outputs."""
     import tokenizers
 
-    outputs = {
-        n: {"bytes": os.path.getsize(os.path.join(tmp, n))}
-        for n in ("tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx")
-    }
+    outputs = file_entries(tmp, ("tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx"))
     return {
         **expected,
         "corpus": "python-stdlib",

@@ -10,7 +10,8 @@ by megatron's ``IndexedDataset`` -- with the per-document lengths spooled to a t
 output and the offsets and document indices generated block by block at the end, so its memory is one
 block (``BLOCK`` documents) whatever the corpus size. Format, from megatron-core's ``_IndexWriter``:
 :mod:`k2.launcher.datasets.idx_format` (one sequence per document: the document indices are
-``0 .. documents``).
+``0 .. documents``). Both files are hashed as they are written (:data:`IndexedDatasetWriter.outputs`: the
+size and xxh3-64 checksum of each, for the manifest; no second read).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import struct
 
 import numpy as np
 
+from k2.launcher.checksums import ALGORITHM, hasher
 from k2.launcher.datasets.idx_format import CODE_OF_DTYPE, INDEX_HEADER, VERSION
 
 __all__ = ["IndexedDatasetWriter"]
@@ -50,6 +52,9 @@ class IndexedDatasetWriter:
                              + ", ".join(str(d) for d in CODE_OF_DTYPE))
         self._code = CODE_OF_DTYPE[self.dtype]
         self._bin = open(prefix + ".bin", "wb")
+        self._bin_hash = hasher()
+        #: after :meth:`finalize`: ``{"NAME.bin": {"size": bytes, "xxh3_64": hex}, "NAME.idx": {...}}``
+        self.outputs: dict = {}
         self._lengths_path = prefix + ".lengths.tmp"
         self._lengths = open(self._lengths_path, "wb")
         self.documents = 0
@@ -61,30 +66,42 @@ class IndexedDatasetWriter:
         lengths = np.asarray(lengths)
         if int(lengths.sum()) != tokens.size:
             raise ValueError(f"lengths sum to {int(lengths.sum())} tokens, {tokens.size} given")
-        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._bin.write(data)
+        self._bin_hash.update(data)
         self._lengths.write(lengths.astype(np.int32).tobytes())
         self.documents += int(lengths.size)
         self.tokens += int(tokens.size)
 
     def finalize(self) -> None:
-        """Close ``prefix.bin`` and write ``prefix.idx`` (module docstring), in blocks."""
+        """Close ``prefix.bin`` and write ``prefix.idx`` (module docstring), in blocks; fills :attr:`outputs`."""
         self._bin.close()
         self._lengths.close()
         n, itemsize = self.documents, self.dtype.itemsize
+        idx_hash, idx_bytes = hasher(), 0
         with open(self.prefix + ".idx", "wb") as idx, open(self._lengths_path, "rb") as spool:
-            idx.write(INDEX_HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", self._code))
-            idx.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+            def write(data: bytes) -> None:
+                nonlocal idx_bytes
+                idx.write(data)
+                idx_hash.update(data)
+                idx_bytes += len(data)
+
+            write(INDEX_HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", self._code))
+            write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
             for block in _blocks(spool):  # sequence lengths
-                idx.write(block.tobytes())
+                write(block.tobytes())
             spool.seek(0)
             offset = 0
             for block in _blocks(spool):  # byte offset of each sequence in .bin
                 ends = np.cumsum(block, dtype=np.int64) * itemsize + offset
-                idx.write((ends - block.astype(np.int64) * itemsize).tobytes())
+                write((ends - block.astype(np.int64) * itemsize).tobytes())
                 offset = int(ends[-1])
             for lo in range(0, n + 1, BLOCK):  # document indices: one sequence per document
-                idx.write(np.arange(lo, min(n + 1, lo + BLOCK), dtype=np.int64).tobytes())
+                write(np.arange(lo, min(n + 1, lo + BLOCK), dtype=np.int64).tobytes())
         os.remove(self._lengths_path)
+        name = os.path.basename(self.prefix)
+        self.outputs = {name + ".bin": {"size": self.tokens * itemsize, ALGORITHM: self._bin_hash.hexdigest()},
+                        name + ".idx": {"size": idx_bytes, ALGORITHM: idx_hash.hexdigest()}}
 
 
 def _blocks(f):

@@ -24,6 +24,7 @@ from k2.launcher.datasets.corpus import stdlib_corpus_dir
 from k2.launcher.datasets.idx_format import DTYPE_OF_CODE, HEADER_BYTES, INDEX_HEADER, VERSION
 from k2.launcher.datasets.preprocess import build_manifest, unfinished_build
 from k2.launcher.datasets.tokenizer import load_user_tokenizer
+from k2.launcher.datasets.verify import is_manifest_path, manifest_datasets
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -152,6 +153,36 @@ def parse_blend(value: Any, key: str) -> Blend:
     return prefixes, weights
 
 
+def expand_manifests(blend: Blend, key: str, named: list) -> Blend:
+    """``blend`` with every k2-data manifest entry (``PREFIX.manifest.json``: ``data.path`` of an array
+    build) replaced by the datasets it lists, in its order; in a weighted blend the manifest's weight is
+    shared by its datasets in proportion to their tokens. The tokenizers the manifests name are appended
+    to ``named``.
+
+    Raises:
+        ConfigError: a manifest that is missing or unreadable, naming it and the setting.
+    """
+    prefixes, weights = blend
+    if not any(is_manifest_path(p) for p in prefixes):
+        return blend
+    out_p, out_w = [], []
+    for i, p in enumerate(prefixes):
+        if not is_manifest_path(p):
+            out_p.append(p)
+            out_w.append(None if weights is None else weights[i])
+            continue
+        try:
+            sets, tokens, tokenizer = manifest_datasets(p)
+        except ConfigError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        if tokenizer is not None:
+            named.append(tokenizer)
+        out_p += sets
+        total = sum(tokens) or 1
+        out_w += [None if weights is None else weights[i] * t / total for t in tokens]
+    return out_p, (None if weights is None else out_w)
+
+
 def _read_idx_header(idx_path: str) -> tuple[np.ndarray, type]:
     """Sequence lengths (int32) and the token dtype from a megatron ``.idx`` (format version 1).
 
@@ -173,6 +204,13 @@ def _read_idx_header(idx_path: str) -> tuple[np.ndarray, type]:
     if dtype is None:
         raise ValueError(f"unknown token dtype code {code}")
     (count,) = struct.unpack("<Q", header[n + 9:n + 17])
+    (doc_indices,) = struct.unpack("<Q", header[n + 17:n + 25])
+    # sequence lengths int32, sequence offsets int64, document indices int64 (idx_format's layout)
+    expected = HEADER_BYTES + 4 * count + 8 * count + 8 * doc_indices
+    size = os.path.getsize(idx_path)
+    if size != expected:
+        raise ValueError(f"{size:,} bytes, but its header describes {count:,} sequences and {doc_indices:,} "
+                         f"document indices ({expected:,} bytes): truncated, overwritten or not a megatron index")
     lengths = np.fromfile(idx_path, dtype=np.int32, count=count, offset=HEADER_BYTES)
     if lengths.size != count:
         raise ValueError("truncated .idx")
@@ -226,7 +264,7 @@ def _check_prefixes(blend: Blend, key: str, stats: dict, dtypes: dict) -> None:
         try:
             lengths, dtype = _read_idx_header(p + ".idx")
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{key}: cannot read {p}.idx: {e}") from None
+            raise ConfigError(f"{key}: {p}.idx is damaged: {e}; rebuild it (k2-data) or restore it") from None
         itemsize = np.dtype(dtype).itemsize
         tokens = int(lengths.sum(dtype=np.int64))
         if lengths.size == 0 or tokens == 0:
@@ -312,8 +350,10 @@ def resolve_data(cfg: K2Config) -> ResolvedData:
         )
 
     stats: dict = {}
-    train_blend = parse_blend(data.path, "data.path")
-    valid_blend = None if data.valid_path is None else parse_blend(data.valid_path, "data.valid_path")
+    named: list = []  # the tokenizers the manifests in data.path / data.valid_path name
+    train_blend = expand_manifests(parse_blend(data.path, "data.path"), "data.path", named)
+    valid_blend = None if data.valid_path is None else expand_manifests(
+        parse_blend(data.valid_path, "data.valid_path"), "data.valid_path", named)
     dtypes: dict = {}
     _check_prefixes(train_blend, "data.path", stats, dtypes)
     if valid_blend is not None:
@@ -321,7 +361,7 @@ def resolve_data(cfg: K2Config) -> ResolvedData:
         split = None
     else:
         split = _checked_split(data.split, train_blend, stats)
-    tok_path, tok_vocab = _check_tokenizer(data, model_vocab, train_blend, valid_blend, dtypes)
+    tok_path, tok_vocab = _check_tokenizer(data, model_vocab, train_blend, valid_blend, dtypes, named)
     return ResolvedData(
         train_blend=train_blend,
         valid_blend=valid_blend,
@@ -356,13 +396,16 @@ def _checked_split(split_setting, train_blend, stats: dict) -> str:
     return ",".join(f"{x:g}" for x in vec)
 
 
-def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: dict) -> tuple[str, int]:
+def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: dict,
+                     named: list) -> tuple[str, int]:
     """Load ``data.tokenizer`` and check that it built every prefix and holds every token id read;
-    returns (its path, its vocab size)."""
+    returns (its path, its vocab size). ``named``: the tokenizers the manifests of the settings name."""
     if data.tokenizer is None:
+        hint = f"data.tokenizer={named[0]}, the one its manifest names" if named else \
+            "data.tokenizer=/path/to/tokenizer.json"
         raise ConfigError(
             "data.tokenizer is null but data.path is set: give the tokenizer.json that produced the "
-            "token ids of data.path (data.tokenizer=/path/to/tokenizer.json)"
+            f"token ids of data.path ({hint})"
         )
     tok = load_user_tokenizer(data.tokenizer, model_vocab)
     tok_path = tok.path

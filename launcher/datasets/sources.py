@@ -39,13 +39,28 @@ _PARQUET_BATCH_ROWS = 1024
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file. ``kind``: ``jsonl`` | ``parquet`` | ``text``; ``compression``: ``""`` | ``.gz``
-    | ``.zst``; ``bytes``: its size on disk."""
+    """One input file, or a byte range of one. ``kind``: ``jsonl`` | ``parquet`` | ``text``;
+    ``compression``: ``""`` | ``.gz`` | ``.zst``; ``bytes``: its size on disk (of the range: ``end -
+    start``). ``start`` / ``end``: the range read, in bytes (``end`` None: to the end of the file); only an
+    uncompressed JSONL file is read by range, cut at line starts (:mod:`k2.launcher.datasets.pieces`)."""
 
     path: str
     kind: str
     compression: str
     bytes: int
+    start: int = 0
+    end: int | None = None
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether the file may be read by byte range (records are lines of raw bytes)."""
+        return self.kind == "jsonl" and not self.compression
+
+    @property
+    def where(self) -> str:
+        """The file as a bad record's message names it: its path, and the range's first byte when the
+        range starts inside the file (line numbers then count from there)."""
+        return self.path if self.start == 0 else f"{self.path} (from byte {self.start})"
 
 
 class BadRecord(ValueError):
@@ -155,17 +170,24 @@ def file_sha256(path: str) -> str:
 
 
 class _Counted(io.RawIOBase):
-    """A binary file that counts the bytes read from disk (the progress bar's position)."""
+    """A binary file that counts the bytes read from disk (the progress bar's position), read from byte
+    ``start`` and, with ``limit``, at most ``limit`` bytes (a range of the file)."""
 
-    def __init__(self, f):
-        self.f, self.pos = f, 0
+    def __init__(self, f, start: int = 0, limit: int | None = None):
+        self.f, self.pos, self.left = f, 0, limit
+        if start:
+            f.seek(start)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
+        if self.left is not None:
+            b = memoryview(b)[: self.left]
         n = self.f.readinto(b)
         self.pos += n or 0
+        if self.left is not None:
+            self.left -= n or 0
         return n
 
     def close(self) -> None:
@@ -196,7 +218,10 @@ def read_records(files: Sequence[InputFile], text_key: str, text_document: str =
     done_bytes = 0
     index = 0
     for fi, inp in enumerate(files):
-        counter = _Counted(open(inp.path, "rb", buffering=0))
+        if (inp.start or inp.end is not None) and not inp.cuttable:
+            raise ValueError(f"{inp.path}: only an uncompressed JSONL file is read by byte range")
+        counter = _Counted(open(inp.path, "rb", buffering=0), inp.start,
+                           None if inp.end is None else inp.end - inp.start)
         try:
             if inp.kind == "parquet":
                 gen = _parquet_rows(inp, text_key, skip - index)

@@ -98,7 +98,7 @@ def directive_problem(option: str) -> str | None:
     return None
 
 
-def _directive(setting: str, option: str) -> str:
+def directive(setting: str, option: str) -> str:
     """``option`` for an ``#SBATCH`` line, refused (naming ``setting``) when sbatch cannot read it as is."""
     why = directive_problem(option)
     if why is not None:
@@ -135,7 +135,7 @@ def sbatch_options(cfg: K2Config) -> list[str]:
         if sub[key] is not None:
             opts.append((f"submit.{key}", f"--{key}={sub[key]}"))
     opts += [(f"submit.extra_args[{i}]", str(a)) for i, a in enumerate(sub.extra_args)]
-    return [_directive(setting, option) for setting, option in opts]
+    return [directive(setting, option) for setting, option in opts]
 
 
 def srun_options(cfg: K2Config) -> list[str]:

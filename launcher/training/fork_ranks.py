@@ -333,8 +333,7 @@ def _wait(children: dict[int, int], watch: socket.socket | None, failed: Path) -
                 # line below is the launcher stopping them, not a preemption; the step in progress is lost)
                 print(f"k2-train: rank {rank} was killed by signal {-code} ({signal.Signals(-code).name}); "
                       f"stopping the other ranks (SIGTERM, SIGKILL after {STOP_GRACE_S:g} s): the step in "
-                      "progress is not saved, the run resumes from its last checkpoint", file=sys.stderr,
-                      flush=True)
+                      "progress is not saved", file=sys.stderr, flush=True)
             _signal_all(children, signal.SIGTERM)  # the other ranks of a failed group stop
             deadline = time.time() + STOP_GRACE_S
     return status
@@ -349,10 +348,13 @@ def main(argv: list[str]) -> int:
     if rest and rest[0].startswith("--master-port="):
         port, rest = int(rest[0].split("=", 1)[1]), rest[1:]
     sys.path[0] = os.getcwd()  # as under python -m: the working directory first
-    preimport()
-    if len(rest) == 1 and rest[0].startswith("--call-fd="):
-        return launch(nproc, Call.receive(int(rest[0].split("=", 1)[1])), port=port)
-    return launch(nproc, rest, port=port)
+    try:
+        preimport()
+        call = Call.receive(int(rest[0].split("=", 1)[1])) if len(rest) == 1 and rest[0].startswith("--call-fd=") \
+            else None
+    except KeyboardInterrupt:  # Ctrl-C before any rank exists: nothing to stop (k2-train says what is kept)
+        return 130
+    return launch(nproc, call if call is not None else rest, port=port)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,21 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from k2.launcher.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_MARKER
+from k2.launcher.training.preemption import (
+    INTERRUPT_EXIT,
+    INTERRUPT_MARKER,
+    REQUEUE_EXIT_CODE,
+    REQUEUE_MARKER,
+    hard_stop,
+    kept_note,
+)
 from k2.parallel.processes import die_with_parent, free_port
 
 if TYPE_CHECKING:
@@ -37,7 +45,8 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextlib.contextmanager
-def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[None]:
+def forwarding_signals(child: subprocess.Popen, to_workers: bool, run_dir=None,
+                       interrupts: list | None = None) -> Iterator[None]:
     """While inside, SIGINT / SIGTERM / SIGUSR1 sent to this process are passed on to ``child``.
 
     Args:
@@ -45,14 +54,25 @@ def forwarding_signals(child: subprocess.Popen, to_workers: bool) -> Iterator[No
         to_workers: ``child`` is the rank launcher: SIGTERM and SIGUSR1 go to its rank processes directly
             as SIGTERM (a launcher that stopped a failed group would kill the others after a 30 s grace,
             before they could save a checkpoint); SIGINT goes to the launcher, which passes it on to every
-            rank (they stop at once). Otherwise every signal
+            rank (each saves the step in progress and stops: Ctrl-C). Otherwise every signal
             goes to ``child`` as it came. Only the launcher's direct children (the ranks) are signalled:
             a rank's own helpers (wandb's service) would die of SIGTERM and take the rank's logger
             with them before it saved.
+        run_dir: ``run.dir``, for the line of a second Ctrl-C.
+        interrupts: the time of every SIGINT is appended (the caller learns that Ctrl-C was pressed).
+
+    A second SIGINT stops every process of the run at once
+    (:func:`k2.launcher.training.preemption.hard_stop`): a person pressing Ctrl-C again means now.
 
     The previous handlers are restored on exit.
     """
+    pressed: list = [] if interrupts is None else interrupts
+
     def forward(signum, _frame):
+        if signum == signal.SIGINT:
+            if pressed:
+                hard_stop(run_dir, "Ctrl-C again")
+            pressed.append(time.monotonic())
         if not to_workers or signum == signal.SIGINT:
             child.send_signal(signum)
             return
@@ -120,8 +140,18 @@ def spawn_local_ranks(cfg: K2Config, plan, entry: Callable[[Any, Any], int]) -> 
     # while this thread must be passing signals on from the start
     threading.Thread(target=_send, args=(write_fd, pickle.dumps((entry, (cfg, plan)))), name="k2-send-call",
                      daemon=True).start()
-    with forwarding_signals(child, to_workers=True):
+    interrupts: list = []
+    with forwarding_signals(child, to_workers=True, run_dir=cfg.run.dir, interrupts=interrupts):
         rc = child.wait()
+    stopped = Path(cfg.run.dir) / INTERRUPT_MARKER
+    if stopped.exists():
+        print(f"k2-train: the ranks saved step {stopped.read_text().strip()} and stopped (Ctrl-C); exit status "
+              f"{INTERRUPT_EXIT}", flush=True)
+        return INTERRUPT_EXIT
+    if interrupts and rc != 0:  # stopped before the ranks could agree on a save (start-up)
+        print(f"k2-train: stopped by Ctrl-C (the ranks ended with status {rc}); {kept_note(cfg.run.dir)}",
+              file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
     if marker.exists() and marker.read_text().startswith("hang"):  # the ranks' hang watchdog stopped them
         print(f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "

@@ -22,6 +22,12 @@ one whose weights the run continued from), and the new records carry ``"replayed
 step counter must increase, so the x-axis of every wandb chart is the metric ``step`` (``define_metric``)
 and wandb's internal counter is left alone: a replayed step appears as a second point at the same
 ``step``, marked ``replayed``, never silently dropped.
+
+Torn records. A process killed while it appends a record leaves its text cut, without a newline; the next
+start would append after it, leaving the torn text between valid records, where a reader that parses the
+file line by line (``pandas.read_json(lines=True)``, ``jq``) fails. Before a start reads or appends to the
+run's append-only records (``metrics.jsonl``, ``metrics.replayed.jsonl``), every line of them that is not
+a JSON object is moved to ``<name>.torn`` with a note (:func:`set_aside_torn_records`).
 """
 
 from __future__ import annotations
@@ -61,6 +67,43 @@ def step_mfu(flops: float, seconds: float, num_ranks: int, cfg: K2Config,
 
 #: where the records of steps re-run after a resume go (see the module docstring)
 REPLAYED_METRICS = "metrics.replayed.jsonl"
+
+
+#: the run's append-only JSONL records that a start reads or rewrites (module docstring: torn records)
+APPEND_ONLY_RECORDS = ("metrics.jsonl", REPLAYED_METRICS)
+TORN_SUFFIX = ".torn"
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # (JSONDecodeError, and UnicodeDecodeError of cut multi-byte text)
+        return False
+
+
+def set_aside_torn_records(run_dir) -> list[str]:
+    """Rank 0, before anything reads or appends to :data:`APPEND_ONLY_RECORDS`: move every line of them
+    that is not a JSON object (a record cut by a kill, or such a text an earlier start left between
+    records) to ``<name>.torn`` (appended, a line each) and rewrite the file without it (atomically); a
+    complete record without its newline is kept. Returns one note per file repaired."""
+    notes = []
+    for name in APPEND_ONLY_RECORDS:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        lines = [line for line in path.read_bytes().split(b"\n") if line.strip()]
+        torn = [line for line in lines if not _is_record(line)]
+        if not torn:
+            continue
+        with open(path.with_name(name + TORN_SUFFIX), "ab") as fh:
+            fh.write(b"".join(line + b"\n" for line in torn))
+        tmp = path.with_name(name + ".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in lines if _is_record(line)))
+        os.replace(tmp, path)
+        notes.append(f"k2-train: {path} held {len(torn)} torn record{'s' if len(torn) > 1 else ''} "
+                     f"({sum(map(len, torn))} bytes: a process killed while writing it), moved to "
+                     f"{name + TORN_SUFFIX}: the file parses line by line again")
+    return notes
 
 
 def set_aside_replayed_metrics(run_dir, resume_step: int) -> int:

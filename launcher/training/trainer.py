@@ -42,11 +42,11 @@ from k2.launcher.checkpointing.store import remove_partial_saves, verify_checkpo
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
 from k2.launcher.training.hf_export import export_checkpoint
-from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, step_mfu
+from k2.launcher.training.metrics import REPLAYED_METRICS, MetricsLogger, set_aside_torn_records, step_mfu
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
 from k2.launcher.training.phase_memory import apply_phase_memory, phase_memory_options, run_memory_options
-from k2.launcher.training.preemption import REQUEUE_MARKER, Preemption
+from k2.launcher.training.preemption import INTERRUPT_MARKER, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
 from k2.launcher.training.run_report import write_run_report
 from k2.launcher.training.setup import setup
@@ -68,7 +68,7 @@ def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
     """Train on this rank (process groups are created here). Returns the last step's metrics record
     (with ``"preempted": <reason>`` when the run stopped for preemption).
 
-    The SIGTERM / SIGUSR1 handlers and the ``run.max_minutes`` clock (:class:`Preemption`) start first
+    The SIGTERM / SIGUSR1 / SIGINT handlers and the ``run.max_minutes`` clock (:class:`Preemption`) start first
     thing, so a signal during start-up (process groups, model build, checkpoint load) is honoured at the
     first step boundary -- a checkpoint and exit status 42 -- instead of killing the rank with the
     signal's default action, and the budget counts the start-up too.
@@ -82,7 +82,9 @@ def run(cfg, plan: RunPlan, env: DistEnv) -> dict:
         if env.rank == 0:
             print(preemption.notice(name, "start-up"), flush=True)
 
-    preemption = Preemption(cfg.run.max_minutes, on_signal=startup_notice).install()
+    # (top: k2-train itself runs this one rank, so a second Ctrl-C stops it at once)
+    preemption = Preemption(cfg.run.max_minutes, on_signal=startup_notice, run_dir=cfg.run.dir,
+                            top=not env.launched).install()
     try:
         return Trainer(cfg, plan, env, preemption).train()
     finally:
@@ -201,7 +203,8 @@ class Trainer:
                 seed_branch_run_dir(self.run_dir, self.plan.resume_from, self.plan.resume_step)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
             remove_partial_saves(self.run_dir)
-            (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
+            for marker in (REQUEUE_MARKER, INTERRUPT_MARKER):
+                (self.run_dir / marker).unlink(missing_ok=True)
 
     def make_checkpointer(self) -> CheckpointManager:
         """The checkpoint manager over this rank's parts with state: the run's position, its wall-time
@@ -235,8 +238,9 @@ class Trainer:
         """The metrics logger (rank 0 writes), and the start-up lines: the layout, what was resumed, which
         optimizer each parameter gets (also ``<run.dir>/optimizer_params.txt``)."""
         cfg, plan, start = self.cfg, self.plan, self.state.step
-        self.replayed_until, fresh_note = start, None
+        self.replayed_until, fresh_note, torn_notes = start, None, []
         if self.rank == 0:  # records a restart throws away: set aside, their time counted as lost
+            torn_notes = set_aside_torn_records(self.run_dir)  # (first: a kill's cut record)
             resumed = start if self.plan.resume_from is not None else None
             self.replayed_until, fresh_note = set_aside_earlier_start(self.run_dir, resumed, self.goodput)
         self.logger = MetricsLogger(
@@ -251,8 +255,8 @@ class Trainer:
             f"k2-train: world={self.env.world_size} PP={d.pp} VPP={d.vpp} EP={d.ep} DP={d.dp}; "
             f"schedule={plan.schedule.name}: {plan.steps} steps x {plan.tokens_per_step:,} tokens; "
             f"rank-0 params={n_params:,}; run.dir={self.run_dir}")
-        if fresh_note:
-            self.logger.message(fresh_note)
+        for note in [*torn_notes, fresh_note] if fresh_note else torn_notes:
+            self.logger.message(note)
         if resumed_note and self.rank == 0 and resume_settings(self.cfg.resume)["from"] is None:
             marker_note = resume_point(self.run_dir)[1]  # latest was missing, empty or dangling
             if marker_note:
@@ -366,19 +370,20 @@ class Trainer:
                 self.record["val_loss"] = self._evaluate(phase)
 
     def stop_for_preemption(self, step: int, saved: bool = False) -> bool:
-        """Collective: when any rank got SIGTERM / SIGUSR1 or ran out of ``run.max_minutes``, save this
-        step (unless ``saved``: its periodic checkpoint was just written), leave the requeue marker
-        (rank 0) and return True on every rank."""
+        """Collective: when any rank got SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) or ran out of ``run.max_minutes``,
+        save this step (unless ``saved``: its periodic checkpoint was just written), leave the requeue
+        marker -- the interrupt marker for Ctrl-C -- (rank 0) and return True on every rank."""
         if not self.preemption.agreed():
             return False
-        why = f"preempted: {self.preemption.reason}"
+        why = self.preemption.why
         self.checkpointer.wait()
         if saved:
             self.logger.message(f"step {step}: {why}; the checkpoint of this step is the one just written")
         else:
             self.checkpointer.save(step, why)
+            self.checkpointer.wait()  # committed before the marker says it is saved
         if self.rank == 0:  # for launchers that see only "a rank failed" (torchrun, srun's kill)
-            (self.run_dir / REQUEUE_MARKER).write_text(f"{step}\n")
+            self.preemption.leave_marker(self.run_dir, step)
         dist.barrier()  # the marker exists before any rank exits
         return True
 
@@ -398,7 +403,7 @@ class Trainer:
         val = self.record.get("val_loss")
         wandb_dir = self.run_dir / "wandb" if self.cfg.run.wandb.mode != "disabled" else None
         lines = [
-            f"k2-train: {'stopped for preemption' if preempted else 'done'}: {ran} steps run"
+            f"k2-train: {self._ending(preempted)}: {ran} steps run"
             + (f" ({first}..{last})" if ran else "") + f" of {self.plan.steps}, "
             f"{self.state.scheduler.consumed_tokens:,} tokens in total, "
             f"{time.perf_counter() - self.started:.1f} s wall time"
@@ -412,6 +417,11 @@ class Trainer:
         self.logger.message("\n".join(lines))
 
     # ------------------------------------------------------------------ helpers
+
+    def _ending(self, preempted: bool) -> str:
+        if not preempted:
+            return "done"
+        return "stopped by Ctrl-C" if self.preemption.reason == "interrupt" else "stopped for preemption"
 
     def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm) -> None:
         """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 
@@ -23,7 +22,6 @@ import pytest
 
 from support import REPO
 from support.distributed import run_trainer, trainer_env
-from support.slurm_local import LocalSlurm, SlurmUnavailable
 from support.slurm_local import wait_for as _wait
 
 pytestmark = pytest.mark.slow
@@ -33,19 +31,6 @@ JOB = ["parallel=pp2", "cluster.nodes=1", "cluster.gpus_per_node=2", "submit.req
        "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline",
        # the cluster options Slurm checks on one node: --mem=0 (the default), --cpus-per-task, an extra option
        "submit.cpus_per_task=1", "submit.extra_args=['--comment=k2-slurm-options']"]
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-    except SlurmUnavailable as e:
-        if os.environ.get("K2_ALLOW_NO_SLURM") == "1":
-            pytest.skip(f"Slurm cannot run here: {e}")
-        raise
-    yield cluster
-    cluster.stop()
 
 
 def _submit(slurm, job_args: list, run_dir) -> str:

@@ -20,7 +20,7 @@ LAYERS: list[list[str]] = [
     ["k2.model"],
     ["k2.schedules"],
     ["k2.optim"],
-    ["k2.launcher.quiet", "k2.launcher.gc_pause", "k2.launcher.progress"],
+    ["k2.launcher.quiet", "k2.launcher.gc_pause", "k2.launcher.progress", "k2.launcher.checksums"],
     ["k2.launcher.datasets", "k2.launcher.checkpointing", "k2.launcher.planning"],
     ["k2.launcher.hf"],
     ["k2.launcher.training"],

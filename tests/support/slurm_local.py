@@ -1,21 +1,26 @@
 """A real one-node Slurm cluster on localhost for tests (Debian's slurm-wlm 22.05 + munge, run as root).
 
 How it was found to work on these machines: docs/slurm_local.md. ``LocalSlurm.start`` installs
-the packages with apt-get when ``slurmctld`` is missing, starts munged (unless one already answers),
-writes a slurm.conf into a temporary directory, starts slurmctld and slurmd with absolute paths, and
-waits until the node is idle; ``stop`` stops what ``start`` started -- slurmctld, slurmd, and munged
-when it was not running before -- by their pid files, and waits for them to exit. The installed packages
-stay. Environment for the client commands: :attr:`env`.
+the packages with apt-get when ``slurmctld`` is missing, claims a free pair of ports
+(:func:`claim_slot`), starts a munged of its own (its own socket, the system key), writes a slurm.conf
+into a temporary directory, starts slurmctld and slurmd with absolute paths, and waits until the node is
+idle; ``stop`` stops what ``start`` started -- slurmctld, slurmd and its munged -- by their pid files,
+waits for them to exit and gives the ports back. So clusters of the suite's xdist workers, and of other
+checkouts' suites on the same machine, run side by side without touching each other. The installed
+packages stay. Environment for the client commands: :attr:`env`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
 import time
+import zlib
 from pathlib import Path
+from typing import IO
 
 PACKAGES = ["slurm-wlm", "munge"]
 #: slurm.conf lines every test cluster shares (docs/slurm_local.md: what worked here, as root)
@@ -33,8 +38,14 @@ BASE_CONF = [
     "MinJobAge=600",
     "SchedulerType=sched/backfill",
 ]
-#: where Debian's munged writes its pid
-MUNGED_PIDFILE = Path("/run/munge/munged.pid")
+#: the one-node clusters' ports: the cluster in slot i (:func:`claim_slot`) listens on FIRST_PORT + 2 i
+#: (slurmctld) and FIRST_PORT + 2 i + 1 (slurmd), i < SLOTS: 26817-26836, below the two-node clusters'
+#: slurmctld ports (tests/support/slurm_two_nodes.py) and outside Linux's ephemeral range (32768-60999),
+#: where the ranks' and clients' own connections take theirs
+FIRST_PORT = 26817
+SLOTS = 10
+#: where the slots' lock files are: one directory for every checkout on this machine
+LOCK_DIR = Path("/tmp")
 
 
 def wait_for(pred, timeout: float, what, every: float = 0.5):
@@ -95,16 +106,68 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+def port_free(port: int) -> bool:
+    """True when nothing on this machine listens on TCP ``port`` (a bind as slurmctld and slurmd make it,
+    SO_REUSEADDR: a port left in TIME_WAIT by a stopped cluster counts as free)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def claim_slot(kind: str, usable, slots: int = SLOTS) -> tuple[int, IO]:
+    """The first slot ``i < slots`` of test clusters of ``kind`` that no running test process on this
+    machine holds and for which ``usable(i)`` is true (its ports are free: nothing else, such as the
+    daemons of a test run that died, listens there), and the open lock file that holds it: an exclusive
+    ``flock`` on ``LOCK_DIR/k2-tests-slurm-<kind>-<i>.lock`` (the file stays, empty), released by
+    :func:`release_slot` or by the kernel when the process ends. Clusters of the suite's xdist workers
+    and of other checkouts on this machine so never share ports, names or subnets. Raises
+    SlurmUnavailable when every slot is taken."""
+    for i in range(slots):
+        lock = open(LOCK_DIR / f"k2-tests-slurm-{kind}-{i}.lock", "a")
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        if usable(i):
+            return i, lock
+        lock.close()  # (closing it releases the lock)
+    raise SlurmUnavailable(f"all {slots} {kind} test-cluster slots are taken on this machine (held by "
+                           f"{LOCK_DIR}/k2-tests-slurm-{kind}-*.lock, or their ports in use)")
+
+
+def release_slot(lock: IO | None) -> None:
+    """Give back a slot :func:`claim_slot` returned (``None``: nothing to give back)."""
+    if lock is not None and not lock.closed:
+        lock.close()
+
+
 class LocalSlurm:
-    """One node (this host, all its CPUs) in one default partition; state under ``root``."""
+    """One node (this host, all its CPUs) in one default partition; state under ``root``; its ports
+    (:attr:`ports`: slurmctld, slurmd) claimed by :meth:`start`."""
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.root / "slurm.conf"
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        #: this cluster's own munged (the system's, if one runs, is not touched: another cluster may use it)
+        self.munge_dir = Path(f"/run/k2slurm-munge-{zlib.crc32(str(self.root).encode()):08x}")
+        self.munge_socket = self.munge_dir / "munge.socket"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf), "MUNGE_SOCKET": str(self.munge_socket)}
         self._pidfiles = [self.root / "slurmctld.pid", self.root / "slurmd.pid"]
-        self._started_munged = False
+        self.ports: tuple[int, int] | None = None
+        self._slot: IO | None = None
+
+    def _claim_ports(self) -> None:
+        def pair(i):
+            return FIRST_PORT + 2 * i, FIRST_PORT + 2 * i + 1
+
+        i, self._slot = claim_slot("one-node", lambda i: all(map(port_free, pair(i))))
+        self.ports = pair(i)
 
     def _write_conf(self) -> None:
         mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
@@ -122,48 +185,53 @@ class LocalSlurm:
             f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-            "SlurmctldPort=26817",
-            "SlurmdPort=26818",
+            f"AuthInfo=socket={self.munge_socket}",
+            f"SlurmctldPort={self.ports[0]}",
+            f"SlurmdPort={self.ports[1]}",
             f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory={mem_mib * 9 // 10} State=UNKNOWN",
             f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
             "",
         ]))
 
     def _start_munge(self) -> None:
-        if _run(["sh", "-c", "munge -n | unmunge"]).returncode == 0:
-            return
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        p = _run(["su", "-s", "/bin/sh", "munge", "-c", "munged"])
-        self._started_munged = p.returncode == 0
-        time.sleep(1)
-        check = _run(["sh", "-c", "munge -n | unmunge"])
-        if "STATUS:" not in check.stdout or "Success" not in check.stdout:
+        """Start this cluster's own munged on :attr:`munge_socket` (slurm.conf's ``AuthInfo=socket=``)."""
+        d = self.munge_dir
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.chown(d, "munge", "munge")
+        d.chmod(0o755)
+        p = _run(["su", "-s", "/bin/sh", "munge", "-c",
+                  f"munged --socket={self.munge_socket} --pid-file={d}/munged.pid --log-file={d}/munged.log "
+                  f"--seed-file={d}/munged.seed"])
+        check = _run(["sh", "-c", f"munge -n -S {self.munge_socket} | unmunge -S {self.munge_socket}"])
+        if "Success" not in check.stdout:
             raise SlurmUnavailable(f"munged did not start: {p.stderr}{check.stdout}{check.stderr}")
 
     def start(self, timeout: float = 60) -> LocalSlurm:
         ensure_installed()
-        self._start_munge()
-        self._write_conf()
-        for daemon in ("slurmctld", "slurmd"):
-            p = _run([daemon, "-f", str(self.conf)], env=self.env)
-            if p.returncode != 0:
-                raise SlurmUnavailable(f"{daemon} failed to start: {p.stderr[-2000:]}")
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            state = _run(["sinfo", "-h", "-o", "%T"], env=self.env).stdout.strip()
-            if state in ("idle", "mixed"):
-                return self
-            time.sleep(1)
-        logs = "".join((self.root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
-                       if (self.root / "log" / f).exists())
-        self.stop()
-        raise SlurmUnavailable(f"the node did not become idle within {timeout} s: {logs}")
+        self._claim_ports()
+        try:
+            self._start_munge()
+            self._write_conf()
+            for daemon in ("slurmctld", "slurmd"):
+                p = _run([daemon, "-f", str(self.conf)], env=self.env)
+                if p.returncode != 0:
+                    raise SlurmUnavailable(f"{daemon} failed to start: {p.stderr[-2000:]}")
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                if self.node_state() in ("idle", "mixed"):
+                    return self
+                time.sleep(1)
+            logs = "".join((self.root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
+                           if (self.root / "log" / f).exists())
+            raise SlurmUnavailable(f"the node did not become idle within {timeout} s (ports {self.ports}): {logs}")
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 30) -> None:
-        """SIGTERM slurmctld, slurmd and (when :meth:`start` started it) munged; wait up to ``timeout``
-        seconds for each to exit, then SIGKILL what is left."""
-        pidfiles = list(self._pidfiles) + ([MUNGED_PIDFILE] if self._started_munged else [])
+        """SIGTERM slurmctld, slurmd and this cluster's munged; wait up to ``timeout`` seconds for each
+        to exit, then SIGKILL what is left; remove munged's directory and give the ports back."""
+        pidfiles = [*self._pidfiles, self.munge_dir / "munged.pid"]
         pids = []
         for pidfile in pidfiles:
             try:
@@ -181,7 +249,9 @@ class LocalSlurm:
                     os.kill(pid, 9)
                 except OSError:
                     pass
-        self._started_munged = False
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
+        release_slot(self._slot)
+        self._slot = None
 
     # --- client helpers --------------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ the machine)::
       |-- veth -- netns k2slurm0-k2node2 (UTS hostname k2node2): slurmd -N k2node2, port 26839, 10.223.23.12
 
 Cluster number ``i`` has its own bridge, namespaces (``k2slurm<i>-...``), subnet (10.223.<23 + i>.0/24)
-and slurmctld port (26837 + 10 i), so that test files on different xdist workers each run a cluster of
-their own at the same time.
+and slurmctld port (26837 + 10 i); a test takes the first number no other test process on this machine
+holds (``TwoNodeSlurm(root)``: :func:`support.slurm_local.claim_slot`), so that test files on different
+xdist workers, and the suites of other checkouts, each run a cluster of their own at the same time.
 
 Each node is a network namespace (its own interfaces, addresses and ports: ranks on one node reach the
 other only over the veth link) joined to the bridge, with its own hostname (a UTS namespace entered by
@@ -21,7 +22,7 @@ slurmctld runs on the head. munged is this cluster's own (its own socket, the sy
 
 By hand::
 
-    python tests/support/slurm_two_nodes.py start /tmp/k2two    # cluster 0; prints the SLURM_CONF to export
+    python tests/support/slurm_two_nodes.py start /tmp/k2two    # the first free number; prints the SLURM_CONF
     SLURM_CONF=/tmp/k2two/slurm.conf sinfo -N                     # k2node1, k2node2: idle
     python tests/support/slurm_two_nodes.py stop /tmp/k2two     # daemons, ranks, namespaces, bridge: gone
 
@@ -32,19 +33,30 @@ namespace or a veth pair (the only case the tests skip), :class:`SlurmUnavailabl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script (by hand): import the sibling module
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.slurm_local import BASE_CONF, LocalSlurm, SlurmUnavailable, alive, ensure_installed
+from support.slurm_local import (
+    BASE_CONF,
+    LocalSlurm,
+    SlurmUnavailable,
+    alive,
+    claim_slot,
+    ensure_installed,
+    port_free,
+    release_slot,
+)
 
 NODES = ("k2node1", "k2node2")
+#: cluster number i's slurmctld port is CTLD_PORT + 10 i (on the head, beside the one-node clusters' ports)
+CTLD_PORT = 26837
 #: the slurmd ports (each in its node's own network namespace)
 SLURMD_PORTS = {n: 26838 + i for i, n in enumerate(NODES)}
 #: seconds without an answer from a node's slurmd before slurmctld marks the node DOWN (and requeues
@@ -93,23 +105,22 @@ def _kill_and_wait(pids, timeout: float = 20, first: int = signal.SIGTERM) -> No
 class TwoNodeSlurm(LocalSlurm):
     """Two Slurm nodes (:data:`NODES`) in network namespaces of this machine, one partition ``two``;
     state under ``root``; ``number`` picks the bridge, namespaces, subnet and slurmctld port (module
-    docstring: clusters of different numbers run side by side). The client helpers are
-    :class:`LocalSlurm`'s."""
+    docstring: clusters of different numbers run side by side); ``None`` claims the first free one until
+    :meth:`stop`. The client helpers are :class:`LocalSlurm`'s."""
 
-    def __init__(self, root: Path, number: int = 0):
+    def __init__(self, root: Path, number: int | None = None):
         super().__init__(root)
+        if number is None:
+            number, self._slot = claim_slot("two-nodes", lambda i: port_free(CTLD_PORT + 10 * i))
         if not 0 <= number < 10:
             raise ValueError(f"TwoNodeSlurm number={number}: must be 0..9 (one subnet and port each)")
         subnet = f"10.223.{23 + number}"
         self.head_addr = f"{subnet}.1"
         #: each node's address on the bridge
         self.addrs = {n: f"{subnet}.{11 + i}" for i, n in enumerate(NODES)}
-        self.ctld_port = 26837 + 10 * number
+        self.ctld_port = CTLD_PORT + 10 * number
         self.bridge = f"k2slurm{number}-br"
         self._prefix, self._veth_prefix = f"k2slurm{number}", f"k2s{number}"  # (interface names: <= 15 chars)
-        self.munge_dir = Path(f"/run/k2slurm-munge-{zlib.crc32(str(self.root).encode()):08x}")
-        self.munge_socket = self.munge_dir / "munge.socket"
-        self.env = {**self.env, "MUNGE_SOCKET": str(self.munge_socket)}
 
     def netns(self, node: str) -> str:
         """The network namespace of ``node``."""
@@ -169,18 +180,6 @@ class TwoNodeSlurm(LocalSlurm):
         _must(["ip", "-n", self.netns(node), "link", "set", "eth0", "up" if up else "down"])
 
     # --- daemons ---------------------------------------------------------------------------------------
-
-    def _start_munge(self) -> None:
-        d = self.munge_dir
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.chown(d, "munge", "munge")
-        d.chmod(0o755)
-        p = _run(["su", "-s", "/bin/sh", "munge", "-c",
-                  f"munged --socket={self.munge_socket} --pid-file={d}/munged.pid --log-file={d}/munged.log "
-                  f"--seed-file={d}/munged.seed"])
-        check = _run(["sh", "-c", f"munge -n -S {self.munge_socket} | unmunge -S {self.munge_socket}"])
-        if "Success" not in check.stdout:
-            raise SlurmUnavailable(f"munged did not start: {p.stderr}{check.stdout}{check.stderr}")
 
     def _write_conf(self) -> None:
         mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
@@ -260,7 +259,8 @@ class TwoNodeSlurm(LocalSlurm):
 
     def stop(self, timeout: float = 30) -> None:
         """Cancel every job, stop slurmctld, every slurmd and munged (pid files), kill whatever is still in
-        a node's namespace (a job's ranks), remove the namespaces, the bridge and munged's directory."""
+        a node's namespace (a job's ranks), remove the namespaces, the bridge and munged's directory; give
+        the claimed number back."""
         if self.conf.exists():
             _run(["scancel", "--full", "--user=root"], env=self.env)
         pids = []
@@ -274,6 +274,8 @@ class TwoNodeSlurm(LocalSlurm):
             _kill_and_wait(self.netns_pids(node), timeout=5)
         self._remove_network()
         shutil.rmtree(self.munge_dir, ignore_errors=True)
+        release_slot(self._slot)
+        self._slot = None
 
     def leftovers(self) -> list[str]:
         """What :meth:`stop` should have removed and is still there (empty after a clean stop)."""
@@ -314,12 +316,18 @@ def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("start", "stop"):
         print("usage: python tests/support/slurm_two_nodes.py start|stop DIR", file=sys.stderr)
         return 2
-    cluster = TwoNodeSlurm(Path(argv[1]))
+    conf = Path(argv[1]) / "slurm.conf"
     if argv[0] == "stop":
+        port = re.search(r"^SlurmctldPort=(\d+)$", conf.read_text(), re.M) if conf.exists() else None
+        if port is None:
+            print(f"slurm_two_nodes: {conf} names no SlurmctldPort: no cluster was started there", file=sys.stderr)
+            return 1
+        cluster = TwoNodeSlurm(Path(argv[1]), (int(port.group(1)) - CTLD_PORT) // 10)
         cluster.stop()
         left = cluster.leftovers()
         print("stopped" + (f"; still there: {left}" if left else ""))
         return 1 if left else 0
+    cluster = TwoNodeSlurm(Path(argv[1]))  # (its number is held only while this starts it: then its port is)
     cluster.root.mkdir(parents=True, exist_ok=True)
     try:
         cluster.start()

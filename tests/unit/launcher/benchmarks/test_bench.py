@@ -269,7 +269,8 @@ def test_data_bench_reports_both_throughputs(capsys):
     keep the suite's time; k2-bench runs it."""
     rc, out, _ = run_tool(capsys, main, ["bench=data", "output=json", "bench.options.corpus_mb=0.5",
                                          "bench.options.chunk_documents=256", "bench.options.repeats=2",
-                                         "bench.options.rss_mb=0", "bench.options.vocab_size=512"])
+                                         "bench.options.rss_mb=0", "bench.options.vocab_size=512",
+                                         "bench.options.array_tasks=0"])
     assert rc == 0
     f = json.loads(out)["figures"]
     assert f["tokens"] > 0 and f["documents"] > 0 and f["repeats"] == 2
@@ -294,6 +295,22 @@ def test_data_bench_reports_both_throughputs(capsys):
     cpu_2_over_1 = f["k2_data_workers1_tokens_per_cpu_s"] / f["k2_data_workers2_tokens_per_cpu_s"]
     assert cpu_2_over_1 > 0.6, cpu_2_over_1
     assert "rss" not in f and "memory_limited" not in f
+
+
+def test_data_bench_times_the_array_against_one_process(capsys):
+    """bench=data's array build: 2 task processes at once and the same build in one process, over the same
+    tokens, their ratio and each task's peak RSS (a k2-data process without torch: under 250 MB)."""
+    rc, out, _ = run_tool(capsys, main, ["bench=data", "output=json", "bench.options.corpus_mb=0.3",
+                                         "bench.options.chunk_documents=256", "bench.options.repeats=1",
+                                         "bench.options.rss_mb=0", "bench.options.vocab_size=512",
+                                         "bench.options.workers=1", "bench.options.array_tasks=2"])
+    assert rc == 0
+    f = json.loads(out)["figures"]
+    assert f["array_tasks"] == 2 and len(f["array_one_process_s"]) == len(f["array_2_tasks_s"]) == 1
+    assert f["array_2_tasks_speedup"] == pytest.approx(f["array_one_process_s"][0] / f["array_2_tasks_s"][0])
+    assert f["array_one_process_tokens_per_s"] == pytest.approx(f["tokens"] / f["array_one_process_s"][0])
+    rss = f["array_task_peak_rss_mb"]
+    assert len(rss) == 2 and all(30 < r < 250 for r in rss), rss
 
 
 def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):

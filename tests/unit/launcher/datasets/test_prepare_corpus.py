@@ -182,12 +182,13 @@ _KILLED_BUILD = """
 import sys
 from k2.config.load import load_config
 from k2.launcher.datasets import preprocess as P
-real = P._commit_chunk
+from k2.launcher.datasets import chunked
+real = chunked.commit_chunk
 def slow_commit(work, k, result):  # a build that takes long enough to be killed in the middle
     import time
     real(work, k, result)
     time.sleep(0.3)
-P._commit_chunk = slow_commit
+chunked.commit_chunk = slow_commit
 P.prepare_corpus(load_config(sys.argv[1:]), log=lambda s: None)
 """
 
@@ -407,7 +408,7 @@ def test_a_full_disk_is_one_line_naming_the_path(tmp_path, docs, tokenizer_json,
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(preprocess, "_write_json", full)
+    monkeypatch.setattr(preprocess, "write_json", full)
     _write_jsonl(tmp_path / "a.jsonl", docs[:5])
     out = tmp_path / "o"
     args = [f"prepare.input={tmp_path / 'a.jsonl'}", f"prepare.output={out}", "prepare.progress=false",

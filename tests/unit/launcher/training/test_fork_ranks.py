@@ -86,8 +86,8 @@ def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal():
     assert len(lines) == 1 and "the step in progress is not saved" in lines[0], err
     # rank 1's SIGTERM line names rank 0's failure instead of announcing a preemption's checkpoint
     assert out.splitlines() == ["k2-train: SIGTERM from the rank launcher during step 3: rank 0 was killed by "
-                                "signal 9 (SIGKILL), so every rank stops; the step in progress is not saved, "
-                                "the run resumes from its last checkpoint"], out
+                                "signal 9 (SIGKILL), so every rank stops; the step in progress is not saved; "
+                                "the next start resumes from the run's last checkpoint, if it has one"], out
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank():

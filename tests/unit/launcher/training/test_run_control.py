@@ -1,6 +1,5 @@
 """Who owns a run and who gets its signals, in-process or with tiny helper processes (no trainer starts):
-the run-dir lock, signal forwarding to the ranks only, a metrics logger that outlives a dead wandb, and the
-local Slurm helper stopping the daemons it started.
+the run-dir lock, signal forwarding to the ranks only and a metrics logger that outlives a dead wandb.
 """
 
 from __future__ import annotations
@@ -120,22 +119,3 @@ def test_metrics_logger_survives_a_dead_wandb(tmp_path, capsys):
     assert err.count("wandb failed") == 1 and "ConnectionResetError" in err, err
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert logger.wandb_run_id == "abc123"
-
-
-def test_local_slurm_stops_munged_only_when_it_started_it(tmp_path, monkeypatch):
-    import support.slurm_local as sl
-
-    cluster = sl.LocalSlurm(tmp_path)
-    sleeper = subprocess.Popen(["sleep", "60"])
-    pidfile = tmp_path / "munged.pid"
-    pidfile.write_text(f"{sleeper.pid}\n")
-    monkeypatch.setattr(sl, "MUNGED_PIDFILE", pidfile)
-    try:
-        cluster.stop(timeout=5)  # munged was running before: left alone
-        assert sleeper.poll() is None
-        cluster._started_munged = True
-        cluster.stop(timeout=5)
-        assert sleeper.wait(timeout=5) == -signal.SIGTERM
-    finally:
-        if sleeper.poll() is None:
-            sleeper.kill()
