@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from k2.launcher.planning.comm import crosses_nodes, ep_alltoall, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.kernels import (
+    WGRAD_OUT_BYTES,
     KernelRates,
     attention_seconds,
     elementwise_seconds,
@@ -138,11 +139,11 @@ class StageModel:
         for k, n in shapes:
             if groups > 1 and self.grouped:
                 f, b, w = (grouped_gemm_seconds(groups, T, k, n, r), grouped_gemm_seconds(groups, T, n, k, r),
-                           grouped_gemm_seconds(groups, k, T, n, r))
+                           grouped_gemm_seconds(groups, k, T, n, r, WGRAD_OUT_BYTES))
             else:
                 f = groups * gemm_seconds(T, k, n, r)
                 b = groups * gemm_seconds(T, n, k, r)
-                w = groups * gemm_seconds(k, T, n, r)
+                w = groups * gemm_seconds(k, T, n, r, WGRAD_OUT_BYTES)
             _add(out["F"], tag, f)
             _add(out["B"], tag, b)
             _add(out["W"], tag, w)

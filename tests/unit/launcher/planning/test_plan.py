@@ -391,7 +391,8 @@ def test_search_kimi_k2_on_32_nodes_matches_the_readme():
     EP16 ranks first (78.4 GiB on the fullest GPU, ~136 s per step on the H800 profile, the step-time
     model's figure: its all-to-alls hidden, their NCCL kernels' SMs taken from the compute beside them),
     ahead of the EP8 layout whose all-to-all stays inside a node: it has no virtual stages (VPP2 with EP8
-    does not fit), so megatron cannot overlap it, and it stays at ~169 s. Each fitting row fits
+    does not fit), so megatron cannot overlap it, and it stays at ~179 s (its 48 local experts' weight
+    gradients, added into FP32 buffers, are memory-bound at 1 / 8 of the tokens per expert). Each fitting row fits
     both the GPU and the host (the search's verdict is the planner's)."""
     from k2.launcher.planning.cluster import plan_cluster
 
@@ -408,5 +409,5 @@ def test_search_kimi_k2_on_32_nodes_matches_the_readme():
     assert [(r["pp"], r["vpp"], r["ep"]) for r in fit[:3]] == [(16, 2, 16), (8, 2, 32), (8, 3, 32)]
     ep8 = [r for r in fit if r["ep"] == 8]
     assert [(r["pp"], r["vpp"]) for r in ep8] == [(32, 1)]
-    assert all(not r["ep_overlap"] and 165 < r["step_time_s_estimated"] < 172 for r in ep8)
+    assert all(not r["ep_overlap"] and 175 < r["step_time_s_estimated"] < 182 for r in ep8)
     assert not any(r["fits"] for r in rows if (r["pp"], r["vpp"], r["ep"]) == (16, 2, 8))

@@ -37,6 +37,23 @@ def test_gemm_roofline_tile_and_wave_quantization():
     assert elementwise_seconds(3e9, 10, r) == pytest.approx(1e-3 + 40e-6)
 
 
+def test_fp8_gemm_outputs_bf16_and_a_weight_gradient_adds_into_fp32():
+    """An FP8 GEMM reads 1-byte operands and writes its output in BF16; a weight gradient's GEMM reads and
+    writes its FP32 accumulator (8 bytes per element): an expert's weight gradient over 1,024 tokens
+    ([7168, 1024] x [1024, 2048]) is memory-bound on a B200-like device, 45 % slower than its FLOPs."""
+    from k2.launcher.planning.kernels import WGRAD_OUT_BYTES
+
+    r8 = KernelRates(gemm_flops=2400e12, attention_flops=900e12, memory_bytes=7e12, gemm_bytes_per_element=1.0)
+    m, k, n = 7168, 1024, 2048
+    flops_s = 2 * m * k * n / 2400e12
+    assert gemm_seconds(m, k, n, r8) == pytest.approx(flops_s)  # the output once in BF16: compute-bound
+    assert gemm_seconds(1, 8192, 8192, r8) == pytest.approx((8192 + 8192 * 8192 + 8192 * 2) / 7e12)
+    wgrad_bytes = m * k + k * n + m * n * 8
+    assert WGRAD_OUT_BYTES == 8
+    assert gemm_seconds(m, k, n, r8, WGRAD_OUT_BYTES) == pytest.approx(wgrad_bytes / 7e12)
+    assert gemm_seconds(m, k, n, r8, WGRAD_OUT_BYTES) / flops_s == pytest.approx(1.45, abs=0.01)
+
+
 def test_ep_alltoall_bytes_inside_and_across_nodes():
     """EP16 on 8-GPU nodes: of a token's k copies, 7/16 go over NVLink and 8/16 across nodes; EP8 stays on
     the node; DeepEP's forwarding sends a token once per remote node it visits."""
@@ -269,8 +286,10 @@ def test_hardware_profiles_name_a_source_for_every_number():
 PUBLISHED_ERROR = {"deepseek_v3_2048_h800": 0.1, "deepseek_v3_1024_h100_megatron_fp8": 0.1,
                    "deepseek_v3_1024_h100_automodel_bf16": 0.1, "deepseek_v3_256_h100_automodel_bf16": 0.2,
                    "kimi_k2_256_h100_automodel_bf16": 0.1, "deepseek_v3_512_gb200_mlperf_mxfp8": 0.1,
-                   "deepseek_v3_256_b200_bridge_mxfp8_pp8vp2": 0.1, "deepseek_v3_256_b200_bridge_mxfp8_pp16": 0.35,
-                   "deepseek_v3_128_gb200_nemo_bf16": 0.75}
+                   "deepseek_v3_256_b200_bridge_mxfp8_pp8vp2": 0.1, "deepseek_v3_256_b200_bridge_mxfp8_pp16": 0.1,
+                   # the two misses docs/performance_model.md explains (software of the publication's release,
+                   # a one-microbatch step): bounds only that they stay planned and do not drift further
+                   "deepseek_v3_128_gb200_nemo_bf16": 0.7, "moonlight_16b_8_h100_bridge_bf16": 0.6}
 
 
 def test_published_runs_are_stated_and_compared():
