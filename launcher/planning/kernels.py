@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["WGRAD_OUT_BYTES", "KernelRates", "gemm_seconds", "grouped_gemm_seconds", "elementwise_seconds", "attention_seconds"]
+__all__ = ["WGRAD_OUT_BYTES", "KernelRates", "gemm_seconds", "grouped_gemm_seconds", "elementwise_seconds",
+           "attention_seconds"]
 
 
 @dataclass(frozen=True)
