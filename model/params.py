@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import re
@@ -311,7 +312,7 @@ class ModelParams:
         """
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"ep={ep} does not divide num_experts={self.num_experts}")
-        sharded = self._tp_sharded()
+        sharded = self._tp_sharded
         cut = 1 - 1 / tp  # (of a TP-sharded parameter one GPU holds 1 / tp)
         n = 0.0
         for i in layers:
@@ -327,9 +328,10 @@ class ModelParams:
                 n += self.embedding - cut * sharded["embedding"]
         return int(round(n))
 
+    @functools.cached_property
     def _tp_sharded(self) -> dict[str, int]:
         """Per block kind the elements of its TP-sharded parameters (:func:`tp_sharded`; the routed experts
-        are not: expert TP 1)."""
+        are not: expert TP 1). Computed once: :meth:`stage` runs per stage of every layout a search tries."""
         return {kind: sum(sp.numel for sp in self.specs.get(kind, ()) if tp_sharded(sp.name))
                 for kind in ("embedding", "dense_layer", "moe_layer", "final")}
 

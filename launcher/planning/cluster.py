@@ -116,23 +116,18 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
             setting megatron cannot build, naming the setting.
     """
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    verdict = rows = None
+    verdict = rows = counts = None
     if cfg.plan.search:  # the search first: the plan below is of the layout it recommends (verdict module)
-        try:
-            counts = count_params(cfg)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        counts = _count_params(cfg)
         rows, verdict = search_verdict(cfg, world, counts)
         if verdict["recommended"] is not None:
-            cfg = with_layout(cfg, verdict["recommended"])
+            cfg = with_layout(cfg, verdict["recommended"])  # (parallel.* only: the counts stand)
     check_model_parallel_group(cfg, world)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM,
                                     tp_supported=True)
     schedule = resolve_schedule(cfg, dims)
-    try:
-        counts = count_params(cfg)
-    except ValueError as e:  # e.g. model.first_k_dense_replace out of range
-        raise ConfigError(str(e)) from None
+    if counts is None:
+        counts = _count_params(cfg)
     a = analyse_layout(cfg, dims, counts, schedule)
     report = {
         **_identity(cfg, dims, counts),
@@ -157,6 +152,14 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
         report["search"] = rows
         report["verdict"] = _verdict(verdict, report)
     return ClusterPlan(report, schedule, a["main"]["sim"])
+
+
+def _count_params(cfg: K2Config) -> ModelParams:
+    """:func:`k2.model.params.count_params` (it ignores ``parallel.*``), a bad model setting as a ConfigError."""
+    try:
+        return count_params(cfg)
+    except ValueError as e:  # e.g. model.first_k_dense_replace out of range
+        raise ConfigError(str(e)) from None
 
 
 def _verdict(verdict: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:

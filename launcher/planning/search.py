@@ -41,7 +41,7 @@ def layout_candidates(cfg: K2Config, world: int, counts, *, stop_at_fit: bool = 
     the search's extrapolation and pruning): yields ``(parallel settings, analysis)``; a layout the schedule
     cannot run (e.g. the batch does not split into whole microbatches) is skipped. ``stop_at_fit``: stop after
     the first that fits (the most model-parallel first, the likeliest to fit)."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, read_write
 
     L = int(cfg.model.num_layers)
     experts = int(cfg.model.num_moe_experts or 0)
@@ -56,11 +56,15 @@ def layout_candidates(cfg: K2Config, world: int, counts, *, stop_at_fit: bool = 
                    if span % ep == 0 and (experts % ep == 0 if experts else ep == 1)]
     if stop_at_fit:
         shapes.sort(key=lambda s: (-s[1] * max(s[0], s[3]), s[2]))
+    # one copy of the config, its parallel section replaced per layout: a copy per layout (OmegaConf.merge
+    # deep-copies every node) cost more than analysing the layout; nothing yielded reads its parallel section
+    c = OmegaConf.merge(cfg, {})
     for tp, pp, vpp, ep in shapes:
         par = dict(base["parallel"], tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
                    layout=balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head),
                    first_stage_layers=None, last_stage_layers=None)
-        c = OmegaConf.merge(cfg, {"parallel": par})
+        with read_write(c):
+            c.parallel.merge_with(par)
         try:
             dims = ParallelDims.from_config(c.parallel, c.model, world, world_size_from=WORLD_FROM,
                                             tp_supported=True)
