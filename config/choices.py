@@ -25,8 +25,8 @@ from typing import Any
 from k2.config.errors import ConfigError
 
 __all__ = [
-    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType", "LrStyle",
-    "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
+    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType", "Fp8Recipe",
+    "LrStyle", "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
     "ResumeMode", "RopeType", "RouterOptimizer", "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode",
     "allowed", "check_choice", "choice_error", "choice_setting", "values",
 ]
@@ -54,6 +54,17 @@ class Precision(Choice):
 
     fp32 = "fp32"
     bf16 = "bf16"
+
+
+class Fp8Recipe(Choice):
+    """``train.fp8_recipe``: the GEMMs' FP8 scaling, megatron-core's ``fp8_recipe`` values that Transformer
+    Engine runs: ``blockwise`` (DeepSeek-V3's fine-grained scaling: a scale per 1 x 128 tile of the
+    activations and gradients, per 128 x 128 block of the weights, arXiv 2412.19437 section 3.3.2; Hopper
+    and later), ``mxfp8`` (OCP microscaling: an 8-bit power-of-two scale per 32 consecutive elements,
+    Blackwell's tensor cores)."""
+
+    blockwise = "blockwise"
+    mxfp8 = "mxfp8"
 
 
 class RouterOptimizer(Choice):
@@ -209,6 +220,7 @@ CHOICES: dict[str, tuple[type[Choice], str]] = {
     "schedule.phases.<i>.rope_type": (RopeType, _ALLOWED + " or null (the previous phase's; the first phase: "
                                                 "model.rope_type)"),
     "train.precision": (Precision, _ALLOWED),
+    "train.fp8_recipe": (Fp8Recipe, _ALLOWED + " or null (GEMMs in train.precision)"),
     "train.spike.action": (SpikeAction, _ALLOWED),
     "checkpoint.verify": (CheckpointVerify, _ALLOWED),
     "convert.model_type": (ConvertModelType, _ALLOWED),

@@ -1,7 +1,8 @@
 """Finding and reading the hardware profile ``plan.hardware`` names (the section of
 :mod:`k2.config.schema_hardware`), for ``k2-plan``'s step-time model and the trainer's MFU.
 
-``plan.hardware`` is a profile's name in ``recipes/hardware/`` (``h800``, ``h100``, ``h200``) or the path of
+``plan.hardware`` is a profile's name in ``recipes/hardware/`` (``h800``, ``h100``, ``h200``, ``b200``, ``b300``,
+``gb200_nvl72``, ``gb300_nvl72``) or the path of
 a YAML file ``k2-bench bench=hardware`` wrote. The file is read through
 ``OmegaConf.structured(HardwareProfileConfig)``; every fault is one :class:`k2.config.ConfigError` naming
 ``plan.hardware``, the file and the key.
@@ -22,7 +23,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 from k2.config.choices import allowed
 from k2.config.errors import ConfigError
 from k2.config.recipes import RECIPES_DIR, recipe_names
-from k2.config.schema_hardware import REQUIRED_POSITIVE, CommStream, HardwareProfileConfig
+from k2.config.schema_hardware import OPTIONAL_POSITIVE, REQUIRED_POSITIVE, CommStream, HardwareProfileConfig
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -31,6 +32,8 @@ __all__ = ["HARDWARE_DIR", "available_profiles", "hardware_profile_from_mapping"
            "peak_tflops"]
 
 HARDWARE_DIR = RECIPES_DIR / "hardware"
+#: keys an older profile file may hold, and what took their place
+_RENAMED = {"gpus_per_node": "gpus_per_host (the devices of one host; nvlink_domain_gpus: those joined by NVLink)"}
 
 
 def available_profiles() -> list[str]:
@@ -79,18 +82,27 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
     null).
 
     Raises:
-        ConfigError: an unknown key, a value of the wrong type, a required number (``REQUIRED_POSITIVE``)
-            missing or not a finite number > 0, or ``comm_stream`` not one of its values; naming
+        ConfigError: an unknown key (a renamed one says its new name), a value of the wrong type, a required
+            number (``REQUIRED_POSITIVE``) missing or not a finite number > 0, an optional one
+            (``OPTIONAL_POSITIVE``) not null or > 0, ``comm_stream`` not one of its values, a host, NVLink
+            domain or communication kernel that does not fit (:func:`_check_placement`); naming
             ``plan.hardware=origin``, the file (``path``) and the key.
     """
     where = f"plan.hardware={origin}" + (f" ({path})" if path is not None and str(path) != origin else "")
+    for old, new in _RENAMED.items():
+        if old in data:
+            raise ConfigError(f"{where}: unknown key '{old}'; it is now {new}")
     comm = data.get("comm_stream", CommStream.device.value)
     if comm not in CommStream.__members__:
         raise ConfigError(f"{where}: 'comm_stream' is {comm!r}; allowed: {allowed(CommStream)}")
     for key in REQUIRED_POSITIVE:  # bools are ints to Python, strings OmegaConf would convert: refused here
         v = data.get(key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        if not _positive(v):
             raise ConfigError(f"{where}: '{key}' must be a number > 0 (got {v!r})")
+    for key in OPTIONAL_POSITIVE:
+        v = data.get(key)
+        if v is not None and not _positive(v):
+            raise ConfigError(f"{where}: '{key}' must be null or a number > 0 (got {v!r})")
     try:
         prof: HardwareProfileConfig = OmegaConf.to_object(
             OmegaConf.merge(OmegaConf.structured(HardwareProfileConfig), data))
@@ -102,16 +114,46 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
     if not 0 <= prof.alltoall_host_cpu_share < 1:
         raise ConfigError(f"{where}: 'alltoall_host_cpu_share' must be a number >= 0 and < 1 (the share of a "
                           f"core; got {prof.alltoall_host_cpu_share!r})")
+    slow = prof.alltoall_beside_compute_slowdown
+    if not (math.isfinite(slow) and slow >= 1):
+        raise ConfigError(f"{where}: 'alltoall_beside_compute_slowdown' must be a number >= 1 (got {slow!r})")
     loaded = prof.network_loaded_latency_us
     if loaded is not None and not (math.isfinite(loaded) and loaded >= prof.network_latency_us):
         raise ConfigError(f"{where}: 'network_loaded_latency_us' must be null or a number >= network_latency_us "
                           f"({prof.network_latency_us!r}; got {loaded!r})")
+    _check_placement(prof, where)
     prof.name = str(prof.name) if prof.name is not None else Path(origin).stem
     prof.peak_fp8_tflops = prof.peak_fp8_tflops or 2 * prof.peak_bf16_tflops
     prof.gemm_fp8_tflops = prof.gemm_fp8_tflops or 2 * prof.gemm_bf16_tflops
     for key in ("gemm_fp32_tflops", "gemm_grouped_bf16_tflops", "gemm_grouped_fp8_tflops", "gpu_memory_gib"):
         setattr(prof, key, getattr(prof, key) or None)
     return prof
+
+
+def _positive(v: Any) -> bool:
+    """A finite number > 0 (bools are ints to Python, strings OmegaConf would convert: refused)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_placement(prof: HardwareProfileConfig, where: str) -> None:
+    """The host, the NVLink domain and the communication kernels' compute units fit together.
+
+    Raises:
+        ConfigError: ``gpus_per_host`` < 1; ``nvlink_domain_gpus`` not a multiple of it (a domain is whole
+            hosts); a ``*_comm_units`` < 0 or not fewer than ``compute_units`` (without ``compute_units``
+            they take nothing: :meth:`k2.launcher.planning.hardware.HardwareProfile.comm_share`).
+    """
+    if prof.gpus_per_host < 1:
+        raise ConfigError(f"{where}: 'gpus_per_host' must be an integer >= 1 (got {prof.gpus_per_host!r})")
+    domain = prof.nvlink_domain_gpus
+    if domain is not None and domain % prof.gpus_per_host:
+        raise ConfigError(f"{where}: 'nvlink_domain_gpus' must be null or a multiple of gpus_per_host="
+                          f"{prof.gpus_per_host} (an NVLink domain is whole hosts; got {domain!r})")
+    for key in ("alltoall_comm_units", "deepep_comm_units"):
+        v = getattr(prof, key)
+        if v is not None and prof.compute_units and not 0 <= v < prof.compute_units:
+            raise ConfigError(f"{where}: '{key}' must be null or an integer >= 0 and below compute_units="
+                              f"{prof.compute_units!r} (got {v!r})")
 
 
 def peak_tflops(cfg: K2Config) -> float:

@@ -19,6 +19,7 @@ from k2.config.choices import (
     BadRecords,
     CheckpointVerify,
     ConvertModelType,
+    Fp8Recipe,
     LrStyle,
     MaxLogitKernel,
     MuonMatmulPrecision,
@@ -144,10 +145,18 @@ MEMORY_RECOMPUTE_SITES = {
               "covers only grouped-GEMM experts)",
     "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
     "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
+    # megatron's module recompute (recompute_modules): k2-plan plans them; k2-train refuses them
+    # (model/backends.py) until the K2 layers run megatron's checkpoints of these modules
+    "core_attn": "core attention's saved tensors, its inputs q, k, v kept (megatron 'core_attn'; k2-plan only)",
+    "mlp": "a dense layer's whole SwiGLU MLP, its input kept (megatron 'mlp'; k2-plan only)",
+    "moe": "a MoE layer's router, all-to-alls, routed and shared experts, its input kept (megatron 'moe'; the "
+           "all-to-alls re-run in backward; k2-plan only)",
     "layer": "the whole transformer layer: only its input [s, b, h] is kept (offload=attn_input moves it to "
              "host), the layer is re-run in backward (megatron's recompute_granularity=full, one layer at a "
              "time); the other sites then act only on what the layer input is",
 }
+#: the recompute sites k2-plan plans and k2-train does not run yet (it refuses them: model/backends.py)
+PLANNED_ONLY_RECOMPUTE = ("core_attn", "mlp", "moe")
 # memory.offload: moved to host memory in forward, brought back before their backward (GPU: side
 # streams + pinned memory, overlapped with compute; CPU: a plain copy). Works with PP and VPP.
 MEMORY_OFFLOAD_SITES = {
@@ -321,6 +330,11 @@ class TrainConfig:
     iters: int | None = None  # cap on optimizer steps; null = run to the end of the schedule
     micro_batch_size: int = 2  # sequences per microbatch (a schedule phase may override it)
     precision: Precision = Precision.fp32
+    # the GEMMs in FP8 through Transformer Engine's recipe of this scaling (megatron-core's fp8 = e4m3 and
+    # fp8_recipe): blockwise | mxfp8 (config/choices.py Fp8Recipe); null = the GEMMs in train.precision (K2:
+    # BF16). Needs train.precision=bf16, a CUDA device, Transformer Engine and sequential experts
+    # (model/backends.py); k2-plan prices it on any machine (launcher/planning/hardware.py)
+    fp8_recipe: Fp8Recipe | None = None
     eval_interval: int = 50
     eval_iters: int = 4
     log_interval: int = 10  # steps between log lines when not on a terminal

@@ -1,9 +1,9 @@
 """The hardware profile: one device type and its node, the section ``k2-plan``'s step-time model and the
 trainer's MFU read (``plan.hardware`` names it).
 
-A profile is a YAML file: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``: every
-number with its source on its line) or a file ``k2-bench bench=hardware`` wrote on the machine it
-measured. :func:`k2.config.hardware.load_hardware_profile` reads it through
+A profile is a YAML file: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``, ``b200``,
+``b300``, ``gb200_nvl72``, ``gb300_nvl72``: every number with its source on its line) or a file ``k2-bench
+bench=hardware`` wrote on the machine it measured. :func:`k2.config.hardware.load_hardware_profile` reads it through
 ``OmegaConf.structured(HardwareProfileConfig)``: an unknown key, a value of the wrong type or a missing
 required number is one :class:`k2.config.ConfigError` naming the file and the key.
 
@@ -42,7 +42,12 @@ class HardwareProfileConfig:
 
     name: str | None = None  # the profile's name; null = the file's stem
     gpu: str = ""  # the device it describes
-    gpus_per_node: int = 8  # devices sharing the fast intra-node links (NVLink; on a CPU machine the ranks)
+    # devices one host carries: the host's memory and CPUs, a Slurm node (an HGX / DGX node: 8; a GB200 /
+    # GB300 compute tray: 4; on a CPU machine the ranks)
+    gpus_per_host: int = 8
+    # devices joined by NVLink, where an all-to-all or a collective stays on NVLink (an NVL72 rack: 72);
+    # null = one host's
+    nvlink_domain_gpus: int | None = None
     # datasheet dense peaks, TFLOP/s (MFU is reported against the BF16 one); FP8 null = 2 x BF16
     peak_bf16_tflops: float = MISSING
     peak_fp8_tflops: float | None = None
@@ -70,10 +75,20 @@ class HardwareProfileConfig:
     nvlink_gbps: float = MISSING
     nvlink_alltoall_gbps: float = MISSING
     nvlink_collective_gbps: float = MISSING
-    # the same across nodes (per GPU NIC), GB/s
+    # the same across NVLink domains (per GPU NIC), GB/s; the all-to-all rates are NCCL's (megatron's
+    # ``alltoall`` dispatcher)
     network_gbps: float = MISSING
     network_alltoall_gbps: float = MISSING
     network_collective_gbps: float = MISSING
+    # DeepEP's all-to-all rates inside and across NVLink domains (megatron's ``flex`` dispatcher, the
+    # ``plan.what_if.deepep`` setting), GB/s; null = NCCL's
+    nvlink_alltoall_deepep_gbps: float | None = None
+    network_alltoall_deepep_gbps: float | None = None
+    # compute units (SMs) an all-to-all kernel occupies while it runs beside compute: NCCL's (one CTA per
+    # p2p channel) and DeepEP's; the compute beside an overlapped all-to-all keeps the rest of
+    # ``compute_units`` (null: none taken, e.g. a CPU, whose share is ``alltoall_host_cpu_share``)
+    alltoall_comm_units: int | None = None
+    deepep_comm_units: int | None = None
     network_latency_us: float = 0.0  # per message across nodes (also charged per point-to-point send), us
     intra_latency_us: float = 0.0  # per message inside a node (a measured CPU profile: gloo's), us
     # per message across nodes while an all-to-all is on the same link, us: a small collective (the MoE
@@ -94,9 +109,17 @@ class HardwareProfileConfig:
     # a compute node running beside it is slower by as much (k2-bench bench=ep_overlap measures it on its
     # link: the process's CPU seconds over the wall seconds of back-to-back all-to-alls of the run's size)
     alltoall_host_cpu_share: float = 0.0
+    # with comm_stream host_thread: how much longer (>= 1) an all-to-all takes on the wire while the host
+    # computes beside it, its communication threads and the kernel's TCP getting less of the CPU (k2-bench
+    # bench=ep_overlap measures it on its link: back-to-back all-to-alls from the communication thread with
+    # and without a GEMM loop on the main thread)
+    alltoall_beside_compute_slowdown: float = 1.0
     # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
     # (null: not given, e.g. a CPU profile)
     gpu_memory_gib: float | None = None
+    # host memory of one host (``gpus_per_host`` devices), GiB: what offloaded states and an asynchronous
+    # checkpoint's staged copy may use unless cluster.host_memory_gib is set (null: not given)
+    host_memory_gib: float | None = None
     sources: dict[str, Any] = field(default_factory=dict)  # where the numbers come from
 
 
@@ -104,3 +127,8 @@ class HardwareProfileConfig:
 REQUIRED_POSITIVE = ("peak_bf16_tflops", "gemm_bf16_tflops", "attention_tflops", "memory_gbps",
                      "nvlink_gbps", "nvlink_alltoall_gbps", "nvlink_collective_gbps", "network_gbps",
                      "network_alltoall_gbps", "network_collective_gbps", "host_gbps")
+
+
+#: the optional numbers a profile may give, each > 0 where given (null: not given)
+OPTIONAL_POSITIVE = ("nvlink_domain_gpus", "nvlink_alltoall_deepep_gbps", "network_alltoall_deepep_gbps",
+                     "gpu_memory_gib", "host_memory_gib")

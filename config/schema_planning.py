@@ -18,9 +18,10 @@ class ClusterConfig:
     # memory of one GPU, GiB; null = the one plan.hardware's profile names (h800 / h100: 80, h200: 141), 80
     # for a profile without one (e.g. a CPU machine's, measured by k2-bench bench=hardware)
     gpu_memory_gib: float | None = None
-    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use. 2,048 =
-    # the 2 TB of an 8-GPU HGX/DGX H100-class node (K2's H800 nodes: the report gives no figure)
-    host_memory_gib: float = 2048.0
+    # host (CPU) memory of one node, GiB: what offloaded activations and optimizer states may use; null = the
+    # host memory of plan.hardware's profile per GPU x gpus_per_node (h800 / h100 / h200 / b200 / b300: 2,048
+    # per 8-GPU host; an NVL72 compute tray: 960 per 4 GPUs), 2,048 for a profile without one
+    host_memory_gib: float | None = None
     # dense BF16 peak of one GPU in TFLOP/s that MFU (k2-train, k2-plan) and k2-plan's FLOPs-only estimate use;
     # null = peak_bf16_tflops of plan.hardware's profile (h800 / h100 / h200: 989.4); a number overrides it
     peak_tflops: float | None = None
@@ -42,19 +43,17 @@ class WhatIfConfig:
     """``plan.what_if.*``: labelled settings of published runs for ``k2-plan``'s comparisons; k2-train has
     none of them (launcher/planning/step_time.py)."""
 
-    fp8_gemm: bool = False  # GEMMs at the profile's FP8 rate (DeepSeek-V3, Megatron FP8 recipes)
     # FSDP2 under torch's pipelining (NeMo AutoModel): per pipeline flush the gradients are reduce-scattered
     # (exposed) and the parameters gathered again (overlapped but for the first layer's)
     fsdp: bool = False
     dualpipe: bool = False  # DeepSeek's DualPipe: EP all-to-all hidden, 20 of 132 SMs for communication
-    deepep: bool = False  # DeepEP dispatch: FP8 payload with fp8_gemm, one network copy per remote node
+    # megatron's flex dispatcher with DeepEP: DeepEP's all-to-all rates and SMs (the profile's *_deepep_*
+    # figures), an FP8 payload with train.fp8_recipe, one network copy per remote node
+    deepep: bool = False
     node_limit: int | None = None  # node-limited routing: a token goes to at most this many nodes
     # gradient accumulation over this many pipeline schedules per step, each a full flush (fill and drain)
     # of num_microbatches / pipeline_flushes microbatches (torch pipelining's schedule.step() per local batch)
     pipeline_flushes: int = 1
-    # tensor parallelism of a published run: each planned GPU stands for a TP group of this many GPUs (rates
-    # and links x tp, sequence-parallel gathers per layer; plan it with cluster.gpus_per_node / tp)
-    tp: int = 1
     # multi-token-prediction modules on the stage holding the loss (DeepSeek-V3, arXiv 2412.19437 section
     # 2.2: a [2h -> h] projection, one transformer block, the shared output head again, per token)
     mtp_layers: int = 0

@@ -92,8 +92,14 @@ def check_model(m: ModelConfig) -> None:
 
 
 def check_train(t: TrainConfig) -> None:
-    """``train.*``: precision, step counts, intervals."""
+    """``train.*``: precision (the FP8 recipe's with it), step counts, intervals."""
     check_choice(t, "precision", "train.precision")
+    if t.fp8_recipe is not None:
+        check_choice(t, "fp8_recipe", "train.fp8_recipe")
+        if t.precision != "bf16":
+            raise ConfigError(f"train.fp8_recipe={t.fp8_recipe} runs the GEMMs in FP8 beside BF16 weights and "
+                              f"activations (megatron-core's FP8 training); got train.precision={t.precision}; "
+                              "allowed: train.precision=bf16, or train.fp8_recipe=null")
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     if t.save_interval is not None and t.save_interval < 1:
@@ -289,8 +295,9 @@ def check_cluster(c: ClusterConfig) -> None:
     if c.cpu_peak_tflops is not None:
         _require(_finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0, "cluster.cpu_peak_tflops",
                  c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
-    _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
-             "a number > 0 (GiB of host memory per node, e.g. 2048)")
+    if c.host_memory_gib is not None:
+        _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
+                 "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)")
     _require(_finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0, "cluster.checkpoint_write_gbps",
              c.checkpoint_write_gbps, "a number > 0 (GB/s one node writes to storage)")
     if c.mtbf_hours is not None:
@@ -305,7 +312,6 @@ def check_plan(p: PlanConfig) -> None:
     if p.step_time_s is not None:
         _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
                  "seconds > 0, or null")
-    _require(p.what_if.tp >= 1, "plan.what_if.tp", p.what_if.tp, "an integer >= 1")
     _require(p.what_if.pipeline_flushes >= 1, "plan.what_if.pipeline_flushes", p.what_if.pipeline_flushes,
              "an integer >= 1")
     _require(p.what_if.mtp_layers >= 0, "plan.what_if.mtp_layers", p.what_if.mtp_layers, "an integer >= 0")

@@ -73,7 +73,9 @@ def check_backend_config(cfg: K2Config) -> None:
     ``k2.model.moe_grouped_gemm`` (their allowed values are :mod:`k2.config.validate`'s).
 
     Raises:
-        ConfigError: ``pipeline.ep_overlap`` on CUDA without bf16; ``te`` without Transformer Engine or CUDA;
+        ConfigError: ``train.fp8_recipe`` this machine cannot run (:func:`check_fp8_recipe`); a recompute
+            site k2-train does not run (:func:`check_recompute_sites`);
+            ``pipeline.ep_overlap`` on CUDA without bf16; ``te`` without Transformer Engine or CUDA;
         the Triton max-logit kernel without
             Triton and CUDA or with another backend than sdpa;
             grouped experts with widths ``torch._grouped_mm`` cannot take (``k2.model.hidden_size`` and
@@ -81,6 +83,8 @@ def check_backend_config(cfg: K2Config) -> None:
             ``parallel.tp > 1`` (expert tensor parallelism), or a torch without ``_grouped_mm``.
     """
     m = cfg.model
+    check_fp8_recipe(cfg)
+    check_recompute_sites(cfg)
     if cfg.pipeline.ep_overlap and cfg.train.precision != "bf16" and torch.cuda.is_available():
         raise ConfigError(f"pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's combined-"
                           f"1F1B rule), got {cfg.train.precision}; allowed: train.precision=bf16, or "
@@ -109,3 +113,63 @@ def check_backend_config(cfg: K2Config) -> None:
     if cfg.parallel.tp > 1:
         raise ConfigError(f"{why} does not support expert tensor parallelism (parallel.tp={cfg.parallel.tp}); "
                           "allowed: parallel.tp=1, or model.moe_grouped_gemm=false")
+
+
+#: the least CUDA compute capability (major) each ``train.fp8_recipe`` runs on: Transformer Engine's blockwise
+#: FP8 from Hopper (9.0), MXFP8 on Blackwell's tensor cores (10.0)
+FP8_RECIPE_MIN_CAPABILITY = {"blockwise": 9, "mxfp8": 10}
+
+
+def check_fp8_recipe(cfg: K2Config, cuda: bool | None = None, te: bool | None = None,
+                     capability: int | None = None) -> None:
+    """``train.fp8_recipe`` on this machine: the GEMMs in FP8 through Transformer Engine's recipe need a CUDA
+    device of the recipe's generation (:data:`FP8_RECIPE_MIN_CAPABILITY`), Transformer Engine (the ``gpu``
+    extra; its linears then replace megatron's local ones, :func:`k2.model.fp8.te_linear_classes`) and
+    megatron's sequential experts (K2's grouped experts run ``torch._grouped_mm``, which the recipe does not
+    reach). ``cuda``, ``te``, ``capability``: this machine's, unless given.
+
+    Raises:
+        ConfigError: one line naming ``train.fp8_recipe``, what is missing and the allowed values.
+    """
+    recipe = cfg.train.fp8_recipe
+    if recipe is None:
+        return
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    te = te_available() if te is None else te
+    if not (cuda and te):
+        missing = " and ".join(x for x, ok in (("a CUDA device", cuda), ("Transformer Engine (the gpu extra)", te))
+                               if not ok)
+        raise ConfigError(f"train.fp8_recipe={recipe} runs the GEMMs through Transformer Engine's FP8 recipe on "
+                          f"GPUs; this machine lacks {missing}; allowed here: train.fp8_recipe=null (k2-plan "
+                          "prices FP8 GEMMs on any machine)")
+    major = torch.cuda.get_device_capability()[0] if capability is None else capability
+    need = FP8_RECIPE_MIN_CAPABILITY[str(recipe)]
+    if major < need:
+        allowed = [r for r, c in FP8_RECIPE_MIN_CAPABILITY.items() if major >= c]
+        raise ConfigError(f"train.fp8_recipe={recipe} needs a GPU of compute capability {need}.0 or later, this one "
+                          f"is {major}.x; allowed here: {', '.join(allowed + ['null'])}")
+    if resolve_grouped_experts(cfg.model.moe_grouped_gemm, cfg.train.precision, cuda) and cfg.model.num_moe_experts:
+        raise ConfigError(f"train.fp8_recipe={recipe} needs megatron's sequential experts (K2's grouped experts run "
+                          "torch._grouped_mm in BF16, which Transformer Engine's recipe does not reach); allowed: "
+                          "model.moe_grouped_gemm=false, or train.fp8_recipe=null")
+
+
+def check_recompute_sites(cfg: K2Config) -> None:
+    """``memory.recompute`` (and each schedule phase's) holds no site that only ``k2-plan`` plans
+    (:data:`k2.config.schema.PLANNED_ONLY_RECOMPUTE`: megatron's ``core_attn``, ``mlp`` and ``moe`` module
+    recompute, which the K2 layers do not run yet).
+
+    Raises:
+        ConfigError: one line naming the setting, the site and what k2-train runs.
+    """
+    from k2.config.schema import MEMORY_RECOMPUTE_SITES, PLANNED_ONLY_RECOMPUTE
+
+    lists = [("memory.recompute", cfg.memory.recompute)]
+    for i, phase in enumerate(list(cfg.schedule.phases or [])):
+        lists.append((f"schedule.phases.{i}.memory.recompute", (phase.get("memory") or {}).get("recompute")))
+    for setting, sites in lists:
+        planned = [x for x in (sites or ()) if x in PLANNED_ONLY_RECOMPUTE]
+        if planned:
+            runs = [x for x in MEMORY_RECOMPUTE_SITES if x not in PLANNED_ONLY_RECOMPUTE]
+            raise ConfigError(f"{setting} has {', '.join(planned)}: megatron's module recompute, which k2-plan plans "
+                              f"and k2-train does not run yet; allowed for k2-train: {', '.join(runs)}")

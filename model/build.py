@@ -28,6 +28,7 @@ from k2.model.activation_memory import MemoryOptions, megatron_recompute_fields
 from k2.model.activation_memory import install as install_memory
 from k2.model.attention import K2CoreAttention, te_core_attention_class
 from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
+from k2.model.fp8 import fp8_fields, swap_linears, te_linear_classes
 from k2.model.grouped_mlp import K2GroupedMLP
 from k2.model.mlp import K2MLP, K2SequentialMLP, build_k2_shared_experts
 from k2.model.recompute import K2MLASelfAttention, K2TransformerLayer
@@ -185,6 +186,7 @@ def transformer_config(cfg: K2Config, dims, rope_type: str | None = None):
         log_max_attention_logit=resolve_attention_backend(m.attention_backend) == "te",
         # activation memory (model/activation_memory.py): megatron's own selective recompute of layernorm / mla_up_proj
         **megatron_recompute_fields(MemoryOptions.from_config(cfg)),
+        **fp8_fields(t.fp8_recipe, moe=bool(m.num_moe_experts)),
     )
     if m.num_moe_experts:
         kw.update(_moe_fields(m))
@@ -266,9 +268,11 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
 
 def decoder_block_spec(tcfg, vp_stage: int | None, pp_rank: int | None, record_max_logits: bool,
                        attention_backend: str = "eager", grouped_experts: bool = False,
-                       max_logit_kernel: str = "torch"):
+                       max_logit_kernel: str = "torch", linears: dict | None = None):
     """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in
-    (``attention_backend``, ``grouped_experts``, ``max_logit_kernel``: see :func:`_swap_submodules`)."""
+    (``attention_backend``, ``grouped_experts``, ``max_logit_kernel``: see :func:`_swap_submodules`), the
+    linear classes replaced by ``linears`` where given (:func:`swap_linears`; ``train.fp8_recipe``:
+    :func:`te_linear_classes`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(
@@ -281,6 +285,8 @@ def decoder_block_spec(tcfg, vp_stage: int | None, pp_rank: int | None, record_m
         if id(s) not in swapped:
             swapped[id(s)] = _swap_submodules(s, record_max_logits, attention_backend, grouped_experts,
                                               max_logit_kernel)
+            if linears:
+                swapped[id(s)] = swap_linears(swapped[id(s)], linears)
         layers.append(swapped[id(s)])
     block.layer_specs = layers
     return block
@@ -310,7 +316,8 @@ def build_model_chunks(cfg: K2Config, dims, tcfg, memory: MemoryOptions | None =
     Requires megatron ``parallel_state`` to be initialised for ``dims``. Core attention and routed
     experts follow ``k2.model.attention_backend`` and ``k2.model.moe_grouped_gemm`` (``auto`` / null: resolved
     for this process's device, :func:`k2.model.backends.resolve_attention_backend`,
-    :func:`k2.model.backends.resolve_grouped_experts`). The activation memory switches
+    :func:`k2.model.backends.resolve_grouped_experts`); with ``train.fp8_recipe`` the linears are Transformer
+    Engine's (:func:`te_linear_classes`, :func:`fp8_fields`). The activation memory switches
     (``memory``; default: from ``cfg.memory``) are installed on the chunks (``model/activation_memory.py``,
     megatron's selective recompute included: its per-module attributes are set whatever ``tcfg`` says);
     ``memory_switches`` are the other options the run will switch to between steps
@@ -326,6 +333,7 @@ def build_model_chunks(cfg: K2Config, dims, tcfg, memory: MemoryOptions | None =
     reset_moe_process_state()
     backend = resolve_attention_backend(cfg.model.attention_backend)
     grouped = resolve_grouped_experts(cfg.model.moe_grouped_gemm, cfg.train.precision)
+    linears = te_linear_classes() if cfg.train.fp8_recipe is not None else None  # (model/backends.py checked)
     chunks = []
     for v in range(dims.vpp):
         vp_stage = v if dims.vpp > 1 else None
@@ -333,7 +341,7 @@ def build_model_chunks(cfg: K2Config, dims, tcfg, memory: MemoryOptions | None =
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         spec = decoder_block_spec(tcfg, vp_stage, ps.get_pipeline_model_parallel_rank(),
                                   bool(cfg.model.record_max_logits), backend, grouped,
-                                  cfg.model.max_logit_kernel)
+                                  cfg.model.max_logit_kernel, linears)
         model = GPTModel(
             config=tcfg,
             transformer_layer_spec=spec,

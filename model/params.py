@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import re
@@ -205,6 +206,22 @@ def _block_specs(model, moe_local: list[int]) -> dict[str, tuple[ParamSpec, ...]
     return {k: tuple(v) for k, v in blocks.items()}
 
 
+#: the parameters megatron's tensor parallelism splits over the TP ranks (a name containing one of these):
+#: MLA's up-projections and output projection (the q projection without a q latent), the dense and the
+#: shared-expert MLPs, the embedding and the output head (vocabulary-parallel). Whole on every TP rank: the
+#: norms, the router, MLA's down-projections (Transformer Engine's ``duplicated`` linears) and the routed
+#: experts (expert TP 1: :mod:`k2.launcher.planning.tp_layout`).
+TP_SHARDED = ("self_attention.linear_q_up_proj.", "self_attention.linear_kv_up_proj.",
+              "self_attention.linear_q_proj.", "self_attention.linear_proj.", "mlp.linear_fc1.", "mlp.linear_fc2.",
+              "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.", "embedding.word_embeddings.",
+              "output_layer.")
+
+
+def tp_sharded(name: str) -> bool:
+    """A parameter (by its name in the model) that megatron's TP splits over the TP ranks (:data:`TP_SHARDED`)."""
+    return any(x in name for x in TP_SHARDED)
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """Parameter counts (elements) of one K2-family model, per component; see the module docstring.
@@ -278,7 +295,7 @@ class ModelParams:
             self.layer_active(i) for i in range(self.num_layers)
         )
 
-    def stage(self, layers: Iterable[int], has_embedding: bool, has_loss: bool, ep: int = 1) -> int:
+    def stage(self, layers: Iterable[int], has_embedding: bool, has_loss: bool, ep: int = 1, tp: int = 1) -> int:
         """Parameters held by one pipeline stage (virtual stage or a PP rank's chunks together).
 
         Args:
@@ -286,26 +303,37 @@ class ModelParams:
             has_embedding: the stage owns the input embedding.
             has_loss: the stage owns final norm + output head.
             ep: expert-parallel size; routed experts are divided over it (``ep=1``: the stage over its
-                whole EP group; ``ep=parallel.ep``: what one GPU holds, TP = 1).
+                whole EP group; ``ep=parallel.ep``: what one GPU holds).
+            tp: tensor-parallel size; the parameters of :data:`TP_SHARDED` are divided over it (``tp=1``:
+                the whole stage; ``tp=parallel.tp``: what one GPU holds).
 
         With tied embeddings megatron keeps a copy of the embedding as output weight on the loss stage
         when that is not the embedding stage; the copy is counted here (it is memory), not in ``total``.
         """
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"ep={ep} does not divide num_experts={self.num_experts}")
-        n = 0
+        sharded = self._tp_sharded
+        cut = 1 - 1 / tp  # (of a TP-sharded parameter one GPU holds 1 / tp)
+        n = 0.0
         for i in layers:
             if self.moe_pattern[i]:
-                n += self.moe_layer - self.routed_experts + self.routed_experts // ep
+                n += self.moe_layer - self.routed_experts + self.routed_experts // ep - cut * sharded["moe_layer"]
             else:
-                n += self.dense_layer
+                n += self.dense_layer - cut * sharded["dense_layer"]
         if has_embedding:
-            n += self.embedding
+            n += self.embedding - cut * sharded["embedding"]
         if has_loss:
-            n += self.final_norm + self.output_head
+            n += self.final_norm + self.output_head - cut * sharded["final"]
             if self.tied_embeddings and not has_embedding:
-                n += self.embedding
-        return n
+                n += self.embedding - cut * sharded["embedding"]
+        return int(round(n))
+
+    @functools.cached_property
+    def _tp_sharded(self) -> dict[str, int]:
+        """Per block kind the elements of its TP-sharded parameters (:func:`tp_sharded`; the routed experts
+        are not: expert TP 1). Computed once: :meth:`stage` runs per stage of every layout a search tries."""
+        return {kind: sum(sp.numel for sp in self.specs.get(kind, ()) if tp_sharded(sp.name))
+                for kind in ("embedding", "dense_layer", "moe_layer", "final")}
 
     def as_dict(self) -> dict[str, Any]:
         """Per-component counts, derived per-layer numbers and totals, for JSON output."""
@@ -335,7 +363,9 @@ class ModelParams:
 
 
 def _reduced_config(cfg: K2Config, num_layers: int, first_k_dense: int):
-    """``cfg`` with ``k2.model.num_layers`` / ``first_k_dense_replace`` replaced and the single layout."""
+    """``cfg`` with ``k2.model.num_layers`` / ``first_k_dense_replace`` replaced, the single layout and the
+    GEMMs in the training precision (FP8 GEMMs, ``train.fp8_recipe``, hold the same parameters; megatron
+    builds their config only with Transformer Engine)."""
     from omegaconf import OmegaConf
 
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -343,6 +373,7 @@ def _reduced_config(cfg: K2Config, num_layers: int, first_k_dense: int):
     c["model"]["first_k_dense_replace"] = first_k_dense
     c["parallel"].update(tp=1, pp=1, vpp=None, ep=1, layout=None, first_stage_layers=None,
                          last_stage_layers=None)
+    c["train"]["fp8_recipe"] = None
     return OmegaConf.create(c)
 
 

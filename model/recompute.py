@@ -33,10 +33,14 @@ these is on, ``model/activation_memory.py``) the outputs are saved as usual: cor
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 from collections.abc import Callable
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -247,3 +251,19 @@ class K2MLASelfAttention(MLASelfAttention):
     :class:`CheckpointWithoutOutput` (this module)."""
 
     qkv_up_checkpoint = _checkpoint_slot("qkv_up_checkpoint", "mla_up_proj")
+
+    def _resolve_qk_norm_config(self, submodules):
+        """megatron's choice of the Q / KV latent norms and projections, except for a query without a latent
+        (``q_lora_rank`` null: Moonlight-16B-A3B, DeepSeek-V2-Lite) with the latent norms on: megatron-core
+        0.19.2 then asks for a fused norm + linear query projection, which only Transformer Engine has, and
+        which adds a norm the Hugging Face models do not have (their ``q_proj`` reads the layer's normalised
+        input). Here the query projection is the spec's linear without a norm, and the KV latent's norm and
+        up-projection are what megatron resolves for a model with a query latent."""
+        if self.config.q_lora_rank is not None or not self.config.qk_layernorm:
+            return super()._resolve_qk_norm_config(submodules)
+        with_latent = copy.copy(self.config)
+        with_latent.q_lora_rank = 1  # (resolves the KV side as for a model with a query latent and norm)
+        kv = QKNormConfigResolver(with_latent, dataclasses.replace(
+            submodules, q_layernorm=submodules.kv_layernorm)).resolve()
+        return {**kv, "linear_q_proj": submodules.linear_q_proj, "linear_q_up_proj": IdentityOp,
+                "q_layernorm": IdentityOp}

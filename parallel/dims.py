@@ -27,8 +27,10 @@ decoder layers after virtual stage ``i - 1``. The embedding is always on (pp_ran
 loss on (pp_rank pp-1, vpp_stage vpp-1) (a layout that places them elsewhere is rejected).
 
 Megatron carves expert parallelism out of the data-parallel ranks (``parallel_state.py``
-``initialize_model_parallel``: ``world_size % (expert_tp * ep * pp) == 0`` with expert TP = tp), so EP
-needs no extra GPUs: dp = world_size / (tp * pp) and ep must divide tp * dp (= dp while tp = 1).
+``initialize_model_parallel``: ``world_size % (expert_tp * ep * pp) == 0``), so EP needs no extra GPUs:
+dp = world_size / (tp * pp) and, with expert TP 1 (``expert_tensor_parallel_size=1``, the layout of the
+published DeepSeek-V3 TP runs), ep must divide tp * dp (= dp while tp = 1). ``k2-train`` runs TP 1 only;
+``k2-plan`` plans TP (``tp_supported``).
 
 The layer counts per stage and the cost-balanced layouts of the planner are :mod:`k2.parallel.layout`.
 """
@@ -61,7 +63,7 @@ class ParallelDims:
 
     Attributes:
         world_size: total number of ranks (processes; one per GPU, or per CPU rank on gloo).
-        tp: tensor-parallel size (only 1 is supported for now).
+        tp: tensor-parallel size (``k2-train``: 1; ``k2-plan`` plans more, expert TP 1).
         pp: pipeline-parallel size (number of PP ranks).
         vpp: virtual stages (model chunks) per PP rank; 1 = no interleaving (config ``null`` -> 1).
         ep: expert-parallel size, carved out of the DP ranks (megatron's ``expert_model_parallel_size``).
@@ -98,6 +100,7 @@ class ParallelDims:
         world_size: int,
         *,
         world_size_from: str = "launch.nproc_per_node x nodes",
+        tp_supported: bool = False,
     ) -> ParallelDims:
         """Validate ``parallel_cfg`` against ``model_cfg`` and ``world_size`` and build the layer table.
 
@@ -107,12 +110,15 @@ class ParallelDims:
             world_size: number of ranks the job runs on.
             world_size_from: how the caller got ``world_size``, named in error messages
                 (e.g. ``"cluster.nodes x cluster.gpus_per_node"`` for ``k2-plan``).
+            tp_supported: accept ``parallel.tp > 1`` (``k2-plan``: megatron's TP layout with expert TP 1,
+                :mod:`k2.launcher.planning.tp_layout`); ``k2-train`` refuses it.
 
         Returns:
             The validated :class:`ParallelDims`.
 
         Raises:
-            ConfigError: one message naming the offending setting(s) and the allowed values, for: tp != 1;
+            ConfigError: one message naming the offending setting(s) and the allowed values, for: tp != 1
+                (unless ``tp_supported``);
                 pp/ep/vpp < 1; world size not divisible by tp * pp; vpp > 1 with pp = 1; ``k2.parallel.layout``
                 together with ``first/last_stage_layers``; a layout megatron cannot parse, whose stage
                 count is not a multiple of pp, whose vpp disagrees with ``k2.parallel.vpp``, whose number of
@@ -122,10 +128,10 @@ class ParallelDims:
                 dividing tp * dp.
         """
         tp = _positive_int(parallel_cfg.tp, "parallel.tp")
-        if tp != 1:
+        if tp != 1 and not tp_supported:
             raise ConfigError(
-                f"parallel.tp={tp} is not supported yet: tensor parallelism is not wired into the K2 "
-                "model, optimizer and CPU backend; allowed parallel.tp: 1"
+                f"parallel.tp={tp} is not supported by k2-train yet: tensor parallelism is not wired into the "
+                "K2 model, optimizer and CPU backend (k2-plan plans it); allowed parallel.tp: 1"
             )
         pp = _positive_int(parallel_cfg.pp, "parallel.pp")
         ep = _positive_int(parallel_cfg.ep, "parallel.ep")
@@ -181,8 +187,9 @@ class ParallelDims:
 
     @property
     def expert_dp(self) -> int:
-        """Expert data-parallel size (replicas of each expert): tp * dp / (expert_tp * ep) = dp / ep."""
-        return self.dp // self.ep
+        """Expert data-parallel size (replicas of each expert): tp * dp / (expert_tp * ep) with expert TP 1
+        (dp / ep while tp = 1)."""
+        return self.tp * self.dp // self.ep
 
     def virtual_stage(self, pp_rank: int, vpp_stage: int) -> int:
         """Index of (pp_rank, vpp_stage) in pipeline order: ``vpp_stage * pp + pp_rank``."""
@@ -313,18 +320,19 @@ def _check_experts(model_cfg: ModelConfig,
                 "allowed parallel.ep for a dense model: 1"
             )
     elif num_experts % ep != 0:
-        allowed = [d for d in divisors(num_experts) if dp % d == 0]
+        allowed = [d for d in divisors(num_experts) if (tp * dp) % d == 0]
         raise ConfigError(
             f"model.num_moe_experts={num_experts} is not divisible by parallel.ep={ep} (each EP rank "
             f"holds num_moe_experts / ep experts); allowed parallel.ep for this model and "
-            f"dp={dp}: {format_values(allowed)}"
+            f"{'dp' if tp == 1 else 'tp x dp'}={tp * dp}: {format_values(allowed)}"
         )
-    if (tp * dp) % (tp * ep) != 0:  # megatron: world % (expert_tp * ep * pp) == 0, expert_tp = tp
-        allowed = [d for d in divisors(dp) if not num_experts or num_experts % d == 0]
+    if (tp * dp) % ep != 0:  # megatron: world % (expert_tp * ep * pp) == 0, expert TP 1
+        allowed = [d for d in divisors(tp * dp) if not num_experts or num_experts % d == 0]
+        what = f"the data-parallel size dp={dp}" if tp == 1 else f"tp x dp = {tp} x {dp}"
         raise ConfigError(
-            f"parallel.ep={ep} does not divide the data-parallel size dp={dp} (world size "
-            f"{world_size} / (tp={tp} x pp={pp})); megatron-core carves expert parallelism out of "
-            f"the DP ranks; allowed parallel.ep: {format_values(allowed)}"
+            f"parallel.ep={ep} does not divide {what} (world size {world_size} / pp={pp}); megatron-core "
+            f"carves expert parallelism out of the DP ranks (with expert TP 1, the TP x DP ranks); allowed "
+            f"parallel.ep: {format_values(allowed)}"
         )
 
 

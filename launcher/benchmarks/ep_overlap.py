@@ -39,8 +39,17 @@ as measured, and the same on that profile with its compute scaled by the rate's 
 (``calibrated_*``: what the link and the schedule add is then predicted, the compute is the calibration
 run's own; ``calibrated_predicted_ep_comm_host_on_s``: the seconds the all-to-alls' host work adds to the
 compute beside them, from ``link_host_cpu_share``; ``calibrated_predicted_ep_token_counts_on_s``: the
-token-count all-gathers, from ``link_latency_us`` and ``link_loaded_latency_us``); and the goals:
-``speedup >= 1.3``, ``exposed_cut >= 0.6``, both calibrated predictions within 20%.
+token-count all-gathers, from ``link_latency_us`` and ``link_loaded_latency_us``; the all-to-alls' longer time
+on the wire beside the host's compute, ``link_beside_compute_slowdown``); and the goals (:data:`GOALS`), judged
+on what the overlap changes: ``speedup >= 1.3`` and ``exposed_cut >= 0.6`` measured, the calibrated
+prediction's speed-up within 10% of the measured one and its exposed all-to-all with the overlap on within
+30% of the measured one (the calibration, from the rate's unshaped overlap-off run, sets only the compute:
+the off-prediction is near that run by construction and is not a goal).
+
+The run writes its results file itself (``bench.options.results_dir``; :mod:`k2.launcher.benchmarks.results`):
+the options, the machine, per rate every timed step of every run (``raw``: step, pass, exposed and compute
+seconds, all-to-all bytes and counts, losses; the link's probe), the profiles predicted with, and the figures
+above; the table and the JSON record carry the figures and the file's path.
 """
 
 from __future__ import annotations
@@ -87,8 +96,16 @@ _DEFAULTS = {
     "repeats": 5,  # timed calls per hardware / link measurement
     "timeout": 900,  # seconds per trainer run
     "number": 0,  # picks the namespaces' names and subnet (k2.launcher.benchmarks.shaped_link)
+    # where the run writes its results file (k2.launcher.benchmarks.results); "" = benchmarks/results of this
+    # checkout, "none" = no file
+    "results_dir": "",
 }
-GOALS = {"speedup": 1.3, "exposed_cut": 0.6, "prediction_error": 0.2}
+#: the goals, per rate: what the overlap buys as measured (``speedup``: off / on step at least this;
+#: ``exposed_cut``: 1 - on / off exposed all-to-all at least this) and the model's prediction of what it
+#: changes, its compute calibrated only by the rate's unshaped overlap-off run (``speedup_prediction``:
+#: predicted / measured speed-up within this; ``exposed_on_prediction``: predicted / measured exposed
+#: all-to-all with the overlap on within this)
+GOALS = {"speedup": 1.3, "exposed_cut": 0.6, "speedup_prediction": 0.1, "exposed_on_prediction": 0.3}
 
 
 def _model(o: dict) -> list[str]:
@@ -171,17 +188,25 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
 
 
 def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
-    """This machine's profile with the shaped link as the network between two one-rank nodes."""
+    """:func:`_link_profile` written to ``path`` (a profile file); returns the path."""
     from k2.launcher.benchmarks.hardware import write_profile
 
+    write_profile(_link_profile(link_figures, device), str(path))
+    return str(path)
+
+
+def _link_profile(link_figures: dict, device: dict) -> dict:
+    """This machine's profile with the shaped link as the network between two one-rank nodes (the keys of a
+    profile file)."""
     prof = dict(device)
     rate = link_figures["rate_mbit"]
-    prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_node=1,
+    prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_host=1,
                 network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
                 comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
                 alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),
                 # (measure_link's loaded latency is never below its latency; a mapping without one: no queue)
-                network_loaded_latency_us=link_figures.get("loaded_latency_us", link_figures["latency_us"]))
+                network_loaded_latency_us=link_figures.get("loaded_latency_us", link_figures["latency_us"]),
+                alltoall_beside_compute_slowdown=link_figures.get("beside_compute_slowdown", 1.0))
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
         prof.update({f"{side}_gbps": link_figures["alltoall_gbps"],
                      f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
@@ -189,10 +214,9 @@ def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
     prof.setdefault("sources", {})["shaped_link"] = (
         "k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair "
         + (f"shaped with tc tbf at {rate:g} Mbit/s" if rate else "(not shaped)")
-        + " (the run's all-to-all size, 16 back to back, and the process's CPU seconds per wall second of "
-        "them; all-reduce of 1 MiB)")
-    write_profile(prof, str(path))
-    return str(path)
+        + " (the run's all-to-all size, 16 back to back, alone and beside a GEMM loop, and the process's CPU "
+        "seconds per wall second of them; all-reduce of 1 MiB)")
+    return prof
 
 
 def _predicted(o: dict, profile: str) -> dict[str, Any]:
@@ -253,6 +277,7 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
     out = {
         "rate_mbit": rate, "link_alltoall_gbps": lf["alltoall_gbps"], "link_latency_us": lf["latency_us"],
         "link_loaded_latency_us": lf["loaded_latency_us"], "link_host_cpu_share": lf["host_cpu_share"],
+        "link_beside_compute_slowdown": lf.get("beside_compute_slowdown", 1.0),
         **unshaped,
         "step_off_s": off["step_s"], "step_on_s": on["step_s"], "speedup": off["step_s"] / on["step_s"],
         "exposed_a2a_off_s": off["exposed_s"], "exposed_a2a_on_s": on["exposed_s"],
@@ -270,15 +295,32 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
     }
     c = _predicted(o, _profile(o, lf, calibrated, tmp / f"profile-{rate:g}-calibrated.yaml"))
     out.update(calibrated_predicted_off_s=c["off"]["step_s"], calibrated_predicted_on_s=c["on"]["step_s"],
+               calibrated_predicted_speedup=c["speedup"],
                calibrated_predicted_exposed_a2a_on_s=c["on"]["exposed_a2a_s"],
                calibrated_predicted_ep_comm_host_on_s=c["on"]["breakdown_s"].get("ep_comm_host", 0.0),
                calibrated_predicted_ep_token_counts_on_s=c["on"]["breakdown_s"].get("ep_token_counts", 0.0),
                calibrated_predicted_over_measured_off=c["off"]["step_s"] / off["step_s"],
-               calibrated_predicted_over_measured_on=c["on"]["step_s"] / on["step_s"])
-    keys = ["calibrated_predicted_over_measured_off", "calibrated_predicted_over_measured_on"]
-    out["goals_met"] = (out["speedup"] >= GOALS["speedup"] and out["exposed_cut"] >= GOALS["exposed_cut"]
-                        and all(abs(out[k] - 1) <= GOALS["prediction_error"] for k in keys))
+               calibrated_predicted_over_measured_on=c["on"]["step_s"] / on["step_s"],
+               calibrated_predicted_over_measured_speedup=c["speedup"] / out["speedup"],
+               calibrated_predicted_over_measured_exposed_on=(c["on"]["exposed_a2a_s"] / on["exposed_s"]
+                                                              if on["exposed_s"] > 0 else float("inf")))
+    out["goals"] = goals_met(out)
+    out["goals_met"] = all(out["goals"].values())
+    # what the figures come from: the profiles predicted with, every timed step of every run, the link's probe
+    out["profile"] = _link_profile(lf, device)
+    out["calibrated_profile"] = _link_profile(lf, calibrated)
+    out["raw"] = {"link": lf, "off_runs": runs[False], "on_runs": runs[True], "unshaped": measured["unshaped"]}
     return out
+
+
+def goals_met(case: dict) -> dict[str, bool]:
+    """Each of :data:`GOALS` for one rate's figures (:func:`_rate_case`)."""
+    return {"speedup": case["speedup"] >= GOALS["speedup"],
+            "exposed_cut": case["exposed_cut"] >= GOALS["exposed_cut"],
+            "speedup_prediction": abs(case["calibrated_predicted_over_measured_speedup"] - 1)
+            <= GOALS["speedup_prediction"],
+            "exposed_on_prediction": abs(case["calibrated_predicted_over_measured_exposed_on"] - 1)
+            <= GOALS["exposed_on_prediction"]}
 
 
 #: the step-time terms of compute on the rank (they scale with its speed); the rest is communication
@@ -372,6 +414,26 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
                         for i, rate in enumerate(rates)]
             device = median_measurement([before, _device(ranks, o)])
         cases = [_rate_case(o, m, device, tmp) for m in measured]
-    return {"model": o["model"], "layout": "PP1 x EP2 x DP2, one rank per node", "rates_mbit": rates,
-            **calibration, "goals": GOALS, "cases": cases,
-            "all_goals_met": all(c["goals_met"] for c in cases)}
+    figures = {"model": o["model"], "layout": "PP1 x EP2 x DP2, one rank per node", "rates_mbit": rates,
+               **calibration, "goals": GOALS, "cases": cases, "device_profile": device,
+               "all_goals_met": all(c["goals_met"] for c in cases)}
+    path = write_record(o, figures)
+    # the table and the JSON record: the derived figures (the raw timings and the profiles are in the file)
+    brief = {k: v for k, v in figures.items() if k not in ("cases", "device_profile")}
+    brief["cases"] = [{k: v for k, v in c.items() if k not in _FILE_ONLY} for c in cases]
+    return {**brief, "results_file": str(path) if path else None}
+
+
+#: a rate's entries that only the results file holds (every timed step, the profiles)
+_FILE_ONLY = ("raw", "profile", "calibrated_profile")
+
+
+def write_record(o: dict, figures: dict) -> Path | None:
+    """The run's results file (:mod:`k2.launcher.benchmarks.results`: written only now, the run complete) in
+    ``bench.options.results_dir`` ("" = ``benchmarks/results``; ``none``: no file). Returns its path."""
+    from k2.launcher.benchmarks.results import RESULTS_DIR, results_record, write_results
+
+    if o["results_dir"] == "none":
+        return None
+    options = {k: v for k, v in o.items() if k != "results_dir"}
+    return write_results(results_record("ep_overlap", options, figures), o["results_dir"] or RESULTS_DIR)

@@ -225,7 +225,7 @@ def measure_profile(threads: int, ranks: int, repeats: int, *, name: str = "", g
     when = datetime.date.today().isoformat()
     prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
     prof.update(name=name or ("measured-" + ("cuda" if dev["gemm_bf16_tflops"] > 50 else "cpu")),
-                gpus_per_node=max(ranks, 1), peak_bf16_tflops=dev["gemm_bf16_tflops"],
+                gpus_per_host=max(ranks, 1), peak_bf16_tflops=dev["gemm_bf16_tflops"],
                 peak_fp8_tflops=2 * dev["gemm_bf16_tflops"], host_gbps=dev["memory_gbps"] / 2,
                 nongemm_share=0.0)
     c = coll or {"collective_gbps": dev["memory_gbps"] / 2, "p2p_gbps": dev["memory_gbps"] / 2, "latency_us": 0.0}

@@ -64,7 +64,7 @@ def device_profile(nproc: int, threads: int, repeats: int, ranks: OperatorRanks,
     main job's model measured by ``nproc`` of ``ranks``' processes at once (they contend for the cores as
     that many trainer ranks do), and the links from ``coll`` (``collective_gbps``, ``p2p_gbps``,
     ``latency_us``: :func:`k2.launcher.benchmarks.hardware.measure_collectives`), inside and across nodes
-    alike (``gpus_per_node`` = ``nproc``).
+    alike (``gpus_per_host`` = ``nproc``).
 
     Returns:
         ``{"profile": the keys of a hardware profile file, "operator_cost": the per-part figures}``.
@@ -77,7 +77,7 @@ def device_profile(nproc: int, threads: int, repeats: int, ranks: OperatorRanks,
     dev.update(operator_profile_keys(dev["operator_cost"]))
     dev["peak_bf16_tflops"] = dev["gemm_bf16_tflops"]
     prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
-    prof.update(name=name or f"measured-{nproc}x{threads}", gpus_per_node=nproc,
+    prof.update(name=name or f"measured-{nproc}x{threads}", gpus_per_host=nproc,
                 host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
                 network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
                 sources={"measured": f"k2-bench, {threads} threads per rank, {nproc} ranks"})

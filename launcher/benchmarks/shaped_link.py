@@ -183,6 +183,16 @@ dist.barrier(); c, t = cpu(), time.perf_counter()
 for _ in range(max(1, int(os.environ["K2_REPEATS"]) // 2)):
     streamed()
 res["big_cpu_share"] = (cpu() - c) / (time.perf_counter() - t)
+# the same all-to-alls from the communication thread while the main thread computes (GEMMs until they are
+# done): how much longer they take on the wire beside the host's compute
+a = torch.randn(256, 256)
+def beside():
+    f = stream.submit(burst)
+    while not f.done():
+        a @ a
+    f.result()
+beside()
+res["big_beside_compute"] = best(beside, max(1, int(os.environ["K2_REPEATS"]) // 2)) / 16
 # a small all-gather (megatron's token counts before each dispatch: 8 int64 per rank, its own process
 # group, from the main thread) while all-to-alls are on the wire: it queues behind their bytes
 group = dist.new_group([0, 1])
@@ -216,13 +226,14 @@ dist.destroy_process_group()
 
 
 def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
-                 alltoall_bytes: int = 1 << 20) -> dict[str, float]:
+                 alltoall_bytes: int = 1 << 20, port: int = 29612) -> dict[str, float]:
     """gloo's all-to-all and all-reduce between the two nodes, as the step-time model reads them.
 
     Args:
         alltoall_bytes: bytes each rank puts into the measured all-to-all (half of them go to the other
             rank): a run's own message size, since tbf's token bucket lets short messages through faster
             than its rate.
+        port: the rendezvous port on node 0.
 
     Returns:
         ``alltoall_gbps`` (GB/s each rank sends to the other, 1e9 bytes: the all-to-all's remote half over its
@@ -232,11 +243,14 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
         wall second of those back-to-back all-to-alls: the share of a core the link's all-to-all takes from
         the compute beside it, k2-plan's ``alltoall_host_cpu_share``), ``loaded_latency_us`` (``latency_us``
         plus what a small all-gather on another process group takes longer, median, while all-to-alls of
-        that size run back to back from a communication thread: k2-plan's ``network_loaded_latency_us``).
+        that size run back to back from a communication thread: k2-plan's ``network_loaded_latency_us``),
+        ``beside_compute_slowdown`` (those back-to-back all-to-alls' time less the latency, from the
+        communication thread while the main thread runs GEMMs, over the same alone; at least 1: k2-plan's
+        ``alltoall_beside_compute_slowdown``).
     """
     alltoall_bytes = max(8, int(alltoall_bytes) // 8 * 8)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K2_REPEATS": str(repeats), "K2_BYTES": str(alltoall_bytes)}
-    res = link.run_pair([sys.executable, "-c", _PROBE], env, cwd or Path.cwd(), timeout=300, port=29612)
+    res = link.run_pair([sys.executable, "-c", _PROBE], env, cwd or Path.cwd(), timeout=300, port=port)
     line = [ln for ln in res[0].stdout.splitlines() if ln.startswith("K2PROBE ")][0]
     import json
 
@@ -246,4 +260,5 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
     return {"alltoall_gbps": remote / max(r["big"] - lat, 1e-9) / 1e9,
             "collective_gbps": (1 << 20) * 2 * (2 - 1) / 2 / max(r["all_reduce_1mib"] - lat, 1e-9) / 1e9,
             "latency_us": lat * 1e6, "host_cpu_share": r["big_cpu_share"],
-            "loaded_latency_us": max(lat, lat + r["loaded_gather"] - r["small_gather"]) * 1e6}
+            "loaded_latency_us": max(lat, lat + r["loaded_gather"] - r["small_gather"]) * 1e6,
+            "beside_compute_slowdown": max(1.0, (r["big_beside_compute"] - lat) / max(r["big"] - lat, 1e-9))}

@@ -48,6 +48,9 @@ offload, ``F`` FP8 storage, ``R`` recompute drops it):
 * routed experts' permuted input ``B Tk h`` [F moe_fc1_input; O moe_fc1_input]; router (FP32 scores
   and INT64 routing map ``16 T E``, top-k values and indices ``12 Tk``, ``8 T``, ``16 E + 4``);
   permutation indices ``32 Tk``; expert probabilities ``4 Tk``;
+* megatron's module recompute sites (``k2-plan`` only; ``k2-train`` refuses them): ``core_attn`` drops core
+  attention's saved tensors (its inputs q, k, v stay), ``mlp`` a dense layer's SwiGLU MLP, ``moe`` a MoE
+  layer's router, permutation, routed and shared experts (the MLP norm's output, their input, stays);
 * ``moe_down_proj``: megatron-core 0.19.2's ``SequentialMLP`` scales by the router probabilities *before*
   ``linear_fc2`` (saving the SwiGLU output before the scaling); with the switch on, the routed experts
   scale ``linear_fc2``'s output instead (K2's placement, ``model/mlp.py``), and that output ``[Tk, h]``,
@@ -140,13 +143,16 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
                           Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
 
 
-def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool) -> list[Saved]:
-    out = [Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input"),
-           Saved(f"{prefix}.silu_output", tokens * width, B, recompute="swiglu")]
+def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool, module: str) -> list[Saved]:
+    """A SwiGLU MLP's saved tensors; ``module``: the recompute site that re-runs the whole MLP (megatron's
+    ``mlp`` for a dense layer's, ``moe`` for a MoE layer's experts), which drops all of them."""
+    out = [Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input", recompute=module),
+           Saved(f"{prefix}.silu_output", tokens * width, B, recompute=("swiglu", module))]
     if routed:
         # with moe_down_proj the probabilities multiply fc2's output instead (model/mlp.py): not saved
-        out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B, recompute=("swiglu", "moe_down_proj")))
-    out.append(Saved(f"{prefix}.fc2_input", tokens * width, B, "fc2_input", recompute="swiglu"))
+        out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B,
+                         recompute=("swiglu", "moe_down_proj", module)))
+    out.append(Saved(f"{prefix}.fc2_input", tokens * width, B, "fc2_input", recompute=("swiglu", module)))
     return out
 
 
@@ -185,12 +191,13 @@ def layer_saved(model_cfg: ModelConfig,
     # core attention saves the up-projections' outputs (SDPA) or views of them (the CPU path), which the
     # mla_up_proj recompute drops (model/recompute.py marks every output of the recomputed function)
     out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn", recompute="mla_up_proj"))
+    # (megatron's core_attn recompute checkpoints core attention: its inputs q, k, v stay, these go)
     if fused_kernels:
-        out += [Saved("core_attn.output", T * H * d_v, B, "core_attn"),
-                Saved("core_attn.logsumexp", T * H, 4, "core_attn")]
+        out += [Saved("core_attn.output", T * H * d_v, B, "core_attn", recompute="core_attn"),
+                Saved("core_attn.logsumexp", T * H, 4, "core_attn", recompute="core_attn")]
     else:
-        out += [Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn"),
-                Saved("core_attn.causal_mask", s * s, 1, "core_attn")]
+        out += [Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn", recompute="core_attn"),
+                Saved("core_attn.causal_mask", s * s, 1, "core_attn", recompute="core_attn")]
     # cos and sin in the compute dtype, for q and for k: made inside the up-projections' function, which
     # the mla_up_proj checkpoint runs without autograd (the frequencies it saves instead are megatron's
     # RotaryEmbedding lru_cache entry, held for the whole run: no bytes per microbatch)
@@ -199,19 +206,20 @@ def layer_saved(model_cfg: ModelConfig,
     out += _norm("mlp_norm", T, h, B, fused_kernels, "mlp_input", "layernorm")
     out.append(Saved("mlp_norm.output", T * h, B, recompute="layernorm"))
     if not moe:
-        return out + _swiglu("dense_mlp", T, int(m.ffn_hidden_size), B, routed=False)
+        return out + _swiglu("dense_mlp", T, int(m.ffn_hidden_size), B, routed=False, module="mlp")
     E, k = int(m.num_moe_experts), int(m.moe_router_topk)
     Tk = T * k
+    # (megatron's moe recompute checkpoints the MoE layer: its input, the MLP norm's output, stays)
     out += [
-        Saved("router", 16 * T * E + 12 * Tk + 8 * T + 16 * E + 4, 1),
-        Saved("permutation_indices", Tk, 32),
-        Saved("routed.fc1_input", Tk * h, B, "moe_fc1_input", "moe_fc1_input"),
-        Saved("routed.probs", Tk, 4),
+        Saved("router", 16 * T * E + 12 * Tk + 8 * T + 16 * E + 4, 1, recompute="moe"),
+        Saved("permutation_indices", Tk, 32, recompute="moe"),
+        Saved("routed.fc1_input", Tk * h, B, "moe_fc1_input", "moe_fc1_input", recompute="moe"),
+        Saved("routed.probs", Tk, 4, recompute="moe"),
     ]
-    out += _swiglu("routed", Tk, int(m.moe_ffn_hidden_size), B, routed=True)
+    out += _swiglu("routed", Tk, int(m.moe_ffn_hidden_size), B, routed=True, module="moe")
     f_s = m.moe_shared_expert_intermediate_size
     if f_s:
-        out += _swiglu("shared", T, int(f_s), B, routed=False)
+        out += _swiglu("shared", T, int(f_s), B, routed=False, module="moe")
     return out
 
 

@@ -42,7 +42,7 @@ def rank_params(dims, counts, rank: int, dualpipe: bool) -> RankParams:
         other_layers, other_embedding, other_loss = dims.pp_rank_contents(dims.pp - 1 - rank)
         layers = sorted(set(layers) | set(other_layers))
         embedding, loss = embedding or other_embedding, loss or other_loss
-    per_gpu = counts.stage(layers, embedding, loss, ep=dims.ep)
+    per_gpu = counts.stage(layers, embedding, loss, ep=dims.ep, tp=dims.tp)
     expert = sum(counts.moe_pattern[i] for i in layers) * counts.routed_experts // dims.ep
     return RankParams(layers, embedding, loss, dense=per_gpu - expert, expert=expert)
 

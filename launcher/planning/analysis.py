@@ -62,11 +62,29 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
 
 
 def cluster_profile(cfg: K2Config):
-    """The hardware profile ``plan.hardware`` names, on ``cluster.gpus_per_node`` GPUs per node (the
-    cluster's node size decides which links a group crosses)."""
+    """The hardware profile ``plan.hardware`` names, on ``cluster.gpus_per_node`` GPUs per host: the
+    cluster's node is a host (its memory, its CPUs); the NVLink domain, which decides the links a group
+    crosses, is the profile's ``nvlink_domain_gpus`` where it gives one (an NVL72 rack), else the node."""
     import dataclasses
 
-    return dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_node=int(cfg.cluster.gpus_per_node))
+    return dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_host=int(cfg.cluster.gpus_per_node))
+
+
+#: host memory per node planned with when neither ``cluster.host_memory_gib`` nor the profile names one
+#: (GiB): the 2 TB of an 8-GPU HGX / DGX H100-class node
+DEFAULT_HOST_MEMORY_GIB = 2048.0
+
+
+def host_memory_gib(cfg: K2Config) -> float:
+    """Host memory of one node that ``k2-plan`` (and ``k2-train``'s check) plans with, GiB:
+    ``cluster.host_memory_gib`` when set, else the profile's ``host_memory_gib`` per host scaled to
+    ``cluster.gpus_per_node`` GPUs (the same memory per GPU), else :data:`DEFAULT_HOST_MEMORY_GIB`."""
+    if cfg.cluster.host_memory_gib is not None:
+        return float(cfg.cluster.host_memory_gib)
+    prof = load_profile(str(cfg.plan.hardware))
+    if prof.host_memory_gib is None:
+        return DEFAULT_HOST_MEMORY_GIB
+    return float(prof.host_memory_gib) * int(cfg.cluster.gpus_per_node) / prof.gpus_per_host
 
 
 #: GPU memory planned with when neither ``cluster.gpu_memory_gib`` nor the profile names one (GiB)
@@ -138,7 +156,7 @@ def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: i
     (:mod:`k2.launcher.planning.memory`) is the fullest GPU of each PP rank, host memory the fullest node
     (:func:`host_bytes_per_node`, plus the copy an asynchronous checkpoint save stages there:
     :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The layout fits only when every phase fits
-    both the GPU memory (:func:`gpu_memory_gib`) and ``cluster.host_memory_gib`` per node.
+    both the GPU memory (:func:`gpu_memory_gib`) and the host memory per node (:func:`host_memory_gib`).
 
     With ``max_microbatches`` (the search), at most that many microbatches are simulated (a multiple of
     pp) and the rest of the step is extrapolated at the busiest rank's per-microbatch time; exact for
@@ -158,7 +176,7 @@ def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: i
     profile = cluster_profile(cfg)
     staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
     capacity = gpu_memory_gib(cfg) * 2**30
-    host_capacity = float(cfg.cluster.host_memory_gib) * 2**30
+    host_capacity = host_memory_gib(cfg) * 2**30
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
     lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
     if not lower_bound:
@@ -254,8 +272,9 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
 def check_host_memory(cfg: K2Config, dims, schedule) -> None:
     """``k2-train``'s check, before any process group starts, that every phase's host memory per node
     (offloaded optimizer states + the peak of offloaded activations, :func:`analyse_layout`'s
-    ``host_bytes_per_node``) fits ``cluster.host_memory_gib``. A run that offloads nothing is not planned
-    (its host bytes are 0). ``k2-plan`` reports the same figures as ``fits: false`` instead of an error.
+    ``host_bytes_per_node``) fits the host memory of a node (:func:`host_memory_gib`). A run that offloads
+    nothing is not planned (its host bytes are 0). ``k2-plan`` reports the same figures as ``fits: false``
+    instead of an error.
 
     Raises:
         ConfigError: naming ``cluster.host_memory_gib``, the phase, the GiB it needs per node and the GiB
@@ -269,7 +288,7 @@ def check_host_memory(cfg: K2Config, dims, schedule) -> None:
     a = analyse_layout(cfg, dims, count_params(cfg), schedule)
     worst = max(a["phases"], key=lambda row: row["host_bytes_per_node"])
     if not worst["fits_host"]:
-        need, have = worst["host_bytes_per_node"] / 2**30, float(cfg.cluster.host_memory_gib)
+        need, have = worst["host_bytes_per_node"] / 2**30, host_memory_gib(cfg)
         gib = lambda x: f"{x:,.1f}" if x >= 1 else f"{x:.3g}"  # noqa: E731
         raise ConfigError(
             f"cluster.host_memory_gib={have:g}: phase '{worst['phase']}' needs {gib(need)} GiB of host memory "

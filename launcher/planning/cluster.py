@@ -28,7 +28,7 @@ schedule config, without a GPU or a process group:
 ``pipeline``, ``flops_per_token``, ``flops``, ``global_batch_tokens``, ``num_microbatches``,
 ``step_time_s_estimated``, ``step_time_breakdown_s``, ``ep_overlap_requested`` / ``ep_overlap`` /
 ``ep_overlap_note`` (``pipeline.ep_overlap`` and whether the main phase runs it, or why not), ``ep_comm_s``
-(its all-to-alls exposed and hidden), ``tokens_per_s_per_gpu_estimated``, ``hardware``,
+(its all-to-alls exposed and hidden), ``tokens_per_s_per_gpu_estimated``, ``hardware``, ``gemm_precision``,
 ``what_if``, ``step_time_s_flops_only``, ``mfu_estimated``, ``gpu_hours_estimated`` (every phase's steps
 x its estimated step x GPUs), ``checkpoint``
 (:func:`k2.launcher.planning.checkpoint.checkpoint_plan`), with ``plan.step_time_s`` also ``model_tflops_per_gpu``
@@ -51,10 +51,12 @@ from k2.launcher.planning.analysis import (
     cluster_profile,
     flops_only_step_time,
     gpu_memory_gib,
+    host_memory_gib,
 )
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.pipeline_sim import PipelineResult
-from k2.launcher.planning.search import WORLD_FROM, search_layouts
+from k2.launcher.planning.search import WORLD_FROM
+from k2.launcher.planning.verdict import search_verdict, with_layout
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
@@ -83,21 +85,24 @@ class ClusterPlan:
 
 
 def check_model_parallel_group(cfg: K2Config, world: int) -> None:
-    """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group
-    (TP x PP x EP GPUs; K2: PP16 x EP16 = 256 GPUs = 32 nodes) is reused for any node count that is a
-    multiple of it.
+    """K2's rule (K2 report, "Training system"; ``docs/k2_reference.md``): one model-parallel group (PP x
+    the larger of TP and EP's common multiple: EP spans the TP x DP ranks with expert TP 1; K2: PP16 x EP16 =
+    256 GPUs = 32 nodes) is reused for any node count that is a multiple of it.
 
     Raises:
         ConfigError: ``world`` is not a multiple of the group, naming the allowed ``cluster.nodes``.
     """
     par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
-    group = int(par.tp or 1) * int(par.pp or 1) * int(par.ep or 1)
+    tp, pp, ep = int(par.tp or 1), int(par.pp or 1), int(par.ep or 1)
+    group = pp * math.lcm(tp, ep)
     if group < 1 or world % group == 0:
         return
     step = math.lcm(group, gpn) // gpn
+    shape = f"parallel.pp={pp} x parallel.ep={ep}" if tp == 1 else \
+        f"parallel.pp={pp} x lcm(parallel.tp={tp}, parallel.ep={ep})"
     raise ConfigError(
         f"cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node={gpn} = {world} GPUs is not a multiple "
-        f"of the model-parallel group parallel.pp={par.pp} x parallel.ep={par.ep} = {group} GPUs "
+        f"of the model-parallel group {shape} = {group} GPUs "
         f"({group / gpn:g} nodes); the group is reused for any node count that is a multiple of {step} "
         f"(allowed cluster.nodes: {step}, {2 * step}, {3 * step}, ...)"
     )
@@ -111,13 +116,18 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
             setting megatron cannot build, naming the setting.
     """
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    verdict = rows = counts = None
+    if cfg.plan.search:  # the search first: the plan below is of the layout it recommends (verdict module)
+        counts = _count_params(cfg)
+        rows, verdict = search_verdict(cfg, world, counts)
+        if verdict["recommended"] is not None:
+            cfg = with_layout(cfg, verdict["recommended"])  # (parallel.* only: the counts stand)
     check_model_parallel_group(cfg, world)
-    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM,
+                                    tp_supported=True)
     schedule = resolve_schedule(cfg, dims)
-    try:
-        counts = count_params(cfg)
-    except ValueError as e:  # e.g. model.first_k_dense_replace out of range
-        raise ConfigError(str(e)) from None
+    if counts is None:
+        counts = _count_params(cfg)
     a = analyse_layout(cfg, dims, counts, schedule)
     report = {
         **_identity(cfg, dims, counts),
@@ -138,15 +148,34 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
                                            cluster_profile(cfg).host_gbps)
     report["checkpoint"]["staged_host_bytes_per_node_pinned"] = (report["checkpoint"]["staged_host_bytes_per_node"]
                                                                  * a["staged_pinned_ratio"])
-    if cfg.plan.search:
-        report["search"] = search_layouts(cfg, world, counts)
+    if verdict is not None:
+        report["search"] = rows
+        report["verdict"] = _verdict(verdict, report)
     return ClusterPlan(report, schedule, a["main"]["sim"])
+
+
+def _count_params(cfg: K2Config) -> ModelParams:
+    """:func:`k2.model.params.count_params` (it ignores ``parallel.*``), a bad model setting as a ConfigError."""
+    try:
+        return count_params(cfg)
+    except ValueError as e:  # e.g. model.first_k_dense_replace out of range
+        raise ConfigError(str(e)) from None
+
+
+def _verdict(verdict: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """The search's verdict (:func:`k2.launcher.planning.verdict.search_verdict`) with the recommended layout's
+    step, MFU and the two largest terms of its step (``dominant``: ``[term, seconds]``)."""
+    terms = sorted(report["step_time_breakdown_s"].items(), key=lambda kv: -kv[1])
+    return {**verdict, "step_time_s_estimated": report["step_time_s_estimated"],
+            "mfu_estimated": report["mfu_estimated"], "dominant": [list(t) for t in terms[:2]],
+            "memory_per_gpu_bytes": report["memory_per_gpu_bytes"]["total"],
+            "gpu_memory_bytes": report["gpu_memory_bytes"]}
 
 
 def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
     """Model, cluster, parallel sizes and the layer table."""
     gpn = cfg.cluster.gpus_per_node
-    group = dims.tp * dims.pp * dims.ep
+    group = dims.pp * math.lcm(dims.tp, dims.ep)
     return {
         "model": cfg.model.name,
         "parallel": cfg.parallel.name,
@@ -155,10 +184,12 @@ def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[st
         "gpus_per_node": gpn,
         "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
                     "gpu_memory_gib": gpu_memory_gib(cfg),
-                    "host_memory_gib": float(cfg.cluster.host_memory_gib),
+                    "host_memory_gib": host_memory_gib(cfg),
                     "peak_tflops": peak_tflops(cfg)},
         "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
-                                 "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}"},
+                                 "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}",
+                                 # k2-train runs TP 1 only; k2-plan plans megatron's TP layout
+                                 "k2_train_runs": dims.tp == 1},
         "tp": dims.tp,
         "pp": dims.pp,
         "vpp": dims.vpp,
@@ -201,7 +232,7 @@ def _pp_ranks(dims: ParallelDims, counts: ModelParams, memory: list) -> list[dic
     rows = []
     for r in range(dims.pp):
         layers, emb, loss = dims.pp_rank_contents(r)
-        per_gpu = counts.stage(layers, emb, loss, ep=dims.ep)
+        per_gpu = counts.stage(layers, emb, loss, ep=dims.ep, tp=dims.tp)
         rows.append({
             "pp_rank": r,
             "layers": layers,
@@ -274,6 +305,8 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
         "ep_comm_s": st.ep_comm,
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,
+        # the layers' GEMMs: train.fp8_recipe's FP8 scaling, else train.precision
+        "gemm_precision": str(cfg.train.fp8_recipe or cfg.train.precision),
         "what_if": st.what_if,
         "mfu_estimated": mfu(step_flops, est, dims.world_size, peak_tflops(cfg))[1],
         "step_time_s_flops_only": flops_only,

@@ -1,10 +1,12 @@
 """Communication of one training step for ``k2-plan``'s step-time model: bytes and seconds per GPU.
 
-Placement (megatron-core's rank order ``tp-cp-ep-dp-pp``, :func:`k2.launcher.planning.analysis.pp_rank_of`):
-an EP group is ``tp x ep`` consecutive ranks, so it stays inside a node while ``tp x ep <=
-gpus_per_node``; a DP group (and an expert-DP group) lies inside one PP rank's ``world / pp`` consecutive
-ranks and crosses nodes when those exceed a node; consecutive PP ranks are ``world / pp`` ranks apart, so
-their activations cross nodes when ``world / pp >= gpus_per_node``.
+Placement (megatron-core's rank order ``tp-cp-ep-dp-pp``, :func:`k2.launcher.planning.analysis.pp_rank_of`)
+against the profile's NVLink domain (``domain_gpus``: one host's GPUs, or an NVL72 rack's 72): an EP group is
+``ep`` consecutive ranks (expert TP 1: megatron's expert rank order ``etp-ep-dp-pp``), so it stays on NVLink
+while ``ep <= domain_gpus``; a DP group (and an expert-DP group) lies inside one PP rank's ``world / pp``
+consecutive ranks and leaves the domain when those exceed it; consecutive PP ranks are ``world / pp`` ranks
+apart, so their activations cross domains when ``world / pp >= domain_gpus``. "Across nodes" below means
+across NVLink domains (the network).
 
 Rates: a link carries ``bytes / achieved GB/s`` (the profile's measured all-to-all / collective figures,
 not the link peaks), plus the profile's per-message latency across nodes. An all-to-all uses the
@@ -44,14 +46,16 @@ def expected_nodes_hit(k: int, nodes: int, node_limit: int | None = None) -> flo
     return min(hit, node_limit) if node_limit else hit
 
 
-def ep_alltoall(tokens: float, k: int, hidden: int, ep: int, tp: int, profile: HardwareProfile, *,
-                bytes_per_element: float, dedup_nodes: bool = False, node_limit: int | None = None) -> AllToAll:
-    """Dispatch (or combine) of ``tokens`` tokens, ``k`` expert copies each, over an EP group of ``ep``.
+def ep_alltoall(tokens: float, k: int, hidden: int, ep: int, profile: HardwareProfile, *,
+                bytes_per_element: float, deepep: bool = False, node_limit: int | None = None) -> AllToAll:
+    """Dispatch (or combine) of ``tokens`` tokens (one GPU's), ``k`` expert copies each, over an EP group of
+    ``ep`` consecutive ranks (expert TP 1).
 
     Each copy of ``hidden`` elements goes to the rank holding its expert; balanced routing sends
-    ``(ep - 1) / ep`` of them off the rank, ``(g - 1) / ep`` inside the node (``g = min(ep, gpus_per_node /
-    tp)`` EP ranks per node) and ``(ep - g) / ep`` across nodes. ``dedup_nodes`` (DeepEP's NVLink
-    forwarding, a what-if): a token crosses the network once per remote node it visits
+    ``(ep - 1) / ep`` of them off the rank, ``(g - 1) / ep`` inside the NVLink domain (``g = min(ep,
+    domain_gpus)`` EP ranks per domain) and ``(ep - g) / ep`` across domains, at NCCL's all-to-all rates
+    (megatron's ``alltoall`` dispatcher). ``deepep`` (megatron's ``flex`` dispatcher, a what-if): DeepEP's
+    rates, and its NVLink forwarding: a token crosses the network once per remote domain it visits
     (:func:`expected_nodes_hit`), then NVLink fans it out.
 
     Returns:
@@ -59,25 +63,25 @@ def ep_alltoall(tokens: float, k: int, hidden: int, ep: int, tp: int, profile: H
     """
     if ep <= 1 or tokens <= 0 or k <= 0:
         return AllToAll(0.0, 0.0, 0.0)
-    g = max(1, min(ep, profile.gpus_per_node // max(tp, 1)))
+    g = max(1, min(ep, profile.domain_gpus))
     per_copy = hidden * bytes_per_element
     copies = tokens * k
     intra = copies * (g - 1) / ep * per_copy
     nodes = math.ceil(ep / g)
     if nodes <= 1:
         inter = 0.0
-    elif dedup_nodes:
+    elif deepep:
         inter = tokens * expected_nodes_hit(k, nodes, node_limit) * (nodes - 1) / nodes * per_copy
     else:
         inter = copies * (ep - g) / ep * per_copy
-    seconds = max(intra / (profile.nvlink_alltoall_gbps * 1e9),
-                  inter / (profile.network_alltoall_gbps * 1e9) + (profile.network_latency_us * 1e-6 if inter else 0))
+    nvlink, network = profile.alltoall_gbps(deepep)
+    seconds = max(intra / (nvlink * 1e9), inter / (network * 1e9) + (profile.network_latency_us * 1e-6 if inter else 0))
     return AllToAll(intra, inter, seconds)
 
 
 def crosses_nodes(group_span: int, profile: HardwareProfile) -> bool:
-    """True when a group spread over ``group_span`` consecutive ranks leaves one node."""
-    return group_span > profile.gpus_per_node
+    """True when a group spread over ``group_span`` consecutive ranks leaves one NVLink domain."""
+    return group_span > profile.domain_gpus
 
 
 def p2p_seconds(nbytes: float, cross_node: bool, profile: HardwareProfile) -> float:

@@ -29,6 +29,7 @@ Host memory (``host_pinned``): the offloaded optimizer states and activations as
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,7 @@ def nccl_communicators(dims) -> int:
     (send/recv) and the embedding group (tied or first/last-stage gradients), TP, and the model-parallel
     group (the global gradient norm), each when it has more than one rank."""
     sizes = [dims.world_size, dims.dp, dims.expert_dp, dims.ep, dims.pp, dims.pp, dims.tp,
-             dims.tp * dims.pp * dims.ep]
+             dims.pp * math.lcm(dims.tp, dims.ep)]
     return sum(1 for n in sizes if n > 1)
 
 
@@ -111,7 +112,7 @@ def device_overheads(cfg: K2Config, dims, seq_length: int, micro_batch_size: int
     scores = 0
     if (m.record_max_logits and m.max_logit_kernel == "torch"
             and resolve_attention_backend(m.attention_backend, cuda=True) == "sdpa"):
-        scores = max_logit_block_bytes(micro_batch_size, int(m.num_attention_heads), seq_length, B,
+        scores = max_logit_block_bytes(micro_batch_size, int(m.num_attention_heads) // dims.tp, seq_length, B,
                                        MAX_LOGIT_CHUNK)
     stacked = 0
     if m.num_moe_experts and resolve_grouped_experts(m.moe_grouped_gemm, cfg.train.precision, cuda=True):

@@ -19,17 +19,20 @@ What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and s
   (``mlp_dw``, ``attn_dw``: ``backward_dw``, with ``pipeline.decouple_wgrad``; otherwise inside their
   backward node) record no event. The chunk's first layer's ``attn_dw`` runs after the pair's
   point-to-point sends, then the loss forward and the embedding backward.
-* **Two streams**, by the profile's ``comm_stream``: ``device`` (CUDA: a node starts as soon as its input
-  is ready and its stream is free; compute nodes on one stream, dispatch and combine on the other, each
-  stream in issue order); ``host_thread`` (``k2.parallel.comm_stream``, what ``k2-train`` runs on CPU):
-  the same, plus a communication node starts no earlier than the host issues it, after the compute nodes
-  before it in issue order (the host runs compute synchronously; the trainer issues each dispatch right
-  after the node it waits for, :data:`HOST_PAIR_ORDER`, where a GPU's stream would start it), and the
-  communication thread's own compute (the combine's un-permutation and residual) takes its seconds from
-  the CPU the compute nodes run on (a compute node running meanwhile is longer by as much), and so does
-  the host's work on each all-to-all while it is on the wire (gloo's threads, the kernel's TCP and
-  shaping: the profile's ``alltoall_host_cpu_share`` of the CPU, measured on the link; term
-  ``ep_comm_host``). Without the overlap that work sits inside the all-to-all's own time.
+* **Two streams**, by the profile's ``comm_stream`` (:mod:`k2.launcher.planning.two_streams` runs them):
+  ``device`` (CUDA: a node starts as soon as its input is ready and its stream is free; compute nodes on
+  one stream, dispatch and combine on the other, each stream in issue order; an all-to-all kernel
+  occupies SMs, the profile's ``alltoall_comm_units`` for NCCL or ``deepep_comm_units`` for DeepEP out of
+  ``compute_units``, so a compute node running beside it is slower by that share: term ``ep_comm_sms``);
+  ``host_thread`` (``k2.parallel.comm_stream``, what ``k2-train`` runs on CPU): the same, plus a
+  communication node starts no earlier than the host issues it, after the compute nodes before it in
+  issue order (the host runs compute synchronously; the trainer issues each dispatch right after the node
+  it waits for, :data:`HOST_PAIR_ORDER`, where a GPU's stream would start it), and the communication
+  thread's own compute (the combine's un-permutation and residual) takes its seconds from the CPU the
+  compute nodes run on (a compute node running meanwhile is longer by as much), and so does the host's
+  work on each all-to-all while it is on the wire (gloo's threads, the kernel's TCP and shaping: the
+  profile's ``alltoall_host_cpu_share`` of the CPU, measured on the link; term ``ep_comm_host``). Without
+  the overlap that work sits inside the all-to-all's own time.
 * **The token-count all-gather** (megatron's alltoall dispatcher, before each dispatch: term
   ``ep_token_counts``, priced by :meth:`k2.launcher.planning.stage_model.StageModel.token_counts_s`) ends
   the forward's ``attn`` node on the compute stream; where an all-to-all is on the wire then, its messages
@@ -42,25 +45,22 @@ What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and s
   without the overlap does (with ``pipeline.decouple_wgrad`` on a GPU a backward's ``mlp_dw`` still runs
   under its dispatch). Activation offload copies (a copy engine) are exposed only beyond the step's time.
 
-Not modelled: the SMs an all-to-all kernel takes from the compute running beside it on a GPU (no
-published figure for NCCL's all-to-all; DeepSeek-V3 gives DeepEP 20 of 132 SMs), the schedule plans'
-own host cost (the profile's ``microbatch_overhead_us`` is the schedule without the overlap).
+Not modelled: the schedule plans' own host cost (the profile's ``microbatch_overhead_us`` is the
+schedule without the overlap), the memory bandwidth an all-to-all's kernel takes beside its SMs.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from k2.launcher.planning.hardware import DEVICE, HOST_THREAD
+from k2.launcher.planning.hardware import DEVICE, HOST_THREAD  # noqa: F401  (DEVICE: the stream values, with it)
+from k2.launcher.planning.two_streams import A2A_KINDS, Node, StepCost, _add, run_nodes
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 #: :func:`overlap_applies`' reason when the setting is off
 NOT_REQUESTED = "pipeline.ep_overlap=false"
-#: the all-to-alls of a MoE layer, by direction; ``other``: those of stage extras (the MTP what-if)
-A2A_KINDS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "other")
 #: megatron's issue order of one layer pair (``TransformerLayerSchedulePlan.run``): f = the forward
 #: microbatch, b = the backward one
 PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("b", "mlp"), ("f", "dispatch"), ("b", "mlp_dw"),
@@ -69,168 +69,6 @@ PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("b", "mlp"), ("f", "dispatch"), 
 #: stream orders, each dispatch issued right after the node it waits for
 HOST_PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("f", "dispatch"), ("b", "mlp"), ("b", "dispatch"),
                    ("b", "mlp_dw"), ("f", "mlp"), ("f", "combine"), ("b", "attn"), ("b", "attn_dw"))
-
-
-def _add(d: dict, key: str, v: float) -> None:
-    d[key] = d.get(key, 0.0) + v
-
-
-@dataclass(frozen=True)
-class Node:
-    """One schedule node of one microbatch, as :func:`run_nodes` runs it.
-
-    Attributes:
-        name: the node (``attn``, ``mlp``, ``dispatch``, ``combine``, ``mlp_dw``, ``attn_dw``, ``pre``,
-            ``post``) and, for an all-to-all, its kind (:data:`A2A_KINDS`) in ``kind``.
-        micro: ``f`` (the forward microbatch) or ``b`` (the backward one).
-        comm: runs on the communication stream.
-        wire: seconds of its all-to-all (communication nodes).
-        terms: seconds of its compute per term (a communication node's: the compute on that stream).
-        event: waits for and records its microbatch's event (False: a delayed weight gradient).
-        kind: the all-to-all's kind.
-    """
-
-    name: str
-    micro: str
-    comm: bool = False
-    wire: float = 0.0
-    terms: dict = field(default_factory=dict)
-    event: bool = True
-    kind: str = ""
-
-    @property
-    def compute(self) -> float:
-        return sum(self.terms.values())
-
-
-@dataclass
-class StepCost:
-    """One step of the combined schedule (a pair, or one microbatch's forward or backward) on one rank.
-
-    Attributes:
-        seconds: its time.
-        terms: its seconds by term, exposed communication and offload included; they sum to ``seconds``.
-        exposed: exposed all-to-all seconds per kind (:data:`A2A_KINDS`); their sum is ``terms['ep_comm']``.
-        wire: all-to-all seconds per kind, exposed or hidden.
-        compute: the compute stream's own work by term (``terms`` less what its waits and the
-            communication thread's compute add).
-    """
-
-    seconds: float
-    terms: dict
-    exposed: dict
-    wire: dict
-    compute: dict = field(default_factory=dict)
-
-
-def _overlap(intervals, a: float, b: float) -> float:
-    return sum(max(0.0, min(e, b) - max(s, a)) for s, e, _ in intervals)
-
-
-def _stretch(start: float, work: float, stolen: list) -> float:
-    """When a compute node of ``work`` seconds started at ``start`` ends, with the CPU the host takes for
-    communication meanwhile: ``stolen`` holds ``(a, b, share)`` intervals in which ``share`` of the CPU
-    goes elsewhere (1: the communication thread's compute, which runs first; the all-to-all's own host
-    work: the profile's ``alltoall_host_cpu_share``); overlapping shares add up, to at most all of it."""
-    live = [x for x in stolen if x[1] > start]
-    t, remaining = start, work
-    for nxt in sorted({x for a, b, _ in live for x in (a, b) if x > start}) + [math.inf]:
-        speed = 1.0 - min(1.0, sum(share for a, b, share in live if a <= t < b))
-        if speed > 0 and t + remaining / speed <= nxt:
-            return t + remaining / speed
-        remaining -= (nxt - t) * speed
-        t = nxt
-    return t + remaining
-
-
-def _compute_end(n: Node, start: float, host: bool, segments: list, on_wire: list, terms: dict) -> float:
-    """When compute node ``n`` started at ``start`` ends (:func:`run_nodes`); on the host's thread the
-    seconds the CPU's other work adds go to ``terms`` (``non_gemm``: the communication thread's compute,
-    ``ep_comm_host``: the all-to-alls' own host work)."""
-    if not host:
-        return start + n.compute
-    stop = _stretch(start, n.compute, segments + on_wire)
-    if stop > start + n.compute:
-        by_thread = _stretch(start, n.compute, segments) - start - n.compute
-        _add(terms, "non_gemm", by_thread)
-        if stop - start - n.compute > by_thread:
-            _add(terms, "ep_comm_host", stop - start - n.compute - by_thread)
-    return stop
-
-
-def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0,
-              host_share: float = 0.0, counts_queue_s: float = 0.0) -> StepCost:
-    """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
-
-    Args:
-        nodes: the nodes of one step in issue order (:func:`step_nodes`).
-        comm_stream: ``device`` or ``host_thread``.
-        offload_s: seconds of the step's activation copies to and from the host (exposed beyond the step).
-        host_share: with ``host_thread``, the share of the CPU an all-to-all's host work takes while it is
-            on the wire (the profile's ``alltoall_host_cpu_share``): a compute node beside it is longer by
-            as much (term ``ep_comm_host``).
-        counts_queue_s: seconds a node's token-count all-gather (term ``ep_token_counts``, at the node's
-            end) waits longer when an all-to-all is on the wire then
-            (:meth:`k2.launcher.planning.stage_model.StageModel.token_counts_queue_s`).
-
-    Returns:
-        :class:`StepCost`.
-    """
-    host = comm_stream == HOST_THREAD
-    comp_free = comm_free = 0.0
-    last: dict[str, int] = {}
-    end: list[float] = []
-    terms: dict[str, float] = {}
-    compute: dict[str, float] = {}
-    segments: list = []  # the communication stream's compute: (start, end, 1.0)
-    on_wire: list = []  # the all-to-alls' host work: (start, end, host_share)
-    wires: list = []  # (start, end, kind)
-    gaps: list = []  # the compute stream's waits
-    for k, n in enumerate(nodes):
-        # a node waits for its microbatch's last event; a delayed weight gradient records and waits for
-        # none (megatron's backward_dw): the compute stream's order puts it after its backward node
-        ready = end[last[n.micro]] if n.event and n.micro in last else 0.0
-        if n.comm:
-            start = max(comm_free, ready, comp_free if host else 0.0)
-            wires.append((start, start + n.wire, n.kind))
-            stop = start + n.wire + n.compute
-            if n.compute:
-                segments.append((start + n.wire, stop, 1.0))
-            if host_share and n.wire:
-                on_wire.append((start, start + n.wire, host_share))
-            comm_free = stop
-        else:
-            start = max(comp_free, ready)
-            if start > comp_free:
-                gaps.append((comp_free, start))
-            stop = _compute_end(n, start, host, segments, on_wire, terms)
-            if counts_queue_s and n.terms.get("ep_token_counts") and any(a < stop < b for a, b, _ in wires):
-                _add(terms, "ep_token_counts", counts_queue_s)  # (a wait: not the stream's own work)
-                stop += counts_queue_s
-            for t, v in n.terms.items():
-                _add(terms, t, v)
-                _add(compute, t, v)
-            comp_free = stop
-        end.append(stop)
-        if n.event:
-            last[n.micro] = k
-    total = max(end, default=0.0)
-    if total > comp_free:
-        gaps.append((comp_free, total))
-    exposed = {k: 0.0 for k in A2A_KINDS}
-    for a, b in gaps:
-        on_stream = _overlap(segments, a, b)
-        _add(terms, "non_gemm", on_stream)
-        rest = b - a - on_stream
-        for s, e, kind in wires:
-            x = min(rest, max(0.0, min(e, b) - max(s, a)))
-            exposed[kind] += x
-            rest -= x
-        exposed["other"] += max(0.0, rest)
-    terms["ep_comm"] = sum(exposed.values())
-    terms["offload"] = max(0.0, offload_s - total)
-    wire = {k: sum(w.wire for w in nodes if w.kind == k) for k in A2A_KINDS}
-    return StepCost(total + terms["offload"], terms, exposed, wire, compute)
 
 
 # ---------------------------------------------------------------- the nodes of one stage's microbatch
@@ -392,14 +230,17 @@ class OverlapCosts:
         plans: per virtual stage its :class:`StagePlan`.
         comm_stream: the profile's ``comm_stream``.
         decouple_wgrad: ``pipeline.decouple_wgrad``.
-        host_share: the profile's ``alltoall_host_cpu_share`` (:func:`run_nodes`).
+        comm_share: the share of the processor an all-to-all on the wire takes from the compute beside it
+            (:func:`k2.launcher.planning.two_streams.run_nodes`).
         counts_queue_s: the token-count all-gather's wait behind an all-to-all on the wire (:func:`run_nodes`).
+        wire_slowdown: how much longer an all-to-all takes on the wire beside the host's compute
+            (``host_thread``; :func:`k2.launcher.planning.two_streams.run_nodes`).
     """
 
-    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, host_share: float = 0.0,
-                 counts_queue_s: float = 0.0):
+    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, comm_share: float = 0.0,
+                 counts_queue_s: float = 0.0, wire_slowdown: float = 1.0):
         self.plans, self.comm_stream, self.decouple_wgrad = plans, comm_stream, decouple_wgrad
-        self.host_share, self.counts_queue_s = host_share, counts_queue_s
+        self.comm_share, self.counts_queue_s, self.wire_slowdown = comm_share, counts_queue_s, wire_slowdown
         self._cache: dict = {}
 
     def _cost(self, sf: int | None, sb: int | None) -> StepCost:
@@ -410,7 +251,7 @@ class OverlapCosts:
             off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
             order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
             self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off,
-                                         self.host_share, self.counts_queue_s)
+                                         self.comm_share, self.counts_queue_s, self.wire_slowdown)
         return self._cache[key]
 
     def forward(self, s: int) -> StepCost:
@@ -486,8 +327,8 @@ def extrapolate(costs: OverlapCosts, rc: dict, rank: int, pp: int, vpp: int, mic
 def overlap_applies(cfg: K2Config, dims, recompute, what_if) -> tuple[bool, str]:
     """Whether ``pipeline.ep_overlap`` runs in a phase with ``recompute`` (its ``memory.recompute``
     sites) on ``dims``, and why not: megatron's rules (``transformer/transformer_config.py``: EP > 1; with
-    PP > 1 only the interleaved schedule), whole-layer recompute (it re-runs the all-to-alls in backward,
-    outside the pairs: the trainer runs that phase without the overlap), and the DualPipe what-if (its
+    PP > 1 only the interleaved schedule), whole-layer and MoE-layer recompute (they re-run the all-to-alls
+    in backward, outside the pairs: the trainer runs that phase without the overlap), and the DualPipe what-if (its
     own overlap). Returns ``(applies, reason)``."""
     if not cfg.pipeline.ep_overlap:
         return False, NOT_REQUESTED
@@ -499,6 +340,7 @@ def overlap_applies(cfg: K2Config, dims, recompute, what_if) -> tuple[bool, str]
         return False, "EP 1: no all-to-all"
     if dims.pp > 1 and dims.vpp <= 1:
         return False, f"PP {dims.pp} without virtual stages (megatron's combined 1F1B is interleaved)"
-    if "layer" in set(recompute or ()):
-        return False, "memory.recompute 'layer' re-runs the all-to-alls in backward"
+    rerun = [x for x in ("layer", "moe") if x in set(recompute or ())]
+    if rerun:
+        return False, f"memory.recompute '{rerun[0]}' re-runs the all-to-alls in backward"
     return True, "on"

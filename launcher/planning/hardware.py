@@ -1,6 +1,7 @@
 """Hardware profiles of ``k2-plan``'s step-time model: data files with a source for every number.
 
-``plan.hardware`` names a profile: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``) or
+``plan.hardware`` names a profile: one of ``recipes/hardware/<name>.yaml`` (``h800``, ``h100``, ``h200``, ``b200``,
+``b300``, ``gb200_nvl72``, ``gb300_nvl72``) or
 the path of a YAML file that ``k2-bench bench=hardware`` wrote on the machine it measured (GEMM rate by
 shape, memory bandwidth, the backend's collective bandwidths). The file's keys, their units (TFLOP/s, GB/s
 = 1e9 bytes/s per GPU and per direction, microseconds) and its reading are the config's
@@ -31,11 +32,12 @@ class HardwareProfile(HardwareProfileConfig):
     """A read profile (:class:`k2.config.schema_hardware.HardwareProfileConfig`: its fields, units and
     defaults) with the kernel rates of :mod:`k2.launcher.planning.kernels` it gives."""
 
-    def rates(self, precision: str, *, fp8_gemm: bool = False, compute_fraction: float = 1.0) -> KernelRates:
-        """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8_gemm``: FP8 GEMMs, the
-        what-if of published runs), with ``compute_fraction`` of the compute units (e.g. SMs left to
-        compute when others run communication kernels)."""
-        if fp8_gemm:
+    def rates(self, precision: str, *, fp8: bool = False, compute_fraction: float = 1.0) -> KernelRates:
+        """:class:`KernelRates` for GEMMs in ``precision`` (``bf16`` | ``fp32``; ``fp8``: FP8 GEMMs,
+        ``train.fp8_recipe``: the profile's FP8 rates, which Blackwell's MXFP8 and Hopper's blockwise scaling
+        both run at), with ``compute_fraction`` of the compute units (e.g. SMs left to compute when others
+        run communication kernels)."""
+        if fp8:
             gemm, nbytes, grouped = self.gemm_fp8_tflops, 1.0, self.gemm_grouped_fp8_tflops
         elif precision == "fp32":
             gemm, nbytes, grouped = self.gemm_fp32_tflops or self.gemm_bf16_tflops / 2, 4.0, None
@@ -49,6 +51,25 @@ class HardwareProfile(HardwareProfileConfig):
                            units=self.compute_units,
                            gemm_bytes_per_element=nbytes,
                            grouped_gemm_flops=grouped * 1e12 * compute_fraction if grouped else None)
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs joined by NVLink: ``nvlink_domain_gpus``, else one host's ``gpus_per_host``."""
+        return int(self.nvlink_domain_gpus or self.gpus_per_host)
+
+    def alltoall_gbps(self, deepep: bool) -> tuple[float, float]:
+        """The all-to-all's achieved GB/s ``(inside, across)`` an NVLink domain: NCCL's (megatron's
+        ``alltoall`` dispatcher), or DeepEP's (``deepep``; where the profile gives none, NCCL's)."""
+        if deepep:
+            return (self.nvlink_alltoall_deepep_gbps or self.nvlink_alltoall_gbps,
+                    self.network_alltoall_deepep_gbps or self.network_alltoall_gbps)
+        return self.nvlink_alltoall_gbps, self.network_alltoall_gbps
+
+    def comm_share(self, deepep: bool) -> float:
+        """The share of ``compute_units`` an all-to-all kernel occupies while it runs (NCCL's
+        ``alltoall_comm_units``, DeepEP's ``deepep_comm_units``; 0 where not given)."""
+        units = self.deepep_comm_units if deepep else self.alltoall_comm_units
+        return units / self.compute_units if units and self.compute_units else 0.0
 
     def part_rates(self, rates: KernelRates, part: str) -> KernelRates:
         """``rates`` with the launch cost of ``part``'s operators (:attr:`operator_us`)."""

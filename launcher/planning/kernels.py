@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["KernelRates", "gemm_seconds", "grouped_gemm_seconds", "elementwise_seconds", "attention_seconds"]
+__all__ = ["WGRAD_OUT_BYTES", "KernelRates", "gemm_seconds", "grouped_gemm_seconds", "elementwise_seconds",
+           "attention_seconds"]
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,28 @@ def _quantized_efficiency(m: int, n: int, groups: int, rates: KernelRates) -> fl
     return useful
 
 
-def grouped_gemm_seconds(groups: int, m: float, k: int, n: int, rates: KernelRates) -> float:
+#: bytes per element of a weight gradient GEMM's output: it adds into the FP32 gradient buffer, reading and
+#: writing it (megatron's ``gradient_accumulation_fusion``: Transformer Engine's weight-gradient GEMM with
+#: ``accumulate=True`` on ``main_grad``; DeepGEMM's ``*_acc`` kernels in DeepSeek-V3's training profile)
+WGRAD_OUT_BYTES = 4 + 4
+
+
+def _out_bytes(rates: KernelRates) -> float:
+    """Bytes per output element of a forward or input-gradient GEMM: its operands' width, at least BF16's
+    (an FP8 GEMM writes its output in BF16)."""
+    return max(rates.gemm_bytes_per_element, 2.0)
+
+
+def grouped_gemm_seconds(groups: int, m: float, k: int, n: int, rates: KernelRates,
+                         out_bytes: float | None = None) -> float:
     """Seconds of ``groups`` GEMMs ``[m, k] x [k, n]`` run as one grouped kernel (``groups = 1``: one GEMM).
 
     Args:
         groups: GEMMs in the launch (e.g. the local experts of an MoE layer).
         m, k, n: the shape of each (``m`` may be fractional: an average token count; rounded up).
         rates: the device's :class:`KernelRates`.
+        out_bytes: bytes moved per element of the output ``[m, n]`` (default: written once in the operands'
+            width, BF16 at least; a weight gradient: :data:`WGRAD_OUT_BYTES`).
 
     Returns:
         seconds; 0 for an empty product.
@@ -80,15 +96,16 @@ def grouped_gemm_seconds(groups: int, m: float, k: int, n: int, rates: KernelRat
     if groups <= 0 or m <= 0 or k <= 0 or n <= 0:
         return 0.0
     flops = 2.0 * groups * m * k * n
-    nbytes = groups * (m * k + k * n + m * n) * rates.gemm_bytes_per_element
+    out = _out_bytes(rates) if out_bytes is None else out_bytes
+    nbytes = groups * ((m * k + k * n) * rates.gemm_bytes_per_element + m * n * out)
     rate = rates.grouped_gemm_flops if groups > 1 and rates.grouped_gemm_flops else rates.gemm_flops
     compute = flops / (rate * _quantized_efficiency(m, n, groups, rates))
     return max(compute, nbytes / rates.memory_bytes) + rates.launch_s
 
 
-def gemm_seconds(m: float, k: int, n: int, rates: KernelRates) -> float:
+def gemm_seconds(m: float, k: int, n: int, rates: KernelRates, out_bytes: float | None = None) -> float:
     """Seconds of one GEMM ``[m, k] x [k, n]`` (:func:`grouped_gemm_seconds` with one group)."""
-    return grouped_gemm_seconds(1, m, k, n, rates)
+    return grouped_gemm_seconds(1, m, k, n, rates, out_bytes)
 
 
 def elementwise_seconds(nbytes: float, kernels: int, rates: KernelRates) -> float:

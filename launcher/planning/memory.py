@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
 from k2.launcher.planning.host_pinned import pinned_block_bytes
 from k2.model.build import moe_layer_pattern
+from k2.model.params import tp_sharded
 from k2.optim.params import route
 from k2.optim.registry import OptimizerSpec, Placement, optimizer_spec
 from k2.parallel.distributed import ddp_config
@@ -139,10 +140,11 @@ class LayoutParam:
 
 def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
                   muon: bool, layer_wise: bool, model_cfg: ModelConfig, router_optimizer: str = "muon",
-                  default_route: str = "adamw") -> list[LayoutParam]:
+                  default_route: str = "adamw", tp: int = 1) -> list[LayoutParam]:
     """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
     (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
-    ep``), the final norm and output head; tagged as the trainer tags the real parameters."""
+    ep``), the final norm and output head, the TP-sharded ones at ``1 / tp`` of their shape
+    (:func:`k2.model.params.tp_sharded`); tagged as the trainer tags the real parameters."""
     import torch
 
 
@@ -155,6 +157,10 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
         name = spec.name if layer_index is None else spec.name.replace("decoder.layers.0.", "decoder.layers."
                                                                         f"{layer_index}.", 1)
         p = LayoutParam(spec, name, dtype)
+        if tp > 1 and tp_sharded(name):  # a row-parallel weight splits its input dim, the others their output dim
+            axis = 1 if ("linear_proj." in name or "linear_fc2." in name) else 0
+            p.shape = tuple(d // tp if j == axis else d for j, d in enumerate(p.shape))
+            p._numel = spec.numel // tp
         p.k2_optimizer = default_route
         if muon:
             p.k2_optimizer = route(spec.name, p, rcfg, router_optimizer)[0]
@@ -187,7 +193,8 @@ def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bo
     """
     return [[_chunk_params(counts, _kinds(counts, dims, r, v), dims.stage_has_embedding(r, v),
                            dims.stage_has_loss(r, v), dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer)
+                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer,
+                           tp=dims.tp)
              for v in range(dims.vpp)]
             for r in range(dims.pp)]
 
@@ -232,7 +239,7 @@ def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool
     # (layer_wise=: megatron's flag on the Muon matrices that sit in DDP buffers of their own)
     params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=place.muon,
                            layer_wise=place.zero1_muon, model_cfg=model_cfg, router_optimizer=place.router_optimizer,
-                           default_route=spec.default.route)
+                           default_route=spec.default.route, tp=dims.tp)
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = params_pinned = 0
@@ -269,7 +276,7 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
     out = []
     for r in range(dims.pp):
         layers, emb, loss = dims.pp_rank_contents(r)
-        n = counts.stage(layers, emb, loss, ep=dims.ep)
+        n = counts.stage(layers, emb, loss, ep=dims.ep, tp=dims.tp)
         out.append([StateBytes(r, d, d % dims.expert_dp, n * _DTYPE_BYTES[precision], n * 4, 0, n, n)
                     for d in range(dims.dp)])
     return out
@@ -311,7 +318,7 @@ def state_bytes(counts, dims, *, precision: str, optim: OptimConfig, use_distrib
         for v in range(dims.vpp):
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
-            key = (kinds, emb, loss, dims.ep, dims.dp, dims.expert_dp, precision, spec.name,
+            key = (kinds, emb, loss, dims.tp, dims.ep, dims.dp, dims.expert_dp, precision, spec.name,
                    use_distributed_optimizer, place)
             if key not in cache:
                 cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision, spec=spec,
@@ -417,5 +424,9 @@ def stage_activations(model_cfg: ModelConfig, dims, *, seq_length: int, micro_ba
             # (deallocate_pipeline_outputs, on in k2-train as in Megatron-LM's training)
             if not emb and "attn_input" in sw["offload"]:
                 gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
-            out.append(StageActivations(gpu, host, staging, rerun, host_pinned, largest))
+            # TP with sequence parallelism splits every saved tensor over the TP ranks (Korthikanti et al.,
+            # arXiv 2205.05198, table 2: 34 s b h / t + 5 a s^2 b / t per layer; with expert TP 1 a rank's
+            # routed tokens are T k / t)
+            t = dims.tp
+            out.append(StageActivations(gpu / t, host / t, staging / t, rerun / t, host_pinned / t, largest / t))
     return out

@@ -3,7 +3,7 @@
 :mod:`k2.launcher.planning.step_time`, the overlap's rules in :mod:`k2.launcher.planning.ep_overlap`).
 
 A shaped link as a profile (``plan.hardware`` file): the bench's measured machine profile with
-``gpus_per_node: 1`` (one rank per "node", so every all-to-all and collective crosses the link),
+``gpus_per_host: 1`` (one rank per "node", so every all-to-all and collective crosses the link),
 ``network_alltoall_gbps`` / ``network_collective_gbps`` / ``network_gbps`` (and the same ``nvlink_*``: no
 rank has a neighbour on its node) the link's measured gloo all-to-all / all-reduce rates, or, without a
 measurement, :func:`tbf_goodput_gbps` of the ``tc tbf`` rate; ``network_latency_us`` /

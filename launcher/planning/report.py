@@ -36,7 +36,8 @@ def _ranges(ids: list[int]) -> str:
 def format_text(plan: dict[str, Any]) -> str:
     """Readable tables of :func:`make_plan`'s dict."""
     p = plan["params"]
-    lines = [
+    lines = [*format_verdict(plan), ""] if "verdict" in plan else []
+    lines += [
         f"k2-plan: model={plan['model']} parallel={plan['parallel']} on {plan['nodes']} "
         f"node{'s' if plan['nodes'] != 1 else ''} x "
         f"{plan['gpus_per_node']} GPUs = {plan['world_size']} ranks",
@@ -69,7 +70,7 @@ def format_text(plan: dict[str, Any]) -> str:
         "",
         f"  {'pp rank':<8}"
         + "".join(f"{'vpp ' + str(v):<14}" for v in range(plan["vpp"]))
-        + f"{'params (stage)':>18}{'params/GPU':>16}{'bf16 GiB/GPU':>14}{'fp32 grad GiB':>16}",
+        + f"{'params (stage)':>19}{'params/GPU':>19}{'bf16 GiB/GPU':>14}{'fp32 grad GiB':>16}",
     ]
     for r, rank in enumerate(plan["pp_ranks"]):
         cells = []
@@ -80,7 +81,7 @@ def format_text(plan: dict[str, Any]) -> str:
                 parts.append("L")
             cells.append(f"{' '.join(parts) or '-':<14}")
         lines.append(
-            f"  {r:<8}" + "".join(cells) + f"{rank['params']:>18,}{rank['params_per_gpu']:>16,}"
+            f"  {r:<8}" + "".join(cells) + f"{rank['params']:>19,}{rank['params_per_gpu']:>19,}"
             f"{_gib(rank['bf16_param_bytes_per_gpu']):>14}{_gib(rank['fp32_grad_bytes_per_gpu']):>16}"
         )
     lines += [
@@ -231,15 +232,54 @@ def _overlap_cell(p: dict[str, Any]) -> str:
     return "on" if p.get("ep_overlap") else ("-" if p.get("ep_overlap_note") == NOT_REQUESTED else "off")
 
 
+def format_verdict(plan: dict[str, Any]) -> list[str]:
+    """``plan.search``'s verdict, the first lines k2-plan prints (:mod:`k2.launcher.planning.verdict`)."""
+    v, world = plan["verdict"], plan["world_size"]
+    best = v["recommended"]
+    where = f"{plan['model']} on {world} x {plan['hardware']} ({plan['nodes']} nodes x {plan['gpus_per_node']})"
+    if best is None:
+        return [f"verdict: {where}: no layout can run the schedule (the global batch does not split into whole "
+                "microbatches on any DP size of this GPU count: set schedule.global_batch_tokens)"]
+    shape = (f"TP{best['tp']} " if best.get("tp", 1) > 1 else "") + f"PP{best['pp']}" + \
+        (f" VPP{best['vpp']}" if best["vpp"] > 1 else "") + f" EP{best['ep']} DP{best['dp']}"
+    dom = ", ".join(f"{k} {s:.3g} s" for k, s in v["dominant"])
+    settings = (f"parallel.tp={best.get('tp', 1)} parallel.pp={best['pp']} "
+                f"parallel.vpp={best['vpp'] if best['vpp'] > 1 else 'null'} parallel.ep={best['ep']} "
+                f"parallel.layout='{best['layout']}'")
+    lines = [f"verdict: {where}: {'FITS' if v['fits'] else 'does NOT fit'}; "
+             f"{'recommended' if v['fits'] else 'closest (the least memory per GPU)'} layout {shape}"
+             + ("" if best.get("k2_train_runs", True) else " (k2-train runs TP 1 only)"),
+             f"  step {v['step_time_s_estimated']:.4g} s (MFU {100 * v['mfu_estimated']:.1f}%), dominated by {dom}; "
+             f"{_gib(v['memory_per_gpu_bytes'])} of {_gib(v['gpu_memory_bytes'])} GiB per GPU",
+             f"  {settings}"]
+    if not v["fits"]:
+        n = v["smallest_fitting_gpus"]
+        lines.append(f"  smallest GPU count that fits: {n} ({n // plan['gpus_per_node']} nodes; tried "
+                     f"{plan['nodes']} x 2, 4, ... 64 nodes)" if n else
+                     f"  nothing fits up to {64 * world} GPUs of this kind")
+    elif v["unneeded_memory_settings"]:
+        step = v["step_time_s_estimated"]
+        for u in v["unneeded_memory_settings"]:
+            change = u["step_time_s"] / step - 1
+            after = f"{u['step_time_s']:.4g} s, {100 * change:+.1f}%)" if abs(change) >= 5e-4 else "unchanged)"
+            lines.append(f"  not needed on this GPU: {u['setting']} ({u['off']}: it still fits; step {after}")
+    elif v["memory_settings_set"]:
+        lines.append("  every memory setting is needed to fit: " + ", ".join(v["memory_settings_set"]))
+    return lines
+
+
 def format_search(rows: list[dict[str, Any]], capacity: float) -> list[str]:
     """Text table of ``plan.search``'s ranked layouts."""
+    tp = any(r.get("tp", 1) > 1 for r in rows)  # (a TP column only when the search tried TP: parallel.tp > 1)
     lines = [f"  layouts of this cluster ({len(rows)} valid): those that fit first, each group by estimated "
-             "step time ('>' = at least: parameters and gradients alone exceed the GPU)",
-             f"  {'rank':<6}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}{'microbatches':>14}{'bubble %':>10}"
-             f"{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout"]
+             "step time ('>' = at least: parameters and gradients alone exceed the GPU"
+             + ("; TP > 1: k2-plan plans it, k2-train does not run it" if tp else "") + ")",
+             f"  {'rank':<6}{'tp' if tp else '':>{4 if tp else 0}}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}"
+             f"{'microbatches':>14}{'bubble %':>10}{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout"]
     for r in rows:
+        tp_cell = f"{r.get('tp', 1):>4}" if tp else ""
         lines.append(
-            f"  {r['rank']:<6}{r['pp']:>4}{r['vpp']:>5}{r['ep']:>5}{r['dp']:>6}{r['num_microbatches']:>14,}"
+            f"  {r['rank']:<6}{tp_cell}{r['pp']:>4}{r['vpp']:>5}{r['ep']:>5}{r['dp']:>6}{r['num_microbatches']:>14,}"
             f"{100 * r['bubble_fraction']:>10.2f}{r['step_time_s_estimated']:>9.2f}"
             f"{('>' if r['memory_lower_bound'] else '') + _gib(r['memory_per_gpu_bytes']):>9}{_overlap_cell(r):>12}  "
             f"{'yes ' if r['fits'] else 'NO  '}  {r['layout']}"

@@ -27,8 +27,8 @@ costs: :mod:`k2.launcher.planning.stage_model`):
   1F1B step runs one microbatch's forward with another's backward on a compute and a communication
   stream, and only the compute stream's waits are exposed (:mod:`k2.launcher.planning.ep_overlap`);
   the DualPipe what-if hides them behind the paired microbatch's compute (DeepSeek-V3, arXiv 2412.19437
-  section 3.2.1), with 20 of 132 SMs given to communication (section 3.2.2) so compute runs at 112/132
-  of its rates.
+  section 3.2.1), with the profile's ``deepep_comm_units`` SMs given to communication (DeepSeek-V3: 20
+  of 132, section 3.2.2) so compute runs at the rest of ``compute_units``' share of its rates.
 * **Recompute** (``memory.recompute``): the sites' forward work again in the backward (``layer``: the whole
   forward, its all-to-alls included).
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
@@ -51,14 +51,20 @@ the ``fsdp`` what-if: per pipeline flush, :func:`k2.launcher.planning.comm.fsdp_
 
 :func:`step_time` is the outline; each term is one function of its own (:func:`compute_terms`,
 :func:`add_schedule_work`, :func:`add_offload`, :func:`hide_ep_comm_dualpipe`, :func:`ep_comm_costs`,
-:func:`pp_send_seconds`, :func:`tp_comm_seconds`, the pipeline and its bubble, then
+:func:`pp_send_seconds`, the pipeline and its bubble, then
 :func:`~k2.launcher.planning.after_pipeline.dp_comm_terms` and
 :func:`~k2.launcher.planning.after_pipeline.optimizer_terms`).
 
+GEMM precision: ``train.fp8_recipe`` (``blockwise`` | ``mxfp8``, k2-train's setting for Transformer Engine)
+runs the layers' GEMMs at the profile's FP8 rates, each FP8 GEMM's input and output gradient quantised
+first (term ``quantize``: :meth:`k2.launcher.planning.stage_model.StageModel.quantize_s`); the router and
+the output head stay in ``train.precision``.
+
 What-if settings (``plan.what_if.*``), for comparing with published runs only (``k2-train`` has none of
-them; :mod:`k2.launcher.planning.what_if`): ``fp8_gemm`` (GEMMs at the FP8 rate), ``fsdp`` (FSDP2 under
+them; :mod:`k2.launcher.planning.what_if`): ``fsdp`` (FSDP2 under
 torch's pipelining: :func:`k2.launcher.planning.comm.fsdp_exposed`), ``dualpipe``,
-``deepep`` (FP8 dispatch when ``fp8_gemm``, a token crosses to each remote node once: NVLink forwarding),
+``deepep`` (megatron's ``flex`` dispatcher: DeepEP's rates and SMs, FP8 dispatch with an FP8 recipe, a
+token crosses to each remote node once: NVLink forwarding),
 ``node_limit`` (DeepSeek-V3's routing to at most M nodes), ``pipeline_flushes`` (gradient accumulation over
 that many pipeline schedules, each with its own fill and drain), ``mtp_layers`` (multi-token-prediction
 modules on the stage holding the loss: :meth:`StageModel.mtp`).
@@ -70,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
-from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds, ring_seconds
+from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds
 from k2.launcher.planning.ep_overlap import (
     A2A_KINDS,
     OverlapCosts,
@@ -80,15 +86,13 @@ from k2.launcher.planning.ep_overlap import (
     rank_costs,
     stage_plans,
 )
-from k2.launcher.planning.hardware import HardwareProfile
+from k2.launcher.planning.hardware import HOST_THREAD, HardwareProfile
 from k2.launcher.planning.pipeline_sim import simulate
 from k2.launcher.planning.stage_model import StageModel, _add
-from k2.launcher.planning.what_if import WhatIf, tp_group_profile
+from k2.launcher.planning.what_if import WhatIf
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
-
-DEEPSEEK_COMM_SMS = 20  # SMs DeepSeek-V3 gives to communication out of 132 (arXiv 2412.19437 section 3.2.2)
 
 TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
 PASSES = ("F", "B", "W")  # forward, input gradient, weight gradient (the zero-bubble schedules' F, B, W)
@@ -199,10 +203,8 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
         :class:`StepTime`.
     """
     what_if = WhatIf.from_config(cfg)
-    # the what-if TP group runs as one device of tp GPUs; its own traffic is on the GPUs' NVLink
-    device = tp_group_profile(profile, what_if.tp) if what_if.tp > 1 else profile
+    device = profile
     model = stage_model(cfg, dims, fl, tokens=tokens, device=device, what_if=what_if, recompute=recompute)
-    model.tp_comm = tp_comm_seconds(tokens, model.s["h"], model.a, what_if.tp, profile)
     stages = compute_terms(model, dims)
     schedule_work_half_s = add_schedule_work(stages, device)
     copy_s = add_offload(stages, offload_bytes, device, dims.pp * dims.vpp)
@@ -218,7 +220,7 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
         pipe = _overlap_pipeline(cfg, dims, ep_costs, pair_transient_bytes=pair_transient_bytes, **sim_args)
     else:
         pipe = _plain_pipeline(cfg, dims, stages, what_if, ep_costs, num_microbatches=num_microbatches, **sim_args)
-    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if what_if.tp > 1 else ())}
+    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if dims.tp > 1 else ())}
     for k, v in pipe.breakdown.items():
         breakdown[k] = breakdown.get(k, 0.0) + v
     rank = rank_params(dims, counts, pipe.busiest, what_if.dualpipe)
@@ -238,23 +240,23 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
 
 def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf,
                 recompute) -> StageModel:
-    """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision`` (FP8
-    GEMMs with the ``fp8_gemm`` what-if; under DualPipe compute keeps 112 of 132 SMs), activations of 4
-    bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so (unset: with BF16)."""
+    """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision``, the
+    layers' GEMMs at the FP8 rates with ``train.fp8_recipe`` (the router and the output head stay in
+    ``train.precision``, as megatron's TE linears are the layers' only), under DualPipe on the SMs DeepEP
+    leaves the compute (the profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800),
+    activations of 4 bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so
+    (unset: with BF16)."""
     precision = str(cfg.train.precision)
-    compute_fraction = (132 - DEEPSEEK_COMM_SMS) / 132 if what_if.dualpipe else 1.0
-    rates = device.rates(precision, fp8_gemm=what_if.fp8_gemm, compute_fraction=compute_fraction)
+    recipe = cfg.train.fp8_recipe
+    compute_fraction = 1.0 - device.comm_share(deepep=True) if what_if.dualpipe else 1.0
+    rates = device.rates(precision, fp8=recipe is not None, compute_fraction=compute_fraction)
+    high = device.rates(precision, compute_fraction=compute_fraction)
     activation_element_bytes = 4.0 if precision == "fp32" else 2.0
     grouped = cfg.model.moe_grouped_gemm
     grouped = (precision == "bf16") if grouped is None else bool(grouped)
     return StageModel(cfg.model, fl, dims, tokens=tokens, profile=device, rates=rates,
-                      act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute)
-
-
-def tp_comm_seconds(tokens: int, hidden: int, element_bytes: float, tp: int, gpu: HardwareProfile) -> float:
-    """Sequence-parallel TP (the ``tp`` what-if) per layer and pass: 2 all-gathers + 2 reduce-scatters of
-    ``tokens x hidden`` activations within the node (0 without TP)."""
-    return 4 * ring_seconds(tokens * hidden * element_bytes, tp, False, gpu) if tp > 1 else 0.0
+                      act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute,
+                      fp8_recipe=None if recipe is None else str(recipe), high_rates=high)
 
 
 def compute_terms(model: StageModel, dims) -> list[dict]:
@@ -332,19 +334,24 @@ def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
 def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf,
                   schedule_work_half_s: float, copy_s: list[float]) -> OverlapCosts | None:
     """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
-    OverlapCosts`); None without EP or experts, and under DualPipe (:func:`hide_ep_comm_dualpipe`)."""
+    OverlapCosts`, with what an all-to-all on the wire takes from the compute beside it: on a GPU the SMs of
+    its kernel, NCCL's or DeepEP's, :meth:`~k2.launcher.planning.hardware.HardwareProfile.comm_share`, on
+    the host's thread the profile's ``alltoall_host_cpu_share``); None without EP or experts, and under
+    DualPipe (:func:`hide_ep_comm_dualpipe`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
+        host = device.comm_stream == HOST_THREAD
+        share = device.alltoall_host_cpu_share if host else device.comm_share(deepep=what_if.deepep)
         return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
-                            bool(cfg.pipeline.decouple_wgrad), device.alltoall_host_cpu_share,
-                            model.token_counts_queue_s())
+                            bool(cfg.pipeline.decouple_wgrad), share, model.token_counts_queue_s(),
+                            device.alltoall_beside_compute_slowdown if host else 1.0)
     return None
 
 
 def pp_send_seconds(dims, activation_bytes: float, device: HardwareProfile) -> float:
     """One PP send of a microbatch's ``tokens x hidden`` activations (``activation_bytes``): consecutive PP
-    ranks are world / pp ranks apart, on other nodes once that is a node or more."""
+    ranks are world / pp ranks apart, in other NVLink domains once that is a domain or more."""
     world_span = dims.world_size // dims.pp
-    return p2p_seconds(activation_bytes, world_span >= device.gpus_per_node, device)
+    return p2p_seconds(activation_bytes, world_span >= device.domain_gpus, device)
 
 
 def _hide_behind(comm: float, compute: float) -> float:

@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from k2.launcher.planning.hardware import HardwareProfile
-from k2.launcher.planning.step_time import DEEPSEEK_COMM_SMS, StageModel
+from k2.launcher.planning.step_time import StageModel
 from k2.launcher.planning.what_if import WhatIf
 
 if TYPE_CHECKING:
@@ -97,10 +97,11 @@ def chunk_gemm_seconds(model_cfg: ModelConfig, profile: HardwareProfile, dense_t
     """The step-time model's seconds for the trace's FP8 GEMMs: ``TRACE_LAYERS`` MoE layers of
     ``model_cfg`` (DeepSeek-V3), forward, input gradient (B) and weight gradient (W) of ``TRACE_TOKENS``
     tokens at EP ``TRACE_EP``, MLA's up-projections recomputed (DeepSeek-V3, arXiv 2412.19437 section
-    3.2.3), at ``dense_tflops`` / ``grouped_tflops`` x 112/132 (the SMs DualPipe leaves to compute).
+    3.2.3), at ``dense_tflops`` / ``grouped_tflops`` x the share of the SMs DualPipe leaves to compute
+    (the profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800, as in the trace).
     The router (BF16 in the trace) is left out on both sides. Returns ``{"dense": s, "expert": s}``."""
-    fraction = (132 - DEEPSEEK_COMM_SMS) / 132
-    rates = dataclasses.replace(profile.rates("bf16", fp8_gemm=True), gemm_flops=dense_tflops * 1e12 * fraction,
+    fraction = 1.0 - profile.comm_share(deepep=True)
+    rates = dataclasses.replace(profile.rates("bf16", fp8=True), gemm_flops=dense_tflops * 1e12 * fraction,
                                 grouped_gemm_flops=grouped_tflops * 1e12 * fraction)
     m = StageModel(model_cfg, None, None, tokens=TRACE_TOKENS, profile=profile, rates=rates, act_bytes=2.0,
                     grouped=True, what_if=WhatIf(), recompute=recompute)

@@ -5,13 +5,10 @@ with them (:meth:`WhatIf.labels`). How the step-time model uses each: :mod:`k2.l
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
-
-from k2.launcher.planning.hardware import HardwareProfile
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -22,52 +19,31 @@ class WhatIf:
     """``plan.what_if.*`` (defaults: none of them).
 
     Attributes:
-        fp8_gemm: GEMMs at the profile's FP8 rates.
         fsdp: FSDP2 under torch's pipelining as NeMo AutoModel runs it (the DP traffic per pipeline flush).
         dualpipe: DeepSeek's DualPipe (arXiv 2412.19437 section 3.2.1).
-        deepep: DeepEP dispatch (FP8 payload with ``fp8_gemm``, one network copy per remote node).
+        deepep: megatron's ``flex`` dispatcher with DeepEP (its rates and SMs, FP8 payload with
+            ``train.fp8_recipe``, one network copy per remote node).
         node_limit: a token's experts on at most this many nodes (None: the model's group-limited routing).
-        tp: each planned GPU stands for a TP group of this many GPUs.
         pipeline_flushes: gradient accumulation over this many pipeline schedules per step.
         mtp_layers: multi-token-prediction modules computed on the stage holding the loss (DeepSeek-V3,
             arXiv 2412.19437 section 2.2): their time counts, their FLOPs stay out of the model FLOPs.
     """
 
-    fp8_gemm: bool = False
     fsdp: bool = False
     dualpipe: bool = False
     deepep: bool = False
     node_limit: int | None = None
-    tp: int = 1
     pipeline_flushes: int = 1
     mtp_layers: int = 0
 
     @classmethod
     def from_config(cls, cfg: K2Config) -> WhatIf:
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
-        return cls(bool(sel("fp8_gemm")), bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
-                   sel("node_limit", None), int(sel("tp", 1)),
+        return cls(bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
+                   sel("node_limit", None),
                    int(sel("pipeline_flushes", 1) or 1), int(sel("mtp_layers", 0) or 0))
 
     def labels(self) -> list[str]:
-        return [k for k in ("fp8_gemm", "fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
-            [f"tp{self.tp}"] if self.tp > 1 else []) + (
+        return [k for k in ("fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
             [f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else []) + (
             [f"mtp{self.mtp_layers}"] if self.mtp_layers else [])
-
-
-def tp_group_profile(profile: HardwareProfile, tp: int) -> HardwareProfile:
-    """``plan.what_if.tp``: a TP group of ``tp`` GPUs planned as one device: every rate, bandwidth and
-    compute unit x ``tp`` (the group splits each GEMM's width and sends through ``tp`` NICs)."""
-    x = float(tp)
-    return dataclasses.replace(
-        profile, gemm_bf16_tflops=profile.gemm_bf16_tflops * x, gemm_fp8_tflops=profile.gemm_fp8_tflops * x,
-        gemm_fp32_tflops=profile.gemm_fp32_tflops * x if profile.gemm_fp32_tflops else None,
-        gemm_grouped_bf16_tflops=profile.gemm_grouped_bf16_tflops * x if profile.gemm_grouped_bf16_tflops else None,
-        gemm_grouped_fp8_tflops=profile.gemm_grouped_fp8_tflops * x if profile.gemm_grouped_fp8_tflops else None,
-        attention_tflops=profile.attention_tflops * x, memory_gbps=profile.memory_gbps * x,
-        compute_units=profile.compute_units * tp if profile.compute_units else None,
-        nvlink_alltoall_gbps=profile.nvlink_alltoall_gbps * x, nvlink_gbps=profile.nvlink_gbps * x,
-        nvlink_collective_gbps=profile.nvlink_collective_gbps * x, network_gbps=profile.network_gbps * x,
-        network_alltoall_gbps=profile.network_alltoall_gbps * x,
-        network_collective_gbps=profile.network_collective_gbps * x, host_gbps=profile.host_gbps * x)

@@ -16,12 +16,31 @@ def _shipped() -> dict:
     return yaml.safe_load((HARDWARE_DIR / "h800.yaml").read_text())
 
 
+#: the shipped profiles' dense BF16 peaks (datasheets; NVIDIA dgxc-benchmarking README's peak table for the
+#: Blackwell parts) and GPUs per host and per NVLink domain
+SHIPPED = {"h800": (989.4, 8, 8), "h100": (989.4, 8, 8), "h200": (989.4, 8, 8), "b200": (2250, 8, 8),
+           "b300": (2250, 8, 8), "gb200_nvl72": (2450, 4, 72), "gb300_nvl72": (2450, 4, 72)}
+
+
 def test_shipped_profiles_load_as_the_section():
-    assert set(available_profiles()) >= {"h800", "h100", "h200"}
-    for name in available_profiles():
+    from k2.launcher.planning.hardware import load_profile
+
+    assert set(available_profiles()) == set(SHIPPED)
+    for name, (peak, host, domain) in SHIPPED.items():
         p = load_hardware_profile(name)
         assert isinstance(p, HardwareProfileConfig) and p.name == name
-        assert p.peak_bf16_tflops == pytest.approx(989.4) and p.comm_stream == CommStream.device
+        assert p.peak_bf16_tflops == pytest.approx(peak) and p.comm_stream == CommStream.device
+        assert (p.gpus_per_host, load_profile(name).domain_gpus) == (host, domain)
+        assert p.host_memory_gib and p.gpu_memory_gib and 0 < p.alltoall_comm_units < p.compute_units
+
+
+def test_an_nvl72_rack_is_18_hosts_of_4_gpus_on_one_nvlink_domain():
+    """GB200 NVL72: a compute tray (host: host memory, Slurm node) carries 4 GPUs, the NVLink domain 72;
+    an HGX B200 node is both at once (8)."""
+    gb = load_hardware_profile("gb200_nvl72")
+    assert (gb.gpus_per_host, gb.nvlink_domain_gpus, gb.host_memory_gib) == (4, 72, 960)
+    b = load_hardware_profile("b200")
+    assert (b.gpus_per_host, b.nvlink_domain_gpus) == (8, None)
 
 
 def test_left_out_figures_are_filled_in(tmp_path):
@@ -50,6 +69,13 @@ def test_left_out_figures_are_filled_in(tmp_path):
     ({"alltoall_host_cpu_share": -0.1}, ["'alltoall_host_cpu_share'", ">= 0 and < 1"]),
     ({"network_loaded_latency_us": 5}, ["'network_loaded_latency_us'", ">= network_latency_us", "got 5"]),
     ({"network_loaded_latency_us": float("nan")}, ["'network_loaded_latency_us'", "null or a number"]),
+    ({"gpus_per_node": 8}, ["unknown key 'gpus_per_node'", "now gpus_per_host"]),
+    ({"gpus_per_host": 0}, ["'gpus_per_host'", "integer >= 1"]),
+    ({"gpus_per_host": 4, "nvlink_domain_gpus": 70}, ["'nvlink_domain_gpus'", "multiple of gpus_per_host=4"]),
+    ({"nvlink_domain_gpus": -8}, ["'nvlink_domain_gpus'", "null or a number > 0"]),
+    ({"host_memory_gib": 0}, ["'host_memory_gib'", "null or a number > 0"]),
+    ({"alltoall_comm_units": 132}, ["'alltoall_comm_units'", "below compute_units=132", "got 132"]),
+    ({"deepep_comm_units": -1}, ["'deepep_comm_units'", "integer >= 0"]),
 ])
 def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, needles):
     path = tmp_path / "bad.yaml"
@@ -64,19 +90,22 @@ def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, ne
 
 def test_an_unknown_name_lists_the_shipped_profiles():
     with pytest.raises(ConfigError,
-                       match=r"plan.hardware='h900': not a profile \(allowed: h100, h200, h800"):
+                       match=r"plan.hardware='h900': not a profile \(allowed: b200, b300, gb200_nvl72, gb300_nvl72, "
+                             r"h100, h200, h800"):
         load_hardware_profile("h900")
 
 
 def test_mfu_peak_is_the_profiles_unless_cluster_peak_tflops_overrides():
     """MFU's device peak (k2-train on a GPU, k2-plan): plan.hardware's BF16 peak, cluster.peak_tflops where
-    set (the K2 parallel recipes set 989); on CPU cluster.cpu_peak_tflops or no MFU."""
+    set (no recipe pins it: K2's on a B200 is measured against the B200's 2,250); on CPU
+    cluster.cpu_peak_tflops or no MFU."""
     from k2.config import load_config
     from k2.config.hardware import peak_tflops
     from k2.launcher.training.metrics import step_mfu
 
     assert peak_tflops(load_config([])) == pytest.approx(989.4)
-    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2"])) == 989.0
+    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2"])) == pytest.approx(989.4)
+    assert peak_tflops(load_config(["parallel=k2_256gpu", "model=kimi_k2", "plan.hardware=b200"])) == 2250.0
     assert peak_tflops(load_config(["cluster.peak_tflops=500", "plan.hardware=h200"])) == 500.0
     cfg = load_config([])
     tflops, mfu = step_mfu(2e15, 2.0, 4, cfg, on_gpu=True)

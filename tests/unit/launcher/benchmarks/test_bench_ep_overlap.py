@@ -116,3 +116,67 @@ def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
     assert cases[0]["compute_scale"] < cases[1]["compute_scale"]
     assert cases[0]["calibrated_predicted_off_s"] < cases[1]["calibrated_predicted_off_s"]
     assert cases[0]["link_loaded_latency_us"] == 900.0
+    # the goals judge what the overlap changes; the raw timings and the profiles predicted with go to the file
+    c = cases[0]
+    assert c["calibrated_predicted_over_measured_speedup"] == pytest.approx(c["calibrated_predicted_speedup"] / 1.0)
+    assert c["calibrated_predicted_over_measured_exposed_on"] == pytest.approx(
+        c["calibrated_predicted_exposed_a2a_on_s"] / 0.5)
+    assert set(c["goals"]) == set(eo.GOALS) and c["goals_met"] == all(c["goals"].values())
+    assert c["raw"]["off_runs"] == [run] and c["raw"]["unshaped"]["run"]["step_s"] == [1.2 * base]
+    assert c["profile"]["network_loaded_latency_us"] == 900.0 and c["profile"]["comm_stream"] == "host_thread"
+
+
+def test_goals_are_the_measured_gain_and_the_predicted_change():
+    """A rate meets its goals when the overlap gains 1.3x and cuts 60% of the exposed all-to-all as measured,
+    and the calibrated model predicts the speed-up within 10% and the exposed all-to-all with the overlap on
+    within 30%; the off-prediction (calibrated to a run) is no goal."""
+    from k2.launcher.benchmarks import ep_overlap as eo
+
+    case = {"speedup": 1.35, "exposed_cut": 0.7, "calibrated_predicted_over_measured_speedup": 1.05,
+            "calibrated_predicted_over_measured_exposed_on": 0.8, "calibrated_predicted_over_measured_off": 0.5}
+    assert all(eo.goals_met(case).values())
+    assert eo.goals_met({**case, "calibrated_predicted_over_measured_exposed_on": 0.5}) == {
+        "speedup": True, "exposed_cut": True, "speedup_prediction": True, "exposed_on_prediction": False}
+    assert not eo.goals_met({**case, "calibrated_predicted_over_measured_speedup": 1.15})["speedup_prediction"]
+    assert not eo.goals_met({**case, "speedup": 1.2})["speedup"]
+
+
+def test_the_bench_writes_its_results_file_and_nothing_while_unfinished(tmp_path):
+    """The results file is the bench's own record (command, commit, machine, options, figures with the raw
+    timings), and appears whole or not at all: a record that cannot be written leaves no file."""
+    import json
+
+    from k2.launcher.benchmarks import ep_overlap as eo
+
+    o = {**eo._DEFAULTS, "results_dir": str(tmp_path)}
+    figures = {"cases": [{"speedup": 1.4, "raw": {"off_runs": [{"step_s": [2.0, 2.1]}]}}], "all_goals_met": True}
+    path = eo.write_record(o, figures)
+    record = json.loads(path.read_text())
+    assert path.parent == tmp_path and path.name.startswith("ep_overlap_") and path.suffix == ".json"
+    assert record["bench"] == "ep_overlap" and record["figures"] == figures and "results_dir" not in record["options"]
+    assert record["system"]["cpu"] and record["command"] and record["utc"]
+    with pytest.raises(TypeError):
+        eo.write_record({**o, "results_dir": str(tmp_path / "bad")}, {"x": object()})
+    assert list((tmp_path / "bad").iterdir()) == []
+    assert eo.write_record({**o, "results_dir": "none"}, figures) is None
+
+
+@pytest.mark.slow
+def test_the_link_probe_measures_the_all_to_all_beside_compute(tmp_path):
+    """The link probe's figures on two local processes over loopback (no namespaces, no shaping): every figure
+    k2-plan's profile takes, the all-to-all's slowdown beside the host's compute at least 1."""
+    from k2.launcher.benchmarks.shaped_link import ShapedLink, measure_link
+    from k2.parallel.processes import free_port
+
+    class Loopback(ShapedLink):
+        def prefix(self, node):
+            return []
+
+        def rank_env(self, node, port):
+            return {"RANK": str(node), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+
+    r = measure_link(Loopback(), repeats=2, alltoall_bytes=1 << 16, port=free_port())
+    assert set(r) == {"alltoall_gbps", "collective_gbps", "latency_us", "host_cpu_share", "loaded_latency_us",
+                      "beside_compute_slowdown"}
+    assert r["beside_compute_slowdown"] >= 1 and r["latency_us"] > 0 and r["loaded_latency_us"] >= r["latency_us"]

@@ -67,15 +67,29 @@ def test_an_all_to_alls_host_work_takes_the_cpu_beside_it():
     0.5). By hand on k2-train's CPU thread: combine_bwd 0-2 beside attn_f (4 s of work: 1 done by 2, ends
     5), dispatch_f 5-7 beside mlp_b (ends 11), dispatch_b 11-13 beside mlp_dw (ends 14), mlp_f 14-18,
     combine_f 18-20 beside attn_b (ends 24), attn_dw 24-25: 25 s, 1 s per all-to-all as ``ep_comm_host``,
-    nothing exposed. A GPU's stream has no such cost (21 s)."""
-    def pair(stream):
-        return eo.OverlapCosts([_stage(_layer(2.0))], stream, True, host_share=0.5).pair(0, 0)
-
-    cpu = pair(eo.HOST_THREAD)
+    nothing exposed."""
+    cpu = eo.OverlapCosts([_stage(_layer(2.0))], eo.HOST_THREAD, True, comm_share=0.5).pair(0, 0)
     assert cpu.seconds == pytest.approx(25.0)
     assert cpu.terms["ep_comm_host"] == pytest.approx(4.0) and cpu.terms["ep_comm"] == 0
+    assert "ep_comm_sms" not in cpu.terms
     assert sum(cpu.terms.values()) == pytest.approx(cpu.seconds)
-    assert pair(eo.DEVICE).seconds == pytest.approx(21.0)
+
+
+def test_an_all_to_alls_sms_slow_the_compute_beside_it_on_a_gpu():
+    """All-to-alls of 2 whose kernel occupies a quarter of the SMs (33 of 132) while on the wire. By hand on a
+    GPU's two streams: combine_bwd 0-2 beside attn_f (4 s: 1.5 done by 2, ends 4.5), mlp_b 4.5-10 with
+    dispatch_f 4.5-6.5 beside it (it is issued after mlp_b, but its stream starts it once attn_f is done),
+    dispatch_b 10-12 beside mlp_dw 10-12.5, mlp_f 12.5-16.5, combine_f 16.5-18.5 beside attn_b 16.5-22,
+    attn_dw 22-23: 23 s; each all-to-all costs the compute a quarter of its 2 s (``ep_comm_sms`` 2), nothing
+    exposed. Without the SM share: 21 s."""
+    def pair(share):
+        return eo.OverlapCosts([_stage(_layer(2.0))], eo.DEVICE, True, comm_share=share).pair(0, 0)
+
+    gpu, free = pair(33 / 132), pair(0.0)
+    assert (gpu.seconds, free.seconds) == pytest.approx((23.0, 21.0))
+    assert gpu.terms["ep_comm_sms"] == pytest.approx(4 * 2.0 * 0.25) and gpu.terms["ep_comm"] == 0
+    assert sum(gpu.terms.values()) == pytest.approx(gpu.seconds)
+    assert gpu.compute == free.compute  # (the stolen seconds are not the compute stream's own work)
 
 
 def test_the_token_count_all_gather_waits_behind_an_all_to_all_on_the_wire():
@@ -132,7 +146,7 @@ def test_prediction_for_a_shaped_link():
 
     assert tbf_goodput_gbps(100.0) == pytest.approx(12.5e-3 * 1448 / 1514) and TCP_PAYLOAD_PER_FRAME < 1
     link = tbf_goodput_gbps(100.0)
-    prof = {**load_profile("h200").as_dict(), "gpus_per_node": 1, "kernel_launch_us": 30.0, "nongemm_share": 0.0,
+    prof = {**load_profile("h200").as_dict(), "gpus_per_host": 1, "kernel_launch_us": 30.0, "nongemm_share": 0.0,
             "gemm_fp32_tflops": 0.1, "attention_tflops": 0.1, "memory_gbps": 10.0, "gemm_tile": 1,
             "compute_units": None, "comm_stream": "host_thread", "network_latency_us": 300.0,
             **{f"{side}_{kind}": link for side in ("nvlink", "network") for kind in ("gbps", "alltoall_gbps",
@@ -156,3 +170,21 @@ def test_prediction_for_a_shaped_link():
     assert 0 < host <= 0.1 * on["ep_comm"]["total_s"] and on["breakdown_s"].get("ep_comm_host", 0.0) == 0
     assert busy["on"]["exposed_a2a_s"] == pytest.approx(on["exposed_a2a_s"] - host)
     assert busy["on"]["step_s"] == pytest.approx(on["step_s"])
+
+
+def test_an_all_to_all_beside_the_hosts_compute_takes_longer_on_the_wire():
+    """All-to-alls of 3 that take twice as long on the wire while the host computes (``wire_slowdown`` 2: the
+    profile's ``alltoall_beside_compute_slowdown``). By hand on k2-train's CPU thread, settled: combine_bwd
+    0-5 (half speed beside attn_f 0-4, then full), so mlp_b waits 4-5; dispatch_f 5-11 (half beside mlp_b
+    5-10 and mlp_dw 10-12); dispatch_b 11-16.5 (half beside mlp_dw and mlp_f 12-16, full 16-16.5), so attn_b
+    waits 16-16.5; combine_f 16.5-22.5 beside attn_b 16.5-21.5 and attn_dw 21.5-22.5: 22.5 s, 1.5 s
+    exposed. At full speed all of it hides (21 s)."""
+    def pair(slowdown):
+        return eo.OverlapCosts([_stage(_layer(3.0))], eo.HOST_THREAD, True, wire_slowdown=slowdown).pair(0, 0)
+
+    slow, fast = pair(2.0), pair(1.0)
+    assert (slow.seconds, fast.seconds) == pytest.approx((22.5, 21.0))
+    assert slow.exposed["combine_bwd"] == pytest.approx(1.0) and slow.exposed["dispatch_bwd"] == pytest.approx(0.5)
+    assert slow.terms["ep_comm"] == pytest.approx(1.5) and fast.terms["ep_comm"] == 0
+    assert slow.wire["dispatch_bwd"] == pytest.approx(5.5) and fast.wire["dispatch_bwd"] == pytest.approx(3.0)
+    assert sum(slow.terms.values()) == pytest.approx(slow.seconds)

@@ -44,7 +44,7 @@ def _pp_rank_by_megatron(dims) -> dict[int, int]:
 
 
 def test_every_running_phase_has_a_row_and_host_per_node():
-    from k2.launcher.planning.analysis import gpu_memory_gib
+    from k2.launcher.planning.analysis import gpu_memory_gib, host_memory_gib
 
     cfg, dims, a = _analyse(TINY_CPU4)
     assert [row["phase"] for row in a["phases"]] == ["warmup", "stable", "decay", "anneal_128", "anneal_512"]
@@ -67,7 +67,7 @@ def test_every_running_phase_has_a_row_and_host_per_node():
         assert row["device_peak_bytes"] == pytest.approx(max(g.params + g.grads + g.optimizer + g.activations
                                                              + g.transient + g.reserved for g in mem))
         assert row["fits_gpu"] == (row["device_peak_bytes"] <= gpu_memory_gib(cfg) * gib)
-        assert row["fits_host"] == (row["host_bytes_per_node"] <= cfg.cluster.host_memory_gib * gib)
+        assert row["fits_host"] == (row["host_bytes_per_node"] <= host_memory_gib(cfg) * gib)
         assert row["memory"]["recompute"] == sorted(cfg.memory.recompute)
         by_ctx[row["seq_length"]] = row
     # the 512-token anneal holds more activations (and offloads more) than the 128-token phases
@@ -96,7 +96,8 @@ def test_fits_needs_every_phase_on_gpu_and_host(capsys):
     assert "NO (GPU)" in line and "the plan does NOT fit: phases anneal_512 do not" in out
     rc = main(TINY_CPU4 + ["output=json"])
     plan = json.loads(capsys.readouterr().out)
-    assert [r["phase"] for r in plan["phases"]] == list(rows) and plan["host_memory_bytes_per_node"] == 2048 * 2**30
+    # cluster.host_memory_gib unset: the h800 profile's 2,048 GiB per 8-GPU host, for a node of 4 GPUs
+    assert [r["phase"] for r in plan["phases"]] == list(rows) and plan["host_memory_bytes_per_node"] == 1024 * 2**30
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])

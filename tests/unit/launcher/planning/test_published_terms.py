@@ -108,3 +108,37 @@ def test_negative_mtp_layers_exits_2(capsys):
     assert main(["plan.what_if.mtp_layers=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "plan.what_if.mtp_layers=-1" in err[0] and "integer >= 0" in err[0]
+
+
+def test_fp8_gemms_run_at_the_fp8_rate_after_quantising_their_operands(k2):
+    """train.fp8_recipe: MLA's projections at the profile's FP8 rate, each GEMM's input quantised in the
+    forward and its output gradient in the backward (4 1/16 bytes per element at the memory rate, one
+    launch each: term ``quantize``); the output head (and the router) stay at the BF16 rate."""
+    from k2.launcher.planning.kernels import elementwise_seconds, gemm_seconds
+    from k2.launcher.planning.stage_model import FP8_QUANTIZE_BYTES, StageModel
+    from k2.launcher.planning.tp_layout import attention_gemms
+    from k2.launcher.planning.what_if import WhatIf
+
+    cfg, _, fl, profile = k2
+    T = 4096
+
+    def model(fp8):
+        return StageModel(cfg.model, fl, None, tokens=T, profile=profile, rates=profile.rates("bf16", fp8=fp8),
+                          act_bytes=2.0, grouped=True, what_if=WhatIf(), recompute=(),
+                          fp8_recipe="mxfp8" if fp8 else None, high_rates=profile.rates("bf16"))
+
+    fp8, bf16 = model(True), model(False)
+    out = {"F": {}, "B": {}, "W": {}}
+    fp8.attention_gemms(out)
+    shapes = attention_gemms(fp8.s, T, 1)
+    r8 = profile.rates("bf16", fp8=True)
+    assert out["F"]["gemm"] == pytest.approx(sum(gemm_seconds(m, k, n, r8) for m, k, n in shapes))
+    assert out["F"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * k, 1, r8)
+                                                     for m, k, _ in shapes))
+    assert out["B"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * n, 1, r8)
+                                                     for m, _, n in shapes))
+    assert FP8_QUANTIZE_BYTES == pytest.approx(2 + 2 * 33 / 32) and "quantize" not in out["W"]
+    bf = {"F": {}, "B": {}, "W": {}}
+    bf16.attention_gemms(bf)
+    assert out["F"]["gemm"] < bf["F"]["gemm"] and "quantize" not in bf["F"]
+    assert fp8.loss() == bf16.loss()  # the output head: not a Transformer Engine linear

@@ -37,18 +37,37 @@ def test_gemm_roofline_tile_and_wave_quantization():
     assert elementwise_seconds(3e9, 10, r) == pytest.approx(1e-3 + 40e-6)
 
 
+def test_fp8_gemm_outputs_bf16_and_a_weight_gradient_adds_into_fp32():
+    """An FP8 GEMM reads 1-byte operands and writes its output in BF16; a weight gradient's GEMM reads and
+    writes its FP32 accumulator (8 bytes per element): an expert's weight gradient over 1,024 tokens
+    ([7168, 1024] x [1024, 2048]) is memory-bound on a B200-like device, 45 % slower than its FLOPs."""
+    from k2.launcher.planning.kernels import WGRAD_OUT_BYTES
+
+    r8 = KernelRates(gemm_flops=2400e12, attention_flops=900e12, memory_bytes=7e12, gemm_bytes_per_element=1.0)
+    m, k, n = 7168, 1024, 2048
+    flops_s = 2 * m * k * n / 2400e12
+    assert gemm_seconds(m, k, n, r8) == pytest.approx(flops_s)  # the output once in BF16: compute-bound
+    assert gemm_seconds(1, 8192, 8192, r8) == pytest.approx((8192 + 8192 * 8192 + 8192 * 2) / 7e12)
+    wgrad_bytes = m * k + k * n + m * n * 8
+    assert WGRAD_OUT_BYTES == 8
+    assert gemm_seconds(m, k, n, r8, WGRAD_OUT_BYTES) == pytest.approx(wgrad_bytes / 7e12)
+    assert gemm_seconds(m, k, n, r8, WGRAD_OUT_BYTES) / flops_s == pytest.approx(1.45, abs=0.01)
+
+
 def test_ep_alltoall_bytes_inside_and_across_nodes():
     """EP16 on 8-GPU nodes: of a token's k copies, 7/16 go over NVLink and 8/16 across nodes; EP8 stays on
     the node; DeepEP's forwarding sends a token once per remote node it visits."""
     p = load_profile("h800")
     T, k, h = 4096, 8, 7168
-    a = ep_alltoall(T, k, h, 16, 1, p, bytes_per_element=2)
+    a = ep_alltoall(T, k, h, 16, p, bytes_per_element=2)
     assert a.intra_bytes == pytest.approx(T * k * 7 / 16 * h * 2)
     assert a.inter_bytes == pytest.approx(T * k * 8 / 16 * h * 2)
-    assert a.seconds == pytest.approx(max(a.intra_bytes / 153e9, a.inter_bytes / 50e9 + 10e-6))
-    assert ep_alltoall(T, k, h, 8, 1, p, bytes_per_element=2).inter_bytes == 0
-    d = ep_alltoall(T, k, h, 64, 1, p, bytes_per_element=1, dedup_nodes=True, node_limit=4)
+    # megatron's alltoall dispatcher: NCCL's rates (160 GB/s on NVLink, one NIC's 48 GB/s across nodes)
+    assert a.seconds == pytest.approx(max(a.intra_bytes / 160e9, a.inter_bytes / 48e9 + 10e-6))
+    assert ep_alltoall(T, k, h, 8, p, bytes_per_element=2).inter_bytes == 0
+    d = ep_alltoall(T, k, h, 64, p, bytes_per_element=1, deepep=True, node_limit=4)
     assert d.inter_bytes == pytest.approx(T * 4 * 7 / 8 * h)  # at most 4 of 8 nodes, 7/8 of them remote
+    assert d.seconds == pytest.approx(max(d.intra_bytes / 153e9, d.inter_bytes / 50e9 + 10e-6))  # DeepEP's rates
     assert expected_nodes_hit(8, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
     assert ring_seconds(1e9, 4, False, p) == pytest.approx(0.75e9 / 160e9)
 
@@ -125,7 +144,9 @@ def test_ep_overlap_hides_k2s_all_to_all(k2):
     """pipeline.ep_overlap on K2's layout (PP16 x VPP2 x EP16, H800): the same all-to-alls (77 s of them on
     the busiest rank), most hidden under the other microbatch of each pair, what is left exposed counted
     by kind and by part of the schedule; the compute terms unchanged; the step drops by about what is
-    hidden. Without the overlap term this fails (the step stays ~196 s)."""
+    hidden, less what the hidden all-to-alls' NCCL kernels take from the compute beside them (32 of 132
+    SMs while on the wire: ``ep_comm_sms``, 24% of the hidden seconds). Without the overlap term this fails
+    (the step stays ~200 s)."""
     k2_layout = {"parallel": {"layout": "Et|(tt|)*30L"}}  # K2's: the same busiest PP rank with and without
     off, on = _k2_step(k2, 16, 2, 16, k2_layout), _k2_step(k2, 16, 2, 16, k2_layout, overlap=True)
     assert on.ep_overlap and not off.ep_overlap
@@ -139,7 +160,9 @@ def test_ep_overlap_hides_k2s_all_to_all(k2):
     assert on.ep_comm["exposed_s"] < 0.1 * total
     assert sum(on.ep_comm["by_part"].values()) == pytest.approx(on.ep_comm["exposed_s"])
     assert sum(v["exposed_s"] for v in on.ep_comm["by_kind"].values()) == pytest.approx(on.ep_comm["exposed_s"])
-    assert on.step_s < off.step_s - 0.8 * total
+    assert on.breakdown["ep_comm_sms"] == pytest.approx(32 / 132 * on.ep_comm["hidden_s"], rel=1e-6)
+    assert "ep_comm_sms" not in off.breakdown or off.breakdown["ep_comm_sms"] == 0
+    assert on.step_s < off.step_s - 0.8 * total + on.breakdown["ep_comm_sms"]
     # the combine's un-permutation and residual run on the communication stream (0.8 ms per MoE layer and
     # microbatch: 3.4 s of the busiest rank's step), mostly hidden too
     assert off.breakdown["non_gemm"] - 3.4 < on.breakdown["non_gemm"] < off.breakdown["non_gemm"] - 1
@@ -257,21 +280,34 @@ def test_hardware_profiles_name_a_source_for_every_number():
     assert p.nvlink_gbps == 450 and p.network_gbps == 50 and p.peak_bf16_tflops == pytest.approx(989.4)
 
 
+#: each published run's error bound (|predicted / published - 1|), today's errors in docs/performance_model.md:
+#: within 10% / 20% where the model meets the run; the two Blackwell runs it misses, bounded loosely (the
+#: GB200 BF16 run of NeMo 25.04 at a third of the efficiency of the same repository's 256-GPU run)
+PUBLISHED_ERROR = {"deepseek_v3_2048_h800": 0.1, "deepseek_v3_1024_h100_megatron_fp8": 0.1,
+                   "deepseek_v3_1024_h100_automodel_bf16": 0.1, "deepseek_v3_256_h100_automodel_bf16": 0.2,
+                   "kimi_k2_256_h100_automodel_bf16": 0.1, "deepseek_v3_512_gb200_mlperf_mxfp8": 0.1,
+                   "deepseek_v3_256_b200_bridge_mxfp8_pp8vp2": 0.1, "deepseek_v3_256_b200_bridge_mxfp8_pp16": 0.1,
+                   # the two misses docs/performance_model.md explains (software of the publication's release,
+                   # a one-microbatch step): bounds only that they stay planned and do not drift further
+                   "deepseek_v3_128_gb200_nemo_bf16": 0.7, "moonlight_16b_8_h100_bridge_bf16": 0.6}
+
+
 def test_published_runs_are_stated_and_compared():
-    """k2-plan plan.published=all: the three DeepSeek-V3 runs planned from their overrides alone; the
-    error is predicted / published - 1; the what-if settings are named; the H800 run's DualPipe hides
-    its all-to-all, the Megatron FP8 run's (no DualPipe) is exposed."""
+    """k2-plan plan.published=all: the runs planned from their overrides alone; the error is predicted /
+    published - 1; the what-if settings and the GEMMs' precision are named; the H800 run's DualPipe hides
+    its all-to-all, the Megatron FP8 run's (no DualPipe) is exposed; its TP2 pays TP collectives."""
     from k2.launcher.planning.published import compare_published, format_published
 
     rows = {r["name"]: r for r in compare_published("all")}
-    assert set(rows) == {"deepseek_v3_2048_h800", "deepseek_v3_1024_h100_megatron_fp8",
-                         "deepseek_v3_1024_h100_automodel_bf16", "deepseek_v3_256_h100_automodel_bf16",
-                         "kimi_k2_256_h100_automodel_bf16"}
+    assert set(rows) == set(PUBLISHED_ERROR)
     for r in rows.values():
         assert r["error"] == pytest.approx(r["predicted_step_s"] / r["published_step_s"] - 1)
         assert sum(r["breakdown_s"].values()) == pytest.approx(r["predicted_step_s"])
-        assert abs(r["error"]) < 0.4, r  # today's errors: docs/performance_model.md
-        assert r["what_if"]
+        assert abs(r["error"]) < PUBLISHED_ERROR[r["name"]], r
+    assert rows["deepseek_v3_1024_h100_megatron_fp8"]["gemm_precision"] == "blockwise"
+    assert rows["deepseek_v3_512_gb200_mlperf_mxfp8"]["gemm_precision"] == "mxfp8"
+    assert rows["deepseek_v3_1024_h100_megatron_fp8"]["breakdown_s"]["tp_comm"] > 0.1
+    assert rows["deepseek_v3_256_b200_bridge_mxfp8_pp8vp2"]["breakdown_s"]["ep_comm_sms"] > 0.1
     assert rows["deepseek_v3_2048_h800"]["breakdown_s"]["ep_comm"] == 0
     # DeepSeek-V3 published GPU-hours: its step is compared over the plan's expected goodput (< 1)
     h800 = rows["deepseek_v3_2048_h800"]

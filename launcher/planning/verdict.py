@@ -1,0 +1,101 @@
+"""``plan.search=true``'s verdict: the layout k2-plan recommends for the cluster, whether anything fits, and
+what to change when nothing does or when the GPU is larger than the memory settings assume.
+
+* **The recommended layout** is the search's first row (:func:`k2.launcher.planning.search.search_layouts`:
+  those that fit first, each group by the estimated step); when none fits, the layout needing the least
+  memory per GPU (of those whose memory is computed, not bounded below). With ``plan.search`` the plan printed below the
+  verdict is of that layout, not of ``parallel.*`` (which may not even divide the cluster).
+* **When nothing fits**, the smallest GPU count that does among the cluster's node count times 2, 4, ...
+  64 (each searched the same way; the layouts of a count are tried until one fits), or None past that.
+* **Memory settings a larger GPU does not need**: for the recommended layout, each group of ``memory.*``
+  (``offload``, ``recompute``, ``fp8_store``; a schedule phase's own settings are kept) and
+  ``optim.offload_fraction`` set to nothing, one at a time; those with which every phase still fits are
+  listed with the step they give (a recipe sized for 80 GB spends step time on memory a 180 GB GPU has).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
+
+from k2.launcher.planning.analysis import analyse_layout
+from k2.launcher.planning.search import WORLD_FROM, layout_candidates, search_layouts
+from k2.parallel.dims import ParallelDims
+from k2.schedules.resolve import resolve_schedule
+
+if TYPE_CHECKING:
+    from k2.config.schema import K2Config
+
+__all__ = ["layout_settings", "search_verdict", "smallest_fitting_world", "unneeded_memory_settings"]
+
+#: node-count multiples tried for the smallest GPU count that fits (each is a search of its own)
+_GROW = (2, 4, 8, 16, 32, 64)
+#: the memory settings a larger GPU may not need, each with its "off" value
+_MEMORY_SETTINGS = (("memory.offload", []), ("optim.offload_fraction", 0.0), ("memory.recompute", []),
+                    ("memory.fp8_store", []))
+
+
+def layout_settings(row: dict[str, Any]) -> dict[str, Any]:
+    """The ``parallel.*`` values of one search row (what ``k2-plan`` / ``k2-train`` take)."""
+    return {"tp": row.get("tp", 1), "pp": row["pp"], "vpp": row["vpp"] if row["vpp"] > 1 else None,
+            "ep": row["ep"], "layout": row["layout"], "first_stage_layers": None, "last_stage_layers": None}
+
+
+def with_layout(cfg: K2Config, row: dict[str, Any]) -> K2Config:
+    """``cfg`` with the row's layout as its ``parallel.*``."""
+    return OmegaConf.merge(cfg, {"parallel": {**layout_settings(row), "name": "search"}})
+
+
+def _fits(cfg: K2Config, world: int, counts) -> tuple[bool, float]:
+    """Whether ``cfg``'s layout fits every phase on ``world`` GPUs, and its main phase's step (seconds)."""
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM, tp_supported=True)
+    a = analyse_layout(cfg, dims, counts, resolve_schedule(cfg, dims))
+    return bool(a["fits"]), float(a["main"]["makespan"])
+
+
+def unneeded_memory_settings(cfg: K2Config, world: int, counts) -> list[dict[str, Any]]:
+    """The memory settings (module docstring) ``cfg``'s layout still fits without, one at a time: ``{"setting",
+    "was", "off", "step_time_s"}`` (``off``: the override that drops it; the main phase's step without it)."""
+    out = []
+    for key, off in _MEMORY_SETTINGS:
+        was = OmegaConf.select(cfg, key)
+        if not was:
+            continue
+        variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={off}"]))
+        fits, step = _fits(variant, world, counts)
+        if fits:
+            out.append({"setting": key, "was": OmegaConf.to_container(was) if not isinstance(was, float) else was,
+                        "off": f"{key}={off}", "step_time_s": step})
+    return out
+
+
+def smallest_fitting_world(cfg: K2Config, counts) -> int | None:
+    """The smallest GPU count among ``cluster.nodes`` x :data:`_GROW` on which some layout fits (None: none
+    up to the largest)."""
+    gpn = int(cfg.cluster.gpus_per_node)
+    for k in _GROW:
+        world = int(cfg.cluster.nodes) * k * gpn
+        grown = OmegaConf.merge(cfg, {"cluster": {"nodes": int(cfg.cluster.nodes) * k}})
+        if any(a["fits"] for _, a in layout_candidates(grown, world, counts, stop_at_fit=True)):
+            return world
+    return None
+
+
+def search_verdict(cfg: K2Config, world: int, counts) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The search's rows and its verdict: ``fits``, ``recommended`` (the first row, or None when no layout can
+    run the schedule), ``smallest_fitting_gpus`` (when nothing fits) and ``unneeded_memory_settings`` (when the
+    recommended layout fits; ``memory_settings_set``: those it tried)."""
+    rows = search_layouts(cfg, world, counts)
+    best = rows[0] if rows else None
+    if best is not None and not best["fits"]:  # nothing fits: the layout nearest to fitting
+        best = min(rows, key=lambda r: (r["memory_lower_bound"], r["memory_per_gpu_bytes"], r["step_time_s_estimated"]))
+    verdict: dict[str, Any] = {"fits": bool(best and best["fits"]), "recommended": best,
+                               "smallest_fitting_gpus": None, "memory_settings_set": [],
+                               "unneeded_memory_settings": []}
+    if best is None or not best["fits"]:
+        verdict["smallest_fitting_gpus"] = smallest_fitting_world(cfg, counts)
+    else:
+        verdict["memory_settings_set"] = [k for k, _ in _MEMORY_SETTINGS if OmegaConf.select(cfg, k)]
+        verdict["unneeded_memory_settings"] = unneeded_memory_settings(with_layout(cfg, best), world, counts)
+    return rows, verdict

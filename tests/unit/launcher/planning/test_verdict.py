@@ -1,0 +1,68 @@
+"""plan.search's verdict (launcher/planning/verdict.py): printed first, the plan below it of the layout it
+recommends, the smallest GPU count that fits when nothing does, the memory settings a larger GPU does not
+need. k2_tiny with K2's memory settings on "GPUs" of a few hundredths of a GiB (its sizes: the search's rows
+on 2 GPUs need 0.0353-0.0434 GiB), without the fixed GPU terms of plan.gpu_overheads."""
+
+from __future__ import annotations
+
+import json
+
+from k2.launcher.plan import main
+
+NO_GPU_OVERHEADS = [f"plan.gpu_overheads.{k}=0" for k in ("cuda_context_gib", "nccl_gib_per_communicator",
+                                                           "workspace_gib", "fragmentation")]
+
+
+def _plan(capsys, gib: float, gpus: int = 2, *extra: str) -> tuple[list[str], dict]:
+    base = ["model=k2_tiny", "memory=k2", "cluster.nodes=1", f"cluster.gpus_per_node={gpus}", "plan.search=true",
+            f"cluster.gpu_memory_gib={gib}", *NO_GPU_OVERHEADS, *extra]
+    assert main(base) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert main([*base, "output=json"]) == 0
+    return text, json.loads(capsys.readouterr().out)
+
+
+def test_the_verdict_comes_first_and_the_plan_is_of_the_recommended_layout(capsys):
+    """0.036 GiB: only the PP2 layouts fit (0.0353 / 0.0359 GiB) and need every memory setting. The verdict
+    is the first line; the plan under it is of the recommended layout, not of parallel.pp=4, which does not
+    even divide the 2 GPUs (without plan.search k2-plan refuses it)."""
+    text, plan = _plan(capsys, 0.036, 2, "parallel.pp=4")
+    v = plan["verdict"]
+    assert text[0].startswith("verdict: k2_tiny on 2 x ") and ": FITS; recommended layout PP2 " in text[0]
+    assert v["fits"] and v["recommended"]["pp"] == 2 and v["recommended"] == plan["search"][0]
+    assert (plan["pp"], plan["ep"], plan["parallel"]) == (2, 1, "search")
+    assert v["step_time_s_estimated"] == plan["step_time_s_estimated"]
+    assert [t for t, _ in v["dominant"]] == sorted(plan["step_time_breakdown_s"],
+                                                  key=lambda k: -plan["step_time_breakdown_s"][k])[:2]
+    assert v["unneeded_memory_settings"] == []
+    assert text[3].startswith("  every memory setting is needed to fit: memory.offload, memory.recompute")
+
+
+def test_when_nothing_fits_it_names_the_smallest_gpu_count_that_does(capsys):
+    """0.03 GiB: nothing fits on 2 GPUs; on 4 a PP4 layout does, which a search there confirms."""
+    text, plan = _plan(capsys, 0.03, 2)
+    v = plan["verdict"]
+    assert not v["fits"] and v["smallest_fitting_gpus"] == 4
+    assert ": does NOT fit; closest (the least memory per GPU) layout PP2 " in text[0]
+    assert v["recommended"]["memory_per_gpu_bytes"] == min(r["memory_per_gpu_bytes"] for r in plan["search"])
+    assert "  smallest GPU count that fits: 4 (2 nodes;" in "\n".join(text[:5])
+    _, four = _plan(capsys, 0.03, 4)
+    assert four["verdict"]["fits"]
+
+
+def test_the_memory_settings_a_larger_gpu_does_not_need(capsys):
+    """1 GiB: every memory setting of K2's is dropped one at a time and the layout still fits; the step
+    printed for each is the plan's without it (recompute off: no recomputed forward, a shorter step)."""
+    text, plan = _plan(capsys, 1.0, 2)
+    v = plan["verdict"]
+    un = {u["setting"]: u for u in v["unneeded_memory_settings"]}
+    assert set(un) == {"memory.offload", "memory.recompute", "memory.fp8_store"} == set(v["memory_settings_set"])
+    assert un["memory.recompute"]["was"] == ["layernorm", "swiglu", "mla_up_proj", "moe_down_proj"]
+    assert un["memory.recompute"]["step_time_s"] < v["step_time_s_estimated"]
+    r = v["recommended"]
+    _, without = _plan(capsys, 1.0, 2, "memory.recompute=[]", "plan.search=false", f"parallel.pp={r['pp']}",
+                       f"parallel.ep={r['ep']}", f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
+                       f"parallel.layout={r['layout']}")
+    assert without["step_time_s_estimated"] == un["memory.recompute"]["step_time_s"]
+    line = "  not needed on this GPU: memory.recompute (memory.recompute=[]: it still fits; step "
+    assert any(x.startswith(line) for x in text[:8])
