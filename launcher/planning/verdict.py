@@ -15,7 +15,7 @@ what to change when nothing does or when the GPU is larger than the memory setti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import OmegaConf
 
@@ -32,8 +32,8 @@ __all__ = ["layout_settings", "search_verdict", "smallest_fitting_world", "unnee
 #: node-count multiples tried for the smallest GPU count that fits (each is a search of its own)
 _GROW = (2, 4, 8, 16, 32, 64)
 #: the memory settings a larger GPU may not need, each with its "off" value
-_MEMORY_SETTINGS = (("memory.offload", []), ("optim.offload_fraction", 0.0), ("memory.recompute", []),
-                    ("memory.fp8_store", []))
+_MEMORY_SETTINGS: tuple[tuple[str, Any], ...] = (
+    ("memory.offload", []), ("optim.offload_fraction", 0.0), ("memory.recompute", []), ("memory.fp8_store", []))
 
 
 def layout_settings(row: dict[str, Any]) -> dict[str, Any]:
@@ -44,7 +44,17 @@ def layout_settings(row: dict[str, Any]) -> dict[str, Any]:
 
 def with_layout(cfg: K2Config, row: dict[str, Any]) -> K2Config:
     """``cfg`` with the row's layout as its ``parallel.*``."""
-    return OmegaConf.merge(cfg, {"parallel": {**layout_settings(row), "name": "search"}})
+    return _merge(cfg, {"parallel": {**layout_settings(row), "name": "search"}})
+
+
+def _merge(cfg: K2Config, *others: Any) -> K2Config:
+    """``OmegaConf.merge`` typed as the schema it keeps (a structured config merged stays one)."""
+    return cast("K2Config", OmegaConf.merge(cfg, *others))
+
+
+def _select(cfg: K2Config, key: str) -> Any:
+    """``OmegaConf.select`` on the typed config (at run time a ``DictConfig``)."""
+    return OmegaConf.select(cast(Any, cfg), key)
 
 
 def _fits(cfg: K2Config, world: int, counts) -> tuple[bool, float]:
@@ -59,10 +69,10 @@ def unneeded_memory_settings(cfg: K2Config, world: int, counts) -> list[dict[str
     "was", "off", "step_time_s"}`` (``off``: the override that drops it; the main phase's step without it)."""
     out = []
     for key, off in _MEMORY_SETTINGS:
-        was = OmegaConf.select(cfg, key)
+        was = _select(cfg, key)
         if not was:
             continue
-        variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={off}"]))
+        variant = _merge(cfg, OmegaConf.from_dotlist([f"{key}={off}"]))
         fits, step = _fits(variant, world, counts)
         if fits:
             out.append({"setting": key, "was": OmegaConf.to_container(was) if not isinstance(was, float) else was,
@@ -76,7 +86,7 @@ def smallest_fitting_world(cfg: K2Config, counts) -> int | None:
     gpn = int(cfg.cluster.gpus_per_node)
     for k in _GROW:
         world = int(cfg.cluster.nodes) * k * gpn
-        grown = OmegaConf.merge(cfg, {"cluster": {"nodes": int(cfg.cluster.nodes) * k}})
+        grown = _merge(cfg, {"cluster": {"nodes": int(cfg.cluster.nodes) * k}})
         if any(a["fits"] for _, a in layout_candidates(grown, world, counts, stop_at_fit=True)):
             return world
     return None
@@ -96,6 +106,6 @@ def search_verdict(cfg: K2Config, world: int, counts) -> tuple[list[dict[str, An
     if best is None or not best["fits"]:
         verdict["smallest_fitting_gpus"] = smallest_fitting_world(cfg, counts)
     else:
-        verdict["memory_settings_set"] = [k for k, _ in _MEMORY_SETTINGS if OmegaConf.select(cfg, k)]
+        verdict["memory_settings_set"] = [k for k, _ in _MEMORY_SETTINGS if _select(cfg, k)]
         verdict["unneeded_memory_settings"] = unneeded_memory_settings(with_layout(cfg, best), world, counts)
     return rows, verdict
