@@ -16,7 +16,6 @@ from typing import Any
 
 from k2.config.choices import (
     AttentionBackend,
-    BadRecords,
     CheckpointVerify,
     ConvertModelType,
     Fp8Recipe,
@@ -30,10 +29,9 @@ from k2.config.choices import (
     RopeType,
     RouterOptimizer,
     SpikeAction,
-    TextDocument,
     WandbMode,
 )
-from k2.config.schema_launch import LaunchConfig, SubmitConfig, SweepConfig
+from k2.config.schema_launch import LaunchConfig, PrepareConfig, SubmitConfig, SweepConfig
 from k2.config.schema_planning import ClusterConfig, PlanConfig, WhatIfConfig  # noqa: F401  (k2-plan's sections)
 
 
@@ -211,37 +209,6 @@ class DataConfig:
     # k2-train reads every dataset's whole .bin/.idx before any rank starts and compares their xxh3-64
     # checksums with the k2-data manifest (the cost is printed); false = sizes and index headers only
     verify: bool = False
-
-
-@dataclass
-class PrepareConfig:
-    """``k2-data prepare.input=...``: tokenize a raw-text corpus into megatron indexed datasets
-    (``launcher/datasets/preprocess.py``). The tokenizer is ``data.tokenizer`` or, when that is null, a
-    byte-level BPE of ``data.vocab_size`` ids trained on the input."""
-
-    input: Any | None = None  # files, directories or globs (JSONL[.gz|.zst], Parquet, .txt); null = off
-    output: str | None = None  # dataset prefix: PREFIX.bin/.idx (or PREFIX_00000.bin/.idx, ... shards)
-    text_key: str = "text"  # the JSONL field / Parquet column holding the document
-    # plain text: file = one document per file; paragraph = per blank-line block
-    text_document: TextDocument = TextDocument.file
-    workers: int = 1  # tokenizing processes (the output bytes are the same for any number)
-    # error = stop at the first bad record (file:line); skip = report and skip
-    bad_records: BadRecords = BadRecords.error
-    shard_documents: int | None = None  # documents per output shard; null = one PREFIX.bin/.idx
-    chunk_documents: int = 2048  # records per encode_batch_fast call and per committed chunk (resume granularity)
-    # ... and a chunk ends early once its records hold this many bytes of input (1 MiB), so that a chunk's
-    # memory (its text, and ~100 bytes per token of tokenizer output) is bounded whatever the document size
-    chunk_bytes: int = 1 << 20
-    progress: bool = True  # progress bar on stderr (documents/s, tokens/s, ETA)
-    # across machines (launcher/datasets/array_build.py): the input is cut into pieces of shard_bytes at
-    # record boundaries, one output shard PREFIX_NNNNN each, built by `tasks` tasks (task t: pieces t,
-    # t + tasks, ...); the bytes do not depend on the task count. null = one build in this process
-    tasks: int | None = None
-    task: int | None = None  # with tasks: build only this task's pieces (an array task: $SLURM_ARRAY_TASK_ID)
-    submit: bool = False  # with tasks: plan here, then sbatch an array of the unfinished tasks (submit.*)
-    shard_bytes: int = 1 << 30  # with tasks: input bytes per piece (and output shard); 1 GiB
-    # with tasks and data.tokenizer=null: bytes of input the BPE is trained on, from the start of every piece
-    tokenizer_sample_bytes: int = 1 << 30
 
 
 def _own(optimizer: str, default: Any) -> Any:
