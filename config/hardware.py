@@ -117,6 +117,9 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
     slow = prof.alltoall_beside_compute_slowdown
     if not (math.isfinite(slow) and slow >= 1):
         raise ConfigError(f"{where}: 'alltoall_beside_compute_slowdown' must be a number >= 1 (got {slow!r})")
+    wait = prof.alltoall_peer_wait_us
+    if not (math.isfinite(wait) and wait >= 0):
+        raise ConfigError(f"{where}: 'alltoall_peer_wait_us' must be a number >= 0 (got {wait!r})")
     loaded = prof.network_loaded_latency_us
     if loaded is not None and not (math.isfinite(loaded) and loaded >= prof.network_latency_us):
         raise ConfigError(f"{where}: 'network_loaded_latency_us' must be null or a number >= network_latency_us "

@@ -114,6 +114,12 @@ class HardwareProfileConfig:
     # bench=ep_overlap measures it on its link: back-to-back all-to-alls from the communication thread with
     # and without a GEMM loop on the main thread)
     alltoall_beside_compute_slowdown: float = 1.0
+    # per dispatch or combine of an EP group, us: how long it waits, beyond its own rank's issue, for the last
+    # rank of the group to issue it (an all-to-all starts when every rank has called it; the ranks' compute
+    # between two all-to-alls differs: the tokens routed to each rank's experts, the host's noise); with or
+    # without the overlap (k2-bench bench=ep_overlap measures it on its unshaped calibration run's trace);
+    # 0: the ranks issue each all-to-all together
+    alltoall_peer_wait_us: float = 0.0
     # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
     # (null: not given, e.g. a CPU profile)
     gpu_memory_gib: float | None = None

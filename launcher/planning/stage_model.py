@@ -349,12 +349,14 @@ class StageModel:
 
     def _ep_alltoalls(self) -> tuple[float, float]:
         """Seconds of one MoE layer's dispatch and of its combine all-to-all in one pass
-        (:func:`k2.launcher.planning.comm.ep_alltoall`; DeepEP's FP8 dispatch under the what-if)."""
+        (:func:`k2.launcher.planning.comm.ep_alltoall`; DeepEP's FP8 dispatch under the what-if), each with
+        the wait for the group's last rank to issue it (the profile's ``alltoall_peer_wait_us``)."""
         s, d, wi = self.s, self.dims, self.wi
         dispatch_bytes = (1 + 4 / 128) if (wi.deepep and self.fp8_recipe) else self.a  # FP8 + a scale per 128
         a2a = [ep_alltoall(self.T / self.tp, s["k"], s["h"], d.ep, self.profile, bytes_per_element=b,
                            deepep=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
-        return a2a[0].seconds, a2a[1].seconds
+        wait = self.profile.alltoall_peer_wait_us * 1e-6 if d.ep > 1 else 0.0
+        return a2a[0].seconds + wait, a2a[1].seconds + wait
 
     def _token_counts_group(self) -> tuple[int, bool]:
         """The ranks of the token-count all-gather (megatron's ``tp_ep`` group: expert TP x EP, so the EP

@@ -188,3 +188,24 @@ def test_an_all_to_all_beside_the_hosts_compute_takes_longer_on_the_wire():
     assert slow.terms["ep_comm"] == pytest.approx(1.5) and fast.terms["ep_comm"] == 0
     assert slow.wire["dispatch_bwd"] == pytest.approx(5.5) and fast.wire["dispatch_bwd"] == pytest.approx(3.0)
     assert sum(slow.terms.values()) == pytest.approx(slow.seconds)
+
+
+def test_each_all_to_all_waits_for_the_other_ranks_call():
+    """The profile's ``alltoall_peer_wait_us`` (an all-to-all starts when the last rank of its group calls
+    it) lengthens every dispatch and combine by as much, with the overlap or without: k2_tiny's 3 MoE
+    layers x 4 all-to-alls x 4 microbatches per DP rank (4,096 tokens, DP 2, 4 x 128 each) = 48 per step,
+    so 1 ms each is 48 ms more all-to-all per step, all of it exposed without the overlap. A negative wait
+    is refused in one line."""
+    from k2.config import load_config
+    from k2.launcher.planning.overlap_prediction import predict_ep_overlap
+
+    prof = {**load_profile("h200").as_dict(), "gpus_per_host": 1, "comm_stream": "host_thread"}
+    cfg = load_config(["model=k2_tiny", "parallel=single", "parallel.ep=2", "cluster.nodes=2",
+                       "cluster.gpus_per_node=1", "train.micro_batch_size=4", "schedule.global_batch_tokens=4096"])
+    base, waiting = predict_ep_overlap(cfg, prof), predict_ep_overlap(cfg, {**prof, "alltoall_peer_wait_us": 1000.0})
+    count = round((waiting["off"]["ep_comm"]["total_s"] - base["off"]["ep_comm"]["total_s"]) / 1e-3)
+    assert count == 4 * 3 * 4
+    assert waiting["off"]["exposed_a2a_s"] - base["off"]["exposed_a2a_s"] == pytest.approx(count * 1e-3)
+    assert waiting["on"]["ep_comm"]["total_s"] - base["on"]["ep_comm"]["total_s"] == pytest.approx(count * 1e-3)
+    with pytest.raises(ConfigError, match="alltoall_peer_wait_us"):
+        profile_from_dict({**prof, "alltoall_peer_wait_us": -1.0}, "test")
