@@ -53,7 +53,8 @@ def a2a_excess(events: list, step: int) -> float:
     the other rank on average) and its combine sends back the ``C`` the rank received, so the two
     directions differ by ``|C - D|`` and the busier one carries ``|C - D| / 2`` more; the backward's
     all-to-alls move the same rows back. Mean over the step's MoE layers and microbatches."""
-    dispatch, combine = {}, {}
+    dispatch: dict[tuple, float] = {}
+    combine: dict[tuple, float] = {}
     for e in step_events(events, step):
         if e["kind"] == "a2a" and e["direction"] == "forward":
             key = (e["microbatch"], e["layer"])
