@@ -45,8 +45,16 @@ What the trainer runs (megatron-core 0.19.2, ``k2.schedules.ep_overlap``), and s
   without the overlap does (with ``pipeline.decouple_wgrad`` on a GPU a backward's ``mlp_dw`` still runs
   under its dispatch). Activation offload copies (a copy engine) are exposed only beyond the step's time.
 
+Each dispatch and combine on the communication stream takes its wire time plus its wait for the last rank
+of its group to call it (the profile's ``alltoall_peer_wait_us``,
+:meth:`k2.launcher.planning.stage_model.StageModel._ep_alltoalls`), as it does exposed without the overlap.
+
 Not modelled: the schedule plans' own host cost (the profile's ``microbatch_overhead_us`` is the
-schedule without the overlap), the memory bandwidth an all-to-all's kernel takes beside its SMs.
+schedule without the overlap), the memory bandwidth an all-to-all's kernel takes beside its SMs; on a host
+thread, the smaller share of a shared CPU the rank's compute gets while the overlap keeps it busy, and
+megatron's second, small all-to-all in each dispatch (the routing probabilities), both measured by
+``k2-bench bench=ep_overlap`` on its shaped link, whose prediction with the overlap on is therefore a
+bound (docs/performance_model.md).
 """
 
 from __future__ import annotations
