@@ -53,7 +53,9 @@ def step_streams(traces: dict, rank: int, step: int) -> tuple[list, list]:
     main = sorted((e for e in events if e["kind"] in ("post", "wait") and e.get("what") in ("dispatch", "combine")),
                   key=lambda e: (e["start"], e["seq"]))
     waits = {e["req"]: e for e in main if e["kind"] == "wait"}
-    index, nodes, free = {}, [], None
+    index: dict = {}
+    nodes: list[dict] = []
+    free: float | None = None
     for e in (x for x in main if x["kind"] == "post"):
         mine = calls[_node(e)][rank]
         start = e["start"] if free is None else max(e["start"], free)
