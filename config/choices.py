@@ -261,7 +261,9 @@ def _choice_of(setting: str) -> tuple[type[Choice], str]:
 def choice_error(setting: str, value: Any) -> ConfigError:
     """The error for ``value`` outside the allowed values of the Enum-typed ``setting`` (a key of
     :data:`CHOICES`, or a list item of one: ``schedule.phases.2.lr_style``), naming the setting and every
-    allowed value."""
+    allowed value. OmegaConf's ``schedule.phases[2].lr_style`` is named as the override a user writes,
+    ``schedule.phases.2.lr_style``."""
+    setting = re.sub(r"\[(\d+)\]", r".\1", setting)
     choice, message = _choice_of(setting)
     return ConfigError(message.format(setting=setting, value=value, allowed=allowed(choice)))
 

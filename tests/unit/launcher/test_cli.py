@@ -43,7 +43,7 @@ def test_k2_train_refuses_a_bad_setting_without_importing_megatron():
 
 @pytest.mark.parametrize("override,message", [
     ("train.iterz=3", "unknown config key 'train.iterz' (did you mean 'train.iters'?)"),
-    ("schedule.phases.0.lr_style=linaer", "schedule.phases[0].lr_style='linaer'; allowed: constant, linear"),
+    ("schedule.phases.0.lr_style=linaer", "schedule.phases.0.lr_style='linaer'; allowed: constant, linear"),
 ])
 def test_k2_train_refuses_a_mistyped_key_before_importing_torch(override, message):
     """A mistyped key or value is refused while the config is composed, before torch (and so megatron-core)
