@@ -26,7 +26,7 @@ from k2.launcher.datasets import preprocess as P
 from k2.launcher.datasets.pieces import cut_pieces, line_start
 from k2.launcher.datasets.resolve import resolve_data
 from k2.launcher.datasets.sources import expand_inputs
-from k2.launcher.datasets.tokenizer import EOD_TOKEN, train_byte_level_bpe
+from k2.launcher.datasets.tokenizer import EOD_TOKEN
 
 VOCAB = 600
 SHARD = 6000  # input bytes per piece: the large file is cut three times
@@ -35,13 +35,6 @@ SHARD = 6000  # input bytes per piece: the large file is cut three times
 @pytest.fixture(scope="module")
 def docs() -> list[str]:
     return stdlib_docstrings(240)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory, docs) -> str:
-    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    train_byte_level_bpe(docs, VOCAB).save(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,6 @@ def docs() -> list[str]:
     return stdlib_docstrings(300)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory, docs) -> str:
-    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    train_byte_level_bpe(docs, VOCAB).save(path)
-    return path
-
-
 def _cfg(inp, out, *extra, tokenizer=None):
     inp = inp if isinstance(inp, str) else "[" + ",".join(map(str, inp)) + "]"
     args = [f"prepare.input={inp}", f"prepare.output={out}", "prepare.progress=false",
