@@ -50,16 +50,41 @@ HUNG = 2  # the watchdog run saves every step: its second save (the first has th
 
 # the GPU mode's model: k2_tiny's layers at widths where the GPU paths matter (MLA's 192 / 128 head dims
 # for cuDNN attention, 16 experts of 512 for the grouped GEMM), 1,024-token sequences
-GPU_SIZE = ["model.hidden_size=1024", "model.num_attention_heads=16", "model.ffn_hidden_size=2816",
-            "model.num_moe_experts=16", "model.moe_ffn_hidden_size=512",
-            "model.moe_shared_expert_intermediate_size=512", "model.q_lora_rank=512", "model.kv_lora_rank=256",
-            "model.qk_head_dim=128", "model.qk_pos_emb_head_dim=64", "model.v_head_dim=128",
-            "schedule.phases.0.seq_length=1024", "schedule.global_batch_tokens=16384"]
+GPU_SIZE = [
+    "model.hidden_size=1024",
+    "model.num_attention_heads=16",
+    "model.ffn_hidden_size=2816",
+    "model.num_moe_experts=16",
+    "model.moe_ffn_hidden_size=512",
+    "model.moe_shared_expert_intermediate_size=512",
+    "model.q_lora_rank=512",
+    "model.kv_lora_rank=256",
+    "model.qk_head_dim=128",
+    "model.qk_pos_emb_head_dim=64",
+    "model.v_head_dim=128",
+    "schedule.phases.0.seq_length=1024",
+    "schedule.global_batch_tokens=16384",
+]
 # what both modes run
-COMMON = ["model=k2_tiny", "optim=muonclip", "optim.qk_clip_tau=0.1", "memory=k2", "optim.offload_fraction=0.5",
-          f"train.iters={ITERS}", "train.save_interval=2", "checkpoint.keep_last=10", "checkpoint.save_at_end=false",
-          "train.eval_interval=0", "schedule.phases.0.steps=0", "train.spike.action=skip", "train.spike.window=4",
-          "train.spike.sigma=1000", "run.seed=7", "run.wandb.mode=disabled", "train.progress=false"]
+COMMON = [
+    "model=k2_tiny",
+    "optim=muonclip",
+    "optim.qk_clip_tau=0.1",
+    "memory=k2",
+    "optim.offload_fraction=0.5",
+    f"train.iters={ITERS}",
+    "train.save_interval=2",
+    "checkpoint.keep_last=10",
+    "checkpoint.save_at_end=false",
+    "train.eval_interval=0",
+    "schedule.phases.0.steps=0",
+    "train.spike.action=skip",
+    "train.spike.window=4",
+    "train.spike.sigma=1000",
+    "run.seed=7",
+    "run.wandb.mode=disabled",
+    "train.progress=false",
+]
 GPU_ONLY = ["train.precision=bf16", "run.deterministic=true"]
 # CPU: the sdpa path (torch's CPU SDPA + the chunked max-logit pass) and grouped experts, not the defaults
 TINY_ONLY = ["train.precision=fp32", "model.attention_backend=sdpa", "model.moe_grouped_gemm=true"]
@@ -112,9 +137,14 @@ def step_env() -> None:
 
     from k2.parallel import cpu_backend
 
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "cpu_backend_enabled": cpu_backend.enable(), "tiny": TINY,
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "cpu_backend_enabled": cpu_backend.enable(),
+        "tiny": TINY,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
     if torch.cuda.is_available():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -140,8 +170,10 @@ def _triton_max_logit(q, k):
 
         got = per_head_max_logit_triton(q, k, 0.07, True)
         want = per_head_max_logit(q, k, 0.07, True)
-        return bool((got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()) or \
-            f"no: differs from the torch pass by {float((got.float() - want.float()).abs().max()):.3g}"
+        return (
+            bool((got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max())
+            or f"no: differs from the torch pass by {float((got.float() - want.float()).abs().max()):.3g}"
+        )
     except Exception as e:
         return f"no: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -153,8 +185,13 @@ def _memory_stats() -> dict:
     if not torch.cuda.is_available():
         return {}
     free, total = torch.cuda.mem_get_info()
-    out = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
-           "reserved_now": torch.cuda.memory_reserved(), "device_used_now": total - free, "device_total": total}
+    out = {
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "reserved_now": torch.cuda.memory_reserved(),
+        "device_used_now": total - free,
+        "device_total": total,
+    }
     try:
         host = torch.cuda.memory.host_memory_stats()
         out["pinned_host_peak"] = host.get("reserved_bytes.peak", host.get("allocated_bytes.peak"))
@@ -166,10 +203,14 @@ def _memory_stats() -> dict:
 def step_train(kind: str) -> None:
     """One k2-train run in this process (``kind``: async, sync, resume, watchdog; module docstring)."""
     args = [*overrides(), f"run.dir={run_dir(kind)}"]
-    env = {"K2_FAULT": "none:0:0", "K2_TEST_SPIKE": f"{SPIKE_STEP}:1e6", "K2_TEST_OUT": str(OUT),
-           # CPU: the offloaded optimizer states in shared memory, which a forked writer shares as it
-           # shares the pinned buffers they live in on a GPU (a fork alone would snapshot pageable ones)
-           "K2_SHARED_OFFLOAD": "1" if TINY else "0"}
+    env = {
+        "K2_FAULT": "none:0:0",
+        "K2_TEST_SPIKE": f"{SPIKE_STEP}:1e6",
+        "K2_TEST_OUT": str(OUT),
+        # CPU: the offloaded optimizer states in shared memory, which a forked writer shares as it
+        # shares the pinned buffers they live in on a GPU (a fork alone would snapshot pageable ones)
+        "K2_SHARED_OFFLOAD": "1" if TINY else "0",
+    }
     if kind == "async":
         env["K2_HOLD_WRITER"] = f"{HELD}:0"
     if kind in ("async", "watchdog"):
@@ -201,8 +242,16 @@ def step_train(kind: str) -> None:
 
     t0 = time.time()
     rc = train.main(args)
-    _write(f"train_{kind}", {"rc": rc, "seconds": time.time() - t0, "overrides": args,
-                             "memory": _memory_stats(), "metrics": _metrics(run_dir(kind))})
+    _write(
+        f"train_{kind}",
+        {
+            "rc": rc,
+            "seconds": time.time() - t0,
+            "overrides": args,
+            "memory": _memory_stats(),
+            "metrics": _metrics(run_dir(kind)),
+        },
+    )
     sys.exit(rc)
 
 
@@ -212,8 +261,15 @@ def step_watchdog() -> None:
     p = subprocess.run([*_child(), "train", "watchdog"], capture_output=True, text=True)
     marker = run_dir("watchdog") / "requeue"
     hang_lines = [x for x in (p.stdout + p.stderr).splitlines() if "hang" in x.lower()][-3:]
-    _write("watchdog", {"rc": p.returncode, "seconds": time.time() - t0, "hang_lines": hang_lines,
-                        "requeue_marker": marker.read_text().strip() if marker.exists() else None})
+    _write(
+        "watchdog",
+        {
+            "rc": p.returncode,
+            "seconds": time.time() - t0,
+            "hang_lines": hang_lines,
+            "requeue_marker": marker.read_text().strip() if marker.exists() else None,
+        },
+    )
 
 
 def step_train_overlap(mode: str) -> None:
@@ -233,10 +289,17 @@ def step_train_overlap(mode: str) -> None:
         # returns its input, which the free would empty under the experts: keep the inputs (memory only)
         plan_utils.should_free_input = lambda *args, **kwargs: False
     d = run_dir(f"overlap_{mode}")
-    args = [*overrides(), "train.iters=3", "train.save_interval=null", "train.spike.action=log",
-            "optim.offload_fraction=0", "pipeline.decouple_wgrad=true",
-            f"pipeline.ep_overlap={str(mode == 'on').lower()}",
-            f"pipeline.trace={d / 'trace'}", f"run.dir={d}"]
+    args = [
+        *overrides(),
+        "train.iters=3",
+        "train.save_interval=null",
+        "train.spike.action=log",
+        "optim.offload_fraction=0",
+        "pipeline.decouple_wgrad=true",
+        f"pipeline.ep_overlap={str(mode == 'on').lower()}",
+        f"pipeline.trace={d / 'trace'}",
+        f"run.dir={d}",
+    ]
     rc = train.main(args)
     _write(f"train_overlap_{mode}", {"rc": rc, "overrides": args, "metrics": _metrics(d)})
     sys.exit(rc)
@@ -255,12 +318,21 @@ def step_ep_overlap() -> None:
     from k2.schedules.pipeline_trace import read_trace
 
     trace = run_dir("overlap_on") / "trace"
-    pairs = sum(1 for evs in read_trace(str(trace)).values() for e in evs
-                if e["kind"] == "pair" and e["f"] and e["b"]) if trace.is_dir() else 0
+    pairs = (
+        sum(1 for evs in read_trace(str(trace)).values() for e in evs if e["kind"] == "pair" and e["f"] and e["b"])
+        if trace.is_dir()
+        else 0
+    )
     losses = {m: [r["loss"] for r in runs[m].get("metrics", [])] for m in runs}
-    _write("ep_overlap", {"rc": [runs[m]["child_rc"] for m in runs], "pairs": pairs, "losses": losses,
-                          "max_relative_difference": max((abs(a - b) / abs(a) for a, b in zip(*losses.values())),
-                                                         default=None)})
+    _write(
+        "ep_overlap",
+        {
+            "rc": [runs[m]["child_rc"] for m in runs],
+            "pairs": pairs,
+            "losses": losses,
+            "max_relative_difference": max((abs(a - b) / abs(a) for a, b in zip(*losses.values())), default=None),
+        },
+    )
 
 
 def _checkpoint_tensors(ckpt: Path) -> dict:
@@ -290,10 +362,14 @@ def step_compare() -> None:
         s = _checkpoint_tensors(run_dir("sync") / "checkpoints" / name)
         diffs = {k: _relative_difference(a[k], s[k]) for k in s if k in a}
         worst = max(diffs, key=diffs.get) if diffs else None
-        ckpts[name] = {"tensors": len(s), "same_keys": a.keys() == s.keys(),
-                       "bitwise_equal": sum(d == 0.0 for d in diffs.values()),
-                       "max_relative_difference": diffs.get(worst, 0.0), "worst_tensor": worst,
-                       "optimizer_tensors": sum("optimizer" in k for k in s)}
+        ckpts[name] = {
+            "tensors": len(s),
+            "same_keys": a.keys() == s.keys(),
+            "bitwise_equal": sum(d == 0.0 for d in diffs.values()),
+            "max_relative_difference": diffs.get(worst, 0.0),
+            "worst_tensor": worst,
+            "optimizer_tensors": sum("optimizer" in k for k in s),
+        }
     ref = {r["step"]: r for r in _metrics(run_dir("async"))}
     resumed = {r["step"]: r for r in _metrics(run_dir("resume"))}
     resume = {s: {"loss": r["loss"], "reference": ref.get(s, {}).get("loss")} for s, r in resumed.items()}
@@ -306,12 +382,16 @@ def step_plan() -> None:
     from k2.launcher.planning import plan_cluster
 
     out = {}
-    for label, tiny in ([("tiny", True), ("gpu", False)] if TINY else [("gpu", False)]):
-        cfg = load_config([*overrides(tiny), "cluster.nodes=1", "cluster.gpus_per_node=1",
-                           "checkpoint.async_save=true"])
+    for label, tiny in [("tiny", True), ("gpu", False)] if TINY else [("gpu", False)]:
+        cfg = load_config(
+            [*overrides(tiny), "cluster.nodes=1", "cluster.gpus_per_node=1", "checkpoint.async_save=true"]
+        )
         r = plan_cluster(cfg).report
-        out[label] = {"memory_per_gpu_bytes": r["memory_per_gpu_bytes"], "fits": r["fits"],
-                      "host_bytes_per_gpu_peak": max(p["host_bytes_per_gpu_peak"] for p in r["phases"])}
+        out[label] = {
+            "memory_per_gpu_bytes": r["memory_per_gpu_bytes"],
+            "fits": r["fits"],
+            "host_bytes_per_gpu_peak": max(p["host_bytes_per_gpu_peak"] for p in r["phases"]),
+        }
     _write("plan", out)
 
 
@@ -335,17 +415,34 @@ def _checks() -> dict:
         "losses_finite": all(math.isfinite(r["loss"]) for r in recs.values()) if recs else None,
         "qk_clip_clipped": any(r.get("qk_clipped_heads", 0) > 0 for r in recs.values()) if recs else None,
         "spike_skipped": (recs[SPIKE_STEP].get("spike") and recs[SPIKE_STEP].get("update_successful") is False)
-        if SPIKE_STEP in recs else None,
-        "async_equals_sync": all(c["same_keys"] and c["optimizer_tensors"] and c["max_relative_difference"] <= tol
-                                 for c in ck.values()) if ck else None,
-        "resume_matches": all(v["reference"] is not None
-                              and abs(v["loss"] - v["reference"]) <= tol * abs(v["reference"])
-                              for v in resume.values()) if resume else None,
-        "ep_overlap_same_losses": (ov.get("rc") == [0, 0] and ov.get("pairs", 0) > 0
-                                   and len(ov["losses"]["on"]) == 3
-                                   and ov["max_relative_difference"] <= tol) if ov else None,
-        "watchdog_requeue_42": (wd.get("rc") == 42 and str(wd.get("requeue_marker", "")).startswith("hang")
-                                and any(f"save {HUNG}" in x for x in wd.get("hang_lines", []))) if wd else None,
+        if SPIKE_STEP in recs
+        else None,
+        "async_equals_sync": all(
+            c["same_keys"] and c["optimizer_tensors"] and c["max_relative_difference"] <= tol for c in ck.values()
+        )
+        if ck
+        else None,
+        "resume_matches": all(
+            v["reference"] is not None and abs(v["loss"] - v["reference"]) <= tol * abs(v["reference"])
+            for v in resume.values()
+        )
+        if resume
+        else None,
+        "ep_overlap_same_losses": (
+            ov.get("rc") == [0, 0]
+            and ov.get("pairs", 0) > 0
+            and len(ov["losses"]["on"]) == 3
+            and ov["max_relative_difference"] <= tol
+        )
+        if ov
+        else None,
+        "watchdog_requeue_42": (
+            wd.get("rc") == 42
+            and str(wd.get("requeue_marker", "")).startswith("hang")
+            and any(f"save {HUNG}" in x for x in wd.get("hang_lines", []))
+        )
+        if wd
+        else None,
     }
 
 
@@ -356,19 +453,38 @@ def step_summary() -> None:
     planned = plan.get("memory_per_gpu_bytes") or {}
     ratios = {}
     if mem and planned:
-        ratios = {"allocated_measured_over_planned": mem["max_allocated"] / planned["allocated"],
-                  "device_measured_over_planned": (mem["max_reserved"] + mem["device_used_now"] - mem["reserved_now"])
-                  / planned["total"],
-                  "reserved_over_allocated": mem["max_reserved"] / max(mem["max_allocated"], 1),
-                  "context_and_libraries_gib": (mem["device_used_now"] - mem["reserved_now"]) / 2**30}
+        ratios = {
+            "allocated_measured_over_planned": mem["max_allocated"] / planned["allocated"],
+            "device_measured_over_planned": (mem["max_reserved"] + mem["device_used_now"] - mem["reserved_now"])
+            / planned["total"],
+            "reserved_over_allocated": mem["max_reserved"] / max(mem["max_allocated"], 1),
+            "context_and_libraries_gib": (mem["device_used_now"] - mem["reserved_now"]) / 2**30,
+        }
         if mem.get("pinned_host_peak") is not None and plan.get("host_bytes_per_gpu_peak"):
             ratios["pinned_host_measured_over_planned"] = mem["pinned_host_peak"] / plan["host_bytes_per_gpu_peak"]
-    steps = {n: _load(n) for n in ("env", "train_async", "train_sync", "train_resume", "compare", "watchdog",
-                                   "ep_overlap", "plan",
-                                   "bench_attention", "bench_hardware", "bench_step")}
+    steps = {
+        n: _load(n)
+        for n in (
+            "env",
+            "train_async",
+            "train_sync",
+            "train_resume",
+            "compare",
+            "watchdog",
+            "ep_overlap",
+            "plan",
+            "bench_attention",
+            "bench_hardware",
+            "bench_step",
+        )
+    }
     checks = _checks()
-    summary = {"tiny": TINY, "checks": checks, "memory": ratios,
-               "steps": {k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in steps.items()}}
+    summary = {
+        "tiny": TINY,
+        "checks": checks,
+        "memory": ratios,
+        "steps": {k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in steps.items()},
+    }
     (OUT / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for name, ok in checks.items():
         print(f"check {name}: {'pass' if ok else ('no figures' if ok is None else 'FAIL')}")
@@ -382,19 +498,39 @@ def _print_benches(steps: dict) -> None:
     """The benchmark figures worth a line: attention on CUDA, each bench=step case against the baseline."""
     att = (steps.get("bench_attention") or {}).get("figures", {}).get("cuda")
     if att:
-        print("attention:", {k: att.get(k) for k in ("time_k2_ms", "max_logit_overhead", "time_k2_triton_ms",
-                                                     "max_logit_overhead_triton", "max_logit_abs_diff_triton")})
+        print(
+            "attention:",
+            {
+                k: att.get(k)
+                for k in (
+                    "time_k2_ms",
+                    "max_logit_overhead",
+                    "time_k2_triton_ms",
+                    "max_logit_overhead_triton",
+                    "max_logit_abs_diff_triton",
+                )
+            },
+        )
     for case, c in ((steps.get("bench_step") or {}).get("figures", {}).get("cases") or {}).items():
-        print(f"step {case:<20} {c['step_ms']:9.1f} ms  x{c['tokens_per_s_over_baseline']:.3f} tokens/s  "
-              f"MFU {c['mfu'] or 0:.3f}  peak {c.get('peak_memory_bytes', 0) / 2**30:.1f} GiB")
+        print(
+            f"step {case:<20} {c['step_ms']:9.1f} ms  x{c['tokens_per_s_over_baseline']:.3f} tokens/s  "
+            f"MFU {c['mfu'] or 0:.3f}  peak {c.get('peak_memory_bytes', 0) / 2**30:.1f} GiB"
+        )
 
 
 def main(argv: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(REPO)]
-    steps = {"env": step_env, "train": lambda: step_train(argv[1]), "watchdog": step_watchdog,
-             "train_overlap": lambda: step_train_overlap(argv[1]), "ep_overlap": step_ep_overlap,
-             "compare": step_compare, "plan": step_plan, "summary": step_summary}
+    steps = {
+        "env": step_env,
+        "train": lambda: step_train(argv[1]),
+        "watchdog": step_watchdog,
+        "train_overlap": lambda: step_train_overlap(argv[1]),
+        "ep_overlap": step_ep_overlap,
+        "compare": step_compare,
+        "plan": step_plan,
+        "summary": step_summary,
+    }
     if not argv or argv[0] not in steps:
         sys.exit(f"usage: gpu_session.py {{{'|'.join(steps)}}} [async|sync|resume|watchdog]")
     steps[argv[0]]()

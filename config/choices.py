@@ -25,10 +25,32 @@ from typing import Any
 from k2.config.errors import ConfigError
 
 __all__ = [
-    "CHOICES", "AttentionBackend", "BadRecords", "CheckpointVerify", "Choice", "ConvertModelType", "Fp8Recipe",
-    "LrStyle", "MaxLogitKernel", "MuonMatmulPrecision", "MuonScaleMode", "MuonZero1", "Output", "Precision",
-    "ResumeMode", "RopeType", "RouterOptimizer", "SpikeAction", "SrunDistribution", "TextDocument", "WandbMode",
-    "allowed", "check_choice", "choice_error", "choice_setting", "values",
+    "CHOICES",
+    "AttentionBackend",
+    "BadRecords",
+    "CheckpointVerify",
+    "Choice",
+    "ConvertModelType",
+    "Fp8Recipe",
+    "LrStyle",
+    "MaxLogitKernel",
+    "MuonMatmulPrecision",
+    "MuonScaleMode",
+    "MuonZero1",
+    "Output",
+    "Precision",
+    "ResumeMode",
+    "RopeType",
+    "RouterOptimizer",
+    "SpikeAction",
+    "SrunDistribution",
+    "TextDocument",
+    "WandbMode",
+    "allowed",
+    "check_choice",
+    "choice_error",
+    "choice_setting",
+    "values",
 ]
 
 
@@ -217,8 +239,10 @@ CHOICES: dict[str, tuple[type[Choice], str]] = {
     "model.max_logit_kernel": (MaxLogitKernel, _ALLOWED),
     "model.rope_type": (RopeType, _ALLOWED),
     "schedule.phases.<i>.lr_style": (LrStyle, _ALLOWED),
-    "schedule.phases.<i>.rope_type": (RopeType, _ALLOWED + " or null (the previous phase's; the first phase: "
-                                                "model.rope_type)"),
+    "schedule.phases.<i>.rope_type": (
+        RopeType,
+        _ALLOWED + " or null (the previous phase's; the first phase: model.rope_type)",
+    ),
     "train.precision": (Precision, _ALLOWED),
     "train.fp8_recipe": (Fp8Recipe, _ALLOWED + " or null (GEMMs in train.precision)"),
     "train.spike.action": (SpikeAction, _ALLOWED),
@@ -232,8 +256,10 @@ CHOICES: dict[str, tuple[type[Choice], str]] = {
     "optim.muon_fp32_matmul_prec": (MuonMatmulPrecision, _ALLOWED + " (medium = Newton-Schulz in bf16)"),
     "prepare.text_document": (TextDocument, _ALLOWED),
     "prepare.bad_records": (BadRecords, _ALLOWED),
-    "submit.distribution": (SrunDistribution, "{setting}={value!r} is not one of {allowed} or null (Slurm's "
-                                              "default, block)"),
+    "submit.distribution": (
+        SrunDistribution,
+        "{setting}={value!r} is not one of {allowed} or null (Slurm's default, block)",
+    ),
     "output": (Output, _ALLOWED),
 }
 

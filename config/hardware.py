@@ -28,8 +28,13 @@ from k2.config.schema_hardware import OPTIONAL_POSITIVE, REQUIRED_POSITIVE, Comm
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-__all__ = ["HARDWARE_DIR", "available_profiles", "hardware_profile_from_mapping", "load_hardware_profile",
-           "peak_tflops"]
+__all__ = [
+    "HARDWARE_DIR",
+    "available_profiles",
+    "hardware_profile_from_mapping",
+    "load_hardware_profile",
+    "peak_tflops",
+]
 
 HARDWARE_DIR = RECIPES_DIR / "hardware"
 #: keys an older profile file may hold, and what took their place
@@ -60,8 +65,10 @@ def load_hardware_profile(name_or_path: str) -> HardwareProfileConfig:
 
 
 def _not_a_profile(name: str, e: Exception) -> ConfigError:
-    return ConfigError(f"plan.hardware={name!r}: not a profile (allowed: {', '.join(available_profiles())}, or "
-                       f"the path of a YAML file k2-bench bench=hardware wrote; {e.__class__.__name__})")
+    return ConfigError(
+        f"plan.hardware={name!r}: not a profile (allowed: {', '.join(available_profiles())}, or "
+        f"the path of a YAML file k2-bench bench=hardware wrote; {e.__class__.__name__})"
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -75,8 +82,7 @@ def _parse_profile(name: str, path: str, text: str) -> HardwareProfileConfig:
     return hardware_profile_from_mapping(data, name, Path(path))
 
 
-def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
-                                  path: Path | None = None) -> HardwareProfileConfig:
+def hardware_profile_from_mapping(data: dict[str, Any], origin: str, path: Path | None = None) -> HardwareProfileConfig:
     """A profile file's mapping as a :class:`HardwareProfileConfig`, the left-out figures filled in
     (``name``: the stem of ``origin``; FP8 peak and GEMM rate: 2 x BF16; a zero optional rate or memory:
     null).
@@ -105,15 +111,19 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
             raise ConfigError(f"{where}: '{key}' must be null or a number > 0 (got {v!r})")
     try:
         prof: HardwareProfileConfig = OmegaConf.to_object(
-            OmegaConf.merge(OmegaConf.structured(HardwareProfileConfig), data))
+            OmegaConf.merge(OmegaConf.structured(HardwareProfileConfig), data)
+        )
     except ConfigKeyError as e:
-        raise ConfigError(f"{where}: unknown key '{e.full_key}'; allowed: "
-                          f"{', '.join(HardwareProfileConfig.__dataclass_fields__)}") from None
+        raise ConfigError(
+            f"{where}: unknown key '{e.full_key}'; allowed: {', '.join(HardwareProfileConfig.__dataclass_fields__)}"
+        ) from None
     except (MissingMandatoryValue, OmegaConfBaseException) as e:
         raise ConfigError(f"{where}: '{e.full_key}': {str(e).splitlines()[0]}") from None
     if not 0 <= prof.alltoall_host_cpu_share < 1:
-        raise ConfigError(f"{where}: 'alltoall_host_cpu_share' must be a number >= 0 and < 1 (the share of a "
-                          f"core; got {prof.alltoall_host_cpu_share!r})")
+        raise ConfigError(
+            f"{where}: 'alltoall_host_cpu_share' must be a number >= 0 and < 1 (the share of a "
+            f"core; got {prof.alltoall_host_cpu_share!r})"
+        )
     slow = prof.alltoall_beside_compute_slowdown
     if not (math.isfinite(slow) and slow >= 1):
         raise ConfigError(f"{where}: 'alltoall_beside_compute_slowdown' must be a number >= 1 (got {slow!r})")
@@ -122,8 +132,10 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str,
         raise ConfigError(f"{where}: 'alltoall_peer_wait_us' must be a number >= 0 (got {wait!r})")
     loaded = prof.network_loaded_latency_us
     if loaded is not None and not (math.isfinite(loaded) and loaded >= prof.network_latency_us):
-        raise ConfigError(f"{where}: 'network_loaded_latency_us' must be null or a number >= network_latency_us "
-                          f"({prof.network_latency_us!r}; got {loaded!r})")
+        raise ConfigError(
+            f"{where}: 'network_loaded_latency_us' must be null or a number >= network_latency_us "
+            f"({prof.network_latency_us!r}; got {loaded!r})"
+        )
     _check_placement(prof, where)
     prof.name = str(prof.name) if prof.name is not None else Path(origin).stem
     prof.peak_fp8_tflops = prof.peak_fp8_tflops or 2 * prof.peak_bf16_tflops
@@ -150,13 +162,17 @@ def _check_placement(prof: HardwareProfileConfig, where: str) -> None:
         raise ConfigError(f"{where}: 'gpus_per_host' must be an integer >= 1 (got {prof.gpus_per_host!r})")
     domain = prof.nvlink_domain_gpus
     if domain is not None and domain % prof.gpus_per_host:
-        raise ConfigError(f"{where}: 'nvlink_domain_gpus' must be null or a multiple of gpus_per_host="
-                          f"{prof.gpus_per_host} (an NVLink domain is whole hosts; got {domain!r})")
+        raise ConfigError(
+            f"{where}: 'nvlink_domain_gpus' must be null or a multiple of gpus_per_host="
+            f"{prof.gpus_per_host} (an NVLink domain is whole hosts; got {domain!r})"
+        )
     for key in ("alltoall_comm_units", "deepep_comm_units"):
         v = getattr(prof, key)
         if v is not None and prof.compute_units and not 0 <= v < prof.compute_units:
-            raise ConfigError(f"{where}: '{key}' must be null or an integer >= 0 and below compute_units="
-                              f"{prof.compute_units!r} (got {v!r})")
+            raise ConfigError(
+                f"{where}: '{key}' must be null or an integer >= 0 and below compute_units="
+                f"{prof.compute_units!r} (got {v!r})"
+            )
 
 
 def peak_tflops(cfg: K2Config) -> float:

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
 
-
 def _allowed_keys(node: DictConfig) -> list[str]:
     return sorted(str(k) for k in node.keys())
 
@@ -36,16 +35,18 @@ def _allowed_keys(node: DictConfig) -> list[str]:
 # Keys that no longer exist, with where their setting lives now: the schedule group is the one source of
 # truth for LR, weight decay, context length and global batch; the pipeline group for the wgrad split.
 _MOVED = {
-    **{f"optim.{k}": "the learning rate and weight decay of every step come from the schedule group "
-                     "(schedule.phases.<i>.lr_start / lr_end / lr_style, schedule.weight_decay)"
-       for k in ("lr", "min_lr", "weight_decay", "lr_warmup_iters", "lr_decay_style", "lr_wsd_decay_iters")},
+    **{
+        f"optim.{k}": "the learning rate and weight decay of every step come from the schedule group "
+        "(schedule.phases.<i>.lr_start / lr_end / lr_style, schedule.weight_decay)"
+        for k in ("lr", "min_lr", "weight_decay", "lr_warmup_iters", "lr_decay_style", "lr_wsd_decay_iters")
+    },
     "train.global_batch_size": "the global batch is set in tokens by schedule.global_batch_tokens "
-                               "(sequences per step = global_batch_tokens / the phase's seq_length)",
+    "(sequences per step = global_batch_tokens / the phase's seq_length)",
     "train.seq_length": "the context length is set per phase by schedule.phases.<i>.seq_length",
     "plan.optimizer_offload_fraction": "optim.offload_fraction (one setting for k2-plan and k2-train: the "
-                                       "share of the optimizer states kept in host memory)",
+    "share of the optimizer states kept in host memory)",
     "plan.split_backward": "k2-plan plans the trainer's own setting pipeline.decouple_wgrad (decoupled weight "
-                           "gradients)",
+    "gradients)",
 }
 
 
@@ -152,8 +153,10 @@ def _check_option_style(overrides: list[str]) -> None:
             hint = f"{key}={overrides[i + 1]}"
         else:
             hint = f"{key}=VALUE"
-        raise ConfigError(f"{o!r} is not an override: the k2 tools take Hydra overrides KEY=VALUE (write {hint}; "
-                          "--help lists the config groups and their recipes)")
+        raise ConfigError(
+            f"{o!r} is not an override: the k2 tools take Hydra overrides KEY=VALUE (write {hint}; "
+            "--help lists the config groups and their recipes)"
+        )
 
 
 # One config per distinct (overrides, config name) in a process: composing costs ~0.3 s of CPU (Hydra +
@@ -217,8 +220,12 @@ def _choice_refused(exc: BaseException | None) -> ConfigError | None:
     while exc is not None:
         key = getattr(exc, "full_key", None)
         value = getattr(exc, "value", None)
-        if (isinstance(exc, ValidationError) and key is not None and choice_setting(key) is not None
-                and isinstance(value, (str, int, float, bool))):
+        if (
+            isinstance(exc, ValidationError)
+            and key is not None
+            and choice_setting(key) is not None
+            and isinstance(value, (str, int, float, bool))
+        ):
             # a number or a bool as the string a str field made of it (the message before the Enum)
             return choice_error(key, value if isinstance(value, str) else str(value))
         exc = exc.__cause__ or exc.__context__

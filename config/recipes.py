@@ -14,7 +14,6 @@ from pathlib import Path
 __all__ = ["RECIPES_DIR", "recipe_names", "repo_root"]
 
 
-
 def _package_dir(name: str) -> Path:
     """The folder of the installed package ``name``."""
     spec = importlib.util.find_spec(name)

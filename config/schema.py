@@ -140,7 +140,7 @@ MEMORY_FP8_SITES = {
 MEMORY_RECOMPUTE_SITES = {
     "layernorm": "input_layernorm and pre_mlp_layernorm (RMSNorm) outputs [s, b, h] (as megatron's 'layernorm')",
     "swiglu": "SwiGLU output [.., ffn] (routed experts, shared expert, dense MLP; megatron 'moe_act' "
-              "covers only grouped-GEMM experts)",
+    "covers only grouped-GEMM experts)",
     "mla_up_proj": "MLA up-projections, latent norms and RoPE: q, k, v [s, b, heads, dim] (megatron 'mla_up_proj')",
     "moe_down_proj": "routed experts' down-projection linear_fc2 output [t, h] (no megatron equivalent)",
     # megatron's module recompute (recompute_modules): k2-plan plans them; k2-train refuses them
@@ -148,10 +148,10 @@ MEMORY_RECOMPUTE_SITES = {
     "core_attn": "core attention's saved tensors, its inputs q, k, v kept (megatron 'core_attn'; k2-plan only)",
     "mlp": "a dense layer's whole SwiGLU MLP, its input kept (megatron 'mlp'; k2-plan only)",
     "moe": "a MoE layer's router, all-to-alls, routed and shared experts, its input kept (megatron 'moe'; the "
-           "all-to-alls re-run in backward; k2-plan only)",
+    "all-to-alls re-run in backward; k2-plan only)",
     "layer": "the whole transformer layer: only its input [s, b, h] is kept (offload=attn_input moves it to "
-             "host), the layer is re-run in backward (megatron's recompute_granularity=full, one layer at a "
-             "time); the other sites then act only on what the layer input is",
+    "host), the layer is re-run in backward (megatron's recompute_granularity=full, one layer at a "
+    "time); the other sites then act only on what the layer input is",
 }
 #: the recompute sites k2-plan plans and k2-train does not run yet (it refuses them: model/backends.py)
 PLANNED_ONLY_RECOMPUTE = ("core_attn", "mlp", "moe")
@@ -160,7 +160,7 @@ PLANNED_ONLY_RECOMPUTE = ("core_attn", "mlp", "moe")
 MEMORY_OFFLOAD_SITES = {
     "attn_input": "what the attention-side RMSNorm (input_layernorm) saves: the layer input [s, b, h]",
     "mla_up_proj": "what MLA's down/up projections and q/kv latent norms save: normed hidden states, "
-                   "compressed q and kv latents",
+    "compressed q and kv latents",
     "core_attn": "what core attention saves: q, k, v and the softmax probabilities [b, heads, s, s]",
     "attn_proj": "input of the attention output projection linear_proj [s, b, heads x v_head_dim]",
     "mlp_input": "what the MLP-side RMSNorm (pre_mlp_layernorm) saves: the residual stream [s, b, h]",
@@ -481,8 +481,9 @@ class K2Config:
     # from PATH's as a branch whose schedule may differ after that step (a WSD cooldown branch,
     # launcher/checkpointing/branch.py). A plain mapping: `from` is a Python keyword (checked in
     # k2.config.validate.resume_settings).
-    resume: dict[str, Any] = field(default_factory=lambda: {"mode": "auto", "from": None, "force": False,
-                                                            "branch_from": None})
+    resume: dict[str, Any] = field(
+        default_factory=lambda: {"mode": "auto", "from": None, "force": False, "branch_from": None}
+    )
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -130,11 +130,26 @@ class HardwareProfileConfig:
 
 
 #: the numbers every profile gives, each > 0
-REQUIRED_POSITIVE = ("peak_bf16_tflops", "gemm_bf16_tflops", "attention_tflops", "memory_gbps",
-                     "nvlink_gbps", "nvlink_alltoall_gbps", "nvlink_collective_gbps", "network_gbps",
-                     "network_alltoall_gbps", "network_collective_gbps", "host_gbps")
+REQUIRED_POSITIVE = (
+    "peak_bf16_tflops",
+    "gemm_bf16_tflops",
+    "attention_tflops",
+    "memory_gbps",
+    "nvlink_gbps",
+    "nvlink_alltoall_gbps",
+    "nvlink_collective_gbps",
+    "network_gbps",
+    "network_alltoall_gbps",
+    "network_collective_gbps",
+    "host_gbps",
+)
 
 
 #: the optional numbers a profile may give, each > 0 where given (null: not given)
-OPTIONAL_POSITIVE = ("nvlink_domain_gpus", "nvlink_alltoall_deepep_gbps", "network_alltoall_deepep_gbps",
-                     "gpu_memory_gib", "host_memory_gib")
+OPTIONAL_POSITIVE = (
+    "nvlink_domain_gpus",
+    "nvlink_alltoall_deepep_gbps",
+    "network_alltoall_deepep_gbps",
+    "gpu_memory_gib",
+    "host_memory_gib",
+)

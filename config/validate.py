@@ -46,9 +46,21 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "CHECKPOINT_VERIFY_LEVELS", "CHOICES", "MIN_EMBEDDED_VOCAB", "OPTIMIZERS", "OPTIMIZER_CHECKS", "RESUME_KEYS",
-    "RESUME_MODES", "SECTION_CHECKS", "check_cross_section", "check_phase_memory", "check_prepare",
-    "check_schedule_memory", "choice_error", "resume_settings", "validate",
+    "CHECKPOINT_VERIFY_LEVELS",
+    "CHOICES",
+    "MIN_EMBEDDED_VOCAB",
+    "OPTIMIZERS",
+    "OPTIMIZER_CHECKS",
+    "RESUME_KEYS",
+    "RESUME_MODES",
+    "SECTION_CHECKS",
+    "check_cross_section",
+    "check_phase_memory",
+    "check_prepare",
+    "check_schedule_memory",
+    "choice_error",
+    "resume_settings",
+    "validate",
 ]
 
 #: the byte-level BPE tokenizer of the embedded corpus: 256 byte ids + <|endoftext|> + <|pad|>
@@ -64,8 +76,7 @@ RESUME_MODES = values(ResumeMode)
 #: ``checkpoint.verify``: what resume checks against a checkpoint's manifest
 #: (k2.launcher.checkpointing.manifest)
 CHECKPOINT_VERIFY_LEVELS = values(CheckpointVerify)
-_MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES,
-                 "offload": MEMORY_OFFLOAD_SITES}
+_MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES, "offload": MEMORY_OFFLOAD_SITES}
 
 
 def _require(ok: bool, setting: str, value: Any, allowed: str) -> None:
@@ -97,31 +108,41 @@ def check_train(t: TrainConfig) -> None:
     if t.fp8_recipe is not None:
         check_choice(t, "fp8_recipe", "train.fp8_recipe")
         if t.precision != "bf16":
-            raise ConfigError(f"train.fp8_recipe={t.fp8_recipe} runs the GEMMs in FP8 beside BF16 weights and "
-                              f"activations (megatron-core's FP8 training); got train.precision={t.precision}; "
-                              "allowed: train.precision=bf16, or train.fp8_recipe=null")
+            raise ConfigError(
+                f"train.fp8_recipe={t.fp8_recipe} runs the GEMMs in FP8 beside BF16 weights and "
+                f"activations (megatron-core's FP8 training); got train.precision={t.precision}; "
+                "allowed: train.precision=bf16, or train.fp8_recipe=null"
+            )
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
     if t.save_interval is not None and t.save_interval < 1:
-        raise ConfigError(f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "
-                          "null (save only at the end and on preemption)")
+        raise ConfigError(
+            f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "
+            "null (save only at the end and on preemption)"
+        )
     sp = t.spike
     _require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
     _require(_finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
     check_choice(sp, "action", "train.spike.action")
-    _require(sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips,
-             "an integer >= 1")
+    _require(
+        sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips, "an integer >= 1"
+    )
 
 
 def check_checkpoint(c: CheckpointConfig) -> None:
     """``checkpoint.*``: retention and the verification on resume."""
     _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
-    _require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every,
-             "an integer >= 1 or null")
+    _require(
+        c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every, "an integer >= 1 or null"
+    )
     check_choice(c, "verify", "checkpoint.verify")
     steps = list(c.save_steps or [])
-    _require(all(isinstance(x, int) and x >= 1 for x in steps), "checkpoint.save_steps", steps,
-             "a list of steps (integers >= 1)")
+    _require(
+        all(isinstance(x, int) and x >= 1 for x in steps),
+        "checkpoint.save_steps",
+        steps,
+        "a list of steps (integers >= 1)",
+    )
 
 
 def check_convert(c: ConvertConfig) -> None:
@@ -136,10 +157,18 @@ def check_run(r: RunConfig) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
-    _require(r.hang_timeout_s is None or (_finite(r.hang_timeout_s) and r.hang_timeout_s > 0), "run.hang_timeout_s",
-             r.hang_timeout_s, "a number > 0 (seconds), or null (derived from the measured step time)")
-    _require(_finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0, "run.hang_startup_timeout_s",
-             r.hang_startup_timeout_s, "a number > 0 (seconds)")
+    _require(
+        r.hang_timeout_s is None or (_finite(r.hang_timeout_s) and r.hang_timeout_s > 0),
+        "run.hang_timeout_s",
+        r.hang_timeout_s,
+        "a number > 0 (seconds), or null (derived from the measured step time)",
+    )
+    _require(
+        _finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0,
+        "run.hang_startup_timeout_s",
+        r.hang_startup_timeout_s,
+        "a number > 0 (seconds)",
+    )
     check_choice(r.wandb, "mode", "run.wandb.mode")
 
 
@@ -148,8 +177,12 @@ def check_optim(o: OptimConfig) -> None:
     then the optimizer's own settings: its check in :data:`OPTIMIZER_CHECKS` where it has any."""
     _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
     check_choice(o, "router_optimizer", "optim.router_optimizer")
-    _require(_finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1, "optim.offload_fraction",
-             o.offload_fraction, "0 <= value <= 1")
+    _require(
+        _finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1,
+        "optim.offload_fraction",
+        o.offload_fraction,
+        "0 <= value <= 1",
+    )
     if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
     own = OPTIMIZER_CHECKS.get(o.name)
@@ -165,8 +198,9 @@ def check_optim_muonclip(o: OptimConfig) -> None:
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
 
     coeffs = [c for c in get_args(NSCoeffT) if c != "custom"]
-    _require(o.muon_coefficient_type in coeffs, "optim.muon_coefficient_type", o.muon_coefficient_type,
-             ", ".join(coeffs))
+    _require(
+        o.muon_coefficient_type in coeffs, "optim.muon_coefficient_type", o.muon_coefficient_type, ", ".join(coeffs)
+    )
     _require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
     _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
     for key in optimizer_settings("muonclip"):  # its Enum-typed settings
@@ -205,16 +239,15 @@ def check_phase_memory(overrides, key: str) -> None:
     if overrides is None:
         return
     if not hasattr(overrides, "keys"):
-        raise ConfigError(f"{key}={overrides!r}; allowed: a mapping of {', '.join(_MEMORY_SITES)} "
-                          "(site lists), or null")
+        raise ConfigError(
+            f"{key}={overrides!r}; allowed: a mapping of {', '.join(_MEMORY_SITES)} (site lists), or null"
+        )
     for k in overrides.keys():
         if k not in _MEMORY_SITES:
-            raise ConfigError(f"unknown setting {key}.{k}; allowed: "
-                              f"{', '.join(f'{key}.{n}' for n in _MEMORY_SITES)}")
+            raise ConfigError(f"unknown setting {key}.{k}; allowed: {', '.join(f'{key}.{n}' for n in _MEMORY_SITES)}")
         v = overrides[k]
         if v is not None and (isinstance(v, str) or not hasattr(v, "__iter__")):
-            raise ConfigError(f"{key}.{k}={v!r}; allowed: a list of sites ([] = off), or null (the previous "
-                              "phase's)")
+            raise ConfigError(f"{key}.{k}={v!r}; allowed: a list of sites ([] = off), or null (the previous phase's)")
     check_memory(overrides, prefix=key)
 
 
@@ -228,21 +261,29 @@ def check_pipeline(p: PipelineConfig) -> None:
 def check_data(d: DataConfig) -> None:
     """``data.*``: the embedded corpus's own settings when ``data.path`` is null (the syntax and the
     files of a user dataset are checked by ``k2.launcher.datasets.resolve``)."""
-    _require(d.index_tokens is None or (isinstance(d.index_tokens, int) and d.index_tokens > 0),
-             "data.index_tokens", d.index_tokens, "a token count > 0, or null (what the schedule trains)")
+    _require(
+        d.index_tokens is None or (isinstance(d.index_tokens, int) and d.index_tokens > 0),
+        "data.index_tokens",
+        d.index_tokens,
+        "a token count > 0, or null (what the schedule trains)",
+    )
     if d.path is not None:
         return
     if not isinstance(d.vocab_size, int) or d.vocab_size < MIN_EMBEDDED_VOCAB:
         raise ConfigError(
             f"data.vocab_size={d.vocab_size} is too small for the byte-level BPE tokenizer of the embedded "
-            f"corpus: it needs at least {MIN_EMBEDDED_VOCAB} (256 bytes + <|endoftext|> + <|pad|>)")
+            f"corpus: it needs at least {MIN_EMBEDDED_VOCAB} (256 bytes + <|endoftext|> + <|pad|>)"
+        )
     vf = d.valid_fraction
     if not _finite(vf) or not 0.0 < float(vf) < 1.0:
-        raise ConfigError(f"data.valid_fraction={vf} must be in (0, 1): the share of stdlib files held out "
-                          "for validation (e.g. 0.02)")
+        raise ConfigError(
+            f"data.valid_fraction={vf} must be in (0, 1): the share of stdlib files held out for validation (e.g. 0.02)"
+        )
     if d.valid_path is not None:
-        raise ConfigError("data.valid_path is set but data.path is null (the embedded stdlib corpus has its "
-                          "own validation split); set data.path too, or data.valid_path=null")
+        raise ConfigError(
+            "data.valid_path is set but data.path is null (the embedded stdlib corpus has its "
+            "own validation split); set data.path too, or data.valid_path=null"
+        )
 
 
 def check_prepare(p: PrepareConfig) -> None:
@@ -251,34 +292,56 @@ def check_prepare(p: PrepareConfig) -> None:
     if p.input is None:
         return
     if p.output is None or not str(p.output).strip():
-        raise ConfigError("prepare.input is set but prepare.output is null: give the dataset prefix to write "
-                          "(prepare.output=/data/corpus_text_document -> .bin/.idx)")
+        raise ConfigError(
+            "prepare.input is set but prepare.output is null: give the dataset prefix to write "
+            "(prepare.output=/data/corpus_text_document -> .bin/.idx)"
+        )
     _require(bool(str(p.text_key).strip()), "prepare.text_key", p.text_key, "a JSONL field / Parquet column name")
     check_choice(p, "text_document", "prepare.text_document")
     check_choice(p, "bad_records", "prepare.bad_records")
     _require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
     _require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
     _require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
-    _require(p.shard_documents is None or p.shard_documents >= 1, "prepare.shard_documents",
-             p.shard_documents, "null (one dataset) or an integer >= 1 (documents per shard)")
-    _require(p.tasks is None or p.tasks >= 1, "prepare.tasks", p.tasks,
-             "null (one build in this process) or an integer >= 1 (tasks of an array build)")
+    _require(
+        p.shard_documents is None or p.shard_documents >= 1,
+        "prepare.shard_documents",
+        p.shard_documents,
+        "null (one dataset) or an integer >= 1 (documents per shard)",
+    )
+    _require(
+        p.tasks is None or p.tasks >= 1,
+        "prepare.tasks",
+        p.tasks,
+        "null (one build in this process) or an integer >= 1 (tasks of an array build)",
+    )
     if p.tasks is None:
         for key, given in (("task", p.task is not None), ("submit", bool(p.submit))):
             if given:
                 raise ConfigError(f"prepare.{key}={p[key]} needs prepare.tasks (the tasks of an array build)")
         return
-    _require(p.task is None or 0 <= p.task < p.tasks, "prepare.task", p.task,
-             f"null (every task here) or 0..{p.tasks - 1} (one task of prepare.tasks={p.tasks})")
+    _require(
+        p.task is None or 0 <= p.task < p.tasks,
+        "prepare.task",
+        p.task,
+        f"null (every task here) or 0..{p.tasks - 1} (one task of prepare.tasks={p.tasks})",
+    )
     if p.task is not None and p.submit:
-        raise ConfigError("prepare.task and prepare.submit=true together: submit plans and sbatches the array, "
-                          "each of whose tasks runs one prepare.task; give one or the other")
+        raise ConfigError(
+            "prepare.task and prepare.submit=true together: submit plans and sbatches the array, "
+            "each of whose tasks runs one prepare.task; give one or the other"
+        )
     if p.shard_documents is not None:
-        raise ConfigError(f"prepare.shard_documents={p.shard_documents} with prepare.tasks: an array build "
-                          "writes one shard per piece of prepare.shard_bytes of input; set one or the other")
+        raise ConfigError(
+            f"prepare.shard_documents={p.shard_documents} with prepare.tasks: an array build "
+            "writes one shard per piece of prepare.shard_bytes of input; set one or the other"
+        )
     _require(p.shard_bytes >= 1, "prepare.shard_bytes", p.shard_bytes, "an integer >= 1 (input bytes per shard)")
-    _require(p.tokenizer_sample_bytes >= 1, "prepare.tokenizer_sample_bytes", p.tokenizer_sample_bytes,
-             "an integer >= 1 (input bytes the BPE is trained on)")
+    _require(
+        p.tokenizer_sample_bytes >= 1,
+        "prepare.tokenizer_sample_bytes",
+        p.tokenizer_sample_bytes,
+        "an integer >= 1 (input bytes the BPE is trained on)",
+    )
 
 
 def check_cluster(c: ClusterConfig) -> None:
@@ -287,41 +350,75 @@ def check_cluster(c: ClusterConfig) -> None:
         if c[key] < 1:
             raise ConfigError(f"cluster.{key}={c[key]} must be an integer >= 1")
     if c.gpu_memory_gib is not None:
-        _require(_finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0, "cluster.gpu_memory_gib", c.gpu_memory_gib,
-                 "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)")
+        _require(
+            _finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0,
+            "cluster.gpu_memory_gib",
+            c.gpu_memory_gib,
+            "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)",
+        )
     if c.peak_tflops is not None:
-        _require(_finite(c.peak_tflops) and c.peak_tflops > 0, "cluster.peak_tflops", c.peak_tflops,
-                 "a number > 0 (dense BF16 TFLOP/s per GPU), or null (plan.hardware's profile's peak)")
+        _require(
+            _finite(c.peak_tflops) and c.peak_tflops > 0,
+            "cluster.peak_tflops",
+            c.peak_tflops,
+            "a number > 0 (dense BF16 TFLOP/s per GPU), or null (plan.hardware's profile's peak)",
+        )
     if c.cpu_peak_tflops is not None:
-        _require(_finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0, "cluster.cpu_peak_tflops",
-                 c.cpu_peak_tflops, "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)")
+        _require(
+            _finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0,
+            "cluster.cpu_peak_tflops",
+            c.cpu_peak_tflops,
+            "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)",
+        )
     if c.host_memory_gib is not None:
-        _require(_finite(c.host_memory_gib) and c.host_memory_gib > 0, "cluster.host_memory_gib", c.host_memory_gib,
-                 "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)")
-    _require(_finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0, "cluster.checkpoint_write_gbps",
-             c.checkpoint_write_gbps, "a number > 0 (GB/s one node writes to storage)")
+        _require(
+            _finite(c.host_memory_gib) and c.host_memory_gib > 0,
+            "cluster.host_memory_gib",
+            c.host_memory_gib,
+            "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)",
+        )
+    _require(
+        _finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0,
+        "cluster.checkpoint_write_gbps",
+        c.checkpoint_write_gbps,
+        "a number > 0 (GB/s one node writes to storage)",
+    )
     if c.mtbf_hours is not None:
-        _require(_finite(c.mtbf_hours) and c.mtbf_hours > 0, "cluster.mtbf_hours", c.mtbf_hours,
-                 "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)")
+        _require(
+            _finite(c.mtbf_hours) and c.mtbf_hours > 0,
+            "cluster.mtbf_hours",
+            c.mtbf_hours,
+            "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)",
+        )
 
 
 def check_plan(p: PlanConfig) -> None:
     """``plan.*``: ``k2-plan``'s numbers."""
-    _require(_finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1, "plan.compute_efficiency",
-             p.compute_efficiency, "0 < value <= 1")
+    _require(
+        _finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1,
+        "plan.compute_efficiency",
+        p.compute_efficiency,
+        "0 < value <= 1",
+    )
     if p.step_time_s is not None:
-        _require(_finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s,
-                 "seconds > 0, or null")
-    _require(p.what_if.pipeline_flushes >= 1, "plan.what_if.pipeline_flushes", p.what_if.pipeline_flushes,
-             "an integer >= 1")
+        _require(
+            _finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s, "seconds > 0, or null"
+        )
+    _require(
+        p.what_if.pipeline_flushes >= 1, "plan.what_if.pipeline_flushes", p.what_if.pipeline_flushes, "an integer >= 1"
+    )
     _require(p.what_if.mtp_layers >= 0, "plan.what_if.mtp_layers", p.what_if.mtp_layers, "an integer >= 0")
     if p.what_if.node_limit is not None:
         _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
     o = p.gpu_overheads
     for key in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib"):
         _require(_finite(o[key]) and o[key] >= 0, f"plan.gpu_overheads.{key}", o[key], "GiB >= 0")
-    _require(_finite(o.fragmentation) and 0 <= o.fragmentation < 1, "plan.gpu_overheads.fragmentation",
-             o.fragmentation, "0 <= fraction < 1")
+    _require(
+        _finite(o.fragmentation) and 0 <= o.fragmentation < 1,
+        "plan.gpu_overheads.fragmentation",
+        o.fragmentation,
+        "0 <= fraction < 1",
+    )
 
 
 def resume_settings(raw) -> dict:
@@ -337,17 +434,20 @@ def resume_settings(raw) -> dict:
     settings = dict(RESUME_KEYS)
     for k, v in dict(raw).items():
         if k not in RESUME_KEYS:
-            raise ConfigError(f"unknown setting resume.{k}; allowed: "
-                              f"{', '.join('resume.' + n for n in RESUME_KEYS)}")
+            raise ConfigError(f"unknown setting resume.{k}; allowed: {', '.join('resume.' + n for n in RESUME_KEYS)}")
         settings[k] = v
     if settings["mode"] not in RESUME_MODES:
-        raise ConfigError(f"resume={settings['mode']!r}; allowed: {', '.join(RESUME_MODES)} "
-                          "(or resume.from=PATH to resume from a given checkpoint)")
+        raise ConfigError(
+            f"resume={settings['mode']!r}; allowed: {', '.join(RESUME_MODES)} "
+            "(or resume.from=PATH to resume from a given checkpoint)"
+        )
     if settings["mode"] == "never" and settings["from"] is not None:
         raise ConfigError("resume=never contradicts resume.from; set one of them")
     if settings["branch_from"] is not None and (settings["mode"] == "never" or settings["from"] is not None):
-        raise ConfigError("resume.branch_from (start as a branch of that checkpoint, then resume the branch's "
-                          "own) contradicts resume=never and resume.from; set one of them")
+        raise ConfigError(
+            "resume.branch_from (start as a branch of that checkpoint, then resume the branch's "
+            "own) contradicts resume=never and resume.from; set one of them"
+        )
     return settings
 
 
@@ -361,19 +461,32 @@ def check_sweep(s: SweepConfig) -> None:
     seeds = list(s.seeds or [])
     _require(len(set(seeds)) == len(seeds), "sweep.seeds", seeds, "distinct integers ([] = [run.seed])")
     budgets = list(s.budgets_tokens or [])
-    _require(len(set(budgets)) == len(budgets) and all(isinstance(b, int) and b > 0 for b in budgets),
-             "sweep.budgets_tokens", budgets, "distinct token counts > 0 ([] = where the schedule ends)")
+    _require(
+        len(set(budgets)) == len(budgets) and all(isinstance(b, int) and b > 0 for b in budgets),
+        "sweep.budgets_tokens",
+        budgets,
+        "distinct token counts > 0 ([] = where the schedule ends)",
+    )
     c = s.cooldown
-    _require(0.1 <= c.fraction < 1.0, "sweep.cooldown.fraction", c.fraction,
-             "0.1 <= fraction < 1 (a decay over less than 10% of a budget's tokens ends above its loss)")
+    _require(
+        0.1 <= c.fraction < 1.0,
+        "sweep.cooldown.fraction",
+        c.fraction,
+        "0.1 <= fraction < 1 (a decay over less than 10% of a budget's tokens ends above its loss)",
+    )
     _require(c.style in SWEEP_COOLDOWN_STYLES, "sweep.cooldown.style", c.style, ", ".join(SWEEP_COOLDOWN_STYLES))
     _require(c.lr_end >= 0, "sweep.cooldown.lr_end", c.lr_end, "an LR >= 0")
-    _require(s.collapsed_load > 1.0, "sweep.collapsed_load", s.collapsed_load,
-             "a load max/mean > 1 (1 = perfectly balanced)")
+    _require(
+        s.collapsed_load > 1.0, "sweep.collapsed_load", s.collapsed_load, "a load max/mean > 1 (1 = perfectly balanced)"
+    )
     _require(isinstance(s.jobs, int) and s.jobs >= 1, "sweep.jobs", s.jobs, "an integer >= 1")
     for name, overrides in dict(s.sizes or {}).items():
-        _require(all(isinstance(o, str) and "=" in o for o in overrides), f"sweep.sizes.{name}", list(overrides),
-                 "a list of key=value overrides")
+        _require(
+            all(isinstance(o, str) and "=" in o for o in overrides),
+            f"sweep.sizes.{name}",
+            list(overrides),
+            "a list of key=value overrides",
+        )
 
 
 def check_schedule_memory(s: ScheduleConfig) -> None:
@@ -427,18 +540,26 @@ def check_ep_overlap(cfg: K2Config) -> None:
         return
     m, p = cfg.model, cfg.parallel
     if not m.num_moe_experts:
-        raise ConfigError(f"pipeline.ep_overlap=true hides the MoE all-to-all; model={m.name} has no experts "
-                          "(allowed: a MoE model, or pipeline.ep_overlap=false)")
+        raise ConfigError(
+            f"pipeline.ep_overlap=true hides the MoE all-to-all; model={m.name} has no experts "
+            "(allowed: a MoE model, or pipeline.ep_overlap=false)"
+        )
     if int(p.ep) <= 1:
-        raise ConfigError(f"pipeline.ep_overlap=true needs expert parallelism: parallel.ep={p.ep} (allowed: "
-                          "parallel.ep >= 2, or pipeline.ep_overlap=false)")
+        raise ConfigError(
+            f"pipeline.ep_overlap=true needs expert parallelism: parallel.ep={p.ep} (allowed: "
+            "parallel.ep >= 2, or pipeline.ep_overlap=false)"
+        )
     if int(p.pp) > 1 and int(p.vpp or 1) <= 1:
-        raise ConfigError(f"pipeline.ep_overlap=true with parallel.pp={p.pp} needs virtual pipeline stages "
-                          "(megatron's combined 1F1B is the interleaved schedule): allowed parallel.vpp >= 2, "
-                          "or parallel.pp=1")
+        raise ConfigError(
+            f"pipeline.ep_overlap=true with parallel.pp={p.pp} needs virtual pipeline stages "
+            "(megatron's combined 1F1B is the interleaved schedule): allowed parallel.vpp >= 2, "
+            "or parallel.pp=1"
+        )
     if m.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError(f"pipeline.ep_overlap=true with model.moe_token_dispatcher_type="
-                          f"{m.moe_token_dispatcher_type}; allowed: alltoall")
+        raise ConfigError(
+            f"pipeline.ep_overlap=true with model.moe_token_dispatcher_type="
+            f"{m.moe_token_dispatcher_type}; allowed: alltoall"
+        )
     # whole-layer recompute re-runs a layer's dispatch and combine in backward, outside the pairs: a phase
     # with it runs the plain interleaved 1F1B (k2.launcher.training.phase_memory); refused when no phase
     # would run the overlap
@@ -449,12 +570,14 @@ def check_ep_overlap(cfg: K2Config) -> None:
             layer = "layer" in list(phase.memory.recompute)
         layer_phases.append(layer)
     if all(layer_phases or [top]):
-        where = ("memory.recompute" if top else "every schedule.phases.<i>.memory.recompute")
-        raise ConfigError(f"pipeline.ep_overlap=true with {where} containing 'layer': whole-layer recompute "
-                          "re-runs the layer's dispatch and combine all-to-alls in backward, outside the "
-                          "overlapped pairs, so no step would overlap them; allowed: the selective sites "
-                          "(layernorm, swiglu, mla_up_proj, moe_down_proj) in at least one phase, or "
-                          "pipeline.ep_overlap=false")
+        where = "memory.recompute" if top else "every schedule.phases.<i>.memory.recompute"
+        raise ConfigError(
+            f"pipeline.ep_overlap=true with {where} containing 'layer': whole-layer recompute "
+            "re-runs the layer's dispatch and combine all-to-alls in backward, outside the "
+            "overlapped pairs, so no step would overlap them; allowed: the selective sites "
+            "(layernorm, swiglu, mla_up_proj, moe_down_proj) in at least one phase, or "
+            "pipeline.ep_overlap=false"
+        )
 
 
 def check_cross_section(cfg: K2Config) -> None:
@@ -463,29 +586,40 @@ def check_cross_section(cfg: K2Config) -> None:
     if cfg.optim.qk_clip_tau is not None and not cfg.model.record_max_logits:
         raise ConfigError(
             f"optim.qk_clip_tau={cfg.optim.qk_clip_tau} needs the per-head max logits: set "
-            "model.record_max_logits=true (allowed with record_max_logits=false: optim.qk_clip_tau=null)")
+            "model.record_max_logits=true (allowed with record_max_logits=false: optim.qk_clip_tau=null)"
+        )
     if cfg.data.path is None and cfg.prepare.input is None and int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
         raise ConfigError(
             f"data.vocab_size={cfg.data.vocab_size} (the embedded corpus tokenizer) exceeds "
             f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding table; set "
-            f"model.vocab_size={cfg.data.vocab_size} (or larger) or data.vocab_size<={cfg.model.vocab_size}")
+            f"model.vocab_size={cfg.data.vocab_size} (or larger) or data.vocab_size<={cfg.model.vocab_size}"
+        )
     if cfg.checkpoint.export_hf and not cfg.checkpoint.save_at_end:
-        raise ConfigError("checkpoint.export_hf=true exports the checkpoint saved at the end of the run: "
-                          "it needs checkpoint.save_at_end=true")
+        raise ConfigError(
+            "checkpoint.export_hf=true exports the checkpoint saved at the end of the run: "
+            "it needs checkpoint.save_at_end=true"
+        )
     if cfg.optim.offload_fraction > 0 and not cfg.parallel.use_distributed_optimizer:
-        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} needs the distributed optimizer "
-                          "(allowed: parallel.use_distributed_optimizer=true, or optim.offload_fraction=0)")
+        raise ConfigError(
+            f"optim.offload_fraction={cfg.optim.offload_fraction} needs the distributed optimizer "
+            "(allowed: parallel.use_distributed_optimizer=true, or optim.offload_fraction=0)"
+        )
     if cfg.optim.offload_fraction > 0 and cfg.optim.name == "muonclip" and cfg.optim.muon_zero1 != "byte_range":
-        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} with optim=muonclip needs "
-                          "optim.muon_zero1=byte_range (allowed with layer_wise: optim.offload_fraction=0)")
+        raise ConfigError(
+            f"optim.offload_fraction={cfg.optim.offload_fraction} with optim=muonclip needs "
+            "optim.muon_zero1=byte_range (allowed with layer_wise: optim.offload_fraction=0)"
+        )
     if cfg.data.path is None and cfg.data.tokenizer is not None and cfg.prepare.input is None:
-        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is set but data.path is null: the embedded "
-                          "stdlib corpus uses the tokenizer k2-data trains; set data.tokenizer=null or give "
-                          "data.path (or prepare.input, to tokenize a raw-text corpus with it)")
+        raise ConfigError(
+            f"data.tokenizer={cfg.data.tokenizer} is set but data.path is null: the embedded "
+            "stdlib corpus uses the tokenizer k2-data trains; set data.tokenizer=null or give "
+            "data.path (or prepare.input, to tokenize a raw-text corpus with it)"
+        )
     check_ep_overlap(cfg)
     if cfg.sweep.sparsities and not cfg.model.num_moe_experts:
-        raise ConfigError(f"sweep over sparsity needs a MoE model; model={cfg.model.name} has "
-                          "model.num_moe_experts=null")
+        raise ConfigError(
+            f"sweep over sparsity needs a MoE model; model={cfg.model.name} has model.num_moe_experts=null"
+        )
 
 
 def validate(cfg: K2Config) -> None:

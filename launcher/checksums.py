@@ -30,8 +30,7 @@ def hasher():
     return xxhash.xxh3_64()
 
 
-def file_checksum(path, on_bytes: Callable[[int], None] | None = None, start: int = 0,
-                  end: int | None = None) -> str:
+def file_checksum(path, on_bytes: Callable[[int], None] | None = None, start: int = 0, end: int | None = None) -> str:
     """The xxh3-64 checksum of the file at ``path`` (of its bytes ``start`` to ``end``, default the whole
     file) as 16 hex digits, read in :data:`CHUNK_BYTES` chunks; ``on_bytes(n)`` is called after each chunk
     of ``n`` bytes (a progress bar, a hang watchdog).
@@ -55,5 +54,10 @@ def file_checksum(path, on_bytes: Callable[[int], None] | None = None, start: in
 def file_entries(directory, names: Iterable[str], on_bytes: Callable[[int], None] | None = None) -> dict:
     """``{name: {"size": bytes, "xxh3_64": hex}}`` for the files ``names`` of ``directory``: a manifest's
     entries."""
-    return {n: {"size": os.path.getsize(os.path.join(directory, n)),
-                ALGORITHM: file_checksum(os.path.join(directory, n), on_bytes)} for n in names}
+    return {
+        n: {
+            "size": os.path.getsize(os.path.join(directory, n)),
+            ALGORITHM: file_checksum(os.path.join(directory, n), on_bytes),
+        }
+        for n in names
+    }

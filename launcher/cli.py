@@ -24,8 +24,17 @@ from k2.config import ConfigError
 from k2.launcher.quiet import quiet_libraries
 from k2.launcher.training.preemption import INTERRUPT_EXIT, REQUEUE_EXIT_CODE
 
-__all__ = ["BAD_SETTING_EXIT", "DIVERGED_EXIT", "HELP_FLAGS", "INTERRUPT_EXIT", "REQUEUE_EXIT_CODE", "error",
-           "help_text", "quiet_libraries", "run_main"]
+__all__ = [
+    "BAD_SETTING_EXIT",
+    "DIVERGED_EXIT",
+    "HELP_FLAGS",
+    "INTERRUPT_EXIT",
+    "REQUEUE_EXIT_CODE",
+    "error",
+    "help_text",
+    "quiet_libraries",
+    "run_main",
+]
 
 #: Exit status of a tool given a bad setting (argparse's convention).
 BAD_SETTING_EXIT = 2
@@ -62,20 +71,23 @@ def help_text(prog: str, usage: str) -> str:
     root, groups = _recipe_groups()
     width = max(len(g) for g in groups)
     group_lines = "\n".join(f"  {g:<{width}}  {', '.join(names)}" for g, names in groups.items())
-    return (f"{usage.strip()}\n\n"
-            "overrides (Hydra syntax, any number, in any order):\n"
-            "  group=name          pick a recipe of a config group (model=kimi_k2)\n"
-            "  group.key=value     change one setting (train.iters=50, run.dir=runs/try1)\n"
-            "  +group=name         add a group the defaults do not load (+experiment=sparsity_sweep)\n\n"
-            f"config tree: {root} (config.yaml composes one recipe of each group)\n"
-            "every key, its default and units: config/schema.py of k2-launcher (k2.config.schema)\n"
-            f"recipes per group:\n{group_lines}\n\n"
-            f"exit status: 0 done, {BAD_SETTING_EXIT} a bad setting (one line '{prog}: error: ...' on "
-            "stderr)\n")
+    return (
+        f"{usage.strip()}\n\n"
+        "overrides (Hydra syntax, any number, in any order):\n"
+        "  group=name          pick a recipe of a config group (model=kimi_k2)\n"
+        "  group.key=value     change one setting (train.iters=50, run.dir=runs/try1)\n"
+        "  +group=name         add a group the defaults do not load (+experiment=sparsity_sweep)\n\n"
+        f"config tree: {root} (config.yaml composes one recipe of each group)\n"
+        "every key, its default and units: config/schema.py of k2-launcher (k2.config.schema)\n"
+        f"recipes per group:\n{group_lines}\n\n"
+        f"exit status: 0 done, {BAD_SETTING_EXIT} a bad setting (one line '{prog}: error: ...' on "
+        "stderr)\n"
+    )
 
 
-def run_main(prog: str, body: Callable[[list[str]], int], argv: Sequence[str] | None = None,
-             usage: str | None = None) -> int:
+def run_main(
+    prog: str, body: Callable[[list[str]], int], argv: Sequence[str] | None = None, usage: str | None = None
+) -> int:
     """Run a tool's ``body(args) -> exit status`` under the shared contract.
 
     Args:

@@ -51,14 +51,17 @@ def resolve_checkpoint(where: Path) -> Path:
             return resume_point(None, root=root)[0]
     if where.is_dir() and where.name.startswith("iter_"):
         return where
-    raise ConfigError(f"convert.checkpoint={where}: no checkpoint there (a checkpoint iter_NNNNNNN, a "
-                      "checkpoints/ directory or a run dir with checkpoints/latest)")
+    raise ConfigError(
+        f"convert.checkpoint={where}: no checkpoint there (a checkpoint iter_NNNNNNN, a "
+        "checkpoints/ directory or a run dir with checkpoints/latest)"
+    )
 
 
 def _convert(args: list[str]) -> int:
     if not args or args[0] not in VERBS:
-        raise ConfigError(f"k2-convert needs a verb first; allowed: {', '.join(VERBS)} (got "
-                          f"{args[0] if args else 'nothing'!r})")
+        raise ConfigError(
+            f"k2-convert needs a verb first; allowed: {', '.join(VERBS)} (got {args[0] if args else 'nothing'!r})"
+        )
     verb, cfg = args[0], load_config(_overrides(args[1:]))
     c = cfg.convert
     t0 = time.perf_counter()
@@ -69,9 +72,11 @@ def _convert(args: list[str]) -> int:
             raise ConfigError("k2-convert import needs hf=PATH (the Hugging Face checkpoint directory)")
         world = int(cfg.launch.nproc_per_node) * int(cfg.cluster.nodes)
         r = import_hf(c.hf, cfg, world)
-        print(f"k2-convert: imported {r.tensors} tensors ({r.fp8_tensors} FP8 dequantized), "
-              f"{r.model_bytes / 2**20:,.1f} MiB -> {r.checkpoint} in {time.perf_counter() - t0:.1f} s; "
-              f"train with: k2-train run.dir={cfg.run.dir} model={cfg.model.name} ...")
+        print(
+            f"k2-convert: imported {r.tensors} tensors ({r.fp8_tensors} FP8 dequantized), "
+            f"{r.model_bytes / 2**20:,.1f} MiB -> {r.checkpoint} in {time.perf_counter() - t0:.1f} s; "
+            f"train with: k2-train run.dir={cfg.run.dir} model={cfg.model.name} ..."
+        )
         return 0
     from k2.launcher.hf.export import export_hf
 
@@ -79,9 +84,11 @@ def _convert(args: list[str]) -> int:
         raise ConfigError("k2-convert export needs out=PATH (the Hugging Face directory to write)")
     ckpt = resolve_checkpoint(Path(c.checkpoint if c.checkpoint is not None else cfg.run.dir))
     r = export_hf(ckpt, c.out, c.model_type, int(c.shard_bytes), c.dtype, str(cfg.checkpoint.verify))
-    print(f"k2-convert: exported {ckpt} -> {r.out}: {r.tensors} tensors in {r.shards} shards, "
-          f"{r.total_bytes / 2**20:,.1f} MiB, tokenizer {r.tokenizer or 'none'}, "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"k2-convert: exported {ckpt} -> {r.out}: {r.tensors} tensors in {r.shards} shards, "
+        f"{r.total_bytes / 2**20:,.1f} MiB, tokenizer {r.tokenizer or 'none'}, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 

@@ -78,10 +78,16 @@ def _data(args: list[str]) -> int:
         error(PROG, "interrupted (Ctrl-C); run the same command again: the build resumes where it stopped")
         return 130
     except OSError as e:  # a full disk, a read-only file system, no permission: one line naming the path
-        where = e.filename or (f"prepare.output={cfg.prepare.output}" if cfg.prepare.input is not None
-                               else f"data.cache_dir={cfg.data.cache_dir}")
-        error(PROG, f"cannot write {where}: {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}); "
-                    "free space there or choose another directory, then run again: the build resumes")
+        where = e.filename or (
+            f"prepare.output={cfg.prepare.output}"
+            if cfg.prepare.input is not None
+            else f"data.cache_dir={cfg.data.cache_dir}"
+        )
+        error(
+            PROG,
+            f"cannot write {where}: {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}); "
+            "free space there or choose another directory, then run again: the build resumes",
+        )
         return 1
 
 
@@ -155,14 +161,23 @@ def _summary(out) -> int:
         if len(m["datasets"]) > _LISTED:
             print(f"k2-data: ... {len(m['datasets']) - _LISTED} more datasets (all in {out.manifest_path})")
     bad = m["bad_records"]["count"]
-    print(f"k2-data: {m['documents']:,d} documents, {m['tokens']:,d} tokens (EOD included) from "
-          f"{_count(len(m['inputs']), 'input file')}"
-          + (f"; {bad} bad records skipped" if bad else "")
-          + (f"; {m['empty_documents_skipped']} empty texts skipped" if m["empty_documents_skipped"] else ""))
-    path = (out.prefixes[0] if len(out.prefixes) == 1 else out.manifest_path if len(out.prefixes) > _LISTED
-            else "[" + ",".join(out.prefixes) + "]")
-    print(f"k2-data: manifest {out.manifest_path}; train on it with data.path={path} "
-          f"data.tokenizer={out.tokenizer_path} (model.vocab_size must be >= {m['tokenizer']['vocab_size']})")
+    print(
+        f"k2-data: {m['documents']:,d} documents, {m['tokens']:,d} tokens (EOD included) from "
+        f"{_count(len(m['inputs']), 'input file')}"
+        + (f"; {bad} bad records skipped" if bad else "")
+        + (f"; {m['empty_documents_skipped']} empty texts skipped" if m["empty_documents_skipped"] else "")
+    )
+    path = (
+        out.prefixes[0]
+        if len(out.prefixes) == 1
+        else out.manifest_path
+        if len(out.prefixes) > _LISTED
+        else "[" + ",".join(out.prefixes) + "]"
+    )
+    print(
+        f"k2-data: manifest {out.manifest_path}; train on it with data.path={path} "
+        f"data.tokenizer={out.tokenizer_path} (model.vocab_size must be >= {m['tokenizer']['vocab_size']})"
+    )
     return 0
 
 

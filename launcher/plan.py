@@ -53,10 +53,15 @@ def _plot_timeline(plan: ClusterPlan, path: str) -> None:
 
     r = plan.report
     try:
-        plot_timeline(plan.pipeline, path, title=(
-            f"{r['model']} on {r['world_size']} GPUs: pp {r['pp']} x vpp {r['vpp']}, "
-            f"{r['num_microbatches']} microbatches of {r['micro_batch_size']} x "
-            f"{r['seq_length']} tokens, bubble {100 * r['bubble_fraction']:.2f}%"))
+        plot_timeline(
+            plan.pipeline,
+            path,
+            title=(
+                f"{r['model']} on {r['world_size']} GPUs: pp {r['pp']} x vpp {r['vpp']}, "
+                f"{r['num_microbatches']} microbatches of {r['micro_batch_size']} x "
+                f"{r['seq_length']} tokens, bubble {100 * r['bubble_fraction']:.2f}%"
+            ),
+        )
     except OSError as e:
         raise ConfigError(f"plot={path!r}: cannot write the picture ({e})") from None
     print(f"{PROG}: wrote {path} (pipeline timeline)", file=sys.stderr)
@@ -78,8 +83,10 @@ def phase_data_rows(cfg: K2Config) -> list[dict]:
     (null = the embedded corpus; a valid_path of null carves validation out of the path by data.split)."""
     from k2.launcher.datasets.resolve import phase_data_settings
 
-    return [{"phase": ph.name, "data_path": path, "valid_path": valid}
-            for ph, (path, valid) in zip(cfg.schedule.phases, phase_data_settings(cfg))]
+    return [
+        {"phase": ph.name, "data_path": path, "valid_path": valid}
+        for ph, (path, valid) in zip(cfg.schedule.phases, phase_data_settings(cfg))
+    ]
 
 
 def _format_phase_data(rows: list[dict]) -> str:

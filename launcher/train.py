@@ -69,8 +69,11 @@ def _train(args: list[str]) -> int:
     env = dist_env()
     if multirun:
         if env.launched:
-            error(PROG, "-m (a sweep) starts one run per point itself; run it outside torchrun/srun (or "
-                        "submit the points with k2-submit -m)")
+            error(
+                PROG,
+                "-m (a sweep) starts one run per point itself; run it outside torchrun/srun (or "
+                "submit the points with k2-submit -m)",
+            )
             return BAD_SETTING_EXIT
         return run_sweep(overrides)
     assert cfg is not None  # (loaded above: one run)
@@ -94,7 +97,7 @@ def _train(args: list[str]) -> int:
     # or is global rank 0 of its own launch; taken before anything in the run dir is written
     owner = could_own
     try:
-        with (RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext()):
+        with RunDirLock.acquire(cfg.run.dir) if owner else contextlib.nullcontext():
             if owner:  # decided again under the lock: a previous owner may have saved or pruned since
                 plan = dataclasses.replace(plan, resume_from=plan_resume(cfg, plan.layout))
             return _run(cfg, plan, env)
@@ -112,8 +115,13 @@ def _verify_data(plan) -> None:
 
     from k2.launcher.datasets.verify import verify_datasets
 
-    prefixes = [p for d in (plan.phase_data or (plan.data,)) for blend in (d.train_blend, d.valid_blend)
-                if blend is not None for p in blend[0]]
+    prefixes = [
+        p
+        for d in (plan.phase_data or (plan.data,))
+        for blend in (d.train_blend, d.valid_blend)
+        if blend is not None
+        for p in blend[0]
+    ]
     verify_datasets([p for p in prefixes if os.path.isfile(p + ".bin")], log=lambda s: print(s, flush=True))
 
 

@@ -85,8 +85,12 @@ class MemoryOptions:
         ``k2.schedules.wsd.Phase.memory``): keys ``fp8_store`` / ``recompute`` / ``offload``, a missing
         key or None = off."""
         get = sites.get if hasattr(sites, "get") else (lambda k: getattr(sites, k, None))
-        return cls(frozenset(get("fp8_store") or ()), frozenset(get("recompute") or ()),
-                   frozenset(get("offload") or ()), attribute)
+        return cls(
+            frozenset(get("fp8_store") or ()),
+            frozenset(get("recompute") or ()),
+            frozenset(get("offload") or ()),
+            attribute,
+        )
 
     def policy(self, site: str):
         """:class:`k2.model.saved_tensors.Policy` of ``site``, or None when the site does nothing."""
@@ -205,10 +209,19 @@ def _install_layer(layer, first: bool, chain: _Chain) -> None:
     # sites marked by their module's input (see config/schema.py MEMORY_OFFLOAD_SITES)
     sites = {"attn_input": [layer.input_layernorm], "mlp_input": [layer.pre_mlp_layernorm]}
     attn = layer.self_attention
-    sites["mla_up_proj"] = [getattr(attn, n) for n in ("linear_q_down_proj", "linear_kv_down_proj", "q_layernorm",
-                                                       "kv_layernorm", "linear_q_up_proj", "linear_kv_up_proj",
-                                                       "linear_q_proj")
-                            if isinstance(getattr(attn, n, None), torch.nn.Module)]
+    sites["mla_up_proj"] = [
+        getattr(attn, n)
+        for n in (
+            "linear_q_down_proj",
+            "linear_kv_down_proj",
+            "q_layernorm",
+            "kv_layernorm",
+            "linear_q_up_proj",
+            "linear_kv_up_proj",
+            "linear_q_proj",
+        )
+        if isinstance(getattr(attn, n, None), torch.nn.Module)
+    ]
     sites["attn_proj"] = [attn.linear_proj]
     for site, modules in sites.items():
         for m in modules:
@@ -265,8 +278,10 @@ def set_memory_options(chunks: list, options: MemoryOptions) -> int:
     n = 0
     for layer in _layers(chunks):
         if options.needs_scopes and not getattr(layer, "_k2_scoped", False):
-            raise ValueError(f"layer {layer.layer_number} has no saved-tensor scope for {options}: build the "
-                             "model with every memory option the run switches to (install(..., switches=...))")
+            raise ValueError(
+                f"layer {layer.layer_number} has no saved-tensor scope for {options}: build the "
+                "model with every memory option the run switches to (install(..., switches=...))"
+            )
         layer.memory = options
         layer.recompute_whole_layer = options.recomputes("layer")
         norm = options.recomputes("layernorm")

@@ -132,11 +132,13 @@ def fused_sdpa(sdpa):
     except RuntimeError as e:
         if "No available kernel" not in str(e):
             raise
-        raise RuntimeError("model.attention_backend=sdpa: no fused attention kernel (cuDNN, flash, "
-                           "memory-efficient) takes these inputs (torch's warnings above say why), and the "
-                           "unfused MATH kernel is not used (it materialises every score); allowed: "
-                           "model.attention_backend=eager (explicit scores, planned as such) or inputs a "
-                           "fused kernel takes") from e
+        raise RuntimeError(
+            "model.attention_backend=sdpa: no fused attention kernel (cuDNN, flash, "
+            "memory-efficient) takes these inputs (torch's warnings above say why), and the "
+            "unfused MATH kernel is not used (it materialises every score); allowed: "
+            "model.attention_backend=eager (explicit scores, planned as such) or inputs a "
+            "fused kernel takes"
+        ) from e
 
 
 def records_max_logits(module) -> bool:
@@ -191,9 +193,7 @@ class K2CoreAttention(MegatronModule):
         self.num_query_groups = (config.num_query_groups or config.num_attention_heads) // tp_size
         self.k_channels = k_channels if k_channels is not None else config.kv_channels
         self.v_channels = v_channels if v_channels is not None else config.kv_channels
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
-        )
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.record_max_logits = record_max_logits
         self.register_buffer(
@@ -256,8 +256,16 @@ class K2CoreAttention(MegatronModule):
 
         backend = self.backend if self.backend != "auto" else ("sdpa" if q.is_cuda else "eager")
         if backend == "sdpa":
-            sdpa = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=None if mask is None else ~mask,
-                           dropout_p=dropout, is_causal=causal and mask is None, scale=self.softmax_scale)
+            sdpa = partial(
+                F.scaled_dot_product_attention,
+                q,
+                k,
+                v,
+                attn_mask=None if mask is None else ~mask,
+                dropout_p=dropout,
+                is_causal=causal and mask is None,
+                scale=self.softmax_scale,
+            )
             ctx = fused_sdpa(sdpa) if q.is_cuda else sdpa()
             if record:
                 with torch.no_grad():
@@ -315,15 +323,35 @@ def te_adapter(base):
     class K2TEDotProductAttention(base):
         is_k2_max_logit_attention = True
 
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type="p2p",
-                     pg_collection=None, record_max_logits: bool = True, backend: str = "te"):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            k_channels=None,
+            v_channels=None,
+            cp_comm_type="p2p",
+            pg_collection=None,
+            record_max_logits: bool = True,
+            backend: str = "te",
+        ):
             if not (config.log_max_attention_logit or config.qk_clip):
                 raise ValueError("K2TEDotProductAttention needs config.log_max_attention_logit=True")
-            super().__init__(config, layer_number, attn_mask_type, attention_type,
-                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
-                             k_channels=k_channels, v_channels=v_channels, cp_comm_type=cp_comm_type,
-                             pg_collection=pg_collection)
+            super().__init__(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout=attention_dropout,
+                softmax_scale=softmax_scale,
+                k_channels=k_channels,
+                v_channels=v_channels,
+                cp_comm_type=cp_comm_type,
+                pg_collection=pg_collection,
+            )
             tp = pg_collection.tp.size() if pg_collection is not None else 1
             self.num_heads = config.num_attention_heads // tp
             self.record_max_logits = record_max_logits

@@ -86,21 +86,27 @@ def check_backend_config(cfg: K2Config) -> None:
     check_fp8_recipe(cfg)
     check_recompute_sites(cfg)
     if cfg.pipeline.ep_overlap and cfg.train.precision != "bf16" and torch.cuda.is_available():
-        raise ConfigError(f"pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's combined-"
-                          f"1F1B rule), got {cfg.train.precision}; allowed: train.precision=bf16, or "
-                          "pipeline.ep_overlap=false")
+        raise ConfigError(
+            f"pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's combined-"
+            f"1F1B rule), got {cfg.train.precision}; allowed: train.precision=bf16, or "
+            "pipeline.ep_overlap=false"
+        )
     if m.max_logit_kernel == "triton":
         from k2.model.max_logit_kernel import triton as _triton
 
         if _triton is None or not torch.cuda.is_available():
             raise ConfigError("model.max_logit_kernel=triton needs Triton and a CUDA device; allowed here: torch")
         if resolve_attention_backend(m.attention_backend) != "sdpa":
-            raise ConfigError(f"model.max_logit_kernel=triton is the sdpa backend's; model.attention_backend="
-                              f"{m.attention_backend} resolves to {resolve_attention_backend(m.attention_backend)}; "
-                              "allowed: model.attention_backend=sdpa (or auto on CUDA)")
+            raise ConfigError(
+                f"model.max_logit_kernel=triton is the sdpa backend's; model.attention_backend="
+                f"{m.attention_backend} resolves to {resolve_attention_backend(m.attention_backend)}; "
+                "allowed: model.attention_backend=sdpa (or auto on CUDA)"
+            )
     if m.attention_backend == "te" and not (torch.cuda.is_available() and te_available()):
-        raise ConfigError("model.attention_backend=te needs Transformer Engine (the gpu extra) and a CUDA "
-                          "device; allowed here: auto, sdpa, eager")
+        raise ConfigError(
+            "model.attention_backend=te needs Transformer Engine (the gpu extra) and a CUDA "
+            "device; allowed here: auto, sdpa, eager"
+        )
     if not m.num_moe_experts or not resolve_grouped_experts(m.moe_grouped_gemm, cfg.train.precision):
         return
     why = "model.moe_grouped_gemm=true" if m.moe_grouped_gemm else "model.moe_grouped_gemm=null (auto: CUDA, bf16)"
@@ -108,11 +114,15 @@ def check_backend_config(cfg: K2Config) -> None:
         raise ConfigError(f"{why} needs torch._grouped_mm (torch >= 2.8); allowed: model.moe_grouped_gemm=false")
     for key in ("hidden_size", "moe_ffn_hidden_size"):
         if int(m[key]) % 8:
-            raise ConfigError(f"{why} needs model.{key} a multiple of 8 (16-byte rows for torch._grouped_mm), "
-                              f"got {m[key]}; allowed: such a width, or model.moe_grouped_gemm=false")
+            raise ConfigError(
+                f"{why} needs model.{key} a multiple of 8 (16-byte rows for torch._grouped_mm), "
+                f"got {m[key]}; allowed: such a width, or model.moe_grouped_gemm=false"
+            )
     if cfg.parallel.tp > 1:
-        raise ConfigError(f"{why} does not support expert tensor parallelism (parallel.tp={cfg.parallel.tp}); "
-                          "allowed: parallel.tp=1, or model.moe_grouped_gemm=false")
+        raise ConfigError(
+            f"{why} does not support expert tensor parallelism (parallel.tp={cfg.parallel.tp}); "
+            "allowed: parallel.tp=1, or model.moe_grouped_gemm=false"
+        )
 
 
 #: the least CUDA compute capability (major) each ``train.fp8_recipe`` runs on: Transformer Engine's blockwise
@@ -120,8 +130,9 @@ def check_backend_config(cfg: K2Config) -> None:
 FP8_RECIPE_MIN_CAPABILITY = {"blockwise": 9, "mxfp8": 10}
 
 
-def check_fp8_recipe(cfg: K2Config, cuda: bool | None = None, te: bool | None = None,
-                     capability: int | None = None) -> None:
+def check_fp8_recipe(
+    cfg: K2Config, cuda: bool | None = None, te: bool | None = None, capability: int | None = None
+) -> None:
     """``train.fp8_recipe`` on this machine: the GEMMs in FP8 through Transformer Engine's recipe need a CUDA
     device of the recipe's generation (:data:`FP8_RECIPE_MIN_CAPABILITY`), Transformer Engine (the ``gpu``
     extra; its linears then replace megatron's local ones, :func:`k2.model.fp8.te_linear_classes`) and
@@ -137,21 +148,28 @@ def check_fp8_recipe(cfg: K2Config, cuda: bool | None = None, te: bool | None = 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     te = te_available() if te is None else te
     if not (cuda and te):
-        missing = " and ".join(x for x, ok in (("a CUDA device", cuda), ("Transformer Engine (the gpu extra)", te))
-                               if not ok)
-        raise ConfigError(f"train.fp8_recipe={recipe} runs the GEMMs through Transformer Engine's FP8 recipe on "
-                          f"GPUs; this machine lacks {missing}; allowed here: train.fp8_recipe=null (k2-plan "
-                          "prices FP8 GEMMs on any machine)")
+        missing = " and ".join(
+            x for x, ok in (("a CUDA device", cuda), ("Transformer Engine (the gpu extra)", te)) if not ok
+        )
+        raise ConfigError(
+            f"train.fp8_recipe={recipe} runs the GEMMs through Transformer Engine's FP8 recipe on "
+            f"GPUs; this machine lacks {missing}; allowed here: train.fp8_recipe=null (k2-plan "
+            "prices FP8 GEMMs on any machine)"
+        )
     major = torch.cuda.get_device_capability()[0] if capability is None else capability
     need = FP8_RECIPE_MIN_CAPABILITY[str(recipe)]
     if major < need:
         allowed = [r for r, c in FP8_RECIPE_MIN_CAPABILITY.items() if major >= c]
-        raise ConfigError(f"train.fp8_recipe={recipe} needs a GPU of compute capability {need}.0 or later, this one "
-                          f"is {major}.x; allowed here: {', '.join(allowed + ['null'])}")
+        raise ConfigError(
+            f"train.fp8_recipe={recipe} needs a GPU of compute capability {need}.0 or later, this one "
+            f"is {major}.x; allowed here: {', '.join(allowed + ['null'])}"
+        )
     if resolve_grouped_experts(cfg.model.moe_grouped_gemm, cfg.train.precision, cuda) and cfg.model.num_moe_experts:
-        raise ConfigError(f"train.fp8_recipe={recipe} needs megatron's sequential experts (K2's grouped experts run "
-                          "torch._grouped_mm in BF16, which Transformer Engine's recipe does not reach); allowed: "
-                          "model.moe_grouped_gemm=false, or train.fp8_recipe=null")
+        raise ConfigError(
+            f"train.fp8_recipe={recipe} needs megatron's sequential experts (K2's grouped experts run "
+            "torch._grouped_mm in BF16, which Transformer Engine's recipe does not reach); allowed: "
+            "model.moe_grouped_gemm=false, or train.fp8_recipe=null"
+        )
 
 
 def check_recompute_sites(cfg: K2Config) -> None:
@@ -171,5 +189,7 @@ def check_recompute_sites(cfg: K2Config) -> None:
         planned = [x for x in (sites or ()) if x in PLANNED_ONLY_RECOMPUTE]
         if planned:
             runs = [x for x in MEMORY_RECOMPUTE_SITES if x not in PLANNED_ONLY_RECOMPUTE]
-            raise ConfigError(f"{setting} has {', '.join(planned)}: megatron's module recompute, which k2-plan plans "
-                              f"and k2-train does not run yet; allowed for k2-train: {', '.join(runs)}")
+            raise ConfigError(
+                f"{setting} has {', '.join(planned)}: megatron's module recompute, which k2-plan plans "
+                f"and k2-train does not run yet; allowed for k2-train: {', '.join(runs)}"
+            )

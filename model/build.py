@@ -49,9 +49,7 @@ def moe_layer_pattern(model_cfg: ModelConfig) -> list[int]:
     """
     k, n = int(model_cfg.first_k_dense_replace), int(model_cfg.num_layers)
     if not 0 <= k <= n:
-        raise ValueError(
-            f"model.first_k_dense_replace={k} must be in [0, model.num_layers={n}]"
-        )
+        raise ValueError(f"model.first_k_dense_replace={k} must be in [0, model.num_layers={n}]")
     if not model_cfg.num_moe_experts:
         return [0] * n
     return [0] * k + [1] * (n - k)
@@ -208,13 +206,20 @@ def enable_ep_overlap(tcfg, cuda: bool) -> None:
         ValueError: a GPU run in fp32.
     """
     if cuda and not tcfg.bf16:
-        raise ValueError("pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's "
-                         "combined-1F1B rule); allowed: train.precision=bf16, or pipeline.ep_overlap=false")
+        raise ValueError(
+            "pipeline.ep_overlap=true on GPUs needs train.precision=bf16 (megatron-core's "
+            "combined-1F1B rule); allowed: train.precision=bf16, or pipeline.ep_overlap=false"
+        )
     tcfg.overlap_moe_expert_parallel_comm = True
 
 
-def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str = "eager",
-                     grouped_experts: bool = False, max_logit_kernel: str = "torch"):
+def _swap_submodules(
+    layer_spec,
+    record_max_logits: bool,
+    attention_backend: str = "eager",
+    grouped_experts: bool = False,
+    max_logit_kernel: str = "torch",
+):
     """Copy of a megatron local layer spec with K2's modules swapped in: K2CoreAttention (its
     ``attention_backend``: ``sdpa`` | ``eager``; ``te``: the Transformer Engine adapter; the sdpa
     backend's ``max_logit_kernel``: ``torch`` | ``triton``,
@@ -240,23 +245,26 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
     attn = spec.submodules.self_attention.submodules
     core = te_core_attention_class() if attention_backend == "te" else K2CoreAttention
     attn.core_attention = ModuleSpec(
-        module=core, params={"record_max_logits": record_max_logits, "backend": attention_backend,
-                             **({"max_logit_kernel": max_logit_kernel} if core is K2CoreAttention else {})}
+        module=core,
+        params={
+            "record_max_logits": record_max_logits,
+            "backend": attention_backend,
+            **({"max_logit_kernel": max_logit_kernel} if core is K2CoreAttention else {}),
+        },
     )
     mlp = spec.submodules.mlp
-    if isinstance(mlp, partial) and "submodules" in mlp.keywords and hasattr(
-        mlp.keywords["submodules"], "router"
-    ):
+    if isinstance(mlp, partial) and "submodules" in mlp.keywords and hasattr(mlp.keywords["submodules"], "router"):
         sub = mlp.keywords["submodules"]
         experts, shared = sub.experts, sub.shared_experts
         if not (isinstance(experts, partial) and experts.func is SequentialMLP):
             raise ValueError(f"expected megatron's local SequentialMLP experts in the spec, got {experts}")
         moe_sub = dataclasses.replace(
-            sub, router=K2Router,
-            experts=partial(K2GroupedMLP if grouped_experts else K2SequentialMLP, *experts.args,
-                            **experts.keywords),
-            shared_experts=(None if shared is None else
-                            partial(build_k2_shared_experts, *shared.args, **shared.keywords)),
+            sub,
+            router=K2Router,
+            experts=partial(K2GroupedMLP if grouped_experts else K2SequentialMLP, *experts.args, **experts.keywords),
+            shared_experts=(
+                None if shared is None else partial(build_k2_shared_experts, *shared.args, **shared.keywords)
+            ),
         )
         spec.submodules.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_sub})
     elif isinstance(mlp, partial) and getattr(mlp.func, "__self__", None) is MLP:  # MLP.as_mlp_submodule
@@ -266,9 +274,16 @@ def _swap_submodules(layer_spec, record_max_logits: bool, attention_backend: str
     return spec
 
 
-def decoder_block_spec(tcfg, vp_stage: int | None, pp_rank: int | None, record_max_logits: bool,
-                       attention_backend: str = "eager", grouped_experts: bool = False,
-                       max_logit_kernel: str = "torch", linears: dict | None = None):
+def decoder_block_spec(
+    tcfg,
+    vp_stage: int | None,
+    pp_rank: int | None,
+    record_max_logits: bool,
+    attention_backend: str = "eager",
+    grouped_experts: bool = False,
+    max_logit_kernel: str = "torch",
+    linears: dict | None = None,
+):
     """megatron ``TransformerBlockSubmodules`` for the layers of one virtual stage, K2 modules in
     (``attention_backend``, ``grouped_experts``, ``max_logit_kernel``: see :func:`_swap_submodules`), the
     linear classes replaced by ``linears`` where given (:func:`swap_linears`; ``train.fp8_recipe``:
@@ -276,15 +291,19 @@ def decoder_block_spec(tcfg, vp_stage: int | None, pp_rank: int | None, record_m
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(
-        tcfg, use_transformer_engine=False, normalization=tcfg.normalization,
-        vp_stage=vp_stage, pp_rank=pp_rank,
+        tcfg,
+        use_transformer_engine=False,
+        normalization=tcfg.normalization,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
     )
     swapped = {}
     layers = []
     for s in block.layer_specs:
         if id(s) not in swapped:
-            swapped[id(s)] = _swap_submodules(s, record_max_logits, attention_backend, grouped_experts,
-                                              max_logit_kernel)
+            swapped[id(s)] = _swap_submodules(
+                s, record_max_logits, attention_backend, grouped_experts, max_logit_kernel
+            )
             if linears:
                 swapped[id(s)] = swap_linears(swapped[id(s)], linears)
         layers.append(swapped[id(s)])
@@ -309,8 +328,9 @@ def reset_moe_process_state() -> None:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-def build_model_chunks(cfg: K2Config, dims, tcfg, memory: MemoryOptions | None = None,
-                       memory_switches: Sequence[MemoryOptions] = ()) -> list:
+def build_model_chunks(
+    cfg: K2Config, dims, tcfg, memory: MemoryOptions | None = None, memory_switches: Sequence[MemoryOptions] = ()
+) -> list:
     """One megatron ``GPTModel`` per virtual pipeline stage held by this rank.
 
     Requires megatron ``parallel_state`` to be initialised for ``dims``. Core attention and routed
@@ -339,9 +359,16 @@ def build_model_chunks(cfg: K2Config, dims, tcfg, memory: MemoryOptions | None =
         vp_stage = v if dims.vpp > 1 else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        spec = decoder_block_spec(tcfg, vp_stage, ps.get_pipeline_model_parallel_rank(),
-                                  bool(cfg.model.record_max_logits), backend, grouped,
-                                  cfg.model.max_logit_kernel, linears)
+        spec = decoder_block_spec(
+            tcfg,
+            vp_stage,
+            ps.get_pipeline_model_parallel_rank(),
+            bool(cfg.model.record_max_logits),
+            backend,
+            grouped,
+            cfg.model.max_logit_kernel,
+            linears,
+        )
         model = GPTModel(
             config=tcfg,
             transformer_layer_spec=spec,
@@ -411,15 +438,22 @@ def set_rope_type(chunks: list, tcfg, model_cfg: ModelConfig, rope_type: str) ->
             cp_group = mod.pg_collection.cp
             if rope_type == "rope":
                 mod.rotary_pos_emb = RotaryEmbedding(
-                    c.qk_pos_emb_head_dim, rotary_percent=c.rotary_percent, rotary_base=c.rotary_base,
+                    c.qk_pos_emb_head_dim,
+                    rotary_percent=c.rotary_percent,
+                    rotary_base=c.rotary_base,
                     cp_group=cp_group,
                 )
             else:
                 mod.rotary_pos_emb = YarnRotaryEmbedding(
-                    c.qk_pos_emb_head_dim, rotary_base=c.rotary_base, scaling_factor=c.rotary_scaling_factor,
+                    c.qk_pos_emb_head_dim,
+                    rotary_base=c.rotary_base,
+                    scaling_factor=c.rotary_scaling_factor,
                     original_max_position_embeddings=c.original_max_position_embeddings,
-                    beta_fast=c.beta_fast, beta_slow=c.beta_slow, mscale=c.mscale,
-                    mscale_all_dim=c.mscale_all_dim, cp_group=cp_group,
+                    beta_fast=c.beta_fast,
+                    beta_slow=c.beta_slow,
+                    mscale=c.mscale,
+                    mscale_all_dim=c.mscale_all_dim,
+                    cp_group=cp_group,
                 )
             mscale = _yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim)
             mod.softmax_scale = mscale * mscale / math.sqrt(mod.q_head_dim)

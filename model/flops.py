@@ -201,7 +201,8 @@ def mfu(flops: float, seconds: float, num_gpus: int, peak_tflops: float) -> tupl
         ValueError: a non-positive ``seconds``, ``num_gpus`` or ``peak_tflops``.
     """
     if seconds <= 0 or num_gpus < 1 or peak_tflops <= 0:
-        raise ValueError(f"mfu needs seconds > 0, num_gpus >= 1, peak_tflops > 0 (got {seconds}, "
-                         f"{num_gpus}, {peak_tflops})")
+        raise ValueError(
+            f"mfu needs seconds > 0, num_gpus >= 1, peak_tflops > 0 (got {seconds}, {num_gpus}, {peak_tflops})"
+        )
     tflops = flops / seconds / num_gpus / 1e12
     return tflops, tflops / peak_tflops

@@ -30,8 +30,11 @@ def fp8_fields(fp8_recipe: str | None, moe: bool) -> dict:
     runs each layer in TE's FP8 context."""
     if fp8_recipe is None:
         return {}
-    return {"fp8": "e4m3", "fp8_recipe": str(fp8_recipe), **({"moe_router_padding_for_quantization": True}
-                                                             if moe else {})}
+    return {
+        "fp8": "e4m3",
+        "fp8_recipe": str(fp8_recipe),
+        **({"moe_router_padding_for_quantization": True} if moe else {}),
+    }
 
 
 def te_linear_classes() -> dict:
@@ -55,12 +58,17 @@ def swap_linears(spec, classes: dict):
     if isinstance(spec, type):
         return classes.get(spec, spec)
     if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=swap_linears(spec.module, classes),
-                                   submodules=swap_linears(spec.submodules, classes))
+        return dataclasses.replace(
+            spec, module=swap_linears(spec.module, classes), submodules=swap_linears(spec.submodules, classes)
+        )
     if isinstance(spec, partial):
-        return partial(swap_linears(spec.func, classes), *(swap_linears(a, classes) for a in spec.args),
-                       **{k: swap_linears(v, classes) for k, v in spec.keywords.items()})
+        return partial(
+            swap_linears(spec.func, classes),
+            *(swap_linears(a, classes) for a in spec.args),
+            **{k: swap_linears(v, classes) for k, v in spec.keywords.items()},
+        )
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: swap_linears(getattr(spec, f.name), classes)
-                                            for f in dataclasses.fields(spec) if f.init})
+        return dataclasses.replace(
+            spec, **{f.name: swap_linears(getattr(spec, f.name), classes) for f in dataclasses.fields(spec) if f.init}
+        )
     return spec

@@ -86,8 +86,9 @@ def quantize_tiles(x: torch.Tensor) -> FP8Tiles:
     finite = torch.isfinite(tiled)
     amax = torch.where(finite, tiled.abs(), torch.zeros((), dtype=torch.float32, device=x.device)).amax(dim=-1)
     # (full_like / amax: an IEEE division; torch's scalar / tensor multiplies by the reciprocal)
-    scale = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax,
-                        torch.ones((), dtype=torch.float32, device=x.device))
+    scale = torch.where(
+        amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.ones((), dtype=torch.float32, device=x.device)
+    )
     scaled = tiled * scale.unsqueeze(-1)
     # clamp the finite values only (rounding of x * 448 / amax may exceed 448 by an ulp); NaN/Inf -> NaN
     scaled = torch.where(finite, scaled.clamp(-E4M3_MAX, E4M3_MAX), torch.full((), float("nan"), device=x.device))

@@ -35,8 +35,9 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def grouped_weight_grad(grad_output: torch.Tensor, inputs: torch.Tensor, offs: torch.Tensor,
-                        empty: torch.Tensor | None) -> torch.Tensor:
+def grouped_weight_grad(
+    grad_output: torch.Tensor, inputs: torch.Tensor, offs: torch.Tensor, empty: torch.Tensor | None
+) -> torch.Tensor:
     """Per-expert weight gradients ``dW_e = dY_e^T X_e`` as one grouped GEMM.
 
     Args:
@@ -114,8 +115,10 @@ class _GroupedLinear:
         self.weights = [lin.weight for lin in linears]
         stores = {id(split_store(lin)) for lin in linears}
         if len(stores) != 1:
-            raise RuntimeError("K2GroupedMLP: the local experts' linear layers are split for the decoupled "
-                               "weight gradient only in part")
+            raise RuntimeError(
+                "K2GroupedMLP: the local experts' linear layers are split for the decoupled "
+                "weight gradient only in part"
+            )
         self.store = split_store(linears[0])
 
     def __call__(self, x: torch.Tensor):
@@ -146,8 +149,9 @@ class K2GroupedMLP(K2SequentialMLP):
             those modules, so their hooks would be skipped silently).
     """
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+    ):
         if self.config.fp8 or self.config.fp4 or self.config.moe_apply_probs_on_input:
             raise ValueError("K2GroupedMLP: fp8/fp4 GEMMs and moe_apply_probs_on_input are not supported")
         if self.num_local_experts == 1:  # one expert: one GEMM each way already
@@ -162,14 +166,17 @@ class K2GroupedMLP(K2SequentialMLP):
             if lin.bias is not None:
                 raise ValueError("K2 MLPs have no biases (model.add_bias_linear is off)")
             if lin._forward_pre_hooks or lin._forward_hooks:
-                raise RuntimeError(f"K2GroupedMLP: forward hooks on {type(lin).__name__} of an expert would "
-                                   "not run (the grouped forward does not call the linear modules)")
+                raise RuntimeError(
+                    f"K2GroupedMLP: forward hooks on {type(lin).__name__} of an expert would "
+                    "not run (the grouped forward does not call the linear modules)"
+                )
         out1, h = fc1[0].weight.shape
         if h % align or out1 % align or fc2[0].weight.shape[1] % align:
             raise ValueError(
                 f"K2GroupedMLP: torch._grouped_mm needs 16-byte aligned rows: model.hidden_size={h} and "
                 f"model.moe_ffn_hidden_size={fc2[0].weight.shape[1]} must be multiples of {align} in "
-                f"{x.dtype} (set model.moe_grouped_gemm=false for other widths)")
+                f"{x.dtype} (set model.moe_grouped_gemm=false for other widths)"
+            )
         counts = tokens_per_expert
         offs = torch.cumsum(counts.to(x.device), 0, dtype=torch.int32)
         if counts.device.type == "cpu":  # megatron's dispatchers hand the counts on the host: no sync

@@ -43,12 +43,30 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _block_max_kernel(Q, K, Out,
-                          stride_qb, stride_qh, stride_qs, stride_qd,
-                          stride_kb, stride_kh, stride_ks, stride_kd,
-                          H, SQ, D, OFFSET, NUM_M, SK: tl.constexpr,
-                          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    def _block_max_kernel(
+        Q,
+        K,
+        Out,
+        stride_qb,
+        stride_qh,
+        stride_qs,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_kd,
+        H,
+        SQ,
+        D,
+        OFFSET,
+        NUM_M,
+        SK: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
@@ -66,8 +84,7 @@ if triton is not None:
         for start_n in range(0, SK, BLOCK_N):
             if (not CAUSAL) or (start_n <= last_visible):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
-                k_ptrs = (K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_ks
-                          + offs_d[:, None] * stride_kd)
+                k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd
                 k = tl.load(k_ptrs, mask=(offs_n[None, :] < SK) & (offs_d[:, None] < D), other=0.0)
                 if IEEE:
                     s = tl.dot(q, k, input_precision="ieee")
@@ -81,8 +98,9 @@ if triton is not None:
         tl.store(Out + pid_bh * NUM_M + pid_m, tl.max(row_max, 0))
 
 
-def per_head_max_logit_triton(query: torch.Tensor, key: torch.Tensor, softmax_scale: float, causal: bool,
-                              block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+def per_head_max_logit_triton(
+    query: torch.Tensor, key: torch.Tensor, softmax_scale: float, causal: bool, block_m: int = 64, block_n: int = 64
+) -> torch.Tensor:
     """Per-head max of ``softmax_scale * q_i . k_j`` over batch and unmasked positions (causal or none).
 
     Same contract as :func:`k2.model.attention.per_head_max_logit` without ``attention_mask``; the dot
@@ -116,10 +134,21 @@ def per_head_max_logit_triton(query: torch.Tensor, key: torch.Tensor, softmax_sc
     out = torch.empty((b * h, num_m), device=query.device, dtype=torch.float32)
     block_d = max(16, 1 << math.ceil(math.log2(d)))
     _block_max_kernel[(num_m, b * h)](
-        query, key, out,
-        *query.stride(), *key.stride(),
-        h, sq, d, sk - sq, num_m, sk,
-        CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        query,
+        key,
+        out,
+        *query.stride(),
+        *key.stride(),
+        h,
+        sq,
+        d,
+        sk - sq,
+        num_m,
+        sk,
+        CAUSAL=bool(causal),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         IEEE=query.dtype == torch.float32,
     )
     return out.view(b, h, num_m).amax(dim=(0, 2)) * softmax_scale

@@ -49,8 +49,9 @@ def swiglu(u: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
     return a
 
 
-def mlp_forward(mlp: MLP, hidden_states: torch.Tensor, probs: torch.Tensor | None, memory,
-                routed: bool) -> torch.Tensor:
+def mlp_forward(
+    mlp: MLP, hidden_states: torch.Tensor, probs: torch.Tensor | None, memory, routed: bool
+) -> torch.Tensor:
     """``fc2(swiglu(fc1(x)))`` of a megatron ``MLP`` with the memory switches of ``memory``.
 
     Args:
@@ -120,8 +121,7 @@ def build_k2_shared_experts(*, config, pg_collection, gate: bool, submodules, na
     TE-only fused variant)."""
     if getattr(config, "use_grouped_gemm_for_shared_expert", False):
         raise ValueError("use_grouped_gemm_for_shared_expert needs Transformer Engine; the K2 build has none")
-    return K2SharedExpertMLP(config=config, submodules=submodules, gate=gate, pg_collection=pg_collection,
-                             name=name)
+    return K2SharedExpertMLP(config=config, submodules=submodules, gate=gate, pg_collection=pg_collection, name=name)
 
 
 class K2SequentialMLP(SequentialMLP):
@@ -133,8 +133,9 @@ class K2SequentialMLP(SequentialMLP):
 
     memory = None
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+    ):
         """``[T, h]`` tokens grouped by local expert, ``[num_local_experts]`` counts, ``[T]`` probabilities
         -> ``([T, h], None)``."""
         if self.config.fp8 or self.config.fp4 or self.config.moe_apply_probs_on_input:

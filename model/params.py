@@ -211,10 +211,18 @@ def _block_specs(model, moe_local: list[int]) -> dict[str, tuple[ParamSpec, ...]
 #: shared-expert MLPs, the embedding and the output head (vocabulary-parallel). Whole on every TP rank: the
 #: norms, the router, MLA's down-projections (Transformer Engine's ``duplicated`` linears) and the routed
 #: experts (expert TP 1: :mod:`k2.launcher.planning.tp_layout`).
-TP_SHARDED = ("self_attention.linear_q_up_proj.", "self_attention.linear_kv_up_proj.",
-              "self_attention.linear_q_proj.", "self_attention.linear_proj.", "mlp.linear_fc1.", "mlp.linear_fc2.",
-              "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.", "embedding.word_embeddings.",
-              "output_layer.")
+TP_SHARDED = (
+    "self_attention.linear_q_up_proj.",
+    "self_attention.linear_kv_up_proj.",
+    "self_attention.linear_q_proj.",
+    "self_attention.linear_proj.",
+    "mlp.linear_fc1.",
+    "mlp.linear_fc2.",
+    "mlp.shared_experts.linear_fc1.",
+    "mlp.shared_experts.linear_fc2.",
+    "embedding.word_embeddings.",
+    "output_layer.",
+)
 
 
 def tp_sharded(name: str) -> bool:
@@ -269,9 +277,7 @@ class ModelParams:
     @property
     def moe_layer_active(self) -> int:
         """Parameters one token touches in one MoE layer: top-k routed experts."""
-        return self.attention + self.mlp_norm + self.router + self.shared_experts + (
-            self.topk * self.routed_expert
-        )
+        return self.attention + self.mlp_norm + self.router + self.shared_experts + (self.topk * self.routed_expert)
 
     def layer(self, i: int) -> int:
         """Parameters of global 0-based layer ``i``."""
@@ -284,15 +290,16 @@ class ModelParams:
     @property
     def total(self) -> int:
         """params_total: the whole model, every expert, embedding and head (once if tied)."""
-        return self.embedding + self.output_head + self.final_norm + sum(
-            self.layer(i) for i in range(self.num_layers)
-        )
+        return self.embedding + self.output_head + self.final_norm + sum(self.layer(i) for i in range(self.num_layers))
 
     @property
     def active(self) -> int:
         """params_active per token (see the module docstring)."""
-        return self.embedding + self.output_head + self.final_norm + sum(
-            self.layer_active(i) for i in range(self.num_layers)
+        return (
+            self.embedding
+            + self.output_head
+            + self.final_norm
+            + sum(self.layer_active(i) for i in range(self.num_layers))
         )
 
     def stage(self, layers: Iterable[int], has_embedding: bool, has_loss: bool, ep: int = 1, tp: int = 1) -> int:
@@ -332,8 +339,10 @@ class ModelParams:
     def _tp_sharded(self) -> dict[str, int]:
         """Per block kind the elements of its TP-sharded parameters (:func:`tp_sharded`; the routed experts
         are not: expert TP 1). Computed once: :meth:`stage` runs per stage of every layout a search tries."""
-        return {kind: sum(sp.numel for sp in self.specs.get(kind, ()) if tp_sharded(sp.name))
-                for kind in ("embedding", "dense_layer", "moe_layer", "final")}
+        return {
+            kind: sum(sp.numel for sp in self.specs.get(kind, ()) if tp_sharded(sp.name))
+            for kind in ("embedding", "dense_layer", "moe_layer", "final")
+        }
 
     def as_dict(self) -> dict[str, Any]:
         """Per-component counts, derived per-layer numbers and totals, for JSON output."""
@@ -371,8 +380,7 @@ def _reduced_config(cfg: K2Config, num_layers: int, first_k_dense: int):
     c = OmegaConf.to_container(cfg, resolve=True)
     c["model"]["num_layers"] = num_layers
     c["model"]["first_k_dense_replace"] = first_k_dense
-    c["parallel"].update(tp=1, pp=1, vpp=None, ep=1, layout=None, first_stage_layers=None,
-                         last_stage_layers=None)
+    c["parallel"].update(tp=1, pp=1, vpp=None, ep=1, layout=None, first_stage_layers=None, last_stage_layers=None)
     c["train"]["fp8_recipe"] = None
     return OmegaConf.create(c)
 
@@ -467,8 +475,7 @@ def count_params(cfg: K2Config) -> ModelParams:
     num_experts = int(m.num_moe_experts or 0)
     if num_experts and sums["routed_experts"] != expert0 * num_experts:
         raise ValueError(
-            f"routed experts are not all the same size ({sums['routed_experts']} != {num_experts} x "
-            f"{expert0})"
+            f"routed experts are not all the same size ({sums['routed_experts']} != {num_experts} x {expert0})"
         )
 
     return ModelParams(

@@ -61,16 +61,17 @@ class _OutputRecompute(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         needs = ctx.needs_input_grad[1:]
-        inputs = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and need else t
-                  for t, need in zip(saved, needs)]
+        inputs = [
+            t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and need else t
+            for t, need in zip(saved, needs)
+        ]
         with torch.enable_grad():
             outs = ctx.fn(*inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, *(t.grad if isinstance(t, torch.Tensor) and need else None
-                        for t, need in zip(inputs, needs)))
+        return (None, *(t.grad if isinstance(t, torch.Tensor) and need else None for t, need in zip(inputs, needs)))
 
 
 class _Recomputed:
@@ -263,7 +264,12 @@ class K2MLASelfAttention(MLASelfAttention):
             return super()._resolve_qk_norm_config(submodules)
         with_latent = copy.copy(self.config)
         with_latent.q_lora_rank = 1  # (resolves the KV side as for a model with a query latent and norm)
-        kv = QKNormConfigResolver(with_latent, dataclasses.replace(
-            submodules, q_layernorm=submodules.kv_layernorm)).resolve()
-        return {**kv, "linear_q_proj": submodules.linear_q_proj, "linear_q_up_proj": IdentityOp,
-                "q_layernorm": IdentityOp}
+        kv = QKNormConfigResolver(
+            with_latent, dataclasses.replace(submodules, q_layernorm=submodules.kv_layernorm)
+        ).resolve()
+        return {
+            **kv,
+            "linear_q_proj": submodules.linear_q_proj,
+            "linear_q_up_proj": IdentityOp,
+            "q_layernorm": IdentityOp,
+        }

@@ -200,8 +200,13 @@ class _Saved:
         if policy is not None and policy.recompute is not None:
             self.fp8 = self.tensor = None
             self.view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-        elif policy is not None and policy.fp8 and tensor.is_floating_point() and tensor.dim() > 0 \
-                and tensor.shape[-1] > 0:
+        elif (
+            policy is not None
+            and policy.fp8
+            and tensor.is_floating_point()
+            and tensor.dim() > 0
+            and tensor.shape[-1] > 0
+        ):
             self.fp8 = quantize_tiles(tensor)
             self.tensor = None
         else:
@@ -336,8 +341,7 @@ class SavedTensorScope:
         # of the same storage is saved later, by the mla_up_proj checkpoint, and is the same site).
         key = _storage_key(tensor)
         hit = self.marks.get(key)
-        if (hit is not None and not hit[1].expired() and hit[0].recompute is not None
-                and policy.recompute is None):
+        if hit is not None and not hit[1].expired() and hit[0].recompute is not None and policy.recompute is None:
             # a recompute mark wins over a later FP8/offload mark of the same storage (e.g. the RMSNorm
             # output that recompute=layernorm drops is also the input marked by offload=mla_up_proj):
             # what can be rebuilt is kept nowhere, neither on the device nor on the host
@@ -356,8 +360,14 @@ class SavedTensorScope:
         meter = active_meter() if self.offload_enabled else None
         if (policy is None or not policy.transforms) and meter is None:
             return tensor  # nothing to do: autograd keeps the tensor as usual
-        key = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-               tensor.dtype, tensor._version)
+        key = (
+            _storage_key(tensor),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor._version,
+        )
         # the same tensor saved twice (e.g. by two consumers): one copy. An FP8 entry does not hold the
         # tensor, whose memory may then be reused by a new one with the same key: the weak reference
         # tells them apart.
@@ -373,8 +383,15 @@ class SavedTensorScope:
         """End of the forward of this group: start the offload copies, report to the meter."""
         self._dedup.clear()
         self.marks.clear()
-        to_host = [s for s in self.saved if self.offload_enabled and s.policy is not None and s.policy.offload
-                   and s.view is None and not s.released()]
+        to_host = [
+            s
+            for s in self.saved
+            if self.offload_enabled
+            and s.policy is not None
+            and s.policy.offload
+            and s.view is None
+            and not s.released()
+        ]
         meter = active_meter() if self.offload_enabled else None
         if meter is not None:
             meter.count(self.saved, offloaded=set(map(id, to_host)))

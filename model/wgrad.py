@@ -39,8 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WgradStore", "WgradItem", "DeferredWgrad", "decouple_linear_wgrad", "decoupled_modules",
-           "check_ddp_hooks", "split_store", "accumulate_weight_grad", "run_wgrad_hooks"]
+__all__ = [
+    "WgradStore",
+    "WgradItem",
+    "DeferredWgrad",
+    "decouple_linear_wgrad",
+    "decoupled_modules",
+    "check_ddp_hooks",
+    "split_store",
+    "accumulate_weight_grad",
+    "run_wgrad_hooks",
+]
 
 #: attribute set on every linear module whose backward is split
 _SPLIT_ATTR = "_k2_wgrad_store"
@@ -70,8 +79,9 @@ class WgradItem:
     nbytes: int = 0  # bytes held by the deferred tensors (input + output gradient); set on creation
 
     def __post_init__(self):
-        self.nbytes = (self.input.numel() * self.input.element_size()
-                       + self.grad_output.numel() * self.grad_output.element_size())
+        self.nbytes = (
+            self.input.numel() * self.input.element_size() + self.grad_output.numel() * self.grad_output.element_size()
+        )
 
 
 @dataclass
@@ -202,8 +212,7 @@ def _run_wgrad(item) -> None:
         return
     weight = item.weight
     if item.accumulate_into_main_grad:
-        weight.main_grad.addmm_(item.grad_output.t().to(weight.main_grad.dtype),
-                                item.input.to(weight.main_grad.dtype))
+        weight.main_grad.addmm_(item.grad_output.t().to(weight.main_grad.dtype), item.input.to(weight.main_grad.dtype))
         weight.grad_added_to_main_grad = True
     else:
         accumulate_weight_grad(weight, item.grad_output.t().matmul(item.input))
@@ -276,23 +285,46 @@ def _linear_function():
 _LinearDgradNow = None
 
 
-def _split_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
-                        allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
-                        wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
+def _split_forward_impl(
+    self,
+    input,
+    weight,
+    bias=None,
+    gradient_accumulation_fusion=False,
+    allreduce_dgrad=False,
+    sequence_parallel=False,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    tp_group=None,
+    gtp_remat_size=1,
+):
     """Replacement of ``ColumnParallelLinear._forward_impl`` / ``RowParallelLinear._forward_impl``
     (same keyword arguments) for a module whose backward is split; frozen weights and call shapes the
     split does not cover go to megatron's own implementation."""
     store = getattr(self, _SPLIT_ATTR)
-    if (not weight.requires_grad or weight is not self.weight or sequence_parallel
-            or grad_output_buffer is not None or gtp_remat_size > 1):
+    if (
+        not weight.requires_grad
+        or weight is not self.weight
+        or sequence_parallel
+        or grad_output_buffer is not None
+        or gtp_remat_size > 1
+    ):
         return type(self)._forward_impl(
-            self, input, weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
-            allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-            grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
-            tp_group=tp_group, gtp_remat_size=gtp_remat_size,
+            self,
+            input,
+            weight,
+            bias=bias,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel,
+            grad_output_buffer=grad_output_buffer,
+            wgrad_deferral_limit=wgrad_deferral_limit,
+            tp_group=tp_group,
+            gtp_remat_size=gtp_remat_size,
         )
-    return _linear_function().apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                                    tp_group, self, store)
+    return _linear_function().apply(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, tp_group, self, store
+    )
 
 
 def _register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
@@ -341,7 +373,8 @@ def decouple_linear_wgrad(chunks: list, store: WgradStore) -> list:
             mod._k2_wgrad_hooks = []
             mod._forward_impl = types.MethodType(_split_forward_impl, mod)
             mod.register_wgrad_accumulation_and_reduce_hooks = types.MethodType(
-                _register_wgrad_accumulation_and_reduce_hooks, mod)
+                _register_wgrad_accumulation_and_reduce_hooks, mod
+            )
             for p in _deferred_params(mod):
                 p.skip_backward_post_hook = True
             out.append(mod)
@@ -356,8 +389,12 @@ def _deferred_params(mod) -> list:
 
     out = [mod.weight] if mod.weight is not None and mod.weight.requires_grad else []
     bias = getattr(mod, "bias", None)
-    if (isinstance(mod, ColumnParallelLinear) and not mod.skip_bias_add
-            and isinstance(bias, torch.nn.Parameter) and bias.requires_grad):
+    if (
+        isinstance(mod, ColumnParallelLinear)
+        and not mod.skip_bias_add
+        and isinstance(bias, torch.nn.Parameter)
+        and bias.requires_grad
+    ):
         out.append(bias)
     return out
 
@@ -376,7 +413,8 @@ def check_ddp_hooks(model: list) -> int:
             raise RuntimeError(
                 f"{type(m).__name__}: {len(m._k2_wgrad_hooks)} DDP wgrad hooks registered for "
                 f"{len(_deferred_params(m))} deferred parameters; wrap the model with megatron DDP "
-                "built with delay_wgrad_compute=True (parallel.distributed.wrap_model)")
+                "built with delay_wgrad_compute=True (parallel.distributed.wrap_model)"
+            )
     return len(mods)
 
 

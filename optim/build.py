@@ -75,7 +75,6 @@ def _register_k2_muon() -> None:
     from megatron.core.optimizer import emerging_optimizers as eo
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
-
     if K2_MUON in eo._EMERGING_OPTIMIZERS:
         return
 
@@ -156,8 +155,11 @@ def megatron_settings(optim_cfg: OptimConfig, tcfg, schedule, use_distributed_op
     o = optim_cfg
     return dict(
         **optimizer_lr_settings(schedule),
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, params_dtype=tcfg.params_dtype,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        params_dtype=tcfg.params_dtype,
         use_distributed_optimizer=bool(use_distributed_optimizer),
     )
 
@@ -214,8 +216,9 @@ def _with_offload(optim_cfg: OptimConfig, optimizer):
     from k2.optim.offload import OffloadedOptimizer, StateOffload
 
     leaves = [x for x in leaf_optimizers(optimizer) if isinstance(x, DistributedOptimizer)]
-    return OffloadedOptimizer(list(optimizer.chained_optimizers),
-                              StateOffload(leaves, float(optim_cfg.offload_fraction)))
+    return OffloadedOptimizer(
+        list(optimizer.chained_optimizers), StateOffload(leaves, float(optim_cfg.offload_fraction))
+    )
 
 
 def _megatron_muon_settings(optim_cfg: OptimConfig) -> dict:
@@ -233,10 +236,15 @@ def _muon_kwargs(config) -> dict:
     """:class:`k2.optim.muon.K2Muon`'s arguments from megatron's ``OptimizerConfig`` (both the layer-wise
     and the byte-range path build it from these)."""
     return dict(
-        lr=config.lr, momentum=config.muon_momentum, weight_decay=config.weight_decay,
-        nesterov=config.muon_nesterov, coefficient_type=config.muon_coefficient_type,
-        num_ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
-        extra_scale_factor=config.muon_extra_scale_factor, fp32_matmul_prec=config.muon_fp32_matmul_prec,
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        weight_decay=config.weight_decay,
+        nesterov=config.muon_nesterov,
+        coefficient_type=config.muon_coefficient_type,
+        num_ns_steps=config.muon_num_ns_steps,
+        scale_mode=config.muon_scale_mode,
+        extra_scale_factor=config.muon_extra_scale_factor,
+        fp32_matmul_prec=config.muon_fp32_matmul_prec,
     )
 
 
@@ -271,38 +279,59 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
     # whose weights are all Muon matrices) is left out everywhere
     groups = _get_param_groups(model, ocfg, get_standard_config_overrides(ocfg) if overrides is None else overrides)
     keys = [(expert, muon) for expert in (False, True) for muon in (True, False)]
-    split = {(e, m): [{**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == m]}
-                      for g in groups if g["is_expert_parallel"] == e] for e, m in keys}
-    counts = torch.tensor([sum(len(g["params"]) for g in split[k]) for k in keys],
-                          device="cuda" if torch.cuda.is_available() else "cpu")
+    split = {
+        (e, m): [
+            {**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == m]}
+            for g in groups
+            if g["is_expert_parallel"] == e
+        ]
+        for e, m in keys
+    }
+    counts = torch.tensor(
+        [sum(len(g["params"]) for g in split[k]) for k in keys], device="cuda" if torch.cuda.is_available() else "cpu"
+    )
     torch.distributed.all_reduce(counts)
     parts = []
     for (expert, muon), n in zip(keys, counts.tolist()):
         if not n:
             continue
         if expert:
-            mp, dp, gloo = (pgs["expt_tp_pp_with_egtp_remat_group"], pgs["intra_expt_dp_group"],
-                            pgs["intra_expt_dp_group_gloo"])
+            mp, dp, gloo = (
+                pgs["expt_tp_pp_with_egtp_remat_group"],
+                pgs["intra_expt_dp_group"],
+                pgs["intra_expt_dp_group_gloo"],
+            )
         else:
             mp, dp, gloo = pgs["mp_group"], pgs["intra_dp_cp_group"], pgs["intra_dp_cp_group_gloo"]
         buffers = {}
         for i, chunk in enumerate(model):
-            bufs = [b for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
-                    if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon]
+            bufs = [
+                b
+                for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
+                if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon
+            ]
             if bufs:
                 buffers[i] = bufs
         sub = split[(expert, muon)]
         if muon:
-            opt = DistributedMuonOptimizer(DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model,
-                                           buffers, dp, gloo, get_pg_rank(mp))
+            opt = DistributedMuonOptimizer(
+                DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model, buffers, dp, gloo, get_pg_rank(mp)
+            )
             opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
             opt.tp_group, opt.expert_tp_group = tp.tp, getattr(tp, "expt_tp", tp.tp)
         else:
             opt = _get_megatron_optimizer_based_on_param_groups(
-                config=adam_cfg, model_chunks=model, param_groups=sub, per_model_buffers=buffers,
-                model_parallel_group=mp, data_parallel_group=dp, data_parallel_group_gloo=gloo,
-                data_parallel_group_idx=get_pg_rank(mp), intra_dist_opt_group=pgs["intra_dist_opt_group"],
-                distributed_optimizer_instance_id=0)
+                config=adam_cfg,
+                model_chunks=model,
+                param_groups=sub,
+                per_model_buffers=buffers,
+                model_parallel_group=mp,
+                data_parallel_group=dp,
+                data_parallel_group_gloo=gloo,
+                data_parallel_group_idx=get_pg_rank(mp),
+                intra_dist_opt_group=pgs["intra_dist_opt_group"],
+                distributed_optimizer_instance_id=0,
+            )
             opt.config = ocfg  # megatron's ChainedOptimizer expects one config
         parts.append(opt)
     return ChainedOptimizer(parts)
@@ -337,7 +366,12 @@ def shard_straddlers(full_param_layout) -> list:
 #: this module's optimizers (:mod:`k2.optim.registry`)
 SPECS = (
     OptimizerSpec("adamw", _build_adamw, ADAMW_UPDATE),
-    OptimizerSpec("muonclip", _build_muonclip, ADAMW_UPDATE, matrix=MUON_UPDATE,
-                  matrix_step=MatrixStep(iterations=5, gemms=newton_schulz_gemms),
-                  settings=optimizer_settings("muonclip")),
+    OptimizerSpec(
+        "muonclip",
+        _build_muonclip,
+        ADAMW_UPDATE,
+        matrix=MUON_UPDATE,
+        matrix_step=MatrixStep(iterations=5, gemms=newton_schulz_gemms),
+        settings=optimizer_settings("muonclip"),
+    ),
 )

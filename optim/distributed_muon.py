@@ -113,8 +113,11 @@ class DistributedK2Muon(K2Muon):
                 state = self.state[p]
                 self._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
                 state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])
-                n = p.grad.lerp(state["momentum_buffer"], group["momentum"]) if self.nesterov \
+                n = (
+                    p.grad.lerp(state["momentum_buffer"], group["momentum"])
+                    if self.nesterov
                     else state["momentum_buffer"]
+                )
                 todo.append((p, group, n))
         flat = None
         if self.straddle_numel:
@@ -124,7 +127,7 @@ class DistributedK2Muon(K2Muon):
                 piece: Piece | None = getattr(p, PIECE_ATTR, None)
                 if piece is not None and piece.straddle_offset is not None:
                     o = piece.straddle_offset
-                    flat[o + piece.start: o + piece.end].copy_(n.reshape(-1))
+                    flat[o + piece.start : o + piece.end].copy_(n.reshape(-1))
             torch.distributed.all_reduce(flat, group=self.group)
         for p, group, n in todo:
             piece = getattr(p, PIECE_ATTR, None)
@@ -135,11 +138,11 @@ class DistributedK2Muon(K2Muon):
             else:
                 numel = int(torch.Size(piece.shape).numel())
                 o = piece.straddle_offset
-                full = flat[o: o + numel].view(piece.shape).to(n.dtype)
+                full = flat[o : o + numel].view(piece.shape).to(n.dtype)
             with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
                 orth = self.orthogonalize(p, full, **{k: v for k, v in group.items() if k != "params"})
             if piece is not None:
-                orth = orth.reshape(-1)[piece.start: piece.end]
+                orth = orth.reshape(-1)[piece.start : piece.end]
             p.add_(orth.view_as(p), alpha=-group["lr"])
         return None
 
@@ -168,22 +171,42 @@ class DistributedMuonOptimizer(DistributedOptimizer):
     onto the master shards after megatron has built them.
     """
 
-    def __init__(self, optimizer: DistributedK2Muon, config, model_chunks, per_model_buffers,
-                 data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx) -> None:
-        super().__init__(optimizer, config, None, _init_momentum, model_chunks, per_model_buffers,
-                         data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx, 0)
+    def __init__(
+        self,
+        optimizer: DistributedK2Muon,
+        config,
+        model_chunks,
+        per_model_buffers,
+        data_parallel_group,
+        data_parallel_group_gloo,
+        data_parallel_group_idx,
+    ) -> None:
+        super().__init__(
+            optimizer,
+            config,
+            None,
+            _init_momentum,
+            model_chunks,
+            per_model_buffers,
+            data_parallel_group,
+            data_parallel_group_gloo,
+            data_parallel_group_idx,
+            0,
+        )
         self.straddlers = straddling_params(self.buffers)
         offsets, total = {}, 0
         for p in self.straddlers:
             offsets[p] = total
             total += p.numel()
-        pairs = list(zip(self.model_float16_groups, self.shard_fp32_from_float16_groups)) + \
-            list(zip(self.model_fp32_groups, self.shard_fp32_groups))
+        pairs = list(zip(self.model_float16_groups, self.shard_fp32_from_float16_groups)) + list(
+            zip(self.model_fp32_groups, self.shard_fp32_groups)
+        )
         for model_group, shard_group in pairs:
             for model_param, shard in zip(model_group, shard_group):
                 rng = self._get_model_param_range_map(model_param)["param"]
-                setattr(shard, PIECE_ATTR, Piece(tuple(model_param.shape), rng.start, rng.end,
-                                                 offsets.get(model_param)))
+                setattr(
+                    shard, PIECE_ATTR, Piece(tuple(model_param.shape), rng.start, rng.end, offsets.get(model_param))
+                )
                 split = getattr(model_param, SPLIT_ATTR, None)
                 if split is not None:
                     setattr(shard, SPLIT_ATTR, split)
@@ -204,8 +227,12 @@ class DistributedMuonOptimizer(DistributedOptimizer):
         """
         inner = self.optimizer.state_dict()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in inner["param_groups"]]
-        return {"optimizer": {**{k: v for k, v in inner.items() if k not in ("state", "param_groups")},
-                              "param_groups": groups}}
+        return {
+            "optimizer": {
+                **{k: v for k, v in inner.items() if k not in ("state", "param_groups")},
+                "param_groups": groups,
+            }
+        }
 
     def load_state_dict(self, state_dict) -> None:
         """megatron's ``load_state_dict``, without the ``step`` it adds to every state and param group

@@ -98,8 +98,7 @@ def param_rules(optim_cfg: OptimConfig) -> dict:
     return {"router_optimizer": optim_cfg.router_optimizer, "decay_all_params": bool(optim_cfg.decay_all_params)}
 
 
-def route(name: str, p: torch.Tensor, tcfg,
-          router_optimizer: str = "muon") -> tuple[str, str, MatrixSplit | None, str]:
+def route(name: str, p: torch.Tensor, tcfg, router_optimizer: str = "muon") -> tuple[str, str, MatrixSplit | None, str]:
     """K2 optimizer of one parameter.
 
     Args:
@@ -137,7 +136,6 @@ def _global_names(chunk, tcfg) -> dict[int, str]:
     """id(param) -> layout-independent global name, for one (unwrapped) GPTModel chunk."""
     from megatron.core import parallel_state as ps
 
-
     ep_rank = ps.get_expert_model_parallel_rank() if tcfg.num_moe_experts else 0
     per_rank = (tcfg.num_moe_experts or 0) // max(1, tcfg.expert_model_parallel_size)
     layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
@@ -145,8 +143,16 @@ def _global_names(chunk, tcfg) -> dict[int, str]:
     return {id(p): global_param_name(n, layer_numbers, ep_rank * per_rank) for n, p in chunk.named_parameters()}
 
 
-def tag_parameters(chunks: list, tcfg, muon: bool, zero1_muon: bool, *, router_optimizer: str = "muon",
-                   decay_all_params: bool = True, default_route: str = "adamw") -> list[ParamRoute]:
+def tag_parameters(
+    chunks: list,
+    tcfg,
+    muon: bool,
+    zero1_muon: bool,
+    *,
+    router_optimizer: str = "muon",
+    decay_all_params: bool = True,
+    default_route: str = "adamw",
+) -> list[ParamRoute]:
     """Decide and record every trainable parameter's optimizer (call before megatron's DDP wrap).
 
     Sets on each parameter: :data:`ROUTE_ATTR` (``"muon"``/``"adamw"``; all ``default_route`` when ``muon``
@@ -208,10 +214,18 @@ def route_table(routes: Iterable[ParamRoute]) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for r in unique.values():
         key = (_pattern(r.name), r.shape, r.optimizer, r.matrices)
-        row = rows.setdefault(key, {
-            "params": key[0], "count": 0, "shape": list(r.shape), "optimizer": r.optimizer,
-            "rule": r.rule, "matrices": r.matrices, "weight_decay": r.weight_decay,
-        })
+        row = rows.setdefault(
+            key,
+            {
+                "params": key[0],
+                "count": 0,
+                "shape": list(r.shape),
+                "optimizer": r.optimizer,
+                "rule": r.rule,
+                "matrices": r.matrices,
+                "weight_decay": r.weight_decay,
+            },
+        )
         row["count"] += 1
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1]))]
 
@@ -219,8 +233,17 @@ def route_table(routes: Iterable[ParamRoute]) -> list[dict]:
 def format_route_table(rows: list[dict]) -> str:
     """The optimizer table as text (one line per row, plus element totals per optimizer)."""
     head = ("params", "count", "shape", "optimizer", "matrices orthogonalised", "wd")
-    body = [(r["params"], str(r["count"]), "x".join(map(str, r["shape"])), r["optimizer"],
-             r["matrices"], "yes" if r["weight_decay"] else "no") for r in rows]
+    body = [
+        (
+            r["params"],
+            str(r["count"]),
+            "x".join(map(str, r["shape"])),
+            r["optimizer"],
+            r["matrices"],
+            "yes" if r["weight_decay"] else "no",
+        )
+        for r in rows
+    ]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     line = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731
     totals: dict[str, int] = {}

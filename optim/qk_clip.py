@@ -53,8 +53,9 @@ def clip_factors(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
     return torch.where(s > tau, tau / torch.where(s > tau, s, torch.ones_like(s)), torch.ones_like(s))
 
 
-def mla_row_scales(gamma: torch.Tensor, qk_head_dim: int, qk_pos_emb_head_dim: int,
-                   v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_row_scales(
+    gamma: torch.Tensor, qk_head_dim: int, qk_pos_emb_head_dim: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row factors for megatron's MLA up-projections.
 
     Args:
@@ -117,7 +118,6 @@ class QKClip:
     def __init__(self, model: list, optimizer, tau: float | None, num_layers: int):
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-
         self.tau = tau
         self.num_layers = num_layers
         self.layers: list[_Layer] = []
@@ -136,10 +136,14 @@ class QKClip:
                         raise ValueError("QK-Clip: core attention and MLA softmax scales differ")
                     q_w = (mod.linear_q_up_proj if cfg.q_lora_rank is not None else mod.linear_q_proj).weight
                     dims = (cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim)
-                    self.layers.append(_Layer(
-                        mod.layer_number, core, lambda g, d=dims: list(mla_row_scales(g, *d)),
-                        [q_w, mod.linear_kv_up_proj.weight],
-                    ))
+                    self.layers.append(
+                        _Layer(
+                            mod.layer_number,
+                            core,
+                            lambda g, d=dims: list(mla_row_scales(g, *d)),
+                            [q_w, mod.linear_kv_up_proj.weight],
+                        )
+                    )
                 else:
                     for norm in ("q_layernorm", "k_layernorm"):
                         n = getattr(mod, norm, None)
@@ -150,10 +154,14 @@ class QKClip:
                             )
                     groups = mod.num_query_groups_per_partition
                     hd = mod.hidden_size_per_attention_head
-                    self.layers.append(_Layer(
-                        mod.layer_number, core, lambda g, n=groups, d=hd: [qkv_row_scales(g, n, d)],
-                        [mod.linear_qkv.weight],
-                    ))
+                    self.layers.append(
+                        _Layer(
+                            mod.layer_number,
+                            core,
+                            lambda g, n=groups, d=hd: [qkv_row_scales(g, n, d)],
+                            [mod.linear_qkv.weight],
+                        )
+                    )
         self._masters = {}
         for layer in self.layers:
             for w in layer.weights:

@@ -23,8 +23,16 @@ from k2.config.choices import MuonZero1
 if TYPE_CHECKING:
     from k2.config.schema import OptimConfig
 
-__all__ = ["ADAMW_UPDATE", "MUON_UPDATE", "MatrixStep", "OptimizerSpec", "ParamUpdate", "Placement",
-           "optimizer_names", "optimizer_spec"]
+__all__ = [
+    "ADAMW_UPDATE",
+    "MUON_UPDATE",
+    "MatrixStep",
+    "OptimizerSpec",
+    "ParamUpdate",
+    "Placement",
+    "optimizer_names",
+    "optimizer_spec",
+]
 
 #: the modules whose ``SPECS`` are the registered optimizers, in the order ``allowed:`` lists them
 _MODULES = ("k2.optim.build",)
@@ -135,9 +143,12 @@ class OptimizerSpec:
         optimizer) and ``k2.parallel.use_distributed_optimizer``."""
         muon = self.matrix is not None
         zero1_muon = muon and bool(use_distributed_optimizer)
-        return Placement(muon=muon, zero1_muon=zero1_muon,
-                         layer_wise=zero1_muon and optim_cfg.muon_zero1 == MuonZero1.layer_wise,
-                         router_optimizer=str(optim_cfg.router_optimizer))
+        return Placement(
+            muon=muon,
+            zero1_muon=zero1_muon,
+            layer_wise=zero1_muon and optim_cfg.muon_zero1 == MuonZero1.layer_wise,
+            router_optimizer=str(optim_cfg.router_optimizer),
+        )
 
 
 _SPECS: dict[str, OptimizerSpec] = {}

@@ -213,19 +213,25 @@ def install() -> CommStream:
     import torch
 
     if torch.cuda.is_available():
-        raise RuntimeError("comm_stream.install() is the CPU stand-in for megatron's communication CUDA "
-                           "stream; with CUDA the real stream is used")
+        raise RuntimeError(
+            "comm_stream.install() is the CPU stand-in for megatron's communication CUDA "
+            "stream; with CUDA the real stream is used"
+        )
     if "stream" in _STATE:
         return _STATE["stream"]
     from megatron.core.models.common import model_chunk_schedule_plan as plan_mod
     from megatron.core.pipeline_parallel import utils as pp_utils
 
     stream = CommStream()
-    orig = {"get_comm_stream": pp_utils.get_comm_stream, "set_streams": pp_utils.set_streams,
-            "forward": pp_utils.ScheduleNode.forward, "backward": pp_utils.ScheduleNode.backward,
-            "plan_get_comm_stream": plan_mod.get_comm_stream,
-            "chunk_run": plan_mod.TransformerModelChunkSchedulePlan.__dict__["run"],
-            "layer_run": plan_mod.TransformerLayerSchedulePlan.__dict__["run"]}
+    orig = {
+        "get_comm_stream": pp_utils.get_comm_stream,
+        "set_streams": pp_utils.set_streams,
+        "forward": pp_utils.ScheduleNode.forward,
+        "backward": pp_utils.ScheduleNode.backward,
+        "plan_get_comm_stream": plan_mod.get_comm_stream,
+        "chunk_run": plan_mod.TransformerModelChunkSchedulePlan.__dict__["run"],
+        "layer_run": plan_mod.TransformerLayerSchedulePlan.__dict__["run"],
+    }
 
     def forward(node, inputs=()):
         if _node_stream(node) is stream:
@@ -234,19 +240,32 @@ def install() -> CommStream:
 
     def backward(node, output_grad):
         if _node_stream(node) is stream:
-            return _submit_node(stream, node, "backward",
-                                lambda: orig["backward"](node, resolve(output_grad, stream)))
+            return _submit_node(stream, node, "backward", lambda: orig["backward"](node, resolve(output_grad, stream)))
         return orig["backward"](node, resolve(output_grad, stream))
 
     chunk_run = orig["chunk_run"].__func__
 
-    def run(f_schedule_plan, b_schedule_plan, b_grad=None, pre_forward=None, pre_backward=None,
-            post_forward=None, post_backward=None):
+    def run(
+        f_schedule_plan,
+        b_schedule_plan,
+        b_grad=None,
+        pre_forward=None,
+        pre_backward=None,
+        post_forward=None,
+        post_backward=None,
+    ):
         def resolved(fn):  # the p2p send of a chunk's output / input gradient needs the tensor itself
             return None if fn is None else (lambda x, *a, **k: fn(resolve(x, stream), *a, **k))
 
-        out = chunk_run(f_schedule_plan, b_schedule_plan, b_grad, pre_forward, pre_backward,
-                        resolved(post_forward), resolved(post_backward))
+        out = chunk_run(
+            f_schedule_plan,
+            b_schedule_plan,
+            b_grad,
+            pre_forward,
+            pre_backward,
+            resolved(post_forward),
+            resolved(post_backward),
+        )
         out = resolve(out, stream)
         stream.synchronize()
         return out

@@ -143,13 +143,22 @@ def _host_device(dev):
 
 
 #: where torch exposes the functions whose ``device`` argument is rewritten (module attributes replaced)
-_DEVICE_OWNERS = ("torch", "torch.Tensor", "torch.nn.functional", "torch.linalg", "torch.fft", "torch.special",
-                  "torch.sparse", "torch.nested")
+_DEVICE_OWNERS = (
+    "torch",
+    "torch.Tensor",
+    "torch.nn.functional",
+    "torch.linalg",
+    "torch.fft",
+    "torch.special",
+    "torch.sparse",
+    "torch.nested",
+)
 
 
 def _with_host_device(func):
     """``func`` with a CUDA ``device`` keyword (and, for ``Tensor.to``, a positional one) made the host's."""
     if func is torch.Tensor.to:
+
         @functools.wraps(func)
         def to(self, *args, **kwargs):
             if "device" in kwargs:
@@ -157,6 +166,7 @@ def _with_host_device(func):
             if args and isinstance(args[0], (str, int, torch.device)) and not isinstance(args[0], bool):
                 args = (_host_device(args[0]), *args[1:])
             return func(self, *args, **kwargs)
+
         return to
 
     @functools.wraps(func)
@@ -165,6 +175,7 @@ def _with_host_device(func):
         if device is not None:
             kwargs["device"] = _host_device(device)
         return func(*args, **kwargs)
+
     return call
 
 
@@ -253,9 +264,7 @@ def _patch_rng() -> None:
     torch.cuda.manual_seed_all = lambda seed: None
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
-        new_state
-    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     # megatron's tracker stores states from torch.cuda.get_rng_state(); with one CPU generator the
     # EP/TP/data-parallel streams share it. Tests that restore RNG per stream account for this.
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()

@@ -252,9 +252,11 @@ class ParallelDims:
             cells = []
             for v in range(self.vpp):
                 ids = self.stage_layers[r][v]
-                parts = (["E"] if self.stage_has_embedding(r, v) else []) + (
-                    [f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])] if ids else []
-                ) + (["L"] if self.stage_has_loss(r, v) else [])
+                parts = (
+                    (["E"] if self.stage_has_embedding(r, v) else [])
+                    + ([f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])] if ids else [])
+                    + (["L"] if self.stage_has_loss(r, v) else [])
+                )
                 cells.append(f"v{v}: " + (" ".join(parts) or "(empty)"))
             lines.append(f"pp{r}: " + " | ".join(cells))
         return "\n".join(lines)
@@ -262,13 +264,13 @@ class ParallelDims:
     def _check_stage(self, pp_rank: int, vpp_stage: int) -> None:
         if not (0 <= pp_rank < self.pp and 0 <= vpp_stage < self.vpp):
             raise IndexError(
-                f"stage (pp_rank={pp_rank}, vpp_stage={vpp_stage}) out of range for pp={self.pp}, "
-                f"vpp={self.vpp}"
+                f"stage (pp_rank={pp_rank}, vpp_stage={vpp_stage}) out of range for pp={self.pp}, vpp={self.vpp}"
             )
 
 
-def _layer_table(parallel_cfg: ParallelConfig, pp: int, vpp: int,
-                 num_layers: int) -> tuple[list[list[list[int]]], str | None, int | None, int | None]:
+def _layer_table(
+    parallel_cfg: ParallelConfig, pp: int, vpp: int, num_layers: int
+) -> tuple[list[list[list[int]]], str | None, int | None, int | None]:
     """``(layout[pp_rank][vpp_stage] -> global layer indices, layout string, first, last)`` from
     ``parallel.layout`` or ``parallel.first/last_stage_layers`` or the even split (module docstring).
 
@@ -305,8 +307,7 @@ def _layer_table(parallel_cfg: ParallelConfig, pp: int, vpp: int,
     return table, layout_str, first, last
 
 
-def _check_experts(model_cfg: ModelConfig,
-                   tp: int, pp: int, ep: int, dp: int, world_size: int) -> None:
+def _check_experts(model_cfg: ModelConfig, tp: int, pp: int, ep: int, dp: int, world_size: int) -> None:
     """Experts over EP, and EP over the DP ranks (megatron carves EP out of DP).
 
     Raises:

@@ -113,7 +113,8 @@ def local_device_index(local_rank: int, local_world_size: int, visible: int, pos
         + ": each rank needs one GPU of its own; allowed: one GPU bound per rank (srun --gpus-per-task=1 or "
         "--gpu-bind=single:1), a binding that gives each GPU of a rank's set to one rank (--gpu-bind=closest "
         "with as many ranks as GPUs per socket), or all of the node's GPUs visible to every rank "
-        "(--gpu-bind=none, torchrun)")
+        "(--gpu-bind=none, torchrun)"
+    )
 
 
 def _gpu_position(store, env: DistEnv) -> int:
@@ -136,15 +137,13 @@ def _cuda_device(env: DistEnv, store=None):
     if not torch.cuda.is_available():
         return None
     visible = torch.cuda.device_count()
-    position = (_gpu_position(store, env) if store is not None and 1 < visible < env.local_world_size
-                else None)
+    position = _gpu_position(store, env) if store is not None and 1 < visible < env.local_world_size else None
     device = torch.device("cuda", local_device_index(env.local_rank, env.local_world_size, visible, position))
     torch.cuda.set_device(device)
     return device
 
 
-def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
-                     rendezvous_timeout_s: float = 600) -> None:
+def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600, rendezvous_timeout_s: float = 600) -> None:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and megatron's parallel_state.
 
     Args:
@@ -168,7 +167,6 @@ def init_distributed(env: DistEnv, dims, seed: int, timeout_s: int = 600,
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
 
     cpu_backend.enable()
     if not dist.is_initialized():
@@ -255,8 +253,9 @@ def ddp_config(use_distributed_optimizer: bool, delay_wgrad_compute: bool = Fals
     )
 
 
-def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False,
-               delay_wgrad_compute: bool = False) -> list:
+def wrap_model(
+    chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: bool = False, delay_wgrad_compute: bool = False
+) -> list:
     """Wrap each model chunk in megatron's DDP (fp32 contiguous grad buffers, reduce-scatter for
     ZeRO-1). bf16 chunks go through megatron's ``Float16Module`` first.
 
@@ -291,13 +290,18 @@ def wrap_model(chunks: list, tcfg, use_distributed_optimizer: bool, layer_wise: 
         if layer_wise and use_distributed_optimizer:
             # bucket_size None: overlap_grad_reduce is off, so DDP uses one bucket per buffer
             layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
-                [p for p in chunk.parameters() if p.requires_grad], None,
-                ps.get_data_parallel_world_size(with_context_parallel=True), ddp_cfg,
+                [p for p in chunk.parameters() if p.requires_grad],
+                None,
+                ps.get_data_parallel_world_size(with_context_parallel=True),
+                ddp_cfg,
                 expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
             )
         out.append(
             DistributedDataParallel(
-                config=tcfg, ddp_config=ddp_cfg, module=chunk, disable_bucketing=(i > 0),
+                config=tcfg,
+                ddp_config=ddp_cfg,
+                module=chunk,
+                disable_bucketing=(i > 0),
                 full_param_layout=layout,
             )
         )

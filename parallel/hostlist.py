@@ -58,9 +58,7 @@ def _expand_brackets(body: str, original: str) -> list[str]:
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not m:
-            raise ValueError(
-                f"invalid hostlist {original!r}: bracket item {part!r} is not N or N-M (digits)"
-            )
+            raise ValueError(f"invalid hostlist {original!r}: bracket item {part!r} is not N or N-M (digits)")
         lo_s, hi_s = m.group(1), m.group(2)
         if hi_s is None:
             out.append(lo_s)
@@ -123,8 +121,7 @@ def first_host(nodelist: str) -> str:
     """
     if shutil.which("scontrol"):
         try:
-            r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                               text=True, timeout=30)
+            r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
             lines = r.stdout.split()
             if r.returncode == 0 and lines:
                 return lines[0]

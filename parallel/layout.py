@@ -24,7 +24,6 @@ def format_values(values: list[int], limit: int = 24) -> str:
     return ", ".join(str(v) for v in values) if values else "none"
 
 
-
 def counts_even(num_layers: int, pp: int, vpp: int) -> list[list[int]]:
     """Megatron's default split: num_layers / (pp * vpp) layers per virtual stage."""
     stages = pp * vpp
@@ -44,9 +43,7 @@ def counts_even(num_layers: int, pp: int, vpp: int) -> list[list[int]]:
     return [[per_stage] * vpp for _ in range(pp)]
 
 
-def counts_uneven(
-    num_layers: int, pp: int, vpp: int, first: int | None, last: int | None
-) -> list[list[int]]:
+def counts_uneven(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[int]]:
     """megatron ``num_layers_in_first/last_pipeline_stage``: the count for PP rank 0 (pp-1) is split
     evenly over that rank's vpp virtual stages; the rest goes evenly to the middle PP ranks."""
     given = " and ".join(
@@ -86,9 +83,7 @@ def counts_uneven(
     else:
         stages = middle_ranks * vpp
         if middle_layers <= 0 or middle_layers % stages != 0:
-            left = (
-                f"leaves {middle_layers} layers" if middle_layers >= 0 else f"is {-middle_layers} short"
-            )
+            left = f"leaves {middle_layers} layers" if middle_layers >= 0 else f"is {-middle_layers} short"
             raise ConfigError(
                 f"model.num_layers={num_layers} minus {given} {left} for {middle_ranks} middle PP "
                 f"ranks x parallel.vpp={vpp} = {stages} virtual stages"
@@ -124,8 +119,7 @@ def counts_from_layout(layout: str, pp: int, vpp: int, num_layers: int) -> list[
         stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
     except Exception as e:  # megatron asserts on unknown characters; bad repeats surface the same way
         raise ConfigError(
-            f"parallel.layout={layout!r} cannot be parsed by megatron-core: {e}; allowed syntax: "
-            f"{LAYOUT_SYNTAX}"
+            f"parallel.layout={layout!r} cannot be parsed by megatron-core: {e}; allowed syntax: {LAYOUT_SYNTAX}"
         ) from None
     n = len(stages)
     if n % pp != 0:
@@ -136,7 +130,8 @@ def counts_from_layout(layout: str, pp: int, vpp: int, num_layers: int) -> list[
     if n // pp != vpp:
         raise ConfigError(
             f"parallel.layout={layout!r} has {n} virtual stages = parallel.pp={pp} x {n // pp}, but "
-            f"parallel.vpp={vpp}" + (" (null)" if vpp == 1 else "")
+            f"parallel.vpp={vpp}"
+            + (" (null)" if vpp == 1 else "")
             + f"; set parallel.vpp={n // pp} or give a layout with {pp * vpp} stages"
         )
     try:
@@ -177,8 +172,9 @@ def counts_from_layout(layout: str, pp: int, vpp: int, num_layers: int) -> list[
     return [[parsed.layout[r][v].count(LayerType.decoder) for v in range(vpp)] for r in range(pp)]
 
 
-def balanced_layout(layer_costs: list[float], pp: int, vpp: int = 1, embedding_cost: float = 0.0,
-                    loss_cost: float = 0.0) -> str:
+def balanced_layout(
+    layer_costs: list[float], pp: int, vpp: int = 1, embedding_cost: float = 0.0, loss_cost: float = 0.0
+) -> str:
     """A ``k2.parallel.layout`` string that spreads contiguous decoder layers over ``pp x vpp`` virtual stages
     so that the busiest PP rank (the sum of its ``vpp`` stages) is as cheap as possible (used by
     ``k2-plan plan.search=true``).
@@ -214,8 +210,7 @@ def balanced_layout(layer_costs: list[float], pp: int, vpp: int = 1, embedding_c
             r = g % pp
             budget = (cap - fixed[r]) / vpp
             load = 0.0
-            while (i < n and load + layer_costs[i] / 2 <= budget
-                   and rank_load[r] + layer_costs[i] <= cap):
+            while i < n and load + layer_costs[i] / 2 <= budget and rank_load[r] + layer_costs[i] <= cap:
                 load += layer_costs[i]
                 rank_load[r] += layer_costs[i]
                 counts[g] += 1

@@ -44,8 +44,7 @@ def _missing_nodes(joined: dict[int, str]) -> str:
     except ValueError:
         return f"; the job's nodes: {nodelist}"
     silent = [h for h in expected if h not in set(joined.values())]
-    return (f"; nodes of SLURM_JOB_NODELIST={nodelist} with no rank at the rendezvous: "
-            f"{', '.join(silent) or 'none'}")
+    return f"; nodes of SLURM_JOB_NODELIST={nodelist} with no rank at the rendezvous: {', '.join(silent) or 'none'}"
 
 
 def _who_came(store, key: str, rank: int, world_size: int, where: str, timeout_s: float) -> str:
@@ -62,9 +61,11 @@ def _who_came(store, key: str, rank: int, world_size: int, where: str, timeout_s
     for r, h in sorted(joined.items()):
         by_node.setdefault(h, []).append(r)
     present = "; ".join(f"{h}: ranks {', '.join(map(str, rs))}" for h, rs in by_node.items())
-    return (f"{where}{len(joined)} of {world_size} ranks arrived within {timeout_s:g} s "
-            f"(launch.rendezvous_timeout_s); missing ranks {', '.join(map(str, missing))}; arrived: {present}"
-            f"{_missing_nodes(joined)}")
+    return (
+        f"{where}{len(joined)} of {world_size} ranks arrived within {timeout_s:g} s "
+        f"(launch.rendezvous_timeout_s); missing ranks {', '.join(map(str, missing))}; arrived: {present}"
+        f"{_missing_nodes(joined)}"
+    )
 
 
 def _all_arrived(store, keys: list[str], where: str, rank: int) -> bool:
@@ -81,7 +82,8 @@ def _all_arrived(store, keys: list[str], where: str, rank: int) -> bool:
         raise RendezvousTimeout(
             f"{where}: rank {rank} on {node_name()}: rank 0's store closed while this rank waited for the "
             f"others (rank 0 reached its launch.rendezvous_timeout_s first and reported who came; "
-            f"{str(e).splitlines()[0]})") from None
+            f"{str(e).splitlines()[0]})"
+        ) from None
 
 
 def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_s: float):
@@ -113,13 +115,15 @@ def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     key = f"{_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent_store, timeout=limit,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            addr, port, world_size, is_master=rank == 0 and not agent_store, timeout=limit, wait_for_workers=False
+        )
     except (RuntimeError, OSError) as e:  # (torch's DistStoreError is a RuntimeError)
         raise RendezvousTimeout(
             f"{where}: rank {rank} on {node_name()} could not reach rank 0's store within {timeout_s:g} s "
             f"(launch.rendezvous_timeout_s): is the node {addr} up? ({str(e).splitlines()[0]})"
-            f"{_missing_nodes({rank: node_name()})}") from None
+            f"{_missing_nodes({rank: node_name()})}"
+        ) from None
     store.set(f"{key}{rank}", node_name())
     # polled, not store.wait(timeout): a timed-out wait leaves the client's connection unusable, and the
     # store is still needed to say who came

@@ -100,9 +100,14 @@ class OverlapHooks:
     # -- k2.parallel.comm_stream observer (CPU): the communication nodes
     def posted(self, node, direction: str) -> dict:
         chunk, mb = self._tag(direction)
-        token = dict(chunk=chunk, microbatch=mb, what=COMM_NODES.get(node.name, node.name),
-                     direction=direction, layer=_layer_of(node),
-                     req=next(self.pipeline._req_ids))
+        token = dict(
+            chunk=chunk,
+            microbatch=mb,
+            what=COMM_NODES.get(node.name, node.name),
+            direction=direction,
+            layer=_layer_of(node),
+            req=next(self.pipeline._req_ids),
+        )
         self._event("post", chunk, mb, **_fields(token))
         return token
 
@@ -140,8 +145,15 @@ class OverlapHooks:
             set_tag(input_grad, self.b_tag)
             if not tensors(input_grad):  # the first virtual stage: no input gradient to send
                 p._drain("no_send")
-        self._event("pair", None, None, start, time.time(),
-                    f=list(self.f_tag) if self.f_tag else None, b=list(self.b_tag) if self.b_tag else None)
+        self._event(
+            "pair",
+            None,
+            None,
+            start,
+            time.time(),
+            f=list(self.f_tag) if self.f_tag else None,
+            b=list(self.b_tag) if self.b_tag else None,
+        )
         self.f_tag = self.b_tag = None
         return out
 
@@ -150,8 +162,9 @@ class OverlapHooks:
         start = time.time()
         out = fn()
         chunk, mb = self._tag(direction)
-        self._event("F" if direction == "forward" else "B", chunk, mb, start, time.time(), node=node.name,
-                    layer=_layer_of(node))
+        self._event(
+            "F" if direction == "forward" else "B", chunk, mb, start, time.time(), node=node.name, layer=_layer_of(node)
+        )
         return out
 
     def backward_dw(self, node) -> None:
@@ -165,8 +178,16 @@ class OverlapHooks:
         fields = _fields(token)
         if inline:
             self._event("post", chunk, mb, start, start, **fields)
-        self._event("a2a", chunk, mb, start, end, bytes=nbytes, thread=threading.current_thread().name,
-                    **{k: v for k, v in fields.items() if k != "req"})
+        self._event(
+            "a2a",
+            chunk,
+            mb,
+            start,
+            end,
+            bytes=nbytes,
+            thread=threading.current_thread().name,
+            **{k: v for k, v in fields.items() if k != "req"},
+        )
         if inline:
             self._event("wait", chunk, mb, end, end, **fields)
 
@@ -194,8 +215,14 @@ def _current_token(what: str | None, direction: str) -> dict:
     layer = getattr(_CTX, "layer", None)
     if h is not None and h.pipeline.current is not None:
         chunk, mb = h.pipeline.current
-    return dict(chunk=chunk, microbatch=mb, what=what, direction=direction, layer=layer,
-                req=next(h.pipeline._req_ids) if h is not None else None)
+    return dict(
+        chunk=chunk,
+        microbatch=mb,
+        what=what,
+        direction=direction,
+        layer=layer,
+        req=next(h.pipeline._req_ids) if h is not None else None,
+    )
 
 
 def _wrap_layer_callables(layer, funcs: list) -> list:
@@ -264,6 +291,7 @@ def _backward_dw(node):
 def _named(what, orig):
     """``orig`` (a dispatcher method) with ``what`` ("dispatch"/"combine") and the layer set for the
     all-to-alls it runs."""
+
     def call(self, *args, **kwargs):
         prev = getattr(_CTX, "what", None), getattr(_CTX, "layer", None)
         _CTX.what, _CTX.layer = what, getattr(self, "_k2_layer_number", None)
@@ -271,6 +299,7 @@ def _named(what, orig):
             return orig(self, *args, **kwargs)
         finally:
             _CTX.what, _CTX.layer = prev
+
     return call
 
 
@@ -300,11 +329,13 @@ def _traced_a2a_backward(ctx, *grad_output):
 
 def _chunk_part(orig):
     """The embedding (pre_process) or the output layer and loss (post_process), traced as compute."""
+
     def call(node, *args):
         h = _ACTIVE
         if h is None or h.pipeline.trace is None:
             return orig(node, *args)
         return h.compute_node("forward", node, lambda: orig(node, *args))
+
     return call
 
 
@@ -332,15 +363,20 @@ def install_patches() -> None:
     from megatron.core.tensor_parallel.mappings import _AllToAll
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    _ORIG.update(combined=combined_1f1b.combined_forward_backward_step,
-                 combined_signature=signature(combined_1f1b.combined_forward_backward_step),
-                 build=fgc.build_layer_callables, backward_impl=TransformerLayerNode.backward_impl,
-                 backward_dw=TransformerLayerNode.backward_dw,
-                 a2a_forward=_AllToAll.__dict__["forward"], a2a_backward=_AllToAll.__dict__["backward"],
-                 token_dispatch=MoEAlltoAllTokenDispatcher.token_dispatch,
-                 token_combine=MoEAlltoAllTokenDispatcher.token_combine,
-                 pre_process=PreProcessNode.forward_impl, post_process=PostProcessNode.forward_impl,
-                 default_backward=ScheduleNode.default_backward_func)
+    _ORIG.update(
+        combined=combined_1f1b.combined_forward_backward_step,
+        combined_signature=signature(combined_1f1b.combined_forward_backward_step),
+        build=fgc.build_layer_callables,
+        backward_impl=TransformerLayerNode.backward_impl,
+        backward_dw=TransformerLayerNode.backward_dw,
+        a2a_forward=_AllToAll.__dict__["forward"],
+        a2a_backward=_AllToAll.__dict__["backward"],
+        token_dispatch=MoEAlltoAllTokenDispatcher.token_dispatch,
+        token_combine=MoEAlltoAllTokenDispatcher.token_combine,
+        pre_process=PreProcessNode.forward_impl,
+        post_process=PostProcessNode.forward_impl,
+        default_backward=ScheduleNode.default_backward_func,
+    )
     combined_1f1b.combined_forward_backward_step = _combined
     fgc.build_layer_callables = _build
     PreProcessNode.forward_impl = _chunk_part(_ORIG["pre_process"])

@@ -48,8 +48,7 @@ from k2.schedules.pipeline_trace import PipelineTrace, TracedWork, draw_trace, g
 if TYPE_CHECKING:
     from k2.config.schema import PipelineConfig
 
-__all__ = ["PipelineHooks", "PipelineTrace", "check_pipeline_config", "read_trace", "draw_trace",
-           "setup_pipeline"]
+__all__ = ["PipelineHooks", "PipelineTrace", "check_pipeline_config", "read_trace", "draw_trace", "setup_pipeline"]
 
 _ACTIVE: PipelineHooks | None = None  # the hooks of the forward-backward pass running now
 _ORIG: dict = {}  # megatron's functions replaced by install_patches()
@@ -67,8 +66,10 @@ def check_pipeline_config(pipeline_cfg: PipelineConfig) -> None:
     """
     trace = pipeline_cfg.trace
     if trace is not None and Path(trace).exists() and not Path(trace).is_dir():
-        raise ConfigError(f"pipeline.trace={trace} is a file; allowed: a directory path (one "
-                          "rank<R>.jsonl per rank is written there, created if missing) or null")
+        raise ConfigError(
+            f"pipeline.trace={trace} is a file; allowed: a directory path (one "
+            "rank<R>.jsonl per rank is written there, created if missing) or null"
+        )
 
 
 # --- the hooks -------------------------------------------------------------------------------------------
@@ -105,8 +106,17 @@ class PipelineHooks:
 
     def _on_drain(self, tags, n, nbytes, start, end, where) -> None:
         chunk, mb = tags[0] if len(tags) == 1 and tags[0] is not None else (None, None)
-        self._event("W", chunk, mb, start, end, n_wgrads=n, bytes=nbytes, where=where,
-                    tags=[list(t) if t is not None else None for t in tags])
+        self._event(
+            "W",
+            chunk,
+            mb,
+            start,
+            end,
+            n_wgrads=n,
+            bytes=nbytes,
+            where=where,
+            tags=[list(t) if t is not None else None for t in tags],
+        )
 
     def _drain(self, where: str) -> None:
         if self.store is not None and len(self.store):
@@ -121,8 +131,11 @@ class PipelineHooks:
         """What a phase's start line says of the EP overlap (empty without ``pipeline.ep_overlap``)."""
         if not self.ep_overlap:
             return ""
-        return (", EP all-to-all overlapped" if self.overlaps_in(options)
-                else ", EP all-to-all not overlapped in this phase (memory.recompute 'layer' re-runs it)")
+        return (
+            ", EP all-to-all overlapped"
+            if self.overlaps_in(options)
+            else ", EP all-to-all not overlapped in this phase (memory.recompute 'layer' re-runs it)"
+        )
 
     def enter_phase(self, options) -> bool:
         """Run the coming steps with or without the EP overlap: on (when ``pipeline.ep_overlap``) unless
@@ -143,8 +156,7 @@ class PipelineHooks:
         import torch
         import torch.distributed as dist
 
-        peak = torch.tensor([float(self.last_peak_bytes)],
-                            device="cuda" if torch.cuda.is_available() else "cpu")
+        peak = torch.tensor([float(self.last_peak_bytes)], device="cuda" if torch.cuda.is_available() else "cpu")
         if dist.is_initialized():
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {"wgrad_deferred_peak_bytes": int(peak.item())}
@@ -247,9 +259,11 @@ class PipelineHooks:
         if self.store is not None:
             check_ddp_hooks(model)
             if any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in model):
-                raise NotImplementedError("pipeline.decouple_wgrad with megatron DDP's overlap_grad_reduce: "
-                                          "the last microbatch's deferred wgrads run outside the grad-sync "
-                                          "window of megatron's schedule")
+                raise NotImplementedError(
+                    "pipeline.decouple_wgrad with megatron DDP's overlap_grad_reduce: "
+                    "the last microbatch's deferred wgrads run outside the grad-sync "
+                    "window of megatron's schedule"
+                )
         self.step = first_step - 1
         self.tcfg = tcfg
         install_patches()
@@ -263,6 +277,7 @@ class PipelineHooks:
                 stream.observer = self.overlap
         inner_finalize = tcfg.finalize_model_grads_func
         if inner_finalize is not None and not getattr(inner_finalize, "_k2_pipeline", False):
+
             def finalize(*args, **kwargs):
                 return self.finalize(inner_finalize, *args, **kwargs)
 
@@ -291,8 +306,14 @@ class PipelineHooks:
             if self.store is not None:
                 self.last_peak_bytes = self.store.peak_bytes
                 self.last_max_tags_held = self.store.max_tags_held
-            self._event("end", start=start, pending=pending, wgrad_peak_bytes=self.last_peak_bytes,
-                        wgrad_max_tags_held=self.last_max_tags_held, cpu_s=time.process_time() - cpu0)
+            self._event(
+                "end",
+                start=start,
+                pending=pending,
+                wgrad_peak_bytes=self.last_peak_bytes,
+                wgrad_max_tags_held=self.last_max_tags_held,
+                cpu_s=time.process_time() - cpu0,
+            )
             if self.trace is not None:
                 self.trace.flush()
             if pending:
@@ -313,9 +334,13 @@ def install_patches() -> None:
     from megatron.core.pipeline_parallel import p2p_communication as p2p
     from megatron.core.pipeline_parallel import schedules
 
-    _ORIG.update(forward_step=schedules.forward_step, backward_step=schedules.backward_step,
-                 p2p_ops=p2p._p2p_ops, batched_p2p_ops=p2p._batched_p2p_ops,
-                 forward_step_signature=signature(schedules.forward_step))
+    _ORIG.update(
+        forward_step=schedules.forward_step,
+        backward_step=schedules.backward_step,
+        p2p_ops=p2p._p2p_ops,
+        batched_p2p_ops=p2p._batched_p2p_ops,
+        forward_step_signature=signature(schedules.forward_step),
+    )
 
     def forward_step(*args, **kwargs):
         h = _ACTIVE
@@ -327,8 +352,7 @@ def install_patches() -> None:
         h = _ACTIVE
         if h is None:
             return _ORIG["backward_step"](input_tensor, output_tensor, output_tensor_grad, config)
-        return h.backward_step(_ORIG["backward_step"], input_tensor, output_tensor, output_tensor_grad,
-                               config)
+        return h.backward_step(_ORIG["backward_step"], input_tensor, output_tensor, output_tensor_grad, config)
 
     def p2p_ops(**kw):
         h = _ACTIVE
@@ -336,8 +360,7 @@ def install_patches() -> None:
 
     def batched_p2p_ops(**kw):
         h = _ACTIVE
-        return (_ORIG["batched_p2p_ops"](**kw) if h is None
-                else h.p2p_ops(_ORIG["batched_p2p_ops"], True, **kw))
+        return _ORIG["batched_p2p_ops"](**kw) if h is None else h.p2p_ops(_ORIG["batched_p2p_ops"], True, **kw)
 
     schedules.forward_step, schedules.backward_step = forward_step, backward_step
     p2p._p2p_ops, p2p._batched_p2p_ops = p2p_ops, batched_p2p_ops
@@ -379,8 +402,9 @@ def setup_pipeline(pipeline_cfg: PipelineConfig, chunks: list):
         decouple_linear_wgrad(chunks, store)
     trace = None
     if p.trace is not None:
-        trace = PipelineTrace(p.trace, dist.get_rank(), ps.get_pipeline_model_parallel_rank(),
-                              ps.get_pipeline_model_parallel_world_size())
+        trace = PipelineTrace(
+            p.trace, dist.get_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        )
     if p.ep_overlap:
         install_overlap_patches()
         if not torch.cuda.is_available():

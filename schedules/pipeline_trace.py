@@ -79,16 +79,25 @@ class PipelineTrace:
     def event(self, kind: str, chunk=None, microbatch=None, start=None, end=None, **fields) -> None:
         now = time.time()
         with self._lock:
-            self._append(kind, chunk, microbatch, now if start is None else start,
-                         now if end is None else end, fields)
+            self._append(kind, chunk, microbatch, now if start is None else start, now if end is None else end, fields)
 
     def _append(self, kind, chunk, microbatch, start, end, fields) -> None:
-        self.events.append({
-            "step": self.step, "pass": self.pass_kind, "seq": next(self._seq), "kind": kind,
-            "rank": self.rank, "pp_rank": self.pp_rank, "chunk": chunk,
-            "stage": None if chunk is None else chunk * self.pp + self.pp_rank,
-            "microbatch": microbatch, "start": start, "end": end, **fields,
-        })
+        self.events.append(
+            {
+                "step": self.step,
+                "pass": self.pass_kind,
+                "seq": next(self._seq),
+                "kind": kind,
+                "rank": self.rank,
+                "pp_rank": self.pp_rank,
+                "chunk": chunk,
+                "stage": None if chunk is None else chunk * self.pp + self.pp_rank,
+                "microbatch": microbatch,
+                "start": start,
+                "end": end,
+                **fields,
+            }
+        )
 
     def flush(self) -> None:
         with self._lock:
@@ -152,14 +161,18 @@ def draw_trace(directory: str, path: str, step: int | None = None) -> str:
     a2a = any(e["kind"] == "a2a" for evs in sel.values() for e in evs)
     per_rank = 2 if a2a else 1
     t0 = min(e["start"] for evs in sel.values() for e in evs)
-    colors = {"F": ("#9ecae1", "#3182bd"), "B": ("#fdae6b", "#e6550d"), "W": ("#a1d99b", "#31a354"),
-              "dispatch": ("#bcbddc", "#756bb1"), "combine": ("#fcbba1", "#de2d26")}
+    colors = {
+        "F": ("#9ecae1", "#3182bd"),
+        "B": ("#fdae6b", "#e6550d"),
+        "W": ("#a1d99b", "#31a354"),
+        "dispatch": ("#bcbddc", "#756bb1"),
+        "combine": ("#fcbba1", "#de2d26"),
+    }
     fig, ax = plt.subplots(figsize=(14, 0.6 * per_rank * len(ranks) + 1.4), dpi=100)
 
     def box(y, e, key, height):
         x, w = (e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 1e-3)
-        ax.barh(y, w, left=x, height=height, color=colors[key][(e["chunk"] or 0) % 2], edgecolor="black",
-                linewidth=0.3)
+        ax.barh(y, w, left=x, height=height, color=colors[key][(e["chunk"] or 0) % 2], edgecolor="black", linewidth=0.3)
         if e["microbatch"] is not None:
             ax.text(x + w / 2, y, str(e["microbatch"]), ha="center", va="center", fontsize=6)
 
@@ -181,9 +194,11 @@ def draw_trace(directory: str, path: str, step: int | None = None) -> str:
     ax.set_yticklabels(labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first event")
-    ax.set_title(f"pipeline trace, step {step}: F (blue), B (orange), W (green), light = chunk 0, dark = chunk 1; "
-                 f"hatched = waiting{'; all-to-alls: dispatch (purple), combine (red)' if a2a else ' on p2p'}",
-                 fontsize=9)
+    ax.set_title(
+        f"pipeline trace, step {step}: F (blue), B (orange), W (green), light = chunk 0, dark = chunk 1; "
+        f"hatched = waiting{'; all-to-alls: dispatch (purple), combine (red)' if a2a else ' on p2p'}",
+        fontsize=9,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)

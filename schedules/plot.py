@@ -55,7 +55,11 @@ def plot_schedule(schedule: Schedule, path: str, title: str | None = None) -> st
     zoom = (max(0.0, tail_start - margin), end + 0.08 * (end - tail_start + margin))
 
     fig, axes = plt.subplots(
-        2, 2, figsize=(11, 5.6), dpi=100, sharex="col",
+        2,
+        2,
+        figsize=(11, 5.6),
+        dpi=100,
+        sharex="col",
         gridspec_kw={"width_ratios": [2.2, 1], "height_ratios": [2.3, 1]},
     )
     (ax_lr, ax_lrz), (ax_ctx, ax_ctxz) = axes
@@ -64,10 +68,15 @@ def plot_schedule(schedule: Schedule, path: str, title: str | None = None) -> st
     _label_phases(schedule, running, zoom, div, (ax_lr, ax_lrz))
     _draw_context(schedule, running, final, zoom, div, unit, (ax_ctx, ax_ctxz))
 
-    fig.suptitle(title or (
-        f"schedule {schedule.name}: learning rate and context length over {end / div:,.4g}{unit} tokens; "
-        f"{schedule.total_steps:,} steps of {schedule.global_batch_tokens:,} tokens; weight decay "
-        f"{schedule.weight_decay:g}"), fontsize=10)
+    fig.suptitle(
+        title
+        or (
+            f"schedule {schedule.name}: learning rate and context length over {end / div:,.4g}{unit} tokens; "
+            f"{schedule.total_steps:,} steps of {schedule.global_batch_tokens:,} tokens; weight decay "
+            f"{schedule.weight_decay:g}"
+        ),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -118,13 +127,24 @@ def _label_phases(schedule: Schedule, running: list, zoom: tuple, div: float, ax
             if b <= a:
                 continue
             if (b - a) >= 0.04 * width:
-                ax.text((a + b) / 2 / div, ytop * 0.97, p.name, ha="center", va="top", fontsize=8,
-                        color=colors[k % len(colors)])
+                ax.text(
+                    (a + b) / 2 / div,
+                    ytop * 0.97,
+                    p.name,
+                    ha="center",
+                    va="top",
+                    fontsize=8,
+                    color=colors[k % len(colors)],
+                )
             elif ax is ax_lr and p.end_tokens <= zoom[0]:  # too narrow to name (K2's warmup)
-                ax.annotate(f"{p.name} ({p.steps:,} steps): {p.lr_start:.3g} -> {p.lr_end:.3g}",
-                            (b / div, p.lr_end * 0.5), xytext=(0.03 * width / div + b / div, p.lr_end * 0.45),
-                            fontsize=7, color=colors[k % len(colors)],
-                            arrowprops=dict(arrowstyle="->", color=colors[k % len(colors)], lw=0.8))
+                ax.annotate(
+                    f"{p.name} ({p.steps:,} steps): {p.lr_start:.3g} -> {p.lr_end:.3g}",
+                    (b / div, p.lr_end * 0.5),
+                    xytext=(0.03 * width / div + b / div, p.lr_end * 0.45),
+                    fontsize=7,
+                    color=colors[k % len(colors)],
+                    arrowprops=dict(arrowstyle="->", color=colors[k % len(colors)], lw=0.8),
+                )
         shown = set()
         for p in running:
             for x, lr in ((p.start_tokens, p.lr_start), (p.end_tokens, p.lr_end)):
@@ -133,9 +153,14 @@ def _label_phases(schedule: Schedule, running: list, zoom: tuple, div: float, ax
                 shown.add(x)
                 ax.plot([x / div], [lr], "o", color="black", ms=3)
                 last = x == end  # the curve arrives from the upper left: label below it
-                ax.annotate(f"{lr:.3g}", (x / div, lr), textcoords="offset points",
-                            xytext=(-3, -12) if last else (3, 5), ha="right" if last else "left", fontsize=7)
-
+                ax.annotate(
+                    f"{lr:.3g}",
+                    (x / div, lr),
+                    textcoords="offset points",
+                    xytext=(-3, -12) if last else (3, 5),
+                    ha="right" if last else "left",
+                    fontsize=7,
+                )
 
 
 def _draw_context(schedule: Schedule, running: list, final, zoom: tuple, div: float, unit: str, axes: tuple) -> None:
@@ -149,13 +174,23 @@ def _draw_context(schedule: Schedule, running: list, final, zoom: tuple, div: fl
                 continue
             ax.plot([a / div, b / div], [p.seq_length] * 2, color=colors[k % len(colors)], lw=3)
             if (b - a) >= 0.08 * (hi - lo):
-                ax.text((a + b) / 2 / div, p.seq_length * 1.25,
-                        f"{_ctx_label(p.seq_length)} x {p.global_batch_size:,} seqs", ha="center", fontsize=7)
+                ax.text(
+                    (a + b) / 2 / div,
+                    p.seq_length * 1.25,
+                    f"{_ctx_label(p.seq_length)} x {p.global_batch_size:,} seqs",
+                    ha="center",
+                    fontsize=7,
+                )
         if final is not None and hi >= end:
             ax.plot([end / div], [final.seq_length], marker=">", color="black", ms=6)
-            ax.annotate(f"{final.name}: {_ctx_label(final.seq_length)} {final.rope_type} (final setting)",
-                        (end / div, final.seq_length), textcoords="offset points", xytext=(-4, -11),
-                        ha="right", fontsize=7)
+            ax.annotate(
+                f"{final.name}: {_ctx_label(final.seq_length)} {final.rope_type} (final setting)",
+                (end / div, final.seq_length),
+                textcoords="offset points",
+                xytext=(-4, -11),
+                ha="right",
+                fontsize=7,
+            )
         lengths = sorted({p.seq_length for p in schedule.phases})
         ax.set_yscale("log", base=2)
         ax.set_yticks(lengths, [_ctx_label(n) for n in lengths])
@@ -164,4 +199,3 @@ def _draw_context(schedule: Schedule, running: list, final, zoom: tuple, div: fl
         ax.set_xlabel(f"tokens ({unit})" if unit else "tokens")
         ax.grid(alpha=0.25)
     ax_ctx.set_ylabel("context length")
-

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from k2.config.schema import K2Config, MemoryConfig, ModelConfig, PhaseConfig
 
 
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -37,9 +36,7 @@ def _supported_length(model_cfg: ModelConfig, rope_type: str) -> tuple[int, str]
         factor = float(model_cfg.rotary_scaling_factor)
         yarn_max = int(orig * factor)
         if yarn_max < max_pos:
-            return yarn_max, (
-                f"model.original_max_position_embeddings={orig} x model.rotary_scaling_factor={factor:g}"
-            )
+            return yarn_max, (f"model.original_max_position_embeddings={orig} x model.rotary_scaling_factor={factor:g}")
     return max_pos, f"model.max_position_embeddings={max_pos}"
 
 
@@ -78,24 +75,24 @@ def resolve_schedule(cfg: K2Config, dims: Any = None) -> Schedule:
         raise ConfigError(f"schedule.weight_decay={wd!r} must be a number >= 0")
     raw = list(s.phases or [])
     if not raw:
-        raise ConfigError("schedule.phases is empty; a schedule needs at least one phase "
-                          "(see recipes/schedule/)")
+        raise ConfigError("schedule.phases is empty; a schedule needs at least one phase (see recipes/schedule/)")
     recs: list[dict] = []
     for i, ph in enumerate(raw):
-        recs.append(_resolve_phase(i, ph, recs[-1] if recs else None, recs, B, cfg.model,
-                                   cfg.train.micro_batch_size))
+        recs.append(_resolve_phase(i, ph, recs[-1] if recs else None, recs, B, cfg.model, cfg.train.micro_batch_size))
     if recs[-1]["end"] <= 0:
         raise ConfigError("the schedule has no tokens: every phase in schedule.phases has length 0")
     segments = _lr_segments(recs)
     memories = _phase_memories(raw, cfg.memory)
-    phases = tuple(_phase(rec, segments[rec["segment"]], B, _microbatches(rec, raw, dims, B), memories[i])
-                   for i, rec in enumerate(recs))
-    return Schedule(name=str(s.name), global_batch_tokens=B, weight_decay=float(wd),
-                    phases=phases, _segments=segments)
+    phases = tuple(
+        _phase(rec, segments[rec["segment"]], B, _microbatches(rec, raw, dims, B), memories[i])
+        for i, rec in enumerate(recs)
+    )
+    return Schedule(name=str(s.name), global_batch_tokens=B, weight_decay=float(wd), phases=phases, _segments=segments)
 
 
-def _resolve_phase(i: int, ph: PhaseConfig, prev: dict | None, done: list, B: int, model_cfg: ModelConfig,
-                   default_mbs: Any) -> dict:
+def _resolve_phase(
+    i: int, ph: PhaseConfig, prev: dict | None, done: list, B: int, model_cfg: ModelConfig, default_mbs: Any
+) -> dict:
     """Phase ``i`` of ``schedule.phases`` with every default filled in from ``prev`` (the resolved phase
     before it) and checked; a dict of its settings (``start`` / ``end`` in nominal tokens)."""
     key = f"schedule.phases.{i}"
@@ -107,9 +104,21 @@ def _resolve_phase(i: int, ph: PhaseConfig, prev: dict | None, done: list, B: in
     kind, value, end = _phase_length(key, where, ph, start, prev, B)
     style, lr_start, lr_end = _phase_lr(key, where, ph, prev)
     seq, rope, mbs = _phase_context(key, ph, prev, B, model_cfg, default_mbs)
-    rec = dict(index=i, name=name, kind=kind, value=value, start=start, end=end, style=style,
-               lr_start=lr_start, lr_end=lr_end, seq_length=seq, rope_type=rope,
-               micro_batch_size=mbs, global_batch_size=B // seq)
+    rec = dict(
+        index=i,
+        name=name,
+        kind=kind,
+        value=value,
+        start=start,
+        end=end,
+        style=style,
+        lr_start=lr_start,
+        lr_end=lr_end,
+        seq_length=seq,
+        rope_type=rope,
+        micro_batch_size=mbs,
+        global_batch_size=B // seq,
+    )
     # LR of the segment this phase belongs to (for null lr_start of the next phase)
     rec["seg_lr_end"] = prev["seg_lr_end"] if style == "continue" else lr_end
     return rec
@@ -159,8 +168,10 @@ def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: dict | None):
     lr_start, lr_end = ph.lr_start, ph.lr_end
     if style == "continue":
         if prev is None:
-            raise ConfigError(f"{key}.lr_style=continue on the first phase: there is no rule to "
-                              f"continue; allowed: {', '.join(LR_RULES)}")
+            raise ConfigError(
+                f"{key}.lr_style=continue on the first phase: there is no rule to "
+                f"continue; allowed: {', '.join(LR_RULES)}"
+            )
         if lr_start is not None or lr_end is not None:
             raise ConfigError(
                 f"{where} has lr_style=continue and sets lr_start/lr_end; a continued phase takes "
@@ -186,8 +197,7 @@ def _phase_lr(key: str, where: str, ph: PhaseConfig, prev: dict | None):
     return style, lr_start, lr_end
 
 
-def _phase_context(key: str, ph: PhaseConfig, prev: dict | None, B: int, model_cfg: ModelConfig,
-                   default_mbs: Any):
+def _phase_context(key: str, ph: PhaseConfig, prev: dict | None, B: int, model_cfg: ModelConfig, default_mbs: Any):
     """``(seq_length, rope_type, micro_batch_size)`` of the phase, checked against the model's position
     settings and the global batch in tokens."""
     seq = ph.seq_length
@@ -232,8 +242,15 @@ def _lr_segments(recs: list[dict]) -> tuple[LRSegment, ...]:
         if rec["style"] == "continue":
             segs[-1]["end"] = rec["end"]
         else:
-            segs.append(dict(start=rec["start"], end=rec["end"], style=rec["style"],
-                             lr_start=rec["lr_start"], lr_end=rec["lr_end"]))
+            segs.append(
+                dict(
+                    start=rec["start"],
+                    end=rec["end"],
+                    style=rec["style"],
+                    lr_start=rec["lr_start"],
+                    lr_end=rec["lr_end"],
+                )
+            )
         rec["segment"] = len(segs) - 1
     return tuple(LRSegment(**d) for d in segs)
 
@@ -245,11 +262,11 @@ def _microbatches(rec: dict, raw: list[PhaseConfig], dims: Any, B: int) -> int |
     if dims is None or last < first:
         return None
     key = f"schedule.phases.{rec['index']}"
-    mbs_name = (f"{key}.micro_batch_size" if raw[rec["index"]].micro_batch_size is not None
-                else "train.micro_batch_size")
+    mbs_name = f"{key}.micro_batch_size" if raw[rec["index"]].micro_batch_size is not None else "train.micro_batch_size"
     try:
-        return check_microbatches(dims, rec["global_batch_size"], rec["micro_batch_size"],
-                                  gbs_name="global batch", mbs_name=mbs_name)
+        return check_microbatches(
+            dims, rec["global_batch_size"], rec["micro_batch_size"], gbs_name="global batch", mbs_name=mbs_name
+        )
     except ConfigError as e:
         raise ConfigError(
             f"{key} ('{rec['name']}'): schedule.global_batch_tokens={_fmt(B)} / seq_length="
@@ -295,12 +312,21 @@ def _phase(rec: dict, seg: LRSegment, B: int, num_microbatches: int | None, memo
     first, last = ceil_div(rec["start"], B) + 1, ceil_div(rec["end"], B)
     runs = last >= first
     return Phase(
-        index=rec["index"], name=rec["name"], start_tokens=rec["start"], end_tokens=rec["end"],
-        lr_style=rec["style"], lr_start=float(lr_start), lr_end=float(lr_end),
-        seq_length=rec["seq_length"], rope_type=rec["rope_type"],
-        micro_batch_size=rec["micro_batch_size"], global_batch_size=rec["global_batch_size"],
-        first_step=first if runs else None, last_step=last if runs else None,
-        num_microbatches=num_microbatches, memory=memory,
+        index=rec["index"],
+        name=rec["name"],
+        start_tokens=rec["start"],
+        end_tokens=rec["end"],
+        lr_style=rec["style"],
+        lr_start=float(lr_start),
+        lr_end=float(lr_end),
+        seq_length=rec["seq_length"],
+        rope_type=rec["rope_type"],
+        micro_batch_size=rec["micro_batch_size"],
+        global_batch_size=rec["global_batch_size"],
+        first_step=first if runs else None,
+        last_step=last if runs else None,
+        num_microbatches=num_microbatches,
+        memory=memory,
     )
 
 

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     for line in out.splitlines():
         for laid_out, folder in prefixes.items():
             if line.startswith(laid_out):
-                line = folder + line[len(laid_out):]
+                line = folder + line[len(laid_out) :]
                 break
         print(line)
     print(err, end="", file=sys.stderr)

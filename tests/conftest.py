@@ -107,8 +107,13 @@ def _start_fork_server(path: str):
 
     from support.distributed import SUPPORT, trainer_env
 
-    proc = subprocess.Popen([sys.executable, str(SUPPORT / "zygote.py"), path], cwd=REPO, env=trainer_env(),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SUPPORT / "zygote.py"), path],
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     ready = proc.stdout.readline().strip() == "ready"
     while ready and not os.path.exists(path) and time.time() < deadline:
@@ -194,8 +199,7 @@ def megatron_world1():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():  # (no MASTER_* in os.environ: subprocess trainers must not inherit it)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)

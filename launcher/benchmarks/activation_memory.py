@@ -77,8 +77,12 @@ def _synthetic_iterators(vocab: int, phase, dp_rank: int, vpp: int, seed: int) -
         b, s = phase.micro_batch_size, phase.seq_length
         while True:
             tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
-            yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                   "loss_mask": torch.ones(b, s), "position_ids": torch.arange(s).unsqueeze(0).expand(b, s)}
+            yield {
+                "tokens": tokens[:, :-1].contiguous(),
+                "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": torch.ones(b, s),
+                "position_ids": torch.arange(s).unsqueeze(0).expand(b, s),
+            }
 
     return [batches() for _ in range(vpp)]
 
@@ -88,11 +92,16 @@ def _build_setting(setting: str, base: list[str], dims, phase, o: dict):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-
     cfg = load_config(base + memory_overrides(setting))
     sched = resolve_schedule(cfg, dims)
-    parts = setup(cfg, dims, sched, rope_type=phase.rope_type,
-                  memory=MemoryOptions.from_config(cfg, attribute=True), init=o["seed"])
+    parts = setup(
+        cfg,
+        dims,
+        sched,
+        rope_type=phase.rope_type,
+        memory=MemoryOptions.from_config(cfg, attribute=True),
+        init=o["seed"],
+    )
     model, optimizer = parts.model, parts.optimizer
     for g in optimizer.param_groups:
         g["lr"] = 1e-4  # (no LR scheduler here)
@@ -103,10 +112,16 @@ def _build_setting(setting: str, base: list[str], dims, phase, o: dict):
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(forward_step_func=forward_step, data_iterator=iters, model=model,
-                         num_microbatches=phase.num_microbatches, seq_length=phase.seq_length,
-                         micro_batch_size=phase.micro_batch_size, decoder_seq_length=phase.seq_length,
-                         forward_only=False)
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iters,
+            model=model,
+            num_microbatches=phase.num_microbatches,
+            seq_length=phase.seq_length,
+            micro_batch_size=phase.micro_batch_size,
+            decoder_seq_length=phase.seq_length,
+            forward_only=False,
+        )
         optimizer.step()
 
     return step
@@ -116,7 +131,6 @@ def _measure(base: list[str], dims, phase, o: dict) -> dict:
     """All settings on this rank: timed steps round-robin over the settings (so a change of machine load
     hits them alike), then one metered step each."""
     import torch.distributed as dist
-
 
     steps = {s: _build_setting(s, base, dims, phase, o) for s in SETTINGS}
     for _ in range(o["warmup"]):
@@ -139,8 +153,12 @@ def _measure(base: list[str], dims, phase, o: dict) -> dict:
                 return forward_step(data_iterator, m)
 
         steps[s](metered)
-        out[s] = {"step_s": statistics.median(times[s]), "device": dict(meter.device_bytes),
-                  "host": dict(meter.host_bytes), "forwards": meter.forwards}
+        out[s] = {
+            "step_s": statistics.median(times[s]),
+            "device": dict(meter.device_bytes),
+            "host": dict(meter.host_bytes),
+            "forwards": meter.forwards,
+        }
     return out
 
 
@@ -150,8 +168,15 @@ def _worker(rank: int, world: int, port: int, base: list[str], o: dict, out_path
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(1)
     import warnings
 
@@ -166,8 +191,13 @@ def _worker(rank: int, world: int, port: int, base: list[str], o: dict, out_path
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
         if rank == 0:
-            out = {"dp": dims.dp, "num_microbatches": phase.num_microbatches,
-                   "micro_batch_size": phase.micro_batch_size, "seq_length": phase.seq_length, "ranks": gathered}
+            out = {
+                "dp": dims.dp,
+                "num_microbatches": phase.num_microbatches,
+                "micro_batch_size": phase.micro_batch_size,
+                "seq_length": phase.seq_length,
+                "ranks": gathered,
+            }
             with open(out_path, "w") as f:
                 json.dump(out, f)
     finally:
@@ -224,14 +254,17 @@ def bench_memory(cfg: K2Config) -> dict[str, Any]:
 
     from k2.parallel.processes import free_port
 
-
     o = bench_options(cfg, DEFAULTS)
     if o["precision"] not in ("fp32", "bf16"):
         raise ConfigError(f"bench.options.precision={o['precision']!r}; allowed: fp32, bf16")
     if o["steps"] < 1 or o["warmup"] < 0:
         raise ConfigError("bench.options.steps must be >= 1 and bench.options.warmup >= 0")
-    base = [f"parallel={o['parallel']}", f"model={o['model']}", f"train.precision={o['precision']}",
-            "run.wandb.mode=disabled"]
+    base = [
+        f"parallel={o['parallel']}",
+        f"model={o['model']}",
+        f"train.precision={o['precision']}",
+        "run.wandb.mode=disabled",
+    ]
     world = int(load_config(base).launch.nproc_per_node)
 
     checked = load_config(base + ["memory=k2"])  # the layout and the settings are valid
@@ -239,8 +272,9 @@ def bench_memory(cfg: K2Config) -> dict[str, Any]:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "memory.json")
-        mp.start_processes(_worker, args=(world, port, base, o, out_path), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, port, base, o, out_path), nprocs=world, join=True, start_method="spawn"
+        )
         with open(out_path) as f:
             raw = json.load(f)
     return _summarise(raw)

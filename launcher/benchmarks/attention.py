@@ -61,12 +61,12 @@ _ATTENTION_DEFAULTS = {
 }
 
 
-def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype_name: str,
-                    warmup: int, repeats: int, seed: int) -> dict[str, Any]:
+def _attention_case(
+    device: str, b: int, h: int, s: int, dk: int, dv: int, dtype_name: str, warmup: int, repeats: int, seed: int
+) -> dict[str, Any]:
     import torch
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
-
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -74,13 +74,26 @@ def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype
     v = torch.randn(s, b, h, dv, generator=gen)
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     tcfg = TransformerConfig(
-        num_layers=1, hidden_size=h * dk, num_attention_heads=h, kv_channels=dk,
-        attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
+        num_layers=1,
+        hidden_size=h * dk,
+        num_attention_heads=h,
+        kv_channels=dk,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=dtype,
     )
 
     def make(record: bool, max_logit_kernel: str = "torch"):
-        m = K2CoreAttention(tcfg, 1, AttnMaskType.causal, "self", k_channels=dk, v_channels=dv,
-                            record_max_logits=record, max_logit_kernel=max_logit_kernel)
+        m = K2CoreAttention(
+            tcfg,
+            1,
+            AttnMaskType.causal,
+            "self",
+            k_channels=dk,
+            v_channels=dv,
+            record_max_logits=record,
+            max_logit_kernel=max_logit_kernel,
+        )
         return m.to(device).train()  # max logits are recorded in training forwards
 
     from k2.model.max_logit_kernel import available as triton_max_logit_available
@@ -125,8 +138,10 @@ def _attention_case(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype
         k2_tflops=flops / (times["k2_record"] * 1e-3) / 1e12,
     )
     if "k2_record_triton" in times:
-        figures.update(time_k2_triton_ms=times["k2_record_triton"],
-                       max_logit_overhead_triton=times["k2_record_triton"] / times["k2_no_record"] - 1.0)
+        figures.update(
+            time_k2_triton_ms=times["k2_record_triton"],
+            max_logit_overhead_triton=times["k2_record_triton"] / times["k2_no_record"] - 1.0,
+        )
     return figures
 
 
@@ -159,8 +174,19 @@ def bench_attention(cfg: K2Config) -> dict[str, Any]:
         raise ConfigError(f"bench.options.devices={o['devices']!r}; allowed: auto, cpu, cuda")
     if o["devices"] == "cuda" and not torch.cuda.is_available():
         raise ConfigError("bench.options.devices=cuda but no CUDA device is available; allowed: auto, cpu")
-    for key in ("batch", "heads", "seq_length", "qk_head_dim", "v_head_dim", "cuda_batch",
-                "cuda_heads", "cuda_seq_length", "cuda_qk_head_dim", "cuda_v_head_dim", "repeats"):
+    for key in (
+        "batch",
+        "heads",
+        "seq_length",
+        "qk_head_dim",
+        "v_head_dim",
+        "cuda_batch",
+        "cuda_heads",
+        "cuda_seq_length",
+        "cuda_qk_head_dim",
+        "cuda_v_head_dim",
+        "repeats",
+    ):
         if o[key] < 1:
             raise ConfigError(f"bench.options.{key}={o[key]} must be >= 1")
     if o["warmup"] < 0:
@@ -169,12 +195,28 @@ def bench_attention(cfg: K2Config) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     if o["devices"] in ("auto", "cpu"):
         figures["cpu"] = _attention_case(
-            "cpu", o["batch"], o["heads"], o["seq_length"], o["qk_head_dim"], o["v_head_dim"],
-            o["dtype"], o["warmup"], o["repeats"], o["seed"],
+            "cpu",
+            o["batch"],
+            o["heads"],
+            o["seq_length"],
+            o["qk_head_dim"],
+            o["v_head_dim"],
+            o["dtype"],
+            o["warmup"],
+            o["repeats"],
+            o["seed"],
         )
     if o["devices"] in ("auto", "cuda") and torch.cuda.is_available():
         figures["cuda"] = _attention_case(
-            "cuda", o["cuda_batch"], o["cuda_heads"], o["cuda_seq_length"], o["cuda_qk_head_dim"],
-            o["cuda_v_head_dim"], o["cuda_dtype"], o["warmup"], o["repeats"], o["seed"],
+            "cuda",
+            o["cuda_batch"],
+            o["cuda_heads"],
+            o["cuda_seq_length"],
+            o["cuda_qk_head_dim"],
+            o["cuda_v_head_dim"],
+            o["cuda_dtype"],
+            o["warmup"],
+            o["repeats"],
+            o["seed"],
         )
     return figures

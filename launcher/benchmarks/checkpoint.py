@@ -50,18 +50,28 @@ _DEFAULTS = {
 
 def _run(o: dict, async_save: bool, run_dir: Path) -> tuple[list[dict], str]:
     overrides = [
-        "model=k2_tiny", f"model.num_moe_experts={o['moe_experts']}", f"model.moe_ffn_hidden_size={o['moe_ffn']}",
-        "optim=adamw", f"train.iters={o['iters']}", f"train.save_interval={o['save_interval']}",
-        "train.eval_interval=0", "checkpoint.save_at_end=false", f"checkpoint.keep_last={o['iters']}",
-        f"checkpoint.async_save={str(async_save).lower()}", "run.wandb.mode=disabled", "train.progress=false",
-        "launch.nproc_per_node=1", f"run.dir={run_dir}",
+        "model=k2_tiny",
+        f"model.num_moe_experts={o['moe_experts']}",
+        f"model.moe_ffn_hidden_size={o['moe_ffn']}",
+        "optim=adamw",
+        f"train.iters={o['iters']}",
+        f"train.save_interval={o['save_interval']}",
+        "train.eval_interval=0",
+        "checkpoint.save_at_end=false",
+        f"checkpoint.keep_last={o['iters']}",
+        f"checkpoint.async_save={str(async_save).lower()}",
+        "run.wandb.mode=disabled",
+        "train.progress=false",
+        "launch.nproc_per_node=1",
+        f"run.dir={run_dir}",
     ]
     cmd = [sys.executable, "-m", "k2.launcher.train", *overrides]
-    proc = subprocess.run(cmd, cwd=repo_root(), env=child_env(), capture_output=True, text=True,
-                          timeout=o["timeout"])
+    proc = subprocess.run(cmd, cwd=repo_root(), env=child_env(), capture_output=True, text=True, timeout=o["timeout"])
     if proc.returncode != 0:
-        raise RuntimeError(f"bench=checkpoint: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
-                           f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"bench=checkpoint: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r.get("step", 0) > 0], proc.stdout
 
@@ -89,9 +99,11 @@ def bench_checkpoint(cfg: K2Config) -> dict[str, Any]:
         if o[key] < 1:
             raise ConfigError(f"bench.options.{key}={o[key]} must be >= 1")
     if o["iters"] < 4 * o["save_interval"] or o["iters"] % o["save_interval"]:
-        raise ConfigError(f"bench.options.iters={o['iters']} must be a multiple of bench.options.save_interval "
-                          f"({o['save_interval']}) and >= {4 * o['save_interval']}: three timed saves and a "
-                          f"last one")
+        raise ConfigError(
+            f"bench.options.iters={o['iters']} must be a multiple of bench.options.save_interval "
+            f"({o['save_interval']}) and >= {4 * o['save_interval']}: three timed saves and a "
+            f"last one"
+        )
     with tempfile.TemporaryDirectory(prefix="k2-bench-ckpt-") as tmp:
         sync, _ = _run(o, False, Path(tmp) / "sync")
         ckpt = Path(tmp) / "sync" / "checkpoints" / f"iter_{o['save_interval']:07d}"

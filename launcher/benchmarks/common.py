@@ -43,9 +43,7 @@ def bench_options(cfg: K2Config, defaults: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError
             out[key] = kind(value)
         except (TypeError, ValueError):
-            raise ConfigError(
-                f"bench.options.{key}={value!r} must be of type {kind.__name__}"
-            ) from None
+            raise ConfigError(f"bench.options.{key}={value!r} must be of type {kind.__name__}") from None
     return out
 
 
@@ -126,8 +124,9 @@ def time_calls(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, cud
     return {k: statistics.median(v) * 1e3 for k, v in interleaved_samples(fns, repeats, sync).items()}
 
 
-def interleaved_samples(fns: dict[str, Callable[[], Any]], repeats: int,
-                        sync: Callable[[], None]) -> dict[str, list[float]]:
+def interleaved_samples(
+    fns: dict[str, Callable[[], Any]], repeats: int, sync: Callable[[], None]
+) -> dict[str, list[float]]:
     """Seconds of ``repeats`` calls of each function, the calls interleaved round-robin in the order of
     ``fns`` (a drift of the machine's load or clocks hits every function alike), each timed from a
     ``sync()`` to one after it (a device synchronisation, or nothing on a CPU)."""
@@ -155,8 +154,9 @@ def one_rank_world():
     made_dist = made_ps = False
     if not dist.is_initialized():
         port = free_port()
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
         made_dist = True
     if dist.get_world_size() != 1:
         raise ConfigError("bench=optimizer runs on one rank; run k2-bench without torchrun")
@@ -179,7 +179,7 @@ def describe(fn: Callable) -> str:
     sentence end): what ``k2-bench`` lists, never cut mid-sentence."""
     paragraph = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
     m = re.search(r"(?<=[.!?])\s+(?=[A-Z(`])", paragraph)
-    return paragraph[:m.start()] if m else paragraph
+    return paragraph[: m.start()] if m else paragraph
 
 
 def _fmt(value: Any) -> str:

@@ -54,8 +54,17 @@ from k2.launcher.benchmarks.common import bench_options
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-DEFAULTS = {"corpus_mb": 8.0, "repeats": 3, "rss_mb": 2.0, "vocab_size": 4096, "workers": 2,
-            "chunk_documents": 2048, "memory_limit_mb": 0, "array_tasks": 4, "array_pieces_per_task": 4}
+DEFAULTS = {
+    "corpus_mb": 8.0,
+    "repeats": 3,
+    "rss_mb": 2.0,
+    "vocab_size": 4096,
+    "workers": 2,
+    "chunk_documents": 2048,
+    "memory_limit_mb": 0,
+    "array_tasks": 4,
+    "array_pieces_per_task": 4,
+}
 # The raw references, timed over the same documents: ``encode_batch`` in one call over all of them, its
 # result freed after the clock stops (the limit the pipeline is measured against); and
 # ``encode_batch_fast`` (tokenizers >= 0.20: the same ids without the character offsets) called as k2-data
@@ -76,8 +85,11 @@ def stdlib_docstrings(limit: int | None = None) -> list[str]:
             tree = ast.parse(p.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError):
             continue
-        out += [ast.get_docstring(n) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n)]
+        out += [
+            ast.get_docstring(n)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n)
+        ]
         if limit is not None and len(out) >= limit:
             return out[:limit]
     return out
@@ -99,9 +111,15 @@ def write_jsonl_corpus(path: Path, megabytes: float, docs: list[str]) -> int:
 
 
 def _prepare_args(inp: Path, out: Path, tok: Path, workers: int, chunk: int, vocab: int) -> list[str]:
-    return [f"prepare.input={inp}", f"prepare.output={out}", f"prepare.workers={workers}",
-            f"prepare.chunk_documents={chunk}", "prepare.progress=false", f"data.tokenizer={tok}",
-            f"model.vocab_size={vocab}"]
+    return [
+        f"prepare.input={inp}",
+        f"prepare.output={out}",
+        f"prepare.workers={workers}",
+        f"prepare.chunk_documents={chunk}",
+        "prepare.progress=false",
+        f"data.tokenizer={tok}",
+        f"model.vocab_size={vocab}",
+    ]
 
 
 def _cpu_s() -> float:
@@ -188,15 +206,31 @@ def _limited_build(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict
         path = root / "limited.jsonl"
         write_jsonl_corpus(path, 2 * limit, docs)
         t0 = time.perf_counter()
-        rss, code = _peak_rss_mb(_prepare_args(path, root / "limited_out" / "c", tok_path, int(o["workers"]),
-                                               int(o["chunk_documents"]), int(o["vocab_size"])), cgroup)
-        charged = next((int(f.read_text()) for f in (cgroup / "memory.max_usage_in_bytes", cgroup / "memory.peak")
-                        if f.exists()), None)  # (v1 / v2: the most memory charged to the cgroup at once)
-        return {"cgroup": how, "memory_limit_mb": limit, "corpus_mb": round(path.stat().st_size / 2**20, 1),
-                "exit_status": code, "finished": code == 0,
-                "peak_rss_mb": None if rss is None else round(rss, 1),
-                "peak_charged_mb": None if charged is None else round(charged / 2**20, 1),
-                "build_s": round(time.perf_counter() - t0, 1)}
+        rss, code = _peak_rss_mb(
+            _prepare_args(
+                path,
+                root / "limited_out" / "c",
+                tok_path,
+                int(o["workers"]),
+                int(o["chunk_documents"]),
+                int(o["vocab_size"]),
+            ),
+            cgroup,
+        )
+        charged = next(
+            (int(f.read_text()) for f in (cgroup / "memory.max_usage_in_bytes", cgroup / "memory.peak") if f.exists()),
+            None,
+        )  # (v1 / v2: the most memory charged to the cgroup at once)
+        return {
+            "cgroup": how,
+            "memory_limit_mb": limit,
+            "corpus_mb": round(path.stat().st_size / 2**20, 1),
+            "exit_status": code,
+            "finished": code == 0,
+            "peak_rss_mb": None if rss is None else round(rss, 1),
+            "peak_charged_mb": None if charged is None else round(charged / 2**20, 1),
+            "build_s": round(time.perf_counter() - t0, 1),
+        }
     finally:
         for _ in range(50):  # (the cgroup can be removed once its last process is gone)
             try:
@@ -232,6 +266,7 @@ def bench_data(cfg: K2Config) -> dict[str, Any]:
         raise ConfigError(f"bench.options.corpus_mb={o['corpus_mb']} must be > 0")
 
     from k2.launcher.datasets.tokenizer import train_byte_level_bpe
+
     docs = stdlib_docstrings()
     with tempfile.TemporaryDirectory(prefix="k2-bench-data-") as tmp:
         root = Path(tmp)
@@ -242,13 +277,13 @@ def bench_data(cfg: K2Config) -> dict[str, Any]:
         n_docs = write_jsonl_corpus(inp, o["corpus_mb"], docs)
         texts = [json.loads(line)["text"] for line in inp.open(encoding="utf-8")]
         workers = sorted({1, int(o["workers"])})
-        sides = {**{m: functools.partial(_raw_encode, tok, texts, m, int(o["chunk_documents"]))
-                    for m in RAW_METHODS},
-                 **{w: functools.partial(_timed_build, o, root, inp, tok_path, w) for w in workers}}
+        sides = {
+            **{m: functools.partial(_raw_encode, tok, texts, m, int(o["chunk_documents"])) for m in RAW_METHODS},
+            **{w: functools.partial(_timed_build, o, root, inp, tok_path, w) for w in workers},
+        }
         tasks = int(o["array_tasks"])
         if tasks > 0:  # the array build: one process, then `tasks` processes at once (module docstring)
-            sides.update({f"array{n}": functools.partial(_timed_array, o, root, inp, tok_path, n)
-                          for n in (1, tasks)})
+            sides.update({f"array{n}": functools.partial(_timed_array, o, root, inp, tok_path, n) for n in (1, tasks)})
         runs: dict[Any, list] = {k: [] for k in sides}
         for _ in range(int(o["repeats"])):
             for k, fn in sides.items():
@@ -256,17 +291,32 @@ def bench_data(cfg: K2Config) -> dict[str, Any]:
         rates = _rate_figures({k: v for k, v in runs.items() if not str(k).startswith("array")}, workers)
         if tasks > 0:
             rates.update(_array_figures(runs, tasks, rates["tokens"]))
-        figures: dict[str, Any] = {"corpus_bytes": inp.stat().st_size, "documents": n_docs,
-                                   "tokens": rates["tokens"], "cpu_count": os.cpu_count(),
-                                   "repeats": int(o["repeats"]), **rates}
+        figures: dict[str, Any] = {
+            "corpus_bytes": inp.stat().st_size,
+            "documents": n_docs,
+            "tokens": rates["tokens"],
+            "cpu_count": os.cpu_count(),
+            "repeats": int(o["repeats"]),
+            **rates,
+        }
         if o["rss_mb"] > 0:  # memory: a streamed build of a corpus 4x larger uses no more memory
             rss = {}
             for mult in (1, 4):
                 path = root / f"rss_{mult}.jsonl"
                 write_jsonl_corpus(path, o["rss_mb"] * mult, docs)
-                rss[mult] = (path.stat().st_size, _peak_rss_mb(_prepare_args(
-                    path, root / f"rss_out{mult}" / "c", tok_path, 1, int(o["chunk_documents"]),
-                    int(o["vocab_size"])))[0])
+                rss[mult] = (
+                    path.stat().st_size,
+                    _peak_rss_mb(
+                        _prepare_args(
+                            path,
+                            root / f"rss_out{mult}" / "c",
+                            tok_path,
+                            1,
+                            int(o["chunk_documents"]),
+                            int(o["vocab_size"]),
+                        )
+                    )[0],
+                )
             figures["rss"] = {f"corpus_{b / 1e6:.2f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()}
             figures["rss_growth_for_4x_corpus"] = rss[4][1] / rss[1][1]
         if o["memory_limit_mb"] > 0:
@@ -283,7 +333,7 @@ def _raw_encode(tok, texts: list, method: str, chunk_documents: int) -> tuple[fl
         return dt, cpu, sum(map(len, enc))
     n = 0
     for i in range(0, len(texts), chunk_documents):  # as k2-data calls it: batch by batch, each freed
-        n += sum(map(len, tok.encode_batch_fast(texts[i:i + chunk_documents], add_special_tokens=False)))
+        n += sum(map(len, tok.encode_batch_fast(texts[i : i + chunk_documents], add_special_tokens=False)))
     return time.perf_counter() - t0, _cpu_s() - c0, n
 
 
@@ -294,8 +344,7 @@ def _timed_build(o: dict, root: Path, inp: Path, tok_path: Path, w: int) -> tupl
     from k2.launcher.datasets.preprocess import prepare_corpus
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"out_w{w}_", dir=root))
-    c = load_config(_prepare_args(inp, out_dir / "c", tok_path, w, int(o["chunk_documents"]),
-                                  int(o["vocab_size"])))
+    c = load_config(_prepare_args(inp, out_dir / "c", tok_path, w, int(o["chunk_documents"]), int(o["vocab_size"])))
     t0, c0 = time.perf_counter(), _cpu_s()
     out = prepare_corpus(c, log=lambda s: None)
     dt, cpu = time.perf_counter() - t0, _cpu_s() - c0  # (the workers are reaped by then)
@@ -314,13 +363,21 @@ def _timed_array(o: dict, root: Path, inp: Path, tok_path: Path, tasks: int) -> 
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"out_a{tasks}_", dir=root))
     pieces = int(o["array_pieces_per_task"]) * int(o["array_tasks"])
-    args = [*_prepare_args(inp, out_dir / "c", tok_path, 1, int(o["chunk_documents"]), int(o["vocab_size"])),
-            f"prepare.tasks={tasks}", f"prepare.shard_bytes={max(1, inp.stat().st_size // pieces)}"]
+    args = [
+        *_prepare_args(inp, out_dir / "c", tok_path, 1, int(o["chunk_documents"]), int(o["vocab_size"])),
+        f"prepare.tasks={tasks}",
+        f"prepare.shard_bytes={max(1, inp.stat().st_size // pieces)}",
+    ]
     t0, c0 = time.perf_counter(), _cpu_s()
     plan_build(load_config(args), log=lambda s: None, start_over=True)
     reports = [Path(out_dir / f"rss{t}.kb") for t in range(tasks)]
-    procs = [subprocess.Popen([sys.executable, "-c", _REPORT_PEAK_RSS, str(reports[t]), *args, f"prepare.task={t}"],
-                              stdout=subprocess.DEVNULL) for t in range(tasks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _REPORT_PEAK_RSS, str(reports[t]), *args, f"prepare.task={t}"],
+            stdout=subprocess.DEVNULL,
+        )
+        for t in range(tasks)
+    ]
     codes = [p.wait() for p in procs]
     dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
     if any(codes):
@@ -337,13 +394,15 @@ def _array_figures(runs: dict, tasks: int, tokens: int) -> dict[str, Any]:
     one, many = runs["array1"], runs[f"array{tasks}"]
     assert all(t == tokens for _, _, t, _ in one + many), "the array builds wrote other tokens"
     med1, medn = statistics.median(d for d, *_ in one), statistics.median(d for d, *_ in many)
-    return {"array_tasks": tasks,
-            "array_one_process_s": [round(d, 4) for d, *_ in one],
-            f"array_{tasks}_tasks_s": [round(d, 4) for d, *_ in many],
-            "array_one_process_tokens_per_s": tokens / med1,
-            f"array_{tasks}_tasks_tokens_per_s": tokens / medn,
-            f"array_{tasks}_tasks_speedup": med1 / medn,
-            "array_task_peak_rss_mb": [max(r[i] for *_, r in many) for i in range(tasks)]}
+    return {
+        "array_tasks": tasks,
+        "array_one_process_s": [round(d, 4) for d, *_ in one],
+        f"array_{tasks}_tasks_s": [round(d, 4) for d, *_ in many],
+        "array_one_process_tokens_per_s": tokens / med1,
+        f"array_{tasks}_tasks_tokens_per_s": tokens / medn,
+        f"array_{tasks}_tasks_speedup": med1 / medn,
+        "array_task_peak_rss_mb": [max(r[i] for *_, r in many) for i in range(tasks)],
+    }
 
 
 def _rate_figures(runs: dict, workers: list) -> dict[str, Any]:
@@ -351,8 +410,9 @@ def _rate_figures(runs: dict, workers: list) -> dict[str, Any]:
     tokens = runs["encode_batch"][0][2]
     for k, rs in runs.items():  # every side counts the same tokens
         assert all(t == tokens for _, _, t in rs), (k, [t for _, _, t in rs], tokens)
-    med = {k: (statistics.median(d for d, _, _ in rs), statistics.median(c for _, c, _ in rs))
-           for k, rs in runs.items()}
+    med = {
+        k: (statistics.median(d for d, _, _ in rs), statistics.median(c for _, c, _ in rs)) for k, rs in runs.items()
+    }
     figures: dict[str, Any] = {"tokens": tokens}
     for m in RAW_METHODS:
         figures[f"raw_{m}_tokens_per_s"] = tokens / med[m][0]

@@ -143,38 +143,56 @@ GOALS = {"exposed_off_prediction": 0.15, "exposed_on_bound": 1.0, "speedup_bound
 
 def _model(o: dict) -> list[str]:
     """The settings of the benchmarked model and layout (the runs' and the prediction's)."""
-    return [f"model={o['model']}", "parallel=single", "parallel.ep=2",
-            f"model.num_layers={o['num_layers']}", f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}",
-            f"train.micro_batch_size={o['micro_batch_size']}",
-            f"schedule.global_batch_tokens={o['global_batch_tokens']}",
-            f"pipeline.decouple_wgrad={str(o['decouple_wgrad']).lower()}"]
+    return [
+        f"model={o['model']}",
+        "parallel=single",
+        "parallel.ep=2",
+        f"model.num_layers={o['num_layers']}",
+        f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}",
+        f"train.micro_batch_size={o['micro_batch_size']}",
+        f"schedule.global_batch_tokens={o['global_batch_tokens']}",
+        f"pipeline.decouple_wgrad={str(o['decouple_wgrad']).lower()}",
+    ]
 
 
 def _overrides(o: dict, run_dir: Path, overlap: bool) -> list[str]:
-    return [*_model(o), f"train.iters={o['iters']}", "train.eval_interval=0",
-            "schedule.phases.0.steps=0", "checkpoint.save_at_end=false", "run.wandb.mode=disabled",
-            "train.progress=false", "resume=never", f"run.dir={run_dir}",
-            f"pipeline.ep_overlap={str(overlap).lower()}", f"pipeline.trace={run_dir / 'trace'}"]
+    return [
+        *_model(o),
+        f"train.iters={o['iters']}",
+        "train.eval_interval=0",
+        "schedule.phases.0.steps=0",
+        "checkpoint.save_at_end=false",
+        "run.wandb.mode=disabled",
+        "train.progress=false",
+        "resume=never",
+        f"run.dir={run_dir}",
+        f"pipeline.ep_overlap={str(overlap).lower()}",
+        f"pipeline.trace={run_dir / 'trace'}",
+    ]
 
 
 def _train(link: ShapedLink, o: dict, run_dir: Path, overlap: bool) -> dict[str, Any]:
     """One 2-rank ``k2-train`` run on the link; its timed steps' figures (module docstring)."""
     env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    link.run_pair([sys.executable, "-m", "k2.launcher.train", *_overrides(o, run_dir, overlap)], env, repo_root(),
-                  o["timeout"])
+    link.run_pair(
+        [sys.executable, "-m", "k2.launcher.train", *_overrides(o, run_dir, overlap)], env, repo_root(), o["timeout"]
+    )
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["step"] > 1]
     traces = read_trace(str(run_dir / "trace"))
     steps = [r["step"] for r in recs]
-    return {"step_s": [r["step_time_s"] for r in recs], "loss": [r["loss"] for r in recs],
-            "pass_s": [max(pass_seconds(ev, s) for ev in traces.values()) for s in steps],
-            "exposed_s": [max(exposed(ev, s) for ev in traces.values()) for s in steps],
-            "compute_s": [max(pass_seconds(ev, s) - exposed(ev, s) for ev in traces.values()) for s in steps],
-            "a2a_bytes": [max(a2a_bytes(ev, s) for ev in traces.values()) for s in steps],
-            "a2a_count": [max(a2a_count(ev, s) for ev in traces.values()) for s in steps],
-            "peer_wait_s": [peer_wait(traces, s) for s in steps],
-            "a2a_nodes": [max(a2a_nodes(ev, s) for ev in traces.values()) for s in steps],
-            "a2a_excess_bytes": [max(a2a_excess(ev, s) for ev in traces.values()) for s in steps]}
+    return {
+        "step_s": [r["step_time_s"] for r in recs],
+        "loss": [r["loss"] for r in recs],
+        "pass_s": [max(pass_seconds(ev, s) for ev in traces.values()) for s in steps],
+        "exposed_s": [max(exposed(ev, s) for ev in traces.values()) for s in steps],
+        "compute_s": [max(pass_seconds(ev, s) - exposed(ev, s) for ev in traces.values()) for s in steps],
+        "a2a_bytes": [max(a2a_bytes(ev, s) for ev in traces.values()) for s in steps],
+        "a2a_count": [max(a2a_count(ev, s) for ev in traces.values()) for s in steps],
+        "peer_wait_s": [peer_wait(traces, s) for s in steps],
+        "a2a_nodes": [max(a2a_nodes(ev, s) for ev in traces.values()) for s in steps],
+        "a2a_excess_bytes": [max(a2a_excess(ev, s) for ev in traces.values()) for s in steps],
+    }
 
 
 def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict, dict]:
@@ -193,8 +211,16 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
     for b in o["balance"]:
         wire = max(b * compute - n * eff["latency_us"] * 1e-6, 1e-3)
         rates.append(round(remote_bytes * 8 / wire / 1e6 / efficiency, 1))
-    return rates, {"calibration_compute_s": compute, "calibration_a2a_remote_bytes": remote_bytes,
-                   "calibration_a2a_count": n, "link_efficiency": efficiency}, unshaped
+    return (
+        rates,
+        {
+            "calibration_compute_s": compute,
+            "calibration_a2a_remote_bytes": remote_bytes,
+            "calibration_a2a_count": n,
+            "link_efficiency": efficiency,
+        },
+        unshaped,
+    )
 
 
 def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
@@ -210,23 +236,32 @@ def _link_profile(link_figures: dict, device: dict) -> dict:
     profile file)."""
     prof = dict(device)
     rate = link_figures["rate_mbit"]
-    prof.update(name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link", gpus_per_host=1,
-                network_latency_us=link_figures["latency_us"], intra_latency_us=link_figures["latency_us"],
-                comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
-                alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),
-                # (measure_link's loaded latency is never below its latency; a mapping without one: no queue)
-                network_loaded_latency_us=link_figures.get("loaded_latency_us", link_figures["latency_us"]),
-                alltoall_beside_compute_slowdown=link_figures.get("beside_compute_slowdown", 1.0),
-                alltoall_peer_wait_us=link_figures.get("peer_wait_us", 0.0))
+    prof.update(
+        name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link",
+        gpus_per_host=1,
+        network_latency_us=link_figures["latency_us"],
+        intra_latency_us=link_figures["latency_us"],
+        comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
+        alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),
+        # (measure_link's loaded latency is never below its latency; a mapping without one: no queue)
+        network_loaded_latency_us=link_figures.get("loaded_latency_us", link_figures["latency_us"]),
+        alltoall_beside_compute_slowdown=link_figures.get("beside_compute_slowdown", 1.0),
+        alltoall_peer_wait_us=link_figures.get("peer_wait_us", 0.0),
+    )
     for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
-        prof.update({f"{side}_gbps": link_figures["alltoall_gbps"],
-                     f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
-                     f"{side}_collective_gbps": link_figures["collective_gbps"]})
+        prof.update(
+            {
+                f"{side}_gbps": link_figures["alltoall_gbps"],
+                f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
+                f"{side}_collective_gbps": link_figures["collective_gbps"],
+            }
+        )
     prof.setdefault("sources", {})["shaped_link"] = (
         "k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair "
         + (f"shaped with tc tbf at {rate:g} Mbit/s" if rate else "(not shaped)")
         + " (the run's all-to-all size, 16 back to back, alone and beside a GEMM loop, and the process's CPU "
-        "seconds per wall second of them; all-reduce of 1 MiB)")
+        "seconds per wall second of them; all-reduce of 1 MiB)"
+    )
     return prof
 
 
@@ -260,8 +295,10 @@ def _unshaped_run(link: ShapedLink, o: dict, run_dir: Path) -> dict[str, Any]:
     excess = statistics.median(run["a2a_excess_bytes"])
     # the wait less what the busier direction's extra bytes took on this link: the ranks' compute skew
     skew = max(0.0, wait - excess / (lf["alltoall_gbps"] * 1e9))
-    return {"run": run, "link": {**lf, "peer_wait_us": wait * 1e6, "compute_skew_us": skew * 1e6,
-                                 "a2a_excess_bytes": excess}}
+    return {
+        "run": run,
+        "link": {**lf, "peer_wait_us": wait * 1e6, "compute_skew_us": skew * 1e6, "a2a_excess_bytes": excess},
+    }
 
 
 def _peer_wait_us(unshaped_link: dict, alltoall_gbps: float) -> float:
@@ -293,48 +330,64 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
     rate = lf["rate_mbit"]
     unshaped = _unshaped_case(o, measured["unshaped"], device, tmp / f"unshaped-{rate:g}")
     calibrated = _calibrated(device, unshaped["compute_scale"])
-    med = {ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s",
-                                                                                        "pass_s")}
-           for ov in runs}
+    med = {
+        ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s", "pass_s")}
+        for ov in runs
+    }
     p = _predicted(o, _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml"))
     pred = {False: p["off"], True: p["on"]}
     off, on = med[False], med[True]
     out = {
-        "rate_mbit": rate, "link_alltoall_gbps": lf["alltoall_gbps"], "link_latency_us": lf["latency_us"],
-        "link_loaded_latency_us": lf["loaded_latency_us"], "link_host_cpu_share": lf["host_cpu_share"],
+        "rate_mbit": rate,
+        "link_alltoall_gbps": lf["alltoall_gbps"],
+        "link_latency_us": lf["latency_us"],
+        "link_loaded_latency_us": lf["loaded_latency_us"],
+        "link_host_cpu_share": lf["host_cpu_share"],
         "link_beside_compute_slowdown": lf.get("beside_compute_slowdown", 1.0),
         "link_peer_wait_us": lf.get("peer_wait_us", 0.0),
         # the wait per dispatch or combine for the other rank's call, as it happened in the runs
-        "peer_wait_off_us": _per_node_us(runs[False]), "peer_wait_on_us": _per_node_us(runs[True]),
+        "peer_wait_off_us": _per_node_us(runs[False]),
+        "peer_wait_on_us": _per_node_us(runs[True]),
         **unshaped,
-        "step_off_s": off["step_s"], "step_on_s": on["step_s"], "speedup": off["step_s"] / on["step_s"],
-        "exposed_a2a_off_s": off["exposed_s"], "exposed_a2a_on_s": on["exposed_s"],
+        "step_off_s": off["step_s"],
+        "step_on_s": on["step_s"],
+        "speedup": off["step_s"] / on["step_s"],
+        "exposed_a2a_off_s": off["exposed_s"],
+        "exposed_a2a_on_s": on["exposed_s"],
         "exposed_cut": 1 - on["exposed_s"] / off["exposed_s"] if off["exposed_s"] > 0 else 0.0,
-        "predicted_off_s": pred[False]["step_s"], "predicted_on_s": pred[True]["step_s"],
+        "predicted_off_s": pred[False]["step_s"],
+        "predicted_on_s": pred[True]["step_s"],
         "predicted_exposed_a2a_off_s": pred[False]["exposed_a2a_s"],
         "predicted_exposed_a2a_on_s": pred[True]["exposed_a2a_s"],
         # the forward-backward pass alone (the rest of a step: the DP gradient reduction over the same link,
         # the optimizer, the trainer's bookkeeping)
-        "pass_off_s": off["pass_s"], "pass_on_s": on["pass_s"],
-        "predicted_pass_off_s": pred[False]["pass_s"], "predicted_pass_on_s": pred[True]["pass_s"],
+        "pass_off_s": off["pass_s"],
+        "pass_on_s": on["pass_s"],
+        "predicted_pass_off_s": pred[False]["pass_s"],
+        "predicted_pass_on_s": pred[True]["pass_s"],
         "predicted_over_measured_off": pred[False]["step_s"] / off["step_s"],
         "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
         "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),
     }
     c = _predicted(o, _profile(o, lf, calibrated, tmp / f"profile-{rate:g}-calibrated.yaml"))
-    out.update(calibrated_predicted_off_s=c["off"]["step_s"], calibrated_predicted_on_s=c["on"]["step_s"],
-               calibrated_predicted_speedup=c["speedup"],
-               calibrated_predicted_exposed_a2a_on_s=c["on"]["exposed_a2a_s"],
-               calibrated_predicted_exposed_a2a_off_s=c["off"]["exposed_a2a_s"],
-               calibrated_predicted_over_measured_exposed_off=(c["off"]["exposed_a2a_s"] / off["exposed_s"]
-                                                               if off["exposed_s"] > 0 else float("inf")),
-               calibrated_predicted_ep_comm_host_on_s=c["on"]["breakdown_s"].get("ep_comm_host", 0.0),
-               calibrated_predicted_ep_token_counts_on_s=c["on"]["breakdown_s"].get("ep_token_counts", 0.0),
-               calibrated_predicted_over_measured_off=c["off"]["step_s"] / off["step_s"],
-               calibrated_predicted_over_measured_on=c["on"]["step_s"] / on["step_s"],
-               calibrated_predicted_over_measured_speedup=c["speedup"] / out["speedup"],
-               calibrated_predicted_over_measured_exposed_on=(c["on"]["exposed_a2a_s"] / on["exposed_s"]
-                                                              if on["exposed_s"] > 0 else float("inf")))
+    out.update(
+        calibrated_predicted_off_s=c["off"]["step_s"],
+        calibrated_predicted_on_s=c["on"]["step_s"],
+        calibrated_predicted_speedup=c["speedup"],
+        calibrated_predicted_exposed_a2a_on_s=c["on"]["exposed_a2a_s"],
+        calibrated_predicted_exposed_a2a_off_s=c["off"]["exposed_a2a_s"],
+        calibrated_predicted_over_measured_exposed_off=(
+            c["off"]["exposed_a2a_s"] / off["exposed_s"] if off["exposed_s"] > 0 else float("inf")
+        ),
+        calibrated_predicted_ep_comm_host_on_s=c["on"]["breakdown_s"].get("ep_comm_host", 0.0),
+        calibrated_predicted_ep_token_counts_on_s=c["on"]["breakdown_s"].get("ep_token_counts", 0.0),
+        calibrated_predicted_over_measured_off=c["off"]["step_s"] / off["step_s"],
+        calibrated_predicted_over_measured_on=c["on"]["step_s"] / on["step_s"],
+        calibrated_predicted_over_measured_speedup=c["speedup"] / out["speedup"],
+        calibrated_predicted_over_measured_exposed_on=(
+            c["on"]["exposed_a2a_s"] / on["exposed_s"] if on["exposed_s"] > 0 else float("inf")
+        ),
+    )
     out["goals"] = goals_met(out)
     out["goals_met"] = all(out["goals"].values())
     # what the figures come from: the profiles predicted with, every timed step of every run, the link's probe
@@ -351,18 +404,29 @@ def _per_node_us(runs: list[dict]) -> float:
 
 def goals_met(case: dict) -> dict[str, bool]:
     """Each of :data:`GOALS` for one rate's figures (:func:`_rate_case`)."""
-    return {"exposed_off_prediction": abs(case["calibrated_predicted_over_measured_exposed_off"] - 1)
-            <= GOALS["exposed_off_prediction"],
-            "exposed_on_bound": case["calibrated_predicted_over_measured_exposed_on"] <= GOALS["exposed_on_bound"],
-            "speedup_bound": case["calibrated_predicted_over_measured_speedup"] >= GOALS["speedup_bound"]}
+    return {
+        "exposed_off_prediction": abs(case["calibrated_predicted_over_measured_exposed_off"] - 1)
+        <= GOALS["exposed_off_prediction"],
+        "exposed_on_bound": case["calibrated_predicted_over_measured_exposed_on"] <= GOALS["exposed_on_bound"],
+        "speedup_bound": case["calibrated_predicted_over_measured_speedup"] >= GOALS["speedup_bound"],
+    }
 
 
 #: the step-time terms of compute on the rank (they scale with its speed); the rest is communication
 _COMPUTE_TERMS = ("gemm", "attention", "non_gemm", "schedule", "recompute", "optimizer")
 #: the profile's figures of the rank's speed: rates (divided by the compute scale) and costs (multiplied)
-_RATE_KEYS = ("gemm_fp32_tflops", "gemm_bf16_tflops", "gemm_fp8_tflops", "gemm_grouped_bf16_tflops",
-              "gemm_grouped_fp8_tflops", "gemm_ceiling_tflops", "attention_tflops", "memory_gbps",
-              "peak_bf16_tflops", "peak_fp8_tflops")
+_RATE_KEYS = (
+    "gemm_fp32_tflops",
+    "gemm_bf16_tflops",
+    "gemm_fp8_tflops",
+    "gemm_grouped_bf16_tflops",
+    "gemm_grouped_fp8_tflops",
+    "gemm_ceiling_tflops",
+    "attention_tflops",
+    "memory_gbps",
+    "peak_bf16_tflops",
+    "peak_fp8_tflops",
+)
 _COST_KEYS = ("kernel_launch_us", "microbatch_overhead_us", "step_overhead_us")
 
 
@@ -391,8 +455,12 @@ def _unshaped_case(o: dict, unshaped: dict, device: dict, tmp: Path) -> dict[str
     p = _predicted(o, _profile(o, unshaped["link"], device, tmp / "profile-unshaped.yaml"))["off"]
     compute = sum(p["breakdown_s"].get(k, 0.0) for k in _COMPUTE_TERMS)
     scale = max(step - (p["step_s"] - compute), 1e-9) / compute if compute > 0 else 1.0
-    return {"unshaped_step_off_s": step, "unshaped_predicted_off_s": p["step_s"],
-            "unshaped_predicted_over_measured_off": p["step_s"] / step, "compute_scale": scale}
+    return {
+        "unshaped_step_off_s": step,
+        "unshaped_predicted_off_s": p["step_s"],
+        "unshaped_predicted_over_measured_off": p["step_s"] / step,
+        "compute_scale": scale,
+    }
 
 
 def _device(ranks, o: dict) -> dict:
@@ -400,8 +468,9 @@ def _device(ranks, o: dict) -> dict:
     the link's measured figures replace its collectives)."""
     from k2.launcher.benchmarks.perf_model import device_profile
 
-    return device_profile(2, 1, o["repeats"], ranks, {"collective_gbps": 1.0, "p2p_gbps": 1.0,
-                                                     "latency_us": 0.0})["profile"]
+    return device_profile(2, 1, o["repeats"], ranks, {"collective_gbps": 1.0, "p2p_gbps": 1.0, "latency_us": 0.0})[
+        "profile"
+    ]
 
 
 def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
@@ -412,15 +481,32 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
         ConfigError: a bad option, or no root / ``ip`` / ``tc`` (one line saying so).
     """
     o = bench_options(cfg, _DEFAULTS)
-    check_minimums(o, {"iters": 2, "rounds": 1, "repeats": 1, "timeout": 1, "micro_batch_size": 1,
-                       "global_batch_tokens": 1, "moe_ffn_hidden_size": 1, "num_layers": 2})
+    check_minimums(
+        o,
+        {
+            "iters": 2,
+            "rounds": 1,
+            "repeats": 1,
+            "timeout": 1,
+            "micro_batch_size": 1,
+            "global_batch_tokens": 1,
+            "moe_ffn_hidden_size": 1,
+            "num_layers": 2,
+        },
+    )
     if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in o["rates"]):
-        raise ConfigError(f"bench.options.rates={o['rates']!r}; allowed: [] (auto), or a list of link rates in "
-                          "Mbit/s > 0")
-    if not (isinstance(o["balance"], (list, tuple)) and o["balance"] and all(
-            isinstance(b, (int, float)) and b > 0 for b in o["balance"])):
-        raise ConfigError(f"bench.options.balance={o['balance']!r}; allowed: a list of numbers > 0 (all-to-all "
-                          "time on the wire over compute, one link rate each)")
+        raise ConfigError(
+            f"bench.options.rates={o['rates']!r}; allowed: [] (auto), or a list of link rates in Mbit/s > 0"
+        )
+    if not (
+        isinstance(o["balance"], (list, tuple))
+        and o["balance"]
+        and all(isinstance(b, (int, float)) and b > 0 for b in o["balance"])
+    ):
+        raise ConfigError(
+            f"bench.options.balance={o['balance']!r}; allowed: a list of numbers > 0 (all-to-all "
+            "time on the wire over compute, one link rate each)"
+        )
     check_can_shape()
     from k2.launcher.benchmarks.operator_cost import OperatorRanks
     from k2.launcher.benchmarks.perf_model import median_measurement
@@ -444,13 +530,21 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
             rates = [float(r) for r in o["rates"]]
             if not rates:
                 rates, calibration, unshaped = _auto_rates(link, o, tmp)
-            measured = [_rate_runs(link, o, float(rate), tmp, unshaped if i == 0 else None)
-                        for i, rate in enumerate(rates)]
+            measured = [
+                _rate_runs(link, o, float(rate), tmp, unshaped if i == 0 else None) for i, rate in enumerate(rates)
+            ]
             device = median_measurement([before, _device(ranks, o)])
         cases = [_rate_case(o, m, device, tmp) for m in measured]
-    figures = {"model": o["model"], "layout": "PP1 x EP2 x DP2, one rank per node", "rates_mbit": rates,
-               **calibration, "goals": GOALS, "cases": cases, "device_profile": device,
-               "all_goals_met": all(c["goals_met"] for c in cases)}
+    figures = {
+        "model": o["model"],
+        "layout": "PP1 x EP2 x DP2, one rank per node",
+        "rates_mbit": rates,
+        **calibration,
+        "goals": GOALS,
+        "cases": cases,
+        "device_profile": device,
+        "all_goals_met": all(c["goals_met"] for c in cases),
+    }
     path = write_record(o, figures)
     # the table and the JSON record: the derived figures (the raw timings and the profiles are in the file)
     brief = {k: v for k, v in figures.items() if k not in ("cases", "device_profile")}

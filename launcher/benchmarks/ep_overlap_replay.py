@@ -50,8 +50,10 @@ def step_streams(traces: dict, rank: int, step: int) -> tuple[list, list]:
         for e in _own(evs, step):
             if e["kind"] == "a2a":
                 calls[_node(e)][r].append(e)
-    main = sorted((e for e in events if e["kind"] in ("post", "wait") and e.get("what") in ("dispatch", "combine")),
-                  key=lambda e: (e["start"], e["seq"]))
+    main = sorted(
+        (e for e in events if e["kind"] in ("post", "wait") and e.get("what") in ("dispatch", "combine")),
+        key=lambda e: (e["start"], e["seq"]),
+    )
     waits = {e["req"]: e for e in main if e["kind"] == "wait"}
     index: dict = {}
     nodes: list[dict] = []
@@ -63,8 +65,10 @@ def step_streams(traces: dict, rank: int, step: int) -> tuple[list, list]:
         w = waits.get(e["req"])
         if w is not None and w["end"] > w["start"]:
             end = max(end, w["end"])
-        peer = sum(max(a["start"] for a in group) - a_own["start"]
-                   for a_own, group in zip(mine, zip(*calls[_node(e)].values())))
+        peer = sum(
+            max(a["start"] for a in group) - a_own["start"]
+            for a_own, group in zip(mine, zip(*calls[_node(e)].values()))
+        )
         index[e["req"]] = len(nodes)
         nodes.append({"kind": (e["what"], e["direction"]), "seconds": end - start, "peer_wait": peer})
         free = end
@@ -106,6 +110,7 @@ def replay_exposure(traces: dict, rank: int, step: int) -> dict[str, float]:
     kinds = [n["kind"] for n in nodes]
     full = [n["seconds"] for n in nodes]
     short = [max(0.0, n["seconds"] - n["peer_wait"]) for n in nodes]
+
     # a compute stretch's class: the events on either side of it (post / wait and the node's kind)
     def side(i):
         return (seq[i][0], kinds[seq[i][1]]) if 0 <= i < len(seq) and seq[i][0] != "compute" else None
@@ -115,9 +120,12 @@ def replay_exposure(traces: dict, rank: int, step: int) -> dict[str, float]:
     mean_seq = list(seq)
     for (i, _), m in zip(stretches, means):
         mean_seq[i] = ("compute", m)
-    return {"as_traced": _run(seq, full), "no_peer_wait": _run(seq, short),
-            "means": _run(mean_seq, _class_means(full, kinds)),
-            "means_no_peer_wait": _run(mean_seq, _class_means(short, kinds))}
+    return {
+        "as_traced": _run(seq, full),
+        "no_peer_wait": _run(seq, short),
+        "means": _run(mean_seq, _class_means(full, kinds)),
+        "means_no_peer_wait": _run(mean_seq, _class_means(short, kinds)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m k2.launcher.benchmarks.ep_overlap_replay TRACE_DIR (a pipeline.trace directory "
-              "of a run with pipeline.ep_overlap=true)", file=sys.stderr)
+        print(
+            "usage: python -m k2.launcher.benchmarks.ep_overlap_replay TRACE_DIR (a pipeline.trace directory "
+            "of a run with pipeline.ep_overlap=true)",
+            file=sys.stderr,
+        )
         return 2
     traces = read_trace(args[0])
     if not traces:

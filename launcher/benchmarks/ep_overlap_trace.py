@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["a2a_bytes", "a2a_count", "a2a_excess", "a2a_nodes", "exposed", "pass_seconds", "peer_wait",
-           "step_events"]
+__all__ = ["a2a_bytes", "a2a_count", "a2a_excess", "a2a_nodes", "exposed", "pass_seconds", "peer_wait", "step_events"]
 
 
 def step_events(events: list, step: int) -> list:

@@ -47,7 +47,6 @@ _DEFAULTS = {
 }
 
 
-
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -58,8 +57,9 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
-                   operators: bool = True) -> dict[str, Any]:
+def measure_device(
+    threads: int, repeats: int, gemm_size: int = 0, shapes=(), *, operators: bool = True
+) -> dict[str, Any]:
     """The single-device figures (module docstring) with ``threads`` CPU threads. Returns the profile
     keys it sets, ``gemm_by_shape`` (TFLOP/s per ``"m x k x n"``) and on a CPU ``operator_cost``
     (:func:`k2.launcher.benchmarks.operator_cost.measure_operator_cost`; ``operators=False``: the
@@ -74,6 +74,7 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
         torch.set_num_threads(threads)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
+
         def gemm_rate(m, k, n, batch=1):
             a = torch.randn(batch, m, k, device=dev, dtype=dtype)
             b = torch.randn(batch, k, n, device=dev, dtype=dtype)
@@ -111,19 +112,27 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
             from k2.launcher.benchmarks.operator_cost import measure_operator_cost
             from k2.launcher.planning import KernelRates
 
-            rates = KernelRates(gemm_flops=rate * 1e12, attention_flops=min(attention, rate) * 1e12,
-                                memory_bytes=memory_gbps * 1e9)
+            rates = KernelRates(
+                gemm_flops=rate * 1e12, attention_flops=min(attention, rate) * 1e12, memory_bytes=memory_gbps * 1e9
+            )
             ops = measure_operator_cost(rates, repeats)
     finally:
         torch.set_num_threads(old)
     name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
-    out = {"gpu": name, "kernel_launch_us": launch_us, "memory_gbps": memory_gbps, "memory_efficiency": 1.0,
-           "attention_tflops": attention, "gemm_by_shape": by_shape}
+    out = {
+        "gpu": name,
+        "kernel_launch_us": launch_us,
+        "memory_gbps": memory_gbps,
+        "memory_efficiency": 1.0,
+        "attention_tflops": attention,
+        "gemm_by_shape": by_shape,
+    }
     if cuda:
         out.update(gemm_bf16_tflops=ceiling)
     else:
-        out.update(gemm_fp32_tflops=rate, gemm_bf16_tflops=rate, gemm_ceiling_tflops=ceiling, gemm_tile=1,
-                   compute_units=None)
+        out.update(
+            gemm_fp32_tflops=rate, gemm_bf16_tflops=rate, gemm_ceiling_tflops=ceiling, gemm_tile=1, compute_units=None
+        )
     if ops is not None:
         out["operator_cost"] = ops
         out.update(operator_profile_keys(ops))
@@ -133,8 +142,11 @@ def measure_device(threads: int, repeats: int, gemm_size: int = 0, shapes=(), *,
 def operator_us(ops: dict[str, Any]) -> dict[str, float]:
     """The profile's ``operator_us`` (per part, microseconds) from the measured operator figures
     (:func:`k2.launcher.benchmarks.operator_cost.measure_operator_cost`)."""
-    return {"embedding": ops["embedding"]["per_op_us"], "loss": ops["head"]["per_op_us"],
-            "optimizer": ops["optimizer"]["per_op_us"]}
+    return {
+        "embedding": ops["embedding"]["per_op_us"],
+        "loss": ops["head"]["per_op_us"],
+        "optimizer": ops["optimizer"]["per_op_us"],
+    }
 
 
 def operator_profile_keys(ops: dict[str, Any]) -> dict[str, Any]:
@@ -143,12 +155,19 @@ def operator_profile_keys(ops: dict[str, Any]) -> dict[str, Any]:
     GEMM rate of one microbatch's own GEMMs run alone (``gemm_fp32_tflops`` / ``gemm_bf16_tflops``)."""
     moe, sched = ops["moe_layer"], ops["schedule"]
     weights = {"moe_layer": sched["moe_layers"], "dense_layer": sched["dense_layers"], "embedding": 1, "head": 1}
-    rate = (sum(n * ops[p]["gemm_flops"] for p, n in weights.items())
-            / sum(n * ops[p]["gemm_s"] for p, n in weights.items()) / 1e12)
-    return {"kernel_launch_us": moe["per_op_us"], "operator_us": operator_us(ops),
-            "gemm_fp32_tflops": rate, "gemm_bf16_tflops": rate,
-            "microbatch_overhead_us": sched["microbatch_us"],
-            "step_overhead_us": sched["step_us"]}
+    rate = (
+        sum(n * ops[p]["gemm_flops"] for p, n in weights.items())
+        / sum(n * ops[p]["gemm_s"] for p, n in weights.items())
+        / 1e12
+    )
+    return {
+        "kernel_launch_us": moe["per_op_us"],
+        "operator_us": operator_us(ops),
+        "gemm_fp32_tflops": rate,
+        "gemm_bf16_tflops": rate,
+        "microbatch_overhead_us": sched["microbatch_us"],
+        "step_overhead_us": sched["step_us"],
+    }
 
 
 def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: int, q) -> None:
@@ -168,8 +187,7 @@ def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: 
     parts = [torch.empty_like(x) for _ in range(world)]
     ag = best_time(lambda: (dist.all_gather(parts, x), dist.barrier()), repeats, sync)
     rs_out = torch.empty(nbytes // 4 // world, device=dev)
-    rs = best_time(lambda: dist.reduce_scatter_tensor(rs_out, x) if cuda else
-                      dist.all_reduce(x), repeats, sync)
+    rs = best_time(lambda: dist.reduce_scatter_tensor(rs_out, x) if cuda else dist.all_reduce(x), repeats, sync)
 
     def ping(t):
         if rank == 0:
@@ -188,10 +206,16 @@ def _collective_worker(rank: int, world: int, port: int, threads: int, repeats: 
         n = world
         # ring bus bandwidth: each rank moves (n - 1) / n of the whole buffer; gloo has no reduce-scatter:
         # its all-reduce (reduce-scatter + all-gather, 2 (n - 1) / n) stands in
-        q.put({"collective_gbps": statistics.mean([nbytes * n * (n - 1) / n / ag / 1e9,
-                                                   nbytes * (2 if not cuda else 1) * (n - 1) / n / rs / 1e9]),
-               "p2p_gbps": (4 << 20) / max(p2p - lat, 1e-9) / 1e9, "latency_us": lat * 1e6,
-               "backend": "nccl" if cuda else "gloo"})
+        q.put(
+            {
+                "collective_gbps": statistics.mean(
+                    [nbytes * n * (n - 1) / n / ag / 1e9, nbytes * (2 if not cuda else 1) * (n - 1) / n / rs / 1e9]
+                ),
+                "p2p_gbps": (4 << 20) / max(p2p - lat, 1e-9) / 1e9,
+                "latency_us": lat * 1e6,
+                "backend": "nccl" if cuda else "gloo",
+            }
+        )
 
 
 def measure_collectives(ranks: int, threads: int, repeats: int) -> dict[str, Any]:
@@ -216,26 +240,37 @@ def measure_collectives(ranks: int, threads: int, repeats: int) -> dict[str, Any
     return res
 
 
-def measure_profile(threads: int, ranks: int, repeats: int, *, name: str = "", gemm_size: int = 0,
-                    shapes=(), operators: bool = True) -> dict[str, Any]:
+def measure_profile(
+    threads: int, ranks: int, repeats: int, *, name: str = "", gemm_size: int = 0, shapes=(), operators: bool = True
+) -> dict[str, Any]:
     """A whole profile (the keys of ``recipes/hardware/*.yaml``) measured on this machine; with the
     per-part operator figures (``operator_cost``) where measured."""
     dev = measure_device(threads, repeats, gemm_size, shapes, operators=operators)
     coll = measure_collectives(ranks, threads, repeats) if ranks >= 2 else None
     when = datetime.date.today().isoformat()
     prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
-    prof.update(name=name or ("measured-" + ("cuda" if dev["gemm_bf16_tflops"] > 50 else "cpu")),
-                gpus_per_host=max(ranks, 1), peak_bf16_tflops=dev["gemm_bf16_tflops"],
-                peak_fp8_tflops=2 * dev["gemm_bf16_tflops"], host_gbps=dev["memory_gbps"] / 2,
-                nongemm_share=0.0)
+    prof.update(
+        name=name or ("measured-" + ("cuda" if dev["gemm_bf16_tflops"] > 50 else "cpu")),
+        gpus_per_host=max(ranks, 1),
+        peak_bf16_tflops=dev["gemm_bf16_tflops"],
+        peak_fp8_tflops=2 * dev["gemm_bf16_tflops"],
+        host_gbps=dev["memory_gbps"] / 2,
+        nongemm_share=0.0,
+    )
     c = coll or {"collective_gbps": dev["memory_gbps"] / 2, "p2p_gbps": dev["memory_gbps"] / 2, "latency_us": 0.0}
     for side in ("nvlink", "network"):
-        prof.update({f"{side}_gbps": c["p2p_gbps"], f"{side}_alltoall_gbps": c["collective_gbps"],
-                     f"{side}_collective_gbps": c["collective_gbps"]})
+        prof.update(
+            {
+                f"{side}_gbps": c["p2p_gbps"],
+                f"{side}_alltoall_gbps": c["collective_gbps"],
+                f"{side}_collective_gbps": c["collective_gbps"],
+            }
+        )
     prof.update(network_latency_us=c["latency_us"], intra_latency_us=c["latency_us"])
-    prof["sources"] = {"measured": f"k2-bench bench=hardware on {dev['gpu']}, {when}, "
-                                   f"{threads or os.cpu_count()} threads per rank, {ranks} ranks"
-                                   + (f" ({coll['backend']})" if coll else "")}
+    prof["sources"] = {
+        "measured": f"k2-bench bench=hardware on {dev['gpu']}, {when}, "
+        f"{threads or os.cpu_count()} threads per rank, {ranks} ranks" + (f" ({coll['backend']})" if coll else "")
+    }
     res = {"profile": prof, "gemm_by_shape_tflops": dev["gemm_by_shape"]}
     if "operator_cost" in dev:
         res["operator_cost"] = dev["operator_cost"]
@@ -247,8 +282,10 @@ def write_profile(profile: dict[str, Any], path: str) -> None:
     import yaml
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    head = ("# Hardware profile measured by k2-bench bench=hardware (launcher/benchmarks/hardware.py); every "
-            "number is a measurement of this machine (sources.measured)\n")
+    head = (
+        "# Hardware profile measured by k2-bench bench=hardware (launcher/benchmarks/hardware.py); every "
+        "number is a measurement of this machine (sources.measured)\n"
+    )
     Path(path).write_text(head + yaml.safe_dump(profile, sort_keys=False))
 
 
@@ -261,9 +298,15 @@ def bench_hardware(cfg: K2Config) -> dict[str, Any]:
     o = bench_options(cfg, _DEFAULTS)
     check_minimums(o, {"threads": 0, "ranks": 1, "repeats": 1, "gemm_size": 0})
     threads = o["threads"] or max(1, (os.cpu_count() or 1) // max(o["ranks"], 1))
-    res = measure_profile(threads, o["ranks"], o["repeats"], name=o["name"], gemm_size=o["gemm_size"],
-                          shapes=[(256, 128, 384), (256, 384, 128), (256, 128, 4096), (128, 128, 128)],
-                          operators=bool(o["operators"]))
+    res = measure_profile(
+        threads,
+        o["ranks"],
+        o["repeats"],
+        name=o["name"],
+        gemm_size=o["gemm_size"],
+        shapes=[(256, 128, 384), (256, 384, 128), (256, 128, 4096), (128, 128, 128)],
+        operators=bool(o["operators"]),
+    )
     if o["out"]:
         write_profile(res["profile"], o["out"])
         res["written"] = o["out"]

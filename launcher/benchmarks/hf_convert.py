@@ -44,11 +44,17 @@ def model_overrides(o: dict) -> list[str]:
     """The config overrides of the synthetic model (and ``convert.shard_bytes``) for the options ``o``
     (keys of :data:`DEFAULTS`)."""
     h, f = o["hidden_size"], o["moe_ffn_hidden_size"]
-    return [f"model.hidden_size={h}", f"model.num_layers={o['num_layers']}",
-            f"model.num_moe_experts={o['num_moe_experts']}", f"model.moe_ffn_hidden_size={f}",
-            f"model.moe_shared_expert_intermediate_size={f}", f"model.ffn_hidden_size={3 * h}",
-            f"model.vocab_size={o['vocab_size']}", f"data.vocab_size={o['vocab_size']}",
-            f"convert.shard_bytes={o['shard_bytes']}"]
+    return [
+        f"model.hidden_size={h}",
+        f"model.num_layers={o['num_layers']}",
+        f"model.num_moe_experts={o['num_moe_experts']}",
+        f"model.moe_ffn_hidden_size={f}",
+        f"model.moe_shared_expert_intermediate_size={f}",
+        f"model.ffn_hidden_size={3 * h}",
+        f"model.vocab_size={o['vocab_size']}",
+        f"data.vocab_size={o['vocab_size']}",
+        f"convert.shard_bytes={o['shard_bytes']}",
+    ]
 
 
 def write_synthetic_hf(path: Path, m, shard_bytes: int, seed: int) -> tuple[int, int, int]:
@@ -84,8 +90,9 @@ def write_synthetic_hf(path: Path, m, shard_bytes: int, seed: int) -> tuple[int,
             flush()
     if shard:
         flush()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (path / "config.json").write_text(json.dumps(hf_config(m, "rope", "fp32")))
     return total, largest, stored
 
@@ -154,8 +161,12 @@ def convert_in_child(verb: str, args: dict) -> dict:
     Raises:
         RuntimeError: the conversion failed (with the end of its stderr).
     """
-    proc = subprocess.run([sys.executable, "-m", "k2.launcher.benchmarks.hf_convert", verb, json.dumps(args)],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "k2.launcher.benchmarks.hf_convert", verb, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"k2-convert {verb} failed in the benchmark: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -171,17 +182,30 @@ def bench_hf_convert(cfg: K2Config) -> dict[str, Any]:
         overrides = [*model_overrides(o), f"run.dir={tmp / 'run'}"]
         m = load_config(overrides).model
         model_bytes, group_bytes, tensor_bytes = write_synthetic_hf(tmp / "hf", m, o["shard_bytes"], o["seed"])
-        figures: dict[str, Any] = {"model_bytes": model_bytes, "largest_group_bytes": group_bytes,
-                                   "largest_tensor_bytes": tensor_bytes, "shard_bytes": o["shard_bytes"]}
+        figures: dict[str, Any] = {
+            "model_bytes": model_bytes,
+            "largest_group_bytes": group_bytes,
+            "largest_tensor_bytes": tensor_bytes,
+            "shard_bytes": o["shard_bytes"],
+        }
         imp = convert_in_child("import", {"hf": str(tmp / "hf"), "overrides": overrides})
-        exp = convert_in_child("export", {"checkpoint": str(tmp / "run" / "checkpoints" / "iter_0000000"),
-                                    "out": str(tmp / "out"), "overrides": overrides,
-                                    "shard_bytes": o["shard_bytes"]})
+        exp = convert_in_child(
+            "export",
+            {
+                "checkpoint": str(tmp / "run" / "checkpoints" / "iter_0000000"),
+                "out": str(tmp / "out"),
+                "overrides": overrides,
+                "shard_bytes": o["shard_bytes"],
+            },
+        )
         for name, r in (("import", imp), ("export", exp)):
-            figures[name] = {"peak_rss_bytes": r["peak_rss_bytes"], "maxrss_rise_bytes": r["maxrss_rise_bytes"],
-                             "seconds": round(r["seconds"], 2),
-                             "vs_model": round(r["peak_rss_bytes"] / model_bytes, 3),
-                             "vs_largest_group": round(r["peak_rss_bytes"] / group_bytes, 2)}
+            figures[name] = {
+                "peak_rss_bytes": r["peak_rss_bytes"],
+                "maxrss_rise_bytes": r["maxrss_rise_bytes"],
+                "seconds": round(r["seconds"], 2),
+                "vs_model": round(r["peak_rss_bytes"] / model_bytes, 3),
+                "vs_largest_group": round(r["peak_rss_bytes"] / group_bytes, 2),
+            }
     return figures
 
 

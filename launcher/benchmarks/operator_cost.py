@@ -112,6 +112,7 @@ def _parts(case, seq_length: int, micro_batch_size: int) -> dict[str, tuple[Call
             MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=dev))
             out = layer(x)
             return (out[0] if isinstance(out, tuple) else out).float().sum()
+
         return fwd
 
     def embedding():
@@ -122,9 +123,15 @@ def _parts(case, seq_length: int, micro_batch_size: int) -> dict[str, tuple[Call
         logits, _ = gpt.output_layer(hidden)
         return loss_func(mask, gpt.compute_language_model_loss(labels, logits))[0]
 
-    return {"moe_layer": (layer_fwd(moe), None), "dense_layer": (layer_fwd(dense), None),
-            "embedding": (embedding, None), "head": (head, None), "optimizer": (None, case.optimizer.step),
-            "schedule_1": (None, lambda: case.schedule(1)), "schedule_3": (None, lambda: case.schedule(3))}
+    return {
+        "moe_layer": (layer_fwd(moe), None),
+        "dense_layer": (layer_fwd(dense), None),
+        "embedding": (embedding, None),
+        "head": (head, None),
+        "optimizer": (None, case.optimizer.step),
+        "schedule_1": (None, lambda: case.schedule(1)),
+        "schedule_3": (None, lambda: case.schedule(3)),
+    }
 
 
 def _gemm_pass(gemms: list) -> tuple[float, Callable]:
@@ -192,10 +199,14 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
             if gemm_run is not None:
                 gemm_run()  # (warm-up)
                 gemm_runs[name] = gemm_run
-            out[name] = {"forward_ops": forward_ops, "backward_ops": counter.ops - forward_ops,
-                         "gemms": len(counter.gemms), "gemm_flops": flops,
-                         "gemm_model_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
-                         "bytes_s": counter.nbytes / rates.memory_bytes}
+            out[name] = {
+                "forward_ops": forward_ops,
+                "backward_ops": counter.ops - forward_ops,
+                "gemms": len(counter.gemms),
+                "gemm_flops": flops,
+                "gemm_model_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
+                "bytes_s": counter.nbytes / rates.memory_bytes,
+            }
         # each part and then its GEMMs alone, in turn: a change of the machine's load hits a part's run and its
         # GEMMs' alike (timed apart, a slow stretch during the GEMMs made them longer than the whole part)
         turn: dict[str, Callable] = {}
@@ -210,13 +221,21 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
         while not hasattr(gpt, "decoder"):
             gpt = gpt.module
         kinds = ["MoE" in type(layer.mlp).__name__ for layer in gpt.decoder.layers]
-        parts_s = (sum(kinds) * min(samples["moe_layer"]) + (len(kinds) - sum(kinds)) * min(samples["dense_layer"])
-                   + min(samples["embedding"]) + min(samples["head"]))
+        parts_s = (
+            sum(kinds) * min(samples["moe_layer"])
+            + (len(kinds) - sum(kinds)) * min(samples["dense_layer"])
+            + min(samples["embedding"])
+            + min(samples["head"])
+        )
         one, three = min(samples["schedule_1"]), min(samples["schedule_3"])
         per_mb = max((three - one) / 2 - parts_s, 0.0)
-        out["schedule"] = {"microbatch_us": per_mb * 1e6, "step_us": max(one - parts_s - per_mb, 0.0) * 1e6,
-                           "parts_per_microbatch_s": parts_s, "moe_layers": sum(kinds),
-                           "dense_layers": len(kinds) - sum(kinds)}
+        out["schedule"] = {
+            "microbatch_us": per_mb * 1e6,
+            "step_us": max(one - parts_s - per_mb, 0.0) * 1e6,
+            "parts_per_microbatch_s": parts_s,
+            "moe_layers": sum(kinds),
+            "dense_layers": len(kinds) - sum(kinds),
+        }
         for name, row in out.items():
             if name == "schedule":
                 continue
@@ -244,10 +263,27 @@ def build_case(model_overrides=()):
 
     cpu_backend.enable()
     teardown = one_rank_world()
-    o = dict(step_bench.DEFAULTS, size="tiny", precision="fp32", seq_length=128, microbatches=8,
-             micro_batch_size=2, memory="none")
-    case = build_k2(o, ["model=k2_tiny", "train.precision=fp32", "run.wandb.mode=disabled", "parallel=single",
-                        "train.micro_batch_size=2", *model_overrides], ["optim=adamw", "model.moe_grouped_gemm=false"])
+    o = dict(
+        step_bench.DEFAULTS,
+        size="tiny",
+        precision="fp32",
+        seq_length=128,
+        microbatches=8,
+        micro_batch_size=2,
+        memory="none",
+    )
+    case = build_k2(
+        o,
+        [
+            "model=k2_tiny",
+            "train.precision=fp32",
+            "run.wandb.mode=disabled",
+            "parallel=single",
+            "train.micro_batch_size=2",
+            *model_overrides,
+        ],
+        ["optim=adamw", "model.moe_grouped_gemm=false"],
+    )
     case.step()
     return case, teardown
 

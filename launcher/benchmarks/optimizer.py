@@ -36,9 +36,15 @@ def _optimizer_case(name: str, o: dict, extra: tuple = (), world: int = 1):
     random gradients in megatron's grad buffers (ZeRO-1 on, ``world`` ranks of DP)."""
     import torch
 
-
-    cfg = load_config([f"optim={name}", f"model={o['model']}", f"train.precision={o['precision']}",
-                       f"optim.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']}", *extra])
+    cfg = load_config(
+        [
+            f"optim={name}",
+            f"model={o['model']}",
+            f"train.precision={o['precision']}",
+            f"optim.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']}",
+            *extra,
+        ]
+    )
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
     parts = setup(cfg, dims, resolve_schedule(cfg), init=o["seed"])
     chunks, model, optimizer = parts.chunks, parts.model, parts.optimizer
@@ -72,8 +78,15 @@ def _zero1_rank(rank: int, o: dict, port: int, out: str) -> None:
     from k2.optim.build import leaf_optimizers
     from k2.parallel.distributed import DistEnv, destroy_distributed, init_distributed
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+        }
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     cfg = load_config([f"model={o['model']}"])
     init_distributed(DistEnv(rank, 2, rank, True), ParallelDims.from_config(cfg.parallel, cfg.model, 2), o["seed"])
@@ -89,10 +102,12 @@ def _zero1_rank(rank: int, o: dict, port: int, out: str) -> None:
             def call():
                 fn()
                 torch.distributed.barrier()
+
             return call
 
-        times = time_calls({k: synced(v) for k, v in steps.items()}, o["warmup"], o["repeats"],
-                           cuda=torch.cuda.is_available())
+        times = time_calls(
+            {k: synced(v) for k, v in steps.items()}, o["warmup"], o["repeats"], cuda=torch.cuda.is_available()
+        )
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"times": times, "straddlers": straddlers}, f)
@@ -127,8 +142,11 @@ def _zero1_figures(o: dict) -> dict[str, Any]:
         "time_dp2_layer_wise_ms": t["layer_wise"],
         "byte_range_over_layer_wise": t["byte_range"] / t["layer_wise"],
         "offload_over_no_offload": t["byte_range_offload"] / t["byte_range"],
-        "gpu": ("the DP=2 figures ran on two CUDA devices" if torch.cuda.device_count() >= 2
-                else "no GPU was lent to this run: CPU figures only"),
+        "gpu": (
+            "the DP=2 figures ran on two CUDA devices"
+            if torch.cuda.device_count() >= 2
+            else "no GPU was lent to this run: CPU figures only"
+        ),
     }
 
 
@@ -160,8 +178,10 @@ def bench_optimizer(cfg: K2Config) -> dict[str, Any]:
     if o["precision"] not in DTYPES:
         raise ConfigError(f"bench.options.precision={o['precision']!r}; allowed: {', '.join(DTYPES)}")
     if o["muon_fp32_matmul_prec"] not in ("medium", "high", "highest"):
-        raise ConfigError(f"bench.options.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']!r}; "
-                          "allowed: medium (Newton-Schulz in bf16), high, highest")
+        raise ConfigError(
+            f"bench.options.muon_fp32_matmul_prec={o['muon_fp32_matmul_prec']!r}; "
+            "allowed: medium (Newton-Schulz in bf16), high, highest"
+        )
     if o["repeats"] < 1 or o["warmup"] < 0:
         raise ConfigError("bench.options.repeats must be >= 1 and bench.options.warmup >= 0")
 
@@ -177,8 +197,12 @@ def bench_optimizer(cfg: K2Config) -> dict[str, Any]:
                 core.max_logits.fill_(200.0)
             clip.step()
 
-        times = time_calls({"adamw": adam.step, "muon_step": muon.step, "qk_clip": qk_clip},
-                           o["warmup"], o["repeats"], cuda=torch.cuda.is_available())
+        times = time_calls(
+            {"adamw": adam.step, "muon_step": muon.step, "qk_clip": qk_clip},
+            o["warmup"],
+            o["repeats"],
+            cuda=torch.cuda.is_available(),
+        )
         from k2.optim.params import ROUTE_ATTR
 
         counts = {"muon": 0, "adamw": 0}

@@ -57,8 +57,9 @@ _CONFIGS = {"single": 1, "pp2": 2}
 _SHAPES = [(256, 128, 384), (256, 384, 128), (256, 128, 4096), (256, 128, 96), (256, 64, 128)]
 
 
-def device_profile(nproc: int, threads: int, repeats: int, ranks: OperatorRanks, coll: dict,
-                   name: str = "") -> dict[str, Any]:
+def device_profile(
+    nproc: int, threads: int, repeats: int, ranks: OperatorRanks, coll: dict, name: str = ""
+) -> dict[str, Any]:
     """This machine's profile for ``nproc`` ranks of ``threads`` threads each, measured now: GEMM rates by
     shape, memory bandwidth and attention (one process), the per-operator cost of one MoE layer of the
     main job's model measured by ``nproc`` of ``ranks``' processes at once (they contend for the cores as
@@ -70,28 +71,42 @@ def device_profile(nproc: int, threads: int, repeats: int, ranks: OperatorRanks,
         ``{"profile": the keys of a hardware profile file, "operator_cost": the per-part figures}``.
     """
     dev = measure_device(threads, repeats, 512, _SHAPES, operators=False)
-    rates = KernelRates(gemm_flops=dev["gemm_fp32_tflops"] * 1e12,
-                        attention_flops=min(dev["attention_tflops"], dev["gemm_fp32_tflops"]) * 1e12,
-                        memory_bytes=dev["memory_gbps"] * 1e9)
+    rates = KernelRates(
+        gemm_flops=dev["gemm_fp32_tflops"] * 1e12,
+        attention_flops=min(dev["attention_tflops"], dev["gemm_fp32_tflops"]) * 1e12,
+        memory_bytes=dev["memory_gbps"] * 1e9,
+    )
     dev["operator_cost"] = ranks.measure(nproc, threads, rates, repeats)
     dev.update(operator_profile_keys(dev["operator_cost"]))
     dev["peak_bf16_tflops"] = dev["gemm_bf16_tflops"]
     prof = {k: v for k, v in dev.items() if k not in ("gemm_by_shape", "operator_cost")}
-    prof.update(name=name or f"measured-{nproc}x{threads}", gpus_per_host=nproc,
-                host_gbps=dev["memory_gbps"] / 2, nongemm_share=0.0,
-                network_latency_us=coll["latency_us"], intra_latency_us=coll["latency_us"],
-                sources={"measured": f"k2-bench, {threads} threads per rank, {nproc} ranks"})
+    prof.update(
+        name=name or f"measured-{nproc}x{threads}",
+        gpus_per_host=nproc,
+        host_gbps=dev["memory_gbps"] / 2,
+        nongemm_share=0.0,
+        network_latency_us=coll["latency_us"],
+        intra_latency_us=coll["latency_us"],
+        sources={"measured": f"k2-bench, {threads} threads per rank, {nproc} ranks"},
+    )
     for side in ("nvlink", "network"):
-        prof.update({f"{side}_gbps": coll["p2p_gbps"], f"{side}_alltoall_gbps": coll["collective_gbps"],
-                     f"{side}_collective_gbps": coll["collective_gbps"]})
+        prof.update(
+            {
+                f"{side}_gbps": coll["p2p_gbps"],
+                f"{side}_alltoall_gbps": coll["collective_gbps"],
+                f"{side}_collective_gbps": coll["collective_gbps"],
+            }
+        )
     return {"profile": prof, "operator_cost": dev["operator_cost"]}
 
 
 def _device_profile(name: str, threads: int, repeats: int, ranks: OperatorRanks, coll: dict) -> dict[str, Any]:
     """One configuration's profile (:func:`device_profile`), named and sourced as this benchmark's."""
     out = device_profile(_CONFIGS[name], threads, repeats, ranks, coll, name=f"measured-{name}")
-    out["profile"]["sources"] = {"measured": f"k2-bench bench=perf_model, {threads} threads per rank, the median "
-                                             "of the measurements before and after its trainer runs"}
+    out["profile"]["sources"] = {
+        "measured": f"k2-bench bench=perf_model, {threads} threads per rank, the median "
+        "of the measurements before and after its trainer runs"
+    }
     return out
 
 
@@ -122,8 +137,15 @@ def _measured(run_dir: Path, recs: list[dict]) -> list[dict]:
             end = [e for e in ev if e["kind"] == "end"]
             per_rank.append((f + b, f, b, end[0]["end"] - end[0]["start"] if end else f + b))
         busy, f, b, pass_s = max(per_rank)
-        out.append({"forward_s": f, "backward_s": b, "pass_s": pass_s, "step_s": rec["step_time_s"],
-                    "after_pass_s": rec["step_time_s"] - pass_s})
+        out.append(
+            {
+                "forward_s": f,
+                "backward_s": b,
+                "pass_s": pass_s,
+                "step_s": rec["step_time_s"],
+                "after_pass_s": rec["step_time_s"] - pass_s,
+            }
+        )
     return out
 
 
@@ -160,8 +182,12 @@ def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
 
     model = load_config(["model=k2_tiny"]).model
     local = int(model.num_moe_experts)
-    kinds = {"moe_layer": ("moe_layer", local), "dense_layer": ("dense_layer", 0), "embedding": ("embedding", 0),
-             "head": ("loss", 0)}
+    kinds = {
+        "moe_layer": ("moe_layer", local),
+        "dense_layer": ("dense_layer", 0),
+        "embedding": ("embedding", 0),
+        "head": ("loss", 0),
+    }
     rows = {}
     for part, row in single.items():
         if part == "schedule":
@@ -170,8 +196,9 @@ def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
         out = {"counted_ops": row["forward_ops"] + row["backward_ops"]}
         if part in kinds:
             out["modelled_ops"] = sum(modelled_operators(model, *kinds[part]))
-        out.update(per_op_us_single=row["per_op_us"], per_op_us_pp2=pp2[part]["per_op_us"],
-                   seconds_single=row["seconds"])
+        out.update(
+            per_op_us_single=row["per_op_us"], per_op_us_pp2=pp2[part]["per_op_us"], seconds_single=row["seconds"]
+        )
         rows[part] = out
     return rows
 
@@ -179,15 +206,29 @@ def _operator_rows(single: dict, pp2: dict) -> dict[str, dict]:
 def _predicted(name: str, profile: str) -> dict[str, Any]:
     from k2.launcher.planning import plan_cluster
 
-    cfg = load_config([f"parallel={name}", "model=k2_tiny", "cluster.nodes=1",
-                       f"cluster.gpus_per_node={_CONFIGS[name]}", f"plan.hardware={profile}"])
+    cfg = load_config(
+        [
+            f"parallel={name}",
+            "model=k2_tiny",
+            "cluster.nodes=1",
+            f"cluster.gpus_per_node={_CONFIGS[name]}",
+            f"plan.hardware={profile}",
+        ]
+    )
     p = plan_cluster(cfg).report
     b = p["step_time_breakdown_s"]
-    after = sum(b[k] for k in ("dp_grad_reduce_scatter", "dp_param_all_gather", "optimizer", "muon_gather",
-                               "optimizer_offload"))
+    after = sum(
+        b[k] for k in ("dp_grad_reduce_scatter", "dp_param_all_gather", "optimizer", "muon_gather", "optimizer_offload")
+    )
     compute = {k: b[k] for k in ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload")}
-    return {"step_s": p["step_time_s_estimated"], "after_pass_s": after, "pass_s": p["step_time_s_estimated"] - after,
-            "breakdown": b, "largest_term": max(b, key=b.get), "compute": compute}
+    return {
+        "step_s": p["step_time_s_estimated"],
+        "after_pass_s": after,
+        "pass_s": p["step_time_s_estimated"] - after,
+        "breakdown": b,
+        "largest_term": max(b, key=b.get),
+        "compute": compute,
+    }
 
 
 def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
@@ -218,8 +259,13 @@ def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
             for r in range(o["rounds"]):
                 for name, nproc in _CONFIGS.items():
                     before = _device_profile(name, max(1, cores // nproc), o["repeats"], ranks, coll)
-                    run = {"parallel": name, "model": "k2_tiny", "nproc": nproc, "iters": o["iters"],
-                           "timeout": o["timeout"]}
+                    run = {
+                        "parallel": name,
+                        "model": "k2_tiny",
+                        "nproc": nproc,
+                        "iters": o["iters"],
+                        "timeout": o["timeout"],
+                    }
                     run_dir = tmp / f"{name}-r{r}"
                     recs = trainer_runs._run(run, False, run_dir, False)
                     steps[name] += _measured(run_dir, recs)
@@ -237,8 +283,10 @@ def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
             pred = _predicted(name, profiles[name])
             fastest = min(steps[name], key=lambda s: s["step_s"])
             meas = {k: fastest[k] for k in steps[name][0]}
-            row: dict[str, Any] = {"timed_steps": len(steps[name]),
-                                   "measured_step_median_s": statistics.median(s["step_s"] for s in steps[name])}
+            row: dict[str, Any] = {
+                "timed_steps": len(steps[name]),
+                "measured_step_median_s": statistics.median(s["step_s"] for s in steps[name]),
+            }
             for k in ("forward_s", "backward_s", "pass_s", "after_pass_s", "step_s"):
                 if k in pred:
                     row[f"predicted_{k}"] = pred[k]
@@ -254,11 +302,14 @@ def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
         b = figures["single"]["predicted_breakdown_s"]
         non_gemm = traced["other_operators_s"] + traced["framework_s"]
         figures["single_profiled"] = {
-            **traced, "predicted_gemm_s": b["gemm"], "gemm_predicted_over_profiled": b["gemm"] / traced["gemm_s"],
+            **traced,
+            "predicted_gemm_s": b["gemm"],
+            "gemm_predicted_over_profiled": b["gemm"] / traced["gemm_s"],
             "predicted_non_gemm_s": b["non_gemm"] + b["attention"],
             "non_gemm_predicted_over_profiled": (b["non_gemm"] + b["attention"]) / non_gemm,
             "profiled_largest": "gemm" if traced["gemm_s"] > non_gemm else "non_gemm",
-            "predicted_step_over_profiled": figures["single"]["predicted_step_s"] / traced["total_s"]}
+            "predicted_step_over_profiled": figures["single"]["predicted_step_s"] / traced["total_s"],
+        }
         import yaml
 
         figures["profiles"] = {n: yaml.safe_load(Path(p).read_text()) for n, p in profiles.items()}

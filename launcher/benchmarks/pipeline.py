@@ -54,10 +54,17 @@ def trainer_command(overrides: list[str], nproc: int) -> list[str]:
 
 def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
     overrides = [
-        f"parallel={o['parallel']}", f"model={o['model']}", f"launch.nproc_per_node={o['nproc']}",
-        f"train.iters={o['iters']}", "train.eval_interval=0", "schedule.phases.0.steps=0",
-        "checkpoint.save_at_end=false", "run.wandb.mode=disabled", "train.progress=false",
-        f"run.dir={run_dir}", f"pipeline.decouple_wgrad={str(decouple).lower()}",
+        f"parallel={o['parallel']}",
+        f"model={o['model']}",
+        f"launch.nproc_per_node={o['nproc']}",
+        f"train.iters={o['iters']}",
+        "train.eval_interval=0",
+        "schedule.phases.0.steps=0",
+        "checkpoint.save_at_end=false",
+        "run.wandb.mode=disabled",
+        "train.progress=false",
+        f"run.dir={run_dir}",
+        f"pipeline.decouple_wgrad={str(decouple).lower()}",
         f"pipeline.trace={run_dir / 'trace'}",  # for the CPU seconds per pass (both configurations)
     ]
     cmd = trainer_command(overrides, o["nproc"])
@@ -66,8 +73,10 @@ def _run(o: dict, decouple: bool, run_dir: Path, cuda: bool) -> list[dict]:
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True, timeout=o["timeout"])
     if proc.returncode != 0:
-        raise RuntimeError(f"bench=pipeline: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
-                           f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"bench=pipeline: trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     cpu: dict[int, float] = {}  # step -> CPU seconds of the training pass, summed over the ranks
@@ -132,7 +141,6 @@ def bench_pipeline(cfg: K2Config) -> dict[str, Any]:
     """
     import torch
 
-
     o = bench_options(cfg, _DEFAULTS)
     if o["devices"] not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"bench.options.devices={o['devices']!r}; allowed: auto, cpu, cuda")
@@ -141,15 +149,23 @@ def bench_pipeline(cfg: K2Config) -> dict[str, Any]:
             raise ConfigError(f"bench.options.{key}={o[key]} must be >= {2 if key == 'iters' else 1}")
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if o["devices"] == "cuda" and n_gpu < o["nproc"]:
-        raise ConfigError(f"bench.options.devices=cuda needs bench.options.nproc={o['nproc']} GPUs, "
-                          f"{n_gpu} present; allowed: auto, cpu")
+        raise ConfigError(
+            f"bench.options.devices=cuda needs bench.options.nproc={o['nproc']} GPUs, "
+            f"{n_gpu} present; allowed: auto, cpu"
+        )
 
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="k2-bench-pipeline-") as tmp:
         # the run must be valid before anything starts (one ConfigError, as k2-train would give)
-        run_cfg = load_config([f"parallel={o['parallel']}", f"model={o['model']}",
-                               f"launch.nproc_per_node={o['nproc']}", f"train.iters={o['iters']}",
-                               f"run.dir={tmp}/check"])
+        run_cfg = load_config(
+            [
+                f"parallel={o['parallel']}",
+                f"model={o['model']}",
+                f"launch.nproc_per_node={o['nproc']}",
+                f"train.iters={o['iters']}",
+                f"run.dir={tmp}/check",
+            ]
+        )
         prepare_run(run_cfg, o["nproc"])
         if run_cfg.data.path is None:
             from k2.launcher.datasets.corpus import prepare_stdlib_corpus

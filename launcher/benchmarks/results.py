@@ -34,25 +34,41 @@ def _git_head(cwd: Path) -> str | None:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def results_record(bench: str, options: dict[str, Any], figures: dict[str, Any], *,
-                   now: datetime.datetime | None = None, argv: list[str] | None = None) -> dict[str, Any]:
+def results_record(
+    bench: str,
+    options: dict[str, Any],
+    figures: dict[str, Any],
+    *,
+    now: datetime.datetime | None = None,
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
     """The record a results file holds: ``bench``, ``utc`` (ISO time the run ended), ``command`` (the argv),
     ``head`` (git commit), ``system`` (:func:`k2.launcher.benchmarks.common.system_info`), ``options`` and
     the benchmark's ``figures`` (its raw timings and derived figures, as it returns them)."""
     from k2.launcher.benchmarks.common import system_info
 
     now = now or datetime.datetime.now(datetime.UTC)
-    return {"bench": bench, "utc": now.isoformat(timespec="seconds"),
-            "command": " ".join(argv if argv is not None else sys.argv),
-            "head": _git_head(Path(__file__).resolve().parent), "system": system_info(),
-            "options": options, "figures": figures}
+    return {
+        "bench": bench,
+        "utc": now.isoformat(timespec="seconds"),
+        "command": " ".join(argv if argv is not None else sys.argv),
+        "head": _git_head(Path(__file__).resolve().parent),
+        "system": system_info(),
+        "options": options,
+        "figures": figures,
+    }
 
 
 def _slug(text: str) -> str:

@@ -36,8 +36,10 @@ def check_can_shape() -> None:
     missing = [c for c in ("ip", "tc") if shutil.which(c) is None]
     if os.geteuid() != 0 or missing:
         why = "root" if os.geteuid() != 0 else "the " + " and ".join(missing) + " command" + ("s" * (len(missing) > 1))
-        raise ConfigError(f"bench=ep_overlap needs {why} to put its two ranks in network namespaces joined by a "
-                          "veth pair shaped with tc tbf (iproute2); run it as root on Linux")
+        raise ConfigError(
+            f"bench=ep_overlap needs {why} to put its two ranks in network namespaces joined by a "
+            "veth pair shaped with tc tbf (iproute2); run it as root on Linux"
+        )
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -82,8 +84,18 @@ class ShapedLink:
                 # by default), so flows interleave there as they do on a switch's ports and a small
                 # message (megatron's token-count all-gather before each dispatch) does not wait for a
                 # whole all-to-all queued ahead of it
-                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                      f"net.ipv4.tcp_limit_output_bytes={TCP_QUEUE_BYTES}"])
+                _run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "sysctl",
+                        "-q",
+                        "-w",
+                        f"net.ipv4.tcp_limit_output_bytes={TCP_QUEUE_BYTES}",
+                    ]
+                )
             self.set_rate(self.rate_mbit)
         except BaseException:
             self.remove()
@@ -101,8 +113,27 @@ class ShapedLink:
         for ns, dev in zip(self.netns, self.dev):
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
             if rate_mbit is not None:
-                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                      f"{float(rate_mbit):.6g}mbit", "burst", "64kb", "latency", "1000ms"])
+                _run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{float(rate_mbit):.6g}mbit",
+                        "burst",
+                        "64kb",
+                        "latency",
+                        "1000ms",
+                    ]
+                )
 
     def remove(self) -> None:
         """Delete the namespaces (their veth ends go with them)."""
@@ -116,18 +147,34 @@ class ShapedLink:
 
     def rank_env(self, node: int, port: int) -> dict[str, str]:
         """Environment of the rank on ``node`` of a 2-rank gloo job whose rendezvous is on node 0."""
-        return {"RANK": str(node), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": self.addr[0],
-                "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.dev[node]}
+        return {
+            "RANK": str(node),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": self.addr[0],
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": self.dev[node],
+        }
 
-    def run_pair(self, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float,
-                 port: int = 29611) -> list[subprocess.CompletedProcess]:
+    def run_pair(
+        self, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float, port: int = 29611
+    ) -> list[subprocess.CompletedProcess]:
         """Run ``cmd`` as rank 0 on node 0 and rank 1 on node 1 at once; returns both results.
 
         Raises:
             RuntimeError: a rank failed or did not finish in ``timeout`` seconds (both are killed).
         """
-        procs = [subprocess.Popen([*self.prefix(i), *cmd], cwd=cwd, env={**env, **self.rank_env(i, port)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [*self.prefix(i), *cmd],
+                cwd=cwd,
+                env={**env, **self.rank_env(i, port)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
         deadline = time.time() + timeout
         out = []
         try:
@@ -140,8 +187,10 @@ class ShapedLink:
             raise RuntimeError(f"{' '.join(cmd)} did not finish in {timeout:.0f} s on the shaped link") from None
         bad = [r for r in out if r.returncode != 0]
         if bad:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({bad[0].returncode}) on the shaped link:\n"
-                               f"{bad[0].stdout[-2000:]}\n{bad[0].stderr[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({bad[0].returncode}) on the shaped link:\n"
+                f"{bad[0].stdout[-2000:]}\n{bad[0].stderr[-3000:]}"
+            )
         return out
 
 
@@ -225,8 +274,9 @@ dist.destroy_process_group()
 """
 
 
-def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
-                 alltoall_bytes: int = 1 << 20, port: int = 29612) -> dict[str, float]:
+def measure_link(
+    link: ShapedLink, repeats: int = 5, cwd: Path | None = None, alltoall_bytes: int = 1 << 20, port: int = 29612
+) -> dict[str, float]:
     """gloo's all-to-all and all-reduce between the two nodes, as the step-time model reads them.
 
     Args:
@@ -254,11 +304,14 @@ def measure_link(link: ShapedLink, repeats: int = 5, cwd: Path | None = None,
     line = [ln for ln in res[0].stdout.splitlines() if ln.startswith("K2PROBE ")][0]
     import json
 
-    r = json.loads(line[len("K2PROBE "):])
+    r = json.loads(line[len("K2PROBE ") :])
     lat = r["small"]
     remote = alltoall_bytes / 2
-    return {"alltoall_gbps": remote / max(r["big"] - lat, 1e-9) / 1e9,
-            "collective_gbps": (1 << 20) * 2 * (2 - 1) / 2 / max(r["all_reduce_1mib"] - lat, 1e-9) / 1e9,
-            "latency_us": lat * 1e6, "host_cpu_share": r["big_cpu_share"],
-            "loaded_latency_us": max(lat, lat + r["loaded_gather"] - r["small_gather"]) * 1e6,
-            "beside_compute_slowdown": max(1.0, (r["big_beside_compute"] - lat) / max(r["big"] - lat, 1e-9))}
+    return {
+        "alltoall_gbps": remote / max(r["big"] - lat, 1e-9) / 1e9,
+        "collective_gbps": (1 << 20) * 2 * (2 - 1) / 2 / max(r["all_reduce_1mib"] - lat, 1e-9) / 1e9,
+        "latency_us": lat * 1e6,
+        "host_cpu_share": r["big_cpu_share"],
+        "loaded_latency_us": max(lat, lat + r["loaded_gather"] - r["small_gather"]) * 1e6,
+        "beside_compute_slowdown": max(1.0, (r["big_beside_compute"] - lat) / max(r["big"] - lat, 1e-9)),
+    }

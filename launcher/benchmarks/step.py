@@ -78,8 +78,14 @@ DEFAULTS = {
 SIZES = ("auto", "k2", "tiny")
 MEMORY = ("k2_no_offload", "k2", "none")
 # K2 widths (recipes/model/kimi_k2.yaml) with 1 dense + 2 MoE layers, 16 experts, a 32k vocabulary
-K2_SMALL = ["model=kimi_k2", "model.num_layers=3", "model.first_k_dense_replace=1", "model.num_moe_experts=16",
-            "model.vocab_size=32768", "model.max_position_embeddings=4096"]
+K2_SMALL = [
+    "model=kimi_k2",
+    "model.num_layers=3",
+    "model.first_k_dense_replace=1",
+    "model.num_moe_experts=16",
+    "model.vocab_size=32768",
+    "model.max_position_embeddings=4096",
+]
 
 
 TINY = ["model=k2_tiny", "model.num_layers=3", "model.first_k_dense_replace=1"]
@@ -88,21 +94,32 @@ TINY = ["model=k2_tiny", "model.num_layers=3", "model.first_k_dense_replace=1"]
 def _options(cfg: K2Config) -> dict:
     import torch
 
-
     o = bench_options(cfg, DEFAULTS)
     cuda = torch.cuda.is_available()
-    checks = [("size", SIZES), ("precision", ("auto", "bf16", "fp32")), ("memory", MEMORY),
-              ("attention_backend", ATTENTION_BACKENDS)]
+    checks = [
+        ("size", SIZES),
+        ("precision", ("auto", "bf16", "fp32")),
+        ("memory", MEMORY),
+        ("attention_backend", ATTENTION_BACKENDS),
+    ]
     for key, allowed in checks:
         if o[key] not in allowed:
             raise ConfigError(f"bench.options.{key}={o[key]!r}; allowed: {', '.join(allowed)}")
-    for key, low in (("seq_length", 0), ("micro_batch_size", 1), ("microbatches", 0), ("warmup", 0),
-                     ("repeats", 0), ("resident", 0)):
+    for key, low in (
+        ("seq_length", 0),
+        ("micro_batch_size", 1),
+        ("microbatches", 0),
+        ("warmup", 0),
+        ("repeats", 0),
+        ("resident", 0),
+    ):
         if o[key] < low:
             raise ConfigError(f"bench.options.{key}={o[key]}; allowed: an integer >= {low}")
     if 0 < o["resident"] < 3:
-        raise ConfigError(f"bench.options.resident={o['resident']}; allowed: 0 (auto) or >= 3 (baseline, k2 "
-                          "and at least one toggled case)")
+        raise ConfigError(
+            f"bench.options.resident={o['resident']}; allowed: 0 (auto) or >= 3 (baseline, k2 "
+            "and at least one toggled case)"
+        )
     if o["json_out"]:
         parent = os.path.dirname(os.path.abspath(o["json_out"]))
         if not os.path.isdir(parent):
@@ -120,31 +137,46 @@ def _options(cfg: K2Config) -> dict:
 def base_overrides(o: dict) -> list[str]:
     s = o["seq_length"]
     model = K2_SMALL if o["size"] == "k2" else TINY
-    return [*model, f"train.precision={o['precision']}", "run.wandb.mode=disabled", "parallel=single",
-            f"train.micro_batch_size={o['micro_batch_size']}", f"model.max_position_embeddings={max(s, 4096)}"]
+    return [
+        *model,
+        f"train.precision={o['precision']}",
+        "run.wandb.mode=disabled",
+        "parallel=single",
+        f"train.micro_batch_size={o['micro_batch_size']}",
+        f"model.max_position_embeddings={max(s, 4096)}",
+    ]
 
 
 def case_overrides(o: dict) -> dict[str, list[str]]:
     """Hydra overrides of each K2 case (the ``baseline`` is built separately)."""
     k2mem = load_config(["memory=k2"]).memory
-    mem = {"fp8_store": list(k2mem.fp8_store), "recompute": list(k2mem.recompute),
-           "offload": list(k2mem.offload) if o["memory"] == "k2" else []}
+    mem = {
+        "fp8_store": list(k2mem.fp8_store),
+        "recompute": list(k2mem.recompute),
+        "offload": list(k2mem.offload) if o["memory"] == "k2" else [],
+    }
     if o["memory"] == "none":
         mem = {k: [] for k in mem}
 
     def memory(drop: str = "") -> list[str]:
         return [f"memory.{k}=[{','.join(v if k != drop else [])}]" for k, v in mem.items()]
 
-    full = ["optim=muonclip", f"optim.qk_clip_tau={o['qk_clip_tau']}", "model.record_max_logits=true",
-            "model.moe_grouped_gemm=true", f"model.attention_backend={o['attention_backend']}"]
+    full = [
+        "optim=muonclip",
+        f"optim.qk_clip_tau={o['qk_clip_tau']}",
+        "model.record_max_logits=true",
+        "model.moe_grouped_gemm=true",
+        f"model.attention_backend={o['attention_backend']}",
+    ]
     cases = {"k2": full + memory()}
     cases["k2_no_qk_clip"] = full + ["optim.qk_clip_tau=null", "model.record_max_logits=false"] + memory()
     cases["k2_no_muon"] = [x if x != "optim=muonclip" else "optim=adamw" for x in full] + memory()
     for key in ("fp8_store", "recompute", "offload"):
         if mem[key]:
             cases[f"k2_no_{key}"] = full + memory(drop=key)
-    cases["k2_no_grouped_gemm"] = [x if x != "model.moe_grouped_gemm=true" else "model.moe_grouped_gemm=false"
-                                   for x in full] + memory()
+    cases["k2_no_grouped_gemm"] = [
+        x if x != "model.moe_grouped_gemm=true" else "model.moe_grouped_gemm=false" for x in full
+    ] + memory()
     return cases
 
 
@@ -152,14 +184,17 @@ def gemm_peak_tflops(cuda: bool, repeats: int = 10) -> dict:
     """Measured matmul throughput: BF16 8192^3 on CUDA, FP32 1024^3 on CPU (median of ``repeats``)."""
     import torch
 
-
     n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
     dev = "cuda" if cuda else "cpu"
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     ms = time_calls({"mm": lambda: torch.matmul(a, b)}, 3, repeats, cuda)["mm"]
-    return {"gemm_n": n, "gemm_dtype": str(dtype).replace("torch.", ""), "gemm_ms": ms,
-            "gemm_peak_tflops": 2 * n ** 3 / (ms / 1e3) / 1e12}
+    return {
+        "gemm_n": n,
+        "gemm_dtype": str(dtype).replace("torch.", ""),
+        "gemm_ms": ms,
+        "gemm_peak_tflops": 2 * n**3 / (ms / 1e3) / 1e12,
+    }
 
 
 def bench_step(cfg: K2Config) -> dict[str, Any]:
@@ -196,26 +231,45 @@ def bench_step(cfg: K2Config) -> dict[str, Any]:
         free_case(cuda)
         teardown()
     figures = {
-        "config": {"size": o["size"], "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
-                   "num_moe_experts": model_cfg.num_moe_experts, "moe_router_topk": model_cfg.moe_router_topk,
-                   "vocab_size": model_cfg.vocab_size, "seq_length": o["seq_length"],
-                   "micro_batch_size": o["micro_batch_size"], "microbatches": o["microbatches"],
-                   "tokens_per_step": tokens,
-                   "precision": o["precision"], "memory": o["memory"],
-                   "attention_backend": o["attention_backend"], "model_flops_per_step": flops,
-                   "peak_memory": ("torch.cuda.max_memory_allocated growth over a step + persistent bytes"
-                                   if cuda else "not measured on CPU; saved_activation_bytes is")},
+        "config": {
+            "size": o["size"],
+            "hidden_size": model_cfg.hidden_size,
+            "num_layers": model_cfg.num_layers,
+            "num_moe_experts": model_cfg.num_moe_experts,
+            "moe_router_topk": model_cfg.moe_router_topk,
+            "vocab_size": model_cfg.vocab_size,
+            "seq_length": o["seq_length"],
+            "micro_batch_size": o["micro_batch_size"],
+            "microbatches": o["microbatches"],
+            "tokens_per_step": tokens,
+            "precision": o["precision"],
+            "memory": o["memory"],
+            "attention_backend": o["attention_backend"],
+            "model_flops_per_step": flops,
+            "peak_memory": (
+                "torch.cuda.max_memory_allocated growth over a step + persistent bytes"
+                if cuda
+                else "not measured on CPU; saved_activation_bytes is"
+            ),
+        },
         **peak,
-        "timing": {"warmup": o["warmup"], "repeats": o["repeats"], "resident": resident,
-                   "order": "round-robin over the resident cases"},
+        "timing": {
+            "warmup": o["warmup"],
+            "repeats": o["repeats"],
+            "resident": resident,
+            "order": "round-robin over the resident cases",
+        },
         "cases": run.case_figures(names, tokens, flops, peak["gemm_peak_tflops"]),
     }
     if o["json_out"]:
         from omegaconf import OmegaConf
 
-        record = {"bench": "step", "system": system_info(),
-                  "options": OmegaConf.to_container(cfg.bench.options) if cfg.bench.options is not None else None,
-                  "figures": figures}
+        record = {
+            "bench": "step",
+            "system": system_info(),
+            "options": OmegaConf.to_container(cfg.bench.options) if cfg.bench.options is not None else None,
+            "figures": figures,
+        }
         with open(o["json_out"], "w") as fh:
             json.dump(record, fh, indent=1)
 
@@ -249,8 +303,11 @@ class _StepRuns:
         o, cuda = self.o, self.cuda
         sync(cuda)
         before = torch.cuda.memory_allocated() if cuda else 0
-        case = (build_baseline(o, self.base, self.device) if name == "baseline"
-                else build_k2(o, self.base, self.cases[name]))
+        case = (
+            build_baseline(o, self.base, self.device)
+            if name == "baseline"
+            else build_k2(o, self.base, self.cases[name])
+        )
         for _ in range(o["warmup"]):  # (the optimizer states are created on the first step)
             case.step()
         sync(cuda)
@@ -277,7 +334,7 @@ class _StepRuns:
             self.samples[n], self.opt_samples[n] = [], []
         toggled = names[2:]
         per_group = max(1, resident - 2)
-        groups = [toggled[i:i + per_group] for i in range(0, len(toggled), per_group)] or [[]]
+        groups = [toggled[i : i + per_group] for i in range(0, len(toggled), per_group)] or [[]]
         live = {n: self.build(n) for n in ("baseline", "k2")}
         for group in groups:
             for n in group:
@@ -302,10 +359,15 @@ class _StepRuns:
         for n in names:
             step_s = statistics.median(self.samples[n])
             tflops = flops / step_s / 1e12
-            f = {"step_ms": step_s * 1e3, "optimizer_ms": statistics.median(self.opt_samples[n]) * 1e3,
-                 "tokens_per_s": tokens / step_s, "model_tflops": tflops,
-                 "mfu": tflops / peak_tflops, "saved_activation_bytes": int(self.saved[n]),
-                 "timed_steps": len(self.samples[n])}
+            f = {
+                "step_ms": step_s * 1e3,
+                "optimizer_ms": statistics.median(self.opt_samples[n]) * 1e3,
+                "tokens_per_s": tokens / step_s,
+                "model_tflops": tflops,
+                "mfu": tflops / peak_tflops,
+                "saved_activation_bytes": int(self.saved[n]),
+                "timed_steps": len(self.samples[n]),
+            }
             if n in self.features:
                 f["features"] = self.features[n]
             if self.cuda:
@@ -314,8 +376,14 @@ class _StepRuns:
             out[n] = f
         ref = out["baseline"]
         for f in out.values():
-            for key in ("tokens_per_s", "model_tflops", "mfu", "step_ms", "saved_activation_bytes",
-                        "peak_memory_bytes"):
+            for key in (
+                "tokens_per_s",
+                "model_tflops",
+                "mfu",
+                "step_ms",
+                "saved_activation_bytes",
+                "peak_memory_bytes",
+            ):
                 if key in f:
                     f[f"{key}_over_baseline"] = f[key] / ref[key] if ref[key] else None
         return out

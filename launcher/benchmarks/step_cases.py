@@ -25,9 +25,12 @@ def _batch(vocab: int, o: dict, device):
     gen = torch.Generator().manual_seed(o["seed"])
     b, s = o["micro_batch_size"], o["seq_length"]
     tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
-    return {"tokens": tokens[:, :-1].contiguous().to(device), "labels": tokens[:, 1:].contiguous().to(device),
-            "loss_mask": torch.ones(b, s, device=device),
-            "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s)}
+    return {
+        "tokens": tokens[:, :-1].contiguous().to(device),
+        "labels": tokens[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(b, s, device=device),
+        "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s),
+    }
 
 
 def _seed(o: dict) -> None:
@@ -43,7 +46,6 @@ def _init(chunks: list, tcfg, o: dict) -> None:
     megatron's own init on the device, from the same seed in every case (same parameters in the same
     order; the CPU-side init would take minutes at K2 widths)."""
     import torch
-
 
     if not torch.cuda.is_available():
         layout_independent_init(chunks, tcfg, o["seed"])
@@ -88,7 +90,6 @@ def build_baseline(o: dict, base: list[str], device) -> Case:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-
     cfg = load_config(base + ["memory=none"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     tcfg = transformer_config(cfg, dims)
@@ -96,10 +97,18 @@ def build_baseline(o: dict, base: list[str], device) -> Case:
     block = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization=tcfg.normalization)
     for spec in block.layer_specs:  # the only swap: megatron's DotProductAttention rejects MLA's head dims
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=K2CoreAttention, params={"record_max_logits": False, "backend": "sdpa"})
-    model = GPTModel(config=tcfg, transformer_layer_spec=block, vocab_size=cfg.model.vocab_size,
-                     max_sequence_length=cfg.model.max_position_embeddings, pre_process=True, post_process=True,
-                     share_embeddings_and_output_weights=False, position_embedding_type="none")
+            module=K2CoreAttention, params={"record_max_logits": False, "backend": "sdpa"}
+        )
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=block,
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="none",
+    )
     _init([model], tcfg, o)
     # all parameters in the compute dtype, as megatron's mixed-precision wrapper would leave them: megatron
     # creates its linears in params_dtype, but torch's RMSNorm modules (megatron's WrappedTorchNorm) are
@@ -138,12 +147,16 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
     """(b)/(c): the trainer's own pieces (:func:`k2.launcher.training.setup.setup`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-
     cfg = load_config(base + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     _seed(o)
-    parts = setup(cfg, dims, resolve_schedule(cfg), memory=MemoryOptions.from_config(cfg),
-                  init=lambda chunks, tcfg: _init(chunks, tcfg, o))
+    parts = setup(
+        cfg,
+        dims,
+        resolve_schedule(cfg),
+        memory=MemoryOptions.from_config(cfg),
+        init=lambda chunks, tcfg: _init(chunks, tcfg, o),
+    )
     tcfg, chunks, model, optimizer = parts.tcfg, parts.chunks, parts.model, parts.optimizer
     clip = parts.qk_clip
     for g in optimizer.param_groups:
@@ -170,13 +183,20 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
                 first[0] = False
                 with meter.measure():
                     return forward_step(it, m)
+
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(forward_step_func=fwd, data_iterator=[_Same()], model=model,
-                         num_microbatches=o["microbatches"], seq_length=o["seq_length"],
-                         micro_batch_size=o["micro_batch_size"], decoder_seq_length=o["seq_length"],
-                         forward_only=False)
+        forward_backward(
+            forward_step_func=fwd,
+            data_iterator=[_Same()],
+            model=model,
+            num_microbatches=o["microbatches"],
+            seq_length=o["seq_length"],
+            micro_batch_size=o["micro_batch_size"],
+            decoder_seq_length=o["seq_length"],
+            forward_only=False,
+        )
         sync(cuda)
         t0 = time.perf_counter()
         ok, _, _ = optimizer.step()
@@ -186,10 +206,16 @@ def build_k2(o: dict, base: list[str], overrides: list[str]) -> Case:
 
     def schedule(num_microbatches: int) -> None:
         """``num_microbatches`` through megatron's schedule, gradients accumulated, no optimizer step."""
-        forward_backward(forward_step_func=forward_step, data_iterator=[_Same()], model=model,
-                         num_microbatches=num_microbatches, seq_length=o["seq_length"],
-                         micro_batch_size=o["micro_batch_size"], decoder_seq_length=o["seq_length"],
-                         forward_only=False)
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=[_Same()],
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=o["seq_length"],
+            micro_batch_size=o["micro_batch_size"],
+            decoder_seq_length=o["seq_length"],
+            forward_only=False,
+        )
         sync(cuda)
 
     case = Case(step, lambda: _unlink(chunks, tcfg))
@@ -218,9 +244,12 @@ def built_features(chunks: list, optimizer, clip) -> dict:
         if isinstance(inner, K2Muon):
             muon += sum(p.numel() for g in inner.param_groups for p in g["params"])
     mods = [m for c in chunks for m in c.modules()]
-    return {"muon_elements": int(muon), "qk_clip": clip.tau is not None,
-            "max_logit_recording": sum(isinstance(m, K2CoreAttention) and bool(m.record_max_logits) for m in mods),
-            "grouped_experts": sum(isinstance(m, K2GroupedMLP) for m in mods)}
+    return {
+        "muon_elements": int(muon),
+        "qk_clip": clip.tau is not None,
+        "max_logit_recording": sum(isinstance(m, K2CoreAttention) and bool(m.record_max_logits) for m in mods),
+        "grouped_experts": sum(isinstance(m, K2GroupedMLP) for m in mods),
+    }
 
 
 def _unlink(chunks: list, tcfg) -> None:
@@ -237,9 +266,13 @@ def _unlink(chunks: list, tcfg) -> None:
     tcfg.finalize_model_grads_func = None
     for chunk in chunks:
         for mod in chunk.modules():
-            helpers = [v for v in vars(mod).values()
-                       if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
-                       and not callable(v)]
+            helpers = [
+                v
+                for v in vars(mod).values()
+                if hasattr(v, "__dict__")
+                and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
+                and not callable(v)
+            ]
             for obj in (mod, *helpers):
                 for key, value in list(vars(obj).items()):
                     if isinstance(value, torch.Tensor) and value.grad_fn is not None:

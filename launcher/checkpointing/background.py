@@ -104,7 +104,7 @@ class PipeChannel:
         data = pickle.dumps(obj)
         view = memoryview(struct.pack("<Q", len(data)) + data)
         while view:
-            view = view[os.write(self._w, view):]
+            view = view[os.write(self._w, view) :]
 
     def get_nowait(self):
         """In the rank, once the writer has exited: its next report.
@@ -177,8 +177,10 @@ def _private_host_copies(write_buckets: list) -> list:
 
     out = []
     for path, name, (bytes_data, tensor_data) in write_buckets:
-        tensors = [(item, torch.empty(t.shape, dtype=t.dtype).copy_(t) if _shared_with_a_fork(t) else t)
-                   for item, t in tensor_data]
+        tensors = [
+            (item, torch.empty(t.shape, dtype=t.dtype).copy_(t) if _shared_with_a_fork(t) else t)
+            for item, t in tensor_data
+        ]
         out.append((path, name, (bytes_data, tensors)))
     return out
 
@@ -189,8 +191,9 @@ def _copy_views(write_buckets: list) -> list:
     storage; megatron's own test for a view)."""
     out = []
     for path, name, (bytes_data, tensor_data) in write_buckets:
-        tensors = [(item, t.clone() if t.untyped_storage().size() != t.numel() * t.itemsize else t)
-                   for item, t in tensor_data]
+        tensors = [
+            (item, t.clone() if t.untyped_storage().size() != t.numel() * t.itemsize else t) for item, t in tensor_data
+        ]
         out.append((path, name, (bytes_data, tensors)))
     return out
 
@@ -276,8 +279,9 @@ def _writer_outcome(report: PipeChannel, process) -> dict:
         pid = getattr(process, "pid", "?")
         if code is not None and code < 0:
             name = signal.Signals(-code).name
-            how = f"was killed by {name}" + (" (kill -9, or the kernel's out-of-memory killer)"
-                                             if name == "SIGKILL" else "")
+            how = f"was killed by {name}" + (
+                " (kill -9, or the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+            )
         else:
             how = f"exited with status {code} without reporting"
         raise CheckpointWriterDied(f"its background writer (pid {pid}) {how}") from None
@@ -309,8 +313,12 @@ def in_flight_writer() -> dict | None:
         flight = saver.in_flight
         proc = flight.get("process") if flight else None
         if proc is not None and proc.pid is not None:
-            return {"pid": proc.pid, "step": flight["step"], "partial": str(flight["partial"]),
-                    "state": _process_state(proc.pid)}
+            return {
+                "pid": proc.pid,
+                "step": flight["step"],
+                "partial": str(flight["partial"]),
+                "state": _process_state(proc.pid),
+            }
     return None
 
 
@@ -324,9 +332,15 @@ class BackgroundSaver:
     Collective: :meth:`save`, :meth:`poll` and :meth:`wait` on every rank at the same step.
     """
 
-    def __init__(self, run_dir, keep_last: int, keep_every: int | None,
-                 on_commit: Callable[[Path, int, str, float], None],
-                 on_write_progress: Callable[[], None] | None = None, keep_steps: Collection[int] = ()):
+    def __init__(
+        self,
+        run_dir,
+        keep_last: int,
+        keep_every: int | None,
+        on_commit: Callable[[Path, int, str, float], None],
+        on_write_progress: Callable[[], None] | None = None,
+        keep_steps: Collection[int] = (),
+    ):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.run_dir, self.keep_last, self.keep_every, self.on_commit = run_dir, keep_last, keep_every, on_commit
@@ -345,24 +359,36 @@ class BackgroundSaver:
         results, report = PipeChannel(), PipeChannel()
         t0 = time.perf_counter()
         try:
-            partial, final, request = begin_save(self.run_dir, step, model, optimizer, results_queue=results,
-                                                 writer_class=_snapshot_writer_class())
+            partial, final, request = begin_save(
+                self.run_dir, step, model, optimizer, results_queue=results, writer_class=_snapshot_writer_class()
+            )
         except BaseException:
             results.close(), report.close()
             raise
         if request.async_fn is not None:
-            request = request._replace(async_fn=functools.partial(_background_writer, request.async_fn, report,
-                                                                  partial))
+            request = request._replace(
+                async_fn=functools.partial(_background_writer, request.async_fn, report, partial)
+            )
         else:  # nothing to write on this rank: no writer, no shards
             report.put({})
 
         def collect() -> None:  # first: every rank learns of a writer's failure or death on any (one line)
-            flight["entries"] = agree(f"writing checkpoint step {step} into {partial}",
-                                      lambda: _writer_outcome(report, flight.get("process")))
+            flight["entries"] = agree(
+                f"writing checkpoint step {step} into {partial}", lambda: _writer_outcome(report, flight.get("process"))
+            )
 
         def commit() -> None:  # after megatron's own finalize (its metadata)
-            path = commit_save(partial, final, step, flight["entries"], state, config_yaml, self.keep_last,
-                               self.keep_every, self.keep_steps)
+            path = commit_save(
+                partial,
+                final,
+                step,
+                flight["entries"],
+                state,
+                config_yaml,
+                self.keep_last,
+                self.keep_every,
+                self.keep_steps,
+            )
             self.on_commit(path, step, why, time.perf_counter() - t0)
 
         request.finalize_fns.insert(0, collect)
@@ -394,8 +420,9 @@ class BackgroundSaver:
         except Exception as e:  # megatron's CheckpointException: the failing rank is in its text
             self._forget()
             first = (str(e).strip().splitlines() or [""])[0]
-            raise CheckpointSaveError(f"writing checkpoint step {flight['step']} into {flight['partial']} "
-                                      f"failed: {type(e).__name__}: {first}") from e
+            raise CheckpointSaveError(
+                f"writing checkpoint step {flight['step']} into {flight['partial']} failed: {type(e).__name__}: {first}"
+            ) from e
         if done:
             self._forget()
 
@@ -449,4 +476,3 @@ class BackgroundSaver:
         self.abandon()
         if self in _SAVERS:
             _SAVERS.remove(self)
-

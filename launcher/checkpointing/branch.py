@@ -63,7 +63,8 @@ def check_branch_schedule(cfg, trunk_schedule_cfg, step: int, checkpoint) -> Non
     if trunk.global_batch_tokens != ours.global_batch_tokens:
         raise ConfigError(
             f"resume.branch_from={checkpoint}: schedule.global_batch_tokens={ours.global_batch_tokens:,}, the trunk "
-            f"trained {trunk.global_batch_tokens:,} tokens per step; a branch keeps the trunk's batch")
+            f"trained {trunk.global_batch_tokens:,} tokens per step; a branch keeps the trunk's batch"
+        )
     for s in range(1, int(step) + 1):
         a, b = trunk.step_phase(s), ours.step_phase(s)
         lr_a, lr_b = trunk.step_lr(s), ours.step_lr(s)
@@ -72,7 +73,8 @@ def check_branch_schedule(cfg, trunk_schedule_cfg, step: int, checkpoint) -> Non
                 f"resume.branch_from={checkpoint}: at step {s} (before the branch point, step {step}) this "
                 f"schedule trains LR {lr_b:.6g} at context {getattr(b, 'seq_length', None)}, the trunk trained LR "
                 f"{lr_a:.6g} at context {getattr(a, 'seq_length', None)}; a branch must follow the trunk's "
-                "schedule up to the branch point and may differ only after it (e.g. its decay)")
+                "schedule up to the branch point and may differ only after it (e.g. its decay)"
+            )
 
 
 def seed_branch_run_dir(run_dir, checkpoint, step: int) -> bool:
@@ -102,8 +104,12 @@ def seed_branch_run_dir(run_dir, checkpoint, step: int) -> bool:
                 if int(rec.get("step", -1)) <= step:
                     lines.append(raw if raw.endswith(b"\n") else raw + b"\n")
     run_dir.mkdir(parents=True, exist_ok=True)
-    info = {"trunk_dir": str(trunk_dir), "trunk_checkpoint": str(checkpoint), "trunk_step": int(step),
-            "copied_records": len(lines)}
+    info = {
+        "trunk_dir": str(trunk_dir),
+        "trunk_checkpoint": str(checkpoint),
+        "trunk_step": int(step),
+        "copied_records": len(lines),
+    }
     _write_atomic(run_dir / BRANCH_FILE, (json.dumps(info, indent=1) + "\n").encode())
     _write_atomic(run_dir / _METRICS, b"".join(lines))
     return True

@@ -56,8 +56,17 @@ from k2.launcher.checkpointing.store import (
 if TYPE_CHECKING:
     from k2.config.schema import CheckpointConfig, K2Config
 
-__all__ = ["CLOCK_STATE", "RUN_STATE", "CheckpointManager", "RunState", "SaveReason", "Stateful", "SyncSaver",
-           "load_record", "state_record"]
+__all__ = [
+    "CLOCK_STATE",
+    "RUN_STATE",
+    "CheckpointManager",
+    "RunState",
+    "SaveReason",
+    "Stateful",
+    "SyncSaver",
+    "load_record",
+    "state_record",
+]
 
 #: the name of the run's position (``run_state``), whose record is the top level of ``k2_state.json``
 RUN_STATE = "train_state"
@@ -152,9 +161,15 @@ class SyncSaver:
 
     in_flight: dict | None = None  # (never a save in flight)
 
-    def __init__(self, run_dir: Path, keep_last: int, keep_every: int | None,
-                 on_commit: Callable[[Path, int, str, float], None],
-                 on_write_progress: Callable[[], None] | None = None, keep_steps: Collection[int] = ()):
+    def __init__(
+        self,
+        run_dir: Path,
+        keep_last: int,
+        keep_every: int | None,
+        on_commit: Callable[[Path, int, str, float], None],
+        on_write_progress: Callable[[], None] | None = None,
+        keep_steps: Collection[int] = (),
+    ):
         self.run_dir, self.keep_last, self.keep_every = run_dir, keep_last, keep_every
         self.on_commit, self.keep_steps = on_commit, tuple(keep_steps)
 
@@ -165,8 +180,9 @@ class SyncSaver:
             CheckpointSaveError: on every rank (one line naming the directory and the rank).
         """
         t0 = time.perf_counter()
-        path = save_checkpoint(self.run_dir, step, model, optimizer, state, config_yaml, self.keep_last,
-                               self.keep_every, self.keep_steps)
+        path = save_checkpoint(
+            self.run_dir, step, model, optimizer, state, config_yaml, self.keep_last, self.keep_every, self.keep_steps
+        )
         self.on_commit(path, step, why, time.perf_counter() - t0)
 
     def poll(self, blocking: bool = False) -> None:
@@ -203,9 +219,20 @@ class CheckpointManager:
     and :meth:`close` runs on every rank at the same step.
     """
 
-    def __init__(self, *, config: K2Config, resume_from: Path | None, run_state: RunState, clock: Clock,
-                 states: Mapping[str, Stateful], model: list, optimizer: Any, watchdog: Watchdog,
-                 log: Callable[[str], None], after_last_save: Callable[[Path, int], None] | None = None):
+    def __init__(
+        self,
+        *,
+        config: K2Config,
+        resume_from: Path | None,
+        run_state: RunState,
+        clock: Clock,
+        states: Mapping[str, Stateful],
+        model: list,
+        optimizer: Any,
+        watchdog: Watchdog,
+        log: Callable[[str], None],
+        after_last_save: Callable[[Path, int], None] | None = None,
+    ):
         checkpoint = config.checkpoint
         self.run_dir = Path(config.run.dir)
         self.save_interval = config.train.save_interval
@@ -229,8 +256,13 @@ class CheckpointManager:
         self._commits: list[tuple[Path, int, str, float]] = []  # committed, not yet reported (_report)
         strategy = BackgroundSaver if checkpoint.async_save else SyncSaver  # checkpoint.async_save
         self.saver: SyncSaver | BackgroundSaver = strategy(
-            self.run_dir, checkpoint.keep_last, checkpoint.keep_every, self._committed, watchdog.keep_alive,
-            keep_steps=self.save_steps)
+            self.run_dir,
+            checkpoint.keep_last,
+            checkpoint.keep_every,
+            self._committed,
+            watchdog.keep_alive,
+            keep_steps=self.save_steps,
+        )
         # a hang ends the run without a collective: a background save in flight stays .partial
         watchdog.on_hang(self._abandon_on_hang)
 
@@ -276,14 +308,18 @@ class CheckpointManager:
         if record.get("weights_only"):  # k2-convert import: a fresh run from weights
             load_model_weights(path, self.model)
             self.optimizer.reload_model_params()  # the fp32 master copies follow (megatron's own call)
-            return (f"initialised from the weights in {path} (imported from {record.get('source')}): "
-                    "step 0, new optimizer state")
+            return (
+                f"initialised from the weights in {path} (imported from {record.get('source')}): "
+                "step 0, new optimizer state"
+            )
         same_world = record["layout"]["world_size"] == world_size
         load_checkpoint(path, self.model, self.optimizer, same_world=same_world)
         load_record(self.states, record)
         run = self.run_state
-        note = (f"resumed from {path} (step {run.step}, {run.consumed_tokens:,} tokens"
-                f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})")
+        note = (
+            f"resumed from {path} (step {run.step}, {run.consumed_tokens:,} tokens"
+            f"{'' if same_world else '; world size changed: RNG streams reseeded, not restored'})"
+        )
         return f"branched from {path} (step {run.step}): {note}" if self.branch_start else note
 
     def latest_note(self) -> str | None:
@@ -330,8 +366,9 @@ class CheckpointManager:
             self.saver.save(step, reason, self.model, self.optimizer, record, self.config_yaml)
             if self.in_flight_step == step:  # staged; committed at a later step boundary
                 self._report()  # (a save before it, committed while this one waited for its writers)
-                self.log(f"step {step}: checkpoint staged in {time.perf_counter() - t0:.2f} s, "
-                         "written in the background")
+                self.log(
+                    f"step {step}: checkpoint staged in {time.perf_counter() - t0:.2f} s, written in the background"
+                )
         self._report()  # a synchronous save: its line (and export) after the stall, as the loop's own work
         if reason.stops_run:  # the run stops here: commit it now
             self.wait()

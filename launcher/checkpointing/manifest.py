@@ -74,8 +74,13 @@ def write_manifest(directory, entries: dict) -> Path:
     returns them, for every other file of the directory. Returns the manifest's path."""
     directory = Path(directory)
     files = dict(sorted(entries.items()))
-    record = {"format": 1, "algorithm": ALGORITHM, "files": files, "files_" + ALGORITHM: _list_checksum(files),
-              "total_bytes": sum(e["size"] for e in entries.values())}
+    record = {
+        "format": 1,
+        "algorithm": ALGORITHM,
+        "files": files,
+        "files_" + ALGORITHM: _list_checksum(files),
+        "total_bytes": sum(e["size"] for e in entries.values()),
+    }
     tmp = directory / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, directory / MANIFEST_FILE)
@@ -134,8 +139,9 @@ def check_structure(directory) -> list[str]:
             if f"{name}: missing" not in problems:
                 problems.append(f"{name}: missing")
         elif path.stat().st_size != entry["size"]:
-            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest records {entry['size']} "
-                            "(truncated or overwritten)")
+            problems.append(
+                f"{name}: {path.stat().st_size} bytes, the manifest records {entry['size']} (truncated or overwritten)"
+            )
     return problems  # (a file the manifest does not list is not read by a load: not a problem)
 
 
@@ -153,8 +159,7 @@ def check_checksums(directory, names: Iterable[str]) -> list[str]:
             continue
         got = file_checksum(path)
         if got != entry[ALGORITHM]:
-            problems.append(f"{name}: content changed (checksum {got}, the manifest records "
-                            f"{entry[ALGORITHM]})")
+            problems.append(f"{name}: content changed (checksum {got}, the manifest records {entry[ALGORITHM]})")
     return problems
 
 

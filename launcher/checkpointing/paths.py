@@ -51,9 +51,13 @@ _LATEST_BYTES = 4096
 def _file_kind(path: Path) -> str:
     """What ``path`` is when it is not a regular file: a directory, a FIFO, ..."""
     mode = path.stat().st_mode
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return kind
     return "not a regular file"
@@ -76,17 +80,21 @@ def read_latest(root) -> str | None:
     if not pointer.exists():
         return None
     if not pointer.is_file():
-        raise ConfigError(f"{pointer} is {_file_kind(pointer)}, not the file k2-train writes there (one line: the "
-                          f"name of the newest checkpoint); move it away (the run then resumes from the newest "
-                          f"checkpoint that verifies{_names_in(root)}) or pass resume.from=<a checkpoint>")
+        raise ConfigError(
+            f"{pointer} is {_file_kind(pointer)}, not the file k2-train writes there (one line: the "
+            f"name of the newest checkpoint); move it away (the run then resumes from the newest "
+            f"checkpoint that verifies{_names_in(root)}) or pass resume.from=<a checkpoint>"
+        )
     with open(pointer, encoding="utf-8", errors="replace") as f:
         named = f.read(_LATEST_BYTES).strip()
     outside = _outside(root, named)
     if named and outside:
-        raise ConfigError(f"{pointer} names {named!r}, which is not a checkpoint of {root} ({outside}): a pointer "
-                          f"may name only a checkpoint of its own run{_names_in(root)}; write one of those "
-                          "names into it, delete it (the run then resumes from the newest checkpoint that "
-                          "verifies), or resume another run's checkpoint explicitly with resume.from=PATH")
+        raise ConfigError(
+            f"{pointer} names {named!r}, which is not a checkpoint of {root} ({outside}): a pointer "
+            f"may name only a checkpoint of its own run{_names_in(root)}; write one of those "
+            "names into it, delete it (the run then resumes from the newest checkpoint that "
+            "verifies), or resume another run's checkpoint explicitly with resume.from=PATH"
+        )
     return named
 
 
@@ -137,8 +145,10 @@ def resume_point(run_dir, root=None) -> tuple[Path | None, str | None]:
         return root / found[-1], f"{problem}; resuming from the newest checkpoint that verifies: {found[-1]}"
     if named is None:
         return None, None
-    raise ConfigError(f"{problem} and no checkpoint in {root} verifies: delete {pointer} to start the run "
-                      "afresh, or choose a new run.dir")
+    raise ConfigError(
+        f"{problem} and no checkpoint in {root} verifies: delete {pointer} to start the run "
+        "afresh, or choose a new run.dir"
+    )
 
 
 def read_state(path) -> dict:
@@ -150,15 +160,18 @@ def read_state(path) -> dict:
     """
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
-        raise ConfigError(f"checkpoint {path} is a partial save (killed mid-way); resume from a "
-                          f"complete one: {', '.join(complete_checkpoint_names(path.parent)) or 'none exists'}")
+        raise ConfigError(
+            f"checkpoint {path} is a partial save (killed mid-way); resume from a "
+            f"complete one: {', '.join(complete_checkpoint_names(path.parent)) or 'none exists'}"
+        )
     state_file = path / STATE_FILE
     if not path.is_dir():
         raise ConfigError(f"checkpoint {path} does not exist")
     if not state_file.exists() or not (path / "metadata.json").exists():
         missing = STATE_FILE if not state_file.exists() else "metadata.json"
-        raise ConfigError(f"{path} is not a complete k2-launcher checkpoint ({missing} is missing)"
-                          f"{_alternatives(path)}")
+        raise ConfigError(
+            f"{path} is not a complete k2-launcher checkpoint ({missing} is missing){_alternatives(path)}"
+        )
     try:
         return json.loads(state_file.read_text())
     except json.JSONDecodeError as e:
@@ -171,8 +184,11 @@ def saved_checkpoint_names(root: Path) -> list[str]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir()  # (a link to a directory elsewhere is not one of them)
-                  if p.name.startswith("iter_") and not p.is_symlink() and p.is_dir() and (p / STATE_FILE).exists())
+    return sorted(
+        p.name
+        for p in root.iterdir()  # (a link to a directory elsewhere is not one of them)
+        if p.name.startswith("iter_") and not p.is_symlink() and p.is_dir() and (p / STATE_FILE).exists()
+    )
 
 
 def complete_checkpoint_names(root: Path) -> list[str]:
@@ -186,10 +202,14 @@ def _alternatives(path: Path) -> str:
     """``; checkpoints in <dir> that verify ...: a, b; resume from one with resume.from=<newest>``."""
     names = [n for n in complete_checkpoint_names(path.parent) if n != path.name]
     if not names:
-        return (f"; no other checkpoint in {path.parent} verifies: start a new run.dir, or delete the "
-                "damaged checkpoint (and checkpoints/latest) to start afresh")
-    return (f"; checkpoints in {path.parent} that verify (files and sizes): {', '.join(names)}; resume "
-            f"from one with resume.from={path.parent / names[-1]}")
+        return (
+            f"; no other checkpoint in {path.parent} verifies: start a new run.dir, or delete the "
+            "damaged checkpoint (and checkpoints/latest) to start afresh"
+        )
+    return (
+        f"; checkpoints in {path.parent} that verify (files and sizes): {', '.join(names)}; resume "
+        f"from one with resume.from={path.parent / names[-1]}"
+    )
 
 
 def damaged_checkpoint_error(path, problems: list[str]) -> ConfigError:
@@ -204,10 +224,12 @@ def unsafe_checkpoint_error(path, problems: list[str]) -> ConfigError:
     """The error for a checkpoint whose pickled parts name globals outside the allow-list of
     :mod:`k2.launcher.checkpointing.unpickle` (they would run code when loaded): names it and each part."""
     shown = "; ".join(problems[:3]) + (f"; ... ({len(problems) - 3} more)" if len(problems) > 3 else "")
-    return ConfigError(f"checkpoint {path} is refused: its pickled data would call code a checkpoint never "
-                       f"holds ({shown}); nothing of it was loaded. It was not written by k2-launcher, or it was "
-                       "altered (the manifest's checksums show integrity, not who wrote it: docs/checkpoints.md, "
-                       "'What a checkpoint is trusted with')")
+    return ConfigError(
+        f"checkpoint {path} is refused: its pickled data would call code a checkpoint never "
+        f"holds ({shown}); nothing of it was loaded. It was not written by k2-launcher, or it was "
+        "altered (the manifest's checksums show integrity, not who wrote it: docs/checkpoints.md, "
+        "'What a checkpoint is trusted with')"
+    )
 
 
 def check_checkpoint_files(path, level: str) -> None:

@@ -35,7 +35,6 @@ GUARDED = ("model", "schedule", "optim", "data", "run.seed", "train.precision")
 _DATA_PATH_KEY = re.compile(r"(schedule\.phases\.\d+\.)?data\.(path|valid_path)(\.\d+)?")
 
 
-
 def _select(container: dict, dotted: str) -> Any:
     node = container
     for part in dotted.split("."):
@@ -70,8 +69,15 @@ def _show(value: Any) -> str:
     return value if value is _ABSENT else repr(value)
 
 
-def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dict, force: bool,
-                            path: str | Path, unguarded: tuple[str, ...] = ()) -> list[str]:
+def check_resume_compatible(
+    state: dict,
+    saved_cfg: dict,
+    cfg: dict,
+    layout: dict,
+    force: bool,
+    path: str | Path,
+    unguarded: tuple[str, ...] = (),
+) -> list[str]:
     """Refuse a resume that would silently change training or that the checkpoint cannot serve.
 
     A weights-only checkpoint (``"weights_only": true`` in ``k2_state.json``, written by ``k2-convert
@@ -99,7 +105,8 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
         if changes and not force:
             raise ConfigError(
                 f"{path} holds the weights of another model config: {'; '.join(changes[:8])}. Use the "
-                "model settings it was imported with, or accept the change with resume.force=true")
+                "model settings it was imported with, or accept the change with resume.force=true"
+            )
         return changes
     saved = state["layout"]
     fixed = [k for k in ("pp", "vpp", "ep") if saved[k] != layout[k]]
@@ -132,8 +139,10 @@ def check_resume_compatible(state: dict, saved_cfg: dict, cfg: dict, layout: dic
 
 
 #: what ``resume.from`` may name
-_FROM_ALLOWED = ("allowed: a checkpoint (checkpoints/iter_NNNNNNN), a checkpoints/ directory (its latest) or a "
-                 "run dir (its checkpoints/latest)")
+_FROM_ALLOWED = (
+    "allowed: a checkpoint (checkpoints/iter_NNNNNNN), a checkpoints/ directory (its latest) or a "
+    "run dir (its checkpoints/latest)"
+)
 
 
 def resume_from_path(raw: str | Path) -> Path:
@@ -159,8 +168,10 @@ def resume_from_path(raw: str | Path) -> Path:
     # a checkpoint, complete or not (its own files say what is wrong with it), or something else
     if path.name.startswith("iter_") or any((path / f).exists() for f in (*REQUIRED, MANIFEST_FILE)):
         return path
-    raise ConfigError(f"resume.from={raw} is not a checkpoint (no {STATE_FILE}, metadata.json or "
-                      f"{MANIFEST_FILE} in it, no latest, no {CHECKPOINTS}/{LATEST}); {_FROM_ALLOWED}")
+    raise ConfigError(
+        f"resume.from={raw} is not a checkpoint (no {STATE_FILE}, metadata.json or "
+        f"{MANIFEST_FILE} in it, no latest, no {CHECKPOINTS}/{LATEST}); {_FROM_ALLOWED}"
+    )
 
 
 def plan_resume(cfg: K2Config, layout: dict[str, int]) -> Path | None:
@@ -188,8 +199,10 @@ def plan_resume(cfg: K2Config, layout: dict[str, int]) -> Path | None:
     if settings["mode"] == "never":
         # (the owner's lock file, k2.launcher.checkpointing.run_lock, is not a previous run)
         if run_dir.exists() and any(p.name != OWNER_LOCK for p in run_dir.iterdir()):
-            raise ConfigError(f"resume=never and run.dir={run_dir} is not empty; choose a new run.dir "
-                              "or drop resume=never to resume from its latest checkpoint")
+            raise ConfigError(
+                f"resume=never and run.dir={run_dir} is not empty; choose a new run.dir "
+                "or drop resume=never to resume from its latest checkpoint"
+            )
         return None
     branch = False
     path: Path | None
@@ -211,8 +224,9 @@ def plan_resume(cfg: K2Config, layout: dict[str, int]) -> Path | None:
     saved = OmegaConf.load(path / CONFIG_FILE)
     saved_cfg, run_cfg = OmegaConf.to_container(saved, resolve=True), OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(saved_cfg, dict) and isinstance(run_cfg, dict)  # (configs are mappings)
-    check_resume_compatible(state, saved_cfg, run_cfg, layout,
-                            bool(settings["force"]), path, unguarded=("schedule",) if branch else ())
+    check_resume_compatible(
+        state, saved_cfg, run_cfg, layout, bool(settings["force"]), path, unguarded=("schedule",) if branch else ()
+    )
     if branch:
         check_branch_schedule(cfg, saved.schedule, int(state["step"]), path)
     return path

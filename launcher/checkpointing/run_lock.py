@@ -73,8 +73,10 @@ class RunDirLock:
                 raise ConfigError(f"run.dir={run_dir}: cannot lock {path}: {e.strerror}") from None
             owner = _read_owner(fd, wait_owner_s)
             os.close(fd)
-            raise RunDirBusy(f"run.dir={run_dir} is in use by another trainer ({owner}; lock {path}); "
-                             "wait for it to end or choose another run.dir") from None
+            raise RunDirBusy(
+                f"run.dir={run_dir} is in use by another trainer ({owner}; lock {path}); "
+                "wait for it to end or choose another run.dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
         return cls(run_dir, fd)

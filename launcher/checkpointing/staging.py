@@ -29,11 +29,22 @@ def needs_validation(sd) -> bool:
     def shape(x):
         return tuple(x) if x is not None else ()
 
-    structure = hash(tuple(sorted(
-        (str(v.key), shape(getattr(v, "global_shape", None)), shape(getattr(v, "global_offset", None)),
-         str(getattr(v, "replica_id", "")), shape(getattr(getattr(v, "data", None), "shape", None)),
-         str(getattr(getattr(v, "data", None), "dtype", "")))
-        for v in nested_values(sd) if hasattr(v, "key"))))
+    structure = hash(
+        tuple(
+            sorted(
+                (
+                    str(v.key),
+                    shape(getattr(v, "global_shape", None)),
+                    shape(getattr(v, "global_offset", None)),
+                    str(getattr(v, "replica_id", "")),
+                    shape(getattr(getattr(v, "data", None), "shape", None)),
+                    str(getattr(getattr(v, "data", None), "dtype", "")),
+                )
+                for v in nested_values(sd)
+                if hasattr(v, "key")
+            )
+        )
+    )
     if all_reduce_int(int(VALIDATED_STRUCTURE != [structure]), "max"):
         VALIDATED_STRUCTURE[:] = [structure]
         return True

@@ -63,8 +63,11 @@ def _fp32_params_visible_to_checkpointing(optimizer):
 
     swapped = []
     for opt in leaf_optimizers(optimizer):
-        if (isinstance(opt, Float16OptimizerWithFloat16Params)
-                and not any(opt.float16_groups) and any(opt.fp32_from_fp32_groups)):
+        if (
+            isinstance(opt, Float16OptimizerWithFloat16Params)
+            and not any(opt.float16_groups)
+            and any(opt.fp32_from_fp32_groups)
+        ):
             swapped.append((opt, opt.float16_groups))
             opt.float16_groups = opt.fp32_from_fp32_groups
     try:
@@ -91,11 +94,13 @@ def _sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool
     model_sd = dict(sd)
     with _fp32_params_visible_to_checkpointing(optimizer):
         sd["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIM_SHARDING}
+        )
     if with_rng:
         world, rank = dist.get_world_size(), dist.get_rank()
-        sd["rng_state"] = ShardedObject("rng_state", rng_state() if not is_loading else None,
-                                        (world,), (rank,), replica_id=0)
+        sd["rng_state"] = ShardedObject(
+            "rng_state", rng_state() if not is_loading else None, (world,), (rank,), replica_id=0
+        )
     return sd
 
 
@@ -212,9 +217,14 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
             filesystem_async.FileSystemWriterAsync = writer_class
         try:
             changed = needs_validation(sd)
-            return dist_checkpointing.save(sd, str(partial), sharded_strategy=save_strategy(changed),
-                                           validate_access_integrity=changed, async_sharded_save=True,
-                                           async_strategy="mcore")
+            return dist_checkpointing.save(
+                sd,
+                str(partial),
+                sharded_strategy=save_strategy(changed),
+                validate_access_integrity=changed,
+                async_sharded_save=True,
+                async_strategy="mcore",
+            )
         finally:
             filesystem_async._results_queue, filesystem_async.FileSystemWriterAsync = shared, writer
 
@@ -223,8 +233,17 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
     return partial, final, request
 
 
-def commit_save(partial: Path, final: Path, step: int, entries: dict, state: dict, config_yaml: str,
-                keep_last: int, keep_every: int | None, keep_steps: Collection[int] = ()) -> Path:
+def commit_save(
+    partial: Path,
+    final: Path,
+    step: int,
+    entries: dict,
+    state: dict,
+    config_yaml: str,
+    keep_last: int,
+    keep_every: int | None,
+    keep_steps: Collection[int] = (),
+) -> Path:
     """Collective, second half of a save (every shard and megatron's metadata written): rank 0 gets
     every rank's manifest ``entries`` (its shards' sizes and checksums), writes ``k2_state.json``,
     ``config.yaml`` and the manifest, renames ``partial`` to ``final``, points ``latest`` at it and
@@ -244,8 +263,7 @@ def commit_save(partial: Path, final: Path, step: int, entries: dict, state: dic
         if dist.get_rank() != 0:
             return
         shards = {k: v for part in gathered for k, v in part.items()}
-        (partial / STATE_FILE).write_text(json.dumps({**state, "manifest": True}, indent=1, sort_keys=True)
-                                          + "\n")
+        (partial / STATE_FILE).write_text(json.dumps({**state, "manifest": True}, indent=1, sort_keys=True) + "\n")
         (partial / CONFIG_FILE).write_text(config_yaml)
         rest = [n for n in checkpoint_files(partial) if n not in shards]  # megatron's metadata, ours
         write_manifest(partial, {**shards, **file_entries(partial, rest)})  # last: marks it complete
@@ -269,8 +287,17 @@ def shard_entries(partial: Path, write_buckets) -> dict:
     return file_entries(partial, names)
 
 
-def save_checkpoint(run_dir, step: int, model: list, optimizer, state: dict, config_yaml: str,
-                    keep_last: int, keep_every: int | None, keep_steps: Collection[int] = ()) -> Path:
+def save_checkpoint(
+    run_dir,
+    step: int,
+    model: list,
+    optimizer,
+    state: dict,
+    config_yaml: str,
+    keep_last: int,
+    keep_every: int | None,
+    keep_steps: Collection[int] = (),
+) -> Path:
     """Write checkpoint ``iter_<step>`` on every rank and make it ``latest`` once all ranks are done
     (synchronously; in the background: :mod:`k2.launcher.checkpointing.background`).
 
@@ -343,8 +370,11 @@ def verify_checkpoint(path, level: str) -> float:
         raise SystemExit(2)
     seconds = time.perf_counter() - t0
     if rank == 0 and level != "none" and is_legacy(path):
-        print(f"k2-train: warning: checkpoint {path} has no manifest (written by an older k2-launcher): "
-              "its files cannot be verified; loading it as it is", flush=True)
+        print(
+            f"k2-train: warning: checkpoint {path} has no manifest (written by an older k2-launcher): "
+            "its files cannot be verified; loading it as it is",
+            flush=True,
+        )
     elif rank == 0 and level != "none":
         print(f"k2-train: checkpoint {path} verified ({level}, {world} ranks) in {seconds:.2f} s", flush=True)
     return seconds
@@ -426,9 +456,11 @@ def _restore_step_counts(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state.get(p)
                 if st and isinstance(st.get("step"), torch.Tensor):
-                    st["step"] = (torch.tensor(float(step), dtype=st["step"].dtype,
-                                               device=st["step"].device)
-                                  if step is not None else st["step"].detach().clone())
+                    st["step"] = (
+                        torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+                        if step is not None
+                        else st["step"].detach().clone()
+                    )
 
 
 def model_sharded_state_dict(chunks: list) -> dict:
@@ -455,8 +487,7 @@ def load_model_weights(path, chunks: list) -> None:
     except load_errors() as e:
         raise_if_refused(path, e)
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"checkpoint {path}: model weights could not be loaded ({type(e).__name__}: "
-                          f"{first})") from e
+        raise ConfigError(f"checkpoint {path}: model weights could not be loaded ({type(e).__name__}: {first})") from e
     bare = [getattr(c, "module", c) for c in chunks]
     for i, chunk in enumerate(bare):
         chunk.load_state_dict(loaded["model" if len(bare) == 1 else f"model{i}"], strict=True)
@@ -483,8 +514,10 @@ def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
     except load_errors() as e:  # e.g. damage that checkpoint.verify=size / none does not look for
         raise_if_refused(path, e)
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {first}); "
-                          "if it is damaged, checkpoint.verify=checksum names the file") from e
+        raise ConfigError(
+            f"checkpoint {path} could not be loaded ({type(e).__name__}: {first}); "
+            "if it is damaged, checkpoint.verify=checksum names the file"
+        ) from e
     if len(model) == 1:
         model[0].module.load_state_dict(loaded["model"], strict=True)
     else:

@@ -40,8 +40,18 @@ import pickle
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["METADATA_GLOBALS", "CheckpointUnpickler", "UnsafePickle", "load_metadata", "metadata_problem",
-           "load_errors", "pickle_problems", "raise_if_refused", "refusal_in", "restricted_unpickling"]
+__all__ = [
+    "METADATA_GLOBALS",
+    "CheckpointUnpickler",
+    "UnsafePickle",
+    "load_metadata",
+    "metadata_problem",
+    "load_errors",
+    "pickle_problems",
+    "raise_if_refused",
+    "refusal_in",
+    "restricted_unpickling",
+]
 
 METADATA_FILE = ".metadata"
 LEGACY_COMMON_FILE = "common.pt"  # megatron's common state before it moved into the .distcp files
@@ -50,17 +60,29 @@ _FORCE_NOT = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 #: the classes and functions DCP's ``.metadata`` is made of (torch 2.11, megatron-core 0.19.2), by
 #: (module, name) as the pickle names them
-METADATA_GLOBALS = frozenset({
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a layout from its name (torch.strided)
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a save given a Path (k2-convert import's)
-    ("collections", "OrderedDict"),
-    ("_codecs", "encode"),  # bytes in protocol-2 pickles
-})
+METADATA_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", n)
+            for n in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout from its name (torch.strided)
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a save given a Path (k2-convert import's)
+        ("collections", "OrderedDict"),
+        ("_codecs", "encode"),  # bytes in protocol-2 pickles
+    }
+)
 
 
 class UnsafePickle(pickle.UnpicklingError):
@@ -95,11 +117,41 @@ class CheckpointUnpickler(pickle.Unpickler):
 
 
 #: torch's dtypes by the names a pickle uses for them (``torch.float32`` pickles as GLOBAL torch float32)
-_DTYPE_NAMES = frozenset({
-    "float16", "half", "float32", "float", "float64", "double", "bfloat16", "complex32", "chalf", "complex64",
-    "cfloat", "complex128", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "short", "int32",
-    "int", "int64", "long", "bool", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
-    "float8_e8m0fnu", "float4_e2m1fn_x2"})
+_DTYPE_NAMES = frozenset(
+    {
+        "float16",
+        "half",
+        "float32",
+        "float",
+        "float64",
+        "double",
+        "bfloat16",
+        "complex32",
+        "chalf",
+        "complex64",
+        "cfloat",
+        "complex128",
+        "cdouble",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "short",
+        "int32",
+        "int",
+        "int64",
+        "long",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    }
+)
 
 
 class _Inert:
@@ -161,8 +213,14 @@ def torch_safe_globals() -> list:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # NumPy 1.x
         from numpy.core.multiarray import _reconstruct
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.int64)),
-            type(np.dtype(np.float64))]
+    return [
+        _reconstruct,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+        type(np.dtype(np.int64)),
+        type(np.dtype(np.float64)),
+    ]
 
 
 @contextlib.contextmanager
@@ -280,12 +338,16 @@ def pickle_problems(path, names: Iterable[str]) -> list[str]:
     with torch.serialization.safe_globals(torch_safe_globals()):
         if meta and shards:
             for index, info in _byte_items(meta[0], shards):
-                attempt(f"{info.relative_path} (the object {index.fqn})",
-                        lambda info=info: torch.load(io.BytesIO(_read_range(path / info.relative_path, info)),
-                                                     weights_only=True))
+                attempt(
+                    f"{info.relative_path} (the object {index.fqn})",
+                    lambda info=info: torch.load(
+                        io.BytesIO(_read_range(path / info.relative_path, info)), weights_only=True
+                    ),
+                )
         if LEGACY_COMMON_FILE in names:
-            attempt(LEGACY_COMMON_FILE, lambda: torch.load(path / LEGACY_COMMON_FILE, map_location="cpu",
-                                                           weights_only=True))
+            attempt(
+                LEGACY_COMMON_FILE, lambda: torch.load(path / LEGACY_COMMON_FILE, map_location="cpu", weights_only=True)
+            )
     return problems
 
 

@@ -88,8 +88,12 @@ def _key(cfg: K2Config, files, user_tok) -> dict:
     """What the output depends on (:func:`k2.launcher.datasets.preprocess.settings_key`, the inputs'
     sizes and times, the piece size, the tokenizer sample)."""
     p = cfg.prepare
-    key = {**settings_key(cfg, user_tok), "array": True, "shard_bytes": int(p.shard_bytes),
-           "inputs": [input_state(f) for f in files]}
+    key = {
+        **settings_key(cfg, user_tok),
+        "array": True,
+        "shard_bytes": int(p.shard_bytes),
+        "inputs": [input_state(f) for f in files],
+    }
     if user_tok is None:
         key["tokenizer"]["sample_bytes"] = int(p.tokenizer_sample_bytes)
     return key
@@ -122,9 +126,11 @@ def plan_build(cfg: K2Config, log: Log, start_over: bool) -> tuple[str, dict] | 
             return prefix, plan
         if os.path.isdir(work):
             if not start_over:
-                raise ConfigError(f"{work} holds a build planned with other inputs or settings than this task's; "
-                                  "plan it again (the same k2-data command without prepare.task, or with "
-                                  "prepare.submit=true), then run the tasks")
+                raise ConfigError(
+                    f"{work} holds a build planned with other inputs or settings than this task's; "
+                    "plan it again (the same k2-data command without prepare.task, or with "
+                    "prepare.submit=true), then run the tasks"
+                )
             log(f"k2-data: {work} holds a build of other inputs or settings: starting over")
             shutil.rmtree(work)
         os.makedirs(work)
@@ -133,11 +139,18 @@ def plan_build(cfg: K2Config, log: Log, start_over: bool) -> tuple[str, dict] | 
             shutil.rmtree(work)
             raise ConfigError(f"prepare.input holds no document ({files_named(files)}: every file is empty)")
         tok_path = user_tok.path if user_tok is not None else _sample_tokenizer(cfg, files, pieces, work, log)
-        plan = {"key": key, "pieces": pieces, "tokenizer": tok_path, "trained": user_tok is None,
-                "tasks": int(cfg.prepare.tasks)}
+        plan = {
+            "key": key,
+            "pieces": pieces,
+            "tokenizer": tok_path,
+            "trained": user_tok is None,
+            "tasks": int(cfg.prepare.tasks),
+        }
         write_json(os.path.join(work, PLAN_FILE), plan)
-    log(f"k2-data: planned {prefix}: {len(pieces)} pieces of ~{cfg.prepare.shard_bytes:,} input bytes "
-        f"(prepare.shard_bytes) from {files_named(files)}")
+    log(
+        f"k2-data: planned {prefix}: {len(pieces)} pieces of ~{cfg.prepare.shard_bytes:,} input bytes "
+        f"(prepare.shard_bytes) from {files_named(files)}"
+    )
     return prefix, plan
 
 
@@ -148,10 +161,17 @@ def _sample_tokenizer(cfg: K2Config, files, pieces: list, work: str, log: Log) -
 
     def texts():
         return itertools.chain.from_iterable(
-            document_texts(cfg, piece_inputs(files, segs), max_bytes=budget) for segs in pieces)
+            document_texts(cfg, piece_inputs(files, segs), max_bytes=budget) for segs in pieces
+        )
 
-    return trained_tokenizer(cfg, texts, work, log, f"a sample of the input (up to {budget:,} bytes of each of "
-                                                     f"{len(pieces)} pieces: prepare.tokenizer_sample_bytes)")
+    return trained_tokenizer(
+        cfg,
+        texts,
+        work,
+        log,
+        f"a sample of the input (up to {budget:,} bytes of each of "
+        f"{len(pieces)} pieces: prepare.tokenizer_sample_bytes)",
+    )
 
 
 def _finished(prefix: str, key: dict) -> bool:
@@ -160,8 +180,10 @@ def _finished(prefix: str, key: dict) -> bool:
     if manifest is None or manifest.get("key") != key or unfinished_build(prefix):
         return False
     d = os.path.dirname(prefix)
-    return all(os.path.isfile(os.path.join(d, n)) and os.path.getsize(os.path.join(d, n)) == e["size"]
-               for n, e in manifest["outputs"].items())
+    return all(
+        os.path.isfile(os.path.join(d, n)) and os.path.getsize(os.path.join(d, n)) == e["size"]
+        for n, e in manifest["outputs"].items()
+    )
 
 
 # --------------------------------------------------------------------------- tasks
@@ -192,8 +214,10 @@ def run_task(cfg: K2Config, prefix: str, plan: dict, task: int, tasks: int, log:
     t0 = time.time()
     for k in mine:
         _build_piece(cfg, prefix, plan, files, k, dtype, log, progress)
-    log(f"k2-data: task {task} of {tasks}: {len(mine)} piece{'s' if len(mine) != 1 else ''} "
-        f"({', '.join(map(str, mine)) or 'none'}) done in {time.time() - t0:.1f} s")
+    log(
+        f"k2-data: task {task} of {tasks}: {len(mine)} piece{'s' if len(mine) != 1 else ''} "
+        f"({', '.join(map(str, mine)) or 'none'}) done in {time.time() - t0:.1f} s"
+    )
 
 
 def _checked_inputs(cfg: K2Config, plan: dict):
@@ -202,8 +226,10 @@ def _checked_inputs(cfg: K2Config, plan: dict):
     now = [input_state(f) for f in files]
     if now != plan["key"]["inputs"]:
         changed = next((b["path"] for a, b in zip(now, plan["key"]["inputs"]) if a != b), "the file list")
-        raise ConfigError(f"prepare.input: {changed} changed since the build was planned; plan it again (the same "
-                          "k2-data command without prepare.task, or with prepare.submit=true)")
+        raise ConfigError(
+            f"prepare.input: {changed} changed since the build was planned; plan it again (the same "
+            "k2-data command without prepare.task, or with prepare.submit=true)"
+        )
     return files
 
 
@@ -219,12 +245,22 @@ def _build_piece(cfg, prefix: str, plan: dict, files, k: int, dtype, log: Log, p
         out = os.path.join(work, "out")
         os.makedirs(out, exist_ok=True)
         inputs = piece_inputs(files, plan["pieces"][k])
-        n_bad, n_empty, bad = tokenize_chunks(cfg.prepare, inputs, chunks, plan["tokenizer"], dtype, progress, log,
-                                              desc=f"k2-data: piece {k}")
+        n_bad, n_empty, bad = tokenize_chunks(
+            cfg.prepare, inputs, chunks, plan["tokenizer"], dtype, progress, log, desc=f"k2-data: piece {k}"
+        )
         datasets, outputs = write_datasets(chunks, out, lambda _i: _shard(prefix, k), dtype, None)
         segments = [[fi, s, e, file_checksum(files[fi].path, start=s, end=e)] for fi, s, e in plan["pieces"][k]]
-        write_json(_done_path(work, k), {"datasets": datasets, "outputs": outputs, "segments": segments,
-                                         "bad_records": n_bad, "first_bad": bad, "empty": n_empty})
+        write_json(
+            _done_path(work, k),
+            {
+                "datasets": datasets,
+                "outputs": outputs,
+                "segments": segments,
+                "bad_records": n_bad,
+                "first_bad": bad,
+                "empty": n_empty,
+            },
+        )
         shutil.rmtree(chunks)
     docs = datasets[0]["documents"] if datasets else 0
     log(f"k2-data: piece {k}: {docs:,} documents -> {_shard(prefix, k)} in {time.time() - t0:.1f} s")
@@ -248,15 +284,19 @@ def finalize(cfg: K2Config, prefix: str, tasks: int | None, log: Log) -> Prepare
             if manifest is not None and not unfinished_build(prefix):
                 log(f"k2-data: {prefix} is finalized already")
                 return prepared(prefix, manifest, rebuilt=False)
-            raise ConfigError(f"prepare.output={prefix}: no array build planned there ({work}/{PLAN_FILE} is "
-                              "missing); run k2-data with prepare.tasks first")
+            raise ConfigError(
+                f"prepare.output={prefix}: no array build planned there ({work}/{PLAN_FILE} is "
+                "missing); run k2-data with prepare.tasks first"
+            )
         tasks = int(tasks or plan.get("tasks") or 1)
         pending = unfinished_tasks(work, plan, tasks)
         if pending:
-            raise ConfigError(f"cannot finalize {prefix}: {_pending_line(pending, tasks)}; run "
-                              f"{'it' if len(pending) == 1 else 'them'} again (the same k2-data command with "
-                              "prepare.task=T, or prepare.submit=true to submit every unfinished task): each "
-                              "resumes where it stopped")
+            raise ConfigError(
+                f"cannot finalize {prefix}: {_pending_line(pending, tasks)}; run "
+                f"{'it' if len(pending) == 1 else 'them'} again (the same k2-data command with "
+                "prepare.task=T, or prepare.submit=true to submit every unfinished task): each "
+                "resumes where it stopped"
+            )
         manifest, outputs = _manifest(prefix, work, plan, tasks)
         publish(prefix, os.path.join(work, "out"), outputs, manifest)
         shutil.rmtree(work)
@@ -265,9 +305,11 @@ def finalize(cfg: K2Config, prefix: str, tasks: int | None, log: Log) -> Prepare
 
 
 def _pending_line(pending: dict, tasks: int) -> str:
-    parts = [f"task {t} of {tasks} is unfinished (pieces {', '.join(map(str, todo[:8]))}"
-             f"{' ...' if len(todo) > 8 else ''}: {total - len(todo)} of {total} done)"
-             for t, (todo, total) in sorted(pending.items())]
+    parts = [
+        f"task {t} of {tasks} is unfinished (pieces {', '.join(map(str, todo[:8]))}"
+        f"{' ...' if len(todo) > 8 else ''}: {total - len(todo)} of {total} done)"
+        for t, (todo, total) in sorted(pending.items())
+    ]
     return "; ".join(parts)
 
 
@@ -291,12 +333,19 @@ def _manifest(prefix: str, work: str, plan: dict, tasks: int) -> tuple[dict, dic
         "documents": sum(d["documents"] for d in datasets),
         "tokens": sum(d["tokens"] for d in datasets),
         "empty_documents_skipped": sum(piece["empty"] for piece in done),
-        "bad_records": {"policy": plan["key"]["bad_records"], "count": sum(p["bad_records"] for p in done),
-                        "first": first_bad},
+        "bad_records": {
+            "policy": plan["key"]["bad_records"],
+            "count": sum(p["bad_records"] for p in done),
+            "first": first_bad,
+        },
         "inputs": plan["key"]["inputs"],
-        "pieces": [{"segments": [{"input": fi, "start": s, "end": e, ALGORITHM: h}
-                                 for fi, s, e, h in piece["segments"]],
-                    "dataset": piece["datasets"][0]["prefix"] if piece["datasets"] else None} for piece in done],
+        "pieces": [
+            {
+                "segments": [{"input": fi, "start": s, "end": e, ALGORITHM: h} for fi, s, e, h in piece["segments"]],
+                "dataset": piece["datasets"][0]["prefix"] if piece["datasets"] else None,
+            }
+            for piece in done
+        ],
         "tokenizer": tokenizer_entry(tok, tok_path, trained=plan["trained"]),
         "token_dtype": np.dtype(token_dtype(tok.vocab_size)).name,
         "datasets": datasets,
@@ -308,8 +357,9 @@ def _manifest(prefix: str, work: str, plan: dict, tasks: int) -> tuple[dict, dic
 # --------------------------------------------------------------------------- the entry
 
 
-def prepare_array(cfg: K2Config, *, progress: bool | None = None,
-                  log: Log = lambda s: print(s, flush=True)) -> PreparedCorpus | None:
+def prepare_array(
+    cfg: K2Config, *, progress: bool | None = None, log: Log = lambda s: print(s, flush=True)
+) -> PreparedCorpus | None:
     """``k2-data prepare.tasks=N``: with ``prepare.task=T``, task T (the plan made first when there is
     none; the build finalized when every piece is done); without, every task here one after another,
     then finalize. Returns the finished build, or None when pieces of other tasks are still unfinished.

@@ -58,8 +58,7 @@ def commit_chunk(work: str, k: int, result: tuple) -> None:
     tokens, lengths, bad, empty = result
     tmp = _chunk_path(work, k) + ".tmp"
     with open(tmp, "wb") as f:
-        np.savez(f, tokens=tokens, lengths=lengths,
-                 meta=np.array(json.dumps({"bad": bad, "empty": empty})))
+        np.savez(f, tokens=tokens, lengths=lengths, meta=np.array(json.dumps({"bad": bad, "empty": empty})))
     os.replace(tmp, _chunk_path(work, k))  # a chunk is either complete or absent
 
 
@@ -78,12 +77,21 @@ def _load_chunk(work: str, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def bad_record_error(where: str, why: str) -> ConfigError:
-    return ConfigError(f"{where}: bad record: {why}; fix the input, or set prepare.bad_records=skip to "
-                       f"report and skip such records")
+    return ConfigError(
+        f"{where}: bad record: {why}; fix the input, or set prepare.bad_records=skip to report and skip such records"
+    )
 
 
-def tokenize_chunks(p: PrepareConfig, files: list[InputFile], work: str, tok_path: str, dtype, progress: bool,
-                    log: Callable[[str], None], desc: str = "k2-data: tokenize") -> tuple[int, int, list]:
+def tokenize_chunks(
+    p: PrepareConfig,
+    files: list[InputFile],
+    work: str,
+    tok_path: str,
+    dtype,
+    progress: bool,
+    log: Callable[[str], None],
+    desc: str = "k2-data: tokenize",
+) -> tuple[int, int, list]:
     """Tokenize every chunk of ``files``' records not yet committed in ``work``.
 
     Args:
@@ -125,14 +133,20 @@ def tokenize_chunks(p: PrepareConfig, files: list[InputFile], work: str, tok_pat
         if buf:
             yield (k, files_bytes), buf
 
-    initargs = (tok_path, [f.where for f in files], [f.kind for f in files], str(p.text_key),
-                np.dtype(dtype).name)
+    initargs = (tok_path, [f.where for f in files], [f.kind for f in files], str(p.text_key), np.dtype(dtype).name)
     delay = float(os.environ.get(DELAY_ENV) or 0)
     pool = TokenizerPool(int(p.workers), initargs)
     t0, docs, toks, printed = time.time(), 0, 0, 0
     try:
-        with tqdm(total=files_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress,
-                  file=sys.stderr, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=files_bytes,
+            unit="B",
+            unit_scale=True,
+            desc=desc,
+            disable=not progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        ) as bar:
             for (k, pos), result in pool.map_ordered(chunks()):
                 tokens, lengths, bad, empty = result
                 if bad and p.bad_records == "error":
@@ -157,8 +171,9 @@ def tokenize_chunks(p: PrepareConfig, files: list[InputFile], work: str, tok_pat
     return n_bad, n_empty, bad_list
 
 
-def write_datasets(work: str, out: str, name: Callable[[int], str], dtype,
-                   shard_documents: int | None) -> tuple[list, dict]:
+def write_datasets(
+    work: str, out: str, name: Callable[[int], str], dtype, shard_documents: int | None
+) -> tuple[list, dict]:
     """Write the committed chunks of ``work`` into the directory ``out`` (which exists) as one megatron
     indexed dataset, or shards of ``shard_documents`` documents, named ``name(shard index)``, in the memory
     of one chunk whatever the corpus size.
@@ -176,8 +191,9 @@ def write_datasets(work: str, out: str, name: Callable[[int], str], dtype,
         if writer is not None:
             writer.finalize()
             outputs.update(writer.outputs)
-            datasets.append({"prefix": os.path.basename(writer.prefix), "documents": writer.documents,
-                             "tokens": writer.tokens})
+            datasets.append(
+                {"prefix": os.path.basename(writer.prefix), "documents": writer.documents, "tokens": writer.tokens}
+            )
 
     for k in range(committed_chunks(work)):
         tokens, lengths = _load_chunk(work, k)
@@ -187,9 +203,8 @@ def write_datasets(work: str, out: str, name: Callable[[int], str], dtype,
             if writer is None or (shard_documents is not None and writer.documents == shard_documents):
                 finish()
                 writer = IndexedDatasetWriter(os.path.join(out, name(len(datasets))), dtype)
-            hi = lengths.size if shard_documents is None else min(lengths.size,
-                                                                  lo + shard_documents - writer.documents)
-            writer.add_documents(tokens[ends[lo]:ends[hi]], lengths[lo:hi])
+            hi = lengths.size if shard_documents is None else min(lengths.size, lo + shard_documents - writer.documents)
+            writer.add_documents(tokens[ends[lo] : ends[hi]], lengths[lo:hi])
             lo = hi
     finish()
     return datasets, outputs

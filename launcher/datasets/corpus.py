@@ -39,8 +39,6 @@ CORPUS_FORMAT = 2
 _ENCODE_CHUNK = 64  # documents per tokenizers.encode_batch call (parallel inside tokenizers)
 
 
-
-
 @dataclass
 class CorpusPaths:
     """Where the embedded corpus lives.
@@ -224,14 +222,11 @@ def prepare_stdlib_corpus(
             manifest = _read_matching_manifest(directory, expected)  # another process built it
             if manifest is None:
                 _remove_leftovers(cache_dir, name)
-                manifest = _build_corpus(
-                    directory, src, files, texts, utf8, expected, progress, verbose, t0
-                )
+                manifest = _build_corpus(directory, src, files, texts, utf8, expected, progress, verbose, t0)
                 return _paths(directory, manifest, rebuilt=True)
     if verbose:
         print(
-            f"k2-data: stdlib corpus is up to date at {directory} (manifest matches); skipped "
-            f"rebuilding",
+            f"k2-data: stdlib corpus is up to date at {directory} (manifest matches); skipped rebuilding",
             flush=True,
         )
     return _paths(directory, manifest, rebuilt=False)
@@ -296,8 +291,12 @@ def _write_splits(tmp, tok, dtype, files, texts, is_valid, progress) -> tuple:
     doc_files = {"train": [], "valid": []}
     tokens = {"train": 0, "valid": 0}
     with tqdm(
-        total=len(files), unit="doc", desc="k2-data: tokenize", disable=not progress,
-        file=sys.stderr, dynamic_ncols=True,
+        total=len(files),
+        unit="doc",
+        desc="k2-data: tokenize",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
     ) as bar:
         for lo in range(0, len(files), _ENCODE_CHUNK):
             hi = min(lo + _ENCODE_CHUNK, len(files))

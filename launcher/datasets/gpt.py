@@ -75,8 +75,11 @@ def build_datasets(
     # the process; with it, global rank 0, which writes while the other ranks wait at megatron's barrier
     # and then only read what it wrote.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    lock = (file_lock(os.path.join(resolved.index_cache_dir, ".build.lock"))
-            if not distributed or torch.distributed.get_rank() == 0 else contextlib.nullcontext())
+    lock = (
+        file_lock(os.path.join(resolved.index_cache_dir, ".build.lock"))
+        if not distributed or torch.distributed.get_rank() == 0
+        else contextlib.nullcontext()
+    )
     with lock:
         train_ds, valid_ds, _ = builder.build()  # with torch.distributed: rank 0 first, barrier, the rest
     _check_built(resolved, seq_length, train_ds, valid_ds)
@@ -129,12 +132,16 @@ def _check_built(resolved: ResolvedData, seq_length: int, train_ds, valid_ds) ->
     """Refuse splits that yield no sample, naming the setting that holds their data."""
     where = "data.path" if not resolved.embedded else "the embedded corpus"
     if train_ds is None or len(train_ds) == 0:
-        raise ConfigError(f"{where} yields no training sample of seq_length={seq_length} tokens "
-                          "(the schedule phase's context length)")
+        raise ConfigError(
+            f"{where} yields no training sample of seq_length={seq_length} tokens (the schedule phase's context length)"
+        )
     if valid_ds is not None and len(valid_ds) == 0:
         setting = (
-            "data.valid_path" if resolved.valid_blend is not None and not resolved.embedded
-            else "data.valid_fraction" if resolved.embedded else "data.split"
+            "data.valid_path"
+            if resolved.valid_blend is not None and not resolved.embedded
+            else "data.valid_fraction"
+            if resolved.embedded
+            else "data.split"
         )
         raise ConfigError(
             f"the validation data ({setting}) holds fewer than seq_length+1={seq_length + 1} "

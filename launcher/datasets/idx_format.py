@@ -23,8 +23,16 @@ INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron's _INDEX_HEADER
 VERSION = 1
 HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 #: megatron's ``DType`` codes of the token dtypes
-DTYPE_OF_CODE = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-                 7: np.float32, 8: np.uint16}
+DTYPE_OF_CODE = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_OF_CODE.items()}
 
 

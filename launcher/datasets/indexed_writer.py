@@ -48,8 +48,10 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
-            raise ValueError(f"token dtype {self.dtype} has no megatron DType code; allowed: "
-                             + ", ".join(str(d) for d in CODE_OF_DTYPE))
+            raise ValueError(
+                f"token dtype {self.dtype} has no megatron DType code; allowed: "
+                + ", ".join(str(d) for d in CODE_OF_DTYPE)
+            )
         self._code = CODE_OF_DTYPE[self.dtype]
         self._bin = open(prefix + ".bin", "wb")
         self._bin_hash = hasher()
@@ -80,6 +82,7 @@ class IndexedDatasetWriter:
         n, itemsize = self.documents, self.dtype.itemsize
         idx_hash, idx_bytes = hasher(), 0
         with open(self.prefix + ".idx", "wb") as idx, open(self._lengths_path, "rb") as spool:
+
             def write(data: bytes) -> None:
                 nonlocal idx_bytes
                 idx.write(data)
@@ -100,8 +103,10 @@ class IndexedDatasetWriter:
                 write(np.arange(lo, min(n + 1, lo + BLOCK), dtype=np.int64).tobytes())
         os.remove(self._lengths_path)
         name = os.path.basename(self.prefix)
-        self.outputs = {name + ".bin": {"size": self.tokens * itemsize, ALGORITHM: self._bin_hash.hexdigest()},
-                        name + ".idx": {"size": idx_bytes, ALGORITHM: idx_hash.hexdigest()}}
+        self.outputs = {
+            name + ".bin": {"size": self.tokens * itemsize, ALGORITHM: self._bin_hash.hexdigest()},
+            name + ".idx": {"size": idx_bytes, ALGORITHM: idx_hash.hexdigest()},
+        }
 
 
 def _blocks(f):

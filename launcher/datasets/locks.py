@@ -1,5 +1,4 @@
-"""An exclusive advisory file lock shared by the corpus build and the dataset-index build.
-"""
+"""An exclusive advisory file lock shared by the corpus build and the dataset-index build."""
 
 from __future__ import annotations
 

@@ -74,8 +74,7 @@ class MicrobatchIterator:
         gbs, mbs, dp = int(global_batch_size), int(micro_batch_size), int(dp_size)
         if gbs <= 0 or mbs <= 0 or dp <= 0:
             raise ValueError(
-                f"train.global_batch_size ({gbs}), train.micro_batch_size ({mbs}) and the DP size "
-                f"({dp}) must be > 0"
+                f"train.global_batch_size ({gbs}), train.micro_batch_size ({mbs}) and the DP size ({dp}) must be > 0"
             )
         if gbs % (mbs * dp):
             raise ConfigError(
@@ -117,11 +116,7 @@ class MicrobatchIterator:
         return self._next_sample() // self.dataset_len
 
     def _next_sample(self) -> int:
-        return (
-            self._batch_start
-            + self.dp_rank * self.local_batch_size
-            + self._next_mb * self.micro_batch_size
-        )
+        return self._batch_start + self.dp_rank * self.local_batch_size + self._next_mb * self.micro_batch_size
 
     def sample_numbers(self, global_batch: int, microbatch: int) -> list[int]:
         """Global (unwrapped) sample numbers of microbatch ``microbatch`` of global batch ``global_batch``

@@ -56,10 +56,28 @@ from k2.launcher.datasets.tokenizer import HFTokenizer, load_user_tokenizer, tra
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-__all__ = ["MANIFEST_SUFFIX", "PREPARE_FORMAT", "PreparedCorpus", "build_manifest", "build_manifest_path",
-           "document_texts", "files_named", "output_prefix", "prepare_corpus", "prepared", "publish", "read_json",
-           "settings", "settings_key", "tokenizer_entry", "trained_tokenizer", "unfinished_build", "user_tokenizer",
-           "work_dir", "write_json"]
+__all__ = [
+    "MANIFEST_SUFFIX",
+    "PREPARE_FORMAT",
+    "PreparedCorpus",
+    "build_manifest",
+    "build_manifest_path",
+    "document_texts",
+    "files_named",
+    "output_prefix",
+    "prepare_corpus",
+    "prepared",
+    "publish",
+    "read_json",
+    "settings",
+    "settings_key",
+    "tokenizer_entry",
+    "trained_tokenizer",
+    "unfinished_build",
+    "user_tokenizer",
+    "work_dir",
+    "write_json",
+]
 
 # bump when the output layout or tokenization changes (forces a rebuild); 2: the manifest records every
 # output's size and xxh3-64 checksum
@@ -143,8 +161,9 @@ def output_prefix(cfg: K2Config) -> str:
         ConfigError: ``prepare.output`` is null.
     """
     if cfg.prepare.output is None or not str(cfg.prepare.output).strip():
-        raise ConfigError("prepare.output is null: give the dataset prefix of the build "
-                          "(prepare.output=/data/corpus_text_document)")
+        raise ConfigError(
+            "prepare.output is null: give the dataset prefix of the build (prepare.output=/data/corpus_text_document)"
+        )
     prefix = os.path.abspath(os.path.expanduser(str(cfg.prepare.output)))
     for suffix in (".bin", ".idx", MANIFEST_SUFFIX):
         if prefix.endswith(suffix):
@@ -167,9 +186,11 @@ def user_tokenizer(cfg: K2Config) -> HFTokenizer | None:
     ``data.vocab_size`` must fit ``model.vocab_size``)."""
     if cfg.data.tokenizer is None:
         if int(cfg.data.vocab_size) > int(cfg.model.vocab_size):
-            raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} (the tokenizer trained on prepare.input) "
-                              f"exceeds model.vocab_size={cfg.model.vocab_size}; lower data.vocab_size or raise "
-                              f"model.vocab_size")
+            raise ConfigError(
+                f"data.vocab_size={cfg.data.vocab_size} (the tokenizer trained on prepare.input) "
+                f"exceeds model.vocab_size={cfg.model.vocab_size}; lower data.vocab_size or raise "
+                f"model.vocab_size"
+            )
         return None
     return load_user_tokenizer(cfg.data.tokenizer, int(cfg.model.vocab_size))
 
@@ -185,15 +206,20 @@ def settings_key(cfg: K2Config, user_tok: HFTokenizer | None) -> dict:
         "chunk_documents": int(p.chunk_documents),
         "chunk_bytes": int(p.chunk_bytes),
         "shard_documents": None if p.shard_documents is None else int(p.shard_documents),
-        "tokenizer": ({"trained": False, "sha256": user_tok.unique_identifiers["sha256"]}
-                      if user_tok is not None else {"trained": True, "vocab_size": int(cfg.data.vocab_size)}),
+        "tokenizer": (
+            {"trained": False, "sha256": user_tok.unique_identifiers["sha256"]}
+            if user_tok is not None
+            else {"trained": True, "vocab_size": int(cfg.data.vocab_size)}
+        ),
     }
 
 
 def _key(cfg: K2Config, files: list[InputFile], hashes: list[str], user_tok: HFTokenizer | None) -> dict:
     """What the output depends on: a build (finished or not) with another key is not reused."""
-    return {**settings_key(cfg, user_tok),
-            "inputs": [{"path": f.path, "bytes": f.bytes, "sha256": h} for f, h in zip(files, hashes)]}
+    return {
+        **settings_key(cfg, user_tok),
+        "inputs": [{"path": f.path, "bytes": f.bytes, "sha256": h} for f, h in zip(files, hashes)],
+    }
 
 
 def read_json(path: str) -> dict | None:
@@ -245,8 +271,9 @@ def tokenizer_entry(tok, path: str, *, trained: bool) -> dict:
     }
 
 
-def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
-                   log: Callable[[str], None] = lambda s: print(s, flush=True)) -> PreparedCorpus:
+def prepare_corpus(
+    cfg: K2Config, *, progress: bool | None = None, log: Callable[[str], None] = lambda s: print(s, flush=True)
+) -> PreparedCorpus:
     """Tokenize ``prepare.input`` into megatron indexed datasets at ``prepare.output`` (or reuse them).
 
     Every record becomes one document: the tokenizer's ids of its text (``add_special_tokens=False``)
@@ -288,20 +315,24 @@ def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
                 shutil.rmtree(work)
             os.makedirs(work)
             write_json(os.path.join(work, "build.json"), key)
-        tok_path = user_tok.path if user_tok is not None else trained_tokenizer(
-            cfg, lambda: document_texts(cfg, files), work, log, "the input")
+        tok_path = (
+            user_tok.path
+            if user_tok is not None
+            else trained_tokenizer(cfg, lambda: document_texts(cfg, files), work, log, "the input")
+        )
         tok = user_tok if user_tok is not None else HFTokenizer(tok_path)
         dtype = token_dtype(tok.vocab_size)
         show = bool(p.progress) if progress is None else progress
         n_bad, n_empty, bad_list = tokenize_chunks(p, files, work, tok_path, dtype, show, log)
-        datasets, outputs = _assemble(prefix, work, tok_path if user_tok is None else None, dtype,
-                                      p.shard_documents)
+        datasets, outputs = _assemble(prefix, work, tok_path if user_tok is None else None, dtype, p.shard_documents)
         documents = sum(d["documents"] for d in datasets)
         if documents == 0:
             shutil.rmtree(work, ignore_errors=True)
-            raise ConfigError(f"prepare.input holds no document ({files_named(files)}"
-                              f"{f'; {n_bad} bad records skipped' if n_bad else ''}"
-                              f"{f'; {n_empty} empty texts' if n_empty else ''})")
+            raise ConfigError(
+                f"prepare.input holds no document ({files_named(files)}"
+                f"{f'; {n_bad} bad records skipped' if n_bad else ''}"
+                f"{f'; {n_empty} empty texts' if n_empty else ''})"
+            )
         manifest = {
             "key": key,
             "documents": documents,
@@ -309,8 +340,9 @@ def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
             "empty_documents_skipped": n_empty,
             "bad_records": {"policy": str(p.bad_records), "count": n_bad, "first": bad_list},
             "inputs": key["inputs"],
-            "tokenizer": tokenizer_entry(tok, tok_path if user_tok is not None else prefix + ".tokenizer.json",
-                                          trained=user_tok is None),
+            "tokenizer": tokenizer_entry(
+                tok, tok_path if user_tok is not None else prefix + ".tokenizer.json", trained=user_tok is None
+            ),
             "token_dtype": np.dtype(dtype).name,
             "datasets": datasets,
             "outputs": outputs,
@@ -325,8 +357,13 @@ def prepare_corpus(cfg: K2Config, *, progress: bool | None = None,
 def prepared(prefix: str, manifest: dict, rebuilt: bool) -> PreparedCorpus:
     """The :class:`PreparedCorpus` of the build of ``prefix`` whose manifest is ``manifest``."""
     d = os.path.dirname(prefix)
-    return PreparedCorpus([os.path.join(d, x["prefix"]) for x in manifest["datasets"]],
-                          manifest["tokenizer"]["path"], prefix + MANIFEST_SUFFIX, manifest, rebuilt)
+    return PreparedCorpus(
+        [os.path.join(d, x["prefix"]) for x in manifest["datasets"]],
+        manifest["tokenizer"]["path"],
+        prefix + MANIFEST_SUFFIX,
+        manifest,
+        rebuilt,
+    )
 
 
 def document_texts(cfg: K2Config, files: list[InputFile], max_bytes: int | None = None):
@@ -360,8 +397,7 @@ def trained_tokenizer(cfg: K2Config, texts, work: str, log, what: str) -> str:
     texts = texts()
     first = next(texts, None)
     if first is None:
-        raise ConfigError(f"prepare.input holds no document to train a tokenizer on "
-                          f"({files_named(settings(cfg)[1])})")
+        raise ConfigError(f"prepare.input holds no document to train a tokenizer on ({files_named(settings(cfg)[1])})")
     tok = train_byte_level_bpe(_chain(first, texts), vocab)
     tok.save(path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -389,7 +425,8 @@ def _assemble(prefix, work, trained_tok, dtype, shard_documents) -> tuple[list, 
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     datasets, outputs = write_datasets(
-        work, out, lambda i: f"{base}_{i:05d}" if shard_documents is not None else base, dtype, shard_documents)
+        work, out, lambda i: f"{base}_{i:05d}" if shard_documents is not None else base, dtype, shard_documents
+    )
     if trained_tok is not None:
         shutil.copyfile(trained_tok, os.path.join(out, base + ".tokenizer.json"))
         outputs.update(file_entries(out, [base + ".tokenizer.json"]))
@@ -405,8 +442,12 @@ def publish(prefix: str, out: str, outputs: dict, manifest: dict) -> None:
     if os.path.exists(prefix + MANIFEST_SUFFIX):
         os.remove(prefix + MANIFEST_SUFFIX)
     esc = glob.escape(prefix)
-    for old in glob.glob(esc + ".bin") + glob.glob(esc + ".idx") + glob.glob(esc + "_[0-9][0-9][0-9][0-9][0-9].*") \
-            + glob.glob(esc + ".tokenizer.json"):
+    for old in (
+        glob.glob(esc + ".bin")
+        + glob.glob(esc + ".idx")
+        + glob.glob(esc + "_[0-9][0-9][0-9][0-9][0-9].*")
+        + glob.glob(esc + ".tokenizer.json")
+    ):
         os.remove(old)
     for name in outputs:
         os.replace(os.path.join(out, name), os.path.join(d, name))

@@ -129,20 +129,14 @@ def parse_blend(value: Any, key: str) -> Blend:
     # a weighted blend
     form = "a blend is [weight1, prefix1, weight2, prefix2, ...]"
     if len(items) % 2:
-        raise ConfigError(
-            f"{key} has {len(items)} entries but {form} (an even number of entries): {items}"
-        )
+        raise ConfigError(f"{key} has {len(items)} entries but {form} (an even number of entries): {items}")
     prefixes, weights = [], []
     for i in range(0, len(items), 2):
         w, p = items[i], items[i + 1]
         if not _is_number(w):
-            raise ConfigError(
-                f"{key}: weight at position {i} is {w!r}, which is not a number; {form}: {items}"
-            )
+            raise ConfigError(f"{key}: weight at position {i} is {w!r}, which is not a number; {form}: {items}")
         if _is_number(p) or not isinstance(p, str) or not p.strip():
-            raise ConfigError(
-                f"{key}: expected a dataset prefix at position {i + 1}, got {p!r}; {form}: {items}"
-            )
+            raise ConfigError(f"{key}: expected a dataset prefix at position {i + 1}, got {p!r}; {form}: {items}")
         wf = float(w)
         if not math.isfinite(wf) or wf < 0:
             raise ConfigError(f"{key}: weight {w!r} of '{p}' is negative or not finite; weights must be > 0")
@@ -196,21 +190,23 @@ def _read_idx_header(idx_path: str) -> tuple[np.ndarray, type]:
         header = f.read(HEADER_BYTES)
     if len(header) < HEADER_BYTES or header[:n] != INDEX_HEADER:
         raise ValueError("not a megatron indexed-dataset index (bad header)")
-    (version,) = struct.unpack("<Q", header[n:n + 8])
+    (version,) = struct.unpack("<Q", header[n : n + 8])
     if version != VERSION:
         raise ValueError(f"unsupported .idx version {version}")
     code = header[n + 8]
     dtype = DTYPE_OF_CODE.get(code)
     if dtype is None:
         raise ValueError(f"unknown token dtype code {code}")
-    (count,) = struct.unpack("<Q", header[n + 9:n + 17])
-    (doc_indices,) = struct.unpack("<Q", header[n + 17:n + 25])
+    (count,) = struct.unpack("<Q", header[n + 9 : n + 17])
+    (doc_indices,) = struct.unpack("<Q", header[n + 17 : n + 25])
     # sequence lengths int32, sequence offsets int64, document indices int64 (idx_format's layout)
     expected = HEADER_BYTES + 4 * count + 8 * count + 8 * doc_indices
     size = os.path.getsize(idx_path)
     if size != expected:
-        raise ValueError(f"{size:,} bytes, but its header describes {count:,} sequences and {doc_indices:,} "
-                         f"document indices ({expected:,} bytes): truncated, overwritten or not a megatron index")
+        raise ValueError(
+            f"{size:,} bytes, but its header describes {count:,} sequences and {doc_indices:,} "
+            f"document indices ({expected:,} bytes): truncated, overwritten or not a megatron index"
+        )
     lengths = np.fromfile(idx_path, dtype=np.int32, count=count, offset=HEADER_BYTES)
     if lengths.size != count:
         raise ValueError("truncated .idx")
@@ -232,14 +228,15 @@ def check_token_ids(bin_path: str, dtype, vocab_size: int, what: str) -> None:
         return
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     for start in range(0, tokens.size, _SCAN_CHUNK):
-        chunk = tokens[start:start + _SCAN_CHUNK]
+        chunk = tokens[start : start + _SCAN_CHUNK]
         bad = (chunk < 0) | (chunk >= vocab_size)
         if bad.any():
             i = int(np.argmax(bad))
             raise ConfigError(
                 f"{bin_path} holds token id {chunk[i]} at token {start + i:,}, outside the vocabulary of "
                 f"{what} (ids 0..{vocab_size - 1}): the file was not written with that tokenizer, or "
-                f"it is damaged")
+                f"it is damaged"
+            )
 
 
 def _check_prefixes(blend: Blend, key: str, stats: dict, dtypes: dict) -> None:
@@ -251,7 +248,8 @@ def _check_prefixes(blend: Blend, key: str, stats: dict, dtypes: dict) -> None:
         if unfinished is not None:
             raise ConfigError(
                 f"{key}: dataset prefix '{p}' is an unfinished k2-data build ({unfinished} exists): run the "
-                f"same k2-data prepare command again to finish it")
+                f"same k2-data prepare command again to finish it"
+            )
         for ext in (".bin", ".idx"):
             if not os.path.isfile(p + ext):
                 raise ConfigError(
@@ -291,7 +289,8 @@ def _check_build_tokenizer(prefix: str, key: str, tok_path: str, tok_sha256: str
         raise ConfigError(
             f"{key}: '{prefix}' was tokenized by k2-data with {built.get('path')} (sha256 "
             f"{built['sha256'][:12]}...), not with data.tokenizer {tok_path} (sha256 {tok_sha256[:12]}...); "
-            f"give data.tokenizer={built.get('path')}")
+            f"give data.tokenizer={built.get('path')}"
+        )
 
 
 def _parse_split(split: Any) -> list[float]:
@@ -352,8 +351,11 @@ def resolve_data(cfg: K2Config) -> ResolvedData:
     stats: dict = {}
     named: list = []  # the tokenizers the manifests in data.path / data.valid_path name
     train_blend = expand_manifests(parse_blend(data.path, "data.path"), "data.path", named)
-    valid_blend = None if data.valid_path is None else expand_manifests(
-        parse_blend(data.valid_path, "data.valid_path"), "data.valid_path", named)
+    valid_blend = (
+        None
+        if data.valid_path is None
+        else expand_manifests(parse_blend(data.valid_path, "data.valid_path"), "data.valid_path", named)
+    )
     dtypes: dict = {}
     _check_prefixes(train_blend, "data.path", stats, dtypes)
     if valid_blend is not None:
@@ -374,7 +376,6 @@ def resolve_data(cfg: K2Config) -> ResolvedData:
     )
 
 
-
 def _checked_split(split_setting, train_blend, stats: dict) -> str:
     """``data.split`` as megatron's split string, refused where it leaves a prefix without training (or,
     with a validation share, validation) documents: megatron slices each prefix's documents by the
@@ -385,9 +386,7 @@ def _checked_split(split_setting, train_blend, stats: dict) -> str:
     for p in train_blend[0]:
         n = stats[p][0]
         if int(round(beg * n)) == 0:
-            raise ConfigError(
-                f"data.split={split_setting!r} leaves no training documents in '{p}' ({n} documents)"
-            )
+            raise ConfigError(f"data.split={split_setting!r} leaves no training documents in '{p}' ({n} documents)")
         if vec[1] > 0 and int(round(end * n)) - int(round(beg * n)) == 0:
             raise ConfigError(
                 f"data.split={split_setting!r} leaves no validation documents in '{p}' ({n} "
@@ -396,13 +395,15 @@ def _checked_split(split_setting, train_blend, stats: dict) -> str:
     return ",".join(f"{x:g}" for x in vec)
 
 
-def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: dict,
-                     named: list) -> tuple[str, int]:
+def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: dict, named: list) -> tuple[str, int]:
     """Load ``data.tokenizer`` and check that it built every prefix and holds every token id read;
     returns (its path, its vocab size). ``named``: the tokenizers the manifests of the settings name."""
     if data.tokenizer is None:
-        hint = f"data.tokenizer={named[0]}, the one its manifest names" if named else \
-            "data.tokenizer=/path/to/tokenizer.json"
+        hint = (
+            f"data.tokenizer={named[0]}, the one its manifest names"
+            if named
+            else "data.tokenizer=/path/to/tokenizer.json"
+        )
         raise ConfigError(
             "data.tokenizer is null but data.path is set: give the tokenizer.json that produced the "
             f"token ids of data.path ({hint})"
@@ -415,6 +416,7 @@ def _check_tokenizer(data, model_vocab: int, train_blend, valid_blend, dtypes: d
             _check_build_tokenizer(p, key, tok_path, tok.unique_identifiers["sha256"], manifests)
             check_token_ids(p + ".bin", dtypes[p], tok.vocab_size, f"data.tokenizer {tok_path} ({key})")
     return tok_path, tok.vocab_size
+
 
 # --------------------------------------------------------------------------- per schedule phase
 
@@ -453,14 +455,18 @@ def resolve_phase_data(cfg: K2Config, base: ResolvedData) -> tuple[ResolvedData,
         raise ConfigError(
             f"schedule.phases.{named}.data names its own data but data.path is null (the embedded corpus): "
             f"set data.path and data.tokenizer too (the embedded corpus's prefix and tokenizer.json are "
-            f"under {stdlib_corpus_dir(cfg.data)})")
+            f"under {stdlib_corpus_dir(cfg.data)})"
+        )
     resolved: dict = {repr(first): base}
     out = []
     for i, (path, valid) in enumerate(settings):
         key = repr((path, valid))
         if key not in resolved:
-            data = SimpleNamespace(**{k: cfg.data[k] for k in ("cache_dir", "split", "tokenizer", "vocab_size",
-                                                                "valid_fraction")}, path=path, valid_path=valid)
+            data = SimpleNamespace(
+                **{k: cfg.data[k] for k in ("cache_dir", "split", "tokenizer", "vocab_size", "valid_fraction")},
+                path=path,
+                valid_path=valid,
+            )
             view = SimpleNamespace(data=data, model=cfg.model)
             try:
                 resolved[key] = resolve_data(view)
@@ -473,5 +479,4 @@ def resolve_phase_data(cfg: K2Config, base: ResolvedData) -> tuple[ResolvedData,
 def blend_key(resolved: ResolvedData) -> tuple:
     """What makes two :class:`ResolvedData` read the same samples (prefixes, weights, validation, split)."""
     t, v = resolved.train_blend, resolved.valid_blend
-    return (tuple(t[0]), tuple(t[1] or ()), None if v is None else (tuple(v[0]), tuple(v[1] or ())),
-            resolved.split)
+    return (tuple(t[0]), tuple(t[1] or ()), None if v is None else (tuple(v[0]), tuple(v[1] or ())), resolved.split)

@@ -84,8 +84,7 @@ def _classify(path: str) -> tuple[str, str] | None:
     return None
 
 
-_ALLOWED = ("JSON Lines (.jsonl/.json/.ndjson, also .gz/.zst), Parquet (.parquet), plain text (.txt, "
-            "also .gz/.zst)")
+_ALLOWED = "JSON Lines (.jsonl/.json/.ndjson, also .gz/.zst), Parquet (.parquet), plain text (.txt, also .gz/.zst)"
 
 
 def expand_inputs(value: Any) -> list[InputFile]:
@@ -104,14 +103,12 @@ def expand_inputs(value: Any) -> list[InputFile]:
         value = OmegaConf.to_container(value, resolve=True)
     entries = [value] if isinstance(value, str) else list(value or [])
     if not entries or any(not isinstance(e, str) or not e.strip() for e in entries):
-        raise ConfigError(f"prepare.input={value!r}: give one or more files, directories or globs of "
-                          f"{_ALLOWED}")
+        raise ConfigError(f"prepare.input={value!r}: give one or more files, directories or globs of {_ALLOWED}")
     out, seen = [], set()
     for entry in entries:
         pattern = os.path.expanduser(entry)
         if os.path.isdir(pattern):
-            found = [os.path.join(d, f) for d, _, fs in os.walk(pattern) for f in fs
-                     if _classify(f) is not None]
+            found = [os.path.join(d, f) for d, _, fs in os.walk(pattern) for f in fs if _classify(f) is not None]
         elif os.path.isfile(pattern):
             found = [pattern]
             if _classify(pattern) is None:
@@ -143,21 +140,34 @@ def _not_a_file_error(path: str) -> ConfigError:
     import stat
 
     mode = os.stat(path).st_mode
-    what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-    return ConfigError(f"prepare.input: {path} is {what}, not a regular file: k2-data reads every input more than "
-                       "once (its checksum for the manifest, then its records in chunks by byte offset, resumable) "
-                       "and needs its size; write the stream into a file first (e.g. cat the pipe > corpus.jsonl)")
+    what = (
+        "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
+    return ConfigError(
+        f"prepare.input: {path} is {what}, not a regular file: k2-data reads every input more than "
+        "once (its checksum for the manifest, then its records in chunks by byte offset, resumable) "
+        "and needs its size; write the stream into a file first (e.g. cat the pipe > corpus.jsonl)"
+    )
 
 
 def _require_library(path: str, kind: str, comp: str) -> None:
     import importlib.util
 
-    for needed, module, package in ((comp == ".zst", "zstandard", "zstandard"),
-                                    (kind == "parquet", "pyarrow", "pyarrow")):
+    for needed, module, package in (
+        (comp == ".zst", "zstandard", "zstandard"),
+        (kind == "parquet", "pyarrow", "pyarrow"),
+    ):
         if needed and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"prepare.input: {path} needs the '{package}' package, which is not installed "
-                              f"(pip install '{package}', or pip install 'k2-launcher[data]')")
+            raise ConfigError(
+                f"prepare.input: {path} needs the '{package}' package, which is not installed "
+                f"(pip install '{package}', or pip install 'k2-launcher[data]')"
+            )
 
 
 def file_sha256(path: str) -> str:
@@ -205,8 +215,9 @@ def _open_binary(inp: InputFile, counter: _Counted):
     return io.BufferedReader(counter, buffer_size=1 << 20)
 
 
-def read_records(files: Sequence[InputFile], text_key: str, text_document: str = "file",
-                 skip: int = 0) -> Iterator[tuple[int, int, Any, int]]:
+def read_records(
+    files: Sequence[InputFile], text_key: str, text_document: str = "file", skip: int = 0
+) -> Iterator[tuple[int, int, Any, int]]:
     """Every record of ``files`` in order, as ``(file_index, line, raw, bytes_read)``; ``bytes_read``
     counts the input bytes read from disk so far (all files). The first ``skip`` records are read but
     not returned (a resumed build).
@@ -220,8 +231,9 @@ def read_records(files: Sequence[InputFile], text_key: str, text_document: str =
     for fi, inp in enumerate(files):
         if (inp.start or inp.end is not None) and not inp.cuttable:
             raise ValueError(f"{inp.path}: only an uncompressed JSONL file is read by byte range")
-        counter = _Counted(open(inp.path, "rb", buffering=0), inp.start,
-                           None if inp.end is None else inp.end - inp.start)
+        counter = _Counted(
+            open(inp.path, "rb", buffering=0), inp.start, None if inp.end is None else inp.end - inp.start
+        )
         try:
             if inp.kind == "parquet":
                 gen = _parquet_rows(inp, text_key, skip - index)
@@ -277,8 +289,7 @@ def _parquet_rows(inp: InputFile, text_key: str, skip: int) -> Iterator[tuple[in
         raise ConfigError(f"prepare.input: cannot read {inp.path} as Parquet: {e}") from None
     names = pf.schema_arrow.names
     if text_key not in names:
-        raise ConfigError(f"prepare.text_key={text_key!r}: {inp.path} has no such column (columns: "
-                          f"{', '.join(names)})")
+        raise ConfigError(f"prepare.text_key={text_key!r}: {inp.path} has no such column (columns: {', '.join(names)})")
     row = 0
     for g in range(pf.num_row_groups):  # whole row groups before the resume point are not read
         n = pf.metadata.row_group(g).num_rows
@@ -318,8 +329,9 @@ def record_text(path: str, kind: str, line: int, raw: Any, text_key: str) -> str
     if not isinstance(obj, dict):
         raise BadRecord(f"{path}:{line}", f"a JSON {type(obj).__name__}, not an object")
     if text_key not in obj:
-        raise BadRecord(f"{path}:{line}", f"no field {text_key!r} (prepare.text_key; fields: "
-                                          f"{', '.join(sorted(obj)[:10])})")
+        raise BadRecord(
+            f"{path}:{line}", f"no field {text_key!r} (prepare.text_key; fields: {', '.join(sorted(obj)[:10])})"
+        )
     text = obj[text_key]
     if not isinstance(text, str):
         raise BadRecord(f"{path}:{line}", f"field {text_key!r} is {type(text).__name__}, not a string")

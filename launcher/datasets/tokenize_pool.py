@@ -26,8 +26,7 @@ WORKER_STATE: dict = {}
 _ARRAY_TYPECODES = {"uint16": "H", "int32": "i"}  # the .bin token dtypes as array.array type codes
 
 
-def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dtype_name: str,
-                owner: int = 0) -> None:
+def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dtype_name: str, owner: int = 0) -> None:
     """Per tokenizing process: the tokenizer and what :func:`tokenize_chunk` needs (set once).
     ``owner``: the pid of the ``k2-data`` process, in a worker process of several; such a worker turns
     off ``tokenizers``' own thread pool (the processes already use the cores) and exits with its owner."""
@@ -36,8 +35,15 @@ def init_worker(tokenizer_path: str, paths: list, kinds: list, text_key: str, dt
         _exit_with_owner(owner)
     tok = HFTokenizer(tokenizer_path)
     dtype = np.dtype(dtype_name)
-    WORKER_STATE.update(encode=tok.backend.encode_batch_fast, eod=tok.eod, paths=paths, kinds=kinds,
-                        text_key=text_key, dtype=dtype, typecode=_ARRAY_TYPECODES[dtype.name])
+    WORKER_STATE.update(
+        encode=tok.backend.encode_batch_fast,
+        eod=tok.eod,
+        paths=paths,
+        kinds=kinds,
+        text_key=text_key,
+        dtype=dtype,
+        typecode=_ARRAY_TYPECODES[dtype.name],
+    )
 
 
 def _exit_with_owner(owner: int) -> None:
@@ -105,8 +111,7 @@ class TokenizerPool:
             saved = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited: no "forked after parallelism" notice
             try:
-                self.pool = multiprocessing.get_context(method).Pool(workers, init_worker,
-                                                                     (*initargs, os.getpid()))
+                self.pool = multiprocessing.get_context(method).Pool(workers, init_worker, (*initargs, os.getpid()))
             finally:
                 if saved is None:
                     os.environ.pop("TOKENIZERS_PARALLELISM")

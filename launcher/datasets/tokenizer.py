@@ -76,9 +76,7 @@ class HFTokenizer:
         ValueError: the file is not a tokenizer, or it has no end-of-document token.
     """
 
-    def __init__(
-        self, path: str, eod_token: str | None = None, pad_token: str | None = None
-    ) -> None:
+    def __init__(self, path: str, eod_token: str | None = None, pad_token: str | None = None) -> None:
         from tokenizers import Tokenizer
 
         path = os.path.abspath(os.path.expanduser(str(path)))
@@ -174,5 +172,6 @@ def load_user_tokenizer(path, model_vocab: int) -> HFTokenizer:
         raise ConfigError(
             f"data.tokenizer {full} has {tok.vocab_size} ids but model.vocab_size={model_vocab}: token ids "
             f"would overflow the embedding table; set model.vocab_size={tok.vocab_size} (or larger) or use "
-            f"a smaller tokenizer")
+            f"a smaller tokenizer"
+        )
     return tok

@@ -24,8 +24,15 @@ from k2.config.errors import ConfigError
 from k2.launcher.checksums import ALGORITHM, file_checksum
 from k2.launcher.datasets.preprocess import MANIFEST_SUFFIX, build_manifest_path, read_json
 
-__all__ = ["EMBEDDED_MANIFEST", "VerifyReport", "is_manifest_path", "manifest_datasets", "manifest_for",
-           "verify_datasets", "verify_files"]
+__all__ = [
+    "EMBEDDED_MANIFEST",
+    "VerifyReport",
+    "is_manifest_path",
+    "manifest_datasets",
+    "manifest_for",
+    "verify_datasets",
+    "verify_files",
+]
 
 #: the embedded corpus's manifest, in its directory beside train.bin / valid.bin
 EMBEDDED_MANIFEST = "manifest.json"
@@ -60,8 +67,11 @@ def manifest_datasets(path: str) -> tuple[list[str], list[int], str | None]:
     d = os.path.dirname(os.path.abspath(path))
     if "datasets" in manifest:
         sets = manifest["datasets"]
-        return ([os.path.join(d, s["prefix"]) for s in sets], [int(s["tokens"]) for s in sets],
-                manifest.get("tokenizer", {}).get("path"))
+        return (
+            [os.path.join(d, s["prefix"]) for s in sets],
+            [int(s["tokens"]) for s in sets],
+            manifest.get("tokenizer", {}).get("path"),
+        )
     return [os.path.join(d, "train")], [int(manifest["tokens"]["train"])], os.path.join(d, "tokenizer.json")
 
 
@@ -105,13 +115,16 @@ def _problem(path: str, entry: dict, manifest_path: str, on_bytes) -> str | None
         return f"{path}: {size} bytes, {manifest_path} records {entry['size']} (truncated or overwritten)"
     got = file_checksum(path, on_bytes)
     if got != entry[ALGORITHM]:
-        return (f"{path}: content changed ({ALGORITHM} {got}, {manifest_path} records {entry[ALGORITHM]}): "
-                "the file is damaged")
+        return (
+            f"{path}: content changed ({ALGORITHM} {got}, {manifest_path} records {entry[ALGORITHM]}): "
+            "the file is damaged"
+        )
     return None
 
 
-def verify_files(items: Iterable[tuple[str, dict, str]], progress: bool = False,
-                 on_problem: Callable[[str], None] | None = None) -> VerifyReport:
+def verify_files(
+    items: Iterable[tuple[str, dict, str]], progress: bool = False, on_problem: Callable[[str], None] | None = None
+) -> VerifyReport:
     """Check ``(path, manifest entry {"size", "xxh3_64"}, manifest path)`` items: presence, size,
     checksum. ``progress``: a bar of the bytes read on stderr; ``on_problem``: called with each problem
     line as it is found."""
@@ -120,9 +133,17 @@ def verify_files(items: Iterable[tuple[str, dict, str]], progress: bool = False,
     items = list(items)
     total = sum(e.get("size", 0) for _, e, _ in items if isinstance(e, dict))
     t0, problems, read = time.perf_counter(), [], 0
-    with tqdm(total=total, unit="B", unit_scale=True, desc="k2-data: verify", disable=not progress,
-              file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="k2-data: verify",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
         for path, entry, manifest_path in items:
+
             def on_bytes(n: int) -> None:
                 nonlocal read
                 read += n
@@ -171,7 +192,13 @@ def verify_datasets(prefixes: Iterable[str], log: Callable[[str], None], progres
         n = len(report.problems)
         more = f" ({n - 1} more damaged: k2-data verify lists them)" if n > 1 else ""
         raise ConfigError(f"data.verify: {report.problems[0]}{more}; rebuild it with k2-data or restore it")
-    log(f"k2-train: data.verify: {report.files} files of {len(items) // 2} datasets match their k2-data manifests: "
+    log(
+        f"k2-train: data.verify: {report.files} files of {len(items) // 2} datasets match their k2-data manifests: "
         f"{report.rate()}"
-        + (f"; no manifest (not written by k2-data: sizes and index headers checked only) for "
-           f"{', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''}" if unlisted else ""))
+        + (
+            f"; no manifest (not written by k2-data: sizes and index headers checked only) for "
+            f"{', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''}"
+            if unlisted
+            else ""
+        )
+    )

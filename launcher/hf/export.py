@@ -109,12 +109,15 @@ def _plan_shards(groups, elem_bytes, shard_bytes: int) -> list[list[Tensor]]:
 def _check_keys(meta: dict, tensors: list[Tensor], path: Path) -> None:
     for t in tensors:
         if t.key not in meta:
-            raise ConfigError(f"checkpoint {path} has no tensor {t.key} (needed for {t.hf}); it was not "
-                              "written by this model config")
+            raise ConfigError(
+                f"checkpoint {path} has no tensor {t.key} (needed for {t.hf}); it was not written by this model config"
+            )
         got = tuple(meta[t.key].global_shape)
         if got != t.key_shape:
-            raise ConfigError(f"checkpoint {path}: tensor {t.key} has shape {list(got)}, the model config "
-                              f"in its config.yaml says {list(t.key_shape)}")
+            raise ConfigError(
+                f"checkpoint {path}: tensor {t.key} has shape {list(got)}, the model config "
+                f"in its config.yaml says {list(t.key_shape)}"
+            )
 
 
 def _read_shard(path: Path, meta: dict, tensors: list[Tensor], dtype) -> dict:
@@ -133,7 +136,8 @@ def _read_shard(path: Path, meta: dict, tensors: list[Tensor], dtype) -> dict:
             else:
                 data = torch.empty((1, *t.key_shape[1:]), dtype=md.dtype)
                 request[name] = ShardedTensor.from_rank_offsets(
-                    t.key, data, (0, t.expert, t.key_shape[0]), replica_id=0)
+                    t.key, data, (0, t.expert, t.key_shape[0]), replica_id=0
+                )
         slot[t.hf] = name
     with restricted_unpickling():
         loaded = dist_checkpointing.load({"k2_export": request}, str(path), validate_access_integrity=False)
@@ -160,23 +164,41 @@ def _tokenizer_files(cfg: K2Config, out: Path) -> tuple[str | None, dict]:
     from k2.launcher.datasets.corpus import stdlib_corpus_dir
     from k2.launcher.datasets.tokenizer import HFTokenizer
 
-    src = cfg.data.tokenizer if cfg.data.tokenizer is not None else (
-        os.path.join(stdlib_corpus_dir(cfg.data), "tokenizer.json") if cfg.data.path is None else None)
+    src = (
+        cfg.data.tokenizer
+        if cfg.data.tokenizer is not None
+        else (os.path.join(stdlib_corpus_dir(cfg.data), "tokenizer.json") if cfg.data.path is None else None)
+    )
     if src is None or not str(src).endswith(".json") or not os.path.isfile(str(src)):
         return None, {}
     tok = HFTokenizer(str(src))
     shutil.copyfile(str(src), out / "tokenizer.json")
     eos = tok.eos
     eos_token = tok.inv_vocab[eos]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": eos_token,
-        "model_max_length": int(cfg.model.max_position_embeddings), "clean_up_tokenization_spaces": False,
-    }, indent=1) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": eos_token,
+                "bos_token": eos_token,
+                "model_max_length": int(cfg.model.max_position_embeddings),
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return str(src), {"bos_token_id": eos, "eos_token_id": eos}
 
 
-def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int = 2 << 30,
-              dtype: str | None = None, verify_level: str = "checksum") -> ExportReport:
+def export_hf(
+    checkpoint,
+    out,
+    model_type: str = "deepseek_v3",
+    shard_bytes: int = 2 << 30,
+    dtype: str | None = None,
+    verify_level: str = "checksum",
+) -> ExportReport:
     """Write the HF directory ``out`` for the k2-launcher checkpoint ``checkpoint`` (module docstring).
 
     Args:
@@ -230,8 +252,9 @@ def export_hf(checkpoint, out, model_type: str = "deepseek_v3", shard_bytes: int
         weight_map.update({t.hf: name for t in shard})
         total += size
         largest = max(largest, size)
-    (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                             indent=1) + "\n")
+    (tmp / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
+    )
     tokenizer, token_ids = _tokenizer_files(cfg, tmp)
     precision = dtype or str(cfg.train.precision)
     config = hf_config(m, rope_type_at(cfg, int(state["step"])), precision, model_type, token_ids)

@@ -32,8 +32,12 @@ def scale_shape(shape, block: tuple[int, int] = (128, 128)) -> tuple[int, int]:
     return -(-int(m) // bm), -(-int(n) // bn)
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``weight [M, N]`` (FP8) times its per-block ``scale_inv [ceil(M/bm), ceil(N/bn)]``, as ``dtype``.
 
     Raises:
@@ -43,7 +47,8 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     bm, bn = block
     want = scale_shape((m, n), block)
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"scale shape {tuple(scale_inv.shape)}, expected {want} for a [{m}, {n}] weight "
-                         f"in {bm} x {bn} blocks")
+        raise ValueError(
+            f"scale shape {tuple(scale_inv.shape)}, expected {want} for a [{m}, {n}] weight in {bm} x {bn} blocks"
+        )
     scale = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
     return (weight.float() * scale).to(dtype)

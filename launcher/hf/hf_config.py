@@ -61,13 +61,16 @@ def n_shared_experts(m: ModelConfig) -> int:
     """
     shared, f = int(m.moe_shared_expert_intermediate_size or 0), int(m.moe_ffn_hidden_size or 1)
     if shared % f:
-        raise ConfigError(f"model.moe_shared_expert_intermediate_size={shared} is not a multiple of "
-                          f"model.moe_ffn_hidden_size={f}: not expressible as HF's n_shared_experts")
+        raise ConfigError(
+            f"model.moe_shared_expert_intermediate_size={shared} is not a multiple of "
+            f"model.moe_ffn_hidden_size={f}: not expressible as HF's n_shared_experts"
+        )
     return shared // f
 
 
-def hf_config(m: ModelConfig, rope_type: str, precision: str, model_type: str = "deepseek_v3",
-              token_ids: dict | None = None) -> dict:
+def hf_config(
+    m: ModelConfig, rope_type: str, precision: str, model_type: str = "deepseek_v3", token_ids: dict | None = None
+) -> dict:
     """``config.json`` for the model config ``m`` (``cfg.model``).
 
     Args:
@@ -83,11 +86,15 @@ def hf_config(m: ModelConfig, rope_type: str, precision: str, model_type: str = 
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"convert.model_type={model_type!r}; allowed: {', '.join(MODEL_TYPES)}")
     if not m.multi_latent_attention or m.normalization != "RMSNorm":
-        raise ConfigError("HF DeepSeek-V3 / K2 checkpoints need model.multi_latent_attention=true and "
-                          f"model.normalization=RMSNorm (got {m.multi_latent_attention}, {m.normalization})")
+        raise ConfigError(
+            "HF DeepSeek-V3 / K2 checkpoints need model.multi_latent_attention=true and "
+            f"model.normalization=RMSNorm (got {m.multi_latent_attention}, {m.normalization})"
+        )
     if m.num_moe_experts and m.moe_router_score_function != "sigmoid":
-        raise ConfigError(f"model.moe_router_score_function={m.moe_router_score_function!r}: DeepSeek-V3 / "
-                          "K2 route with sigmoid scores")
+        raise ConfigError(
+            f"model.moe_router_score_function={m.moe_router_score_function!r}: DeepSeek-V3 / "
+            "K2 route with sigmoid scores"
+        )
     cfg = {
         "architectures": [ARCHITECTURE],
         "model_type": model_type,
@@ -136,14 +143,22 @@ def check_hf_config(hf: dict, m: ModelConfig, source: str) -> None:
     """
     arch = hf.get("architectures") or []
     if ARCHITECTURE not in arch or hf.get("model_type") not in MODEL_TYPES:
-        raise ConfigError(f"{source}: architectures={arch} model_type={hf.get('model_type')!r} is not a "
-                          f"K2-family checkpoint; allowed: architectures [{ARCHITECTURE}] with model_type "
-                          f"{' or '.join(MODEL_TYPES)}")
-    for field, want in (("scoring_func", "sigmoid"), ("hidden_act", "silu"), ("moe_layer_freq", 1),
-                        ("attention_bias", False), ("rope_interleave", True)):
+        raise ConfigError(
+            f"{source}: architectures={arch} model_type={hf.get('model_type')!r} is not a "
+            f"K2-family checkpoint; allowed: architectures [{ARCHITECTURE}] with model_type "
+            f"{' or '.join(MODEL_TYPES)}"
+        )
+    for field, want in (
+        ("scoring_func", "sigmoid"),
+        ("hidden_act", "silu"),
+        ("moe_layer_freq", 1),
+        ("attention_bias", False),
+        ("rope_interleave", True),
+    ):
         if field in hf and hf[field] != want:
-            raise ConfigError(f"{source}: {field}={hf[field]!r}; this converter supports {field}={want!r} "
-                              "(K2 / DeepSeek-V3)")
+            raise ConfigError(
+                f"{source}: {field}={hf[field]!r}; this converter supports {field}={want!r} (K2 / DeepSeek-V3)"
+            )
     if hf.get("norm_topk_prob") is False and hf.get("num_experts_per_tok", 1) > 1:
         raise ConfigError(f"{source}: norm_topk_prob=false; K2's router normalises the top-k gates")
     diffs = []
@@ -155,9 +170,11 @@ def check_hf_config(hf: dict, m: ModelConfig, source: str) -> None:
         if not _same(got, want):
             diffs.append(f"{field}={got!r} vs model.{ours}={want!r}")
     if m.num_moe_experts:
-        for field, want in (("n_shared_experts", n_shared_experts(m)),
-                            ("n_group", int(m.moe_router_num_groups or 1)),
-                            ("topk_group", int(m.moe_router_group_topk or 1))):
+        for field, want in (
+            ("n_shared_experts", n_shared_experts(m)),
+            ("n_group", int(m.moe_router_num_groups or 1)),
+            ("topk_group", int(m.moe_router_group_topk or 1)),
+        ):
             got = hf[field] if field in hf else transformers_default(field)
             if not _same(got, want):
                 shown = repr(got) if field in hf else f"{got!r} (transformers' default: config.json omits it)"
@@ -171,8 +188,11 @@ def check_hf_config(hf: dict, m: ModelConfig, source: str) -> None:
             if field in rs and not _same(rs[field], m[ours]):
                 diffs.append(f"rope_scaling.{field}={rs[field]!r} vs model.{ours}={m[ours]!r}")
     if diffs:
-        raise ConfigError(f"{source} does not match the model config (model={m.name}): " + "; ".join(diffs)
-                          + "; pick the matching model recipe or set those model.* keys")
+        raise ConfigError(
+            f"{source} does not match the model config (model={m.name}): "
+            + "; ".join(diffs)
+            + "; pick the matching model recipe or set those model.* keys"
+        )
 
 
 def transformers_default(field: str):

@@ -86,8 +86,10 @@ def read_hf_dir(hf_dir: Path) -> tuple[dict, dict]:
         raise ConfigError(f"hf={hf_dir}: no such directory")
     cfg_file = hf_dir / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"hf={hf_dir}: config.json is missing; an HF checkpoint directory holds "
-                          f"config.json and {INDEX_FILE} with its safetensors shards")
+        raise ConfigError(
+            f"hf={hf_dir}: config.json is missing; an HF checkpoint directory holds "
+            f"config.json and {INDEX_FILE} with its safetensors shards"
+        )
     try:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
@@ -121,8 +123,9 @@ class _Reader:
         if shard is None:
             if needed_by is not None:
                 raise ConfigError(f"hf={self.hf_dir}: FP8 tensor {needed_by} has no {name}")
-            raise ConfigError(f"hf={self.hf_dir}: tensor {name} is missing from the checkpoint's index "
-                              "(the model config expects it)")
+            raise ConfigError(
+                f"hf={self.hf_dir}: tensor {name} is missing from the checkpoint's index (the model config expects it)"
+            )
         return shard
 
     def _open(self, shard: str):
@@ -136,8 +139,9 @@ class _Reader:
         try:
             return safe_open(str(self.hf_dir / shard), framework="pt")
         except (SafetensorError, OSError) as e:
-            raise ConfigError(f"hf={self.hf_dir}: shard {shard} is not a readable safetensors file "
-                              f"({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"hf={self.hf_dir}: shard {shard} is not a readable safetensors file ({type(e).__name__}: {e})"
+            ) from None
 
     def check(self, tensors: list[Tensor]) -> int:
         """Every tensor of ``tensors`` is in the index and its shard with the model's shape, and every FP8
@@ -156,12 +160,16 @@ class _Reader:
                 names = set(f.keys())
                 for t in ts:
                     if t.hf not in names:
-                        raise ConfigError(f"hf={self.hf_dir}: tensor {t.hf} is listed for {shard} by the "
-                                          "index but is not in that file")
+                        raise ConfigError(
+                            f"hf={self.hf_dir}: tensor {t.hf} is listed for {shard} by the "
+                            "index but is not in that file"
+                        )
                     x = f.get_slice(t.hf)
                     if tuple(x.get_shape()) != t.shape:
-                        raise ConfigError(f"hf={self.hf_dir}: tensor {t.hf} in {shard} has shape "
-                                          f"{list(x.get_shape())}, the model config expects {list(t.shape)}")
+                        raise ConfigError(
+                            f"hf={self.hf_dir}: tensor {t.hf} in {shard} has shape "
+                            f"{list(x.get_shape())}, the model config expects {list(t.shape)}"
+                        )
                     if x.get_dtype() in FP8_HEADER_DTYPES:
                         fp8 += 1
                         name = t.hf + SCALE_SUFFIX
@@ -172,8 +180,10 @@ class _Reader:
                 for name, shape in want:
                     got = tuple(f.get_slice(name).get_shape())
                     if got != shape:
-                        raise ConfigError(f"hf={self.hf_dir}: {name}: scale shape {got}, expected {shape} "
-                                          f"({self.block[0]} x {self.block[1]} blocks)")
+                        raise ConfigError(
+                            f"hf={self.hf_dir}: {name}: scale shape {got}, expected {shape} "
+                            f"({self.block[0]} x {self.block[1]} blocks)"
+                        )
         return fp8
 
     def read(self, t: Tensor, dtype) -> torch.Tensor:
@@ -204,8 +214,9 @@ def _sharded_dict(groups, dtype, num_experts: int) -> tuple[dict, int]:
             d = torch.float32 if t.fp32 else dtype
             if t.expert is None:
                 name = t.key
-                sd[name] = ShardedTensor.from_rank_offsets(t.key, torch.empty(t.key_shape, dtype=d, device="meta"),
-                                                           replica_id=0)
+                sd[name] = ShardedTensor.from_rank_offsets(
+                    t.key, torch.empty(t.key_shape, dtype=d, device="meta"), replica_id=0
+                )
             else:
                 name = f"{t.key}/{t.expert}"
                 data = torch.empty((1, *t.key_shape[1:]), dtype=d, device="meta")
@@ -236,8 +247,7 @@ def _resolver(groups, reader: _Reader, dtype):
         else:
             gate = parts["gate"]
             half = gate.shape[-2]
-            x = torch.empty((*gate.shape[:-2], 2 * half, gate.shape[-1]),
-                            dtype=torch.float32 if gate.fp32 else dtype)
+            x = torch.empty((*gate.shape[:-2], 2 * half, gate.shape[-1]), dtype=torch.float32 if gate.fp32 else dtype)
             x[..., :half, :] = reader.read(gate, dtype)
             x[..., half:, :] = reader.read(parts["up"], dtype)
         return x.unsqueeze(0) if expert is not None else x
@@ -286,9 +296,16 @@ def import_hf(hf_dir, cfg: K2Config, world_size: int) -> ImportReport:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    state = {"step": 0, "weights_only": True, "source": str(hf_dir.resolve()), "consumed_tokens": 0,
-             "layout": dims.checkpoint_layout(),
-             "optimizer": None, "reason": "k2-convert import", "manifest": True}
+    state = {
+        "step": 0,
+        "weights_only": True,
+        "source": str(hf_dir.resolve()),
+        "consumed_tokens": 0,
+        "layout": dims.checkpoint_layout(),
+        "optimizer": None,
+        "reason": "k2-convert import",
+        "manifest": True,
+    }
     (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
     (partial / CONFIG_FILE).write_text(to_yaml(cfg))
     write_manifest(partial, file_entries(partial, checkpoint_files(partial)))  # last: marks it complete

@@ -55,8 +55,10 @@ def _item_bytes(item) -> int:
     """Bytes of one DCP write item's tensor (0 for a serialised object)."""
     if item.tensor_data is None:
         return 0
-    return int(torch.Size(item.tensor_data.chunk.sizes).numel()) * torch.empty(
-        (), dtype=item.tensor_data.properties.dtype).element_size()
+    return (
+        int(torch.Size(item.tensor_data.chunk.sizes).numel())
+        * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    )
 
 
 def file_buckets(items: list, file_bytes: int) -> list[list]:
@@ -107,8 +109,7 @@ class ResolvingPlanner(MCoreSavePlanner):
     ``TorchDistSaveShardedStrategy`` builds its planner (main replicas only: no DCP dedup)."""
 
     def __init__(self, resolve: Resolve):
-        super().__init__(dedup_replicated_tensors=False, flatten_state_dict=False,
-                         flatten_sharded_tensors=False)
+        super().__init__(dedup_replicated_tensors=False, flatten_state_dict=False, flatten_sharded_tensors=False)
         self.resolve = resolve
 
     def resolve_data(self, write_item):
@@ -118,8 +119,10 @@ class ResolvingPlanner(MCoreSavePlanner):
         x = self.resolve(write_item.index.fqn, tuple(int(o) for o in chunk.offsets))
         want = (tuple(chunk.sizes), write_item.tensor_data.properties.dtype)
         if (tuple(x.shape), x.dtype) != want:
-            raise RuntimeError(f"{write_item.index.fqn} at {tuple(chunk.offsets)}: resolved {tuple(x.shape)} "
-                               f"{x.dtype}, the plan says {want[0]} {want[1]}")
+            raise RuntimeError(
+                f"{write_item.index.fqn} at {tuple(chunk.offsets)}: resolved {tuple(x.shape)} "
+                f"{x.dtype}, the plan says {want[0]} {want[1]}"
+            )
         return x
 
 
@@ -138,8 +141,11 @@ class LazyTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         for sh in nested_values(sharded_state_dict):
             by_key[sh.unique_key if isinstance(sh, ShardedObject) else sh.key].append(sh)
         pyt_state_dict = mcore_to_pyt_state_dict(dict(by_key), False)
-        dcp.save(pyt_state_dict, storage_writer=BoundedFileWriter(checkpoint_dir, self.file_bytes),
-                 planner=ResolvingPlanner(self.resolve))
+        dcp.save(
+            pyt_state_dict,
+            storage_writer=BoundedFileWriter(checkpoint_dir, self.file_bytes),
+            planner=ResolvingPlanner(self.resolve),
+        )
 
 
 def save_lazily(sharded_state_dict: dict, checkpoint_dir, resolve: Resolve, file_bytes: int) -> None:
@@ -158,9 +164,12 @@ def save_lazily(sharded_state_dict: dict, checkpoint_dir, resolve: Resolve, file
         partial checkpoint (no ``metadata.json``).
     """
     try:
-        dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir),
-                                sharded_strategy=LazyTorchDistSaveStrategy(resolve, file_bytes),
-                                validate_access_integrity=True)
+        dist_checkpointing.save(
+            sharded_state_dict,
+            str(checkpoint_dir),
+            sharded_strategy=LazyTorchDistSaveStrategy(resolve, file_bytes),
+            validate_access_integrity=True,
+        )
     except CheckpointException as e:
         # one process: its one failure is the error (torch DCP wraps it with its traceback)
         causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]

@@ -99,16 +99,33 @@ LAYER_TABLE: tuple[Row, ...] = (
     # MoE layers: router, expert bias, routed experts, shared expert(s)
     Row(_HM + "gate.weight", _M + "router.weight", "moe"),
     Row(_HM + "gate.e_score_correction_bias", _M + "router.expert_bias", "moe", fp32=True),
-    Row(_HM + "experts.{e}.gate_proj.weight", _M + "experts.experts.linear_fc1.weight", "moe",
-        part="gate", expert=True, linear=True),
-    Row(_HM + "experts.{e}.up_proj.weight", _M + "experts.experts.linear_fc1.weight", "moe",
-        part="up", expert=True, linear=True),
-    Row(_HM + "experts.{e}.down_proj.weight", _M + "experts.experts.linear_fc2.weight", "moe",
-        expert=True, linear=True),
-    Row(_HM + "shared_experts.gate_proj.weight", _M + "shared_experts.linear_fc1.weight", "moe",
-        part="gate", linear=True),
-    Row(_HM + "shared_experts.up_proj.weight", _M + "shared_experts.linear_fc1.weight", "moe",
-        part="up", linear=True),
+    Row(
+        _HM + "experts.{e}.gate_proj.weight",
+        _M + "experts.experts.linear_fc1.weight",
+        "moe",
+        part="gate",
+        expert=True,
+        linear=True,
+    ),
+    Row(
+        _HM + "experts.{e}.up_proj.weight",
+        _M + "experts.experts.linear_fc1.weight",
+        "moe",
+        part="up",
+        expert=True,
+        linear=True,
+    ),
+    Row(
+        _HM + "experts.{e}.down_proj.weight", _M + "experts.experts.linear_fc2.weight", "moe", expert=True, linear=True
+    ),
+    Row(
+        _HM + "shared_experts.gate_proj.weight",
+        _M + "shared_experts.linear_fc1.weight",
+        "moe",
+        part="gate",
+        linear=True,
+    ),
+    Row(_HM + "shared_experts.up_proj.weight", _M + "shared_experts.linear_fc1.weight", "moe", part="up", linear=True),
     Row(_HM + "shared_experts.down_proj.weight", _M + "shared_experts.linear_fc2.weight", "moe", linear=True),
 )
 
@@ -142,8 +159,13 @@ class Tensor:
 
 def _row_applies(row: Row, m: ModelConfig, layer: int) -> bool:
     dense = not m.num_moe_experts or layer < int(m.first_k_dense_replace)
-    return {"all": True, "dense": dense, "moe": not dense, "q_lora": m.q_lora_rank is not None,
-            "no_q_lora": m.q_lora_rank is None}[row.where]
+    return {
+        "all": True,
+        "dense": dense,
+        "moe": not dense,
+        "q_lora": m.q_lora_rank is not None,
+        "no_q_lora": m.q_lora_rank is None,
+    }[row.where]
 
 
 def _key_shape(key: str, m: ModelConfig) -> tuple:
@@ -154,7 +176,8 @@ def _key_shape(key: str, m: ModelConfig) -> tuple:
     shared = int(m.moe_shared_expert_intermediate_size or 0)
     e, f = int(m.num_moe_experts or 0), int(m.moe_ffn_hidden_size or 0)
     shapes = {
-        "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "pre_mlp_layernorm.weight": (h,),
         "self_attention.linear_q_down_proj.weight": (m.q_lora_rank, h),
         "self_attention.q_layernorm.weight": (m.q_lora_rank,),
         "self_attention.linear_q_up_proj.weight": (heads * (qk + rope), m.q_lora_rank),
@@ -165,7 +188,8 @@ def _key_shape(key: str, m: ModelConfig) -> tuple:
         "self_attention.linear_proj.weight": (h, heads * v),
         "mlp.linear_fc1.weight": (2 * int(m.ffn_hidden_size), h),
         "mlp.linear_fc2.weight": (h, int(m.ffn_hidden_size)),
-        "mlp.router.weight": (e, h), "mlp.router.expert_bias": (e,),
+        "mlp.router.weight": (e, h),
+        "mlp.router.expert_bias": (e,),
         "mlp.experts.experts.linear_fc1.weight": (e, 2 * f, h),
         "mlp.experts.experts.linear_fc2.weight": (e, h, f),
         "mlp.shared_experts.linear_fc1.weight": (2 * shared, h),
@@ -195,11 +219,11 @@ def layer_tensors(m: ModelConfig, layer: int) -> list[Tensor]:
         ks = _key_shape(key, m)
         t = Tensor(row.hf, key, _hf_shape(ks, row.expert, row.part), ks, None, row.part, row.linear, row.fp32)
         (experts if row.expert else plain).append(t)
-    out = [Tensor(t.hf.format(i=layer), t.key, t.shape, t.key_shape, None, t.part, t.linear, t.fp32)
-           for t in plain]
+    out = [Tensor(t.hf.format(i=layer), t.key, t.shape, t.key_shape, None, t.part, t.linear, t.fp32) for t in plain]
     for e in range(int(m.num_moe_experts or 0) if experts else 0):
-        out += [Tensor(t.hf.format(i=layer, e=e), t.key, t.shape, t.key_shape, e, t.part, t.linear, t.fp32)
-                for t in experts]
+        out += [
+            Tensor(t.hf.format(i=layer, e=e), t.key, t.shape, t.key_shape, e, t.part, t.linear, t.fp32) for t in experts
+        ]
     return out
 
 

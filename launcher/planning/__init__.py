@@ -62,11 +62,18 @@ if TYPE_CHECKING:
 
 #: the public names -> the module that defines them
 _ENTRY = {
-    "plan_cluster": "cluster", "ClusterPlan": "cluster", "format_text": "report",
-    "compare_published": "published", "format_published": "published", "plot_timeline": "pipeline_sim",
-    "predict_ep_overlap": "overlap_prediction", "check_host_memory": "analysis",
-    "offloads_anything": "phase_settings", "modelled_operators": "operator_counts",
-    "KernelRates": "kernels", "gemm_seconds": "kernels",
+    "plan_cluster": "cluster",
+    "ClusterPlan": "cluster",
+    "format_text": "report",
+    "compare_published": "published",
+    "format_published": "published",
+    "plot_timeline": "pipeline_sim",
+    "predict_ep_overlap": "overlap_prediction",
+    "check_host_memory": "analysis",
+    "offloads_anything": "phase_settings",
+    "modelled_operators": "operator_counts",
+    "KernelRates": "kernels",
+    "gemm_seconds": "kernels",
 }
 
 __all__ = sorted(_ENTRY)

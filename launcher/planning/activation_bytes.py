@@ -118,8 +118,16 @@ class Saved:
         return self.elements * self.bytes_per_element
 
 
-def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: str | None,
-          recompute: str | None, input_extra: int = 0) -> list[Saved]:
+def _norm(
+    prefix: str,
+    tokens: float,
+    width: int,
+    B: int,
+    fused: bool,
+    offload: str | None,
+    recompute: str | None,
+    input_extra: int = 0,
+) -> list[Saved]:
     """What an RMSNorm over ``width`` saves: fused CUDA kernel = its input + FP32 rstd; torch's composite
     (CPU) = FP32 copies of the input and of ``x * rstd`` + rstd. ``recompute`` drops everything but the
     input; ``offload`` moves the input (the residual-stream sites ``attn_input`` / ``mlp_input`` name
@@ -127,8 +135,10 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
     key)."""
     if fused:
         width_in = width + input_extra
-        return [Saved(f"{prefix}.input", tokens * width_in, B, offload),
-                Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
+        return [
+            Saved(f"{prefix}.input", tokens * width_in, B, offload),
+            Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute),
+        ]
     # composite: an FP32 input is saved as is (a view keeps its whole storage); a BF16 one as an FP32 copy,
     # a new storage that the offload sites (which match the input's storage) do not move. Recomputed, the
     # norm's internals are not saved; its checkpoint saves the BF16 input itself.
@@ -139,26 +149,31 @@ def _norm(prefix: str, tokens: float, width: int, B: int, fused: bool, offload: 
         saved_input = [Saved(f"{prefix}.input_fp32_copy", tokens * width_in, 4, recompute=recompute)]
         if recompute is not None:
             saved_input.append(Saved(f"{prefix}.input", tokens * width_in, B, offload, only_with=recompute))
-    return saved_input + [Saved(f"{prefix}.x_rstd", tokens * width, 4, recompute=recompute),
-                          Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute)]
+    return saved_input + [
+        Saved(f"{prefix}.x_rstd", tokens * width, 4, recompute=recompute),
+        Saved(f"{prefix}.rstd", tokens, 4, recompute=recompute),
+    ]
 
 
 def _swiglu(prefix: str, tokens: float, width: int, B: int, routed: bool, module: str) -> list[Saved]:
     """A SwiGLU MLP's saved tensors; ``module``: the recompute site that re-runs the whole MLP (megatron's
     ``mlp`` for a dense layer's, ``moe`` for a MoE layer's experts), which drops all of them."""
-    out = [Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input", recompute=module),
-           Saved(f"{prefix}.silu_output", tokens * width, B, recompute=("swiglu", module))]
+    out = [
+        Saved(f"{prefix}.fc1_output", tokens * 2 * width, B, "swiglu_input", "swiglu_input", recompute=module),
+        Saved(f"{prefix}.silu_output", tokens * width, B, recompute=("swiglu", module)),
+    ]
     if routed:
         # with moe_down_proj the probabilities multiply fc2's output instead (model/mlp.py): not saved
-        out.append(Saved(f"{prefix}.act_before_probs", tokens * width, B,
-                         recompute=("swiglu", "moe_down_proj", module)))
+        out.append(
+            Saved(f"{prefix}.act_before_probs", tokens * width, B, recompute=("swiglu", "moe_down_proj", module))
+        )
     out.append(Saved(f"{prefix}.fc2_input", tokens * width, B, "fc2_input", recompute=("swiglu", module)))
     return out
 
 
-def layer_saved(model_cfg: ModelConfig,
-                moe: bool, seq_length: int, micro_batch_size: int, precision: str,
-                fused_kernels: bool) -> list[Saved]:
+def layer_saved(
+    model_cfg: ModelConfig, moe: bool, seq_length: int, micro_batch_size: int, precision: str, fused_kernels: bool
+) -> list[Saved]:
     """The tensors one transformer layer keeps for backward for one microbatch (module docstring).
 
     Args:
@@ -193,11 +208,15 @@ def layer_saved(model_cfg: ModelConfig,
     out.append(Saved("q_k_v", T * H * (2 * (d_qk + d_r) + d_v), B, "core_attn", recompute="mla_up_proj"))
     # (megatron's core_attn recompute checkpoints core attention: its inputs q, k, v stay, these go)
     if fused_kernels:
-        out += [Saved("core_attn.output", T * H * d_v, B, "core_attn", recompute="core_attn"),
-                Saved("core_attn.logsumexp", T * H, 4, "core_attn", recompute="core_attn")]
+        out += [
+            Saved("core_attn.output", T * H * d_v, B, "core_attn", recompute="core_attn"),
+            Saved("core_attn.logsumexp", T * H, 4, "core_attn", recompute="core_attn"),
+        ]
     else:
-        out += [Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn", recompute="core_attn"),
-                Saved("core_attn.causal_mask", s * s, 1, "core_attn", recompute="core_attn")]
+        out += [
+            Saved("core_attn.probs", b * H * s * s, 4 if B == 4 else 4 + B, "core_attn", recompute="core_attn"),
+            Saved("core_attn.causal_mask", s * s, 1, "core_attn", recompute="core_attn"),
+        ]
     # cos and sin in the compute dtype, for q and for k: made inside the up-projections' function, which
     # the mla_up_proj checkpoint runs without autograd (the frequencies it saves instead are megatron's
     # RotaryEmbedding lru_cache entry, held for the whole run: no bytes per microbatch)
@@ -223,8 +242,9 @@ def layer_saved(model_cfg: ModelConfig,
     return out
 
 
-def layer_recompute_saved(model_cfg: ModelConfig,
-                          seq_length: int, micro_batch_size: int, precision: str) -> list[Saved]:
+def layer_recompute_saved(
+    model_cfg: ModelConfig, seq_length: int, micro_batch_size: int, precision: str
+) -> list[Saved]:
     """What one transformer layer keeps for backward with ``memory.recompute`` site ``layer`` (whole-layer
     recompute, ``model/recompute.py``): its input ``[s, b, h]`` alone (offload site ``attn_input``). The
     layer's other tensors exist only while its backward re-runs it: :func:`layer_saved` with FP8 storage and
@@ -234,9 +254,15 @@ def layer_recompute_saved(model_cfg: ModelConfig,
     return [Saved("layer.input", T * int(model_cfg.hidden_size), B, "attn_input")]
 
 
-def stage_saved(model_cfg: ModelConfig,
-                seq_length: int, micro_batch_size: int, precision: str, fused_kernels: bool,
-                embedding: bool, loss: bool) -> list[Saved]:
+def stage_saved(
+    model_cfg: ModelConfig,
+    seq_length: int,
+    micro_batch_size: int,
+    precision: str,
+    fused_kernels: bool,
+    embedding: bool,
+    loss: bool,
+) -> list[Saved]:
     """The extra tensors of the embedding stage (token ids) and of the loss stage (final norm, output head
     input, cross-entropy softmax and labels) for one microbatch."""
     B = 2 if precision == "bf16" else 4
@@ -247,14 +273,21 @@ def stage_saved(model_cfg: ModelConfig,
         out.append(Saved("token_ids", T, 8))
     if loss:
         out += _norm("final_norm", T, h, B, fused_kernels, None, None)
-        out += [Saved("output_head.input", T * h, B), Saved("cross_entropy.softmax", T * V, 4),
-                Saved("cross_entropy.labels_mask", T, 9)]
+        out += [
+            Saved("output_head.input", T * h, B),
+            Saved("cross_entropy.softmax", T * V, 4),
+            Saved("cross_entropy.labels_mask", T, 9),
+        ]
     return out
 
 
-def apply_switches(saved: Iterable[Saved], fp8_store: Iterable[str] = (), recompute: Iterable[str] = (),
-                   offload: Iterable[str] = (), host_block: Callable[[float], float] | None = None
-                   ) -> tuple[float, float]:
+def apply_switches(
+    saved: Iterable[Saved],
+    fp8_store: Iterable[str] = (),
+    recompute: Iterable[str] = (),
+    offload: Iterable[str] = (),
+    host_block: Callable[[float], float] | None = None,
+) -> tuple[float, float]:
     """GPU bytes and host (offloaded) bytes of ``saved`` under the ``memory.*`` switches; ``host_block``:
     the host bytes one offloaded entry of ``n`` bytes holds (e.g. a pinned allocator's block), None = ``n``.
 

@@ -47,8 +47,9 @@ def rank_params(dims, counts, rank: int, dualpipe: bool) -> RankParams:
     return RankParams(layers, embedding, loss, dense=per_gpu - expert, expert=expert)
 
 
-def dp_comm_terms(dims, rank: RankParams, device: HardwareProfile, fsdp: bool, flushes: int,
-                  forward_s: float) -> dict[str, float]:
+def dp_comm_terms(
+    dims, rank: RankParams, device: HardwareProfile, fsdp: bool, flushes: int, forward_s: float
+) -> dict[str, float]:
     """``dp_grad_reduce_scatter`` and ``dp_param_all_gather``: the dense parameters over DP, the routed
     experts over expert-DP, exposed (``overlap_grad_reduce`` / ``overlap_param_gather`` are off in
     ``k2-train``). Bytes per parameter: ZeRO-1's FP32 gradient buffers, BF16 parameters; FSDP as AutoModel
@@ -56,28 +57,46 @@ def dp_comm_terms(dims, rank: RankParams, device: HardwareProfile, fsdp: bool, f
     BF16 dtype (no mixed-precision policy on their fully_shard), both gathered in BF16, per flush
     (:func:`k2.launcher.planning.comm.fsdp_exposed`)."""
     cross = crosses_nodes(dims.world_size // dims.pp, device)
-    reduce_scatter_s = (ring_seconds(4 * rank.dense, dims.dp, cross, device)
-                        + ring_seconds((2 if fsdp else 4) * rank.expert, dims.expert_dp, cross, device))
-    all_gather_s = (ring_seconds(2 * rank.dense, dims.dp, cross, device)
-                    + ring_seconds(2 * rank.expert, dims.expert_dp, cross, device))
+    reduce_scatter_s = ring_seconds(4 * rank.dense, dims.dp, cross, device) + ring_seconds(
+        (2 if fsdp else 4) * rank.expert, dims.expert_dp, cross, device
+    )
+    all_gather_s = ring_seconds(2 * rank.dense, dims.dp, cross, device) + ring_seconds(
+        2 * rank.expert, dims.expert_dp, cross, device
+    )
     if fsdp:
-        reduce_scatter_s, all_gather_s = fsdp_exposed(reduce_scatter_s, all_gather_s, flushes=flushes,
-                                                      layers=len(rank.layers), forward_compute_s=forward_s)
+        reduce_scatter_s, all_gather_s = fsdp_exposed(
+            reduce_scatter_s, all_gather_s, flushes=flushes, layers=len(rank.layers), forward_compute_s=forward_s
+        )
     return {"dp_grad_reduce_scatter": reduce_scatter_s, "dp_param_all_gather": all_gather_s}
 
 
-def optimizer_terms(cfg: K2Config, dims, counts, rank: RankParams, device: HardwareProfile, *,
-                    q_lora: bool) -> dict[str, float]:
+def optimizer_terms(
+    cfg: K2Config, dims, counts, rank: RankParams, device: HardwareProfile, *, q_lora: bool
+) -> dict[str, float]:
     """``optimizer`` (Newton-Schulz + update), ``muon_gather`` and ``optimizer_offload`` of the rank's
     parameters (:func:`k2.launcher.planning.optimizer_time.optimizer_time`)."""
     precision = str(cfg.train.precision)
     nrates = device.part_rates(device.rates("bf16" if precision != "fp32" else "fp32"), "optimizer")
     tensors = _tensors(counts, rank.layers, dims.ep, rank.embedding, rank.loss, q_lora)
-    opt = optimizer_time(str(cfg.optim.name), cfg.model, dims, rank.layers, counts.moe_pattern,
-                         dense_params=rank.dense, expert_params=rank.expert, tensors=tensors, profile=device,
-                         rates=nrates, offload_fraction=float(cfg.optim.offload_fraction), fused=precision != "fp32")
-    return {"optimizer": opt.newton_schulz + opt.update, "muon_gather": opt.muon_gather,
-            "optimizer_offload": opt.offload}
+    opt = optimizer_time(
+        str(cfg.optim.name),
+        cfg.model,
+        dims,
+        rank.layers,
+        counts.moe_pattern,
+        dense_params=rank.dense,
+        expert_params=rank.expert,
+        tensors=tensors,
+        profile=device,
+        rates=nrates,
+        offload_fraction=float(cfg.optim.offload_fraction),
+        fused=precision != "fp32",
+    )
+    return {
+        "optimizer": opt.newton_schulz + opt.update,
+        "muon_gather": opt.muon_gather,
+        "optimizer_offload": opt.offload,
+    }
 
 
 def _tensors(counts, layers, ep: int, emb: bool, loss: bool, q_lora: bool) -> int:

@@ -107,8 +107,9 @@ def flops_only_step_time(cfg: K2Config, dims, phase, recompute=()) -> float:
     tflops = peak_tflops(cfg) * float(cfg.plan.compute_efficiency)
     fl = flops_per_token(cfg.model, phase.seq_length)
     F, B, W = stage_costs(fl, dims, phase.seq_length * phase.micro_batch_size, tflops, recompute)
-    return simulate(dims.pp, dims.vpp, phase.num_microbatches, F, B, W,
-                    decouple_wgrad=bool(cfg.pipeline.decouple_wgrad)).makespan
+    return simulate(
+        dims.pp, dims.vpp, phase.num_microbatches, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad)
+    ).makespan
 
 
 def _settings_key(mem) -> tuple:
@@ -129,9 +130,13 @@ def host_bytes_per_node(memory: list, dims, gpus_per_node: int) -> float:
     each GPU's offloaded bytes as pinned buffers hold them (the fullest DP rank of its PP rank,
     :attr:`k2.launcher.planning.device_memory.GpuMemory.host_pinned`)."""
     nodes = max(1, dims.world_size // gpus_per_node)
-    return max(sum(memory[pp_rank_of(r, dims)].host_pinned
-                   for r in range(n * gpus_per_node, min((n + 1) * gpus_per_node, dims.world_size)))
-               for n in range(nodes))
+    return max(
+        sum(
+            memory[pp_rank_of(r, dims)].host_pinned
+            for r in range(n * gpus_per_node, min((n + 1) * gpus_per_node, dims.world_size))
+        )
+        for n in range(nodes)
+    )
 
 
 def staged_pinned_ratio(states) -> float:
@@ -144,8 +149,16 @@ def staged_pinned_ratio(states) -> float:
     return pinned / raw if pinned and raw else 1.0
 
 
-def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: int | None = None,
-                   cache: dict | None = None, prune: bool = False) -> dict[str, Any]:
+def analyse_layout(
+    cfg: K2Config,
+    dims,
+    counts,
+    schedule,
+    *,
+    max_microbatches: int | None = None,
+    cache: dict | None = None,
+    prune: bool = False,
+) -> dict[str, Any]:
     """Bubble, estimated step time, memory per GPU and host per node, and the fit, of every phase of one
     layout (``k2-plan`` and its search).
 
@@ -180,9 +193,15 @@ def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: i
     states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
     lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
     if not lower_bound:
-        states = state_bytes(counts, dims, precision=cfg.train.precision, optim=cfg.optim,
-                             use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-                             model_cfg=cfg.model, cache=cache)
+        states = state_bytes(
+            counts,
+            dims,
+            precision=cfg.train.precision,
+            optim=cfg.optim,
+            use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
+            model_cfg=cfg.model,
+            cache=cache,
+        )
     ratio = staged_pinned_ratio(states)
     staged *= ratio  # (staged into pinned buffers, one per tensor)
     main = main_phase(schedule)
@@ -195,23 +214,43 @@ def analyse_layout(cfg: K2Config, dims, counts, schedule, *, max_microbatches: i
         if key in results:
             results[key]["phases"].append(phase.name)
             continue
-        results[key] = _simulate_phase(cfg, dims, counts, phase, settings, states, profile=profile,
-                                       max_microbatches=max_microbatches, host_staged=staged)
-    phases = [_phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound)
-              for p in schedule.phases if p.steps]
+        results[key] = _simulate_phase(
+            cfg,
+            dims,
+            counts,
+            phase,
+            settings,
+            states,
+            profile=profile,
+            max_microbatches=max_microbatches,
+            host_staged=staged,
+        )
+    phases = [
+        _phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound) for p in schedule.phases if p.steps
+    ]
     main_res = results[keys[main.index]]
     worst_key = max(results, key=lambda k: max(g.total for g in results[k]["memory"]))
     worst = results[worst_key]
     worst_gpu = max(worst["memory"], key=lambda g: g.total)
-    return {"main_phase": main, "main": main_res, "worst": worst, "worst_gpu": worst_gpu,
-            "fits": all(row["fits"] for row in phases), "capacity_bytes": capacity,
-            "host_capacity_bytes": host_capacity, "phases": phases,
-            "results": results, "states": states, "memory_lower_bound": lower_bound, "staged_pinned_ratio": ratio}
+    return {
+        "main_phase": main,
+        "main": main_res,
+        "worst": worst,
+        "worst_gpu": worst_gpu,
+        "fits": all(row["fits"] for row in phases),
+        "capacity_bytes": capacity,
+        "host_capacity_bytes": host_capacity,
+        "phases": phases,
+        "results": results,
+        "states": states,
+        "memory_lower_bound": lower_bound,
+        "staged_pinned_ratio": ratio,
+    }
 
 
-def _simulate_phase(cfg: K2Config, dims, counts, phase, settings, states, *, profile,
-                    max_microbatches: int | None,
-                    host_staged: float) -> dict[str, Any]:
+def _simulate_phase(
+    cfg: K2Config, dims, counts, phase, settings, states, *, profile, max_microbatches: int | None, host_staged: float
+) -> dict[str, Any]:
     """One phase of :func:`analyse_layout` with its memory ``settings``: its activations, step time
     (:func:`k2.launcher.planning.step_time.step_time`), bubble, the fullest GPU of each PP rank
     (``states``: the layout's training state) and the fullest node's host bytes (``host_staged``: an
@@ -219,26 +258,62 @@ def _simulate_phase(cfg: K2Config, dims, counts, phase, settings, states, *, pro
     recompute = _settings_key(settings)[1] if settings is not None else ()
     fl = flops_per_token(cfg.model, phase.seq_length)
     tokens = phase.seq_length * phase.micro_batch_size
-    acts = stage_activations(cfg.model, dims, seq_length=phase.seq_length,
-                             micro_batch_size=phase.micro_batch_size, precision=cfg.train.precision,
-                             memory_cfg=settings, fused_kernels=True)
+    acts = stage_activations(
+        cfg.model,
+        dims,
+        seq_length=phase.seq_length,
+        micro_batch_size=phase.micro_batch_size,
+        precision=cfg.train.precision,
+        memory_cfg=settings,
+        fused_kernels=True,
+    )
     overlap, why = overlap_applies(cfg, dims, recompute, WhatIf.from_config(cfg))
     microbatches = phase.num_microbatches
-    st = step_time(cfg, dims, counts, fl, tokens=tokens, num_microbatches=microbatches, recompute=recompute,
-                   offload_bytes=[a.host for a in acts], activation_bytes=[a.gpu for a in acts],
-                   profile=profile, max_microbatches=max_microbatches, ep_overlap=overlap,
-                   pair_transient_bytes=[a.layer_gpu_max for a in acts])
+    st = step_time(
+        cfg,
+        dims,
+        counts,
+        fl,
+        tokens=tokens,
+        num_microbatches=microbatches,
+        recompute=recompute,
+        offload_bytes=[a.host for a in acts],
+        activation_bytes=[a.gpu for a in acts],
+        profile=profile,
+        max_microbatches=max_microbatches,
+        ep_overlap=overlap,
+        pair_transient_bytes=[a.layer_gpu_max for a in acts],
+    )
     sim, makespan = st.sim, st.step_s
-    busy = st.busy or [microbatches * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r]
-                                          for v in range(dims.vpp)) for r in range(dims.pp)]
-    mem = gpu_memory(states, acts, sim, dims, float(cfg.optim.offload_fraction),
-                     device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size))
-    return {"phases": [phase.name], "sim": sim, "makespan": makespan, "step_time": st,
-            "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy), "memory": mem,
-            "flops": fl, "tokens_per_microbatch": tokens, "num_microbatches": microbatches,
-            "memory_settings": settings, "recompute_s": st.recompute_s,
-            "ep_overlap": st.ep_overlap, "ep_overlap_note": why,
-            "host_per_node": host_bytes_per_node(mem, dims, int(cfg.cluster.gpus_per_node)) + host_staged}
+    busy = st.busy or [
+        microbatches
+        * sum(st.F[v * dims.pp + r] + st.B[v * dims.pp + r] + st.W[v * dims.pp + r] for v in range(dims.vpp))
+        for r in range(dims.pp)
+    ]
+    mem = gpu_memory(
+        states,
+        acts,
+        sim,
+        dims,
+        float(cfg.optim.offload_fraction),
+        device_overheads(cfg, dims, phase.seq_length, phase.micro_batch_size),
+    )
+    return {
+        "phases": [phase.name],
+        "sim": sim,
+        "makespan": makespan,
+        "step_time": st,
+        "bubble": (dims.pp * st.makespan - sum(busy)) / sum(busy),
+        "memory": mem,
+        "flops": fl,
+        "tokens_per_microbatch": tokens,
+        "num_microbatches": microbatches,
+        "memory_settings": settings,
+        "recompute_s": st.recompute_s,
+        "ep_overlap": st.ep_overlap,
+        "ep_overlap_note": why,
+        "host_per_node": host_bytes_per_node(mem, dims, int(cfg.cluster.gpus_per_node)) + host_staged,
+    }
 
 
 def _settings(mem) -> dict:
@@ -254,17 +329,26 @@ def _phase_row(phase, res: dict, capacity: float, host_capacity: float, lower_bo
     fits_gpu = gpu.total <= capacity and not lower_bound
     fits_host = res["host_per_node"] <= host_capacity
     return {
-        "phase": phase.name, "steps": phase.steps, "seq_length": phase.seq_length,
-        "micro_batch_size": phase.micro_batch_size, "num_microbatches": phase.num_microbatches,
+        "phase": phase.name,
+        "steps": phase.steps,
+        "seq_length": phase.seq_length,
+        "micro_batch_size": phase.micro_batch_size,
+        "num_microbatches": phase.num_microbatches,
         "memory": _settings(res["memory_settings"]),
-        "device_peak_bytes": gpu.total, "device_pp_rank": gpu.pp_rank,
-        "activation_bytes": gpu.activations, "microbatches_in_flight": gpu.in_flight,
+        "device_peak_bytes": gpu.total,
+        "device_pp_rank": gpu.pp_rank,
+        "activation_bytes": gpu.activations,
+        "microbatches_in_flight": gpu.in_flight,
         "host_bytes_per_gpu_peak": max(g.host_pinned for g in res["memory"]),
         "host_bytes_per_node": res["host_per_node"],
-        "fits_gpu": fits_gpu, "fits_host": fits_host, "fits": fits_gpu and fits_host,
-        "step_time_s_estimated": res["makespan"], "recompute_time_s_estimated": res["recompute_s"],
+        "fits_gpu": fits_gpu,
+        "fits_host": fits_host,
+        "fits": fits_gpu and fits_host,
+        "step_time_s_estimated": res["makespan"],
+        "recompute_time_s_estimated": res["recompute_s"],
         "step_time_breakdown_s": dict(res["step_time"].breakdown),
-        "ep_overlap": res["ep_overlap"], "ep_overlap_note": res["ep_overlap_note"],
+        "ep_overlap": res["ep_overlap"],
+        "ep_overlap_note": res["ep_overlap_note"],
         "ep_comm_s": res["step_time"].ep_comm,
     }
 
@@ -295,4 +379,5 @@ def check_host_memory(cfg: K2Config, dims, schedule) -> None:
             f"per node ({int(cfg.cluster.gpus_per_node)} GPUs: offloaded optimizer states and activations, the "
             "staged copy of an asynchronous checkpoint save), "
             f"{gib(have)} GiB available (allowed: cluster.host_memory_gib >= {gib(need)}, or offload less: "
-            "memory.offload, optim.offload_fraction)")
+            "memory.offload, optim.offload_fraction)"
+        )

@@ -59,8 +59,7 @@ def staged_bytes_per_node(cfg: K2Config, total_params: int, world: int) -> float
     return checkpoint_bytes(total_params, cfg.optim.name) / world * int(cfg.cluster.gpus_per_node)
 
 
-def checkpoint_plan(cfg: K2Config, total_params: int, world: int, step_s: float,
-                    host_gbps: float) -> dict[str, Any]:
+def checkpoint_plan(cfg: K2Config, total_params: int, world: int, step_s: float, host_gbps: float) -> dict[str, Any]:
     """The checkpoint figures of one plan (JSON ``checkpoint``; bytes, seconds, hours).
 
     Args:
@@ -80,11 +79,18 @@ def checkpoint_plan(cfg: K2Config, total_params: int, world: int, step_s: float,
     tau = max(math.sqrt(2 * stall * mtbf_s), write_s if is_async else 0.0, step_s)
     lost = stall / tau + (tau / 2 + write_s) / mtbf_s
     return {
-        "bytes_total": total, "bytes_per_gpu": per_gpu, "bytes_per_node": per_node,
-        "async_save": is_async, "stall_s": stall, "background_write_s": write_s if is_async else 0.0,
+        "bytes_total": total,
+        "bytes_per_gpu": per_gpu,
+        "bytes_per_node": per_node,
+        "async_save": is_async,
+        "stall_s": stall,
+        "background_write_s": write_s if is_async else 0.0,
         "write_gbps_per_node": float(cfg.cluster.checkpoint_write_gbps),
-        "mtbf_hours": mtbf_s / 3600, "save_interval_s": tau, "save_interval_steps": max(1, round(tau / step_s)),
-        "restart_read_s": write_s, "expected_goodput": max(0.0, 1 - lost),
+        "mtbf_hours": mtbf_s / 3600,
+        "save_interval_s": tau,
+        "save_interval_steps": max(1, round(tau / step_s)),
+        "restart_read_s": write_s,
+        "expected_goodput": max(0.0, 1 - lost),
         "staged_host_bytes_per_node": per_node if is_async else 0.0,
     }
 
@@ -92,13 +98,21 @@ def checkpoint_plan(cfg: K2Config, total_params: int, world: int, step_s: float,
 def format_checkpoint(c: dict[str, Any]) -> list[str]:
     """Text lines of :func:`checkpoint_plan`."""
     mode = "async" if c["async_save"] else "sync"
-    return [f"  checkpoint: {c['bytes_total'] / 1e12:.3g} TB, {c['bytes_per_gpu'] / 1e9:.3g} GB per GPU, "
-            f"{c['bytes_per_node'] / 1e9:.3g} GB per node; {mode} save stalls {c['stall_s']:.3g} s"
-            + (f" (+ {c['background_write_s']:.3g} s written in the background at {c['write_gbps_per_node']:g} GB/s "
-               f"per node, staged copy {c['staged_host_bytes_per_node'] / 2**30:.3g} GiB host memory per node"
-               + (f", {c['staged_host_bytes_per_node_pinned'] / 2**30:.3g} GiB as pinned buffers)"
-                  if "staged_host_bytes_per_node_pinned" in c else ")")
-               if c["async_save"] else f" (written at {c['write_gbps_per_node']:g} GB/s per node)"),
-            f"  save every {c['save_interval_s'] / 60:.3g} min ({c['save_interval_steps']:,} steps; Young/Daly "
-            f"sqrt(2 x stall x MTBF), MTBF {c['mtbf_hours']:.3g} h): expected goodput "
-            f"{100 * c['expected_goodput']:.1f}%"]
+    return [
+        f"  checkpoint: {c['bytes_total'] / 1e12:.3g} TB, {c['bytes_per_gpu'] / 1e9:.3g} GB per GPU, "
+        f"{c['bytes_per_node'] / 1e9:.3g} GB per node; {mode} save stalls {c['stall_s']:.3g} s"
+        + (
+            f" (+ {c['background_write_s']:.3g} s written in the background at {c['write_gbps_per_node']:g} GB/s "
+            f"per node, staged copy {c['staged_host_bytes_per_node'] / 2**30:.3g} GiB host memory per node"
+            + (
+                f", {c['staged_host_bytes_per_node_pinned'] / 2**30:.3g} GiB as pinned buffers)"
+                if "staged_host_bytes_per_node_pinned" in c
+                else ")"
+            )
+            if c["async_save"]
+            else f" (written at {c['write_gbps_per_node']:g} GB/s per node)"
+        ),
+        f"  save every {c['save_interval_s'] / 60:.3g} min ({c['save_interval_steps']:,} steps; Young/Daly "
+        f"sqrt(2 x stall x MTBF), MTBF {c['mtbf_hours']:.3g} h): expected goodput "
+        f"{100 * c['expected_goodput']:.1f}%",
+    ]

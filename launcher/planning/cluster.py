@@ -98,8 +98,11 @@ def check_model_parallel_group(cfg: K2Config, world: int) -> None:
     if group < 1 or world % group == 0:
         return
     step = math.lcm(group, gpn) // gpn
-    shape = f"parallel.pp={pp} x parallel.ep={ep}" if tp == 1 else \
-        f"parallel.pp={pp} x lcm(parallel.tp={tp}, parallel.ep={ep})"
+    shape = (
+        f"parallel.pp={pp} x parallel.ep={ep}"
+        if tp == 1
+        else f"parallel.pp={pp} x lcm(parallel.tp={tp}, parallel.ep={ep})"
+    )
     raise ConfigError(
         f"cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node={gpn} = {world} GPUs is not a multiple "
         f"of the model-parallel group {shape} = {group} GPUs "
@@ -123,8 +126,7 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
         if verdict["recommended"] is not None:
             cfg = with_layout(cfg, verdict["recommended"])  # (parallel.* only: the counts stand)
     check_model_parallel_group(cfg, world)
-    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM,
-                                    tp_supported=True)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, world_size_from=WORLD_FROM, tp_supported=True)
     schedule = resolve_schedule(cfg, dims)
     if counts is None:
         counts = _count_params(cfg)
@@ -139,15 +141,19 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
     report["cuda_alloc_conf"] = cfg.launch.cuda_alloc_conf  # what k2-train sets; the reserved bytes assume it
     report.update(_pipeline_and_flops(cfg, dims, schedule, a))
     if cfg.plan.step_time_s is not None:
-        tflops, frac = mfu(report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size,
-                           peak_tflops(cfg))
+        tflops, frac = mfu(
+            report["flops"]["step_flops"], float(cfg.plan.step_time_s), dims.world_size, peak_tflops(cfg)
+        )
         report.update(step_time_s=float(cfg.plan.step_time_s), model_tflops_per_gpu=tflops, mfu=frac)
-    report["gpu_hours_estimated"] = sum(r["steps"] * r["step_time_s_estimated"] for r in a["phases"]) * \
-        dims.world_size / 3600
-    report["checkpoint"] = checkpoint_plan(cfg, counts.total, dims.world_size, report["step_time_s_estimated"],
-                                           cluster_profile(cfg).host_gbps)
-    report["checkpoint"]["staged_host_bytes_per_node_pinned"] = (report["checkpoint"]["staged_host_bytes_per_node"]
-                                                                 * a["staged_pinned_ratio"])
+    report["gpu_hours_estimated"] = (
+        sum(r["steps"] * r["step_time_s_estimated"] for r in a["phases"]) * dims.world_size / 3600
+    )
+    report["checkpoint"] = checkpoint_plan(
+        cfg, counts.total, dims.world_size, report["step_time_s_estimated"], cluster_profile(cfg).host_gbps
+    )
+    report["checkpoint"]["staged_host_bytes_per_node_pinned"] = (
+        report["checkpoint"]["staged_host_bytes_per_node"] * a["staged_pinned_ratio"]
+    )
     if verdict is not None:
         report["search"] = rows
         report["verdict"] = _verdict(verdict, report)
@@ -166,10 +172,14 @@ def _verdict(verdict: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """The search's verdict (:func:`k2.launcher.planning.verdict.search_verdict`) with the recommended layout's
     step, MFU and the two largest terms of its step (``dominant``: ``[term, seconds]``)."""
     terms = sorted(report["step_time_breakdown_s"].items(), key=lambda kv: -kv[1])
-    return {**verdict, "step_time_s_estimated": report["step_time_s_estimated"],
-            "mfu_estimated": report["mfu_estimated"], "dominant": [list(t) for t in terms[:2]],
-            "memory_per_gpu_bytes": report["memory_per_gpu_bytes"]["total"],
-            "gpu_memory_bytes": report["gpu_memory_bytes"]}
+    return {
+        **verdict,
+        "step_time_s_estimated": report["step_time_s_estimated"],
+        "mfu_estimated": report["mfu_estimated"],
+        "dominant": [list(t) for t in terms[:2]],
+        "memory_per_gpu_bytes": report["memory_per_gpu_bytes"]["total"],
+        "gpu_memory_bytes": report["gpu_memory_bytes"],
+    }
 
 
 def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[str, Any]:
@@ -182,14 +192,21 @@ def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[st
         "world_size": dims.world_size,
         "nodes": cfg.cluster.nodes,
         "gpus_per_node": gpn,
-        "cluster": {"nodes": cfg.cluster.nodes, "gpus_per_node": gpn,
-                    "gpu_memory_gib": gpu_memory_gib(cfg),
-                    "host_memory_gib": host_memory_gib(cfg),
-                    "peak_tflops": peak_tflops(cfg)},
-        "model_parallel_group": {"gpus": group, "nodes": group / gpn, "replicas": dims.world_size // group,
-                                 "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}",
-                                 # k2-train runs TP 1 only; k2-plan plans megatron's TP layout
-                                 "k2_train_runs": dims.tp == 1},
+        "cluster": {
+            "nodes": cfg.cluster.nodes,
+            "gpus_per_node": gpn,
+            "gpu_memory_gib": gpu_memory_gib(cfg),
+            "host_memory_gib": host_memory_gib(cfg),
+            "peak_tflops": peak_tflops(cfg),
+        },
+        "model_parallel_group": {
+            "gpus": group,
+            "nodes": group / gpn,
+            "replicas": dims.world_size // group,
+            "shape": f"TP{dims.tp} x PP{dims.pp} x EP{dims.ep}",
+            # k2-train runs TP 1 only; k2-plan plans megatron's TP layout
+            "k2_train_runs": dims.tp == 1,
+        },
         "tp": dims.tp,
         "pp": dims.pp,
         "vpp": dims.vpp,
@@ -214,16 +231,18 @@ def _stages(dims: ParallelDims, counts: ModelParams) -> list[dict[str, Any]]:
         for r in range(dims.pp):
             layers = dims.layers(r, v)
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
-            stages.append({
-                "virtual_stage": dims.virtual_stage(r, v),
-                "pp_rank": r,
-                "vpp_stage": v,
-                "layers": layers,
-                "num_moe_layers": sum(counts.moe_pattern[i] for i in layers),
-                "has_embedding": emb,
-                "has_loss": loss,
-                "params": counts.stage(layers, emb, loss),
-            })
+            stages.append(
+                {
+                    "virtual_stage": dims.virtual_stage(r, v),
+                    "pp_rank": r,
+                    "vpp_stage": v,
+                    "layers": layers,
+                    "num_moe_layers": sum(counts.moe_pattern[i] for i in layers),
+                    "has_embedding": emb,
+                    "has_loss": loss,
+                    "params": counts.stage(layers, emb, loss),
+                }
+            )
     return stages
 
 
@@ -233,18 +252,20 @@ def _pp_ranks(dims: ParallelDims, counts: ModelParams, memory: list) -> list[dic
     for r in range(dims.pp):
         layers, emb, loss = dims.pp_rank_contents(r)
         per_gpu = counts.stage(layers, emb, loss, ep=dims.ep, tp=dims.tp)
-        rows.append({
-            "pp_rank": r,
-            "layers": layers,
-            "num_layers": len(layers),
-            "has_embedding": emb,
-            "has_loss": loss,
-            "params": counts.stage(layers, emb, loss),
-            "params_per_gpu": per_gpu,
-            "bf16_param_bytes_per_gpu": 2 * per_gpu,
-            "fp32_grad_bytes_per_gpu": 4 * per_gpu,
-            "memory_bytes": memory[r].as_dict(),
-        })
+        rows.append(
+            {
+                "pp_rank": r,
+                "layers": layers,
+                "num_layers": len(layers),
+                "has_embedding": emb,
+                "has_loss": loss,
+                "params": counts.stage(layers, emb, loss),
+                "params_per_gpu": per_gpu,
+                "bf16_param_bytes_per_gpu": 2 * per_gpu,
+                "fp32_grad_bytes_per_gpu": 4 * per_gpu,
+                "memory_bytes": memory[r].as_dict(),
+            }
+        )
     return rows
 
 
@@ -256,18 +277,23 @@ def _memory(counts: ModelParams, schedule: Schedule, a: dict) -> dict[str, Any]:
         "bf16_param_bytes_total": 2 * counts.total,
         "param_and_grad_bytes_total": 6 * counts.total,
         "memory_per_gpu_bytes": {
-            "params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-            "activations": mem.activations, "transient": mem.transient, "reserved": mem.reserved,
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "activations": mem.activations,
+            "transient": mem.transient,
+            "reserved": mem.reserved,
             "allocated": mem.allocated,
-            "total": mem.total, "host_pinned": mem.host_pinned,
+            "total": mem.total,
+            "host_pinned": mem.host_pinned,
             "optimizer_offloaded_to_host": mem.optimizer_offloaded,
             "activations_offloaded_to_host_peak": mem.activations_offloaded_peak,
-            "microbatches_in_flight": mem.in_flight, "pp_rank": mem.pp_rank,
+            "microbatches_in_flight": mem.in_flight,
+            "pp_rank": mem.pp_rank,
             "phase": worst_phase,
             "seq_length": next(p.seq_length for p in schedule.phases if p.name == worst_phase),
         },
-        "allocated_param_and_grad_bytes_mean_per_gpu": sum(x.params + x.grads for x in all_states)
-        / len(all_states),
+        "allocated_param_and_grad_bytes_mean_per_gpu": sum(x.params + x.grads for x in all_states) / len(all_states),
         "gpu_memory_bytes": a["capacity_bytes"],
         "host_memory_bytes_per_node": a["host_capacity_bytes"],
         "phases": a["phases"],
@@ -289,9 +315,12 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
         query = OmegaConf.to_container(query) if isinstance(query, ListConfig) else [query]
     return {
         "bubble_fraction": main_res["bubble"],
-        "pipeline": {**sim.as_dict(), "phase": main.name,
-                     "decouple_wgrad": bool(cfg.pipeline.decouple_wgrad),
-                     "peak_activation_bytes_per_rank": sim.peak_activation_bytes},
+        "pipeline": {
+            **sim.as_dict(),
+            "phase": main.name,
+            "decouple_wgrad": bool(cfg.pipeline.decouple_wgrad),
+            "peak_activation_bytes_per_rank": sim.peak_activation_bytes,
+        },
         "flops_per_token": fl.training,
         "flops": {**fl.as_dict(), "phase": main.name, "step_flops": step_flops},
         "global_batch_tokens": tokens_per_step,
@@ -301,7 +330,8 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
         "step_time_s_estimated": est,
         "step_time_breakdown_s": dict(st.breakdown),
         "ep_overlap_requested": bool(cfg.pipeline.ep_overlap),
-        "ep_overlap": main_res["ep_overlap"], "ep_overlap_note": main_res["ep_overlap_note"],
+        "ep_overlap": main_res["ep_overlap"],
+        "ep_overlap_note": main_res["ep_overlap_note"],
         "ep_comm_s": st.ep_comm,
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,

@@ -46,8 +46,17 @@ def expected_nodes_hit(k: int, nodes: int, node_limit: int | None = None) -> flo
     return min(hit, node_limit) if node_limit else hit
 
 
-def ep_alltoall(tokens: float, k: int, hidden: int, ep: int, profile: HardwareProfile, *,
-                bytes_per_element: float, deepep: bool = False, node_limit: int | None = None) -> AllToAll:
+def ep_alltoall(
+    tokens: float,
+    k: int,
+    hidden: int,
+    ep: int,
+    profile: HardwareProfile,
+    *,
+    bytes_per_element: float,
+    deepep: bool = False,
+    node_limit: int | None = None,
+) -> AllToAll:
     """Dispatch (or combine) of ``tokens`` tokens (one GPU's), ``k`` expert copies each, over an EP group of
     ``ep`` consecutive ranks (expert TP 1).
 
@@ -110,8 +119,9 @@ def host_copy_seconds(nbytes: float, profile: HardwareProfile) -> float:
     return max(nbytes, 0.0) / (profile.host_gbps * 1e9)
 
 
-def fsdp_exposed(reduce_scatter_s: float, all_gather_s: float, *, flushes: int, layers: int,
-                 forward_compute_s: float) -> tuple[float, float]:
+def fsdp_exposed(
+    reduce_scatter_s: float, all_gather_s: float, *, flushes: int, layers: int, forward_compute_s: float
+) -> tuple[float, float]:
     """Exposed seconds of FSDP2's DP traffic per step under torch's pipelining, as NeMo AutoModel runs it
     (``plan.what_if.fsdp``): ``(reduce_scatter, all_gather)``.
 

@@ -39,8 +39,15 @@ from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-__all__ = ["DeviceOverheads", "GpuMemory", "device_overheads", "gpu_memory", "max_logit_block_bytes",
-           "nccl_communicators", "stacked_expert_bytes"]
+__all__ = [
+    "DeviceOverheads",
+    "GpuMemory",
+    "device_overheads",
+    "gpu_memory",
+    "max_logit_block_bytes",
+    "nccl_communicators",
+    "stacked_expert_bytes",
+]
 
 _GIB = 2**30
 
@@ -78,8 +85,16 @@ def nccl_communicators(dims) -> int:
     per-step agreements), DP and expert-DP (ZeRO-1 reduce-scatter / all-gather), EP (dispatch/combine), PP
     (send/recv) and the embedding group (tied or first/last-stage gradients), TP, and the model-parallel
     group (the global gradient norm), each when it has more than one rank."""
-    sizes = [dims.world_size, dims.dp, dims.expert_dp, dims.ep, dims.pp, dims.pp, dims.tp,
-             dims.pp * math.lcm(dims.tp, dims.ep)]
+    sizes = [
+        dims.world_size,
+        dims.dp,
+        dims.expert_dp,
+        dims.ep,
+        dims.pp,
+        dims.pp,
+        dims.tp,
+        dims.pp * math.lcm(dims.tp, dims.ep),
+    ]
     return sum(1 for n in sizes if n > 1)
 
 
@@ -110,17 +125,27 @@ def device_overheads(cfg: K2Config, dims, seq_length: int, micro_batch_size: int
     m, o = cfg.model, cfg.plan.gpu_overheads
     B = 2 if cfg.train.precision == "bf16" else 4
     scores = 0
-    if (m.record_max_logits and m.max_logit_kernel == "torch"
-            and resolve_attention_backend(m.attention_backend, cuda=True) == "sdpa"):
-        scores = max_logit_block_bytes(micro_batch_size, int(m.num_attention_heads) // dims.tp, seq_length, B,
-                                       MAX_LOGIT_CHUNK)
+    if (
+        m.record_max_logits
+        and m.max_logit_kernel == "torch"
+        and resolve_attention_backend(m.attention_backend, cuda=True) == "sdpa"
+    ):
+        scores = max_logit_block_bytes(
+            micro_batch_size, int(m.num_attention_heads) // dims.tp, seq_length, B, MAX_LOGIT_CHUNK
+        )
     stacked = 0
     if m.num_moe_experts and resolve_grouped_experts(m.moe_grouped_gemm, cfg.train.precision, cuda=True):
-        stacked = stacked_expert_bytes(int(m.num_moe_experts) // dims.ep, int(m.moe_ffn_hidden_size),
-                                       int(m.hidden_size), B)
-    return DeviceOverheads(scores, stacked, float(o.cuda_context_gib) * _GIB,
-                           nccl_communicators(dims) * float(o.nccl_gib_per_communicator) * _GIB,
-                           float(o.workspace_gib) * _GIB, float(o.fragmentation))
+        stacked = stacked_expert_bytes(
+            int(m.num_moe_experts) // dims.ep, int(m.moe_ffn_hidden_size), int(m.hidden_size), B
+        )
+    return DeviceOverheads(
+        scores,
+        stacked,
+        float(o.cuda_context_gib) * _GIB,
+        nccl_communicators(dims) * float(o.nccl_gib_per_communicator) * _GIB,
+        float(o.workspace_gib) * _GIB,
+        float(o.fragmentation),
+    )
 
 
 @dataclass(frozen=True)
@@ -186,9 +211,14 @@ class GpuMemory:
         }
 
 
-def gpu_memory(states: list[list[StateBytes]], acts: list[StageActivations], sim, dims,
-               optimizer_offload_fraction: float = 0.0, overheads: DeviceOverheads | None = None
-               ) -> list[GpuMemory]:
+def gpu_memory(
+    states: list[list[StateBytes]],
+    acts: list[StageActivations],
+    sim,
+    dims,
+    optimizer_offload_fraction: float = 0.0,
+    overheads: DeviceOverheads | None = None,
+) -> list[GpuMemory]:
     """Per PP rank, the fullest of its GPUs: states (:func:`k2.launcher.planning.memory.state_bytes`) +
     the activations the simulated pipeline schedule ``sim`` (:func:`k2.launcher.planning.pipeline_sim.simulate` run with
     ``activation_bytes`` = each stage's ``gpu`` bytes) holds at its peak + ``overheads`` (none: 0). The
@@ -204,13 +234,19 @@ def gpu_memory(states: list[list[StateBytes]], acts: list[StageActivations], sim
         staging = max(acts[v * dims.pp + r].offload_staging for v in range(dims.vpp))
         rerun = max(acts[v * dims.pp + r].recompute_working for v in range(dims.vpp))
         mem = GpuMemory(
-            pp_rank=r, params=worst.params, grads=worst.grads,
-            optimizer=worst.optimizer * (1.0 - f), optimizer_offloaded=worst.optimizer * f,
+            pp_rank=r,
+            params=worst.params,
+            grads=worst.grads,
+            optimizer=worst.optimizer * (1.0 - f),
+            optimizer_offloaded=worst.optimizer * f,
             activations=sim.peak_activation_bytes[r] + 2 * staging + rerun,
-            activations_offloaded_peak=host[r] if host else 0.0, in_flight=sim.peak_in_flight[r],
+            activations_offloaded_peak=host[r] if host else 0.0,
+            in_flight=sim.peak_in_flight[r],
             transient=overheads.transient if overheads else 0.0,
             optimizer_offloaded_pinned=worst.optimizer_pinned * f,
-            activations_offloaded_pinned_peak=pinned[r] if pinned else 0.0)
-        out.append(mem if overheads is None else
-                   GpuMemory(**{**mem.__dict__, "reserved": overheads.reserved(mem.allocated)}))
+            activations_offloaded_pinned_peak=pinned[r] if pinned else 0.0,
+        )
+        out.append(
+            mem if overheads is None else GpuMemory(**{**mem.__dict__, "reserved": overheads.reserved(mem.allocated)})
+        )
     return out

@@ -71,12 +71,32 @@ if TYPE_CHECKING:
 NOT_REQUESTED = "pipeline.ep_overlap=false"
 #: megatron's issue order of one layer pair (``TransformerLayerSchedulePlan.run``): f = the forward
 #: microbatch, b = the backward one
-PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("b", "mlp"), ("f", "dispatch"), ("b", "mlp_dw"),
-              ("b", "dispatch"), ("f", "mlp"), ("f", "combine"), ("b", "attn"), ("b", "attn_dw"))
+PAIR_ORDER = (
+    ("b", "combine"),
+    ("f", "attn"),
+    ("b", "mlp"),
+    ("f", "dispatch"),
+    ("b", "mlp_dw"),
+    ("b", "dispatch"),
+    ("f", "mlp"),
+    ("f", "combine"),
+    ("b", "attn"),
+    ("b", "attn_dw"),
+)
 #: the issue order of ``k2-train`` on CPU (``k2.parallel.comm_stream``'s layer pair): megatron's nodes and
 #: stream orders, each dispatch issued right after the node it waits for
-HOST_PAIR_ORDER = (("b", "combine"), ("f", "attn"), ("f", "dispatch"), ("b", "mlp"), ("b", "dispatch"),
-                   ("b", "mlp_dw"), ("f", "mlp"), ("f", "combine"), ("b", "attn"), ("b", "attn_dw"))
+HOST_PAIR_ORDER = (
+    ("b", "combine"),
+    ("f", "attn"),
+    ("f", "dispatch"),
+    ("b", "mlp"),
+    ("b", "dispatch"),
+    ("b", "mlp_dw"),
+    ("f", "mlp"),
+    ("f", "combine"),
+    ("b", "attn"),
+    ("b", "attn_dw"),
+)
 
 
 # ---------------------------------------------------------------- the nodes of one stage's microbatch
@@ -141,8 +161,7 @@ def layer_backward(nodes: dict, decouple_wgrad: bool) -> dict[str, Node]:
         comm = name in ("dispatch", "combine")
         if comm:
             terms = {k: v for k, v in part["B"].items() if k != "ep_comm"}
-            out[name] = Node(name, "b", comm=True, wire=part["B"].get("ep_comm", 0.0), terms=terms,
-                             kind=f"{name}_bwd")
+            out[name] = Node(name, "b", comm=True, wire=part["B"].get("ep_comm", 0.0), terms=terms, kind=f"{name}_bwd")
         elif decouple_wgrad:
             out[name] = Node(name, "b", terms=dict(part["B"]))
             out[f"{name}_dw"] = Node(f"{name}_dw", "b", terms=dict(part["W"]), event=False)
@@ -151,8 +170,7 @@ def layer_backward(nodes: dict, decouple_wgrad: bool) -> dict[str, Node]:
     return out
 
 
-def step_nodes(f: StagePlan | None, b: StagePlan | None, decouple_wgrad: bool,
-               order: tuple = PAIR_ORDER) -> list[Node]:
+def step_nodes(f: StagePlan | None, b: StagePlan | None, decouple_wgrad: bool, order: tuple = PAIR_ORDER) -> list[Node]:
     """The nodes of one combined step in issue order (``TransformerModelChunkSchedulePlan.run``, each
     layer pair in ``order``): ``f`` the forward microbatch's stage, ``b`` the backward one's (either
     None)."""
@@ -200,19 +218,25 @@ def stage_plans(model, dims, schedule_work_half_s: float, copies_s: list) -> lis
     plans = []
     for v in range(dims.vpp):
         for r in range(dims.pp):
-            layers = [get(int(model.fl.moe_pattern[i]),
-                          lambda i=i: model.layer_nodes(i)) for i in dims.stage_layers[r][v]]
+            layers = [
+                get(int(model.fl.moe_pattern[i]), lambda i=i: model.layer_nodes(i)) for i in dims.stage_layers[r][v]
+            ]
             emb = get("embedding", model.embedding) if dims.stage_has_embedding(r, v) else none
             tail = [get("loss", model.loss)] if dims.stage_has_loss(r, v) else []
             if tail and model.wi.mtp_layers:
                 tail += [get("mtp", model.mtp)] * model.wi.mtp_layers
             sched = {"schedule": schedule_work_half_s} if schedule_work_half_s else {}
-            plans.append(StagePlan(
-                layers=layers, pre_f={"F": _merged(emb["F"], sched)},
-                post_f={"F": _merged(*(x["F"] for x in tail))},
-                pre_b={"B": _merged(*(x["B"] for x in tail), sched), "W": _merged(*(x["W"] for x in tail))},
-                post_b={"B": dict(emb["B"]), "W": dict(emb["W"])},
-                offload_f=copies_s[v * dims.pp + r], offload_b=copies_s[v * dims.pp + r]))
+            plans.append(
+                StagePlan(
+                    layers=layers,
+                    pre_f={"F": _merged(emb["F"], sched)},
+                    post_f={"F": _merged(*(x["F"] for x in tail))},
+                    pre_b={"B": _merged(*(x["B"] for x in tail), sched), "W": _merged(*(x["W"] for x in tail))},
+                    post_b={"B": dict(emb["B"]), "W": dict(emb["W"])},
+                    offload_f=copies_s[v * dims.pp + r],
+                    offload_b=copies_s[v * dims.pp + r],
+                )
+            )
     return plans
 
 
@@ -220,8 +244,11 @@ def ep_summary(wire: dict, exposed: dict, by_part: dict | None = None) -> dict:
     """The EP all-to-alls of a step on the busiest rank (seconds): ``total_s``, ``exposed_s``, ``hidden_s``,
     per kind (:data:`A2A_KINDS`, those that occur) ``{total_s, exposed_s, hidden_s}``, and with the overlap
     ``by_part``: the exposed seconds of the warm-up forwards, the steady pairs and the cool-down backwards."""
-    kinds = {k: {"total_s": wire[k], "exposed_s": exposed[k], "hidden_s": wire[k] - exposed[k]}
-             for k in A2A_KINDS if wire.get(k) or exposed.get(k)}
+    kinds = {
+        k: {"total_s": wire[k], "exposed_s": exposed[k], "hidden_s": wire[k] - exposed[k]}
+        for k in A2A_KINDS
+        if wire.get(k) or exposed.get(k)
+    }
     total, shown = sum(wire.values()), sum(exposed.values())
     out = {"total_s": total, "exposed_s": shown, "hidden_s": total - shown, "by_kind": kinds}
     if by_part is not None:
@@ -245,8 +272,15 @@ class OverlapCosts:
             (``host_thread``; :func:`k2.launcher.planning.two_streams.run_nodes`).
     """
 
-    def __init__(self, plans: list[StagePlan], comm_stream: str, decouple_wgrad: bool, comm_share: float = 0.0,
-                 counts_queue_s: float = 0.0, wire_slowdown: float = 1.0):
+    def __init__(
+        self,
+        plans: list[StagePlan],
+        comm_stream: str,
+        decouple_wgrad: bool,
+        comm_share: float = 0.0,
+        counts_queue_s: float = 0.0,
+        wire_slowdown: float = 1.0,
+    ):
         self.plans, self.comm_stream, self.decouple_wgrad = plans, comm_stream, decouple_wgrad
         self.comm_share, self.counts_queue_s, self.wire_slowdown = comm_share, counts_queue_s, wire_slowdown
         self._cache: dict = {}
@@ -258,8 +292,14 @@ class OverlapCosts:
             b = self.plans[sb] if sb is not None else None
             off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
             order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
-            self._cache[key] = run_nodes(step_nodes(f, b, self.decouple_wgrad, order), self.comm_stream, off,
-                                         self.comm_share, self.counts_queue_s, self.wire_slowdown)
+            self._cache[key] = run_nodes(
+                step_nodes(f, b, self.decouple_wgrad, order),
+                self.comm_stream,
+                off,
+                self.comm_share,
+                self.counts_queue_s,
+                self.wire_slowdown,
+            )
         return self._cache[key]
 
     def forward(self, s: int) -> StepCost:
@@ -285,8 +325,13 @@ def rank_costs(costs: OverlapCosts, sim, rank: int) -> dict:
     "pair_exposure", "pair_exposed"}`` (``by_part``: exposed seconds in the warm-up forwards, the steady
     pairs, the cool-down backwards; ``pair_exposure`` / ``pair_exposed``: a steady pair's mean seconds
     beyond its compute stream's work by term / its exposed all-to-all by kind, for :func:`extrapolate`)."""
-    out = {"busy": 0.0, "terms": {}, "exposed": {k: 0.0 for k in A2A_KINDS},
-           "wire": {k: 0.0 for k in A2A_KINDS}, "by_part": {"warmup": 0.0, "steady": 0.0, "cooldown": 0.0}}
+    out = {
+        "busy": 0.0,
+        "terms": {},
+        "exposed": {k: 0.0 for k in A2A_KINDS},
+        "wire": {k: 0.0 for k in A2A_KINDS},
+        "by_part": {"warmup": 0.0, "steady": 0.0, "cooldown": 0.0},
+    }
     pairs: list[StepCost] = []
     for op in sim.ops:
         c = costs.of(op) if op.rank == rank else None
@@ -303,8 +348,9 @@ def rank_costs(costs: OverlapCosts, sim, rank: int) -> dict:
         if op.partner >= 0:
             pairs.append(c)
     n = max(1, len(pairs))
-    out["pair_exposure"] = {k: sum(p.terms.get(k, 0.0) - p.compute.get(k, 0.0) for p in pairs) / n
-                            for k in out["terms"]}
+    out["pair_exposure"] = {
+        k: sum(p.terms.get(k, 0.0) - p.compute.get(k, 0.0) for p in pairs) / n for k in out["terms"]
+    }
     out["pair_exposed"] = {k: sum(p.exposed[k] for p in pairs) / n for k in A2A_KINDS}
     return out
 
@@ -324,12 +370,16 @@ def extrapolate(costs: OverlapCosts, rc: dict, rank: int, pp: int, vpp: int, mic
     per = {k: compute.get(k, 0.0) + vpp * rc["pair_exposure"].get(k, 0.0) for k in set(compute) | set(rc["terms"])}
     cycle = sum(per.values())
     n = microbatches
-    return {"busy": rc["busy"] + n * cycle, "cycle": cycle,
-            "terms": {k: rc["terms"].get(k, 0.0) + n * v for k, v in per.items()},
-            "exposed": {k: v + n * vpp * rc["pair_exposed"][k] for k, v in rc["exposed"].items()},
-            "wire": {k: v + n * wire[k] for k, v in rc["wire"].items()},
-            "by_part": dict(rc["by_part"], steady=rc["by_part"]["steady"]
-                            + n * vpp * rc["pair_exposure"].get("ep_comm", 0.0))}
+    return {
+        "busy": rc["busy"] + n * cycle,
+        "cycle": cycle,
+        "terms": {k: rc["terms"].get(k, 0.0) + n * v for k, v in per.items()},
+        "exposed": {k: v + n * vpp * rc["pair_exposed"][k] for k, v in rc["exposed"].items()},
+        "wire": {k: v + n * wire[k] for k, v in rc["wire"].items()},
+        "by_part": dict(
+            rc["by_part"], steady=rc["by_part"]["steady"] + n * vpp * rc["pair_exposure"].get("ep_comm", 0.0)
+        ),
+    }
 
 
 def overlap_applies(cfg: K2Config, dims, recompute, what_if) -> tuple[bool, str]:

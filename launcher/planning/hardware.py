@@ -19,8 +19,16 @@ from k2.config.hardware import HARDWARE_DIR, available_profiles, hardware_profil
 from k2.config.schema_hardware import CommStream, HardwareProfileConfig
 from k2.launcher.planning.kernels import KernelRates
 
-__all__ = ["COMM_STREAMS", "DEVICE", "HARDWARE_DIR", "HOST_THREAD", "HardwareProfile", "available_profiles",
-           "load_profile", "profile_from_dict"]
+__all__ = [
+    "COMM_STREAMS",
+    "DEVICE",
+    "HARDWARE_DIR",
+    "HOST_THREAD",
+    "HardwareProfile",
+    "available_profiles",
+    "load_profile",
+    "profile_from_dict",
+]
 
 #: ``comm_stream``'s values (:class:`k2.config.schema_hardware.CommStream`)
 DEVICE, HOST_THREAD = CommStream.device, CommStream.host_thread
@@ -44,13 +52,16 @@ class HardwareProfile(HardwareProfileConfig):
         else:
             gemm, nbytes, grouped = self.gemm_bf16_tflops, 2.0, self.gemm_grouped_bf16_tflops
         attention = self.attention_tflops if precision != "fp32" else min(self.attention_tflops, gemm)
-        return KernelRates(gemm_flops=gemm * 1e12 * compute_fraction,
-                           attention_flops=attention * 1e12 * compute_fraction,
-                           memory_bytes=self.memory_gbps * 1e9 * self.memory_efficiency,
-                           launch_s=self.kernel_launch_us * 1e-6, tile=self.gemm_tile,
-                           units=self.compute_units,
-                           gemm_bytes_per_element=nbytes,
-                           grouped_gemm_flops=grouped * 1e12 * compute_fraction if grouped else None)
+        return KernelRates(
+            gemm_flops=gemm * 1e12 * compute_fraction,
+            attention_flops=attention * 1e12 * compute_fraction,
+            memory_bytes=self.memory_gbps * 1e9 * self.memory_efficiency,
+            launch_s=self.kernel_launch_us * 1e-6,
+            tile=self.gemm_tile,
+            units=self.compute_units,
+            gemm_bytes_per_element=nbytes,
+            grouped_gemm_flops=grouped * 1e12 * compute_fraction if grouped else None,
+        )
 
     @property
     def domain_gpus(self) -> int:
@@ -61,8 +72,10 @@ class HardwareProfile(HardwareProfileConfig):
         """The all-to-all's achieved GB/s ``(inside, across)`` an NVLink domain: NCCL's (megatron's
         ``alltoall`` dispatcher), or DeepEP's (``deepep``; where the profile gives none, NCCL's)."""
         if deepep:
-            return (self.nvlink_alltoall_deepep_gbps or self.nvlink_alltoall_gbps,
-                    self.network_alltoall_deepep_gbps or self.network_alltoall_gbps)
+            return (
+                self.nvlink_alltoall_deepep_gbps or self.nvlink_alltoall_gbps,
+                self.network_alltoall_deepep_gbps or self.network_alltoall_gbps,
+            )
         return self.nvlink_alltoall_gbps, self.network_alltoall_gbps
 
     def comm_share(self, deepep: bool) -> float:

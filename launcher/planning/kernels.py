@@ -22,8 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["WGRAD_OUT_BYTES", "KernelRates", "gemm_seconds", "grouped_gemm_seconds", "elementwise_seconds",
-           "attention_seconds"]
+__all__ = [
+    "WGRAD_OUT_BYTES",
+    "KernelRates",
+    "gemm_seconds",
+    "grouped_gemm_seconds",
+    "elementwise_seconds",
+    "attention_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,9 @@ def _out_bytes(rates: KernelRates) -> float:
     return max(rates.gemm_bytes_per_element, 2.0)
 
 
-def grouped_gemm_seconds(groups: int, m: float, k: int, n: int, rates: KernelRates,
-                         out_bytes: float | None = None) -> float:
+def grouped_gemm_seconds(
+    groups: int, m: float, k: int, n: int, rates: KernelRates, out_bytes: float | None = None
+) -> float:
     """Seconds of ``groups`` GEMMs ``[m, k] x [k, n]`` run as one grouped kernel (``groups = 1``: one GEMM).
 
     Args:

@@ -60,8 +60,15 @@ from k2.parallel.distributed import ddp_config
 if TYPE_CHECKING:
     from k2.config.schema import MemoryConfig, ModelConfig, OptimConfig
 
-__all__ = ["LayoutParam", "StageActivations", "StateBytes", "rank_param_lists",
-           "stage_activations", "state_bytes", "state_bytes_lower_bound"]
+__all__ = [
+    "LayoutParam",
+    "StageActivations",
+    "StateBytes",
+    "rank_param_lists",
+    "stage_activations",
+    "state_bytes",
+    "state_bytes_lower_bound",
+]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _MASTER_BYTES = 4  # FP32 master copy of a BF16 parameter
@@ -98,8 +105,12 @@ class StateBytes:
 
 def _route_cfg(model_cfg: ModelConfig):
     """What :func:`k2.optim.params.route` reads from megatron's ``TransformerConfig`` (SwiGLU is always on)."""
-    return types.SimpleNamespace(gated_linear_unit=True, num_attention_heads=model_cfg.num_attention_heads,
-                                 num_query_groups=None, kv_channels=None)
+    return types.SimpleNamespace(
+        gated_linear_unit=True,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=None,
+        kv_channels=None,
+    )
 
 
 class LayoutParam:
@@ -138,15 +149,26 @@ class LayoutParam:
         return f"LayoutParam({self.name}, {self.shape})"
 
 
-def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep: int, *, precision: str,
-                  muon: bool, layer_wise: bool, model_cfg: ModelConfig, router_optimizer: str = "muon",
-                  default_route: str = "adamw", tp: int = 1) -> list[LayoutParam]:
+def _chunk_params(
+    counts,
+    kinds: tuple,
+    has_embedding: bool,
+    has_loss: bool,
+    ep: int,
+    *,
+    precision: str,
+    muon: bool,
+    layer_wise: bool,
+    model_cfg: ModelConfig,
+    router_optimizer: str = "muon",
+    default_route: str = "adamw",
+    tp: int = 1,
+) -> list[LayoutParam]:
     """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
     (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
     ep``), the final norm and output head, the TP-sharded ones at ``1 / tp`` of their shape
     (:func:`k2.model.params.tp_sharded`); tagged as the trainer tags the real parameters."""
     import torch
-
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     rcfg = _route_cfg(model_cfg)
@@ -154,8 +176,11 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
     specs = counts.specs
 
     def make(spec, layer_index: int | None):
-        name = spec.name if layer_index is None else spec.name.replace("decoder.layers.0.", "decoder.layers."
-                                                                        f"{layer_index}.", 1)
+        name = (
+            spec.name
+            if layer_index is None
+            else spec.name.replace("decoder.layers.0.", f"decoder.layers.{layer_index}.", 1)
+        )
         p = LayoutParam(spec, name, dtype)
         if tp > 1 and tp_sharded(name):  # a row-parallel weight splits its input dim, the others their output dim
             axis = 1 if ("linear_proj." in name or "linear_fc2." in name) else 0
@@ -183,20 +208,41 @@ def _chunk_params(counts, kinds: tuple, has_embedding: bool, has_loss: bool, ep:
     return params
 
 
-def rank_param_lists(counts, dims, *, precision: str, muon: bool, layer_wise: bool, model_cfg: ModelConfig,
-                     router_optimizer: str = "muon") -> list:
+def rank_param_lists(
+    counts,
+    dims,
+    *,
+    precision: str,
+    muon: bool,
+    layer_wise: bool,
+    model_cfg: ModelConfig,
+    router_optimizer: str = "muon",
+) -> list:
     """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
 
     Returns:
         ``lists[pp_rank][vpp_stage]`` = list of :class:`LayoutParam`, tagged as the trainer tags the real
         parameters (module docstring).
     """
-    return [[_chunk_params(counts, _kinds(counts, dims, r, v), dims.stage_has_embedding(r, v),
-                           dims.stage_has_loss(r, v), dims.ep, precision=precision, muon=muon,
-                           layer_wise=layer_wise, model_cfg=model_cfg, router_optimizer=router_optimizer,
-                           tp=dims.tp)
-             for v in range(dims.vpp)]
-            for r in range(dims.pp)]
+    return [
+        [
+            _chunk_params(
+                counts,
+                _kinds(counts, dims, r, v),
+                dims.stage_has_embedding(r, v),
+                dims.stage_has_loss(r, v),
+                dims.ep,
+                precision=precision,
+                muon=muon,
+                layer_wise=layer_wise,
+                model_cfg=model_cfg,
+                router_optimizer=router_optimizer,
+                tp=dims.tp,
+            )
+            for v in range(dims.vpp)
+        ]
+        for r in range(dims.pp)
+    ]
 
 
 def _kinds(counts, dims, r: int, v: int) -> tuple:
@@ -217,29 +263,48 @@ def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: boo
         from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
         from megatron.core.optimizer.param_layout import FullParamLayout
 
-
     cfg = ddp_config(use_distributed_optimizer)
     if use_distributed_optimizer:
         cls = LayerWiseDistributedOptimizer if layer_wise else DistributedOptimizer
-        return cls.compute_full_param_layout(params, None, dims.dp, cfg,
-                                             expert_data_parallel_world_size=dims.expert_dp)
+        return cls.compute_full_param_layout(params, None, dims.dp, cfg, expert_data_parallel_world_size=dims.expert_dp)
     layouts = {}
     for key, (group, _) in group_params_for_buffers(params, cfg.grad_reduce_in_fp32).items():
         layouts[key] = _compute_default_per_buffer_param_layout(group, None)
     return FullParamLayout(layouts=layouts)
 
 
-def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool, *, precision: str,
-                 spec: OptimizerSpec, place: Placement, use_distributed_optimizer: bool,
-                 model_cfg: ModelConfig) -> tuple:
+def _chunk_state(
+    counts,
+    dims,
+    kinds: tuple,
+    has_embedding: bool,
+    has_loss: bool,
+    *,
+    precision: str,
+    spec: OptimizerSpec,
+    place: Placement,
+    use_distributed_optimizer: bool,
+    model_cfg: ModelConfig,
+) -> tuple:
     """``(param_numel, buffer_numel, optimizer bytes per DP rank, per expert-DP rank, params_pinned,
     optimizer pinned bytes per DP rank, per expert-DP rank)`` of one chunk (:class:`StateBytes`); ``spec``:
     the optimizer (its routes and their state bytes); ``place``: where it puts the parameters."""
     master = _MASTER_BYTES if precision == "bf16" else 0
     # (layer_wise=: megatron's flag on the Muon matrices that sit in DDP buffers of their own)
-    params = _chunk_params(counts, kinds, has_embedding, has_loss, dims.ep, precision=precision, muon=place.muon,
-                           layer_wise=place.zero1_muon, model_cfg=model_cfg, router_optimizer=place.router_optimizer,
-                           default_route=spec.default.route, tp=dims.tp)
+    params = _chunk_params(
+        counts,
+        kinds,
+        has_embedding,
+        has_loss,
+        dims.ep,
+        precision=precision,
+        muon=place.muon,
+        layer_wise=place.zero1_muon,
+        model_cfg=model_cfg,
+        router_optimizer=place.router_optimizer,
+        default_route=spec.default.route,
+        tp=dims.tp,
+    )
     dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
     dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
     buffer_numel = params_pinned = 0
@@ -266,8 +331,15 @@ def _chunk_state(counts, dims, kinds: tuple, has_embedding: bool, has_loss: bool
                 lo, hi = b_start + d * size, b_start + (d + 1) * size
                 acc[d] += (min(end, hi) - max(start, lo)) * per_elem + per_tensor
                 pin[d] += pinned_tensors * pinned_block_bytes(4 * (min(end, hi) - max(start, lo)))
-    return (sum(p.nelement() for p in params), buffer_numel, dense_opt, expert_opt, params_pinned, dense_pin,
-            expert_pin)
+    return (
+        sum(p.nelement() for p in params),
+        buffer_numel,
+        dense_opt,
+        expert_opt,
+        params_pinned,
+        dense_pin,
+        expert_pin,
+    )
 
 
 def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateBytes]]:
@@ -277,13 +349,22 @@ def state_bytes_lower_bound(counts, dims, *, precision: str) -> list[list[StateB
     for r in range(dims.pp):
         layers, emb, loss = dims.pp_rank_contents(r)
         n = counts.stage(layers, emb, loss, ep=dims.ep, tp=dims.tp)
-        out.append([StateBytes(r, d, d % dims.expert_dp, n * _DTYPE_BYTES[precision], n * 4, 0, n, n)
-                    for d in range(dims.dp)])
+        out.append(
+            [StateBytes(r, d, d % dims.expert_dp, n * _DTYPE_BYTES[precision], n * 4, 0, n, n) for d in range(dims.dp)]
+        )
     return out
 
 
-def state_bytes(counts, dims, *, precision: str, optim: OptimConfig, use_distributed_optimizer: bool,
-                model_cfg: ModelConfig, cache: dict | None = None) -> list[list[StateBytes]]:
+def state_bytes(
+    counts,
+    dims,
+    *,
+    precision: str,
+    optim: OptimConfig,
+    use_distributed_optimizer: bool,
+    model_cfg: ModelConfig,
+    cache: dict | None = None,
+) -> list[list[StateBytes]]:
     """Parameter, gradient and optimizer bytes of every GPU position (module docstring).
 
     Args:
@@ -318,12 +399,32 @@ def state_bytes(counts, dims, *, precision: str, optim: OptimConfig, use_distrib
         for v in range(dims.vpp):
             emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
             kinds = _kinds(counts, dims, r, v)
-            key = (kinds, emb, loss, dims.tp, dims.ep, dims.dp, dims.expert_dp, precision, spec.name,
-                   use_distributed_optimizer, place)
+            key = (
+                kinds,
+                emb,
+                loss,
+                dims.tp,
+                dims.ep,
+                dims.dp,
+                dims.expert_dp,
+                precision,
+                spec.name,
+                use_distributed_optimizer,
+                place,
+            )
             if key not in cache:
-                cache[key] = _chunk_state(counts, dims, kinds, emb, loss, precision=precision, spec=spec,
-                                          place=place, use_distributed_optimizer=use_distributed_optimizer,
-                                          model_cfg=model_cfg)
+                cache[key] = _chunk_state(
+                    counts,
+                    dims,
+                    kinds,
+                    emb,
+                    loss,
+                    precision=precision,
+                    spec=spec,
+                    place=place,
+                    use_distributed_optimizer=use_distributed_optimizer,
+                    model_cfg=model_cfg,
+                )
             n, b, dense, expert, ppin, dpin, epin = cache[key]
             param_numel, buffer_numel, params_pinned = param_numel + n, buffer_numel + b, params_pinned + ppin
             dense_opt = [x + y for x, y in zip(dense_opt, dense)]
@@ -334,8 +435,20 @@ def state_bytes(counts, dims, *, precision: str, optim: OptimConfig, use_distrib
         row = []
         for d in range(dims.dp):
             e = d % dims.expert_dp
-            row.append(StateBytes(r, d, e, params_bytes, buffer_numel * 4, dense_opt[d] + expert_opt[e],
-                                  param_numel, buffer_numel, params_pinned, dense_pin[d] + expert_pin[e]))
+            row.append(
+                StateBytes(
+                    r,
+                    d,
+                    e,
+                    params_bytes,
+                    buffer_numel * 4,
+                    dense_opt[d] + expert_opt[e],
+                    param_numel,
+                    buffer_numel,
+                    params_pinned,
+                    dense_pin[d] + expert_pin[e],
+                )
+            )
         out.append(row)
     return out
 
@@ -371,9 +484,16 @@ class StageActivations:
     layer_gpu_max: float = 0.0
 
 
-def stage_activations(model_cfg: ModelConfig, dims, *, seq_length: int, micro_batch_size: int, precision: str,
-                      memory_cfg: MemoryConfig | dict | None = None,
-                      fused_kernels: bool = True) -> list[StageActivations]:
+def stage_activations(
+    model_cfg: ModelConfig,
+    dims,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    precision: str,
+    memory_cfg: MemoryConfig | dict | None = None,
+    fused_kernels: bool = True,
+) -> list[StageActivations]:
     """Per virtual stage (pipeline order ``vpp_stage * pp + pp_rank``) the activation bytes of one microbatch.
 
     Args:
@@ -388,8 +508,12 @@ def stage_activations(model_cfg: ModelConfig, dims, *, seq_length: int, micro_ba
         ValueError: an unknown ``memory.*`` site.
     """
 
-    sw = {k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k)) or [])
-          if memory_cfg is not None else [] for k in ("fp8_store", "recompute", "offload")}
+    sw = {
+        k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k)) or [])
+        if memory_cfg is not None
+        else []
+        for k in ("fp8_store", "recompute", "offload")
+    }
     pattern = moe_layer_pattern(model_cfg)
     per_kind, working, pinned = {}, {}, {}
     whole_layer = "layer" in sw["recompute"]
@@ -400,8 +524,9 @@ def stage_activations(model_cfg: ModelConfig, dims, *, seq_length: int, micro_ba
             per_kind[kind] = apply_switches(kept, offload=sw["offload"])
             pinned[kind] = apply_switches(kept, offload=sw["offload"], host_block=pinned_block_bytes)[1]
             # the re-run: FP8 storage and the selective recompute sites act, offload does not
-            working[kind] = apply_switches(saved, fp8_store=sw["fp8_store"],
-                                           recompute=[x for x in sw["recompute"] if x != "layer"])[0]
+            working[kind] = apply_switches(
+                saved, fp8_store=sw["fp8_store"], recompute=[x for x in sw["recompute"] if x != "layer"]
+            )[0]
         else:
             per_kind[kind] = apply_switches(saved, **sw)
             pinned[kind] = apply_switches(saved, **sw, host_block=pinned_block_bytes)[1]

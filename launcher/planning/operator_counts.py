@@ -20,8 +20,14 @@ if TYPE_CHECKING:
 #: (attention and its norms 125 / 186 + 7 / 14 GEMMs, the dense MLP 12 / 24 + 2 / 4 GEMMs), an MoE layer of 8
 #: local experts 326 / 487 (4 local experts: 282 / 391, so 9 / 20 + 2 / 4 GEMMs per expert), the word
 #: embedding 4 / 7, the final norm, output layer and loss 56 / 44 + 1 / 2 GEMMs
-OPERATORS = {"attention": (125, 186), "dense_mlp": (12, 24), "moe": (103, 89), "moe_per_expert": (9, 20),
-             "embedding": (4, 7), "loss": (56, 44)}
+OPERATORS = {
+    "attention": (125, 186),
+    "dense_mlp": (12, 24),
+    "moe": (103, 89),
+    "moe_per_expert": (9, 20),
+    "embedding": (4, 7),
+    "loss": (56, 44),
+}
 #: core attention's batched GEMMs (scores, weighted values), forward / backward (counted as above)
 ATTENTION_KERNELS = (2, 4)
 #: the MoE layer's own operators (``OPERATORS["moe"]``: beyond attention and the experts) by megatron's

@@ -67,7 +67,7 @@ def matrices(model_cfg: ModelConfig, layers: list[int], moe_pattern, ep: int) ->
     h, H = int(m.hidden_size), int(m.num_attention_heads)
     d_qk, d_r, d_v = int(m.qk_head_dim), int(m.qk_pos_emb_head_dim), int(m.v_head_dim)
     r_q, r_kv = m.q_lora_rank, int(m.kv_lora_rank)
-    attn = ([(h, int(r_q)), (int(r_q), H * (d_qk + d_r))] if r_q else [(h, H * (d_qk + d_r))])
+    attn = [(h, int(r_q)), (int(r_q), H * (d_qk + d_r))] if r_q else [(h, H * (d_qk + d_r))]
     attn += [(h, r_kv + d_r), (r_kv, H * (d_qk + d_v)), (H * d_v, h)]
     E = int(m.num_moe_experts or 0)
     f, f_e = int(m.ffn_hidden_size), int(m.moe_ffn_hidden_size or 0)
@@ -96,10 +96,21 @@ def newton_schulz_seconds(shapes: list, rates: KernelRates, step: MatrixStep) ->
     return t
 
 
-def optimizer_time(optimizer: str, model_cfg: ModelConfig, dims, layers: list[int], moe_pattern, *,
-                   dense_params: int,
-                   expert_params: int, tensors: int, profile: HardwareProfile, rates: KernelRates,
-                   offload_fraction: float, fused: bool) -> OptimizerTime:
+def optimizer_time(
+    optimizer: str,
+    model_cfg: ModelConfig,
+    dims,
+    layers: list[int],
+    moe_pattern,
+    *,
+    dense_params: int,
+    expert_params: int,
+    tensors: int,
+    profile: HardwareProfile,
+    rates: KernelRates,
+    offload_fraction: float,
+    fused: bool,
+) -> OptimizerTime:
     """The optimizer step of one GPU of a PP rank holding ``layers``.
 
     Args:
@@ -122,12 +133,15 @@ def optimizer_time(optimizer: str, model_cfg: ModelConfig, dims, layers: list[in
     span = dims.world_size // dims.pp
     if spec.matrix_step is not None:
         dense, expert = matrices(model_cfg, layers, moe_pattern, dims.ep)
-        ns = (newton_schulz_seconds(dense, rates, spec.matrix_step) / dims.dp
-              + newton_schulz_seconds(expert, rates, spec.matrix_step) / edp)
+        ns = (
+            newton_schulz_seconds(dense, rates, spec.matrix_step) / dims.dp
+            + newton_schulz_seconds(expert, rates, spec.matrix_step) / edp
+        )
         dense_numel = sum(a * b for a, b in dense)
         expert_numel = sum(a * b for a, b in expert)
-        gather = (ring_seconds(4 * dense_numel, dims.dp, crosses_nodes(span, profile), profile)
-                  + ring_seconds(4 * expert_numel, edp, crosses_nodes(span, profile), profile))
+        gather = ring_seconds(4 * dense_numel, dims.dp, crosses_nodes(span, profile), profile) + ring_seconds(
+            4 * expert_numel, edp, crosses_nodes(span, profile), profile
+        )
     state = _MASTER_BYTES + spec.main_update.state_bytes
     offload = 2 * host_copy_seconds(offload_fraction * shard * state, profile)
     return OptimizerTime(newton_schulz=ns, update=update, muon_gather=gather, offload=offload)

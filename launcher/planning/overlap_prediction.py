@@ -75,10 +75,15 @@ def predict_ep_overlap(cfg: K2Config, profile: str | dict | None = None) -> dict
             c = OmegaConf.merge(cfg, {"pipeline": {"ep_overlap": on}, "plan": {"hardware": hardware, "search": False}})
             p = plan_cluster(c).report
             b = p["step_time_breakdown_s"]
-            out[name] = {"step_s": p["step_time_s_estimated"],
-                         "pass_s": p["step_time_s_estimated"] - sum(b.get(k, 0.0) for k in _AFTER_PASS),
-                         "exposed_a2a_s": b["ep_comm"], "ep_overlap": p["ep_overlap"],
-                         "ep_overlap_note": p["ep_overlap_note"], "ep_comm": p["ep_comm_s"], "breakdown_s": b}
+            out[name] = {
+                "step_s": p["step_time_s_estimated"],
+                "pass_s": p["step_time_s_estimated"] - sum(b.get(k, 0.0) for k in _AFTER_PASS),
+                "exposed_a2a_s": b["ep_comm"],
+                "ep_overlap": p["ep_overlap"],
+                "ep_overlap_note": p["ep_overlap_note"],
+                "ep_comm": p["ep_comm_s"],
+                "breakdown_s": b,
+            }
     finally:
         if path is not None:
             os.unlink(path)

@@ -104,8 +104,10 @@ class PipelineResult:
             if o.kind == "F":
                 events.append((o.end, 1, o.rank, per_stage[o.stage]))
                 if o.partner >= 0 and pair_transient is not None:
-                    events += [(o.start, 1, o.rank, pair_transient[o.stage]),
-                               (o.end, -1, o.rank, -pair_transient[o.stage])]
+                    events += [
+                        (o.start, 1, o.rank, pair_transient[o.stage]),
+                        (o.end, -1, o.rank, -pair_transient[o.stage]),
+                    ]
             elif (o.kind == "B" and (self.ep_overlap or not self.decouple_wgrad)) or o.kind == "W":
                 events.append((o.end, -1, o.rank, -per_stage[o.stage]))
         held, peak = [0.0] * self.pp, [0.0] * self.pp
@@ -138,8 +140,10 @@ class PipelineResult:
             "peak_activation_bytes_per_rank": self.peak_activation_bytes,
         }
         if timeline:
-            out["timeline"] = [[o.kind, o.rank, o.chunk, o.microbatch, o.start, o.end]
-                               + ([o.partner] if self.ep_overlap else []) for o in self.ops]
+            out["timeline"] = [
+                [o.kind, o.rank, o.chunk, o.microbatch, o.start, o.end] + ([o.partner] if self.ep_overlap else [])
+                for o in self.ops
+            ]
         return out
 
 
@@ -152,8 +156,9 @@ def _megatron_schedule():
     return schedules
 
 
-def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
-               group_size: int | None = None, ep_overlap: bool = False) -> list[tuple]:
+def rank_order(
+    pp: int, vpp: int, num_microbatches: int, rank: int, group_size: int | None = None, ep_overlap: bool = False
+) -> list[tuple]:
     """The forward/backward order megatron-core runs on PP rank ``rank``: ``[(kind, chunk, microbatch)]``;
     with ``ep_overlap`` (megatron's combined 1F1B, module docstring) a steady 1F1B step is one entry
     ``("P", (forward chunk, microbatch), (backward chunk, microbatch))``.
@@ -174,8 +179,10 @@ def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
     g = pp if group_size is None else group_size
     if vpp > 1:
         if not (pp <= g <= num_microbatches) or 0 < num_microbatches % g < pp:
-            raise ValueError(f"interleaved 1F1B needs pp <= group <= microbatches and microbatches % group "
-                             f"in {{0}} or >= pp (pp={pp}, group={g}, microbatches={num_microbatches})")
+            raise ValueError(
+                f"interleaved 1F1B needs pp <= group <= microbatches and microbatches % group "
+                f"in {{0}} or >= pp (pp={pp}, group={g}, microbatches={num_microbatches})"
+            )
         table = s.get_schedule_table(num_microbatches, vpp, g)
     elif ep_overlap and pp > 1:
         raise ValueError(f"megatron's combined 1F1B (EP overlap) needs virtual stages when pp > 1 (pp={pp})")
@@ -185,8 +192,9 @@ def rank_order(pp: int, vpp: int, num_microbatches: int, rank: int,
         pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: rank),
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
-    total, _, warmup, remaining = s.get_pp_rank_microbatches(num_microbatches, vpp, g, p2p_communicator=comm,
-                                                             overlap_moe_expert_parallel_comm=ep_overlap)
+    total, _, warmup, remaining = s.get_pp_rank_microbatches(
+        num_microbatches, vpp, g, p2p_communicator=comm, overlap_moe_expert_parallel_comm=ep_overlap
+    )
     if ep_overlap and pp == 1:  # combined_1f1b_schedule_for_no_pipelining: F(0), (F(j+1), B(j)), B(last)
         warmup, remaining = 1, total - 1
     fwd = [("F", c, j) for j, c in table]
@@ -267,8 +275,9 @@ def simulate(
     sim = _Simulation(pp, orders, list(forward), b_cost, w, split, p2p_time, max_deferred_w, pair_time)
     sim.run_all()
     makespan = max(o.end for o in sim.ops)
-    result = PipelineResult(pp, vpp, num_microbatches, decouple_wgrad, makespan, sim.busy, sim.ops,
-                            ep_overlap=ep_overlap)
+    result = PipelineResult(
+        pp, vpp, num_microbatches, decouple_wgrad, makespan, sim.busy, sim.ops, ep_overlap=ep_overlap
+    )
     result.peak_activation_bytes = result.peak_bytes(act, pair_transient_bytes)
     result.peak_in_flight = [int(x) for x in result.peak_bytes([1] * S)]
     return result
@@ -319,8 +328,10 @@ class _Simulation:
         """One combined step: the forward of ``f`` and the backward of ``b`` (``(chunk, microbatch)``)."""
         sf, sb = f[0] * self.pp + r, b[0] * self.pp + r
         end = start + self.pair_time(sf, sb)
-        self.ops += [Op("F", r, f[0], sf, f[1], start, end, partner=sb),
-                     Op("B", r, b[0], sb, b[1], start, end, partner=sf)]
+        self.ops += [
+            Op("F", r, f[0], sf, f[1], start, end, partner=sb),
+            Op("B", r, b[0], sb, b[1], start, end, partner=sf),
+        ]
         self.done[("F", sf, f[1])] = self.done[("B", sb, b[1])] = end
         self.free[r] = end
         self.busy[r] += end - start
@@ -430,10 +441,23 @@ def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:
         kinds.append(("", "darker: later model chunk"))
     if result.ep_overlap:
         kinds.append(("", "EP overlap pair: forward above, backward below"))
-    ax.legend(handles=[Patch(color=base.get(k, (0.3, 0.3, 0.3)), label=lbl) for k, lbl in kinds],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
-    ax.set_title(title or (f"pp {result.pp} x vpp {result.vpp}, {result.num_microbatches} microbatches: "
-                           f"bubble {100 * result.bubble_fraction:.2f}%"), fontsize=9, loc="left")
+    ax.legend(
+        handles=[Patch(color=base.get(k, (0.3, 0.3, 0.3)), label=lbl) for k, lbl in kinds],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncol=len(kinds),
+        frameon=False,
+    )
+    ax.set_title(
+        title
+        or (
+            f"pp {result.pp} x vpp {result.vpp}, {result.num_microbatches} microbatches: "
+            f"bubble {100 * result.bubble_fraction:.2f}%"
+        ),
+        fontsize=9,
+        loc="left",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -44,21 +44,30 @@ def compare_run(run: dict[str, Any], extra: list[str] = ()) -> dict[str, Any]:
     gpus = p["world_size"]
     kind = run.get("published_figure", "step_time")
     if kind not in _FIGURES:
-        raise ConfigError(f"{RUNS_FILE.name}: run {run['name']}: published_figure={kind!r}; allowed: "
-                          f"{', '.join(_FIGURES)}")
+        raise ConfigError(
+            f"{RUNS_FILE.name}: run {run['name']}: published_figure={kind!r}; allowed: {', '.join(_FIGURES)}"
+        )
     goodput = p["checkpoint"]["expected_goodput"] if kind == "gpu_hours" else 1.0
     step = p["step_time_s_estimated"] / goodput
     breakdown = dict(p["step_time_breakdown_s"])
     if kind == "gpu_hours":  # the wall time failures, restarts and checkpoint stalls add per step
         breakdown["goodput_loss"] = step - p["step_time_s_estimated"]
     return {
-        "name": run["name"], "gpus": gpus, "predicted_step_s": step, "published_step_s": run["published_step_s"],
-        "error": step / run["published_step_s"] - 1, "published_figure": kind, "goodput": goodput,
+        "name": run["name"],
+        "gpus": gpus,
+        "predicted_step_s": step,
+        "published_step_s": run["published_step_s"],
+        "error": step / run["published_step_s"] - 1,
+        "published_figure": kind,
+        "goodput": goodput,
         "step_s": p["step_time_s_estimated"],
         "predicted_tokens_per_s_per_gpu": p["global_batch_tokens"] / step / gpus,
         "published_tokens_per_s_per_gpu": run["published_tokens_per_s_per_gpu"],
-        "mfu_bf16_peak": p["mfu_estimated"], "breakdown_s": breakdown,
-        "what_if": p["what_if"], "gemm_precision": p["gemm_precision"], "hardware": p["hardware"],
+        "mfu_bf16_peak": p["mfu_estimated"],
+        "breakdown_s": breakdown,
+        "what_if": p["what_if"],
+        "gemm_precision": p["gemm_precision"],
+        "hardware": p["hardware"],
         "source": run["source"],
     }
 
@@ -78,14 +87,18 @@ def compare_published(which: str, extra: list[str] = ()) -> list[dict[str, Any]]
 
 def format_published(rows: list[dict[str, Any]]) -> str:
     """Text table of :func:`compare_published`'s rows, then each breakdown."""
-    lines = ["step-time model vs published runs (recipes/published/runs.yaml; error = predicted / published - 1)",
-             f"  {'run':<38}{'GPUs':>6}{'predicted s':>13}{'published s':>13}{'error':>8}{'tok/s/GPU':>11}"
-             f"{'published':>11}{'MFU':>7}  {'GEMMs':<10}what-if"]
+    lines = [
+        "step-time model vs published runs (recipes/published/runs.yaml; error = predicted / published - 1)",
+        f"  {'run':<38}{'GPUs':>6}{'predicted s':>13}{'published s':>13}{'error':>8}{'tok/s/GPU':>11}"
+        f"{'published':>11}{'MFU':>7}  {'GEMMs':<10}what-if",
+    ]
     for r in rows:
-        lines.append(f"  {r['name']:<38}{r['gpus']:>6}{r['predicted_step_s']:>13.2f}{r['published_step_s']:>13.2f}"
-                     f"{100 * r['error']:>+7.1f}%{r['predicted_tokens_per_s_per_gpu']:>11.0f}"
-                     f"{r['published_tokens_per_s_per_gpu']:>11.0f}{100 * r['mfu_bf16_peak']:>6.1f}%  "
-                     f"{r['gemm_precision']:<10}{','.join(r['what_if']) or '-'}")
+        lines.append(
+            f"  {r['name']:<38}{r['gpus']:>6}{r['predicted_step_s']:>13.2f}{r['published_step_s']:>13.2f}"
+            f"{100 * r['error']:>+7.1f}%{r['predicted_tokens_per_s_per_gpu']:>11.0f}"
+            f"{r['published_tokens_per_s_per_gpu']:>11.0f}{100 * r['mfu_bf16_peak']:>6.1f}%  "
+            f"{r['gemm_precision']:<10}{','.join(r['what_if']) or '-'}"
+        )
     for r in rows:
         terms = ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown_s"].items() if v >= 0.005)
         lines.append(f"  {r['name']}: {terms}")

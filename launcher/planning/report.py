@@ -1,5 +1,4 @@
-"""The text tables of ``k2-plan`` (``output=text``) from the plan's JSON record.
-"""
+"""The text tables of ``k2-plan`` (``output=text``) from the plan's JSON record."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def format_text(plan: dict[str, Any]) -> str:
         ("pre-MLP norm (per layer)", p["mlp_norm_per_layer"], plan["num_layers"]),
         ("dense MLP (per dense layer)", p["dense_mlp_per_layer"], nd),
         ("router (per MoE layer)", p["router_per_moe_layer"], nm),
-        (f"routed expert (x{p['num_experts']} per MoE layer)", p["routed_expert_each"],
-         nm * p["num_experts"]),
+        (f"routed expert (x{p['num_experts']} per MoE layer)", p["routed_expert_each"], nm * p["num_experts"]),
         ("shared expert(s) (per MoE layer)", p["shared_experts_per_moe_layer"], nm),
         ("final norm", p["final_norm"], 1),
         ("output head", p["output_head"], 1),
@@ -106,9 +104,15 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
     """Cluster, FLOPs, pipeline bubble and memory per GPU of :func:`make_plan`'s dict, as text."""
     c, g, f = plan["cluster"], plan["model_parallel_group"], plan["flops"]
     terms = f["forward_terms_per_token"]
-    names = {"mla_projections": "MLA proj", "core_attention": "core attn", "dense_mlp": "dense FFN",
-             "router": "router", "routed_experts": "routed experts", "shared_experts": "shared expert",
-             "lm_head": "LM head"}
+    names = {
+        "mla_projections": "MLA proj",
+        "core_attention": "core attn",
+        "dense_mlp": "dense FFN",
+        "router": "router",
+        "routed_experts": "routed experts",
+        "shared_experts": "shared expert",
+        "lm_head": "LM head",
+    }
     pipe = plan["pipeline"]
     lines = [
         f"  cluster: {c['nodes']} node{'s' if c['nodes'] != 1 else ''} x {c['gpus_per_node']} GPUs, "
@@ -118,9 +122,9 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
         f"{g['replicas']} replica{'s' if g['replicas'] != 1 else ''} (DP {plan['dp']}); "
         f"the group is reused for any node count that is a multiple of {g['nodes']:g}",
         f"  FLOPs per token (phase {f['phase']}, {f['seq_length']:,}-token sequences): forward "
-        f"{_human(f['forward_per_token'])} = " + " + ".join(
-            f"{names[k]} {_human(v)}" for k, v in terms.items() if v) +
-        f"; training (3x) {_human(plan['flops_per_token'])}; one step of {plan['global_batch_tokens']:,} "
+        f"{_human(f['forward_per_token'])} = "
+        + " + ".join(f"{names[k]} {_human(v)}" for k, v in terms.items() if v)
+        + f"; training (3x) {_human(plan['flops_per_token'])}; one step of {plan['global_batch_tokens']:,} "
         f"tokens = {f['step_flops']:.4g} FLOPs",
         f"  pipeline ({'interleaved ' if plan['vpp'] > 1 else ''}1F1B{', B/W split' if pipe['decouple_wgrad'] else ''}"
         f"{', EP overlap: combined 1F1B' if plan.get('ep_overlap') else ''},"
@@ -130,8 +134,10 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
         *format_step_time(plan),
     ]
     if "mfu" in plan:
-        lines.append(f"  measured step {plan['step_time_s']:g} s: {plan['model_tflops_per_gpu']:.1f} model TFLOP/s "
-                     f"per GPU, MFU {100 * plan['mfu']:.1f}%")
+        lines.append(
+            f"  measured step {plan['step_time_s']:g} s: {plan['model_tflops_per_gpu']:.1f} model TFLOP/s "
+            f"per GPU, MFU {100 * plan['mfu']:.1f}%"
+        )
     m = plan["memory_per_gpu_bytes"]
     lines += [
         "",
@@ -155,8 +161,11 @@ def format_cluster(plan: dict[str, Any]) -> list[str]:
     lines.append(f"  fullest GPU (pp rank {m['pp_rank']}): {_gib(m['total'])} GiB of {c['gpu_memory_gib']:g} GiB")
     if "cuda_alloc_conf" in plan:
         conf = plan["cuda_alloc_conf"]
-        lines.append(f"  allocator: PYTORCH_CUDA_ALLOC_CONF={conf} (launch.cuda_alloc_conf; k2-train sets it)" if conf
-                     else "  allocator: launch.cuda_alloc_conf=null: the environment's PYTORCH_CUDA_ALLOC_CONF")
+        lines.append(
+            f"  allocator: PYTORCH_CUDA_ALLOC_CONF={conf} (launch.cuda_alloc_conf; k2-train sets it)"
+            if conf
+            else "  allocator: launch.cuda_alloc_conf=null: the environment's PYTORCH_CUDA_ALLOC_CONF"
+        )
     lines += ["", *format_phases(plan)]
     if "gpu_hours_estimated" in plan:
         lines.append(f"  the whole schedule: {plan['gpu_hours_estimated']:,.0f} GPU-hours at the estimated step times")
@@ -170,20 +179,27 @@ def format_step_time(plan: dict[str, Any]) -> list[str]:
     b = plan["step_time_breakdown_s"]
     step = plan["step_time_s_estimated"]
     what_if = f", what-if: {', '.join(plan['what_if'])}" if plan.get("what_if") else ""
-    lines = [f"  estimated step {step:.4g} s on {plan['hardware']} (step-time model{what_if}): "
-             f"{plan['tokens_per_s_per_gpu_estimated']:,.0f} tokens/s per GPU, MFU {100 * plan['mfu_estimated']:.1f}%; "
-             f"FLOPs-only estimate {plan['step_time_s_flops_only']:.4g} s ({100 * plan['compute_efficiency']:g}% of "
-             "peak, no communication)"]
+    lines = [
+        f"  estimated step {step:.4g} s on {plan['hardware']} (step-time model{what_if}): "
+        f"{plan['tokens_per_s_per_gpu_estimated']:,.0f} tokens/s per GPU, MFU {100 * plan['mfu_estimated']:.1f}%; "
+        f"FLOPs-only estimate {plan['step_time_s_flops_only']:.4g} s ({100 * plan['compute_efficiency']:g}% of "
+        "peak, no communication)"
+    ]
     cells = [f"{k} {v:.3g} s ({100 * v / step:.1f}%)" for k, v in sorted(b.items(), key=lambda kv: -kv[1]) if v > 0]
     for i in range(0, len(cells), 4):
-        lines.append(("  breakdown: " if i == 0 else "             ") + ", ".join(cells[i:i + 4]))
+        lines.append(("  breakdown: " if i == 0 else "             ") + ", ".join(cells[i : i + 4]))
     if plan.get("ep_comm_s"):
         lines += format_ep_comm(plan["ep_comm_s"], plan.get("ep_overlap", False), plan.get("ep_overlap_note", ""))
     return lines
 
 
-_A2A_NAMES = {"dispatch_fwd": "dispatch fwd", "combine_fwd": "combine fwd", "dispatch_bwd": "dispatch bwd",
-              "combine_bwd": "combine bwd", "other": "other"}
+_A2A_NAMES = {
+    "dispatch_fwd": "dispatch fwd",
+    "combine_fwd": "combine fwd",
+    "dispatch_bwd": "dispatch bwd",
+    "combine_bwd": "combine bwd",
+    "other": "other",
+}
 
 
 def format_ep_comm(ep: dict[str, Any], overlap: bool, note: str) -> list[str]:
@@ -191,13 +207,17 @@ def format_ep_comm(ep: dict[str, Any], overlap: bool, note: str) -> list[str]:
     part of the schedule (:func:`k2.launcher.planning.ep_overlap.ep_summary`)."""
     how = "EP overlap on" if overlap else (note or "EP overlap off")
     kinds = ", ".join(f"{_A2A_NAMES[k]} {v['exposed_s']:.3g} of {v['total_s']:.3g}" for k, v in ep["by_kind"].items())
-    lines = [f"  EP all-to-all ({how}): {ep['total_s']:.3g} s, exposed {ep['exposed_s']:.3g} s, hidden "
-             f"{ep['hidden_s']:.3g} s; exposed by kind (s): {kinds}"]
+    lines = [
+        f"  EP all-to-all ({how}): {ep['total_s']:.3g} s, exposed {ep['exposed_s']:.3g} s, hidden "
+        f"{ep['hidden_s']:.3g} s; exposed by kind (s): {kinds}"
+    ]
     if "by_part" in ep:
         b = ep["by_part"]
-        lines.append(f"    exposed in the warm-up forwards {b['warmup']:.3g} s, "
-                     f"the steady 1F1B pairs {b['steady']:.3g} s, "
-                     f"the cool-down backwards {b['cooldown']:.3g} s")
+        lines.append(
+            f"    exposed in the warm-up forwards {b['warmup']:.3g} s, "
+            f"the steady 1F1B pairs {b['steady']:.3g} s, "
+            f"the cool-down backwards {b['cooldown']:.3g} s"
+        )
     return lines
 
 
@@ -205,12 +225,14 @@ def format_phases(plan: dict[str, Any]) -> list[str]:
     """Every phase that runs: its fullest GPU and the host memory of its fullest node, against the
     cluster's; the verdict of the plan (every phase fits both)."""
     c = plan["cluster"]
-    lines = [f"  per phase: fullest GPU (of {c['gpu_memory_gib']:g} GiB) and host memory of the fullest node "
-             f"(of {c['host_memory_gib']:g} GiB: offloads and an async save's staged copy as pinned buffers, "
-             "each rounded up to a power of two by torch's CachingHostAllocator); recompute = what the "
-             "memory.recompute sites add to the step",
-             f"  {'phase':<14}{'ctx':>8}{'mb x n':>11}{'GPU GiB':>9}{'pp rank':>9}{'host GiB/node':>15}"
-             f"{'step s':>9}{'recompute s':>13}{'EP overlap':>12}  fits  recompute sites"]
+    lines = [
+        f"  per phase: fullest GPU (of {c['gpu_memory_gib']:g} GiB) and host memory of the fullest node "
+        f"(of {c['host_memory_gib']:g} GiB: offloads and an async save's staged copy as pinned buffers, "
+        "each rounded up to a power of two by torch's CachingHostAllocator); recompute = what the "
+        "memory.recompute sites add to the step",
+        f"  {'phase':<14}{'ctx':>8}{'mb x n':>11}{'GPU GiB':>9}{'pp rank':>9}{'host GiB/node':>15}"
+        f"{'step s':>9}{'recompute s':>13}{'EP overlap':>12}  fits  recompute sites",
+    ]
     for p in plan["phases"]:
         verdict = "yes" if p["fits"] else ("NO (GPU)" if not p["fits_gpu"] else "NO (host)")
         lines.append(
@@ -218,12 +240,21 @@ def format_phases(plan: dict[str, Any]) -> list[str]:
             f"{str(p['micro_batch_size']) + ' x ' + str(p['num_microbatches']):>11}"
             f"{_gib(p['device_peak_bytes']):>9}{p['device_pp_rank']:>9}{_gib(p['host_bytes_per_node']):>15}"
             f"{p['step_time_s_estimated']:>9.4g}{p['recompute_time_s_estimated']:>13.3g}"
-            f"{_overlap_cell(p):>12}  {verdict:<5} {','.join(p['memory']['recompute']) or '-'}")
-    lines += [f"  EP overlap off in phase {p['phase']}: {p['ep_overlap_note']}" for p in plan["phases"]
-              if not p.get("ep_overlap") and plan.get("ep_overlap_requested") and p.get("ep_overlap_note")]
-    lines.append(f"  the plan {'fits' if plan['fits'] else 'does NOT fit'}: "
-                 + ("every phase fits the GPU and the host memory" if plan["fits"] else
-                    "phases " + ", ".join(p["phase"] for p in plan["phases"] if not p["fits"]) + " do not"))
+            f"{_overlap_cell(p):>12}  {verdict:<5} {','.join(p['memory']['recompute']) or '-'}"
+        )
+    lines += [
+        f"  EP overlap off in phase {p['phase']}: {p['ep_overlap_note']}"
+        for p in plan["phases"]
+        if not p.get("ep_overlap") and plan.get("ep_overlap_requested") and p.get("ep_overlap_note")
+    ]
+    lines.append(
+        f"  the plan {'fits' if plan['fits'] else 'does NOT fit'}: "
+        + (
+            "every phase fits the GPU and the host memory"
+            if plan["fits"]
+            else "phases " + ", ".join(p["phase"] for p in plan["phases"] if not p["fits"]) + " do not"
+        )
+    )
     return lines
 
 
@@ -238,25 +269,38 @@ def format_verdict(plan: dict[str, Any]) -> list[str]:
     best = v["recommended"]
     where = f"{plan['model']} on {world} x {plan['hardware']} ({plan['nodes']} nodes x {plan['gpus_per_node']})"
     if best is None:
-        return [f"verdict: {where}: no layout can run the schedule (the global batch does not split into whole "
-                "microbatches on any DP size of this GPU count: set schedule.global_batch_tokens)"]
-    shape = (f"TP{best['tp']} " if best.get("tp", 1) > 1 else "") + f"PP{best['pp']}" + \
-        (f" VPP{best['vpp']}" if best["vpp"] > 1 else "") + f" EP{best['ep']} DP{best['dp']}"
+        return [
+            f"verdict: {where}: no layout can run the schedule (the global batch does not split into whole "
+            "microbatches on any DP size of this GPU count: set schedule.global_batch_tokens)"
+        ]
+    shape = (
+        (f"TP{best['tp']} " if best.get("tp", 1) > 1 else "")
+        + f"PP{best['pp']}"
+        + (f" VPP{best['vpp']}" if best["vpp"] > 1 else "")
+        + f" EP{best['ep']} DP{best['dp']}"
+    )
     dom = ", ".join(f"{k} {s:.3g} s" for k, s in v["dominant"])
-    settings = (f"parallel.tp={best.get('tp', 1)} parallel.pp={best['pp']} "
-                f"parallel.vpp={best['vpp'] if best['vpp'] > 1 else 'null'} parallel.ep={best['ep']} "
-                f"parallel.layout='{best['layout']}'")
-    lines = [f"verdict: {where}: {'FITS' if v['fits'] else 'does NOT fit'}; "
-             f"{'recommended' if v['fits'] else 'closest (the least memory per GPU)'} layout {shape}"
-             + ("" if best.get("k2_train_runs", True) else " (k2-train runs TP 1 only)"),
-             f"  step {v['step_time_s_estimated']:.4g} s (MFU {100 * v['mfu_estimated']:.1f}%), dominated by {dom}; "
-             f"{_gib(v['memory_per_gpu_bytes'])} of {_gib(v['gpu_memory_bytes'])} GiB per GPU",
-             f"  {settings}"]
+    settings = (
+        f"parallel.tp={best.get('tp', 1)} parallel.pp={best['pp']} "
+        f"parallel.vpp={best['vpp'] if best['vpp'] > 1 else 'null'} parallel.ep={best['ep']} "
+        f"parallel.layout='{best['layout']}'"
+    )
+    lines = [
+        f"verdict: {where}: {'FITS' if v['fits'] else 'does NOT fit'}; "
+        f"{'recommended' if v['fits'] else 'closest (the least memory per GPU)'} layout {shape}"
+        + ("" if best.get("k2_train_runs", True) else " (k2-train runs TP 1 only)"),
+        f"  step {v['step_time_s_estimated']:.4g} s (MFU {100 * v['mfu_estimated']:.1f}%), dominated by {dom}; "
+        f"{_gib(v['memory_per_gpu_bytes'])} of {_gib(v['gpu_memory_bytes'])} GiB per GPU",
+        f"  {settings}",
+    ]
     if not v["fits"]:
         n = v["smallest_fitting_gpus"]
-        lines.append(f"  smallest GPU count that fits: {n} ({n // plan['gpus_per_node']} nodes; tried "
-                     f"{plan['nodes']} x 2, 4, ... 64 nodes)" if n else
-                     f"  nothing fits up to {64 * world} GPUs of this kind")
+        lines.append(
+            f"  smallest GPU count that fits: {n} ({n // plan['gpus_per_node']} nodes; tried "
+            f"{plan['nodes']} x 2, 4, ... 64 nodes)"
+            if n
+            else f"  nothing fits up to {64 * world} GPUs of this kind"
+        )
     elif v["unneeded_memory_settings"]:
         step = v["step_time_s_estimated"]
         for u in v["unneeded_memory_settings"]:
@@ -271,11 +315,14 @@ def format_verdict(plan: dict[str, Any]) -> list[str]:
 def format_search(rows: list[dict[str, Any]], capacity: float) -> list[str]:
     """Text table of ``plan.search``'s ranked layouts."""
     tp = any(r.get("tp", 1) > 1 for r in rows)  # (a TP column only when the search tried TP: parallel.tp > 1)
-    lines = [f"  layouts of this cluster ({len(rows)} valid): those that fit first, each group by estimated "
-             "step time ('>' = at least: parameters and gradients alone exceed the GPU"
-             + ("; TP > 1: k2-plan plans it, k2-train does not run it" if tp else "") + ")",
-             f"  {'rank':<6}{'tp' if tp else '':>{4 if tp else 0}}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}"
-             f"{'microbatches':>14}{'bubble %':>10}{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout"]
+    lines = [
+        f"  layouts of this cluster ({len(rows)} valid): those that fit first, each group by estimated "
+        "step time ('>' = at least: parameters and gradients alone exceed the GPU"
+        + ("; TP > 1: k2-plan plans it, k2-train does not run it" if tp else "")
+        + ")",
+        f"  {'rank':<6}{'tp' if tp else '':>{4 if tp else 0}}{'pp':>4}{'vpp':>5}{'ep':>5}{'dp':>6}"
+        f"{'microbatches':>14}{'bubble %':>10}{'step s':>9}{'GiB/GPU':>9}{'EP overlap':>12}  fits  layout",
+    ]
     for r in rows:
         tp_cell = f"{r.get('tp', 1):>4}" if tp else ""
         lines.append(
@@ -306,6 +353,8 @@ def format_schedule(s: dict[str, Any]) -> list[str]:
             f"{p['lr_at_start']:>11.3g}{p['lr_at_end']:>11.3g}{p['seq_length']:>8,}"
             f"{p['global_batch_size']:>8,}{nmb:>10}  {p['rope_type']}"
         )
-    lines.append("  (a step belongs to the phase holding its first token: a boundary at T tokens lands after "
-                 "step ceil(T / tokens per step); LR of step s = LR at s x tokens per step)")
+    lines.append(
+        "  (a step belongs to the phase holding its first token: a boundary at T tokens lands after "
+        "step ceil(T / tokens per step); LR of step s = LR at s x tokens per step)"
+    )
     return lines

@@ -52,27 +52,37 @@ def layout_candidates(cfg: K2Config, world: int, counts, *, stop_at_fit: bool = 
     shapes = []
     for tp, pp, vpp in _tp_pp_vpp(world, int(cfg.parallel.tp or 1), L):
         span = world // pp  # the TP x DP ranks of a PP stage, which EP spans (expert TP 1)
-        shapes += [(tp, pp, vpp, ep) for ep in range(1, span + 1)
-                   if span % ep == 0 and (experts % ep == 0 if experts else ep == 1)]
+        shapes += [
+            (tp, pp, vpp, ep)
+            for ep in range(1, span + 1)
+            if span % ep == 0 and (experts % ep == 0 if experts else ep == 1)
+        ]
     if stop_at_fit:
         shapes.sort(key=lambda s: (-s[1] * max(s[0], s[3]), s[2]))
     # one copy of the config, its parallel section replaced per layout: a copy per layout (OmegaConf.merge
     # deep-copies every node) cost more than analysing the layout; nothing yielded reads its parallel section
     c = OmegaConf.merge(cfg, {})
     for tp, pp, vpp, ep in shapes:
-        par = dict(base["parallel"], tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
-                   layout=balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head),
-                   first_stage_layers=None, last_stage_layers=None)
+        par = dict(
+            base["parallel"],
+            tp=tp,
+            pp=pp,
+            vpp=vpp if vpp > 1 else None,
+            ep=ep,
+            layout=balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head),
+            first_stage_layers=None,
+            last_stage_layers=None,
+        )
         with read_write(c):
             c.parallel.merge_with(par)
         try:
-            dims = ParallelDims.from_config(c.parallel, c.model, world, world_size_from=WORLD_FROM,
-                                            tp_supported=True)
+            dims = ParallelDims.from_config(c.parallel, c.model, world, world_size_from=WORLD_FROM, tp_supported=True)
             schedule = resolve_schedule(c, dims)
         except ConfigError:
             continue
-        a = analyse_layout(c, dims, counts, schedule,
-                           max_microbatches=_SEARCH_MICROBATCHES * pp, cache=cache, prune=True)
+        a = analyse_layout(
+            c, dims, counts, schedule, max_microbatches=_SEARCH_MICROBATCHES * pp, cache=cache, prune=True
+        )
         yield (par, dims), a
         if stop_at_fit and a["fits"]:
             return
@@ -84,18 +94,25 @@ def search_layouts(cfg: K2Config, world: int, counts) -> list[dict[str, Any]]:
     group that crosses nodes pays its all-to-all) (``fits`` marks them)."""
     rows = []
     for (par, dims), a in layout_candidates(cfg, world, counts):
-        rows.append({
-            "tp": par["tp"], "pp": par["pp"], "vpp": par["vpp"] or 1, "ep": par["ep"], "dp": dims.dp,
-            "layout": par["layout"],
-            "k2_train_runs": par["tp"] == 1,  # (k2-train runs TP 1 only; k2-plan plans megatron's TP layout)
-            "num_microbatches": a["main"]["num_microbatches"],
-            "bubble_fraction": a["main"]["bubble"],
-            "step_time_s_estimated": a["main"]["makespan"],
-            "ep_overlap": a["main"]["ep_overlap"], "ep_overlap_note": a["main"]["ep_overlap_note"],
-            "memory_per_gpu_bytes": a["worst_gpu"].total,
-            "memory_lower_bound": a["memory_lower_bound"],
-            "fits": a["fits"],
-        })
+        rows.append(
+            {
+                "tp": par["tp"],
+                "pp": par["pp"],
+                "vpp": par["vpp"] or 1,
+                "ep": par["ep"],
+                "dp": dims.dp,
+                "layout": par["layout"],
+                "k2_train_runs": par["tp"] == 1,  # (k2-train runs TP 1 only; k2-plan plans megatron's TP layout)
+                "num_microbatches": a["main"]["num_microbatches"],
+                "bubble_fraction": a["main"]["bubble"],
+                "step_time_s_estimated": a["main"]["makespan"],
+                "ep_overlap": a["main"]["ep_overlap"],
+                "ep_overlap_note": a["main"]["ep_overlap_note"],
+                "memory_per_gpu_bytes": a["worst_gpu"].total,
+                "memory_lower_bound": a["memory_lower_bound"],
+                "fits": a["fits"],
+            }
+        )
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s_estimated"], r["memory_per_gpu_bytes"]))
     for i, r in enumerate(rows, 1):
         r["rank"] = i

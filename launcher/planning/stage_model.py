@@ -54,11 +54,21 @@ def _shapes(model_cfg: ModelConfig) -> dict:
     r_q, r_kv = m.q_lora_rank, int(m.kv_lora_rank)
     E = int(m.num_moe_experts or 0)
     return {
-        "h": h, "H": H, "d_qk": d_qk, "d_r": d_r, "d_v": d_v, "r_q": int(r_q or 0), "r_kv": r_kv,
-        "E": E, "k": int(m.moe_router_topk or 0) if E else 0,
-        "f": int(m.ffn_hidden_size), "f_e": int(m.moe_ffn_hidden_size or 0),
-        "f_s": int(m.moe_shared_expert_intermediate_size or 0), "V": int(m.vocab_size),
-        "groups": int(m.moe_router_num_groups or 0), "group_topk": int(m.moe_router_group_topk or 0),
+        "h": h,
+        "H": H,
+        "d_qk": d_qk,
+        "d_r": d_r,
+        "d_v": d_v,
+        "r_q": int(r_q or 0),
+        "r_kv": r_kv,
+        "E": E,
+        "k": int(m.moe_router_topk or 0) if E else 0,
+        "f": int(m.ffn_hidden_size),
+        "f_e": int(m.moe_ffn_hidden_size or 0),
+        "f_s": int(m.moe_shared_expert_intermediate_size or 0),
+        "V": int(m.vocab_size),
+        "groups": int(m.moe_router_num_groups or 0),
+        "group_topk": int(m.moe_router_group_topk or 0),
     }
 
 
@@ -69,8 +79,12 @@ def moe_nongemm_elements(s: dict) -> dict[str, tuple[float, float]]:
     2kh, the shared expert's SwiGLU 3 f_s; ``mlp`` the routed experts' SwiGLU 3 k f_e; ``combine`` the
     un-permutation and weighted sum (k + 1) h, the shared expert's add 3h, the residual 3h."""
     h, k = s["h"], s["k"]
-    return {"attn": (2 * h + 2 * k * h + 3 * s["f_s"], 4 * s["E"]), "dispatch": (0.0, 0.0),
-            "mlp": (3 * k * s["f_e"], 0.0), "combine": ((k + 1) * h + 3 * h + 3 * h, 0.0)}
+    return {
+        "attn": (2 * h + 2 * k * h + 3 * s["f_s"], 4 * s["E"]),
+        "dispatch": (0.0, 0.0),
+        "mlp": (3 * k * s["f_e"], 0.0),
+        "combine": ((k + 1) * h + 3 * h + 3 * h, 0.0),
+    }
 
 
 def nongemm_bytes_per_token(s: dict, kind: str, act_bytes: float, tp: int = 1) -> float:
@@ -90,8 +104,11 @@ def nongemm_bytes_per_token(s: dict, kind: str, act_bytes: float, tp: int = 1) -
     h, H, t = s["h"], s["H"], tp
     if kind == "attention":
         heads = H / t
-        n = (2 * h + 2 * s["r_q"] + 2 * s["r_kv"] + 3 * h) / t + 2 * (heads + 1) * s["d_r"] \
+        n = (
+            (2 * h + 2 * s["r_q"] + 2 * s["r_kv"] + 3 * h) / t
+            + 2 * (heads + 1) * s["d_r"]
             + 4 * heads * (s["d_qk"] + s["d_r"])
+        )
         return n * act_bytes
     if kind == "dense_mlp":
         return (2 * h + 3 * s["f"] + 3 * h) * act_bytes / t
@@ -114,9 +131,22 @@ class StageModel:
     """Per-layer costs of one phase on one layout: :func:`k2.launcher.planning.step_time.step_time` drives
     it, and :mod:`k2.launcher.planning.trace_rates` prices a published trace's chunk with it (seconds)."""
 
-    def __init__(self, model_cfg: ModelConfig, fl, dims, *, tokens: int, profile: HardwareProfile,
-                 rates: KernelRates, act_bytes: float, grouped: bool, what_if: WhatIf, recompute,
-                 fp8_recipe: str | None = None, high_rates: KernelRates | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        fl,
+        dims,
+        *,
+        tokens: int,
+        profile: HardwareProfile,
+        rates: KernelRates,
+        act_bytes: float,
+        grouped: bool,
+        what_if: WhatIf,
+        recompute,
+        fp8_recipe: str | None = None,
+        high_rates: KernelRates | None = None,
+    ):
         """``rates``: the layers' GEMMs' (FP8 with ``fp8_recipe``: :meth:`quantize_s` prices their
         operands' quantisation); ``high_rates``: the router's and the output head's, which stay in the
         training precision (default ``rates``)."""
@@ -128,8 +158,15 @@ class StageModel:
         self.tp = int(getattr(dims, "tp", 1) or 1)  # (a published trace's chunk: no layout, TP 1)
 
     # ---- one layer: {"F": {...}, "B": {...}, "W": {...}} seconds per term
-    def _gemms(self, shapes, out: dict, m: float | None = None, groups: int = 1, tag: str = "gemm",
-               rates: KernelRates | None = None) -> dict:
+    def _gemms(
+        self,
+        shapes,
+        out: dict,
+        m: float | None = None,
+        groups: int = 1,
+        tag: str = "gemm",
+        rates: KernelRates | None = None,
+    ) -> dict:
         """The GEMMs ``[m, k] x [k, n]`` of ``shapes`` (``groups`` of each: the local experts) forward, input
         and weight gradient into ``out`` under ``tag``; at ``rates`` (default the layers': FP8 with a recipe,
         their operands' quantisation under ``quantize``)."""
@@ -138,8 +175,11 @@ class StageModel:
         kernels = 1 if groups > 1 and self.grouped else groups
         for k, n in shapes:
             if groups > 1 and self.grouped:
-                f, b, w = (grouped_gemm_seconds(groups, T, k, n, r), grouped_gemm_seconds(groups, T, n, k, r),
-                           grouped_gemm_seconds(groups, k, T, n, r, WGRAD_OUT_BYTES))
+                f, b, w = (
+                    grouped_gemm_seconds(groups, T, k, n, r),
+                    grouped_gemm_seconds(groups, T, n, k, r),
+                    grouped_gemm_seconds(groups, k, T, n, r, WGRAD_OUT_BYTES),
+                )
             else:
                 f = groups * gemm_seconds(T, k, n, r)
                 b = groups * gemm_seconds(T, n, k, r)
@@ -182,8 +222,10 @@ class StageModel:
             share = nbytes * parts[name] / whole
             f_ops, b_ops = (OPERATORS["moe"][i] * ops[i] / counted[i] for i in (0, 1))
             if name == "mlp":
-                f_ops, b_ops = (f_ops + experts * OPERATORS["moe_per_expert"][0],
-                                b_ops + experts * OPERATORS["moe_per_expert"][1])
+                f_ops, b_ops = (
+                    f_ops + experts * OPERATORS["moe_per_expert"][0],
+                    b_ops + experts * OPERATORS["moe_per_expert"][1],
+                )
             _add(nodes[name]["F"], "non_gemm", elementwise_seconds(share, f_ops, self.rates))
             _add(nodes[name]["B"], "non_gemm", elementwise_seconds(BACKWARD_BYTES_FACTOR * share, b_ops, self.rates))
 
@@ -193,8 +235,9 @@ class StageModel:
         for m, k, n in attention_gemms(self.s, self.T, self.tp):
             self._gemms([(k, n)], out, m=m, tag=tag)
 
-    def expert_gemms(self, out: dict, ep: int, expert_tag: str = "gemm", shared_tag: str = "gemm",
-                     shared_out: dict | None = None) -> tuple:
+    def expert_gemms(
+        self, out: dict, ep: int, expert_tag: str = "gemm", shared_tag: str = "gemm", shared_out: dict | None = None
+    ) -> tuple:
         """A MoE layer's routed experts (``E / ep`` local ones at full width, expert TP 1, as one grouped GEMM
         of ``(T / tp) k ep / E`` tokens each: the rank's tokens, balanced routing) into ``out`` and its
         TP-sharded shared expert into ``shared_out`` (default ``out``); returns (local experts, their
@@ -203,8 +246,11 @@ class StageModel:
         local, m = max(1, s["E"] // ep), self.T / t * s["k"] * ep / s["E"]
         self._gemms([(s["h"], 2 * s["f_e"]), (s["f_e"], s["h"])], out, m=m, groups=local, tag=expert_tag)
         if s["f_s"]:
-            self._gemms([(s["h"], 2 * s["f_s"] // t), (s["f_s"] // t, s["h"])],
-                        out if shared_out is None else shared_out, tag=shared_tag)
+            self._gemms(
+                [(s["h"], 2 * s["f_s"] // t), (s["f_s"] // t, s["h"])],
+                out if shared_out is None else shared_out,
+                tag=shared_tag,
+            )
         return local, m
 
     def up_proj_recompute_s(self) -> float:
@@ -286,8 +332,11 @@ class StageModel:
             return sum(attn["F"].values()) - before + sum(sum(nodes[n]["F"].values()) for n in NODES[1:])
         rec = 0.0
         if "moe_down_proj" in self.recompute:
-            rec += grouped_gemm_seconds(local, m, s["f_e"], s["h"], r) if self.grouped else \
-                local * gemm_seconds(m, s["f_e"], s["h"], r)
+            rec += (
+                grouped_gemm_seconds(local, m, s["f_e"], s["h"], r)
+                if self.grouped
+                else local * gemm_seconds(m, s["f_e"], s["h"], r)
+            )
         if "swiglu" in self.recompute:
             rec += elementwise_seconds(3 * (s["k"] * s["f_e"] + s["f_s"]) / t * self.a * T, 2, r)
         return rec
@@ -353,8 +402,19 @@ class StageModel:
         the wait for the group's last rank to issue it (the profile's ``alltoall_peer_wait_us``)."""
         s, d, wi = self.s, self.dims, self.wi
         dispatch_bytes = (1 + 4 / 128) if (wi.deepep and self.fp8_recipe) else self.a  # FP8 + a scale per 128
-        a2a = [ep_alltoall(self.T / self.tp, s["k"], s["h"], d.ep, self.profile, bytes_per_element=b,
-                           deepep=wi.deepep, node_limit=self._node_limit()) for b in (dispatch_bytes, self.a)]
+        a2a = [
+            ep_alltoall(
+                self.T / self.tp,
+                s["k"],
+                s["h"],
+                d.ep,
+                self.profile,
+                bytes_per_element=b,
+                deepep=wi.deepep,
+                node_limit=self._node_limit(),
+            )
+            for b in (dispatch_bytes, self.a)
+        ]
         wait = self.profile.alltoall_peer_wait_us * 1e-6 if d.ep > 1 else 0.0
         return a2a[0].seconds + wait, a2a[1].seconds + wait
 

@@ -173,10 +173,22 @@ class _Pipeline:
     busy: list | None = None
 
 
-def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches: int, recompute=(),
-              offload_bytes=None, activation_bytes=None, profile: HardwareProfile,
-              max_microbatches: int | None = None, ep_overlap: bool | None = None,
-              pair_transient_bytes=None) -> StepTime:
+def step_time(
+    cfg: K2Config,
+    dims,
+    counts,
+    fl,
+    *,
+    tokens: int,
+    num_microbatches: int,
+    recompute=(),
+    offload_bytes=None,
+    activation_bytes=None,
+    profile: HardwareProfile,
+    max_microbatches: int | None = None,
+    ep_overlap: bool | None = None,
+    pair_transient_bytes=None,
+) -> StepTime:
     """The step time of one phase on one layout, with its breakdown (module docstring): each term is one
     function below, the pipeline's bubble from the simulator.
 
@@ -225,21 +237,37 @@ def step_time(cfg: K2Config, dims, counts, fl, *, tokens: int, num_microbatches:
         breakdown[k] = breakdown.get(k, 0.0) + v
     rank = rank_params(dims, counts, pipe.busiest, what_if.dualpipe)
     forward_s = fsdp_forward_seconds(stages, dims, pipe.busiest, what_if.dualpipe, micro.per_flush)
-    after = {**dp_comm_terms(dims, rank, device, what_if.fsdp, micro.flushes, forward_s),
-             **optimizer_terms(cfg, dims, counts, rank, device, q_lora=bool(model.s["r_q"])),
-             "schedule": device.step_overhead_us * 1e-6}
+    after = {
+        **dp_comm_terms(dims, rank, device, what_if.fsdp, micro.flushes, forward_s),
+        **optimizer_terms(cfg, dims, counts, rank, device, q_lora=bool(model.s["r_q"])),
+        "schedule": device.step_overhead_us * 1e-6,
+    }
     breakdown.update({k: v for k, v in after.items() if k != "schedule"})
     breakdown["schedule"] += after["schedule"]
     step = pipe.makespan + sum(after.values())
-    return StepTime(step_s=step, breakdown=breakdown, F=pipe.F, B=pipe.B, W=pipe.W, p2p_s=pp_send_s, sim=pipe.sim,
-                    makespan=pipe.makespan, recompute_s=breakdown["recompute"], what_if=what_if.labels(),
-                    ep_overlap=bool(ep_overlap and ep_costs is not None), ep_comm=pipe.ep, busy=pipe.busy)
+    return StepTime(
+        step_s=step,
+        breakdown=breakdown,
+        F=pipe.F,
+        B=pipe.B,
+        W=pipe.W,
+        p2p_s=pp_send_s,
+        sim=pipe.sim,
+        makespan=pipe.makespan,
+        recompute_s=breakdown["recompute"],
+        what_if=what_if.labels(),
+        ep_overlap=bool(ep_overlap and ep_costs is not None),
+        ep_comm=pipe.ep,
+        busy=pipe.busy,
+    )
 
 
 # ---- the terms of each virtual stage's passes (seconds of one microbatch): {"F": {term: s}, "B": ..., "W": ...}
 
-def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf,
-                recompute) -> StageModel:
+
+def stage_model(
+    cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf, recompute
+) -> StageModel:
     """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision``, the
     layers' GEMMs at the FP8 rates with ``train.fp8_recipe`` (the router and the output head stay in
     ``train.precision``, as megatron's TE linears are the layers' only), under DualPipe on the SMs DeepEP
@@ -254,22 +282,38 @@ def stage_model(cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile
     activation_element_bytes = 4.0 if precision == "fp32" else 2.0
     grouped = cfg.model.moe_grouped_gemm
     grouped = (precision == "bf16") if grouped is None else bool(grouped)
-    return StageModel(cfg.model, fl, dims, tokens=tokens, profile=device, rates=rates,
-                      act_bytes=activation_element_bytes, grouped=grouped, what_if=what_if, recompute=recompute,
-                      fp8_recipe=None if recipe is None else str(recipe), high_rates=high)
+    return StageModel(
+        cfg.model,
+        fl,
+        dims,
+        tokens=tokens,
+        profile=device,
+        rates=rates,
+        act_bytes=activation_element_bytes,
+        grouped=grouped,
+        what_if=what_if,
+        recompute=recompute,
+        fp8_recipe=None if recipe is None else str(recipe),
+        high_rates=high,
+    )
 
 
 def compute_terms(model: StageModel, dims) -> list[dict]:
     """Per virtual stage (index ``v * pp + rank``) its layers' kernels, EP all-to-alls (exposed), recompute
     and TP traffic by pass and term (:class:`k2.launcher.planning.stage_model.StageModel`)."""
     same_kind: dict = {}
-    return [_stage_totals(model, dims.stage_layers[r][v], dims.stage_has_loss(r, v), same_kind,
-                          dims.stage_has_embedding(r, v))
-            for v in range(dims.vpp) for r in range(dims.pp)]
+    return [
+        _stage_totals(
+            model, dims.stage_layers[r][v], dims.stage_has_loss(r, v), same_kind, dims.stage_has_embedding(r, v)
+        )
+        for v in range(dims.vpp)
+        for r in range(dims.pp)
+    ]
 
 
-def _stage_totals(model: StageModel, layers: list[int], has_loss: bool, cache: dict,
-                  has_embedding: bool = False) -> dict:
+def _stage_totals(
+    model: StageModel, layers: list[int], has_loss: bool, cache: dict, has_embedding: bool = False
+) -> dict:
     """Seconds per pass and term of one microbatch on a virtual stage holding ``layers`` (+ the embedding,
     the loss).
     Layers of one kind cost the same: ``cache`` keeps one per kind."""
@@ -313,8 +357,9 @@ def add_offload(stages: list[dict], offload_bytes, device: HardwareProfile, num_
     """The ``offload`` term: a stage's offloaded activations go out during its forward and come back
     during its backward on a copy stream; only what the pass's own time does not cover is exposed.
     Returns per virtual stage the seconds of one copy each way."""
-    copy_s = [host_copy_seconds(b, device) for b in (offload_bytes if offload_bytes is not None
-                                                      else [0.0] * num_stages)]
+    copy_s = [
+        host_copy_seconds(b, device) for b in (offload_bytes if offload_bytes is not None else [0.0] * num_stages)
+    ]
     for stage, t in zip(stages, copy_s):
         stage["F"]["offload"] = _hide_behind(t, sum(stage["F"].values()))
         stage["B"]["offload"] = _hide_behind(t, sum(stage["B"].values()) + sum(stage["W"].values()))
@@ -331,8 +376,15 @@ def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
         stage["B"]["ep_comm"] = _hide_behind(stage["B"].get("ep_comm", 0.0), forward_compute)
 
 
-def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfile, what_if: WhatIf,
-                  schedule_work_half_s: float, copy_s: list[float]) -> OverlapCosts | None:
+def ep_comm_costs(
+    cfg: K2Config,
+    model: StageModel,
+    dims,
+    device: HardwareProfile,
+    what_if: WhatIf,
+    schedule_work_half_s: float,
+    copy_s: list[float],
+) -> OverlapCosts | None:
     """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
     OverlapCosts`, with what an all-to-all on the wire takes from the compute beside it: on a GPU the SMs of
     its kernel, NCCL's or DeepEP's, :meth:`~k2.launcher.planning.hardware.HardwareProfile.comm_share`, on
@@ -341,9 +393,14 @@ def ep_comm_costs(cfg: K2Config, model: StageModel, dims, device: HardwareProfil
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
         host = device.comm_stream == HOST_THREAD
         share = device.alltoall_host_cpu_share if host else device.comm_share(deepep=what_if.deepep)
-        return OverlapCosts(stage_plans(model, dims, schedule_work_half_s, copy_s), device.comm_stream,
-                            bool(cfg.pipeline.decouple_wgrad), share, model.token_counts_queue_s(),
-                            device.alltoall_beside_compute_slowdown if host else 1.0)
+        return OverlapCosts(
+            stage_plans(model, dims, schedule_work_half_s, copy_s),
+            device.comm_stream,
+            bool(cfg.pipeline.decouple_wgrad),
+            share,
+            model.token_counts_queue_s(),
+            device.alltoall_beside_compute_slowdown if host else 1.0,
+        )
     return None
 
 
@@ -365,24 +422,37 @@ def _compute_s(terms: dict) -> float:
 
 # ---- the pipeline: the bubble (and every per-stage term over the step's microbatches)
 
-def microbatch_split(num_microbatches: int, pp: int, pipeline_flushes: int,
-                     max_microbatches: int | None) -> Microbatches:
+
+def microbatch_split(
+    num_microbatches: int, pp: int, pipeline_flushes: int, max_microbatches: int | None
+) -> Microbatches:
     """:class:`Microbatches` of a step of ``num_microbatches`` per DP rank."""
     flushes = max(1, min(pipeline_flushes, num_microbatches // pp))
     per_flush = -(-num_microbatches // flushes)
-    simulated = (per_flush if max_microbatches is None or per_flush <= max_microbatches
-                 else max(pp, max_microbatches // pp * pp))
+    simulated = (
+        per_flush if max_microbatches is None or per_flush <= max_microbatches else max(pp, max_microbatches // pp * pp)
+    )
     return Microbatches(flushes, per_flush, simulated)
 
 
-def _plain_pipeline(cfg: K2Config, dims, stages, what_if, ep_costs, *, micro: Microbatches, p2p,
-                    activation_bytes, num_microbatches) -> _Pipeline:
+def _plain_pipeline(
+    cfg: K2Config, dims, stages, what_if, ep_costs, *, micro: Microbatches, p2p, activation_bytes, num_microbatches
+) -> _Pipeline:
     """megatron's (interleaved) 1F1B, every all-to-all exposed (the DualPipe what-if: its own rule)."""
     F = [sum(st["F"].values()) for st in stages]
     B = [sum(st["B"].values()) for st in stages]
     W = [sum(st["W"].values()) for st in stages]
-    sim = simulate(dims.pp, dims.vpp, micro.simulated, F, B, W, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
-                   p2p_time=p2p, activation_bytes=activation_bytes)
+    sim = simulate(
+        dims.pp,
+        dims.vpp,
+        micro.simulated,
+        F,
+        B,
+        W,
+        decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
+        p2p_time=p2p,
+        activation_bytes=activation_bytes,
+    )
     held = [_stages_held(r, dims.pp, dims.vpp, what_if.dualpipe) for r in range(dims.pp)]
     period = [sum(w * (F[i] + B[i] + W[i]) for i, w in held[r]) for r in range(dims.pp)]
     busiest = max(range(dims.pp), key=lambda r: period[r])
@@ -399,37 +469,55 @@ def _plain_pipeline(cfg: K2Config, dims, stages, what_if, ep_costs, *, micro: Mi
     breakdown["bubble"] = makespan - busy
     ep = None
     if ep_costs is not None:  # every all-to-all exposed
-        wire = {k: num_microbatches * sum(ep_costs.forward(i).wire[k] + ep_costs.backward(i).wire[k]
-                                          for i, _ in held[busiest])
-                for k in A2A_KINDS}
+        wire = {
+            k: num_microbatches
+            * sum(ep_costs.forward(i).wire[k] + ep_costs.backward(i).wire[k] for i, _ in held[busiest])
+            for k in A2A_KINDS
+        }
         ep = ep_summary(wire, wire)
     return _Pipeline(sim, F, B, W, makespan, busiest, breakdown, ep)
 
 
-def _overlap_pipeline(cfg: K2Config, dims, ep_costs, *, micro: Microbatches, p2p, activation_bytes,
-                      pair_transient_bytes) -> _Pipeline:
+def _overlap_pipeline(
+    cfg: K2Config, dims, ep_costs, *, micro: Microbatches, p2p, activation_bytes, pair_transient_bytes
+) -> _Pipeline:
     """megatron's combined 1F1B (:mod:`k2.launcher.planning.ep_overlap`): warm-up forwards and cool-down
     backwards alone, the steady pairs as one operation each; the busiest rank's terms from its steps."""
     num_stages = dims.pp * dims.vpp
     F = [ep_costs.forward(s).seconds for s in range(num_stages)]
     B = [ep_costs.backward(s).seconds for s in range(num_stages)]
-    sim = simulate(dims.pp, dims.vpp, micro.simulated, F, B, None, decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
-                   p2p_time=p2p, activation_bytes=activation_bytes, ep_overlap=True,
-                   pair_time=lambda sf, sb: ep_costs.pair(sf, sb).seconds, pair_transient_bytes=pair_transient_bytes)
+    sim = simulate(
+        dims.pp,
+        dims.vpp,
+        micro.simulated,
+        F,
+        B,
+        None,
+        decouple_wgrad=bool(cfg.pipeline.decouple_wgrad),
+        p2p_time=p2p,
+        activation_bytes=activation_bytes,
+        ep_overlap=True,
+        pair_time=lambda sf, sb: ep_costs.pair(sf, sb).seconds,
+        pair_transient_bytes=pair_transient_bytes,
+    )
     unsimulated = micro.per_flush - micro.simulated
-    ranks = [extrapolate(ep_costs, rank_costs(ep_costs, sim, r), r, dims.pp, dims.vpp, unsimulated)
-             for r in range(dims.pp)]
+    ranks = [
+        extrapolate(ep_costs, rank_costs(ep_costs, sim, r), r, dims.pp, dims.vpp, unsimulated) for r in range(dims.pp)
+    ]
     busiest = max(range(dims.pp), key=lambda r: ranks[r]["busy"])
     busiest_cost = ranks[busiest]
     flushes = micro.flushes
     makespan = flushes * (sim.makespan + unsimulated * busiest_cost["cycle"])
     breakdown = {k: flushes * v for k, v in busiest_cost["terms"].items()}
     breakdown["bubble"] = makespan - flushes * busiest_cost["busy"]
-    ep = ep_summary({k: flushes * v for k, v in busiest_cost["wire"].items()},
-                    {k: flushes * v for k, v in busiest_cost["exposed"].items()},
-                    {k: flushes * v for k, v in busiest_cost["by_part"].items()})
-    return _Pipeline(sim, F, B, [0.0] * num_stages, makespan, busiest, breakdown, ep,
-                     busy=[flushes * x["busy"] for x in ranks])
+    ep = ep_summary(
+        {k: flushes * v for k, v in busiest_cost["wire"].items()},
+        {k: flushes * v for k, v in busiest_cost["exposed"].items()},
+        {k: flushes * v for k, v in busiest_cost["by_part"].items()},
+    )
+    return _Pipeline(
+        sim, F, B, [0.0] * num_stages, makespan, busiest, breakdown, ep, busy=[flushes * x["busy"] for x in ranks]
+    )
 
 
 def _stages_held(rank: int, pp: int, vpp: int, dualpipe: bool) -> list[tuple[int, float]]:

@@ -46,8 +46,7 @@ def attention_gemms(s: dict, T: float, t: int) -> list[tuple[float, int, int]]:
     widths, :func:`k2.launcher.planning.stage_model._shapes`). ``t = 1``: the whole layer's."""
     h, H, d_qk, d_r, d_v = s["h"], s["H"], s["d_qk"], s["d_r"], s["d_v"]
     r_q, r_kv = s["r_q"], s["r_kv"]
-    q = ([(T / t, h, r_q), (T, r_q, H * (d_qk + d_r) // t)] if r_q
-         else [(T, h, H * (d_qk + d_r) // t)])
+    q = [(T / t, h, r_q), (T, r_q, H * (d_qk + d_r) // t)] if r_q else [(T, h, H * (d_qk + d_r) // t)]
     return q + [(T / t, h, r_kv + d_r), (T, r_kv, H * (d_qk + d_v) // t), (T, H * d_v // t, h)]
 
 

@@ -62,8 +62,11 @@ def trace_gemm_seconds(trace: dict) -> dict[str, float]:
         KeyError: a kernel whose launch is not in the trace.
     """
     ev = trace["traceEvents"]
-    launch = {e["args"]["correlation"]: e["ts"] for e in ev
-              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launch = {
+        e["args"]["correlation"]: e["ts"]
+        for e in ev
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     ann = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") == "user_annotation")
     gemms = []
     mlp_w = 0
@@ -91,9 +94,13 @@ def trace_gemm_seconds(trace: dict) -> dict[str, float]:
     return {"dense": out["dense"], "expert": out["expert"]}
 
 
-def chunk_gemm_seconds(model_cfg: ModelConfig, profile: HardwareProfile, dense_tflops: float,
-                       grouped_tflops: float,
-                       recompute: tuple = ("mla_up_proj",)) -> dict[str, float]:
+def chunk_gemm_seconds(
+    model_cfg: ModelConfig,
+    profile: HardwareProfile,
+    dense_tflops: float,
+    grouped_tflops: float,
+    recompute: tuple = ("mla_up_proj",),
+) -> dict[str, float]:
     """The step-time model's seconds for the trace's FP8 GEMMs: ``TRACE_LAYERS`` MoE layers of
     ``model_cfg`` (DeepSeek-V3), forward, input gradient (B) and weight gradient (W) of ``TRACE_TOKENS``
     tokens at EP ``TRACE_EP``, MLA's up-projections recomputed (DeepSeek-V3, arXiv 2412.19437 section
@@ -101,10 +108,23 @@ def chunk_gemm_seconds(model_cfg: ModelConfig, profile: HardwareProfile, dense_t
     (the profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800, as in the trace).
     The router (BF16 in the trace) is left out on both sides. Returns ``{"dense": s, "expert": s}``."""
     fraction = 1.0 - profile.comm_share(deepep=True)
-    rates = dataclasses.replace(profile.rates("bf16", fp8=True), gemm_flops=dense_tflops * 1e12 * fraction,
-                                grouped_gemm_flops=grouped_tflops * 1e12 * fraction)
-    m = StageModel(model_cfg, None, None, tokens=TRACE_TOKENS, profile=profile, rates=rates, act_bytes=2.0,
-                    grouped=True, what_if=WhatIf(), recompute=recompute)
+    rates = dataclasses.replace(
+        profile.rates("bf16", fp8=True),
+        gemm_flops=dense_tflops * 1e12 * fraction,
+        grouped_gemm_flops=grouped_tflops * 1e12 * fraction,
+    )
+    m = StageModel(
+        model_cfg,
+        None,
+        None,
+        tokens=TRACE_TOKENS,
+        profile=profile,
+        rates=rates,
+        act_bytes=2.0,
+        grouped=True,
+        what_if=WhatIf(),
+        recompute=recompute,
+    )
     out = {"F": {}, "B": {}, "W": {}}
     m.attention_gemms(out, tag="dense")
     m.expert_gemms(out, TRACE_EP, expert_tag="expert", shared_tag="dense")
@@ -114,8 +134,9 @@ def chunk_gemm_seconds(model_cfg: ModelConfig, profile: HardwareProfile, dense_t
     return {c: TRACE_LAYERS * v for c, v in per_layer.items()}
 
 
-def derive_fp8_rates(model_cfg: ModelConfig, profile: HardwareProfile,
-                     measured: dict | None = None) -> dict[str, float]:
+def derive_fp8_rates(
+    model_cfg: ModelConfig, profile: HardwareProfile, measured: dict | None = None
+) -> dict[str, float]:
     """The profile's ``gemm_fp8_tflops`` and ``gemm_grouped_fp8_tflops`` (TFLOP/s on all 132 SMs) with
     which :func:`chunk_gemm_seconds` equals ``measured`` (default :data:`TRACE_GEMM_S`), each found by
     bisection (the model's seconds fall as the rate rises). Returns ``{"gemm_fp8_tflops": ...,
@@ -127,8 +148,10 @@ def derive_fp8_rates(model_cfg: ModelConfig, profile: HardwareProfile,
     measured = TRACE_GEMM_S if measured is None else measured
     out = {}
     for cls, key in (("dense", "gemm_fp8_tflops"), ("expert", "gemm_grouped_fp8_tflops")):
+
         def sec(x, cls=cls):
             return chunk_gemm_seconds(model_cfg, profile, x, x)[cls]
+
         lo, hi = 10.0, 10_000.0
         if not sec(hi) <= measured[cls] <= sec(lo):
             raise ValueError(f"trace_rates: no {key} in 10-10,000 TFLOP/s gives {measured[cls]:.4g} s")

@@ -120,8 +120,14 @@ def _compute_end(n: Node, start: float, host: bool, segments: list, on_wire: lis
 _MAX_PASSES = 20
 
 
-def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0.0,
-              comm_share: float = 0.0, counts_queue_s: float = 0.0, wire_slowdown: float = 1.0) -> StepCost:
+def run_nodes(
+    nodes: list[Node],
+    comm_stream: str = DEVICE,
+    offload_s: float = 0.0,
+    comm_share: float = 0.0,
+    counts_queue_s: float = 0.0,
+    wire_slowdown: float = 1.0,
+) -> StepCost:
     """Run ``nodes`` (in issue order) on a compute and a communication stream (module docstring).
 
     Args:
@@ -161,8 +167,9 @@ def run_nodes(nodes: list[Node], comm_stream: str = DEVICE, offload_s: float = 0
     return _step_cost(nodes, run, offload_s)
 
 
-def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: float, placed: dict,
-              slowdown: float = 1.0) -> dict:
+def _one_pass(
+    nodes: list[Node], host: bool, comm_share: float, counts_queue_s: float, placed: dict, slowdown: float = 1.0
+) -> dict:
     """One pass of :func:`run_nodes` over ``nodes``; ``placed``: where the previous pass put each all-to-all
     (``on_wire``: node index -> ``(start, end, comm_share)``) and each compute node (``busy``: node index ->
     ``(start, end, share of the wire's speed lost beside it)``), for the nodes issued before them."""
@@ -210,8 +217,17 @@ def _one_pass(nodes: list[Node], host: bool, comm_share: float, counts_queue_s: 
         end.append(stop)
         if n.event:
             last[n.micro] = k
-    return {"end": end, "comp_free": comp_free, "terms": terms, "compute": compute, "segments": segments,
-            "on_wire": on_wire, "busy": busy, "wires": wires, "gaps": gaps}
+    return {
+        "end": end,
+        "comp_free": comp_free,
+        "terms": terms,
+        "compute": compute,
+        "segments": segments,
+        "on_wire": on_wire,
+        "busy": busy,
+        "wires": wires,
+        "gaps": gaps,
+    }
 
 
 def _step_cost(nodes: list[Node], run: dict, offload_s: float) -> StepCost:

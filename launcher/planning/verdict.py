@@ -33,13 +33,24 @@ __all__ = ["layout_settings", "search_verdict", "smallest_fitting_world", "unnee
 _GROW = (2, 4, 8, 16, 32, 64)
 #: the memory settings a larger GPU may not need, each with its "off" value
 _MEMORY_SETTINGS: tuple[tuple[str, Any], ...] = (
-    ("memory.offload", []), ("optim.offload_fraction", 0.0), ("memory.recompute", []), ("memory.fp8_store", []))
+    ("memory.offload", []),
+    ("optim.offload_fraction", 0.0),
+    ("memory.recompute", []),
+    ("memory.fp8_store", []),
+)
 
 
 def layout_settings(row: dict[str, Any]) -> dict[str, Any]:
     """The ``parallel.*`` values of one search row (what ``k2-plan`` / ``k2-train`` take)."""
-    return {"tp": row.get("tp", 1), "pp": row["pp"], "vpp": row["vpp"] if row["vpp"] > 1 else None,
-            "ep": row["ep"], "layout": row["layout"], "first_stage_layers": None, "last_stage_layers": None}
+    return {
+        "tp": row.get("tp", 1),
+        "pp": row["pp"],
+        "vpp": row["vpp"] if row["vpp"] > 1 else None,
+        "ep": row["ep"],
+        "layout": row["layout"],
+        "first_stage_layers": None,
+        "last_stage_layers": None,
+    }
 
 
 def with_layout(cfg: K2Config, row: dict[str, Any]) -> K2Config:
@@ -75,8 +86,14 @@ def unneeded_memory_settings(cfg: K2Config, world: int, counts) -> list[dict[str
         variant = _merge(cfg, OmegaConf.from_dotlist([f"{key}={off}"]))
         fits, step = _fits(variant, world, counts)
         if fits:
-            out.append({"setting": key, "was": OmegaConf.to_container(was) if not isinstance(was, float) else was,
-                        "off": f"{key}={off}", "step_time_s": step})
+            out.append(
+                {
+                    "setting": key,
+                    "was": OmegaConf.to_container(was) if not isinstance(was, float) else was,
+                    "off": f"{key}={off}",
+                    "step_time_s": step,
+                }
+            )
     return out
 
 
@@ -100,9 +117,13 @@ def search_verdict(cfg: K2Config, world: int, counts) -> tuple[list[dict[str, An
     best = rows[0] if rows else None
     if best is not None and not best["fits"]:  # nothing fits: the layout nearest to fitting
         best = min(rows, key=lambda r: (r["memory_lower_bound"], r["memory_per_gpu_bytes"], r["step_time_s_estimated"]))
-    verdict: dict[str, Any] = {"fits": bool(best and best["fits"]), "recommended": best,
-                               "smallest_fitting_gpus": None, "memory_settings_set": [],
-                               "unneeded_memory_settings": []}
+    verdict: dict[str, Any] = {
+        "fits": bool(best and best["fits"]),
+        "recommended": best,
+        "smallest_fitting_gpus": None,
+        "memory_settings_set": [],
+        "unneeded_memory_settings": [],
+    }
     if best is None or not best["fits"]:
         verdict["smallest_fitting_gpus"] = smallest_fitting_world(cfg, counts)
     else:

@@ -39,11 +39,18 @@ class WhatIf:
     @classmethod
     def from_config(cls, cfg: K2Config) -> WhatIf:
         sel = lambda k, d=False: OmegaConf.select(cfg, f"plan.what_if.{k}", default=d)  # noqa: E731
-        return cls(bool(sel("fsdp")), bool(sel("dualpipe")), bool(sel("deepep")),
-                   sel("node_limit", None),
-                   int(sel("pipeline_flushes", 1) or 1), int(sel("mtp_layers", 0) or 0))
+        return cls(
+            bool(sel("fsdp")),
+            bool(sel("dualpipe")),
+            bool(sel("deepep")),
+            sel("node_limit", None),
+            int(sel("pipeline_flushes", 1) or 1),
+            int(sel("mtp_layers", 0) or 0),
+        )
 
     def labels(self) -> list[str]:
-        return [k for k in ("fsdp", "dualpipe", "deepep") if getattr(self, k)] + (
-            [f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else []) + (
-            [f"mtp{self.mtp_layers}"] if self.mtp_layers else [])
+        return (
+            [k for k in ("fsdp", "dualpipe", "deepep") if getattr(self, k)]
+            + ([f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else [])
+            + ([f"mtp{self.mtp_layers}"] if self.mtp_layers else [])
+        )

@@ -44,8 +44,10 @@ def _manifest_of(path: str) -> str:
             path = path[: -len(suffix)]
     found = manifest_for(path)
     if found is None:
-        raise ConfigError(f"k2-data verify: {path} is neither a k2-data manifest nor a dataset prefix of a k2-data "
-                          f"build (no {os.path.basename(path)}{MANIFEST_SUFFIX} or {EMBEDDED_MANIFEST} lists it)")
+        raise ConfigError(
+            f"k2-data verify: {path} is neither a k2-data manifest nor a dataset prefix of a k2-data "
+            f"build (no {os.path.basename(path)}{MANIFEST_SUFFIX} or {EMBEDDED_MANIFEST} lists it)"
+        )
     return found[0]
 
 
@@ -67,8 +69,10 @@ def targets(paths: Sequence[str], overrides: Sequence[str]) -> tuple[list, str]:
             prefixes += expand_manifests(parse_blend(cfg.data[key], f"data.{key}"), f"data.{key}", [])[0]
     items, unlisted = dataset_items(prefixes)
     if unlisted:
-        raise ConfigError(f"k2-data verify: no k2-data manifest lists {unlisted[0]} (not written by k2-data: "
-                          "nothing to verify it against)")
+        raise ConfigError(
+            f"k2-data verify: no k2-data manifest lists {unlisted[0]} (not written by k2-data: "
+            "nothing to verify it against)"
+        )
     return items, "the datasets of data.path / data.valid_path"
 
 
@@ -78,11 +82,17 @@ def verify_command(args: Sequence[str]) -> int:
     overrides = [a for a in args if "=" in a]
     items, what = targets(paths, overrides)
     progress = bool(load_config(overrides).prepare.progress) and sys.stderr.isatty()
-    report = verify_files(items, progress=progress,
-                          on_problem=lambda line: print(f"k2-data: damaged: {line}", file=sys.stderr, flush=True))
+    report = verify_files(
+        items,
+        progress=progress,
+        on_problem=lambda line: print(f"k2-data: damaged: {line}", file=sys.stderr, flush=True),
+    )
     if report.problems:
-        print(f"k2-data: verify: {len(report.problems)} of {report.files} files damaged ({what}); rebuild them with "
-              "k2-data (a killed or changed build reruns from its inputs) or restore them", file=sys.stderr)
+        print(
+            f"k2-data: verify: {len(report.problems)} of {report.files} files damaged ({what}); rebuild them with "
+            "k2-data (a killed or changed build reruns from its inputs) or restore them",
+            file=sys.stderr,
+        )
         return 2
     print(f"k2-data: verify: {report.files} files match {what}: {report.rate()}")
     return 0

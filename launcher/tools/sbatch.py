@@ -39,8 +39,11 @@ def _key_of(override: str) -> str:
 def train_overrides(cfg: K2Config, overrides: Sequence[str]) -> list[str]:
     """The overrides every rank of the job gets: the submitted ones without ``submit.*`` and ``run.dir``,
     then ``run.dir=<absolute run.dir>`` (resolved now, so a requeued job writes to the same directory)."""
-    kept = [o for o in overrides if not (_key_of(o) == "submit" or _key_of(o).startswith("submit.")
-                                         or _key_of(o) == "run.dir")]
+    kept = [
+        o
+        for o in overrides
+        if not (_key_of(o) == "submit" or _key_of(o).startswith("submit.") or _key_of(o) == "run.dir")
+    ]
     return kept + [f"run.dir={run_dir(cfg)}"]
 
 
@@ -103,8 +106,10 @@ def directive(setting: str, option: str) -> str:
     why = directive_problem(option)
     if why is not None:
         value = option.split("=", 1)[1] if "=" in option else option
-        raise ConfigError(f"{setting}={value!r} cannot be written into an #SBATCH line: {why}; allowed: "
-                          "printable characters without whitespace, quotes, backslashes or '#'")
+        raise ConfigError(
+            f"{setting}={value!r} cannot be written into an #SBATCH line: {why}; allowed: "
+            "printable characters without whitespace, quotes, backslashes or '#'"
+        )
     return option
 
 
@@ -120,8 +125,7 @@ def sbatch_options(cfg: K2Config) -> list[str]:
         ("cluster.nodes", f"--nodes={cl.nodes}"),
         ("cluster.gpus_per_node", f"--ntasks-per-node={cl.gpus_per_node}"),
         *([("cluster.gpus_per_node", f"--gpus-per-node={cl.gpus_per_node}")] if sub.request_gpus else []),
-        *([("submit.cpus_per_task", f"--cpus-per-task={sub.cpus_per_task}")]
-          if sub.cpus_per_task is not None else []),
+        *([("submit.cpus_per_task", f"--cpus-per-task={sub.cpus_per_task}")] if sub.cpus_per_task is not None else []),
         ("", "--exclusive"),
         # all of each (exclusive) node's memory unless submit.mem names a size: see SubmitConfig.mem
         ("submit.mem", f"--mem={0 if sub.mem is None else sub.mem}"),
@@ -170,10 +174,12 @@ def site_setup_lines(cfg: K2Config) -> list[str]:
     lines = []
     if sub.setup is not None:
         setup = shell_word(sub.setup)
-        lines += ["# Site set-up (submit.setup): module loads, environments, the site's variables",
-                  "set +u",
-                  f'source {setup} || {{ echo "pretrain.sbatch: sourcing submit.setup failed" >&2; exit 1; }}',
-                  "set -u"]
+        lines += [
+            "# Site set-up (submit.setup): module loads, environments, the site's variables",
+            "set +u",
+            f'source {setup} || {{ echo "pretrain.sbatch: sourcing submit.setup failed" >&2; exit 1; }}',
+            "set -u",
+        ]
     if sub.env:
         lines.append("# submit.env")
         lines += [f"export {name}={shell_word(value)}" for name, value in sub.env.items()]
@@ -188,16 +194,22 @@ def defaults_notes(cfg: K2Config) -> list[str]:
 
     sub, notes = cfg.submit, []
     if sub.python is None and sub.container_image is None:
-        notes.append(f"the job runs {sys.executable} (the Python running k2-submit): it must exist at that path on "
-                     "every node (a .venv on a node-local disk does not); submit.python=PATH names another, "
-                     "submit.setup=FILE loads modules or activates an environment first")
+        notes.append(
+            f"the job runs {sys.executable} (the Python running k2-submit): it must exist at that path on "
+            "every node (a .venv on a node-local disk does not); submit.python=PATH names another, "
+            "submit.setup=FILE loads modules or activates an environment first"
+        )
     unset = [k for k in ("partition", "account") if sub[k] is None]
     if unset:
-        notes.append(f"no {' / '.join('submit.' + k for k in unset)}: Slurm's default for your user applies "
-                     "(many clusters require an account)")
+        notes.append(
+            f"no {' / '.join('submit.' + k for k in unset)}: Slurm's default for your user applies "
+            "(many clusters require an account)"
+        )
     if str(sub.time) == SubmitConfig.time:
-        notes.append(f"time limit {sub.time} (the default submit.time; a partition's limit may be lower: the job "
-                     "is then refused or requeued at it)")
+        notes.append(
+            f"time limit {sub.time} (the default submit.time; a partition's limit may be lower: the job "
+            "is then refused or requeued at it)"
+        )
     return notes
 
 
@@ -283,8 +295,11 @@ def _setup_lines(cfg: K2Config) -> list[str]:
             ' to a Python with k2-launcher installed" >&2; exit 1; }',
             'k2py() { "$PYTHON" "$@"; }',
         ]
-    omp = (f"export OMP_NUM_THREADS={sub.cpus_per_task}  # submit.cpus_per_task" if sub.cpus_per_task is not None
-           else 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-8}}"')
+    omp = (
+        f"export OMP_NUM_THREADS={sub.cpus_per_task}  # submit.cpus_per_task"
+        if sub.cpus_per_task is not None
+        else 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-8}}"'
+    )
     return [
         'cd "${K2_WORKDIR:-$SLURM_SUBMIT_DIR}"',
         *site_setup_lines(cfg),
@@ -311,7 +326,7 @@ def _run_lines(cfg: K2Config, quoted: str) -> list[str]:
         'echo "pretrain.sbatch: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes,"'
         ' "master $MASTER_ADDR:$MASTER_PORT"',
         "rc=0",
-        f"srun {srun} \"$PYTHON\" -m k2.launcher.train {quoted} || rc=$?",
+        f'srun {srun} "$PYTHON" -m k2.launcher.train {quoted} || rc=$?',
         # srun --kill-on-bad-exit may report a signal instead of 42 when it stops the ranks that had not
         # exited yet; rank 0 writes the marker only after every rank finished the checkpoint
         f"if [[ $rc -eq {REQUEUE_EXIT_CODE} || -f {marker} ]]; then",
@@ -336,15 +351,19 @@ def check_submittable(cfg: K2Config) -> int:
     """
     sbatch_options(cfg)
     if cfg.submit.setup is not None and not Path(str(cfg.submit.setup)).is_file():
-        raise ConfigError(f"submit.setup={cfg.submit.setup!r}: no such file here; allowed: the path of a bash file "
-                          "the job sources first, on a file system the nodes see (or null)")
+        raise ConfigError(
+            f"submit.setup={cfg.submit.setup!r}: no such file here; allowed: the path of a bash file "
+            "the job sources first, on a file system the nodes see (or null)"
+        )
     big = cfg.cluster.nodes > 1 or cfg.submit.request_gpus
     if cfg.data.path is None and cfg.prepare.input is None and big and not cfg.submit.embedded_corpus:
         gpus = f" x {cfg.cluster.gpus_per_node} GPUs" if cfg.submit.request_gpus else ""
         what = f"{cfg.cluster.nodes} node(s){gpus}"
-        raise ConfigError(f"data.path is null: this job ({what}) would train on the embedded 18 MB standard-library "
-                          "test corpus; set data.path to a k2-data dataset prefix, or submit.embedded_corpus=true "
-                          "if that corpus is meant")
+        raise ConfigError(
+            f"data.path is null: this job ({what}) would train on the embedded 18 MB standard-library "
+            "test corpus; set data.path to a k2-data dataset prefix, or submit.embedded_corpus=true "
+            "if that corpus is meant"
+        )
     return cfg.cluster.nodes * cfg.cluster.gpus_per_node
 
 
@@ -367,8 +386,11 @@ def submit_job(cfg: K2Config, text: str, after: Sequence[str] = ()) -> str | Non
     """
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        print(f"{_PROG}: error: sbatch not found on PATH; run k2-submit on a Slurm login node, or add "
-              "submit.dry_run=true to print the script", file=sys.stderr)
+        print(
+            f"{_PROG}: error: sbatch not found on PATH; run k2-submit on a Slurm login node, or add "
+            "submit.dry_run=true to print the script",
+            file=sys.stderr,
+        )
         return None
     rdir = Path(run_dir(cfg))
     try:
@@ -381,8 +403,7 @@ def submit_job(cfg: K2Config, text: str, after: Sequence[str] = ()) -> str | Non
     dependency = [f"--dependency=afterok:{':'.join(after)}"] if after else []
     r = subprocess.run([sbatch, "--parsable", *dependency, str(script)], capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"{_PROG}: error: sbatch {script} failed (exit {r.returncode}): {r.stderr.strip()}",
-              file=sys.stderr)
+        print(f"{_PROG}: error: sbatch {script} failed (exit {r.returncode}): {r.stderr.strip()}", file=sys.stderr)
         return None
     job_id = r.stdout.strip().split(";")[0]
     print(job_id)

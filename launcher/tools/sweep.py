@@ -130,8 +130,15 @@ def plan_tasks(grid: Grid) -> tuple[list[Task], dict[str, str]]:
             tasks.append(Task(rel(trunk.run_dir), trunk.run_dir, trunk.overrides))
         for c in cells:
             if cstat[rel(c.run_dir)] != "finished":
-                tasks.append(Task(rel(c.run_dir), c.run_dir, c.overrides, cell=c,
-                                  after=rel(trunk.run_dir) if tstat != "finished" else None))
+                tasks.append(
+                    Task(
+                        rel(c.run_dir),
+                        c.run_dir,
+                        c.overrides,
+                        cell=c,
+                        after=rel(trunk.run_dir) if tstat != "finished" else None,
+                    )
+                )
     return tasks, status
 
 
@@ -154,8 +161,12 @@ def _machine(threads: str | None) -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None)
     except OSError:
         cpu = None
-    return {"cpu": cpu or platform.processor(), "cpu_count": os.cpu_count(),
-            "omp_num_threads": threads, "host": platform.node()}
+    return {
+        "cpu": cpu or platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "omp_num_threads": threads,
+        "host": platform.node(),
+    }
 
 
 def write_cell_file(cell: Cell, peak_rss_bytes: int | None, threads: str | None = None) -> dict:
@@ -165,9 +176,15 @@ def write_cell_file(cell: Cell, peak_rss_bytes: int | None, threads: str | None 
     at_branch = next((r for r in recs if r.get("step") == cell.branch_step), {})
     last = recs[-1] if recs else {}
     trunk_s = at_branch.get("time_total_s")
-    info = {"status": "finished", "tokens": last.get("consumed_tokens"), "final_val_loss": last.get("val_loss"),
-            "wall_clock_s": (last["time_total_s"] - trunk_s) if trunk_s and "time_total_s" in last else None,
-            "trunk_wall_clock_s": trunk_s, "peak_rss_bytes": peak_rss_bytes, "machine": _machine(threads)}
+    info = {
+        "status": "finished",
+        "tokens": last.get("consumed_tokens"),
+        "final_val_loss": last.get("val_loss"),
+        "wall_clock_s": (last["time_total_s"] - trunk_s) if trunk_s and "time_total_s" in last else None,
+        "trunk_wall_clock_s": trunk_s,
+        "peak_rss_bytes": peak_rss_bytes,
+        "machine": _machine(threads),
+    }
     tmp = cell.run_dir / (CELL_FILE + ".tmp")
     tmp.write_text(json.dumps(info, indent=1) + "\n")
     os.replace(tmp, cell.run_dir / CELL_FILE)
@@ -197,14 +214,17 @@ class Runner:
     def _start(self, task: Task) -> None:
         task.run_dir.mkdir(parents=True, exist_ok=True)
         log = open(task.run_dir / LOG_FILE, "ab")
-        task.proc = subprocess.Popen(self.command(task), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                     start_new_session=True)
+        task.proc = subprocess.Popen(
+            self.command(task), stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True
+        )
         log.close()
         task.started = time.time()
         self.running.append(task)
         self.started_count += 1
-        print(f"{_PROG}: [{self.started_count}/{self.total}] {task.name}: started (log {task.run_dir / LOG_FILE})",
-              flush=True)
+        print(
+            f"{_PROG}: [{self.started_count}/{self.total}] {task.name}: started (log {task.run_dir / LOG_FILE})",
+            flush=True,
+        )
 
     def _poll(self, task: Task) -> bool:
         pid, status, usage = os.wait4(task.proc.pid, os.WNOHANG)
@@ -229,8 +249,11 @@ class Runner:
         elif task.rc == REQUEUE_EXIT_CODE:
             print(f"{_PROG}: {task.name}: stopped with a checkpoint (exit {task.rc})", flush=True)
         else:
-            print(f"{_PROG}: {task.name}: FAILED (exit {task.rc}) after {took:.0f} s; its log: "
-                  f"{task.run_dir / LOG_FILE}", file=sys.stderr, flush=True)
+            print(
+                f"{_PROG}: {task.name}: FAILED (exit {task.rc}) after {took:.0f} s; its log: {task.run_dir / LOG_FILE}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def stop(self, signum, _frame=None) -> None:
         """A signal to the sweep: no new run starts; the ones in flight get SIGTERM (they save and stop)."""
@@ -286,9 +309,12 @@ def run_sweep(overrides: Sequence[str]) -> int:
     write_grid_manifest(grid)
     tasks, status = plan_tasks(grid)
     counts = {s: list(status.values()).count(s) for s in ("finished", "partial", "new")}
-    print(f"{_PROG}: sweep '{grid.name}' in {grid.dir}: {len(grid.trunks)} trunks, {len(grid.cells)} cells "
-          f"({counts['finished']} runs finished, {counts['partial']} partial, {counts['new']} new); "
-          f"{len(tasks)} to train, {grid.jobs} at a time", flush=True)
+    print(
+        f"{_PROG}: sweep '{grid.name}' in {grid.dir}: {len(grid.trunks)} trunks, {len(grid.cells)} cells "
+        f"({counts['finished']} runs finished, {counts['partial']} partial, {counts['new']} new); "
+        f"{len(tasks)} to train, {grid.jobs} at a time",
+        flush=True,
+    )
     runner = Runner(tasks, grid.jobs)
     handlers = {s: signal.signal(s, runner.stop) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
@@ -299,13 +325,19 @@ def run_sweep(overrides: Sequence[str]) -> int:
     failed = [n for n, rc in done.items() if rc not in (0, REQUEUE_EXIT_CODE, -1)]
     skipped = [n for n, rc in done.items() if rc == -1]
     if runner.stopping or any(rc == REQUEUE_EXIT_CODE for rc in done.values()):
-        print(f"{_PROG}: stopped ({runner.stopping or 'a run was preempted'}); re-run the same command to "
-              "continue the sweep", file=sys.stderr)
+        print(
+            f"{_PROG}: stopped ({runner.stopping or 'a run was preempted'}); re-run the same command to "
+            "continue the sweep",
+            file=sys.stderr,
+        )
         return REQUEUE_EXIT_CODE
     if failed:
-        print(f"{_PROG}: {len(failed)} run(s) failed: {', '.join(failed)}"
-              + (f"; skipped (their trunk failed): {', '.join(skipped)}" if skipped else "")
-              + "; the others finished; fix the cause and re-run the same command", file=sys.stderr)
+        print(
+            f"{_PROG}: {len(failed)} run(s) failed: {', '.join(failed)}"
+            + (f"; skipped (their trunk failed): {', '.join(skipped)}" if skipped else "")
+            + "; the others finished; fix the cause and re-run the same command",
+            file=sys.stderr,
+        )
         return 1
     print(f"{_PROG}: all {len(grid.cells)} cells finished; report: k2-sweep-report {grid.dir}")
     return 0

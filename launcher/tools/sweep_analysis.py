@@ -114,8 +114,12 @@ def _fit_cells(grid: GridData, arm: str, opts: ReportOptions) -> tuple[list[Cell
     fitted, excluded = [], []
     for c in grid.cells_of(arm, "finished"):
         if c.collapsed and not opts.include_collapsed:
-            excluded.append((c.label, f"collapsed: median expert load {c.load_median:.2f} > "
-                                      f"{grid.spec.collapsed_load:g} after warm-up"))
+            excluded.append(
+                (
+                    c.label,
+                    f"collapsed: median expert load {c.load_median:.2f} > {grid.spec.collapsed_load:g} after warm-up",
+                )
+            )
         else:
             fitted.append(c)
     return fitted, excluded
@@ -133,8 +137,9 @@ def _bootstrap(af: ArmFit, seeds: list[int], counts: np.ndarray, irreducible: bo
         w = tuple(int(row[i]) for i in idx)
         if w not in cache:
             try:
-                cache[w] = fit_power_law(flops, loss, w, irreducible=irreducible, starts=[af.fit.law],
-                                         grid=irreducible).law
+                cache[w] = fit_power_law(
+                    flops, loss, w, irreducible=irreducible, starts=[af.fit.law], grid=irreducible
+                ).law
             except ValueError:  # this resample leaves the arm too few budgets to fit
                 cache[w] = None
         out.append(cache[w])
@@ -174,8 +179,9 @@ def fit_arms(grid: GridData, opts: ReportOptions) -> tuple[dict[str, ArmFit], li
         cells, excluded = _fit_cells(grid, arm, opts)
         af = ArmFit(arm, spec.sparsity, spec.experts, cells, excluded)
         try:
-            af.fit = fit_power_law([c.flops for c in cells], [c.final_val_loss for c in cells],
-                                   irreducible=opts.irreducible)
+            af.fit = fit_power_law(
+                [c.flops for c in cells], [c.final_val_loss for c in cells], irreducible=opts.irreducible
+            )
         except ValueError as e:
             af.error = str(e)
         arms[arm] = af
@@ -200,15 +206,19 @@ def choose_targets(arms: dict[str, ArmFit], given: tuple[float, ...] | None) -> 
         return [], "fewer than two arms have a fit: no comparison"
     lo, hi = max(r[0] for r in ranges), min(r[1] for r in ranges)
     if lo >= hi:
-        return [], (f"the arms' final-loss ranges do not overlap (highest minimum {lo:.4f} >= lowest maximum "
-                    f"{hi:.4f}): no target inside every arm's data; give --targets to extrapolate")
+        return [], (
+            f"the arms' final-loss ranges do not overlap (highest minimum {lo:.4f} >= lowest maximum "
+            f"{hi:.4f}): no target inside every arm's data; give --targets to extrapolate"
+        )
     raw = [hi - f * (hi - lo) for f in TARGET_FRACTIONS]
     for digits in (3, 4, 6):
         targets = [round(t, digits) for t in raw]
         if len(set(targets)) == len(targets) and all(lo < t < hi for t in targets):
             break
-    return targets, (f"{', '.join(f'{f:g}' for f in TARGET_FRACTIONS)} of the way down the overlap of the arms' "
-                     f"final losses, [{lo:.4f}, {hi:.4f}]")
+    return targets, (
+        f"{', '.join(f'{f:g}' for f in TARGET_FRACTIONS)} of the way down the overlap of the arms' "
+        f"final losses, [{lo:.4f}, {hi:.4f}]"
+    )
 
 
 def _ratio(base: PowerLaw | None, arm: PowerLaw | None, target: float) -> float:
@@ -218,8 +228,9 @@ def _ratio(base: PowerLaw | None, arm: PowerLaw | None, target: float) -> float:
     return math.exp(d) if math.isfinite(d) else math.nan
 
 
-def multipliers(arms: dict[str, ArmFit], base: str, others: list[str], targets: list[float],
-                level: float) -> list[dict]:
+def multipliers(
+    arms: dict[str, ArmFit], base: str, others: list[str], targets: list[float], level: float
+) -> list[dict]:
     """Per arm of ``others`` and per target: the multiplier ``C_base(L*) / C_arm(L*)``, its paired bootstrap
     interval (the same resample for both arms) and whether ``L*`` lies inside both arms' data."""
     b = arms[base]
@@ -230,16 +241,25 @@ def multipliers(arms: dict[str, ArmFit], base: str, others: list[str], targets: 
         for t in targets:
             boot = [_ratio(x, y, t) for x, y in zip(b.boot, af.boot)]
             inside = all(r is not None and r[0] <= t <= r[1] for r in (b.loss_range, af.loss_range))
-            rows.append({"arm": af.arm, "sparsity": af.sparsity, "baseline": base, "target_loss": t,
-                         "multiplier": _ratio(b.fit.law, af.fit.law, t),
-                         "interval": percentile_interval(boot, level),
-                         "resamples": sum(math.isfinite(v) for v in boot), "inside_data": inside})
+            rows.append(
+                {
+                    "arm": af.arm,
+                    "sparsity": af.sparsity,
+                    "baseline": base,
+                    "target_loss": t,
+                    "multiplier": _ratio(b.fit.law, af.fit.law, t),
+                    "interval": percentile_interval(boot, level),
+                    "resamples": sum(math.isfinite(v) for v in boot),
+                    "inside_data": inside,
+                }
+            )
     return rows
 
 
 def paired_differences(grid: GridData, base: str, others: list[str]) -> list[dict]:
     """Per arm of ``others`` and per (size, budget): the final loss of the arm minus the baseline's on each
     seed both finished, the mean, and the standard error over seeds (None with one seed)."""
+
     def by_key(arm):
         return {(c.spec.size, c.spec.budget_tokens, c.spec.seed): c for c in grid.cells_of(arm, "finished")}
 
@@ -251,10 +271,19 @@ def paired_differences(grid: GridData, base: str, others: list[str]) -> list[dic
             seeds = sorted(s for (z, bt, s) in mine if (z, bt) == (size, budget) and (z, bt, s) in ref)
             diffs = [mine[(size, budget, s)].final_val_loss - ref[(size, budget, s)].final_val_loss for s in seeds]
             collapsed = any(bool(x.collapsed) for s in seeds for x in (mine[(size, budget, s)], ref[(size, budget, s)]))
-            rows.append({"arm": arm, "baseline": base, "size": size, "budget_tokens": budget, "seeds": seeds,
-                         "differences": diffs, "mean": statistics.fmean(diffs) if diffs else None,
-                         "stderr": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None,
-                         "collapsed_cell": collapsed})
+            rows.append(
+                {
+                    "arm": arm,
+                    "baseline": base,
+                    "size": size,
+                    "budget_tokens": budget,
+                    "seeds": seeds,
+                    "differences": diffs,
+                    "mean": statistics.fmean(diffs) if diffs else None,
+                    "stderr": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None,
+                    "collapsed_cell": collapsed,
+                }
+            )
     return rows
 
 
@@ -269,16 +298,24 @@ def leave_one_out(af: ArmFit, irreducible: bool) -> dict:
         return out | {"error": None, "note": "fewer than two budgets"}
     key = max(points, key=lambda k: statistics.fmean(c.flops for c in points[k]))
     held, rest = points[key], [c for k, cs in points.items() if k != key for c in cs]
-    out |= {"held_out_budget_tokens": key[1], "held_out_size": key[0],
-            "flops": statistics.fmean(c.flops for c in held),
-            "observed": statistics.fmean(c.final_val_loss for c in held)}
+    out |= {
+        "held_out_budget_tokens": key[1],
+        "held_out_size": key[0],
+        "flops": statistics.fmean(c.flops for c in held),
+        "observed": statistics.fmean(c.final_val_loss for c in held),
+    }
     try:
         fit = fit_power_law([c.flops for c in rest], [c.final_val_loss for c in rest], irreducible=irreducible)
     except ValueError as e:
         return out | {"error": None, "note": f"refit impossible: {e}"}
     pred = float(fit.law.loss(out["flops"]))
-    return out | {"predicted": pred, "error": pred - out["observed"], "relative_error": pred / out["observed"] - 1,
-                  "converged": fit.converged, "note": ""}
+    return out | {
+        "predicted": pred,
+        "error": pred - out["observed"],
+        "relative_error": pred / out["observed"] - 1,
+        "converged": fit.converged,
+        "note": "",
+    }
 
 
 def _lowest_sparsity(arms: dict[str, ArmFit], reference: str) -> str | None:
@@ -310,5 +347,16 @@ def analyze(grid: GridData, opts: ReportOptions) -> Analysis:
         why.append("a target lies outside an arm's measured losses (the multiplier there is an extrapolation)")
     if arms[ref].fit is None:
         why.append(f"the reference arm {ref} has no fit")
-    return Analysis(options=opts, reference=ref, lowest=lowest, seeds=seeds, targets=targets, targets_note=note,
-                    arms=arms, multipliers=mult, paired=paired, loo=loo, provisional=why)
+    return Analysis(
+        options=opts,
+        reference=ref,
+        lowest=lowest,
+        seeds=seeds,
+        targets=targets,
+        targets_note=note,
+        arms=arms,
+        multipliers=mult,
+        paired=paired,
+        loo=loo,
+        provisional=why,
+    )

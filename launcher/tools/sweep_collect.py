@@ -37,10 +37,26 @@ __all__ = ["Cell", "CellSpec", "GridData", "GridSpec", "SweepInputError", "colle
 #: run dir), unreadable (a file that cannot be read: named in ``Cell.problem``)
 STATUSES = ("finished", "unfinished", "missing", "unreadable")
 
-_GRID_KEYS = {"name": str, "topk": int, "reference_arm": str, "cooldown": dict, "collapsed_load": (int, float),
-              "warmup_steps": int, "cells": list}
-_CELL_KEYS = {"cell": str, "arm": str, "sparsity": int, "experts": int, "seed": int, "budget_tokens": int,
-              "branch_step": int, "trunk_dir": str, "run_dir": str}
+_GRID_KEYS = {
+    "name": str,
+    "topk": int,
+    "reference_arm": str,
+    "cooldown": dict,
+    "collapsed_load": (int, float),
+    "warmup_steps": int,
+    "cells": list,
+}
+_CELL_KEYS = {
+    "cell": str,
+    "arm": str,
+    "sparsity": int,
+    "experts": int,
+    "seed": int,
+    "budget_tokens": int,
+    "branch_step": int,
+    "trunk_dir": str,
+    "run_dir": str,
+}
 
 
 class SweepInputError(ValueError):
@@ -137,8 +153,9 @@ def _check_keys(obj: dict, keys: dict, where: str) -> None:
         if k not in obj:
             raise SweepInputError(f"{where}: missing key '{k}'")
         if not isinstance(obj[k], t) or isinstance(obj[k], bool):
-            raise SweepInputError(f"{where}: '{k}'={obj[k]!r} has the wrong type (expected "
-                                  f"{getattr(t, '__name__', 'a number')})")
+            raise SweepInputError(
+                f"{where}: '{k}'={obj[k]!r} has the wrong type (expected {getattr(t, '__name__', 'a number')})"
+            )
 
 
 def read_grid_spec(sweep_dir) -> GridSpec:
@@ -180,11 +197,18 @@ def read_grid_spec(sweep_dir) -> GridSpec:
     if data["reference_arm"] not in arms:
         raise SweepInputError(f"{path}: reference_arm='{data['reference_arm']}'; allowed: {', '.join(arms)}")
     if not data["collapsed_load"] > 1:
-        raise SweepInputError(f"{path}: collapsed_load={data['collapsed_load']}; allowed: a number > 1 "
-                              "(1 = perfectly balanced experts)")
-    return GridSpec(name=data["name"], topk=data["topk"], reference_arm=data["reference_arm"],
-                    cooldown=data["cooldown"], collapsed_load=float(data["collapsed_load"]),
-                    warmup_steps=data["warmup_steps"], cells=tuple(cells))
+        raise SweepInputError(
+            f"{path}: collapsed_load={data['collapsed_load']}; allowed: a number > 1 (1 = perfectly balanced experts)"
+        )
+    return GridSpec(
+        name=data["name"],
+        topk=data["topk"],
+        reference_arm=data["reference_arm"],
+        cooldown=data["cooldown"],
+        collapsed_load=float(data["collapsed_load"]),
+        warmup_steps=data["warmup_steps"],
+        cells=tuple(cells),
+    )
 
 
 def _read_records(path: Path, rel: str, finished: bool) -> tuple[list[dict], list[str]]:
@@ -320,8 +344,11 @@ def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Config
     finished = done_path.is_file()
     if not finished and not (d / "metrics.jsonl").is_file():
         return Cell(spec, "unfinished", problem=f"{spec.run_dir}/metrics.jsonl: absent (not started)")
-    cell = Cell(spec, "finished" if finished else "unfinished",
-                problem=None if finished else f"{spec.run_dir}/cell.json: absent (not finished)")
+    cell = Cell(
+        spec,
+        "finished" if finished else "unfinished",
+        problem=None if finished else f"{spec.run_dir}/cell.json: absent (not finished)",
+    )
     current = "config.yaml"
     try:
         model, (cell.params_total, cell.params_active) = configs.load(d / "config.yaml")
@@ -378,6 +405,9 @@ def collect_grid(sweep_dir, *, params_of: Callable | None = None) -> GridData:
     cells = [_read_cell(c, Path(sweep_dir), spec, configs) for c in spec.cells]
     if not any(c.status in ("finished", "unfinished") for c in cells):
         problems = "; ".join(c.problem for c in cells[:3] if c.problem)
-        raise SweepInputError(f"{sweep_dir}: no readable cell among the {len(cells)} of grid.json ({problems}"
-                              + (", ..." if len(cells) > 3 else "") + ")")
+        raise SweepInputError(
+            f"{sweep_dir}: no readable cell among the {len(cells)} of grid.json ({problems}"
+            + (", ..." if len(cells) > 3 else "")
+            + ")"
+        )
     return GridData(spec=spec, cells=cells, sweep_dir=str(sweep_dir))

@@ -34,8 +34,7 @@ import numpy as np
 from scipy.optimize import minimize
 from threadpoolctl import ThreadpoolController
 
-__all__ = ["HUBER_DELTA", "PowerLaw", "PowerLawFit", "fit_power_law", "huber", "percentile_interval",
-           "seed_resamples"]
+__all__ = ["HUBER_DELTA", "PowerLaw", "PowerLawFit", "fit_power_law", "huber", "percentile_interval", "seed_resamples"]
 
 #: Huber threshold on log-loss residuals (Besiroglu et al. 2024, section 3: delta = 1e-3, as Chinchilla's).
 HUBER_DELTA = 1e-3
@@ -113,10 +112,18 @@ class PowerLawFit:
     residuals: tuple[float, ...] = field(default=())
 
     def as_dict(self) -> dict:
-        return {"A": self.law.A, "log_A": self.law.log_A, "alpha": self.law.alpha, "E": self.law.E,
-                "huber_objective": self.objective, "converged": self.converged, "message": self.message,
-                "starts": self.starts, "starts_succeeded": self.starts_succeeded,
-                "residuals_log": list(self.residuals)}
+        return {
+            "A": self.law.A,
+            "log_A": self.law.log_A,
+            "alpha": self.law.alpha,
+            "E": self.law.E,
+            "huber_objective": self.objective,
+            "converged": self.converged,
+            "message": self.message,
+            "starts": self.starts,
+            "starts_succeeded": self.starts_succeeded,
+            "residuals_log": list(self.residuals),
+        }
 
 
 def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, w: np.ndarray, irreducible: bool):
@@ -148,12 +155,15 @@ def _grid_starts(y: np.ndarray, loss_min: float, irreducible: bool) -> list[tupl
     mean_loss = float(np.exp(np.mean(y)))
     if not irreducible:
         return [(float(np.mean(y)), al) for al in ALPHA_STARTS]
-    return [(math.log(mean_loss - f * loss_min), al, f * loss_min)
-            for al, f in itertools.product(ALPHA_STARTS, E_START_FRACTIONS)]
+    return [
+        (math.log(mean_loss - f * loss_min), al, f * loss_min)
+        for al, f in itertools.product(ALPHA_STARTS, E_START_FRACTIONS)
+    ]
 
 
-def fit_power_law(flops, loss, weights=None, *, irreducible: bool = False,
-                  starts: list[PowerLaw] | None = None, grid: bool = True) -> PowerLawFit:
+def fit_power_law(
+    flops, loss, weights=None, *, irreducible: bool = False, starts: list[PowerLaw] | None = None, grid: bool = True
+) -> PowerLawFit:
     """Fit ``L = A * C^(-alpha)`` (``+ E`` with ``irreducible``) by minimising the weighted Huber loss of
     ``ln L_obs - ln L_fit`` with L-BFGS-B from a grid of starts (plus ``starts``, e.g. an earlier fit's law).
 
@@ -185,22 +195,35 @@ def fit_power_law(flops, loss, weights=None, *, irreducible: bool = False,
         raise ValueError("flops and loss must be finite and > 0, weights >= 0")
     n_params = 3 if irreducible else 2
     if len(np.unique(c[w > 0])) < n_params:
-        raise ValueError(f"a fit of {n_params} parameters needs at least {n_params} distinct FLOPs values "
-                         f"with positive weight; got {len(np.unique(c[w > 0]))}")
+        raise ValueError(
+            f"a fit of {n_params} parameters needs at least {n_params} distinct FLOPs values "
+            f"with positive weight; got {len(np.unique(c[w > 0]))}"
+        )
     keep = w > 0
     c, L, w_fit = c[keep], L[keep], w[keep]
     x0 = float(np.average(np.log(c), weights=w_fit))  # centre ln C: the intercept is the loss at the centre
     x, y = np.log(c) - x0, np.log(L)
     loss_min = float(L.min())
     bounds = [(None, None), ALPHA_BOUNDS] + ([(0.0, loss_min * (1 - 1e-9))] if irreducible else [])
-    thetas = [(law.log_A - law.alpha * x0, law.alpha) + ((min(law.E, loss_min * 0.99),) if irreducible else ())
-              for law in (starts or [])]
+    thetas = [
+        (law.log_A - law.alpha * x0, law.alpha) + ((min(law.E, loss_min * 0.99),) if irreducible else ())
+        for law in (starts or [])
+    ]
     if grid or not thetas:
         thetas += _grid_starts(y, loss_min, irreducible)
     with _one_blas_thread():
-        results = [minimize(_objective, np.asarray(t0, dtype=float), args=(x, y, w_fit, irreducible), jac=True,
-                            method="L-BFGS-B", bounds=bounds, options={"maxiter": 2000, "ftol": 1e-13, "gtol": 1e-9})
-                   for t0 in thetas]
+        results = [
+            minimize(
+                _objective,
+                np.asarray(t0, dtype=float),
+                args=(x, y, w_fit, irreducible),
+                jac=True,
+                method="L-BFGS-B",
+                bounds=bounds,
+                options={"maxiter": 2000, "ftol": 1e-13, "gtol": 1e-9},
+            )
+            for t0 in thetas
+        ]
     results = [r for r in results if np.isfinite(r.fun)]
     if not results:
         raise ValueError(f"every one of the {len(thetas)} starts of the fit ended at a non-finite objective")
@@ -214,13 +237,22 @@ def fit_power_law(flops, loss, weights=None, *, irreducible: bool = False,
     a, alpha = float(best.x[0]), float(best.x[1])
     e = float(best.x[2]) if irreducible else 0.0
     law = PowerLaw(log_A=a + alpha * x0, alpha=alpha, E=e)
-    on_bound = alpha <= ALPHA_BOUNDS[0] + 1e-9 or alpha >= ALPHA_BOUNDS[1] - 1e-9 or (
-        irreducible and e >= loss_min * (1 - 1e-6))
+    on_bound = (
+        alpha <= ALPHA_BOUNDS[0] + 1e-9
+        or alpha >= ALPHA_BOUNDS[1] - 1e-9
+        or (irreducible and e >= loss_min * (1 - 1e-6))
+    )
     message = str((at_best or [best])[0].message) + ("; a parameter ended on its bound" if on_bound else "")
     resid = np.log(np.asarray(loss, dtype=float)) - np.log(law.loss(np.asarray(flops, dtype=float)))
-    return PowerLawFit(law=law, objective=float(best.fun) * HUBER_DELTA**2, converged=bool(at_best)
-                       and not on_bound, message=message, starts=len(thetas), starts_succeeded=ok,
-                       residuals=tuple(float(v) for v in resid))
+    return PowerLawFit(
+        law=law,
+        objective=float(best.fun) * HUBER_DELTA**2,
+        converged=bool(at_best) and not on_bound,
+        message=message,
+        starts=len(thetas),
+        starts_succeeded=ok,
+        residuals=tuple(float(v) for v in resid),
+    )
 
 
 def seed_resamples(n_seeds: int, n_resamples: int, rng_seed: int) -> np.ndarray:
@@ -228,8 +260,11 @@ def seed_resamples(n_seeds: int, n_resamples: int, rng_seed: int) -> np.ndarray:
     (``numpy.random.default_rng(rng_seed)``: the same rows for the same arguments, on every machine)."""
     rng = np.random.default_rng(rng_seed)
     draws = rng.integers(0, n_seeds, size=(n_resamples, n_seeds))
-    return np.stack([np.bincount(row, minlength=n_seeds) for row in draws]) if n_resamples else \
-        np.zeros((0, n_seeds), dtype=int)
+    return (
+        np.stack([np.bincount(row, minlength=n_seeds) for row in draws])
+        if n_resamples
+        else np.zeros((0, n_seeds), dtype=int)
+    )
 
 
 def percentile_interval(values, level: float) -> tuple[float, float] | None:

@@ -35,9 +35,20 @@ from k2.config.load import load_config
 from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name, latest_checkpoint, read_state
 
 #: overrides the grid sets itself (a user's own would be silently replaced, so they are refused)
-GRID_KEYS = ("model.num_moe_experts", "run.dir", "run.seed", "data.seed", "data.index_tokens", "schedule.phases",
-             "train.iters", "checkpoint.save_steps", "resume.branch_from", "resume.from", "run.wandb.group",
-             "run.wandb.name")
+GRID_KEYS = (
+    "model.num_moe_experts",
+    "run.dir",
+    "run.seed",
+    "data.seed",
+    "data.index_tokens",
+    "schedule.phases",
+    "train.iters",
+    "checkpoint.save_steps",
+    "resume.branch_from",
+    "resume.from",
+    "run.wandb.group",
+    "run.wandb.name",
+)
 GRID_FILE = "grid.json"
 CELL_FILE = "cell.json"
 
@@ -150,7 +161,8 @@ def split_schedule(cfg) -> tuple[list[dict], dict]:
         raise ConfigError(
             f"sweep: schedule '{cfg.schedule.name}' has phases {names}; a sweep's schedule is a warmup, then one "
             "constant-LR phase last (the trunk: every budget is a cooldown branch of it); allowed: e.g. "
-            "schedule=sweep_cpu, or a schedule of that shape")
+            "schedule=sweep_cpu, or a schedule of that shape"
+        )
     return phases[:-1], phases[-1]
 
 
@@ -175,7 +187,8 @@ def _budgets(cfg, warmup_end: int, B: int, constant_end: int) -> list[tuple[int,
             raise ConfigError(
                 f"sweep.budgets_tokens: the budget {t:,} branches at step {step} (the first {1 - f:.0%} of its "
                 f"{exact // B} steps of {B:,} tokens), inside the warmup (ends at step {warmup_end}); allowed: "
-                f"budgets past {math.ceil((warmup_end + 1) * B / (1 - f)):,} tokens")
+                f"budgets past {math.ceil((warmup_end + 1) * B / (1 - f)):,} tokens"
+            )
         out.append((exact, step))
     return out
 
@@ -184,8 +197,10 @@ def _base_overrides(overrides: Sequence[str]) -> list[str]:
     """The user's overrides, with ``-m`` dropped; a key the grid sets itself is refused."""
     mine = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GRID_KEYS]
     if mine:
-        raise ConfigError(f"k2-train -m: {', '.join(mine)}: the sweep grid sets these itself; allowed: sweep.* "
-                          "(sparsities, seeds, budgets_tokens, cooldown, sizes) and any other setting")
+        raise ConfigError(
+            f"k2-train -m: {', '.join(mine)}: the sweep grid sets these itself; allowed: sweep.* "
+            "(sparsities, seeds, budgets_tokens, cooldown, sizes) and any other setting"
+        )
     return list(overrides)
 
 
@@ -200,8 +215,9 @@ def build_grid(overrides: Sequence[str]) -> tuple[object, Grid]:
     base = _base_overrides(overrides)
     sw = cfg.sweep
     if not sw.sparsities:
-        raise ConfigError("k2-train -m needs sweep.sparsities (e.g. +experiment=sparsity_sweep); "
-                          "allowed: a list of integers >= 1")
+        raise ConfigError(
+            "k2-train -m needs sweep.sparsities (e.g. +experiment=sparsity_sweep); allowed: a list of integers >= 1"
+        )
     topk, B = int(cfg.model.moe_router_topk), int(cfg.schedule.global_batch_tokens)
     warmup, constant = split_schedule(cfg)
     from k2.schedules.resolve import resolve_schedule
@@ -212,18 +228,32 @@ def build_grid(overrides: Sequence[str]) -> tuple[object, Grid]:
     top = budgets[-1][0]
     seeds = [int(s) for s in (sw.seeds or [cfg.run.seed])]
     sizes = {str(k): list(v) for k, v in (sw.sizes or {}).items()} or {None: []}
-    cooldown = {"style": str(sw.cooldown.style), "fraction": float(sw.cooldown.fraction),
-                "lr_end": float(sw.cooldown.lr_end)}
+    cooldown = {
+        "style": str(sw.cooldown.style),
+        "fraction": float(sw.cooldown.fraction),
+        "lr_end": float(sw.cooldown.lr_end),
+    }
     trunks, cells = [], []
     for s in sorted(int(x) for x in sw.sparsities):
         for size, size_ovr in sizes.items():
             for seed in seeds:
-                t, cs = _trunk_and_cells(cfg, base, size_ovr, (s, s * topk, size, seed), budgets, top,
-                                         (warmup, constant, cooldown))
+                t, cs = _trunk_and_cells(
+                    cfg, base, size_ovr, (s, s * topk, size, seed), budgets, top, (warmup, constant, cooldown)
+                )
                 trunks.append(t)
                 cells += cs
-    grid = Grid(str(sw.name), Path(sw.dir), topk, B, warmup_end, cooldown, float(sw.collapsed_load),
-                int(sw.jobs), tuple(trunks), tuple(cells))
+    grid = Grid(
+        str(sw.name),
+        Path(sw.dir),
+        topk,
+        B,
+        warmup_end,
+        cooldown,
+        float(sw.collapsed_load),
+        int(sw.jobs),
+        tuple(trunks),
+        tuple(cells),
+    )
     return cfg, grid
 
 
@@ -234,24 +264,65 @@ def _trunk_and_cells(cfg, base: list[str], size_ovr: list[str], who: tuple, budg
     B = int(cfg.schedule.global_batch_tokens)
     arm = f"sparsity_{sparsity}"
     root = Path(cfg.sweep.dir) / arm / (size or "") / f"seed_{seed}"
-    common = [*base, *size_ovr, f"model.num_moe_experts={experts}", f"run.seed={seed}",
-              f"data.seed={int(cfg.run.seed)}", f"data.index_tokens={top}", f"run.wandb.group={cfg.sweep.name}"]
+    common = [
+        *base,
+        *size_ovr,
+        f"model.num_moe_experts={experts}",
+        f"run.seed={seed}",
+        f"data.seed={int(cfg.run.seed)}",
+        f"data.index_tokens={top}",
+        f"run.wandb.group={cfg.sweep.name}",
+    ]
     steps = tuple(step for _, step in budgets)
     label = f"{cfg.sweep.name}-{arm}{'-' + size if size else ''}-seed_{seed}"
-    trunk = Trunk(arm, sparsity, experts, size, seed, root / "trunk", steps, tuple([
-        *common, f"run.dir={root / 'trunk'}", f"run.wandb.name={label}-trunk",
-        "schedule.phases=" + hydra_value(_with_constant_until(warmup, constant, steps[-1] * B)),
-        "checkpoint.save_steps=" + hydra_value(list(steps))]))
+    trunk = Trunk(
+        arm,
+        sparsity,
+        experts,
+        size,
+        seed,
+        root / "trunk",
+        steps,
+        tuple(
+            [
+                *common,
+                f"run.dir={root / 'trunk'}",
+                f"run.wandb.name={label}-trunk",
+                "schedule.phases=" + hydra_value(_with_constant_until(warmup, constant, steps[-1] * B)),
+                "checkpoint.save_steps=" + hydra_value(list(steps)),
+            ]
+        ),
+    )
     cells = []
     for budget, step in budgets:
-        decay = {"name": "cooldown", "until_tokens": budget, "lr_style": cooldown["style"],
-                 "lr_start": constant.get("lr_start"), "lr_end": cooldown["lr_end"]}
+        decay = {
+            "name": "cooldown",
+            "until_tokens": budget,
+            "lr_style": cooldown["style"],
+            "lr_start": constant.get("lr_start"),
+            "lr_end": cooldown["lr_end"],
+        }
         run_dir = root / f"budget_{budget}"
         phases = [*_with_constant_until(warmup, constant, step * B), decay]
-        cells.append(Cell(trunk, budget, step, budget // B, run_dir, tuple([
-            *common, f"run.dir={run_dir}", f"run.wandb.name={label}-budget_{budget}",
-            "schedule.phases=" + hydra_value(phases),
-            f"resume.branch_from={checkpoints_dir(trunk.run_dir) / iter_name(step)}"]), tuple(phases)))
+        cells.append(
+            Cell(
+                trunk,
+                budget,
+                step,
+                budget // B,
+                run_dir,
+                tuple(
+                    [
+                        *common,
+                        f"run.dir={run_dir}",
+                        f"run.wandb.name={label}-budget_{budget}",
+                        "schedule.phases=" + hydra_value(phases),
+                        f"resume.branch_from={checkpoints_dir(trunk.run_dir) / iter_name(step)}",
+                    ]
+                ),
+                tuple(phases),
+            )
+        )
     return trunk, cells
 
 
@@ -289,13 +360,29 @@ def grid_manifest(grid: Grid) -> dict:
         return os.path.relpath(p, grid.dir)
 
     return {
-        "name": grid.name, "topk": grid.topk, "global_batch_tokens": grid.global_batch_tokens,
-        "reference_arm": f"sparsity_{min(t.sparsity for t in grid.trunks)}", "cooldown": grid.cooldown,
-        "collapsed_load": grid.collapsed_load, "warmup_steps": grid.warmup_steps,
-        "cells": [{"cell": rel(c.run_dir), "arm": c.trunk.arm, "sparsity": c.trunk.sparsity,
-                   "experts": c.trunk.experts, "size": c.trunk.size, "seed": c.trunk.seed,
-                   "budget_tokens": c.budget_tokens, "branch_step": c.branch_step, "last_step": c.last_step,
-                   "trunk_dir": rel(c.trunk.run_dir), "run_dir": rel(c.run_dir)} for c in grid.cells],
+        "name": grid.name,
+        "topk": grid.topk,
+        "global_batch_tokens": grid.global_batch_tokens,
+        "reference_arm": f"sparsity_{min(t.sparsity for t in grid.trunks)}",
+        "cooldown": grid.cooldown,
+        "collapsed_load": grid.collapsed_load,
+        "warmup_steps": grid.warmup_steps,
+        "cells": [
+            {
+                "cell": rel(c.run_dir),
+                "arm": c.trunk.arm,
+                "sparsity": c.trunk.sparsity,
+                "experts": c.trunk.experts,
+                "size": c.trunk.size,
+                "seed": c.trunk.seed,
+                "budget_tokens": c.budget_tokens,
+                "branch_step": c.branch_step,
+                "last_step": c.last_step,
+                "trunk_dir": rel(c.trunk.run_dir),
+                "run_dir": rel(c.run_dir),
+            }
+            for c in grid.cells
+        ],
     }
 
 

@@ -46,8 +46,7 @@ def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
         if cell.branch_point:
             ax.plot(*cell.branch_point, marker="^", ms=5, mfc="none", mec=col, ls="none")
         if cell.status == "finished":
-            ax.plot(cell.flops, cell.final_val_loss, marker="x" if cell.collapsed else "o", ms=5, color=col,
-                    ls="none")
+            ax.plot(cell.flops, cell.final_val_loss, marker="x" if cell.collapsed else "o", ms=5, color=col, ls="none")
     for arm, af in analysis.arms.items():
         if af.fit is None:
             continue
@@ -64,8 +63,10 @@ def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("training FLOPs (router included)")
     ax.set_ylabel("validation loss (nats)")
-    ax.set_title(f"{grid.spec.name}: validation loss vs training FLOPs "
-                 "(o finished, x collapsed, ^ branch point, : targets)", fontsize=9)
+    ax.set_title(
+        f"{grid.spec.name}: validation loss vs training FLOPs (o finished, x collapsed, ^ branch point, : targets)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")
@@ -85,20 +86,31 @@ def plot_multipliers(analysis: Analysis, path) -> None:
         shift = 2 ** ((i - (n - 1) / 2) * 0.06)  # side by side on the log2 axis
         xs = [r["sparsity"] * shift for r in pts]
         ys = [r["multiplier"] for r in pts]
-        err = np.array([[max(r["multiplier"] - r["interval"][0], 0), max(r["interval"][1] - r["multiplier"], 0)]
-                        if r["interval"] else [0.0, 0.0] for r in pts]).T.reshape(2, -1)
+        err = np.array(
+            [
+                [max(r["multiplier"] - r["interval"][0], 0), max(r["interval"][1] - r["multiplier"], 0)]
+                if r["interval"]
+                else [0.0, 0.0]
+                for r in pts
+            ]
+        ).T.reshape(2, -1)
         ax.errorbar(xs, ys, yerr=err, marker="o", ms=5, capsize=3, ls="-", lw=1, label=f"L* = {t:g}")
     ax.axhline(1.0, color="gray", ls="--", lw=1)
-    ax.plot([ref.sparsity], [1.0], marker="s", color="black", ls="none",
-            label=f"reference: {arm_label(ref.arm, ref.sparsity)}")
+    ax.plot(
+        [ref.sparsity],
+        [1.0],
+        marker="s",
+        color="black",
+        ls="none",
+        label=f"reference: {arm_label(ref.arm, ref.sparsity)}",
+    )
     spars = sorted({af.sparsity for af in analysis.arms.values()})
     ax.set_xscale("log", base=2)
     ax.set_xticks(spars, [str(s) for s in spars])
     ax.set_xlabel("sparsity (experts / top-k)")
     ax.set_ylabel("compute multiplier C_ref(L*) / C_arm(L*)")
     level = int(round(analysis.options.level * 100))
-    ax.set_title(f"> 1: fewer FLOPs to reach L* than the reference; bars: {level}% seed-bootstrap interval",
-                 fontsize=9)
+    ax.set_title(f"> 1: fewer FLOPs to reach L* than the reference; bars: {level}% seed-bootstrap interval", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")

@@ -41,18 +41,42 @@ FLOP_FORMULA = (
     "flops_per_token(cfg.model, seq_length).training x the step's tokens, each step at its own context length "
     "(k2.model.flops): training = 3 x forward; forward per token = MLA projections + causal core attention "
     "(s/2 keys per query) + dense SwiGLU FFNs + router 2 h E + the top-k routed experts + the shared expert "
-    "+ LM head 2 h V, per MoE/dense layer; a [m,k]x[k,n] product counts 2mkn, element-wise work 0.")
+    "+ LM head 2 h V, per MoE/dense layer; a [m,k]x[k,n] product counts 2mkn, element-wise work 0."
+)
 
 #: what the intervals are worth with few seeds, as measured by the slow test
 #: tests/unit/launcher/tools/test_sweep_analysis.py::test_interval_coverage_on_synthetic_grids
-INTERVAL_CAVEAT = ("With few seeds these intervals are too narrow: on synthetic grids of 4 seeds (40 draws) a 95% "
-                   "interval held the true alpha in 85% of draws and the true multiplier in 79%; fewer seeds do worse "
-                   "(2 seeds give 3 distinct resamples).")
+INTERVAL_CAVEAT = (
+    "With few seeds these intervals are too narrow: on synthetic grids of 4 seeds (40 draws) a 95% "
+    "interval held the true alpha in 85% of draws and the true multiplier in 79%; fewer seeds do worse "
+    "(2 seeds give 3 distinct resamples)."
+)
 
-CSV_COLUMNS = ("cell", "arm", "sparsity", "experts", "size", "seed", "budget_tokens", "status", "tokens", "flops",
-               "params_total", "params_active", "final_val_loss", "fit_residual_log", "wall_clock_s",
-               "trunk_wall_clock_s", "tokens_per_s", "peak_rss_bytes", "load_median", "load_max", "collapsed",
-               "in_fit", "problem")
+CSV_COLUMNS = (
+    "cell",
+    "arm",
+    "sparsity",
+    "experts",
+    "size",
+    "seed",
+    "budget_tokens",
+    "status",
+    "tokens",
+    "flops",
+    "params_total",
+    "params_active",
+    "final_val_loss",
+    "fit_residual_log",
+    "wall_clock_s",
+    "trunk_wall_clock_s",
+    "tokens_per_s",
+    "peak_rss_bytes",
+    "load_median",
+    "load_max",
+    "collapsed",
+    "in_fit",
+    "problem",
+)
 
 
 def cell_rows(grid: GridData, analysis: Analysis) -> list[dict]:
@@ -66,14 +90,33 @@ def cell_rows(grid: GridData, analysis: Analysis) -> list[dict]:
     rows = []
     for c in grid.cells:
         s = c.spec
-        rows.append({"cell": s.cell, "arm": s.arm, "sparsity": s.sparsity, "experts": s.experts, "size": s.size,
-                     "seed": s.seed, "budget_tokens": s.budget_tokens, "status": c.status, "tokens": c.tokens,
-                     "flops": c.flops, "params_total": c.params_total, "params_active": c.params_active,
-                     "final_val_loss": c.final_val_loss, "fit_residual_log": resid.get(c.label),
-                     "wall_clock_s": c.wall_clock_s, "trunk_wall_clock_s": c.trunk_wall_clock_s,
-                     "tokens_per_s": c.tokens_per_s, "peak_rss_bytes": c.peak_rss_bytes,
-                     "load_median": c.load_median, "load_max": c.load_max, "collapsed": c.collapsed,
-                     "in_fit": c.label in fitted, "problem": c.problem})
+        rows.append(
+            {
+                "cell": s.cell,
+                "arm": s.arm,
+                "sparsity": s.sparsity,
+                "experts": s.experts,
+                "size": s.size,
+                "seed": s.seed,
+                "budget_tokens": s.budget_tokens,
+                "status": c.status,
+                "tokens": c.tokens,
+                "flops": c.flops,
+                "params_total": c.params_total,
+                "params_active": c.params_active,
+                "final_val_loss": c.final_val_loss,
+                "fit_residual_log": resid.get(c.label),
+                "wall_clock_s": c.wall_clock_s,
+                "trunk_wall_clock_s": c.trunk_wall_clock_s,
+                "tokens_per_s": c.tokens_per_s,
+                "peak_rss_bytes": c.peak_rss_bytes,
+                "load_median": c.load_median,
+                "load_max": c.load_max,
+                "collapsed": c.collapsed,
+                "in_fit": c.label in fitted,
+                "problem": c.problem,
+            }
+        )
     return rows
 
 
@@ -90,11 +133,22 @@ def _clean(v):
 
 def _arm_json(af: ArmFit) -> dict:
     fit = af.fit.as_dict() if af.fit else None
-    return {"arm": af.arm, "label": arm_label(af.arm, af.sparsity), "sparsity": af.sparsity, "experts": af.experts,
-            "cells": [c.label for c in af.cells], "budgets": af.budgets, "loss_range": af.loss_range,
-            "excluded": [{"cell": c, "why": w} for c, w in af.excluded], "fit": fit, "error": af.error,
-            "intervals": af.intervals, "bootstrap_resamples": len(af.boot),
-            "bootstrap_failed": sum(b is None for b in af.boot), "provisional": af.provisional}
+    return {
+        "arm": af.arm,
+        "label": arm_label(af.arm, af.sparsity),
+        "sparsity": af.sparsity,
+        "experts": af.experts,
+        "cells": [c.label for c in af.cells],
+        "budgets": af.budgets,
+        "loss_range": af.loss_range,
+        "excluded": [{"cell": c, "why": w} for c, w in af.excluded],
+        "fit": fit,
+        "error": af.error,
+        "intervals": af.intervals,
+        "bootstrap_resamples": len(af.boot),
+        "bootstrap_failed": sum(b is None for b in af.boot),
+        "provisional": af.provisional,
+    }
 
 
 def _per_token(grid: GridData) -> dict[str, dict]:
@@ -103,8 +157,11 @@ def _per_token(grid: GridData) -> dict[str, dict]:
     out = {}
     for c in grid.cells:
         if c.flops_per_token and c.spec.arm not in out:
-            out[c.spec.arm] = {"seq_length": c.seq_length, "training_flops_per_token": c.flops_per_token,
-                               "router_share": c.router_share}
+            out[c.spec.arm] = {
+                "seq_length": c.seq_length,
+                "training_flops_per_token": c.flops_per_token,
+                "router_share": c.router_share,
+            }
     return out
 
 
@@ -113,25 +170,42 @@ def report_json(grid: GridData, analysis: Analysis) -> dict:
     o, per_token = analysis.options, _per_token(grid)
     cells = cell_rows(grid, analysis)
     for row, c in zip(cells, grid.cells):
-        row |= {"curve": c.curve, "branch_point": c.branch_point, "branch_step": c.spec.branch_step,
-                "notes": c.notes}
+        row |= {"curve": c.curve, "branch_point": c.branch_point, "branch_step": c.spec.branch_step, "notes": c.notes}
     spec = grid.spec
-    return _clean({
-        "grid": {"name": spec.name, "topk": spec.topk, "reference_arm": spec.reference_arm,
-                 "cooldown": spec.cooldown, "collapsed_load": spec.collapsed_load,
-                 "warmup_steps": spec.warmup_steps},
-        "options": {"reference": analysis.reference, "targets": list(o.targets) if o.targets else None,
-                    "irreducible": o.irreducible, "include_collapsed": o.include_collapsed,
-                    "n_bootstrap": o.n_bootstrap, "level": o.level, "rng_seed": o.rng_seed,
-                    "interval": "percentile, bootstrap over seeds (the same resample for every arm)"},
-        "flop_formula": FLOP_FORMULA, "flops_per_token": per_token, "seeds": analysis.seeds,
-        "cells": cells, "fits": {a: _arm_json(af) for a, af in analysis.arms.items()},
-        "targets": analysis.targets, "targets_note": analysis.targets_note,
-        "multipliers": analysis.multipliers, "paired_differences": analysis.paired,
-        "leave_one_out": analysis.loo,
-        "incomplete_cells": [{"cell": c.label, "status": c.status, "problem": c.problem} for c in grid.incomplete],
-        "provisional": {"overall": bool(analysis.provisional), "reasons": analysis.provisional},
-    })
+    return _clean(
+        {
+            "grid": {
+                "name": spec.name,
+                "topk": spec.topk,
+                "reference_arm": spec.reference_arm,
+                "cooldown": spec.cooldown,
+                "collapsed_load": spec.collapsed_load,
+                "warmup_steps": spec.warmup_steps,
+            },
+            "options": {
+                "reference": analysis.reference,
+                "targets": list(o.targets) if o.targets else None,
+                "irreducible": o.irreducible,
+                "include_collapsed": o.include_collapsed,
+                "n_bootstrap": o.n_bootstrap,
+                "level": o.level,
+                "rng_seed": o.rng_seed,
+                "interval": "percentile, bootstrap over seeds (the same resample for every arm)",
+            },
+            "flop_formula": FLOP_FORMULA,
+            "flops_per_token": per_token,
+            "seeds": analysis.seeds,
+            "cells": cells,
+            "fits": {a: _arm_json(af) for a, af in analysis.arms.items()},
+            "targets": analysis.targets,
+            "targets_note": analysis.targets_note,
+            "multipliers": analysis.multipliers,
+            "paired_differences": analysis.paired,
+            "leave_one_out": analysis.loo,
+            "incomplete_cells": [{"cell": c.label, "status": c.status, "problem": c.problem} for c in grid.incomplete],
+            "provisional": {"overall": bool(analysis.provisional), "reasons": analysis.provisional},
+        }
+    )
 
 
 def _f(v, spec: str = "", none: str = "-") -> str:
@@ -149,18 +223,47 @@ def _table(head: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
 
 
 def _md_cells(rows: list[dict]) -> list[str]:
-    head = ("cell", "sparsity", "experts", "seed", "budget tokens", "status", "tokens", "training FLOPs",
-            "params total / active", "final val loss", "fit residual (ln)", "wall-clock s (trunk s)", "tokens/s",
-            "peak RSS MiB", "expert load median / max", "collapsed", "in fit")
-    body = [(r["cell"], str(r["sparsity"]), str(r["experts"]), str(r["seed"]), f"{r['budget_tokens']:,}",
-             r["status"], _f(r["tokens"], ","), _f(r["flops"], ".4e"),
-             f"{_f(r['params_total'], ',')} / {_f(r['params_active'], ',')}", _f(r["final_val_loss"], ".4f"),
-             _f(r["fit_residual_log"], "+.4f"),
-             f"{_f(r['wall_clock_s'], '.0f')} ({_f(r['trunk_wall_clock_s'], '.0f')})",
-             _f(r["tokens_per_s"], ",.0f"), _f(r["peak_rss_bytes"] and r["peak_rss_bytes"] / 2**20, ",.0f"),
-             f"{_f(r['load_median'], '.2f')} / {_f(r['load_max'], '.2f')}",
-             {True: "**yes**", False: "no", None: "-"}[r["collapsed"]], "yes" if r["in_fit"] else "no")
-            for r in rows]
+    head = (
+        "cell",
+        "sparsity",
+        "experts",
+        "seed",
+        "budget tokens",
+        "status",
+        "tokens",
+        "training FLOPs",
+        "params total / active",
+        "final val loss",
+        "fit residual (ln)",
+        "wall-clock s (trunk s)",
+        "tokens/s",
+        "peak RSS MiB",
+        "expert load median / max",
+        "collapsed",
+        "in fit",
+    )
+    body = [
+        (
+            r["cell"],
+            str(r["sparsity"]),
+            str(r["experts"]),
+            str(r["seed"]),
+            f"{r['budget_tokens']:,}",
+            r["status"],
+            _f(r["tokens"], ","),
+            _f(r["flops"], ".4e"),
+            f"{_f(r['params_total'], ',')} / {_f(r['params_active'], ',')}",
+            _f(r["final_val_loss"], ".4f"),
+            _f(r["fit_residual_log"], "+.4f"),
+            f"{_f(r['wall_clock_s'], '.0f')} ({_f(r['trunk_wall_clock_s'], '.0f')})",
+            _f(r["tokens_per_s"], ",.0f"),
+            _f(r["peak_rss_bytes"] and r["peak_rss_bytes"] / 2**20, ",.0f"),
+            f"{_f(r['load_median'], '.2f')} / {_f(r['load_max'], '.2f')}",
+            {True: "**yes**", False: "no", None: "-"}[r["collapsed"]],
+            "yes" if r["in_fit"] else "no",
+        )
+        for r in rows
+    ]
     return _table(head, body)
 
 
@@ -172,16 +275,29 @@ def _md_fits(analysis: Analysis) -> list[str]:
     body = []
     for af in analysis.arms.values():
         if af.fit is None:
-            body.append([arm_label(af.arm, af.sparsity), f"{len(af.cells)} ({af.budgets})"]
-                        + ["-"] * (len(head) - 3) + ["; ".join(af.provisional)])
+            body.append(
+                [arm_label(af.arm, af.sparsity), f"{len(af.cells)} ({af.budgets})"]
+                + ["-"] * (len(head) - 3)
+                + ["; ".join(af.provisional)]
+            )
             continue
         law, res = af.fit.law, af.fit.residuals
-        row = [arm_label(af.arm, af.sparsity), f"{len(af.cells)} ({af.budgets})", f"{law.alpha:.4f}",
-               _iv(af.intervals.get("alpha")), f"{law.A:.4g}", _iv(af.intervals.get("A"), ".4g")]
+        row = [
+            arm_label(af.arm, af.sparsity),
+            f"{len(af.cells)} ({af.budgets})",
+            f"{law.alpha:.4f}",
+            _iv(af.intervals.get("alpha")),
+            f"{law.A:.4g}",
+            _iv(af.intervals.get("A"), ".4g"),
+        ]
         if analysis.options.irreducible:
             row += [f"{law.E:.4f}", _iv(af.intervals.get("E"))]
-        row += [f"{math.sqrt(sum(r * r for r in res) / len(res)):.4f}", f"{max(abs(r) for r in res):.4f}",
-                "yes" if af.fit.converged else f"**no** ({af.fit.message})", "; ".join(af.provisional) or "no"]
+        row += [
+            f"{math.sqrt(sum(r * r for r in res) / len(res)):.4f}",
+            f"{max(abs(r) for r in res):.4f}",
+            "yes" if af.fit.converged else f"**no** ({af.fit.message})",
+            "; ".join(af.provisional) or "no",
+        ]
         body.append(row)
     return _table(head, body)
 
@@ -191,20 +307,47 @@ def _md_comparisons(analysis: Analysis) -> list[str]:
     lines = []
     for base, rows in analysis.multipliers.items():
         b = analysis.arms[base]
-        lines += ["", f"### Against {arm_label(base, b.sparsity)}", "",
-                  f"Compute multiplier C_{base}(L*) / C_arm(L*) (> 1: the arm needs fewer FLOPs to reach L*), "
-                  f"{pct} interval:", ""]
-        lines += _table(("arm", "L*", "multiplier", f"{pct} interval", "resamples", "L* inside both arms' data"),
-                        [(r["arm"], f"{r['target_loss']:g}", _f(r["multiplier"], ".3f") + "x",
-                          _iv(r["interval"], ".3f"), str(r["resamples"]), "yes" if r["inside_data"] else "**no**")
-                         for r in rows])
-        lines += [""] + [f"- {arm}: {_sign([r for r in rows if r['arm'] == arm])}"
-                         for arm in dict.fromkeys(r["arm"] for r in rows)]
+        lines += [
+            "",
+            f"### Against {arm_label(base, b.sparsity)}",
+            "",
+            f"Compute multiplier C_{base}(L*) / C_arm(L*) (> 1: the arm needs fewer FLOPs to reach L*), "
+            f"{pct} interval:",
+            "",
+        ]
+        lines += _table(
+            ("arm", "L*", "multiplier", f"{pct} interval", "resamples", "L* inside both arms' data"),
+            [
+                (
+                    r["arm"],
+                    f"{r['target_loss']:g}",
+                    _f(r["multiplier"], ".3f") + "x",
+                    _iv(r["interval"], ".3f"),
+                    str(r["resamples"]),
+                    "yes" if r["inside_data"] else "**no**",
+                )
+                for r in rows
+            ],
+        )
+        lines += [""] + [
+            f"- {arm}: {_sign([r for r in rows if r['arm'] == arm])}" for arm in dict.fromkeys(r["arm"] for r in rows)
+        ]
         lines += ["", "Paired final-loss difference, arm minus baseline, per seed (nats):", ""]
-        lines += _table(("arm", "size", "budget tokens", "seeds", "differences", "mean", "std. error"),
-                        [(r["arm"], str(r["size"] or "-"), f"{r['budget_tokens']:,}", str(r["seeds"]),
-                          ", ".join(f"{d:+.4f}" for d in r["differences"]) or "-", _f(r["mean"], "+.4f"),
-                          _f(r["stderr"], ".4f")) for r in analysis.paired[base]])
+        lines += _table(
+            ("arm", "size", "budget tokens", "seeds", "differences", "mean", "std. error"),
+            [
+                (
+                    r["arm"],
+                    str(r["size"] or "-"),
+                    f"{r['budget_tokens']:,}",
+                    str(r["seeds"]),
+                    ", ".join(f"{d:+.4f}" for d in r["differences"]) or "-",
+                    _f(r["mean"], "+.4f"),
+                    _f(r["stderr"], ".4f"),
+                )
+                for r in analysis.paired[base]
+            ],
+        )
     return lines
 
 
@@ -212,30 +355,53 @@ def markdown(grid: GridData, analysis: Analysis) -> str:
     """``sweep.md``'s text."""
     o, n_fin = analysis.options, sum(c.status == "finished" for c in grid.cells)
     prov = "**provisional**" if analysis.provisional else "final (no provisional reason)"
-    lines = [f"# Sparsity sweep `{grid.spec.name}`", "",
-             f"{n_fin} of {len(grid.cells)} cells finished; seeds {analysis.seeds}; reference arm "
-             f"{arm_label(analysis.reference, analysis.arms[analysis.reference].sparsity)}; this report is {prov}.",
-             "", "![loss vs FLOPs](sweep_loss_vs_flops.png) ![multiplier](sweep_multiplier.png)", "",
-             "## Method", "", f"Training FLOPs: {FLOP_FORMULA}", "",
-             f"Fit per arm: L = A * C^(-alpha){' + E' if o.irreducible else ''} on (training FLOPs, final "
-             "validation loss) of the finished cells, seeds pooled; Huber loss (delta 1e-3) of ln-loss residuals, "
-             "L-BFGS-B from a grid of starts (Besiroglu et al. 2024, arXiv 2404.10102). Intervals: "
-             f"{o.level:.0%} percentile intervals of {o.n_bootstrap} bootstrap resamples of the seeds (RNG seed "
-             f"{o.rng_seed}; every arm refitted on the same resample). {INTERVAL_CAVEAT} Collapsed cells (median "
-             f"moe_load_max_over_mean after step {grid.spec.warmup_steps} above {grid.spec.collapsed_load:g}) are "
-             + ("included." if o.include_collapsed else "left out.") + f" Targets: {analysis.targets_note}.",
-             ""]
-    lines += _table(("arm", "context length", "training FLOPs per token", "router share"),
-                    [(arm, str(v["seq_length"]), f"{v['training_flops_per_token']:.4e}", f"{v['router_share']:.2%}")
-                     for arm, v in _per_token(grid).items()])
+    lines = [
+        f"# Sparsity sweep `{grid.spec.name}`",
+        "",
+        f"{n_fin} of {len(grid.cells)} cells finished; seeds {analysis.seeds}; reference arm "
+        f"{arm_label(analysis.reference, analysis.arms[analysis.reference].sparsity)}; this report is {prov}.",
+        "",
+        "![loss vs FLOPs](sweep_loss_vs_flops.png) ![multiplier](sweep_multiplier.png)",
+        "",
+        "## Method",
+        "",
+        f"Training FLOPs: {FLOP_FORMULA}",
+        "",
+        f"Fit per arm: L = A * C^(-alpha){' + E' if o.irreducible else ''} on (training FLOPs, final "
+        "validation loss) of the finished cells, seeds pooled; Huber loss (delta 1e-3) of ln-loss residuals, "
+        "L-BFGS-B from a grid of starts (Besiroglu et al. 2024, arXiv 2404.10102). Intervals: "
+        f"{o.level:.0%} percentile intervals of {o.n_bootstrap} bootstrap resamples of the seeds (RNG seed "
+        f"{o.rng_seed}; every arm refitted on the same resample). {INTERVAL_CAVEAT} Collapsed cells (median "
+        f"moe_load_max_over_mean after step {grid.spec.warmup_steps} above {grid.spec.collapsed_load:g}) are "
+        + ("included." if o.include_collapsed else "left out.")
+        + f" Targets: {analysis.targets_note}.",
+        "",
+    ]
+    lines += _table(
+        ("arm", "context length", "training FLOPs per token", "router share"),
+        [
+            (arm, str(v["seq_length"]), f"{v['training_flops_per_token']:.4e}", f"{v['router_share']:.2%}")
+            for arm, v in _per_token(grid).items()
+        ],
+    )
     lines += ["", "## Cells", ""] + _md_cells(cell_rows(grid, analysis))
     lines += ["", "## Fits", ""] + _md_fits(analysis)
     lines += ["", "## Comparisons"] + _md_comparisons(analysis)
     lines += ["", "## Leave-one-out (each arm refitted without its largest budget, which it predicts)", ""]
-    lines += _table(("arm", "held-out budget tokens", "observed", "predicted", "error (nats)", "note"),
-                    [(r["arm"], _f(r.get("held_out_budget_tokens"), ","), _f(r.get("observed"), ".4f"),
-                      _f(r.get("predicted"), ".4f"), _f(r.get("error"), "+.4f"), r.get("note", ""))
-                     for r in analysis.loo])
+    lines += _table(
+        ("arm", "held-out budget tokens", "observed", "predicted", "error (nats)", "note"),
+        [
+            (
+                r["arm"],
+                _f(r.get("held_out_budget_tokens"), ","),
+                _f(r.get("observed"), ".4f"),
+                _f(r.get("predicted"), ".4f"),
+                _f(r.get("error"), "+.4f"),
+                r.get("note", ""),
+            )
+            for r in analysis.loo
+        ],
+    )
     lines += ["", "## Provisional", ""] + ([f"- {w}" for w in analysis.provisional] or ["- none"])
     lines += ["", "## Missing, unfinished or unreadable cells", ""]
     lines += [f"- {c.label}: {c.status}: {c.problem}" for c in grid.incomplete] or ["- none"]
@@ -252,12 +418,14 @@ def _sign(rows: list[dict]) -> str:
     ivs = [r["interval"] for r in rows]
     if all(m > 1 for m in ms):
         resolved = all(iv and iv[0] > 1 for iv in ivs)
-        return "fewer FLOPs at every target" + (", every interval above 1" if resolved else
-                                                 " (not resolved: an interval reaches 1)")
+        return "fewer FLOPs at every target" + (
+            ", every interval above 1" if resolved else " (not resolved: an interval reaches 1)"
+        )
     if all(m < 1 for m in ms):
         resolved = all(iv and iv[1] < 1 for iv in ivs)
-        return "more FLOPs at every target" + (", every interval below 1" if resolved else
-                                                " (not resolved: an interval reaches 1)")
+        return "more FLOPs at every target" + (
+            ", every interval below 1" if resolved else " (not resolved: an interval reaches 1)"
+        )
     fewer = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] > 1]
     more = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] < 1]
     return f"mixed: fewer FLOPs at L* = {', '.join(fewer)}; more at L* = {', '.join(more)}"
@@ -269,23 +437,31 @@ def summary_lines(grid: GridData, analysis: Analysis) -> list[str]:
     pct, n_fin = f"{analysis.options.level:.0%}", sum(c.status == "finished" for c in grid.cells)
     out = [f"sweep {grid.spec.name}: {n_fin} of {len(grid.cells)} cells finished, seeds {analysis.seeds}"]
     out += [f"  {c.label}: {c.status}: {c.problem}" for c in grid.incomplete]
-    out.append(f"fits L = A * C^(-alpha){' + E' if analysis.options.irreducible else ''} ({pct} seed-bootstrap "
-               "intervals):")
+    out.append(
+        f"fits L = A * C^(-alpha){' + E' if analysis.options.irreducible else ''} ({pct} seed-bootstrap intervals):"
+    )
     for af in analysis.arms.values():
-        alpha = (f"alpha {af.fit.law.alpha:.4f} {_iv(af.intervals.get('alpha'))}" if af.fit else f"no fit ({af.error})")
-        out.append(f"  {arm_label(af.arm, af.sparsity)}: {alpha}"
-                   + (f" PROVISIONAL ({'; '.join(af.provisional)})" if af.provisional else ""))
+        alpha = f"alpha {af.fit.law.alpha:.4f} {_iv(af.intervals.get('alpha'))}" if af.fit else f"no fit ({af.error})"
+        out.append(
+            f"  {arm_label(af.arm, af.sparsity)}: {alpha}"
+            + (f" PROVISIONAL ({'; '.join(af.provisional)})" if af.provisional else "")
+        )
     for base, rows in analysis.multipliers.items():
         label = arm_label(base, analysis.arms[base].sparsity)
         out.append(f"multipliers C_base(L*) / C_arm(L*) against {label} (> 1: fewer FLOPs):")
         for t in analysis.targets:
-            at = [f"{r['arm']} {_f(r['multiplier'], '.3f')}x {_iv(r['interval'], '.3f')}"
-                  for r in rows if r["target_loss"] == t]
+            at = [
+                f"{r['arm']} {_f(r['multiplier'], '.3f')}x {_iv(r['interval'], '.3f')}"
+                for r in rows
+                if r["target_loss"] == t
+            ]
             out.append(f"  L* = {t:g}: " + "; ".join(at))
         for arm in dict.fromkeys(r["arm"] for r in rows):
             out.append(f"  sign: {arm} vs {label}: {_sign([r for r in rows if r['arm'] == arm])}")
-    out.append("provisional: " + (f"yes ({len(analysis.provisional)} reason(s), listed in sweep.md)"
-                                  if analysis.provisional else "no"))
+    out.append(
+        "provisional: "
+        + (f"yes ({len(analysis.provisional)} reason(s), listed in sweep.md)" if analysis.provisional else "no")
+    )
     return out
 
 
@@ -305,8 +481,13 @@ def write_report(grid: GridData, analysis: Analysis, out_dir) -> dict[str, str]:
     from k2.launcher.tools.sweep_plots import plot_loss_vs_flops, plot_multipliers
 
     out = Path(out_dir)
-    paths = {"csv": out / "sweep_cells.csv", "md": out / "sweep.md", "json": out / "sweep.json",
-             "loss_png": out / "sweep_loss_vs_flops.png", "multiplier_png": out / "sweep_multiplier.png"}
+    paths = {
+        "csv": out / "sweep_cells.csv",
+        "md": out / "sweep.md",
+        "json": out / "sweep.json",
+        "loss_png": out / "sweep_loss_vs_flops.png",
+        "multiplier_png": out / "sweep_multiplier.png",
+    }
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
     w.writeheader()
@@ -356,17 +537,25 @@ def _level(text: str) -> float:
 
 
 def _parser() -> _Parser:
-    p = _Parser(prog="k2-sweep-report", description=(
-        "Report a sparsity sweep grid (SWEEP_DIR/grid.json and its cells): per-arm fits L = A * C^(-alpha) with "
-        "seed-bootstrap intervals, compute multipliers against the reference arm at target losses, paired loss "
-        "differences, a leave-one-out check, provisional flags. Writes sweep_cells.csv, sweep.md, sweep.json, "
-        "sweep_loss_vs_flops.png and sweep_multiplier.png. Exit status: 0 done (a partial grid too: its missing "
-        "cells are named), 2 a bad argument or no grid.json / no readable cell."))
+    p = _Parser(
+        prog="k2-sweep-report",
+        description=(
+            "Report a sparsity sweep grid (SWEEP_DIR/grid.json and its cells): per-arm fits L = A * C^(-alpha) with "
+            "seed-bootstrap intervals, compute multipliers against the reference arm at target losses, paired loss "
+            "differences, a leave-one-out check, provisional flags. Writes sweep_cells.csv, sweep.md, sweep.json, "
+            "sweep_loss_vs_flops.png and sweep_multiplier.png. Exit status: 0 done (a partial grid too: its missing "
+            "cells are named), 2 a bad argument or no grid.json / no readable cell."
+        ),
+    )
     p.add_argument("sweep_dir", metavar="SWEEP_DIR")
     p.add_argument("--out", metavar="DIR", help="write the outputs here (default: SWEEP_DIR)")
     p.add_argument("--reference", metavar="ARM", help="the baseline arm (default: grid.json's reference_arm)")
-    p.add_argument("--targets", type=_targets, metavar="L1,L2,...",
-                   help="target losses for the multipliers (default: 3 inside the overlap of the arms' losses)")
+    p.add_argument(
+        "--targets",
+        type=_targets,
+        metavar="L1,L2,...",
+        help="target losses for the multipliers (default: 3 inside the overlap of the arms' losses)",
+    )
     p.add_argument("--irreducible", action="store_true", help="fit L = E + A * C^(-alpha)")
     p.add_argument("--include-collapsed", action="store_true", help="keep collapsed cells in the fits")
     p.add_argument("--bootstrap", type=_count, default=1000, metavar="N", help="bootstrap resamples (default 1000)")
@@ -387,9 +576,15 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, ReportOptions]:
             Path(a.out).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _UsageError(f"--out={a.out}: cannot create it ({e.strerror})") from None
-    return a, ReportOptions(reference=a.reference, targets=a.targets, irreducible=a.irreducible,
-                            include_collapsed=a.include_collapsed, n_bootstrap=a.bootstrap, level=a.level,
-                            rng_seed=a.seed)
+    return a, ReportOptions(
+        reference=a.reference,
+        targets=a.targets,
+        irreducible=a.irreducible,
+        include_collapsed=a.include_collapsed,
+        n_bootstrap=a.bootstrap,
+        level=a.level,
+        rng_seed=a.seed,
+    )
 
 
 def report_main(argv: Sequence[str] | None = None, *, params_of=None) -> int:

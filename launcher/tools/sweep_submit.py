@@ -35,10 +35,18 @@ def sweep_costs(grid: Grid) -> list[dict]:
         if key not in seen:
             cfg = load_config(run_overrides_for_check(trunk.overrides))
             rep = plan_cluster(cfg).report
-            seen[key] = {"arm": trunk.arm, "size": trunk.size, "experts": trunk.experts, "fits": bool(rep["fits"]),
-                         "memory_per_gpu_gib": rep["memory_per_gpu_bytes"]["total"] / _GIB,
-                         "gpu_memory_gib": rep["gpu_memory_bytes"] / _GIB, "gpus": int(rep["world_size"]),
-                         "step_time_s": float(rep["step_time_s_estimated"]), "grid_steps": 0, "separate_steps": 0}
+            seen[key] = {
+                "arm": trunk.arm,
+                "size": trunk.size,
+                "experts": trunk.experts,
+                "fits": bool(rep["fits"]),
+                "memory_per_gpu_gib": rep["memory_per_gpu_bytes"]["total"] / _GIB,
+                "gpu_memory_gib": rep["gpu_memory_bytes"] / _GIB,
+                "gpus": int(rep["world_size"]),
+                "step_time_s": float(rep["step_time_s_estimated"]),
+                "grid_steps": 0,
+                "separate_steps": 0,
+            }
             rows.append(seen[key])
         row = seen[key]
         cells = grid.cells_of(trunk)
@@ -53,18 +61,26 @@ def sweep_costs(grid: Grid) -> list[dict]:
 
 def format_costs(grid: Grid, rows: list[dict]) -> str:
     """The cost table and the totals (what ``k2-plan -m`` prints)."""
-    lines = [f"sweep '{grid.name}': {len(grid.trunks)} trunks, {len(grid.cells)} cells "
-             f"(budgets {', '.join(f'{b:,}' for b in sorted({c.budget_tokens for c in grid.cells}))} tokens; "
-             f"cooldown {grid.cooldown['style']} over the last {grid.cooldown['fraction']:.0%})",
-             "| arm | size | experts | fits | GiB per GPU (of) | step s (est.) | GPUs | grid GPU-h | separate GPU-h |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"sweep '{grid.name}': {len(grid.trunks)} trunks, {len(grid.cells)} cells "
+        f"(budgets {', '.join(f'{b:,}' for b in sorted({c.budget_tokens for c in grid.cells}))} tokens; "
+        f"cooldown {grid.cooldown['style']} over the last {grid.cooldown['fraction']:.0%})",
+        "| arm | size | experts | fits | GiB per GPU (of) | step s (est.) | GPUs | grid GPU-h | separate GPU-h |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['size'] or '-'} | {r['experts']} | {'yes' if r['fits'] else 'NO'} | "
-                     f"{r['memory_per_gpu_gib']:.1f} ({r['gpu_memory_gib']:.0f}) | {r['step_time_s']:.2f} | "
-                     f"{r['gpus']} | {r['grid_gpu_hours']:,.0f} | {r['separate_gpu_hours']:,.0f} |")
+        lines.append(
+            f"| {r['arm']} | {r['size'] or '-'} | {r['experts']} | {'yes' if r['fits'] else 'NO'} | "
+            f"{r['memory_per_gpu_gib']:.1f} ({r['gpu_memory_gib']:.0f}) | {r['step_time_s']:.2f} | "
+            f"{r['gpus']} | {r['grid_gpu_hours']:,.0f} | {r['separate_gpu_hours']:,.0f} |"
+        )
     grid_h, sep_h = sum(r["grid_gpu_hours"] for r in rows), sum(r["separate_gpu_hours"] for r in rows)
-    lines.append(f"total: {grid_h:,.0f} GPU-hours as trunks + cooldown branches, {sep_h:,.0f} as separate runs "
-                 f"of every budget ({1 - grid_h / sep_h:.0%} saved)" if sep_h else "total: 0 GPU-hours")
+    lines.append(
+        f"total: {grid_h:,.0f} GPU-hours as trunks + cooldown branches, {sep_h:,.0f} as separate runs "
+        f"of every budget ({1 - grid_h / sep_h:.0%} saved)"
+        if sep_h
+        else "total: 0 GPU-hours"
+    )
     return "\n".join(lines)
 
 
@@ -79,10 +95,15 @@ def plan_sweep(overrides: Sequence[str]) -> tuple[Grid, list[dict]]:
     rows = sweep_costs(grid)
     bad = [r for r in rows if not r["fits"]]
     if bad:
-        raise ConfigError("sweep: " + "; ".join(
-            f"{r['arm']}{'/' + r['size'] if r['size'] else ''} ({r['experts']} experts) needs "
-            f"{r['memory_per_gpu_gib']:.1f} GiB per GPU of {r['gpu_memory_gib']:.0f}" for r in bad)
-            + " (k2-plan); allowed: a layout or memory settings that fit (parallel.*, memory.*), or fewer experts")
+        raise ConfigError(
+            "sweep: "
+            + "; ".join(
+                f"{r['arm']}{'/' + r['size'] if r['size'] else ''} ({r['experts']} experts) needs "
+                f"{r['memory_per_gpu_gib']:.1f} GiB per GPU of {r['gpu_memory_gib']:.0f}"
+                for r in bad
+            )
+            + " (k2-plan); allowed: a layout or memory settings that fit (parallel.*, memory.*), or fewer experts"
+        )
     return grid, rows
 
 
@@ -115,8 +136,10 @@ def submit_sweep(overrides: Sequence[str], prog: str = "k2-submit") -> int:
             if trunk_job is None:
                 return 1
         for c in todo:
-            if _one(cfgs[c.overrides], c.overrides, (trunk_job,) if trunk_job else (), dry, render_sbatch,
-                    submit_job) is None:
+            if (
+                _one(cfgs[c.overrides], c.overrides, (trunk_job,) if trunk_job else (), dry, render_sbatch, submit_job)
+                is None
+            ):
                 return 1
     return 0
 

@@ -50,8 +50,14 @@ from k2.launcher.gc_pause import gc_paused
 from k2.launcher.training.preemption import PEER_FAILED_ENV
 from k2.parallel.processes import die_with_parent, free_port
 
-__all__ = ["cuda_probe_without_init", "freeze_imported_objects", "imports_without_collection", "launch", "main",
-           "preimport"]
+__all__ = [
+    "cuda_probe_without_init",
+    "freeze_imported_objects",
+    "imports_without_collection",
+    "launch",
+    "main",
+    "preimport",
+]
 
 #: the trainer's module: ranks started as ``-m k2.launcher.train`` (torchrun-like) get its config composed
 #: once, before the fork
@@ -198,9 +204,17 @@ def _run_rank(rank: int, nproc: int, port: int, target: Target, rank_env: bool) 
     import runpy
 
     if rank_env:
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
     if isinstance(target, Call):
         runner = lambda: sys.exit(target.fn(*target.args))  # noqa: E731
     elif target[0] == "-c":
@@ -237,8 +251,9 @@ def _signal_all(pids, signum: int) -> None:
             pass
 
 
-def launch(nproc: int, target: Target, port: int | None = None, watch: socket.socket | None = None,
-           rank_env: bool = True) -> int:
+def launch(
+    nproc: int, target: Target, port: int | None = None, watch: socket.socket | None = None, rank_env: bool = True
+) -> int:
     """Fork ``nproc`` ranks of ``target`` from this process and wait for them (module docstring).
 
     Args:
@@ -257,8 +272,11 @@ def launch(nproc: int, target: Target, port: int | None = None, watch: socket.so
     Returns:
         the first failed rank's exit status (128 + N for a rank killed by signal N), 0 when all succeed.
     """
-    if not isinstance(target, Call) and target[:2] == ["-m", TRAINER_MODULE] \
-            and not set(target[2:]) & {"-m", "--multirun"}:
+    if (
+        not isinstance(target, Call)
+        and target[:2] == ["-m", TRAINER_MODULE]
+        and not set(target[2:]) & {"-m", "--multirun"}
+    ):
         from k2.config import ConfigError, load_config
 
         try:  # once here, not once per rank: the forked ranks find it in load_config's cache
@@ -323,17 +341,24 @@ def _wait(children: dict[int, int], watch: socket.socket | None, failed: Path) -
         code = os.waitstatus_to_exitcode(raw)
         if code != 0 and status == 0:
             status = code if code > 0 else 128 - code
-            why = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
-                   else f"exited with status {code}")
+            why = (
+                f"was killed by signal {-code} ({signal.Signals(-code).name})"
+                if code < 0
+                else f"exited with status {code}"
+            )
             try:
                 failed.write_text(f"rank {rank} {why}\n")
             except OSError:
                 pass  # the others then report a plain SIGTERM
             if code < 0:  # killed by a signal: the rank itself could say nothing (the others' SIGTERM
                 # line below is the launcher stopping them, not a preemption; the step in progress is lost)
-                print(f"k2-train: rank {rank} was killed by signal {-code} ({signal.Signals(-code).name}); "
-                      f"stopping the other ranks (SIGTERM, SIGKILL after {STOP_GRACE_S:g} s): the step in "
-                      "progress is not saved", file=sys.stderr, flush=True)
+                print(
+                    f"k2-train: rank {rank} was killed by signal {-code} ({signal.Signals(-code).name}); "
+                    f"stopping the other ranks (SIGTERM, SIGKILL after {STOP_GRACE_S:g} s): the step in "
+                    "progress is not saved",
+                    file=sys.stderr,
+                    flush=True,
+                )
             _signal_all(children, signal.SIGTERM)  # the other ranks of a failed group stop
             deadline = time.time() + STOP_GRACE_S
     return status
@@ -350,8 +375,9 @@ def main(argv: list[str]) -> int:
     sys.path[0] = os.getcwd()  # as under python -m: the working directory first
     try:
         preimport()
-        call = Call.receive(int(rest[0].split("=", 1)[1])) if len(rest) == 1 and rest[0].startswith("--call-fd=") \
-            else None
+        call = (
+            Call.receive(int(rest[0].split("=", 1)[1])) if len(rest) == 1 and rest[0].startswith("--call-fd=") else None
+        )
     except KeyboardInterrupt:  # Ctrl-C before any rank exists: nothing to stop (k2-train says what is kept)
         return 130
     return launch(nproc, call if call is not None else rest, port=port)

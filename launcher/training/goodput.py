@@ -147,11 +147,21 @@ class GoodputClock:
     def summary(self) -> str:
         """One line for the end-of-run summary."""
         t, f = self.totals(), self.fields()
-        parts = ", ".join(f"{name} {t[c]:.1f} s" for c, name in (
-            ("startup", "start-up"), ("checkpoint", "checkpoint stall"), ("eval", "evaluation"),
-            ("replayed", "replayed steps"), ("lost", "lost to restarts"), ("other", "other")))
-        return (f"goodput {f['goodput']:.3f}: productive {t['productive']:.1f} s of {t['total']:.1f} s "
-                f"over {t['starts']} start{'s' if t['starts'] != 1 else ''} ({parts})")
+        parts = ", ".join(
+            f"{name} {t[c]:.1f} s"
+            for c, name in (
+                ("startup", "start-up"),
+                ("checkpoint", "checkpoint stall"),
+                ("eval", "evaluation"),
+                ("replayed", "replayed steps"),
+                ("lost", "lost to restarts"),
+                ("other", "other"),
+            )
+        )
+        return (
+            f"goodput {f['goodput']:.3f}: productive {t['productive']:.1f} s of {t['total']:.1f} s "
+            f"over {t['starts']} start{'s' if t['starts'] != 1 else ''} ({parts})"
+        )
 
 
 def set_aside_earlier_start(run_dir, resume_step: int | None, clock: GoodputClock) -> tuple[int, str | None]:
@@ -182,6 +192,8 @@ def set_aside_earlier_start(run_dir, resume_step: int | None, clock: GoodputCloc
     if resume_step is not None:
         return last, None
     clock.starts += 1
-    return last, (f"k2-train: run.dir={run_dir} holds a run killed before its first checkpoint (steps up to "
-                  f"{last} logged): starting it afresh; its records moved to {REPLAYED_METRICS}, "
-                  f"{cost['replayed'] + cost['lost']:.1f} s counted as replayed and lost time")
+    return last, (
+        f"k2-train: run.dir={run_dir} holds a run killed before its first checkpoint (steps up to "
+        f"{last} logged): starting it afresh; its records moved to {REPLAYED_METRICS}, "
+        f"{cost['replayed'] + cost['lost']:.1f} s counted as replayed and lost time"
+    )

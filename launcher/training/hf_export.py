@@ -26,8 +26,15 @@ def export_checkpoint(run_dir, checkpoint: Path, model_type: str) -> str:
     """Run ``k2-convert export`` of ``checkpoint`` into :func:`export_dir`; returns the line to log (the
     tool's summary, or a warning with the last line of its error output)."""
     out = export_dir(run_dir, checkpoint)
-    cmd = [sys.executable, "-m", "k2.launcher.convert", "export", f"checkpoint={checkpoint}", f"out={out}",
-           f"convert.model_type={model_type}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "k2.launcher.convert",
+        "export",
+        f"checkpoint={checkpoint}",
+        f"out={out}",
+        f"convert.model_type={model_type}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode == 0:
         return (proc.stdout.strip().splitlines() or [f"k2-convert: exported {checkpoint} -> {out}"])[-1]

@@ -45,8 +45,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextlib.contextmanager
-def forwarding_signals(child: subprocess.Popen, to_workers: bool, run_dir=None,
-                       interrupts: list | None = None) -> Iterator[None]:
+def forwarding_signals(
+    child: subprocess.Popen, to_workers: bool, run_dir=None, interrupts: list | None = None
+) -> Iterator[None]:
     """While inside, SIGINT / SIGTERM / SIGUSR1 sent to this process are passed on to ``child``.
 
     Args:
@@ -127,39 +128,61 @@ def spawn_local_ranks(cfg: K2Config, plan, entry: Callable[[Any, Any], int]) -> 
     env["K2_SPAWNED"] = "1"  # the ranks need not re-announce what this process already did
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), f"--master-port={port}",
-           f"--call-fd={read_fd}"]
-    print(f"k2-train: spawning {nproc} local ranks (forked after one import of the trainer; rendezvous "
-          f"127.0.0.1:{port}), each running {entry.__module__}.{entry.__qualname__} with this composed "
-          f"config and plan", flush=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "k2.launcher.training.fork_ranks",
+        str(nproc),
+        f"--master-port={port}",
+        f"--call-fd={read_fd}",
+    ]
+    print(
+        f"k2-train: spawning {nproc} local ranks (forked after one import of the trainer; rendezvous "
+        f"127.0.0.1:{port}), each running {entry.__module__}.{entry.__qualname__} with this composed "
+        f"config and plan",
+        flush=True,
+    )
     try:
         child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, pass_fds=(read_fd,))
     finally:
         os.close(read_fd)
     # written from a thread: the pipe holds 64 KiB, and the launcher reads only after its imports (seconds),
     # while this thread must be passing signals on from the start
-    threading.Thread(target=_send, args=(write_fd, pickle.dumps((entry, (cfg, plan)))), name="k2-send-call",
-                     daemon=True).start()
+    threading.Thread(
+        target=_send, args=(write_fd, pickle.dumps((entry, (cfg, plan)))), name="k2-send-call", daemon=True
+    ).start()
     interrupts: list = []
     with forwarding_signals(child, to_workers=True, run_dir=cfg.run.dir, interrupts=interrupts):
         rc = child.wait()
     stopped = Path(cfg.run.dir) / INTERRUPT_MARKER
     if stopped.exists():
-        print(f"k2-train: the ranks saved step {stopped.read_text().strip()} and stopped (Ctrl-C); exit status "
-              f"{INTERRUPT_EXIT}", flush=True)
+        print(
+            f"k2-train: the ranks saved step {stopped.read_text().strip()} and stopped (Ctrl-C); exit status "
+            f"{INTERRUPT_EXIT}",
+            flush=True,
+        )
         return INTERRUPT_EXIT
     if interrupts and rc != 0:  # stopped before the ranks could agree on a save (start-up)
-        print(f"k2-train: stopped by Ctrl-C (the ranks ended with status {rc}); {kept_note(cfg.run.dir)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"k2-train: stopped by Ctrl-C (the ranks ended with status {rc}); {kept_note(cfg.run.dir)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return INTERRUPT_EXIT
     marker = Path(cfg.run.dir) / REQUEUE_MARKER
     if marker.exists() and marker.read_text().startswith("hang"):  # the ranks' hang watchdog stopped them
-        print(f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "
-              f"status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+        print(
+            f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "
+            f"status {REQUEUE_EXIT_CODE} (requeue)",
+            flush=True,
+        )
         return REQUEUE_EXIT_CODE
     if marker.exists():
-        print(f"k2-train: the ranks saved step {marker.read_text().strip()} and stopped for preemption; "
-              f"exit status {REQUEUE_EXIT_CODE} (requeue)", flush=True)
+        print(
+            f"k2-train: the ranks saved step {marker.read_text().strip()} and stopped for preemption; "
+            f"exit status {REQUEUE_EXIT_CODE} (requeue)",
+            flush=True,
+        )
         return REQUEUE_EXIT_CODE
     return rc
 

@@ -45,11 +45,23 @@ if TYPE_CHECKING:
     from k2.schedules.wsd import Phase
 
 
-def step_record(step: int, phase: Phase, *, consumed_tokens: int, lr: float, loss: float,
-                grad_norm: SupportsFloat | None, update_ok: bool, seconds: float, tokens_per_step: int,
-                attn: Mapping[str, Any], mfu: tuple[float, float | None],
-                extra: Iterable[Mapping[str, Any]] = (), saved_bytes_per_microbatch: float | None = None,
-                replayed: bool = False) -> dict[str, Any]:
+def step_record(
+    step: int,
+    phase: Phase,
+    *,
+    consumed_tokens: int,
+    lr: float,
+    loss: float,
+    grad_norm: SupportsFloat | None,
+    update_ok: bool,
+    seconds: float,
+    tokens_per_step: int,
+    attn: Mapping[str, Any],
+    mfu: tuple[float, float | None],
+    extra: Iterable[Mapping[str, Any]] = (),
+    saved_bytes_per_microbatch: float | None = None,
+    replayed: bool = False,
+) -> dict[str, Any]:
     """The record of optimizer step ``step`` in ``metrics.jsonl`` (module docstring), its keys in this order:
     ``step``, ``consumed_tokens``, the phase's ``phase`` / ``seq_length`` / ``global_batch_size`` /
     ``num_microbatches`` / ``layer_recompute``, ``lr``, ``loss``, ``grad_norm``, ``tokens_per_s``,
@@ -95,8 +107,7 @@ def step_record(step: int, phase: Phase, *, consumed_tokens: int, lr: float, los
     return record
 
 
-def step_mfu(flops: float, seconds: float, num_ranks: int, cfg: K2Config,
-             on_gpu: bool) -> tuple[float, float | None]:
+def step_mfu(flops: float, seconds: float, num_ranks: int, cfg: K2Config, on_gpu: bool) -> tuple[float, float | None]:
     """``(model TFLOP/s per rank, MFU)`` of a step against the peak of the device the run used: on a GPU
     the BF16 peak of ``plan.hardware``'s profile, or ``cluster.peak_tflops`` where set
     (:func:`k2.config.hardware.peak_tflops`); on CPU ``cluster.cpu_peak_tflops`` (a GEMM rate of one rank),
@@ -152,9 +163,11 @@ def set_aside_torn_records(run_dir: str | Path) -> list[str]:
         tmp = path.with_name(name + ".tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in lines if _is_record(line)))
         os.replace(tmp, path)
-        notes.append(f"k2-train: {path} held {len(torn)} torn record{'s' if len(torn) > 1 else ''} "
-                     f"({sum(map(len, torn))} bytes: a process killed while writing it), moved to "
-                     f"{name + TORN_SUFFIX}: the file parses line by line again")
+        notes.append(
+            f"k2-train: {path} held {len(torn)} torn record{'s' if len(torn) > 1 else ''} "
+            f"({sum(map(len, torn))} bytes: a process killed while writing it), moved to "
+            f"{name + TORN_SUFFIX}: the file parses line by line again"
+        )
     return notes
 
 
@@ -223,9 +236,16 @@ class MetricsLogger:
         self._plain_every = 0
         self._wandb_id: str | None = None
 
-    def open(self, total_steps: int, wandb_cfg: WandbConfig | None = None, config: dict | None = None,
-             progress: bool = True, start_step: int = 0, log_interval: int = 10,
-             wandb_run_id: str | None = None) -> MetricsLogger:
+    def open(
+        self,
+        total_steps: int,
+        wandb_cfg: WandbConfig | None = None,
+        config: dict | None = None,
+        progress: bool = True,
+        start_step: int = 0,
+        log_interval: int = 10,
+        wandb_run_id: str | None = None,
+    ) -> MetricsLogger:
         """Open ``metrics.jsonl`` (appended), the wandb run and the progress bar. Returns this logger.
 
         Args:
@@ -251,12 +271,10 @@ class MetricsLogger:
         elif progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         return self
 
-    def _init_wandb(self, wandb_cfg: WandbConfig, config: dict | None,
-                    wandb_run_id: str | None) -> None:
+    def _init_wandb(self, wandb_cfg: WandbConfig, config: dict | None, wandb_run_id: str | None) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
@@ -286,9 +304,12 @@ class MetricsLogger:
         except Exception as e:
             self._wandb = None
             _teardown_wandb()
-            print(f"k2-train: warning: wandb failed in {what} ({type(e).__name__}: {e}); wandb logging is off "
-                  f"for the rest of this process, training and {self.run_dir / 'metrics.jsonl'} go on",
-                  file=sys.stderr, flush=True)
+            print(
+                f"k2-train: warning: wandb failed in {what} ({type(e).__name__}: {e}); wandb logging is off "
+                f"for the rest of this process, training and {self.run_dir / 'metrics.jsonl'} go on",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -309,14 +330,18 @@ class MetricsLogger:
             post = {"loss": f"{rec.get('loss', float('nan')):.4f}", "tok/s": f"{rec.get('tokens_per_s', 0):.0f}"}
             if "val_loss" in rec:
                 post["val"] = f"{rec['val_loss']:.4f}"
-                self._bar.write(f"step {rec['step']}: loss {rec.get('loss', float('nan')):.4f} "
-                                f"val_loss {rec['val_loss']:.4f}")
+                self._bar.write(
+                    f"step {rec['step']}: loss {rec.get('loss', float('nan')):.4f} val_loss {rec['val_loss']:.4f}"
+                )
             self._bar.set_postfix(post)
-        elif self._plain_every and (rec["step"] % self._plain_every == 0 or "val_loss" in rec
-                                    or rec["step"] == self._total):
-            line = (f"step {rec['step']}/{self._total} | loss {rec.get('loss', float('nan')):.4f} | "
-                    f"lr {rec.get('lr', 0.0):.3g} | grad_norm {rec.get('grad_norm') or 0.0:.3f} | "
-                    f"{rec.get('tokens_per_s', 0.0):,.0f} tok/s")
+        elif self._plain_every and (
+            rec["step"] % self._plain_every == 0 or "val_loss" in rec or rec["step"] == self._total
+        ):
+            line = (
+                f"step {rec['step']}/{self._total} | loss {rec.get('loss', float('nan')):.4f} | "
+                f"lr {rec.get('lr', 0.0):.3g} | grad_norm {rec.get('grad_norm') or 0.0:.3f} | "
+                f"{rec.get('tokens_per_s', 0.0):,.0f} tok/s"
+            )
             if "val_loss" in rec:
                 line += f" | val_loss {rec['val_loss']:.4f}"
             print(line, file=sys.stderr, flush=True)

@@ -1,5 +1,4 @@
-"""Expert-load and aux-loss metrics of each step (K2's aux-loss-free balancing: docs/k2_reference.md "Model").
-"""
+"""Expert-load and aux-loss metrics of each step (K2's aux-loss-free balancing: docs/k2_reference.md "Model")."""
 
 from __future__ import annotations
 
@@ -16,8 +15,9 @@ def _routers(model: list):
                 yield mod
 
 
-def moe_step_metrics(model: list, num_layers: int, num_experts: int | None, num_microbatches: int,
-                     moe_layer_freq) -> dict:
+def moe_step_metrics(
+    model: list, num_layers: int, num_experts: int | None, num_microbatches: int, moe_layer_freq
+) -> dict:
     """Expert-load and aux-loss metrics of the step just run (collective over all ranks).
 
     Returns:

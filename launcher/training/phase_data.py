@@ -21,8 +21,9 @@ def microbatch_iterators(dataset, phase, plan: RunPlan, dp_rank: int, start_samp
     iterator per virtual stage), all over the same samples: ``phase.global_batch_size`` sequences per
     step, ``phase.micro_batch_size`` per microbatch, this DP rank's share, from ``start_sample``."""
     return [
-        MicrobatchIterator(dataset, phase.global_batch_size, phase.micro_batch_size, dp_rank,
-                           plan.dims.dp, start_sample=start_sample)
+        MicrobatchIterator(
+            dataset, phase.global_batch_size, phase.micro_batch_size, dp_rank, plan.dims.dp, start_sample=start_sample
+        )
         for _ in range(plan.dims.vpp)
     ]
 
@@ -99,15 +100,21 @@ class PhaseData:
             self.samples_before = sum(b - a + 1 for _, a, b in same if b < first) * G
             self.data = self.phase_data(phase)
             self.train_ds, self.valid_ds = build_datasets(
-                self.data, phase.seq_length, self.seed,
-                train_samples=max(sum(b - a + 1 for _, a, b in same) * G,
-                                  -(-int(self.index_tokens or 0) // phase.seq_length)),
+                self.data,
+                phase.seq_length,
+                self.seed,
+                train_samples=max(
+                    sum(b - a + 1 for _, a, b in same) * G, -(-int(self.index_tokens or 0) // phase.seq_length)
+                ),
                 valid_samples=max(1, self.eval_iters) * G,
             )
             self.key, self.first_step, rebuilt = key, first, True
         self.phase = phase
         self.iters = microbatch_iterators(
-            self.train_ds, phase, self.plan, self.dp_rank,
+            self.train_ds,
+            phase,
+            self.plan,
+            self.dp_rank,
             start_sample=self.samples_before + (step - self.first_step) * phase.global_batch_size,
         )
         return rebuilt

@@ -51,8 +51,11 @@ INTERRUPT_MARKER = "interrupted"
 #: the other ranks SIGTERM
 PEER_FAILED_ENV = "K2_PEER_FAILED_FILE"
 #: the checkpoint reason of each agreed stop (:attr:`Preemption.reason` -> ``k2_state.json``'s ``reason``)
-_SAVE_REASONS = {"signal": SaveReason.PREEMPTED_SIGNAL, "run.max_minutes": SaveReason.PREEMPTED_TIME,
-                 "interrupt": SaveReason.INTERRUPTED}
+_SAVE_REASONS = {
+    "signal": SaveReason.PREEMPTED_SIGNAL,
+    "run.max_minutes": SaveReason.PREEMPTED_TIME,
+    "interrupt": SaveReason.INTERRUPTED,
+}
 
 
 def peer_failure() -> str | None:
@@ -110,8 +113,11 @@ def hard_stop(run_dir, what: str) -> None:
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    os.write(2, f"k2-train: {what}: stopped at once (SIGKILL to {len(descendants)} processes); the step in "
-                f"progress is not saved; {kept_note(run_dir)}\n".encode())
+    os.write(
+        2,
+        f"k2-train: {what}: stopped at once (SIGKILL to {len(descendants)} processes); the step in "
+        f"progress is not saved; {kept_note(run_dir)}\n".encode(),
+    )
     os._exit(INTERRUPT_EXIT)
 
 
@@ -166,15 +172,21 @@ class Preemption:
         another rank failed (:func:`peer_failure`), that failure's."""
         peer = peer_failure()
         if peer is not None:
-            return (f"k2-train: {name} from the rank launcher during {during}: {peer}, so every rank stops; "
-                    f"the step in progress is not saved; {kept_note(self.run_dir)}")
+            return (
+                f"k2-train: {name} from the rank launcher during {during}: {peer}, so every rank stops; "
+                f"the step in progress is not saved; {kept_note(self.run_dir)}"
+            )
         when = "after the first step" if during == "start-up" else f"at the end of {during}"
         if name == "SIGINT":
-            return (f"k2-train: Ctrl-C (SIGINT) during {during}: saving a checkpoint {when} (a background save "
-                    f"in flight is finished first), then exiting with status {INTERRUPT_EXIT}; Ctrl-C again stops "
-                    f"at once without saving (now: {kept_note(self.run_dir)})")
-        return (f"k2-train: {name} received during {during}; saving a checkpoint {when}, then exiting with "
-                f"{REQUEUE_EXIT_CODE} (requeue)")
+            return (
+                f"k2-train: Ctrl-C (SIGINT) during {during}: saving a checkpoint {when} (a background save "
+                f"in flight is finished first), then exiting with status {INTERRUPT_EXIT}; Ctrl-C again stops "
+                f"at once without saving (now: {kept_note(self.run_dir)})"
+            )
+        return (
+            f"k2-train: {name} received during {during}; saving a checkpoint {when}, then exiting with "
+            f"{REQUEUE_EXIT_CODE} (requeue)"
+        )
 
     def local_request(self) -> int:
         """3 when this rank got Ctrl-C, 1 another signal, 2 when its budget ran out, else 0 (the agreed

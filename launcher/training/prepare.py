@@ -58,11 +58,12 @@ class RunPlan:
         if self.resume_from is None or self.resume_step < self.steps:
             return None
         total = self.schedule.total_steps
-        more = (f"train on with a larger train.iters (the schedule runs to step {total}); "
-                if self.steps < total else "")
-        return (f"the checkpoint {self.resume_from} is at step {self.resume_step}, the run ends at step "
-                f"{self.steps} (train.iters / the schedule): nothing to do; {more}to start the run afresh, use a "
-                f"new run.dir (or delete {self.resume_from.parent}, the checkpoints of this one)")
+        more = f"train on with a larger train.iters (the schedule runs to step {total}); " if self.steps < total else ""
+        return (
+            f"the checkpoint {self.resume_from} is at step {self.resume_step}, the run ends at step "
+            f"{self.steps} (train.iters / the schedule): nothing to do; {more}to start the run afresh, use a "
+            f"new run.dir (or delete {self.resume_from.parent}, the checkpoints of this one)"
+        )
 
     @property
     def ends_before_decay(self) -> str | None:
@@ -78,10 +79,12 @@ class RunPlan:
             return None
         phase = self.schedule.step_phase(self.steps)
         assert phase is not None  # (steps < the schedule's total)
-        return (f"train.iters={self.steps} ends the run at step {self.steps} of the {total} of schedule "
-                f"'{self.schedule.name}', in phase '{phase.name}', at LR {lr_stop:.3g}: the LR does not reach the "
-                f"schedule's end ({lr_end:.3g}); to train a shorter run through its decay, shorten the schedule "
-                "(schedule.phases.*: steps, tokens, until_tokens) instead")
+        return (
+            f"train.iters={self.steps} ends the run at step {self.steps} of the {total} of schedule "
+            f"'{self.schedule.name}', in phase '{phase.name}', at LR {lr_stop:.3g}: the LR does not reach the "
+            f"schedule's end ({lr_end:.3g}); to train a shorter run through its decay, shorten the schedule "
+            "(schedule.phases.*: steps, tokens, until_tokens) instead"
+        )
 
     @property
     def layout(self) -> dict:
@@ -119,7 +122,11 @@ def prepare_run(cfg: K2Config, world_size: int) -> RunPlan:
     if resume_from is not None:
         state = read_state(resume_from)
         resume_step = int(state["step"])
-        check_resume_data(resume_from, state, phase_data, [p.name for p in schedule.phases],
-                          bool(resume_settings(cfg.resume)["force"]))
-    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from, resume_step,
-                   phase_data)
+        check_resume_data(
+            resume_from,
+            state,
+            phase_data,
+            [p.name for p in schedule.phases],
+            bool(resume_settings(cfg.resume)["force"]),
+        )
+    return RunPlan(dims, schedule, steps, data, schedule.global_batch_tokens, resume_from, resume_step, phase_data)

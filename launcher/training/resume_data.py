@@ -48,8 +48,10 @@ def check_resume_data(checkpoint: Path, state: dict, phase_data: tuple, phase_na
     if problems:
         raise ConfigError(
             f"resuming from {checkpoint} would train phase '{state['phase']}' on other data: "
-            + "; ".join(problems) + ". Restore the dataset, start a new run.dir, or accept the change "
-            "with resume.force=true")
+            + "; ".join(problems)
+            + ". Restore the dataset, start a new run.dir, or accept the change "
+            "with resume.force=true"
+        )
 
 
 def _show(fp) -> str:

@@ -35,8 +35,12 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]], bool]] = {
     "grad_norm": ("Gradient norm", "global grad norm", [("grad_norm", "grad norm")], True),
     "max_logit": ("Max attention logit", "max logit", [("max_attn_logit", "max attention logit")], False),
     "throughput": ("Throughput", "tokens/s", [("tokens_per_s", "tokens/s")], False),
-    "moe_balance": ("MoE load balance", "busiest expert / mean",
-                    [("moe_load_max_over_mean", "max / mean tokens per expert")], False),
+    "moe_balance": (
+        "MoE load balance",
+        "busiest expert / mean",
+        [("moe_load_max_over_mean", "max / mean tokens per expert")],
+        False,
+    ),
 }
 
 
@@ -59,8 +63,10 @@ class RunReport:
         width = max(len(k) for k, _ in self.summary)
         lines = [f"k2-report: {self.run_dir}"] + [f"  {k:<{width}}  {v}" for k, v in self.summary]
         if self.pngs:
-            lines.append(f"  {'figures':<{width}}  {Path(next(iter(self.pngs.values()))).parent}/: "
-                         + ", ".join(Path(p).name for p in self.pngs.values()))
+            lines.append(
+                f"  {'figures':<{width}}  {Path(next(iter(self.pngs.values()))).parent}/: "
+                + ", ".join(Path(p).name for p in self.pngs.values())
+            )
         return "\n".join(lines)
 
 
@@ -165,13 +171,22 @@ def draw_figures(series: dict, boundaries: list, tau: float | None, ceiling: flo
         handles = []
         if name == "throughput" and "mfu" in series:
             ax2 = ax.twinx()
-            handles = ax2.plot(*[[100 * y for y in v] if i else v for i, v in enumerate(series["mfu"])],
-                               color="C1", lw=1, label="MFU")
+            handles = ax2.plot(
+                *[[100 * y for y in v] if i else v for i, v in enumerate(series["mfu"])], color="C1", lw=1, label="MFU"
+            )
             ax2.set_ylabel("MFU (%)")
         for x, phase in boundaries:
             ax.axvline(x, color="gray", ls=":", lw=0.8)
-            ax.annotate(phase, (x, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
-                        ha="right", fontsize=7, color="gray")
+            ax.annotate(
+                phase,
+                (x, 1),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color="gray",
+            )
         if log:
             ax.set_yscale("log")
         ax.set_xlabel("tokens")
@@ -179,8 +194,14 @@ def draw_figures(series: dict, boundaries: list, tau: float | None, ceiling: flo
         ax.set_title(f"{title}\n({MOE_HEALTHY})" if name == "moe_balance" else title)
         # one legend below the axes: inside them it covered the phase names at the top and the curves
         lines = ax.get_legend_handles_labels()[0] + handles
-        ax.legend(handles=lines, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(lines), 4),
-                  fontsize=8, frameon=False)
+        ax.legend(
+            handles=lines,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.16),
+            ncol=min(len(lines), 4),
+            fontsize=8,
+            frameon=False,
+        )
         fig.tight_layout()
         figs[name] = fig
     return figs
@@ -191,8 +212,9 @@ def summarize(records: list[dict], series: dict, run_dir: Path) -> list[tuple[st
     steps = [r for r in records if r.get("step", 0) >= 1 and "loss" in r]
     out = [("steps", f"{steps[-1]['step']:,} ({steps[-1]['consumed_tokens']:,} tokens)" if steps else "none yet")]
     if steps:
-        out.append(("last phase", f"{steps[-1].get('phase', '-')} at {steps[-1].get('seq_length', '-')} tokens "
-                                  "per sequence"))
+        out.append(
+            ("last phase", f"{steps[-1].get('phase', '-')} at {steps[-1].get('seq_length', '-')} tokens per sequence")
+        )
         out.append(("final loss", f"{steps[-1]['loss']:.4f}"))
     if "val_loss" in series:
         xs, ys = series["val_loss"]
@@ -202,25 +224,40 @@ def summarize(records: list[dict], series: dict, run_dir: Path) -> list[tuple[st
         ys = series["tokens_per_s"][1]
         out.append(("tokens/s", f"{statistics.median(ys):,.0f} median ({min(ys):,.0f}-{max(ys):,.0f})"))
     mfu_ys = series.get("mfu", ([], []))[1]
-    out.append(("MFU", f"{100 * statistics.median(mfu_ys):.2f}% median" if mfu_ys else
-                "none (a CPU run without cluster.cpu_peak_tflops: no peak to measure against)"))
+    out.append(
+        (
+            "MFU",
+            f"{100 * statistics.median(mfu_ys):.2f}% median"
+            if mfu_ys
+            else "none (a CPU run without cluster.cpu_peak_tflops: no peak to measure against)",
+        )
+    )
     if "max_attn_logit" in series:
         clipped = sum(int(r.get("qk_clipped_heads") or 0) for r in steps)
         tau = _tau(run_dir)
-        clip = (f"QK-Clip at tau {tau:g} clipped {clipped:,} head-steps" if tau is not None
-                else "QK-Clip off: optim.qk_clip_tau is null")
+        clip = (
+            f"QK-Clip at tau {tau:g} clipped {clipped:,} head-steps"
+            if tau is not None
+            else "QK-Clip off: optim.qk_clip_tau is null"
+        )
         out.append(("max attn logit", f"{max(series['max_attn_logit'][1]):.2f} ({clip})"))
     if "moe_load_max_over_mean" in series:
         ys = series["moe_load_max_over_mean"][1]
         ceiling = moe_ceiling(run_dir)
         scale = f"; 1 = balanced, {ceiling:g} = collapsed" if ceiling else "; 1 = balanced"
-        out.append(("MoE balance", f"busiest expert {ys[-1]:.2f}x the mean (last step), {max(ys):.2f}x max, "
-                                   f"{statistics.median(ys[len(ys) // 5:]):.2f}x median after the first fifth{scale}"))
+        out.append(
+            (
+                "MoE balance",
+                f"busiest expert {ys[-1]:.2f}x the mean (last step), {max(ys):.2f}x max, "
+                f"{statistics.median(ys[len(ys) // 5 :]):.2f}x median after the first fifth{scale}",
+            )
+        )
     wandb_dir = run_dir / "wandb"
     if wandb_dir.is_dir():
         offline = sorted(p.name for p in wandb_dir.glob("offline-run-*"))
-        out.append(("wandb", f"{wandb_dir}" + (f" (offline; upload: wandb sync {wandb_dir}/{offline[-1]})"
-                                                if offline else "")))
+        out.append(
+            ("wandb", f"{wandb_dir}" + (f" (offline; upload: wandb sync {wandb_dir}/{offline[-1]})" if offline else ""))
+        )
     return out
 
 

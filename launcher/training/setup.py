@@ -84,11 +84,18 @@ def _initialise(init, chunks: list, tcfg, cfg: K2Config) -> None:
         layout_independent_init(chunks, tcfg, int(init))
 
 
-def setup(cfg: K2Config, dims, schedule, *, rope_type: str | None = None,
-          memory: MemoryOptions | None = None,
-          memory_switches: Sequence[MemoryOptions] = (),
-          init: str | int | Callable[[list, Any], None] | None = CONFIG_INIT,
-          pipeline: bool = False, lr_scheduler: bool = False) -> SetupOutput:
+def setup(
+    cfg: K2Config,
+    dims,
+    schedule,
+    *,
+    rope_type: str | None = None,
+    memory: MemoryOptions | None = None,
+    memory_switches: Sequence[MemoryOptions] = (),
+    init: str | int | Callable[[list, Any], None] | None = CONFIG_INIT,
+    pipeline: bool = False,
+    lr_scheduler: bool = False,
+) -> SetupOutput:
     """Build this rank's training parts in the trainer's order (module docstring).
 
     Args:
@@ -115,8 +122,14 @@ def setup(cfg: K2Config, dims, schedule, *, rope_type: str | None = None,
     dist_opt = bool(cfg.parallel.use_distributed_optimizer)
     spec = optimizer_spec(cfg.optim.name)
     place = spec.placement(cfg.optim, dist_opt)
-    routes = tag_parameters(chunks, tcfg, muon=place.muon, zero1_muon=place.zero1_muon,
-                            default_route=spec.default.route, **param_rules(cfg.optim))
+    routes = tag_parameters(
+        chunks,
+        tcfg,
+        muon=place.muon,
+        zero1_muon=place.zero1_muon,
+        default_route=spec.default.route,
+        **param_rules(cfg.optim),
+    )
     hooks, delay_wgrad = setup_pipeline(cfg.pipeline, chunks) if pipeline else (None, False)
     model = wrap_model(chunks, tcfg, dist_opt, layer_wise=place.layer_wise, delay_wgrad_compute=delay_wgrad)
     optimizer = build_optimizer(cfg.optim, model, tcfg, schedule, dist_opt)

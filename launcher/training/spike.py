@@ -141,17 +141,22 @@ class SpikeGuard:
     def _decide(self, step: int, loss: float, grad_norm: float | None) -> bool:
         seen = loss * _injected(step, self.rank)
         min_count = max(2, self.window // 2)
-        which = [name for name, value, window in (("loss", seen, self.losses),
-                                                  ("grad_norm", grad_norm, self.grad_norms))
-                 if _outlier(value, window, self.sigma, min_count)]
+        which = [
+            name
+            for name, value, window in (("loss", seen, self.losses), ("grad_norm", grad_norm, self.grad_norms))
+            if _outlier(value, window, self.sigma, min_count)
+        ]
         flag = all_reduce_int(int(bool(which)), "max")
         self.last = {"spike": bool(flag)}
         if flag:
             self.consecutive += 1
             self.last["spike_action"] = self.action
             self.last["spike_on"] = which or ["another rank's value"]
-            self.last["spike_sigmas"] = {name: self._sigmas(v, w) for name, v, w in (
-                ("loss", seen, self.losses), ("grad_norm", grad_norm, self.grad_norms)) if name in which}
+            self.last["spike_sigmas"] = {
+                name: self._sigmas(v, w)
+                for name, v, w in (("loss", seen, self.losses), ("grad_norm", grad_norm, self.grad_norms))
+                if name in which
+            }
         else:
             self.consecutive = 0  # (a NaN / inf value stops the run in the divergence check next)
             for value, window in ((seen, self.losses), (grad_norm, self.grad_norms)):
@@ -167,8 +172,9 @@ class SpikeGuard:
 
     # ------------------------------------------------------------------ reporting
 
-    def finish_step(self, step: int, record: dict, log: Callable[[str], None],
-                    last_checkpoint: Callable[[], Path | None]) -> None:
+    def finish_step(
+        self, step: int, record: dict, log: Callable[[str], None], last_checkpoint: Callable[[], Path | None]
+    ) -> None:
         """Report the decision of ``step`` and stop the run when it must end.
 
         Adds to ``record`` (the step's ``metrics.jsonl`` record) ``spike`` (bool) and, for a spike,
@@ -182,23 +188,31 @@ class SpikeGuard:
         record.update(self.last)
         if not self.last.get("spike"):
             return
-        on = ", ".join(f"{k} {v:.1f} sigma" for k, v in self.last["spike_sigmas"].items()) or \
-            "on another rank's values"
-        what = {"log": "logged only (train.spike.action=log)",
-                "skip": "update skipped, its tokens count as consumed",
-                "stop": "stopping the run (train.spike.action=stop)"}[self.action]
+        on = ", ".join(f"{k} {v:.1f} sigma" for k, v in self.last["spike_sigmas"].items()) or "on another rank's values"
+        what = {
+            "log": "logged only (train.spike.action=log)",
+            "skip": "update skipped, its tokens count as consumed",
+            "stop": "stopping the run (train.spike.action=stop)",
+        }[self.action]
         log(f"step {step}: spike ({on} above the mean of the last {len(self.losses)} steps): {what}")
         why = None
         if self.action == "stop":
             why = f"loss spike at step {step} (train.spike.action=stop)"
         elif self.action == "skip" and self.consecutive > self.max_consecutive_skips:
-            why = (f"{self.consecutive} loss spikes in a row up to step {step} (more than "
-                   f"train.spike.max_consecutive_skips={self.max_consecutive_skips})")
+            why = (
+                f"{self.consecutive} loss spikes in a row up to step {step} (more than "
+                f"train.spike.max_consecutive_skips={self.max_consecutive_skips})"
+            )
         if why is not None:
             last = last_checkpoint()
-            raise TrainingDiverged(f"{why}; the step is not saved; " + (
-                f"the last checkpoint is {last}" if last is not None
-                else "no checkpoint was saved before it (train.save_interval)"))
+            raise TrainingDiverged(
+                f"{why}; the step is not saved; "
+                + (
+                    f"the last checkpoint is {last}"
+                    if last is not None
+                    else "no checkpoint was saved before it (train.save_interval)"
+                )
+            )
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -120,8 +120,9 @@ class TrainingDiverged(RuntimeError):
     :data:`k2.launcher.cli.DIVERGED_EXIT`."""
 
 
-def check_finite(step: int, lr: float, loss: float, grad_norm: float | None,
-                 last_checkpoint: Callable[[], Path | None]) -> None:
+def check_finite(
+    step: int, lr: float, loss: float, grad_norm: float | None, last_checkpoint: Callable[[], Path | None]
+) -> None:
     """Stop the run when ``loss`` or ``grad_norm`` (both global: the same on every rank) is not finite.
 
     Args:
@@ -133,12 +134,19 @@ def check_finite(step: int, lr: float, loss: float, grad_norm: float | None,
     Raises:
         TrainingDiverged: a NaN / inf value; nothing of this step is saved.
     """
-    bad = [f"{name} {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
-           if value is not None and not math.isfinite(value)]
+    bad = [
+        f"{name} {value}"
+        for name, value in (("loss", loss), ("gradient norm", grad_norm))
+        if value is not None and not math.isfinite(value)
+    ]
     if not bad:
         return
     last = last_checkpoint()
-    where = (f"the last checkpoint is {last}" if last is not None
-             else "no checkpoint was saved before it (train.save_interval)")
-    raise TrainingDiverged(f"training diverged at step {step} (lr {lr:.6g}): {', '.join(bad)}; "
-                           f"the step is not saved; {where}")
+    where = (
+        f"the last checkpoint is {last}"
+        if last is not None
+        else "no checkpoint was saved before it (train.save_interval)"
+    )
+    raise TrainingDiverged(
+        f"training diverged at step {step} (lr {lr:.6g}): {', '.join(bad)}; the step is not saved; {where}"
+    )

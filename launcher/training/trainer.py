@@ -85,13 +85,15 @@ def run(cfg: K2Config, plan: RunPlan, env: DistEnv) -> dict[str, Any]:
         plan: from :func:`k2.launcher.training.prepare.prepare_run` for ``env.world_size``.
         env: this process's rank and world (:func:`k2.parallel.distributed.dist_env`).
     """
+
     def startup_notice(name: str) -> None:  # (replaced by the metrics logger once it exists)
         if env.rank == 0:
             print(preemption.notice(name, "start-up"), flush=True)
 
     # (top: k2-train itself runs this one rank, so a second Ctrl-C stops it at once)
-    preemption = Preemption(cfg.run.max_minutes, on_signal=startup_notice, run_dir=cfg.run.dir,
-                            top=not env.launched).install()
+    preemption = Preemption(
+        cfg.run.max_minutes, on_signal=startup_notice, run_dir=cfg.run.dir, top=not env.launched
+    ).install()
     try:
         return Trainer(cfg, plan, env, preemption).train()
     finally:
@@ -122,14 +124,22 @@ class Trainer:
         self._prepare_corpus()
         self.rope_type = self._phase_of_step(1).rope_type
         # the run's parts; saved-tensor scopes for every phase's memory.* settings (the first phase's: below)
-        parts = setup(cfg, plan.dims, plan.schedule, rope_type=self.rope_type,
-                      memory_switches=run_memory_options(plan.schedule), pipeline=True, lr_scheduler=True)
+        parts = setup(
+            cfg,
+            plan.dims,
+            plan.schedule,
+            rope_type=self.rope_type,
+            memory_switches=run_memory_options(plan.schedule),
+            pipeline=True,
+            lr_scheduler=True,
+        )
         self.tcfg, self.chunks, self.model, self.optimizer = parts.tcfg, parts.chunks, parts.model, parts.optimizer
         self.pipeline, self.qk_clip = parts.pipeline, parts.qk_clip
         self.all_routes = self._gather(parts.routes)  # which optimizer each parameter gets, of every rank
         data_seed = cfg.run.seed if cfg.data.seed is None else cfg.data.seed  # data.seed: null = run.seed
-        self.data = PhaseData(data_seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank(),
-                              index_tokens=cfg.data.index_tokens)
+        self.data = PhaseData(
+            data_seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank(), index_tokens=cfg.data.index_tokens
+        )
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         placement = optimizer_spec(cfg.optim.name).placement(cfg.optim, cfg.parallel.use_distributed_optimizer)
@@ -140,9 +150,17 @@ class Trainer:
         # the parts with state, registered once: the run's position, its wall-time split, the loss-spike
         # window (k2_state.json), and the model and optimizer tensors
         self.checkpointer = CheckpointManager(
-            config=cfg, resume_from=plan.resume_from, run_state=self.state, clock=self.goodput,
-            states={"spike": self.spike}, model=self.model, optimizer=self.optimizer, watchdog=self.watchdog,
-            log=self.logger.message, after_last_save=self._export_at_end)
+            config=cfg,
+            resume_from=plan.resume_from,
+            run_state=self.state,
+            clock=self.goodput,
+            states={"spike": self.spike},
+            model=self.model,
+            optimizer=self.optimizer,
+            watchdog=self.watchdog,
+            log=self.logger.message,
+            after_last_save=self._export_at_end,
+        )
         self.prepare_run_dir()
         resumed_note = self.checkpointer.restore(env.world_size)
         if self.checkpointer.branch_start:  # a wandb run of its own, not the trunk's continued
@@ -198,8 +216,13 @@ class Trainer:
     def _init_process_groups(self) -> int:
         """Process groups and megatron's parallel state for ``plan.dims``; returns this rank."""
         cfg = self.cfg
-        init_distributed(self.env, self.plan.dims, cfg.run.seed, rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
-                         timeout_s=process_group_timeout_s(cfg.run))
+        init_distributed(
+            self.env,
+            self.plan.dims,
+            cfg.run.seed,
+            rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
+            timeout_s=process_group_timeout_s(cfg.run),
+        )
         return dist.get_rank()
 
     def _prepare_corpus(self) -> None:
@@ -258,8 +281,12 @@ class Trainer:
         config = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(config, dict)
         self.logger.open(
-            total_steps=plan.steps, wandb_cfg=cfg.run.wandb, config=config,
-            progress=cfg.train.progress, log_interval=cfg.train.log_interval, start_step=start,
+            total_steps=plan.steps,
+            wandb_cfg=cfg.run.wandb,
+            config=config,
+            progress=cfg.train.progress,
+            log_interval=cfg.train.log_interval,
+            start_step=start,
             wandb_run_id=self.state.wandb_run_id,
         )
         self.state.wandb_run_id = self.logger.wandb_run_id
@@ -268,7 +295,8 @@ class Trainer:
         self.logger.message(
             f"k2-train: world={self.env.world_size} PP={d.pp} VPP={d.vpp} EP={d.ep} DP={d.dp}; "
             f"schedule={plan.schedule.name}: {plan.steps} steps x {plan.tokens_per_step:,} tokens; "
-            f"rank-0 params={n_params:,}; run.dir={self.run_dir}")
+            f"rank-0 params={n_params:,}; run.dir={self.run_dir}"
+        )
         for note in [*torn_notes, fresh_note] if fresh_note else torn_notes:
             self.logger.message(note)
         marker_note = self.checkpointer.latest_note() if self.rank == 0 else None  # latest was not usable
@@ -277,21 +305,31 @@ class Trainer:
         if resumed_note:
             self.logger.message(
                 f"k2-train: {resumed_note}"
-                + (f"; steps {start + 1}..{replayed_until} are re-run (their earlier records moved to "
-                   f"{REPLAYED_METRICS})" if replayed_until > start else ""))
+                + (
+                    f"; steps {start + 1}..{replayed_until} are re-run (their earlier records moved to "
+                    f"{REPLAYED_METRICS})"
+                    if replayed_until > start
+                    else ""
+                )
+            )
         if self.rank == 0:  # the optimizer of every parameter of the model (all ranks')
             table = format_route_table(route_table(r for rank_routes in self.all_routes for r in rank_routes))
             (self.run_dir / "optimizer_params.txt").write_text(table + "\n")
             if not start:  # one line: the table is in the file
-                self.logger.message(f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}): "
-                                    f"{table.splitlines()[-1]}; per parameter: {self.run_dir / 'optimizer_params.txt'}")
+                self.logger.message(
+                    f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}): "
+                    f"{table.splitlines()[-1]}; per parameter: {self.run_dir / 'optimizer_params.txt'}"
+                )
         if start >= plan.steps:
-            self.logger.message(f"k2-train: the checkpoint is at step {start}, the run ends at step "
-                                f"{plan.steps} (train.iters / the schedule): nothing to do")
+            self.logger.message(
+                f"k2-train: the checkpoint is at step {start}, the run ends at step "
+                f"{plan.steps} (train.iters / the schedule): nothing to do"
+            )
         else:
             self.logger.message(f"step {start + 1}: {self._describe(self.data.phase)}")
         self.preemption.on_signal = lambda name: self.logger.message(
-            self.preemption.notice(name, f"step {self.preemption.step}"))
+            self.preemption.notice(name, f"step {self.preemption.step}")
+        )
         return replayed_until
 
     # ------------------------------------------------------------------ one step
@@ -304,8 +342,15 @@ class Trainer:
             with self.goodput.timed("eval"):
                 val_loss = self._evaluate(phase)
             self.logger.message(f"step 0: val_loss {val_loss:.4f} (before training)")
-            self.logger.log_before_training({"step": 0, "consumed_tokens": 0, "phase": phase.name,
-                                             "seq_length": phase.seq_length, "val_loss": val_loss})
+            self.logger.log_before_training(
+                {
+                    "step": 0,
+                    "consumed_tokens": 0,
+                    "phase": phase.name,
+                    "seq_length": phase.seq_length,
+                    "val_loss": val_loss,
+                }
+            )
 
     def enter_phase(self, step: int) -> Phase:
         """The phase of ``step`` (the one holding its first token); at a boundary, switch datasets, RoPE
@@ -352,14 +397,31 @@ class Trainer:
             saved_bytes = (per["device_total"] + per["host_total"]) / microbatches
         m = self.cfg.model
         record = step_record(
-            step, phase, consumed_tokens=self.state.consumed_tokens, lr=lr, loss=loss, grad_norm=grad_norm,
-            update_ok=bool(update_ok), seconds=dt, tokens_per_step=self.plan.tokens_per_step, attn=attn,
+            step,
+            phase,
+            consumed_tokens=self.state.consumed_tokens,
+            lr=lr,
+            loss=loss,
+            grad_norm=grad_norm,
+            update_ok=bool(update_ok),
+            seconds=dt,
+            tokens_per_step=self.plan.tokens_per_step,
+            attn=attn,
             # model FLOPs of the step (k2.model.flops, the formula k2-plan uses) over the peak
-            mfu=step_mfu(step_flops(m, phase.seq_length, self.plan.tokens_per_step), dt, self.env.world_size,
-                         self.cfg, torch.cuda.is_available()),
-            extra=[moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, microbatches, moe_layer_pattern(m)),
-                   self.pipeline.step_metrics() if self.pipeline is not None else {}],  # wgrad_deferred_peak_bytes
-            saved_bytes_per_microbatch=saved_bytes, replayed=step <= self.replayed_until)
+            mfu=step_mfu(
+                step_flops(m, phase.seq_length, self.plan.tokens_per_step),
+                dt,
+                self.env.world_size,
+                self.cfg,
+                torch.cuda.is_available(),
+            ),
+            extra=[
+                moe_step_metrics(self.model, m.num_layers, m.num_moe_experts, microbatches, moe_layer_pattern(m)),
+                self.pipeline.step_metrics() if self.pipeline is not None else {},
+            ],  # wgrad_deferred_peak_bytes
+            saved_bytes_per_microbatch=saved_bytes,
+            replayed=step <= self.replayed_until,
+        )
         self.spike.finish_step(step, record, self.logger.message, self.checkpointer.latest)
         return record
 
@@ -404,7 +466,8 @@ class Trainer:
         wandb_dir = self.run_dir / "wandb" if self.cfg.run.wandb.mode != "disabled" else None
         lines = [
             f"k2-train: {self._ending(preempted)}: {ran} steps run"
-            + (f" ({first}..{last})" if ran else "") + f" of {self.plan.steps}, "
+            + (f" ({first}..{last})" if ran else "")
+            + f" of {self.plan.steps}, "
             f"{self.state.consumed_tokens:,} tokens in total, "
             f"{time.perf_counter() - self.started:.1f} s wall time"
             + (f", final val_loss {val:.4f}" if val is not None else ""),
@@ -426,8 +489,9 @@ class Trainer:
     def _stop_if_diverged(self, step: int, lr: float, loss: float, grad_norm: SupportsFloat | None) -> None:
         """Every rank raises :class:`TrainingDiverged` for a NaN / inf loss or gradient norm (both global,
         so all ranks stop at the same step), before anything of the step is saved."""
-        check_finite(step, lr, loss, None if grad_norm is None else float(grad_norm),
-                     self.checkpointer.last_sound_checkpoint)
+        check_finite(
+            step, lr, loss, None if grad_norm is None else float(grad_norm), self.checkpointer.last_sound_checkpoint
+        )
 
     def _phase_after_restore(self) -> Phase:
         """The phase of the next step; for a checkpoint at the schedule's end (which
@@ -444,8 +508,15 @@ class Trainer:
 
     def _evaluate(self, phase: Phase) -> float:
         self.watchdog.progress("eval", self.state.step)
-        return evaluate(self.cfg.train.eval_iters, self.plan, phase, self.model, self.forward_backward,
-                        self.data.valid_ds, self.data.dp_rank)
+        return evaluate(
+            self.cfg.train.eval_iters,
+            self.plan,
+            phase,
+            self.model,
+            self.forward_backward,
+            self.data.valid_ds,
+            self.data.dp_rank,
+        )
 
     def _switch_rope(self, phase: Phase) -> None:
         if phase.rope_type != self.rope_type:
@@ -454,7 +525,9 @@ class Trainer:
 
     def _describe(self, phase: Phase) -> str:
         overlap = self.pipeline.phase_note(phase_memory_options(phase)) if self.pipeline is not None else ""
-        return (f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
-                f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "
-                f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
-                f"{phase.rope_type}{overlap}")
+        return (
+            f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
+            f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "
+            f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
+            f"{phase.rope_type}{overlap}"
+        )

@@ -108,8 +108,17 @@ class HangWatchdog:
         exit: called with the exit status after a hang was handled (tests replace ``os._exit``).
     """
 
-    def __init__(self, run_dir, rank: int, world_size: int, attempt: str, timeout_s: float | None,
-                 startup_timeout_s: float, pg_timeout_s: float = 3600.0, exit: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        run_dir,
+        rank: int,
+        world_size: int,
+        attempt: str,
+        timeout_s: float | None,
+        startup_timeout_s: float,
+        pg_timeout_s: float = 3600.0,
+        exit: Callable[[int], None] = os._exit,
+    ):
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / HANG_DIR / attempt
         self.rank, self.world_size = rank, world_size
@@ -139,8 +148,15 @@ class HangWatchdog:
         name = [f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"]
         if dist.is_initialized() and world_size > 1:
             dist.broadcast_object_list(name, src=0)
-        return cls(run_dir, rank, world_size, name[0], run_cfg.hang_timeout_s, run_cfg.hang_startup_timeout_s,
-                   pg_timeout_s=process_group_timeout_s(run_cfg)).start()
+        return cls(
+            run_dir,
+            rank,
+            world_size,
+            name[0],
+            run_cfg.hang_timeout_s,
+            run_cfg.hang_startup_timeout_s,
+            pg_timeout_s=process_group_timeout_s(run_cfg),
+        ).start()
 
     # ------------------------------------------------------------------ the training loop's side
 
@@ -219,9 +235,19 @@ class HangWatchdog:
                 pass
 
     def _beat(self) -> None:
-        _write_json(self.dir / f"rank{self.rank}.json", {
-            "rank": self.rank, "host": self.host, "pid": self.pid, "point": self.point(), "seq": self._seq,
-            "alive": time.time(), "moved": self._moved, "writer": in_flight_writer()})
+        _write_json(
+            self.dir / f"rank{self.rank}.json",
+            {
+                "rank": self.rank,
+                "host": self.host,
+                "pid": self.pid,
+                "point": self.point(),
+                "seq": self._seq,
+                "alive": time.time(),
+                "moved": self._moved,
+                "writer": in_flight_writer(),
+            },
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -286,10 +312,15 @@ class HangWatchdog:
         for r, b in sorted(beats.items()):
             w = b.get("writer")
             if w and w.get("state") in ("T", "t", "D"):
-                what = ("is stopped (SIGSTOP or a debugger)" if w["state"] in ("T", "t") else
-                        "waits in uninterruptible I/O (the file system does not answer)")
-                notes.append(f"rank {r}'s background checkpoint writer (host {b['host']}, pid {w['pid']}) {what} "
-                             f"while writing step {w['step']} into {w['partial']}")
+                what = (
+                    "is stopped (SIGSTOP or a debugger)"
+                    if w["state"] in ("T", "t")
+                    else "waits in uninterruptible I/O (the file system does not answer)"
+                )
+                notes.append(
+                    f"rank {r}'s background checkpoint writer (host {b['host']}, pid {w['pid']}) {what} "
+                    f"while writing step {w['step']} into {w['partial']}"
+                )
         return notes
 
     def _handle_hang(self) -> None:
@@ -297,8 +328,11 @@ class HangWatchdog:
         error ends a rank before it wrote its own -- kill the named ranks of this host and exit."""
         self._handling = True
         waited = time.monotonic() - self._since
-        setting = "run.hang_startup_timeout_s" if self._allowance == self.startup_timeout_s else (
-            "run.hang_timeout_s" if self.timeout_s is not None else "derived run.hang_timeout_s")
+        setting = (
+            "run.hang_startup_timeout_s"
+            if self._allowance == self.startup_timeout_s
+            else ("run.hang_timeout_s" if self.timeout_s is not None else "derived run.hang_timeout_s")
+        )
         beats, now = self.read_heartbeats(), time.time()
         named = self.culprits(beats, now)
         live = sorted(r for r, b in beats.items() if r not in named or r == self.rank)
@@ -310,13 +344,15 @@ class HangWatchdog:
             print(f"k2-train: hang watchdog (rank {self.rank}): writing stacks failed: {e}", flush=True)
         notes = [f"rank {r} {why}" for r, why in sorted(named.items())] + self.writer_notes(beats)
         who = "; ".join(notes) or (
-            f"no rank is stopped or behind: every rank waits at '{self.point()}' (a collective that never "
-            "completes?)")
+            f"no rank is stopped or behind: every rank waits at '{self.point()}' (a collective that never completes?)"
+        )
 
         latest = getattr(latest_checkpoint(self.run_dir), "name", "none")
-        self.report = (f"k2-train: hang: no progress for {waited:.0f} s at '{self.point()}' ({setting}="
-                       f"{self._allowance:.0f}); {who}; stacks of every rank in {self.dir}; the ranks are "
-                       f"killed, exit status {REQUEUE_EXIT_CODE} (requeue) from the last checkpoint ({latest})")
+        self.report = (
+            f"k2-train: hang: no progress for {waited:.0f} s at '{self.point()}' ({setting}="
+            f"{self._allowance:.0f}); {who}; stacks of every rank in {self.dir}; the ranks are "
+            f"killed, exit status {REQUEUE_EXIT_CODE} (requeue) from the last checkpoint ({latest})"
+        )
         if self.rank == reporter:
             print(self.report, flush=True)
             (self.dir / "report.txt").write_text(self.report + "\n")
@@ -354,8 +390,9 @@ class HangWatchdog:
             if spy is None:
                 text = "py-spy is not installed: no stacks of a stopped rank (pip install py-spy)\n"
             else:
-                p = subprocess.run([spy, "dump", "--pid", str(b["pid"]), "--nonblocking"], capture_output=True,
-                                   text=True, timeout=60)
+                p = subprocess.run(
+                    [spy, "dump", "--pid", str(b["pid"]), "--nonblocking"], capture_output=True, text=True, timeout=60
+                )
                 text = p.stdout + p.stderr
             out.write_text(f"rank {r} (host {b['host']}, pid {b['pid']}), by py-spy from rank {self.rank}:\n{text}")
             doomed.append(b["pid"])

@@ -39,8 +39,9 @@ from support import REPO, SCRIPTS
 
 pytestmark = pytest.mark.slow
 
-OFFLOAD_ALL = ("memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj,mlp_input,moe_fc1_input,swiglu_input,"
-               "fc2_input]")
+OFFLOAD_ALL = (
+    "memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj,mlp_input,moe_fc1_input,swiglu_input,fc2_input]"
+)
 SETTINGS = {
     "none": ["memory=none"],
     "fp8": ["memory.fp8_store=[moe_fc1_input,swiglu_input]"],
@@ -60,8 +61,11 @@ SHAPE_SETTINGS = {shape: tuple(SETTINGS) for shape in SHAPES}
 
 
 def _cases():
-    return [[f"{s}/{shape}", [*SETTINGS[s], *extra], seq, mbs, MICROBATCHES]
-            for shape, (extra, seq, mbs) in SHAPES.items() for s in SHAPE_SETTINGS[shape]]
+    return [
+        [f"{s}/{shape}", [*SETTINGS[s], *extra], seq, mbs, MICROBATCHES]
+        for shape, (extra, seq, mbs) in SHAPES.items()
+        for s in SHAPE_SETTINGS[shape]
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +74,9 @@ def measured(tmp_path_factory, stdlib_corpus):
     from support.distributed import rank_launch_cmd, trainer_env
 
     out = tmp_path_factory.mktemp("saved_bytes")
-    cmd = rank_launch_cmd(4, [str(SCRIPTS / "measure_saved_bytes.py")],
-                          [*BASE, "run.wandb.mode=disabled", f"run.dir={out / 'run'}"])
+    cmd = rank_launch_cmd(
+        4, [str(SCRIPTS / "measure_saved_bytes.py")], [*BASE, "run.wandb.mode=disabled", f"run.dir={out / 'run'}"]
+    )
     env = trainer_env({"K2_TEST_OUT": str(out), "K2_MEASURE_CASES": json.dumps(_cases())})
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -89,7 +94,9 @@ def measured(tmp_path_factory, stdlib_corpus):
             result[name][pp_rank] = {
                 "per_chunk_device": [sum(f["per_chunk_device"][v] for f in figs) / len(figs) for v in range(chunks)],
                 "per_chunk_host": [sum(f["per_chunk_host"][v] for f in figs) / len(figs) for v in range(chunks)],
-                "peak_device": mean("peak_device"), "peak_host": mean("peak_host")}
+                "peak_device": mean("peak_device"),
+                "peak_host": mean("peak_host"),
+            }
     return result
 
 
@@ -98,17 +105,35 @@ def predicted(overrides: list[str], seq: int, mbs: int) -> dict:
     and the simulated peak in flight of megatron's schedule."""
     cfg = load_config([*BASE, *overrides])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
-    in_forward = ("attn_input" in (cfg.memory.offload or ())) * seq * mbs * int(cfg.model.hidden_size) * (
-        2 if cfg.train.precision == "bf16" else 4)
-    acts = stage_activations(cfg.model, dims, seq_length=seq, micro_batch_size=mbs, precision=cfg.train.precision,
-                             memory_cfg=cfg.memory, fused_kernels=False)
+    in_forward = (
+        ("attn_input" in (cfg.memory.offload or ()))
+        * seq
+        * mbs
+        * int(cfg.model.hidden_size)
+        * (2 if cfg.train.precision == "bf16" else 4)
+    )
+    acts = stage_activations(
+        cfg.model,
+        dims,
+        seq_length=seq,
+        micro_batch_size=mbs,
+        precision=cfg.train.precision,
+        memory_cfg=cfg.memory,
+        fused_kernels=False,
+    )
     F, B, W = stage_costs(flops_per_token(cfg.model, seq), dims, seq * mbs, 1.0, list(cfg.memory.recompute or ()))
     sim = simulate(dims.pp, dims.vpp, MICROBATCHES, F, B, W, activation_bytes=[a.gpu for a in acts])
     host_peak = sim.peak_bytes([a.host for a in acts])
-    return {r: {"per_chunk_device": [acts[v * dims.pp + r].gpu for v in range(dims.vpp)],
-                "per_chunk_host": [acts[v * dims.pp + r].host for v in range(dims.vpp)],
-                "peak_device": sim.peak_activation_bytes[r], "peak_host": host_peak[r], "in_forward": in_forward}
-            for r in range(dims.pp)}
+    return {
+        r: {
+            "per_chunk_device": [acts[v * dims.pp + r].gpu for v in range(dims.vpp)],
+            "per_chunk_host": [acts[v * dims.pp + r].host for v in range(dims.vpp)],
+            "peak_device": sim.peak_activation_bytes[r],
+            "peak_host": host_peak[r],
+            "in_forward": in_forward,
+        }
+        for r in range(dims.pp)
+    }
 
 
 def _close(p: float, m: float, early: float = 0.0) -> bool:

@@ -22,15 +22,28 @@ def test_a_slow_background_write_that_moves_is_waited_for(tmp_path):
     the watchdog ends the run at 'save 4' after 8 s (exit 42)."""
     run_dir = tmp_path / "run"
     out = tmp_path / "out.txt"
-    recs = run_trainer(["model=k2_tiny", "train.iters=4", "train.save_interval=2", "train.eval_interval=0",
-                        "checkpoint.async_save=true", "checkpoint.save_at_end=false",
-                        f"run.hang_timeout_s={ALLOWANCE_S}"], 1, run_dir, script="fault_train.py",
-                       env={"K2_FAULT": "slow_write:2:0", "K2_SLOW_WRITE_S": str(SLOW_S)}, stdout_to=out)
+    recs = run_trainer(
+        [
+            "model=k2_tiny",
+            "train.iters=4",
+            "train.save_interval=2",
+            "train.eval_interval=0",
+            "checkpoint.async_save=true",
+            "checkpoint.save_at_end=false",
+            f"run.hang_timeout_s={ALLOWANCE_S}",
+        ],
+        1,
+        run_dir,
+        script="fault_train.py",
+        env={"K2_FAULT": "slow_write:2:0", "K2_SLOW_WRITE_S": str(SLOW_S)},
+        stdout_to=out,
+    )
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     text = out.read_text()
     assert "hang:" not in text
-    seconds = {int(s): float(t) for s, t in re.findall(r"step (\d+): checkpoint \S+iter_\d+ \([^,]+, ([\d.]+) s\)",
-                                                        text)}
+    seconds = {
+        int(s): float(t) for s, t in re.findall(r"step (\d+): checkpoint \S+iter_\d+ \([^,]+, ([\d.]+) s\)", text)
+    }
     assert set(seconds) == {2, 4}, text[-2000:]
     assert seconds[2] >= SLOW_S  # staging to commit: the slow write
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000004"

@@ -20,16 +20,28 @@ from support.distributed import QUIET, rank_launch_cmd, run_trainer, trainer_env
 
 #: run.hang_timeout_s=15: on a loaded 2-core machine (the suite's 4 workers) one step's optimizer update alone
 #: took over 5 s; the watchdog must fire only on the stopped writer.
-ARGS = ["train.iters=6", "train.save_interval=2", "train.eval_interval=0", "checkpoint.async_save=true",
-        "run.hang_timeout_s=15", "run.hang_startup_timeout_s=300"]
+ARGS = [
+    "train.iters=6",
+    "train.save_interval=2",
+    "train.eval_interval=0",
+    "checkpoint.async_save=true",
+    "run.hang_timeout_s=15",
+    "run.hang_startup_timeout_s=300",
+]
 
 
 def _fault(run_dir, kind: str, step: int, status: int) -> list[str]:
     """One launch with the writer fault ``kind`` at the checkpoint of its process's step ``step``, which
     must exit with ``status``; its ``k2-train:`` error and hang lines (stdout and stderr)."""
     args = [*ARGS, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=1"]
-    proc = subprocess.run(rank_launch_cmd(1, [str(SCRIPTS / "fault_train.py")], args), cwd=REPO, timeout=600,
-                          env=trainer_env({"K2_FAULT": f"{kind}:{step}:0"}), capture_output=True, text=True)
+    proc = subprocess.run(
+        rank_launch_cmd(1, [str(SCRIPTS / "fault_train.py")], args),
+        cwd=REPO,
+        timeout=600,
+        env=trainer_env({"K2_FAULT": f"{kind}:{step}:0"}),
+        capture_output=True,
+        text=True,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == status and "Traceback" not in text, (kind, proc.returncode, text[-3000:])
     ckpts = run_dir / "checkpoints"
@@ -45,14 +57,17 @@ def test_a_killed_stopped_or_full_background_writer_ends_in_one_line(tmp_path, s
     where = f"writing checkpoint step 4 into {partial} failed on rank 0"
     # kill -9 of the writer (from a fresh start: its 4th step's checkpoint)
     lines = _fault(run_dir, "writer_sigkill", 4, 1)
-    assert len(lines) == 1 and lines[0].startswith(f"k2-train: error: {where}: CheckpointWriterDied: its "
-                                                   "background writer (pid "), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"k2-train: error: {where}: CheckpointWriterDied: its background writer (pid "
+    ), lines
     assert lines[0].endswith("was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer)"), lines
     first = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # a full disk (resumed from step 2: its 2nd step is step 4)
     lines = _fault(run_dir, "writer_enospc", 2, 1)
-    assert lines == [f"k2-train: error: {where}: OSError: [Errno 28] no space left on the file system of "
-                     f"{partial} (No space left on device)"], lines
+    assert lines == [
+        f"k2-train: error: {where}: OSError: [Errno 28] no space left on the file system of "
+        f"{partial} (No space left on device)"
+    ], lines
     # SIGSTOP: the wait for it at the next save is a hang; the report names the stopped writer
     lines = _fault(run_dir, "writer_sigstop", 2, 42)
     assert len(lines) == 1 and lines[0].startswith("k2-train: hang: no progress for "), lines
@@ -66,5 +81,7 @@ def test_a_killed_stopped_or_full_background_writer_ends_in_one_line(tmp_path, s
     assert sorted(last) == [1, 2, 3, 4, 5, 6] and sorted(ref) == [1, 2, 3, 4, 5], (sorted(last), sorted(ref))
     for s in (3, 4, 5):
         assert last[s].get("replayed") and (last[s]["loss"], last[s]["grad_norm"]) == (
-            ref[s]["loss"], ref[s]["grad_norm"]), s
+            ref[s]["loss"],
+            ref[s]["grad_norm"],
+        ), s
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000006"

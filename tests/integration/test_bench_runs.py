@@ -24,10 +24,23 @@ def test_pipeline_bench_times_off_and_on_in_one_run(capsys, stdlib_corpus, monke
     from k2.launcher.benchmarks import pipeline
     from support.distributed import rank_launch_cmd
 
-    monkeypatch.setattr(pipeline, "trainer_command",
-                        lambda overrides, nproc: rank_launch_cmd(nproc, ["-m", "k2.launcher.train"], overrides))
-    rc, out, err = run_tool(capsys, main, ["bench=pipeline", "output=json", "bench.options.parallel=pp2",
-                                 "bench.options.nproc=2", "bench.options.iters=3", "bench.options.devices=cpu"])
+    monkeypatch.setattr(
+        pipeline,
+        "trainer_command",
+        lambda overrides, nproc: rank_launch_cmd(nproc, ["-m", "k2.launcher.train"], overrides),
+    )
+    rc, out, err = run_tool(
+        capsys,
+        main,
+        [
+            "bench=pipeline",
+            "output=json",
+            "bench.options.parallel=pp2",
+            "bench.options.nproc=2",
+            "bench.options.iters=3",
+            "bench.options.devices=cpu",
+        ],
+    )
     assert rc == 0, err
     cpu = json.loads(out)["figures"]["cpu"]
     assert cpu["parallel"] == "pp2" and cpu["ranks"] == 2 and cpu["timed_steps_per_config"] == 2
@@ -53,8 +66,17 @@ def forked_ranks(monkeypatch):
 def test_memory_bench_five_settings_in_one_run(capsys, forked_ranks):
     """bench=memory: one JSON object keyed by the five settings, each with saved_bytes and step_s,
     measured through the hooks (one rank here to keep it short; the documented run is cpu4)."""
-    rc, out, _ = run_tool(capsys, main, ["bench=memory", "output=json", "bench.options.parallel=single",
-                               "bench.options.warmup=0", "bench.options.steps=1"])
+    rc, out, _ = run_tool(
+        capsys,
+        main,
+        [
+            "bench=memory",
+            "output=json",
+            "bench.options.parallel=single",
+            "bench.options.warmup=0",
+            "bench.options.steps=1",
+        ],
+    )
     assert rc == 0
     fig = json.loads(out)["figures"]
     assert list(fig) == ["none", "fp8", "recompute", "offload", "all"]
@@ -72,8 +94,9 @@ def test_optimizer_bench_dp2_zero1_cases_in_one_run(capsys, forked_ranks):
     """bench=optimizer on DP=2: the byte-range step (with a straddling matrix gathered), the same with the
     optimizer states offloaded, and megatron's layer-wise step, timed in one run, with their ratios (the
     numbers, not the speed, are checked)."""
-    rc, out, err = run_tool(capsys, main, ["bench=optimizer", "output=json", "bench.options.repeats=1",
-                                          "bench.options.warmup=0"])
+    rc, out, err = run_tool(
+        capsys, main, ["bench=optimizer", "output=json", "bench.options.repeats=1", "bench.options.warmup=0"]
+    )
     assert rc == 0, err
     fig = json.loads(out)["figures"]
     assert fig["dp2_straddling_muon_matrices"] >= 1

@@ -21,8 +21,14 @@ from support.distributed import run_trainer
 # megatron's byte-range ZeRO-1 shards (EP and DP) and the Adam moments of the other parameters
 # microbatches of 4 sequences: 2 per DP rank (interleaved 1F1B still runs), half the passes of the default
 # (checkpoint, resume and signal behaviour do not depend on the microbatch count)
-CPU4 = ["parallel=cpu4", "optim=muonclip", "optim.qk_clip_tau=0.1", "train.eval_interval=2", "train.eval_iters=1",
-        "train.micro_batch_size=4"]
+CPU4 = [
+    "parallel=cpu4",
+    "optim=muonclip",
+    "optim.qk_clip_tau=0.1",
+    "train.eval_interval=2",
+    "train.eval_iters=1",
+    "train.micro_batch_size=4",
+]
 # synchronous saves (checkpoint.async_save is on by default): the reference the background saves are
 # compared with, and the faults of a save in progress on the loop's own thread
 SYNC = ["checkpoint.async_save=false"]
@@ -65,8 +71,7 @@ def _assert_same_steps(got: list[dict], ref: list[dict], steps) -> None:
 def cpu4_reference(tmp_path_factory, stdlib_corpus):
     """cpu4 (PP2 VPP2 EP2 DP2, MuonClip), 8 steps straight, a checkpoint every 2 steps (all kept)."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    recs = run_trainer([*CPU4, *SYNC, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"], 4,
-                       run_dir)
+    recs = run_trainer([*CPU4, *SYNC, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"], 4, run_dir)
     assert [r["step"] for r in recs] == list(range(1, 9))
     assert any(r["qk_clipped_heads"] for r in recs)  # QK-Clip fired, so its effect is resumed too
     return run_dir, recs
@@ -106,9 +111,18 @@ def test_forced_resume_with_a_changed_lr_schedule_and_weight_decay(cpu4_referenc
     steps 5-6 follows the new warmup (linear from 0 to 1.5e-3 over 20 steps), and step 6's loss differs."""
     ref_dir, ref = cpu4_reference
     run = tmp_path / "run"
-    recs = run_trainer([*CPU4, "train.iters=6", f"resume.from={ref_dir / 'checkpoints' / 'iter_0000004'}",
-                        "schedule.phases.0.lr_end=1.5e-3", "schedule.weight_decay=0.05", "resume.force=true"],
-                       4, run)
+    recs = run_trainer(
+        [
+            *CPU4,
+            "train.iters=6",
+            f"resume.from={ref_dir / 'checkpoints' / 'iter_0000004'}",
+            "schedule.phases.0.lr_end=1.5e-3",
+            "schedule.weight_decay=0.05",
+            "resume.force=true",
+        ],
+        4,
+        run,
+    )
     r = _by_step(ref)
     assert [x["step"] for x in recs] == [5, 6] and _latest(run) == "iter_0000006"
     assert recs[0]["loss"] == r[5]["loss"]
@@ -122,8 +136,14 @@ def test_forced_resume_with_a_changed_lr_schedule_and_weight_decay(cpu4_referenc
 def test_sigterm_during_validation_saves_after_it(cpu4_reference, tmp_path):
     _, ref = cpu4_reference
     run_dir = tmp_path / "run"
-    recs = run_trainer([*CPU4, "train.iters=8"], 4, run_dir, script="fault_train.py",
-                       env={"K2_FAULT": "sigterm_eval:4:1"}, expect_failure=True)
+    recs = run_trainer(
+        [*CPU4, "train.iters=8"],
+        4,
+        run_dir,
+        script="fault_train.py",
+        env={"K2_FAULT": "sigterm_eval:4:1"},
+        expect_failure=True,
+    )
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and "val_loss" in recs[-1]
     assert _latest(run_dir) == "iter_0000004" and _state(run_dir)["reason"] == "preempted: signal"
     _assert_same_steps(recs, ref, range(1, 5))  # validation finished before the save
@@ -136,8 +156,14 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     stays at step 2, the partial directory is never loaded (and is removed), the resume matches."""
     _, ref = cpu4_reference
     run_dir = tmp_path / "run"
-    run_trainer([*CPU4, *SYNC, "train.iters=8", "train.save_interval=2"], 4, run_dir, script="fault_train.py",
-                env={"K2_FAULT": "crash_save:4:2"}, expect_failure=True)
+    run_trainer(
+        [*CPU4, *SYNC, "train.iters=8", "train.save_interval=2"],
+        4,
+        run_dir,
+        script="fault_train.py",
+        env={"K2_FAULT": "crash_save:4:2"},
+        expect_failure=True,
+    )
     ckpts = run_dir / "checkpoints"
     assert _latest(run_dir) == "iter_0000002"
     assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
@@ -153,8 +179,15 @@ def test_save_killed_half_way_leaves_previous_latest(cpu4_reference, tmp_path):
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000006", "iter_0000008"]
 
 
-GOODPUT_FIELDS = ("time_productive_s", "time_startup_s", "time_checkpoint_s", "time_replayed_s", "time_eval_s",
-                  "time_lost_s", "time_other_s")
+GOODPUT_FIELDS = (
+    "time_productive_s",
+    "time_startup_s",
+    "time_checkpoint_s",
+    "time_replayed_s",
+    "time_eval_s",
+    "time_lost_s",
+    "time_other_s",
+)
 
 
 @pytest.mark.slow
@@ -173,14 +206,20 @@ def test_killed_before_first_save_then_sigterm_mid_step_resumes_bitwise(cpu4_ref
     ref_dir, ref = cpu4_reference
     run_dir = tmp_path / "run"
     args = [*CPU4, "train.iters=8", "train.save_interval=2", "checkpoint.keep_last=8"]
-    run_trainer(args, 4, run_dir, script="fault_train.py", env={"K2_FAULT": "sigkill_train:2:0"},
-                expect_failure=True)
+    run_trainer(args, 4, run_dir, script="fault_train.py", env={"K2_FAULT": "sigkill_train:2:0"}, expect_failure=True)
     killed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in killed] == [0, 1] and not (run_dir / "checkpoints" / "latest").exists()
     args = [*args, "run.wandb.mode=offline"]
     out = tmp_path / "stdout.txt"
-    recs = run_trainer(args, 4, run_dir, script="fault_train.py", env={"K2_FAULT": "sigterm_train:3:3"},
-                       expect_failure=True, stdout_to=out)
+    recs = run_trainer(
+        args,
+        4,
+        run_dir,
+        script="fault_train.py",
+        env={"K2_FAULT": "sigterm_train:3:3"},
+        expect_failure=True,
+        stdout_to=out,
+    )
     text = out.read_text()
     assert "killed before its first checkpoint (steps up to 1 logged): starting it afresh" in text, text[-3000:]
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -236,10 +275,14 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
     ref_dir, ref = cpu4_reference
     run_dir = tmp_path / "run"
     out = tmp_path / "stdout.txt"
-    recs = run_trainer([*CPU4, "train.iters=8", *ASYNC, "optim.offload_fraction=1"], 4, run_dir,
-                       script="fault_train.py", env={"K2_FAULT": "none:0:0", "K2_HOLD_WRITER": "2:0",
-                                                     "K2_SHARED_OFFLOAD": "1", "K2_TEST_OUT": str(tmp_path)},
-                       stdout_to=out)
+    recs = run_trainer(
+        [*CPU4, "train.iters=8", *ASYNC, "optim.offload_fraction=1"],
+        4,
+        run_dir,
+        script="fault_train.py",
+        env={"K2_FAULT": "none:0:0", "K2_HOLD_WRITER": "2:0", "K2_SHARED_OFFLOAD": "1", "K2_TEST_OUT": str(tmp_path)},
+        stdout_to=out,
+    )
     _assert_same_steps(recs, ref, range(1, 9))
     text = out.read_text()
     assert "step 2: checkpoint staged in" in text and "written in the background" in text, text[-3000:]
@@ -251,9 +294,11 @@ def test_async_saves_equal_sync_ones_with_offloaded_states_updated_while_written
         assert got.keys() == want.keys() and any("optimizer" in k for k in want)
         bad = [k for k in want if not torch.equal(got[k], want[k])]
         assert not bad, (name, bad[:5])
-    resumed = run_trainer([*CPU4, "train.iters=8", "optim.offload_fraction=1",
-                           f"resume.from={run_dir / 'checkpoints' / 'iter_0000006'}"],
-                          4, tmp_path / "resumed")
+    resumed = run_trainer(
+        [*CPU4, "train.iters=8", "optim.offload_fraction=1", f"resume.from={run_dir / 'checkpoints' / 'iter_0000006'}"],
+        4,
+        tmp_path / "resumed",
+    )
     _assert_same_steps(resumed, ref, range(7, 9))
 
 
@@ -271,14 +316,26 @@ def test_faults_during_a_background_write(cpu4_reference, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     args = [*CPU4, "train.iters=8", *ASYNC]
-    run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
-                env={"K2_FAULT": "sigkill_train:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)})
+    run_trainer(
+        args,
+        4,
+        run_dir,
+        script="fault_train.py",
+        expect_failure=True,
+        env={"K2_FAULT": "sigkill_train:6:0", "K2_HOLD_WRITER": "4:0", "K2_TEST_OUT": str(tmp_path)},
+    )
     assert _latest(run_dir) == "iter_0000002"
     assert (ckpts / "iter_0000004.partial").is_dir() and not (ckpts / "iter_0000004").exists()
     assert not any((ckpts / "iter_0000004.partial").glob("k2_*"))  # never committed
     # (fault_train.py counts the steps of its own process: resumed from step 2, its step 2 is step 4)
-    run_trainer(args, 4, run_dir, script="fault_train.py", expect_failure=True,
-                env={"K2_FAULT": "sigterm_train:4:0", "K2_HOLD_WRITER": "2:0", "K2_TEST_OUT": str(tmp_path)})
+    run_trainer(
+        args,
+        4,
+        run_dir,
+        script="fault_train.py",
+        expect_failure=True,
+        env={"K2_FAULT": "sigterm_train:4:0", "K2_HOLD_WRITER": "2:0", "K2_TEST_OUT": str(tmp_path)},
+    )
     assert _latest(run_dir) == "iter_0000006" and (ckpts / "iter_0000004").is_dir()
     assert _state(run_dir)["step"] == 6  # (the periodic save of step 6 serves the preemption)
     assert (run_dir / "requeue").read_text().strip() == "6"
@@ -302,15 +359,28 @@ def test_a_save_failing_on_one_rank_is_one_line_naming_directory_and_rank(tmp_pa
     checkpoint directory and rank 1, no traceback, nothing committed."""
     run_dir = tmp_path / "run"
     err = tmp_path / "stderr.txt"
-    recs = run_trainer([*CPU4, "train.iters=4", "train.save_interval=2", "train.eval_interval=0",
-                        f"checkpoint.async_save={str(async_save).lower()}"], 4, run_dir,
-                       script="fault_train.py", env={"K2_FAULT": "erofs_save:2:1"}, expect_failure=True,
-                       stderr_to=err)
+    recs = run_trainer(
+        [
+            *CPU4,
+            "train.iters=4",
+            "train.save_interval=2",
+            "train.eval_interval=0",
+            f"checkpoint.async_save={str(async_save).lower()}",
+        ],
+        4,
+        run_dir,
+        script="fault_train.py",
+        env={"K2_FAULT": "erofs_save:2:1"},
+        expect_failure=True,
+        stderr_to=err,
+    )
     lines = [x for x in err.read_text().splitlines() if x.startswith("k2-train: error:")]
     partial = run_dir / "checkpoints" / "iter_0000002.partial"
     verb = "writing" if async_save else "saving"
-    assert lines == [f"k2-train: error: {verb} checkpoint step 2 into {partial} failed on rank 1: OSError: "
-                     f"[Errno 30] Read-only file system: '{partial}'"], err.read_text()[-3000:]
+    assert lines == [
+        f"k2-train: error: {verb} checkpoint step 2 into {partial} failed on rank 1: OSError: "
+        f"[Errno 30] Read-only file system: '{partial}'"
+    ], err.read_text()[-3000:]
     assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
     steps = [r["step"] for r in recs]  # (a background save fails at its commit, a step or two later)
     assert (steps[:2] if async_save else steps) == [1, 2], steps

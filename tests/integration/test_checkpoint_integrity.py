@@ -51,8 +51,14 @@ ONE_MORE = [x for x in RUN if not x.startswith("train.iters=")] + ["train.iters=
 def _resume_in_ranks(run_dir: Path) -> str:
     """k2-train resuming ``run_dir`` on 2 ranks, which must fail; its output."""
     args = [*ONE_MORE, *QUIET, f"run.dir={run_dir}", "launch.nproc_per_node=2"]
-    proc = subprocess.run(rank_launch_cmd(2, ["-m", "k2.launcher.train"], args), cwd=REPO,
-                          env=trainer_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        rank_launch_cmd(2, ["-m", "k2.launcher.train"], args),
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     return out
@@ -88,8 +94,7 @@ def test_manifest_lists_every_file_with_size_and_checksum(saved_run):
     manifest = json.loads((ckpt / "k2_manifest.json").read_text())
     on_disk = {p.name for p in ckpt.iterdir() if p.is_file()} - {"k2_manifest.json"}
     assert set(manifest["files"]) == on_disk
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "metadata.json", "k2_state.json",
-            "config.yaml"} <= on_disk
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "metadata.json", "k2_state.json", "config.yaml"} <= on_disk
     for name, entry in manifest["files"].items():
         assert entry["size"] == (ckpt / name).stat().st_size, name
         assert entry["xxh3_64"] == file_checksum(ckpt / name), name
@@ -236,7 +241,8 @@ def _export_refusal(capsys, ckpt: Path, out: Path) -> str:
 
 
 def test_a_payload_in_dot_metadata_with_a_rewritten_manifest_is_refused_by_resume_and_export(
-        saved_run, tmp_path, capsys):
+    saved_run, tmp_path, capsys
+):
     """DCP's .metadata with a call of os.system in front of the real metadata (plain pickle.load would run
     it and go on to load the checkpoint normally) and the manifest rewritten to match: k2-train refuses it
     in one line before any rank starts, k2-convert export too, and the command never ran."""
@@ -275,10 +281,12 @@ def test_a_payload_in_a_pickled_object_of_a_shard_is_refused_by_the_ranks_and_by
     with open(shard, "ab") as f:
         f.write(buf.getvalue())
     meta = pickle.loads((ckpt / ".metadata").read_bytes())  # (a test's own, trusted file)
-    index = next(i for i in meta.storage_data if i.fqn.startswith("rng_state/") and
-                 meta.storage_data[i].relative_path == shard.name)
-    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], offset=offset,
-                                                   length=len(buf.getvalue()))
+    index = next(
+        i
+        for i in meta.storage_data
+        if i.fqn.startswith("rng_state/") and meta.storage_data[i].relative_path == shard.name
+    )
+    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], offset=offset, length=len(buf.getvalue()))
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
     _rewrite_manifest(ckpt)
     _plan(run_dir)  # .metadata itself is clean: no refusal before the ranks start

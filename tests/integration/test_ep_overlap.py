@@ -24,30 +24,57 @@ from support.distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-SIX_STEPS = ["memory=k2", "optim=muonclip", "pipeline.decouple_wgrad=true", "train.iters=6",
-             "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7", "train.save_interval=3",
-             "checkpoint.keep_last=10", "checkpoint.save_at_end=false"]
+SIX_STEPS = [
+    "memory=k2",
+    "optim=muonclip",
+    "pipeline.decouple_wgrad=true",
+    "train.iters=6",
+    "train.eval_interval=0",
+    "schedule.phases.0.steps=0",
+    "run.seed=7",
+    "train.save_interval=3",
+    "checkpoint.keep_last=10",
+    "checkpoint.save_at_end=false",
+]
 LAYOUTS = {
     "cpu4": ["parallel=cpu4"],
     # (microbatches of 1 sequence: 4 per DP rank, 3 pairs per step)
     "pp1_ep4": ["parallel=single", "parallel.ep=4", "launch.nproc_per_node=4", "train.micro_batch_size=1"],
 }
-METRICS = ("loss", "grad_norm", "max_attn_logit", "max_attn_logit_per_layer", "qk_clipped_heads",
-           "moe_load_max_over_mean")
+METRICS = (
+    "loss",
+    "grad_norm",
+    "max_attn_logit",
+    "max_attn_logit_per_layer",
+    "qk_clipped_heads",
+    "moe_load_max_over_mean",
+)
 
 
 def _run(root: Path, layout: str, overlap: bool, extra: tuple = ()) -> dict:
     tag = "-" + "-".join(e.split("=")[0] for e in extra) if extra else ""
     out = root / f"{layout}-{'on' if overlap else 'off'}{tag}"
-    records = run_trainer([*LAYOUTS[layout], *SIX_STEPS, f"pipeline.ep_overlap={str(overlap).lower()}",
-                           f"pipeline.trace={out / 'trace'}", *extra], 4, out / "run",
-                          script="dump_params_train.py", env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"})
+    records = run_trainer(
+        [
+            *LAYOUTS[layout],
+            *SIX_STEPS,
+            f"pipeline.ep_overlap={str(overlap).lower()}",
+            f"pipeline.trace={out / 'trace'}",
+            *extra,
+        ],
+        4,
+        out / "run",
+        script="dump_params_train.py",
+        env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"},
+    )
     traces = {}
     for path in sorted((out / "trace").glob("rank*.jsonl")):
         events = [json.loads(line) for line in path.read_text().splitlines()]
         traces[events[0]["rank"]] = events
-    dumps = {r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
-             for r in range(4)}
+    dumps = {
+        r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
+        for r in range(4)
+    }
     return {"records": records, "traces": traces, "dumps": dumps, "run": out / "run"}
 
 
@@ -59,8 +86,11 @@ NO_SAVES = ("train.save_interval=null",)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, stdlib_corpus):
     root = tmp_path_factory.mktemp("ep_overlap")
-    return {(layout, overlap): _run(root, layout, overlap, () if (layout, overlap) == ("cpu4", True) else NO_SAVES)
-            for layout in LAYOUTS for overlap in (False, True)}
+    return {
+        (layout, overlap): _run(root, layout, overlap, () if (layout, overlap) == ("cpu4", True) else NO_SAVES)
+        for layout in LAYOUTS
+        for overlap in (False, True)
+    }
 
 
 def _assert_bitwise(a: dict, b: dict, what: str) -> None:
@@ -114,8 +144,10 @@ def _steady_pairs(pp: int, vpp: int, m: int, pp_rank: int) -> list[tuple[tuple, 
 
     table = get_schedule_table(m, vpp, pp)
     warmup = min(len(table), (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
-    return [((table[warmup + k][1], table[warmup + k][0]), (vpp - 1 - table[k][1], table[k][0]))
-            for k in range(len(table) - warmup)]
+    return [
+        ((table[warmup + k][1], table[warmup + k][0]), (vpp - 1 - table[k][1], table[k][0]))
+        for k in range(len(table) - warmup)
+    ]
 
 
 def _moe_layers(layout: str) -> dict:
@@ -149,10 +181,14 @@ def unhidden_all_to_alls(traces: dict, layout: str) -> tuple[int, list]:
         for step, evs in steps.items():
             m = _microbatches(evs)
             for f, b in _steady_pairs(pp, vpp, m, pp_rank):
-                todo = [(f, b, what, "forward", layer) for layer in moe[(pp_rank, f[0])]
-                        for what in ("dispatch", "combine")]
-                todo += [(b, f, what, "backward", layer) for layer in moe[(pp_rank, b[0])]
-                         for what in ("dispatch", "combine")]
+                todo = [
+                    (f, b, what, "forward", layer) for layer in moe[(pp_rank, f[0])] for what in ("dispatch", "combine")
+                ]
+                todo += [
+                    (b, f, what, "backward", layer)
+                    for layer in moe[(pp_rank, b[0])]
+                    for what in ("dispatch", "combine")
+                ]
                 for mine, other, what, direction, layer in todo:
                     checked += 1
                     why = _hidden(evs, mine, other, what, direction, layer)
@@ -170,8 +206,14 @@ def _hidden(evs: list, mine: tuple, other: tuple, what: str, direction: str, lay
     """'' when the all-to-all's first post and last wait enclose compute of ``other`` and the collective
     ran on the communication thread; else why not (``overlapped in time`` is counted apart:
     :func:`overlapped_in_time`)."""
-    ours = [e for e in evs if e.get("what") == what and e.get("direction") == direction
-            and e.get("layer") == layer and (e["chunk"], e["microbatch"]) == mine]
+    ours = [
+        e
+        for e in evs
+        if e.get("what") == what
+        and e.get("direction") == direction
+        and e.get("layer") == layer
+        and (e["chunk"], e["microbatch"]) == mine
+    ]
     posts = [e["seq"] for e in ours if e["kind"] == "post"]
     waits = [e["seq"] for e in ours if e["kind"] == "wait"]
     if not posts or not waits:
@@ -193,8 +235,15 @@ def _tags(e: dict) -> list:
 def overlapped_in_time(evs: list, mine: tuple, other: tuple, what: str, direction: str, layer: int) -> bool:
     """The all-to-all's collective (its ``a2a`` event's start and end) and a compute node of ``other`` ran at
     the same time."""
-    a2a = [e for e in evs if e["kind"] == "a2a" and e.get("what") == what and e.get("direction") == direction
-           and e.get("layer") == layer and (e["chunk"], e["microbatch"]) == mine]
+    a2a = [
+        e
+        for e in evs
+        if e["kind"] == "a2a"
+        and e.get("what") == what
+        and e.get("direction") == direction
+        and e.get("layer") == layer
+        and (e["chunk"], e["microbatch"]) == mine
+    ]
     compute = [e for e in evs if e["kind"] in ("F", "B", "W") and other in _tags(e)]
     return any(min(a["end"], c["end"]) > max(a["start"], c["start"]) for a in a2a for c in compute)
 
@@ -209,16 +258,23 @@ def test_trace_shows_each_all_to_all_hidden_under_the_other_microbatch(runs):
         # microseconds, so one may finish before the other microbatch's node starts)
         assert overlapped >= checked // 2, (layout, overlapped, checked)
         # the pairs megatron ran are the ones the check expects
-        pairs = {(e["rank"], e["step"], tuple(e["f"]), tuple(e["b"])) for t in on["traces"].values() for e in t
-                 if e["kind"] == "pair" and e["f"] and e["b"] and e["pass"] == "train"}
+        pairs = {
+            (e["rank"], e["step"], tuple(e["f"]), tuple(e["b"]))
+            for t in on["traces"].values()
+            for e in t
+            if e["kind"] == "pair" and e["f"] and e["b"] and e["pass"] == "train"
+        }
         moe = _moe_layers(layout)
         pp, vpp = 1 + max(r for r, _ in moe), 1 + max(v for _, v in moe)
         for rank, events in on["traces"].items():
             for step in range(1, 7):
                 m = _microbatches([e for e in events if e["step"] == step and e["pass"] == "train"])
                 expect = _steady_pairs(pp, vpp, m, events[0]["pp_rank"])
-                assert m == 4 and {(f, b) for r, s, f, b in pairs if r == rank and s == step} == set(expect), \
-                    (rank, step, m)
+                assert m == 4 and {(f, b) for r, s, f, b in pairs if r == rank and s == step} == set(expect), (
+                    rank,
+                    step,
+                    m,
+                )
         # without the overlap every one of them is posted and waited for with nothing in between
         # without the overlap every one of them runs inline on the compute thread, with nothing beside it
         checked_off, failures_off, overlapped_off = unhidden_all_to_alls(off["traces"], layout)

@@ -24,8 +24,9 @@ AFTER_WARMUP, STEPS = 60, 80
 def test_k2_tiny_experts_leave_the_warmup_collapse(tmp_path, stdlib_corpus):
     """Every record from step 60 on: ``moe_load_max_over_mean`` (the busiest expert's tokens over the mean,
     max over the MoE layers, per step) well under the collapse (3.2-4.0 with K2's rate), median under 1.75."""
-    recs = run_trainer([f"train.iters={STEPS}", "train.eval_interval=0", "checkpoint.save_at_end=false"], 1,
-                       tmp_path / "run")
+    recs = run_trainer(
+        [f"train.iters={STEPS}", "train.eval_interval=0", "checkpoint.save_at_end=false"], 1, tmp_path / "run"
+    )
     load = [r["moe_load_max_over_mean"] for r in recs if r["step"] >= AFTER_WARMUP]
     assert len(load) == STEPS - AFTER_WARMUP + 1
     assert statistics.median(load) < 1.75 and max(load) < 2.5, [round(x, 2) for x in load]

@@ -31,7 +31,7 @@ def _python(tmp_path: Path) -> str:
         return sys.executable
     wrapper = tmp_path / "python"
     client = [sys.executable, str(SUPPORT / "zygote_client.py"), server, "1"]
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.join(client)} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.join(client)} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
@@ -40,8 +40,9 @@ def _python(tmp_path: Path) -> str:
 def test_the_gpu_session_runs_on_cpu(tmp_path, stdlib_corpus):
     out = tmp_path / "session"
     env = {**trainer_env(), "TINY": "1", "OUT": str(out), "PYTHON": _python(tmp_path)}
-    p = subprocess.run(["bash", "benchmarks/gpu_session.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run(
+        ["bash", "benchmarks/gpu_session.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tiny"] and summary["checks"] and all(v is True for v in summary["checks"].values()), summary

@@ -23,11 +23,28 @@ SLACK_S = 2.0
 @pytest.mark.slow
 def test_a_200_batch_evaluation_completes_and_a_rank_stopped_in_one_is_named(tmp_path, stdlib_corpus):
     run_dir, out = tmp_path / "run", tmp_path / "out.txt"
-    recs = run_trainer(["train.iters=4", "train.eval_interval=2", "train.eval_iters=200", "train.save_interval=2",
-                        f"run.hang_timeout_s={TIMEOUT_S}", "run.hang_startup_timeout_s=300",
-                        "checkpoint.async_save=false"], 2, run_dir, script="fault_train.py", expect_failure=True,
-                       stdout_to=out, env={"K2_FAULT": "sigstop_eval:4:1", "K2_STOP_AFTER": "50",
-                                           "K2_EVAL_BATCH_S": "0.05", "K2_TEST_OUT": str(tmp_path)})
+    recs = run_trainer(
+        [
+            "train.iters=4",
+            "train.eval_interval=2",
+            "train.eval_iters=200",
+            "train.save_interval=2",
+            f"run.hang_timeout_s={TIMEOUT_S}",
+            "run.hang_startup_timeout_s=300",
+            "checkpoint.async_save=false",
+        ],
+        2,
+        run_dir,
+        script="fault_train.py",
+        expect_failure=True,
+        stdout_to=out,
+        env={
+            "K2_FAULT": "sigstop_eval:4:1",
+            "K2_STOP_AFTER": "50",
+            "K2_EVAL_BATCH_S": "0.05",
+            "K2_TEST_OUT": str(tmp_path),
+        },
+    )
     text = out.read_text()
     # the evaluation after step 2: 200 batches, longer than the allowance, completed
     by_step = {r["step"]: r for r in recs}

@@ -29,12 +29,20 @@ from support.distributed import trainer_env
 TIMEOUT_S = 15
 #: the timeout is at least this many times the slowest step measured so far
 STEP_MARGIN = 4
-ARGS = ["parallel=cpu4", "train.iters=14", "train.save_interval=2", "train.eval_interval=3", "train.eval_iters=1",
-        "train.micro_batch_size=4", "run.hang_startup_timeout_s=180",
-        "train.progress=false", "run.wandb.mode=disabled",
-        # synchronous saves: the checkpoint each hang leaves as latest does not depend on when a
-        # background writer finishes (the abandoned background write: test_checkpoint.py's kill -9 case)
-        "checkpoint.async_save=false"]
+ARGS = [
+    "parallel=cpu4",
+    "train.iters=14",
+    "train.save_interval=2",
+    "train.eval_interval=3",
+    "train.eval_iters=1",
+    "train.micro_batch_size=4",
+    "run.hang_startup_timeout_s=180",
+    "train.progress=false",
+    "run.wandb.mode=disabled",
+    # synchronous saves: the checkpoint each hang leaves as latest does not depend on when a
+    # background writer finishes (the abandoned background write: test_checkpoint.py's kill -9 case)
+    "checkpoint.async_save=false",
+]
 
 
 def _left(run_dir: Path) -> list[str]:
@@ -53,15 +61,22 @@ def _timeout_s(steps_s: list[float]) -> float:
 
 def _steps_s(run_dir: Path) -> list[float]:
     """Seconds of every step the launches in ``run_dir`` recorded (the re-run ones and their first runs)."""
-    return [float(r["step_time_s"]) for name in ("metrics.jsonl", "metrics.replayed.jsonl")
-            for r in _records(run_dir, name) if r.get("step", 0) > 0 and "step_time_s" in r]
+    return [
+        float(r["step_time_s"])
+        for name in ("metrics.jsonl", "metrics.replayed.jsonl")
+        for r in _records(run_dir, name)
+        if r.get("step", 0) > 0 and "step_time_s" in r
+    ]
 
 
 def _names_only(out: str, rank: int) -> bool:
     """The one hang line of ``out`` names ``rank`` and no other rank."""
     lines = [x for x in out.splitlines() if x.startswith("k2-train: hang:")]
-    return (len(lines) == 1 and f"rank {rank} " in lines[0]
-            and not any(f"rank {r} " in lines[0] for r in range(4) if r != rank))
+    return (
+        len(lines) == 1
+        and f"rank {rank} " in lines[0]
+        and not any(f"rank {r} " in lines[0] for r in range(4) if r != rank)
+    )
 
 
 def _first_hang_launch(run_dir: Path, fault: str, stop_rank: int) -> tuple[str, float, Path, float]:
@@ -76,18 +91,24 @@ def _first_hang_launch(run_dir: Path, fault: str, stop_rank: int) -> tuple[str, 
     return _hang_launch(run_dir, fault, stop_rank, measured)
 
 
-def _hang_launch(run_dir: Path, fault: str | None, stop_rank: int,
-                 timeout: float | None = None) -> tuple[str, float, Path, float]:
+def _hang_launch(
+    run_dir: Path, fault: str | None, stop_rank: int, timeout: float | None = None
+) -> tuple[str, float, Path, float]:
     """One k2-train launch that hangs (seam ``fault``, or SIGSTOP of ``stop_rank`` from here once a step
     after the resume has a record), with ``timeout`` (default: :func:`_timeout_s` of the steps measured in
     ``run_dir``); returns its output, seconds from the stop to the exit, its attempt dir, the timeout."""
     env = trainer_env({"K2_TEST_HANG": fault} if fault else {})
     before = len(_records(run_dir, "metrics.jsonl"))
     timeout = _timeout_s(_steps_s(run_dir)) if timeout is None else timeout
-    p = subprocess.Popen([sys.executable, "-m", "k2.launcher.train", *ARGS, f"run.hang_timeout_s={timeout:g}",
-                          f"run.dir={run_dir}"], cwd=REPO,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "k2.launcher.train", *ARGS, f"run.hang_timeout_s={timeout:g}", f"run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     stopped_at = None
     try:
         if fault is None:  # from outside, in the middle of training
@@ -101,16 +122,16 @@ def _hang_launch(run_dir: Path, fault: str | None, stop_rank: int,
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    attempt = max((d for d in (run_dir / "hang").iterdir() if (d / "report.txt").exists()),
-                  key=lambda d: d.stat().st_mtime)
+    attempt = max(
+        (d for d in (run_dir / "hang").iterdir() if (d / "report.txt").exists()), key=lambda d: d.stat().st_mtime
+    )
     if stopped_at is None:  # the seam: the stopped rank's last heartbeat
         stopped_at = json.loads((attempt / f"rank{stop_rank}.json").read_text())["alive"]
     assert p.returncode == 42, out[-4000:]
     return out, time.time() - stopped_at, attempt, timeout
 
 
-def _check_hang(run_dir: Path, out: str, waited: float, attempt: Path, rank: int, latest: str,
-                timeout: float) -> None:
+def _check_hang(run_dir: Path, out: str, waited: float, attempt: Path, rank: int, latest: str, timeout: float) -> None:
     assert _names_only(out, rank), [x for x in out.splitlines() if x.startswith("k2-train: hang:")] or out[-4000:]
     assert waited <= timeout + 60, (waited, timeout)
     for r in range(4):  # faulthandler for the live ranks, py-spy for the stopped one
@@ -142,7 +163,8 @@ def test_stopped_rank_during_save_eval_and_training_requeues_with_stacks(tmp_pat
     out, waited, attempt, timeout = _first_hang_launch(run_dir, "save:4:2", 2)
     _check_hang(run_dir, out, waited, attempt, 2, "iter_0000002", timeout)
     assert (run_dir / "checkpoints" / "iter_0000004.partial").exists() or not (
-        run_dir / "checkpoints" / "iter_0000004").exists()
+        run_dir / "checkpoints" / "iter_0000004"
+    ).exists()
     # 2. resumed from step 2; rank 3 stops as the evaluation after step 6 starts: latest iter_0000004
     out, waited, attempt, timeout = _hang_launch(run_dir, "eval:6:3", 3)
     _check_hang(run_dir, out, waited, attempt, 3, "iter_0000004", timeout)

@@ -18,8 +18,14 @@ import torch
 from support.distributed import run_trainer
 
 #: cpu4 run whose step 2 is trained with YaRN: warmup of 1 step, then YaRN from the stable phase on
-YARN_SWITCH = ["parallel=cpu4", "train.iters=2", "train.eval_interval=0", "schedule.phases.0.steps=1",
-               "schedule.phases.1.rope_type=yarn", "run.seed=11"]
+YARN_SWITCH = [
+    "parallel=cpu4",
+    "train.iters=2",
+    "train.eval_interval=0",
+    "schedule.phases.0.steps=1",
+    "schedule.phases.1.rope_type=yarn",
+    "run.seed=11",
+]
 FROM_IMPORT = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0"]
 
 
@@ -32,9 +38,19 @@ def _our_logits(ckpt: Path, tokens: torch.Tensor, rope_type: str) -> torch.Tenso
     from k2.parallel.dims import ParallelDims
 
     cfg = OmegaConf.load(ckpt / "config.yaml")
-    cfg.parallel = OmegaConf.create({"name": "single", "tp": 1, "pp": 1, "vpp": None, "ep": 1, "layout": None,
-                                     "first_stage_layers": None, "last_stage_layers": None,
-                                     "use_distributed_optimizer": True})
+    cfg.parallel = OmegaConf.create(
+        {
+            "name": "single",
+            "tp": 1,
+            "pp": 1,
+            "vpp": None,
+            "ep": 1,
+            "layout": None,
+            "first_stage_layers": None,
+            "last_stage_layers": None,
+            "use_distributed_optimizer": True,
+        }
+    )
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     chunks = build_model_chunks(cfg, dims, transformer_config(cfg, dims, rope_type=rope_type))
     load_model_weights(ckpt, chunks)
@@ -46,8 +62,7 @@ def _our_logits(ckpt: Path, tokens: torch.Tensor, rope_type: str) -> torch.Tenso
 def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
@@ -78,8 +93,11 @@ def _model_keys(ckpt: Path) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    return {k: tuple(getattr(v, "size", ())) for k, v in md.items()
-            if k.split(".")[0] in ("embedding", "decoder", "output_layer")}
+    return {
+        k: tuple(getattr(v, "size", ()))
+        for k, v in md.items()
+        if k.split(".")[0] in ("embedding", "decoder", "output_layer")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +116,26 @@ def test_export_import_round_trip_and_training_from_an_import(yarn_cpu4_run, tmp
     hf = tmp_path / "hf_cpu4"
     report = export_hf(yarn_cpu4_run, hf, shard_bytes=1 << 20)
     config = json.loads((hf / "config.json").read_text())
-    assert config["rope_scaling"] == {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert config["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     assert (config["architectures"], config["model_type"], config["rope_theta"]) == (
-        ["DeepseekV3ForCausalLM"], "deepseek_v3", 50000.0)
+        ["DeepseekV3ForCausalLM"],
+        "deepseek_v3",
+        50000.0,
+    )
     assert (config["n_group"], config["topk_group"], config["first_k_dense_replace"]) == (1, 1, 1)
-    assert report.shards > 1 and len(set(json.loads((hf / "model.safetensors.index.json").read_text())
-                                         ["weight_map"].values())) == report.shards
+    assert (
+        report.shards > 1
+        and len(set(json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        == report.shards
+    )
     _assert_same_logits(yarn_cpu4_run, hf, "yarn")
 
     # HF -> ours at cpu4 -> HF: bit for bit, and the same megatron keys as the trainer's checkpoint
@@ -122,8 +153,11 @@ def test_export_import_round_trip_and_training_from_an_import(yarn_cpu4_run, tmp
     runs = {}
     for layout, nproc in (("single", 1), ("cpu4", 4)):
         export = ["checkpoint.export_hf=true"] if layout == "single" else []
-        runs[layout] = run_trainer([f"parallel={layout}", f"resume.from={imported}", *FROM_IMPORT, *export],
-                                   nproc, tmp_path / f"from_import_{layout}")
+        runs[layout] = run_trainer(
+            [f"parallel={layout}", f"resume.from={imported}", *FROM_IMPORT, *export],
+            nproc,
+            tmp_path / f"from_import_{layout}",
+        )
     for layout in runs:
         assert [r["step"] for r in runs[layout]] == [1, 2, 3]
     single, cpu4 = ([r["loss"] for r in runs[k]] for k in ("single", "cpu4"))

@@ -36,9 +36,15 @@ STOPPED_AT_ONCE = "Ctrl-C again: stopped at once"
 def _start(target: list[str], run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     """``target`` (``-m k2.launcher.train`` or a script) in a session of its own: the test's SIGINT to the
     group is what a terminal's Ctrl-C sends."""
-    return subprocess.Popen([sys.executable, *target, *RUN, *overrides, f"run.dir={run_dir}"], cwd=REPO,
-                            env=trainer_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, *target, *RUN, *overrides, f"run.dir={run_dir}"],
+        cwd=REPO,
+        env=trainer_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait(pred, p: subprocess.Popen, what: str, timeout: float = 300) -> None:
@@ -124,8 +130,13 @@ def test_a_second_ctrl_c_during_the_save_stops_every_rank_at_once(tmp_path, stdl
     """Rank 1 stops itself (SIGSTOP) as it enters the save of step 2 (the watchdog's K2_TEST_HANG seam): the
     save cannot end, so the first press cannot either; the second press kills every process at once."""
     run_dir = tmp_path / "run"
-    p = _start(["-m", "k2.launcher.train"], run_dir, "parallel=pp2", "run.wandb.mode=disabled",
-               env={"K2_TEST_HANG": "save:2:1"})
+    p = _start(
+        ["-m", "k2.launcher.train"],
+        run_dir,
+        "parallel=pp2",
+        "run.wandb.mode=disabled",
+        env={"K2_TEST_HANG": "save:2:1"},
+    )
     _wait(lambda: _logged(run_dir) >= 2, p, "step 2")  # step 2's save starts now
     time.sleep(1.0)
     _ctrl_c(p)
@@ -144,8 +155,13 @@ def test_one_rank_finishes_the_save_in_flight_or_stops_at_once(tmp_path, stdlib_
     """``parallel=single`` with step 2's background write slowed to 6 s: Ctrl-C after step 3 finishes that
     save and saves the step in progress (1 press), or stops at once while it waits for it (2 presses)."""
     run_dir = tmp_path / "run"
-    p = _start([str(SCRIPTS / "fault_train.py")], run_dir, "parallel=single", "run.wandb.mode=disabled",
-               env={"K2_FAULT": "slow_write:2:0", "K2_SLOW_WRITE_S": "6"})
+    p = _start(
+        [str(SCRIPTS / "fault_train.py")],
+        run_dir,
+        "parallel=single",
+        "run.wandb.mode=disabled",
+        env={"K2_FAULT": "slow_write:2:0", "K2_SLOW_WRITE_S": "6"},
+    )
     _wait(lambda: _logged(run_dir) >= 3, p, "step 3")
     pressed_after = _logged(run_dir)
     _ctrl_c(p)

@@ -62,8 +62,9 @@ def _planned_rank0_bytes(layer_recompute: bool, **sites) -> float:
     if layer_recompute:
         return len(layers) * sum(apply_switches(layer_recompute_saved(cfg.model, 128, 2, "fp32")))
     sites = sites or {"recompute": ["layernorm"]}
-    return sum(sum(apply_switches(layer_saved(cfg.model, bool(pattern[i]), 128, 2, "fp32", False), **sites))
-               for i in layers)
+    return sum(
+        sum(apply_switches(layer_saved(cfg.model, bool(pattern[i]), 128, 2, "fp32", False), **sites)) for i in layers
+    )
 
 
 def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
@@ -71,8 +72,11 @@ def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
     on at the decay phase (schedule.phases.2.memory) equals, step for step, one that has it from the start,
     within FP32 rounding, and both equal memory=none for the steps before (same LR: the plain cpu4 run).
     The bytes rank 0's layers keep per microbatch drop at the boundary to what the planner predicts."""
-    switched = three_step_runs([*TWO_THEN_DECAY, "memory.recompute=[layernorm]",
-                                "schedule.phases.2.memory.recompute=[layernorm,layer]"], 4, True)["records"]
+    switched = three_step_runs(
+        [*TWO_THEN_DECAY, "memory.recompute=[layernorm]", "schedule.phases.2.memory.recompute=[layernorm,layer]"],
+        4,
+        True,
+    )["records"]
     always = three_step_runs([*TWO_THEN_DECAY, "memory.recompute=[layernorm,layer]"], 4, True)["records"]
     plain = three_step_runs(["parallel=cpu4"], 4, True)["records"]  # shared with test_pipeline_wgrad.py
     assert [r["layer_recompute"] for r in switched] == [False, False, True]

@@ -13,15 +13,27 @@ from support.distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["train.iters=2", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=3",
-          "checkpoint.save_at_end=false"]  # no warmup; no checkpoint
+COMMON = [
+    "train.iters=2",
+    "train.eval_interval=0",
+    "schedule.phases.0.steps=0",
+    "run.seed=3",
+    "checkpoint.save_at_end=false",
+]  # no warmup; no checkpoint
 
 
 def test_zero_token_ep_rank(tmp_path, stdlib_corpus):
-    ref = run_trainer(COMMON, 1, tmp_path / "single", script="skewed_router_train.py",
-                      env={"K2_TEST_OUT": str(tmp_path / "tok1")})
-    got = run_trainer(["parallel.ep=2", *COMMON], 2, tmp_path / "ep2", script="skewed_router_train.py",
-                      env={"K2_TEST_OUT": str(tmp_path / "tok2")}, timeout=300)
+    ref = run_trainer(
+        COMMON, 1, tmp_path / "single", script="skewed_router_train.py", env={"K2_TEST_OUT": str(tmp_path / "tok1")}
+    )
+    got = run_trainer(
+        ["parallel.ep=2", *COMMON],
+        2,
+        tmp_path / "ep2",
+        script="skewed_router_train.py",
+        env={"K2_TEST_OUT": str(tmp_path / "tok2")},
+        timeout=300,
+    )
     r0 = json.loads((tmp_path / "tok2" / "tokens_rank0.json").read_text())
     r1 = json.loads((tmp_path / "tok2" / "tokens_rank1.json").read_text())
     assert r1["calls"] > 0 and r1["tokens"] == 0, r1  # experts of EP rank 1 ran with 0 tokens

@@ -29,24 +29,47 @@ def _anneal_corpus(root: Path, tokenizer: str) -> str:
             tree = ast.parse(p.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError):
             continue
-        docs += [ast.get_docstring(n) for n in ast.walk(tree)
-                 if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n)]
+        docs += [
+            ast.get_docstring(n)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n)
+        ]
     (root / "anneal.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    out = prepare_corpus(load_config([f"prepare.input={root / 'anneal.jsonl'}", f"prepare.output={root / 'anneal'}",
-                                      "prepare.progress=false", f"data.tokenizer={tokenizer}"]),
-                         log=lambda s: None)
+    out = prepare_corpus(
+        load_config(
+            [
+                f"prepare.input={root / 'anneal.jsonl'}",
+                f"prepare.output={root / 'anneal'}",
+                "prepare.progress=false",
+                f"data.tokenizer={tokenizer}",
+            ]
+        ),
+        log=lambda s: None,
+    )
     return out.prefixes[0]
 
 
 def _args(corpus, anneal: str) -> list[str]:
     train, valid = corpus.train_prefix, corpus.valid_prefix
-    phases = ("[{name:warmup,steps:2,lr_style:linear,lr_start:0.0,lr_end:3.0e-3,seq_length:128},"
-              "{name:stable,steps:2,lr_style:constant},"
-              f"{{name:anneal,steps:3,lr_style:linear,lr_end:3.0e-4,"
-              f"data:{{path:[0.5,'{train}',0.5,'{anneal}'],valid_path:'{anneal}'}}}}]")
-    return ["parallel=cpu4", f"schedule.phases={phases}", f"data.path={train}", f"data.valid_path={valid}",
-            f"data.tokenizer={corpus.tokenizer_path}", "train.eval_interval=3", "train.eval_iters=1",
-            "train.save_interval=3", "checkpoint.keep_last=3", "checkpoint.save_at_end=false", "run.seed=5"]
+    phases = (
+        "[{name:warmup,steps:2,lr_style:linear,lr_start:0.0,lr_end:3.0e-3,seq_length:128},"
+        "{name:stable,steps:2,lr_style:constant},"
+        f"{{name:anneal,steps:3,lr_style:linear,lr_end:3.0e-4,"
+        f"data:{{path:[0.5,'{train}',0.5,'{anneal}'],valid_path:'{anneal}'}}}}]"
+    )
+    return [
+        "parallel=cpu4",
+        f"schedule.phases={phases}",
+        f"data.path={train}",
+        f"data.valid_path={valid}",
+        f"data.tokenizer={corpus.tokenizer_path}",
+        "train.eval_interval=3",
+        "train.eval_iters=1",
+        "train.save_interval=3",
+        "checkpoint.keep_last=3",
+        "checkpoint.save_at_end=false",
+        "run.seed=5",
+    ]
 
 
 def _state(ckpt: Path) -> dict:
@@ -73,5 +96,8 @@ def test_anneal_blend_switch_resumes_exactly(tmp_path, stdlib_corpus):
         got = {r["step"]: r for r in run_trainer([*args, f"resume.from={ckpts / f'iter_{start:07d}'}"], 4, run)}
         assert sorted(got) == list(range(start + 1, 8))
         for s in got:
-            assert (got[s]["loss"], got[s]["grad_norm"], got[s].get("val_loss")) == \
-                (ref[s]["loss"], ref[s]["grad_norm"], ref[s].get("val_loss")), (start, s)
+            assert (got[s]["loss"], got[s]["grad_norm"], got[s].get("val_loss")) == (
+                ref[s]["loss"],
+                ref[s]["grad_norm"],
+                ref[s].get("val_loss"),
+            ), (start, s)

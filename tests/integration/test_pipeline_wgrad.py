@@ -51,15 +51,24 @@ def test_gradients_and_parameters_equal_with_and_without_split(runs):
         for step, (a, b) in enumerate(zip(g_off, g_on), start=1):
             assert a.keys() == b.keys()
             for name in a:
-                torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-9,
-                                           msg=lambda m, rank=rank, step=step, name=name:
-                                           f"{layout} rank {rank} step {step} {name}: {m}")
+                torch.testing.assert_close(
+                    b[name],
+                    a[name],
+                    rtol=1e-6,
+                    atol=1e-9,
+                    msg=lambda m, rank=rank, step=step, name=name: f"{layout} rank {rank} step {step} {name}: {m}",
+                )
                 if ".linear_" in name and a[name].abs().sum() > 0:
                     deferred_seen += 1  # a decoupled layer with a real gradient
         assert p_on.keys() == p_off.keys()
         for name in p_off:
-            torch.testing.assert_close(p_on[name], p_off[name], rtol=1e-6, atol=1e-9,
-                                       msg=lambda m, rank=rank, name=name: f"{layout} rank {rank} param {name}: {m}")
+            torch.testing.assert_close(
+                p_on[name],
+                p_off[name],
+                rtol=1e-6,
+                atol=1e-9,
+                msg=lambda m, rank=rank, name=name: f"{layout} rank {rank} param {name}: {m}",
+            )
     assert deferred_seen > 0
     if layout == "cpu4":  # the expert weights are among them, on both EP ranks
         names = {n for r in range(4) for n in on["dumps"][r][0][0] if ".global_experts." in n}
@@ -93,10 +102,13 @@ def test_trace_w_between_send_post_and_wait(runs):
                 assert len(w) == 1 and w[0]["n_wgrads"] > 0, (rank, step, key)
                 w = w[0]
                 # nothing else computes between B and its W: the queue drains every microbatch
-                between = evs[pos[id(b)] + 1:pos[id(w)]]
+                between = evs[pos[id(b)] + 1 : pos[id(w)]]
                 assert not [e for e in between if e["kind"] in ("F", "B", "W")], (rank, step, key)
-                sends = [e for e in evs if e["kind"] == "send" and e["what"] == "grad"
-                         and [e["chunk"], e["microbatch"]] == key]
+                sends = [
+                    e
+                    for e in evs
+                    if e["kind"] == "send" and e["what"] == "grad" and [e["chunk"], e["microbatch"]] == key
+                ]
                 if b["stage"] == 0:  # the first virtual stage has no input gradient to send
                     assert pp_rank == 0 and b["chunk"] == 0 and not sends and w["where"] == "no_send"
                     continue
@@ -110,19 +122,29 @@ def test_trace_w_between_send_post_and_wait(runs):
             end = [e for e in evs if e["kind"] == "end"]
             assert len(fin) == 1 and fin[0]["pending"] == 0  # grad reduction sees complete gradients
             assert len(end) == 1 and end[0]["pending"] == 0 and end[0]["wgrad_max_tags_held"] == 1
-            assert not [e for e in evs[pos[id(fin[0])]:] if e["kind"] == "W"]
+            assert not [e for e in evs[pos[id(fin[0])] :] if e["kind"] == "W"]
 
 
 def test_schedule_order_unchanged_and_peak_reported(runs):
     layout, off, on = runs
     for rank in range(4):
-        order = {k: [(e["step"], e["kind"], e["chunk"], e["microbatch"]) for e in r["traces"][rank]
-                     if e["kind"] in ("F", "B")] for k, r in (("off", off), ("on", on))}
+        order = {
+            k: [
+                (e["step"], e["kind"], e["chunk"], e["microbatch"])
+                for e in r["traces"][rank]
+                if e["kind"] in ("F", "B")
+            ]
+            for k, r in (("off", off), ("on", on))
+        }
         assert order["on"] == order["off"], rank
         assert not [e for e in off["traces"][rank] if e["kind"] == "W"]  # off: W stays inside B
     # peak deferred bytes (metrics.jsonl, max over ranks) = the largest single microbatch's W
     for rec in on["records"]:
-        ws = [e["bytes"] for t in on["traces"].values() for e in t
-              if e["kind"] == "W" and e["step"] == rec["step"] and e["pass"] == "train"]
+        ws = [
+            e["bytes"]
+            for t in on["traces"].values()
+            for e in t
+            if e["kind"] == "W" and e["step"] == rec["step"] and e["pass"] == "train"
+        ]
         assert rec["wgrad_deferred_peak_bytes"] == max(ws) > 0
     assert "wgrad_deferred_peak_bytes" not in off["records"][0]

@@ -39,22 +39,39 @@ def test_sigusr1_during_a_periodic_save_stops_at_that_step(tmp_path, stdlib_corp
     stops after step 2 -- the step in progress when the notice came -- with that checkpoint and exit 42,
     instead of training step 3 first."""
     run_dir = tmp_path / "run"
-    cmd = rank_launch_cmd(1, [str(SCRIPTS / "fault_train.py")], [
-        "train.iters=8", "train.save_interval=2", "checkpoint.async_save=false", "train.eval_interval=0",
-        "train.progress=false", "run.wandb.mode=offline", f"run.dir={run_dir}"])
-    p = subprocess.run(cmd, cwd=REPO, env=trainer_env({"K2_FAULT": "sigusr1_save:2:0"}), capture_output=True,
-                       text=True, timeout=300)
+    cmd = rank_launch_cmd(
+        1,
+        [str(SCRIPTS / "fault_train.py")],
+        [
+            "train.iters=8",
+            "train.save_interval=2",
+            "checkpoint.async_save=false",
+            "train.eval_interval=0",
+            "train.progress=false",
+            "run.wandb.mode=offline",
+            f"run.dir={run_dir}",
+        ],
+    )
+    p = subprocess.run(
+        cmd, cwd=REPO, env=trainer_env({"K2_FAULT": "sigusr1_save:2:0"}), capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 42, p.stdout[-3000:] + p.stderr[-3000:]
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert "SIGUSR1 received during step 2; saving a checkpoint at the end of step 2" in p.stdout, p.stdout[-3000:]
     assert _latest(run_dir) == "iter_0000002" and (run_dir / "requeue").read_text().strip() == "2"
 
 
-
 def _k2_train(run_dir: Path, *overrides: str) -> list[str]:
     """``k2-train`` with wandb in its default mode (offline) and no progress bar."""
-    return [sys.executable, "-m", "k2.launcher.train", *overrides, "train.progress=false",
-            "run.wandb.mode=offline", f"run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "k2.launcher.train",
+        *overrides,
+        "train.progress=false",
+        "run.wandb.mode=offline",
+        f"run.dir={run_dir}",
+    ]
 
 
 def _wait_for_lines(path: Path, n: int, p: subprocess.Popen, timeout: float = 300) -> None:
@@ -78,8 +95,15 @@ def test_sigterm_to_k2_train_saves_and_exits_with_requeue_code(tmp_path, stdlib_
     10 s."""
     run_dir = tmp_path / "run"
     cmd = _k2_train(run_dir, "parallel=pp2", "train.iters=500", "train.eval_interval=0")
-    p = subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     try:
         _wait_for_lines(metrics, 2, p)
@@ -96,8 +120,9 @@ def test_sigterm_to_k2_train_saves_and_exits_with_requeue_code(tmp_path, stdlib_
     assert _state(run_dir)["reason"] == "preempted: signal"
     assert not _left(run_dir), _left(run_dir)
 
-    p = subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         _wait_for_lines(metrics, len(logged) + 1, p)
         second = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120)
@@ -125,8 +150,10 @@ def test_two_trainers_started_together_on_one_run_dir(tmp_path, stdlib_corpus):
     with one line naming the first (host, pid); the run's metrics have each step once."""
     run_dir = tmp_path / "run"
     cmd = _k2_train(run_dir, "train.iters=3", "train.eval_interval=0")
-    ps = [subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True) for _ in range(2)]
+    ps = [
+        subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [q.communicate(timeout=300) for q in ps]
     rcs = [q.returncode for q in ps]
     assert sorted(rcs) == [0, 2], (rcs, [o[1][-2000:] for o in outs])
@@ -146,11 +173,22 @@ def test_sigusr1_during_startup_then_wall_time_budget_stop_with_checkpoints_in_o
     checkpoint and 42, and continues the same wandb run (offline here: a second offline-run directory with
     the same id, which `wandb sync` appends to the one run)."""
     run_dir = tmp_path / "run"
-    common = ["train.iters=500", "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline",
-              f"run.dir={run_dir}"]
+    common = [
+        "train.iters=500",
+        "train.eval_interval=0",
+        "train.progress=false",
+        "run.wandb.mode=offline",
+        f"run.dir={run_dir}",
+    ]
     trainer = ["-m", "k2.launcher.train"]
-    p = subprocess.Popen(rank_launch_cmd(1, trainer, common), cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        rank_launch_cmd(1, trainer, common),
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = []
         for line in p.stdout:  # printed inside run(), after the process group exists, before the build
@@ -167,8 +205,14 @@ def test_sigusr1_during_startup_then_wall_time_budget_stop_with_checkpoints_in_o
     first = _state(run_dir)
     assert first["reason"] == "preempted: signal" and first["step"] == 1
 
-    p = subprocess.run(rank_launch_cmd(1, trainer, [*common, "run.max_minutes=0.001"]), cwd=REPO,
-                       env=trainer_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        rank_launch_cmd(1, trainer, [*common, "run.max_minutes=0.001"]),
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 42, p.stderr[-3000:]
     st = _state(run_dir)
     assert st["reason"] == "preempted: run.max_minutes" and st["step"] == 2

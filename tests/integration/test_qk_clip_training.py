@@ -1,5 +1,4 @@
-"""QK-Clip in training: with a tiny tau every head is clipped every step and the model still learns.
-"""
+"""QK-Clip in training: with a tiny tau every head is clipped every step and the model still learns."""
 
 from __future__ import annotations
 
@@ -13,8 +12,18 @@ def test_training_with_tiny_tau_clips_and_still_learns(tmp_path, stdlib_corpus):
     from support.distributed import run_trainer
 
     tau = 0.1
-    recs = run_trainer(["optim=muonclip", f"optim.qk_clip_tau={tau}", "train.iters=6", "train.eval_interval=0",
-                        "schedule.phases.0.steps=0", "checkpoint.save_at_end=false"], 1, tmp_path)
+    recs = run_trainer(
+        [
+            "optim=muonclip",
+            f"optim.qk_clip_tau={tau}",
+            "train.iters=6",
+            "train.eval_interval=0",
+            "schedule.phases.0.steps=0",
+            "checkpoint.save_at_end=false",
+        ],
+        1,
+        tmp_path,
+    )
     assert [r["step"] for r in recs] == list(range(1, 7))
     assert all(r["qk_clipped_heads"] > 0 for r in recs), [r["qk_clipped_heads"] for r in recs]
     assert recs[0]["max_attn_logit"] > tau

@@ -17,10 +17,16 @@ from support.distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-RUN = ["parallel=single", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
-       "schedule.global_batch_tokens=1024", "train.eval_interval=0", "train.save_interval=null",
-       "schedule.phases=[{name:warmup,steps:2,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
-       "{name:long,steps:3,lr_style:constant,seq_length:512}]"]
+RUN = [
+    "parallel=single",
+    "model.hidden_dropout=0.1",
+    "model.attention_dropout=0.1",
+    "schedule.global_batch_tokens=1024",
+    "train.eval_interval=0",
+    "train.save_interval=null",
+    "schedule.phases=[{name:warmup,steps:2,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
+    "{name:long,steps:3,lr_style:constant,seq_length:512}]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,11 @@ def test_resume_restores_rng_and_data_position_across_a_context_switch(reference
     assert [r["step"] for r in every] == [1, 2, 3, 4, 5]
     resumed = every[3:]
     for got, want in zip(resumed, ref[3:], strict=True):
-        assert (got["loss"], got["grad_norm"], got["consumed_tokens"]) == \
-            (want["loss"], want["grad_norm"], want["consumed_tokens"]), (got, want)
+        assert (got["loss"], got["grad_norm"], got["consumed_tokens"]) == (
+            want["loss"],
+            want["grad_norm"],
+            want["consumed_tokens"],
+        ), (got, want)
 
 
 def test_optimizer_params_table_covers_every_parameter(reference):

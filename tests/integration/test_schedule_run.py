@@ -34,8 +34,17 @@ def expected_lr(tokens: float) -> float:
 
 
 def test_cpu4_run_crosses_a_context_boundary(tmp_path, stdlib_corpus):
-    recs = run_trainer(["parallel=cpu4", f"schedule.phases={PHASES}", "train.eval_interval=0",
-                        "run.seed=11", "checkpoint.save_at_end=false"], 4, tmp_path)
+    recs = run_trainer(
+        [
+            "parallel=cpu4",
+            f"schedule.phases={PHASES}",
+            "train.eval_interval=0",
+            "run.seed=11",
+            "checkpoint.save_at_end=false",
+        ],
+        4,
+        tmp_path,
+    )
     switch = math.ceil(20_000 / B) + 1  # first step at 512 tokens
     yarn = math.ceil(40_480 / B) + 1  # first step with YaRN
     last = math.ceil(44_576 / B)  # the end of the last phase ends the run
@@ -47,8 +56,7 @@ def test_cpu4_run_crosses_a_context_boundary(tmp_path, stdlib_corpus):
         assert r["seq_length"] == want_ctx and r["global_batch_size"] * want_ctx == B
         # microbatches per DP rank: 16 / (2 x 2) at 128 tokens, 4 / (1 x 2) at 512
         assert r["num_microbatches"] == (4 if s < switch else 2)
-        assert r["phase"] == ("warmup" if s <= 2 else "short" if s < switch else
-                              "long" if s < yarn else "long_yarn")
+        assert r["phase"] == ("warmup" if s <= 2 else "short" if s < switch else "long" if s < yarn else "long_yarn")
         assert r["lr"] == pytest.approx(expected_lr(s * B), rel=1e-9)
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
     loss = {r["step"]: r["loss"] for r in recs}

@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-                                 reason="needs root, ip and tc to build network namespaces")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+        reason="needs root, ip and tc to build network namespaces",
+    ),
+]
 
 
 def test_a_small_all_gather_queues_behind_all_to_alls_on_a_shaped_link():

@@ -42,8 +42,14 @@ def _documents(prefix: str) -> list[list[int]]:
 
 
 def _k2_data(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "k2.launcher.data", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "k2.launcher.data", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_four_task_array_resumes_a_cancelled_task_and_equals_the_one_process_build(slurm, tmp_path):
@@ -59,14 +65,21 @@ def test_a_four_task_array_resumes_a_cancelled_task_and_equals_the_one_process_b
     assert (inp / "a_large.jsonl").stat().st_size > total / TASKS  # larger than a task's share
     tok = str(tmp_path / "tokenizer.json")
     train_byte_level_bpe(docs, VOCAB).save(tok)
-    common = [f"prepare.input={inp}", "prepare.chunk_documents=8", f"data.tokenizer={tok}",
-              f"model.vocab_size={VOCAB}"]
-    reference = prepare_corpus(load_config([*common, f"prepare.output={tmp_path / 'one' / 'c'}",
-                                            "prepare.progress=false"]), log=lambda s: None)
+    common = [f"prepare.input={inp}", "prepare.chunk_documents=8", f"data.tokenizer={tok}", f"model.vocab_size={VOCAB}"]
+    reference = prepare_corpus(
+        load_config([*common, f"prepare.output={tmp_path / 'one' / 'c'}", "prepare.progress=false"]), log=lambda s: None
+    )
 
     out = tmp_path / "array" / "c"
-    submit = [*common, f"prepare.output={out}", f"prepare.tasks={TASKS}", "prepare.submit=true",
-              f"prepare.shard_bytes={total // 10}", "submit.time=10", "submit.cpus_per_task=1"]
+    submit = [
+        *common,
+        f"prepare.output={out}",
+        f"prepare.tasks={TASKS}",
+        "prepare.submit=true",
+        f"prepare.shard_bytes={total // 10}",
+        "submit.time=10",
+        "submit.cpus_per_task=1",
+    ]
     env = trainer_env({**slurm.env, DELAY_ENV: "0.5"})  # (a task slow enough to be cancelled in the middle)
     first = _k2_data(env, *submit)
     assert first.returncode == 0, first.stderr
@@ -79,8 +92,9 @@ def test_a_four_task_array_resumes_a_cancelled_task_and_equals_the_one_process_b
 
     def ended(j: str, tasks) -> bool:
         try:
-            return all(slurm.job_field(f"{j}_{t}", "JobState") not in ("PENDING", "RUNNING", "COMPLETING", "")
-                       for t in tasks)
+            return all(
+                slurm.job_field(f"{j}_{t}", "JobState") not in ("PENDING", "RUNNING", "COMPLETING", "") for t in tasks
+            )
         except RuntimeError:  # (a task of a pending array that Slurm has not split off yet)
             return False
 

@@ -27,21 +27,38 @@ from support.slurm_local import wait_for as _wait
 
 pytestmark = pytest.mark.slow
 
-JOB = ["parallel=pp2", "cluster.nodes=1", "cluster.gpus_per_node=2", "submit.request_gpus=false",
-       "submit.time=30", "submit.signal_seconds=60", "train.iters=8", "train.save_interval=2",
-       "train.eval_interval=0", "train.progress=false", "run.wandb.mode=offline",
-       # the cluster options Slurm checks on one node: --mem=0 (the default), --cpus-per-task, an extra option
-       "submit.cpus_per_task=1", "submit.extra_args=['--comment=k2-slurm-options']"]
+JOB = [
+    "parallel=pp2",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=2",
+    "submit.request_gpus=false",
+    "submit.time=30",
+    "submit.signal_seconds=60",
+    "train.iters=8",
+    "train.save_interval=2",
+    "train.eval_interval=0",
+    "train.progress=false",
+    "run.wandb.mode=offline",
+    # the cluster options Slurm checks on one node: --mem=0 (the default), --cpus-per-task, an extra option
+    "submit.cpus_per_task=1",
+    "submit.extra_args=['--comment=k2-slurm-options']",
+]
 
 
 def _submit(slurm, job_args: list, run_dir) -> str:
     """k2-submit ``job_args`` into ``run_dir`` on the local Slurm; the job id."""
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
-    sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args,
-                          f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=120)
+    sub = subprocess.run(
+        [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args, f"run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().splitlines()[0]
+
 
 def _requeue_and_start(slurm, job: str, restarts: int, log) -> None:
     """Requeue ``job`` (its ``restarts``-th restart) and start it again at once."""
@@ -58,7 +75,8 @@ def _kill_run(run_dir) -> None:
 
 
 def test_sbatch_job_killed_before_its_first_save_then_requeued_mid_run_has_the_uninterrupted_loss(
-        slurm, tmp_path, stdlib_corpus):
+    slurm, tmp_path, stdlib_corpus
+):
     """One job through two faults, against an uninterrupted run:
 
     * every process of the job gets SIGKILL (a node lost) after its first step and before its first
@@ -87,16 +105,27 @@ def test_sbatch_job_killed_before_its_first_save_then_requeued_mid_run_has_the_u
     try:
         _wait(lambda: steps_logged() >= 1, 300, lambda: f"step 1 of job {job}: {log()}")
         _kill_run(run_dir)
-        _wait(lambda: slurm.job_field(job, "JobState") not in ("RUNNING", "COMPLETING"), 120,
-              lambda: f"job {job} to die: {log()}", every=0.5)
+        _wait(
+            lambda: slurm.job_field(job, "JobState") not in ("RUNNING", "COMPLETING"),
+            120,
+            lambda: f"job {job} to die: {log()}",
+            every=0.5,
+        )
         assert not (run_dir / "checkpoints" / "latest").exists(), "killed after its first save: retry"
         _requeue_and_start(slurm, job, 1, log)
         # (the restart sets the killed run's records aside before it says so: metrics.jsonl is then its own)
-        _wait(lambda: "killed before its first checkpoint" in log(tail=10**7) and steps_logged() >= 3, 300,
-              lambda: f"step 3 of job {job} after its fresh start: {log()}")
+        _wait(
+            lambda: "killed before its first checkpoint" in log(tail=10**7) and steps_logged() >= 3,
+            300,
+            lambda: f"step 3 of job {job} after its fresh start: {log()}",
+        )
         _requeue_and_start(slurm, job, 2, log)  # every process of the step gets SIGTERM: the ranks save, exit 42
-        _wait(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 600,
-              lambda: f"job {job} to finish: {log()}", every=1)
+        _wait(
+            lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
+            600,
+            lambda: f"job {job} to finish: {log()}",
+            every=1,
+        )
     finally:
         if slurm.job_field(job, "JobState") in ("RUNNING", "PENDING"):
             subprocess.run(["scancel", job], env=slurm.env)
@@ -128,12 +157,28 @@ def test_a_two_arm_two_budget_grid_submits_its_branches_after_their_trunks(slurm
     points saved); k2-sweep-report reads the result; a second submission of the finished grid submits
     nothing."""
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "+experiment=sparsity_sweep", "sweep.sparsities=[1,4]", "sweep.seeds=[1]",
-            "sweep.budgets_tokens=[10240,20480]", "schedule.global_batch_tokens=2048", "train.micro_batch_size=2",
-            "schedule.phases.0.steps=2", "train.eval_interval=1000", "train.eval_iters=1", "train.progress=false",
-            "run.wandb.mode=disabled", "model.vocab_size=4096", "data.vocab_size=4096", "cluster.nodes=1",
-            "cluster.gpus_per_node=1", "submit.request_gpus=false", "submit.time=30", "submit.cpus_per_task=1",
-            f"sweep.dir={sweep_dir}"]
+    args = [
+        "-m",
+        "+experiment=sparsity_sweep",
+        "sweep.sparsities=[1,4]",
+        "sweep.seeds=[1]",
+        "sweep.budgets_tokens=[10240,20480]",
+        "schedule.global_batch_tokens=2048",
+        "train.micro_batch_size=2",
+        "schedule.phases.0.steps=2",
+        "train.eval_interval=1000",
+        "train.eval_iters=1",
+        "train.progress=false",
+        "run.wandb.mode=disabled",
+        "model.vocab_size=4096",
+        "data.vocab_size=4096",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "submit.request_gpus=false",
+        "submit.time=30",
+        "submit.cpus_per_task=1",
+        f"sweep.dir={sweep_dir}",
+    ]
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
     submit = [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *args]
     sub = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -141,11 +186,15 @@ def test_a_two_arm_two_budget_grid_submits_its_branches_after_their_trunks(slurm
     assert "GPU-hours as trunks + cooldown branches" in sub.stderr, sub.stderr  # k2-plan's check came first
     jobs = sub.stdout.split()
     assert len(jobs) == 6, sub.stdout  # per arm: the trunk, then its two branches
-    _wait(lambda: all(slurm.job_field(j, "JobState") in ("COMPLETED", "FAILED", "CANCELLED") for j in jobs),
-          900, lambda: f"jobs {jobs}: " + " ".join(slurm.job_field(j, "JobState") for j in jobs), every=1)
+    _wait(
+        lambda: all(slurm.job_field(j, "JobState") in ("COMPLETED", "FAILED", "CANCELLED") for j in jobs),
+        900,
+        lambda: f"jobs {jobs}: " + " ".join(slurm.job_field(j, "JobState") for j in jobs),
+        every=1,
+    )
     assert [slurm.job_field(j, "JobState") for j in jobs] == ["COMPLETED"] * 6, [slurm.diagnose(j) for j in jobs]
     for arm in (0, 1):
-        trunk, branches = jobs[3 * arm], jobs[3 * arm + 1:3 * arm + 3]
+        trunk, branches = jobs[3 * arm], jobs[3 * arm + 1 : 3 * arm + 3]
         for b in branches:
             assert slurm.job_field(b, "StartTime") >= slurm.job_field(trunk, "EndTime"), (b, trunk)
     for s in (1, 4):
@@ -154,10 +203,17 @@ def test_a_two_arm_two_budget_grid_submits_its_branches_after_their_trunks(slurm
             cell = sweep_dir / f"sparsity_{s}" / "seed_1" / f"budget_{budget}"
             assert json.loads((cell / "branch.json").read_text())["trunk_step"] == step
             assert (trunk_dir / "checkpoints" / f"iter_{step:07d}").is_dir()
-            assert [json.loads(x)["step"] for x in (cell / "metrics.jsonl").read_text().splitlines()] == \
-                list(range(0, budget // 2048 + 1))
-    rep = subprocess.run([sys.executable, "-c", "from k2.launcher.sweep_report import cli; cli()", str(sweep_dir)],
-                         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300)
+            assert [json.loads(x)["step"] for x in (cell / "metrics.jsonl").read_text().splitlines()] == list(
+                range(0, budget // 2048 + 1)
+            )
+    rep = subprocess.run(
+        [sys.executable, "-c", "from k2.launcher.sweep_report import cli; cli()", str(sweep_dir)],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rep.returncode == 0, rep.stderr
     cells = json.loads((sweep_dir / "sweep.json").read_text())["cells"]
     assert len(cells) == 4 and all(c["status"] == "finished" for c in cells), cells

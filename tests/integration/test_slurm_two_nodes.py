@@ -49,8 +49,11 @@ def _losses(records):
 
 def _tcp_peers(cluster, node: str) -> set[str]:
     """The remote addresses of the established TCP connections in ``node``'s namespace."""
-    out = subprocess.run(["ip", "netns", "exec", cluster.netns(node), "ss", "-tnH", "state", "established"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", cluster.netns(node), "ss", "-tnH", "state", "established"],
+        capture_output=True,
+        text=True,
+    ).stdout
     return {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.split()}
 
 
@@ -85,17 +88,21 @@ def test_two_nodes_match_one_node_bitwise_across_a_requeue_and_a_lost_node(two_n
         peers = _tcp_peers(two_nodes, NODES[1])
         two_nodes.scontrol("requeue", job.id)  # SIGTERM to every rank on both nodes: they save, exit 42
         two_nodes.restart_now(job.id, 1, job.log)
-        wait_for(lambda: "resumed from" in job.log(tail=10**7) and job.steps() >= 4 and ranks(two_nodes, NODES[1]),
-                 300,
-                 lambda: f"step 4 of job {job.id} after its requeue: {job.log()}")
+        wait_for(
+            lambda: "resumed from" in job.log(tail=10**7) and job.steps() >= 4 and ranks(two_nodes, NODES[1]),
+            300,
+            lambda: f"step 4 of job {job.id} after its requeue: {job.log()}",
+        )
         t0 = time.time()
         two_nodes.lose_node(NODES[1])  # cable pulled, then slurmd, slurmstepd and both ranks SIGKILLed
         # slurmctld notices within SlurmdTimeout, requeues the job and kills its ranks on the first node
         # (SIGTERM, SIGKILL KillWait later): none waits on the lost peer
         bound = SLURMD_TIMEOUT_S + KILL_WAIT_S + 60
-        wait_for(lambda: not ranks(two_nodes, NODES[0]) and job.state() == "PENDING", bound,
-                 lambda: f"the job to end on {NODES[0]} and pend: {job.state()} {ranks(two_nodes, NODES[0])} "
-                         f"{job.log()}")
+        wait_for(
+            lambda: not ranks(two_nodes, NODES[0]) and job.state() == "PENDING",
+            bound,
+            lambda: f"the job to end on {NODES[0]} and pend: {job.state()} {ranks(two_nodes, NODES[0])} {job.log()}",
+        )
         ended_s = time.time() - t0
         latest = ckpts / (ckpts / "latest").read_text().strip()
         assert verify(latest) == [], latest  # every file of the latest checkpoint as its manifest says
@@ -108,10 +115,12 @@ def test_two_nodes_match_one_node_bitwise_across_a_requeue_and_a_lost_node(two_n
     finally:
         job.cancel_if_running()
     out = job.log(tail=10**7)
-    print(f"lost node: the job ended on the surviving node {ended_s:.1f} s after the loss; resumed from step "
-          f"{saved_step}")
-    assert state == "COMPLETED" and job.cluster.job_field(job.id, "Restarts") == "2", \
-        out[-4000:] + two_nodes.diagnose(job.id)
+    print(
+        f"lost node: the job ended on the surviving node {ended_s:.1f} s after the loss; resumed from step {saved_step}"
+    )
+    assert state == "COMPLETED" and job.cluster.job_field(job.id, "Restarts") == "2", out[-4000:] + two_nodes.diagnose(
+        job.id
+    )
     # cyclic: ranks 0, 2 on the first node, 1, 3 on the second, each process on its node's hostname
     assert {n: sorted(r) for n, r in placed.items()} == {NODES[0]: [0, 2], NODES[1]: [1, 3]}, placed
     assert all(r["hostname"] == n for n, ranks in placed.items() for r in ranks.values()), placed

@@ -11,10 +11,20 @@ import torch
 from support.distributed import run_trainer
 
 # the smallest window (4): detection starts once it holds 2 steps, so the spike can be step 3 of 4 steps
-CPU4_SKIP = ["parallel=cpu4", "optim=muonclip", "train.eval_interval=0", "train.micro_batch_size=4",
-             "schedule.phases.0.steps=0", "train.iters=4", "train.save_interval=1", "checkpoint.keep_last=10",
-             "checkpoint.save_at_end=false", "train.spike.action=skip", "train.spike.window=4",
-             "train.spike.sigma=1000"]
+CPU4_SKIP = [
+    "parallel=cpu4",
+    "optim=muonclip",
+    "train.eval_interval=0",
+    "train.micro_batch_size=4",
+    "schedule.phases.0.steps=0",
+    "train.iters=4",
+    "train.save_interval=1",
+    "checkpoint.keep_last=10",
+    "checkpoint.save_at_end=false",
+    "train.spike.action=skip",
+    "train.spike.window=4",
+    "train.spike.sigma=1000",
+]
 
 
 def _all_tensors(ckpt: Path, tmp_path: Path) -> dict:
@@ -68,8 +78,11 @@ def test_injected_spike_is_skipped_by_every_rank_bitwise(tmp_path, stdlib_corpus
     # megatron's ZeRO-1 flat buffers start each parameter at a multiple of 64 elements (distributed
     # optimizer padding); the k2_tiny tensors are multiples of 32 elements, so the uninitialised padding
     # the checkpoint copies is at offsets 32..63 of a 64-block. Everything else must be equal.
-    assert not {k: v for k, v in changed.items() if v.numel() and
-                ("optimizer.distributed" not in k or bool((v % 64 < 32).any()))}, changed
+    assert not {
+        k: v
+        for k, v in changed.items()
+        if v.numel() and ("optimizer.distributed" not in k or bool((v % 64 < 32).any()))
+    }, changed
     assert any(not torch.equal(after[k], later[k]) for k in after if "expert_bias" in k)  # step 4 updated
     state = json.loads((ckpts / "iter_0000003" / "k2_state.json").read_text())["spike"]
     assert len(state["losses"]) == 2 and state["consecutive"] == 1  # the skipped step's loss kept out

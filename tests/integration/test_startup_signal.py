@@ -17,11 +17,21 @@ pytestmark = pytest.mark.slow
 
 def test_sigusr1_before_the_process_groups_saves_step_one_and_exits_42(tmp_path, stdlib_corpus):
     run_dir = tmp_path / "run"
-    args = ["train.iters=5", "train.eval_interval=0", "train.progress=false", "run.wandb.mode=disabled",
-            f"run.dir={run_dir}"]
-    p = subprocess.run(rank_launch_cmd(1, [str(SCRIPTS / "fault_train.py")], args), cwd=REPO,
-                       env=trainer_env({"K2_FAULT": "sigusr1_before_pg:0:0"}), capture_output=True, text=True,
-                       timeout=300)
+    args = [
+        "train.iters=5",
+        "train.eval_interval=0",
+        "train.progress=false",
+        "run.wandb.mode=disabled",
+        f"run.dir={run_dir}",
+    ]
+    p = subprocess.run(
+        rank_launch_cmd(1, [str(SCRIPTS / "fault_train.py")], args),
+        cwd=REPO,
+        env=trainer_env({"K2_FAULT": "sigusr1_before_pg:0:0"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 42, p.stdout[-3000:] + p.stderr[-3000:]
     assert "SIGUSR1 received during start-up" in p.stdout, p.stdout[-3000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -31,11 +31,22 @@ pytestmark = pytest.mark.slow
 B = 2048  # tokens per step
 # recipes/experiment/sparsity_sweep.yaml made short: steps of 8 x 256 tokens, budgets of 10 and 20 steps
 # (branch points 8 and 16), the session's corpus (vocabulary 4,096)
-SHORT = ["+experiment=sparsity_sweep", "sweep.sparsities=[1,4]", "sweep.seeds=[1]",
-         "sweep.budgets_tokens=[20480,40960]",
-         f"schedule.global_batch_tokens={B}", "train.micro_batch_size=2", "schedule.phases.0.steps=2",
-         "train.eval_interval=4", "train.eval_iters=1", "train.save_interval=5", "train.progress=false",
-         "run.wandb.mode=disabled", "model.vocab_size=4096", "data.vocab_size=4096"]
+SHORT = [
+    "+experiment=sparsity_sweep",
+    "sweep.sparsities=[1,4]",
+    "sweep.seeds=[1]",
+    "sweep.budgets_tokens=[20480,40960]",
+    f"schedule.global_batch_tokens={B}",
+    "train.micro_batch_size=2",
+    "schedule.phases.0.steps=2",
+    "train.eval_interval=4",
+    "train.eval_iters=1",
+    "train.save_interval=5",
+    "train.progress=false",
+    "run.wandb.mode=disabled",
+    "model.vocab_size=4096",
+    "data.vocab_size=4096",
+]
 CELL = Path("sparsity_4/seed_1/budget_40960")
 
 
@@ -65,23 +76,23 @@ def test_a_branch_starts_as_its_trunk_and_cools_down_to_its_budget(grid):
     assert "all 4 cells finished" in done.stdout
     manifest = json.loads((sweep_dir / "grid.json").read_text())
     assert sorted(c["cell"] for c in manifest["cells"]) == sorted(
-        f"sparsity_{s}/seed_1/budget_{b}" for s in (1, 4) for b in (20480, 40960))
+        f"sparsity_{s}/seed_1/budget_{b}" for s in (1, 4) for b in (20480, 40960)
+    )
     for c in manifest["cells"]:
         trunk, cell = sweep_dir / c["trunk_dir"], sweep_dir / c["run_dir"]
         step = c["branch_step"]
         assert step == {20480: 8, 40960: 16}[c["budget_tokens"]]
         assert (trunk / "checkpoints" / f"iter_{step:07d}").is_dir()  # the trunk kept every branch point
-        trunk_lines = [x for x in (trunk / "metrics.jsonl").read_text().splitlines()
-                       if json.loads(x)["step"] <= step]
+        trunk_lines = [x for x in (trunk / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] <= step]
         cell_lines = (cell / "metrics.jsonl").read_text().splitlines()
-        assert cell_lines[:len(trunk_lines)] == trunk_lines  # the same bytes
+        assert cell_lines[: len(trunk_lines)] == trunk_lines  # the same bytes
         assert [json.loads(x)["step"] for x in cell_lines] == list(range(0, c["last_step"] + 1))
         assert json.loads((cell / "branch.json").read_text())["trunk_step"] == step
         info = json.loads((cell / "cell.json").read_text())
         assert info["status"] == "finished" and info["tokens"] == c["budget_tokens"]
         assert info["final_val_loss"] == _records(cell)[-1]["val_loss"]
         last = c["last_step"]
-        for r in _records(cell)[step + 1:]:  # 1-sqrt from the constant LR to 0 at the budget
+        for r in _records(cell)[step + 1 :]:  # 1-sqrt from the constant LR to 0 at the budget
             ratio = (r["step"] - step) / (last - step)
             assert r["lr"] == pytest.approx(3.0e-3 * (1 - math.sqrt(ratio)), rel=1e-9, abs=1e-15), r["step"]
         assert _records(cell)[-1]["lr"] == 0.0
@@ -97,8 +108,14 @@ def test_a_branch_is_the_run_of_its_schedule_from_scratch(grid, tmp_path):
     _, g = build_grid([*SHORT, f"sweep.dir={sweep_dir}"])
     ovr = next(c.overrides for c in g.cells if c.run_dir == cell)
     straight = [o for o in ovr if not o.startswith(("resume.branch_from=", "run.dir="))]
-    run = subprocess.run(rank_launch_cmd(1, ["-m", "k2.launcher.train"], [*straight, f"run.dir={tmp_path / 's'}"]),
-                         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        rank_launch_cmd(1, ["-m", "k2.launcher.train"], [*straight, f"run.dir={tmp_path / 's'}"]),
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert _losses(tmp_path / "s") == _losses(cell)  # every step: loss, gradient norm, LR
 
@@ -107,10 +124,15 @@ def test_a_branch_killed_midway_resumes_bitwise_and_a_second_run_trains_nothing(
     sweep_dir, _ = grid
     mine = tmp_path / "sweep"
     # saves at steps 18 and 20, each committed before the next step starts
-    args = [*SHORT, "sweep.sparsities=[4]", "train.save_interval=2", "checkpoint.async_save=false",
-            f"sweep.dir={mine}"]
-    p = subprocess.Popen(rank_launch_cmd(1, ["-m", "k2.launcher.train"], ["-m", *args]), cwd=REPO,
-                         env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [*SHORT, "sweep.sparsities=[4]", "train.save_interval=2", "checkpoint.async_save=false", f"sweep.dir={mine}"]
+    p = subprocess.Popen(
+        rank_launch_cmd(1, ["-m", "k2.launcher.train"], ["-m", *args]),
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     saved = mine / CELL / "checkpoints" / "iter_0000018"
     deadline = time.time() + 600
     while time.time() < deadline and not saved.is_dir():

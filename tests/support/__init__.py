@@ -11,5 +11,3 @@ from k2.parallel.processes import free_port  # noqa: F401 (the tests import it f
 REPO = Path(__file__).resolve().parents[2]
 #: trainer scripts with an injected fault or a dump (tests/support/scripts)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-

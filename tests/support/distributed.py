@@ -27,8 +27,7 @@ def trainer_env(extra: dict | None = None) -> dict:
     a free port), with one OpenMP thread per rank."""
     launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "K2_SPAWNED")  # (the
     # fork server's socket stays: a test script's own launches may use it)
-    env = {k: v for k, v in os.environ.items()
-           if k not in launcher_vars and not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("SLURM_")}
     env.update({"OMP_NUM_THREADS": "1", **(extra or {})})
     return env
 
@@ -47,13 +46,23 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
     if nproc == 1:
         return [sys.executable, *target, *args]
     if mode == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target, *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            *target,
+            *args,
+        ]
     return [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), *target, *args]
 
 
-def start_processes_forked(fn, args=(), nprocs: int = 1, join: bool = True, start_method: str = "spawn",
-                           **_ignored) -> None:
+def start_processes_forked(
+    fn, args=(), nprocs: int = 1, join: bool = True, start_method: str = "spawn", **_ignored
+) -> None:
     """A stand-in for ``torch.multiprocessing.start_processes`` / ``spawn`` (patched in or called by tests of
     code that spawns its ranks, e.g. k2-bench's bench=memory and bench=optimizer): the ``nprocs`` processes
     run ``fn(rank, *args)`` as one launch of :func:`rank_launch_cmd` (the session's fork server) instead of
@@ -67,13 +76,22 @@ def start_processes_forked(fn, args=(), nprocs: int = 1, join: bool = True, star
     call = pickle.dumps((sys.path, fn.__module__, fn.__qualname__, tuple(args))).hex()
     cmd = rank_launch_cmd(nprocs, [str(SCRIPTS / "rank_function.py")], [call])
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, \
+    assert proc.returncode == 0, (
         f"{fn.__qualname__} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
 
 
-def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | None = None,
-                timeout: int = 600, env: dict | None = None, expect_failure: bool = False,
-                stdout_to: Path | None = None, stderr_to: Path | None = None) -> list[dict]:
+def run_trainer(
+    overrides: list[str],
+    nproc: int,
+    run_dir: Path,
+    script: str | None = None,
+    timeout: int = 600,
+    env: dict | None = None,
+    expect_failure: bool = False,
+    stdout_to: Path | None = None,
+    stderr_to: Path | None = None,
+) -> list[dict]:
     """Run ``k2.launcher.train`` (or a test script wrapping it) on ``nproc`` gloo ranks; return the
     metrics.jsonl records of the training steps (step >= 1; the ``"step": 0`` record of the evaluation
     before training is left out: read metrics.jsonl for it). :data:`QUIET` is added except for the keys
@@ -86,11 +104,12 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     cmd = rank_launch_cmd(nproc, target, args)
     full_env = trainer_env(env)
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"trainer timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
-                             f"{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}") from None
+        raise AssertionError(
+            f"trainer timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
+            f"{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}"
+        ) from None
     if stdout_to is not None:  # for tests of what the run prints
         Path(stdout_to).write_text(proc.stdout)
     if stderr_to is not None:
@@ -98,15 +117,21 @@ def run_trainer(overrides: list[str], nproc: int, run_dir: Path, script: str | N
     if expect_failure:
         assert proc.returncode != 0, f"trainer did not fail: {' '.join(cmd)}\n{proc.stdout[-3000:]}"
     else:
-        assert proc.returncode == 0, (f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
-                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        assert proc.returncode == 0, (
+            f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     path = run_dir / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] > 0]
 
 
 # schedule.phases.0.steps=0: the stable LR 3e-3 from step 1, so steps 2-3 see updated weights
-THREE_STEPS = ["train.iters=3", "train.eval_interval=0", "schedule.phases.0.steps=0", "run.seed=7",
-               "checkpoint.save_at_end=false"]
+THREE_STEPS = [
+    "train.iters=3",
+    "train.eval_interval=0",
+    "schedule.phases.0.steps=0",
+    "run.seed=7",
+    "checkpoint.save_at_end=false",
+]
 
 # MuonClip with Newton-Schulz in fp32 (so that runs at different DP sizes compare to fp32 tolerance, see
 # tests/integration/test_muonclip_parallel.py) and model.ffn_hidden_size=320 (megatron's byte-range ZeRO-1 at DP=2
@@ -142,9 +167,15 @@ def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bo
 
                 shutil.rmtree(out)
             run_trainer(
-                [*layout, *THREE_STEPS, f"pipeline.decouple_wgrad={str(decouple_wgrad).lower()}",
-                 f"pipeline.trace={out / 'trace'}"],
-                nproc, out / "run", script="dump_params_train.py",
+                [
+                    *layout,
+                    *THREE_STEPS,
+                    f"pipeline.decouple_wgrad={str(decouple_wgrad).lower()}",
+                    f"pipeline.trace={out / 'trace'}",
+                ],
+                nproc,
+                out / "run",
+                script="dump_params_train.py",
                 env={"K2_TEST_OUT": str(out / "dump"), "K2_DUMP_GRADS": "1"},
             )
             (out / "done").write_text(repr(key) + "\n")
@@ -153,7 +184,9 @@ def three_step_run(root: Path, layout: list[str], nproc: int, decouple_wgrad: bo
     for path in sorted((out / "trace").glob("rank*.jsonl")):
         events = [json.loads(line) for line in path.read_text().splitlines()]
         traces[events[0]["rank"]] = events
-    dumps = {r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
-             for r in range(nproc)}
+    dumps = {
+        r: (torch.load(out / "dump" / f"grads_rank{r}.pt"), torch.load(out / "dump" / f"params_rank{r}.pt"))
+        for r in range(nproc)
+    }
     cache[key] = {"records": recs, "traces": traces, "dumps": dumps, "dump_dir": out / "dump"}
     return cache[key]

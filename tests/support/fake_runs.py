@@ -23,8 +23,7 @@ def fake_checkpoint(run_dir: Path, step: int, overrides: list[str], layout: dict
     (path / "metadata.json").write_text("{}")
     (path / ".metadata").write_bytes(b"")
     (path / "config.yaml").write_text(to_yaml(load_config(overrides)))
-    (path / "k2_state.json").write_text(json.dumps({"step": step, "layout": layout,
-                                                    "optimizer_dp_fixed": False}))
+    (path / "k2_state.json").write_text(json.dumps({"step": step, "layout": layout, "optimizer_dp_fixed": False}))
     (run_dir / "checkpoints" / "latest").write_text(path.name + "\n")
     return path
 

@@ -32,9 +32,17 @@ def cell_name(arm: str, seed: int, budget: int) -> str:
     return f"{arm}/seed_{seed}/budget_{budget}"
 
 
-def write_grid(sweep_dir: Path, sparsities: list[int], seeds: list[int], budget_steps: list[int],
-               final_loss: Callable[[str, int, int, float], float], *, load: Callable | None = None,
-               reference: str = "sparsity_1", collapsed_load: float = 2.0) -> dict:
+def write_grid(
+    sweep_dir: Path,
+    sparsities: list[int],
+    seeds: list[int],
+    budget_steps: list[int],
+    final_loss: Callable[[str, int, int, float], float],
+    *,
+    load: Callable | None = None,
+    reference: str = "sparsity_1",
+    collapsed_load: float = 2.0,
+) -> dict:
     """Write a finished grid: arms ``sparsity_<S>`` (experts = S x 2), one trunk per (arm, seed), one branch
     per budget (``budget_steps`` steps of :data:`STEP_TOKENS`; the branch point at 80% of it).
 
@@ -59,19 +67,37 @@ def write_grid(sweep_dir: Path, sparsities: list[int], seeds: list[int], budget_
                 loss = final_loss(arm, seed, budget, flops)
                 lv = load(arm, seed, budget) if load else 1.2
                 write_cell(sweep_dir / name, text, steps, branch, loss, lv)
-                cells.append({"cell": name, "arm": arm, "sparsity": s, "experts": s * TOPK, "size": None,
-                              "seed": seed, "budget_tokens": budget, "branch_step": branch,
-                              "trunk_dir": f"{arm}/seed_{seed}/trunk", "run_dir": name})
+                cells.append(
+                    {
+                        "cell": name,
+                        "arm": arm,
+                        "sparsity": s,
+                        "experts": s * TOPK,
+                        "size": None,
+                        "seed": seed,
+                        "budget_tokens": budget,
+                        "branch_step": branch,
+                        "trunk_dir": f"{arm}/seed_{seed}/trunk",
+                        "run_dir": name,
+                    }
+                )
                 out[name] = {"flops": flops, "loss": loss, "run_dir": sweep_dir / name}
-    grid = {"name": "fake_sweep", "topk": TOPK, "reference_arm": reference,
-            "cooldown": {"style": "minus_sqrt", "fraction": 0.2}, "collapsed_load": collapsed_load,
-            "warmup_steps": WARMUP_STEPS, "cells": cells}
+    grid = {
+        "name": "fake_sweep",
+        "topk": TOPK,
+        "reference_arm": reference,
+        "cooldown": {"style": "minus_sqrt", "fraction": 0.2},
+        "collapsed_load": collapsed_load,
+        "warmup_steps": WARMUP_STEPS,
+        "cells": cells,
+    }
     (sweep_dir / "grid.json").write_text(json.dumps(grid, indent=1))
     return out
 
 
-def write_cell(run_dir: Path, cfg, steps: int, branch_step: int, final_loss: float, load: float,
-               finished: bool = True) -> None:
+def write_cell(
+    run_dir: Path, cfg, steps: int, branch_step: int, final_loss: float, load: float, finished: bool = True
+) -> None:
     """One cell's run dir: a step-0 evaluation, ``steps`` training records (val_loss every 4 steps, above
     the final loss as a constant-LR trunk is, and the final loss at the last step). ``cfg``: a config or
     its YAML text."""
@@ -79,20 +105,43 @@ def write_cell(run_dir: Path, cfg, steps: int, branch_step: int, final_loss: flo
     (run_dir / "config.yaml").write_text(cfg if isinstance(cfg, str) else OmegaConf.to_yaml(cfg))
     recs = [{"step": 0, "consumed_tokens": 0, "seq_length": SEQ, "val_loss": 8.3}]
     for i in range(1, steps + 1):
-        rec = {"step": i, "consumed_tokens": i * STEP_TOKENS, "seq_length": SEQ, "lr": 1e-3, "loss": 6.0,
-               "tokens_per_s": 1000.0 + i, "step_time_s": 1.0,
-               "moe_load_max_over_mean": 3.9 if i <= WARMUP_STEPS else load}
+        rec = {
+            "step": i,
+            "consumed_tokens": i * STEP_TOKENS,
+            "seq_length": SEQ,
+            "lr": 1e-3,
+            "loss": 6.0,
+            "tokens_per_s": 1000.0 + i,
+            "step_time_s": 1.0,
+            "moe_load_max_over_mean": 3.9 if i <= WARMUP_STEPS else load,
+        }
         if i % 4 == 0 or i == steps:
             rec["val_loss"] = final_loss if i == steps else final_loss + 0.05 * (steps - i) / steps + 0.02
         recs.append(rec)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (run_dir / "branch.json").write_text(json.dumps({"trunk_dir": "trunk", "trunk_step": branch_step,
-                                                     "budget_tokens": steps * STEP_TOKENS,
-                                                     "cooldown": {"style": "minus_sqrt", "fraction": 0.2}}))
+    (run_dir / "branch.json").write_text(
+        json.dumps(
+            {
+                "trunk_dir": "trunk",
+                "trunk_step": branch_step,
+                "budget_tokens": steps * STEP_TOKENS,
+                "cooldown": {"style": "minus_sqrt", "fraction": 0.2},
+            }
+        )
+    )
     if finished:
-        (run_dir / "cell.json").write_text(json.dumps({
-            "status": "finished", "wall_clock_s": 10.0 * steps, "trunk_wall_clock_s": 8.0 * steps,
-            "peak_rss_bytes": 2**30, "final_val_loss": final_loss, "tokens": steps * STEP_TOKENS}))
+        (run_dir / "cell.json").write_text(
+            json.dumps(
+                {
+                    "status": "finished",
+                    "wall_clock_s": 10.0 * steps,
+                    "trunk_wall_clock_s": 8.0 * steps,
+                    "peak_rss_bytes": 2**30,
+                    "final_val_loss": final_loss,
+                    "tokens": steps * STEP_TOKENS,
+                }
+            )
+        )
 
 
 def fake_params(cfg) -> tuple[int, int]:

@@ -19,9 +19,14 @@ def predict_state_bytes(overrides: list[str], world: int):
     """The planner's state bytes (``state_bytes[pp_rank][dp_rank]``) of the config for ``world`` ranks."""
     cfg = load_config(overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
-    return state_bytes(count_params(cfg), dims, precision=cfg.train.precision, optim=cfg.optim,
-                       use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-                       model_cfg=cfg.model)
+    return state_bytes(
+        count_params(cfg),
+        dims,
+        precision=cfg.train.precision,
+        optim=cfg.optim,
+        use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
+        model_cfg=cfg.model,
+    )
 
 
 def build_one_rank(overrides: list[str], layers: int = 2):

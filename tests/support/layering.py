@@ -26,8 +26,17 @@ LAYERS: list[list[str]] = [
     ["k2.launcher.training"],
     ["k2.launcher.benchmarks", "k2.launcher.tools"],
     ["k2.launcher.cli"],
-    ["k2.launcher.train", "k2.launcher.plan", "k2.launcher.data", "k2.launcher.bench", "k2.launcher.submit",
-     "k2.launcher.sweep_report", "k2.launcher.convert", "k2.launcher.report", "k2.launcher"],
+    [
+        "k2.launcher.train",
+        "k2.launcher.plan",
+        "k2.launcher.data",
+        "k2.launcher.bench",
+        "k2.launcher.submit",
+        "k2.launcher.sweep_report",
+        "k2.launcher.convert",
+        "k2.launcher.report",
+        "k2.launcher",
+    ],
 ]
 #: the repository's top-level folders that are packages; importing them by their bare name is an error
 #: (an installed wheel has only ``k2.<name>``)

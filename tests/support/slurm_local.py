@@ -93,8 +93,10 @@ def ensure_installed(timeout: int = 900) -> None:
     if shutil.which("slurmctld") and shutil.which("munged"):
         return
     if os.environ.get(INSTALL_OPT_IN) != "1":
-        raise SlurmNotInstalled(f"slurmctld and munged are not installed; {INSTALL_OPT_IN}=1 scripts/k2 test "
-                                f"installs {' '.join(PACKAGES)} with apt-get (root) and runs these tests")
+        raise SlurmNotInstalled(
+            f"slurmctld and munged are not installed; {INSTALL_OPT_IN}=1 scripts/k2 test "
+            f"installs {' '.join(PACKAGES)} with apt-get (root) and runs these tests"
+        )
     if os.geteuid() != 0:
         raise SlurmUnavailable("slurmctld is not installed and installing it needs root (apt-get)")
     with file_lock(str(INSTALL_LOCK)):
@@ -149,8 +151,10 @@ def claim_slot(kind: str, usable, slots: int = SLOTS) -> tuple[int, IO]:
         if usable(i):
             return i, lock
         lock.close()  # (closing it releases the lock)
-    raise SlurmUnavailable(f"all {slots} {kind} test-cluster slots are taken on this machine (held by "
-                           f"{LOCK_DIR}/k2-tests-slurm-{kind}-*.lock, or their ports in use)")
+    raise SlurmUnavailable(
+        f"all {slots} {kind} test-cluster slots are taken on this machine (held by "
+        f"{LOCK_DIR}/k2-tests-slurm-{kind}-*.lock, or their ports in use)"
+    )
 
 
 def release_slot(lock: IO | None) -> None:
@@ -187,24 +191,28 @@ class LocalSlurm:
         r = self.root
         for d in ("state", "spool", "log"):
             (r / d).mkdir(parents=True, exist_ok=True)
-        self.conf.write_text("\n".join([
-            "ClusterName=k2test",
-            f"SlurmctldHost={self.host}",
-            *BASE_CONF,
-            "KillWait=60",
-            f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-            f"AuthInfo=socket={self.munge_socket}",
-            f"SlurmctldPort={self.ports[0]}",
-            f"SlurmdPort={self.ports[1]}",
-            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory={mem_mib * 9 // 10} State=UNKNOWN",
-            f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
-            "",
-        ]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=k2test",
+                    f"SlurmctldHost={self.host}",
+                    *BASE_CONF,
+                    "KillWait=60",
+                    f"StateSaveLocation={r / 'state'}",
+                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    f"AuthInfo=socket={self.munge_socket}",
+                    f"SlurmctldPort={self.ports[0]}",
+                    f"SlurmdPort={self.ports[1]}",
+                    f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory={mem_mib * 9 // 10} State=UNKNOWN",
+                    f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+                    "",
+                ]
+            )
+        )
 
     def _start_munge(self) -> None:
         """Start this cluster's own munged on :attr:`munge_socket` (slurm.conf's ``AuthInfo=socket=``)."""
@@ -212,9 +220,17 @@ class LocalSlurm:
         d.mkdir(parents=True, exist_ok=True)
         shutil.chown(d, "munge", "munge")
         d.chmod(0o755)
-        p = _run(["su", "-s", "/bin/sh", "munge", "-c",
-                  f"munged --socket={self.munge_socket} --pid-file={d}/munged.pid --log-file={d}/munged.log "
-                  f"--seed-file={d}/munged.seed"])
+        p = _run(
+            [
+                "su",
+                "-s",
+                "/bin/sh",
+                "munge",
+                "-c",
+                f"munged --socket={self.munge_socket} --pid-file={d}/munged.pid --log-file={d}/munged.log "
+                f"--seed-file={d}/munged.seed",
+            ]
+        )
         check = _run(["sh", "-c", f"munge -n -S {self.munge_socket} | unmunge -S {self.munge_socket}"])
         if "Success" not in check.stdout:
             raise SlurmUnavailable(f"munged did not start: {p.stderr}{check.stdout}{check.stderr}")
@@ -234,8 +250,11 @@ class LocalSlurm:
                 if self.node_state() in ("idle", "mixed"):
                     return self
                 time.sleep(1)
-            logs = "".join((self.root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
-                           if (self.root / "log" / f).exists())
+            logs = "".join(
+                (self.root / "log" / f).read_text()[-1500:]
+                for f in ("slurmctld.log", "slurmd.log")
+                if (self.root / "log" / f).exists()
+            )
             raise SlurmUnavailable(f"the node did not become idle within {timeout} s (ports {self.ports}): {logs}")
         except BaseException:
             self.stop()
@@ -295,11 +314,18 @@ class LocalSlurm:
         newer, at 1-second resolution ("Job 1 already killed, do not launch batch job": the job fails
         without running a line). So the new run starts only once every node is idle and a few seconds have
         passed. ``log()`` goes into the message of a timeout."""
-        wait_for(lambda: self.job_field(job_id, "Restarts") == str(restarts)
-                 and self.job_field(job_id, "JobState") == "PENDING", 120,
-                 lambda: f"restart {restarts} of job {job_id} to pend: {log()}")
-        wait_for(lambda: self.node_state() == "idle", 120,
-                 lambda: f"the nodes to finish restart {restarts - 1} of job {job_id}: {self.diagnose(job_id)}")
+        wait_for(
+            lambda: (
+                self.job_field(job_id, "Restarts") == str(restarts) and self.job_field(job_id, "JobState") == "PENDING"
+            ),
+            120,
+            lambda: f"restart {restarts} of job {job_id} to pend: {log()}",
+        )
+        wait_for(
+            lambda: self.node_state() == "idle",
+            120,
+            lambda: f"the nodes to finish restart {restarts - 1} of job {job_id}: {self.diagnose(job_id)}",
+        )
         time.sleep(3)
         self.scontrol("update", f"jobid={job_id}", "StartTime=now")
 

@@ -15,11 +15,24 @@ from support.slurm_local import wait_for
 from support.slurm_two_nodes import NODES, TwoNodeSlurm
 
 #: a cpu4 run (PP2 x VPP2 x EP2, DP2) of 8 steps, a checkpoint every 2
-TRAIN = ["parallel=cpu4", "train.iters=8", "train.save_interval=2", "train.eval_interval=0",
-         "train.progress=false", "run.wandb.mode=disabled"]
+TRAIN = [
+    "parallel=cpu4",
+    "train.iters=8",
+    "train.save_interval=2",
+    "train.eval_interval=0",
+    "train.progress=false",
+    "run.wandb.mode=disabled",
+]
 #: :data:`TRAIN` as a 2-node x 2-rank job, the ranks dealt round-robin over the nodes
-JOB = [*TRAIN, "cluster.nodes=2", "cluster.gpus_per_node=2", "submit.request_gpus=false",
-       "submit.distribution=cyclic", "submit.time=30", "submit.embedded_corpus=true"]
+JOB = [
+    *TRAIN,
+    "cluster.nodes=2",
+    "cluster.gpus_per_node=2",
+    "submit.request_gpus=false",
+    "submit.distribution=cyclic",
+    "submit.time=30",
+    "submit.embedded_corpus=true",
+]
 #: the job states after which a job runs no more (unless requeued)
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
@@ -30,9 +43,14 @@ class Job:
     def __init__(self, cluster: TwoNodeSlurm, run_dir: Path, overrides=JOB, env: dict | None = None):
         self.cluster, self.run_dir = cluster, run_dir
         env = trainer_env({**cluster.env, "OMP_NUM_THREADS": "1", **(env or {})})
-        sub = subprocess.run([sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *overrides,
-                              f"run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=600)  # (k2-submit took > 120 s once on the loaded 2-core machine)
+        sub = subprocess.run(
+            [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *overrides, f"run.dir={run_dir}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )  # (k2-submit took > 120 s once on the loaded 2-core machine)
         assert sub.returncode == 0, sub.stderr
         self.id = sub.stdout.strip().splitlines()[0]
 
@@ -71,15 +89,20 @@ def ranks(cluster: TwoNodeSlurm, node: str) -> dict[int, dict]:
             continue
         if b"k2.launcher.train" not in cmd or b"SLURM_PROCID" not in env:
             continue
-        host = subprocess.run(["nsenter", f"--target={pid}", "--uts", "hostname"], capture_output=True,
-                              text=True).stdout.strip()
-        out[int(env[b"SLURM_PROCID"])] = {"MASTER_ADDR": env.get(b"MASTER_ADDR", b"").decode(),
-                                          "hostname": host, "pid": pid}
+        host = subprocess.run(
+            ["nsenter", f"--target={pid}", "--uts", "hostname"], capture_output=True, text=True
+        ).stdout.strip()
+        out[int(env[b"SLURM_PROCID"])] = {
+            "MASTER_ADDR": env.get(b"MASTER_ADDR", b"").decode(),
+            "hostname": host,
+            "pid": pid,
+        }
     return out
 
 
 def no_ranks_left(cluster: TwoNodeSlurm, timeout: float = 60) -> None:
     """Every node holds only its slurmd once the job is over (no rank, no slurmstepd)."""
+
     def only_slurmd():
         left = {}
         for n in NODES:
@@ -88,5 +111,12 @@ def no_ranks_left(cluster: TwoNodeSlurm, timeout: float = 60) -> None:
             if extra:
                 left[n] = extra
         return not left or None
-    wait_for(only_slurmd, timeout, lambda: f"the nodes to hold only their slurmd: "
-             f"{ {n: [Path(f'/proc/{p}/cmdline').read_bytes()[:80] for p in cluster.netns_pids(n)] for n in NODES} }")
+
+    wait_for(
+        only_slurmd,
+        timeout,
+        lambda: (
+            f"the nodes to hold only their slurmd: "
+            f"{ {n: [Path(f'/proc/{p}/cmdline').read_bytes()[:80] for p in cluster.netns_pids(n)] for n in NODES} }"
+        ),
+    )

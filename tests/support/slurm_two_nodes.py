@@ -153,8 +153,7 @@ class TwoNodeSlurm(LocalSlurm):
         for node in NODES:
             ns, outer = self.netns(node), self._outer_veth(node)
             _must(["ip", "netns", "add", ns], NamespacesRefused)
-            _must(["ip", "link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns],
-                  NamespacesRefused)
+            _must(["ip", "link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns], NamespacesRefused)
             _must(["ip", "link", "set", outer, "master", self.bridge])
             _must(["ip", "link", "set", outer, "up"])
             _must(["ip", "-n", ns, "addr", "add", f"{self.addrs[node]}/24", "dev", "eth0"])
@@ -186,35 +185,53 @@ class TwoNodeSlurm(LocalSlurm):
         r = self.root
         for d in ("state", "spool", "log"):
             (r / d).mkdir(parents=True, exist_ok=True)
-        nodes = [f"NodeName={n} NodeAddr={self.addrs[n]} NodeHostname={n} Port={SLURMD_PORTS[n]} "
-                 f"CPUs={os.cpu_count()} RealMemory={mem_mib * 4 // 10} State=UNKNOWN" for n in NODES]
-        self.conf.write_text("\n".join([
-            "ClusterName=k2two",
-            f"SlurmctldHost={self.host}({self.head_addr})",
-            *BASE_CONF,
-            f"AuthInfo=socket={self.munge_socket}",
-            f"KillWait={KILL_WAIT_S}",
-            f"SlurmdTimeout={SLURMD_TIMEOUT_S}",
-            f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}/%n",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r}/slurmd-%n.pid",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log'}/slurmd-%n.log",
-            f"SlurmctldPort={self.ctld_port}",
-            *nodes,
-            f"PartitionName=two Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
-            "",
-        ]))
+        nodes = [
+            f"NodeName={n} NodeAddr={self.addrs[n]} NodeHostname={n} Port={SLURMD_PORTS[n]} "
+            f"CPUs={os.cpu_count()} RealMemory={mem_mib * 4 // 10} State=UNKNOWN"
+            for n in NODES
+        ]
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=k2two",
+                    f"SlurmctldHost={self.host}({self.head_addr})",
+                    *BASE_CONF,
+                    f"AuthInfo=socket={self.munge_socket}",
+                    f"KillWait={KILL_WAIT_S}",
+                    f"SlurmdTimeout={SLURMD_TIMEOUT_S}",
+                    f"StateSaveLocation={r / 'state'}",
+                    f"SlurmdSpoolDir={r / 'spool'}/%n",
+                    f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r}/slurmd-%n.pid",
+                    f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'log'}/slurmd-%n.log",
+                    f"SlurmctldPort={self.ctld_port}",
+                    *nodes,
+                    f"PartitionName=two Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+                    "",
+                ]
+            )
+        )
 
     def start_slurmd(self, node: str) -> None:
         """Start ``node``'s slurmd in its namespaces (it daemonises; its pid goes to :meth:`pidfile`)."""
         (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
         # (not `ip netns exec`: it mounts a fresh /sys for the namespace, without the cgroup file systems
         # slurmd needs; a mount namespace of our own gets the node's /etc/hosts instead)
-        p = _run(["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--mount", "--uts", "sh", "-c",
-                  f"mount --bind {self.hosts_file(node)} /etc/hosts && hostname {node} && "
-                  f'exec slurmd -f "$SLURM_CONF" -N {node}'], env=self.env)
+        p = _run(
+            [
+                "nsenter",
+                f"--net=/run/netns/{self.netns(node)}",
+                "unshare",
+                "--mount",
+                "--uts",
+                "sh",
+                "-c",
+                f"mount --bind {self.hosts_file(node)} /etc/hosts && hostname {node} && "
+                f'exec slurmd -f "$SLURM_CONF" -N {node}',
+            ],
+            env=self.env,
+        )
         if p.returncode != 0:
             raise SlurmUnavailable(f"slurmd -N {node} failed to start: {p.stderr[-2000:]}")
 
@@ -243,8 +260,9 @@ class TwoNodeSlurm(LocalSlurm):
             if all(states.get(n) == "idle" for n in nodes):
                 return
             time.sleep(1)
-        raise SlurmUnavailable(f"nodes {list(nodes)} not idle within {timeout} s ({self.node_states()}): "
-                               + self.diagnose(""))
+        raise SlurmUnavailable(
+            f"nodes {list(nodes)} not idle within {timeout} s ({self.node_states()}): " + self.diagnose("")
+        )
 
     def lose_node(self, node: str) -> None:
         """``node`` fails as a machine does: its cable is pulled (the others get no reset, only silence),

@@ -35,7 +35,9 @@ def _checkout(tmp_path: Path) -> Path:
     bin_dir = root / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     log = tmp_path / "calls.log"
-    _executable(bin_dir / "python", f"""#!/usr/bin/env bash
+    _executable(
+        bin_dir / "python",
+        f"""#!/usr/bin/env bash
 if [[ "$1" == "-m" && "$2" == "pip" ]]; then
   echo "pip $*" >> {log}
   [[ " $* " == *" -e "* && -n "${{K2_TEST_FAIL_INSTALL:-}}" ]] && exit 1
@@ -49,15 +51,17 @@ EOF
   exit 0
 fi
 exec {sys.executable} "$@"
-""")
+""",
+    )
     return root
 
 
 def _setup(root: Path, **env: str) -> tuple[int, list[str]]:
     log = root.parent / "calls.log"
     log.unlink(missing_ok=True)
-    proc = subprocess.run([str(root / "scripts" / "k2"), "setup"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
+    proc = subprocess.run(
+        [str(root / "scripts" / "k2"), "setup"], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
     calls = log.read_text().splitlines() if log.exists() else []
     return proc.returncode, [c for c in calls if c.startswith("uv pip install") or " -e " in c]
 
@@ -106,20 +110,35 @@ def test_the_test_command_says_first_whether_the_slurm_tests_change_this_machine
     root = _checkout(tmp_path)
     python = root / ".venv" / "bin" / "python"
     text = python.read_text()
-    _executable(python, text.replace('if [[ "$1" == "-m" && "$2" == "pip" ]]; then',
-                                     'if [[ "$1" == "-m" && "$2" == "pytest" ]]; then exit 0; fi\n'
-                                     'if [[ "$1" == "-m" && "$2" == "pip" ]]; then', 1))
+    _executable(
+        python,
+        text.replace(
+            'if [[ "$1" == "-m" && "$2" == "pip" ]]; then',
+            'if [[ "$1" == "-m" && "$2" == "pytest" ]]; then exit 0; fi\nif [[ "$1" == "-m" && "$2" == "pip" ]]; then',
+            1,
+        ),
+    )
     sbin = tmp_path / "sbin"
     sbin.mkdir()
     # PATH without the system's sbin directories (where Debian puts slurmctld and munged)
     path = ":".join(d for d in os.environ["PATH"].split(":") if "sbin" not in d)
     env = {k: v for k, v in os.environ.items() if k not in ("K2_INSTALL_SLURM", "PATH")}
-    run = lambda **extra: subprocess.run([str(root / "scripts" / "k2"), "test"], capture_output=True,  # noqa: E731
-                                         text=True, timeout=60, env={**env, "PATH": path, **extra})
+
+    def run(**extra):
+        return subprocess.run(
+            [str(root / "scripts" / "k2"), "test"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "PATH": path, **extra},
+        )
+
     p = run()
     assert p.returncode == 0, p.stderr
-    assert "Slurm is not installed here, so the Slurm tests" in p.stderr and \
-        "K2_INSTALL_SLURM=1 scripts/k2 test installs slurm-wlm and munge" in p.stderr, p.stderr
+    assert (
+        "Slurm is not installed here, so the Slurm tests" in p.stderr
+        and "K2_INSTALL_SLURM=1 scripts/k2 test installs slurm-wlm and munge" in p.stderr
+    ), p.stderr
     assert p.stderr.index("slurm-wlm") < p.stderr.index("+ python -m pytest"), p.stderr
     p = run(K2_INSTALL_SLURM="1")
     assert p.returncode == 0 and "the Slurm tests (tests/integration/test_slurm_*.py) install slurm-wlm" in p.stderr

@@ -46,8 +46,7 @@ def test_checker_reports_a_planted_upward_import(tree_copy):
     f = tree_copy / "model" / "flops.py"
     f.write_text(f.read_text() + "\nfrom k2.launcher.tools.sbatch import MASTER_PORT_BASE  # planted\n")
     found = check(tree_copy, DIRS)
-    assert [(v.kind, v.module, v.target) for v in found] == [
-        ("upward", "k2.model.flops", "k2.launcher.tools.sbatch")]
+    assert [(v.kind, v.module, v.target) for v in found] == [("upward", "k2.model.flops", "k2.launcher.tools.sbatch")]
 
 
 def test_checker_reports_a_planted_cycle_and_a_sibling_import(tree_copy):
@@ -75,15 +74,23 @@ def test_no_bare_top_level_imports_in_tests_and_scripts():
     bad = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             bad += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n.split(".")[0] in bare]
     assert not bad, bad
 
 
 def test_no_product_module_past_500_lines():
-    long = {str(p.relative_to(REPO)): n for p in modules(REPO, DIRS).values()
-            if (n := len(p.read_text().splitlines())) > 520}
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in modules(REPO, DIRS).values()
+        if (n := len(p.read_text().splitlines())) > 520
+    }
     assert not long, long
 
 
@@ -102,6 +109,8 @@ def test_pyproject_installs_every_package_folder():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
     listed = set(data["tool"]["setuptools"]["packages"])
     found = {m for m, p in modules(REPO, DIRS).items() if p.name == "__init__.py"}
-    assert found == listed, f"in pyproject.toml's packages but not a folder: {listed - found}; " \
-                            f"a package folder pyproject.toml does not install: {found - listed}"
+    assert found == listed, (
+        f"in pyproject.toml's packages but not a folder: {listed - found}; "
+        f"a package folder pyproject.toml does not install: {found - listed}"
+    )
     assert all(p.startswith("k2.") for p in listed)

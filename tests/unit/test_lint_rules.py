@@ -14,8 +14,13 @@ LIMIT = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["li
 
 
 def _ruff(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise",
-                           *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_function_past_the_limit_is_refused(tmp_path):
@@ -28,5 +33,5 @@ def test_a_function_past_the_limit_is_refused(tmp_path):
 def test_the_limit_is_todays_worst_function():
     at_limit = _ruff("--select", "C901", "--config", f"lint.mccabe.max-complexity={LIMIT - 1}", ".")
     assert f"({LIMIT} > {LIMIT - 1})" in at_limit.stdout, (
-        f"no function has complexity {LIMIT} any more: lower [tool.ruff.lint.mccabe] max-complexity\n"
-        + at_limit.stdout)
+        f"no function has complexity {LIMIT} any more: lower [tool.ruff.lint.mccabe] max-complexity\n" + at_limit.stdout
+    )

@@ -43,8 +43,10 @@ def capturing_wrap_model(chunks, tcfg, *args, **kwargs):
             continue
         layout["cut"] += muon(shard_straddlers(ddp.full_param_layout))
         byte_range = DistributedOptimizer.compute_full_param_layout(
-            [p for p in ddp.module.parameters() if p.requires_grad], None,
-            ps.get_data_parallel_world_size(with_context_parallel=True), ddp.ddp_config,
+            [p for p in ddp.module.parameters() if p.requires_grad],
+            None,
+            ps.get_data_parallel_world_size(with_context_parallel=True),
+            ddp.ddp_config,
             expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
         )
         layout["cut_by_byte_range_layout"] += muon(shard_straddlers(byte_range))

@@ -73,8 +73,12 @@ def _eval_batch(forward_backward, iters, model, phase):
     if _eval["step"] != train_steps:
         _eval.update(step=train_steps, batches=0, losses=None)
     _eval["batches"] += 1
-    if KIND == "sigstop_eval" and train_steps == STEP and ME == RANK and \
-            _eval["batches"] == int(os.environ["K2_STOP_AFTER"]) + 1:
+    if (
+        KIND == "sigstop_eval"
+        and train_steps == STEP
+        and ME == RANK
+        and _eval["batches"] == int(os.environ["K2_STOP_AFTER"]) + 1
+    ):
         (Path(os.environ["K2_TEST_OUT"]) / "stopped").write_text(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGSTOP)
     if _eval["losses"] is None:

@@ -19,8 +19,8 @@ for b, h, sq, sk, d, causal, seed, scale, block in json.loads(sys.argv[1]):
     q, k = torch.randn(b, h, sq, d, generator=g), torch.randn(b, h, sk, d, generator=g)
     # huge keys late in the sequence, seen (causal) only by query rows that are zero: a kernel that
     # ignored the causal mask would report them
-    k[:, :, (3 * sk) // 4:] *= 100
-    q[:, :, (3 * sq) // 4:] = 0
+    k[:, :, (3 * sk) // 4 :] *= 100
+    q[:, :, (3 * sq) // 4 :] = 0
     got = per_head_max_logit_triton(q, k, scale, causal, block_m=block, block_n=block)
     out.append({"dtype": str(got.dtype), "values": got.tolist()})
 print(json.dumps(out))

@@ -36,9 +36,14 @@ def _microbatches(vocab: int, seq_length: int, micro_batch_size: int, n: int) ->
     out = []
     for _ in range(n):
         tokens = torch.randint(0, vocab, (micro_batch_size, seq_length + 1), generator=gen)
-        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                    "loss_mask": torch.ones(micro_batch_size, seq_length),
-                    "position_ids": torch.arange(seq_length).expand(micro_batch_size, seq_length).contiguous()})
+        out.append(
+            {
+                "tokens": tokens[:, :-1].contiguous(),
+                "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": torch.ones(micro_batch_size, seq_length),
+                "position_ids": torch.arange(seq_length).expand(micro_batch_size, seq_length).contiguous(),
+            }
+        )
     return out
 
 
@@ -77,7 +82,6 @@ def measure(cfg, dims, seq_length: int, micro_batch_size: int, num_microbatches:
                 scope.__exit__(None, None, None)
                 per_chunk[v].append(meter.alive(since=state.pop("since")))
 
-
         chunk.register_forward_pre_hook(pre)
         chunk.register_forward_hook(post)
 
@@ -89,14 +93,22 @@ def measure(cfg, dims, seq_length: int, micro_batch_size: int, num_microbatches:
         m.zero_grad_buffer()
     with meter.measure(root=False):
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iters if len(model) > 1 else iters[0],
-            model=model if len(model) > 1 else model[0], num_microbatches=num_microbatches,
-            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=seq_length,
-            forward_only=False)
-    out = {"pp_rank": ps.get_pipeline_model_parallel_rank(),
-           "per_chunk_device": [sum(d for d, _ in x) / len(x) for x in per_chunk],
-           "per_chunk_host": [sum(h for _, h in x) / len(x) for x in per_chunk],
-           "peak_device": meter.peak_device, "peak_host": meter.peak_host}
+            forward_step_func=forward_step,
+            data_iterator=iters if len(model) > 1 else iters[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=seq_length,
+            forward_only=False,
+        )
+    out = {
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "per_chunk_device": [sum(d for d, _ in x) / len(x) for x in per_chunk],
+        "per_chunk_host": [sum(h for _, h in x) / len(x) for x in per_chunk],
+        "peak_device": meter.peak_device,
+        "peak_host": meter.peak_host,
+    }
     del model, chunks
     gc.collect()
     return out

@@ -15,54 +15,82 @@ CASES = {
     "world_not_divisible_by_pp": (["parallel=cpu4", "parallel.pp=3"], ["parallel.pp=3", "world size 4"]),
     "layers_not_divisible_over_pp_vpp": (["parallel=cpu4", "model.num_layers=5"], ["model.num_layers", "5"]),
     "first_last_overrides_leave_remainder": (
-        ["parallel=pp2", "parallel.first_stage_layers=3", "parallel.last_stage_layers=2",
-         "model.num_layers=4"], ["first_stage_layers"]),
+        ["parallel=pp2", "parallel.first_stage_layers=3", "parallel.last_stage_layers=2", "model.num_layers=4"],
+        ["first_stage_layers"],
+    ),
     "too_few_microbatches_for_interleaving": (
         ["parallel=cpu4", "schedule.global_batch_tokens=512", "train.micro_batch_size=2"],
-        ["microbatch", "parallel.pp"]),
+        ["microbatch", "parallel.pp"],
+    ),
     "experts_not_divisible_by_ep": (
         ["parallel=cpu4", "model.num_moe_experts=6", "parallel.ep=4", "launch.nproc_per_node=8"],
-        ["model.num_moe_experts=6", "parallel.ep=4"]),
+        ["model.num_moe_experts=6", "parallel.ep=4"],
+    ),
     "ep_not_dividing_dp": (["parallel=cpu4", "parallel.ep=4"], ["parallel.ep=4"]),
     "unknown_key": (["model.num_layrs=3"], ["model.num_layrs", "model.num_layers"]),
     "unknown_recipe": (["parallel=cpu5"], ["parallel/cpu5", "cpu4"]),
-    "schedule_phases_out_of_order": (["schedule.phases.2.until_tokens=300000"],
-                                     ["schedule.phases.2.until_tokens", "out of order"]),
-    "schedule_context_beyond_positions": (["model.max_position_embeddings=256"],
-                                          ["schedule.phases.4.seq_length=512", "model.max_position_embeddings=256"]),
-    "schedule_batch_tokens_not_divisible": (["schedule.global_batch_tokens=2000"],
-                                            ["schedule.global_batch_tokens=2,000", "seq_length=128"]),
-    "schedule_long_phase_microbatches": (["parallel=cpu4", "schedule.phases.4.micro_batch_size=2"],
-                                         ["schedule.phases.4", "microbatch", "parallel.pp"]),
-    "pipeline_trace_is_a_file": ([f"pipeline.trace={Path(__file__).resolve()}"],
-                                 ["pipeline.trace", "is a file", "directory"]),
+    "schedule_phases_out_of_order": (
+        ["schedule.phases.2.until_tokens=300000"],
+        ["schedule.phases.2.until_tokens", "out of order"],
+    ),
+    "schedule_context_beyond_positions": (
+        ["model.max_position_embeddings=256"],
+        ["schedule.phases.4.seq_length=512", "model.max_position_embeddings=256"],
+    ),
+    "schedule_batch_tokens_not_divisible": (
+        ["schedule.global_batch_tokens=2000"],
+        ["schedule.global_batch_tokens=2,000", "seq_length=128"],
+    ),
+    "schedule_long_phase_microbatches": (
+        ["parallel=cpu4", "schedule.phases.4.micro_batch_size=2"],
+        ["schedule.phases.4", "microbatch", "parallel.pp"],
+    ),
+    "pipeline_trace_is_a_file": (
+        [f"pipeline.trace={Path(__file__).resolve()}"],
+        ["pipeline.trace", "is a file", "directory"],
+    ),
     "pipeline_decouple_wgrad_not_bool": (["pipeline.decouple_wgrad=maybe"], ["pipeline.decouple_wgrad"]),
-    "ep_overlap_without_ep": (["parallel=pp2", "pipeline.ep_overlap=true"],
-                              ["pipeline.ep_overlap=true", "parallel.ep=1", "parallel.ep >= 2"]),
-    "ep_overlap_pp_without_vpp": (["parallel=cpu4", "parallel.vpp=1", "pipeline.ep_overlap=true"],
-                                  ["pipeline.ep_overlap=true", "parallel.pp=2", "parallel.vpp >= 2"]),
-    "ep_overlap_dense_model": (["parallel=cpu4", "model.num_moe_experts=null", "pipeline.ep_overlap=true"],
-                               ["pipeline.ep_overlap=true", "no experts"]),
+    "ep_overlap_without_ep": (
+        ["parallel=pp2", "pipeline.ep_overlap=true"],
+        ["pipeline.ep_overlap=true", "parallel.ep=1", "parallel.ep >= 2"],
+    ),
+    "ep_overlap_pp_without_vpp": (
+        ["parallel=cpu4", "parallel.vpp=1", "pipeline.ep_overlap=true"],
+        ["pipeline.ep_overlap=true", "parallel.pp=2", "parallel.vpp >= 2"],
+    ),
+    "ep_overlap_dense_model": (
+        ["parallel=cpu4", "model.num_moe_experts=null", "pipeline.ep_overlap=true"],
+        ["pipeline.ep_overlap=true", "no experts"],
+    ),
     "ep_overlap_whole_layer_recompute": (
         ["parallel=cpu4", "memory.recompute=[layer]", "pipeline.ep_overlap=true"],
-        ["pipeline.ep_overlap=true", "memory.recompute", "'layer'", "re-runs", "all-to-all"]),
-    "memory_unknown_fp8_site": (["memory.fp8_store=[moe_fc2_input]"],
-                                ["memory.fp8_store", "moe_fc2_input", "moe_fc1_input, swiglu_input"]),
-    "memory_unknown_recompute_site": (["memory.recompute=[core_attn]"],
-                                      ["memory.recompute", "core_attn", "moe_down_proj"]),
+        ["pipeline.ep_overlap=true", "memory.recompute", "'layer'", "re-runs", "all-to-all"],
+    ),
+    "memory_unknown_fp8_site": (
+        ["memory.fp8_store=[moe_fc2_input]"],
+        ["memory.fp8_store", "moe_fc2_input", "moe_fc1_input, swiglu_input"],
+    ),
+    "memory_unknown_recompute_site": (
+        ["memory.recompute=[core_attn]"],
+        ["memory.recompute", "core_attn", "moe_down_proj"],
+    ),
     "memory_unknown_offload_site": (["memory.offload=[everything]"], ["memory.offload", "attn_input"]),
-    "attention_backend_unknown": (["model.attention_backend=flash"],
-                                  ["model.attention_backend", "flash", "sdpa"]),
+    "attention_backend_unknown": (["model.attention_backend=flash"], ["model.attention_backend", "flash", "sdpa"]),
     "max_logit_kernel_unknown": (["model.max_logit_kernel=cuda"], ["model.max_logit_kernel", "torch, triton"]),
-    "grouped_gemm_unaligned_width": (["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size=60"],
-                                     ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60",
-                                      "multiple of 8"]),
-    "grouped_gemm_with_tp": (["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
-                             ["model.moe_grouped_gemm=true", "parallel.tp=2"]),
+    "grouped_gemm_unaligned_width": (
+        ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size=60"],
+        ["model.moe_grouped_gemm=true", "model.moe_ffn_hidden_size", "60", "multiple of 8"],
+    ),
+    "grouped_gemm_with_tp": (
+        ["model.moe_grouped_gemm=true", "parallel.tp=2", "launch.nproc_per_node=2"],
+        ["model.moe_grouped_gemm=true", "parallel.tp=2"],
+    ),
     "option_style": (["--parallel", "cpu4"], ["'--parallel' is not an override", "write parallel=cpu4"]),
     "option_style_equals": (["--train.iters=3"], ["write train.iters=3"]),
-    "missing_dataset": (["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
-                        ["data.path", "/nonexistent/corpus_text_document"]),
+    "missing_dataset": (
+        ["data.path=/nonexistent/corpus_text_document", "data.tokenizer=/nonexistent/t.json"],
+        ["data.path", "/nonexistent/corpus_text_document"],
+    ),
 }
 
 try:  # (only where it is bad input: no Transformer Engine or no CUDA)
@@ -74,10 +102,14 @@ try:  # (only where it is bad input: no Transformer Engine or no CUDA)
 except Exception:
     _TE_HERE = False
 if not _TE_HERE:
-    CASES["max_logit_kernel_triton_without_cuda"] = (["model.max_logit_kernel=triton"],
-                                                     ["model.max_logit_kernel=triton", "CUDA"])
-    CASES["attention_backend_te_without_te"] = (["model.attention_backend=te"],
-                                                ["model.attention_backend=te", "Transformer Engine"])
+    CASES["max_logit_kernel_triton_without_cuda"] = (
+        ["model.max_logit_kernel=triton"],
+        ["model.max_logit_kernel=triton", "CUDA"],
+    )
+    CASES["attention_backend_te_without_te"] = (
+        ["model.attention_backend=te"],
+        ["model.attention_backend=te", "Transformer Engine"],
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -18,8 +18,15 @@ def _shipped() -> dict:
 
 #: the shipped profiles' dense BF16 peaks (datasheets; NVIDIA dgxc-benchmarking README's peak table for the
 #: Blackwell parts) and GPUs per host and per NVLink domain
-SHIPPED = {"h800": (989.4, 8, 8), "h100": (989.4, 8, 8), "h200": (989.4, 8, 8), "b200": (2250, 8, 8),
-           "b300": (2250, 8, 8), "gb200_nvl72": (2450, 4, 72), "gb300_nvl72": (2450, 4, 72)}
+SHIPPED = {
+    "h800": (989.4, 8, 8),
+    "h100": (989.4, 8, 8),
+    "h200": (989.4, 8, 8),
+    "b200": (2250, 8, 8),
+    "b300": (2250, 8, 8),
+    "gb200_nvl72": (2450, 4, 72),
+    "gb300_nvl72": (2450, 4, 72),
+}
 
 
 def test_shipped_profiles_load_as_the_section():
@@ -44,8 +51,9 @@ def test_an_nvl72_rack_is_18_hosts_of_4_gpus_on_one_nvlink_domain():
 
 
 def test_left_out_figures_are_filled_in(tmp_path):
-    d = {k: v for k, v in _shipped().items()
-         if k not in ("name", "peak_fp8_tflops", "gemm_fp8_tflops", "gpu_memory_gib")}
+    d = {
+        k: v for k, v in _shipped().items() if k not in ("name", "peak_fp8_tflops", "gemm_fp8_tflops", "gpu_memory_gib")
+    }
     d.update(gemm_fp32_tflops=0, comm_stream="host_thread")
     path = tmp_path / "measured.yaml"
     path.write_text(yaml.safe_dump(d))
@@ -57,26 +65,29 @@ def test_left_out_figures_are_filled_in(tmp_path):
     assert p.network_loaded_latency_us is None  # (not given: k2-plan takes network_latency_us)
 
 
-@pytest.mark.parametrize("change,needles", [
-    ({"memory_gbps": "fast"}, ["'memory_gbps'", "must be a number > 0"]),
-    ({"nvlink_gbps": 0}, ["'nvlink_gbps'", "must be a number > 0"]),
-    ({"host_gbps": None}, ["'host_gbps'", "got None"]),
-    ({"gemm_tile": "big"}, ["'gemm_tile'", "'big'"]),
-    ({"operator_us": {"loss": "slow"}}, ["'operator_us.loss'", "'slow'"]),
-    ({"memory_gbsp": 3350}, ["unknown key 'memory_gbsp'", "memory_gbps"]),
-    ({"comm_stream": "gpu"}, ["'comm_stream'", "allowed: device, host_thread"]),
-    ({"alltoall_host_cpu_share": 1.0}, ["'alltoall_host_cpu_share'", ">= 0 and < 1", "got 1.0"]),
-    ({"alltoall_host_cpu_share": -0.1}, ["'alltoall_host_cpu_share'", ">= 0 and < 1"]),
-    ({"network_loaded_latency_us": 5}, ["'network_loaded_latency_us'", ">= network_latency_us", "got 5"]),
-    ({"network_loaded_latency_us": float("nan")}, ["'network_loaded_latency_us'", "null or a number"]),
-    ({"gpus_per_node": 8}, ["unknown key 'gpus_per_node'", "now gpus_per_host"]),
-    ({"gpus_per_host": 0}, ["'gpus_per_host'", "integer >= 1"]),
-    ({"gpus_per_host": 4, "nvlink_domain_gpus": 70}, ["'nvlink_domain_gpus'", "multiple of gpus_per_host=4"]),
-    ({"nvlink_domain_gpus": -8}, ["'nvlink_domain_gpus'", "null or a number > 0"]),
-    ({"host_memory_gib": 0}, ["'host_memory_gib'", "null or a number > 0"]),
-    ({"alltoall_comm_units": 132}, ["'alltoall_comm_units'", "below compute_units=132", "got 132"]),
-    ({"deepep_comm_units": -1}, ["'deepep_comm_units'", "integer >= 0"]),
-])
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        ({"memory_gbps": "fast"}, ["'memory_gbps'", "must be a number > 0"]),
+        ({"nvlink_gbps": 0}, ["'nvlink_gbps'", "must be a number > 0"]),
+        ({"host_gbps": None}, ["'host_gbps'", "got None"]),
+        ({"gemm_tile": "big"}, ["'gemm_tile'", "'big'"]),
+        ({"operator_us": {"loss": "slow"}}, ["'operator_us.loss'", "'slow'"]),
+        ({"memory_gbsp": 3350}, ["unknown key 'memory_gbsp'", "memory_gbps"]),
+        ({"comm_stream": "gpu"}, ["'comm_stream'", "allowed: device, host_thread"]),
+        ({"alltoall_host_cpu_share": 1.0}, ["'alltoall_host_cpu_share'", ">= 0 and < 1", "got 1.0"]),
+        ({"alltoall_host_cpu_share": -0.1}, ["'alltoall_host_cpu_share'", ">= 0 and < 1"]),
+        ({"network_loaded_latency_us": 5}, ["'network_loaded_latency_us'", ">= network_latency_us", "got 5"]),
+        ({"network_loaded_latency_us": float("nan")}, ["'network_loaded_latency_us'", "null or a number"]),
+        ({"gpus_per_node": 8}, ["unknown key 'gpus_per_node'", "now gpus_per_host"]),
+        ({"gpus_per_host": 0}, ["'gpus_per_host'", "integer >= 1"]),
+        ({"gpus_per_host": 4, "nvlink_domain_gpus": 70}, ["'nvlink_domain_gpus'", "multiple of gpus_per_host=4"]),
+        ({"nvlink_domain_gpus": -8}, ["'nvlink_domain_gpus'", "null or a number > 0"]),
+        ({"host_memory_gib": 0}, ["'host_memory_gib'", "null or a number > 0"]),
+        ({"alltoall_comm_units": 132}, ["'alltoall_comm_units'", "below compute_units=132", "got 132"]),
+        ({"deepep_comm_units": -1}, ["'deepep_comm_units'", "integer >= 0"]),
+    ],
+)
 def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, needles):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({**_shipped(), **change}))
@@ -89,9 +100,11 @@ def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, ne
 
 
 def test_an_unknown_name_lists_the_shipped_profiles():
-    with pytest.raises(ConfigError,
-                       match=r"plan.hardware='h900': not a profile \(allowed: b200, b300, gb200_nvl72, gb300_nvl72, "
-                             r"h100, h200, h800"):
+    with pytest.raises(
+        ConfigError,
+        match=r"plan.hardware='h900': not a profile \(allowed: b200, b300, gb200_nvl72, gb300_nvl72, "
+        r"h100, h200, h800",
+    ):
         load_hardware_profile("h900")
 
 

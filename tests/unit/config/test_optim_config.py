@@ -24,23 +24,32 @@ def test_optimizer_choice_per_model(overrides, model, optim, tau):
     if optim == "muonclip":  # K2's values (docs/k2_reference.md "Optimizer")
         o = cfg.optim
         assert (o.muon_momentum, o.muon_nesterov, o.muon_num_ns_steps, o.muon_coefficient_type) == (
-            0.95, True, 5, "simple")
-        assert (o.muon_scale_mode, o.muon_extra_scale_factor, o.muon_fp32_matmul_prec) == (
-            "spectral", 0.2, "medium")
+            0.95,
+            True,
+            5,
+            "simple",
+        )
+        assert (o.muon_scale_mode, o.muon_extra_scale_factor, o.muon_fp32_matmul_prec) == ("spectral", 0.2, "medium")
         assert (o.adam_beta1, o.adam_beta2) == (0.9, 0.95)
 
 
 CASES = {
     "unknown_optimizer": (["optim=lion"], ["optim/lion", "adamw", "muonclip"]),
-    "ns_coefficients": (["optim=muonclip", "optim.muon_coefficient_type=cubic"],
-                        ["optim.muon_coefficient_type", "simple"]),
+    "ns_coefficients": (
+        ["optim=muonclip", "optim.muon_coefficient_type=cubic"],
+        ["optim.muon_coefficient_type", "simple"],
+    ),
     "ns_steps": (["optim=muonclip", "optim.muon_num_ns_steps=0"], ["optim.muon_num_ns_steps", ">= 1"]),
     "momentum": (["optim=muonclip", "optim.muon_momentum=1.5"], ["optim.muon_momentum", "< 1"]),
-    "ns_precision": (["optim=muonclip", "optim.muon_fp32_matmul_prec=low"],
-                     ["optim.muon_fp32_matmul_prec", "medium", "highest"]),
+    "ns_precision": (
+        ["optim=muonclip", "optim.muon_fp32_matmul_prec=low"],
+        ["optim.muon_fp32_matmul_prec", "medium", "highest"],
+    ),
     "negative_tau": (["optim=muonclip", "optim.qk_clip_tau=-1"], ["optim.qk_clip_tau", "> 0", "null"]),
-    "tau_without_max_logits": (["optim=muonclip", "model.record_max_logits=false"],
-                               ["optim.qk_clip_tau", "model.record_max_logits"]),
+    "tau_without_max_logits": (
+        ["optim=muonclip", "model.record_max_logits=false"],
+        ["optim.qk_clip_tau", "model.record_max_logits"],
+    ),
 }
 
 

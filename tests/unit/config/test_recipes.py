@@ -11,15 +11,31 @@ import pytest
 from k2.config.load import load_config
 
 K2 = {
-    "num_layers": 61, "first_k_dense_replace": 1, "hidden_size": 7168, "ffn_hidden_size": 18432,
-    "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128,
-    "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "num_moe_experts": 384, "moe_router_topk": 8,
-    "moe_ffn_hidden_size": 2048, "moe_shared_expert_intermediate_size": 2048,
-    "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-    "moe_router_topk_scaling_factor": 2.827, "moe_router_num_groups": None,
-    "moe_router_load_balancing_type": "seq_aux_loss", "vocab_size": 163840, "rotary_base": 50000,
-    "rotary_scaling_factor": 32, "original_max_position_embeddings": 4096,
-    "max_position_embeddings": 131072, "normalization": "RMSNorm",
+    "num_layers": 61,
+    "first_k_dense_replace": 1,
+    "hidden_size": 7168,
+    "ffn_hidden_size": 18432,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "num_moe_experts": 384,
+    "moe_router_topk": 8,
+    "moe_ffn_hidden_size": 2048,
+    "moe_shared_expert_intermediate_size": 2048,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_topk_scaling_factor": 2.827,
+    "moe_router_num_groups": None,
+    "moe_router_load_balancing_type": "seq_aux_loss",
+    "vocab_size": 163840,
+    "rotary_base": 50000,
+    "rotary_scaling_factor": 32,
+    "original_max_position_embeddings": 4096,
+    "max_position_embeddings": 131072,
+    "normalization": "RMSNorm",
     "share_embeddings_and_output_weights": False,
 }
 
@@ -45,14 +61,22 @@ def test_kimi_k2_reaches_megatron_config():
     cfg, t = _tcfg(["model=kimi_k2", "parallel=k2_256gpu", "train.precision=bf16"], 256)
     assert (t.num_layers, t.hidden_size, t.num_attention_heads) == (61, 7168, 64)
     assert (t.q_lora_rank, t.kv_lora_rank, t.qk_head_dim, t.qk_pos_emb_head_dim, t.v_head_dim) == (
-        1536, 512, 128, 64, 128)
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
     assert t.qk_layernorm  # RMSNorm on the q / kv latents
     assert (t.num_moe_experts, t.moe_router_topk, t.moe_ffn_hidden_size) == (384, 8, 2048)
     assert t.moe_layer_freq == [0] + [1] * 60
     assert t.moe_router_topk_scaling_factor == pytest.approx(2.827)
     assert t.gated_linear_unit and t.normalization == "RMSNorm" and not t.add_bias_linear
-    assert (t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size,
-            t.expert_model_parallel_size) == (16, 2, 16)
+    assert (t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size, t.expert_model_parallel_size) == (
+        16,
+        2,
+        16,
+    )
     assert t.bf16
 
 
@@ -73,9 +97,15 @@ def test_softmax_scale_plain_rope_vs_yarn():
 def test_k2_tiny_is_the_same_family():
     m = load_config([]).model
     assert m.name == "k2_tiny" and m.first_k_dense_replace == 1 and 8 <= m.num_moe_experts <= 16
-    for key in ("moe_router_score_function", "moe_router_enable_expert_bias",
-                "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "normalization",
-                "rotary_base", "share_embeddings_and_output_weights"):
+    for key in (
+        "moe_router_score_function",
+        "moe_router_enable_expert_bias",
+        "moe_router_topk_scaling_factor",
+        "moe_router_load_balancing_type",
+        "normalization",
+        "rotary_base",
+        "share_embeddings_and_output_weights",
+    ):
         assert m[key] == K2[key], key
     assert m.moe_shared_expert_intermediate_size == m.moe_ffn_hidden_size  # one shared expert
 

@@ -21,8 +21,10 @@ RULES = {
     "cluster_memory": (["cluster.gpu_memory_gib=-1"], ["cluster.gpu_memory_gib=-1", "> 0"]),
     "submit_time": (["submit.time=tomorrow"], ["submit.time='tomorrow'", "HH:MM:SS"]),
     "memory_site": (["memory.offload=[everything]"], ["memory.offload", "everything", "attn_input"]),
-    "qk_clip_needs_max_logits": (["optim.qk_clip_tau=100", "model.record_max_logits=false"],
-                                 ["optim.qk_clip_tau=100", "model.record_max_logits=true"]),
+    "qk_clip_needs_max_logits": (
+        ["optim.qk_clip_tau=100", "model.record_max_logits=false"],
+        ["optim.qk_clip_tau=100", "model.record_max_logits=true"],
+    ),
     "resume_mode": (["resume.mode=sometimes"], ["resume='sometimes'", "auto, never"]),
     "moved_key": (["plan.split_backward=true"], ["plan.split_backward", "pipeline.decouple_wgrad"]),
 }
@@ -31,8 +33,11 @@ RULES = {
 TOOLS = {
     "k2-train": (train.main, "k2-train", []),
     "k2-plan": (plan.main, "k2-plan", ["cluster.gpus_per_node=1"]),
-    "k2-submit": (submit.main, "k2-submit", ["submit.dry_run=true", "submit.request_gpus=false",
-                                             "cluster.gpus_per_node=1"]),
+    "k2-submit": (
+        submit.main,
+        "k2-submit",
+        ["submit.dry_run=true", "submit.request_gpus=false", "cluster.gpus_per_node=1"],
+    ),
     "k2-bench": (bench.main, "k2-bench", ["bench=attention"]),
     "k2-data": (data.main, "k2-data", []),
     "sweep (k2-train -m)": (train.main, "k2-train", ["-m", "+experiment=sparsity_sweep"]),
@@ -113,13 +118,26 @@ def test_ep_overlap_runs_in_the_phases_without_whole_layer_recompute():
     hooks = PipelineHooks(ep_overlap=True)
     hooks.tcfg = SimpleNamespace(overlap_moe_expert_parallel_comm=True)
     on = {p.name: hooks.enter_phase(phase_memory_options(p)) for p in schedule.phases}
-    assert on == {"warmup": True, "stable": True, "decay": True, "anneal_4k": True, "anneal_32k": False,
-                  "yarn_128k": False}
+    assert on == {
+        "warmup": True,
+        "stable": True,
+        "decay": True,
+        "anneal_4k": True,
+        "anneal_32k": False,
+        "yarn_128k": False,
+    }
     assert hooks.tcfg.overlap_moe_expert_parallel_comm is False  # the last phase entered
     hooks.enter_phase(phase_memory_options(schedule.phases[0]))
     assert hooks.tcfg.overlap_moe_expert_parallel_comm is True
     assert not PipelineHooks(ep_overlap=False).overlaps_in(phase_memory_options(schedule.phases[0]))
     # every phase with whole-layer recompute: nothing would overlap
     with pytest.raises(ConfigError, match=r"memory.recompute containing 'layer'"):
-        load_config(["model=kimi_k2", "parallel=k2_256gpu", "pipeline.ep_overlap=true",
-                     "memory.recompute=[layer]", "schedule.phases.4.memory.recompute=[layer]"])
+        load_config(
+            [
+                "model=kimi_k2",
+                "parallel=k2_256gpu",
+                "pipeline.ep_overlap=true",
+                "memory.recompute=[layer]",
+                "schedule.phases.4.memory.recompute=[layer]",
+            ]
+        )

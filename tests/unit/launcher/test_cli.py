@@ -34,25 +34,32 @@ def test_k2_train_refuses_a_bad_setting_without_importing_megatron():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom k2.launcher.train import main\nrc = main(['train.save_interval=0'])\n"
-            "print(rc, sorted(m for m in ('megatron.core', 'k2.model.activation_memory') if m in sys.modules))")
+    code = (
+        "import sys\nfrom k2.launcher.train import main\nrc = main(['train.save_interval=0'])\n"
+        "print(rc, sorted(m for m in ('megatron.core', 'k2.model.activation_memory') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr[-2000:]
     assert proc.stderr.strip().startswith("k2-train: error: train.save_interval=0"), proc.stderr
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.iterz=3", "unknown config key 'train.iterz' (did you mean 'train.iters'?)"),
-    ("schedule.phases.0.lr_style=linaer", "schedule.phases.0.lr_style='linaer'; allowed: constant, linear"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.iterz=3", "unknown config key 'train.iterz' (did you mean 'train.iters'?)"),
+        ("schedule.phases.0.lr_style=linaer", "schedule.phases.0.lr_style='linaer'; allowed: constant, linear"),
+    ],
+)
 def test_k2_train_refuses_a_mistyped_key_before_importing_torch(override, message):
     """A mistyped key or value is refused while the config is composed, before torch (and so megatron-core)
     is imported: seconds of CPU per process, tens of seconds on a loaded machine. A fresh interpreter."""
     import subprocess
     import sys
 
-    code = (f"import sys\nfrom k2.launcher.train import main\nrc = main([{override!r}])\n"
-            "print(rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    code = (
+        f"import sys\nfrom k2.launcher.train import main\nrc = main([{override!r}])\n"
+        "print(rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split("\n")[0] == "2 []", proc.stdout + proc.stderr[-2000:]
     assert proc.stderr.strip().startswith(f"k2-train: error: {message}"), proc.stderr
@@ -65,8 +72,10 @@ def test_help_prints_before_the_heavy_imports():
     import sys
 
     tools = [*TOOLS, "convert", "sweep_report", "report"]
-    code = ("import sys\nfrom importlib import import_module\nrc = import_module(f'k2.launcher.{sys.argv[1]}')"
-            ".main(['--help'])\nprint('RESULT', rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    code = (
+        "import sys\nfrom importlib import import_module\nrc = import_module(f'k2.launcher.{sys.argv[1]}')"
+        ".main(['--help'])\nprint('RESULT', rc, sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    )
     for tool in tools:
         proc = subprocess.run([sys.executable, "-c", code, tool], capture_output=True, text=True, timeout=120)
         assert proc.stdout.splitlines()[-1] == "RESULT 0 []", (tool, proc.stdout[-500:], proc.stderr[-2000:])

@@ -21,7 +21,7 @@ SEQ, MBS = 128, 2
 # the per-tile RMS error of the format (2.6 %, tests/unit/model/test_fp8_storage.py); measured on this model:
 # at most 3.3 % (routed experts' fc1 weights, which see the FP8 inputs directly), 4.0 % with everything on
 # (routed experts' fc2 weights: SwiGLU recomputed from the FP8-stored fc1 output).
-FP8_GRAD_BOUND = 2.0 ** -4
+FP8_GRAD_BOUND = 2.0**-4
 
 
 def _run(overrides: list[str]) -> dict:
@@ -81,8 +81,11 @@ def runs(megatron_world1):
 
 def _rel_errors(run: dict, ref: dict) -> dict:
     assert run["grads"].keys() == ref["grads"].keys()
-    return {n: ((g - ref["grads"][n]).norm() / ref["grads"][n].norm()).item()
-            for n, g in run["grads"].items() if ref["grads"][n].norm() > 0}
+    return {
+        n: ((g - ref["grads"][n]).norm() / ref["grads"][n].norm()).item()
+        for n, g in run["grads"].items()
+        if ref["grads"][n].norm() > 0
+    }
 
 
 def test_offload_gradients_exactly_equal(runs):

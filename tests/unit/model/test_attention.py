@@ -29,13 +29,21 @@ def make_module(heads=4, dk=48, dv=32, record=True, backend="auto"):
 
     from k2.model.attention import K2CoreAttention
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, attention_dropout=0.0,
-                            use_cpu_initialization=True)
-    mod = K2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                          attention_type="self", softmax_scale=1.0 / math.sqrt(dk),
-                          k_channels=dk, v_channels=dv,
-                          pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
-                          record_max_logits=record, backend=backend)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=heads, attention_dropout=0.0, use_cpu_initialization=True
+    )
+    mod = K2CoreAttention(
+        cfg,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        softmax_scale=1.0 / math.sqrt(dk),
+        k_channels=dk,
+        v_channels=dv,
+        pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
+        record_max_logits=record,
+        backend=backend,
+    )
     return mod
 
 
@@ -48,8 +56,9 @@ def test_output_and_max_logits_match_reference_with_mla_head_dims(megatron_world
     q[3, 1, 2] *= 20  # one head with a large logit
     out = mod(q, k, v, None)
     assert out.shape == (s, b, h * dv)
-    ref, ref_max = reference_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
-                                       v.permute(1, 2, 0, 3), 1.0 / math.sqrt(dk))
+    ref, ref_max = reference_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), 1.0 / math.sqrt(dk)
+    )
     ref = ref.permute(2, 0, 1, 3).reshape(s, b, h * dv)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mod.max_logits.double(), ref_max, rtol=1e-5, atol=1e-5)
@@ -64,8 +73,9 @@ def test_max_logits_are_a_running_max_over_microbatches_and_reset(megatron_world
     expected = torch.full((h,), float("-inf"), dtype=torch.float64)
     for q, k, v in batches:
         mod(q, k, v, None)
-        _, m = reference_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                   mod.softmax_scale)
+        _, m = reference_attention(
+            q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), mod.softmax_scale
+        )
         expected = torch.maximum(expected, m)
     torch.testing.assert_close(mod.max_logits.double(), expected, rtol=1e-5, atol=1e-5)
     mod.reset_max_logits()
@@ -166,15 +176,23 @@ def test_te_core_attention_adapter():
     from k2.model.attention import is_max_logit_attention, te_core_attention_class
 
     h, dk, dv, s = 4, 64, 64, 128
-    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=h, attention_dropout=0.0,
-                            log_max_attention_logit=True, bf16=True, params_dtype=torch.bfloat16)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=256,
+        num_attention_heads=h,
+        attention_dropout=0.0,
+        log_max_attention_logit=True,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
     cls = te_core_attention_class()
-    mod = cls(cfg, 1, AttnMaskType.causal, "self", softmax_scale=dk ** -0.5, k_channels=dk, v_channels=dv)
+    mod = cls(cfg, 1, AttnMaskType.causal, "self", softmax_scale=dk**-0.5, k_channels=dk, v_channels=dv)
     assert is_max_logit_attention(mod)
     q, k, v = (torch.randn(s, 1, h, d, device="cuda", dtype=torch.bfloat16) for d in (dk, dk, dv))
     mod(q, k, v, None)
-    _, ref_max = reference_attention(q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0, 3),
-                                     v.float().permute(1, 2, 0, 3), dk ** -0.5)
+    _, ref_max = reference_attention(
+        q.float().permute(1, 2, 0, 3), k.float().permute(1, 2, 0, 3), v.float().permute(1, 2, 0, 3), dk**-0.5
+    )
     torch.testing.assert_close(mod.max_logits.double().cpu(), ref_max.cpu(), rtol=2e-2, atol=2e-2)
     mod.reset_max_logits()
     assert torch.isneginf(mod.max_logits).all()

@@ -19,8 +19,13 @@ def k2_forward_by_hand(s: int) -> dict[str, float]:
     multiply-add; causal attention: s/2 keys per query on average)."""
     h, heads, layers, dense, moe = 7168, 64, 61, 1, 60
     q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
-    attn_proj = 2 * (h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope)
-                     + kv_lora * heads * (nope + v) + heads * v * h)
+    attn_proj = 2 * (
+        h * q_lora
+        + q_lora * heads * (nope + rope)
+        + h * (kv_lora + rope)
+        + kv_lora * heads * (nope + v)
+        + heads * v * h
+    )
     core = 2 * heads * (nope + rope) * s / 2 + 2 * heads * v * s / 2
     return {
         "mla_projections": layers * attn_proj,
@@ -58,16 +63,31 @@ def test_k2_flops_per_token_equal_hand_count(k2):
 def _megatron_args(model_cfg, seq_length: int):
     m = model_cfg
     return types.SimpleNamespace(
-        seq_length=seq_length, hidden_size=m.hidden_size, num_layers=m.num_layers,
-        ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
-        group_query_attention=False, num_query_groups=None, kv_channels=None, attention_output_gate=False,
-        num_experts=m.num_moe_experts, moe_layer_freq=[0] * m.first_k_dense_replace
-        + [1] * (m.num_layers - m.first_k_dense_replace),
-        moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, moe_latent_size=None,
-        mtp_num_layers=None, swiglu=True, multi_latent_attention=True, q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
-        v_head_dim=m.v_head_dim, padded_vocab_size=m.vocab_size, experimental_attention_variant=None,
+        seq_length=seq_length,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        group_query_attention=False,
+        num_query_groups=None,
+        kv_channels=None,
+        attention_output_gate=False,
+        num_experts=m.num_moe_experts,
+        moe_layer_freq=[0] * m.first_k_dense_replace + [1] * (m.num_layers - m.first_k_dense_replace),
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_latent_size=None,
+        mtp_num_layers=None,
+        swiglu=True,
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        padded_vocab_size=m.vocab_size,
+        experimental_attention_variant=None,
         hybrid_layer_pattern=None,
     )
 
@@ -99,7 +119,3 @@ def test_mfu():
     assert tflops == pytest.approx(125.0) and frac == pytest.approx(1.0)
     with pytest.raises(ValueError):
         mfu(flops, 0.0, 4, 125.0)
-
-
-
-

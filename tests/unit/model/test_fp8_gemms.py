@@ -11,10 +11,16 @@ from k2.model.backends import check_fp8_recipe
 from k2.model.fp8 import fp8_fields, swap_linears
 
 
-@pytest.mark.parametrize("overrides,needles", [
-    (["train.fp8_recipe=mxfp8"], ["train.fp8_recipe=mxfp8", "train.precision=fp32", "allowed: train.precision=bf16"]),
-    (["train.fp8_recipe=fp4", "train.precision=bf16"], ["train.fp8_recipe='fp4'", "allowed: blockwise, mxfp8"]),
-])
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (
+            ["train.fp8_recipe=mxfp8"],
+            ["train.fp8_recipe=mxfp8", "train.precision=fp32", "allowed: train.precision=bf16"],
+        ),
+        (["train.fp8_recipe=fp4", "train.precision=bf16"], ["train.fp8_recipe='fp4'", "allowed: blockwise, mxfp8"]),
+    ],
+)
 def test_a_bad_fp8_recipe_is_one_line(overrides, needles):
     with pytest.raises(ConfigError) as e:
         load_config(overrides)
@@ -29,8 +35,11 @@ def test_the_machine_check_names_what_is_missing():
         check_fp8_recipe(cfg, cuda=False, te=False)
     with pytest.raises(ConfigError, match=r"lacks Transformer Engine"):
         check_fp8_recipe(cfg, cuda=True, te=False)
-    with pytest.raises(ConfigError, match=r"compute capability 10.0 or later, this one is 9.x; allowed here: "
-                                          r"blockwise, null"):
+    with pytest.raises(
+        ConfigError,
+        match=r"compute capability 10.0 or later, this one is 9.x; allowed here: "
+        r"blockwise, null",
+    ):
         check_fp8_recipe(cfg, cuda=True, te=True, capability=9)
     check_fp8_recipe(cfg, cuda=True, te=True, capability=10)
     grouped = load_config(["train.fp8_recipe=blockwise", "train.precision=bf16", "model.moe_grouped_gemm=true"])
@@ -41,8 +50,11 @@ def test_the_machine_check_names_what_is_missing():
 
 def test_fp8_fields_name_the_format_the_recipe_and_the_padding():
     assert fp8_fields(None, moe=True) == {}
-    assert fp8_fields("mxfp8", moe=True) == {"fp8": "e4m3", "fp8_recipe": "mxfp8",
-                                             "moe_router_padding_for_quantization": True}
+    assert fp8_fields("mxfp8", moe=True) == {
+        "fp8": "e4m3",
+        "fp8_recipe": "mxfp8",
+        "moe_router_padding_for_quantization": True,
+    }
     assert fp8_fields("blockwise", moe=False) == {"fp8": "e4m3", "fp8_recipe": "blockwise"}
 
 
@@ -92,5 +104,6 @@ def test_every_linear_of_the_k2_layer_spec_is_swapped_and_nothing_else():
         assert after.count(Col) == before.count(ColumnParallelLinear)
         assert after.count(Row) == before.count(RowParallelLinear)
         assert ColumnParallelLinear not in after and RowParallelLinear not in after
-        assert [c for c in after if c not in (Col, Row)] == [c for c in before if c not in
-                                                              (ColumnParallelLinear, RowParallelLinear)]
+        assert [c for c in after if c not in (Col, Row)] == [
+            c for c in before if c not in (ColumnParallelLinear, RowParallelLinear)
+        ]

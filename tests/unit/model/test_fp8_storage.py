@@ -33,10 +33,13 @@ def ref_quantize(row: list) -> tuple[list, list]:
     products ``x * scale`` as the code computes them."""
     q, scales = [], []
     for start in range(0, len(row), TILE):
-        tile = row[start:start + TILE]
+        tile = row[start : start + TILE]
         amax = max((abs(v) for v in tile if math.isfinite(v)), default=0.0)
-        scale = float(torch.tensor(E4M3_MAX, dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32)) \
-            if amax > 0 else 1.0
+        scale = (
+            float(torch.tensor(E4M3_MAX, dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32))
+            if amax > 0
+            else 1.0
+        )
         scales.append(scale)
         for v in tile:
             q.append(ref_e4m3(float(torch.tensor(v, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32))))
@@ -49,7 +52,7 @@ def check_row(x_row: torch.Tensor, t_data_row: torch.Tensor, t_scale_row: torch.
     assert t_data_row.float().tolist() == q
     assert t_scale_row.tolist() == scales
     expect = torch.tensor(q) / torch.tensor(scales).repeat_interleave(TILE)[: len(q)]
-    torch.testing.assert_close(y_row, expect, rtol=2.0 ** -23, atol=0.0)
+    torch.testing.assert_close(y_row, expect, rtol=2.0**-23, atol=0.0)
 
 
 @pytest.mark.parametrize("n", [1, 64, 128, 200, 300])
@@ -72,11 +75,11 @@ def test_roundtrip_error_on_normal_data(dtype):
     assert y.dtype == dtype and y.shape == x.shape
     xt, yt = x.float().view(-1, TILE), y.float().view(-1, TILE)
     tile_err = (yt - xt).norm(dim=-1) / xt.norm(dim=-1)
-    assert tile_err.max() < 2.0 ** -4
+    assert tile_err.max() < 2.0**-4
     assert tile_err.mean() < 0.03
     amax = xt.abs().amax(dim=-1, keepdim=True)
-    normal = xt.abs() >= amax * 2.0 ** -6 / E4M3_MAX
-    assert ((yt - xt).abs() / xt.abs())[normal].max() <= 2.0 ** -4
+    normal = xt.abs() >= amax * 2.0**-6 / E4M3_MAX
+    assert ((yt - xt).abs() / xt.abs())[normal].max() <= 2.0**-4
 
 
 def test_zeros_exact_and_zero_tiles_safe():
@@ -94,9 +97,9 @@ def test_exact_for_values_representable_after_scaling():
     e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     e4m3 = e4m3[torch.isfinite(e4m3)]  # the 254 finite E4M3 values, 448 among them
     for k in (-10, 0, 7):
-        x = (e4m3[torch.randperm(len(e4m3), generator=torch.Generator().manual_seed(k))][:200] * 2.0 ** k)
-        x[0] = E4M3_MAX * 2.0 ** k  # each 128-tile's amax is 448 * 2^k ...
-        x[128] = -E4M3_MAX * 2.0 ** k  # ... so its scale is 2^-k, exact
+        x = e4m3[torch.randperm(len(e4m3), generator=torch.Generator().manual_seed(k))][:200] * 2.0**k
+        x[0] = E4M3_MAX * 2.0**k  # each 128-tile's amax is 448 * 2^k ...
+        x[128] = -E4M3_MAX * 2.0**k  # ... so its scale is 2^-k, exact
         for dtype in (torch.float32, torch.bfloat16):
             xd = x.to(dtype)
             assert torch.equal(dequantize_tiles(quantize_tiles(xd)), xd)
@@ -126,7 +129,7 @@ def test_nan_and_inf_propagate():
     finite = torch.isfinite(x)
     assert torch.isfinite(y[finite]).all()  # the tile's other values keep a finite scale
     rel = ((y - x).abs() / x.abs())[finite & (x.abs() > 1e-3)]
-    assert rel.max() <= 2.0 ** -4
+    assert rel.max() <= 2.0**-4
 
 
 def test_non_contiguous_input_and_bytes():

@@ -27,12 +27,25 @@ def test_max_logits_stay_fp32_after_bf16_cast(megatron_world1):
 
     b, h, s, dk, dv = 1, 4, 16, 48, 32
     scale = 1.0 / math.sqrt(dk)
-    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=h, attention_dropout=0.0,
-                            use_cpu_initialization=True)
-    mod = K2CoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                          softmax_scale=scale, k_channels=dk, v_channels=dv,
-                          pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
-                          record_max_logits=True, backend="sdpa").bfloat16().train()
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=h, attention_dropout=0.0, use_cpu_initialization=True
+    )
+    mod = (
+        K2CoreAttention(
+            cfg,
+            layer_number=1,
+            attn_mask_type=AttnMaskType.causal,
+            attention_type="self",
+            softmax_scale=scale,
+            k_channels=dk,
+            v_channels=dv,
+            pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)),
+            record_max_logits=True,
+            backend="sdpa",
+        )
+        .bfloat16()
+        .train()
+    )
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(s, b, h, dk, generator=gen).bfloat16() * 3 for _ in range(2))
     v = torch.randn(s, b, h, dv, generator=gen).bfloat16()
@@ -97,8 +110,9 @@ def test_model_chunks_are_moved_to_the_current_device(megatron_world1, monkeypat
     from k2.model.build import build_model_chunks, transformer_config
     from k2.parallel.dims import ParallelDims
 
-    cfg = load_config(["model=k2_tiny", "model.num_layers=2", "model.attention_backend=eager",
-                       "model.moe_grouped_gemm=false"])
+    cfg = load_config(
+        ["model=k2_tiny", "model.num_layers=2", "model.attention_backend=eager", "model.moe_grouped_gemm=false"]
+    )
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 1)
     tcfg = transformer_config(cfg, dims)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -179,12 +193,27 @@ def test_grouped_gemm_calls_meet_the_cuda_requirements(megatron_world1, monkeypa
     from k2.model.saved_tensors import SavedTensorScope
 
     e, hidden, ffn = 4, 64, 24  # multiples of 8 (K2: 7168 / 2048)
-    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=2,
-                            num_moe_experts=e, moe_ffn_hidden_size=ffn, gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
-                            params_dtype=torch.bfloat16, bf16=True, gradient_accumulation_fusion=False)
-    mod = gm.K2GroupedMLP(e, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=2,
+        num_moe_experts=e,
+        moe_ffn_hidden_size=ffn,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        gradient_accumulation_fusion=False,
+    )
+    mod = gm.K2GroupedMLP(
+        e,
+        cfg,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
     calls = []
     real = gm._grouped_mm
 
@@ -199,8 +228,9 @@ def test_grouped_gemm_calls_meet_the_cuda_requirements(megatron_world1, monkeypa
         return out
 
     monkeypatch.setattr(gm, "_grouped_mm", checked)
-    k2 = MemoryOptions(fp8_store=frozenset({"moe_fc1_input", "swiglu_input"}),
-                       recompute=frozenset({"swiglu", "moe_down_proj"}))
+    k2 = MemoryOptions(
+        fp8_store=frozenset({"moe_fc1_input", "swiglu_input"}), recompute=frozenset({"swiglu", "moe_down_proj"})
+    )
     gen = torch.Generator().manual_seed(0)
     # (recompute=moe_down_proj re-runs fc2's forward in backward: one more 2d x 3d call)
     for counts, memory, forward_calls in (([5, 0, 9, 2], None, 2), ([0, 7, 0, 3], k2, 3)):
@@ -233,13 +263,24 @@ def test_max_logit_kernel_compiles_for_sm90(causal):
 
     from k2.model.max_logit_kernel import _block_max_kernel
 
-    ints = ["stride_qb", "stride_qh", "stride_qs", "stride_qd", "stride_kb", "stride_kh", "stride_ks",
-            "stride_kd", "H", "SQ", "D", "OFFSET", "NUM_M"]
+    ints = [
+        "stride_qb",
+        "stride_qh",
+        "stride_qs",
+        "stride_qd",
+        "stride_kb",
+        "stride_kh",
+        "stride_ks",
+        "stride_kd",
+        "H",
+        "SQ",
+        "D",
+        "OFFSET",
+        "NUM_M",
+    ]
     const = {"SK": 4096, "CAUSAL": causal, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 256, "IEEE": False}
-    sig = {"Q": "*bf16", "K": "*bf16", "Out": "*fp32", **{n: "i32" for n in ints},
-           **{n: "constexpr" for n in const}}
+    sig = {"Q": "*bf16", "K": "*bf16", "Out": "*fp32", **{n: "i32" for n in ints}, **{n: "constexpr" for n in const}}
     names = list(sig)
-    src = ASTSource(fn=_block_max_kernel, signature=sig,
-                    constexprs={(names.index(n),): v for n, v in const.items()})
+    src = ASTSource(fn=_block_max_kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024  # fits an H100/H200 SM

@@ -14,10 +14,20 @@ E, H, FFN = 4, 16, 8  # local experts, hidden, expert ffn (fc1 out = 2 x FFN): 1
 def _config(hidden=H, ffn=FFN):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=2,
-                             num_moe_experts=E, moe_ffn_hidden_size=ffn, gated_linear_unit=True,
-                             activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
-                             params_dtype=torch.float32, gradient_accumulation_fusion=False)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_ffn_hidden_size=ffn,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        gradient_accumulation_fusion=False,
+    )
 
 
 def _experts(cls, cfg=None, seed=0):
@@ -105,10 +115,14 @@ def test_memory_switches_apply_as_in_the_sequential_module(megatron_world1):
     from k2.model.saved_bytes_meter import SavedBytesMeter
 
     sites = frozenset({"moe_fc1_input", "swiglu_input"})
-    no_fp8 = MemoryOptions(recompute=frozenset({"swiglu", "moe_down_proj"}),
-                           offload=frozenset({"moe_fc1_input", "swiglu_input", "fc2_input"}), attribute=True)
-    everything = MemoryOptions(fp8_store=sites, recompute=no_fp8.recompute, offload=frozenset({"swiglu_input"}),
-                               attribute=True)
+    no_fp8 = MemoryOptions(
+        recompute=frozenset({"swiglu", "moe_down_proj"}),
+        offload=frozenset({"moe_fc1_input", "swiglu_input", "fc2_input"}),
+        attribute=True,
+    )
+    everything = MemoryOptions(
+        fp8_store=sites, recompute=no_fp8.recompute, offload=frozenset({"swiglu_input"}), attribute=True
+    )
     counts = [5, 0, 9, 3]
     x, c, probs, dy = _inputs(counts, seed=3)
     grouped, plain, seq = _experts(K2GroupedMLP), _experts(SequentialMLP), _experts(K2SequentialMLP)
@@ -186,8 +200,6 @@ def test_backend_resolution(monkeypatch):
     assert resolve_grouped_experts(None, "bf16", cuda=False) is False
     assert resolve_grouped_experts(None, "fp32", cuda=True) is False
     assert resolve_grouped_experts(True, "fp32", cuda=False) is True
-
-
 
 
 def test_the_largest_tensor_of_a_grouped_layer_is_what_k2_plan_plans(megatron_world1):

@@ -16,19 +16,19 @@ from support import REPO, SCRIPTS
 pytest.importorskip("triton")
 
 CASES = [  # b, h, sq, sk, d, causal, seed, scale, tile rows
-    (2, 3, 50, 50, 24, True, 1, 0.3, 32),     # rows not a multiple of the tile
-    (1, 2, 130, 130, 48, True, 2, 0.3, 32),   # several query and key tiles, diagonal tiles
-    (2, 2, 33, 70, 20, True, 3, 0.3, 32),     # more keys than queries: causal aligned to the end
+    (2, 3, 50, 50, 24, True, 1, 0.3, 32),  # rows not a multiple of the tile
+    (1, 2, 130, 130, 48, True, 2, 0.3, 32),  # several query and key tiles, diagonal tiles
+    (2, 2, 33, 70, 20, True, 3, 0.3, 32),  # more keys than queries: causal aligned to the end
     (1, 2, 64, 40, 16, False, 4, 0.3, 32),
-    (1, 2, 40, 40, 192, True, 5, 0.07, 16),   # MLA's qk head dim 192: padded to a 256-wide tile
+    (1, 2, 40, 40, 192, True, 5, 0.07, 16),  # MLA's qk head dim 192: padded to a 256-wide tile
 ]
 
 
 def _inputs(b, h, sq, sk, d, seed):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(b, h, sq, d, generator=g), torch.randn(b, h, sk, d, generator=g)
-    k[:, :, (3 * sk) // 4:] *= 100  # as in the script: huge late keys, seen only by zeroed query rows
-    q[:, :, (3 * sq) // 4:] = 0
+    k[:, :, (3 * sk) // 4 :] *= 100  # as in the script: huge late keys, seen only by zeroed query rows
+    q[:, :, (3 * sq) // 4 :] = 0
     return q, k
 
 
@@ -44,8 +44,14 @@ def _reference(q, k, scale, causal):
 @pytest.fixture(scope="module")
 def kernel_results():
     env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, str(SCRIPTS / "max_logit_kernel_cases.py"),
-                        json.dumps(CASES)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(SCRIPTS / "max_logit_kernel_cases.py"), json.dumps(CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -31,8 +31,10 @@ def test_query_projection_reads_the_layer_input_without_a_norm(megatron_world1):
     # HF's q_proj [H (d_qk + d_r), h]: one plain weight, no norm weight beside it
     q_params = dict(attn.linear_q_proj.named_parameters())
     assert list(q_params) == ["weight"]
-    assert tuple(q_params["weight"].shape) == (m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim),
-                                               m.hidden_size)
+    assert tuple(q_params["weight"].shape) == (
+        m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim),
+        m.hidden_size,
+    )
     assert not hasattr(attn, "linear_q_down_proj")
     assert not hasattr(attn, "q_layernorm") or isinstance(attn.q_layernorm, IdentityOp)
     # the KV latent's RMSNorm is built (kv_a_layernorm of the HF model)
@@ -44,6 +46,7 @@ def test_query_projection_reads_the_layer_input_without_a_norm(megatron_world1):
     def keep(name):
         def hook(mod, args, kwargs):
             seen.setdefault(name, args[0] if args else kwargs["hidden_states"])
+
         return hook
 
     attn.register_forward_pre_hook(keep("attn"), with_kwargs=True)

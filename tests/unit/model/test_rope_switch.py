@@ -15,9 +15,11 @@ from k2.config.load import load_config
 QK, ROPE = 32, 16  # k2_tiny: nope / rope head dims
 
 
-def yarn_inv_freq(dim: int, base: float, factor: float, original: int, beta_fast: float,
-                  beta_slow: float) -> torch.Tensor:
+def yarn_inv_freq(
+    dim: int, base: float, factor: float, original: int, beta_fast: float, beta_slow: float
+) -> torch.Tensor:
     """YaRN inverse frequencies (DeepSeek-V3 inference/model.py ``precompute_freqs_cis``)."""
+
     def correction_dim(rotations):
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -75,8 +77,7 @@ def test_switch_to_yarn_matches_formula_and_a_yarn_built_model(megatron_world1):
     assert set_rope_type([chunk], tcfg, m, "yarn") == m.num_layers
     factor = m.rotary_scaling_factor
     want_scale = (0.1 * m.mscale_all_dim * math.log(factor) + 1) ** 2 / math.sqrt(QK + ROPE)
-    want_freq = yarn_inv_freq(ROPE, m.rotary_base, factor, m.original_max_position_embeddings,
-                              m.beta_fast, m.beta_slow)
+    want_freq = yarn_inv_freq(ROPE, m.rotary_base, factor, m.original_max_position_embeddings, m.beta_fast, m.beta_slow)
     for a in layers:
         assert isinstance(a.rotary_pos_emb, YarnRotaryEmbedding)
         assert isinstance(a.core_attention, K2CoreAttention)

@@ -16,10 +16,18 @@ def make_router(bias_update_rate=1e-3):
     from k2.model.router import K2Router
 
     cfg = TransformerConfig(
-        num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=bias_update_rate, moe_router_topk_scaling_factor=SCALE,
-        moe_router_load_balancing_type="none", moe_router_dtype="fp32", use_cpu_initialization=True,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=bias_update_rate,
+        moe_router_topk_scaling_factor=SCALE,
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",
+        use_cpu_initialization=True,
         add_bias_linear=False,
     )
     router = K2Router(config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())

@@ -13,8 +13,14 @@ from k2.model.wgrad import WgradStore, check_ddp_hooks, decouple_linear_wgrad, d
 def _config():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, params_dtype=torch.float32,
-                             use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
 
 
 class _Block(torch.nn.Module):
@@ -26,10 +32,12 @@ class _Block(torch.nn.Module):
 
         cfg = _config()
         init = torch.nn.init.normal_
-        fc1 = ColumnParallelLinear(16, 24, config=cfg, init_method=init, bias=bias, gather_output=False,
-                                   skip_bias_add=False)
-        fc2 = RowParallelLinear(24, 16, config=cfg, init_method=init, bias=False, input_is_parallel=True,
-                                skip_bias_add=True)
+        fc1 = ColumnParallelLinear(
+            16, 24, config=cfg, init_method=init, bias=bias, gather_output=False, skip_bias_add=False
+        )
+        fc2 = RowParallelLinear(
+            24, 16, config=cfg, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=True
+        )
         self.decoder = torch.nn.Module()
         self.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
         self.decoder.layers[0].fc1, self.decoder.layers[0].fc2 = fc1, fc2
@@ -176,8 +184,14 @@ def test_real_megatron_ddp_accumulates_deferred_wgrad_into_main_grad(megatron_wo
     store = WgradStore()
     decouple_linear_wgrad([split], store)
     cfg = _config()
-    ddp = {k: DistributedDataParallel(config=cfg, module=m, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, delay_wgrad_compute=(k == "split"))) for k, m in (("ref", ref), ("split", split))}
+    ddp = {
+        k: DistributedDataParallel(
+            config=cfg,
+            module=m,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, delay_wgrad_compute=(k == "split")),
+        )
+        for k, m in (("ref", ref), ("split", split))
+    }
     assert check_ddp_hooks([ddp["split"]]) == 2
     x, dy = torch.randn(4, 2, 16), torch.randn(4, 2, 8)
     for k in ("ref", "split"):
@@ -191,6 +205,7 @@ def test_real_megatron_ddp_accumulates_deferred_wgrad_into_main_grad(megatron_wo
 
 def test_store_accounting():
     """Peak bytes and how many microbatches' items were queued at once."""
+
     class Mod:
         _k2_wgrad_hooks = ()
 

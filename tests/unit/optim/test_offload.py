@@ -20,8 +20,9 @@ from support.helpers import build_one_rank, measure_state_bytes_script, predict_
 
 def _train(overrides: list[str], steps: int = 3):
     """``steps`` optimizer steps with the same synthetic gradients; returns (model, optimizer)."""
-    cfg, chunks, model, optimizer = build_one_rank(["train.precision=bf16", "model.first_k_dense_replace=1",
-                                                    *overrides])
+    cfg, chunks, model, optimizer = build_one_rank(
+        ["train.precision=bf16", "model.first_k_dense_replace=1", *overrides]
+    )
     for g in optimizer.param_groups:
         g["lr"], g["weight_decay"] = 1e-2, 0.1
     for step in range(steps):
@@ -73,17 +74,24 @@ def test_offload_one_device_bytes_zero_trainer_and_planner(megatron_world1, tmp_
     p = predict_state_bytes(overrides, 1)[0][0]
     assert m["optimizer"] == p.optimizer > 0
     assert m["optimizer_device"] == 0
-    mem = plan_cluster(load_config([*overrides, "cluster.nodes=1", "cluster.gpus_per_node=1"])
-                       ).report["memory_per_gpu_bytes"]
+    mem = plan_cluster(load_config([*overrides, "cluster.nodes=1", "cluster.gpus_per_node=1"])).report[
+        "memory_per_gpu_bytes"
+    ]
     assert mem["optimizer"] == 0 and mem["optimizer_offloaded_to_host"] == p.optimizer
 
 
-@pytest.mark.parametrize("overrides,names", [
-    (["optim.offload_fraction=1", "parallel.use_distributed_optimizer=false"], "parallel.use_distributed_optimizer"),
-    (["optim=muonclip", "optim.offload_fraction=0.5", "optim.muon_zero1=layer_wise"], "optim.muon_zero1"),
-    (["optim.offload_fraction=1.5"], "optim.offload_fraction"),
-    (["plan.optimizer_offload_fraction=1"], "optim.offload_fraction"),  # the old planning-only name
-])
+@pytest.mark.parametrize(
+    "overrides,names",
+    [
+        (
+            ["optim.offload_fraction=1", "parallel.use_distributed_optimizer=false"],
+            "parallel.use_distributed_optimizer",
+        ),
+        (["optim=muonclip", "optim.offload_fraction=0.5", "optim.muon_zero1=layer_wise"], "optim.muon_zero1"),
+        (["optim.offload_fraction=1.5"], "optim.offload_fraction"),
+        (["plan.optimizer_offload_fraction=1"], "optim.offload_fraction"),  # the old planning-only name
+    ],
+)
 def test_offload_settings_refused_with_one_error(overrides, names):
     from k2.config.errors import ConfigError
     from k2.config.load import load_config

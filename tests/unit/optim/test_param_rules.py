@@ -19,8 +19,11 @@ from k2.schedules.resolve import resolve_schedule
 from support.helpers import build_one_rank
 
 ROUTER = "decoder.layers.1.mlp.router.weight"
-NORMS = ("decoder.final_layernorm.weight", "decoder.layers.0.input_layernorm.weight",
-         "decoder.layers.1.self_attention.kv_layernorm.weight")
+NORMS = (
+    "decoder.final_layernorm.weight",
+    "decoder.layers.0.input_layernorm.weight",
+    "decoder.layers.1.self_attention.kv_layernorm.weight",
+)
 
 
 def _groups_of(optimizer, chunks) -> dict:
@@ -45,8 +48,9 @@ def test_router_to_muon_and_every_parameter_decayed(megatron_world1, k2_rules):
     weight decay every group holding a norm weight decays by schedule.weight_decay. Counter-case: the
     router in AdamW (torch's), norm weights with wd 0 (megatron's default)."""
     extra = [] if k2_rules else ["optim.router_optimizer=adamw", "optim.decay_all_params=false"]
-    cfg, chunks, _, optimizer = build_one_rank(["optim=muonclip", "train.precision=bf16",
-                                                "model.first_k_dense_replace=1", *extra])
+    cfg, chunks, _, optimizer = build_one_rank(
+        ["optim=muonclip", "train.precision=bf16", "model.first_k_dense_replace=1", *extra]
+    )
     TokenLRScheduler(resolve_schedule(cfg), optimizer)  # sets lr and weight_decay as the trainer does
     wd = resolve_schedule(cfg).weight_decay
     assert wd > 0
@@ -79,8 +83,9 @@ def test_optimizer_table_shows_both_rules(megatron_world1):
     assert line.split()[3] == "muon" and line.split()[-1] == "yes"
     norm = next(x for x in text if x.startswith("decoder.final_layernorm.weight"))
     assert norm.split()[3] == "adamw" and norm.split()[-1] == "yes"
-    off = route_table(tag_parameters(chunks, tcfg, muon=True, zero1_muon=True, router_optimizer="adamw",
-                                     decay_all_params=False))
+    off = route_table(
+        tag_parameters(chunks, tcfg, muon=True, zero1_muon=True, router_optimizer="adamw", decay_all_params=False)
+    )
     by_off = {r["params"]: r for r in off}
     assert by_off["decoder.layers.*.mlp.router.weight"]["optimizer"] == "adamw"
     assert by_off["decoder.final_layernorm.weight"]["weight_decay"] is False

@@ -70,8 +70,8 @@ def test_mla_rule_per_row_and_negative_head_untouched(megatron_world1):
     q1, kv1 = a.linear_q_up_proj.weight.detach(), a.linear_kv_up_proj.weight.detach()
     assert not torch.isnan(q1).any() and not torch.isnan(kv1).any()
     for h in (0, 1, 3):
-        assert torch.equal(q1[h * qh:(h + 1) * qh], q0[h * qh:(h + 1) * qh])
-        assert torch.equal(kv1[h * kvh:(h + 1) * kvh], kv0[h * kvh:(h + 1) * kvh])
+        assert torch.equal(q1[h * qh : (h + 1) * qh], q0[h * qh : (h + 1) * qh])
+        assert torch.equal(kv1[h * kvh : (h + 1) * kvh], kv0[h * kvh : (h + 1) * kvh])
     q_nope = slice(2 * qh, 2 * qh + m.qk_head_dim)
     q_rope = slice(2 * qh + m.qk_head_dim, 3 * qh)
     torch.testing.assert_close(q1[q_nope], q0[q_nope] * math.sqrt(g))
@@ -95,8 +95,9 @@ def test_master_copies_scaled_too(megatron_world1, optim, zero1):
     w0, main0 = w.detach().float().clone(), main.detach().clone()
     a.core_attention.max_logits.copy_(torch.tensor([400.0, 1.0, 1.0, 1.0]))
     QKClip(model, optimizer, 100.0, num_layers=2).step()
-    _, rows = mla_row_scales(torch.tensor([0.25, 1.0, 1.0, 1.0]), cfg.model.qk_head_dim,
-                             cfg.model.qk_pos_emb_head_dim, cfg.model.v_head_dim)
+    _, rows = mla_row_scales(
+        torch.tensor([0.25, 1.0, 1.0, 1.0]), cfg.model.qk_head_dim, cfg.model.qk_pos_emb_head_dim, cfg.model.v_head_dim
+    )
     want = w0 * rows.view(-1, 1)
     torch.testing.assert_close(main.view(-1), want.view(-1)[: main.numel()], rtol=1e-6, atol=0)
     torch.testing.assert_close(w.detach().float(), want.to(torch.bfloat16).float())
@@ -133,21 +134,24 @@ def test_mha_gqa_rule_brings_each_head_to_tau(groups):
         assert torch.equal(per[:, 2], torch.ones(heads, d))
 
 
-
-
 def test_k2_routing_and_matrix_splits(megatron_world1):
     """Which parameter goes where (optim/params.py) on k2_tiny with MoE layers, and the fused-weight split
     reaching the fp32 master copy that megatron's bf16 optimizer actually steps."""
     from k2.optim.muon import SPLIT_ATTR, MatrixSplit
     from k2.optim.params import ROUTE_ATTR
 
-    cfg, chunks, model, optimizer = build_one_rank(["optim=muonclip", "train.precision=bf16",
-                                            "model.first_k_dense_replace=1"])
+    cfg, chunks, model, optimizer = build_one_rank(
+        ["optim=muonclip", "train.precision=bf16", "model.first_k_dense_replace=1"]
+    )
     params = dict(chunks[0].named_parameters())
     route = {n: getattr(p, ROUTE_ATTR) for n, p in params.items()}
     adamw = {n for n, r in route.items() if r == "adamw"}
-    assert {"embedding.word_embeddings.weight", "output_layer.weight",
-            "decoder.final_layernorm.weight", "decoder.layers.0.self_attention.q_layernorm.weight"} <= adamw
+    assert {
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "decoder.final_layernorm.weight",
+        "decoder.layers.0.self_attention.q_layernorm.weight",
+    } <= adamw
     assert route["decoder.layers.1.mlp.router.weight"] == "muon"  # Moonlight's rule (optim.router_optimizer)
     assert all(params[n].dim() == 1 for n in adamw if "embedding" not in n and "output" not in n)
     for n in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"):

@@ -52,16 +52,19 @@ def test_newton_schulz_flops():
     """The GEMMs of one Newton-Schulz iteration on an [m, n] matrix are 4 m^2 n + 2 m^3 FLOPs."""
     m, n = 3, 7
     flops = sum(2 * a * k * b for a, k, b in optimizer_spec("muonclip").matrix_step.gemms(m, n))
-    assert flops == 4 * m * m * n + 2 * m ** 3
+    assert flops == 4 * m * m * n + 2 * m**3
 
 
-@pytest.mark.parametrize("overrides,dist_opt,want", [
-    (["optim=adamw"], True, (False, False, False)),
-    (["optim=muonclip"], False, (True, False, False)),
-    (["optim=muonclip"], True, (True, True, False)),
-    (["optim=muonclip", "optim.muon_zero1=layer_wise"], True, (True, True, True)),
-    (["optim=muonclip", "optim.muon_zero1=layer_wise"], False, (True, False, False)),
-])
+@pytest.mark.parametrize(
+    "overrides,dist_opt,want",
+    [
+        (["optim=adamw"], True, (False, False, False)),
+        (["optim=muonclip"], False, (True, False, False)),
+        (["optim=muonclip"], True, (True, True, False)),
+        (["optim=muonclip", "optim.muon_zero1=layer_wise"], True, (True, True, True)),
+        (["optim=muonclip", "optim.muon_zero1=layer_wise"], False, (True, False, False)),
+    ],
+)
 def test_placement_follows_the_optimizer_and_zero1(overrides, dist_opt, want):
     """Where the parameters go (the trainer's builder and the planner both read it): Muon matrices only
     under MuonClip, in buffers of their own only under ZeRO-1, layer-wise only when asked for."""

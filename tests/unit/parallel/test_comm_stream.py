@@ -22,9 +22,10 @@ def stream():
 
 def test_fifo_on_its_own_thread(stream):
     seen = []
-    futs = [stream.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), seen.append((i,
-                                                                                threading.current_thread().name)))[1])
-            for i in range(3)]
+    futs = [
+        stream.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), seen.append((i, threading.current_thread().name)))[1])
+        for i in range(3)
+    ]
     resolve(futs)
     assert [i for i, _ in seen] == [0, 1, 2]  # submission order, although the first is the slowest
     assert {name for _, name in seen} == {"k2-comm-stream"} != {threading.current_thread().name}

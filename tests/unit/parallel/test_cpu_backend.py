@@ -11,8 +11,9 @@ from support.distributed import rank_launch_cmd, trainer_env
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(rank_launch_cmd(1, ["-c", code], []), cwd=REPO, env=trainer_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        rank_launch_cmd(1, ["-c", code], []), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def test_does_nothing_when_cuda_is_available():

@@ -60,11 +60,7 @@ def megatron():
 
 
 def _megatron_config(megatron, dims: ParallelDims):
-    kw = {
-        k: v
-        for k, v in dims.megatron_kwargs().items()
-        if k.startswith(("pipeline_", "virtual_", "num_layers_in_"))
-    }
+    kw = {k: v for k, v in dims.megatron_kwargs().items() if k.startswith(("pipeline_", "virtual_", "num_layers_in_"))}
     return megatron["TransformerConfig"](
         num_layers=dims.num_layers,
         hidden_size=64,
@@ -86,9 +82,7 @@ def megatron_table(megatron, monkeypatch, dims: ParallelDims) -> list[list[list[
             monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda *a, _r=r, **k: _r)
             monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda *a, **k: dims.pp)
             monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_rank", lambda *a, _v=v, **k: _v)
-            monkeypatch.setattr(
-                ps, "get_virtual_pipeline_model_parallel_world_size", lambda *a, **k: vp_size
-            )
+            monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda *a, **k: vp_size)
             vp_stage = v if vp_size is not None else None
             offset = megatron["get_transformer_layer_offset"](cfg, vp_stage=vp_stage, pp_rank=r)
             count = megatron["get_num_layers_to_build"](cfg, vp_stage=vp_stage, pp_rank=r)
@@ -302,13 +296,31 @@ BAD = [
     ("ep0", 1, 4, 8, dict(ep=0), ["parallel.ep=0", ">= 1"]),
     ("vpp0", 2, 4, 8, dict(pp=2, vpp=0), ["parallel.vpp", ">= 1"]),
     ("vpp_no_pp", 2, 4, 8, dict(vpp=2), ["parallel.vpp=2", "parallel.pp"]),
-    ("layers_even", 256, 61, 384, dict(pp=16, vpp=2, ep=16),
-     ["model.num_layers=61", "parallel.pp=16", "parallel.vpp=2", "32 virtual stages", "29 over", "parallel.layout"]),
+    (
+        "layers_even",
+        256,
+        61,
+        384,
+        dict(pp=16, vpp=2, ep=16),
+        ["model.num_layers=61", "parallel.pp=16", "parallel.vpp=2", "32 virtual stages", "29 over", "parallel.layout"],
+    ),
     ("layers_pp", 3, 4, 8, dict(pp=3), ["model.num_layers=4", "parallel.pp=3", "allowed: 1, 2, 4"]),
-    ("layout_and_first", 2, 4, 8, dict(pp=2, layout="Ett|ttL", first_stage_layers=2),
-     ["parallel.layout", "parallel.first_stage_layers"]),
-    ("layout_parse", 2, 4, 8, dict(pp=2, layout="Etx|tttL"), ["parallel.layout='Etx|tttL'", "cannot be parsed",
-                                                              "E = embedding"]),
+    (
+        "layout_and_first",
+        2,
+        4,
+        8,
+        dict(pp=2, layout="Ett|ttL", first_stage_layers=2),
+        ["parallel.layout", "parallel.first_stage_layers"],
+    ),
+    (
+        "layout_parse",
+        2,
+        4,
+        8,
+        dict(pp=2, layout="Etx|tttL"),
+        ["parallel.layout='Etx|tttL'", "cannot be parsed", "E = embedding"],
+    ),
     ("layout_parens", 2, 4, 8, dict(pp=2, layout="E(tt|*2L"), ["parallel.layout", "cannot be parsed"]),
     ("layout_pp", 2, 4, 8, dict(pp=2, layout="Et|tt|tL"), ["3 virtual stages", "parallel.pp=2"]),
     ("layout_vpp", 2, 4, 8, dict(pp=2, layout="Et|t|t|tL"), ["parallel.vpp=1", "set parallel.vpp=2"]),
@@ -320,13 +332,31 @@ BAD = [
     ("layout_E_stage1", 2, 4, 8, dict(pp=2, layout="|EttttL"), ["parallel.layout", "first virtual stage"]),
     ("layout_mtp", 2, 4, 8, dict(pp=2, layout="Ett|ttmL"), ["parallel.layout", "MTP"]),
     ("layout_empty", 1, 4, 8, dict(layout=""), ["parallel.layout", "non-empty"]),
-    ("first_vpp", 4, 12, 8, dict(pp=4, vpp=2, first_stage_layers=3), ["parallel.first_stage_layers=3",
-                                                                      "parallel.vpp=2"]),
-    ("first_middle", 4, 10, 8, dict(pp=4, first_stage_layers=2),
-     ["model.num_layers=10", "parallel.first_stage_layers=2", "leaves 8 layers", "3 middle PP ranks"]),
+    (
+        "first_vpp",
+        4,
+        12,
+        8,
+        dict(pp=4, vpp=2, first_stage_layers=3),
+        ["parallel.first_stage_layers=3", "parallel.vpp=2"],
+    ),
+    (
+        "first_middle",
+        4,
+        10,
+        8,
+        dict(pp=4, first_stage_layers=2),
+        ["model.num_layers=10", "parallel.first_stage_layers=2", "leaves 8 layers", "3 middle PP ranks"],
+    ),
     ("last_too_many", 4, 10, 8, dict(pp=4, last_stage_layers=12), ["parallel.last_stage_layers=12", "2 short"]),
-    ("first_last_pp2_sum", 2, 10, 8, dict(pp=2, first_stage_layers=4, last_stage_layers=4),
-     ["parallel.first_stage_layers=4", "add up to model.num_layers=10"]),
+    (
+        "first_last_pp2_sum",
+        2,
+        10,
+        8,
+        dict(pp=2, first_stage_layers=4, last_stage_layers=4),
+        ["parallel.first_stage_layers=4", "add up to model.num_layers=10"],
+    ),
     ("first_pp1", 1, 4, 8, dict(first_stage_layers=4), ["parallel.first_stage_layers=4", "parallel.pp >= 2"]),
     ("first_zero", 4, 4, 8, dict(pp=2, first_stage_layers=0), ["parallel.first_stage_layers=0", ">= 1"]),
     ("experts_ep", 6, 4, 8, dict(ep=3), ["model.num_moe_experts=8", "parallel.ep=3", "allowed parallel.ep", "1, 2"]),
@@ -348,9 +378,7 @@ def test_bad_config(case):
 
 def test_world_size_source_named():
     with pytest.raises(ConfigError, match=r"cluster.nodes x cluster.gpus_per_node"):
-        ParallelDims.from_config(
-            _par(pp=3), _model(), 8, world_size_from="cluster.nodes x cluster.gpus_per_node"
-        )
+        ParallelDims.from_config(_par(pp=3), _model(), 8, world_size_from="cluster.nodes x cluster.gpus_per_node")
 
 
 # ---------------------------------------------------------------------------- microbatches

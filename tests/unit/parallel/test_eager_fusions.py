@@ -38,10 +38,21 @@ print(json.dumps({
 
 @pytest.mark.parametrize("machine", ["cpu", "cuda"])
 def test_import_time_compile_stays_eager(machine):
-    out = subprocess.run([sys.executable, "-c", PROBE, machine], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, machine],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"jit_fuser_is_compile": False, "swiglu_is_plain_function": True,
-                   "adam_is_plain_function": True, "expert_bias_update_is_eager": True, "inductor_imported": False,
-                   "compile_restored": True}, got
+    assert got == {
+        "jit_fuser_is_compile": False,
+        "swiglu_is_plain_function": True,
+        "adam_is_plain_function": True,
+        "expert_bias_update_is_eager": True,
+        "inductor_imported": False,
+        "compile_restored": True,
+    }, got

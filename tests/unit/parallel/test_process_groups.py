@@ -34,8 +34,9 @@ def test_every_process_group_gets_the_runs_timeout(tmp_path):
     (whose allowance stays below ``timeout_s``) can end the run with its requeue status."""
     script = tmp_path / "groups.py"
     script.write_text(GROUP_TIMEOUTS)
-    p = subprocess.run(rank_launch_cmd(1, [str(script)], []), cwd=REPO, env=trainer_env(), capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        rank_launch_cmd(1, [str(script)], []), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     timeouts = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(timeouts) > 10, timeouts  # the default group and megatron's (PP, EP, DP, MP, ...)
@@ -52,8 +53,11 @@ def test_each_rank_gets_its_own_gpu_or_one_clear_error():
     assert [local_device_index(r, 8, 1) for r in range(8)] == [0] * 8
     assert [local_device_index(r, 8, 8) for r in range(8)] == list(range(8))
     assert local_device_index(3, 4, 8) == 3
-    with pytest.raises(ConfigError, match=r"local rank 4 of 8 ranks on this node sees 4 CUDA devices.*"
-                                          r"--gpus-per-task=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"local rank 4 of 8 ranks on this node sees 4 CUDA devices.*"
+        r"--gpus-per-task=1",
+    ):
         local_device_index(4, 8, 4)
     with pytest.raises(ConfigError, match="shared with 4 lower local ranks"):
         local_device_index(7, 8, 4, position=4)
@@ -84,8 +88,15 @@ def test_slurm_tasks_on_this_node(monkeypatch):
     from k2.parallel.distributed import dist_env
 
     # a copy: dist_env sets RANK, WORLD_SIZE, ... for Slurm ranks, which must not outlive this test
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE")})
+    monkeypatch.setattr(
+        os,
+        "environ",
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE")
+        },
+    )
     monkeypatch.setenv("SLURM_PROCID", "9")
     monkeypatch.setenv("SLURM_NTASKS", "10")
     monkeypatch.setenv("SLURM_LOCALID", "1")
@@ -124,6 +135,7 @@ def test_nccl_is_told_its_device(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     cfg = load_config([])
     with pytest.raises(Stop):
-        distributed.init_distributed(distributed.DistEnv(0, 1, 0, False), ParallelDims.from_config(
-            cfg.parallel, cfg.model, 1), 0)
+        distributed.init_distributed(
+            distributed.DistEnv(0, 1, 0, False), ParallelDims.from_config(cfg.parallel, cfg.model, 1), 0
+        )
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 3)

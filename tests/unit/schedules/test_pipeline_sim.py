@@ -16,8 +16,11 @@ def _valid(p: int, v: int, m: int) -> bool:
     return v == 1 or (m >= p and (m % p == 0 or m % p >= p))
 
 
-GRID = [(p, v, m) for p, v, m in itertools.product([1, 2, 3, 4, 8, 16], [1, 2, 3, 4], [1, 2, 3, 4, 8, 16, 32, 48])
-        if _valid(p, v, m) and not (v > 1 and p == 1)]
+GRID = [
+    (p, v, m)
+    for p, v, m in itertools.product([1, 2, 3, 4, 8, 16], [1, 2, 3, 4], [1, 2, 3, 4, 8, 16, 32, 48])
+    if _valid(p, v, m) and not (v > 1 and p == 1)
+]
 
 
 @pytest.mark.parametrize("fb", [(1.0, 1.0), (1.0, 2.0), (0.7, 1.9)])
@@ -27,8 +30,9 @@ def test_equal_stages_bubble_is_closed_form(fb):
     for p, v, m in GRID:
         res = simulate(p, v, m, [f] * (p * v), [b] * (p * v))
         assert res.bubble_fraction == pytest.approx((p - 1) / (v * m), rel=1e-12, abs=1e-15), (p, v, m)
-        assert res.makespan == pytest.approx((m * v + p - 1) * (f + b) if v == 1 else
-                                             m * v * (f + b) + (p - 1) * (f + b), rel=1e-12)
+        assert res.makespan == pytest.approx(
+            (m * v + p - 1) * (f + b) if v == 1 else m * v * (f + b) + (p - 1) * (f + b), rel=1e-12
+        )
 
 
 def _check_dependencies(res, pp: int, vpp: int, m: int, split: bool) -> None:
@@ -58,8 +62,11 @@ def test_dependencies_and_megatron_order(pp, vpp, m):
         res = simulate(pp, vpp, m, costs, [2 * c for c in costs], [c for c in costs], decouple_wgrad=split)
         _check_dependencies(res, pp, vpp, m, split)
         for r in range(pp):  # each rank runs F/B in megatron's order
-            fb = [(o.kind, o.chunk, o.microbatch) for o in sorted(res.ops, key=lambda o: o.start)
-                  if o.rank == r and o.kind != "W"]
+            fb = [
+                (o.kind, o.chunk, o.microbatch)
+                for o in sorted(res.ops, key=lambda o: o.start)
+                if o.rank == r and o.kind != "W"
+            ]
             assert fb == rank_order(pp, vpp, m, r)
 
 
@@ -109,10 +116,12 @@ def _megatron_warmup(pp: int, vpp: int, m: int, r: int, overlap: bool) -> int:
 
     from k2.launcher.planning.pipeline_sim import _megatron_schedule
 
-    comm = types.SimpleNamespace(pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: r),
-                                 virtual_pipeline_model_parallel_size=vpp)
-    return _megatron_schedule().get_pp_rank_microbatches(m, vpp, pp, p2p_communicator=comm,
-                                                         overlap_moe_expert_parallel_comm=overlap)[2]
+    comm = types.SimpleNamespace(
+        pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda: r), virtual_pipeline_model_parallel_size=vpp
+    )
+    return _megatron_schedule().get_pp_rank_microbatches(
+        m, vpp, pp, p2p_communicator=comm, overlap_moe_expert_parallel_comm=overlap
+    )[2]
 
 
 def test_combined_1f1b_order_is_megatrons():
@@ -126,16 +135,24 @@ def test_combined_1f1b_order_is_megatrons():
         for r in range(pp):
             plain, ov = rank_order(pp, vpp, m, r), rank_order(pp, vpp, m, r, ep_overlap=True)
             warm = next((i for i, e in enumerate(ov) if e[0] != "F"), len(ov))
-            assert warm == _megatron_warmup(pp, vpp, m, r, True) == min(_megatron_warmup(pp, vpp, m, r, False) + 1,
-                                                                        m * vpp)
+            assert (
+                warm
+                == _megatron_warmup(pp, vpp, m, r, True)
+                == min(_megatron_warmup(pp, vpp, m, r, False) + 1, m * vpp)
+            )
             fwd = [e[1:] for e in plain if e[0] == "F"]
             bwd = [e[1:] for e in plain if e[0] == "B"]
             pairs = [e for e in ov if e[0] == "P"]
             assert ov[:warm] == [("F", *x) for x in fwd[:warm]]
-            assert [p[1] for p in pairs] == fwd[warm:] and [p[2] for p in pairs] == bwd[:len(pairs)]
-            assert ov[warm + len(pairs):] == [("B", *x) for x in bwd[len(pairs):]]
+            assert [p[1] for p in pairs] == fwd[warm:] and [p[2] for p in pairs] == bwd[: len(pairs)]
+            assert ov[warm + len(pairs) :] == [("B", *x) for x in bwd[len(pairs) :]]
     assert rank_order(1, 1, 4, 0, ep_overlap=True) == [
-        ("F", 0, 0), ("P", (0, 1), (0, 0)), ("P", (0, 2), (0, 1)), ("P", (0, 3), (0, 2)), ("B", 0, 3)]
+        ("F", 0, 0),
+        ("P", (0, 1), (0, 0)),
+        ("P", (0, 2), (0, 1)),
+        ("P", (0, 3), (0, 2)),
+        ("B", 0, 3),
+    ]
     with pytest.raises(ValueError, match="virtual stages"):
         rank_order(4, 1, 8, 0, ep_overlap=True)
 
@@ -147,8 +164,13 @@ def test_combined_1f1b_pairs_simulated():
     res = simulate(1, 1, 3, [1.0], [2.0], ep_overlap=True, pair_time=lambda sf, sb: 2.5)
     assert res.makespan == pytest.approx(8.0) and res.busy == [pytest.approx(8.0)]
     assert [(o.kind, o.microbatch, o.start, o.end, o.partner) for o in res.ops] == [
-        ("F", 0, 0.0, 1.0, -1), ("F", 1, 1.0, 3.5, 0), ("B", 0, 1.0, 3.5, 0), ("F", 2, 3.5, 6.0, 0),
-        ("B", 1, 3.5, 6.0, 0), ("B", 2, 6.0, 8.0, -1)]
+        ("F", 0, 0.0, 1.0, -1),
+        ("F", 1, 1.0, 3.5, 0),
+        ("B", 0, 1.0, 3.5, 0),
+        ("F", 2, 3.5, 6.0, 0),
+        ("B", 1, 3.5, 6.0, 0),
+        ("B", 2, 6.0, 8.0, -1),
+    ]
     res = simulate(2, 2, 4, [1.0] * 4, [2.0] * 4, ep_overlap=True, pair_time=lambda sf, sb: 2.5, p2p_time=0.1)
     for r in range(2):
         steps = [o for o in res.ops if o.rank == r and not (o.kind == "B" and o.partner >= 0)]
@@ -169,8 +191,17 @@ def test_combined_1f1b_memory():
     pp, vpp = 4, 2
     for m in (8, 4):
         plain = simulate(pp, vpp, m, [1.0] * 8, [2.0] * 8, activation_bytes=[10.0] * 8)
-        ov = simulate(pp, vpp, m, [1.0] * 8, [2.0] * 8, activation_bytes=[10.0] * 8, ep_overlap=True,
-                      pair_time=lambda sf, sb: 2.5, pair_transient_bytes=[1.0] * 8)
+        ov = simulate(
+            pp,
+            vpp,
+            m,
+            [1.0] * 8,
+            [2.0] * 8,
+            activation_bytes=[10.0] * 8,
+            ep_overlap=True,
+            pair_time=lambda sf, sb: 2.5,
+            pair_transient_bytes=[1.0] * 8,
+        )
         warm = [_megatron_warmup(pp, vpp, m, r, True) for r in range(pp)]
         assert ov.peak_in_flight == plain.peak_in_flight == warm
         assert ov.peak_activation_bytes == [10.0 * w + (1.0 if w < m * vpp else 0.0) for w in warm]
@@ -212,8 +243,13 @@ def test_k2_vpp2_beats_vpp1_at_256_gpus():
         res = simulate(16, v, 1024, [1.0] * 16 * v, [2.0] * 16 * v)
         assert res.bubble_fraction == pytest.approx(15 / (v * 1024), rel=1e-12)
 
-    common = ["model=kimi_k2", "parallel=k2_256gpu", "train.micro_batch_size=4", "train.precision=bf16",
-              "pipeline.ep_overlap=false"]  # (VPP's own gain; megatron's EP overlap needs VPP when PP > 1)
+    common = [
+        "model=kimi_k2",
+        "parallel=k2_256gpu",
+        "train.micro_batch_size=4",
+        "train.precision=bf16",
+        "pipeline.ep_overlap=false",
+    ]  # (VPP's own gain; megatron's EP overlap needs VPP when PP > 1)
     vpp1_layout = "Etttt|" + "tttt|" * 14 + "tL"
     vpp2_layout = "Ett|" + "tt|" * 14 + "t|" + "tt|" * 15 + "L"
     vpp2 = plan_cluster(load_config(common + [f"parallel.layout={vpp2_layout}"])).report

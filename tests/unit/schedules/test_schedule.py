@@ -110,9 +110,11 @@ def _schedule(phases: str, *extra: str):
 
 def test_zero_length_phases_are_skipped():
     # warmup then constant, the decay phase of length zero
-    s = _schedule("[{name:w,steps:10,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
-                  "{name:c,tokens:40960,lr_style:constant},"
-                  "{name:d,tokens:0,lr_style:cosine,lr_end:1.0e-4}]")
+    s = _schedule(
+        "[{name:w,steps:10,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
+        "{name:c,tokens:40960,lr_style:constant},"
+        "{name:d,tokens:0,lr_style:cosine,lr_end:1.0e-4}]"
+    )
     assert [p.steps for p in s.phases] == [10, 20, 0]
     assert s.total_steps == 30 and s.step_phase(30).name == "c"
     assert s.step_lr(10) == 1e-3 and s.step_lr(30) == 1e-3
@@ -126,20 +128,25 @@ def test_zero_length_phases_are_skipped():
     "overrides, named",
     [
         (["schedule.phases.3.tokens=-5"], ["schedule.phases.3.tokens=-5", "negative"]),
-        (["schedule.phases.2.until_tokens=300000"], ["schedule.phases.2.until_tokens", "out of order",
-                                                     "350,000"]),
-        (["schedule.phases.0.steps=200"], ["schedule.phases.1.until_tokens", "warmup",
-                                           "longer than the phase"]),
-        (["schedule.phases.2.lr_style=cosine_restarts"], ["schedule.phases.2.lr_style", "cosine_restarts",
-                                                          "linear", "minus_sqrt"]),
-        (["schedule.phases.4.seq_length=262144"], ["schedule.phases.4.seq_length=262,144",
-                                                   "model.max_position_embeddings=131072"]),
-        (["schedule.phases.4.seq_length=8192", "model.max_position_embeddings=4096"],
-         ["schedule.phases.4.seq_length=8,192", "model.max_position_embeddings=4096"]),
-        (["schedule.phases.4.seq_length=768"], ["schedule.global_batch_tokens=2,048",
-                                                "schedule.phases.4.seq_length=768"]),
-        (["schedule.phases.0.lr_style=continue"],
-         ["schedule.phases.0.lr_style=continue"]),
+        (["schedule.phases.2.until_tokens=300000"], ["schedule.phases.2.until_tokens", "out of order", "350,000"]),
+        (["schedule.phases.0.steps=200"], ["schedule.phases.1.until_tokens", "warmup", "longer than the phase"]),
+        (
+            ["schedule.phases.2.lr_style=cosine_restarts"],
+            ["schedule.phases.2.lr_style", "cosine_restarts", "linear", "minus_sqrt"],
+        ),
+        (
+            ["schedule.phases.4.seq_length=262144"],
+            ["schedule.phases.4.seq_length=262,144", "model.max_position_embeddings=131072"],
+        ),
+        (
+            ["schedule.phases.4.seq_length=8192", "model.max_position_embeddings=4096"],
+            ["schedule.phases.4.seq_length=8,192", "model.max_position_embeddings=4096"],
+        ),
+        (
+            ["schedule.phases.4.seq_length=768"],
+            ["schedule.global_batch_tokens=2,048", "schedule.phases.4.seq_length=768"],
+        ),
+        (["schedule.phases.0.lr_style=continue"], ["schedule.phases.0.lr_style=continue"]),
         (["schedule.phases.1.tokens=5"], ["schedule.phases.1", "exactly one of"]),
         (["schedule.phases.1.rope_type=alibi"], ["schedule.phases.1.rope_type", "rope, yarn"]),
     ],
@@ -152,13 +159,17 @@ def test_bad_schedules_name_the_setting(overrides, named):
 
 
 def test_yarn_supports_up_to_factor_times_original():
-    cfg = ["model.max_position_embeddings=4096", "schedule.phases.4.rope_type=yarn",
-           "schedule.phases.4.seq_length=1024"]
+    cfg = [
+        "model.max_position_embeddings=4096",
+        "schedule.phases.4.rope_type=yarn",
+        "schedule.phases.4.seq_length=1024",
+    ]
     s = resolve_schedule(load_config(cfg))
     assert s.phases[4].rope_type == "yarn"
     with pytest.raises(ConfigError, match="original_max_position_embeddings=256 x model.rotary_scaling_factor=2"):
-        resolve_schedule(load_config([*cfg, "model.original_max_position_embeddings=256",
-                                      "model.rotary_scaling_factor=2"]))
+        resolve_schedule(
+            load_config([*cfg, "model.original_max_position_embeddings=256", "model.rotary_scaling_factor=2"])
+        )
 
 
 def test_every_phase_is_checked_for_microbatches():
@@ -228,7 +239,6 @@ def test_resume_restores_the_next_steps_lr_once(k2):
     assert restored.lr == pytest.approx(k2_lr(200_001 * B), rel=1e-12)
 
 
-
 @pytest.mark.parametrize("style", ["linear", "cosine", "exponential", "minus_sqrt"])
 def test_wsd_decay_styles_equal_megatrons_scheduler_step_by_step(style):
     """Warmup 10 steps, stable 20, decay 30 with ``style``: every step's LR equals megatron-core's own
@@ -238,15 +248,28 @@ def test_wsd_decay_styles_equal_megatrons_scheduler_step_by_step(style):
 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    s = _schedule("[{name:w,steps:10,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
-                  "{name:c,steps:20,lr_style:constant},"
-                  f"{{name:d,steps:30,lr_style:{style},lr_end:1.0e-4}}]")
+    s = _schedule(
+        "[{name:w,steps:10,lr_style:linear,lr_start:0.0,lr_end:1.0e-3,seq_length:128},"
+        "{name:c,steps:20,lr_style:constant},"
+        f"{{name:d,steps:30,lr_style:{style},lr_end:1.0e-4}}]"
+    )
     assert s.total_steps == 60
     opt = SimpleNamespace(param_groups=[{"params": []}])
-    ref = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=10,
-                                  lr_decay_steps=60, lr_decay_style="WSD", start_wd=0.0, end_wd=0.0,
-                                  wd_incr_steps=60, wd_incr_style="constant", wsd_decay_steps=30,
-                                  lr_wsd_decay_style=style)
+    ref = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=10,
+        lr_decay_steps=60,
+        lr_decay_style="WSD",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=60,
+        wd_incr_style="constant",
+        wsd_decay_steps=30,
+        lr_wsd_decay_style=style,
+    )
     ours, theirs = [], []
     for step in range(1, 61):
         ref.step(1)

@@ -15,8 +15,13 @@ import numpy as np
 from support import REPO
 
 # draw_trace's colours: F blue, B orange, W green (light = chunk 0)
-COLOURS = {"F": (0x9E, 0xCA, 0xE1), "B": (0xFD, 0xAE, 0x6B), "W": (0xA1, 0xD9, 0x9B),
-           "dispatch": (0xBC, 0xBD, 0xDC), "combine": (0xFC, 0xBB, 0xA1)}
+COLOURS = {
+    "F": (0x9E, 0xCA, 0xE1),
+    "B": (0xFD, 0xAE, 0x6B),
+    "W": (0xA1, 0xD9, 0x9B),
+    "dispatch": (0xBC, 0xBD, 0xDC),
+    "combine": (0xFC, 0xBB, 0xA1),
+}
 
 
 def _trace(directory):
@@ -27,13 +32,35 @@ def _trace(directory):
             t = 10.0 * step + 0.5 * rank
             for mb in range(2):
                 for kind in kinds:
-                    events.append({"rank": rank, "pp_rank": rank, "step": step, "pass": "train", "kind": kind,
-                                   "chunk": 0, "microbatch": mb, "start": t, "end": t + 0.2})
+                    events.append(
+                        {
+                            "rank": rank,
+                            "pp_rank": rank,
+                            "step": step,
+                            "pass": "train",
+                            "kind": kind,
+                            "chunk": 0,
+                            "microbatch": mb,
+                            "start": t,
+                            "end": t + 0.2,
+                        }
+                    )
                     if step == 3:  # this microbatch's all-to-alls, on the communication thread meanwhile
-                        events.append({"rank": rank, "pp_rank": rank, "step": step, "pass": "train",
-                                       "kind": "a2a", "what": "dispatch" if kind == "F" else "combine",
-                                       "thread": "k2-comm-stream", "chunk": 0, "microbatch": mb,
-                                       "start": t, "end": t + 0.15})
+                        events.append(
+                            {
+                                "rank": rank,
+                                "pp_rank": rank,
+                                "step": step,
+                                "pass": "train",
+                                "kind": "a2a",
+                                "what": "dispatch" if kind == "F" else "combine",
+                                "thread": "k2-comm-stream",
+                                "chunk": 0,
+                                "microbatch": mb,
+                                "start": t,
+                                "end": t + 0.15,
+                            }
+                        )
                     t += 0.25
         (directory / f"rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
@@ -50,8 +77,13 @@ def test_trace_cli_draws_the_chosen_step(tmp_path):
     for step in (1, 2, 3):  # step 1 through the command line, the others through draw_trace
         out = tmp_path / f"step{step}.png"
         if step == 1:
-            p = subprocess.run([sys.executable, "-m", "k2.schedules.pipeline_trace", str(tmp_path / "trace"), str(out),
-                                str(step)], cwd=REPO, capture_output=True, text=True, timeout=300)
+            p = subprocess.run(
+                [sys.executable, "-m", "k2.schedules.pipeline_trace", str(tmp_path / "trace"), str(out), str(step)],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert p.returncode == 0, p.stderr[-2000:]
             assert p.stdout.strip() == str(out)
         else:

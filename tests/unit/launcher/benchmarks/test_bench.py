@@ -49,23 +49,36 @@ def test_attention_json_fp32_matches_reference(capsys):
 
 
 def test_attention_text_and_options(capsys):
-    rc, out, _ = run_tool(capsys, main, ["bench=attention", "bench.options.seq_length=64", "bench.options.repeats=2",
-                               "bench.options.devices=cpu"])
+    rc, out, _ = run_tool(
+        capsys,
+        main,
+        ["bench=attention", "bench.options.seq_length=64", "bench.options.repeats=2", "bench.options.devices=cpu"],
+    )
     assert rc == 0
     assert "max_abs_diff" in out and "[64, 2, 4, 48]" in out and "megatron-core" in out
 
 
 def test_optimizer_bench_times_both_in_one_run(capsys):
     """bench=optimizer: MuonClip vs AdamW optimizer step on the CPU proxy (numbers, not speed, checked)."""
-    rc, out, _ = run_tool(capsys, main, ["bench=optimizer", "output=json", "bench.options.repeats=1",
-                               "bench.options.warmup=0", "bench.options.dp2=false"])
+    rc, out, _ = run_tool(
+        capsys,
+        main,
+        [
+            "bench=optimizer",
+            "output=json",
+            "bench.options.repeats=1",
+            "bench.options.warmup=0",
+            "bench.options.dp2=false",
+        ],
+    )
     assert rc == 0
     fig = json.loads(out)["figures"]
     assert fig["model"] == "k2_tiny" and fig["newton_schulz"] == "bf16"
     assert fig["muon_elements"] > 0 and fig["adamw_elements"] > 0
     assert min(fig["time_adamw_ms"], fig["time_muon_step_ms"], fig["time_qk_clip_ms"]) > 0
     assert fig["muonclip_over_adamw"] == pytest.approx(
-        (fig["time_muon_step_ms"] + fig["time_qk_clip_ms"]) / fig["time_adamw_ms"])
+        (fig["time_muon_step_ms"] + fig["time_qk_clip_ms"]) / fig["time_adamw_ms"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -130,14 +143,15 @@ def test_pipeline_bench_bad_options_exit_2(capsys, overrides, named, no_process_
     assert err.startswith("k2-bench: error: ") and named in err
 
 
-
-
-@pytest.mark.parametrize("overrides, named", [
-    (["bench.options.iters=18", "bench.options.save_interval=4"], "bench.options.iters"),  # not a multiple
-    (["bench.options.iters=12", "bench.options.save_interval=4"], "bench.options.iters"),  # two timed saves
-    (["bench.options.moe_experts=0"], "bench.options.moe_experts"),
-    (["bench.options.sync=1"], "bench.options.sync"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["bench.options.iters=18", "bench.options.save_interval=4"], "bench.options.iters"),  # not a multiple
+        (["bench.options.iters=12", "bench.options.save_interval=4"], "bench.options.iters"),  # two timed saves
+        (["bench.options.moe_experts=0"], "bench.options.moe_experts"),
+        (["bench.options.sync=1"], "bench.options.sync"),
+    ],
+)
 def test_checkpoint_bench_bad_options_exit_2(capsys, overrides, named, no_process_start):
     rc, out, err = run_tool(capsys, main, ["bench=checkpoint", *overrides])
     assert rc == 2 and out == ""
@@ -162,15 +176,31 @@ def test_step_bench_cases_figures_and_ratios(capsys, tmp_path):
     """bench=step on CPU (tiny config): the baseline, the full K2 step and each toggled case, with
     consistent figures and ratios; the JSON written to json_out is the printed record."""
     out_path = tmp_path / "step.json"
-    rc, out, err = run_tool(capsys, main, ["bench=step", "output=json", "bench.options.repeats=1",
-                                 "bench.options.seq_length=64", f"bench.options.json_out={out_path}"])
+    rc, out, err = run_tool(
+        capsys,
+        main,
+        [
+            "bench=step",
+            "output=json",
+            "bench.options.repeats=1",
+            "bench.options.seq_length=64",
+            f"bench.options.json_out={out_path}",
+        ],
+    )
     assert rc == 0, err
     record = json.loads(out)
     assert json.loads(out_path.read_text())["figures"] == record["figures"]
     fig = record["figures"]
     cases = fig["cases"]
-    assert list(cases) == ["baseline", "k2", "k2_no_qk_clip", "k2_no_muon", "k2_no_fp8_store",
-                           "k2_no_recompute", "k2_no_grouped_gemm"]
+    assert list(cases) == [
+        "baseline",
+        "k2",
+        "k2_no_qk_clip",
+        "k2_no_muon",
+        "k2_no_fp8_store",
+        "k2_no_recompute",
+        "k2_no_grouped_gemm",
+    ]
     assert fig["config"]["tokens_per_step"] == 64 and fig["gemm_peak_tflops"] > 0
     base = cases["baseline"]
     for c in cases.values():
@@ -180,14 +210,18 @@ def test_step_bench_cases_figures_and_ratios(capsys, tmp_path):
         assert c["mfu"] == pytest.approx(c["model_tflops"] / fig["gemm_peak_tflops"])
         assert c["tokens_per_s_over_baseline"] == pytest.approx(base["step_ms"] / c["step_ms"])
         assert c["saved_activation_bytes_over_baseline"] == pytest.approx(
-            c["saved_activation_bytes"] / base["saved_activation_bytes"])
+            c["saved_activation_bytes"] / base["saved_activation_bytes"]
+        )
     # each toggle turns off what it names and nothing else (read from the built objects)
     on = cases["k2"]["features"]
     assert on["muon_elements"] > 0 and on["qk_clip"] and on["max_logit_recording"] > 0 and on["grouped_experts"] > 0
-    off = {"k2_no_qk_clip": {"qk_clip": False, "max_logit_recording": 0},
-           "k2_no_muon": {"muon_elements": 0, "qk_clip": True},  # QK-Clip still clips (after AdamW)
-           "k2_no_grouped_gemm": {"grouped_experts": 0},
-           "k2_no_fp8_store": {}, "k2_no_recompute": {}}
+    off = {
+        "k2_no_qk_clip": {"qk_clip": False, "max_logit_recording": 0},
+        "k2_no_muon": {"muon_elements": 0, "qk_clip": True},  # QK-Clip still clips (after AdamW)
+        "k2_no_grouped_gemm": {"grouped_experts": 0},
+        "k2_no_fp8_store": {},
+        "k2_no_recompute": {},
+    }
     for name, changed in off.items():
         assert cases[name]["features"] == {**on, **changed}, name
     assert "features" not in base  # (the megatron baseline is not a K2 build)
@@ -249,8 +283,9 @@ def test_data_bench_peak_rss_is_k2_datas_own(tmp_path):
     D.write_jsonl_corpus(tmp_path / "c.jsonl", 0.3, docs)
     with open("/proc/self/status") as f:
         own_mb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    peak_mb, code = D._peak_rss_mb(D._prepare_args(tmp_path / "c.jsonl", tmp_path / "out" / "c",
-                                                   tmp_path / "tokenizer.json", 1, 256, 512))
+    peak_mb, code = D._peak_rss_mb(
+        D._prepare_args(tmp_path / "c.jsonl", tmp_path / "out" / "c", tmp_path / "tokenizer.json", 1, 256, 512)
+    )
     assert code == 0 and (tmp_path / "out" / "c.manifest.json").is_file()
     assert own_mb > 400 and 30 < peak_mb < 200, (own_mb, peak_mb)
 
@@ -267,10 +302,20 @@ def test_data_bench_reports_both_throughputs(capsys):
     the same tokens in one run, each timed once per round (numbers present and consistent, not their
     speed). The peak-RSS pair (two k2-data processes, each importing torch) is left out here (rss_mb=0) to
     keep the suite's time; k2-bench runs it."""
-    rc, out, _ = run_tool(capsys, main, ["bench=data", "output=json", "bench.options.corpus_mb=0.5",
-                                         "bench.options.chunk_documents=256", "bench.options.repeats=2",
-                                         "bench.options.rss_mb=0", "bench.options.vocab_size=512",
-                                         "bench.options.array_tasks=0"])
+    rc, out, _ = run_tool(
+        capsys,
+        main,
+        [
+            "bench=data",
+            "output=json",
+            "bench.options.corpus_mb=0.5",
+            "bench.options.chunk_documents=256",
+            "bench.options.repeats=2",
+            "bench.options.rss_mb=0",
+            "bench.options.vocab_size=512",
+            "bench.options.array_tasks=0",
+        ],
+    )
     assert rc == 0
     f = json.loads(out)["figures"]
     assert f["tokens"] > 0 and f["documents"] > 0 and f["repeats"] == 2
@@ -284,10 +329,12 @@ def test_data_bench_reports_both_throughputs(capsys):
         assert ratio > 0
         assert f[f"k2_data_workers{w}_tokens_per_s"] == pytest.approx(ratio * f["raw_encode_batch_tokens_per_s"])
         assert f[f"k2_data_workers{w}_tokens_per_s"] == pytest.approx(
-            f[f"k2_data_workers{w}_over_raw_fast"] * f["raw_encode_batch_fast_tokens_per_s"])
+            f[f"k2_data_workers{w}_over_raw_fast"] * f["raw_encode_batch_fast_tokens_per_s"]
+        )
         cpu_ratio = f[f"k2_data_workers{w}_cpu_over_raw"]
         assert f[f"k2_data_workers{w}_tokens_per_cpu_s"] == pytest.approx(
-            cpu_ratio * f["raw_encode_batch_tokens_per_cpu_s"])
+            cpu_ratio * f["raw_encode_batch_tokens_per_cpu_s"]
+        )
         assert 0 < cpu_ratio < 3, cpu_ratio
     # the workers' CPU is counted: without it k2-data with 2 workers (its main process only reads) would
     # look several times cheaper per token than with 1 (this process doing the same work). (It costs
@@ -300,16 +347,26 @@ def test_data_bench_reports_both_throughputs(capsys):
 def test_data_bench_times_the_array_against_one_process(capsys):
     """bench=data's array build: 2 task processes at once and the same build in one process, over the same
     tokens, their ratio and each task's peak RSS (a k2-data process without torch: under 250 MB)."""
-    rc, out, _ = run_tool(capsys, main, ["bench=data", "output=json", "bench.options.corpus_mb=0.3",
-                                         "bench.options.chunk_documents=256", "bench.options.repeats=1",
-                                         "bench.options.rss_mb=0", "bench.options.vocab_size=512",
-                                         "bench.options.workers=1", "bench.options.array_tasks=2"])
+    rc, out, _ = run_tool(
+        capsys,
+        main,
+        [
+            "bench=data",
+            "output=json",
+            "bench.options.corpus_mb=0.3",
+            "bench.options.chunk_documents=256",
+            "bench.options.repeats=1",
+            "bench.options.rss_mb=0",
+            "bench.options.vocab_size=512",
+            "bench.options.workers=1",
+            "bench.options.array_tasks=2",
+        ],
+    )
     assert rc == 0
     f = json.loads(out)["figures"]
     assert f["array_tasks"] == 2 and len(f["array_one_process_s"]) == len(f["array_2_tasks_s"]) == 1
     # (the raw times are written rounded to 0.1 ms, the ratios computed from the unrounded ones)
-    assert f["array_2_tasks_speedup"] == pytest.approx(f["array_one_process_s"][0] / f["array_2_tasks_s"][0],
-                                                       rel=1e-3)
+    assert f["array_2_tasks_speedup"] == pytest.approx(f["array_one_process_s"][0] / f["array_2_tasks_s"][0], rel=1e-3)
     assert f["array_one_process_tokens_per_s"] == pytest.approx(f["tokens"] / f["array_one_process_s"][0], rel=1e-3)
     rss = f["array_task_peak_rss_mb"]
     assert len(rss) == 2 and all(30 < r < 250 for r in rss), rss
@@ -327,8 +384,16 @@ def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
     from k2.launcher.planning.optimizer_time import unfused_operators
 
     out = tmp_path / "this_machine.yaml"
-    rc = main(["bench=hardware", "bench.options.ranks=1", "bench.options.repeats=3", "bench.options.gemm_size=64",
-               f"bench.options.out={out}", "output=json"])
+    rc = main(
+        [
+            "bench=hardware",
+            "bench.options.ranks=1",
+            "bench.options.repeats=3",
+            "bench.options.gemm_size=64",
+            f"bench.options.out={out}",
+            "output=json",
+        ]
+    )
     assert rc == 0
     rec = json.loads(capsys.readouterr().out)["figures"]
     assert all(v > 0 for v in rec["gemm_by_shape_tflops"].values())
@@ -336,12 +401,20 @@ def test_hardware_bench_writes_a_profile_k2_plan_reads(capsys, tmp_path):
     assert p.gemm_fp32_tflops > 0 and p.memory_gbps > 0 and p.kernel_launch_us > 0 and p.gemm_tile == 1
     ops = rec["operator_cost"]
     assert p.kernel_launch_us == pytest.approx(ops["moe_layer"]["per_op_us"])
-    assert p.operator_us == pytest.approx({"embedding": ops["embedding"]["per_op_us"],
-                                           "loss": ops["head"]["per_op_us"],
-                                           "optimizer": ops["optimizer"]["per_op_us"]})
+    assert p.operator_us == pytest.approx(
+        {
+            "embedding": ops["embedding"]["per_op_us"],
+            "loss": ops["head"]["per_op_us"],
+            "optimizer": ops["optimizer"]["per_op_us"],
+        }
+    )
     model = load_config(["model=k2_tiny"]).model
-    for part, kind, experts in (("moe_layer", "moe_layer", 8), ("dense_layer", "dense_layer", 0),
-                                ("embedding", "embedding", 0), ("head", "loss", 0)):
+    for part, kind, experts in (
+        ("moe_layer", "moe_layer", 8),
+        ("dense_layer", "dense_layer", 0),
+        ("embedding", "embedding", 0),
+        ("head", "loss", 0),
+    ):
         counted = (ops[part]["forward_ops"], ops[part]["backward_ops"])
         assert counted == modelled_operators(model, kind, experts), part
         assert ops[part]["seconds"] > 0

@@ -47,12 +47,23 @@ def _capture(calls: list):
     return run
 
 
-@pytest.mark.parametrize("module,call", [
-    ("checkpoint", lambda m, tmp: m._run({"moe_experts": 8, "moe_ffn": 64, "iters": 4, "save_interval": 2,
-                                          "timeout": 1}, False, tmp)),
-    ("pipeline", lambda m, tmp: m._run({"parallel": "single", "model": "k2_tiny", "nproc": 1, "iters": 2,
-                                        "timeout": 1}, False, tmp, cuda=False)),
-])
+@pytest.mark.parametrize(
+    "module,call",
+    [
+        (
+            "checkpoint",
+            lambda m, tmp: m._run(
+                {"moe_experts": 8, "moe_ffn": 64, "iters": 4, "save_interval": 2, "timeout": 1}, False, tmp
+            ),
+        ),
+        (
+            "pipeline",
+            lambda m, tmp: m._run(
+                {"parallel": "single", "model": "k2_tiny", "nproc": 1, "iters": 2, "timeout": 1}, False, tmp, cuda=False
+            ),
+        ),
+    ],
+)
 def test_benchmark_trainers_run_in_the_repository_root(module, call, monkeypatch, tmp_path, in_a_job):
     import importlib
 
@@ -74,17 +85,27 @@ def test_ep_overlap_trainers_run_in_the_repository_root(tmp_path, in_a_job):
             raise _Stop
 
     link = Link()
-    o = {"model": "k2_tiny", "num_layers": 2, "moe_ffn_hidden_size": 64, "micro_batch_size": 1,
-         "global_batch_tokens": 512, "decouple_wgrad": False, "iters": 2, "timeout": 1}
+    o = {
+        "model": "k2_tiny",
+        "num_layers": 2,
+        "moe_ffn_hidden_size": 64,
+        "micro_batch_size": 1,
+        "global_batch_tokens": 512,
+        "decouple_wgrad": False,
+        "iters": 2,
+        "timeout": 1,
+    }
     with pytest.raises(_Stop):
         ep_overlap._train(link, o, tmp_path, False)
     assert Path(link.cwd) == REPO and not [k for k in link.env if k in JOB_VARS or k.startswith("SLURM_")]
 
 
 def test_the_registry_imports_a_benchmark_only_when_looked_up():
-    code = ("import sys; import k2.launcher.benchmarks.registry as r; "
-            "print(sorted(m for m in sys.modules if m.startswith('k2.launcher.benchmarks.') "
-            "and m.rsplit('.', 1)[1] in r.BENCHMARKS.values())); "
-            "print(r.benchmark('checkpoint').__module__)")
+    code = (
+        "import sys; import k2.launcher.benchmarks.registry as r; "
+        "print(sorted(m for m in sys.modules if m.startswith('k2.launcher.benchmarks.') "
+        "and m.rsplit('.', 1)[1] in r.BENCHMARKS.values())); "
+        "print(r.benchmark('checkpoint').__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "k2.launcher.benchmarks.checkpoint"], out.stdout + out.stderr

@@ -21,9 +21,14 @@ def test_without_root_it_says_so_in_one_line(monkeypatch, capsys, no_process_sta
     assert len(err) == 1 and "needs root" in err[0] and "tc tbf" in err[0], err
 
 
-@pytest.mark.parametrize("option, words", [("rates=[0]", "bench.options.rates"),
-                                           ("balance=[]", "bench.options.balance"),
-                                           ("iters=1", "bench.options.iters=1")])
+@pytest.mark.parametrize(
+    "option, words",
+    [
+        ("rates=[0]", "bench.options.rates"),
+        ("balance=[]", "bench.options.balance"),
+        ("iters=1", "bench.options.iters=1"),
+    ],
+)
 def test_bad_options_are_refused_first(option, words):
     from k2.config.load import load_config
     from k2.launcher.benchmarks.ep_overlap import bench_ep_overlap
@@ -39,13 +44,23 @@ def _ev(kind, start, end, **kw):
 def test_exposed_all_to_all_time_of_a_step():
     from k2.launcher.benchmarks.ep_overlap_trace import exposed as _exposed
 
-    off = [_ev("F", 0, 1), _ev("a2a", 0.2, 0.5, what="dispatch", thread="MainThread"),
-           _ev("post", 0.2, 0.2, what="dispatch"), _ev("wait", 0.5, 0.5, what="dispatch"),
-           _ev("a2a", 0.6, 0.7, what="combine", thread="MainThread"), _ev("B", 1, 2)]
+    off = [
+        _ev("F", 0, 1),
+        _ev("a2a", 0.2, 0.5, what="dispatch", thread="MainThread"),
+        _ev("post", 0.2, 0.2, what="dispatch"),
+        _ev("wait", 0.5, 0.5, what="dispatch"),
+        _ev("a2a", 0.6, 0.7, what="combine", thread="MainThread"),
+        _ev("B", 1, 2),
+    ]
     assert _exposed(off, 2) == pytest.approx(0.4)
-    on = [_ev("post", 0.1, 0.1, what="dispatch"), _ev("a2a", 0.1, 0.6, what="dispatch", thread="k2-comm-stream"),
-          _ev("F", 0.1, 0.4), _ev("wait", 0.4, 0.6, what="dispatch"), _ev("wait", 0.9, 0.95, what="combine"),
-          _ev("wait", 1.0, 1.5, label="recv_prev")]  # (a pipeline receive is not an all-to-all)
+    on = [
+        _ev("post", 0.1, 0.1, what="dispatch"),
+        _ev("a2a", 0.1, 0.6, what="dispatch", thread="k2-comm-stream"),
+        _ev("F", 0.1, 0.4),
+        _ev("wait", 0.4, 0.6, what="dispatch"),
+        _ev("wait", 0.9, 0.95, what="combine"),
+        _ev("wait", 1.0, 1.5, label="recv_prev"),
+    ]  # (a pipeline receive is not an all-to-all)
     assert _exposed(on, 2) == pytest.approx(0.25)
     assert _exposed(on, 3) == 0
 
@@ -75,8 +90,13 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
 
     o = dict(eo._DEFAULTS)
     device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
-    link = {"rate_mbit": None, "alltoall_gbps": 0.06, "collective_gbps": 0.05, "latency_us": 60.0,
-            "host_cpu_share": 0.05}
+    link = {
+        "rate_mbit": None,
+        "alltoall_gbps": 0.06,
+        "collective_gbps": 0.05,
+        "latency_us": 60.0,
+        "host_cpu_share": 0.05,
+    }
     predicted = eo._predicted(o, eo._profile(o, link, device, tmp_path / "a.yaml"))["off"]["step_s"]
     measured = {"run": {"step_s": [1.3 * predicted]}, "link": link}
     u = eo._unshaped_case(o, measured, device, tmp_path)
@@ -102,16 +122,30 @@ def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
 
     o = dict(eo._DEFAULTS)
     device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
-    unshaped_link = {"rate_mbit": None, "alltoall_gbps": 0.06, "collective_gbps": 0.05, "latency_us": 60.0,
-                     "host_cpu_share": 0.5, "loaded_latency_us": 60.0}
+    unshaped_link = {
+        "rate_mbit": None,
+        "alltoall_gbps": 0.06,
+        "collective_gbps": 0.05,
+        "latency_us": 60.0,
+        "host_cpu_share": 0.5,
+        "loaded_latency_us": 60.0,
+    }
     base = eo._predicted(o, eo._profile(o, unshaped_link, device, tmp_path / "u.yaml"))["off"]["step_s"]
-    run = {"step_s": [2.0], "exposed_s": [0.5], "pass_s": [1.9], "loss": [3.0], "peer_wait_s": [0.9],
-           "a2a_nodes": [900]}
+    run = {
+        "step_s": [2.0],
+        "exposed_s": [0.5],
+        "pass_s": [1.9],
+        "loss": [3.0],
+        "peer_wait_s": [0.9],
+        "a2a_nodes": [900],
+    }
     cases = []
     for rate, factor in ((100.0, 1.2), (140.0, 1.5)):
-        measured = {"link": {**unshaped_link, "rate_mbit": rate, "loaded_latency_us": 900.0},  # (the same link)
-                    "runs": {False: [run], True: [run]},
-                    "unshaped": {"run": {"step_s": [factor * base]}, "link": unshaped_link}}
+        measured = {
+            "link": {**unshaped_link, "rate_mbit": rate, "loaded_latency_us": 900.0},  # (the same link)
+            "runs": {False: [run], True: [run]},
+            "unshaped": {"run": {"step_s": [factor * base]}, "link": unshaped_link},
+        }
         cases.append(eo._rate_case(o, measured, device, tmp_path / f"r{rate:g}"))
     assert [c["unshaped_predicted_over_measured_off"] for c in cases] == pytest.approx([1 / 1.2, 1 / 1.5])
     assert cases[0]["compute_scale"] < cases[1]["compute_scale"]
@@ -121,7 +155,8 @@ def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
     c = cases[0]
     assert c["calibrated_predicted_over_measured_speedup"] == pytest.approx(c["calibrated_predicted_speedup"] / 1.0)
     assert c["calibrated_predicted_over_measured_exposed_on"] == pytest.approx(
-        c["calibrated_predicted_exposed_a2a_on_s"] / 0.5)
+        c["calibrated_predicted_exposed_a2a_on_s"] / 0.5
+    )
     assert set(c["goals"]) == set(eo.GOALS) and c["goals_met"] == all(c["goals"].values())
     assert c["raw"]["off_runs"] == [run] and c["raw"]["unshaped"]["run"]["step_s"] == [1.2 * base]
     assert c["profile"]["network_loaded_latency_us"] == 900.0 and c["profile"]["comm_stream"] == "host_thread"
@@ -133,18 +168,37 @@ def test_goals_are_the_prediction_without_the_overlap_and_bounds_with_it():
     and its speed-up at least the measured one (an upper bound); the measured gain is no goal."""
     from k2.launcher.benchmarks import ep_overlap as eo
 
-    case = {"speedup": 1.2, "exposed_cut": 0.5, "calibrated_predicted_over_measured_speedup": 1.05,
-            "calibrated_predicted_over_measured_exposed_on": 0.8, "calibrated_predicted_over_measured_exposed_off": 0.9}
+    case = {
+        "speedup": 1.2,
+        "exposed_cut": 0.5,
+        "calibrated_predicted_over_measured_speedup": 1.05,
+        "calibrated_predicted_over_measured_exposed_on": 0.8,
+        "calibrated_predicted_over_measured_exposed_off": 0.9,
+    }
     assert all(eo.goals_met(case).values())
     assert eo.goals_met({**case, "calibrated_predicted_over_measured_exposed_on": 1.2}) == {
-        "exposed_off_prediction": True, "exposed_on_bound": False, "speedup_bound": True}
+        "exposed_off_prediction": True,
+        "exposed_on_bound": False,
+        "speedup_bound": True,
+    }
     assert not eo.goals_met({**case, "calibrated_predicted_over_measured_speedup": 0.95})["speedup_bound"]
     assert not eo.goals_met({**case, "calibrated_predicted_over_measured_exposed_off": 0.8})["exposed_off_prediction"]
 
 
 def _a2a(rank, start, what="dispatch", direction="forward", mb=0, layer=2, nbytes=100):
-    return {"step": 2, "pass": "train", "kind": "a2a", "rank": rank, "start": start, "end": start + 0.1,
-            "what": what, "direction": direction, "microbatch": mb, "layer": layer, "bytes": nbytes}
+    return {
+        "step": 2,
+        "pass": "train",
+        "kind": "a2a",
+        "rank": rank,
+        "start": start,
+        "end": start + 0.1,
+        "what": what,
+        "direction": direction,
+        "microbatch": mb,
+        "layer": layer,
+        "bytes": nbytes,
+    }
 
 
 def test_the_wait_for_the_other_ranks_call_and_the_busier_direction():
@@ -155,8 +209,10 @@ def test_the_wait_for_the_other_ranks_call_and_the_busier_direction():
     from k2.launcher.benchmarks import ep_overlap as eo
     from k2.launcher.benchmarks import ep_overlap_trace as tr
 
-    traces = {0: [_a2a(0, 1.0), _a2a(0, 1.2, nbytes=8), _a2a(0, 2.0, what="combine", nbytes=160)],
-              1: [_a2a(1, 1.3), _a2a(1, 1.4, nbytes=8), _a2a(1, 2.0, what="combine", nbytes=40)]}
+    traces = {
+        0: [_a2a(0, 1.0), _a2a(0, 1.2, nbytes=8), _a2a(0, 2.0, what="combine", nbytes=160)],
+        1: [_a2a(1, 1.3), _a2a(1, 1.4, nbytes=8), _a2a(1, 2.0, what="combine", nbytes=40)],
+    }
     assert tr.peer_wait(traces, 2) == pytest.approx(0.25)
     assert tr.a2a_nodes(traces[0], 2) == 2
     assert tr.a2a_excess(traces[0], 2) == pytest.approx(30) and tr.a2a_excess(traces[1], 2) == pytest.approx(30)
@@ -196,10 +252,22 @@ def test_the_link_probe_measures_the_all_to_all_beside_compute(tmp_path):
             return []
 
         def rank_env(self, node, port):
-            return {"RANK": str(node), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+            return {
+                "RANK": str(node),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+            }
 
     r = measure_link(Loopback(), repeats=2, alltoall_bytes=1 << 16, port=free_port())
-    assert set(r) == {"alltoall_gbps", "collective_gbps", "latency_us", "host_cpu_share", "loaded_latency_us",
-                      "beside_compute_slowdown"}
+    assert set(r) == {
+        "alltoall_gbps",
+        "collective_gbps",
+        "latency_us",
+        "host_cpu_share",
+        "loaded_latency_us",
+        "beside_compute_slowdown",
+    }
     assert r["beside_compute_slowdown"] >= 1 and r["latency_us"] > 0 and r["loaded_latency_us"] >= r["latency_us"]

@@ -20,8 +20,10 @@ def _cfg(phases: str):
 
 
 def _branch(stable_until: int, decay: str = "minus_sqrt", lr: float = 3.0e-3) -> str:
-    return (f"schedule.phases=[{P0},{{name:stable,until_tokens:{stable_until},lr_style:constant,lr_start:{lr}}},"
-            f"{{name:cooldown,until_tokens:5120,lr_style:{decay},lr_start:{lr},lr_end:0.0}}]")
+    return (
+        f"schedule.phases=[{P0},{{name:stable,until_tokens:{stable_until},lr_style:constant,lr_start:{lr}}},"
+        f"{{name:cooldown,until_tokens:5120,lr_style:{decay},lr_start:{lr},lr_end:0.0}}]"
+    )
 
 
 def test_a_branch_may_differ_from_its_trunk_only_after_the_branch_point():

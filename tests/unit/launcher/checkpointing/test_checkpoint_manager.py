@@ -31,23 +31,42 @@ from support.fake_runs import SINGLE, fake_checkpoint
 # k2_state.json of iter_0000004 of `k2-train parallel=cpu4 train.iters=6 train.save_interval=2`, written by
 # the trainer that packed the record by hand (before the checkpoint manager); paths shortened
 _PREFIX = "/data/stdlib-3.12.1-v4096/train"
-_FINGERPRINT = {"bin_bytes": 18435922, "idx_bytes": 34162,
-                "sha256": "8fce263bef8c664b31f988e73775304425e859024e2b3faa58e548c3442e6cf7"}
+_FINGERPRINT = {
+    "bin_bytes": 18435922,
+    "idx_bytes": 34162,
+    "sha256": "8fce263bef8c664b31f988e73775304425e859024e2b3faa58e548c3442e6cf7",
+}
 OLD_RECORD = {
-    "consumed_samples_in_context": 64, "consumed_tokens": 8192,
-    "data_fingerprint": {_PREFIX: _FINGERPRINT}, "data_path": [_PREFIX],
-    "goodput": {"checkpoint": 0.3399170890006644, "eval": 3.615871938001874, "lost": 0.0,
-                "other": 0.10756428149034036, "productive": 3.098515978997966, "replayed": 0.0, "starts": 1,
-                "startup": 18.310744762420654, "total": 25.4726140499115},
+    "consumed_samples_in_context": 64,
+    "consumed_tokens": 8192,
+    "data_fingerprint": {_PREFIX: _FINGERPRINT},
+    "data_path": [_PREFIX],
+    "goodput": {
+        "checkpoint": 0.3399170890006644,
+        "eval": 3.615871938001874,
+        "lost": 0.0,
+        "other": 0.10756428149034036,
+        "productive": 3.098515978997966,
+        "replayed": 0.0,
+        "starts": 1,
+        "startup": 18.310744762420654,
+        "total": 25.4726140499115,
+    },
     "layout": {"dp": 2, "ep": 2, "pp": 2, "vpp": 2, "world_size": 4},
-    "manifest": True, "optimizer": "adamw", "optimizer_dp_fixed": False, "phase": "warmup",
+    "manifest": True,
+    "optimizer": "adamw",
+    "optimizer_dp_fixed": False,
+    "phase": "warmup",
     "reason": "train.save_interval",
     "scheduler": {"consumed_tokens": 8192, "global_batch_tokens": 2048, "schedule": "tiny_wsd", "steps": 4},
     "seq_length": 128,
-    "spike": {"consecutive": 0,
-              "grad_norms": [0.9259521712892733, 0.8647418202445928, 0.943789303194878, 1.2361390751212773],
-              "losses": [8.341770648956299, 8.319100022315979, 8.29623568058014, 8.205024123191833]},
-    "step": 4, "wandb_run_id": None,
+    "spike": {
+        "consecutive": 0,
+        "grad_norms": [0.9259521712892733, 0.8647418202445928, 0.943789303194878, 1.2361390751212773],
+        "losses": [8.341770648956299, 8.319100022315979, 8.29623568058014, 8.205024123191833],
+    },
+    "step": 4,
+    "wandb_run_id": None,
 }
 
 
@@ -58,8 +77,12 @@ class _Scheduler:
         self.consumed_tokens, self.steps = 0, 0
 
     def state_dict(self) -> dict:
-        return {"consumed_tokens": self.consumed_tokens, "global_batch_tokens": 2048, "schedule": "tiny_wsd",
-                "steps": self.steps}
+        return {
+            "consumed_tokens": self.consumed_tokens,
+            "global_batch_tokens": 2048,
+            "schedule": "tiny_wsd",
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, saved: dict) -> None:
         self.consumed_tokens, self.steps = int(saved["consumed_tokens"]), int(saved["steps"])
@@ -70,12 +93,16 @@ def _parts(monkeypatch, now: float = 2000.0) -> dict:
     the goodput clock and the spike window."""
     monkeypatch.setattr(state_module, "dataset_fingerprint", lambda prefix: dict(_FINGERPRINT))
     phase = SimpleNamespace(name="warmup", global_batch_size=16, seq_length=128)
-    data = SimpleNamespace(phase=phase, samples_before=0, first_step=1,
-                           data=SimpleNamespace(train_blend=[[_PREFIX], None]))
+    data = SimpleNamespace(
+        phase=phase, samples_before=0, first_step=1, data=SimpleNamespace(train_blend=[[_PREFIX], None])
+    )
     layout = {"pp": 2, "vpp": 2, "ep": 2, "dp": 2, "world_size": 4}
     spike_cfg = SimpleNamespace(window=100, sigma=6.0, action="log", max_consecutive_skips=3)
-    return {RUN_STATE: TrainState(_Scheduler(), data, layout, "adamw", False),
-            "goodput": GoodputClock(started=now), "spike": SpikeGuard(spike_cfg)}
+    return {
+        RUN_STATE: TrainState(_Scheduler(), data, layout, "adamw", False),
+        "goodput": GoodputClock(started=now),
+        "spike": SpikeGuard(spike_cfg),
+    }
 
 
 def test_a_record_written_before_the_manager_restores_every_part_and_is_written_back_key_for_key(monkeypatch):
@@ -91,8 +118,7 @@ def test_a_record_written_before_the_manager_restores_every_part_and_is_written_
     written = state_record(parts, "train.save_interval")
     old = {k: v for k, v in OLD_RECORD.items() if k != "manifest"}  # (added by the commit: store.commit_save)
     assert sorted(written) == sorted(old)
-    assert ({k: v for k, v in written.items() if k != "goodput"}
-            == {k: v for k, v in old.items() if k != "goodput"})
+    assert {k: v for k, v in written.items() if k != "goodput"} == {k: v for k, v in old.items() if k != "goodput"}
     # goodput continues: no time has passed in this start, so every counter is the checkpoint's
     assert written["goodput"] == {**old["goodput"], "starts": 2}
 
@@ -137,10 +163,17 @@ def _base_config():
     return load_config(["train.save_interval=2", "checkpoint.async_save=false"])
 
 
-def _manager(monkeypatch, tmp_path, events: list, settings: dict | None = None, resume_from: Path | None = None,
-             hangs: list | None = None) -> CheckpointManager:
+def _manager(
+    monkeypatch,
+    tmp_path,
+    events: list,
+    settings: dict | None = None,
+    resume_from: Path | None = None,
+    hangs: list | None = None,
+) -> CheckpointManager:
     """A manager of the trainer's parts for ``run.dir=tmp_path`` (synchronous saves every 2 steps unless
     ``settings``, dotted key -> value, say otherwise); the watchdog's hang callbacks go to ``hangs``."""
+
     def save_checkpoint(run_dir, step, model, optimizer, state, config_yaml, keep_last, keep_every, keep_steps=()):
         events.append(("write", step, state["reason"], state["step"]))
         return Path(run_dir) / "checkpoints" / f"iter_{step:07d}"
@@ -151,20 +184,36 @@ def _manager(monkeypatch, tmp_path, events: list, settings: dict | None = None, 
         for key, value in {"run.dir": str(tmp_path), **(settings or {})}.items():
             OmegaConf.update(cfg, key, value)
     parts = _parts(monkeypatch)
-    watchdog = SimpleNamespace(progress=lambda kind, step: events.append((kind, step)), keep_alive=lambda: None,
-                               on_hang=(hangs if hangs is not None else []).append)
-    return CheckpointManager(config=cfg, resume_from=resume_from, run_state=parts[RUN_STATE], clock=_Clock(events),
-                             states={"spike": parts["spike"]}, model=[], optimizer=None, watchdog=watchdog,
-                             log=lambda line: events.append(("log", line)),
-                             after_last_save=lambda path, step: events.append(("after", step)))
+    watchdog = SimpleNamespace(
+        progress=lambda kind, step: events.append((kind, step)),
+        keep_alive=lambda: None,
+        on_hang=(hangs if hangs is not None else []).append,
+    )
+    return CheckpointManager(
+        config=cfg,
+        resume_from=resume_from,
+        run_state=parts[RUN_STATE],
+        clock=_Clock(events),
+        states={"spike": parts["spike"]},
+        model=[],
+        optimizer=None,
+        watchdog=watchdog,
+        log=lambda line: events.append(("log", line)),
+        after_last_save=lambda path, step: events.append(("after", step)),
+    )
 
 
 def test_the_manager_takes_keyword_arguments_and_the_trainer_reaches_checkpoints_only_through_it():
     params = list(inspect.signature(CheckpointManager).parameters.values())
     assert params and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params), params
     tree = ast.parse((REPO / "launcher" / "training" / "trainer.py").read_text())
-    imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                for alias in node.names if (node.module or "").startswith("k2.launcher.checkpointing")]
+    imported = [
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if (node.module or "").startswith("k2.launcher.checkpointing")
+    ]
     assert imported == [("k2.launcher.checkpointing.manager", "CheckpointManager")]
 
 
@@ -173,8 +222,12 @@ def test_saves_every_interval_and_at_the_end_and_reports_after_the_stall(monkeyp
     ckpt = _manager(monkeypatch, tmp_path, events)
     ckpt.states[RUN_STATE].step = 2
     assert ckpt.maybe_save(2, last_step=False) is True
-    assert events[:4] == [("save", 2), ("stall", "checkpoint"), ("write", 2, "train.save_interval", 2),
-                          ("/stall", "checkpoint")]
+    assert events[:4] == [
+        ("save", 2),
+        ("stall", "checkpoint"),
+        ("write", 2, "train.save_interval", 2),
+        ("/stall", "checkpoint"),
+    ]
     assert events[4][0] == "log" and len(events) == 5  # (after_last_save: only after the end of the run)
     line = f"step 2: checkpoint {tmp_path / 'checkpoints' / 'iter_0000002'} (train.save_interval, "
     assert events[4][1].startswith(line)
@@ -192,8 +245,14 @@ def test_saves_at_each_of_checkpoint_save_steps(monkeypatch, tmp_path):
     saved = [s for s in range(1, 9) if ckpt.maybe_save(s, last_step=False)]
     assert saved == [2, 3, 4, 6, 7, 8]
     reasons = {e[1]: e[2] for e in events if e[0] == "write"}
-    assert reasons == {2: "train.save_interval", 3: "checkpoint.save_steps", 4: "train.save_interval",
-                       6: "train.save_interval", 7: "checkpoint.save_steps", 8: "train.save_interval"}
+    assert reasons == {
+        2: "train.save_interval",
+        3: "checkpoint.save_steps",
+        4: "train.save_interval",
+        6: "train.save_interval",
+        7: "checkpoint.save_steps",
+        8: "train.save_interval",
+    }
 
 
 def test_no_periodic_or_end_save_when_switched_off(monkeypatch, tmp_path):
@@ -244,8 +303,10 @@ def test_prepare_removes_killed_saves_and_seeds_a_branch_from_its_trunk(monkeypa
     (trunk / "checkpoints" / "latest").unlink()
     own = _manager(monkeypatch, trunk, [], resume_from=ck)
     assert not own.branch_start
-    assert own.latest_note() == (f"{trunk / 'checkpoints' / 'latest'} is missing; resuming from the newest "
-                                 "checkpoint that verifies: iter_0000002")
+    assert own.latest_note() == (
+        f"{trunk / 'checkpoints' / 'latest'} is missing; resuming from the newest "
+        "checkpoint that verifies: iter_0000002"
+    )
 
 
 class _Background:
@@ -273,8 +334,7 @@ class _Background:
         self.abandon()
 
 
-def test_a_background_save_is_staged_then_committed_at_a_later_boundary_and_before_the_run_stops(
-        monkeypatch, tmp_path):
+def test_a_background_save_is_staged_then_committed_at_a_later_boundary_and_before_the_run_stops(monkeypatch, tmp_path):
     events: list = []
     hangs: list = []
     monkeypatch.setattr(manager, "BackgroundSaver", _Background)

@@ -16,8 +16,15 @@ from k2.launcher.checkpointing.manifest import (
     write_manifest,
 )
 
-FILES = {"__0_0.distcp": b"a" * 1000, "__1_0.distcp": b"b" * 3000, "__2_0.distcp": b"c" * 10,
-         ".metadata": b"meta", "metadata.json": b"{}", "common.pt": b"pt", "k2_state.json": b'{"manifest": true}'}
+FILES = {
+    "__0_0.distcp": b"a" * 1000,
+    "__1_0.distcp": b"b" * 3000,
+    "__2_0.distcp": b"c" * 10,
+    ".metadata": b"meta",
+    "metadata.json": b"{}",
+    "common.pt": b"pt",
+    "k2_state.json": b'{"manifest": true}',
+}
 
 
 def _checkpoint(tmp_path: Path) -> Path:
@@ -34,8 +41,14 @@ def test_each_rank_hashes_the_shards_it_wrote_rank0_the_rest():
     assert rank_share(names, 1, 3) == ["__1_0.distcp"]
     assert rank_share(names, 0, 3) == [".metadata", "__0_0.distcp", "common.pt", "k2_state.json", "metadata.json"]
     # fewer ranks than writers (a resume at a smaller DP): shards of rank R go to R mod world
-    assert rank_share(names, 0, 2) == [".metadata", "__0_0.distcp", "__2_0.distcp", "common.pt",
-                                       "k2_state.json", "metadata.json"]
+    assert rank_share(names, 0, 2) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__2_0.distcp",
+        "common.pt",
+        "k2_state.json",
+        "metadata.json",
+    ]
     shares = [n for r in range(4) for n in rank_share(names, r, 4)]
     assert sorted(shares) == names  # every file exactly once
 
@@ -53,7 +66,8 @@ def test_each_level_finds_what_it_promises(tmp_path):
     d = _checkpoint(tmp_path)
     (d / "common.pt").write_bytes(b"pT")  # same size, other content
     assert verify(d, "checksum") == [verify(d, "checksum")[0]] and verify(d, "checksum")[0].startswith(
-        "common.pt: content changed")
+        "common.pt: content changed"
+    )
     assert verify(d, "size") == [] and verify(d, "none") == []
     (d / "__2_0.distcp").write_bytes(b"c" * 4)
     assert any(p.startswith("__2_0.distcp: 4 bytes, the manifest records 10") for p in verify(d, "size"))
@@ -110,8 +124,11 @@ def test_verify_checkpoint_refuses_with_the_file_named(tmp_path, megatron_world1
 
     d = _checkpoint(tmp_path)
     (d / "__1_0.distcp").write_bytes(b"B" + FILES["__1_0.distcp"][1:])
-    with pytest.raises(ConfigError, match=rf"checkpoint {d} is damaged or incomplete: __1_0.distcp: content "
-                                          r"changed .*no other checkpoint in .* verifies"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"checkpoint {d} is damaged or incomplete: __1_0.distcp: content "
+        r"changed .*no other checkpoint in .* verifies",
+    ):
         verify_checkpoint(d, "checksum")
     assert verify_checkpoint(d, "size") >= 0  # the size is kept: found by the checksum only
 

@@ -38,15 +38,17 @@ def two_runs(tmp_path):
     return ours, other
 
 
-@pytest.mark.parametrize("text", ["../../OTHER_RUN/checkpoints/iter_0000009", "{other}/checkpoints/iter_0000009",
-                                  "..", "."])
+@pytest.mark.parametrize(
+    "text", ["../../OTHER_RUN/checkpoints/iter_0000009", "{other}/checkpoints/iter_0000009", "..", "."]
+)
 def test_a_latest_that_points_outside_the_run_is_refused(two_runs, text):
     ours, other = two_runs
     latest = ours / "checkpoints" / "latest"
     latest.write_text(text.format(other=other) + "\n")
     msg = _refused(ours)
-    assert msg.startswith(f"{latest} names {text.format(other=other)!r}, which is not a checkpoint of "
-                          f"{ours / 'checkpoints'}"), msg
+    assert msg.startswith(
+        f"{latest} names {text.format(other=other)!r}, which is not a checkpoint of {ours / 'checkpoints'}"
+    ), msg
     assert "iter_0000006" in msg  # what it may name instead
     with pytest.raises(ConfigError):
         latest_checkpoint(ours)

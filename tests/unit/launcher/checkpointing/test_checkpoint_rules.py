@@ -65,8 +65,11 @@ def test_missing_empty_or_dangling_latest_falls_back_to_the_newest_that_verifies
     old = _fake_checkpoint(run_dir, 2, [f"run.dir={run_dir}"], SINGLE)
     new = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
     latest = run_dir / "checkpoints" / "latest"
-    for marker, problem in ((None, "is missing"), ("", "is empty"),
-                            ("iter_0000006", "names iter_0000006, which does not exist")):
+    for marker, problem in (
+        (None, "is missing"),
+        ("", "is empty"),
+        ("iter_0000006", "names iter_0000006, which does not exist"),
+    ):
         if marker is None:
             latest.unlink(missing_ok=True)
         else:
@@ -85,10 +88,13 @@ def test_missing_empty_or_dangling_latest_falls_back_to_the_newest_that_verifies
         _plan([f"run.dir={run_dir}"])
 
 
-@pytest.mark.parametrize("change,allowed", [
-    (["parallel=pp2"], None),  # PP 1 -> 2
-    (["parallel=cpu4"], None),  # PP, VPP, EP
-])
+@pytest.mark.parametrize(
+    "change,allowed",
+    [
+        (["parallel=pp2"], None),  # PP 1 -> 2
+        (["parallel=cpu4"], None),  # PP, VPP, EP
+    ],
+)
 def test_layout_change_names_compatible_layouts(tmp_path, change, allowed):
     from k2.config.errors import ConfigError
 
@@ -103,8 +109,7 @@ def test_dp_change_refused_for_layer_wise_muon_state(tmp_path):
     from k2.config.errors import ConfigError
 
     run_dir = tmp_path / "run"
-    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}", "optim=muonclip"],
-                          {**SINGLE, "dp": 2, "world_size": 2})
+    ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}", "optim=muonclip"], {**SINGLE, "dp": 2, "world_size": 2})
     st = json.loads((ck / "k2_state.json").read_text())
     (ck / "k2_state.json").write_text(json.dumps({**st, "optimizer_dp_fixed": True}))
     with pytest.raises(ConfigError, match="fixed DP size: run with world size 2"):
@@ -116,9 +121,11 @@ def test_config_change_that_alters_training_needs_force(tmp_path):
 
     run_dir = tmp_path / "run"
     ck = _fake_checkpoint(run_dir, 4, [f"run.dir={run_dir}"], SINGLE)
-    for change, key in ((["model.moe_router_topk=3"], "model.moe_router_topk: 2 -> 3"),
-                        (["schedule.phases.1.lr_start=0.01"], r"schedule.phases.1.lr_start: \S+ -> 0.01"),
-                        (["run.seed=7"], "run.seed: 1234 -> 7")):
+    for change, key in (
+        (["model.moe_router_topk=3"], "model.moe_router_topk: 2 -> 3"),
+        (["schedule.phases.1.lr_start=0.01"], r"schedule.phases.1.lr_start: \S+ -> 0.01"),
+        (["run.seed=7"], "run.seed: 1234 -> 7"),
+    ):
         with pytest.raises(ConfigError, match=f"would change training: .*{key}.*resume.force=true"):
             _plan([f"run.dir={run_dir}", *change])
         assert _plan([f"run.dir={run_dir}", *change, "resume.force=true"]).resume_from == ck
@@ -128,8 +135,10 @@ def test_config_change_that_alters_training_needs_force(tmp_path):
     changes = str(e.value).split("would change training: ")[1].split(". Restore")[0].split("; ")
     assert changes == ["schedule.phases.0.steps: 20 -> 30", "schedule.phases.1.lr_start: 0.003 -> 0.002"], changes
     # settings that do not change what is computed are free
-    assert _plan([f"run.dir={run_dir}", "train.iters=100", "train.eval_interval=7",
-                  "checkpoint.keep_last=5"]).resume_from == ck
+    assert (
+        _plan([f"run.dir={run_dir}", "train.iters=100", "train.eval_interval=7", "checkpoint.keep_last=5"]).resume_from
+        == ck
+    )
 
 
 def test_prune_keeps_last_k_every_m_and_latest(tmp_path):
@@ -176,10 +185,13 @@ def test_preemption_flag_from_signal_and_budget():
     assert q.agreed() and q.reason == "run.max_minutes"
 
 
-@pytest.mark.parametrize("step,overrides", [
-    (300, []),  # the end of tiny_wsd: no phase holds the next step's first token
-    (2, ["train.iters=2"]),  # train.iters reached, inside the schedule
-])
+@pytest.mark.parametrize(
+    "step,overrides",
+    [
+        (300, []),  # the end of tiny_wsd: no phase holds the next step's first token
+        (2, ["train.iters=2"]),  # train.iters reached, inside the schedule
+    ],
+)
 def test_finished_run_run_again_is_nothing_to_do(tmp_path, capsys, monkeypatch, step, overrides):
     """k2-train on a run dir whose checkpoint is at the run's last step prints "nothing to do" and exits
     0 without starting a trainer; a trainer started directly (torchrun) finds the phase of that last
@@ -219,8 +231,10 @@ def test_train_iters_that_stop_before_the_decay_are_said_at_the_start(tmp_path, 
     monkeypatch.setattr(trainer, "run", lambda *a, **k: {})
     assert train.main([f"run.dir={tmp_path / 'run'}", "train.iters=10"]) == 0
     out = capsys.readouterr().out
-    assert ("k2-train: note: train.iters=10 ends the run at step 10 of the 300 of schedule 'tiny_wsd', in phase "
-            "'warmup', at LR 0.0015: the LR does not reach the schedule's end (0.000105)") in out, out
+    assert (
+        "k2-train: note: train.iters=10 ends the run at step 10 of the 300 of schedule 'tiny_wsd', in phase "
+        "'warmup', at LR 0.0015: the LR does not reach the schedule's end (0.000105)"
+    ) in out, out
     assert _plan([f"run.dir={tmp_path / 'other'}"]).ends_before_decay is None
 
 

@@ -29,8 +29,9 @@ def test_a_data_directory_is_not_a_damaged_checkpoint(tmp_path):
     (data / "corpus_text_document.bin").write_bytes(b"\0" * 64)
     (data / "corpus_text_document.idx").write_bytes(b"\0" * 64)
     msg = _refusal(tmp_path, data)
-    assert msg.startswith(f"resume.from={data} is not a checkpoint") and "damaged" not in msg and \
-        "delete" not in msg, msg
+    assert msg.startswith(f"resume.from={data} is not a checkpoint") and "damaged" not in msg and "delete" not in msg, (
+        msg
+    )
     assert "is a file" in _refusal(tmp_path, data / "corpus_text_document.bin")
 
 
@@ -67,8 +68,15 @@ def test_resume_compares_the_datasets_not_the_path_strings(tmp_path, monkeypatch
     assert plan.resume_from == ck
 
     _write_dataset(prefix, [[1, 2, 15]] * 60)  # other documents behind the same path
-    with pytest.raises(ConfigError, match=r"would train phase 'warmup' on other data: .*corpus then \(.* bytes, "
-                                          r"sha256 \w+\) vs .*corpus now \(.*resume.force=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"would train phase 'warmup' on other data: .*corpus then \(.* bytes, "
+        r"sha256 \w+\) vs .*corpus now \(.*resume.force=true",
+    ):
         prepare_run(load_config([*base, f"data.path={prefix}", f"run.dir={run_dir}"]), 1)
-    assert prepare_run(load_config([*base, f"data.path={prefix}", f"run.dir={run_dir}", "resume.force=true"]),
-                       1).resume_from == ck
+    assert (
+        prepare_run(
+            load_config([*base, f"data.path={prefix}", f"run.dir={run_dir}", "resume.force=true"]), 1
+        ).resume_from
+        == ck
+    )

@@ -15,7 +15,7 @@ def test_views_are_copied_whole_tensors_are_not():
     view, whole = flat[4:8], torch.ones(3)
     blob = io.BytesIO(b"x")
     buckets = [("/d/__0_0.distcp", "__0_0.distcp", ([("b", blob)], [("v", view), ("w", whole)]))]
-    (path, name, (bytes_data, tensors)), = _copy_views(buckets)
+    ((path, name, (bytes_data, tensors)),) = _copy_views(buckets)
     assert (path, name, bytes_data) == buckets[0][:2] + ([("b", blob)],)
     (_, v), (_, w) = tensors
     assert w is whole  # no copy of a tensor that owns its storage
@@ -47,7 +47,7 @@ def test_the_snapshot_writer_does_not_clone_while_planning():
     for cls in (writer_cls, writer_cls.__mro__[1]):  # ours, then megatron's
         w = cls("/nonexistent", thread_count=1)
         w.prepare_write_data(SavePlan([item], storage_data=_StoragePrefix("__0_")), Planner())
-        (_, _, (_, [(_, t)])), = w.write_buckets
+        ((_, _, (_, [(_, t)])),) = w.write_buckets
         seen.append(t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr())
     assert seen == [True, False]  # ours shares the rank's memory (the fork is the copy); megatron's copies
 
@@ -71,8 +71,9 @@ def test_the_writer_copies_views_after_a_fork_from_a_rank_that_used_its_thread_p
         assert float((flat * 2).sum()) == 8_000_000  # the pool is in use
         buckets = [(str(tmp_path / "__0_0.distcp"), "__0_0.distcp", ([], [("v", flat[10:3_000_000])]))]
         report = PipeChannel()
-        proc = mp.get_context("fork").Process(target=_background_writer,
-                                              args=(_touch_shards, report, tmp_path, 0, buckets, None))
+        proc = mp.get_context("fork").Process(
+            target=_background_writer, args=(_touch_shards, report, tmp_path, 0, buckets, None)
+        )
         proc.start()
         proc.join(timeout=60)
         alive = proc.is_alive()
@@ -91,8 +92,10 @@ def test_sharding_is_validated_on_the_first_save_and_when_the_structure_changes(
     from k2.launcher.checkpointing import staging
 
     def sd(rows):
-        return {"w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(rows, 4)),
-                "b": ShardedTensor.from_rank_offsets("layer.b", torch.zeros(4))}
+        return {
+            "w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(rows, 4)),
+            "b": ShardedTensor.from_rank_offsets("layer.b", torch.zeros(4)),
+        }
 
     staging.VALIDATED_STRUCTURE.clear()  # a fresh process
     assert [staging.needs_validation(sd(r)) for r in (3, 3, 3, 5, 5, 3)] == [True, False, False, True, False, True]
@@ -119,7 +122,8 @@ def test_garbage_collection_is_paused_while_a_save_is_planned_and_restored_after
 
 
 def test_reused_save_plans_write_each_saves_own_tensors_and_are_dropped_when_the_structure_changes(
-        megatron_world1, tmp_path):
+    megatron_world1, tmp_path
+):
     """Four saves through megatron's real path with the process's cached strategy (save_strategy): the
     values change between saves, the structure of the first three does not, so the third save reuses
     the plans (megatron's ``validated_cache_reuse``); each checkpoint loads back to the values it was
@@ -143,8 +147,9 @@ def test_reused_save_plans_write_each_saves_own_tensors_and_are_dropped_when_the
         strategy = staging.save_strategy(changed)
         strategies.append((changed, strategy, strategy.validated_cache_reuse))
         (tmp_path / str(i)).mkdir()
-        dist_checkpointing.save(state, str(tmp_path / str(i)), sharded_strategy=strategy,
-                                validate_access_integrity=changed)
+        dist_checkpointing.save(
+            state, str(tmp_path / str(i)), sharded_strategy=strategy, validate_access_integrity=changed
+        )
         saved.append((w.clone(), b.clone()))
     assert [c for c, _, _ in strategies] == [True, False, False, True]
     assert strategies[0][1] is strategies[1][1] is strategies[2][1] is not strategies[3][1]
@@ -175,10 +180,15 @@ def test_the_writer_gets_the_step_boundarys_bytes_of_host_memory_a_fork_shares(t
     view_base = torch.arange(100.0, 132.0).share_memory_()
     pageable = torch.arange(200.0, 204.0)
     want = {"whole": shared.clone(), "view": view_base[8:12].clone(), "pageable": pageable.clone()}
-    buckets = [(str(tmp_path / "__0_0.distcp"), "__0_0.distcp",
-                ([], [("whole", shared), ("view", view_base[8:12]), ("pageable", pageable)]))]
+    buckets = [
+        (
+            str(tmp_path / "__0_0.distcp"),
+            "__0_0.distcp",
+            ([], [("whole", shared), ("view", view_base[8:12]), ("pageable", pageable)]),
+        )
+    ]
     staged = _snapshot_writer_class().preload_tensors(buckets)  # in the rank, before the fork
-    (_, _, (_, tensors)), = staged
+    ((_, _, (_, tensors)),) = staged
     assert tensors[2][1] is pageable  # the fork is its snapshot: no copy
     ctx = mp.get_context("fork")
     go = ctx.Event()

@@ -29,8 +29,9 @@ def _run_writer(how: str):
     return report, proc
 
 
-@pytest.mark.parametrize("how,says", [("sigkill", "was killed by SIGKILL (kill -9"),
-                                      ("silent", "exited with status 0 without reporting")])
+@pytest.mark.parametrize(
+    "how,says", [("sigkill", "was killed by SIGKILL (kill -9"), ("silent", "exited with status 0 without reporting")]
+)
 def test_a_writer_gone_without_a_report_is_named_without_waiting(how, says):
     report, proc = _run_writer(how)
     t0 = time.perf_counter()

@@ -51,8 +51,16 @@ def corpus(tmp_path_factory, docs) -> Path:
 
 
 def _args(inp, out, *extra, tokenizer=None):
-    args = [f"prepare.input={inp}", f"prepare.output={out}", "prepare.progress=false", f"model.vocab_size={VOCAB}",
-            f"data.vocab_size={VOCAB}", f"prepare.shard_bytes={SHARD}", "prepare.chunk_documents=16", *extra]
+    args = [
+        f"prepare.input={inp}",
+        f"prepare.output={out}",
+        "prepare.progress=false",
+        f"model.vocab_size={VOCAB}",
+        f"data.vocab_size={VOCAB}",
+        f"prepare.shard_bytes={SHARD}",
+        "prepare.chunk_documents=16",
+        *extra,
+    ]
     return args + ([f"data.tokenizer={tokenizer}"] if tokenizer else [])
 
 
@@ -78,7 +86,7 @@ def test_pieces_are_cut_at_line_starts_and_compressed_files_are_not_cut(corpus):
         assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
     big = Path(files[0].path).read_bytes()
     cuts = [e for i, _, e in segs if i == 0][:-1]
-    assert len(cuts) >= 3 and all(big[c - 1:c] == b"\n" for c in cuts)  # at line starts only
+    assert len(cuts) >= 3 and all(big[c - 1 : c] == b"\n" for c in cuts)  # at line starts only
     assert [(s, e) for i, s, e in segs if i == 2] == [(0, files[2].bytes)]  # the .gz: whole
     # at least shard_bytes per piece but the last; the small file shares a piece with its neighbours
     assert all(sum(e - s for _, s, e in p) >= SHARD for p in pieces[:-1])
@@ -91,40 +99,56 @@ def test_the_tokenizer_sample_holds_the_records_of_its_byte_budget(corpus):
     files = expand_inputs(str(corpus / "a_large.jsonl"))
     cfg = load_config(_args(corpus, "/tmp/unused", "prepare.tasks=2"))
     lines = Path(files[0].path).read_bytes().splitlines(keepends=True)
-    sizes = [sum(map(len, lines[:i + 1])) for i in range(len(lines))]
+    sizes = [sum(map(len, lines[: i + 1])) for i in range(len(lines))]
     expect = next(i for i, s in enumerate(sizes) if s >= 3000) + 1
     assert len(list(P.document_texts(cfg, files, max_bytes=3000))) == expect > 3
 
 
-def test_one_task_and_three_tasks_write_the_same_bytes_and_the_one_process_documents(
-        tmp_path, corpus, tokenizer_json):
-    one = A.prepare_array(load_config(_args(corpus, tmp_path / "one" / "c", "prepare.tasks=1",
-                                            tokenizer=tokenizer_json)), log=lambda s: None)
+def test_one_task_and_three_tasks_write_the_same_bytes_and_the_one_process_documents(tmp_path, corpus, tokenizer_json):
+    one = A.prepare_array(
+        load_config(_args(corpus, tmp_path / "one" / "c", "prepare.tasks=1", tokenizer=tokenizer_json)),
+        log=lambda s: None,
+    )
     seen: list[str] = []
     for t in range(3):  # three array tasks, each on its own; the last one finalizes
-        out = A.prepare_array(load_config(_args(corpus, tmp_path / "three" / "c", "prepare.tasks=3",
-                                                f"prepare.task={t}", tokenizer=tokenizer_json)), log=seen.append)
+        out = A.prepare_array(
+            load_config(
+                _args(
+                    corpus, tmp_path / "three" / "c", "prepare.tasks=3", f"prepare.task={t}", tokenizer=tokenizer_json
+                )
+            ),
+            log=seen.append,
+        )
         assert (out is None) == (t < 2)
     assert any("task 2 of 3 is unfinished" in s for s in seen), seen
     assert _published(tmp_path / "one") == _published(tmp_path / "three")  # shards and manifest, bytes
     m = one.manifest
     assert len(m["datasets"]) >= 4 and [d["prefix"] for d in m["datasets"]] == [Path(p).name for p in one.prefixes]
-    classic = P.prepare_corpus(load_config(_args(corpus, tmp_path / "classic" / "c", tokenizer=tokenizer_json)),
-                               log=lambda s: None)
+    classic = P.prepare_corpus(
+        load_config(_args(corpus, tmp_path / "classic" / "c", tokenizer=tokenizer_json)), log=lambda s: None
+    )
     stream = [d for p in one.prefixes for d in _documents(p)]
     assert stream == _documents(classic.prefixes[0]) and m["documents"] == classic.manifest["documents"]
     assert len(m["inputs"]) == 3 and all("xxh3_64" in s for piece in m["pieces"] for s in piece["segments"])
     assert not Path(P.work_dir(str(tmp_path / "three" / "c"))).exists()
     # data.path takes the manifest: every shard, in order
-    resolved = resolve_data(load_config([f"data.path={one.manifest_path}", f"data.tokenizer={tokenizer_json}",
-                                         "data.split='50,50,0'",
-                                         f"model.vocab_size={VOCAB}"]))
+    resolved = resolve_data(
+        load_config(
+            [
+                f"data.path={one.manifest_path}",
+                f"data.tokenizer={tokenizer_json}",
+                "data.split='50,50,0'",
+                f"model.vocab_size={VOCAB}",
+            ]
+        )
+    )
     assert resolved.train_blend == (one.prefixes, None)
     assert data_entry.main(["verify", one.manifest_path]) == 0
 
 
-def test_a_killed_task_resumes_and_finalize_names_the_unfinished_task(tmp_path, corpus, tokenizer_json, capsys,
-                                                                     monkeypatch):
+def test_a_killed_task_resumes_and_finalize_names_the_unfinished_task(
+    tmp_path, corpus, tokenizer_json, capsys, monkeypatch
+):
     args = _args(corpus, tmp_path / "o" / "c", "prepare.tasks=2", tokenizer=tokenizer_json)
     real, commits = chunked.commit_chunk, []
 
@@ -147,8 +171,10 @@ def test_a_killed_task_resumes_and_finalize_names_the_unfinished_task(tmp_path, 
     seen: list[str] = []
     out = A.prepare_array(load_config([*args, "prepare.task=1"]), log=seen.append)
     assert out is not None and any("resuming the build" in s and "2 chunks" in s for s in seen), seen
-    A.prepare_array(load_config(_args(corpus, tmp_path / "ref" / "c", "prepare.tasks=1",
-                                tokenizer=tokenizer_json)), log=lambda s: None)
+    A.prepare_array(
+        load_config(_args(corpus, tmp_path / "ref" / "c", "prepare.tasks=1", tokenizer=tokenizer_json)),
+        log=lambda s: None,
+    )
     assert _published(tmp_path / "o") == _published(tmp_path / "ref")
 
 
@@ -167,13 +193,16 @@ def test_trained_tokenizer_is_trained_once_before_the_tasks_and_named_in_the_man
     assert all(d[-1] == eod for p in out.prefixes for d in _documents(p))
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["prepare.task=0"], "prepare.task=0 needs prepare.tasks"),
-    (["prepare.tasks=2", "prepare.task=2"], "prepare.task=2; allowed: null (every task here) or 0..1"),
-    (["prepare.tasks=2", "prepare.task=1", "prepare.submit=true"], "give one or the other"),
-    (["prepare.tasks=2", "prepare.shard_documents=10"], "set one or the other"),
-    (["prepare.tasks=0"], "prepare.tasks=0; allowed"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["prepare.task=0"], "prepare.task=0 needs prepare.tasks"),
+        (["prepare.tasks=2", "prepare.task=2"], "prepare.task=2; allowed: null (every task here) or 0..1"),
+        (["prepare.tasks=2", "prepare.task=1", "prepare.submit=true"], "give one or the other"),
+        (["prepare.tasks=2", "prepare.shard_documents=10"], "set one or the other"),
+        (["prepare.tasks=0"], "prepare.tasks=0; allowed"),
+    ],
+)
 def test_bad_array_settings_are_one_error(tmp_path, corpus, extra, needle):
     with pytest.raises(ConfigError, match=None) as e:
         load_config(_args(corpus, tmp_path / "o", *extra))
@@ -182,8 +211,16 @@ def test_bad_array_settings_are_one_error(tmp_path, corpus, extra, needle):
 
 def test_the_array_script_runs_each_task_with_the_same_settings(tmp_path, corpus, tokenizer_json, capsys):
     """submit.dry_run=true: the plan is made here, the script of the unfinished tasks is printed."""
-    args = _args(corpus, tmp_path / "o" / "c", "prepare.tasks=3", "prepare.submit=true", "submit.dry_run=true",
-                 "submit.partition=cpu", "submit.time=2:00:00", tokenizer=tokenizer_json)
+    args = _args(
+        corpus,
+        tmp_path / "o" / "c",
+        "prepare.tasks=3",
+        "prepare.submit=true",
+        "submit.dry_run=true",
+        "submit.partition=cpu",
+        "submit.time=2:00:00",
+        tokenizer=tokenizer_json,
+    )
     assert data_entry.main(args) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --array=0-2" in script and "#SBATCH --partition=cpu" in script

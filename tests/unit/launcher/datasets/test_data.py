@@ -138,8 +138,10 @@ def test_second_call_is_idempotent_and_fast(corpus_cache, corpus, capsys):
 
 
 def test_cli_summary_reuses_the_corpus(corpus_cache, corpus, capsys):
-    assert data_entry.main([f"data.cache_dir={corpus_cache}", f"data.vocab_size={VOCAB}",
-                            f"model.vocab_size={VOCAB}"]) == 0
+    assert (
+        data_entry.main([f"data.cache_dir={corpus_cache}", f"data.vocab_size={VOCAB}", f"model.vocab_size={VOCAB}"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "already up to date" in out
     assert f"{corpus.manifest['documents']['valid']:,d} documents" in out
@@ -250,9 +252,7 @@ def _user_data(tmp_path, corpus):
 
 
 def _resolve(tmp_path, *overrides, model_vocab=VOCAB):
-    return resolve_data(
-        load_config([f"data.cache_dir={tmp_path}/c", f"model.vocab_size={model_vocab}", *overrides])
-    )
+    return resolve_data(load_config([f"data.cache_dir={tmp_path}/c", f"model.vocab_size={model_vocab}", *overrides]))
 
 
 @pytest.mark.parametrize(
@@ -262,13 +262,17 @@ def _resolve(tmp_path, *overrides, model_vocab=VOCAB):
         (lambda p, t: [f"data.path='{p}'", f"data.tokenizer='{t}x'"], ["data.tokenizer", "x"]),
         (lambda p, t: [f"data.path='{p}'"], ["data.tokenizer"]),
         (lambda p, t: [f"data.path=[0.5,'{p}',0.5]", f"data.tokenizer='{t}'"], ["data.path", "even"]),
-        (lambda p, t: [f"data.path=[heavy,'{p}',0.5,'{p}']", f"data.tokenizer='{t}'"],
-         ["data.path", "'heavy'", "not a number"]),
+        (
+            lambda p, t: [f"data.path=[heavy,'{p}',0.5,'{p}']", f"data.tokenizer='{t}'"],
+            ["data.path", "'heavy'", "not a number"],
+        ),
         (lambda p, t: [f"data.path=[-1,'{p}',2,'{p}']", f"data.tokenizer='{t}'"], ["data.path", "negative"]),
         (lambda p, t: [f"data.path=[0,'{p}']", f"data.tokenizer='{t}'"], ["data.path", "0"]),
         (lambda p, t: [f"data.path=['{p}',0.5,'{p}',0.5]", f"data.tokenizer='{t}'"], ["data.path"]),
-        (lambda p, t: [f"data.path='{p}'", f"data.valid_path=[1,'{p}nope']", f"data.tokenizer='{t}'"],
-         ["data.valid_path", "nope.bin"]),
+        (
+            lambda p, t: [f"data.path='{p}'", f"data.valid_path=[1,'{p}nope']", f"data.tokenizer='{t}'"],
+            ["data.valid_path", "nope.bin"],
+        ),
         (lambda p, t: [f"data.path='{p}'", "data.split=abc", f"data.tokenizer='{t}'"], ["data.split"]),
         (lambda p, t: [f"data.path='{p}'", "data.split='0,1,0'", f"data.tokenizer='{t}'"], ["data.split"]),
         (lambda p, t: [f"data.tokenizer='{t}'"], ["data.tokenizer", "data.path is null"]),
@@ -318,8 +322,12 @@ def test_resolve_user_blends(tmp_path, corpus):
     assert r.valid_blend is None and r.split == "98,2,0"
     assert r.tokenizer_vocab_size == VOCAB and not r.embedded
     assert r.stats[prefix] == (corpus.manifest["documents"]["valid"], corpus.manifest["tokens"]["valid"])
-    r = _resolve(tmp_path, f"data.path=['{prefix}','{prefix}','{prefix}']", f"data.valid_path='{prefix}'",
-                 f"data.tokenizer='{tokpath}'")
+    r = _resolve(
+        tmp_path,
+        f"data.path=['{prefix}','{prefix}','{prefix}']",
+        f"data.valid_path='{prefix}'",
+        f"data.tokenizer='{tokpath}'",
+    )
     assert r.train_blend == ([prefix] * 3, None) and r.valid_blend == ([prefix], None) and r.split is None
     r = _resolve(tmp_path, f"data.vocab_size={VOCAB}")
     assert r.embedded and r.train_blend[0][0].endswith(f"stdlib-{D._python_version()}-v{VOCAB}/train")
@@ -356,8 +364,12 @@ def test_gpt_dataset_samples(tmp_path, corpus_cache, corpus, tok):
 
 def test_gpt_dataset_weighted_blend_with_split(tmp_path, corpus):
     prefix, tokpath = _user_data(tmp_path, corpus)
-    r = _resolve(tmp_path, f"data.path=[0.75,'{corpus.train_prefix}',0.25,'{prefix}']",
-                 f"data.tokenizer='{tokpath}'", "data.split='90,10,0'")
+    r = _resolve(
+        tmp_path,
+        f"data.path=[0.75,'{corpus.train_prefix}',0.25,'{prefix}']",
+        f"data.tokenizer='{tokpath}'",
+        "data.split='90,10,0'",
+    )
     train, valid = build_datasets(r, seq_length=32, seed=1, train_samples=400, valid_samples=40)
     assert len(train) == 400 and len(valid) == 40
     ids = np.array([int(train[i]["dataset_id"]) for i in range(400)])
@@ -369,8 +381,9 @@ def test_gpt_dataset_weighted_blend_with_split(tmp_path, corpus):
 
 def test_too_long_seq_for_valid_split_is_a_config_error(tmp_path, corpus):
     prefix, tokpath = _user_data(tmp_path, corpus)
-    r = _resolve(tmp_path, f"data.path='{corpus.train_prefix}'", f"data.valid_path='{prefix}'",
-                 f"data.tokenizer='{tokpath}'")
+    r = _resolve(
+        tmp_path, f"data.path='{corpus.train_prefix}'", f"data.valid_path='{prefix}'", f"data.tokenizer='{tokpath}'"
+    )
     seq = corpus.manifest["tokens"]["valid"] + 10
     with pytest.raises(ConfigError, match="data.valid_path"):
         build_datasets(r, seq_length=seq, seed=1, train_samples=2, valid_samples=None)
@@ -479,7 +492,7 @@ def test_build_with_torch_distributed_initialised(tmp_path, corpus_cache, corpus
     train, _ = build_datasets(resolved, seq_length=32, seed=5, train_samples=64, valid_samples=8)
     single = MicrobatchIterator(train, 8, 2, 0, 1)
     ref = torch.cat([next(single)["tokens"] for _ in range(2 * single.num_microbatches)])
-    per_step = [torch.cat([r0["tokens"][4 * s:4 * s + 4], r1["tokens"][4 * s:4 * s + 4]]) for s in range(2)]
+    per_step = [torch.cat([r0["tokens"][4 * s : 4 * s + 4], r1["tokens"][4 * s : 4 * s + 4]]) for s in range(2)]
     assert torch.equal(torch.cat(per_step), ref)
 
 

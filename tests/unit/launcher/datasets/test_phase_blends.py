@@ -19,11 +19,13 @@ from support.fake_runs import write_dataset as _write_dataset
 from support.helpers import run_tool
 
 # 2,048 tokens per step; at 128 tokens 16 sequences per step, at 512 tokens 4
-PHASES = ("[{name:a,steps:2,lr_style:constant,lr_start:1.0e-3,seq_length:128},"
-          "{name:b,steps:2,lr_style:constant,data:{path:B}},"
-          "{name:c,steps:2,lr_style:constant,seq_length:512},"
-          "{name:d,steps:2,lr_style:constant,seq_length:128,data:{path:A,valid_path:V}},"
-          "{name:e,steps:2,lr_style:constant,data:{path:B}}]")
+PHASES = (
+    "[{name:a,steps:2,lr_style:constant,lr_start:1.0e-3,seq_length:128},"
+    "{name:b,steps:2,lr_style:constant,data:{path:B}},"
+    "{name:c,steps:2,lr_style:constant,seq_length:512},"
+    "{name:d,steps:2,lr_style:constant,seq_length:128,data:{path:A,valid_path:V}},"
+    "{name:e,steps:2,lr_style:constant,data:{path:B}}]"
+)
 
 
 def test_settings_inherit_from_the_previous_phase():
@@ -39,8 +41,11 @@ def test_phase_data_is_validated_and_named(tmp_path):
     for name in ("A", "B", "V"):
         _write_dataset(str(tmp_path / name), [[1, 2, 3, 15]] * 50)
     base = [f"data.path={tmp_path / 'A'}", f"data.tokenizer={tmp_path / 'tok.json'}", "model.vocab_size=16"]
-    phases = PHASES.replace("path:B", f"path:'{tmp_path / 'B'}'").replace("path:A", f"path:'{tmp_path / 'A'}'") \
+    phases = (
+        PHASES.replace("path:B", f"path:'{tmp_path / 'B'}'")
+        .replace("path:A", f"path:'{tmp_path / 'A'}'")
         .replace("valid_path:V", f"valid_path:'{tmp_path / 'V'}'")
+    )
     cfg = load_config([*base, f"schedule.phases={phases}"])
     resolved = resolve_phase_data(cfg, resolve_data(cfg))
     assert [r.train_blend[0][0].rsplit("/", 1)[1] for r in resolved] == ["A", "B", "B", "A", "B"]
@@ -57,23 +62,38 @@ def test_phase_data_is_validated_and_named(tmp_path):
 
 def test_stretches_and_data_position_per_blend(monkeypatch):
     """Each (seq_length, blend) is one dataset build; a blend that comes back continues its samples."""
-    cfg = load_config(["data.path=A", "data.tokenizer=t.json", f"schedule.phases={PHASES}",
-                       "train.micro_batch_size=1"])
+    cfg = load_config(["data.path=A", "data.tokenizer=t.json", f"schedule.phases={PHASES}", "train.micro_batch_size=1"])
     schedule = resolve_schedule(cfg)
     blend = {n: SimpleNamespace(train_blend=([n], None), valid_blend=None, split="98,2,0") for n in "AB"}
-    plan = SimpleNamespace(schedule=schedule, steps=10, data=blend["A"], dims=SimpleNamespace(vpp=1, dp=1),
-                           phase_data=(blend["A"], blend["B"], blend["B"], blend["A"], blend["B"]))
+    plan = SimpleNamespace(
+        schedule=schedule,
+        steps=10,
+        data=blend["A"],
+        dims=SimpleNamespace(vpp=1, dp=1),
+        phase_data=(blend["A"], blend["B"], blend["B"], blend["A"], blend["B"]),
+    )
     builds, starts = [], []
-    monkeypatch.setattr(PD, "build_datasets", lambda data, seq, seed, train_samples, valid_samples:
-                        builds.append((data.train_blend[0][0], seq, train_samples)) or ("train", "valid"))
-    monkeypatch.setattr(PD, "microbatch_iterators", lambda ds, phase, plan, dp_rank, start_sample=0:
-                        starts.append(start_sample) or [])
+    monkeypatch.setattr(
+        PD,
+        "build_datasets",
+        lambda data, seq, seed, train_samples, valid_samples: (
+            builds.append((data.train_blend[0][0], seq, train_samples)) or ("train", "valid")
+        ),
+    )
+    monkeypatch.setattr(
+        PD, "microbatch_iterators", lambda ds, phase, plan, dp_rank, start_sample=0: starts.append(start_sample) or []
+    )
     data = PD.PhaseData(1, 1, plan, 0)
     for step in range(1, 11):
         data.enter(schedule.step_phase(step), step)
     # stretches: A@128 steps 1-2 and 7-8, B@128 steps 3-4 and 9-10, B@512 steps 5-6
-    assert [k[1][0] + (k[0],) for k, _, _ in data.stretches()] == \
-        [("A", 128), ("B", 128), ("B", 512), ("A", 128), ("B", 128)]
+    assert [k[1][0] + (k[0],) for k, _, _ in data.stretches()] == [
+        ("A", 128),
+        ("B", 128),
+        ("B", 512),
+        ("A", 128),
+        ("B", 128),
+    ]
     assert builds == [("A", 128, 64), ("B", 128, 64), ("B", 512, 8), ("A", 128, 64), ("B", 128, 64)]
     # samples: A 0,16 then 32,48 (continues); B@128 0,16 then 32,48; B@512 0,4
     assert starts == [0, 16, 0, 16, 0, 4, 32, 48, 32, 48]

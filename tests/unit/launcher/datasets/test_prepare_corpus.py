@@ -38,8 +38,14 @@ def docs() -> list[str]:
 
 def _cfg(inp, out, *extra, tokenizer=None):
     inp = inp if isinstance(inp, str) else "[" + ",".join(map(str, inp)) + "]"
-    args = [f"prepare.input={inp}", f"prepare.output={out}", "prepare.progress=false",
-            f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", *extra]
+    args = [
+        f"prepare.input={inp}",
+        f"prepare.output={out}",
+        "prepare.progress=false",
+        f"model.vocab_size={VOCAB}",
+        f"data.vocab_size={VOCAB}",
+        *extra,
+    ]
     if tokenizer:
         args.append(f"data.tokenizer={tokenizer}")
     return load_config(args)
@@ -109,8 +115,13 @@ def test_parquet_and_a_custom_text_column(tmp_path, docs, tokenizer_json):
 
     table = pa.table({"id": list(range(len(docs))), "content": docs})
     pq.write_table(table, tmp_path / "x.parquet", row_group_size=64)
-    out = _prepare(str(tmp_path / "*.parquet"), tmp_path / "pq", "prepare.text_key=content",
-                   "prepare.chunk_documents=50", tokenizer=tokenizer_json)
+    out = _prepare(
+        str(tmp_path / "*.parquet"),
+        tmp_path / "pq",
+        "prepare.text_key=content",
+        "prepare.chunk_documents=50",
+        tokenizer=tokenizer_json,
+    )
     assert _documents(out.prefixes[0]) == _reference(tokenizer_json, docs)
 
 
@@ -124,8 +135,9 @@ def test_plain_text_files_and_paragraphs(tmp_path, docs, tokenizer_json):
     # paragraph mode: blank-line separated blocks of one file (each keeps its trailing newline)
     paras = [" ".join(t.split()) for t in docs[:30]]
     (tmp_path / "book.txt").write_text("\n\n\n".join(paras) + "\n", encoding="utf-8")
-    out = _prepare(str(tmp_path / "book.txt"), tmp_path / "paras", "prepare.text_document=paragraph",
-                   tokenizer=tokenizer_json)
+    out = _prepare(
+        str(tmp_path / "book.txt"), tmp_path / "paras", "prepare.text_document=paragraph", tokenizer=tokenizer_json
+    )
     assert _documents(out.prefixes[0]) == _reference(tokenizer_json, [p + "\n" for p in paras])
 
 
@@ -144,15 +156,21 @@ def test_trained_tokenizer_shards_and_megatron_samples(tmp_path, docs):
     stream = [doc for p in out.prefixes for doc in _documents(p)]
     assert stream == _reference(tok_path, docs)
 
-    cfg = load_config([f"data.path=[{','.join(out.prefixes)}]", f"data.tokenizer={tok_path}",
-                       f"data.valid_path={out.prefixes[2]}", f"model.vocab_size={VOCAB}",
-                       f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = load_config(
+        [
+            f"data.path=[{','.join(out.prefixes)}]",
+            f"data.tokenizer={tok_path}",
+            f"data.valid_path={out.prefixes[2]}",
+            f"model.vocab_size={VOCAB}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
     resolved = resolve_data(cfg)
     train_ds, _ = build_datasets(resolved, 64, 1, train_samples=8, valid_samples=2)
     flat = np.concatenate([np.asarray(d) for p in out.prefixes[:2] for d in _documents(p)])
     sample = train_ds[0]["tokens"].numpy()
     hits = np.flatnonzero(flat == sample[0])  # every sample is a window of the written stream
-    assert any(np.array_equal(flat[h:h + 64], sample) for h in hits if h + 64 <= flat.size)
+    assert any(np.array_equal(flat[h : h + 64], sample) for h in hits if h + 64 <= flat.size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -163,10 +181,22 @@ def test_trained_tokenizer_shards_and_megatron_samples(tmp_path, docs):
 def test_one_and_two_workers_write_identical_bytes(tmp_path, docs, tokenizer_json):
     _write_jsonl(tmp_path / "a.jsonl", docs)
     # chunks of up to 40 records, ended early at 5,000 bytes: of varied record counts
-    one = _prepare(str(tmp_path / "a.jsonl"), tmp_path / "w1" / "c", "prepare.workers=1",
-                   "prepare.chunk_documents=40", "prepare.chunk_bytes=5000", tokenizer=tokenizer_json)
-    two = _prepare(str(tmp_path / "a.jsonl"), tmp_path / "w2" / "c", "prepare.workers=2",
-                   "prepare.chunk_documents=40", "prepare.chunk_bytes=5000", tokenizer=tokenizer_json)
+    one = _prepare(
+        str(tmp_path / "a.jsonl"),
+        tmp_path / "w1" / "c",
+        "prepare.workers=1",
+        "prepare.chunk_documents=40",
+        "prepare.chunk_bytes=5000",
+        tokenizer=tokenizer_json,
+    )
+    two = _prepare(
+        str(tmp_path / "a.jsonl"),
+        tmp_path / "w2" / "c",
+        "prepare.workers=2",
+        "prepare.chunk_documents=40",
+        "prepare.chunk_bytes=5000",
+        tokenizer=tokenizer_json,
+    )
     assert _bytes(one.prefixes) == _bytes(two.prefixes)
     assert _documents(one.prefixes[0]) == _reference(tokenizer_json, docs)
 
@@ -190,12 +220,17 @@ def test_sigkill_and_rerun_equals_an_uninterrupted_build(tmp_path, docs, tokeniz
     _write_jsonl(tmp_path / "a.jsonl", docs)
     # chunks of up to 20 records, ended early at 2,000 bytes: the resume skips the records the committed
     # chunks hold, which varies from chunk to chunk
-    args = [f"prepare.input={tmp_path / 'a.jsonl'}", "prepare.progress=false", "prepare.chunk_documents=20",
-            "prepare.chunk_bytes=2000", "prepare.workers=2", f"model.vocab_size={VOCAB}",
-            f"data.tokenizer={tokenizer_json}"]
+    args = [
+        f"prepare.input={tmp_path / 'a.jsonl'}",
+        "prepare.progress=false",
+        "prepare.chunk_documents=20",
+        "prepare.chunk_bytes=2000",
+        "prepare.workers=2",
+        f"model.vocab_size={VOCAB}",
+        f"data.tokenizer={tokenizer_json}",
+    ]
     killed = tmp_path / "k" / "c"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_BUILD, *args, f"prepare.output={killed}"],
-                            cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_BUILD, *args, f"prepare.output={killed}"], cwd=REPO)
     work = Path(P.work_dir(str(killed)))
     deadline = time.time() + 120
     while not (work / "chunk_0000004.npz").exists() and proc.poll() is None and time.time() < deadline:
@@ -233,12 +268,19 @@ def test_memory_of_a_chunk_is_bounded_for_long_documents(tmp_path, tokenizer_jso
 
     from k2.launcher.benchmarks.data_prepare import _peak_rss_mb, _prepare_args
 
-    texts = [t for t in (f.read_text(encoding="utf-8", errors="replace")
-                         for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))) if len(t) > 20_000]
+    texts = [
+        t
+        for t in (
+            f.read_text(encoding="utf-8", errors="replace")
+            for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        )
+        if len(t) > 20_000
+    ]
     _write_jsonl(tmp_path / "long.jsonl", [f"{t}\n# pass {r}" for r in range(4) for t in texts])
     assert (tmp_path / "long.jsonl").stat().st_size > 12e6
-    peak_mb, code = _peak_rss_mb(_prepare_args(tmp_path / "long.jsonl", tmp_path / "o" / "c", tokenizer_json, 1,
-                                               2048, VOCAB))
+    peak_mb, code = _peak_rss_mb(
+        _prepare_args(tmp_path / "long.jsonl", tmp_path / "o" / "c", tokenizer_json, 1, 2048, VOCAB)
+    )
     assert code == 0 and peak_mb < 300, peak_mb
 
 
@@ -285,19 +327,28 @@ def test_bad_record_is_named_with_file_and_line_or_skipped(tmp_path, docs, token
     assert bad["count"] == 2 and [b[0] for b in bad["first"]] == [f"{f}:7", f"{f}:9"]
 
 
-@pytest.mark.parametrize("make, setting, needles", [
-    (lambda d: (d / "x.jsonl.gz").write_bytes(b"\x1f\x8b\x08garbage"), "", ["cannot read", "x.jsonl.gz"]),
-    (lambda d: (d / "x.parquet").write_bytes(b"PAR1 not parquet"), "", ["cannot read", "x.parquet"]),
-    (lambda d: (d / "x.csv").write_text("a,b\n"), "", ["x.csv", "not of a known format"]),
-    (lambda d: None, "", ["matches no file"]),
-    (lambda d: os.mkfifo(d / "x.jsonl"), "", ["x.jsonl is a FIFO (named pipe), not a regular file",
-                                               "write the stream into a file first"]),
-    (lambda d: (d / "x.jsonl").write_text("\n\n"), "", ["prepare.input holds no document (1 file: ", "x.jsonl"]),
-    (lambda d: (d / "x.jsonl").write_text('{"text": ""}\n'), "", ["holds no document", "1 empty texts"]),
-    (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'), "prepare.workers=0", ["prepare.workers=0"]),
-    (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'), "prepare.bad_records=ignore",
-     ["prepare.bad_records='ignore'", "error, skip"]),
-])
+@pytest.mark.parametrize(
+    "make, setting, needles",
+    [
+        (lambda d: (d / "x.jsonl.gz").write_bytes(b"\x1f\x8b\x08garbage"), "", ["cannot read", "x.jsonl.gz"]),
+        (lambda d: (d / "x.parquet").write_bytes(b"PAR1 not parquet"), "", ["cannot read", "x.parquet"]),
+        (lambda d: (d / "x.csv").write_text("a,b\n"), "", ["x.csv", "not of a known format"]),
+        (lambda d: None, "", ["matches no file"]),
+        (
+            lambda d: os.mkfifo(d / "x.jsonl"),
+            "",
+            ["x.jsonl is a FIFO (named pipe), not a regular file", "write the stream into a file first"],
+        ),
+        (lambda d: (d / "x.jsonl").write_text("\n\n"), "", ["prepare.input holds no document (1 file: ", "x.jsonl"]),
+        (lambda d: (d / "x.jsonl").write_text('{"text": ""}\n'), "", ["holds no document", "1 empty texts"]),
+        (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'), "prepare.workers=0", ["prepare.workers=0"]),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n'),
+            "prepare.bad_records=ignore",
+            ["prepare.bad_records='ignore'", "error, skip"],
+        ),
+    ],
+)
 def test_bad_inputs_give_one_clear_error(tmp_path, tokenizer_json, make, setting, needles):
     d = tmp_path / "in"
     d.mkdir()
@@ -322,10 +373,17 @@ def test_parquet_without_the_text_column_names_file_and_columns(tmp_path, tokeni
 
 def test_tokenizer_larger_than_the_model_is_refused(tmp_path, tokenizer_json):
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
-    cfg = load_config([f"prepare.input={tmp_path / 'x.jsonl'}", f"prepare.output={tmp_path / 'o'}",
-                       f"data.tokenizer={tokenizer_json}", f"model.vocab_size={VOCAB - 1}"])
-    with pytest.raises(ConfigError, match=f"data.tokenizer {tokenizer_json} has {VOCAB} ids but "
-                                          f"model.vocab_size={VOCAB - 1}"):
+    cfg = load_config(
+        [
+            f"prepare.input={tmp_path / 'x.jsonl'}",
+            f"prepare.output={tmp_path / 'o'}",
+            f"data.tokenizer={tokenizer_json}",
+            f"model.vocab_size={VOCAB - 1}",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=f"data.tokenizer {tokenizer_json} has {VOCAB} ids but model.vocab_size={VOCAB - 1}"
+    ):
         P.prepare_corpus(cfg, log=lambda s: None)
 
 
@@ -334,29 +392,41 @@ def test_training_with_another_tokenizer_than_the_builds_is_refused(tmp_path, do
     vocabulary, so only the manifest's tokenizer hash tells; refused naming the right tokenizer. Its own
     tokenizer, and a shard of a sharded build, are accepted."""
     _write_jsonl(tmp_path / "a.jsonl", docs[:60])
-    out = _prepare(str(tmp_path / "a.jsonl"), tmp_path / "o" / "c", "prepare.shard_documents=40",
-                   tokenizer=tokenizer_json)
+    out = _prepare(
+        str(tmp_path / "a.jsonl"), tmp_path / "o" / "c", "prepare.shard_documents=40", tokenizer=tokenizer_json
+    )
     other = str(tmp_path / "other.json")
     train_byte_level_bpe(docs[150:], VOCAB).save(other)
     assert HFTokenizer(other).vocab_size == VOCAB
     assert Path(other).read_bytes() != Path(tokenizer_json).read_bytes()
 
     def resolve(prefix, tok):
-        return resolve_data(load_config([f"data.path={prefix}", f"data.tokenizer={tok}",
-                                         "data.split='50,50,0'", f"model.vocab_size={VOCAB}"]))
+        return resolve_data(
+            load_config(
+                [f"data.path={prefix}", f"data.tokenizer={tok}", "data.split='50,50,0'", f"model.vocab_size={VOCAB}"]
+            )
+        )
 
     assert len(out.prefixes) == 2
     for prefix in out.prefixes:
         assert resolve(prefix, tokenizer_json).tokenizer_path == tokenizer_json
-        with pytest.raises(ConfigError, match=f"data.path: '{prefix}' was tokenized by k2-data with "
-                                              f"{tokenizer_json} .*not with data.tokenizer {other}"):
+        with pytest.raises(
+            ConfigError,
+            match=f"data.path: '{prefix}' was tokenized by k2-data with "
+            f"{tokenizer_json} .*not with data.tokenizer {other}",
+        ):
             resolve(prefix, other)
 
 
 def test_cli_prints_the_summary_and_exits_2_on_a_bad_setting(tmp_path, docs, tokenizer_json, capsys):
     _write_jsonl(tmp_path / "a.jsonl", docs[:20])
-    args = [f"prepare.input={tmp_path / 'a.jsonl'}", f"prepare.output={tmp_path / 'o'}", "prepare.progress=false",
-            f"data.tokenizer={tokenizer_json}", f"model.vocab_size={VOCAB}"]
+    args = [
+        f"prepare.input={tmp_path / 'a.jsonl'}",
+        f"prepare.output={tmp_path / 'o'}",
+        "prepare.progress=false",
+        f"data.tokenizer={tokenizer_json}",
+        f"model.vocab_size={VOCAB}",
+    ]
     assert data_entry.main(args) == 0
     out = capsys.readouterr().out
     assert "20 documents" in out and f"data.path={tmp_path / 'o'}" in out
@@ -404,9 +474,16 @@ def test_a_full_disk_is_one_line_naming_the_path(tmp_path, docs, tokenizer_json,
     monkeypatch.setattr(preprocess, "write_json", full)
     _write_jsonl(tmp_path / "a.jsonl", docs[:5])
     out = tmp_path / "o"
-    args = [f"prepare.input={tmp_path / 'a.jsonl'}", f"prepare.output={out}", "prepare.progress=false",
-            f"data.tokenizer={tokenizer_json}", f"model.vocab_size={VOCAB}"]
+    args = [
+        f"prepare.input={tmp_path / 'a.jsonl'}",
+        f"prepare.output={out}",
+        "prepare.progress=false",
+        f"data.tokenizer={tokenizer_json}",
+        f"model.vocab_size={VOCAB}",
+    ]
     assert data_entry.main(args) == 1
     err = capsys.readouterr().err
-    assert err == (f"k2-data: error: cannot write prepare.output={out}: No space left on device (errno ENOSPC); "
-                   "free space there or choose another directory, then run again: the build resumes\n"), err
+    assert err == (
+        f"k2-data: error: cannot write prepare.output={out}: No space left on device (errno ENOSPC); "
+        "free space there or choose another directory, then run again: the build resumes\n"
+    ), err

@@ -31,9 +31,19 @@ def built(tmp_path):
     tok = str(tmp_path / "tokenizer.json")
     train_byte_level_bpe(docs, VOCAB).save(tok)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    out = P.prepare_corpus(load_config([f"prepare.input={tmp_path / 'a.jsonl'}", f"prepare.output={tmp_path / 'c'}",
-                                        "prepare.progress=false", "prepare.shard_documents=100",
-                                        f"data.tokenizer={tok}", f"model.vocab_size={VOCAB}"]), log=lambda s: None)
+    out = P.prepare_corpus(
+        load_config(
+            [
+                f"prepare.input={tmp_path / 'a.jsonl'}",
+                f"prepare.output={tmp_path / 'c'}",
+                "prepare.progress=false",
+                "prepare.shard_documents=100",
+                f"data.tokenizer={tok}",
+                f"model.vocab_size={VOCAB}",
+            ]
+        ),
+        log=lambda s: None,
+    )
     return out.prefixes, tok, out.manifest_path
 
 
@@ -44,8 +54,15 @@ def _zero(path: str, at: int = 40, n: int = 64) -> None:
 
 
 def _train_args(prefix: str, tok: str, tmp_path, *extra) -> list[str]:
-    return [f"data.path={prefix}", f"data.tokenizer={tok}", f"model.vocab_size={VOCAB}", "data.split='90,10,0'",
-            f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *extra]
+    return [
+        f"data.path={prefix}",
+        f"data.tokenizer={tok}",
+        f"model.vocab_size={VOCAB}",
+        "data.split='90,10,0'",
+        f"run.dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *extra,
+    ]
 
 
 def test_every_output_is_in_the_manifest_with_its_checksum(built):
@@ -70,8 +87,10 @@ def test_k2_data_verify_names_each_damaged_file_in_one_line(built, capsys):
     damaged = [line for line in err if line.startswith("k2-data: damaged: ")]
     assert len(damaged) == 2 and len(err) == 3, err
     assert f"{prefixes[0]}.bin: content changed" in damaged[0]
-    assert f"{prefixes[1]}.idx: {idx.stat().st_size} bytes, {manifest_path} records {idx.stat().st_size + 100}" \
+    assert (
+        f"{prefixes[1]}.idx: {idx.stat().st_size} bytes, {manifest_path} records {idx.stat().st_size + 100}"
         in damaged[1]
+    )
     assert err[2].startswith("k2-data: verify: 2 of 4 files damaged")
 
 
@@ -103,8 +122,7 @@ def test_a_zeroed_bin_is_refused_with_data_verify_before_any_step(built, tmp_pat
     resolve_data(load_config(_train_args(prefixes[0], tok, tmp_path)))  # sizes and headers agree: not found
     assert train_entry.main(_train_args(prefixes[0], tok, tmp_path, "data.verify=true")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"k2-train: error: data.verify: {prefixes[0]}.bin: content "
-                                               f"changed"), err
+    assert len(err) == 1 and err[0].startswith(f"k2-train: error: data.verify: {prefixes[0]}.bin: content changed"), err
     assert manifest_path in err[0] and no_process_start == [] and not (tmp_path / "run").exists()
 
 

@@ -82,8 +82,12 @@ def write_hf_dir(path: Path, m, fp8: bool, model_type: str = "kimi_k2") -> dict:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = hf_config(m, "rope", "bf16" if fp8 else "fp32", model_type)
     if fp8:
-        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                         "weight_block_size": [128, 128]}
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        }
     (path / "config.json").write_text(json.dumps(config))
     return expected
 
@@ -129,8 +133,9 @@ def test_fp8_k2_checkpoint_imports_and_exports_back(tmp_path, megatron_world1):
         assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     mode = lambda f: oct(f.stat().st_mode & 0o777)  # noqa: E731
-    assert {f.name: mode(f) for f in (tmp_path / "out").iterdir()} == \
-        {f.name: mode(tmp_path / "out" / "config.json") for f in (tmp_path / "out").iterdir()}  # shards too
+    assert {f.name: mode(f) for f in (tmp_path / "out").iterdir()} == {
+        f.name: mode(tmp_path / "out" / "config.json") for f in (tmp_path / "out").iterdir()
+    }  # shards too
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["rope_scaling"] is None
     assert (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]) == (32, 16, 32)
     assert (config["n_routed_experts"], config["n_shared_experts"], config["routed_scaling_factor"]) == (8, 1, 2.827)
@@ -147,16 +152,22 @@ def _assert_nothing_complete(run_dir: Path) -> None:
     assert not (root / "iter_0000000").exists()
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("no_config", r"config\.json is missing"),
-    ("no_index", r"model\.safetensors\.index\.json is missing"),
-    ("no_shard", r"shard model-00002-of-00002\.safetensors is missing"),
-    ("llama", r"architectures=\['LlamaForCausalLM'\].*not a K2-family checkpoint"),
-    ("head_dims", r"qk_nope_head_dim=64 vs model\.qk_head_dim=32.*v_head_dim=64 vs model\.v_head_dim=32"),
-    ("missing_tensor", r"tensor model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight is missing"),
-    ("mis_shaped", r"tensor model\.layers\.1\.self_attn\.kv_b_proj\.weight in model-0000\d-of-00002"
-                   r"\.safetensors has shape \[256, 16\], the model config expects \[256, 32\]"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("no_config", r"config\.json is missing"),
+        ("no_index", r"model\.safetensors\.index\.json is missing"),
+        ("no_shard", r"shard model-00002-of-00002\.safetensors is missing"),
+        ("llama", r"architectures=\['LlamaForCausalLM'\].*not a K2-family checkpoint"),
+        ("head_dims", r"qk_nope_head_dim=64 vs model\.qk_head_dim=32.*v_head_dim=64 vs model\.v_head_dim=32"),
+        ("missing_tensor", r"tensor model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight is missing"),
+        (
+            "mis_shaped",
+            r"tensor model\.layers\.1\.self_attn\.kv_b_proj\.weight in model-0000\d-of-00002"
+            r"\.safetensors has shape \[256, 16\], the model config expects \[256, 32\]",
+        ),
+    ],
+)
 def test_bad_hf_input_is_one_error_naming_the_file_or_tensor(tmp_path, damage, message):
     from safetensors.torch import load_file, save_file
 
@@ -174,13 +185,17 @@ def test_bad_hf_input_is_one_error_naming_the_file_or_tensor(tmp_path, damage, m
     elif damage == "no_shard":
         (hf / "model-00002-of-00002.safetensors").unlink()
     elif damage == "llama":
-        (hf / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"],
-                                                     "model_type": "llama"}))
+        (hf / "config.json").write_text(
+            json.dumps({**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        )
     elif damage == "head_dims":
         (hf / "config.json").write_text(json.dumps({**config, "qk_nope_head_dim": 64, "v_head_dim": 64}))
     elif damage in ("missing_tensor", "mis_shaped"):
-        name = ("model.layers.2.mlp.experts.5.up_proj.weight" if damage == "missing_tensor"
-                else "model.layers.1.self_attn.kv_b_proj.weight")
+        name = (
+            "model.layers.2.mlp.experts.5.up_proj.weight"
+            if damage == "missing_tensor"
+            else "model.layers.1.self_attn.kv_b_proj.weight"
+        )
         shard = hf / index["weight_map"][name]
         tensors = load_file(str(shard))
         if damage == "missing_tensor":
@@ -209,7 +224,7 @@ def test_export_refuses_a_partial_or_damaged_checkpoint_and_leaves_no_output(tmp
     shard = ckpt / "__0_0.distcp"
     data = bytearray(shard.read_bytes())  # 64 KiB overwritten, same size: only the checksum sees it
     n = min(64 << 10, len(data) // 2)
-    data[len(data) // 4:len(data) // 4 + n] = bytes(b ^ 0xFF for b in data[len(data) // 4:len(data) // 4 + n])
+    data[len(data) // 4 : len(data) // 4 + n] = bytes(b ^ 0xFF for b in data[len(data) // 4 : len(data) // 4 + n])
     shard.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=r"iter_0000000 is damaged or incomplete: __0_0\.distcp: content changed"):
         export_hf(ckpt, tmp_path / "out")
@@ -258,19 +273,57 @@ def test_a_weights_only_checkpoint_serves_any_layout_and_checks_only_the_model()
 #: Kimi-K2-Base's config.json as published (huggingface.co/moonshotai/Kimi-K2-Base, config.json; its model
 #: fields, auto_map and token ids left out)
 KIMI_K2_BASE_CONFIG = {
-    "num_nextn_predict_layers": 0, "aux_loss_alpha": 0.001, "initializer_range": 0.02, "seq_aux": True,
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
-    "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
-    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": False, "rope_theta": 50000.0, "attention_bias": False, "torch_dtype": "bfloat16",
-    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
+    "num_nextn_predict_layers": 0,
+    "aux_loss_alpha": 0.001,
+    "initializer_range": 0.02,
+    "seq_aux": True,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_shared_experts": 1,
+    "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 8,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "rope_theta": 50000.0,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
 }
 
 
@@ -297,11 +350,17 @@ def test_kimi_k2_base_config_matches_the_kimi_k2_recipe_and_not_k2_tiny(tmp_path
     assert (read.num_nextn_predict_layers, read.n_group, read.rope_scaling["factor"]) == (0, 1, 32.0)
     # a config.json without n_group / topk_group is read with transformers' defaults (8 and 4), not as 1
     omitted = {k: v for k, v in KIMI_K2_BASE_CONFIG.items() if k not in ("n_group", "topk_group")}
-    with pytest.raises(ConfigError, match=r"n_group=8 \(transformers' default: config.json omits it\) vs 1 "
-                                          r"from model.*; topk_group=4 \(transformers' default"):
+    with pytest.raises(
+        ConfigError,
+        match=r"n_group=8 \(transformers' default: config.json omits it\) vs 1 "
+        r"from model.*; topk_group=4 \(transformers' default",
+    ):
         check_hf_config(omitted, k2.model, "config.json")
-    with pytest.raises(ConfigError, match=r"num_hidden_layers=61 vs model.num_layers=4; hidden_size=7168 vs "
-                                          r"model.hidden_size=128"):
+    with pytest.raises(
+        ConfigError,
+        match=r"num_hidden_layers=61 vs model.num_layers=4; hidden_size=7168 vs "
+        r"model.hidden_size=128",
+    ):
         check_hf_config(KIMI_K2_BASE_CONFIG, _cfg(tmp_path).model, "config.json")
 
 
@@ -327,7 +386,8 @@ def _in_memory_checkpoint(hf: Path, m, out: Path) -> None:
                 sd[t.key] = ShardedTensor.from_rank_offsets(t.key, x, replica_id=0)
             else:
                 sd[f"{t.key}/{t.expert}"] = ShardedTensor.from_rank_offsets(
-                    t.key, x.unsqueeze(0), (0, t.expert, num_experts), replica_id=0)
+                    t.key, x.unsqueeze(0), (0, t.expert, num_experts), replica_id=0
+                )
             if t.linear:
                 extra = t.key.rsplit(".", 1)[0] + "._extra_state"
                 shape, offset = ((num_experts,), (t.expert,)) if t.expert is not None else ((1,), (0,))
@@ -373,8 +433,12 @@ def test_streamed_import_writes_what_megatrons_own_save_writes_in_bounded_files(
         if hasattr(entry, "chunks"):
             chunk = next(c for c in entry.chunks if c.offsets == index.offset)
             tensor_bytes[storage.relative_path] += chunk.sizes.numel() * entry.properties.dtype.itemsize
-    largest = max(c.sizes.numel() * e.properties.dtype.itemsize for e in md.state_dict_metadata.values()
-                  if hasattr(e, "chunks") for c in e.chunks)
+    largest = max(
+        c.sizes.numel() * e.properties.dtype.itemsize
+        for e in md.state_dict_metadata.values()
+        if hasattr(e, "chunks")
+        for c in e.chunks
+    )
     assert len(tensor_bytes) > 10 and max(tensor_bytes.values()) <= max(shard_bytes, largest)
     files = {p.name for p in ours.glob("*.distcp")}
     assert set(tensor_bytes) == files == {s.relative_path for s in md.storage_data.values()}
@@ -388,11 +452,18 @@ def test_import_holds_a_few_tensor_groups_not_the_model(tmp_path):
     planning for its 658 items; the import that held the converted model rose by 1.9x)."""
     from k2.launcher.benchmarks.hf_convert import DEFAULTS, convert_in_child, model_overrides, write_synthetic_hf
 
-    o = {**DEFAULTS, "hidden_size": 256, "moe_ffn_hidden_size": 256, "num_moe_experts": 48,
-         "vocab_size": 2048, "shard_bytes": 2 << 20}
+    o = {
+        **DEFAULTS,
+        "hidden_size": 256,
+        "moe_ffn_hidden_size": 256,
+        "num_moe_experts": 48,
+        "vocab_size": 2048,
+        "shard_bytes": 2 << 20,
+    }
     overrides = [*model_overrides(o), f"run.dir={tmp_path / 'run'}"]
-    model_bytes, group_bytes, _ = write_synthetic_hf(tmp_path / "hf", load_config(overrides).model,
-                                                     o["shard_bytes"], seed=0)
+    model_bytes, group_bytes, _ = write_synthetic_hf(
+        tmp_path / "hf", load_config(overrides).model, o["shard_bytes"], seed=0
+    )
     assert model_bytes > 100e6 and model_bytes > 40 * group_bytes
     r = convert_in_child("import", {"hf": str(tmp_path / "hf"), "overrides": overrides})
     assert (tmp_path / "run" / "checkpoints" / "iter_0000000" / "k2_manifest.json").is_file()
@@ -406,8 +477,11 @@ def test_a_truncated_hf_shard_is_one_error_naming_it_before_anything_is_written(
     write_hf_dir(tmp_path / "hf", cfg.model, fp8=False)
     shard = tmp_path / "hf" / "model-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(ConfigError, match=r"shard model-00002-of-00002\.safetensors is not a readable "
-                                          r"safetensors file"):
+    with pytest.raises(
+        ConfigError,
+        match=r"shard model-00002-of-00002\.safetensors is not a readable "
+        r"safetensors file",
+    ):
         import_hf(tmp_path / "hf", cfg, world_size=1)
     _assert_nothing_complete(tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints" / "iter_0000000.partial").exists()

@@ -44,8 +44,14 @@ def test_offloaded_optimizer_states_are_planned_as_the_pinned_blocks_of_the_trai
     bytes before this rule: the plan counted what the copies move, not what stays pinned)."""
     from k2.launcher.planning.cluster import plan_cluster
 
-    overrides = ["parallel=single", "optim=muonclip", "train.precision=bf16", "optim.offload_fraction=1",
-                 "model.num_layers=2", "model.first_k_dense_replace=1"]
+    overrides = [
+        "parallel=single",
+        "optim=muonclip",
+        "train.precision=bf16",
+        "optim.offload_fraction=1",
+        "model.num_layers=2",
+        "model.first_k_dense_replace=1",
+    ]
     _, _, model, optimizer = build_one_rank(overrides)
     for m in model:  # one step: the optimizer states exist (and are offloaded) from then on
         for buf in [*m.buffers, *m.expert_parallel_buffers]:
@@ -56,8 +62,9 @@ def test_offloaded_optimizer_states_are_planned_as_the_pinned_blocks_of_the_trai
     raw = sum(t.numel() * t.element_size() for t in buffers)
     assert want > raw  # (the rule matters for these shapes)
     assert predict_state_bytes(overrides, 1)[0][0].optimizer_pinned == want
-    plan = plan_cluster(load_config([*overrides, "cluster.nodes=1", "cluster.gpus_per_node=1",
-                                     "checkpoint.async_save=false"])).report
+    plan = plan_cluster(
+        load_config([*overrides, "cluster.nodes=1", "cluster.gpus_per_node=1", "checkpoint.async_save=false"])
+    ).report
     assert {p["host_bytes_per_gpu_peak"] for p in plan["phases"]} == {want}
 
 
@@ -91,7 +98,7 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 key = st.data_ptr()
@@ -142,8 +149,9 @@ def test_the_fullest_k2_gpu_holds_the_score_block_and_the_reserved_terms(k2_32_n
     assert k2_32_nodes["cuda_alloc_conf"] == "expandable_segments:True"
     # the Triton kernel keeps no score block: the grouped GEMM's stacked fc1 weights are the largest
     # transient then (24 local experts x 4,096 x 7,168 in BF16)
-    triton = plan_cluster(load_config(["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32",
-                                       "model.max_logit_kernel=triton"])).report["memory_per_gpu_bytes"]
+    triton = plan_cluster(
+        load_config(["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "model.max_logit_kernel=triton"])
+    ).report["memory_per_gpu_bytes"]
     assert triton["transient"] == 24 * 2 * 2048 * 7168 * 2
 
 

@@ -14,10 +14,12 @@ from k2.launcher.planning.hardware import load_profile, profile_from_dict
 
 def _layer(wire: float, combine_compute: float = 0.0) -> dict:
     """One MoE layer's nodes: attention 4 / 5 (+1 W), experts 4 / 5 (+2 W), every all-to-all ``wire``."""
-    return {"attn": {"F": {"gemm": 4.0}, "B": {"gemm": 5.0}, "W": {"gemm": 1.0}},
-            "dispatch": {"F": {"ep_comm": wire}, "B": {"ep_comm": wire}, "W": {}},
-            "mlp": {"F": {"gemm": 4.0}, "B": {"gemm": 5.0}, "W": {"gemm": 2.0}},
-            "combine": {"F": {"ep_comm": wire, "non_gemm": combine_compute}, "B": {"ep_comm": wire}, "W": {}}}
+    return {
+        "attn": {"F": {"gemm": 4.0}, "B": {"gemm": 5.0}, "W": {"gemm": 1.0}},
+        "dispatch": {"F": {"ep_comm": wire}, "B": {"ep_comm": wire}, "W": {}},
+        "mlp": {"F": {"gemm": 4.0}, "B": {"gemm": 5.0}, "W": {"gemm": 2.0}},
+        "combine": {"F": {"ep_comm": wire, "non_gemm": combine_compute}, "B": {"ep_comm": wire}, "W": {}},
+    }
 
 
 def _stage(*layers) -> eo.StagePlan:
@@ -82,6 +84,7 @@ def test_an_all_to_alls_sms_slow_the_compute_beside_it_on_a_gpu():
     dispatch_b 10-12 beside mlp_dw 10-12.5, mlp_f 12.5-16.5, combine_f 16.5-18.5 beside attn_b 16.5-22,
     attn_dw 22-23: 23 s; each all-to-all costs the compute a quarter of its 2 s (``ep_comm_sms`` 2), nothing
     exposed. Without the SM share: 21 s."""
+
     def pair(share):
         return eo.OverlapCosts([_stage(_layer(2.0))], eo.DEVICE, True, comm_share=share).pair(0, 0)
 
@@ -146,13 +149,34 @@ def test_prediction_for_a_shaped_link():
 
     assert tbf_goodput_gbps(100.0) == pytest.approx(12.5e-3 * 1448 / 1514) and TCP_PAYLOAD_PER_FRAME < 1
     link = tbf_goodput_gbps(100.0)
-    prof = {**load_profile("h200").as_dict(), "gpus_per_host": 1, "kernel_launch_us": 30.0, "nongemm_share": 0.0,
-            "gemm_fp32_tflops": 0.1, "attention_tflops": 0.1, "memory_gbps": 10.0, "gemm_tile": 1,
-            "compute_units": None, "comm_stream": "host_thread", "network_latency_us": 300.0,
-            **{f"{side}_{kind}": link for side in ("nvlink", "network") for kind in ("gbps", "alltoall_gbps",
-                                                                                   "collective_gbps")}}
-    cfg = load_config(["model=k2_tiny", "parallel=single", "parallel.ep=2", "pipeline.decouple_wgrad=true",
-                       "cluster.nodes=2", "cluster.gpus_per_node=1"])
+    prof = {
+        **load_profile("h200").as_dict(),
+        "gpus_per_host": 1,
+        "kernel_launch_us": 30.0,
+        "nongemm_share": 0.0,
+        "gemm_fp32_tflops": 0.1,
+        "attention_tflops": 0.1,
+        "memory_gbps": 10.0,
+        "gemm_tile": 1,
+        "compute_units": None,
+        "comm_stream": "host_thread",
+        "network_latency_us": 300.0,
+        **{
+            f"{side}_{kind}": link
+            for side in ("nvlink", "network")
+            for kind in ("gbps", "alltoall_gbps", "collective_gbps")
+        },
+    }
+    cfg = load_config(
+        [
+            "model=k2_tiny",
+            "parallel=single",
+            "parallel.ep=2",
+            "pipeline.decouple_wgrad=true",
+            "cluster.nodes=2",
+            "cluster.gpus_per_node=1",
+        ]
+    )
     r = predict_ep_overlap(cfg, prof)
     off, on = r["off"], r["on"]
     assert on["ep_overlap"] and not off["ep_overlap"]
@@ -179,6 +203,7 @@ def test_an_all_to_all_beside_the_hosts_compute_takes_longer_on_the_wire():
     5-10 and mlp_dw 10-12); dispatch_b 11-16.5 (half beside mlp_dw and mlp_f 12-16, full 16-16.5), so attn_b
     waits 16-16.5; combine_f 16.5-22.5 beside attn_b 16.5-21.5 and attn_dw 21.5-22.5: 22.5 s, 1.5 s
     exposed. At full speed all of it hides (21 s)."""
+
     def pair(slowdown):
         return eo.OverlapCosts([_stage(_layer(3.0))], eo.HOST_THREAD, True, wire_slowdown=slowdown).pair(0, 0)
 
@@ -200,8 +225,17 @@ def test_each_all_to_all_waits_for_the_other_ranks_call():
     from k2.launcher.planning.overlap_prediction import predict_ep_overlap
 
     prof = {**load_profile("h200").as_dict(), "gpus_per_host": 1, "comm_stream": "host_thread"}
-    cfg = load_config(["model=k2_tiny", "parallel=single", "parallel.ep=2", "cluster.nodes=2",
-                       "cluster.gpus_per_node=1", "train.micro_batch_size=4", "schedule.global_batch_tokens=4096"])
+    cfg = load_config(
+        [
+            "model=k2_tiny",
+            "parallel=single",
+            "parallel.ep=2",
+            "cluster.nodes=2",
+            "cluster.gpus_per_node=1",
+            "train.micro_batch_size=4",
+            "schedule.global_batch_tokens=4096",
+        ]
+    )
     base, waiting = predict_ep_overlap(cfg, prof), predict_ep_overlap(cfg, {**prof, "alltoall_peer_wait_us": 1000.0})
     count = round((waiting["off"]["ep_comm"]["total_s"] - base["off"]["ep_comm"]["total_s"]) / 1e-3)
     assert count == 4 * 3 * 4

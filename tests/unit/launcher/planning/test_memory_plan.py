@@ -25,10 +25,14 @@ from k2.parallel.dims import ParallelDims
 from support.helpers import measure_state_bytes_script, predict_state_bytes
 
 
-@pytest.mark.parametrize("overrides", [
-    ["optim=muonclip", "parallel.use_distributed_optimizer=false"],  # no ZeRO-1: full states
-    ["optim=adamw", "train.precision=bf16"],  # ZeRO-1 over one rank: BF16 params + FP32 masters
-], ids=["muonclip-fp32-no-zero", "adamw-bf16"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optim=muonclip", "parallel.use_distributed_optimizer=false"],  # no ZeRO-1: full states
+        ["optim=adamw", "train.precision=bf16"],  # ZeRO-1 over one rank: BF16 params + FP32 masters
+    ],
+    ids=["muonclip-fp32-no-zero", "adamw-bf16"],
+)
 def test_state_bytes_equal_allocation_one_rank(megatron_world1, overrides, tmp_path):
     """The same on one rank, in this process (megatron_world1): the paths the 4-rank runs do not take."""
     from k2.launcher.training.prepare import prepare_run
@@ -41,8 +45,6 @@ def test_state_bytes_equal_allocation_one_rank(megatron_world1, overrides, tmp_p
     m = measure(cfg, prepare_run(cfg, 1))
     p = predict_state_bytes(["parallel=single", *overrides], 1)[0][0]
     assert (p.params, p.grads, p.optimizer) == (m["params"], m["grads"], m["optimizer"]), m
-
-
 
 
 def test_k2_param_and_grad_bytes():
@@ -67,14 +69,25 @@ def test_k2_param_and_grad_bytes():
 # ---------------------------------------------------------------------------- activations
 
 # distinct widths, so that a tensor counted with the wrong shape shows
-ODD = ["model.hidden_size=112", "model.ffn_hidden_size=200", "model.q_lora_rank=56", "model.kv_lora_rank=24",
-       "model.qk_head_dim=20", "model.qk_pos_emb_head_dim=12", "model.v_head_dim=28",
-       "model.num_attention_heads=3", "model.moe_ffn_hidden_size=44",
-       "model.moe_shared_expert_intermediate_size=36", "model.num_moe_experts=6", "model.moe_router_topk=2"]
+ODD = [
+    "model.hidden_size=112",
+    "model.ffn_hidden_size=200",
+    "model.q_lora_rank=56",
+    "model.kv_lora_rank=24",
+    "model.qk_head_dim=20",
+    "model.qk_pos_emb_head_dim=12",
+    "model.v_head_dim=28",
+    "model.num_attention_heads=3",
+    "model.moe_ffn_hidden_size=44",
+    "model.moe_shared_expert_intermediate_size=36",
+    "model.num_moe_experts=6",
+    "model.moe_router_topk=2",
+]
 
 
-def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
-                        meter: bool = True, per_site: bool = False):
+def measure_saved_bytes(
+    overrides: list[str], seq_length: int, micro_batch_size: int, meter: bool = True, per_site: bool = False
+):
     """Bytes autograd keeps for backward after one microbatch's forward of the k2_tiny family built as
     ``k2-train`` builds it (one rank), on the device and offloaded to host: every storage a saved tensor
     lives in, once; parameters excluded. ``meter=True``: model/saved_tensors.py's ``SavedBytesMeter``
@@ -124,8 +137,9 @@ def measure_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     return sum(storages.values()), 0
 
 
-def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size: int,
-                        offload: list[str] | None = None) -> tuple[float, float]:
+def predict_saved_bytes(
+    overrides: list[str], seq_length: int, micro_batch_size: int, offload: list[str] | None = None
+) -> tuple[float, float]:
     """(device, host) bytes of the same microbatch from launcher/planning/activation_bytes.py (CPU kernels);
     ``offload``: these ``memory.offload`` sites instead of the config's."""
     from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
@@ -140,8 +154,9 @@ def predict_saved_bytes(overrides: list[str], seq_length: int, micro_batch_size:
     gpu, host = apply_switches(stage_saved(cfg.model, seq_length, micro_batch_size, p, False, True, True), **sw)
     for kind in moe_layer_pattern(cfg.model):
         if "layer" in sw.get("recompute", ()):  # whole-layer recompute: the layer input alone
-            g, h = apply_switches(layer_recompute_saved(cfg.model, seq_length, micro_batch_size, p),
-                                  offload=sw["offload"])
+            g, h = apply_switches(
+                layer_recompute_saved(cfg.model, seq_length, micro_batch_size, p), offload=sw["offload"]
+            )
         else:
             g, h = apply_switches(layer_saved(cfg.model, bool(kind), seq_length, micro_batch_size, p, False), **sw)
         gpu, host = gpu + g, host + h
@@ -163,12 +178,19 @@ def test_activation_bytes_without_switches(megatron_world1, overrides, seq, mbs)
     assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
 
 
-SWITCHES = [["memory.fp8_store=[moe_fc1_input]"], ["memory.fp8_store=[swiglu_input]"],
-            ["memory.recompute=[layernorm]"], ["memory.recompute=[swiglu]"], ["memory.recompute=[mla_up_proj]"],
-            ["memory.recompute=[moe_down_proj]"],
-            ["memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj]"],
-            ["memory.offload=[mlp_input,moe_fc1_input,swiglu_input,fc2_input]"],
-            ["memory=k2"], ["memory.recompute=[layer]"], ["memory=k2", "memory.recompute=[layer]"]]
+SWITCHES = [
+    ["memory.fp8_store=[moe_fc1_input]"],
+    ["memory.fp8_store=[swiglu_input]"],
+    ["memory.recompute=[layernorm]"],
+    ["memory.recompute=[swiglu]"],
+    ["memory.recompute=[mla_up_proj]"],
+    ["memory.recompute=[moe_down_proj]"],
+    ["memory.offload=[attn_input,mla_up_proj,core_attn,attn_proj]"],
+    ["memory.offload=[mlp_input,moe_fc1_input,swiglu_input,fc2_input]"],
+    ["memory=k2"],
+    ["memory.recompute=[layer]"],
+    ["memory=k2", "memory.recompute=[layer]"],
+]
 
 
 _METERED: dict = {}
@@ -199,8 +221,10 @@ def test_activation_bytes_per_switch(megatron_world1, switch):
     for overrides, seq, mbs in _shapes(switch):
         none_overrides = [o for o in overrides if o not in switch]
         got, plain = metered(overrides, seq, mbs), metered(none_overrides, seq, mbs)
-        predicted, predicted_plain = predict_saved_bytes(overrides, seq, mbs), predict_saved_bytes(none_overrides,
-                                                                                                   seq, mbs)
+        predicted, predicted_plain = (
+            predict_saved_bytes(overrides, seq, mbs),
+            predict_saved_bytes(none_overrides, seq, mbs),
+        )
         for what, m, p in zip(("device", "host"), (got["device_total"], got["host_total"]), predicted):
             assert p == pytest.approx(m, rel=0.10, abs=1024), (switch, what, p, m)
         dropped_m = plain["device_total"] - got["device_total"]

@@ -23,15 +23,18 @@ from support.distributed import rank_launch_cmd, trainer_env
 K2_OFFICIAL_TOTAL = 1_026_470_731_056  # docs/k2_reference.md: the official config sum incl. embeddings
 
 
-def closed_form(*, hidden, layers, dense_layers, ffn, q_lora, kv_lora, qk, rope, v, heads, experts,
-                moe_ffn, topk, shared_ffn, vocab):
+def closed_form(
+    *, hidden, layers, dense_layers, ffn, q_lora, kv_lora, qk, rope, v, heads, experts, moe_ffn, topk, shared_ffn, vocab
+):
     """(total, active) parameters of a K2-family model (untied embeddings, RMSNorm weights only,
     no biases; MLA with RMSNorm on the q and kv latents; SwiGLU MLPs = 3 matrices)."""
     attention = (
         hidden  # input RMSNorm
-        + hidden * q_lora + q_lora  # q down-projection + q-latent RMSNorm
+        + hidden * q_lora
+        + q_lora  # q down-projection + q-latent RMSNorm
         + q_lora * heads * (qk + rope)  # q up-projection (nope + rope parts)
-        + hidden * (kv_lora + rope) + kv_lora  # kv down-projection (+ shared rope key) + kv-latent norm
+        + hidden * (kv_lora + rope)
+        + kv_lora  # kv down-projection (+ shared rope key) + kv-latent norm
         + kv_lora * heads * (qk + v)  # kv up-projection (k nope + v)
         + heads * v * hidden  # output projection
     )
@@ -48,10 +51,40 @@ def closed_form(*, hidden, layers, dense_layers, ffn, q_lora, kv_lora, qk, rope,
     return total, active
 
 
-K2 = dict(hidden=7168, layers=61, dense_layers=1, ffn=18432, q_lora=1536, kv_lora=512, qk=128, rope=64,
-          v=128, heads=64, experts=384, moe_ffn=2048, topk=8, shared_ffn=2048, vocab=163840)
-TINY = dict(hidden=128, layers=4, dense_layers=1, ffn=384, q_lora=64, kv_lora=32, qk=32, rope=16, v=32,
-            heads=4, experts=8, moe_ffn=64, topk=2, shared_ffn=64, vocab=4096)
+K2 = dict(
+    hidden=7168,
+    layers=61,
+    dense_layers=1,
+    ffn=18432,
+    q_lora=1536,
+    kv_lora=512,
+    qk=128,
+    rope=64,
+    v=128,
+    heads=64,
+    experts=384,
+    moe_ffn=2048,
+    topk=8,
+    shared_ffn=2048,
+    vocab=163840,
+)
+TINY = dict(
+    hidden=128,
+    layers=4,
+    dense_layers=1,
+    ffn=384,
+    q_lora=64,
+    kv_lora=32,
+    qk=32,
+    rope=16,
+    v=32,
+    heads=4,
+    experts=8,
+    moe_ffn=64,
+    topk=2,
+    shared_ffn=64,
+    vocab=4096,
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +120,7 @@ def test_counting_creates_no_process_group(monkeypatch):
         raise AssertionError("k2-plan must not create process groups")
 
     was_initialized = dist.is_initialized()
-    for mod, fn in ((dist, "init_process_group"), (dist, "new_group"),
-                    (ps, "initialize_model_parallel")):
+    for mod, fn in ((dist, "init_process_group"), (dist, "new_group"), (ps, "initialize_model_parallel")):
         monkeypatch.setattr(mod, fn, forbidden)
     counts = count_params(load_config(["model=kimi_k2"]))
     assert counts.total == closed_form(**K2)[0]
@@ -114,8 +146,9 @@ def _run_cli(capsys, argv):
 
 
 def test_cli_json_kimi_k2_256gpu(capsys):
-    rc, out, _ = _run_cli(capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32",
-                                   "cluster.gpus_per_node=8", "output=json"])
+    rc, out, _ = _run_cli(
+        capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "cluster.gpus_per_node=8", "output=json"]
+    )
     assert rc == 0
     plan = json.loads(out)  # exactly one JSON object on stdout
     assert abs(plan["params_total"] - K2_OFFICIAL_TOTAL) / K2_OFFICIAL_TOTAL < 0.005
@@ -143,8 +176,7 @@ def test_cli_json_kimi_k2_256gpu(capsys):
 
 
 def test_cli_text(capsys):
-    rc, out, _ = _run_cli(capsys, ["model=k2_tiny", "parallel=cpu4", "cluster.nodes=1",
-                                   "cluster.gpus_per_node=4"])
+    rc, out, _ = _run_cli(capsys, ["model=k2_tiny", "parallel=cpu4", "cluster.nodes=1", "cluster.gpus_per_node=4"])
     assert rc == 0
     assert "params_total" in out and "params_active" in out and "pp rank" in out
     total, active = closed_form(**TINY)
@@ -203,11 +235,17 @@ _REAL_BUILD = textwrap.dedent(
 def test_tiny_meta_count_equals_real_single_rank_build():
     """The meta count equals the parameters of the k2_tiny model k2-train builds on one gloo rank,
     component by component."""
-    proc = subprocess.run(rank_launch_cmd(1, ["-c", _REAL_BUILD], [str(free_port())]), cwd=ROOT,
-                          env=trainer_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        rank_launch_cmd(1, ["-c", _REAL_BUILD], [str(free_port())]),
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(s for s in proc.stdout.splitlines() if s.startswith("SIZES="))
-    sizes = json.loads(line[len("SIZES="):])
+    sizes = json.loads(line[len("SIZES=") :])
     counts = count_params(load_config(["model=k2_tiny"]))
     assert sum(sizes.values()) == counts.total
     moe_layers = [i for i, k in enumerate(counts.moe_pattern) if k]
@@ -238,16 +276,22 @@ def test_plan_json_and_plot(capsys, tmp_path):
     B = K2_BATCH_TOKENS
     png, schedule_png = tmp_path / "timeline.png", tmp_path / "lr.png"
     query = [0, 500 * B, 10 * T - B, 12_750 * 10**9, 15_500 * 10**9, 15_960 * 10**9, 16 * T]
-    rc = main(["schedule=k2_15t5", "output=json", f"plot={png}", f"plot_schedule={schedule_png}",
-               f"plan.query_tokens=[{','.join(map(str, query))}]"])
+    rc = main(
+        [
+            "schedule=k2_15t5",
+            "output=json",
+            f"plot={png}",
+            f"plot_schedule={schedule_png}",
+            f"plan.query_tokens=[{','.join(map(str, query))}]",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     plan = json.loads(captured.out)
     s = plan["schedule"]
     assert (s["global_batch_tokens"], s["total_steps"]) == (B, ceil_div(15_960 * 10**9, B))
     ends = [500 * B, 10 * T, 15_500 * 10**9, 15_900 * 10**9, 15_960 * 10**9, 15_960 * 10**9]
-    assert [p["name"] for p in s["phases"]] == ["warmup", "stable", "decay", "anneal_4k", "anneal_32k",
-                                                "yarn_128k"]
+    assert [p["name"] for p in s["phases"]] == ["warmup", "stable", "decay", "anneal_4k", "anneal_32k", "yarn_128k"]
     start = 0
     for p, end in zip(s["phases"], ends):
         assert (p["start_tokens"], p["end_tokens"]) == (start, end)
@@ -268,9 +312,11 @@ def test_plan_json_and_plot(capsys, tmp_path):
         assert head == b"\x89PNG\r\n\x1a\n" and 10_000 < picture.stat().st_size < 300_000
     # decoded: the LR picture draws each phase in its own colour (schedules/plot.py's cycle)
     img = mpimg.imread(schedule_png)[..., :3]
-    drawn = [c for c in ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
-             if np.all(np.abs(img - np.array([int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)])) < 0.03,
-                       axis=-1).sum() > 30]
+    drawn = [
+        c
+        for c in ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+        if np.all(np.abs(img - np.array([int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)])) < 0.03, axis=-1).sum() > 30
+    ]
     # stable, decay, anneal_4k, anneal_32k (warmup is 0.03% of the tokens, too thin to show; yarn_128k has
     # no tokens)
     assert {"#ff7f0e", "#2ca02c", "#d62728", "#9467bd"} <= set(drawn), drawn
@@ -290,12 +336,18 @@ def test_node_count_rule(capsys):
     rc, out, err = _run_cli(capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=48"])
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "multiple of 32" in err and "allowed cluster.nodes: 32, 64, 96" in err
-    rc, out, _ = _run_cli(capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=64", "output=json",
-                                   "train.micro_batch_size=1"])
+    rc, out, _ = _run_cli(
+        capsys, ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=64", "output=json", "train.micro_batch_size=1"]
+    )
     assert rc == 0
     plan = json.loads(out)
-    assert plan["model_parallel_group"] == {"gpus": 256, "nodes": 32.0, "replicas": 2,
-                                            "shape": "TP1 x PP16 x EP16", "k2_train_runs": True}
+    assert plan["model_parallel_group"] == {
+        "gpus": 256,
+        "nodes": 32.0,
+        "replicas": 2,
+        "shape": "TP1 x PP16 x EP16",
+        "k2_train_runs": True,
+    }
     assert (plan["dp"], plan["expert_dp"], plan["num_microbatches"]) == (32, 2, 512)
 
 
@@ -303,8 +355,17 @@ def test_node_count_rule(capsys):
 def k2_plan():
     from k2.launcher.planning.cluster import plan_cluster
 
-    cfg = load_config(["model=kimi_k2", "parallel=k2_256gpu", "train.precision=bf16", "train.micro_batch_size=1",
-                       "memory=k2", "optim.offload_fraction=0.5", "plan.step_time_s=150"])
+    cfg = load_config(
+        [
+            "model=kimi_k2",
+            "parallel=k2_256gpu",
+            "train.precision=bf16",
+            "train.micro_batch_size=1",
+            "memory=k2",
+            "optim.offload_fraction=0.5",
+            "plan.step_time_s=150",
+        ]
+    )
     return plan_cluster(cfg).report
 
 
@@ -313,12 +374,21 @@ def test_k2_plan_json_keys(k2_plan):
     from k2.model.flops import flops_per_token
 
     p = k2_plan
-    for key in ("params_total", "params_active", "layout", "memory_per_gpu_bytes", "bubble_fraction",
-                "flops_per_token", "global_batch_tokens", "fits"):
+    for key in (
+        "params_total",
+        "params_active",
+        "layout",
+        "memory_per_gpu_bytes",
+        "bubble_fraction",
+        "flops_per_token",
+        "global_batch_tokens",
+        "fits",
+    ):
         assert key in p, key
     mem = p["memory_per_gpu_bytes"]
-    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-                                         + mem["transient"] + mem["reserved"])
+    assert mem["total"] == pytest.approx(
+        mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["transient"] + mem["reserved"]
+    )
     assert mem["optimizer"] == pytest.approx(mem["optimizer_offloaded_to_host"])  # half offloaded
     assert isinstance(p["fits"], bool) and p["fits"] == (mem["total"] <= 80 * 2**30)
     assert p["global_batch_tokens"] == 67_108_864 and p["num_microbatches"] == 1024
@@ -333,13 +403,15 @@ def test_k2_plan_json_keys(k2_plan):
     # activations: more microbatches in flight on the first PP ranks (interleaved warm-up: 2 (p-r-1) + p + 1:
     # megatron's warm-up with the EP overlap's extra microbatch, the same peak as the plain 1F1B forward's)
     assert [r["memory_bytes"]["microbatches_in_flight"] for r in p["pp_ranks"]] == [
-        2 * (16 - r - 1) + 16 + 1 for r in range(16)]
+        2 * (16 - r - 1) + 16 + 1 for r in range(16)
+    ]
     assert p["pipeline"]["peak_in_flight_per_rank"][0] == 47
 
 
 def test_output_table(capsys):
-    rc, out, _ = _run_cli(capsys, ["model=k2_tiny", "parallel=cpu4", "cluster.nodes=1", "cluster.gpus_per_node=4",
-                                   "output=table"])
+    rc, out, _ = _run_cli(
+        capsys, ["model=k2_tiny", "parallel=cpu4", "cluster.nodes=1", "cluster.gpus_per_node=4", "output=table"]
+    )
     assert rc == 0
     for needle in ("memory per GPU, GiB", "bubble", "FLOPs per token", "fullest GPU", "model-parallel group"):
         assert needle in out, needle
@@ -350,8 +422,10 @@ def test_output_table(capsys):
 
 # a cluster of 0.05 GiB "GPUs" (k2_tiny's sizes): without the fixed GPU terms of plan.gpu_overheads (a
 # CUDA context alone is 0.5 GiB), which a layout search does not change
-NO_GPU_OVERHEADS = [f"plan.gpu_overheads.{k}=0" for k in ("cuda_context_gib", "nccl_gib_per_communicator",
-                                                           "workspace_gib", "fragmentation")]
+NO_GPU_OVERHEADS = [
+    f"plan.gpu_overheads.{k}=0"
+    for k in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib", "fragmentation")
+]
 
 
 def test_search_small_cluster(capsys):
@@ -359,8 +433,16 @@ def test_search_small_cluster(capsys):
     by estimated step time; each row's layout is one k2-plan accepts."""
     from k2.launcher.planning.cluster import plan_cluster
 
-    cfg = load_config(["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4", "plan.search=true",
-                       "cluster.gpu_memory_gib=0.05", *NO_GPU_OVERHEADS])
+    cfg = load_config(
+        [
+            "model=k2_tiny",
+            "cluster.nodes=1",
+            "cluster.gpus_per_node=4",
+            "plan.search=true",
+            "cluster.gpu_memory_gib=0.05",
+            *NO_GPU_OVERHEADS,
+        ]
+    )
     rows = plan_cluster(cfg).report["search"]
     assert rows and [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
     keys = {(r["pp"], r["vpp"], r["ep"]) for r in rows}
@@ -373,10 +455,20 @@ def test_search_small_cluster(capsys):
         assert times == sorted(times)
     for r in rows:
         assert r["fits"] == (r["memory_per_gpu_bytes"] <= 0.05 * 2**30)
-        rc, out, err = _run_cli(capsys, ["model=k2_tiny", "cluster.nodes=1", "cluster.gpus_per_node=4",
-                                         *NO_GPU_OVERHEADS, f"parallel.pp={r['pp']}",
-                                         f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
-                                         f"parallel.ep={r['ep']}", f"parallel.layout={r['layout']}", "output=json"])
+        rc, out, err = _run_cli(
+            capsys,
+            [
+                "model=k2_tiny",
+                "cluster.nodes=1",
+                "cluster.gpus_per_node=4",
+                *NO_GPU_OVERHEADS,
+                f"parallel.pp={r['pp']}",
+                f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
+                f"parallel.ep={r['ep']}",
+                f"parallel.layout={r['layout']}",
+                "output=json",
+            ],
+        )
         assert rc == 0, err
         again = json.loads(out)
         assert again["memory_per_gpu_bytes"]["total"] == pytest.approx(r["memory_per_gpu_bytes"])

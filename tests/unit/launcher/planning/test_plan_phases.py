@@ -64,8 +64,9 @@ def test_every_running_phase_has_a_row_and_host_per_node():
         want = staged + sum(mem[pp_of[r]].host_pinned for r in range(4))
         assert want > 0 and row["host_bytes_per_node"] == pytest.approx(want)
         assert a["staged_pinned_ratio"] >= 1 and all(g.host_pinned >= g.host for g in mem)
-        assert row["device_peak_bytes"] == pytest.approx(max(g.params + g.grads + g.optimizer + g.activations
-                                                             + g.transient + g.reserved for g in mem))
+        assert row["device_peak_bytes"] == pytest.approx(
+            max(g.params + g.grads + g.optimizer + g.activations + g.transient + g.reserved for g in mem)
+        )
         assert row["fits_gpu"] == (row["device_peak_bytes"] <= gpu_memory_gib(cfg) * gib)
         assert row["fits_host"] == (row["host_bytes_per_node"] <= host_memory_gib(cfg) * gib)
         assert row["memory"]["recompute"] == sorted(cfg.memory.recompute)
@@ -112,8 +113,7 @@ def test_k2_plans_and_fits_every_phase_on_its_cluster(capsys):
     """K2's run as model=kimi_k2 selects it (train=k2, memory=k2, k2_15t5 with whole-layer recompute in the
     32K anneal) on K2's 32 x 8 H800 GPUs: every phase from warmup to the 32K anneal fits 80 GiB per GPU
     and 2,048 GiB per node."""
-    rc = main(["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "cluster.gpus_per_node=8",
-               "output=json"])
+    rc = main(["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "cluster.gpus_per_node=8", "output=json"])
     assert rc == 0
     plan = json.loads(capsys.readouterr().out)
     rows = {r["phase"]: r for r in plan["phases"]}

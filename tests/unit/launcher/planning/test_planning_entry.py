@@ -43,8 +43,9 @@ def test_the_check_sees_an_import_of_a_planner_module(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     plan = tmp_path / "launcher" / "plan.py"
     plan.write_text(plan.read_text() + "\nfrom k2.launcher.planning.cluster import plan_cluster\n")
-    assert reaches_into_planning(tmp_path) == [f"launcher/plan.py:{len(plan.read_text().splitlines())}: "
-                                               f"{PLANNING}.cluster"]
+    assert reaches_into_planning(tmp_path) == [
+        f"launcher/plan.py:{len(plan.read_text().splitlines())}: {PLANNING}.cluster"
+    ]
 
 
 def test_every_public_name_resolves_to_its_module():

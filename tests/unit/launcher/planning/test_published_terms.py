@@ -57,11 +57,13 @@ def _step(k2, layout: str, what_if: dict):
     from k2.parallel.dims import ParallelDims
 
     cfg, counts, fl, profile = k2
-    c = OmegaConf.merge(cfg, {"parallel": {"pp": 16, "vpp": None, "ep": 8, "layout": layout},
-                              "plan": {"what_if": what_if}})
+    c = OmegaConf.merge(
+        cfg, {"parallel": {"pp": 16, "vpp": None, "ep": 8, "layout": layout}, "plan": {"what_if": what_if}}
+    )
     dims = ParallelDims.from_config(c.parallel, c.model, 256)
-    return stm.step_time(c, dims, counts, fl, tokens=4096, num_microbatches=128, recompute=[],
-                         profile=profile, max_microbatches=32), dims
+    return stm.step_time(
+        c, dims, counts, fl, tokens=4096, num_microbatches=128, recompute=[], profile=profile, max_microbatches=32
+    ), dims
 
 
 def test_mtp_module_adds_a_moe_block_the_projection_and_the_head_to_the_loss_stage(k2):
@@ -96,8 +98,9 @@ def test_dualpipe_rank_runs_stage_r_and_its_mirror_half_the_microbatches_each(k2
     assert st.makespan - st.breakdown["bubble"] == pytest.approx(128 * paired, rel=1e-9)
     assert paired < max(period)  # the last stage alone (4 layers + the head) is the heaviest
     # (the token-count all-gather blocks the compute stream: it is in the passes' time)
-    compute = sum(v for k, v in st.breakdown.items()
-                  if k in ("gemm", "attention", "non_gemm", "recompute", "ep_token_counts"))
+    compute = sum(
+        v for k, v in st.breakdown.items() if k in ("gemm", "attention", "non_gemm", "recompute", "ep_token_counts")
+    )
     assert compute == pytest.approx(128 * paired, rel=1e-6)
 
 
@@ -123,9 +126,20 @@ def test_fp8_gemms_run_at_the_fp8_rate_after_quantising_their_operands(k2):
     T = 4096
 
     def model(fp8):
-        return StageModel(cfg.model, fl, None, tokens=T, profile=profile, rates=profile.rates("bf16", fp8=fp8),
-                          act_bytes=2.0, grouped=True, what_if=WhatIf(), recompute=(),
-                          fp8_recipe="mxfp8" if fp8 else None, high_rates=profile.rates("bf16"))
+        return StageModel(
+            cfg.model,
+            fl,
+            None,
+            tokens=T,
+            profile=profile,
+            rates=profile.rates("bf16", fp8=fp8),
+            act_bytes=2.0,
+            grouped=True,
+            what_if=WhatIf(),
+            recompute=(),
+            fp8_recipe="mxfp8" if fp8 else None,
+            high_rates=profile.rates("bf16"),
+        )
 
     fp8, bf16 = model(True), model(False)
     out = {"F": {}, "B": {}, "W": {}}
@@ -133,10 +147,12 @@ def test_fp8_gemms_run_at_the_fp8_rate_after_quantising_their_operands(k2):
     shapes = attention_gemms(fp8.s, T, 1)
     r8 = profile.rates("bf16", fp8=True)
     assert out["F"]["gemm"] == pytest.approx(sum(gemm_seconds(m, k, n, r8) for m, k, n in shapes))
-    assert out["F"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * k, 1, r8)
-                                                     for m, k, _ in shapes))
-    assert out["B"]["quantize"] == pytest.approx(sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * n, 1, r8)
-                                                     for m, _, n in shapes))
+    assert out["F"]["quantize"] == pytest.approx(
+        sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * k, 1, r8) for m, k, _ in shapes)
+    )
+    assert out["B"]["quantize"] == pytest.approx(
+        sum(elementwise_seconds(FP8_QUANTIZE_BYTES * m * n, 1, r8) for m, _, n in shapes)
+    )
     assert FP8_QUANTIZE_BYTES == pytest.approx(2 + 2 * 33 / 32) and "quantize" not in out["W"]
     bf = {"F": {}, "B": {}, "W": {}}
     bf16.attention_gemms(bf)

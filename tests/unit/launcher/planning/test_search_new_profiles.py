@@ -26,15 +26,24 @@ PEAK_BF16 = {"b200": 2250, "b300": 2250, "gb200_nvl72": 2450, "gb300_nvl72": 245
 #: it fits with PP8 x VPP4, whose plan and three variants (each without one memory setting) are simulated
 #: at full length, 2,048 microbatches
 FAST = {("b200", 64), ("gb200_nvl72", 72), ("gb300_nvl72", 288), ("b300", 72)}
-CASES = [pytest.param(profile, gpus, marks=() if (profile, gpus) in FAST else pytest.mark.slow)
-         for profile in sorted(HOST_GPUS) for gpus in (64, 72, 288)]
+CASES = [
+    pytest.param(profile, gpus, marks=() if (profile, gpus) in FAST else pytest.mark.slow)
+    for profile in sorted(HOST_GPUS)
+    for gpus in (64, 72, 288)
+]
 
 
 @pytest.mark.parametrize(("profile", "gpus"), CASES)
 def test_kimi_k2_search_on_a_blackwell_cluster_prints_its_verdict_first(capsys, profile, gpus):
     per_host = HOST_GPUS[profile]
-    args = ["model=kimi_k2", "plan.search=true", f"plan.hardware={profile}", f"cluster.nodes={gpus // per_host}",
-            f"cluster.gpus_per_node={per_host}", "output=json"]
+    args = [
+        "model=kimi_k2",
+        "plan.search=true",
+        f"plan.hardware={profile}",
+        f"cluster.nodes={gpus // per_host}",
+        f"cluster.gpus_per_node={per_host}",
+        "output=json",
+    ]
     assert main(args) == 0
     plan = json.loads(capsys.readouterr().out)
     v = plan["verdict"]

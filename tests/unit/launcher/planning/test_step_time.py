@@ -90,12 +90,22 @@ def _k2_step(k2, pp, vpp, ep, extra=None, overlap=False):
 
     cfg, counts, fl, profile = k2
     layout = balanced_layout([fl.layer(i) for i in range(61)], pp, vpp, 0.0, fl.lm_head)
-    c = OmegaConf.merge(cfg, {"parallel": {"pp": pp, "vpp": vpp if vpp > 1 else None, "ep": ep, "layout": layout}},
-                        extra or {})
+    c = OmegaConf.merge(
+        cfg, {"parallel": {"pp": pp, "vpp": vpp if vpp > 1 else None, "ep": ep, "layout": layout}}, extra or {}
+    )
     dims = ParallelDims.from_config(c.parallel, c.model, 256)
-    return stm.step_time(c, dims, counts, fl, tokens=4096, num_microbatches=67108864 // 4096 // dims.dp,
-                         recompute=list(c.memory.recompute), profile=profile, max_microbatches=4 * pp,
-                         ep_overlap=overlap)
+    return stm.step_time(
+        c,
+        dims,
+        counts,
+        fl,
+        tokens=4096,
+        num_microbatches=67108864 // 4096 // dims.dp,
+        recompute=list(c.memory.recompute),
+        profile=profile,
+        max_microbatches=4 * pp,
+        ep_overlap=overlap,
+    )
 
 
 LAYOUTS = [(16, 1, 8), (32, 1, 8), (8, 1, 8), (16, 2, 16), (16, 1, 16), (8, 1, 32)]
@@ -181,20 +191,34 @@ def test_layer_nodes_add_up_to_the_layer(k2):
 
     cfg, _, fl, profile = k2
     tiny = load_config(["model=k2_tiny", "parallel=cpu4"])
-    cpu = load_profile("h200").__class__(**{**load_profile("h200").as_dict(), "nongemm_share": 0.0,
-                                            "kernel_launch_us": 30.0})
+    cpu = load_profile("h200").__class__(
+        **{**load_profile("h200").as_dict(), "nongemm_share": 0.0, "kernel_launch_us": 30.0}
+    )
     cases = [(cfg, fl, profile, 4096, 16, True), (tiny, flops_per_token(tiny.model, 128), cpu, 256, 2, False)]
     for c, f, prof, tokens, world_ep, grouped in cases:
         dims = ParallelDims.from_config(c.parallel, c.model, 256 if world_ep == 16 else 4)
-        m = StageModel(c.model, f, dims, tokens=tokens, profile=prof, rates=prof.rates("bf16"), act_bytes=2.0,
-                       grouped=grouped, what_if=WhatIf.from_config(c), recompute=list(c.memory.recompute))
+        m = StageModel(
+            c.model,
+            f,
+            dims,
+            tokens=tokens,
+            profile=prof,
+            rates=prof.rates("bf16"),
+            act_bytes=2.0,
+            grouped=grouped,
+            what_if=WhatIf.from_config(c),
+            recompute=list(c.memory.recompute),
+        )
         for i in (0, 1):  # the dense layer and a MoE layer
             whole, nodes = m.layer(i), m.layer_nodes(i)
             assert set(nodes) == ({"attn", "dispatch", "mlp", "combine"} if i else {"attn", "mlp"})
             for ph in ("F", "B", "W"):
                 for term, v in whole[ph].items():
-                    assert sum(n[ph].get(term, 0.0) for n in nodes.values()) == pytest.approx(v, rel=1e-12), (i, ph,
-                                                                                                              term)
+                    assert sum(n[ph].get(term, 0.0) for n in nodes.values()) == pytest.approx(v, rel=1e-12), (
+                        i,
+                        ph,
+                        term,
+                    )
 
 
 def test_each_term_dropped_changes_the_step(k2):
@@ -204,18 +228,22 @@ def test_each_term_dropped_changes_the_step(k2):
     with mock.patch.object(after_pipeline, "ring_seconds", lambda *a, **k: 0.0):
         no_dp = _k2_step(k2, 16, 2, 16)
     assert base.step_s - no_dp.step_s == pytest.approx(
-        base.breakdown["dp_grad_reduce_scatter"] + base.breakdown["dp_param_all_gather"], rel=1e-6)
+        base.breakdown["dp_grad_reduce_scatter"] + base.breakdown["dp_param_all_gather"], rel=1e-6
+    )
     no_rec = _k2_step(k2, 16, 2, 16, {"memory": {"recompute": []}})
     assert no_rec.breakdown["recompute"] == 0 and no_rec.step_s < base.step_s - 0.8 * base.breakdown["recompute"]
     whole = _k2_step(k2, 16, 2, 16, {"memory": {"recompute": ["layer"]}})
     # whole-layer recompute re-runs the forward, its all-to-alls included: more than the selective sites
     assert whole.breakdown["recompute"] > 5 * base.breakdown["recompute"]
-    with mock.patch.object(smod, "nongemm_bytes_per_token", lambda *a, **k: 0.0), \
-            mock.patch.dict(opc.OPERATORS, {k: (0, 0) for k in opc.OPERATORS}):
+    with (
+        mock.patch.object(smod, "nongemm_bytes_per_token", lambda *a, **k: 0.0),
+        mock.patch.dict(opc.OPERATORS, {k: (0, 0) for k in opc.OPERATORS}),
+    ):
         floor_only = _k2_step(k2, 16, 2, 16)
     # the profile's non-GEMM share (0.27 of the compute stream) still holds the non-GEMM time up
-    share = floor_only.breakdown["non_gemm"] / (floor_only.breakdown["non_gemm"] + floor_only.breakdown["gemm"]
-                                                + floor_only.breakdown["attention"])
+    share = floor_only.breakdown["non_gemm"] / (
+        floor_only.breakdown["non_gemm"] + floor_only.breakdown["gemm"] + floor_only.breakdown["attention"]
+    )
     assert 0.2 < share <= 0.27 + 1e-9
 
 
@@ -229,11 +257,19 @@ def _tiny_step(parallel: str, launch_us: float, world: int = 1, operator_us=None
     from k2.parallel.dims import ParallelDims
 
     cfg = load_config(["model=k2_tiny", f"parallel={parallel}"])
-    prof = dataclasses.replace(load_profile("h200"), kernel_launch_us=launch_us, nongemm_share=0.0, gemm_tile=1,
-                               compute_units=None, operator_us=dict(operator_us or {}), **overheads)
+    prof = dataclasses.replace(
+        load_profile("h200"),
+        kernel_launch_us=launch_us,
+        nongemm_share=0.0,
+        gemm_tile=1,
+        compute_units=None,
+        operator_us=dict(operator_us or {}),
+        **overheads,
+    )
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
-    return stm.step_time(cfg, dims, count_params(cfg), flops_per_token(cfg.model, 128), tokens=256,
-                         num_microbatches=8, profile=prof)
+    return stm.step_time(
+        cfg, dims, count_params(cfg), flops_per_token(cfg.model, 128), tokens=256, num_microbatches=8, profile=prof
+    )
 
 
 def test_the_model_charges_the_operators_the_trainers_step_runs():
@@ -247,8 +283,12 @@ def test_the_model_charges_the_operators_the_trainers_step_runs():
     charged = (_tiny_step("single", 1e3).step_s - _tiny_step("single", 0.0).step_s) / per_op
     assert charged == pytest.approx(25_442, rel=0.01)
     model = load_config(["model=k2_tiny"]).model
-    parts = [opc.modelled_operators(model, "dense_layer"), *[opc.modelled_operators(model, "moe_layer", 8)] * 3,
-             opc.modelled_operators(model, "embedding"), opc.modelled_operators(model, "loss")]
+    parts = [
+        opc.modelled_operators(model, "dense_layer"),
+        *[opc.modelled_operators(model, "moe_layer", 8)] * 3,
+        opc.modelled_operators(model, "embedding"),
+        opc.modelled_operators(model, "loss"),
+    ]
     assert charged == pytest.approx(8 * sum(map(sum, parts)) + unfused_operators(98), rel=1e-6)
     with mock.patch.dict(opc.OPERATORS, {k: (0, 0) for k in opc.OPERATORS}):
         gemms_only = (_tiny_step("single", 1e3).step_s - _tiny_step("single", 0.0).step_s) / per_op
@@ -283,13 +323,20 @@ def test_hardware_profiles_name_a_source_for_every_number():
 #: each published run's error bound (|predicted / published - 1|), today's errors in docs/performance_model.md:
 #: within 10% / 20% where the model meets the run; the two Blackwell runs it misses, bounded loosely (the
 #: GB200 BF16 run of NeMo 25.04 at a third of the efficiency of the same repository's 256-GPU run)
-PUBLISHED_ERROR = {"deepseek_v3_2048_h800": 0.1, "deepseek_v3_1024_h100_megatron_fp8": 0.1,
-                   "deepseek_v3_1024_h100_automodel_bf16": 0.1, "deepseek_v3_256_h100_automodel_bf16": 0.2,
-                   "kimi_k2_256_h100_automodel_bf16": 0.1, "deepseek_v3_512_gb200_mlperf_mxfp8": 0.1,
-                   "deepseek_v3_256_b200_bridge_mxfp8_pp8vp2": 0.1, "deepseek_v3_256_b200_bridge_mxfp8_pp16": 0.1,
-                   # the two misses docs/performance_model.md explains (software of the publication's release,
-                   # a one-microbatch step): bounds only that they stay planned and do not drift further
-                   "deepseek_v3_128_gb200_nemo_bf16": 0.7, "moonlight_16b_8_h100_bridge_bf16": 0.6}
+PUBLISHED_ERROR = {
+    "deepseek_v3_2048_h800": 0.1,
+    "deepseek_v3_1024_h100_megatron_fp8": 0.1,
+    "deepseek_v3_1024_h100_automodel_bf16": 0.1,
+    "deepseek_v3_256_h100_automodel_bf16": 0.2,
+    "kimi_k2_256_h100_automodel_bf16": 0.1,
+    "deepseek_v3_512_gb200_mlperf_mxfp8": 0.1,
+    "deepseek_v3_256_b200_bridge_mxfp8_pp8vp2": 0.1,
+    "deepseek_v3_256_b200_bridge_mxfp8_pp16": 0.1,
+    # the two misses docs/performance_model.md explains (software of the publication's release,
+    # a one-microbatch step): bounds only that they stay planned and do not drift further
+    "deepseek_v3_128_gb200_nemo_bf16": 0.7,
+    "moonlight_16b_8_h100_bridge_bf16": 0.6,
+}
 
 
 def test_published_runs_are_stated_and_compared():
@@ -323,7 +370,8 @@ def test_published_runs_are_stated_and_compared():
     assert 3 < auto["breakdown_s"]["bubble"] / one_flush["breakdown_s"]["bubble"] < 5
     # FSDP2 under torch's pipelining reduce-scatters the gradients after every flush: 4 exposed, not 1
     assert auto["breakdown_s"]["dp_grad_reduce_scatter"] == pytest.approx(
-        4 * one_flush["breakdown_s"]["dp_grad_reduce_scatter"], rel=1e-6)
+        4 * one_flush["breakdown_s"]["dp_grad_reduce_scatter"], rel=1e-6
+    )
     assert auto["breakdown_s"]["dp_grad_reduce_scatter"] > 1
     assert "flushes4" in auto["what_if"]
     assert rows["deepseek_v3_1024_h100_megatron_fp8"]["breakdown_s"]["ep_comm"] > 5
@@ -347,10 +395,16 @@ def test_checkpoint_figures_young_daly_and_the_staged_copy():
     assert c["mtbf_hours"] * 3600 == pytest.approx(mtbf)
     assert c["save_interval_s"] == pytest.approx(math.sqrt(2 * c["stall_s"] * mtbf))
     write = 8 * 10 * P / 256 / 10e9
-    assert c["expected_goodput"] == pytest.approx(1 - c["stall_s"] / c["save_interval_s"]
-                                                  - (c["save_interval_s"] / 2 + write) / mtbf)
-    plain = OmegaConf.create({"checkpoint": {"async_save": False}, "optim": {"name": "muonclip"},
-                              "cluster": {"gpus_per_node": 8, "checkpoint_write_gbps": 10.0, "mtbf_hours": None}})
+    assert c["expected_goodput"] == pytest.approx(
+        1 - c["stall_s"] / c["save_interval_s"] - (c["save_interval_s"] / 2 + write) / mtbf
+    )
+    plain = OmegaConf.create(
+        {
+            "checkpoint": {"async_save": False},
+            "optim": {"name": "muonclip"},
+            "cluster": {"gpus_per_node": 8, "checkpoint_write_gbps": 10.0, "mtbf_hours": None},
+        }
+    )
     assert staged_bytes_per_node(plain, P, 256) == 0
     sync = checkpoint_plan(plain, P, 256, 200.0, 50.0)
     assert sync["stall_s"] == pytest.approx(write) and sync["staged_host_bytes_per_node"] == 0

@@ -28,8 +28,15 @@ def _tiny(tp: int, world: int = 8, ep: int = 2, recompute=()):
 
     cfg = load_config(["model=k2_tiny", "train.precision=bf16", f"parallel.tp={tp}", f"parallel.ep={ep}"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, tp_supported=True)
-    return stm.stage_model(cfg, dims, flops_per_token(cfg.model, T), tokens=T, device=load_profile("h100"),
-                           what_if=WhatIf(), recompute=list(recompute))
+    return stm.stage_model(
+        cfg,
+        dims,
+        flops_per_token(cfg.model, T),
+        tokens=T,
+        device=load_profile("h100"),
+        what_if=WhatIf(),
+        recompute=list(recompute),
+    )
 
 
 def _ring2(elements: float) -> float:
@@ -64,8 +71,7 @@ def test_tp2_halves_the_sharded_gemms_core_attention_and_the_rank_s_tokens():
     assert two.token_counts_s() == one.token_counts_s()  # (the EP group's, expert TP 1)
     from k2.launcher.planning.tp_layout import attention_gemms
 
-    assert attention_gemms(two.s, T, 2) == [(T / 2, 128, 64), (T, 64, 96), (T / 2, 128, 48), (T, 32, 128),
-                                            (T, 64, 128)]
+    assert attention_gemms(two.s, T, 2) == [(T / 2, 128, 64), (T, 64, 96), (T / 2, 128, 48), (T, 32, 128), (T, 64, 128)]
 
 
 def test_tp2_parameters_and_activations_per_gpu_against_hand_counts():
@@ -77,8 +83,9 @@ def test_tp2_parameters_and_activations_per_gpu_against_hand_counts():
     cfg = load_config(["model=k2_tiny"])
     c = count_params(cfg)
     assert c.stage([0], False, False, tp=2) == c.dense_layer - (TINY_ATTENTION_SHARDED + TINY_DENSE_MLP) // 2
-    assert c.stage([1], False, False, ep=2, tp=2) == (c.moe_layer - c.routed_experts // 2
-                                                      - (TINY_ATTENTION_SHARDED + TINY_SHARED_EXPERT) // 2)
+    assert c.stage([1], False, False, ep=2, tp=2) == (
+        c.moe_layer - c.routed_experts // 2 - (TINY_ATTENTION_SHARDED + TINY_SHARED_EXPERT) // 2
+    )
     acts = {}
     for tp in (1, 2):
         c2 = load_config(["model=k2_tiny", f"parallel.tp={tp}"])
@@ -117,7 +124,8 @@ def test_megatron_module_recompute_sites_add_their_forward_to_the_backward():
     dense0 = base.layer_nodes(0)
     assert attn.layer_nodes(0)["attn"]["B"]["recompute"] == pytest.approx(dense0["attn"]["F"]["attention"])
     assert mlp.layer_nodes(0)["mlp"]["B"]["recompute"] == pytest.approx(
-        sum(v for k, v in dense0["mlp"]["F"].items()), rel=0.05)  # (the non-GEMM floor apart)
+        sum(v for k, v in dense0["mlp"]["F"].items()), rel=0.05
+    )  # (the non-GEMM floor apart)
     moe1 = moe.layer_nodes(1)
     a2a = sum(moe1[n]["F"]["ep_comm"] for n in ("dispatch", "combine"))
     assert moe1["mlp"]["B"]["recompute"] > a2a + moe1["mlp"]["F"]["gemm"]
@@ -126,8 +134,7 @@ def test_megatron_module_recompute_sites_add_their_forward_to_the_backward():
 def test_k2_train_refuses_the_module_recompute_sites_in_one_line():
     from k2.model.backends import check_recompute_sites
 
-    for overrides in (["memory.recompute=[layernorm,moe]"],
-                      ["schedule.phases.1.memory.recompute=[core_attn]"]):
+    for overrides in (["memory.recompute=[layernorm,moe]"], ["schedule.phases.1.memory.recompute=[core_attn]"]):
         with pytest.raises(ConfigError) as e:
             check_recompute_sites(load_config(overrides))
         msg = str(e.value)

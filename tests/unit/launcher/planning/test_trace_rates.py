@@ -16,21 +16,26 @@ def _trace():
     """One layer's worth of kernels: a dense forward GEMM, a grouped expert GEMM, the 10 weight-gradient
     GEMMs of mlp(W) (the 2nd and 3rd overlapping by 50 us), a BF16 cuBLAS GEMM and a DeepGEMM transpose."""
     gg = "void cutlass::device_kernel<dpsk::grouped_gemm::cuda::{}::GemmKernel>(x)"
-    ev = [{"cat": "user_annotation", "name": "attn(F)", "ts": 0, "dur": 100},
-          {"cat": "user_annotation", "name": "mlp(F)", "ts": 100, "dur": 100},
-          {"cat": "user_annotation", "name": "mlp(W)", "ts": 200, "dur": 100}]
-    ks = [(gg.format("fp8_ptp128c"), 1000, 300, 10),
-          (gg.format("m_grouped_fp8_ptp128c"), 2000, 700, 110),
-          ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n", 3000, 40, 20),
-          ("void dpsk::grouped_gemm::cuda::utils::transpose<512>(x)", 3100, 10, 120)]
+    ev = [
+        {"cat": "user_annotation", "name": "attn(F)", "ts": 0, "dur": 100},
+        {"cat": "user_annotation", "name": "mlp(F)", "ts": 100, "dur": 100},
+        {"cat": "user_annotation", "name": "mlp(W)", "ts": 200, "dur": 100},
+    ]
+    ks = [
+        (gg.format("fp8_ptp128c"), 1000, 300, 10),
+        (gg.format("m_grouped_fp8_ptp128c"), 2000, 700, 110),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n", 3000, 40, 20),
+        ("void dpsk::grouped_gemm::cuda::utils::transpose<512>(x)", 3100, 10, 120),
+    ]
     t = 4000
     for i in range(10):  # shared expert's first and last, the experts' 8 between
         ks.append((gg.format("fp8_dptp128c_acc"), t, 100, 210 + i))
         t += 50 if i == 1 else 100  # the 3rd starts while the 2nd runs: 50 us of overlap
     for name, ts, dur, corr in ks:
         ev.append(_kernel(name, ts, dur, corr))
-        ev.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": corr, "dur": 1,
-                   "args": {"correlation": corr}})
+        ev.append(
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": corr, "dur": 1, "args": {"correlation": corr}}
+        )
     return {"traceEvents": ev}
 
 
@@ -55,8 +60,9 @@ def _trace_flops(m) -> dict:
     T, h, H = tr.TRACE_TOKENS, m.hidden_size, m.num_attention_heads
     qk, r, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
     up = m.q_lora_rank * H * (qk + r) + m.kv_lora_rank * H * (qk + v)
-    dense = (h * m.q_lora_rank + h * (m.kv_lora_rank + r) + H * v * h + up
-             + 3 * h * m.moe_shared_expert_intermediate_size)
+    dense = (
+        h * m.q_lora_rank + h * (m.kv_lora_rank + r) + H * v * h + up + 3 * h * m.moe_shared_expert_intermediate_size
+    )
     expert = m.moe_router_topk * 3 * h * m.moe_ffn_hidden_size
     return {"dense": 4 * 2 * T * (3 * dense + up), "expert": 4 * 3 * 2 * T * expert}
 

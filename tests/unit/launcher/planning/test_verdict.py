@@ -9,13 +9,23 @@ import json
 
 from k2.launcher.plan import main
 
-NO_GPU_OVERHEADS = [f"plan.gpu_overheads.{k}=0" for k in ("cuda_context_gib", "nccl_gib_per_communicator",
-                                                           "workspace_gib", "fragmentation")]
+NO_GPU_OVERHEADS = [
+    f"plan.gpu_overheads.{k}=0"
+    for k in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib", "fragmentation")
+]
 
 
 def _plan(capsys, gib: float, gpus: int = 2, *extra: str) -> tuple[list[str], dict]:
-    base = ["model=k2_tiny", "memory=k2", "cluster.nodes=1", f"cluster.gpus_per_node={gpus}", "plan.search=true",
-            f"cluster.gpu_memory_gib={gib}", *NO_GPU_OVERHEADS, *extra]
+    base = [
+        "model=k2_tiny",
+        "memory=k2",
+        "cluster.nodes=1",
+        f"cluster.gpus_per_node={gpus}",
+        "plan.search=true",
+        f"cluster.gpu_memory_gib={gib}",
+        *NO_GPU_OVERHEADS,
+        *extra,
+    ]
     assert main(base) == 0
     text = capsys.readouterr().out.splitlines()
     assert main([*base, "output=json"]) == 0
@@ -32,8 +42,9 @@ def test_the_verdict_comes_first_and_the_plan_is_of_the_recommended_layout(capsy
     assert v["fits"] and v["recommended"]["pp"] == 2 and v["recommended"] == plan["search"][0]
     assert (plan["pp"], plan["ep"], plan["parallel"]) == (2, 1, "search")
     assert v["step_time_s_estimated"] == plan["step_time_s_estimated"]
-    assert [t for t, _ in v["dominant"]] == sorted(plan["step_time_breakdown_s"],
-                                                  key=lambda k: -plan["step_time_breakdown_s"][k])[:2]
+    assert [t for t, _ in v["dominant"]] == sorted(
+        plan["step_time_breakdown_s"], key=lambda k: -plan["step_time_breakdown_s"][k]
+    )[:2]
     assert v["unneeded_memory_settings"] == []
     assert text[3].startswith("  every memory setting is needed to fit: memory.offload, memory.recompute")
 
@@ -60,9 +71,17 @@ def test_the_memory_settings_a_larger_gpu_does_not_need(capsys):
     assert un["memory.recompute"]["was"] == ["layernorm", "swiglu", "mla_up_proj", "moe_down_proj"]
     assert un["memory.recompute"]["step_time_s"] < v["step_time_s_estimated"]
     r = v["recommended"]
-    _, without = _plan(capsys, 1.0, 2, "memory.recompute=[]", "plan.search=false", f"parallel.pp={r['pp']}",
-                       f"parallel.ep={r['ep']}", f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
-                       f"parallel.layout={r['layout']}")
+    _, without = _plan(
+        capsys,
+        1.0,
+        2,
+        "memory.recompute=[]",
+        "plan.search=false",
+        f"parallel.pp={r['pp']}",
+        f"parallel.ep={r['ep']}",
+        f"parallel.vpp={r['vpp'] if r['vpp'] > 1 else 'null'}",
+        f"parallel.layout={r['layout']}",
+    )
     assert without["step_time_s_estimated"] == un["memory.recompute"]["step_time_s"]
     line = "  not needed on this GPU: memory.recompute (memory.recompute=[]: it still fits; step "
     assert any(x.startswith(line) for x in text[:8])

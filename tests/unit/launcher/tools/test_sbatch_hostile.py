@@ -28,15 +28,21 @@ from k2.launcher.tools.sbatch import check_submittable, render_sbatch, train_ove
 #: separators of the stubs' call log (no hostile value holds them)
 _ARG, _CALL = "\x1f", "\x1e"
 #: a one-node CPU job with an allowed extra #SBATCH option
-BASE = ["cluster.nodes=1", "cluster.gpus_per_node=1", "submit.request_gpus=false",
-        "submit.extra_args=['--mail-type=END']"]
+BASE = [
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=1",
+    "submit.request_gpus=false",
+    "submit.extra_args=['--mail-type=END']",
+]
 
 
 def _hostile(marks: Path) -> str:
     """A value with a newline, an #SBATCH line, $(...), backticks, both quotes and a ;-separated command,
     each of which creates a file under ``marks`` if the shell runs it."""
-    return (f"v\n#SBATCH --uid=0\ntouch {marks}/newline\n#$(touch {marks}/dollar)`touch {marks}/backtick`"
-            f"'\"; touch {marks}/semicolon #\r\x0bend")
+    return (
+        f"v\n#SBATCH --uid=0\ntouch {marks}/newline\n#$(touch {marks}/dollar)`touch {marks}/backtick`"
+        f"'\"; touch {marks}/semicolon #\r\x0bend"
+    )
 
 
 def _string_settings(cls=K2Config, prefix: str = "") -> list[tuple[str, str]]:
@@ -69,8 +75,7 @@ def _string_settings(cls=K2Config, prefix: str = "") -> list[tuple[str, str]]:
 
 def _override(key: str, kind: str, value: str) -> str:
     quoted = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"  # Hydra's quoted string
-    return {"str": f"{key}={quoted}", "list": f"{key}=[{quoted}]",
-            "dict": f"+{key}.K2_HOSTILE={quoted}"}[kind]
+    return {"str": f"{key}={quoted}", "list": f"{key}=[{quoted}]", "dict": f"+{key}.K2_HOSTILE={quoted}"}[kind]
 
 
 @contextlib.contextmanager
@@ -90,9 +95,12 @@ def _setting(cfg, key: str, value):
 
 def _stub(bin_dir: Path, name: str, log: Path) -> Path:
     f = bin_dir / name
-    f.write_text(f"#!/bin/bash\n{{ printf '%s' {name}; for a in \"$@\"; do printf '{_ARG}%s' \"$a\"; done; "
-                 f"printf '{_CALL}'; }} >> {log}\n"
-                 + ('[ "$1" = show ] && echo nodeX\n' if name == "scontrol" else "") + "exit 0\n")
+    f.write_text(
+        f"#!/bin/bash\n{{ printf '%s' {name}; for a in \"$@\"; do printf '{_ARG}%s' \"$a\"; done; "
+        f"printf '{_CALL}'; }} >> {log}\n"
+        + ('[ "$1" = show ] && echo nodeX\n' if name == "scontrol" else "")
+        + "exit 0\n"
+    )
     f.chmod(0o755)
     return f
 
@@ -114,8 +122,13 @@ def _run(text: str, tmp: Path) -> list[list[str]]:
     log.write_text("")
     script = tmp / "pretrain.sbatch"
     script.write_text(text)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "K2_WORKDIR": str(tmp), "SLURM_JOB_ID": "10001",
-           "SLURM_JOB_NODELIST": "nodeX", "SLURM_JOB_NUM_NODES": "1"}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "K2_WORKDIR": str(tmp),
+        "SLURM_JOB_ID": "10001",
+        "SLURM_JOB_NODELIST": "nodeX",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     return [c.split(_ARG) for c in log.read_bytes().decode().split(_CALL) if c]
@@ -132,8 +145,18 @@ def stubs(tmp_path):
 
 def test_every_string_setting_is_found():
     keys = dict(_string_settings())
-    for key in ("prepare.text_key", "data.cache_dir", "data.split", "schedule.phases.0.name", "run.dir",
-                "submit.partition", "submit.extra_args", "resume.from", "run.wandb.name", "data.path"):
+    for key in (
+        "prepare.text_key",
+        "data.cache_dir",
+        "data.split",
+        "schedule.phases.0.name",
+        "run.dir",
+        "submit.partition",
+        "submit.extra_args",
+        "resume.from",
+        "run.wandb.name",
+        "data.path",
+    ):
         assert key in keys, key
     assert len(keys) > 60
 
@@ -146,8 +169,14 @@ def test_hostile_values_in_every_string_setting_run_nothing_but_the_launcher(stu
     base = [*BASE, f"run.dir={tmp_path}/run", f"submit.python={python}"]
     base_text = render_sbatch(load_config(base), base)
     k2_lines = _directives(base_text)
-    for want in ("--requeue", "--time=", "--exclusive", "--signal=USR1@", f"--output={tmp_path}/run/",
-                 "--mail-type=END"):
+    for want in (
+        "--requeue",
+        "--time=",
+        "--exclusive",
+        "--signal=USR1@",
+        f"--output={tmp_path}/run/",
+        "--mail-type=END",
+    ):
         assert any(line.startswith(f"#SBATCH {want}") for line in k2_lines), (want, k2_lines)
     # Hydra reads the override as written to exactly the value (the ranks parse the same string)
     assert load_config([*base, _override("prepare.text_key", "str", value)]).prepare.text_key == value
@@ -174,10 +203,11 @@ def test_hostile_values_in_every_string_setting_run_nothing_but_the_launcher(stu
         assert not list(marks.iterdir()), (key, list(marks.iterdir()))
         train = [c for c in calls if c[0] == "srun" and "k2.launcher.train" in c]
         assert len(train) == 1, (key, calls)
-        assert train[0][train[0].index("k2.launcher.train") + 1:] == args, key
+        assert train[0][train[0].index("k2.launcher.train") + 1 :] == args, key
         for call in calls:  # nothing else: the corpus build and the node list
-            assert (call[:3] == ["python", "-m", "k2.launcher.data"] or call[:2] == ["scontrol", "show"]
-                    or call is train[0]), (key, call)
+            assert (
+                call[:3] == ["python", "-m", "k2.launcher.data"] or call[:2] == ["scontrol", "show"] or call is train[0]
+            ), (key, call)
     # the settings a value reaches the trainer through (not refused): the ones the issue named among them
     assert {"prepare.text_key", "data.cache_dir", "data.split", "schedule.phases.0.name"} <= set(rendered), refused
     assert {"submit.partition", "submit.extra_args", "run.dir"} <= set(refused), rendered

@@ -22,9 +22,18 @@ from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
 from k2.parallel.hostlist import expand_hostlist, first_host, master_port
 from support import REPO
 
-EXAMPLE = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", "run.dir=/shared/runs/k2",
-           "submit.python=/shared/envs/k2/bin/python", "submit.cpus_per_task=16", "submit.cpu_bind=cores",
-           "submit.gpu_bind=closest", "submit.embedded_corpus=true", "submit.dry_run=true"]
+EXAMPLE = [
+    "model=kimi_k2",
+    "parallel=k2_256gpu",
+    "cluster.nodes=32",
+    "run.dir=/shared/runs/k2",
+    "submit.python=/shared/envs/k2/bin/python",
+    "submit.cpus_per_task=16",
+    "submit.cpu_bind=cores",
+    "submit.gpu_bind=closest",
+    "submit.embedded_corpus=true",
+    "submit.dry_run=true",
+]
 # k2_tiny's schedule plans on one rank; a one-node CPU job may use the embedded corpus
 ONE_GPU = ["cluster.nodes=1", "cluster.gpus_per_node=1", "submit.request_gpus=false"]
 
@@ -32,32 +41,47 @@ ONE_GPU = ["cluster.nodes=1", "cluster.gpus_per_node=1", "submit.request_gpus=fa
 # --- hostlists ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("expr, hosts", [
-    ("nodeA,nodeB[001,003],nodeC", ["nodeA", "nodeB001", "nodeB003", "nodeC"]),
-    ("linux[1,2]", ["linux1", "linux2"]),
-    ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
-    ("node[01-03]", ["node01", "node02", "node03"]),
-    ("rack[0-1]_blade[0-1]", ["rack0_blade0", "rack0_blade1", "rack1_blade0", "rack1_blade1"]),
-    ("single", ["single"]),
-    ("host-1.example.com", ["host-1.example.com"]),
-    ("a,b", ["a", "b"]),
-    ("n[1-3,7,09-11]", ["n1", "n2", "n3", "n7", "n09", "n10", "n11"]),  # mixed ranges and single numbers
-    ("n[8-10]", ["n8", "n9", "n10"]),  # unpadded range grows in width
-    ("x[1-2]y,z[001-002]", ["x1y", "x2y", "z001", "z002"]),  # suffix after brackets; padding widths per group
-    ("r[00-01]n[1,3]", ["r00n1", "r00n3", "r01n1", "r01n3"]),
-    ("n[5]", ["n5"]),
-    ("[1-2]", ["1", "2"]),
-    (" a , b[1-2] ", ["a", "b1", "b2"]),
-])
+@pytest.mark.parametrize(
+    "expr, hosts",
+    [
+        ("nodeA,nodeB[001,003],nodeC", ["nodeA", "nodeB001", "nodeB003", "nodeC"]),
+        ("linux[1,2]", ["linux1", "linux2"]),
+        ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
+        ("node[01-03]", ["node01", "node02", "node03"]),
+        ("rack[0-1]_blade[0-1]", ["rack0_blade0", "rack0_blade1", "rack1_blade0", "rack1_blade1"]),
+        ("single", ["single"]),
+        ("host-1.example.com", ["host-1.example.com"]),
+        ("a,b", ["a", "b"]),
+        ("n[1-3,7,09-11]", ["n1", "n2", "n3", "n7", "n09", "n10", "n11"]),  # mixed ranges and single numbers
+        ("n[8-10]", ["n8", "n9", "n10"]),  # unpadded range grows in width
+        ("x[1-2]y,z[001-002]", ["x1y", "x2y", "z001", "z002"]),  # suffix after brackets; padding widths per group
+        ("r[00-01]n[1,3]", ["r00n1", "r00n3", "r01n1", "r01n3"]),
+        ("n[5]", ["n5"]),
+        ("[1-2]", ["1", "2"]),
+        (" a , b[1-2] ", ["a", "b1", "b2"]),
+    ],
+)
 def test_expand_hostlist(expr, hosts):
     assert expand_hostlist(expr) == hosts
 
 
-@pytest.mark.parametrize("expr, why", [
-    ("", "empty"), ("   ", "empty"), ("a,,b", "empty item"), ("a,", "empty item"),
-    ("node[1-3", "without"), ("node1-3]", "without"), ("a[[1]]", "nested"), ("n[3-1]", "reversed"),
-    ("n[]", "empty"), ("n[a-b]", "not N"), ("n[1-]", "not N"), ("n[1--3]", "not N"),
-])
+@pytest.mark.parametrize(
+    "expr, why",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("a,,b", "empty item"),
+        ("a,", "empty item"),
+        ("node[1-3", "without"),
+        ("node1-3]", "without"),
+        ("a[[1]]", "nested"),
+        ("n[3-1]", "reversed"),
+        ("n[]", "empty"),
+        ("n[a-b]", "not N"),
+        ("n[1-]", "not N"),
+        ("n[1--3]", "not N"),
+    ],
+)
 def test_expand_hostlist_errors(expr, why):
     with pytest.raises(ValueError, match=why) as e:
         expand_hostlist(expr)
@@ -79,7 +103,7 @@ def test_first_host_without_scontrol(monkeypatch, tmp_path):
 
 
 def test_first_host_uses_scontrol_and_falls_back(monkeypatch, tmp_path):
-    d = _fake_bin(tmp_path, "scontrol", 'echo fromscontrol; echo other')
+    d = _fake_bin(tmp_path, "scontrol", "echo fromscontrol; echo other")
     monkeypatch.setenv("PATH", str(d))
     assert first_host("n[1-2]") == "fromscontrol"
     _fake_bin(tmp_path, "scontrol", "exit 1")  # a failing scontrol: the parser decides
@@ -104,8 +128,14 @@ def test_module_cli(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no scontrol: the parser answers
 
     def run(*a):
-        return subprocess.run([sys.executable, "-m", "k2.parallel.hostlist", *a], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "k2.parallel.hostlist", *a],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     r = run("master-port", "123456")
     assert r.returncode == 0 and r.stdout == "23456\n"
@@ -121,23 +151,43 @@ def test_module_cli(tmp_path):
 
 
 def _sbatch_lines(text: str) -> list[str]:
-    return [ln[len("#SBATCH "):] for ln in text.splitlines() if ln.startswith("#SBATCH ")]
+    return [ln[len("#SBATCH ") :] for ln in text.splitlines() if ln.startswith("#SBATCH ")]
 
 
 def test_render_sbatch_lines_and_run_dir(tmp_path):
-    ov = ["parallel=pp2", "cluster.nodes=2", "cluster.gpus_per_node=4", f"run.dir={tmp_path}/r1",
-          "submit.time=02:30:00", "submit.partition=batch", "submit.account=proj7",
-          "submit.job_name=k2-test", "submit.signal_seconds=300", "train.iters=5"]
+    ov = [
+        "parallel=pp2",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=4",
+        f"run.dir={tmp_path}/r1",
+        "submit.time=02:30:00",
+        "submit.partition=batch",
+        "submit.account=proj7",
+        "submit.job_name=k2-test",
+        "submit.signal_seconds=300",
+        "train.iters=5",
+    ]
     text = render_sbatch(load_config(ov), ov)
     lines = _sbatch_lines(text)
-    for want in ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--requeue",
-                 "--signal=USR1@300", "--time=02:30:00", "--job-name=k2-test", "--partition=batch",
-                 "--account=proj7", f"--output={tmp_path}/r1/slurm-%j.out"]:
+    for want in [
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        "--requeue",
+        "--signal=USR1@300",
+        "--time=02:30:00",
+        "--job-name=k2-test",
+        "--partition=batch",
+        "--account=proj7",
+        f"--output={tmp_path}/r1/slurm-%j.out",
+    ]:
         assert want in lines, (want, lines)
     srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
     assert len(srun) == 1
-    assert "-m k2.launcher.train parallel=pp2 cluster.nodes=2 cluster.gpus_per_node=4 train.iters=5 " \
-           f"run.dir={tmp_path}/r1 " in srun[0]
+    assert (
+        "-m k2.launcher.train parallel=pp2 cluster.nodes=2 cluster.gpus_per_node=4 train.iters=5 "
+        f"run.dir={tmp_path}/r1 " in srun[0]
+    )
     assert "submit." not in srun[0] and "SLURM_JOB_ID" not in srun[0]
     assert text.count("run.dir=") == 3  # header comment, corpus step, srun: one fixed directory
     # requeue logic: status 42 -> scontrol requeue; anything else is the job's status
@@ -154,8 +204,9 @@ def test_master_port_in_bash_equals_master_port(tmp_path):
     """The script's shell arithmetic gives k2.parallel.hostlist.master_port's port."""
     line = next(ln for ln in render_sbatch(load_config([]), []).splitlines() if "MASTER_PORT=" in ln)
     for job in (0, 7, 123456, 2**31 - 1):
-        r = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job}; {line}; echo $MASTER_PORT"], capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            ["bash", "-c", f"SLURM_JOB_ID={job}; {line}; echo $MASTER_PORT"], capture_output=True, text=True
+        )
         assert int(r.stdout) == master_port(job), (job, line)
 
 
@@ -166,7 +217,8 @@ def test_render_distribution():
     assert "--distribution" not in srun(render_sbatch(load_config(ov), ov))
     ov.append("submit.distribution=cyclic")
     assert srun(render_sbatch(load_config(ov), ov)).startswith(
-        "srun --kill-on-bad-exit=1 --cpu-bind=none --distribution=cyclic ")
+        "srun --kill-on-bad-exit=1 --cpu-bind=none --distribution=cyclic "
+    )
 
 
 def test_render_defaults_relative_run_dir(tmp_path, monkeypatch):
@@ -186,18 +238,28 @@ def _run_script(tmp_path: Path, ov: list, srun_status: int) -> tuple[subprocess.
     _fake_bin(tmp_path, "scontrol", f'echo "scontrol $*" >> {log}; [ "$1" = show ] && echo nodeX; exit 0')
     _fake_bin(tmp_path, "python", f'echo "python $*" >> {log}')
     ov = [*ov, f"submit.python={d / 'python'}"]
-    env = {"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path),
-           "SLURM_JOB_ID": "10001", "SLURM_JOB_NODELIST": "nodeX", "SLURM_JOB_NUM_NODES": "1"}
+    env = {
+        "PATH": f"{d}:/usr/bin:/bin",
+        "K2_WORKDIR": str(tmp_path),
+        "SLURM_JOB_ID": "10001",
+        "SLURM_JOB_NODELIST": "nodeX",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
     script = tmp_path / "pretrain.sbatch"
     script.write_text(render_sbatch(load_config(ov), ov))
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     return r, log.read_text()
 
 
-@pytest.mark.parametrize("status, marker, rc, requeued", [
-    (0, False, 0, False), (REQUEUE_EXIT_CODE, False, 0, True), (3, False, 3, False),
-    (137, True, 0, True),  # srun killed the last ranks (kill-on-bad-exit) after rank 0 left the marker
-])
+@pytest.mark.parametrize(
+    "status, marker, rc, requeued",
+    [
+        (0, False, 0, False),
+        (REQUEUE_EXIT_CODE, False, 0, True),
+        (3, False, 3, False),
+        (137, True, 0, True),  # srun killed the last ranks (kill-on-bad-exit) after rank 0 left the marker
+    ],
+)
 def test_script_requeue_convention(tmp_path, status, marker, rc, requeued):
     shutil.which("bash") or pytest.skip("no bash")
     ov = [f"run.dir={tmp_path}/run"]
@@ -214,16 +276,22 @@ def test_script_requeue_convention(tmp_path, status, marker, rc, requeued):
 def test_script_cpus_binding_and_container(tmp_path):
     """cpus_per_task reaches sbatch, srun (which does not inherit it) and OMP_NUM_THREADS; the bindings and
     the pyxis container reach srun; with a container the corpus step runs in it too."""
-    ov = [f"run.dir={tmp_path}/run", "submit.cpus_per_task=6", "submit.cpu_bind=ldoms", "submit.gpu_bind=closest",
-          "submit.container_image='nvcr.io#nvidia/pytorch:24.10-py3'",  # (Hydra: '#' quoted)
-          "submit.container_mounts=[/shared:/shared,/scratch:/scratch:ro]"]
+    ov = [
+        f"run.dir={tmp_path}/run",
+        "submit.cpus_per_task=6",
+        "submit.cpu_bind=ldoms",
+        "submit.gpu_bind=closest",
+        "submit.container_image='nvcr.io#nvidia/pytorch:24.10-py3'",  # (Hydra: '#' quoted)
+        "submit.container_mounts=[/shared:/shared,/scratch:/scratch:ro]",
+    ]
     r, calls = _run_script(tmp_path, ov, 0)
     assert r.returncode == 0, r.stderr
     pyxis = "--container-image=nvcr.io#nvidia/pytorch:24.10-py3 --container-mounts=/shared:/shared,/scratch:/scratch:ro"
     corpus, train = [ln for ln in calls.splitlines() if ln.startswith("srun ")]
     assert corpus.startswith(f"srun --ntasks=1 --nodes=1 {pyxis} ") and "-m k2.launcher.data" in corpus
-    assert train.startswith("srun --kill-on-bad-exit=1 --cpu-bind=ldoms --gpu-bind=closest --cpus-per-task=6 "
-                            f"{pyxis} ") and train.endswith(" OMP=6"), train
+    assert train.startswith(
+        f"srun --kill-on-bad-exit=1 --cpu-bind=ldoms --gpu-bind=closest --cpus-per-task=6 {pyxis} "
+    ) and train.endswith(" OMP=6"), train
     assert "--cpus-per-task=6" in _sbatch_lines((tmp_path / "pretrain.sbatch").read_text())
 
 
@@ -281,32 +349,39 @@ def test_missing_sbatch(capsys, monkeypatch, tmp_path):
     assert "sbatch not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3", "submit.embedded_corpus=true"],
-     "parallel.pp"),  # 24 ranks
-    (["cluster.nodes=0"], "cluster.nodes"),
-    (["cluster.gpus_per_node=8"], "schedule.global_batch_tokens"),  # k2_tiny's batch on 8 ranks
-    (["submit.time=tomorrow"], "submit.time"),
-    (["submit.signal_seconds=0"], "submit.signal_seconds"),
-    (["submit.job_name=a b"], "submit.job_name"),
-    (["submit.distribution=plane"], "submit.distribution"),
-    (["submit.mem=lots"], "submit.mem"),
-    (["submit.cpus_per_task=0"], "submit.cpus_per_task"),
-    (["submit.cpu_bind=numa"], "submit.cpu_bind"),
-    (["submit.gpu_bind=nearest"], "submit.gpu_bind"),
-    (["submit.qos=a b"], "submit.qos"),
-    (["submit.extra_args=['mail-type=END']"], "submit.extra_args[0]"),
-    (["submit.extra_args=['--comment=x','--mem=10G']"],
-     "submit.extra_args[1]='--mem=10G': k2-submit sets --mem itself; use submit.mem"),
-    (["submit.extra_args=[--exclusive]"], "every job is exclusive"),
-    (["submit.container_mounts=[/a:/b]"], "submit.container_image"),
-    (["submit.container_image=img", "submit.container_mounts=['a b']"], "submit.container_mounts[0]"),
-    (["submit.request_gpus=true"], "submit.embedded_corpus=true"),  # a GPU job on the embedded corpus
-    (["cluster.nodes=2", "cluster.gpus_per_node=1", "submit.request_gpus=false"], "data.path is null"),
-    (["launch.rendezvous_timeout_s=0"], "launch.rendezvous_timeout_s"),
-    (["submit.bogus=1"], "submit.bogus"),
-    (["train.precision=fp8"], "train.precision"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (
+            ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=3", "submit.embedded_corpus=true"],
+            "parallel.pp",
+        ),  # 24 ranks
+        (["cluster.nodes=0"], "cluster.nodes"),
+        (["cluster.gpus_per_node=8"], "schedule.global_batch_tokens"),  # k2_tiny's batch on 8 ranks
+        (["submit.time=tomorrow"], "submit.time"),
+        (["submit.signal_seconds=0"], "submit.signal_seconds"),
+        (["submit.job_name=a b"], "submit.job_name"),
+        (["submit.distribution=plane"], "submit.distribution"),
+        (["submit.mem=lots"], "submit.mem"),
+        (["submit.cpus_per_task=0"], "submit.cpus_per_task"),
+        (["submit.cpu_bind=numa"], "submit.cpu_bind"),
+        (["submit.gpu_bind=nearest"], "submit.gpu_bind"),
+        (["submit.qos=a b"], "submit.qos"),
+        (["submit.extra_args=['mail-type=END']"], "submit.extra_args[0]"),
+        (
+            ["submit.extra_args=['--comment=x','--mem=10G']"],
+            "submit.extra_args[1]='--mem=10G': k2-submit sets --mem itself; use submit.mem",
+        ),
+        (["submit.extra_args=[--exclusive]"], "every job is exclusive"),
+        (["submit.container_mounts=[/a:/b]"], "submit.container_image"),
+        (["submit.container_image=img", "submit.container_mounts=['a b']"], "submit.container_mounts[0]"),
+        (["submit.request_gpus=true"], "submit.embedded_corpus=true"),  # a GPU job on the embedded corpus
+        (["cluster.nodes=2", "cluster.gpus_per_node=1", "submit.request_gpus=false"], "data.path is null"),
+        (["launch.rendezvous_timeout_s=0"], "launch.rendezvous_timeout_s"),
+        (["submit.bogus=1"], "submit.bogus"),
+        (["train.precision=fp8"], "train.precision"),
+    ],
+)
 def test_bad_config_exit_2(capsys, monkeypatch, tmp_path, overrides, named):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert submit.main([*ONE_GPU, *overrides, f"run.dir={tmp_path}/run", "submit.dry_run=true"]) == 2
@@ -350,21 +425,42 @@ def test_k2_on_32_nodes_renders_the_cluster_lines(capsys, monkeypatch, tmp_path)
     tok.save(str(tmp_path / "tok.json"))
     _write_dataset(str(tmp_path / "corpus"), [[1, 2, 3, 15]] * 50)
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: a dry run never needs one
-    k2 = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", f"run.dir={tmp_path}/run",
-          "submit.dry_run=true"]
-    ov = [*k2, f"data.path={tmp_path / 'corpus'}", f"data.tokenizer={tmp_path / 'tok.json'}",
-          "submit.cpus_per_task=16", "submit.cpu_bind=cores", "submit.gpu_bind=closest", "submit.qos=high",
-          "submit.constraint='h100&ib'", "submit.reservation=k2", "submit.extra_args=['--mail-type=END']",
-          "submit.container_image=/shared/k2.sqsh", "submit.container_mounts=[/shared:/shared]"]
+    k2 = ["model=kimi_k2", "parallel=k2_256gpu", "cluster.nodes=32", f"run.dir={tmp_path}/run", "submit.dry_run=true"]
+    ov = [
+        *k2,
+        f"data.path={tmp_path / 'corpus'}",
+        f"data.tokenizer={tmp_path / 'tok.json'}",
+        "submit.cpus_per_task=16",
+        "submit.cpu_bind=cores",
+        "submit.gpu_bind=closest",
+        "submit.qos=high",
+        "submit.constraint='h100&ib'",
+        "submit.reservation=k2",
+        "submit.extra_args=['--mail-type=END']",
+        "submit.container_image=/shared/k2.sqsh",
+        "submit.container_mounts=[/shared:/shared]",
+    ]
     assert submit.main(ov) == 0
     text = capsys.readouterr().out
     lines = _sbatch_lines(text)
-    for want in ["--nodes=32", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=16", "--exclusive",
-                 "--mem=0", "--qos=high", "--constraint=h100&ib", "--reservation=k2", "--mail-type=END"]:
+    for want in [
+        "--nodes=32",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=16",
+        "--exclusive",
+        "--mem=0",
+        "--qos=high",
+        "--constraint=h100&ib",
+        "--reservation=k2",
+        "--mail-type=END",
+    ]:
         assert want in lines, (want, lines)
     srun = next(ln for ln in text.splitlines() if ln.startswith("srun --kill"))
-    assert srun.startswith("srun --kill-on-bad-exit=1 --cpu-bind=cores --gpu-bind=closest --cpus-per-task=16 "
-                           "--container-image=/shared/k2.sqsh --container-mounts=/shared:/shared \"$PYTHON\" -m ")
+    assert srun.startswith(
+        "srun --kill-on-bad-exit=1 --cpu-bind=cores --gpu-bind=closest --cpus-per-task=16 "
+        '--container-image=/shared/k2.sqsh --container-mounts=/shared:/shared "$PYTHON" -m '
+    )
     assert "PYTHON=python3  # submit.python" in text  # the container's Python
     assert "export OMP_NUM_THREADS=16" in text and "k2.launcher.data" not in text  # no corpus build
     assert submit.main(k2) == 2
@@ -392,8 +488,13 @@ def test_site_setup_is_sourced_and_env_exported_before_anything_runs(tmp_path):
     log = tmp_path / "calls.log"
     setup = tmp_path / "site.sh"
     setup.write_text(f'echo "setup $UNSET_BY_SITE" >> {log}\nexport K2_SITE_MODULE=cuda-13\n')
-    ov = [*ONE_GPU, f"run.dir={tmp_path}/run", f"submit.setup={setup}", "+submit.env.NCCL_SOCKET_IFNAME=ib0",
-          "+submit.env.K2_QUOTED='a b;$(x)'"]
+    ov = [
+        *ONE_GPU,
+        f"run.dir={tmp_path}/run",
+        f"submit.setup={setup}",
+        "+submit.env.NCCL_SOCKET_IFNAME=ib0",
+        "+submit.env.K2_QUOTED='a b;$(x)'",
+    ]
     check_submittable(load_config(ov))
     r, calls = _run_script(tmp_path, ov, 0)
     assert r.returncode == 0, r.stderr
@@ -403,10 +504,19 @@ def test_site_setup_is_sourced_and_env_exported_before_anything_runs(tmp_path):
     (d / "srun").write_text(f'#!/bin/sh\necho "srun $K2_SITE_MODULE $NCCL_SOCKET_IFNAME $K2_QUOTED" >> {log}\n')
     log.write_text("")
     script = tmp_path / "pretrain.sbatch"
-    subprocess.run(["bash", str(script)], env={"PATH": f"{d}:/usr/bin:/bin", "K2_WORKDIR": str(tmp_path),
-                                               "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n",
-                                               "SLURM_JOB_NUM_NODES": "1"},
-                   capture_output=True, text=True, timeout=30)
+    subprocess.run(
+        ["bash", str(script)],
+        env={
+            "PATH": f"{d}:/usr/bin:/bin",
+            "K2_WORKDIR": str(tmp_path),
+            "SLURM_JOB_ID": "1",
+            "SLURM_JOB_NODELIST": "n",
+            "SLURM_JOB_NUM_NODES": "1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "srun cuda-13 ib0 a b;$(x)" in log.read_text().splitlines(), log.read_text()
     with pytest.raises(ConfigError, match="submit.setup='/nope/site.sh': no such file"):
         check_submittable(load_config([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.setup=/nope/site.sh"]))
@@ -428,6 +538,18 @@ def test_k2_submit_notes_the_defaults_a_new_user_should_check(capsys, monkeypatc
     assert f"k2-submit: note: the job runs {sys.executable} (the Python running k2-submit): it must exist" in err
     assert "no submit.partition / submit.account: Slurm's default for your user applies" in err
     assert "time limit 24:00:00 (the default submit.time" in err
-    assert submit.main([*ONE_GPU, f"run.dir={tmp_path}/run", "submit.dry_run=true", "submit.python=/x/python",
-                        "submit.partition=p", "submit.account=a", "submit.time=2:00:00"]) == 0
+    assert (
+        submit.main(
+            [
+                *ONE_GPU,
+                f"run.dir={tmp_path}/run",
+                "submit.dry_run=true",
+                "submit.python=/x/python",
+                "submit.partition=p",
+                "submit.account=a",
+                "submit.time=2:00:00",
+            ]
+        )
+        == 0
+    )
     assert "note:" not in capsys.readouterr().err

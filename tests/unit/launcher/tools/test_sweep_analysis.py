@@ -64,8 +64,9 @@ def check_recovery(analysis, c0: float) -> None:
     rows = analysis.multipliers["sparsity_1"]
     assert len(rows) == 2 * len(analysis.targets) == 6
     for r in rows:
-        true = math.exp(_true_log_flops("sparsity_1", r["target_loss"], c0)
-                        - _true_log_flops(r["arm"], r["target_loss"], c0))
+        true = math.exp(
+            _true_log_flops("sparsity_1", r["target_loss"], c0) - _true_log_flops(r["arm"], r["target_loss"], c0)
+        )
         assert true > 1
         lo, hi = r["interval"]
         assert 1 < lo <= true <= hi, (r, true)
@@ -129,8 +130,7 @@ def test_collapsed_cell_left_out_and_flagged(tmp_path):
     def load(arm, seed, budget):
         return 3.0 if (arm, seed, budget) == ("sparsity_4", 2, 16 * 1024) else 1.1
 
-    write_grid(tmp_path, [1, 4], [1, 2], [4, 8, 16], lambda a, s, b, f: 5.0 * (f / 1e10) ** -0.05,
-               load=load)
+    write_grid(tmp_path, [1, 4], [1, 2], [4, 8, 16], lambda a, s, b, f: 5.0 * (f / 1e10) ** -0.05, load=load)
     grid = collect_grid(tmp_path, params_of=fake_params)
     a = analyze(grid, ReportOptions(n_bootstrap=20))
     af = a.arms["sparsity_4"]
@@ -171,8 +171,9 @@ def test_interval_coverage_on_synthetic_grids():
             lo, hi = af.intervals["alpha"]
             hits["alpha"].append(lo <= LAWS[arm][1] <= hi)
         for r in a.multipliers["sparsity_1"]:
-            true = math.exp(_true_log_flops("sparsity_1", r["target_loss"], c0)
-                            - _true_log_flops(r["arm"], r["target_loss"], c0))
+            true = math.exp(
+                _true_log_flops("sparsity_1", r["target_loss"], c0) - _true_log_flops(r["arm"], r["target_loss"], c0)
+            )
             hits["multiplier"].append(r["interval"][0] <= true <= r["interval"][1])
     coverage = {k: float(np.mean(v)) for k, v in hits.items()}
     print(f"95% interval coverage over 40 draws of 4 seeds: {coverage}")

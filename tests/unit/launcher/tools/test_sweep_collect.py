@@ -16,15 +16,32 @@ from support.fake_sweep import fake_params, model_config, write_cell
 
 
 def _grid(tmp_path, cells: list[dict], **over) -> None:
-    grid = {"name": "g", "topk": 2, "reference_arm": "sparsity_1", "cooldown": {"style": "minus_sqrt",
-            "fraction": 0.2}, "collapsed_load": 2.0, "warmup_steps": 2, "cells": cells} | over
+    grid = {
+        "name": "g",
+        "topk": 2,
+        "reference_arm": "sparsity_1",
+        "cooldown": {"style": "minus_sqrt", "fraction": 0.2},
+        "collapsed_load": 2.0,
+        "warmup_steps": 2,
+        "cells": cells,
+    } | over
     (tmp_path / "grid.json").write_text(json.dumps(grid))
 
 
 def _spec(arm: str, s: int, seed: int, budget: int, branch: int = 3) -> dict:
     name = f"{arm}/seed_{seed}/budget_{budget}"
-    return {"cell": name, "arm": arm, "sparsity": s, "experts": 2 * s, "size": None, "seed": seed,
-            "budget_tokens": budget, "branch_step": branch, "trunk_dir": f"{arm}/seed_{seed}/trunk", "run_dir": name}
+    return {
+        "cell": name,
+        "arm": arm,
+        "sparsity": s,
+        "experts": 2 * s,
+        "size": None,
+        "seed": seed,
+        "budget_tokens": budget,
+        "branch_step": branch,
+        "trunk_dir": f"{arm}/seed_{seed}/trunk",
+        "run_dir": name,
+    }
 
 
 def test_flops_loss_medians_and_branch_point(tmp_path):
@@ -35,13 +52,36 @@ def test_flops_loss_medians_and_branch_point(tmp_path):
     d.mkdir(parents=True)
     OmegaConf.save(cfg, d / "config.yaml")
     recs = [{"step": 0, "consumed_tokens": 0, "seq_length": 128, "val_loss": 8.0}]
-    for step, seq, tps, load, val in [(1, 128, 10.0, 3.9, None), (2, 128, 20.0, 3.8, 7.0),
-                                      (3, 512, 30.0, 1.3, None), (4, 512, 50.0, 1.5, 6.5)]:
-        recs.append({"step": step, "consumed_tokens": 1024 * step, "seq_length": seq, "loss": 7.0,
-                     "tokens_per_s": tps, "moe_load_max_over_mean": load} | ({"val_loss": val} if val else {}))
+    for step, seq, tps, load, val in [
+        (1, 128, 10.0, 3.9, None),
+        (2, 128, 20.0, 3.8, 7.0),
+        (3, 512, 30.0, 1.3, None),
+        (4, 512, 50.0, 1.5, 6.5),
+    ]:
+        recs.append(
+            {
+                "step": step,
+                "consumed_tokens": 1024 * step,
+                "seq_length": seq,
+                "loss": 7.0,
+                "tokens_per_s": tps,
+                "moe_load_max_over_mean": load,
+            }
+            | ({"val_loss": val} if val else {})
+        )
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (d / "cell.json").write_text(json.dumps({"status": "finished", "wall_clock_s": 12.5, "trunk_wall_clock_s": 30.0,
-                                             "peak_rss_bytes": 123, "final_val_loss": 6.5, "tokens": 4096}))
+    (d / "cell.json").write_text(
+        json.dumps(
+            {
+                "status": "finished",
+                "wall_clock_s": 12.5,
+                "trunk_wall_clock_s": 30.0,
+                "peak_rss_bytes": 123,
+                "final_val_loss": 6.5,
+                "tokens": 4096,
+            }
+        )
+    )
     _grid(tmp_path, [_spec("sparsity_4", 4, 1, 4096, branch=3)], reference_arm="sparsity_4")
     cell = collect_grid(tmp_path, params_of=fake_params).cells[0]
     short, long = (flops_per_token(cfg.model, n).training for n in (128, 512))
@@ -77,8 +117,10 @@ def test_incomplete_cells_are_named_with_their_files(tmp_path):
     assert cells[1].status == "finished"
     assert cells[2].status == "unreadable"
     assert cells[2].problem.startswith("sparsity_1/seed_2/budget_8192/metrics.jsonl:5: not a valid metrics record")
-    assert cells[3].status == "unfinished" and cells[3].problem == "sparsity_1/seed_3/budget_8192/cell.json: " \
-                                                                    "absent (not finished)"
+    assert (
+        cells[3].status == "unfinished"
+        and cells[3].problem == "sparsity_1/seed_3/budget_8192/cell.json: absent (not finished)"
+    )
     assert cells[3].curve  # an unfinished cell's curve is read (it is drawn)
     assert cells[4].status == "unfinished" and cells[4].tokens == 7 * 1024  # its torn step-8 line skipped
     assert len(cells[4].notes) == 1
@@ -93,14 +135,17 @@ def test_collapsed_cell_flagged(tmp_path):
     assert cell.collapsed is True and cell.load_median == 2.5 and cell.load_max == 2.5
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda g: g.pop("cells"), "missing key 'cells'"),
-    (lambda g: g.update(topk="2"), "'topk'='2' has the wrong type"),
-    (lambda g: g.update(reference_arm="dense"), "reference_arm='dense'; allowed: sparsity_1"),
-    (lambda g: g.update(collapsed_load=0.5), "collapsed_load=0.5; allowed: a number > 1"),
-    (lambda g: g["cells"].append(dict(g["cells"][0])), "cell names repeat"),
-    (lambda g: g["cells"][0].pop("run_dir"), r"cells\[0\]: missing key 'run_dir'"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda g: g.pop("cells"), "missing key 'cells'"),
+        (lambda g: g.update(topk="2"), "'topk'='2' has the wrong type"),
+        (lambda g: g.update(reference_arm="dense"), "reference_arm='dense'; allowed: sparsity_1"),
+        (lambda g: g.update(collapsed_load=0.5), "collapsed_load=0.5; allowed: a number > 1"),
+        (lambda g: g["cells"].append(dict(g["cells"][0])), "cell names repeat"),
+        (lambda g: g["cells"][0].pop("run_dir"), r"cells\[0\]: missing key 'run_dir'"),
+    ],
+)
 def test_grid_json_checks(tmp_path, mutate, message):
     _grid(tmp_path, [_spec("sparsity_1", 1, 1, 8192)])
     g = json.loads((tmp_path / "grid.json").read_text())
@@ -113,7 +158,7 @@ def test_grid_json_checks(tmp_path, mutate, message):
 def test_no_grid_json_or_no_readable_cell(tmp_path):
     with pytest.raises(SweepInputError, match="grid.json: no such file"):
         read_grid_spec(tmp_path)
-    (tmp_path / "grid.json").write_text("{\"name\": ")
+    (tmp_path / "grid.json").write_text('{"name": ')
     with pytest.raises(SweepInputError, match="grid.json: not valid JSON"):
         read_grid_spec(tmp_path)
     _grid(tmp_path, [_spec("sparsity_1", 1, 1, 8192)])

@@ -22,7 +22,8 @@ def _value(overrides, key: str) -> str:
 def test_the_committed_experiment_grid(grid):
     cfg, g = grid
     assert [(t.sparsity, t.experts, t.seed) for t in g.trunks] == [
-        (s, 2 * s, seed) for s in (1, 4, 16, 32) for seed in (1, 2)]
+        (s, 2 * s, seed) for s in (1, 4, 16, 32) for seed in (1, 2)
+    ]
     assert len(g.cells) == 32
     t = g.trunks[0]
     assert t.branch_steps == (68, 136, 272, 544)  # floor(0.8 x budget / 16,384 tokens)
@@ -30,11 +31,16 @@ def test_the_committed_experiment_grid(grid):
     assert "until_tokens:8912896" in _value(t.overrides, "schedule.phases")  # constant to the last branch point
     cells = g.cells_of(t)
     assert [(c.budget_tokens, c.branch_step, c.last_step) for c in cells] == [
-        (1_392_640, 68, 85), (2_785_280, 136, 170), (5_570_560, 272, 340), (11_141_120, 544, 680)]
+        (1_392_640, 68, 85),
+        (2_785_280, 136, 170),
+        (5_570_560, 272, 340),
+        (11_141_120, 544, 680),
+    ]
     c = cells[1]
     assert _value(c.overrides, "resume.branch_from") == str(t.run_dir / "checkpoints" / "iter_0000136")
-    assert ("{name:'cooldown',until_tokens:2785280,lr_style:'minus_sqrt',lr_start:0.003,lr_end:0.0}"
-            in _value(c.overrides, "schedule.phases"))
+    assert "{name:'cooldown',until_tokens:2785280,lr_style:'minus_sqrt',lr_start:0.003,lr_end:0.0}" in _value(
+        c.overrides, "schedule.phases"
+    )
     # every run: the same data order and held-out tokens; the seed is the model's
     for run in [*g.trunks, *g.cells]:
         assert _value(run.overrides, "data.seed") == str(cfg.run.seed)
@@ -55,22 +61,24 @@ def test_a_run_of_the_grid_loads_with_its_schedule(grid):
     assert [p.name for p in s.phases] == ["warmup", "stable", "cooldown"]
     assert s.total_steps == cell.last_step == 680
     assert s.step_lr(544) == 3.0e-3 and s.step_lr(680) == 0.0
-    assert s.step_lr(612) == pytest.approx(3.0e-3 * (1 - 0.5 ** 0.5))
+    assert s.step_lr(612) == pytest.approx(3.0e-3 * (1 - 0.5**0.5))
     # the arms: equal FLOPs per token but for the router
-    flops = {gemm_flops_per_token(load_config(run_overrides_for_check(t.overrides)).model, 256)
-             for t in g.trunks[::2]}
+    flops = {gemm_flops_per_token(load_config(run_overrides_for_check(t.overrides)).model, 256) for t in g.trunks[::2]}
     assert len(flops) == 1
 
 
-@pytest.mark.parametrize("bad,named", [
-    (["schedule=tiny_wsd"], "schedule 'tiny_wsd' has phases"),
-    (["sweep.budgets_tokens=[600000]"], "inside the warmup"),
-    (["run.seed=5"], "run.seed=5: the sweep grid sets these itself"),
-    (["sweep.cooldown.fraction=0.05"], "sweep.cooldown.fraction=0.05"),
-    (["sweep.cooldown.style=step"], "sweep.cooldown.style='step'"),
-    (["sweep.sparsities=[2,2]"], "sweep.sparsities"),
-    (["sweep.sparsities=[]"], "sweep.sparsities"),
-])
+@pytest.mark.parametrize(
+    "bad,named",
+    [
+        (["schedule=tiny_wsd"], "schedule 'tiny_wsd' has phases"),
+        (["sweep.budgets_tokens=[600000]"], "inside the warmup"),
+        (["run.seed=5"], "run.seed=5: the sweep grid sets these itself"),
+        (["sweep.cooldown.fraction=0.05"], "sweep.cooldown.fraction=0.05"),
+        (["sweep.cooldown.style=step"], "sweep.cooldown.style='step'"),
+        (["sweep.sparsities=[2,2]"], "sweep.sparsities"),
+        (["sweep.sparsities=[]"], "sweep.sparsities"),
+    ],
+)
 def test_bad_sweep_is_refused_before_anything_runs(tmp_path, no_process_start, capsys, bad, named):
     from k2.launcher.train import main
 
@@ -84,8 +92,10 @@ def test_hydra_value_round_trips_through_an_override():
     from k2.config.load import load_config
     from k2.launcher.tools.sweep_grid import hydra_value
 
-    phases = [{"name": "warm'up", "steps": 3, "lr_style": "linear", "lr_start": 0.0, "lr_end": 1e-3,
-               "seq_length": 128}, {"name": "stable", "until_tokens": 20480, "lr_start": 1e-3}]
+    phases = [
+        {"name": "warm'up", "steps": 3, "lr_style": "linear", "lr_start": 0.0, "lr_end": 1e-3, "seq_length": 128},
+        {"name": "stable", "until_tokens": 20480, "lr_start": 1e-3},
+    ]
     cfg = load_config(["schedule.phases=" + hydra_value(phases)])
     assert [p.name for p in cfg.schedule.phases] == ["warm'up", "stable"]
     assert cfg.schedule.phases[0].lr_end == 1e-3 and cfg.schedule.phases[1].until_tokens == 20480

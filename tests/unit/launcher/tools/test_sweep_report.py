@@ -78,14 +78,17 @@ def test_half_finished_grid_is_reported_with_its_incomplete_cells_named(grid_dir
     torn.write_text("\n".join(lines[:3] + [lines[3][:25]] + lines[4:]) + "\n")
     running = grid_dir / "sparsity_4/seed_2/budget_16384"  # still running: no cell.json, short of its budget
     (running / "cell.json").unlink()
-    (running / "metrics.jsonl").write_text("".join(x + "\n" for x in (running / "metrics.jsonl").read_text()
-                                                   .splitlines()[:-1]))
+    (running / "metrics.jsonl").write_text(
+        "".join(x + "\n" for x in (running / "metrics.jsonl").read_text().splitlines()[:-1])
+    )
     shutil.rmtree(grid_dir / "sparsity_1/seed_2/budget_4096")  # never started
     rc, out, err = run([grid_dir, "--bootstrap", "20"], capsys)
     assert rc == 0 and err == ""
-    named = ["sparsity_4/seed_1/budget_8192/metrics.jsonl:4: not a valid metrics record",
-             "sparsity_4/seed_2/budget_16384/cell.json: absent (not finished)",
-             "sparsity_1/seed_2/budget_4096/: no such directory"]
+    named = [
+        "sparsity_4/seed_1/budget_8192/metrics.jsonl:4: not a valid metrics record",
+        "sparsity_4/seed_2/budget_16384/cell.json: absent (not finished)",
+        "sparsity_1/seed_2/budget_4096/: no such directory",
+    ]
     md = (grid_dir / "sweep.md").read_text()
     for text in named:
         assert text in out and text in md
@@ -97,16 +100,19 @@ def test_half_finished_grid_is_reported_with_its_incomplete_cells_named(grid_dir
     assert rep["fits"]["sparsity_4"]["fit"]["alpha"] == pytest.approx(0.06, abs=1e-3)  # fitted on the rest
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "the following arguments are required: SWEEP_DIR"),
-    (["{d}", "--bogus"], "unrecognized arguments: --bogus"),
-    (["{d}", "--targets", "abc"], "argument --targets: 'abc': expected comma-separated losses"),
-    (["{d}", "--targets", "3.0,-1"], "every target loss must be a finite number > 0"),
-    (["{d}", "--level", "1.5"], "argument --level: '1.5': expected a number in (0, 1)"),
-    (["{d}", "--bootstrap", "-3"], "argument --bootstrap: '-3': expected an integer >= 0"),
-    (["{d}", "--reference", "dense"], "--reference=dense; allowed: sparsity_1, sparsity_4"),
-    (["{d}/nowhere"], "grid.json: no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "the following arguments are required: SWEEP_DIR"),
+        (["{d}", "--bogus"], "unrecognized arguments: --bogus"),
+        (["{d}", "--targets", "abc"], "argument --targets: 'abc': expected comma-separated losses"),
+        (["{d}", "--targets", "3.0,-1"], "every target loss must be a finite number > 0"),
+        (["{d}", "--level", "1.5"], "argument --level: '1.5': expected a number in (0, 1)"),
+        (["{d}", "--bootstrap", "-3"], "argument --bootstrap: '-3': expected an integer >= 0"),
+        (["{d}", "--reference", "dense"], "--reference=dense; allowed: sparsity_1, sparsity_4"),
+        (["{d}/nowhere"], "grid.json: no such file"),
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(grid_dir, capsys, argv, message):
     rc, out, err = run([a.format(d=grid_dir) for a in argv], capsys)
     assert rc == 2 and out == ""

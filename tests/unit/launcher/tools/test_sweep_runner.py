@@ -16,8 +16,9 @@ def _tasks(root: Path) -> list[Task]:
     out = []
     for arm in ("a", "b"):
         out.append(Task(f"{arm}/trunk", root / arm / "trunk", (arm, "trunk")))
-        out += [Task(f"{arm}/budget_{n}", root / arm / f"budget_{n}", (arm, "cell"), after=f"{arm}/trunk")
-                for n in (1, 2)]
+        out += [
+            Task(f"{arm}/budget_{n}", root / arm / f"budget_{n}", (arm, "cell"), after=f"{arm}/trunk") for n in (1, 2)
+        ]
     return out
 
 
@@ -50,8 +51,11 @@ def test_a_failed_trunk_is_named_its_branches_skipped_and_the_rest_run(tmp_path,
 def test_a_signal_stops_the_runs_in_flight_and_starts_no_other(tmp_path):
     class Slow(Runner):
         def command(self, task):  # saves and exits 42 on SIGTERM, as k2-train does
-            return [sys.executable, "-c", "import signal, sys, time\n"
-                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\ntime.sleep(60)"]
+            return [
+                sys.executable,
+                "-c",
+                "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\ntime.sleep(60)",
+            ]
 
     runner = Slow(_tasks(tmp_path), jobs=2)
     import threading

@@ -33,8 +33,12 @@ def test_k2_train_sets_it_before_the_trainer_starts(monkeypatch, tmp_path):
     seen = {}
 
     def run(cfg, plan, env):
-        seen.update(conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), det=torch.are_deterministic_algorithms_enabled(),
-                    warn=torch.is_deterministic_algorithms_warn_only_enabled(), bench=torch.backends.cudnn.benchmark)
+        seen.update(
+            conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            det=torch.are_deterministic_algorithms_enabled(),
+            warn=torch.is_deterministic_algorithms_warn_only_enabled(),
+            bench=torch.backends.cudnn.benchmark,
+        )
         return {}
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)

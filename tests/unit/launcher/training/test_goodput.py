@@ -34,8 +34,10 @@ def test_split_adds_up_and_continues_from_a_checkpoint(monkeypatch):
 
 
 def test_earlier_start_cost_from_its_records():
-    records = [{"step": 3, "step_time_s": 2.0, "time_total_s": 30.0},
-               {"step": 4, "step_time_s": 2.5, "time_total_s": 33.0}]
+    records = [
+        {"step": 3, "step_time_s": 2.0, "time_total_s": 30.0},
+        {"step": 4, "step_time_s": 2.5, "time_total_s": 33.0},
+    ]
     # the checkpoint (step 2) was taken at 25 s: 8 s after it, 4.5 s of it in steps 3-4
     assert earlier_start_cost(records, 25.0) == {"replayed": 4.5, "lost": pytest.approx(3.5)}
     assert earlier_start_cost([{"step": 1, "step_time_s": 1.0}], 0.0) == {"replayed": 1.0, "lost": 0.0}

@@ -83,8 +83,9 @@ time.sleep(60)
 
 
 def test_a_second_ctrl_c_at_the_top_stops_every_process_at_once_in_one_line(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", _TOP, str(tmp_path)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _TOP, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         ready = p.stdout.readline().split()
         assert ready[0] == "ready", ready
@@ -100,7 +101,8 @@ def test_a_second_ctrl_c_at_the_top_stops_every_process_at_once_in_one_line(tmp_
     assert p.returncode == PR.INTERRUPT_EXIT and time.time() - t0 < 10
     assert err.strip().splitlines() == [
         "k2-train: Ctrl-C again: stopped at once (SIGKILL to 1 processes); the step in progress is not saved; "
-        "no checkpoint exists yet: the next start begins at step 1"], err
+        "no checkpoint exists yet: the next start begins at step 1"
+    ], err
     assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
 
 
@@ -111,10 +113,11 @@ def test_the_launcher_passes_the_first_ctrl_c_on_and_stops_everything_on_the_sec
         "import os, signal, subprocess, sys, time\n"
         "from k2.launcher.training.launch import forwarding_signals\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import signal, time\\n"
-        "signal.signal(signal.SIGINT, lambda *a: print(\"child got SIGINT\", flush=True))\\n"
-        "print(\"child ready\", flush=True); time.sleep(60)'])\n"
+        'signal.signal(signal.SIGINT, lambda *a: print("child got SIGINT", flush=True))\\n'
+        'print("child ready", flush=True); time.sleep(60)\'])\n'
         f"with forwarding_signals(child, to_workers=True, run_dir={str(tmp_path)!r}):\n"
-        "    child.wait()\n")
+        "    child.wait()\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "child ready"
@@ -137,8 +140,9 @@ def test_a_torn_last_record_is_moved_aside_so_the_file_parses_line_by_line(tmp_p
     (tmp_path / "metrics.replayed.jsonl").write_text(records[0] + "\n" + torn + records[1] + "\n" + records[2])
     notes = set_aside_torn_records(tmp_path)
     assert len(notes) == 2 and "moved to metrics.jsonl.torn" in notes[0] and f"{len(torn)} bytes" in notes[0]
-    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [json.loads(r) for r in records]
+    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        json.loads(r) for r in records
+    ]
     assert (tmp_path / "metrics.jsonl.torn").read_text() == torn + "\n"
     replayed = (tmp_path / "metrics.replayed.jsonl").read_text()
     assert replayed.endswith("\n") and [json.loads(x)["step"] for x in replayed.splitlines()] == [1, 3]

@@ -28,15 +28,20 @@ def test_k2_schedule_turns_layer_recompute_on_for_the_32k_anneal():
     # the model is built with scopes for both settings; yarn_128k (no steps) adds none
     k2 = MemoryOptions.from_config(cfg)
     assert run_memory_options(resolve_schedule(cfg)) == [
-        k2, MemoryOptions(k2.fp8_store, k2.recompute | {"layer"}, k2.offload)]
+        k2,
+        MemoryOptions(k2.fp8_store, k2.recompute | {"layer"}, k2.offload),
+    ]
 
 
-@pytest.mark.parametrize("override, named", [
-    ("schedule.phases.4.memory.recompte=[layer]", "schedule.phases.4.memory.recompte"),
-    ("schedule.phases.4.memory.recompute=[attention]", "schedule.phases.4.memory.recompute"),
-    ("schedule.phases.4.memory.offload=[attn_input,attn_input]", "schedule.phases.4.memory.offload"),
-    ("memory.recompute=[whole_layer]", "memory.recompute"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("schedule.phases.4.memory.recompte=[layer]", "schedule.phases.4.memory.recompte"),
+        ("schedule.phases.4.memory.recompute=[attention]", "schedule.phases.4.memory.recompute"),
+        ("schedule.phases.4.memory.offload=[attn_input,attn_input]", "schedule.phases.4.memory.offload"),
+        ("memory.recompute=[whole_layer]", "memory.recompute"),
+    ],
+)
 def test_bad_phase_memory_is_one_error(capsys, override, named):
     rc = main(["model=kimi_k2", "parallel=k2_256gpu", override])
     err = capsys.readouterr().err
@@ -48,9 +53,13 @@ def test_k2_train_accepts_a_phase_that_changes_any_site(tmp_path):
     (what k2-train checks before any rank starts) accepts a phase that turns them off or on."""
     from k2.launcher.training.prepare import prepare_run
 
-    over = ["schedule.phases.2.memory.fp8_store=[swiglu_input]", "schedule.phases.2.memory.offload=[core_attn]",
-            "schedule.phases.2.memory.recompute=[layernorm,swiglu,mla_up_proj,moe_down_proj]",
-            "schedule.phases.3.memory.fp8_store=[]", f"run.dir={tmp_path / 'run'}"]
+    over = [
+        "schedule.phases.2.memory.fp8_store=[swiglu_input]",
+        "schedule.phases.2.memory.offload=[core_attn]",
+        "schedule.phases.2.memory.recompute=[layernorm,swiglu,mla_up_proj,moe_down_proj]",
+        "schedule.phases.3.memory.fp8_store=[]",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     plan = prepare_run(load_config(over), 1)
     assert [p.memory["fp8_store"] for p in plan.schedule.phases] == [[], [], ["swiglu_input"], [], []]
 
@@ -158,8 +167,11 @@ def test_k2_train_refuses_host_memory_too_small(tmp_path, capsys, no_process_sta
     assert rc == 2 and len(lines) == 1, err
     import re
 
-    named = re.search(r"cluster\.host_memory_gib=0\.001: phase '(\w+)' needs ([0-9.e-]+) GiB .*, "
-                      r"([0-9.e-]+) GiB available", lines[0])
+    named = re.search(
+        r"cluster\.host_memory_gib=0\.001: phase '(\w+)' needs ([0-9.e-]+) GiB .*, "
+        r"([0-9.e-]+) GiB available",
+        lines[0],
+    )
     assert named, lines[0]
     assert float(named[2]) == pytest.approx(need, rel=5e-3) and float(named[3]) == 0.001
     assert named[1] in {row["phase"] for row in plan["phases"]}

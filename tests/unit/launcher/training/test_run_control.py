@@ -31,8 +31,10 @@ def test_run_dir_lock_refuses_a_second_owner_naming_the_first(tmp_path):
 def test_run_dir_lock_is_released_when_its_owner_is_killed(tmp_path):
     from k2.launcher.checkpointing.run_lock import RunDirBusy, RunDirLock
 
-    code = ("import sys, time; from k2.launcher.checkpointing.run_lock import RunDirLock; "
-            f"RunDirLock.acquire({str(tmp_path)!r}); print('locked', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from k2.launcher.checkpointing.run_lock import RunDirLock; "
+        f"RunDirLock.acquire({str(tmp_path)!r}); print('locked', flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "locked"

@@ -17,10 +17,20 @@ B = 1024  # tokens per step
 def _records() -> list[dict]:
     recs = [{"step": 0, "consumed_tokens": 0, "phase": "warmup", "seq_length": 128, "val_loss": 8.3}]
     for s in range(1, 7):
-        r = {"step": s, "consumed_tokens": s * B, "phase": "warmup" if s <= 3 else "anneal", "seq_length": 128,
-             "lr": 1e-3 * s / 6, "loss": 8.0 - 0.1 * s, "grad_norm": 2.0 / s, "tokens_per_s": 1000.0 + s,
-             "mfu": None, "max_attn_logit": 10.0 + s, "qk_clipped_heads": s % 2,
-             "moe_load_max_over_mean": 1.0 + 0.1 * s}
+        r = {
+            "step": s,
+            "consumed_tokens": s * B,
+            "phase": "warmup" if s <= 3 else "anneal",
+            "seq_length": 128,
+            "lr": 1e-3 * s / 6,
+            "loss": 8.0 - 0.1 * s,
+            "grad_norm": 2.0 / s,
+            "tokens_per_s": 1000.0 + s,
+            "mfu": None,
+            "max_attn_logit": 10.0 + s,
+            "qk_clipped_heads": s % 2,
+            "moe_load_max_over_mean": 1.0 + 0.1 * s,
+        }
         if s % 3 == 0:
             r["val_loss"] = 8.0 - 0.05 * s
         recs.append(r)
@@ -40,8 +50,11 @@ def test_plotted_series_equal_metrics_jsonl(run_dir):
     """Every line of every figure is the (tokens, value) of the records that hold that key, read here
     straight from the file (the torn last line of a running run skipped)."""
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]]
-    want = {key: [(r["consumed_tokens"], r[key]) for r in recs if r.get(key) is not None]
-            for _, _, keys, _ in FIGURES.values() for key, _ in keys}
+    want = {
+        key: [(r["consumed_tokens"], r[key]) for r in recs if r.get(key) is not None]
+        for _, _, keys, _ in FIGURES.values()
+        for key, _ in keys
+    }
     figs = draw_figures(run_series(recs), phase_boundaries(recs), 12.5)
     assert set(figs) == set(FIGURES)
     for name, fig in figs.items():
@@ -72,12 +85,16 @@ def test_write_report_pngs_and_summary(run_dir):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     text = r.text()
-    for needle in ("steps           6 (6,144 tokens)", "final loss      7.4000",
-                   "val loss        7.7000 last, 7.7000 best (at 6,144 tokens)", "tokens/s        1,004 median",
-                   "MFU             none (a CPU run",
-                   "max attn logit  16.00 (QK-Clip at tau 12.5 clipped 3 head-steps)",
-                   "MoE balance     busiest expert 1.60x the mean (last step), 1.60x max, 1.40x median after "
-                   "the first fifth; 1 = balanced, 4 = collapsed"):
+    for needle in (
+        "steps           6 (6,144 tokens)",
+        "final loss      7.4000",
+        "val loss        7.7000 last, 7.7000 best (at 6,144 tokens)",
+        "tokens/s        1,004 median",
+        "MFU             none (a CPU run",
+        "max attn logit  16.00 (QK-Clip at tau 12.5 clipped 3 head-steps)",
+        "MoE balance     busiest expert 1.60x the mean (last step), 1.60x max, 1.40x median after "
+        "the first fifth; 1 = balanced, 4 = collapsed",
+    ):
         assert needle in text, text
     # a run with QK-Clip off says so instead of counting clips
     (run_dir / "config.yaml").write_text("optim:\n  qk_clip_tau: null\n")
@@ -88,8 +105,12 @@ def test_cli(run_dir, capsys, tmp_path):
     rc, out, _ = run_tool(capsys, report_entry.main, ["--help"])
     assert rc == 0 and out.startswith("usage: k2-report RUN_DIR")
     rc, _, err = run_tool(capsys, report_entry.main, [str(tmp_path / "nope")])
-    assert rc == 2 and err == f"k2-report: error: {tmp_path / 'nope'} holds no metrics.jsonl: not a k2-train run " \
-                              "dir (or no step logged yet)\n"
+    assert (
+        rc == 2
+        and err
+        == f"k2-report: error: {tmp_path / 'nope'} holds no metrics.jsonl: not a k2-train run "
+        "dir (or no step logged yet)\n"
+    )
     rc, out, _ = run_tool(capsys, report_entry.main, [str(run_dir), str(tmp_path / "pngs")])
     assert rc == 0 and out.startswith(f"k2-report: {run_dir}") and (tmp_path / "pngs" / "loss.png").exists()
 

@@ -87,7 +87,7 @@ def test_log_updates_skip_does_not_and_too_many_skips_stop():
 
 
 def test_window_round_trips_through_the_checkpoint_json():
-    vals = [1.0 + 1e-3 * i ** 1.5 for i in range(20)]
+    vals = [1.0 + 1e-3 * i**1.5 for i in range(20)]
     a = SpikeGuard(_cfg())
     _feed(a, vals[:10])
     b = SpikeGuard(_cfg())
@@ -98,8 +98,10 @@ def test_window_round_trips_through_the_checkpoint_json():
 
 def test_default_is_log_and_bad_settings_name_the_key():
     assert load_config([]).train.spike.action == "log"
-    for override, words in (("train.spike.action=rollback", "log, skip, stop"),
-                            ("train.spike.window=2", "train.spike.window"),
-                            ("train.spike.sigma=0", "train.spike.sigma")):
+    for override, words in (
+        ("train.spike.action=rollback", "log, skip, stop"),
+        ("train.spike.window=2", "train.spike.window"),
+        ("train.spike.sigma=0", "train.spike.sigma"),
+    ):
         with pytest.raises(ConfigError, match=words):
             load_config([override])

@@ -10,10 +10,29 @@ from k2.launcher.training.metrics import step_record
 
 # the keys of a step's record in the main job's metrics.jsonl (`k2-train parallel=cpu4`), up to the fields
 # the spike guard and the goodput clock add after it
-MAIN_JOB_KEYS = ["step", "consumed_tokens", "phase", "seq_length", "global_batch_size", "num_microbatches",
-                 "layer_recompute", "lr", "loss", "grad_norm", "tokens_per_s", "step_time_s", "update_successful",
-                 "max_attn_logit", "max_attn_logit_per_layer", "qk_clipped_heads", "model_tflops_per_gpu", "mfu",
-                 "moe_load_max_over_mean", "moe_routed_tokens", "moe_aux_loss"]
+MAIN_JOB_KEYS = [
+    "step",
+    "consumed_tokens",
+    "phase",
+    "seq_length",
+    "global_batch_size",
+    "num_microbatches",
+    "layer_recompute",
+    "lr",
+    "loss",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "update_successful",
+    "max_attn_logit",
+    "max_attn_logit_per_layer",
+    "qk_clipped_heads",
+    "model_tflops_per_gpu",
+    "mfu",
+    "moe_load_max_over_mean",
+    "moe_routed_tokens",
+    "moe_aux_loss",
+]
 
 
 def _phase(**memory):
@@ -23,9 +42,19 @@ def _phase(**memory):
 def _record(**kwargs):
     attn = {"max_attn_logit": 12.5, "max_attn_logit_per_layer": [12.5, 3.0], "qk_clipped_heads": 0}
     moe = {"moe_load_max_over_mean": 1.5, "moe_routed_tokens": 4096, "moe_aux_loss": 0.01}
-    args = {"consumed_tokens": 14336, "lr": 3e-3, "loss": 5.25, "grad_norm": 0.5, "update_ok": True,
-            "seconds": 0.5, "tokens_per_step": 2048, "attn": attn, "mfu": (0.02, None), "extra": [moe, {}],
-            **kwargs}
+    args = {
+        "consumed_tokens": 14336,
+        "lr": 3e-3,
+        "loss": 5.25,
+        "grad_norm": 0.5,
+        "update_ok": True,
+        "seconds": 0.5,
+        "tokens_per_step": 2048,
+        "attn": attn,
+        "mfu": (0.02, None),
+        "extra": [moe, {}],
+        **kwargs,
+    }
     return step_record(7, _phase(), **args)
 
 
@@ -40,9 +69,21 @@ def test_the_record_has_the_main_job_s_keys_in_order_and_each_value_from_its_inp
 
 
 def test_optional_keys_only_where_they_apply():
-    rec = _record(grad_norm=None, saved_bytes_per_microbatch=1024.0, replayed=True,
-                  extra=[{"wgrad_deferred_peak_bytes": 7}])
+    rec = _record(
+        grad_norm=None, saved_bytes_per_microbatch=1024.0, replayed=True, extra=[{"wgrad_deferred_peak_bytes": 7}]
+    )
     assert rec["grad_norm"] is None and rec["saved_bytes_per_microbatch"] == 1024.0 and rec["replayed"] is True
     assert list(rec)[-3:] == ["wgrad_deferred_peak_bytes", "saved_bytes_per_microbatch", "replayed"]
-    assert step_record(7, _phase(recompute=["layer"]), consumed_tokens=0, lr=0.0, loss=1.0, grad_norm=1,
-                       update_ok=False, seconds=1.0, tokens_per_step=1, attn={}, mfu=(0.0, 0.0))["layer_recompute"]
+    assert step_record(
+        7,
+        _phase(recompute=["layer"]),
+        consumed_tokens=0,
+        lr=0.0,
+        loss=1.0,
+        grad_norm=1,
+        update_ok=False,
+        seconds=1.0,
+        tokens_per_step=1,
+        attn={},
+        mfu=(0.0, 0.0),
+    )["layer_recompute"]

@@ -36,8 +36,9 @@ def test_every_chart_uses_the_step_metric_as_x_axis(tmp_path, monkeypatch):
     fake.finish = lambda *a, **k: None
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = OmegaConf.create({"mode": "offline", "project": "p", "entity": None, "name": None, "group": None})
-    logger = MetricsLogger(tmp_path, enabled=True).open(total_steps=12, wandb_cfg=cfg, progress=False,
-                                                        start_step=10, wandb_run_id="run42")
+    logger = MetricsLogger(tmp_path, enabled=True).open(
+        total_steps=12, wandb_cfg=cfg, progress=False, start_step=10, wandb_run_id="run42"
+    )
     logger.log_before_training({"step": 10, "val_loss": 3.0})
     for step in (11, 12):
         logger.log({"step": step, "loss": 2.0})

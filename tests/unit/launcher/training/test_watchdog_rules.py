@@ -47,9 +47,11 @@ def test_allowances_startup_first_of_each_kind_then_derived_or_set(tmp_path, mon
 def test_named_ranks_stale_behind_missing(tmp_path):
     dog = _dog(tmp_path, world=4)
     now = 1000.0
-    beats = {0: {"seq": 7, "point": "save 4", "alive": now, "host": "h", "pid": 1},
-             1: {"seq": 7, "point": "save 4", "alive": now - 60, "host": "h", "pid": 2},
-             2: {"seq": 6, "point": "step 4", "alive": now, "host": "h", "pid": 3}}
+    beats = {
+        0: {"seq": 7, "point": "save 4", "alive": now, "host": "h", "pid": 1},
+        1: {"seq": 7, "point": "save 4", "alive": now - 60, "host": "h", "pid": 2},
+        2: {"seq": 6, "point": "step 4", "alive": now, "host": "h", "pid": 3},
+    }
     named = dog.culprits(beats, now)
     assert sorted(named) == [1, 2, 3]
     assert named[1].startswith("stopped responding (last heartbeat at 'save 4'")
@@ -60,8 +62,9 @@ def test_named_ranks_stale_behind_missing(tmp_path):
 def test_a_stopped_rank_is_reported_dumped_and_killed(tmp_path, monkeypatch):
     """Rank 1 is a real stopped process on this host: rank 0's watchdog names it in one line, writes its
     own stacks (faulthandler) and rank 1's (py-spy), kills it, leaves the requeue marker and exits 42."""
-    victim = subprocess.Popen([sys.executable, "-c", "import time\ndef in_train_step():\n time.sleep(600)\n"
-                               "in_train_step()"])
+    victim = subprocess.Popen(
+        [sys.executable, "-c", "import time\ndef in_train_step():\n time.sleep(600)\nin_train_step()"]
+    )
     try:
         time.sleep(1.0)
         victim.send_signal(signal.SIGSTOP)
@@ -72,8 +75,11 @@ def test_a_stopped_rank_is_reported_dumped_and_killed(tmp_path, monkeypatch):
         dog.on_hang(lines.append)
         dog.progress("step", 5)
         dog._beat()
-        (dog.dir / "rank1.json").write_text(json.dumps(
-            {"rank": 1, "host": dog.host, "pid": victim.pid, "point": "step 5", "seq": 1, "alive": time.time() - 30}))
+        (dog.dir / "rank1.json").write_text(
+            json.dumps(
+                {"rank": 1, "host": dog.host, "pid": victim.pid, "point": "step 5", "seq": 1, "alive": time.time() - 30}
+            )
+        )
         dog._handle_hang()
         assert victim.wait(timeout=10) == -signal.SIGKILL
     finally:
@@ -152,8 +158,10 @@ def test_waiting_ranks_are_not_hung_while_another_rank_moves(tmp_path):
     dog = _dog(tmp_path, timeout_s=10)
     dog._allowance = 10.0
     now = 1000.0
-    beats = {0: {"seq": 3, "point": "phase 4", "alive": now, "moved": now - 30, "host": "h", "pid": 1},
-             1: {"seq": 3, "point": "phase 4", "alive": now, "moved": now - 2, "host": "h", "pid": 2}}
+    beats = {
+        0: {"seq": 3, "point": "phase 4", "alive": now, "moved": now - 30, "host": "h", "pid": 1},
+        1: {"seq": 3, "point": "phase 4", "alive": now, "moved": now - 2, "host": "h", "pid": 2},
+    }
     dog.read_heartbeats = lambda: beats
     time_now = time.time
     try:
@@ -176,19 +184,36 @@ def test_a_rank_stopped_as_the_others_stop_moving_is_named_when_their_allowance_
     dog = _dog(tmp_path, timeout_s=5)
     dog._allowance = 5.0
     now = 1000.0
-    beats = {0: {"seq": 9, "point": "eval 6", "alive": now, "moved": now - 5.2, "host": "h", "pid": 1},
-             1: {"seq": 9, "point": "eval 6", "alive": now - 4.8, "moved": now - 5.3, "host": "h", "pid": 2}}
+    beats = {
+        0: {"seq": 9, "point": "eval 6", "alive": now, "moved": now - 5.2, "host": "h", "pid": 1},
+        1: {"seq": 9, "point": "eval 6", "alive": now - 4.8, "moved": now - 5.3, "host": "h", "pid": 2},
+    }
     assert list(dog.culprits(beats, now)) == [1]
 
 
 def test_a_stopped_background_writer_is_named(tmp_path):
-    beats = {0: {"seq": 5, "point": "save 4", "alive": 1.0, "host": "n1", "pid": 10,
-                 "writer": {"pid": 11, "step": 4, "partial": "/r/checkpoints/iter_0000004.partial", "state": "T"}},
-             1: {"seq": 5, "point": "save 4", "alive": 1.0, "host": "n1", "pid": 12,
-                 "writer": {"pid": 13, "step": 4, "partial": "/r/checkpoints/iter_0000004.partial", "state": "S"}}}
+    beats = {
+        0: {
+            "seq": 5,
+            "point": "save 4",
+            "alive": 1.0,
+            "host": "n1",
+            "pid": 10,
+            "writer": {"pid": 11, "step": 4, "partial": "/r/checkpoints/iter_0000004.partial", "state": "T"},
+        },
+        1: {
+            "seq": 5,
+            "point": "save 4",
+            "alive": 1.0,
+            "host": "n1",
+            "pid": 12,
+            "writer": {"pid": 13, "step": 4, "partial": "/r/checkpoints/iter_0000004.partial", "state": "S"},
+        },
+    }
     assert HangWatchdog.writer_notes(beats) == [
         "rank 0's background checkpoint writer (host n1, pid 11) is stopped (SIGSTOP or a debugger) while "
-        "writing step 4 into /r/checkpoints/iter_0000004.partial"]
+        "writing step 4 into /r/checkpoints/iter_0000004.partial"
+    ]
 
 
 def test_a_checkpoint_load_reports_progress_per_object_through_the_allow_list(tmp_path):
