@@ -64,15 +64,14 @@ _ATTENTION_DEFAULTS = {
 def _attention_case(
     device: str, b: int, h: int, s: int, dk: int, dv: int, dtype_name: str, warmup: int, repeats: int, seed: int
 ) -> dict[str, Any]:
+    """One shape's figures: K2CoreAttention's output and max logits against :func:`reference_attention`'s on
+    the same inputs, and the time per call of each (ms, median of ``repeats``)."""
     import torch
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    q, k = (torch.randn(s, b, h, dk, generator=gen) for _ in range(2))
-    v = torch.randn(s, b, h, dv, generator=gen)
-    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    q, k, v = _random_qkv(device, b, h, s, dk, dv, dtype, seed)
     tcfg = TransformerConfig(
         num_layers=1,
         hidden_size=h * dk,
@@ -129,14 +128,31 @@ def _attention_case(
             del out_32
         times = time_calls(calls, warmup, repeats, cuda=device == "cuda")
     flops = 2 * b * h * s * s * (dk + dv)  # q k^T and p v over the full square (no causal skipping)
-    figures.update(
-        time_k2_ms=times["k2_record"],
-        time_k2_no_record_ms=times["k2_no_record"],
-        time_reference_ms=times["reference"],
-        k2_over_reference=times["k2_record"] / times["reference"],
-        max_logit_overhead=times["k2_record"] / times["k2_no_record"] - 1.0,
-        k2_tflops=flops / (times["k2_record"] * 1e-3) / 1e12,
-    )
+    return {**figures, **_time_figures(times, flops)}
+
+
+def _random_qkv(device: str, b: int, h: int, s: int, dk: int, dv: int, dtype, seed: int) -> tuple:
+    """Random ``q``, ``k`` ([s, b, h, dk]) and ``v`` ([s, b, h, dv]), drawn on the CPU from ``seed``, then moved
+    to ``device`` in ``dtype``."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k = (torch.randn(s, b, h, dk, generator=gen) for _ in range(2))
+    v = torch.randn(s, b, h, dv, generator=gen)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+def _time_figures(times: dict[str, float], flops: float) -> dict[str, float]:
+    """The timing figures of one shape from its calls' times (ms, :func:`time_calls`) and its FLOPs per call:
+    the times, K2 over the reference, the max-logit recording's overhead, K2's TFLOP/s."""
+    figures = {
+        "time_k2_ms": times["k2_record"],
+        "time_k2_no_record_ms": times["k2_no_record"],
+        "time_reference_ms": times["reference"],
+        "k2_over_reference": times["k2_record"] / times["reference"],
+        "max_logit_overhead": times["k2_record"] / times["k2_no_record"] - 1.0,
+        "k2_tflops": flops / (times["k2_record"] * 1e-3) / 1e12,
+    }
     if "k2_record_triton" in times:
         figures.update(
             time_k2_triton_ms=times["k2_record_triton"],

@@ -300,28 +300,36 @@ def bench_data(cfg: K2Config) -> dict[str, Any]:
             **rates,
         }
         if o["rss_mb"] > 0:  # memory: a streamed build of a corpus 4x larger uses no more memory
-            rss = {}
-            for mult in (1, 4):
-                path = root / f"rss_{mult}.jsonl"
-                write_jsonl_corpus(path, o["rss_mb"] * mult, docs)
-                rss[mult] = (
-                    path.stat().st_size,
-                    _peak_rss_mb(
-                        _prepare_args(
-                            path,
-                            root / f"rss_out{mult}" / "c",
-                            tok_path,
-                            1,
-                            int(o["chunk_documents"]),
-                            int(o["vocab_size"]),
-                        )
-                    )[0],
-                )
-            figures["rss"] = {f"corpus_{b / 1e6:.2f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()}
-            figures["rss_growth_for_4x_corpus"] = rss[4][1] / rss[1][1]
+            figures.update(_rss_figures(o, root, docs, tok_path))
         if o["memory_limit_mb"] > 0:
             figures["memory_limited"] = _limited_build(o, root, docs, tok_path)
     return figures
+
+
+def _rss_figures(o: dict, root: Path, docs: list[str], tok_path: Path) -> dict[str, Any]:
+    """Peak RSS (MB) of a one-process streamed build of a ``rss_mb`` MB corpus and of one 4x larger, and
+    the ratio of the two (``rss_growth_for_4x_corpus``)."""
+    rss = {}
+    for mult in (1, 4):
+        path = root / f"rss_{mult}.jsonl"
+        write_jsonl_corpus(path, o["rss_mb"] * mult, docs)
+        rss[mult] = (
+            path.stat().st_size,
+            _peak_rss_mb(
+                _prepare_args(
+                    path,
+                    root / f"rss_out{mult}" / "c",
+                    tok_path,
+                    1,
+                    int(o["chunk_documents"]),
+                    int(o["vocab_size"]),
+                )
+            )[0],
+        )
+    return {
+        "rss": {f"corpus_{b / 1e6:.2f}MB_peak_rss_mb": round(r, 1) for b, r in rss.values()},
+        "rss_growth_for_4x_corpus": rss[4][1] / rss[1][1],
+    }
 
 
 def _raw_encode(tok, texts: list, method: str, chunk_documents: int) -> tuple[float, float, int]:

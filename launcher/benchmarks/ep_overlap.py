@@ -41,30 +41,19 @@ run's own; ``calibrated_predicted_ep_comm_host_on_s``: the seconds the all-to-al
 compute beside them, from ``link_host_cpu_share``; ``calibrated_predicted_ep_token_counts_on_s``: the
 token-count all-gathers, from ``link_latency_us`` and ``link_loaded_latency_us``; the all-to-alls' longer time
 on the wire beside the host's compute, ``link_beside_compute_slowdown``; each all-to-all's wait for the other
-rank's call, ``link_peer_wait_us``, below) and the goals (:data:`GOALS`).
+rank's call, ``link_peer_wait_us``: :mod:`k2.launcher.benchmarks.ep_overlap_prediction` says where it comes
+from) and the goals (:data:`GOALS`).
 
-**The wait for the other rank** (``alltoall_peer_wait_us``). An all-to-all moves nothing until both ranks
-have called it. In the trainer's trace the ranks call each dispatch and combine apart by 1-4 ms
-(``peer_wait_off_us`` / ``peer_wait_on_us``: the mean over the ranks of the latest call less the own, per
-dispatch or combine): the ranks' compute between two all-to-alls differs (the tokens routed to each rank's
-experts, the host's noise), and on a shaped link the rank that receives more finishes an all-to-all later
-(routing sends the two directions different byte counts: the busier one carries ``|C - D| / 2`` more than
-their mean, ``D`` the bytes of a forward dispatch, ``C`` of its combine). The profile's wait per dispatch or
-combine on a rate's link is the rate's unshaped calibration run's, measured in its trace: its wait less
-what its busier direction took on the unshaped link (the compute skew) plus the busier direction's extra
-bytes over this link's rate. A replay of the traced runs (:mod:`k2.launcher.benchmarks.ep_overlap_replay`)
-without these waits halves their exposed all-to-all with the overlap on.
-
-**What the model can and cannot predict here.** Without the overlap the exposed all-to-all is the link's
-rate and latency plus that wait, from the probe and the calibration run: ``exposed_off_prediction``, the
-calibrated prediction within 15% of the measured one. With the overlap on, the replay of a traced step on
-two streams with its mean durations reproduces its exposure within 20% (the schedule's order and the
-streams are the model's), but the durations are not the model's: on a 2-core host shared with other jobs the
-rank's compute with the overlap running is slower than the calibration run's (overlap off), and its
-dispatches and combines longer on the communication thread than the link and the wait make them
-(megatron's dispatcher runs a second, small all-to-all per dispatch), which neither the calibration nor the
-probe (a process doing nothing else) measures. So the prediction with the overlap on is a bound, not an
-estimate: ``exposed_on_bound``, predicted / measured exposed all-to-all at most 1, and ``speedup_bound``,
+**What the model can and cannot predict here.** Without the overlap the exposed all-to-all is the link's rate
+and latency plus the wait for the other rank's call, from the probe and the calibration run:
+``exposed_off_prediction``, the calibrated prediction within 15% of the measured one. With the overlap on, the
+replay of a traced step on two streams with its mean durations reproduces its exposure within 20% (the
+schedule's order and the streams are the model's), but the durations are not the model's: on a 2-core host
+shared with other jobs the rank's compute with the overlap running is slower than the calibration run's
+(overlap off), and its dispatches and combines longer on the communication thread than the link and the wait
+make them (megatron's dispatcher runs a second, small all-to-all per dispatch), which neither the calibration
+nor the probe (a process doing nothing else) measures. So the prediction with the overlap on is a bound, not
+an estimate: ``exposed_on_bound``, predicted / measured exposed all-to-all at most 1, and ``speedup_bound``,
 predicted / measured speed-up at least 1; the bench reports both ratios (how loose the bounds are). The
 measured ``speedup`` and ``exposed_cut`` are reported, not judged (the link rate chosen sets them).
 
@@ -87,6 +76,15 @@ from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.config.recipes import repo_root
 from k2.launcher.benchmarks.common import bench_options, check_minimums
+from k2.launcher.benchmarks.ep_overlap_prediction import (
+    calibrated,
+    link_profile,
+    model_settings,
+    peer_wait_us,
+    predicted,
+    unshaped_case,
+    write_link_profile,
+)
 from k2.launcher.benchmarks.ep_overlap_trace import (
     a2a_bytes,
     a2a_count,
@@ -141,23 +139,9 @@ _DEFAULTS = {
 GOALS = {"exposed_off_prediction": 0.15, "exposed_on_bound": 1.0, "speedup_bound": 1.0}
 
 
-def _model(o: dict) -> list[str]:
-    """The settings of the benchmarked model and layout (the runs' and the prediction's)."""
-    return [
-        f"model={o['model']}",
-        "parallel=single",
-        "parallel.ep=2",
-        f"model.num_layers={o['num_layers']}",
-        f"model.moe_ffn_hidden_size={o['moe_ffn_hidden_size']}",
-        f"train.micro_batch_size={o['micro_batch_size']}",
-        f"schedule.global_batch_tokens={o['global_batch_tokens']}",
-        f"pipeline.decouple_wgrad={str(o['decouple_wgrad']).lower()}",
-    ]
-
-
 def _overrides(o: dict, run_dir: Path, overlap: bool) -> list[str]:
     return [
-        *_model(o),
+        *model_settings(o),
         f"train.iters={o['iters']}",
         "train.eval_interval=0",
         "schedule.phases.0.steps=0",
@@ -223,60 +207,10 @@ def _auto_rates(link: ShapedLink, o: dict, tmp: Path) -> tuple[list[float], dict
     )
 
 
-def _profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
-    """:func:`_link_profile` written to ``path`` (a profile file); returns the path."""
-    from k2.launcher.benchmarks.hardware import write_profile
-
-    write_profile(_link_profile(link_figures, device), str(path))
-    return str(path)
-
-
-def _link_profile(link_figures: dict, device: dict) -> dict:
-    """This machine's profile with the shaped link as the network between two one-rank nodes (the keys of a
-    profile file)."""
-    prof = dict(device)
-    rate = link_figures["rate_mbit"]
-    prof.update(
-        name=f"measured-shaped-link-{rate:g}mbit" if rate else "measured-unshaped-link",
-        gpus_per_host=1,
-        network_latency_us=link_figures["latency_us"],
-        intra_latency_us=link_figures["latency_us"],
-        comm_stream="host_thread",  # (k2-train's CPU communication stream: k2.parallel.comm_stream)
-        alltoall_host_cpu_share=min(link_figures["host_cpu_share"], 0.95),
-        # (measure_link's loaded latency is never below its latency; a mapping without one: no queue)
-        network_loaded_latency_us=link_figures.get("loaded_latency_us", link_figures["latency_us"]),
-        alltoall_beside_compute_slowdown=link_figures.get("beside_compute_slowdown", 1.0),
-        alltoall_peer_wait_us=link_figures.get("peer_wait_us", 0.0),
-    )
-    for side in ("nvlink", "network"):  # (one rank per node: every collective crosses the link)
-        prof.update(
-            {
-                f"{side}_gbps": link_figures["alltoall_gbps"],
-                f"{side}_alltoall_gbps": link_figures["alltoall_gbps"],
-                f"{side}_collective_gbps": link_figures["collective_gbps"],
-            }
-        )
-    prof.setdefault("sources", {})["shaped_link"] = (
-        "k2-bench bench=ep_overlap: gloo between two network namespaces over a veth pair "
-        + (f"shaped with tc tbf at {rate:g} Mbit/s" if rate else "(not shaped)")
-        + " (the run's all-to-all size, 16 back to back, alone and beside a GEMM loop, and the process's CPU "
-        "seconds per wall second of them; all-reduce of 1 MiB)"
-    )
-    return prof
-
-
-def _predicted(o: dict, profile: str) -> dict[str, Any]:
-    """k2-plan's step with the overlap off and on for the benchmarked run on ``profile``
-    (:func:`k2.launcher.planning.overlap_prediction.predict_ep_overlap`)."""
-    from k2.launcher.planning import predict_ep_overlap
-
-    return predict_ep_overlap(load_config([*_model(o), "cluster.nodes=2", "cluster.gpus_per_node=1"]), profile)
-
-
 def _a2a_bytes_per_rank(o: dict) -> int:
     """Bytes one rank puts into one dispatch all-to-all of the benchmarked run: a microbatch's tokens,
     each sent to its top-k experts, in fp32 (``micro_batch_size x seq_length x topk x hidden x 4``)."""
-    cfg = load_config(_model(o))
+    cfg = load_config(model_settings(o))
     from k2.parallel.dims import ParallelDims
     from k2.schedules.resolve import resolve_schedule
 
@@ -286,7 +220,7 @@ def _a2a_bytes_per_rank(o: dict) -> int:
 
 
 def _unshaped_run(link: ShapedLink, o: dict, run_dir: Path) -> dict[str, Any]:
-    """A calibration run: overlap off, the link not shaped (``{"run", "link"}``, :func:`_unshaped_case`)."""
+    """A calibration run: overlap off, the link not shaped (``{"run", "link"}``, :func:`unshaped_case`)."""
     link.set_rate(None)
     run = _train(link, o, run_dir, False)
     lf = {**measure_link(link, o["repeats"], repo_root(), _a2a_bytes_per_rank(o)), "rate_mbit": None}
@@ -301,13 +235,6 @@ def _unshaped_run(link: ShapedLink, o: dict, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _peer_wait_us(unshaped_link: dict, alltoall_gbps: float) -> float:
-    """The profile's ``alltoall_peer_wait_us`` on a link of ``alltoall_gbps``: the calibration run's compute
-    skew per dispatch or combine plus the busier direction's extra bytes over the link's rate (both from
-    the unshaped overlap-off calibration run: :func:`_unshaped_run`)."""
-    return unshaped_link["compute_skew_us"] + unshaped_link["a2a_excess_bytes"] / (alltoall_gbps * 1e9) * 1e6
-
-
 def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path, unshaped: dict | None = None) -> dict[str, Any]:
     """At ``rate``: a calibration run right before (``unshaped``: the one just run, else a new one: the
     machine's speed drifts over the minutes a rate takes), the link's figures, then ``rounds`` pairs of runs
@@ -315,7 +242,7 @@ def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path, unshaped: dict
     unshaped = unshaped or _unshaped_run(link, o, tmp / f"calibration-{rate:g}")
     link.set_rate(rate)
     lf = {**measure_link(link, o["repeats"], repo_root(), _a2a_bytes_per_rank(o)), "rate_mbit": rate}
-    lf["peer_wait_us"] = _peer_wait_us(unshaped["link"], lf["alltoall_gbps"])
+    lf["peer_wait_us"] = peer_wait_us(unshaped["link"], lf["alltoall_gbps"])
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(o["rounds"]):
         for overlap in (False, True):
@@ -325,16 +252,16 @@ def _rate_runs(link: ShapedLink, o: dict, rate: float, tmp: Path, unshaped: dict
 
 def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, Any]:
     """One rate's figures (module docstring): its runs (:func:`_rate_runs`) against the prediction on the
-    profile as measured and on the one calibrated by the rate's unshaped run (:func:`_unshaped_case`)."""
+    profile as measured and on the one calibrated by the rate's unshaped run (:func:`unshaped_case`)."""
     lf, runs = measured["link"], measured["runs"]
     rate = lf["rate_mbit"]
-    unshaped = _unshaped_case(o, measured["unshaped"], device, tmp / f"unshaped-{rate:g}")
-    calibrated = _calibrated(device, unshaped["compute_scale"])
+    unshaped = unshaped_case(o, measured["unshaped"], device, tmp / f"unshaped-{rate:g}")
+    calibrated_device = calibrated(device, unshaped["compute_scale"])
     med = {
         ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s", "pass_s")}
         for ov in runs
     }
-    p = _predicted(o, _profile(o, lf, device, tmp / f"profile-{rate:g}.yaml"))
+    p = predicted(o, write_link_profile(o, lf, device, tmp / f"profile-{rate:g}.yaml"))
     pred = {False: p["off"], True: p["on"]}
     off, on = med[False], med[True]
     out = {
@@ -369,7 +296,7 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
         "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
         "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),
     }
-    c = _predicted(o, _profile(o, lf, calibrated, tmp / f"profile-{rate:g}-calibrated.yaml"))
+    c = predicted(o, write_link_profile(o, lf, calibrated_device, tmp / f"profile-{rate:g}-calibrated.yaml"))
     out.update(
         calibrated_predicted_off_s=c["off"]["step_s"],
         calibrated_predicted_on_s=c["on"]["step_s"],
@@ -391,8 +318,8 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
     out["goals"] = goals_met(out)
     out["goals_met"] = all(out["goals"].values())
     # what the figures come from: the profiles predicted with, every timed step of every run, the link's probe
-    out["profile"] = _link_profile(lf, device)
-    out["calibrated_profile"] = _link_profile(lf, calibrated)
+    out["profile"] = link_profile(lf, device)
+    out["calibrated_profile"] = link_profile(lf, calibrated_device)
     out["raw"] = {"link": lf, "off_runs": runs[False], "on_runs": runs[True], "unshaped": measured["unshaped"]}
     return out
 
@@ -412,57 +339,6 @@ def goals_met(case: dict) -> dict[str, bool]:
     }
 
 
-#: the step-time terms of compute on the rank (they scale with its speed); the rest is communication
-_COMPUTE_TERMS = ("gemm", "attention", "non_gemm", "schedule", "recompute", "optimizer")
-#: the profile's figures of the rank's speed: rates (divided by the compute scale) and costs (multiplied)
-_RATE_KEYS = (
-    "gemm_fp32_tflops",
-    "gemm_bf16_tflops",
-    "gemm_fp8_tflops",
-    "gemm_grouped_bf16_tflops",
-    "gemm_grouped_fp8_tflops",
-    "gemm_ceiling_tflops",
-    "attention_tflops",
-    "memory_gbps",
-    "peak_bf16_tflops",
-    "peak_fp8_tflops",
-)
-_COST_KEYS = ("kernel_launch_us", "microbatch_overhead_us", "step_overhead_us")
-
-
-def _calibrated(device: dict, scale: float) -> dict:
-    """``device`` with its compute ``scale`` times slower: its rates divided and its per-operator costs
-    (``kernel_launch_us``, ``operator_us``, the schedule's overheads) multiplied by ``scale``; its links
-    untouched."""
-    out = dict(device)
-    for k in _RATE_KEYS:
-        if out.get(k):
-            out[k] = out[k] / scale
-    for k in _COST_KEYS:
-        if out.get(k):
-            out[k] = out[k] * scale
-    out["operator_us"] = {k: v * scale for k, v in (device.get("operator_us") or {}).items()}
-    return out
-
-
-def _unshaped_case(o: dict, unshaped: dict, device: dict, tmp: Path) -> dict[str, float]:
-    """The calibration run (overlap off, link not shaped) against its prediction: how far the model's
-    compute is from this run's where the link costs little; and ``compute_scale``, the factor on the
-    profile's compute (:func:`_calibrated`) at which the model's step equals this run's (the
-    communication terms kept): ``(measured step - communication) / compute``."""
-    step = statistics.median(unshaped["run"]["step_s"])
-    tmp.mkdir(parents=True, exist_ok=True)
-    p = _predicted(o, _profile(o, unshaped["link"], device, tmp / "profile-unshaped.yaml"))["off"]
-    compute = sum(p["breakdown_s"].get(k, 0.0) for k in _COMPUTE_TERMS)
-    scale = max(step - (p["step_s"] - compute), 1e-9) / compute if compute > 0 else 1.0
-    return {
-        "unshaped_step_off_s": step,
-        "unshaped_predicted_off_s": p["step_s"],
-        "unshaped_predicted_over_measured_off": p["step_s"] / step,
-        "compute_scale": scale,
-    }
-
-
 def _device(ranks, o: dict) -> dict:
     """This machine's profile for the two ranks now (:func:`k2.launcher.benchmarks.perf_model.device_profile`;
     the link's measured figures replace its collectives)."""
@@ -473,14 +349,8 @@ def _device(ranks, o: dict) -> dict:
     ]
 
 
-def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
-    """Step time and exposed all-to-all time with ``pipeline.ep_overlap`` off and on across a shaped link,
-    and k2-plan's prediction of both (module docstring).
-
-    Raises:
-        ConfigError: a bad option, or no root / ``ip`` / ``tc`` (one line saying so).
-    """
-    o = bench_options(cfg, _DEFAULTS)
+def _check_options(o: dict) -> None:
+    """Refuses a bad option (:class:`ConfigError` naming it and the allowed values) before any run."""
     check_minimums(
         o,
         {
@@ -507,6 +377,17 @@ def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
             f"bench.options.balance={o['balance']!r}; allowed: a list of numbers > 0 (all-to-all "
             "time on the wire over compute, one link rate each)"
         )
+
+
+def bench_ep_overlap(cfg: K2Config) -> dict[str, Any]:
+    """Step time and exposed all-to-all time with ``pipeline.ep_overlap`` off and on across a shaped link,
+    and k2-plan's prediction of both (module docstring).
+
+    Raises:
+        ConfigError: a bad option, or no root / ``ip`` / ``tc`` (one line saying so).
+    """
+    o = bench_options(cfg, _DEFAULTS)
+    _check_options(o)
     check_can_shape()
     from k2.launcher.benchmarks.operator_cost import OperatorRanks
     from k2.launcher.benchmarks.perf_model import median_measurement

@@ -160,6 +160,60 @@ def _run(fwd, other) -> None:
         other()
 
 
+def _counted_part(name: str, fwd, other, rates: KernelRates) -> tuple[dict[str, Any], Callable[[], None] | None]:
+    """One part run once untimed, then once with its operators counted: its row of counts (forward and
+    backward operators, GEMMs and their FLOPs, their model seconds at ``rates``, its other operators' bytes
+    in seconds at the memory rate) and, for a priced part, a function running its GEMMs alone (warmed up)."""
+    import dataclasses
+
+    _run(fwd, other)  # warm-up (allocations, lazy state)
+    counter = _counter()
+    with counter:
+        loss = fwd() if fwd is not None else other()
+    forward_ops = counter.ops
+    if fwd is not None:
+        with counter:
+            loss.backward()
+    flops, gemm_run = _gemm_pass(counter.gemms) if name in _PRICED else (0.0, None)
+    if gemm_run is not None:
+        gemm_run()  # (warm-up)
+    bare = dataclasses.replace(rates, launch_s=0.0)
+    row = {
+        "forward_ops": forward_ops,
+        "backward_ops": counter.ops - forward_ops,
+        "gemms": len(counter.gemms),
+        "gemm_flops": flops,
+        "gemm_model_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
+        "bytes_s": counter.nbytes / rates.memory_bytes,
+    }
+    return row, gemm_run
+
+
+def _schedule_cost(case, samples: dict[str, list[float]]) -> dict[str, Any]:
+    """The schedule's own cost (module docstring) from the parts' timed runs (s): per microbatch
+    (``microbatch_us``) and per step (``step_us``), beside one microbatch of parts (``parts_per_microbatch_s``:
+    the model's MoE and dense layers, the embedding and the head, each at its fastest run)."""
+    gpt = case.model[0].module
+    while not hasattr(gpt, "decoder"):
+        gpt = gpt.module
+    kinds = ["MoE" in type(layer.mlp).__name__ for layer in gpt.decoder.layers]
+    parts_s = (
+        sum(kinds) * min(samples["moe_layer"])
+        + (len(kinds) - sum(kinds)) * min(samples["dense_layer"])
+        + min(samples["embedding"])
+        + min(samples["head"])
+    )
+    one, three = min(samples["schedule_1"]), min(samples["schedule_3"])
+    per_mb = max((three - one) / 2 - parts_s, 0.0)
+    return {
+        "microbatch_us": per_mb * 1e6,
+        "step_us": max(one - parts_s - per_mb, 0.0) * 1e6,
+        "parts_per_microbatch_s": parts_s,
+        "moe_layers": sum(kinds),
+        "dense_layers": len(kinds) - sum(kinds),
+    }
+
+
 def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=lambda: None) -> dict[str, Any]:
     """Each part's counted operators, time and cost per operator (module docstring).
 
@@ -176,37 +230,17 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
         ``rates``), ``bytes_s`` (its other operators' bytes at the memory rate) and ``per_op_us``; and
         ``schedule``: ``microbatch_us``, ``step_us`` (the schedule's own cost), ``parts_per_microbatch_s``.
     """
-    import dataclasses
-
     own = case is None
     if own:
         case, teardown = build_case()
     try:
         parts = _parts(case, 128, 2)
-        bare = dataclasses.replace(rates, launch_s=0.0)
         out: dict[str, Any] = {}
         gemm_runs: dict[str, Callable] = {}
         for name, (fwd, other) in parts.items():
-            _run(fwd, other)  # warm-up (allocations, lazy state)
-            counter = _counter()
-            with counter:
-                loss = fwd() if fwd is not None else other()
-            forward_ops = counter.ops
-            if fwd is not None:
-                with counter:
-                    loss.backward()
-            flops, gemm_run = _gemm_pass(counter.gemms) if name in _PRICED else (0.0, None)
+            out[name], gemm_run = _counted_part(name, fwd, other, rates)
             if gemm_run is not None:
-                gemm_run()  # (warm-up)
                 gemm_runs[name] = gemm_run
-            out[name] = {
-                "forward_ops": forward_ops,
-                "backward_ops": counter.ops - forward_ops,
-                "gemms": len(counter.gemms),
-                "gemm_flops": flops,
-                "gemm_model_s": sum(g * gemm_seconds(m, k, n, bare) for m, k, n, g in counter.gemms),
-                "bytes_s": counter.nbytes / rates.memory_bytes,
-            }
         # each part and then its GEMMs alone, in turn: a change of the machine's load hits a part's run and its
         # GEMMs' alike (timed apart, a slow stretch during the GEMMs made them longer than the whole part)
         turn: dict[str, Callable] = {}
@@ -217,25 +251,7 @@ def measure_operator_cost(rates: KernelRates, repeats: int, *, case=None, sync=l
         samples = interleaved_samples(turn, repeats, sync)
         for m in case.model:
             m.zero_grad_buffer()
-        gpt = case.model[0].module
-        while not hasattr(gpt, "decoder"):
-            gpt = gpt.module
-        kinds = ["MoE" in type(layer.mlp).__name__ for layer in gpt.decoder.layers]
-        parts_s = (
-            sum(kinds) * min(samples["moe_layer"])
-            + (len(kinds) - sum(kinds)) * min(samples["dense_layer"])
-            + min(samples["embedding"])
-            + min(samples["head"])
-        )
-        one, three = min(samples["schedule_1"]), min(samples["schedule_3"])
-        per_mb = max((three - one) / 2 - parts_s, 0.0)
-        out["schedule"] = {
-            "microbatch_us": per_mb * 1e6,
-            "step_us": max(one - parts_s - per_mb, 0.0) * 1e6,
-            "parts_per_microbatch_s": parts_s,
-            "moe_layers": sum(kinds),
-            "dense_layers": len(kinds) - sum(kinds),
-        }
+        out["schedule"] = _schedule_cost(case, samples)
         for name, row in out.items():
             if name == "schedule":
                 continue

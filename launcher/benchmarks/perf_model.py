@@ -231,6 +231,27 @@ def _predicted(name: str, profile: str) -> dict[str, Any]:
     }
 
 
+def _config_row(pred: dict[str, Any], steps: list[dict]) -> dict[str, Any]:
+    """One configuration's figures: the prediction (:func:`_predicted`) against its fastest timed step
+    (:func:`_measured`; seconds), per part of the step, and the largest term of each."""
+    fastest = min(steps, key=lambda s: s["step_s"])
+    meas = {k: fastest[k] for k in steps[0]}
+    row: dict[str, Any] = {
+        "timed_steps": len(steps),
+        "measured_step_median_s": statistics.median(s["step_s"] for s in steps),
+    }
+    for k in ("forward_s", "backward_s", "pass_s", "after_pass_s", "step_s"):
+        if k in pred:
+            row[f"predicted_{k}"] = pred[k]
+        row[f"measured_{k}"] = meas[k]
+        if k in pred and meas[k] > 0:
+            row[f"{k[:-2]}_predicted_over_measured"] = pred[k] / meas[k]
+    row["predicted_breakdown_s"] = pred["breakdown"]
+    row["predicted_largest_term"] = pred["largest_term"]
+    row["measured_largest"] = max(("forward", "backward", "after_pass"), key=lambda k: meas[f"{k}_s"])
+    return row
+
+
 def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
     """Predicted / measured step time of ``parallel=single`` and ``parallel=pp2`` (module docstring).
 
@@ -280,23 +301,7 @@ def bench_perf_model(cfg: K2Config) -> dict[str, Any]:
             profiles[name], ops[name] = str(tmp / f"{name}.yaml"), both["operator_cost"]
             write_profile(both["profile"], profiles[name])
         for name in _CONFIGS:
-            pred = _predicted(name, profiles[name])
-            fastest = min(steps[name], key=lambda s: s["step_s"])
-            meas = {k: fastest[k] for k in steps[name][0]}
-            row: dict[str, Any] = {
-                "timed_steps": len(steps[name]),
-                "measured_step_median_s": statistics.median(s["step_s"] for s in steps[name]),
-            }
-            for k in ("forward_s", "backward_s", "pass_s", "after_pass_s", "step_s"):
-                if k in pred:
-                    row[f"predicted_{k}"] = pred[k]
-                row[f"measured_{k}"] = meas[k]
-                if k in pred and meas[k] > 0:
-                    row[f"{k[:-2]}_predicted_over_measured"] = pred[k] / meas[k]
-            row["predicted_breakdown_s"] = pred["breakdown"]
-            row["predicted_largest_term"] = pred["largest_term"]
-            row["measured_largest"] = max(("forward", "backward", "after_pass"), key=lambda k: meas[f"{k}_s"])
-            figures[name] = row
+            figures[name] = _config_row(_predicted(name, profiles[name]), steps[name])
         figures["operators"] = _operator_rows(ops["single"], ops["pp2"])
         # the model's GEMM and non-GEMM terms against a profiler trace of one single-rank step
         b = figures["single"]["predicted_breakdown_s"]

@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,6 +82,35 @@ def bad_record_error(where: str, why: str) -> ConfigError:
     )
 
 
+def _committed_counts(work: str, done: int) -> tuple[int, int, int, list]:
+    """``(records, bad records, empty texts, the first bad records)`` of the ``done`` chunks committed in
+    ``work`` (a resumed build skips those records and counts those bad ones and empty texts again)."""
+    skip = n_bad = n_empty = 0
+    bad_list: list = []
+    for k in range(done):
+        records, bad, empty = _chunk_records(work, k)
+        skip, n_bad, n_empty = skip + records, n_bad + len(bad), n_empty + empty
+        bad_list.extend(bad[: MAX_REPORTED_BAD - len(bad_list)])
+    return skip, n_bad, n_empty, bad_list
+
+
+def _chunks(p: PrepareConfig, files: list[InputFile], done: int, skip: int) -> Iterator[tuple[tuple[int, int], list]]:
+    """``((chunk index, input bytes read), [(file index, line, raw record), ...])`` per chunk of ``files``'
+    records after the first ``skip``, numbered from ``done``: at most ``prepare.chunk_documents`` records,
+    ended early by the record that brings the chunk's raw input to ``prepare.chunk_bytes`` bytes (or
+    characters, for Parquet cells)."""
+    chunk, chunk_bytes = int(p.chunk_documents), int(p.chunk_bytes)
+    buf, size, k = [], 0, done
+    for fi, line, raw, pos in read_records(files, str(p.text_key), str(p.text_document), skip=skip):
+        buf.append((fi, line, raw))
+        size += len(raw)
+        if len(buf) == chunk or size >= chunk_bytes:
+            yield (k, pos), buf
+            buf, size, k = [], 0, k + 1
+    if buf:
+        yield (k, sum(f.bytes for f in files)), buf
+
+
 def tokenize_chunks(
     p: PrepareConfig,
     files: list[InputFile],
@@ -108,31 +137,11 @@ def tokenize_chunks(
     """
     from tqdm import tqdm
 
-    chunk, chunk_bytes = int(p.chunk_documents), int(p.chunk_bytes)
     done = committed_chunks(work)
-    n_bad = n_empty = skip = 0
-    bad_list: list = []
-    for k in range(done):  # the counts of the committed chunks
-        records, bad, empty = _chunk_records(work, k)
-        skip, n_bad, n_empty = skip + records, n_bad + len(bad), n_empty + empty
-        bad_list.extend(bad[: MAX_REPORTED_BAD - len(bad_list)])
+    skip, n_bad, n_empty, bad_list = _committed_counts(work, done)
     if done:
         log(f"k2-data: resuming the build in {work}: {done} chunks ({skip:,} records) already tokenized")
     files_bytes = sum(f.bytes for f in files)
-
-    def chunks():
-        """Chunks of at most ``chunk`` records, ended early by the record that brings the chunk's raw
-        input to ``chunk_bytes`` bytes (or characters, for Parquet cells)."""
-        buf, size, k = [], 0, done
-        for fi, line, raw, pos in read_records(files, str(p.text_key), str(p.text_document), skip=skip):
-            buf.append((fi, line, raw))
-            size += len(raw)
-            if len(buf) == chunk or size >= chunk_bytes:
-                yield (k, pos), buf
-                buf, size, k = [], 0, k + 1
-        if buf:
-            yield (k, files_bytes), buf
-
     initargs = (tok_path, [f.where for f in files], [f.kind for f in files], str(p.text_key), np.dtype(dtype).name)
     delay = float(os.environ.get(DELAY_ENV) or 0)
     pool = TokenizerPool(int(p.workers), initargs)
@@ -147,7 +156,7 @@ def tokenize_chunks(
             file=sys.stderr,
             dynamic_ncols=True,
         ) as bar:
-            for (k, pos), result in pool.map_ordered(chunks()):
+            for (k, pos), result in pool.map_ordered(_chunks(p, files, done, skip)):
                 tokens, lengths, bad, empty = result
                 if bad and p.bad_records == "error":
                     raise bad_record_error(*bad[0])

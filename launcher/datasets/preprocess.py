@@ -271,6 +271,18 @@ def tokenizer_entry(tok, path: str, *, trained: bool) -> dict:
     }
 
 
+def _open_work_dir(prefix: str, key: dict, log: Callable[[str], None]) -> str:
+    """The work directory of ``prefix``'s build with ``key``: the one there if it holds that build, else anew."""
+    work = work_dir(prefix)
+    if read_json(os.path.join(work, "build.json")) != key:
+        if os.path.isdir(work):
+            log(f"k2-data: {work} holds a build of other inputs or settings: starting over")
+            shutil.rmtree(work)
+        os.makedirs(work)
+        write_json(os.path.join(work, "build.json"), key)
+    return work
+
+
 def prepare_corpus(
     cfg: K2Config, *, progress: bool | None = None, log: Callable[[str], None] = lambda s: print(s, flush=True)
 ) -> PreparedCorpus:
@@ -308,13 +320,7 @@ def prepare_corpus(
         return prepared(prefix, manifest, rebuilt=False)
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     with file_lock(os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.lock"), remove=True):
-        work = work_dir(prefix)
-        if read_json(os.path.join(work, "build.json")) != key:
-            if os.path.isdir(work):
-                log(f"k2-data: {work} holds a build of other inputs or settings: starting over")
-                shutil.rmtree(work)
-            os.makedirs(work)
-            write_json(os.path.join(work, "build.json"), key)
+        work = _open_work_dir(prefix, key, log)
         tok_path = (
             user_tok.path
             if user_tok is not None

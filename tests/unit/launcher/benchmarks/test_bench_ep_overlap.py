@@ -87,6 +87,7 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
 
     from k2.config.recipes import RECIPES_DIR
     from k2.launcher.benchmarks import ep_overlap as eo
+    from k2.launcher.benchmarks import ep_overlap_prediction as ep
 
     o = dict(eo._DEFAULTS)
     device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
@@ -97,16 +98,16 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
         "latency_us": 60.0,
         "host_cpu_share": 0.05,
     }
-    predicted = eo._predicted(o, eo._profile(o, link, device, tmp_path / "a.yaml"))["off"]["step_s"]
+    predicted = ep.predicted(o, ep.write_link_profile(o, link, device, tmp_path / "a.yaml"))["off"]["step_s"]
     measured = {"run": {"step_s": [1.3 * predicted]}, "link": link}
-    u = eo._unshaped_case(o, measured, device, tmp_path)
+    u = ep.unshaped_case(o, measured, device, tmp_path)
     assert u["unshaped_predicted_over_measured_off"] == pytest.approx(1 / 1.3)
-    calibrated = eo._calibrated(device, u["compute_scale"])
+    calibrated = ep.calibrated(device, u["compute_scale"])
     assert u["compute_scale"] > 1.3  # (the link's share of the step does not scale)
     assert calibrated["kernel_launch_us"] == pytest.approx(device["kernel_launch_us"] * u["compute_scale"])
     assert calibrated["gemm_bf16_tflops"] == pytest.approx(device["gemm_bf16_tflops"] / u["compute_scale"])
     assert all(calibrated[k] == device[k] for k in device if k.startswith(("network", "nvlink")))
-    again = eo._predicted(o, eo._profile(o, link, calibrated, tmp_path / "b.yaml"))["off"]["step_s"]
+    again = ep.predicted(o, ep.write_link_profile(o, link, calibrated, tmp_path / "b.yaml"))["off"]["step_s"]
     assert again == pytest.approx(1.3 * predicted, rel=1e-6)
 
 
@@ -119,6 +120,7 @@ def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
 
     from k2.config.recipes import RECIPES_DIR
     from k2.launcher.benchmarks import ep_overlap as eo
+    from k2.launcher.benchmarks import ep_overlap_prediction as ep
 
     o = dict(eo._DEFAULTS)
     device = yaml.safe_load((RECIPES_DIR / "hardware" / "h800.yaml").read_text())
@@ -130,7 +132,7 @@ def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
         "host_cpu_share": 0.5,
         "loaded_latency_us": 60.0,
     }
-    base = eo._predicted(o, eo._profile(o, unshaped_link, device, tmp_path / "u.yaml"))["off"]["step_s"]
+    base = ep.predicted(o, ep.write_link_profile(o, unshaped_link, device, tmp_path / "u.yaml"))["off"]["step_s"]
     run = {
         "step_s": [2.0],
         "exposed_s": [0.5],
@@ -206,7 +208,7 @@ def test_the_wait_for_the_other_ranks_call_and_the_busier_direction():
     1.2, rank 1 at 1.3 and 1.4, a combine both at 2.0: rank 0 waits 0.3 + 0.2, rank 1 nothing, 0.25 per
     rank. A dispatch of 100 bytes whose combine sends back 160 puts |160 - 100| / 2 = 30 more bytes on the
     busier direction than the mean."""
-    from k2.launcher.benchmarks import ep_overlap as eo
+    from k2.launcher.benchmarks import ep_overlap_prediction as ep
     from k2.launcher.benchmarks import ep_overlap_trace as tr
 
     traces = {
@@ -217,7 +219,7 @@ def test_the_wait_for_the_other_ranks_call_and_the_busier_direction():
     assert tr.a2a_nodes(traces[0], 2) == 2
     assert tr.a2a_excess(traces[0], 2) == pytest.approx(30) and tr.a2a_excess(traces[1], 2) == pytest.approx(30)
     # on a link of 1e-6 GB/s (1,000 bytes/s) those 30 bytes add 30 ms to the calibration's compute skew
-    assert eo._peer_wait_us({"compute_skew_us": 500.0, "a2a_excess_bytes": 30.0}, 1e-6) == pytest.approx(30500.0)
+    assert ep.peer_wait_us({"compute_skew_us": 500.0, "a2a_excess_bytes": 30.0}, 1e-6) == pytest.approx(30500.0)
 
 
 def test_the_bench_writes_its_results_file_and_nothing_while_unfinished(tmp_path):
