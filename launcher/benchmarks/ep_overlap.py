@@ -261,7 +261,7 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
         ov: {k: statistics.median([x for run in runs[ov] for x in run[k]]) for k in ("step_s", "exposed_s", "pass_s")}
         for ov in runs
     }
-    p = predicted(o, write_link_profile(o, lf, device, tmp / f"profile-{rate:g}.yaml"))
+    p = predicted(o, write_link_profile(lf, device, tmp / f"profile-{rate:g}.yaml"))
     pred = {False: p["off"], True: p["on"]}
     off, on = med[False], med[True]
     out = {
@@ -296,7 +296,7 @@ def _rate_case(o: dict, measured: dict, device: dict, tmp: Path) -> dict[str, An
         "predicted_over_measured_on": pred[True]["step_s"] / on["step_s"],
         "same_losses": all(a.get("loss") == b.get("loss") for a, b in zip(runs[False], runs[True])),
     }
-    c = predicted(o, write_link_profile(o, lf, calibrated_device, tmp / f"profile-{rate:g}-calibrated.yaml"))
+    c = predicted(o, write_link_profile(lf, calibrated_device, tmp / f"profile-{rate:g}-calibrated.yaml"))
     out.update(
         calibrated_predicted_off_s=c["off"]["step_s"],
         calibrated_predicted_on_s=c["on"]["step_s"],

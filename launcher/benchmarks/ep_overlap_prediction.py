@@ -41,7 +41,7 @@ def model_settings(o: dict) -> list[str]:
     ]
 
 
-def write_link_profile(o: dict, link_figures: dict, device: dict, path: Path) -> str:
+def write_link_profile(link_figures: dict, device: dict, path: Path) -> str:
     """:func:`link_profile` written to ``path`` (a profile file); returns the path."""
     from k2.launcher.benchmarks.hardware import write_profile
 
@@ -138,7 +138,7 @@ def unshaped_case(o: dict, unshaped: dict, device: dict, tmp: Path) -> dict[str,
     communication terms kept): ``(measured step - communication) / compute``."""
     step = statistics.median(unshaped["run"]["step_s"])
     tmp.mkdir(parents=True, exist_ok=True)
-    p = predicted(o, write_link_profile(o, unshaped["link"], device, tmp / "profile-unshaped.yaml"))["off"]
+    p = predicted(o, write_link_profile(unshaped["link"], device, tmp / "profile-unshaped.yaml"))["off"]
     compute = sum(p["breakdown_s"].get(k, 0.0) for k in COMPUTE_TERMS)
     scale = max(step - (p["step_s"] - compute), 1e-9) / compute if compute > 0 else 1.0
     return {

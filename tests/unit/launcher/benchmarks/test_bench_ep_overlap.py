@@ -98,7 +98,7 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
         "latency_us": 60.0,
         "host_cpu_share": 0.05,
     }
-    predicted = ep.predicted(o, ep.write_link_profile(o, link, device, tmp_path / "a.yaml"))["off"]["step_s"]
+    predicted = ep.predicted(o, ep.write_link_profile(link, device, tmp_path / "a.yaml"))["off"]["step_s"]
     measured = {"run": {"step_s": [1.3 * predicted]}, "link": link}
     u = ep.unshaped_case(o, measured, device, tmp_path)
     assert u["unshaped_predicted_over_measured_off"] == pytest.approx(1 / 1.3)
@@ -107,7 +107,7 @@ def test_compute_scale_makes_the_unshaped_prediction_the_measured_step(tmp_path)
     assert calibrated["kernel_launch_us"] == pytest.approx(device["kernel_launch_us"] * u["compute_scale"])
     assert calibrated["gemm_bf16_tflops"] == pytest.approx(device["gemm_bf16_tflops"] / u["compute_scale"])
     assert all(calibrated[k] == device[k] for k in device if k.startswith(("network", "nvlink")))
-    again = ep.predicted(o, ep.write_link_profile(o, link, calibrated, tmp_path / "b.yaml"))["off"]["step_s"]
+    again = ep.predicted(o, ep.write_link_profile(link, calibrated, tmp_path / "b.yaml"))["off"]["step_s"]
     assert again == pytest.approx(1.3 * predicted, rel=1e-6)
 
 
@@ -132,7 +132,7 @@ def test_each_rate_is_calibrated_by_its_own_unshaped_run(tmp_path):
         "host_cpu_share": 0.5,
         "loaded_latency_us": 60.0,
     }
-    base = ep.predicted(o, ep.write_link_profile(o, unshaped_link, device, tmp_path / "u.yaml"))["off"]["step_s"]
+    base = ep.predicted(o, ep.write_link_profile(unshaped_link, device, tmp_path / "u.yaml"))["off"]["step_s"]
     run = {
         "step_s": [2.0],
         "exposed_s": [0.5],
