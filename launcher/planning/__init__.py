@@ -32,13 +32,14 @@ CPU-seconds).
   step-time model against published runs), ``overlap_prediction`` (``pipeline.ep_overlap`` on and off);
 * one layout: ``analysis`` (every phase of one layout: bubble, step time, memory, fit), ``search``
   (every valid layout of a cluster, ranked);
-* the step time: ``step_time`` (the outline, the per-stage terms and the pipeline), ``after_pipeline``
-  (DP traffic and the optimizer), ``stage_model`` (one layer's costs), ``operator_counts`` (operators
-  per part), ``kernels`` (one kernel's seconds), ``comm`` (one collective's seconds), ``ep_overlap``
-  (megatron's combined 1F1B), ``optimizer_time``, ``pipeline_sim`` (the pipeline schedule simulated),
-  ``what_if`` (published runs' settings), ``hardware`` (profiles), ``trace_rates`` (FP8 rates from a
-  published trace);
-* memory: ``memory`` (training state and activations per GPU), ``activation_bytes`` (what one layer
+* the step time: ``step_time`` (the outline and the pipeline), ``stage_terms`` (the per-stage terms),
+  ``after_pipeline`` (DP traffic and the optimizer), ``stage_model`` (one layer's costs), ``operator_counts``
+  (operators per part), ``kernels`` (one kernel's seconds), ``comm`` (one collective's seconds),
+  ``ep_overlap`` (megatron's combined 1F1B), ``optimizer_time``, ``pipeline_sim`` (the pipeline schedule
+  simulated), ``what_if`` (published runs' settings), ``hardware`` (profiles), ``trace_rates`` (FP8 rates
+  from a published trace);
+* memory: ``memory`` (training state per GPU), ``chunk_params`` (each model chunk's parameters as megatron
+  lays them out), ``stage_activations`` (activations per virtual stage), ``activation_bytes`` (what one layer
   saves), ``device_memory`` (the fullest GPU, every term), ``host_pinned`` (pinned host blocks),
   ``phase_settings`` (the memory settings of each phase), ``checkpoint`` (checkpoint bytes, save times
   and interval).

@@ -13,9 +13,10 @@ from k2.launcher.planning.checkpoint import staged_bytes_per_node
 from k2.launcher.planning.device_memory import device_overheads, gpu_memory
 from k2.launcher.planning.ep_overlap import overlap_applies
 from k2.launcher.planning.hardware import load_profile
-from k2.launcher.planning.memory import stage_activations, state_bytes, state_bytes_lower_bound
+from k2.launcher.planning.memory import StateBytes, state_bytes, state_bytes_lower_bound
 from k2.launcher.planning.phase_settings import offloads_anything, phase_memory_settings
 from k2.launcher.planning.pipeline_sim import simulate
+from k2.launcher.planning.stage_activations import stage_activations
 from k2.launcher.planning.step_time import step_time
 from k2.launcher.planning.what_if import WhatIf
 from k2.model.flops import flops_per_token
@@ -166,10 +167,11 @@ def analyse_layout(
     (:func:`phase_memory_settings`); phases with the same ones share one simulation. Each is simulated with
     megatron's order (:func:`k2.launcher.planning.pipeline_sim.simulate`, stage times and the terms after the
     pipeline from :func:`k2.launcher.planning.step_time.step_time` on :func:`cluster_profile`); memory
-    (:mod:`k2.launcher.planning.memory`) is the fullest GPU of each PP rank, host memory the fullest node
-    (:func:`host_bytes_per_node`, plus the copy an asynchronous checkpoint save stages there:
-    :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The layout fits only when every phase fits
-    both the GPU memory (:func:`gpu_memory_gib`) and the host memory per node (:func:`host_memory_gib`).
+    (:mod:`k2.launcher.planning.memory`, :mod:`k2.launcher.planning.stage_activations`) is the fullest GPU of
+    each PP rank, host memory the fullest node (:func:`host_bytes_per_node`, plus the copy an asynchronous
+    checkpoint save stages there: :func:`k2.launcher.planning.checkpoint.staged_bytes_per_node`). The layout
+    fits only when every phase fits both the GPU memory (:func:`gpu_memory_gib`) and the host memory per node
+    (:func:`host_memory_gib`).
 
     With ``max_microbatches`` (the search), at most that many microbatches are simulated (a multiple of
     pp) and the rest of the step is extrapolated at the busiest rank's per-microbatch time; exact for
@@ -190,41 +192,13 @@ def analyse_layout(
     staged = staged_bytes_per_node(cfg, counts.total, dims.world_size)  # an async save's host copy
     capacity = gpu_memory_gib(cfg) * 2**30
     host_capacity = host_memory_gib(cfg) * 2**30
-    states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
-    lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
-    if not lower_bound:
-        states = state_bytes(
-            counts,
-            dims,
-            precision=cfg.train.precision,
-            optim=cfg.optim,
-            use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-            model_cfg=cfg.model,
-            cache=cache,
-        )
+    states, lower_bound = _layout_states(cfg, dims, counts, capacity, cache=cache, prune=prune)
     ratio = staged_pinned_ratio(states)
     staged *= ratio  # (staged into pinned buffers, one per tensor)
     main = main_phase(schedule)
-    results: dict[Any, dict] = {}
-    keys = {}
-    for phase in [p for p in schedule.phases if p.steps]:
-        settings = phase_memory_settings(cfg, phase)
-        key = (phase.seq_length, phase.micro_batch_size, phase.num_microbatches, _settings_key(settings))
-        keys[phase.index] = key
-        if key in results:
-            results[key]["phases"].append(phase.name)
-            continue
-        results[key] = _simulate_phase(
-            cfg,
-            dims,
-            counts,
-            phase,
-            settings,
-            states,
-            profile=profile,
-            max_microbatches=max_microbatches,
-            host_staged=staged,
-        )
+    results, keys = _simulate_phases(
+        cfg, dims, counts, schedule, states, profile=profile, max_microbatches=max_microbatches, host_staged=staged
+    )
     phases = [
         _phase_row(p, results[keys[p.index]], capacity, host_capacity, lower_bound) for p in schedule.phases if p.steps
     ]
@@ -246,6 +220,57 @@ def analyse_layout(
         "memory_lower_bound": lower_bound,
         "staged_pinned_ratio": ratio,
     }
+
+
+def _layout_states(
+    cfg: K2Config, dims, counts, capacity: float, *, cache: dict | None, prune: bool
+) -> tuple[list[list[StateBytes]], bool]:
+    """The layout's training state per GPU (``out[pp_rank][dp_rank]``) and whether it is only the lower bound:
+    with ``prune``, a layout whose parameters and gradients alone exceed ``capacity`` (bytes) keeps
+    :func:`k2.launcher.planning.memory.state_bytes_lower_bound`; else megatron's buffer layouts
+    (:func:`k2.launcher.planning.memory.state_bytes`, ``cache`` handed to it)."""
+    states = state_bytes_lower_bound(counts, dims, precision=cfg.train.precision) if prune else None
+    lower_bound = bool(states) and max(x.params + x.grads for row in states for x in row) > capacity
+    if not lower_bound:
+        states = state_bytes(
+            counts,
+            dims,
+            precision=cfg.train.precision,
+            optim=cfg.optim,
+            use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
+            model_cfg=cfg.model,
+            cache=cache,
+        )
+    return states, lower_bound
+
+
+def _simulate_phases(
+    cfg: K2Config, dims, counts, schedule, states, *, profile, max_microbatches: int | None, host_staged: float
+) -> tuple[dict[Any, dict], dict[int, Any]]:
+    """:func:`_simulate_phase` of each phase that runs a step, once per distinct (context length, microbatch,
+    microbatches, memory settings). Returns ``(results, keys)``: the result per key (``"phases"`` naming the
+    phases that share it) and the key of each phase's index."""
+    results: dict[Any, dict] = {}
+    keys = {}
+    for phase in [p for p in schedule.phases if p.steps]:
+        settings = phase_memory_settings(cfg, phase)
+        key = (phase.seq_length, phase.micro_batch_size, phase.num_microbatches, _settings_key(settings))
+        keys[phase.index] = key
+        if key in results:
+            results[key]["phases"].append(phase.name)
+            continue
+        results[key] = _simulate_phase(
+            cfg,
+            dims,
+            counts,
+            phase,
+            settings,
+            states,
+            profile=profile,
+            max_microbatches=max_microbatches,
+            host_staged=host_staged,
+        )
+    return results, keys
 
 
 def _simulate_phase(

@@ -10,11 +10,12 @@ schedule config, without a GPU or a process group:
   embedding / the loss. K2's rule: the model-parallel group (TP x PP x EP GPUs; K2: PP16 x EP16 = 256
   GPUs = 32 nodes) is reused for any node count that is a multiple of it; another node count is refused.
   ``plan.search=true`` ranks every valid (pp, vpp, ep) (:mod:`k2.launcher.planning.search`).
-* **Memory per GPU** (:mod:`k2.launcher.planning.memory`): parameters, FP32 gradient buffers and
-  optimizer states as megatron lays them out, activations in flight in the simulated pipeline schedule with the
-  ``memory.*`` switches; reported for the fullest GPU over the phases that run, and per phase (``phases``:
-  the fullest GPU and the host memory of the fullest node of each phase that runs, against
-  ``cluster.gpu_memory_gib`` and ``cluster.host_memory_gib``; ``fits`` only when every phase fits both).
+* **Memory per GPU** (:mod:`k2.launcher.planning.memory`, :mod:`k2.launcher.planning.stage_activations`):
+  parameters, FP32 gradient buffers and optimizer states as megatron lays them out, activations in flight in
+  the simulated pipeline schedule with the ``memory.*`` switches; reported for the fullest GPU over the phases
+  that run, and per phase (``phases``: the fullest GPU and the host memory of the fullest node of each phase
+  that runs, against ``cluster.gpu_memory_gib`` and ``cluster.host_memory_gib``; ``fits`` only when every
+  phase fits both).
 * **Pipeline bubble** (:mod:`k2.launcher.planning.pipeline_sim`, :mod:`k2.launcher.planning.analysis`):
   megatron's (interleaved) 1F1B order simulated with per-stage costs from the layout's FLOPs;
   ``pipeline.decouple_wgrad=true`` plans the trainer's decoupled weight gradients.

@@ -1,6 +1,6 @@
-"""The fullest GPU of each PP rank, every term: training state and activations
-(:mod:`k2.launcher.planning.memory`), the largest short-lived buffer of a layer, and what the GPU holds
-besides what the model allocates; and the host memory each GPU's offloads pin.
+"""The fullest GPU of each PP rank, every term: training state (:mod:`k2.launcher.planning.memory`) and
+activations (:mod:`k2.launcher.planning.stage_activations`), the largest short-lived buffer of a layer, and
+what the GPU holds besides what the model allocates; and the host memory each GPU's offloads pin.
 
 Short-lived buffers (``transient``: one at a time, the larger of)
 
@@ -33,7 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from k2.launcher.planning.memory import StageActivations, StateBytes
+from k2.launcher.planning.memory import StateBytes
+from k2.launcher.planning.stage_activations import StageActivations
 from k2.model.backends import resolve_attention_backend, resolve_grouped_experts
 
 if TYPE_CHECKING:
@@ -150,8 +151,9 @@ def device_overheads(cfg: K2Config, dims, seq_length: int, micro_batch_size: int
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """Memory of the fullest GPU of one PP rank, in bytes (module docstring of
-    :mod:`k2.launcher.planning.memory` for the state and activation terms).
+    """Memory of the fullest GPU of one PP rank, in bytes (module docstrings of
+    :mod:`k2.launcher.planning.memory` and :mod:`k2.launcher.planning.stage_activations` for the state and
+    activation terms).
 
     ``optimizer`` is what stays on the GPU after ``optimizer_offload_fraction``; ``activations`` is the
     peak of the microbatches the pipeline schedule holds (+ two layers' worth of offload staging when offloading,

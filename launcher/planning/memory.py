@@ -1,15 +1,13 @@
-"""GPU memory per rank before a job runs: parameters, gradient buffers, optimizer states, activations.
+"""The training state on each GPU before a job runs: parameters, gradient buffers, optimizer states. (The
+activations, the other part of GPU memory, are :mod:`k2.launcher.planning.stage_activations`.)
 
 State bytes (parameters, gradients, optimizer) are what megatron-core allocates for the layout, computed
 with megatron's *own* buffer-layout functions so that padding and ZeRO-1 sharding are exactly the
 trainer's (checked against a real 4-rank gloo run in ``tests/unit/launcher/planning/test_memory_plan.py``):
 
-* each PP rank's model chunks get their parameter list (names and shapes from
-  :func:`k2.model.params.count_params`'s meta-device model; routed experts ``num_moe_experts / ep`` per GPU), as
-  :class:`LayoutParam` stand-ins tagged like the trainer tags the parameters (``allreduce=False`` on expert
-  parameters when ``ep > 1``; ``is_managed_by_layer_wise_optimizer`` -- megatron's buffer key that gives them
-  buffers of their own -- on the Muon matrices of ``optim=muonclip`` under ZeRO-1, routed by
-  :func:`k2.optim.params.route`);
+* each PP rank's model chunks get their parameter list (:mod:`k2.launcher.planning.chunk_params`: names and
+  shapes from :func:`k2.model.params.count_params`'s meta-device model, as
+  :class:`~k2.launcher.planning.chunk_params.LayoutParam` stand-ins tagged like the trainer tags the parameters);
 * megatron's ``DistributedOptimizer.compute_full_param_layout`` (byte-range ZeRO-1: ``optim=adamw``, and
   ``optim=muonclip`` with ``optim.muon_zero1=byte_range``, the Distributed Muon of
   :mod:`k2.optim.distributed_muon`) or ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (whole
@@ -35,37 +33,24 @@ Then, per GPU (``train.precision`` sets the parameter dtype; the gradient buffer
 
 K2's check (docs/k2_reference.md "Training system"): BF16 parameters + FP32 gradients = 6 B x 1.026T = 6.16 TB over
 256 GPUs, 24 GB per GPU on average.
-
-Activation bytes come from :func:`k2.launcher.planning.activation_bytes.layer_activation_bytes` (bytes one microbatch's
-forward keeps for its backward, per layer, with the ``memory.*`` switches) times what the pipeline holds:
-:func:`k2.launcher.planning.pipeline_sim.simulate` tracks, per PP rank, the activations of every (model chunk,
-microbatch) from the end of its forward to the end of its backward and reports the peak.
 """
 
 from __future__ import annotations
 
-import types
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from k2.launcher.planning.activation_bytes import apply_switches, layer_recompute_saved, layer_saved, stage_saved
+from k2.launcher.planning.chunk_params import chunk_kinds, chunk_params
 from k2.launcher.planning.host_pinned import pinned_block_bytes
-from k2.model.build import moe_layer_pattern
-from k2.model.params import tp_sharded
-from k2.optim.params import route
 from k2.optim.registry import OptimizerSpec, Placement, optimizer_spec
 from k2.parallel.distributed import ddp_config
 
 if TYPE_CHECKING:
-    from k2.config.schema import MemoryConfig, ModelConfig, OptimConfig
+    from k2.config.schema import ModelConfig, OptimConfig
 
 __all__ = [
-    "LayoutParam",
-    "StageActivations",
     "StateBytes",
-    "rank_param_lists",
-    "stage_activations",
     "state_bytes",
     "state_bytes_lower_bound",
 ]
@@ -103,156 +88,10 @@ class StateBytes:
     optimizer_pinned: int = 0
 
 
-def _route_cfg(model_cfg: ModelConfig):
-    """What :func:`k2.optim.params.route` reads from megatron's ``TransformerConfig`` (SwiGLU is always on)."""
-    return types.SimpleNamespace(
-        gated_linear_unit=True,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_query_groups=None,
-        kv_channels=None,
-    )
-
-
-class LayoutParam:
-    """Stand-in for a ``torch.nn.Parameter`` in megatron's buffer-layout functions, which read only
-    ``requires_grad``, ``dtype``, ``data.nelement()`` and attributes (``allreduce``,
-    ``is_managed_by_layer_wise_optimizer``, ``shared_embedding``). A plain object: tens of thousands of
-    them (K2 on few GPUs) cost milliseconds, where meta tensors cost seconds.
-
-    Attributes:
-        spec: the :class:`k2.model.params.ParamSpec`.
-        name: full parameter name in its chunk (``decoder.layers.<local i>....``).
-        k2_optimizer: ``"muon"`` or ``"adamw"``.
-    """
-
-    requires_grad = True
-
-    def __init__(self, spec, name: str, dtype):
-        self.spec, self.name, self.dtype = spec, name, dtype
-        self.shape = spec.shape
-        self._numel = spec.numel
-        self.k2_optimizer = "adamw"
-
-    @property
-    def data(self) -> LayoutParam:
-        return self
-
-    def nelement(self) -> int:
-        return self._numel
-
-    numel = nelement
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def __repr__(self) -> str:
-        return f"LayoutParam({self.name}, {self.shape})"
-
-
-def _chunk_params(
-    counts,
-    kinds: tuple,
-    has_embedding: bool,
-    has_loss: bool,
-    ep: int,
-    *,
-    precision: str,
-    muon: bool,
-    layer_wise: bool,
-    model_cfg: ModelConfig,
-    router_optimizer: str = "muon",
-    default_route: str = "adamw",
-    tp: int = 1,
-) -> list[LayoutParam]:
-    """The parameters of one model chunk in ``GPTModel.named_parameters`` order: the embedding, the layers
-    (``kinds``: per local layer ``"dense_layer"`` / ``"moe_layer"``, routed experts ``num_moe_experts /
-    ep``), the final norm and output head, the TP-sharded ones at ``1 / tp`` of their shape
-    (:func:`k2.model.params.tp_sharded`); tagged as the trainer tags the real parameters."""
-    import torch
-
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    rcfg = _route_cfg(model_cfg)
-    local_experts = counts.num_experts // ep if counts.num_experts else 0
-    specs = counts.specs
-
-    def make(spec, layer_index: int | None):
-        name = (
-            spec.name
-            if layer_index is None
-            else spec.name.replace("decoder.layers.0.", f"decoder.layers.{layer_index}.", 1)
-        )
-        p = LayoutParam(spec, name, dtype)
-        if tp > 1 and tp_sharded(name):  # a row-parallel weight splits its input dim, the others their output dim
-            axis = 1 if ("linear_proj." in name or "linear_fc2." in name) else 0
-            p.shape = tuple(d // tp if j == axis else d for j, d in enumerate(p.shape))
-            p._numel = spec.numel // tp
-        p.k2_optimizer = default_route
-        if muon:
-            p.k2_optimizer = route(spec.name, p, rcfg, router_optimizer)[0]
-        if spec.expert is not None and ep > 1:
-            p.allreduce = False  # megatron: expert parameters reduce over the expert-DP group
-        if layer_wise:
-            p.is_managed_by_layer_wise_optimizer = p.k2_optimizer == "muon"
-        if counts.tied_embeddings and name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            p.shared_embedding = True
-        return p
-
-    params = [make(s, None) for s in specs["embedding"]] if has_embedding else []
-    for k, kind in enumerate(kinds):
-        params += [make(s, k) for s in specs[kind] if s.expert is None or s.expert < local_experts]
-    if has_loss:
-        for s in specs["final"]:
-            if s.name == "output_layer.weight" and counts.tied_embeddings and has_embedding:
-                continue  # tied and on the embedding stage: the embedding weight is the output weight
-            params.append(make(s, None))
-    return params
-
-
-def rank_param_lists(
-    counts,
-    dims,
-    *,
-    precision: str,
-    muon: bool,
-    layer_wise: bool,
-    model_cfg: ModelConfig,
-    router_optimizer: str = "muon",
-) -> list:
-    """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
-
-    Returns:
-        ``lists[pp_rank][vpp_stage]`` = list of :class:`LayoutParam`, tagged as the trainer tags the real
-        parameters (module docstring).
-    """
-    return [
-        [
-            _chunk_params(
-                counts,
-                _kinds(counts, dims, r, v),
-                dims.stage_has_embedding(r, v),
-                dims.stage_has_loss(r, v),
-                dims.ep,
-                precision=precision,
-                muon=muon,
-                layer_wise=layer_wise,
-                model_cfg=model_cfg,
-                router_optimizer=router_optimizer,
-                tp=dims.tp,
-            )
-            for v in range(dims.vpp)
-        ]
-        for r in range(dims.pp)
-    ]
-
-
-def _kinds(counts, dims, r: int, v: int) -> tuple:
-    return tuple("moe_layer" if counts.moe_pattern[i] else "dense_layer" for i in dims.stage_layers[r][v])
-
-
 def _layout(params: list, dims, use_distributed_optimizer: bool, layer_wise: bool):
-    """``layer_wise``: megatron's layer-wise layout (``optim.muon_zero1=layer_wise``), else the byte-range one."""
     """megatron's ``FullParamLayout`` of one chunk (the call ``DistributedDataParallel.__init__`` makes,
-    or the one :func:`k2.parallel.distributed.wrap_model` passes in for the layer-wise optimizer)."""
+    or the one :func:`k2.parallel.distributed.wrap_model` passes in for the layer-wise optimizer);
+    ``layer_wise``: megatron's layer-wise layout (``optim.muon_zero1=layer_wise``), else the byte-range one."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.distributed.param_and_grad_buffer import (
@@ -291,7 +130,7 @@ def _chunk_state(
     the optimizer (its routes and their state bytes); ``place``: where it puts the parameters."""
     master = _MASTER_BYTES if precision == "bf16" else 0
     # (layer_wise=: megatron's flag on the Muon matrices that sit in DDP buffers of their own)
-    params = _chunk_params(
+    params = chunk_params(
         counts,
         kinds,
         has_embedding,
@@ -393,44 +232,17 @@ def state_bytes(
     pbytes = _DTYPE_BYTES[precision]
     out = []
     for r in range(dims.pp):
-        buffer_numel = param_numel = params_pinned = 0
-        dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
-        dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
-        for v in range(dims.vpp):
-            emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
-            kinds = _kinds(counts, dims, r, v)
-            key = (
-                kinds,
-                emb,
-                loss,
-                dims.tp,
-                dims.ep,
-                dims.dp,
-                dims.expert_dp,
-                precision,
-                spec.name,
-                use_distributed_optimizer,
-                place,
-            )
-            if key not in cache:
-                cache[key] = _chunk_state(
-                    counts,
-                    dims,
-                    kinds,
-                    emb,
-                    loss,
-                    precision=precision,
-                    spec=spec,
-                    place=place,
-                    use_distributed_optimizer=use_distributed_optimizer,
-                    model_cfg=model_cfg,
-                )
-            n, b, dense, expert, ppin, dpin, epin = cache[key]
-            param_numel, buffer_numel, params_pinned = param_numel + n, buffer_numel + b, params_pinned + ppin
-            dense_opt = [x + y for x, y in zip(dense_opt, dense)]
-            expert_opt = [x + y for x, y in zip(expert_opt, expert)]
-            dense_pin = [x + y for x, y in zip(dense_pin, dpin)]
-            expert_pin = [x + y for x, y in zip(expert_pin, epin)]
+        param_numel, buffer_numel, dense_opt, expert_opt, params_pinned, dense_pin, expert_pin = _pp_rank_state(
+            counts,
+            dims,
+            r,
+            precision=precision,
+            spec=spec,
+            place=place,
+            use_distributed_optimizer=use_distributed_optimizer,
+            model_cfg=model_cfg,
+            cache=cache,
+        )
         params_bytes = (buffer_numel if use_distributed_optimizer else param_numel) * pbytes
         row = []
         for d in range(dims.dp):
@@ -453,105 +265,56 @@ def state_bytes(
     return out
 
 
-# ---------------------------------------------------------------------- activations
-
-
-@dataclass(frozen=True)
-class StageActivations:
-    """Activation bytes of one microbatch on one virtual stage.
-
-    Attributes:
-        gpu: bytes kept on the GPU for the backward: saved tensors after FP8 storage / recompute /
-            offload, plus, when ``attn_input`` is offloaded, the stage's received input, which megatron's
-            schedule keeps until the backward (the stage's output it frees once sent:
-            ``deallocate_pipeline_outputs``, on in ``k2-train``).
-        host: bytes offloaded to host memory.
-        offload_staging: the largest offloaded bytes of one layer of the stage (a layer's tensors are on
-            the GPU while they are copied out or back in).
-        recompute_working: with whole-layer recompute (``memory.recompute`` site ``layer``), the bytes
-            one layer's re-run holds during its backward (the largest layer of the stage); else 0.
-        layer_gpu_max: the GPU bytes of the stage's largest layer (what a combined 1F1B pair holds beyond
-            its microbatches: :func:`k2.launcher.planning.pipeline_sim.simulate`'s ``pair_transient_bytes``).
-        host_pinned: ``host`` as pinned buffers hold it on a GPU (one per offloaded tensor,
-            :func:`k2.launcher.planning.host_pinned.pinned_block_bytes`).
-    """
-
-    gpu: float
-    host: float
-    offload_staging: float
-    recompute_working: float = 0.0
-    host_pinned: float = 0.0
-    layer_gpu_max: float = 0.0
-
-
-def stage_activations(
-    model_cfg: ModelConfig,
+def _pp_rank_state(
+    counts,
     dims,
+    r: int,
     *,
-    seq_length: int,
-    micro_batch_size: int,
     precision: str,
-    memory_cfg: MemoryConfig | dict | None = None,
-    fused_kernels: bool = True,
-) -> list[StageActivations]:
-    """Per virtual stage (pipeline order ``vpp_stage * pp + pp_rank``) the activation bytes of one microbatch.
-
-    Args:
-        model_cfg: ``cfg.model``.
-        dims: :class:`k2.parallel.dims.ParallelDims`.
-        seq_length, micro_batch_size: the microbatch (tokens per sequence, sequences).
-        precision: ``train.precision``.
-        memory_cfg: ``cfg.memory`` (``fp8_store`` / ``recompute`` / ``offload`` site lists) or None (off).
-        fused_kernels: GPU kernels (fused RMSNorm, SDPA); False = the CPU proxy's composite ones.
-
-    Raises:
-        ValueError: an unknown ``memory.*`` site.
-    """
-
-    sw = {
-        k: list((memory_cfg[k] if isinstance(memory_cfg, dict) else getattr(memory_cfg, k)) or [])
-        if memory_cfg is not None
-        else []
-        for k in ("fp8_store", "recompute", "offload")
-    }
-    pattern = moe_layer_pattern(model_cfg)
-    per_kind, working, pinned = {}, {}, {}
-    whole_layer = "layer" in sw["recompute"]
-    for kind in set(pattern):
-        saved = layer_saved(model_cfg, bool(kind), seq_length, micro_batch_size, precision, fused_kernels)
-        if whole_layer:  # the layer input alone; the re-run in backward holds the rest, unswitched
-            kept = layer_recompute_saved(model_cfg, seq_length, micro_batch_size, precision)
-            per_kind[kind] = apply_switches(kept, offload=sw["offload"])
-            pinned[kind] = apply_switches(kept, offload=sw["offload"], host_block=pinned_block_bytes)[1]
-            # the re-run: FP8 storage and the selective recompute sites act, offload does not
-            working[kind] = apply_switches(
-                saved, fp8_store=sw["fp8_store"], recompute=[x for x in sw["recompute"] if x != "layer"]
-            )[0]
-        else:
-            per_kind[kind] = apply_switches(saved, **sw)
-            pinned[kind] = apply_switches(saved, **sw, host_block=pinned_block_bytes)[1]
-    B = 2 if precision == "bf16" else 4
-    hidden_bytes = seq_length * micro_batch_size * int(model_cfg.hidden_size) * B
-    out = []
+    spec: OptimizerSpec,
+    place: Placement,
+    use_distributed_optimizer: bool,
+    model_cfg: ModelConfig,
+    cache: dict,
+) -> tuple:
+    """:func:`_chunk_state`'s tuple summed over the model chunks of PP rank ``r`` (the per-rank lists
+    element-wise); ``cache`` keeps each distinct chunk's, so chunks alike are laid out once."""
+    buffer_numel = param_numel = params_pinned = 0
+    dense_opt, expert_opt = [0] * dims.dp, [0] * dims.expert_dp
+    dense_pin, expert_pin = [0] * dims.dp, [0] * dims.expert_dp
     for v in range(dims.vpp):
-        for r in range(dims.pp):
-            emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
-            ends = stage_saved(model_cfg, seq_length, micro_batch_size, precision, fused_kernels, emb, loss)
-            gpu, host = apply_switches(ends, **sw)
-            host_pinned = apply_switches(ends, **sw, host_block=pinned_block_bytes)[1]
-            staging = rerun = largest = 0.0
-            for i in dims.stage_layers[r][v]:
-                g, h = per_kind[pattern[i]]
-                gpu, host, staging, largest = gpu + g, host + h, max(staging, h), max(largest, g)
-                host_pinned += pinned[pattern[i]]
-                rerun = max(rerun, working.get(pattern[i], 0.0))
-            # the stage's output is not counted: megatron's schedule frees its data once it is sent
-            # (deallocate_pipeline_outputs, on in k2-train as in Megatron-LM's training)
-            if not emb and "attn_input" in sw["offload"]:
-                gpu += hidden_bytes  # the received input stays in the schedule's list though offloaded
-            # TP with sequence parallelism splits every saved tensor over the TP ranks (Korthikanti et al.,
-            # arXiv 2205.05198, table 2: 34 s b h / t + 5 a s^2 b / t per layer; with expert TP 1 a rank's
-            # routed tokens are T k / t)
-            t = dims.tp
-            out.append(StageActivations(gpu / t, host / t, staging / t, rerun / t, host_pinned / t, largest / t))
-    return out
+        emb, loss = dims.stage_has_embedding(r, v), dims.stage_has_loss(r, v)
+        kinds = chunk_kinds(counts, dims, r, v)
+        key = (
+            kinds,
+            emb,
+            loss,
+            dims.tp,
+            dims.ep,
+            dims.dp,
+            dims.expert_dp,
+            precision,
+            spec.name,
+            use_distributed_optimizer,
+            place,
+        )
+        if key not in cache:
+            cache[key] = _chunk_state(
+                counts,
+                dims,
+                kinds,
+                emb,
+                loss,
+                precision=precision,
+                spec=spec,
+                place=place,
+                use_distributed_optimizer=use_distributed_optimizer,
+                model_cfg=model_cfg,
+            )
+        n, b, dense, expert, ppin, dpin, epin = cache[key]
+        param_numel, buffer_numel, params_pinned = param_numel + n, buffer_numel + b, params_pinned + ppin
+        dense_opt = [x + y for x, y in zip(dense_opt, dense)]
+        expert_opt = [x + y for x, y in zip(expert_opt, expert)]
+        dense_pin = [x + y for x, y in zip(dense_pin, dpin)]
+        expert_pin = [x + y for x, y in zip(expert_pin, epin)]
+    return param_numel, buffer_numel, dense_opt, expert_opt, params_pinned, dense_pin, expert_pin

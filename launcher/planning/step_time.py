@@ -49,10 +49,12 @@ all-gather** (BF16), exposed (``overlap_grad_reduce`` / ``overlap_param_gather``
 the ``fsdp`` what-if: per pipeline flush, :func:`k2.launcher.planning.comm.fsdp_exposed`), and the
 **optimizer step** (:mod:`k2.launcher.planning.optimizer_time`); both in :mod:`k2.launcher.planning.after_pipeline`.
 
-:func:`step_time` is the outline; each term is one function of its own (:func:`compute_terms`,
-:func:`add_schedule_work`, :func:`add_offload`, :func:`hide_ep_comm_dualpipe`, :func:`ep_comm_costs`,
-:func:`pp_send_seconds`, the pipeline and its bubble, then
-:func:`~k2.launcher.planning.after_pipeline.dp_comm_terms` and
+:func:`step_time` is the outline; each term is one function of its own (the stage's terms in
+:mod:`k2.launcher.planning.stage_terms`: :func:`~k2.launcher.planning.stage_terms.compute_terms`,
+:func:`~k2.launcher.planning.stage_terms.add_schedule_work`, :func:`~k2.launcher.planning.stage_terms.add_offload`,
+:func:`~k2.launcher.planning.stage_terms.hide_ep_comm_dualpipe`,
+:func:`~k2.launcher.planning.stage_terms.ep_comm_costs`, :func:`~k2.launcher.planning.stage_terms.pp_send_seconds`;
+the pipeline and its bubble here; then :func:`~k2.launcher.planning.after_pipeline.dp_comm_terms` and
 :func:`~k2.launcher.planning.after_pipeline.optimizer_terms`).
 
 GEMM precision: ``train.fp8_recipe`` (``blockwise`` | ``mxfp8``, k2-train's setting for Transformer Engine)
@@ -76,26 +78,27 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
-from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds
-from k2.launcher.planning.ep_overlap import (
-    A2A_KINDS,
-    OverlapCosts,
-    ep_summary,
-    extrapolate,
-    overlap_applies,
-    rank_costs,
-    stage_plans,
-)
-from k2.launcher.planning.hardware import HOST_THREAD, HardwareProfile
+from k2.launcher.planning.ep_overlap import A2A_KINDS, ep_summary, extrapolate, overlap_applies, rank_costs
+from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.pipeline_sim import simulate
-from k2.launcher.planning.stage_model import StageModel, _add
+from k2.launcher.planning.stage_model import _add
+from k2.launcher.planning.stage_terms import (
+    PASSES,
+    add_offload,
+    add_schedule_work,
+    compute_seconds,
+    compute_terms,
+    ep_comm_costs,
+    hide_ep_comm_dualpipe,
+    pp_send_seconds,
+    stage_model,
+)
 from k2.launcher.planning.what_if import WhatIf
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
 TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
-PASSES = ("F", "B", "W")  # forward, input gradient, weight gradient (the zero-bubble schedules' F, B, W)
 
 
 @dataclass
@@ -232,18 +235,8 @@ def step_time(
         pipe = _overlap_pipeline(cfg, dims, ep_costs, pair_transient_bytes=pair_transient_bytes, **sim_args)
     else:
         pipe = _plain_pipeline(cfg, dims, stages, what_if, ep_costs, num_microbatches=num_microbatches, **sim_args)
-    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if dims.tp > 1 else ())}
-    for k, v in pipe.breakdown.items():
-        breakdown[k] = breakdown.get(k, 0.0) + v
-    rank = rank_params(dims, counts, pipe.busiest, what_if.dualpipe)
-    forward_s = fsdp_forward_seconds(stages, dims, pipe.busiest, what_if.dualpipe, micro.per_flush)
-    after = {
-        **dp_comm_terms(dims, rank, device, what_if.fsdp, micro.flushes, forward_s),
-        **optimizer_terms(cfg, dims, counts, rank, device, q_lora=bool(model.s["r_q"])),
-        "schedule": device.step_overhead_us * 1e-6,
-    }
-    breakdown.update({k: v for k, v in after.items() if k != "schedule"})
-    breakdown["schedule"] += after["schedule"]
+    after = _after_pipeline(cfg, dims, counts, stages, pipe, micro, device, what_if, q_lora=bool(model.s["r_q"]))
+    breakdown = _breakdown(pipe.breakdown, after, dims.tp)
     step = pipe.makespan + sum(after.values())
     return StepTime(
         step_s=step,
@@ -262,162 +255,39 @@ def step_time(
     )
 
 
-# ---- the terms of each virtual stage's passes (seconds of one microbatch): {"F": {term: s}, "B": ..., "W": ...}
-
-
-def stage_model(
-    cfg: K2Config, dims, fl, *, tokens: int, device: HardwareProfile, what_if: WhatIf, recompute
-) -> StageModel:
-    """The per-layer cost model of the phase on ``device``: the kernel rates of ``train.precision``, the
-    layers' GEMMs at the FP8 rates with ``train.fp8_recipe`` (the router and the output head stay in
-    ``train.precision``, as megatron's TE linears are the layers' only), under DualPipe on the SMs DeepEP
-    leaves the compute (the profile's ``compute_units`` less ``deepep_comm_units``: 112 of 132 on H800),
-    activations of 4 bytes (FP32) or 2, the grouped expert GEMM where ``model.moe_grouped_gemm`` says so
-    (unset: with BF16)."""
-    precision = str(cfg.train.precision)
-    recipe = cfg.train.fp8_recipe
-    compute_fraction = 1.0 - device.comm_share(deepep=True) if what_if.dualpipe else 1.0
-    rates = device.rates(precision, fp8=recipe is not None, compute_fraction=compute_fraction)
-    high = device.rates(precision, compute_fraction=compute_fraction)
-    activation_element_bytes = 4.0 if precision == "fp32" else 2.0
-    grouped = cfg.model.moe_grouped_gemm
-    grouped = (precision == "bf16") if grouped is None else bool(grouped)
-    return StageModel(
-        cfg.model,
-        fl,
-        dims,
-        tokens=tokens,
-        profile=device,
-        rates=rates,
-        act_bytes=activation_element_bytes,
-        grouped=grouped,
-        what_if=what_if,
-        recompute=recompute,
-        fp8_recipe=None if recipe is None else str(recipe),
-        high_rates=high,
-    )
-
-
-def compute_terms(model: StageModel, dims) -> list[dict]:
-    """Per virtual stage (index ``v * pp + rank``) its layers' kernels, EP all-to-alls (exposed), recompute
-    and TP traffic by pass and term (:class:`k2.launcher.planning.stage_model.StageModel`)."""
-    same_kind: dict = {}
-    return [
-        _stage_totals(
-            model, dims.stage_layers[r][v], dims.stage_has_loss(r, v), same_kind, dims.stage_has_embedding(r, v)
-        )
-        for v in range(dims.vpp)
-        for r in range(dims.pp)
-    ]
-
-
-def _stage_totals(
-    model: StageModel, layers: list[int], has_loss: bool, cache: dict, has_embedding: bool = False
-) -> dict:
-    """Seconds per pass and term of one microbatch on a virtual stage holding ``layers`` (+ the embedding,
-    the loss).
-    Layers of one kind cost the same: ``cache`` keeps one per kind."""
-    tot = {ph: {} for ph in PASSES}
-    parts = []
-    for i in layers:
-        key = int(model.fl.moe_pattern[i])
-        if key not in cache:
-            cache[key] = model.layer(i)
-        parts.append(cache[key])
-    if has_embedding:
-        if "embedding" not in cache:
-            cache["embedding"] = model.embedding()
-        parts.append(cache["embedding"])
-    if has_loss:
-        if "loss" not in cache:
-            cache["loss"] = model.loss()
-        parts.append(cache["loss"])
-        if model.wi.mtp_layers:
-            if "mtp" not in cache:
-                cache["mtp"] = model.mtp()
-            parts += [cache["mtp"]] * model.wi.mtp_layers
-    for p in parts:
-        for ph in tot:
-            for k, v in p[ph].items():
-                _add(tot[ph], k, v)
-    return tot
-
-
-def add_schedule_work(stages: list[dict], device: HardwareProfile) -> float:
-    """The ``schedule`` term: the pipeline schedule's own work per microbatch and virtual stage (a measured
-    CPU profile's ``microbatch_overhead_us``), half before each pass; returns that half (seconds)."""
-    half_s = device.microbatch_overhead_us * 1e-6 / 2
-    for stage in stages:
-        for ph in ("F", "B"):
-            _add(stage[ph], "schedule", half_s)
-    return half_s
-
-
-def add_offload(stages: list[dict], offload_bytes, device: HardwareProfile, num_stages: int) -> list[float]:
-    """The ``offload`` term: a stage's offloaded activations go out during its forward and come back
-    during its backward on a copy stream; only what the pass's own time does not cover is exposed.
-    Returns per virtual stage the seconds of one copy each way."""
-    copy_s = [
-        host_copy_seconds(b, device) for b in (offload_bytes if offload_bytes is not None else [0.0] * num_stages)
-    ]
-    for stage, t in zip(stages, copy_s):
-        stage["F"]["offload"] = _hide_behind(t, sum(stage["F"].values()))
-        stage["B"]["offload"] = _hide_behind(t, sum(stage["B"].values()) + sum(stage["W"].values()))
-    return copy_s
-
-
-def hide_ep_comm_dualpipe(stages: list[dict]) -> None:
-    """The ``ep_comm`` term under the DualPipe what-if: a pass's all-to-alls hidden behind the paired
-    microbatch's opposite pass (arXiv 2412.19437 section 3.2.1); what exceeds that compute is exposed."""
-    for stage in stages:
-        forward_compute = _compute_s(stage["F"])
-        backward_compute = _compute_s(stage["B"]) + sum(stage["W"].values())
-        stage["F"]["ep_comm"] = _hide_behind(stage["F"].get("ep_comm", 0.0), backward_compute)
-        stage["B"]["ep_comm"] = _hide_behind(stage["B"].get("ep_comm", 0.0), forward_compute)
-
-
-def ep_comm_costs(
+def _after_pipeline(
     cfg: K2Config,
-    model: StageModel,
     dims,
+    counts,
+    stages: list[dict],
+    pipe: _Pipeline,
+    micro: Microbatches,
     device: HardwareProfile,
     what_if: WhatIf,
-    schedule_work_half_s: float,
-    copy_s: list[float],
-) -> OverlapCosts | None:
-    """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
-    OverlapCosts`, with what an all-to-all on the wire takes from the compute beside it: on a GPU the SMs of
-    its kernel, NCCL's or DeepEP's, :meth:`~k2.launcher.planning.hardware.HardwareProfile.comm_share`, on
-    the host's thread the profile's ``alltoall_host_cpu_share``); None without EP or experts, and under
-    DualPipe (:func:`hide_ep_comm_dualpipe`)."""
-    if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
-        host = device.comm_stream == HOST_THREAD
-        share = device.alltoall_host_cpu_share if host else device.comm_share(deepep=what_if.deepep)
-        return OverlapCosts(
-            stage_plans(model, dims, schedule_work_half_s, copy_s),
-            device.comm_stream,
-            bool(cfg.pipeline.decouple_wgrad),
-            share,
-            model.token_counts_queue_s(),
-            device.alltoall_beside_compute_slowdown if host else 1.0,
-        )
-    return None
+    *,
+    q_lora: bool,
+) -> dict[str, float]:
+    """Seconds per step of the terms after the pipeline, for the busiest PP rank's parameters: the DP traffic
+    (:func:`~k2.launcher.planning.after_pipeline.dp_comm_terms`), the optimizer step
+    (:func:`~k2.launcher.planning.after_pipeline.optimizer_terms`) and the step's own ``schedule`` work."""
+    rank = rank_params(dims, counts, pipe.busiest, what_if.dualpipe)
+    forward_s = fsdp_forward_seconds(stages, dims, pipe.busiest, what_if.dualpipe, micro.per_flush)
+    return {
+        **dp_comm_terms(dims, rank, device, what_if.fsdp, micro.flushes, forward_s),
+        **optimizer_terms(cfg, dims, counts, rank, device, q_lora=q_lora),
+        "schedule": device.step_overhead_us * 1e-6,
+    }
 
 
-def pp_send_seconds(dims, activation_bytes: float, device: HardwareProfile) -> float:
-    """One PP send of a microbatch's ``tokens x hidden`` activations (``activation_bytes``): consecutive PP
-    ranks are world / pp ranks apart, in other NVLink domains once that is a domain or more."""
-    world_span = dims.world_size // dims.pp
-    return p2p_seconds(activation_bytes, world_span >= device.domain_gpus, device)
-
-
-def _hide_behind(comm: float, compute: float) -> float:
-    return max(0.0, comm - compute)
-
-
-def _compute_s(terms: dict) -> float:
-    """A pass's seconds without its communication and copies (``ep_comm``, ``offload``)."""
-    return sum(x for k, x in terms.items() if k not in ("ep_comm", "offload"))
+def _breakdown(pipeline_terms: dict, after: dict[str, float], tp: int) -> dict[str, float]:
+    """The step's seconds per term (:attr:`StepTime.breakdown`): every one of :data:`TERMS` (and ``tp_comm``
+    with TP), the pipeline's terms, then the terms after it, ``schedule`` added to the pipeline's."""
+    breakdown = {k: 0.0 for k in TERMS + (("tp_comm",) if tp > 1 else ())}
+    for k, v in pipeline_terms.items():
+        breakdown[k] = breakdown.get(k, 0.0) + v
+    breakdown.update({k: v for k, v in after.items() if k != "schedule"})
+    breakdown["schedule"] += after["schedule"]
+    return breakdown
 
 
 # ---- the pipeline: the bubble (and every per-stage term over the step's microbatches)
@@ -535,4 +405,6 @@ def _stages_held(rank: int, pp: int, vpp: int, dualpipe: bool) -> list[tuple[int
 def fsdp_forward_seconds(stages: list[dict], dims, rank: int, dualpipe: bool, per_flush: int) -> float:
     """The forward compute of PP rank ``rank`` per pipeline flush (what the ``fsdp`` what-if's all-gathers
     hide behind: :func:`k2.launcher.planning.comm.fsdp_exposed`)."""
-    return per_flush * sum(w * _compute_s(stages[i]["F"]) for i, w in _stages_held(rank, dims.pp, dims.vpp, dualpipe))
+    return per_flush * sum(
+        w * compute_seconds(stages[i]["F"]) for i, w in _stages_held(rank, dims.pp, dims.vpp, dualpipe)
+    )

@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from k2.launcher.planning.hardware import HardwareProfile
-from k2.launcher.planning.step_time import StageModel
+from k2.launcher.planning.stage_model import StageModel
 from k2.launcher.planning.what_if import WhatIf
 
 if TYPE_CHECKING:

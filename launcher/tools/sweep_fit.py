@@ -187,20 +187,8 @@ def fit_power_law(
         ValueError: mismatched shapes, a non-positive or non-finite value, or fewer distinct FLOPs values
             with positive weight than parameters.
     """
-    c, L = np.asarray(flops, dtype=float), np.asarray(loss, dtype=float)
-    w = np.ones_like(c) if weights is None else np.asarray(weights, dtype=float)
-    if not (c.shape == L.shape == w.shape and c.ndim == 1):
-        raise ValueError(f"flops, loss and weights must be 1-D of one length; got {c.shape}, {L.shape}, {w.shape}")
-    if not (np.all(np.isfinite(c) & (c > 0)) and np.all(np.isfinite(L) & (L > 0)) and np.all(w >= 0)):
-        raise ValueError("flops and loss must be finite and > 0, weights >= 0")
     n_params = 3 if irreducible else 2
-    if len(np.unique(c[w > 0])) < n_params:
-        raise ValueError(
-            f"a fit of {n_params} parameters needs at least {n_params} distinct FLOPs values "
-            f"with positive weight; got {len(np.unique(c[w > 0]))}"
-        )
-    keep = w > 0
-    c, L, w_fit = c[keep], L[keep], w[keep]
+    c, L, w_fit = _fit_points(flops, loss, weights, n_params)
     x0 = float(np.average(np.log(c), weights=w_fit))  # centre ln C: the intercept is the loss at the centre
     x, y = np.log(c) - x0, np.log(L)
     loss_min = float(L.min())
@@ -211,22 +199,7 @@ def fit_power_law(
     ]
     if grid or not thetas:
         thetas += _grid_starts(y, loss_min, irreducible)
-    with _one_blas_thread():
-        results = [
-            minimize(
-                _objective,
-                np.asarray(t0, dtype=float),
-                args=(x, y, w_fit, irreducible),
-                jac=True,
-                method="L-BFGS-B",
-                bounds=bounds,
-                options={"maxiter": 2000, "ftol": 1e-13, "gtol": 1e-9},
-            )
-            for t0 in thetas
-        ]
-    results = [r for r in results if np.isfinite(r.fun)]
-    if not results:
-        raise ValueError(f"every one of the {len(thetas)} starts of the fit ended at a non-finite objective")
+    results = _minimise_from(thetas, x, y, w_fit, irreducible, bounds)
     best = min(results, key=lambda r: r.fun)
     # Converged: a start that stopped by a convergence test reached the lowest objective (to 1e-9 of the
     # objective's O(points) scale). The lowest end point itself may be one whose line search stopped
@@ -253,6 +226,46 @@ def fit_power_law(
         starts_succeeded=ok,
         residuals=tuple(float(v) for v in resid),
     )
+
+
+def _fit_points(flops, loss, weights, n_params: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The points a fit of ``n_params`` parameters uses, checked: ``(flops, loss, weights)`` of those with
+    positive weight, each ``(m,)``. Raises ValueError as :func:`fit_power_law` says."""
+    c, L = np.asarray(flops, dtype=float), np.asarray(loss, dtype=float)
+    w = np.ones_like(c) if weights is None else np.asarray(weights, dtype=float)
+    if not (c.shape == L.shape == w.shape and c.ndim == 1):
+        raise ValueError(f"flops, loss and weights must be 1-D of one length; got {c.shape}, {L.shape}, {w.shape}")
+    if not (np.all(np.isfinite(c) & (c > 0)) and np.all(np.isfinite(L) & (L > 0)) and np.all(w >= 0)):
+        raise ValueError("flops and loss must be finite and > 0, weights >= 0")
+    if len(np.unique(c[w > 0])) < n_params:
+        raise ValueError(
+            f"a fit of {n_params} parameters needs at least {n_params} distinct FLOPs values "
+            f"with positive weight; got {len(np.unique(c[w > 0]))}"
+        )
+    keep = w > 0
+    return c[keep], L[keep], w[keep]
+
+
+def _minimise_from(thetas: list, x: np.ndarray, y: np.ndarray, w: np.ndarray, irreducible: bool, bounds: list) -> list:
+    """scipy's L-BFGS-B run of :func:`_objective` from each start in ``thetas`` (on one BLAS thread); the runs
+    that ended at a finite objective. Raises ValueError when none did."""
+    with _one_blas_thread():
+        results = [
+            minimize(
+                _objective,
+                np.asarray(t0, dtype=float),
+                args=(x, y, w, irreducible),
+                jac=True,
+                method="L-BFGS-B",
+                bounds=bounds,
+                options={"maxiter": 2000, "ftol": 1e-13, "gtol": 1e-9},
+            )
+            for t0 in thetas
+        ]
+    results = [r for r in results if np.isfinite(r.fun)]
+    if not results:
+        raise ValueError(f"every one of the {len(thetas)} starts of the fit ended at a non-finite objective")
+    return results
 
 
 def seed_resamples(n_seeds: int, n_resamples: int, rng_seed: int) -> np.ndarray:

@@ -1,7 +1,8 @@
-"""The activation planner (launcher/planning/memory.py ``stage_activations`` over launcher/planning/activation_bytes.py,
-the pipeline simulator's peak in flight) against the saved-tensor meter on cpu4: PP2 x VPP2 (interleaved
-1F1B), EP2, DP2, over the memory settings none, FP8 storage, selective (op) recompute, whole-layer
-recompute, offload and memory=k2, each at 2 x 128 tokens (FP32) and at 1 x 256 (BF16).
+"""The activation planner (launcher/planning/stage_activations.py ``stage_activations`` over
+launcher/planning/activation_bytes.py, the pipeline simulator's peak in flight) against the saved-tensor
+meter on cpu4: PP2 x VPP2 (interleaved 1F1B), EP2, DP2, over the memory settings none, FP8 storage, selective
+(op) recompute, whole-layer recompute, offload and memory=k2, each at 2 x 128 tokens (FP32) and at 1 x 256
+(BF16).
 
 One launch measures every case (tests/support/scripts/measure_saved_bytes.py: the trainer's model, DDP
 and megatron's schedule, rebuilt per case in one process group). Per PP rank (the mean of its two EP
@@ -31,8 +32,8 @@ import pytest
 
 from k2.config.load import load_config
 from k2.launcher.planning.analysis import stage_costs
-from k2.launcher.planning.memory import stage_activations
 from k2.launcher.planning.pipeline_sim import simulate
+from k2.launcher.planning.stage_activations import stage_activations
 from k2.model.flops import flops_per_token
 from k2.parallel.dims import ParallelDims
 from support import REPO, SCRIPTS

@@ -1,5 +1,5 @@
-"""Memory per GPU (launcher/planning/memory.py, launcher/planning/activation_bytes.py) against what the trainer
-allocates.
+"""Memory per GPU (launcher/planning/memory.py, launcher/planning/stage_activations.py,
+launcher/planning/activation_bytes.py) against what the trainer allocates.
 
 * parameter / gradient / optimizer bytes: predicted with megatron's buffer-layout functions, measured in
   a real 4-rank gloo build (and one-rank builds in this process) of the trainer's model, DDP and

@@ -1,7 +1,7 @@
-"""megatron's TP layout in k2-plan (launcher/planning/tp_layout.py, stage_model.py, memory.py), the NVLink
-domain's placement, and megatron's module recompute sites: a TP2 layer's collectives, parameters and
-activations against hand-computed figures on k2_tiny; an NVL72 rack keeping EP on NVLink; k2-train refusing
-what only k2-plan plans. Pure Python: no process group."""
+"""megatron's TP layout in k2-plan (launcher/planning/tp_layout.py, stage_model.py, stage_terms.py,
+stage_activations.py), the NVLink domain's placement, and megatron's module recompute sites: a TP2 layer's
+collectives, parameters and activations against hand-computed figures on k2_tiny; an NVL72 rack keeping EP on
+NVLink; k2-train refusing what only k2-plan plans. Pure Python: no process group."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ TINY_SHARED_EXPERT = 128 * 128 + 128 * 64
 
 def _tiny(tp: int, world: int = 8, ep: int = 2, recompute=()):
     """k2_tiny's stage model on H100 (NVLink collectives 360 GB/s, no intra-node latency) at TP ``tp``."""
-    from k2.launcher.planning import step_time as stm
+    from k2.launcher.planning.stage_terms import stage_model
     from k2.launcher.planning.what_if import WhatIf
     from k2.model.flops import flops_per_token
 
     cfg = load_config(["model=k2_tiny", "train.precision=bf16", f"parallel.tp={tp}", f"parallel.ep={ep}"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world, tp_supported=True)
-    return stm.stage_model(
+    return stage_model(
         cfg,
         dims,
         flops_per_token(cfg.model, T),
@@ -77,7 +77,7 @@ def test_tp2_halves_the_sharded_gemms_core_attention_and_the_rank_s_tokens():
 def test_tp2_parameters_and_activations_per_gpu_against_hand_counts():
     """Parameters per GPU: a dense layer less half of its sharded weights, a MoE layer's routed experts whole
     (expert TP 1) over EP; activations per GPU halved (sequence parallelism)."""
-    from k2.launcher.planning.memory import stage_activations
+    from k2.launcher.planning.stage_activations import stage_activations
     from k2.model.params import count_params
 
     cfg = load_config(["model=k2_tiny"])
