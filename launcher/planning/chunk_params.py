@@ -20,7 +20,7 @@ from k2.optim.params import route
 if TYPE_CHECKING:
     from k2.config.schema import ModelConfig
 
-__all__ = ["LayoutParam", "chunk_kinds", "chunk_params", "rank_param_lists"]
+__all__ = ["LayoutParam", "chunk_kinds", "chunk_params"]
 
 
 def _route_cfg(model_cfg: ModelConfig):
@@ -130,43 +130,6 @@ def chunk_params(
                 continue  # tied and on the embedding stage: the embedding weight is the output weight
             params.append(make(s, None))
     return params
-
-
-def rank_param_lists(
-    counts,
-    dims,
-    *,
-    precision: str,
-    muon: bool,
-    layer_wise: bool,
-    model_cfg: ModelConfig,
-    router_optimizer: str = "muon",
-) -> list:
-    """The parameters of each model chunk of each PP rank, in ``GPTModel.named_parameters`` order.
-
-    Returns:
-        ``lists[pp_rank][vpp_stage]`` = list of :class:`LayoutParam`, tagged as the trainer tags the real
-        parameters (module docstring).
-    """
-    return [
-        [
-            chunk_params(
-                counts,
-                chunk_kinds(counts, dims, r, v),
-                dims.stage_has_embedding(r, v),
-                dims.stage_has_loss(r, v),
-                dims.ep,
-                precision=precision,
-                muon=muon,
-                layer_wise=layer_wise,
-                model_cfg=model_cfg,
-                router_optimizer=router_optimizer,
-                tp=dims.tp,
-            )
-            for v in range(dims.vpp)
-        ]
-        for r in range(dims.pp)
-    ]
 
 
 def chunk_kinds(counts, dims, r: int, v: int) -> tuple:
