@@ -71,7 +71,7 @@ def test_the_memory_settings_a_larger_gpu_does_not_need(capsys):
     assert un["memory.recompute"]["was"] == ["layernorm", "swiglu", "mla_up_proj", "moe_down_proj"]
     # (no longer: k2_tiny's step on a GPU profile is host-bound, the host term; the recomputed forward's
     # GPU work hides behind the host's time, so dropping it cannot lengthen the step)
-    assert un["memory.recompute"]["step_time_s"] <= v["step_time_s_estimated"]
+    assert un["memory.recompute"]["step_time_s"] <= v["step_time_s_estimated"] * (1 + 1e-9)
     r = v["recommended"]
     _, without = _plan(
         capsys,
