@@ -127,9 +127,10 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str, path: Path 
     slow = prof.alltoall_beside_compute_slowdown
     if not (math.isfinite(slow) and slow >= 1):
         raise ConfigError(f"{where}: 'alltoall_beside_compute_slowdown' must be a number >= 1 (got {slow!r})")
-    wait = prof.alltoall_peer_wait_us
-    if not (math.isfinite(wait) and wait >= 0):
-        raise ConfigError(f"{where}: 'alltoall_peer_wait_us' must be a number >= 0 (got {wait!r})")
+    for key in ("alltoall_peer_wait_us", "host_forward_operator_us", "host_backward_operator_us"):
+        value = getattr(prof, key)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{where}: '{key}' must be a number >= 0 (got {value!r})")
     loaded = prof.network_loaded_latency_us
     if loaded is not None and not (math.isfinite(loaded) and loaded >= prof.network_latency_us):
         raise ConfigError(

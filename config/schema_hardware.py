@@ -103,6 +103,12 @@ class HardwareProfileConfig:
     # per step, us (a measured CPU profile; GPU profiles: 0, hidden behind the kernels)
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    # a GPU host's own time per operator of megatron-core's layer code before its CUDA launch call (Python,
+    # dispatcher, autograd, allocator), forward and backward, us: k2-plan's ``host`` term, exposed where a
+    # stretch between two host waits issues more than the GPU runs (k2.launcher.planning.host_bound;
+    # k2-bench bench=host_cost measures it); 0: no host term (a CPU profile, whose operators run in series)
+    host_forward_operator_us: float = 0.0
+    host_backward_operator_us: float = 0.0
     comm_stream: CommStream = CommStream.device
     # with comm_stream host_thread: the share of one core (0 <= share < 1) that the host's own work on an
     # all-to-all (gloo's threads, the kernel's TCP and shaping) takes while the all-to-all is on the wire;

@@ -57,6 +57,9 @@ class WhatIfConfig:
     # multi-token-prediction modules on the stage holding the loss (DeepSeek-V3, arXiv 2412.19437 section
     # 2.2: a [2h -> h] projection, one transformer block, the shared output head again, per token)
     mtp_layers: int = 0
+    # full-iteration CUDA graphs (megatron's cuda_graph_impl local / full_iteration): the step replays
+    # without the host issuing its operators, so k2-plan's host term is 0
+    cuda_graphs: bool = False
 
 
 @dataclass

@@ -14,6 +14,7 @@ Usage::
     k2-bench bench=data                        # k2-data prepare tokens/s vs raw encode_batch; peak RSS
     k2-bench bench=hardware bench.options.out=PATH.yaml   # this machine's profile for k2-plan plan.hardware=
     k2-bench bench=perf_model                  # k2-plan's step time vs measured single / pp2 runs
+    k2-bench bench=host_cost                   # the host's time per operator of the layers' code (k2-plan's host term)
     k2-bench bench=checkpoint                  # save stall, checkpoint.async_save off vs on; overlapped steps
     k2-bench bench=ep_overlap                  # pipeline.ep_overlap off vs on across a shaped link (root)
 
@@ -55,6 +56,7 @@ BENCHMARKS: dict[str, str] = {
     "hf_convert": "hf_convert",
     "data": "data_prepare",
     "hardware": "hardware",
+    "host_cost": "host_cost",
     "perf_model": "perf_model",
     "checkpoint": "checkpoint",
 }

@@ -34,6 +34,8 @@ costs: :mod:`k2.launcher.planning.stage_model`):
 * **Activation offload** (``memory.offload``): the stage's offloaded bytes go out during the forward and
   back during the backward on a copy stream (its own engine and PCIe path); only what exceeds the pass's
   time (compute and all-to-alls) is exposed.
+* **The host** (``host``): where the CPU issuing the operators takes longer than the GPU runs them between
+  two of the MoE dispatcher's waits for the host (:mod:`k2.launcher.planning.host_bound`).
 * **The pipeline schedule's own work** (``schedule``): a measured CPU profile's cost of megatron's schedule and the
   trainer's step functions beyond the model's operators, per microbatch and virtual stage and per step.
 * **PP sends**: ``T x h`` activations per stage boundary, across nodes when PP ranks are on different nodes,
@@ -80,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 from k2.launcher.planning.after_pipeline import dp_comm_terms, optimizer_terms, rank_params
 from k2.launcher.planning.ep_overlap import A2A_KINDS, ep_summary, extrapolate, overlap_applies, rank_costs
 from k2.launcher.planning.hardware import HardwareProfile
+from k2.launcher.planning.host_bound import HOST_TERM, add_host_term
 from k2.launcher.planning.pipeline_sim import simulate
 from k2.launcher.planning.stage_model import _add
 from k2.launcher.planning.stage_terms import (
@@ -98,7 +101,7 @@ from k2.launcher.planning.what_if import WhatIf
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule")
+TERMS = ("gemm", "attention", "non_gemm", "ep_comm", "recompute", "offload", "schedule", HOST_TERM)
 
 
 @dataclass
@@ -221,6 +224,7 @@ def step_time(
     device = profile
     model = stage_model(cfg, dims, fl, tokens=tokens, device=device, what_if=what_if, recompute=recompute)
     stages = compute_terms(model, dims)
+    add_host_term(stages, model, cfg.model, dims, device, what_if.cuda_graphs)
     schedule_work_half_s = add_schedule_work(stages, device)
     copy_s = add_offload(stages, offload_bytes, device, dims.pp * dims.vpp)
     if what_if.dualpipe:

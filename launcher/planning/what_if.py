@@ -27,6 +27,7 @@ class WhatIf:
         pipeline_flushes: gradient accumulation over this many pipeline schedules per step.
         mtp_layers: multi-token-prediction modules computed on the stage holding the loss (DeepSeek-V3,
             arXiv 2412.19437 section 2.2): their time counts, their FLOPs stay out of the model FLOPs.
+        cuda_graphs: full-iteration CUDA graphs: no host term (:mod:`k2.launcher.planning.host_bound`).
     """
 
     fsdp: bool = False
@@ -35,6 +36,7 @@ class WhatIf:
     node_limit: int | None = None
     pipeline_flushes: int = 1
     mtp_layers: int = 0
+    cuda_graphs: bool = False
 
     @classmethod
     def from_config(cls, cfg: K2Config) -> WhatIf:
@@ -46,6 +48,7 @@ class WhatIf:
             sel("node_limit", None),
             int(sel("pipeline_flushes", 1) or 1),
             int(sel("mtp_layers", 0) or 0),
+            bool(sel("cuda_graphs")),
         )
 
     def labels(self) -> list[str]:
@@ -53,4 +56,5 @@ class WhatIf:
             [k for k in ("fsdp", "dualpipe", "deepep") if getattr(self, k)]
             + ([f"flushes{self.pipeline_flushes}"] if self.pipeline_flushes > 1 else [])
             + ([f"mtp{self.mtp_layers}"] if self.mtp_layers else [])
+            + (["cuda_graphs"] if self.cuda_graphs else [])
         )

@@ -86,6 +86,8 @@ def test_left_out_figures_are_filled_in(tmp_path):
         ({"host_memory_gib": 0}, ["'host_memory_gib'", "null or a number > 0"]),
         ({"alltoall_comm_units": 132}, ["'alltoall_comm_units'", "below compute_units=132", "got 132"]),
         ({"deepep_comm_units": -1}, ["'deepep_comm_units'", "integer >= 0"]),
+        ({"host_forward_operator_us": -1.0}, ["'host_forward_operator_us'", "number >= 0", "got -1.0"]),
+        ({"host_backward_operator_us": "slow"}, ["'host_backward_operator_us'", "'slow'"]),
     ],
 )
 def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, needles):

@@ -63,13 +63,15 @@ def test_when_nothing_fits_it_names_the_smallest_gpu_count_that_does(capsys):
 
 def test_the_memory_settings_a_larger_gpu_does_not_need(capsys):
     """1 GiB: every memory setting of K2's is dropped one at a time and the layout still fits; the step
-    printed for each is the plan's without it (recompute off: no recomputed forward, a shorter step)."""
+    printed for each is the plan's without it (recompute off: no recomputed forward, no longer a step)."""
     text, plan = _plan(capsys, 1.0, 2)
     v = plan["verdict"]
     un = {u["setting"]: u for u in v["unneeded_memory_settings"]}
     assert set(un) == {"memory.offload", "memory.recompute", "memory.fp8_store"} == set(v["memory_settings_set"])
     assert un["memory.recompute"]["was"] == ["layernorm", "swiglu", "mla_up_proj", "moe_down_proj"]
-    assert un["memory.recompute"]["step_time_s"] < v["step_time_s_estimated"]
+    # (no longer: k2_tiny's step on a GPU profile is host-bound, the host term; the recomputed forward's
+    # GPU work hides behind the host's time, so dropping it cannot lengthen the step)
+    assert un["memory.recompute"]["step_time_s"] <= v["step_time_s_estimated"] * (1 + 1e-9)
     r = v["recommended"]
     _, without = _plan(
         capsys,
