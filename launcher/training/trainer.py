@@ -16,7 +16,7 @@ the tensors is :class:`TrainState`; the wall-time split of the run (goodput) is
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence length
 rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per step
 (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's RoPE/YaRN
-(:func:`k2.model.build.set_rope_type`); one with other ``memory.*`` settings (FP8 storage, offload, recompute)
+(:func:`k2.model.rope.set_rope_type`); one with other ``memory.*`` settings (FP8 storage, offload, recompute)
 switches them (:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
 :class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last phase,
 or ``train.iters``).
@@ -57,8 +57,9 @@ from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
 from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
-from k2.model.build import moe_layer_pattern, set_rope_type
+from k2.model.build import moe_layer_pattern
 from k2.model.flops import step_flops
+from k2.model.rope import set_rope_type
 from k2.model.saved_bytes_meter import SavedBytesMeter
 from k2.optim.params import format_route_table, route_table
 from k2.optim.registry import optimizer_spec
