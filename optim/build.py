@@ -109,7 +109,7 @@ def use_torch_adam() -> None:
     ``FusedAdam`` (``optimizer/__init__.py``: ``USING_PYTORCH_OPTIMIZER = False``) and its distributed
     optimizer reads and restores the state on the fused layout (``distrib_optimizer.HAVE_APEX_OR_TE``:
     the ``step`` kept per group). This launcher's checkpoint handling (the state made before a load and
-    the per-parameter ``step`` restored after it, :mod:`k2.launcher.checkpointing.store`), QK-Clip's
+    the per-parameter ``step`` restored after it, :mod:`k2.launcher.checkpointing.loading`), QK-Clip's
     rescaling of master copies and the optimizer offload are written and tested against torch's
     ``AdamW`` on megatron's torch path; the fused one has never run here. Idempotent."""
     import megatron.core.optimizer as mcore_optimizer
