@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 def check_cluster(c: ClusterConfig) -> None:
     """``cluster.*``: the target cluster of ``k2-plan`` / ``k2-submit`` and the MFU peak."""
     for key in ("nodes", "gpus_per_node"):
-        if c[key] < 1:
-            raise ConfigError(f"cluster.{key}={c[key]} must be an integer >= 1")
+        if getattr(c, key) < 1:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be an integer >= 1")
     if c.gpu_memory_gib is not None:
         require(
             finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0,
@@ -79,7 +79,8 @@ def check_plan(p: PlanConfig) -> None:
         require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
     o = p.gpu_overheads
     for key in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib"):
-        require(finite(o[key]) and o[key] >= 0, f"plan.gpu_overheads.{key}", o[key], "GiB >= 0")
+        v = getattr(o, key)
+        require(finite(v) and v >= 0, f"plan.gpu_overheads.{key}", v, "GiB >= 0")
     require(
         finite(o.fragmentation) and 0 <= o.fragmentation < 1,
         "plan.gpu_overheads.fragmentation",
