@@ -121,7 +121,7 @@ class MuonMatmulPrecision(Choice):
 
 class RopeType(Choice):
     """``model.rope_type`` and ``schedule.phases.<i>.rope_type``: the rotary position embedding (plain RoPE
-    while pretraining at 4K, YaRN for the 128K extension; ``k2.model.build.rope_fields``)."""
+    while pretraining at 4K, YaRN for the 128K extension; ``k2.model.rope.rope_fields``)."""
 
     rope = "rope"
     yarn = "yarn"

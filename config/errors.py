@@ -1,6 +1,10 @@
-"""The one exception type for a bad setting (the bottom of the project: imports nothing of it)."""
+"""The one exception type for a bad setting, and the standard form of its message that every section's check
+uses (:func:`require`) (the bottom of the project: imports nothing of it)."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 
 def one_line(text: str) -> str:
@@ -22,3 +26,14 @@ class ConfigError(ValueError):
 
     def __init__(self, message: object = "", *args):
         super().__init__(one_line(message) if isinstance(message, str) else message, *args)
+
+
+def require(ok: bool, setting: str, value: Any, allowed: str) -> None:
+    """Raise ``ConfigError("<setting>=<value!r>; allowed: <allowed>")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{setting}={value!r}; allowed: {allowed}")
+
+
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a finite int or float (a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -2,9 +2,11 @@
 
 Each section checks itself (:data:`SECTION_CHECKS`: the function receives only its own section) and the
 rules that span sections live in one place (:func:`check_cross_section`), as Megatron-Bridge's
-``finalize()`` per section plus ``ConfigContainer.validate()`` do. Rules that need the machine (files,
-CUDA, Transformer Engine) or a world size stay with the module that owns them: the parallel layout
-(:class:`k2.parallel.dims.ParallelDims`), the schedule against that layout
+``finalize()`` per section plus ``ConfigContainer.validate()`` do. The checks of the launch-side sections
+(``launch``, ``submit``, ``prepare``, ``sweep``) are :mod:`k2.config.validate_launch`'s, those of ``cluster``
+and ``plan`` :mod:`k2.config.validate_planning`'s; :data:`SECTION_CHECKS` runs them with the rest.
+Rules that need the machine (files, CUDA, Transformer Engine) or a world size stay with the module that owns
+them: the parallel layout (:class:`k2.parallel.dims.ParallelDims`), the schedule against that layout
 (:func:`k2.schedules.resolve.resolve_schedule`), the data files (``k2.launcher.datasets.resolve``), the
 compute backends on this machine (:func:`k2.model.backends.check_backend_config`), the checkpoint to
 resume from (``k2.launcher.checkpointing.resume``).
@@ -14,21 +16,27 @@ Every error is a :class:`k2.config.ConfigError` naming the setting and the allow
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 # re-exported: the Enum-typed settings and their messages
 from k2.config.choices import CHOICES, CheckpointVerify, ResumeMode, check_choice, choice_error, values
-from k2.config.errors import ConfigError
+from k2.config.errors import ConfigError, finite, require
 from k2.config.recipes import recipe_names
 from k2.config.schema import MEMORY_FP8_SITES, MEMORY_OFFLOAD_SITES, MEMORY_RECOMPUTE_SITES, optimizer_settings
-from k2.config.validate_launch import SBATCH_OPTIONS_SET, check_launch, check_submit  # noqa: F401
+from k2.config.validate_launch import (  # noqa: F401
+    SBATCH_OPTIONS_SET,
+    SWEEP_COOLDOWN_STYLES,
+    check_launch,
+    check_prepare,
+    check_submit,
+    check_sweep,
+)
+from k2.config.validate_planning import check_cluster, check_plan
 
 if TYPE_CHECKING:
     from k2.config.schema import (
         CheckpointConfig,
-        ClusterConfig,
         ConvertConfig,
         DataConfig,
         K2Config,
@@ -37,11 +45,8 @@ if TYPE_CHECKING:
         OptimConfig,
         PhaseMemoryConfig,
         PipelineConfig,
-        PlanConfig,
-        PrepareConfig,
         RunConfig,
         ScheduleConfig,
-        SweepConfig,
         TrainConfig,
     )
 
@@ -68,8 +73,6 @@ MIN_EMBEDDED_VOCAB = 256 + 2
 #: ``resume.*`` keys and their defaults (``resume`` is a plain mapping because ``from`` is a Python keyword
 #: and cannot be a dataclass field)
 RESUME_KEYS = {"mode": "auto", "from": None, "force": False, "branch_from": None}
-#: ``sweep.cooldown.style``: the decay curves of schedules/wsd.py
-SWEEP_COOLDOWN_STYLES = ("minus_sqrt", "linear", "cosine", "exponential")
 # The allowed values of every fixed-choice setting are the Enums of k2.config.choices; as tuples of strings:
 #: ``resume.mode`` (checked here: ``resume`` is no dataclass)
 RESUME_MODES = values(ResumeMode)
@@ -77,15 +80,6 @@ RESUME_MODES = values(ResumeMode)
 #: (k2.launcher.checkpointing.manifest)
 CHECKPOINT_VERIFY_LEVELS = values(CheckpointVerify)
 _MEMORY_SITES = {"fp8_store": MEMORY_FP8_SITES, "recompute": MEMORY_RECOMPUTE_SITES, "offload": MEMORY_OFFLOAD_SITES}
-
-
-def _require(ok: bool, setting: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{setting}={value!r}; allowed: {allowed}")
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # --------------------------------------------------------------------------- one section each
@@ -99,7 +93,7 @@ def check_model(m: ModelConfig) -> None:
     check_choice(m, "rope_type", "model.rope_type")
     for key in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, key)
-        _require(_finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")
+        require(finite(v) and 0.0 <= v < 1.0, f"model.{key}", v, "a probability 0 <= p < 1 (K2: 0.0)")
 
 
 def check_train(t: TrainConfig) -> None:
@@ -121,23 +115,21 @@ def check_train(t: TrainConfig) -> None:
             "null (save only at the end and on preemption)"
         )
     sp = t.spike
-    _require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
-    _require(_finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
+    require(sp.window >= 4, "train.spike.window", sp.window, "an integer >= 4 (steps)")
+    require(finite(sp.sigma) and sp.sigma > 0, "train.spike.sigma", sp.sigma, "a number > 0 (standard deviations)")
     check_choice(sp, "action", "train.spike.action")
-    _require(
+    require(
         sp.max_consecutive_skips >= 1, "train.spike.max_consecutive_skips", sp.max_consecutive_skips, "an integer >= 1"
     )
 
 
 def check_checkpoint(c: CheckpointConfig) -> None:
     """``checkpoint.*``: retention and the verification on resume."""
-    _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
-    _require(
-        c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every, "an integer >= 1 or null"
-    )
+    require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "an integer >= 1")
+    require(c.keep_every is None or c.keep_every >= 1, "checkpoint.keep_every", c.keep_every, "an integer >= 1 or null")
     check_choice(c, "verify", "checkpoint.verify")
     steps = list(c.save_steps or [])
-    _require(
+    require(
         all(isinstance(x, int) and x >= 1 for x in steps),
         "checkpoint.save_steps",
         steps,
@@ -148,7 +140,7 @@ def check_checkpoint(c: CheckpointConfig) -> None:
 def check_convert(c: ConvertConfig) -> None:
     """``convert.*`` (``k2-convert``): the model type, shard size and export dtype."""
     check_choice(c, "model_type", "convert.model_type")
-    _require(c.shard_bytes >= 1, "convert.shard_bytes", c.shard_bytes, "an integer >= 1 (bytes)")
+    require(c.shard_bytes >= 1, "convert.shard_bytes", c.shard_bytes, "an integer >= 1 (bytes)")
     if c.dtype is not None:
         check_choice(c, "dtype", "convert.dtype")
 
@@ -157,14 +149,14 @@ def check_run(r: RunConfig) -> None:
     """``run.*``: wall-time budget, wandb mode."""
     if r.max_minutes is not None and not r.max_minutes > 0:
         raise ConfigError(f"run.max_minutes={r.max_minutes}; allowed: a number > 0, or null")
-    _require(
-        r.hang_timeout_s is None or (_finite(r.hang_timeout_s) and r.hang_timeout_s > 0),
+    require(
+        r.hang_timeout_s is None or (finite(r.hang_timeout_s) and r.hang_timeout_s > 0),
         "run.hang_timeout_s",
         r.hang_timeout_s,
         "a number > 0 (seconds), or null (derived from the measured step time)",
     )
-    _require(
-        _finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0,
+    require(
+        finite(r.hang_startup_timeout_s) and r.hang_startup_timeout_s > 0,
         "run.hang_startup_timeout_s",
         r.hang_startup_timeout_s,
         "a number > 0 (seconds)",
@@ -175,15 +167,15 @@ def check_run(r: RunConfig) -> None:
 def check_optim(o: OptimConfig) -> None:
     """``optim.*``: the optimizer (one of :data:`OPTIMIZERS`), the settings every optimizer shares, QK-Clip's tau,
     then the optimizer's own settings: its check in :data:`OPTIMIZER_CHECKS` where it has any."""
-    _require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
+    require(o.name in OPTIMIZERS, "optim.name", o.name, ", ".join(OPTIMIZERS))
     check_choice(o, "router_optimizer", "optim.router_optimizer")
-    _require(
-        _finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1,
+    require(
+        finite(o.offload_fraction) and 0 <= o.offload_fraction <= 1,
         "optim.offload_fraction",
         o.offload_fraction,
         "0 <= value <= 1",
     )
-    if o.qk_clip_tau is not None and not (_finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
+    if o.qk_clip_tau is not None and not (finite(o.qk_clip_tau) and o.qk_clip_tau > 0):
         raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau}; allowed: a number > 0 or null (off)")
     own = OPTIMIZER_CHECKS.get(o.name)
     if own is not None:
@@ -198,11 +190,11 @@ def check_optim_muonclip(o: OptimConfig) -> None:
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
 
     coeffs = [c for c in get_args(NSCoeffT) if c != "custom"]
-    _require(
+    require(
         o.muon_coefficient_type in coeffs, "optim.muon_coefficient_type", o.muon_coefficient_type, ", ".join(coeffs)
     )
-    _require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
-    _require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
+    require(o.muon_num_ns_steps >= 1, "optim.muon_num_ns_steps", o.muon_num_ns_steps, "an integer >= 1")
+    require(0.0 <= o.muon_momentum < 1.0, "optim.muon_momentum", o.muon_momentum, "0 <= value < 1")
     for key in optimizer_settings("muonclip"):  # its Enum-typed settings
         if f"optim.{key}" in CHOICES:
             check_choice(o, key, f"optim.{key}")
@@ -261,7 +253,7 @@ def check_pipeline(p: PipelineConfig) -> None:
 def check_data(d: DataConfig) -> None:
     """``data.*``: the embedded corpus's own settings when ``data.path`` is null (the syntax and the
     files of a user dataset are checked by ``k2.launcher.datasets.resolve``)."""
-    _require(
+    require(
         d.index_tokens is None or (isinstance(d.index_tokens, int) and d.index_tokens > 0),
         "data.index_tokens",
         d.index_tokens,
@@ -275,7 +267,7 @@ def check_data(d: DataConfig) -> None:
             f"corpus: it needs at least {MIN_EMBEDDED_VOCAB} (256 bytes + <|endoftext|> + <|pad|>)"
         )
     vf = d.valid_fraction
-    if not _finite(vf) or not 0.0 < float(vf) < 1.0:
+    if not finite(vf) or not 0.0 < float(vf) < 1.0:
         raise ConfigError(
             f"data.valid_fraction={vf} must be in (0, 1): the share of stdlib files held out for validation (e.g. 0.02)"
         )
@@ -284,141 +276,6 @@ def check_data(d: DataConfig) -> None:
             "data.valid_path is set but data.path is null (the embedded stdlib corpus has its "
             "own validation split); set data.path too, or data.valid_path=null"
         )
-
-
-def check_prepare(p: PrepareConfig) -> None:
-    """``prepare.*`` (``k2-data prepare.input=...``): the values alone; the input files are checked by
-    ``k2.launcher.datasets.sources``."""
-    if p.input is None:
-        return
-    if p.output is None or not str(p.output).strip():
-        raise ConfigError(
-            "prepare.input is set but prepare.output is null: give the dataset prefix to write "
-            "(prepare.output=/data/corpus_text_document -> .bin/.idx)"
-        )
-    _require(bool(str(p.text_key).strip()), "prepare.text_key", p.text_key, "a JSONL field / Parquet column name")
-    check_choice(p, "text_document", "prepare.text_document")
-    check_choice(p, "bad_records", "prepare.bad_records")
-    _require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
-    _require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
-    _require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
-    _require(
-        p.shard_documents is None or p.shard_documents >= 1,
-        "prepare.shard_documents",
-        p.shard_documents,
-        "null (one dataset) or an integer >= 1 (documents per shard)",
-    )
-    _require(
-        p.tasks is None or p.tasks >= 1,
-        "prepare.tasks",
-        p.tasks,
-        "null (one build in this process) or an integer >= 1 (tasks of an array build)",
-    )
-    if p.tasks is None:
-        for key, given in (("task", p.task is not None), ("submit", bool(p.submit))):
-            if given:
-                raise ConfigError(f"prepare.{key}={p[key]} needs prepare.tasks (the tasks of an array build)")
-        return
-    _require(
-        p.task is None or 0 <= p.task < p.tasks,
-        "prepare.task",
-        p.task,
-        f"null (every task here) or 0..{p.tasks - 1} (one task of prepare.tasks={p.tasks})",
-    )
-    if p.task is not None and p.submit:
-        raise ConfigError(
-            "prepare.task and prepare.submit=true together: submit plans and sbatches the array, "
-            "each of whose tasks runs one prepare.task; give one or the other"
-        )
-    if p.shard_documents is not None:
-        raise ConfigError(
-            f"prepare.shard_documents={p.shard_documents} with prepare.tasks: an array build "
-            "writes one shard per piece of prepare.shard_bytes of input; set one or the other"
-        )
-    _require(p.shard_bytes >= 1, "prepare.shard_bytes", p.shard_bytes, "an integer >= 1 (input bytes per shard)")
-    _require(
-        p.tokenizer_sample_bytes >= 1,
-        "prepare.tokenizer_sample_bytes",
-        p.tokenizer_sample_bytes,
-        "an integer >= 1 (input bytes the BPE is trained on)",
-    )
-
-
-def check_cluster(c: ClusterConfig) -> None:
-    """``cluster.*``: the target cluster of ``k2-plan`` / ``k2-submit`` and the MFU peak."""
-    for key in ("nodes", "gpus_per_node"):
-        if c[key] < 1:
-            raise ConfigError(f"cluster.{key}={c[key]} must be an integer >= 1")
-    if c.gpu_memory_gib is not None:
-        _require(
-            _finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0,
-            "cluster.gpu_memory_gib",
-            c.gpu_memory_gib,
-            "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)",
-        )
-    if c.peak_tflops is not None:
-        _require(
-            _finite(c.peak_tflops) and c.peak_tflops > 0,
-            "cluster.peak_tflops",
-            c.peak_tflops,
-            "a number > 0 (dense BF16 TFLOP/s per GPU), or null (plan.hardware's profile's peak)",
-        )
-    if c.cpu_peak_tflops is not None:
-        _require(
-            _finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0,
-            "cluster.cpu_peak_tflops",
-            c.cpu_peak_tflops,
-            "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)",
-        )
-    if c.host_memory_gib is not None:
-        _require(
-            _finite(c.host_memory_gib) and c.host_memory_gib > 0,
-            "cluster.host_memory_gib",
-            c.host_memory_gib,
-            "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)",
-        )
-    _require(
-        _finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0,
-        "cluster.checkpoint_write_gbps",
-        c.checkpoint_write_gbps,
-        "a number > 0 (GB/s one node writes to storage)",
-    )
-    if c.mtbf_hours is not None:
-        _require(
-            _finite(c.mtbf_hours) and c.mtbf_hours > 0,
-            "cluster.mtbf_hours",
-            c.mtbf_hours,
-            "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)",
-        )
-
-
-def check_plan(p: PlanConfig) -> None:
-    """``plan.*``: ``k2-plan``'s numbers."""
-    _require(
-        _finite(p.compute_efficiency) and 0 < p.compute_efficiency <= 1,
-        "plan.compute_efficiency",
-        p.compute_efficiency,
-        "0 < value <= 1",
-    )
-    if p.step_time_s is not None:
-        _require(
-            _finite(p.step_time_s) and p.step_time_s > 0, "plan.step_time_s", p.step_time_s, "seconds > 0, or null"
-        )
-    _require(
-        p.what_if.pipeline_flushes >= 1, "plan.what_if.pipeline_flushes", p.what_if.pipeline_flushes, "an integer >= 1"
-    )
-    _require(p.what_if.mtp_layers >= 0, "plan.what_if.mtp_layers", p.what_if.mtp_layers, "an integer >= 0")
-    if p.what_if.node_limit is not None:
-        _require(p.what_if.node_limit >= 1, "plan.what_if.node_limit", p.what_if.node_limit, "an integer >= 1, or null")
-    o = p.gpu_overheads
-    for key in ("cuda_context_gib", "nccl_gib_per_communicator", "workspace_gib"):
-        _require(_finite(o[key]) and o[key] >= 0, f"plan.gpu_overheads.{key}", o[key], "GiB >= 0")
-    _require(
-        _finite(o.fragmentation) and 0 <= o.fragmentation < 1,
-        "plan.gpu_overheads.fragmentation",
-        o.fragmentation,
-        "0 <= fraction < 1",
-    )
 
 
 def resume_settings(raw) -> dict:
@@ -449,44 +306,6 @@ def resume_settings(raw) -> dict:
             "own) contradicts resume=never and resume.from; set one of them"
         )
     return settings
-
-
-def check_sweep(s: SweepConfig) -> None:
-    """``sweep.*``: distinct sparsities >= 1 (empty = no sweep), distinct seeds, distinct budgets > 0, a cooldown
-    of 10% to under 100% of each budget (MiniCPM, arXiv 2404.06395: shorter decays lose) on a known decay curve,
-    a positive collapse threshold and job count, and each size's overrides a list of ``key=value``."""
-    sparsities = list(s.sparsities or [])
-    if sparsities and (min(sparsities) < 1 or len(set(sparsities)) != len(sparsities)):
-        raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
-    seeds = list(s.seeds or [])
-    _require(len(set(seeds)) == len(seeds), "sweep.seeds", seeds, "distinct integers ([] = [run.seed])")
-    budgets = list(s.budgets_tokens or [])
-    _require(
-        len(set(budgets)) == len(budgets) and all(isinstance(b, int) and b > 0 for b in budgets),
-        "sweep.budgets_tokens",
-        budgets,
-        "distinct token counts > 0 ([] = where the schedule ends)",
-    )
-    c = s.cooldown
-    _require(
-        0.1 <= c.fraction < 1.0,
-        "sweep.cooldown.fraction",
-        c.fraction,
-        "0.1 <= fraction < 1 (a decay over less than 10% of a budget's tokens ends above its loss)",
-    )
-    _require(c.style in SWEEP_COOLDOWN_STYLES, "sweep.cooldown.style", c.style, ", ".join(SWEEP_COOLDOWN_STYLES))
-    _require(c.lr_end >= 0, "sweep.cooldown.lr_end", c.lr_end, "an LR >= 0")
-    _require(
-        s.collapsed_load > 1.0, "sweep.collapsed_load", s.collapsed_load, "a load max/mean > 1 (1 = perfectly balanced)"
-    )
-    _require(isinstance(s.jobs, int) and s.jobs >= 1, "sweep.jobs", s.jobs, "an integer >= 1")
-    for name, overrides in dict(s.sizes or {}).items():
-        _require(
-            all(isinstance(o, str) and "=" in o for o in overrides),
-            f"sweep.sizes.{name}",
-            list(overrides),
-            "a list of key=value overrides",
-        )
 
 
 def check_schedule_memory(s: ScheduleConfig) -> None:

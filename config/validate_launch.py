@@ -1,6 +1,7 @@
-"""The ``launch`` and ``submit`` sections' checks (:mod:`k2.config.validate` runs them with every other
-section's): how ``k2-train`` starts local ranks and what ``k2-submit`` may write into a Slurm batch script
-(the values a batch script takes literally, the options k2-submit writes itself).
+"""The ``launch``, ``submit``, ``prepare`` and ``sweep`` sections' checks (:mod:`k2.config.validate` runs them
+with every other section's; the sections of :mod:`k2.config.schema_launch`): how ``k2-train`` starts local
+ranks, what ``k2-submit`` may write into a Slurm batch script (the values a batch script takes literally, the
+options k2-submit writes itself), how ``k2-data`` prepares a corpus, and the grid of a sparsity sweep.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ import re
 from typing import TYPE_CHECKING
 
 from k2.config.choices import check_choice
-from k2.config.errors import ConfigError
+from k2.config.errors import ConfigError, require
 
 if TYPE_CHECKING:
-    from k2.config.schema_launch import LaunchConfig, SubmitConfig
+    from k2.config.schema_launch import LaunchConfig, PrepareConfig, SubmitConfig, SweepConfig
 
 
+#: ``sweep.cooldown.style``: the decay curves of schedules/wsd.py
+SWEEP_COOLDOWN_STYLES = ("minus_sqrt", "linear", "cosine", "exponential")
 #: Slurm's time-limit forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 #: sbatch --mem: an integer with an optional unit suffix (K, M, G, T; M when none)
@@ -127,4 +130,100 @@ def check_submit(s: SubmitConfig) -> None:
         raise ConfigError(
             "submit.container_mounts is set but submit.container_image is null; set the image "
             "too, or submit.container_mounts=[]"
+        )
+
+
+def check_prepare(p: PrepareConfig) -> None:
+    """``prepare.*`` (``k2-data prepare.input=...``): the values alone; the input files are checked by
+    ``k2.launcher.datasets.sources``."""
+    if p.input is None:
+        return
+    if p.output is None or not str(p.output).strip():
+        raise ConfigError(
+            "prepare.input is set but prepare.output is null: give the dataset prefix to write "
+            "(prepare.output=/data/corpus_text_document -> .bin/.idx)"
+        )
+    require(bool(str(p.text_key).strip()), "prepare.text_key", p.text_key, "a JSONL field / Parquet column name")
+    check_choice(p, "text_document", "prepare.text_document")
+    check_choice(p, "bad_records", "prepare.bad_records")
+    require(p.workers >= 1, "prepare.workers", p.workers, "an integer >= 1 (tokenizing processes)")
+    require(p.chunk_documents >= 1, "prepare.chunk_documents", p.chunk_documents, "an integer >= 1")
+    require(p.chunk_bytes >= 1, "prepare.chunk_bytes", p.chunk_bytes, "an integer >= 1")
+    require(
+        p.shard_documents is None or p.shard_documents >= 1,
+        "prepare.shard_documents",
+        p.shard_documents,
+        "null (one dataset) or an integer >= 1 (documents per shard)",
+    )
+    require(
+        p.tasks is None or p.tasks >= 1,
+        "prepare.tasks",
+        p.tasks,
+        "null (one build in this process) or an integer >= 1 (tasks of an array build)",
+    )
+    if p.tasks is None:
+        for key, given in (("task", p.task is not None), ("submit", bool(p.submit))):
+            if given:
+                raise ConfigError(f"prepare.{key}={p[key]} needs prepare.tasks (the tasks of an array build)")
+        return
+    require(
+        p.task is None or 0 <= p.task < p.tasks,
+        "prepare.task",
+        p.task,
+        f"null (every task here) or 0..{p.tasks - 1} (one task of prepare.tasks={p.tasks})",
+    )
+    if p.task is not None and p.submit:
+        raise ConfigError(
+            "prepare.task and prepare.submit=true together: submit plans and sbatches the array, "
+            "each of whose tasks runs one prepare.task; give one or the other"
+        )
+    if p.shard_documents is not None:
+        raise ConfigError(
+            f"prepare.shard_documents={p.shard_documents} with prepare.tasks: an array build "
+            "writes one shard per piece of prepare.shard_bytes of input; set one or the other"
+        )
+    require(p.shard_bytes >= 1, "prepare.shard_bytes", p.shard_bytes, "an integer >= 1 (input bytes per shard)")
+    require(
+        p.tokenizer_sample_bytes >= 1,
+        "prepare.tokenizer_sample_bytes",
+        p.tokenizer_sample_bytes,
+        "an integer >= 1 (input bytes the BPE is trained on)",
+    )
+
+
+def check_sweep(s: SweepConfig) -> None:
+    """``sweep.*``: distinct sparsities >= 1 (empty = no sweep), distinct seeds, distinct budgets > 0, a cooldown
+    of 10% to under 100% of each budget (MiniCPM, arXiv 2404.06395: shorter decays lose) on a known decay curve,
+    a positive collapse threshold and job count, and each size's overrides a list of ``key=value``."""
+    sparsities = list(s.sparsities or [])
+    if sparsities and (min(sparsities) < 1 or len(set(sparsities)) != len(sparsities)):
+        raise ConfigError(f"sweep.sparsities={sparsities}; allowed: distinct integers >= 1")
+    seeds = list(s.seeds or [])
+    require(len(set(seeds)) == len(seeds), "sweep.seeds", seeds, "distinct integers ([] = [run.seed])")
+    budgets = list(s.budgets_tokens or [])
+    require(
+        len(set(budgets)) == len(budgets) and all(isinstance(b, int) and b > 0 for b in budgets),
+        "sweep.budgets_tokens",
+        budgets,
+        "distinct token counts > 0 ([] = where the schedule ends)",
+    )
+    c = s.cooldown
+    require(
+        0.1 <= c.fraction < 1.0,
+        "sweep.cooldown.fraction",
+        c.fraction,
+        "0.1 <= fraction < 1 (a decay over less than 10% of a budget's tokens ends above its loss)",
+    )
+    require(c.style in SWEEP_COOLDOWN_STYLES, "sweep.cooldown.style", c.style, ", ".join(SWEEP_COOLDOWN_STYLES))
+    require(c.lr_end >= 0, "sweep.cooldown.lr_end", c.lr_end, "an LR >= 0")
+    require(
+        s.collapsed_load > 1.0, "sweep.collapsed_load", s.collapsed_load, "a load max/mean > 1 (1 = perfectly balanced)"
+    )
+    require(isinstance(s.jobs, int) and s.jobs >= 1, "sweep.jobs", s.jobs, "an integer >= 1")
+    for name, overrides in dict(s.sizes or {}).items():
+        require(
+            all(isinstance(o, str) and "=" in o for o in overrides),
+            f"sweep.sizes.{name}",
+            list(overrides),
+            "a list of key=value overrides",
         )

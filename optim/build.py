@@ -109,7 +109,7 @@ def use_torch_adam() -> None:
     ``FusedAdam`` (``optimizer/__init__.py``: ``USING_PYTORCH_OPTIMIZER = False``) and its distributed
     optimizer reads and restores the state on the fused layout (``distrib_optimizer.HAVE_APEX_OR_TE``:
     the ``step`` kept per group). This launcher's checkpoint handling (the state made before a load and
-    the per-parameter ``step`` restored after it, :mod:`k2.launcher.checkpointing.store`), QK-Clip's
+    the per-parameter ``step`` restored after it, :mod:`k2.launcher.checkpointing.loading`), QK-Clip's
     rescaling of master copies and the optimizer offload are written and tested against torch's
     ``AdamW`` on megatron's torch path; the fused one has never run here. Idempotent."""
     import megatron.core.optimizer as mcore_optimizer
@@ -258,13 +258,7 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
     """
     import copy
 
-    import torch
-    from megatron.core.optimizer import (
-        ChainedOptimizer,
-        _get_megatron_optimizer_based_on_param_groups,
-        _get_param_groups,
-        get_standard_config_overrides,
-    )
+    from megatron.core.optimizer import ChainedOptimizer, _get_megatron_optimizer_based_on_param_groups
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_pg_rank
 
@@ -274,27 +268,8 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
     tp = ProcessGroupCollection.use_mpu_process_groups()
     adam_cfg = copy.copy(ocfg)
     adam_cfg.optimizer = "adam"
-    # megatron aligns the param groups over all ranks (its checkpoints need the same optimizer structure
-    # everywhere); so is the set of parts: a part with parameters on no rank (e.g. AdamW for experts,
-    # whose weights are all Muon matrices) is left out everywhere
-    groups = _get_param_groups(model, ocfg, get_standard_config_overrides(ocfg) if overrides is None else overrides)
-    keys = [(expert, muon) for expert in (False, True) for muon in (True, False)]
-    split = {
-        (e, m): [
-            {**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == m]}
-            for g in groups
-            if g["is_expert_parallel"] == e
-        ]
-        for e, m in keys
-    }
-    counts = torch.tensor(
-        [sum(len(g["params"]) for g in split[k]) for k in keys], device="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    torch.distributed.all_reduce(counts)
     parts = []
-    for (expert, muon), n in zip(keys, counts.tolist()):
-        if not n:
-            continue
+    for (expert, muon), sub in _muonclip_param_groups(ocfg, model, overrides).items():
         if expert:
             mp, dp, gloo = (
                 pgs["expt_tp_pp_with_egtp_remat_group"],
@@ -303,16 +278,7 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
             )
         else:
             mp, dp, gloo = pgs["mp_group"], pgs["intra_dp_cp_group"], pgs["intra_dp_cp_group_gloo"]
-        buffers = {}
-        for i, chunk in enumerate(model):
-            bufs = [
-                b
-                for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
-                if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon
-            ]
-            if bufs:
-                buffers[i] = bufs
-        sub = split[(expert, muon)]
+        buffers = _part_buffers(model, expert, muon)
         if muon:
             opt = DistributedMuonOptimizer(
                 DistributedK2Muon(sub, **_muon_kwargs(ocfg)), ocfg, model, buffers, dp, gloo, get_pg_rank(mp)
@@ -335,6 +301,47 @@ def _byte_range_muonclip(ocfg, model: list, overrides):
             opt.config = ocfg  # megatron's ChainedOptimizer expects one config
         parts.append(opt)
     return ChainedOptimizer(parts)
+
+
+def _muonclip_param_groups(ocfg, model: list, overrides) -> dict[tuple[bool, bool], list[dict]]:
+    """Collective: megatron's param groups split into the parts of byte-range MuonClip, ``(expert, muon)`` ->
+    the groups with those parameters only, in the order dense Muon, dense AdamW, expert Muon, expert AdamW."""
+    import torch
+    from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
+
+    # megatron aligns the param groups over all ranks (its checkpoints need the same optimizer structure
+    # everywhere); so is the set of parts: a part with parameters on no rank (e.g. AdamW for experts,
+    # whose weights are all Muon matrices) is left out everywhere
+    groups = _get_param_groups(model, ocfg, get_standard_config_overrides(ocfg) if overrides is None else overrides)
+    keys = [(expert, muon) for expert in (False, True) for muon in (True, False)]
+    split = {
+        (e, m): [
+            {**g, "params": [p for p in g["params"] if (getattr(p, ROUTE_ATTR, "adamw") == "muon") == m]}
+            for g in groups
+            if g["is_expert_parallel"] == e
+        ]
+        for e, m in keys
+    }
+    counts = torch.tensor(
+        [sum(len(g["params"]) for g in split[k]) for k in keys], device="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    torch.distributed.all_reduce(counts)
+    return {k: split[k] for k, n in zip(keys, counts.tolist()) if n}
+
+
+def _part_buffers(model: list, expert: bool, muon: bool) -> dict[int, list]:
+    """The DDP buffers of one part, by model chunk index: the chunk's (expert-parallel, with ``expert``)
+    buffers whose parameters are Muon matrices (``muon``) or not; chunks without one are left out."""
+    buffers = {}
+    for i, chunk in enumerate(model):
+        bufs = [
+            b
+            for b in getattr(chunk, "expert_parallel_buffers" if expert else "buffers", [])
+            if b.params and bool(getattr(b.params[0], LAYER_WISE_ATTR, False)) == muon
+        ]
+        if bufs:
+            buffers[i] = bufs
+    return buffers
 
 
 def shard_straddlers(full_param_layout) -> list:

@@ -257,13 +257,7 @@ class PipelineHooks:
         """
 
         if self.store is not None:
-            check_ddp_hooks(model)
-            if any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in model):
-                raise NotImplementedError(
-                    "pipeline.decouple_wgrad with megatron DDP's overlap_grad_reduce: "
-                    "the last microbatch's deferred wgrads run outside the grad-sync "
-                    "window of megatron's schedule"
-                )
+            self._check_ddp(model)
         self.step = first_step - 1
         self.tcfg = tcfg
         install_patches()
@@ -275,6 +269,27 @@ class PipelineHooks:
             stream = comm_stream.active_stream()
             if stream is not None and self.trace is not None:
                 stream.observer = self.overlap
+        self._wrap_finalize(tcfg)
+
+        def run(**kwargs):
+            return self._run_pass(forward_backward, **kwargs)
+
+        return run
+
+    @staticmethod
+    def _check_ddp(model: list) -> None:
+        """With weight gradients decoupled: DDP built for them, without ``overlap_grad_reduce`` (see :meth:`wrap`)."""
+        check_ddp_hooks(model)
+        if any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in model):
+            raise NotImplementedError(
+                "pipeline.decouple_wgrad with megatron DDP's overlap_grad_reduce: "
+                "the last microbatch's deferred wgrads run outside the grad-sync "
+                "window of megatron's schedule"
+            )
+
+    def _wrap_finalize(self, tcfg) -> None:
+        """Make ``tcfg.finalize_model_grads_func`` drain the deferred weight gradients first (:meth:`finalize`);
+        once: a function already wrapped is kept."""
         inner_finalize = tcfg.finalize_model_grads_func
         if inner_finalize is not None and not getattr(inner_finalize, "_k2_pipeline", False):
 
@@ -284,43 +299,43 @@ class PipelineHooks:
             finalize._k2_pipeline = True
             tcfg.finalize_model_grads_func = finalize
 
-        def run(**kwargs):
-            global _ACTIVE
-            forward_only = bool(kwargs.get("forward_only", False))
-            if not forward_only:
-                self.step += 1
-            if self.trace is not None:
-                self.trace.step, self.trace.pass_kind = self.step, "eval" if forward_only else "train"
-            if self.store is not None:
-                self.store.reset_peak()
-            _ACTIVE = self
-            overlap_activate(self.overlap if self.overlap is not None or self.trace is not None else None)
-            start, cpu0 = time.time(), time.process_time()
-            try:
-                out = forward_backward(**kwargs)
-            finally:
-                _ACTIVE = None
-                overlap_activate(None)
-            pending = len(self.store) if self.store is not None else 0
-            self._drain("flush")
-            if self.store is not None:
-                self.last_peak_bytes = self.store.peak_bytes
-                self.last_max_tags_held = self.store.max_tags_held
-            self._event(
-                "end",
-                start=start,
-                pending=pending,
-                wgrad_peak_bytes=self.last_peak_bytes,
-                wgrad_max_tags_held=self.last_max_tags_held,
-                cpu_s=time.process_time() - cpu0,
-            )
-            if self.trace is not None:
-                self.trace.flush()
-            if pending:
-                raise RuntimeError(f"{pending} deferred weight gradients were left after the pass")
-            return out
-
-        return run
+    def _run_pass(self, forward_backward: Callable, **kwargs):
+        """One call of megatron's schedule (``kwargs``: its arguments) with these hooks active: counts the
+        training step, drains what is left of the deferred weight gradients, records the pass's end event."""
+        global _ACTIVE
+        forward_only = bool(kwargs.get("forward_only", False))
+        if not forward_only:
+            self.step += 1
+        if self.trace is not None:
+            self.trace.step, self.trace.pass_kind = self.step, "eval" if forward_only else "train"
+        if self.store is not None:
+            self.store.reset_peak()
+        _ACTIVE = self
+        overlap_activate(self.overlap if self.overlap is not None or self.trace is not None else None)
+        start, cpu0 = time.time(), time.process_time()
+        try:
+            out = forward_backward(**kwargs)
+        finally:
+            _ACTIVE = None
+            overlap_activate(None)
+        pending = len(self.store) if self.store is not None else 0
+        self._drain("flush")
+        if self.store is not None:
+            self.last_peak_bytes = self.store.peak_bytes
+            self.last_max_tags_held = self.store.max_tags_held
+        self._event(
+            "end",
+            start=start,
+            pending=pending,
+            wgrad_peak_bytes=self.last_peak_bytes,
+            wgrad_max_tags_held=self.last_max_tags_held,
+            cpu_s=time.process_time() - cpu0,
+        )
+        if self.trace is not None:
+            self.trace.flush()
+        if pending:
+            raise RuntimeError(f"{pending} deferred weight gradients were left after the pass")
+        return out
 
 
 def install_patches() -> None:

@@ -38,10 +38,10 @@ the parts of a run registered once as ``Stateful`` (``state_dict()`` / ``load_st
 and optimizer tensors; the training loop calls it at every step boundary.
 
 Modules: ``manager`` (the checkpoint manager: when to save, the synchronous strategy, restore), ``reasons``
-(why a checkpoint was written), ``manifest``
-(what a checkpoint holds, its verification), ``paths`` (names, completeness), ``resume`` (which checkpoint, and
-whether it may serve this run), ``rng`` (per-rank RNG state), ``store`` (save, load, verification on resume,
-retention), ``background`` (saves written by a forked writer while training goes on: ``checkpoint.async_save``),
+(why a checkpoint was written), ``manifest`` (what a checkpoint holds, its verification), ``paths`` (names,
+completeness), ``resume`` (which checkpoint, and whether it may serve this run), ``rng`` (per-rank RNG state),
+``store`` (save, retention, the sharded state dict), ``loading`` (load, verification on resume),
+``background`` (saves written by a forked writer while training goes on: ``checkpoint.async_save``),
 ``unpickle`` (the allow-list every pickled part of a checkpoint is read through), ``load_progress`` (a load's
 progress for the hang watchdog). The run state in ``k2_state.json`` is defined by
 :class:`k2.launcher.training.state.TrainState` (its top level) and the other registered parts (one key each:

@@ -10,7 +10,8 @@ A run registers its parts once (torchtitan's ``CheckpointManager(states={...})``
   planning, ``k2-convert`` and people read: ``step``, ``layout``, ...), every other part under its own
   name, and ``reason``, why the checkpoint was written (:class:`~k2.launcher.checkpointing.reasons.SaveReason`);
 * the tensors: the model chunks and the optimizer, with the RNG state of every rank, which megatron-core's
-  dist-checkpointing writes and reshards (:mod:`k2.launcher.checkpointing.store`).
+  dist-checkpointing writes and reshards (:mod:`k2.launcher.checkpointing.store`,
+  :mod:`k2.launcher.checkpointing.loading`).
 
 The loop never decides how a save happens, nor touches a checkpoint's files: before the model is built it
 calls :meth:`CheckpointManager.verify` (damage is refused before the heavy work); then, with the manager
@@ -42,16 +43,11 @@ from k2.config import to_yaml
 from k2.config.validate import resume_settings
 from k2.launcher.checkpointing.background import BackgroundSaver
 from k2.launcher.checkpointing.branch import seed_branch_run_dir
+from k2.launcher.checkpointing.loading import load_checkpoint, load_model_weights, verify_checkpoint
 from k2.launcher.checkpointing.paths import latest_checkpoint, read_state, resume_point
 from k2.launcher.checkpointing.reasons import SaveReason
 from k2.launcher.checkpointing.resume import is_branch_start
-from k2.launcher.checkpointing.store import (
-    load_checkpoint,
-    load_model_weights,
-    remove_partial_saves,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from k2.launcher.checkpointing.store import remove_partial_saves, save_checkpoint
 
 if TYPE_CHECKING:
     from k2.config.schema import CheckpointConfig, K2Config
@@ -272,7 +268,7 @@ class CheckpointManager:
     def verify(resume_from: Path | None, checkpoint: CheckpointConfig) -> None:
         """Collective, before the model is built (damage is refused before the heavy work): check
         ``resume_from`` (if any) against its manifest at ``checkpoint.verify``
-        (:func:`k2.launcher.checkpointing.store.verify_checkpoint`).
+        (:func:`k2.launcher.checkpointing.loading.verify_checkpoint`).
 
         Raises:
             ConfigError: on rank 0, naming the checkpoint and each damaged file (SystemExit(2) elsewhere).

@@ -1,5 +1,7 @@
-"""Saving and loading checkpoints with megatron-core dist-checkpointing (``torch_dist``), and their
-retention. The visibility protocol and what a checkpoint holds: :mod:`k2.launcher.checkpointing`.
+"""Saving checkpoints with megatron-core dist-checkpointing (``torch_dist``), and their retention; the sharded
+state dict a save writes and a load reads (:func:`sharded_state_dict`; loading and the verification on resume:
+:mod:`k2.launcher.checkpointing.loading`). The visibility protocol and what a checkpoint holds:
+:mod:`k2.launcher.checkpointing`.
 """
 
 from __future__ import annotations
@@ -8,37 +10,21 @@ import contextlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Collection
 from pathlib import Path
 
-import torch
-
-from k2.config.errors import ConfigError
-from k2.launcher.checkpointing.load_progress import load_progress
-from k2.launcher.checkpointing.manifest import (
-    checkpoint_files,
-    file_entries,
-    is_legacy,
-    rank_share,
-    verify,
-    write_manifest,
-)
+from k2.launcher.checkpointing.manifest import checkpoint_files, file_entries, write_manifest
 from k2.launcher.checkpointing.paths import (
     CONFIG_FILE,
     LATEST,
     PARTIAL_SUFFIX,
     STATE_FILE,
     checkpoints_dir,
-    damaged_checkpoint_error,
     iter_name,
-    read_state,
     saved_checkpoint_names,
-    unsafe_checkpoint_error,
 )
-from k2.launcher.checkpointing.rng import rng_state, set_rng_state
+from k2.launcher.checkpointing.rng import rng_state
 from k2.launcher.checkpointing.staging import needs_validation, save_strategy
-from k2.launcher.checkpointing.unpickle import load_errors, pickle_problems, raise_if_refused, restricted_unpickling
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.progress import measured
 from k2.optim.build import leaf_optimizers
@@ -77,8 +63,9 @@ def _fp32_params_visible_to_checkpointing(optimizer):
             opt.float16_groups = groups
 
 
-def _sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool) -> dict:
-    """Megatron-LM's checkpoint structure: ``model`` (one chunk) or ``model0..``, ``optimizer``, and one
+def sharded_state_dict(model: list, optimizer, is_loading: bool, with_rng: bool) -> dict:
+    """What a save writes and a load (:mod:`k2.launcher.checkpointing.loading`) reads, in Megatron-LM's
+    checkpoint structure: ``model`` (one chunk) or ``model0..``, ``optimizer``, and one
     ``rng_state`` object per global rank."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -207,7 +194,7 @@ def begin_save(run_dir, step: int, model: list, optimizer, results_queue=None, w
     def plan():
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-        sd = _sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
+        sd = sharded_state_dict(model, optimizer, is_loading=False, with_rng=True)
         _zero_optimizer_padding(sd)
         # megatron looks both up in this module when it plans (strategies/torch.py, _import_mcore_async)
         shared, writer = filesystem_async._results_queue, filesystem_async.FileSystemWriterAsync
@@ -337,49 +324,6 @@ class CheckpointSaveError(RuntimeError):
     stays ``latest``."""
 
 
-def verify_checkpoint(path, level: str) -> float:
-    """Collective: check the checkpoint at ``path`` against its manifest before it is loaded, each rank
-    hashing its share of the files (``level`` is ``checkpoint.verify``: checksum, size or none), and read the
-    pickled parts of its share as the load will (:func:`k2.launcher.checkpointing.unpickle.pickle_problems`, at
-    every level); every rank gets the same verdict. Rank 0 prints a warning for a checkpoint without a manifest
-    (written before manifests existed: it cannot be verified, and is loaded as it is).
-
-    Returns:
-        The seconds it took (the slowest rank's share decides).
-
-    Raises:
-        ConfigError: on rank 0, naming the checkpoint, each damaged file, the checkpoints next to it
-            that verify and the ``resume.from=...`` override to use one
-            (:func:`k2.launcher.checkpointing.paths.damaged_checkpoint_error`); or each pickled part that
-            names code outside the allow-list (:func:`k2.launcher.checkpointing.paths.unsafe_checkpoint_error`).
-        SystemExit: status 2 on the other ranks (the same verdict, without repeating the line).
-    """
-    import torch.distributed as dist
-
-    t0 = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    everyone = [None] * world
-    # the pickled parts of this rank's share, read as the load will read them (whatever the level)
-    unsafe = pickle_problems(path, rank_share(checkpoint_files(path), rank, world))
-    dist.all_gather_object(everyone, (verify(path, level, rank, world), unsafe))
-    damaged = sorted({p for part, _ in everyone for p in part})
-    unsafe = sorted({p for _, part in everyone for p in part})
-    if (damaged or unsafe) and rank == 0:
-        raise damaged_checkpoint_error(path, damaged) if damaged else unsafe_checkpoint_error(path, unsafe)
-    if damaged or unsafe:  # rank 0 prints the one error line; the others exit with the same status (2) silently
-        raise SystemExit(2)
-    seconds = time.perf_counter() - t0
-    if rank == 0 and level != "none" and is_legacy(path):
-        print(
-            f"k2-train: warning: checkpoint {path} has no manifest (written by an older k2-launcher): "
-            "its files cannot be verified; loading it as it is",
-            flush=True,
-        )
-    elif rank == 0 and level != "none":
-        print(f"k2-train: checkpoint {path} verified ({level}, {world} ranks) in {seconds:.2f} s", flush=True)
-    return seconds
-
-
 def prune(root: Path, keep_last: int, keep_every: int | None, keep_steps: Collection[int] = ()) -> list[str]:
     """Delete complete checkpoints except the newest ``keep_last``, every step that is a multiple of
     ``keep_every`` and every step of ``keep_steps`` (``checkpoint.save_steps``: a sweep trunk's branch
@@ -408,124 +352,3 @@ def remove_partial_saves(run_dir) -> list[str]:
     for n in gone:
         shutil.rmtree(root / n, ignore_errors=True)
     return gone
-
-
-def _materialise_optimizer_state(optimizer) -> None:
-    """Give every parameter of a fresh optimizer its (zero) state before a load.
-
-    megatron-core 0.19.2's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` first calls its
-    ``state_dict()``, which without Apex/Transformer Engine reads ``state[p]["step"]`` of every parameter
-    and asserts they agree -- it fails (assert / KeyError 'step') on a fresh optimizer, i.e. on every
-    resume on CPU or on a GPU without TE. Megatron's own remedy (``_init_optimizer_states_with_dummy_values``)
-    runs an optimizer step, which applies weight decay to the parameters; here the state is created in
-    place instead (zeros and step 0, every value overwritten by the load), through megatron's
-    ``init_state_fn`` where the optimizer has one (Adam moments, Muon momentum).
-    """
-    for opt in leaf_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        init_fn = getattr(opt, "init_state_fn", None)
-        if init_fn is not None:
-            init_fn(inner, getattr(opt, "config", None))
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state[p]
-                if isinstance(inner, torch.optim.Adam) or isinstance(inner, torch.optim.AdamW):
-                    st.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
-                    st.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
-                    st.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-
-
-def _restore_step_counts(optimizer) -> None:
-    """Give each parameter its own, correct Adam ``step`` after a load.
-
-    megatron-core 0.19.2's ``DistributedOptimizer.load_state_dict`` on the path without Apex/TE (i)
-    puts ONE ``step`` tensor into the state of every parameter, which torch's Adam then increments in
-    place once per parameter, and (ii) copies the per-parameter ``step`` of the ``dp_reshardable``
-    parameter state over it, which loads as 0. Either way the bias correction of every later update
-    differs from an uninterrupted run (found by the bitwise-resume test, tests/integration/test_checkpoint.py). The
-    step megatron keeps in each param group (restored correctly) is the true count.
-    """
-    for opt in leaf_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:
-            step = group.get("step")
-            for p in group["params"]:
-                st = inner.state.get(p)
-                if st and isinstance(st.get("step"), torch.Tensor):
-                    st["step"] = (
-                        torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
-                        if step is not None
-                        else st["step"].detach().clone()
-                    )
-
-
-def model_sharded_state_dict(chunks: list) -> dict:
-    """megatron's sharded state dict of the model chunks alone (``model`` / ``model0..``, as in a full
-    checkpoint); ``chunks`` are bare ``GPTModel`` chunks or DDP-wrapped ones."""
-    bare = [getattr(c, "module", c) for c in chunks]
-    if len(bare) == 1:
-        return {"model": bare[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(bare)}
-
-
-def load_model_weights(path, chunks: list) -> None:
-    """Load the model tensors of the checkpoint at ``path`` into ``chunks`` (bare or DDP-wrapped), for
-    this run's layout whatever layout wrote it (megatron reshards model tensors); nothing else is read.
-
-    Collective: every rank calls it. Raises ConfigError when the checkpoint cannot be loaded.
-    """
-    from megatron.core import dist_checkpointing
-
-    sd = model_sharded_state_dict(chunks)
-    try:
-        with restricted_unpickling(), load_progress():
-            loaded = dist_checkpointing.load(sd, str(path))
-    except load_errors() as e:
-        raise_if_refused(path, e)
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"checkpoint {path}: model weights could not be loaded ({type(e).__name__}: {first})") from e
-    bare = [getattr(c, "module", c) for c in chunks]
-    for i, chunk in enumerate(bare):
-        chunk.load_state_dict(loaded["model" if len(bare) == 1 else f"model{i}"], strict=True)
-
-
-def load_checkpoint(path, model: list, optimizer, same_world: bool) -> dict:
-    """Load model chunks, optimizer and (when the world size is the checkpoint's) this rank's RNG state.
-
-    Returns:
-        The checkpoint's ``k2_state.json``.
-
-    Collective: every rank calls it. Megatron's dist-checkpointing reads each rank's tensors, resharding
-    the model for the current layout and the optimizer for the current DP size.
-    """
-    from megatron.core import dist_checkpointing
-
-    path = Path(path)
-    state = read_state(path)
-    _materialise_optimizer_state(optimizer)
-    sd = _sharded_state_dict(model, optimizer, is_loading=True, with_rng=same_world)
-    try:
-        with restricted_unpickling(), load_progress():  # pickled parts: a checkpoint's classes only
-            loaded = dist_checkpointing.load(sd, str(path))
-    except load_errors() as e:  # e.g. damage that checkpoint.verify=size / none does not look for
-        raise_if_refused(path, e)
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(
-            f"checkpoint {path} could not be loaded ({type(e).__name__}: {first}); "
-            "if it is damaged, checkpoint.verify=checksum names the file"
-        ) from e
-    if len(model) == 1:
-        model[0].module.load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, chunk in enumerate(model):
-            chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    with torch.no_grad():
-        optimizer.load_state_dict(loaded["optimizer"])
-    _restore_step_counts(optimizer)
-    if same_world:
-        set_rng_state(loaded["rng_state"])
-    return state

@@ -154,7 +154,14 @@ def spawn_local_ranks(cfg: K2Config, plan, entry: Callable[[Any, Any], int]) -> 
     interrupts: list = []
     with forwarding_signals(child, to_workers=True, run_dir=cfg.run.dir, interrupts=interrupts):
         rc = child.wait()
-    stopped = Path(cfg.run.dir) / INTERRUPT_MARKER
+    return _exit_status(cfg.run.dir, rc, interrupted=bool(interrupts))
+
+
+def _exit_status(run_dir: str | Path, rc: int, interrupted: bool) -> int:
+    """``k2-train``'s exit status once the forked ranks ended with ``rc`` (``interrupted``: Ctrl-C reached this
+    process), from the marker rank 0 left in ``run_dir``: :data:`INTERRUPT_EXIT` after Ctrl-C,
+    :data:`REQUEUE_EXIT_CODE` after a preemption save or a hang, else ``rc``; says which in one line."""
+    stopped = Path(run_dir) / INTERRUPT_MARKER
     if stopped.exists():
         print(
             f"k2-train: the ranks saved step {stopped.read_text().strip()} and stopped (Ctrl-C); exit status "
@@ -162,14 +169,14 @@ def spawn_local_ranks(cfg: K2Config, plan, entry: Callable[[Any, Any], int]) -> 
             flush=True,
         )
         return INTERRUPT_EXIT
-    if interrupts and rc != 0:  # stopped before the ranks could agree on a save (start-up)
+    if interrupted and rc != 0:  # stopped before the ranks could agree on a save (start-up)
         print(
-            f"k2-train: stopped by Ctrl-C (the ranks ended with status {rc}); {kept_note(cfg.run.dir)}",
+            f"k2-train: stopped by Ctrl-C (the ranks ended with status {rc}); {kept_note(run_dir)}",
             file=sys.stderr,
             flush=True,
         )
         return INTERRUPT_EXIT
-    marker = Path(cfg.run.dir) / REQUEUE_MARKER
+    marker = Path(run_dir) / REQUEUE_MARKER
     if marker.exists() and marker.read_text().startswith("hang"):  # the ranks' hang watchdog stopped them
         print(
             f"k2-train: the ranks were stopped by the hang watchdog ({marker.read_text().strip()}); exit "

@@ -9,15 +9,17 @@ each in the schedule phase that holds its first token, with evaluation, preempti
 boundaries. Checkpoints are the :class:`~k2.launcher.checkpointing.manager.CheckpointManager`'s, the only
 door of the trainer to them: the trainer registers its parts with state once and calls it at every step
 boundary (torchtitan's ``self.checkpointer.save(step, last_step=...)``); what a checkpoint records besides
-the tensors is :class:`TrainState`; the wall-time split of the run (goodput) is
+the tensors is :class:`TrainState`; what it prints when the run starts and ends is
+:mod:`k2.launcher.training.run_notes`; the wall-time split of the run (goodput) is
 :mod:`k2.launcher.training.goodput`; the step's record of ``metrics.jsonl`` is
 :func:`k2.launcher.training.metrics.step_record`.
 
 The run follows ``plan.schedule`` (:mod:`k2.schedules.wsd`): entering a phase with another sequence length
 rebuilds the datasets at that length and runs ``global_batch_tokens / seq_length`` sequences per step
 (microbatch count recomputed); entering one with another ``rope_type`` switches every MLA layer's RoPE/YaRN
-(:func:`k2.model.build.set_rope_type`); one with other ``memory.*`` settings (FP8 storage, offload, recompute)
-switches them (:mod:`k2.launcher.training.phase_memory`); the LR and weight decay of each step come from
+(:func:`k2.model.rope.set_rope_type`); one with other ``memory.*`` settings (FP8 storage, offload, recompute)
+switches them (:mod:`k2.launcher.training.phase_memory`), all through
+:class:`k2.launcher.training.phase_switch.PhaseSwitch`; the LR and weight decay of each step come from
 :class:`k2.schedules.lr.TokenLRScheduler`. The run ends after ``plan.steps`` steps (the end of the last phase,
 or ``train.iters``).
 """
@@ -39,28 +41,23 @@ from k2.launcher.checkpointing.manager import CheckpointManager
 from k2.launcher.datasets.corpus import prepare_stdlib_corpus
 from k2.launcher.training.goodput import GoodputClock, process_start_time, set_aside_earlier_start
 from k2.launcher.training.hf_export import export_checkpoint
-from k2.launcher.training.metrics import (
-    REPLAYED_METRICS,
-    MetricsLogger,
-    set_aside_torn_records,
-    step_mfu,
-    step_record,
-)
+from k2.launcher.training.metrics import MetricsLogger, set_aside_torn_records, step_mfu, step_record
 from k2.launcher.training.moe_metrics import moe_step_metrics
 from k2.launcher.training.phase_data import PhaseData
-from k2.launcher.training.phase_memory import apply_phase_memory, phase_memory_options, run_memory_options
+from k2.launcher.training.phase_memory import run_memory_options
+from k2.launcher.training.phase_switch import PhaseSwitch
 from k2.launcher.training.preemption import INTERRUPT_MARKER, REQUEUE_MARKER, Preemption
 from k2.launcher.training.prepare import RunPlan
+from k2.launcher.training.run_notes import startup_lines, summary_text, write_route_table
 from k2.launcher.training.run_report import write_run_report
 from k2.launcher.training.setup import setup
 from k2.launcher.training.spike import SpikeGuard
 from k2.launcher.training.state import TrainState
 from k2.launcher.training.step import TrainingDiverged, check_finite, evaluate, reduce_lm_loss, run_microbatches
 from k2.launcher.training.watchdog import HangWatchdog, process_group_timeout_s
-from k2.model.build import moe_layer_pattern, set_rope_type
+from k2.model.build import moe_layer_pattern
 from k2.model.flops import step_flops
 from k2.model.saved_bytes_meter import SavedBytesMeter
-from k2.optim.params import format_route_table, route_table
 from k2.optim.registry import optimizer_spec
 from k2.parallel.distributed import DistEnv, init_distributed
 
@@ -122,13 +119,13 @@ class Trainer:
         self.watchdog = HangWatchdog.for_run(cfg.run, self.run_dir, self.rank, dist.get_world_size())
         CheckpointManager.verify(plan.resume_from, cfg.checkpoint)  # before the heavy work: damage is refused first
         self._prepare_corpus()
-        self.rope_type = self._phase_of_step(1).rope_type
+        rope_type = self._phase_of_step(1).rope_type
         # the run's parts; saved-tensor scopes for every phase's memory.* settings (the first phase's: below)
         parts = setup(
             cfg,
             plan.dims,
             plan.schedule,
-            rope_type=self.rope_type,
+            rope_type=rope_type,
             memory_switches=run_memory_options(plan.schedule),
             pipeline=True,
             lr_scheduler=True,
@@ -140,6 +137,7 @@ class Trainer:
         self.data = PhaseData(
             data_seed, cfg.train.eval_iters, plan, ps.get_data_parallel_rank(), index_tokens=cfg.data.index_tokens
         )
+        self.phases = PhaseSwitch(self.data, self.chunks, self.model, self.tcfg, cfg.model, self.pipeline, rope_type)
         # train.measure_saved_bytes: the steps that open a phase
         self.phase_first_steps = {p.first_step for p in plan.schedule.phases if p.first_step}
         placement = optimizer_spec(cfg.optim.name).placement(cfg.optim, cfg.parallel.use_distributed_optimizer)
@@ -261,12 +259,7 @@ class Trainer:
 
     def _enter_first_phase(self) -> None:
         """After the restore: enter the phase of the next step (its datasets, RoPE, ``memory.*``)."""
-        phase = self._phase_after_restore()
-        self.data.enter(phase, self.state.step + 1)
-        self._switch_rope(phase)
-        apply_phase_memory(self.chunks, phase)
-        if self.pipeline is not None:
-            self.pipeline.enter_phase(phase_memory_options(phase))
+        self.phases.enter(self._phase_after_restore(), self.state.step + 1)
 
     def open_logger(self, resumed_note: str | None) -> int:
         """Open the metrics (rank 0 writes), and print the start-up lines: the layout, what was resumed,
@@ -291,42 +284,26 @@ class Trainer:
         )
         self.state.wandb_run_id = self.logger.wandb_run_id
         n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
-        d = plan.dims
-        self.logger.message(
-            f"k2-train: world={self.env.world_size} PP={d.pp} VPP={d.vpp} EP={d.ep} DP={d.dp}; "
-            f"schedule={plan.schedule.name}: {plan.steps} steps x {plan.tokens_per_step:,} tokens; "
-            f"rank-0 params={n_params:,}; run.dir={self.run_dir}"
-        )
-        for note in [*torn_notes, fresh_note] if fresh_note else torn_notes:
-            self.logger.message(note)
+        notes = [*torn_notes, fresh_note] if fresh_note else torn_notes
         marker_note = self.checkpointer.latest_note() if self.rank == 0 else None  # latest was not usable
         if marker_note:
-            self.logger.message(f"k2-train: {marker_note}")
-        if resumed_note:
-            self.logger.message(
-                f"k2-train: {resumed_note}"
-                + (
-                    f"; steps {start + 1}..{replayed_until} are re-run (their earlier records moved to "
-                    f"{REPLAYED_METRICS})"
-                    if replayed_until > start
-                    else ""
-                )
-            )
-        if self.rank == 0:  # the optimizer of every parameter of the model (all ranks')
-            table = format_route_table(route_table(r for rank_routes in self.all_routes for r in rank_routes))
-            (self.run_dir / "optimizer_params.txt").write_text(table + "\n")
-            if not start:  # one line: the table is in the file
-                self.logger.message(
-                    f"optimizer {cfg.optim.name} (qk_clip_tau={cfg.optim.qk_clip_tau}): "
-                    f"{table.splitlines()[-1]}; per parameter: {self.run_dir / 'optimizer_params.txt'}"
-                )
-        if start >= plan.steps:
-            self.logger.message(
-                f"k2-train: the checkpoint is at step {start}, the run ends at step "
-                f"{plan.steps} (train.iters / the schedule): nothing to do"
-            )
-        else:
-            self.logger.message(f"step {start + 1}: {self._describe(self.data.phase)}")
+            notes.append(f"k2-train: {marker_note}")
+        # rank 0: the optimizer of every parameter of the model (all ranks')
+        table = write_route_table(self.run_dir, (r for rs in self.all_routes for r in rs)) if self.rank == 0 else None
+        for line in startup_lines(
+            plan,
+            world_size=self.env.world_size,
+            n_params=n_params,
+            run_dir=self.run_dir,
+            start=start,
+            replayed_until=replayed_until,
+            notes=notes,
+            resumed_note=resumed_note,
+            optim=cfg.optim,
+            table=table,
+            first_phase=self.phases.describe(self.data.phase, plan.tokens_per_step),
+        ):
+            self.logger.message(line)
         self.preemption.on_signal = lambda name: self.logger.message(
             self.preemption.notice(name, f"step {self.preemption.step}")
         )
@@ -359,12 +336,8 @@ class Trainer:
         assert phase is not None, step  # (the run ends before the schedule: RunPlan.steps)
         if phase.index != self.data.phase.index:
             self.watchdog.progress("phase", step)  # dataset rebuild: its own allowance
-            self.data.enter(phase, step)
-            self._switch_rope(phase)
-            apply_phase_memory(self.chunks, phase)  # FP8 storage, offload, recompute
-            if self.pipeline is not None:  # pipeline.ep_overlap: off in a phase recomputing whole layers
-                self.pipeline.enter_phase(phase_memory_options(phase))
-            self.logger.message(f"step {step}: {self._describe(phase)}")
+            self.phases.enter(phase, step)
+            self.logger.message(f"step {step}: {self.phases.describe(phase, self.plan.tokens_per_step)}")
         return phase
 
     def train_step(self, step: int, phase: Phase) -> dict[str, Any]:
@@ -460,24 +433,21 @@ class Trainer:
         validation loss, and where every output is."""
         if self.rank != 0:
             return
-        first, last = self.plan.resume_step + 1, self.state.step
-        ran = max(0, last - first + 1)
-        val = self.record.get("val_loss")
-        wandb_dir = self.run_dir / "wandb" if self.cfg.run.wandb.mode != "disabled" else None
-        lines = [
-            f"k2-train: {self._ending(preempted)}: {ran} steps run"
-            + (f" ({first}..{last})" if ran else "")
-            + f" of {self.plan.steps}, "
-            f"{self.state.consumed_tokens:,} tokens in total, "
-            f"{time.perf_counter() - self.started:.1f} s wall time"
-            + (f", final val_loss {val:.4f}" if val is not None else ""),
-            f"  metrics:     {self.run_dir / 'metrics.jsonl'}",
-            f"  checkpoints: {self.run_dir / 'checkpoints'} (latest: "
-            f"{getattr(self.checkpointer.latest(this_run_only=True), 'name', 'none')})",
-            f"  {self.goodput.summary()}",
-            f"  wandb:       {wandb_dir if wandb_dir is not None else 'off (run.wandb.mode=disabled)'}",
-        ]
-        self.logger.message("\n".join(lines))
+        seconds = time.perf_counter() - self.started
+        latest = getattr(self.checkpointer.latest(this_run_only=True), "name", "none")
+        summary = summary_text(
+            self.plan,
+            ending=self._ending(preempted),
+            last=self.state.step,
+            consumed_tokens=self.state.consumed_tokens,
+            seconds=seconds,
+            val_loss=self.record.get("val_loss"),
+            run_dir=self.run_dir,
+            latest=latest,
+            goodput=self.goodput.summary(),
+            wandb_mode=self.cfg.run.wandb.mode,
+        )
+        self.logger.message(summary)
 
     # ------------------------------------------------------------------ helpers
 
@@ -516,18 +486,4 @@ class Trainer:
             self.forward_backward,
             self.data.valid_ds,
             self.data.dp_rank,
-        )
-
-    def _switch_rope(self, phase: Phase) -> None:
-        if phase.rope_type != self.rope_type:
-            set_rope_type(self.model, self.tcfg, self.cfg.model, phase.rope_type)
-            self.rope_type = phase.rope_type
-
-    def _describe(self, phase: Phase) -> str:
-        overlap = self.pipeline.phase_note(phase_memory_options(phase)) if self.pipeline is not None else ""
-        return (
-            f"phase '{phase.name}': seq_length {phase.seq_length}, global batch "
-            f"{phase.global_batch_size} x {phase.seq_length} = {self.plan.tokens_per_step:,} tokens, "
-            f"{phase.num_microbatches} microbatches/DP rank of {phase.micro_batch_size}, "
-            f"{phase.rope_type}{overlap}"
         )

@@ -33,7 +33,7 @@ def _our_logits(ckpt: Path, tokens: torch.Tensor, rope_type: str) -> torch.Tenso
     """Logits ``[b, s, vocab]`` of our model (1 rank) with the weights of ``ckpt`` (any layout)."""
     from omegaconf import OmegaConf
 
-    from k2.launcher.checkpointing.store import load_model_weights
+    from k2.launcher.checkpointing.loading import load_model_weights
     from k2.model.build import build_model_chunks, transformer_config
     from k2.parallel.dims import ParallelDims
 

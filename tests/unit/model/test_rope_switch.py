@@ -1,5 +1,5 @@
 """Switching a built K2 model from plain RoPE to YaRN in place (a schedule phase boundary,
-``k2.model.build.set_rope_type``): the rotary frequencies and the softmax scale against the YaRN formulas
+``k2.model.rope.set_rope_type``): the rotary frequencies and the softmax scale against the YaRN formulas
 written here (DeepSeek-V3 / K2 reference: ``precompute_freqs_cis`` and ``mscale = 0.1 ln(factor) + 1``),
 and the switched model against one built with YaRN from the start."""
 
@@ -64,7 +64,7 @@ def test_switch_to_yarn_matches_formula_and_a_yarn_built_model(megatron_world1):
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
     from k2.model.attention import K2CoreAttention
-    from k2.model.build import set_rope_type
+    from k2.model.rope import set_rope_type
 
     cfg, tcfg, (chunk,) = _build([])
     m = cfg.model

@@ -99,6 +99,7 @@ def test_save_error_names_the_path_and_keeps_the_previous_latest(tmp_path, megat
     from megatron.core import dist_checkpointing
 
     from k2.launcher.checkpointing import store
+    from k2.launcher.checkpointing.loading import verify_checkpoint
 
     (tmp_path / "checkpoints").mkdir()
     previous = _checkpoint(tmp_path / "checkpoints")
@@ -107,7 +108,7 @@ def test_save_error_names_the_path_and_keeps_the_previous_latest(tmp_path, megat
     def disk_full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "_sharded_state_dict", lambda *a, **k: {})
+    monkeypatch.setattr(store, "sharded_state_dict", lambda *a, **k: {})
     monkeypatch.setattr(dist_checkpointing, "save", disk_full)
     with pytest.raises(store.CheckpointSaveError) as e:
         store.save_checkpoint(tmp_path, 8, [], None, {}, "", keep_last=2, keep_every=None)
@@ -115,12 +116,12 @@ def test_save_error_names_the_path_and_keeps_the_previous_latest(tmp_path, megat
     assert str(e.value).startswith(f"saving checkpoint step 8 into {partial} failed on rank 0: OSError: ")
     assert "No space left on device" in str(e.value)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == previous.name
-    assert store.verify_checkpoint(previous, "checksum") >= 0
+    assert verify_checkpoint(previous, "checksum") >= 0
 
 
 def test_verify_checkpoint_refuses_with_the_file_named(tmp_path, megatron_world1):
     from k2.config.errors import ConfigError
-    from k2.launcher.checkpointing.store import verify_checkpoint
+    from k2.launcher.checkpointing.loading import verify_checkpoint
 
     d = _checkpoint(tmp_path)
     (d / "__1_0.distcp").write_bytes(b"B" + FILES["__1_0.distcp"][1:])
@@ -134,7 +135,7 @@ def test_verify_checkpoint_refuses_with_the_file_named(tmp_path, megatron_world1
 
 
 def test_checkpoint_of_an_older_version_loads_with_a_warning(tmp_path, megatron_world1, capsys):
-    from k2.launcher.checkpointing.store import verify_checkpoint
+    from k2.launcher.checkpointing.loading import verify_checkpoint
 
     d = _checkpoint(tmp_path)
     (d / "k2_manifest.json").unlink()
