@@ -367,7 +367,9 @@ def extrapolate(costs: OverlapCosts, rc: dict, rank: int, pp: int, vpp: int, mic
                 _add(compute, k, v)
             for k in A2A_KINDS:
                 wire[k] += step.wire[k]
-    per = {k: compute.get(k, 0.0) + vpp * rc["pair_exposure"].get(k, 0.0) for k in set(compute) | set(rc["terms"])}
+    per = {
+        k: compute.get(k, 0.0) + vpp * rc["pair_exposure"].get(k, 0.0) for k in dict.fromkeys([*compute, *rc["terms"]])
+    }
     cycle = sum(per.values())
     n = microbatches
     return {

@@ -87,14 +87,15 @@ def compare_published(which: str, extra: list[str] = ()) -> list[dict[str, Any]]
 
 def format_published(rows: list[dict[str, Any]]) -> str:
     """Text table of :func:`compare_published`'s rows, then each breakdown."""
+    w = max([38, *(len(r["name"]) + 1 for r in rows)])  # the run name column fits the longest name
     lines = [
         "step-time model vs published runs (recipes/published/runs.yaml; error = predicted / published - 1)",
-        f"  {'run':<38}{'GPUs':>6}{'predicted s':>13}{'published s':>13}{'error':>8}{'tok/s/GPU':>11}"
+        f"  {'run':<{w}}{'GPUs':>6}{'predicted s':>13}{'published s':>13}{'error':>8}{'tok/s/GPU':>11}"
         f"{'published':>11}{'MFU':>7}  {'GEMMs':<10}what-if",
     ]
     for r in rows:
         lines.append(
-            f"  {r['name']:<38}{r['gpus']:>6}{r['predicted_step_s']:>13.2f}{r['published_step_s']:>13.2f}"
+            f"  {r['name']:<{w}}{r['gpus']:>6}{r['predicted_step_s']:>13.2f}{r['published_step_s']:>13.2f}"
             f"{100 * r['error']:>+7.1f}%{r['predicted_tokens_per_s_per_gpu']:>11.0f}"
             f"{r['published_tokens_per_s_per_gpu']:>11.0f}{100 * r['mfu_bf16_peak']:>6.1f}%  "
             f"{r['gemm_precision']:<10}{','.join(r['what_if']) or '-'}"

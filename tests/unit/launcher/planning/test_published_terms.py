@@ -158,3 +158,50 @@ def test_fp8_gemms_run_at_the_fp8_rate_after_quantising_their_operands(k2):
     bf16.attention_gemms(bf)
     assert out["F"]["gemm"] < bf["F"]["gemm"] and "quantize" not in bf["F"]
     assert fp8.loss() == bf16.loss()  # the output head: not a Transformer Engine linear
+
+
+def test_overlap_terms_keep_their_order_whatever_the_hash_seed():
+    """The EP overlap's extrapolated terms come out in the order the schedule met them (the computed terms,
+    then the pairs' own), not in a set's order, which changes with PYTHONHASHSEED from run to run: the
+    published breakdown prints them in that order."""
+    from types import SimpleNamespace
+
+    from k2.launcher.planning.ep_overlap import extrapolate
+    from k2.launcher.planning.two_streams import A2A_KINDS
+
+    names = ["gemm", "attention", "non_gemm", "quantize", "recompute", "tp_comm", "ep_token_counts", "schedule"]
+    step = SimpleNamespace(compute={k: 1.0 for k in names}, wire=dict.fromkeys(A2A_KINDS, 0.0))
+    costs = SimpleNamespace(forward=lambda i: step, backward=lambda i: step)
+    zeros = dict.fromkeys(A2A_KINDS, 0.0)
+    rc = {
+        "busy": 0.0,
+        "terms": {"ep_comm_sms": 0.5, "ep_comm": 0.5},
+        "pair_exposure": {"ep_comm": 0.1},
+        "pair_exposed": zeros,
+        "exposed": zeros,
+        "wire": zeros,
+        "by_part": {"steady": 0.0},
+    }
+    out = extrapolate(costs, rc, rank=0, pp=2, vpp=2, microbatches=3)
+    assert list(out["terms"]) == [*names, "ep_comm_sms", "ep_comm"]
+
+
+def test_published_table_columns_fit_the_longest_run_name():
+    """Every row of the published table starts its figures at the same column, however long a run's name."""
+    from k2.launcher.planning.published import format_published
+
+    row = dict(
+        gpus=8,
+        predicted_step_s=1.0,
+        published_step_s=1.0,
+        error=0.0,
+        predicted_tokens_per_s_per_gpu=1.0,
+        published_tokens_per_s_per_gpu=1.0,
+        mfu_bf16_peak=0.1,
+        gemm_precision="bf16",
+        what_if=[],
+        breakdown_s={},
+    )
+    lines = format_published([dict(row, name="short"), dict(row, name="a_run_name_longer_than_the_column_was_x")])
+    header, a, b = lines.splitlines()[1:4]
+    assert header.index("GPUs") + 4 == a.index("8") + 1 == b.index("8") + 1
