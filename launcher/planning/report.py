@@ -307,6 +307,11 @@ def format_verdict(plan: dict[str, Any]) -> list[str]:
             change = u["step_time_s"] / step - 1
             after = f"{u['step_time_s']:.4g} s, {100 * change:+.1f}%)" if abs(change) >= 5e-4 else "unchanged)"
             lines.append(f"  not needed on this GPU: {u['setting']} ({u['off']}: it still fits; step {after}")
+        if fast := v.get("faster_memory_settings"):
+            lines.append(
+                f"  fastest that fits: {' '.join(fast['overrides'])} (step {fast['step_time_s']:.4g} s, "
+                f"{100 * (fast['step_time_s'] / step - 1):+.1f}%)"
+            )
     elif v["memory_settings_set"]:
         lines.append("  every memory setting is needed to fit: " + ", ".join(v["memory_settings_set"]))
     return lines

@@ -10,7 +10,8 @@ what to change when nothing does or when the GPU is larger than the memory setti
 * **Memory settings a larger GPU does not need**: for the recommended layout, each group of ``memory.*``
   (``offload``, ``recompute``, ``fp8_store``; a schedule phase's own settings are kept) and
   ``optim.offload_fraction`` set to nothing, one at a time; those with which every phase still fits are
-  listed with the step they give (a recipe sized for 80 GB spends step time on memory a 180 GB GPU has).
+  listed with the step they give (a recipe sized for 80 GB spends step time on memory a 180 GB GPU has),
+  and those of them that, dropped together, shorten the step most (:func:`faster_memory_settings`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from k2.schedules.resolve import resolve_schedule
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
 
-__all__ = ["layout_settings", "search_verdict", "smallest_fitting_world", "unneeded_memory_settings"]
+__all__ = [
+    "faster_memory_settings",
+    "layout_settings",
+    "search_verdict",
+    "smallest_fitting_world",
+    "unneeded_memory_settings",
+]
 
 #: node-count multiples tried for the smallest GPU count that fits (each is a search of its own)
 _GROW = (2, 4, 8, 16, 32, 64)
@@ -97,6 +104,35 @@ def unneeded_memory_settings(cfg: K2Config, world: int, counts) -> list[dict[str
     return out
 
 
+def faster_memory_settings(
+    cfg: K2Config, world: int, counts, step_s: float, unneeded: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The unneeded memory settings that, dropped together, shorten the step most: greedily, the drop that
+    shortens it most first (from ``unneeded``, each dropped alone), then each remaining one tried on top of
+    those already dropped, while every phase fits and the step gets shorter. One at a time can mislead:
+    with ``memory.offload`` kept, dropping ``memory.recompute`` offloads what recompute used to drop, and the
+    step lengthens, though without offload it would shorten. ``{"overrides", "step_time_s"}`` or None when
+    no drop shortens the step."""
+    shorter = 1 - 1e-3  # a drop counts when it saves at least 0.1% of the step
+    tried = {u["off"]: u["step_time_s"] for u in unneeded}
+    chosen: list[str] = []
+    while tried:
+        off, step = min(tried.items(), key=lambda kv: kv[1])
+        if step >= step_s * shorter:
+            break
+        chosen.append(off)
+        cfg, step_s = _merge(cfg, OmegaConf.from_dotlist([off])), step
+        tried = {}
+        for key, value in _MEMORY_SETTINGS:
+            other = f"{key}={value}"
+            if other in chosen or not _select(cfg, key):
+                continue
+            fits, step = _fits(_merge(cfg, OmegaConf.from_dotlist([other])), world, counts)
+            if fits:
+                tried[other] = step
+    return {"overrides": chosen, "step_time_s": step_s} if chosen else None
+
+
 def smallest_fitting_world(cfg: K2Config, counts) -> int | None:
     """The smallest GPU count among ``cluster.nodes`` x :data:`_GROW` on which some layout fits (None: none
     up to the largest)."""
@@ -123,10 +159,14 @@ def search_verdict(cfg: K2Config, world: int, counts) -> tuple[list[dict[str, An
         "smallest_fitting_gpus": None,
         "memory_settings_set": [],
         "unneeded_memory_settings": [],
+        "faster_memory_settings": None,
     }
     if best is None or not best["fits"]:
         verdict["smallest_fitting_gpus"] = smallest_fitting_world(cfg, counts)
     else:
         verdict["memory_settings_set"] = [k for k, _ in _MEMORY_SETTINGS if _select(cfg, k)]
-        verdict["unneeded_memory_settings"] = unneeded_memory_settings(with_layout(cfg, best), world, counts)
+        chosen = with_layout(cfg, best)
+        verdict["unneeded_memory_settings"] = unneeded = unneeded_memory_settings(chosen, world, counts)
+        step = _fits(chosen, world, counts)[1]  # as each drop's step is computed (the search may extrapolate)
+        verdict["faster_memory_settings"] = faster_memory_settings(chosen, world, counts, step, unneeded)
     return rows, verdict

@@ -87,3 +87,38 @@ def test_the_memory_settings_a_larger_gpu_does_not_need(capsys):
     assert without["step_time_s_estimated"] == un["memory.recompute"]["step_time_s"]
     line = "  not needed on this GPU: memory.recompute (memory.recompute=[]: it still fits; step "
     assert any(x.startswith(line) for x in text[:8])
+
+
+def test_the_fastest_memory_settings_are_dropped_together_greedily(monkeypatch):
+    """Dropped alone, recompute lengthens the step (what it dropped is offloaded instead); once offload is
+    dropped, dropping recompute too shortens it. The verdict drops offload first (the best alone), then
+    recompute on top; fp8 storage would no longer fit, so it stays. A step model of the overrides applied."""
+    from omegaconf import OmegaConf
+
+    from k2.launcher.planning import verdict
+
+    def fits(cfg, world, counts):
+        off = {k for k in ("offload", "recompute", "fp8_store") if not OmegaConf.select(cfg, f"memory.{k}")}
+        steps = {
+            frozenset(): 100.0,
+            frozenset({"offload"}): 70.0,
+            frozenset({"recompute"}): 150.0,
+            frozenset({"fp8_store"}): 120.0,
+            frozenset({"offload", "recompute"}): 60.0,
+        }
+        fit = len(off) < 3 and off != {"offload", "fp8_store"}  # fp8 storage is needed once offload is dropped
+        return fit, steps.get(frozenset(off), 999.0)
+
+    monkeypatch.setattr(verdict, "_fits", fits)
+    cfg = OmegaConf.create(
+        {"memory": {"offload": ["a"], "recompute": ["b"], "fp8_store": ["c"]}, "optim": {"offload_fraction": 0.0}}
+    )
+    unneeded = [
+        {"off": "memory.offload=[]", "step_time_s": 70.0},
+        {"off": "memory.recompute=[]", "step_time_s": 150.0},
+        {"off": "memory.fp8_store=[]", "step_time_s": 120.0},
+    ]
+    fast = verdict.faster_memory_settings(cfg, 2, None, 100.0, unneeded)
+    assert fast == {"overrides": ["memory.offload=[]", "memory.recompute=[]"], "step_time_s": 60.0}
+    # nothing shorter than the step: no recommendation
+    assert verdict.faster_memory_settings(cfg, 2, None, 50.0, unneeded) is None
