@@ -68,3 +68,14 @@ def test_the_term_vanishes_for_large_gemms_per_kernel():
     run = next(r for r in published_runs() if r["name"] == "moonlight_16b_8_h100_bridge_bf16")
     big = compare_run(run, ["train.micro_batch_size=32", "schedule.global_batch_tokens=524288"])
     assert big["breakdown_s"]["host"] == 0.0
+
+
+def test_a_grace_host_issues_operators_slower_than_a_dgx_xeon():
+    """The NVL72 profiles' host figures are the x86 Xeon's x 37.08 / 13.48 (a torch Linear forward's CPU
+    time on GB200 against DGX H100, TransformerEngine issue #2053); the x86 hosts (B200, H100) keep it."""
+    x86 = load_profile("h100")
+    for name in ("gb200_nvl72", "gb300_nvl72"):
+        grace = load_profile(name)
+        assert grace.host_forward_operator_us == pytest.approx(x86.host_forward_operator_us * 37.08 / 13.48, rel=0.01)
+        assert grace.host_backward_operator_us == pytest.approx(x86.host_backward_operator_us * 37.08 / 13.48, rel=0.01)
+    assert load_profile("b200").host_forward_operator_us == x86.host_forward_operator_us

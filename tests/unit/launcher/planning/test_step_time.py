@@ -333,10 +333,11 @@ PUBLISHED_ERROR = {
     "deepseek_v3_512_gb200_mlperf_mxfp8": 0.1,
     "deepseek_v3_256_b200_bridge_mxfp8_pp8vp2": 0.1,
     "deepseek_v3_256_b200_bridge_mxfp8_pp16": 0.1,
-    # the two misses docs/performance_model.md explains (software of the publication's release,
-    # a one-microbatch step): bounds only that they stay planned and do not drift further
-    "deepseek_v3_128_gb200_nemo_bf16": 0.7,
-    "moonlight_16b_8_h100_bridge_bf16": 0.6,
+    # host-bound on a Grace host (the host term): within the 20% allowed
+    "deepseek_v3_128_gb200_nemo_bf16": 0.2,
+    # the miss docs/performance_model.md explains (a one-microbatch step whose Transformer Engine host work
+    # is not priced): bounds only that it stays planned and does not drift further
+    "moonlight_16b_8_h100_bridge_bf16": 0.4,
 }
 
 
