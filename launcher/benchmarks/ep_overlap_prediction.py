@@ -99,7 +99,7 @@ def peer_wait_us(unshaped_link: dict, alltoall_gbps: float) -> float:
 
 
 #: the step-time terms of compute on the rank (they scale with its speed); the rest is communication
-COMPUTE_TERMS = ("gemm", "attention", "non_gemm", "schedule", "recompute", "optimizer")
+COMPUTE_TERMS = ("gemm", "attention", "non_gemm", "schedule", "recompute", "optimizer", "host")
 #: the profile's figures of the rank's speed: rates (divided by the compute scale) and costs (multiplied)
 RATE_KEYS = (
     "gemm_fp32_tflops",
@@ -113,7 +113,15 @@ RATE_KEYS = (
     "peak_bf16_tflops",
     "peak_fp8_tflops",
 )
-COST_KEYS = ("kernel_launch_us", "microbatch_overhead_us", "step_overhead_us")
+#: per-operator and per-step costs, multiplied by the compute scale (the host's time per operator too: a
+#: slower machine issues them slower, and the step-time model's host term takes max(host, GPU))
+COST_KEYS = (
+    "kernel_launch_us",
+    "microbatch_overhead_us",
+    "step_overhead_us",
+    "host_forward_operator_us",
+    "host_backward_operator_us",
+)
 
 
 def calibrated(device: dict, scale: float) -> dict:
