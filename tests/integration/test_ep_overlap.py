@@ -2,10 +2,10 @@
 "Training system") through the real trainer on 4 gloo ranks, as K2 trains: ``memory=k2`` (FP8 storage,
 selective recompute, offload), ``optim=muonclip`` (QK-Clip), ``pipeline.decouple_wgrad``.
 
-* Same numbers: on ``cpu4`` (PP2 x VPP2 x EP2 x DP2, ZeRO-1) and on PP1 x EP4, 6 steps with the overlap on
+* Same numbers: on ``cpu4`` (PP2 x VPP2 x EP2 x DP2, ZeRO-1) and on PP1 x EP4, 4 steps with the overlap on
   and off: every step's loss, gradient norm and max logits, every rank's accumulated gradients at every
   step and every parameter after the last step are bitwise equal.
-* A resume of an overlap run (from its step-3 checkpoint) is bitwise equal to the uninterrupted run.
+* A resume of an overlap run (from its step-2 checkpoint) is bitwise equal to the uninterrupted run.
 * The trace shows the overlap: on every rank, in every steady-state 1F1B step, each dispatch and combine
   all-to-all of each MoE layer ran on the communication thread, posted before and waited for after compute
   (F, B or W) of the other microbatch of the pair, most of them at the same time as that compute; with the
@@ -24,15 +24,17 @@ from support.distributed import run_trainer
 
 pytestmark = pytest.mark.slow
 
-SIX_STEPS = [
+#: the runs' length, and the step whose checkpoint the resume test starts from
+STEPS, SAVED_STEP = 4, 2
+RUN = [
     "memory=k2",
     "optim=muonclip",
     "pipeline.decouple_wgrad=true",
-    "train.iters=6",
+    f"train.iters={STEPS}",
     "train.eval_interval=0",
     "schedule.phases.0.steps=0",
     "run.seed=7",
-    "train.save_interval=3",
+    f"train.save_interval={SAVED_STEP}",
     "checkpoint.keep_last=10",
     "checkpoint.save_at_end=false",
 ]
@@ -57,7 +59,7 @@ def _run(root: Path, layout: str, overlap: bool, extra: tuple = ()) -> dict:
     records = run_trainer(
         [
             *LAYOUTS[layout],
-            *SIX_STEPS,
+            *RUN,
             f"pipeline.ep_overlap={str(overlap).lower()}",
             f"pipeline.trace={out / 'trace'}",
             *extra,
@@ -102,13 +104,13 @@ def _assert_bitwise(a: dict, b: dict, what: str) -> None:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_same_numbers_with_the_overlap_on_and_off(runs, layout):
     off, on = runs[(layout, False)], runs[(layout, True)]
-    assert [r["step"] for r in on["records"]] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in on["records"]] == list(range(1, STEPS + 1))
     for a, b in zip(off["records"], on["records"]):
         for key in METRICS:
             assert a[key] == b[key], (layout, a["step"], key, a[key], b[key])
     for rank in range(4):
         (g_off, p_off), (g_on, p_on) = off["dumps"][rank], on["dumps"][rank]
-        assert len(g_off) == len(g_on) == 6
+        assert len(g_off) == len(g_on) == STEPS
         for step, (x, y) in enumerate(zip(g_off, g_on), start=1):
             _assert_bitwise(x, y, f"{layout} rank {rank} step {step} grad")
         _assert_bitwise(p_off, p_on, f"{layout} rank {rank} param")
@@ -119,11 +121,11 @@ def test_same_numbers_with_the_overlap_on_and_off(runs, layout):
 
 def test_resume_of_an_overlap_run_is_bitwise_the_uninterrupted_run(runs, tmp_path):
     on = runs[("cpu4", True)]
-    ckpt = on["run"] / "checkpoints" / "iter_0000003"
+    ckpt = on["run"] / "checkpoints" / f"iter_{SAVED_STEP:07d}"
     assert ckpt.is_dir()
     resumed = _run(tmp_path, "cpu4", True, (f"resume.from={ckpt}",))
-    assert [r["step"] for r in resumed["records"]] == [4, 5, 6]
-    for a, b in zip(on["records"][3:], resumed["records"]):
+    assert [r["step"] for r in resumed["records"]] == list(range(SAVED_STEP + 1, STEPS + 1))
+    for a, b in zip(on["records"][SAVED_STEP:], resumed["records"]):
         for key in METRICS:
             assert a[key] == b[key], (a["step"], key)
     for rank in range(4):
@@ -252,7 +254,7 @@ def test_trace_shows_each_all_to_all_hidden_under_the_other_microbatch(runs):
     for layout in LAYOUTS:
         on, off = runs[(layout, True)], runs[(layout, False)]
         checked, failures, overlapped = unhidden_all_to_alls(on["traces"], layout)
-        assert checked >= 4 * 6 * 4 and not failures, (layout, checked, failures[:5])
+        assert checked >= 4 * STEPS * 4 and not failures, (layout, checked, failures[:5])
         # each ran on the communication thread (a failure above otherwise), and they ran while the other
         # microbatch computed: most of them in time too (k2_tiny's all-to-alls on loopback take tens of
         # microseconds, so one may finish before the other microbatch's node starts)
@@ -267,7 +269,7 @@ def test_trace_shows_each_all_to_all_hidden_under_the_other_microbatch(runs):
         moe = _moe_layers(layout)
         pp, vpp = 1 + max(r for r, _ in moe), 1 + max(v for _, v in moe)
         for rank, events in on["traces"].items():
-            for step in range(1, 7):
+            for step in range(1, STEPS + 1):
                 m = _microbatches([e for e in events if e["step"] == step and e["pass"] == "train"])
                 expect = _steady_pairs(pp, vpp, m, events[0]["pp_rank"])
                 assert m == 4 and {(f, b) for r, s, f, b in pairs if r == rank and s == step} == set(expect), (

@@ -8,38 +8,18 @@ the GPU mode's configuration."""
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from support import REPO
-from support.distributed import FORK_SERVER_ENV, SUPPORT, trainer_env
-
-
-def _python(tmp_path: Path) -> str:
-    """The ``$PYTHON`` of the session's steps: ``python ARGS`` as a launch of the tests' fork server (one
-    process, no rank environment: tests/support/zygote.py), so that each of its ~12 steps skips a fresh
-    interpreter's ~7 CPU-s import of torch and megatron-core; each step still runs its module or script
-    afresh as ``__main__`` in its own process (the children a step starts itself stay fresh
-    interpreters). Without a fork server (``K2_TEST_LAUNCHER=fork|torchrun``): this interpreter."""
-    server = os.environ.get(FORK_SERVER_ENV)
-    if not server:
-        return sys.executable
-    wrapper = tmp_path / "python"
-    client = [sys.executable, str(SUPPORT / "zygote_client.py"), server, "1"]
-    wrapper.write_text(f'#!/bin/sh\nexec {shlex.join(client)} "$@"\n')
-    wrapper.chmod(0o755)
-    return str(wrapper)
+from support.distributed import fork_server_python, trainer_env
 
 
 @pytest.mark.slow
 def test_the_gpu_session_runs_on_cpu(tmp_path, stdlib_corpus):
     out = tmp_path / "session"
-    env = {**trainer_env(), "TINY": "1", "OUT": str(out), "PYTHON": _python(tmp_path)}
+    env = {**trainer_env(), "TINY": "1", "OUT": str(out), "PYTHON": fork_server_python(tmp_path)}
     p = subprocess.run(
         ["bash", "benchmarks/gpu_session.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from support import REPO
-from support.distributed import run_trainer, trainer_env
+from support.distributed import K2_SUBMIT, fork_server_python, rank_launch_cmd, run_trainer, trainer_env
 from support.slurm_local import wait_for as _wait
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def _submit(slurm, job_args: list, run_dir) -> str:
     """k2-submit ``job_args`` into ``run_dir`` on the local Slurm; the job id."""
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
     sub = subprocess.run(
-        [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *job_args, f"run.dir={run_dir}"],
+        rank_launch_cmd(1, K2_SUBMIT, [*job_args, f"run.dir={run_dir}"]),
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -177,10 +177,13 @@ def test_a_two_arm_two_budget_grid_submits_its_branches_after_their_trunks(slurm
         "submit.request_gpus=false",
         "submit.time=30",
         "submit.cpus_per_task=1",
+        # (what this test checks is the order of the jobs and their results, not how Slurm signals a
+        # job's processes: each job's python is the fork server's, so its one rank skips the import)
+        f"submit.python={fork_server_python(tmp_path)}",
         f"sweep.dir={sweep_dir}",
     ]
     env = trainer_env({**slurm.env, "OMP_NUM_THREADS": "1"})
-    submit = [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *args]
+    submit = rank_launch_cmd(1, K2_SUBMIT, args)
     sub = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert sub.returncode == 0, sub.stderr
     assert "GPU-hours as trunks + cooldown branches" in sub.stderr, sub.stderr  # k2-plan's check came first

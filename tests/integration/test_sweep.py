@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -125,6 +126,10 @@ def test_a_branch_killed_midway_resumes_bitwise_and_a_second_run_trains_nothing(
     mine = tmp_path / "sweep"
     # saves at steps 18 and 20, each committed before the next step starts
     args = [*SHORT, "sweep.sparsities=[4]", "train.save_interval=2", "checkpoint.async_save=false", f"sweep.dir={mine}"]
+    # the arm's finished trunk (a checkpoint at each branch point) and shorter cell, copied from the grid:
+    # the sweep trains only CELL's branch (a trunk counts as finished by its branch-point checkpoints)
+    for run in (CELL.parent / "trunk", CELL.parent / "budget_20480"):
+        shutil.copytree(sweep_dir / run, mine / run)
     p = subprocess.Popen(
         rank_launch_cmd(1, ["-m", "k2.launcher.train"], ["-m", *args]),
         cwd=REPO,
@@ -148,7 +153,7 @@ def test_a_branch_killed_midway_resumes_bitwise_and_a_second_run_trains_nothing(
     assert not (mine / CELL / "cell.json").exists()
     again = _sweep(args)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "1 partial" in again.stdout, again.stdout
+    assert "1 partial" in again.stdout and "1 to train" in again.stdout, again.stdout
     assert _losses(mine / CELL) == _losses(sweep_dir / CELL)  # resumed from its own step 18, bit for bit
     third = _sweep(args)
     assert third.returncode == 0 and "0 to train" in third.stdout, third.stdout

@@ -60,6 +60,30 @@ def rank_launch_cmd(nproc: int, target: list[str], args: list[str]) -> list[str]
     return [sys.executable, "-m", "k2.launcher.training.fork_ranks", str(nproc), *target, *args]
 
 
+#: ``k2-submit`` as a launch target (:func:`rank_launch_cmd`): forked by the fork server, a submission
+#: skips the ~4 CPU-s import of torch and megatron-core that its plan check needs
+K2_SUBMIT = ["-c", "from k2.launcher.submit import cli; cli()"]
+
+
+def fork_server_python(directory: Path) -> str:
+    """A ``python`` for a shell script that the tests run (``$PYTHON`` of benchmarks/gpu_session.sh, a Slurm
+    job's ``submit.python``): ``python ARGS`` as a one-process launch of the session's fork server (no rank
+    environment: the process keeps the one it was given), written as ``directory/python``, so that each
+    start skips a fresh interpreter's ~5-7 CPU-s import of torch and megatron-core; the module or script
+    still runs afresh as ``__main__`` in a process of its own (the children it starts itself stay fresh
+    interpreters). Without a fork server (``K2_TEST_LAUNCHER=fork|torchrun``): this interpreter."""
+    import shlex
+
+    server = os.environ.get(FORK_SERVER_ENV)
+    if not server:
+        return sys.executable
+    wrapper = Path(directory) / "python"
+    client = [sys.executable, str(SUPPORT / "zygote_client.py"), server, "1"]
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.join(client)} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 def start_processes_forked(
     fn, args=(), nprocs: int = 1, join: bool = True, start_method: str = "spawn", **_ignored
 ) -> None:

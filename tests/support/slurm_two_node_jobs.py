@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from support import REPO
-from support.distributed import trainer_env
+from support.distributed import K2_SUBMIT, rank_launch_cmd, trainer_env
 from support.slurm_local import wait_for
 from support.slurm_two_nodes import NODES, TwoNodeSlurm
 
@@ -44,7 +43,7 @@ class Job:
         self.cluster, self.run_dir = cluster, run_dir
         env = trainer_env({**cluster.env, "OMP_NUM_THREADS": "1", **(env or {})})
         sub = subprocess.run(
-            [sys.executable, "-c", "from k2.launcher.submit import cli; cli()", *overrides, f"run.dir={run_dir}"],
+            rank_launch_cmd(1, K2_SUBMIT, [*overrides, f"run.dir={run_dir}"]),
             cwd=REPO,
             env=env,
             capture_output=True,
