@@ -243,7 +243,14 @@ def test_killed_before_first_save_then_sigterm_mid_step_resumes_bitwise(cpu4_ref
     assert last["time_checkpoint_s"] > 0 and last["time_eval_s"] > 0 and last["time_startup_s"] > 0
     assert _state(run_dir)["goodput"]["starts"] == 3 and 0 < last["goodput"] < 1
     summary = re.search(r"goodput (0\.\d+): productive ([\d.]+) s of ([\d.]+) s over 3 starts \(start-up", text)
-    assert summary and float(summary[1]) == pytest.approx(last["goodput"], abs=0.05), text[-2000:]
+    # the summary adds what came after the last record (the end-of-run save, the shutdown): its productive
+    # time is the last record's, its total at least the last record's, and its goodput their ratio (a fixed
+    # allowance on the goodput failed on a slow machine whose end-of-run save took 7.9 s)
+    assert summary, text[-2000:]
+    goodput, productive, total = (float(x) for x in summary.groups())
+    assert productive == pytest.approx(last["time_productive_s"], abs=0.06), text[-2000:]
+    assert total >= last["time_total_s"] - 0.06, text[-2000:]
+    assert goodput == pytest.approx(productive / total, abs=0.01), text[-2000:]  # (printed to 0.1 s)
 
 
 def _all_tensors(ckpt: Path, tmp_path: Path) -> dict:
