@@ -39,7 +39,10 @@ from support import REPO, free_port  # noqa: E402
 # this order, so the long ones start first and the short unit files fill the gaps at the end (longest
 # processing time first); without the ordering a long file started last decides the wall time.
 _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8)
-    "tests/integration/test_slurm_real.py": 590,
+    # (2026-12-07, 4 workers: the grid and requeue tests 198 + 239 s; the grid's jobs forked by the fork server)
+    "tests/integration/test_slurm_real.py": 440,
+    # one test: 80 one-rank steps of k2_tiny (151-334 s in whole-suite runs); unlisted, it started last
+    "tests/integration/test_expert_balance.py": 330,
     "tests/integration/test_slurm_two_nodes.py": 510,  # a 2-node Slurm job through two faults + a 4-rank reference
     "tests/integration/test_checkpoint.py": 470,
     # 4 runs of 6 steps on 4 ranks + a resume (alone: 107 CPU-s, 168 s wall on a loaded Xeon; unlisted, it
@@ -49,6 +52,8 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     "tests/integration/test_preemption_cli.py": 265,
     "tests/integration/test_slurm_two_nodes_timeouts.py": 260,  # two Slurm jobs, mostly waiting on timeouts
     "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
+    "tests/integration/test_interrupt_cli.py": 130,  # Ctrl-C to a cpu4 k2-train, a rerun and a reference
+    "tests/integration/test_background_writer_faults.py": 113,  # killed, stopped and full-disk writers
     # TINY=1 gpu_session.sh: its steps forked by the fork server (alone: 68 CPU-s, 170 s wall on a loaded Xeon)
     "tests/integration/test_gpu_session.py": 80,
     "tests/integration/test_sweep.py": 155,
