@@ -6,9 +6,9 @@ checkpoint; each restart resumes from it and re-runs the steps after it bitwise 
 records of the same steps in the attempt that hung, set aside in metrics.replayed.jsonl).
 
 Three launches in one test (each needs the previous one's run dir), micro batches of 4, and a timeout of
-15 s, or, on a machine too busy for it, :data:`STEP_MARGIN` times the slowest step the test measured (the
-steps' records of the earlier launches): a step that outlasts the timeout would be taken for the hang, and the
-test would name the slowed rank instead of the stopped one.
+15 s, or, on a machine too busy for it, :data:`STEP_MARGIN` times the slowest step, evaluation or save the
+test measured (the records of the earlier launches): one that outlasts the timeout would be taken for the hang,
+and the test would name the slowed rank instead of the stopped one.
 """
 
 from __future__ import annotations
@@ -60,13 +60,22 @@ def _timeout_s(steps_s: list[float]) -> float:
 
 
 def _steps_s(run_dir: Path) -> list[float]:
-    """Seconds of every step the launches in ``run_dir`` recorded (the re-run ones and their first runs)."""
-    return [
-        float(r["step_time_s"])
-        for name in ("metrics.jsonl", "metrics.replayed.jsonl")
-        for r in _records(run_dir, name)
-        if r.get("step", 0) > 0 and "step_time_s" in r
-    ]
+    """Seconds of every step, evaluation and checkpoint stall the launches in ``run_dir`` recorded (the
+    re-run ones and their first runs): each step's ``step_time_s``, and the growth of the records'
+    cumulative ``time_eval_s`` / ``time_checkpoint_s`` from one record to the next (the watchdog watches
+    evaluations and saves too, and a busy machine's evaluation outlasts its steps)."""
+    out = []
+    for name in ("metrics.jsonl", "metrics.replayed.jsonl"):
+        last: dict[str, float] = {}  # (the totals run on over restarts: only their growth counts)
+        for r in _records(run_dir, name):
+            if r.get("step", 0) > 0 and "step_time_s" in r:
+                out.append(float(r["step_time_s"]))
+            for k in ("time_eval_s", "time_checkpoint_s"):
+                if k in r:
+                    if k in last:
+                        out.append(max(0.0, float(r[k]) - last[k]))
+                    last[k] = float(r[k])
+    return out
 
 
 def _names_only(out: str, rank: int) -> bool:
