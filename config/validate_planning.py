@@ -13,52 +13,31 @@ if TYPE_CHECKING:
     from k2.config.schema_planning import ClusterConfig, PlanConfig
 
 
+#: the ``cluster.*`` numbers that are either null or > 0, each with what its error names as allowed
+_OPTIONAL_POSITIVE = (
+    ("gpu_memory_gib", "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)"),
+    ("peak_tflops", "a number > 0 (dense BF16 TFLOP/s per GPU), or null (plan.hardware's profile's peak)"),
+    ("cpu_peak_tflops", "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)"),
+    ("host_memory_gib", "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)"),
+    ("mtbf_hours", "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)"),
+)
+
+
 def check_cluster(c: ClusterConfig) -> None:
     """``cluster.*``: the target cluster of ``k2-plan`` / ``k2-submit`` and the MFU peak."""
     for key in ("nodes", "gpus_per_node"):
         if getattr(c, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be an integer >= 1")
-    if c.gpu_memory_gib is not None:
-        require(
-            finite(c.gpu_memory_gib) and c.gpu_memory_gib > 0,
-            "cluster.gpu_memory_gib",
-            c.gpu_memory_gib,
-            "a number > 0 (GiB), or null (the GPU memory of plan.hardware's profile)",
-        )
-    if c.peak_tflops is not None:
-        require(
-            finite(c.peak_tflops) and c.peak_tflops > 0,
-            "cluster.peak_tflops",
-            c.peak_tflops,
-            "a number > 0 (dense BF16 TFLOP/s per GPU), or null (plan.hardware's profile's peak)",
-        )
-    if c.cpu_peak_tflops is not None:
-        require(
-            finite(c.cpu_peak_tflops) and c.cpu_peak_tflops > 0,
-            "cluster.cpu_peak_tflops",
-            c.cpu_peak_tflops,
-            "a number > 0 (GEMM TFLOP/s of one CPU rank), or null (no MFU on CPU)",
-        )
-    if c.host_memory_gib is not None:
-        require(
-            finite(c.host_memory_gib) and c.host_memory_gib > 0,
-            "cluster.host_memory_gib",
-            c.host_memory_gib,
-            "a number > 0 (GiB of host memory per node, e.g. 2048), or null (the hardware profile's)",
-        )
+    for key, allowed in _OPTIONAL_POSITIVE:
+        v = getattr(c, key)
+        if v is not None:
+            require(finite(v) and v > 0, f"cluster.{key}", v, allowed)
     require(
         finite(c.checkpoint_write_gbps) and c.checkpoint_write_gbps > 0,
         "cluster.checkpoint_write_gbps",
         c.checkpoint_write_gbps,
         "a number > 0 (GB/s one node writes to storage)",
     )
-    if c.mtbf_hours is not None:
-        require(
-            finite(c.mtbf_hours) and c.mtbf_hours > 0,
-            "cluster.mtbf_hours",
-            c.mtbf_hours,
-            "hours > 0, or null (Llama 3's failure rate for the cluster's GPUs)",
-        )
 
 
 def check_plan(p: PlanConfig) -> None:
