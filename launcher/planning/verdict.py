@@ -122,14 +122,8 @@ def faster_memory_settings(
             break
         chosen.append(off)
         cfg, step_s = _merge(cfg, OmegaConf.from_dotlist([off])), step
-        tried = {}
-        for key, value in _MEMORY_SETTINGS:
-            other = f"{key}={value}"
-            if other in chosen or not _select(cfg, key):
-                continue
-            fits, step = _fits(_merge(cfg, OmegaConf.from_dotlist([other])), world, counts)
-            if fits:
-                tried[other] = step
+        # the rest, each on top of those dropped (a dropped setting is off, so it is not tried again)
+        tried = {u["off"]: u["step_time_s"] for u in unneeded_memory_settings(cfg, world, counts)}
     return {"overrides": chosen, "step_time_s": step_s} if chosen else None
 
 
