@@ -29,7 +29,7 @@ from support.distributed import run_trainer, trainer_env
 
 pytestmark = pytest.mark.slow
 
-RUN = ["train.iters=6", "train.save_interval=2", "train.eval_interval=0", "train.progress=false"]
+RUN = ["train.iters=5", "train.save_interval=2", "train.eval_interval=0", "train.progress=false"]
 STOPPED_AT_ONCE = "Ctrl-C again: stopped at once"
 
 
@@ -116,28 +116,32 @@ def test_ctrl_c_saves_the_step_in_progress_and_the_rerun_is_bitwise_uninterrupte
 
     with open(run_dir / "metrics.jsonl", "a") as f:  # a record cut by a kill of an earlier start
         f.write('{"step": 99, "loss": 1.2')
-    p = _start(["-m", "k2.launcher.train"], run_dir, *layout)
-    out, _ = _finish(p)
-    assert p.returncode == 0, out[-3000:]
-    assert "torn record" in out and "moved to metrics.jsonl.torn" in out, out[-3000:]
+    # the rerun and the uninterrupted reference (no checkpoint: saves do not change the steps) are forked by
+    # the session's fork server: what is checked of them is the trainer's resume, not k2-train's launcher
+    out = tmp_path / "rerun.txt"
+    run_trainer([*RUN, "parallel=pp2"], 2, run_dir, stdout_to=out)
+    assert "torn record" in out.read_text() and "moved to metrics.jsonl.torn" in out.read_text(), out.read_text()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # every line
-    assert [r["step"] for r in records] == list(range(1, 7))
-    ref = run_trainer([*RUN, "parallel=pp2"], 2, tmp_path / "ref")
+    assert [r["step"] for r in records] == list(range(1, 6))
+    no_saves = ["train.save_interval=null", "checkpoint.save_at_end=false"]
+    ref = run_trainer([*RUN, "parallel=pp2", *no_saves], 2, tmp_path / "ref")
     assert [(r["loss"], r["grad_norm"]) for r in records] == [(r["loss"], r["grad_norm"]) for r in ref]
 
 
 def test_a_second_ctrl_c_during_the_save_stops_every_rank_at_once(tmp_path, stdlib_corpus):
-    """Rank 1 stops itself (SIGSTOP) as it enters the save of step 2 (the watchdog's K2_TEST_HANG seam): the
-    save cannot end, so the first press cannot either; the second press kills every process at once."""
+    """A save every step; rank 1 stops itself (SIGSTOP) as it enters the save of step 1 (the watchdog's
+    K2_TEST_HANG seam): the save cannot end, so the first press cannot either; the second press kills every
+    process at once."""
     run_dir = tmp_path / "run"
     p = _start(
         ["-m", "k2.launcher.train"],
         run_dir,
         "parallel=pp2",
+        "train.save_interval=1",
         "run.wandb.mode=disabled",
-        env={"K2_TEST_HANG": "save:2:1"},
+        env={"K2_TEST_HANG": "save:1:1"},
     )
-    _wait(lambda: _logged(run_dir) >= 2, p, "step 2")  # step 2's save starts now
+    _wait(lambda: _logged(run_dir) >= 1, p, "step 1")  # step 1's save starts now
     time.sleep(1.0)
     _ctrl_c(p)
     time.sleep(1.0)
