@@ -14,23 +14,27 @@ from support.distributed import run_trainer
 pytestmark = pytest.mark.slow
 
 B = 2048
+SHORT_END = 8_000  # 8,000 / 2,048 = 3.9: the short phase ends after step 4
+LONG = 12_288  # 6 steps at 512 tokens: 3 to compare the first with and 3 for the last
+LONG_END = SHORT_END + LONG
+PEAK, FLOOR = 1.0e-3, 3.0e-4  # the LR after warmup, at the end of the cosine
 PHASES = (
-    "[{name:warmup,steps:2,lr_style:linear,lr_start:0.0,lr_end:3.0e-3,seq_length:128},"
-    "{name:short,until_tokens:20000,lr_style:constant},"  # 20,000 / 2,048 = 9.77: ends after step 10
-    "{name:long,tokens:20480,lr_style:cosine,lr_end:1.0e-3,seq_length:512,micro_batch_size:1},"
+    f"[{{name:warmup,steps:2,lr_style:linear,lr_start:0.0,lr_end:{PEAK},seq_length:128}},"
+    f"{{name:short,until_tokens:{SHORT_END},lr_style:constant}},"
+    f"{{name:long,tokens:{LONG},lr_style:cosine,lr_end:{FLOOR},seq_length:512,micro_batch_size:1}},"
     "{name:long_yarn,tokens:4096,lr_style:constant,rope_type:yarn}]"
 )
 
 
 def expected_lr(tokens: float) -> float:
     if tokens <= 2 * B:
-        return 3e-3 * tokens / (2 * B)
-    if tokens <= 20_000:
-        return 3e-3
-    r = min(1.0, (tokens - 20_000) / 20_480)
-    if tokens <= 40_480:
-        return 1e-3 + (3e-3 - 1e-3) * 0.5 * (1 + math.cos(math.pi * r))
-    return 1e-3
+        return PEAK * tokens / (2 * B)
+    if tokens <= SHORT_END:
+        return PEAK
+    r = min(1.0, (tokens - SHORT_END) / LONG)
+    if tokens <= LONG_END:
+        return FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * r))
+    return FLOOR
 
 
 def test_cpu4_run_crosses_a_context_boundary(tmp_path, stdlib_corpus):
@@ -45,9 +49,9 @@ def test_cpu4_run_crosses_a_context_boundary(tmp_path, stdlib_corpus):
         4,
         tmp_path,
     )
-    switch = math.ceil(20_000 / B) + 1  # first step at 512 tokens
-    yarn = math.ceil(40_480 / B) + 1  # first step with YaRN
-    last = math.ceil(44_576 / B)  # the end of the last phase ends the run
+    switch = math.ceil(SHORT_END / B) + 1  # first step at 512 tokens
+    yarn = math.ceil(LONG_END / B) + 1  # first step with YaRN
+    last = math.ceil((LONG_END + 4096) / B)  # the end of the last phase ends the run
     assert [r["step"] for r in recs] == list(range(1, last + 1))
     for r in recs:
         s = r["step"]
