@@ -82,6 +82,8 @@ class _Loop:
         self.done_b: list[float | None] = [None] * (num_stages * m)
         self.wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
         self.ops: list[Op] = []
+        self.waiting: dict[int, list[int]] = {}  # an unscheduled input (:meth:`missing`) -> the ranks waiting
+        self.woken: list[int] = []  # ranks whose inputs the last entry completed
 
     def ready(self, e: tuple) -> float | None:
         """When the inputs of the resolved entry ``e`` are there (a pair: both halves'); None if an input is not
@@ -100,6 +102,28 @@ class _Loop:
         tf, tb = self.ready(e[1]), self.ready(e[2])
         return None if tf is None or tb is None else max(tf, tb)
 
+    def missing(self, e: tuple) -> int:
+        """An input of the resolved entry ``e`` not scheduled yet, as a key of ``waiting``: the index of a
+        forward in ``done_f``, or ``~index`` of a backward in ``done_b``."""
+        if e[0] == _PAIR:
+            return self.missing(e[1]) if self.ready(e[1]) is None else self.missing(e[2])
+        if e[0] == _F or self.done_f[e[4]] is None:
+            return e[4]
+        return ~e[5]
+
+    def wait(self, r: int) -> None:
+        """Rank ``r`` waits for an input of its next entry (:meth:`missing`)."""
+        self.waiting.setdefault(self.missing(self.orders[r][self.pos[r]]), []).append(r)
+
+    def wake(self, key: int) -> None:
+        """The input ``key`` (:meth:`missing`) is scheduled: the ranks waiting for it go on (to ``woken``) or
+        wait for their next missing input."""
+        for q in self.waiting.pop(key, ()):
+            if self.ready(self.orders[q][self.pos[q]]) is None:
+                self.wait(q)
+            else:
+                self.woken.append(q)
+
     def run_entry(self, r: int, e: tuple, start: float) -> None:
         """Run rank ``r``'s next entry ``e`` from ``start``."""
         if e[0] == _PAIR:  # one combined step: the forward of one microbatch and the backward of another
@@ -109,16 +133,23 @@ class _Loop:
             self.done_f[sf * self.m + jf] = self.done_b[own] = end
             self.free[r] = end
             self.busy[r] += end - start
+            if self.waiting:
+                self.wake(sf * self.m + jf)
+                self.wake(~own)
         elif e[0] == _F:
             end = start + self.forward[e[2]]
             self.ops.append(Op("F", r, e[1], e[2], e[3], start, end))
             self.done_f[e[2] * self.m + e[3]] = self.free[r] = end
             self.busy[r] += self.forward[e[2]]
+            if self.waiting:
+                self.wake(e[2] * self.m + e[3])
         else:
             end = start + self.b_cost[e[2]]
             self.ops.append(Op("B", r, e[1], e[2], e[3], start, end))
             self.done_b[e[4]] = self.free[r] = end
             self.busy[r] += self.b_cost[e[2]]
+            if self.waiting:
+                self.wake(~e[4])
             if self.decouple_wgrad:
                 self.wqueue[r].append((e[1], e[3]))
         self.pos[r] += 1
@@ -149,10 +180,14 @@ class _Loop:
         return True
 
     def run_all(self) -> None:
-        """Every rank's entries, the rank free first each time (ties: the lower rank)."""
+        """Every rank's entries, the rank free first each time (ties: the lower rank). A rank whose next entry
+        waits for an input not scheduled yet sleeps until the entry that schedules it has run (``waiting``):
+        the rule "a blocked rank goes on once its inputs are scheduled", without re-checking every blocked
+        rank after every entry (the heap orders ranks by ``(free time, rank)``, so when they are pushed
+        back does not change the order they run in)."""
         heap = [(0.0, r) for r in range(self.pp)]
-        blocked: set[int] = set()
-        orders, pos, free = self.orders, self.pos, self.free
+        orders, pos, free, woken = self.orders, self.pos, self.free, self.woken
+        blocked = 0
         while heap or blocked:
             if not heap:
                 raise RuntimeError("pipeline simulation deadlocked (megatron's order cannot make progress)")
@@ -163,13 +198,14 @@ class _Loop:
                     heapq.heappush(heap, (free[r], r))
                 continue
             if not self.step(r, t):
-                blocked.add(r)
+                self.wait(r)
+                blocked += 1
                 continue
             heapq.heappush(heap, (free[r], r))
-            for q in list(blocked):  # a rank waiting on an unscheduled input may go on now
-                if self.ready(orders[q][pos[q]]) is not None:
-                    blocked.discard(q)
-                    heapq.heappush(heap, (free[q], q))
+            for q in woken:  # ranks waiting on an input the step scheduled
+                heapq.heappush(heap, (free[q], q))
+            blocked -= len(woken)
+            woken.clear()
 
 
 def run_schedule(

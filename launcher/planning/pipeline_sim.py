@@ -143,7 +143,7 @@ def _held_events(
             per_rank[o.rank].append((o.end, -1, 1, o.stage))
     out = []
     for events in per_rank:
-        events.sort(key=lambda e: (e[0], e[1]))  # (stable; each rank's ops are in time order: nearly sorted)
+        events.sort()  # (by time and sign; the order within a run of equal ones is set per call, below)
         ties, a = [], 0
         for b in range(1, len(events) + 1):
             if b == len(events) or events[b][:2] != events[a][:2]:
