@@ -36,8 +36,8 @@ CPU-seconds).
   ``after_pipeline`` (DP traffic and the optimizer), ``stage_model`` (one layer's costs), ``operator_counts``
   (operators per part), ``kernels`` (one kernel's seconds), ``comm`` (one collective's seconds),
   ``ep_overlap`` (megatron's combined 1F1B), ``optimizer_time``, ``pipeline_sim`` (the pipeline schedule
-  simulated), ``what_if`` (published runs' settings), ``hardware`` (profiles), ``trace_rates`` (FP8 rates
-  from a published trace);
+  simulated; its event loop: ``pipeline_events``), ``what_if`` (published runs' settings), ``hardware``
+  (profiles), ``trace_rates`` (FP8 rates from a published trace);
 * memory: ``memory`` (training state per GPU), ``chunk_params`` (each model chunk's parameters as megatron
   lays them out), ``stage_activations`` (activations per virtual stage), ``activation_bytes`` (what one layer
   saves), ``device_memory`` (the fullest GPU, every term), ``host_pinned`` (pinned host blocks),

@@ -59,6 +59,7 @@ bound (docs/performance_model.md).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -256,6 +257,28 @@ def ep_summary(wire: dict, exposed: dict, by_part: dict | None = None) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _run_frozen(
+    nodes: tuple, comm_stream: str, offload_s: float, comm_share: float, counts_queue_s: float, wire_slowdown: float
+) -> StepCost:
+    """:func:`k2.launcher.planning.two_streams.run_nodes` of the nodes given as tuples of their fields (terms as
+    ``(term, seconds)`` pairs, in order). Why a cache: the stages of a layout are mostly alike (the same layers),
+    and a search prices hundreds of layouts whose steps repeat across stages, phases and the verdict's variants;
+    run_nodes is a pure function of exactly these values (the terms' order included, which its sums follow),
+    so an equal key gives the same StepCost, and every caller only reads it."""
+    return run_nodes(
+        [
+            Node(name, micro, comm, wire, dict(terms), event, kind)
+            for name, micro, comm, wire, terms, event, kind in nodes
+        ],
+        comm_stream,
+        offload_s,
+        comm_share,
+        counts_queue_s,
+        wire_slowdown,
+    )
+
+
 class OverlapCosts:
     """The combined schedule's step costs on one layout (cached): :meth:`forward` and :meth:`backward`
     (one microbatch alone on a stage), :meth:`pair` (a forward on one stage with a backward on another of
@@ -292,14 +315,10 @@ class OverlapCosts:
             b = self.plans[sb] if sb is not None else None
             off = (f.offload_f if f else 0.0) + (b.offload_b if b else 0.0)
             order = HOST_PAIR_ORDER if self.comm_stream == HOST_THREAD else PAIR_ORDER
-            self._cache[key] = run_nodes(
-                step_nodes(f, b, self.decouple_wgrad, order),
-                self.comm_stream,
-                off,
-                self.comm_share,
-                self.counts_queue_s,
-                self.wire_slowdown,
-            )
+            nodes = step_nodes(f, b, self.decouple_wgrad, order)
+            frozen = tuple((n.name, n.micro, n.comm, n.wire, tuple(n.terms.items()), n.event, n.kind) for n in nodes)
+            args = (self.comm_stream, off, self.comm_share, self.counts_queue_s, self.wire_slowdown)
+            self._cache[key] = _run_frozen(frozen, *args)
         return self._cache[key]
 
     def forward(self, s: int) -> StepCost:

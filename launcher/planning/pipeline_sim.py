@@ -45,38 +45,14 @@ Units: the costs are in any time unit (``k2-plan`` passes seconds); memory in by
 
 from __future__ import annotations
 
-import heapq
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+
+from k2.launcher.planning.pipeline_events import Op, run_schedule
 
 __all__ = ["Op", "PipelineResult", "rank_order", "simulate"]
-
-
-@dataclass(frozen=True)
-class Op:
-    """One operation in the timeline.
-
-    Attributes:
-        kind: ``"F"`` forward, ``"B"`` backward (input + weight gradient, or input gradient only when
-            split), ``"W"`` weight gradient (split only).
-        rank: PP rank.
-        chunk: model chunk on the rank (``vpp_stage``).
-        stage: virtual stage ``chunk * pp + rank``.
-        microbatch: 0-based microbatch.
-        start, end: times.
-        partner: in a pair (``ep_overlap``), the virtual stage of its other half (the forward and the
-            backward of a pair are two ops with the same times); -1 otherwise.
-    """
-
-    kind: str
-    rank: int
-    chunk: int
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-    partner: int = -1
 
 
 @dataclass
@@ -93,27 +69,30 @@ class PipelineResult:
     peak_activation_bytes: list[float] = field(default_factory=list)  # per rank
     peak_in_flight: list[int] = field(default_factory=list)  # per rank: most (chunk, microbatch) held
     ep_overlap: bool = False  # megatron's combined 1F1B (pairs; the weight gradients inside)
+    # per rank the held-bytes events in order, with and without the pairs' transient bytes (peak_bytes)
+    _events: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def peak_bytes(self, per_stage: Sequence[float], pair_transient: Sequence[float] | None = None) -> list[float]:
         """Per rank, the most bytes held at once when each (virtual stage, microbatch) holds
         ``per_stage[stage]`` from the end of its forward to the end of its backward (or of its weight
         gradient when split); frees count before allocations at equal times. During a pair the rank also
-        holds ``pair_transient[forward stage]`` (module docstring)."""
-        events = []
-        for o in self.ops:
-            if o.kind == "F":
-                events.append((o.end, 1, o.rank, per_stage[o.stage]))
-                if o.partner >= 0 and pair_transient is not None:
-                    events += [
-                        (o.start, 1, o.rank, pair_transient[o.stage]),
-                        (o.end, -1, o.rank, -pair_transient[o.stage]),
-                    ]
-            elif (o.kind == "B" and (self.ep_overlap or not self.decouple_wgrad)) or o.kind == "W":
-                events.append((o.end, -1, o.rank, -per_stage[o.stage]))
-        held, peak = [0.0] * self.pp, [0.0] * self.pp
-        for _, _, r, delta in sorted(events):
-            held[r] += delta
-            peak[r] = max(peak[r], held[r])
+        holds ``pair_transient[forward stage]`` (module docstring).
+
+        Each rank's events (an allocation at a forward's end, a free at the end of what releases it) in time
+        order are the same for every ``per_stage``, so they are ordered once per result (:func:`_held_events`);
+        a call only sums the bytes, in the order a sort of ``(time, sign, rank, bytes)`` gives them."""
+        transient = pair_transient is not None
+        if transient not in self._events:
+            self._events[transient] = _held_events(
+                self.ops, self.pp, self.ep_overlap or not self.decouple_wgrad, transient
+            )
+        values = (per_stage, [-x for x in per_stage], pair_transient, [-x for x in pair_transient or ()])
+        peak = []
+        for events, ties in self._events[transient]:
+            deltas = [values[code][stage] for code, stage in events]
+            for a, b in ties:  # (equal times and signs: the smaller bytes first, as the sort puts them)
+                deltas[a:b] = sorted(deltas[a:b])
+            peak.append(max(accumulate(deltas, initial=0.0)))
         return peak
 
     @property
@@ -145,6 +124,34 @@ class PipelineResult:
                 for o in self.ops
             ]
         return out
+
+
+def _held_events(
+    ops: list[Op], pp: int, frees_at_b: bool, transient: bool
+) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+    """Per rank, :meth:`PipelineResult.peak_bytes`'s events in time order, frees before allocations at equal
+    times, as ``(code, stage)`` (code 0: + the stage's bytes, 1: - them, 2 / 3: + / - a pair's transient
+    bytes), and the ``[a, b)`` runs of events with equal times and signs (ordered by their bytes per call).
+    ``frees_at_b``: a backward frees its microbatch (else its weight gradient does)."""
+    per_rank: list[list[tuple]] = [[] for _ in range(pp)]
+    for o in ops:
+        if o.kind == "F":
+            per_rank[o.rank].append((o.end, 1, 0, o.stage))
+            if transient and o.partner >= 0:
+                per_rank[o.rank] += [(o.start, 1, 2, o.stage), (o.end, -1, 3, o.stage)]
+        elif (o.kind == "B" and frees_at_b) or o.kind == "W":
+            per_rank[o.rank].append((o.end, -1, 1, o.stage))
+    out = []
+    for events in per_rank:
+        events.sort()  # (by time and sign; the order within a run of equal ones is set per call, below)
+        ties, a = [], 0
+        for b in range(1, len(events) + 1):
+            if b == len(events) or events[b][:2] != events[a][:2]:
+                if b - a > 1:
+                    ties.append((a, b))
+                a = b
+        out.append(([(e[2], e[3]) for e in events], ties))
+    return out
 
 
 def _megatron_schedule():
@@ -272,131 +279,23 @@ def simulate(
     split = decouple_wgrad and not ep_overlap
     b_cost = list(backward) if split or ep_overlap else [b + x for b, x in zip(backward, w)]
     orders = [rank_order(pp, vpp, num_microbatches, r, group_size, ep_overlap) for r in range(pp)]
-    sim = _Simulation(pp, orders, list(forward), b_cost, w, split, p2p_time, max_deferred_w, pair_time)
-    sim.run_all()
-    makespan = max(o.end for o in sim.ops)
-    result = PipelineResult(
-        pp, vpp, num_microbatches, decouple_wgrad, makespan, sim.busy, sim.ops, ep_overlap=ep_overlap
+    ops, busy = run_schedule(
+        pp,
+        orders,
+        num_microbatches,
+        list(forward),
+        b_cost,
+        w,
+        decouple_wgrad=split,
+        p2p_time=p2p_time,
+        max_deferred_w=max_deferred_w,
+        pair_time=pair_time,
     )
+    makespan = max(o.end for o in ops)
+    result = PipelineResult(pp, vpp, num_microbatches, decouple_wgrad, makespan, busy, ops, ep_overlap=ep_overlap)
     result.peak_activation_bytes = result.peak_bytes(act, pair_transient_bytes)
     result.peak_in_flight = [int(x) for x in result.peak_bytes([1] * S)]
     return result
-
-
-class _Simulation:
-    """The event loop of :func:`simulate`: each PP rank runs the ops of megatron's order in turn, as soon
-    as their inputs are there (the previous stage's forward, the next stage's backward, plus
-    ``p2p_time``); deferred weight gradients fill the gaps (at most ``max_deferred_w`` held back)."""
-
-    def __init__(self, pp, orders, forward, b_cost, w, decouple_wgrad, p2p_time, max_deferred_w, pair_time=None):
-        self.pp, self.orders, self.forward, self.b_cost, self.w = pp, orders, forward, b_cost, w
-        self.pair_time = pair_time
-        self.decouple_wgrad, self.p2p_time, self.max_deferred_w = decouple_wgrad, p2p_time, max_deferred_w
-        self.last_stage = len(forward) - 1
-        self.pos = [0] * pp  # next op index per rank
-        self.free = [0.0] * pp
-        self.busy = [0.0] * pp
-        self.done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
-        self.wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
-        self.ops: list[Op] = []
-
-    def deps(self, kind: str, stage: int, mb: int) -> float | None:
-        """When the inputs of (kind, stage, mb) are there; None if an input is not scheduled yet."""
-        if kind == "F":
-            if stage == 0:
-                return 0.0
-            t = self.done.get(("F", stage - 1, mb))
-            return None if t is None else t + self.p2p_time
-        own = self.done.get(("F", stage, mb))
-        if own is None:
-            return None
-        if stage == self.last_stage:
-            return own
-        t = self.done.get(("B", stage + 1, mb))
-        return None if t is None else max(own, t + self.p2p_time)
-
-    def entry_ready(self, r: int) -> float | None:
-        """When the inputs of rank ``r``'s next entry are there (a pair: both halves'); None if not scheduled."""
-        e = self.orders[r][self.pos[r]]
-        if e[0] == "P":
-            (cf, jf), (cb, jb) = e[1], e[2]
-            tf, tb = self.deps("F", cf * self.pp + r, jf), self.deps("B", cb * self.pp + r, jb)
-            return None if tf is None or tb is None else max(tf, tb)
-        return self.deps(e[0], e[1] * self.pp + r, e[2])
-
-    def run_pair(self, r: int, f: tuple, b: tuple, start: float) -> None:
-        """One combined step: the forward of ``f`` and the backward of ``b`` (``(chunk, microbatch)``)."""
-        sf, sb = f[0] * self.pp + r, b[0] * self.pp + r
-        end = start + self.pair_time(sf, sb)
-        self.ops += [
-            Op("F", r, f[0], sf, f[1], start, end, partner=sb),
-            Op("B", r, b[0], sb, b[1], start, end, partner=sf),
-        ]
-        self.done[("F", sf, f[1])] = self.done[("B", sb, b[1])] = end
-        self.free[r] = end
-        self.busy[r] += end - start
-
-    def run_entry(self, r: int, start: float) -> None:
-        e = self.orders[r][self.pos[r]]
-        if e[0] == "P":
-            self.run_pair(r, e[1], e[2], start)
-        else:
-            self.run(r, e[0], e[1], e[2], start)
-        self.pos[r] += 1
-
-    def run(self, r: int, kind: str, chunk: int, mb: int, start: float) -> None:
-        stage = chunk * self.pp + r
-        dur = self.forward[stage] if kind == "F" else self.b_cost[stage] if kind == "B" else self.w[stage]
-        end = start + dur
-        self.ops.append(Op(kind, r, chunk, stage, mb, start, end))
-        self.done[(kind, stage, mb)] = end
-        self.free[r] = end
-        self.busy[r] += dur
-        if kind == "B" and self.decouple_wgrad:
-            self.wqueue[r].append((chunk, mb))
-
-    def run_oldest_w(self, r: int, t: float) -> None:
-        c, j = self.wqueue[r].pop(0)
-        self.run(r, "W", c, j, t)
-
-    def step(self, r: int, t: float) -> bool:
-        """Rank ``r`` is free at ``t``: run its next op (or a deferred W). False when it must wait for
-        an input that is not scheduled yet."""
-        if self.pos[r] == len(self.orders[r]):
-            return True  # (run_all handles the cooldown W)
-        ready = self.entry_ready(r)
-        if len(self.wqueue[r]) >= self.max_deferred_w:  # bound the weight gradients held back
-            self.run_oldest_w(r, t)
-        elif ready is not None and ready <= t:
-            self.run_entry(r, t)
-        elif self.wqueue[r]:  # the next F/B would wait: fill the gap with a deferred weight gradient
-            self.run_oldest_w(r, t)
-        elif ready is not None:
-            self.run_entry(r, ready)
-        else:
-            return False
-        return True
-
-    def run_all(self) -> None:
-        heap = [(0.0, r) for r in range(self.pp)]
-        blocked: set[int] = set()
-        while heap or blocked:
-            if not heap:
-                raise RuntimeError("pipeline simulation deadlocked (megatron's order cannot make progress)")
-            t, r = heapq.heappop(heap)
-            if self.pos[r] == len(self.orders[r]):
-                if self.wqueue[r]:  # cooldown: the remaining weight gradients
-                    self.run_oldest_w(r, t)
-                    heapq.heappush(heap, (self.free[r], r))
-                continue
-            if not self.step(r, t):
-                blocked.add(r)
-                continue
-            heapq.heappush(heap, (self.free[r], r))
-            for q in list(blocked):  # a rank waiting on an unscheduled input may go on now
-                if self.entry_ready(q) is not None:
-                    blocked.discard(q)
-                    heapq.heappush(heap, (self.free[q], q))
 
 
 def plot_timeline(result: PipelineResult, path: str, title: str = "") -> None:

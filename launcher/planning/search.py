@@ -62,14 +62,17 @@ def layout_candidates(cfg: K2Config, world: int, counts, *, stop_at_fit: bool = 
     # one copy of the config, its parallel section replaced per layout: a copy per layout (OmegaConf.merge
     # deep-copies every node) cost more than analysing the layout; nothing yielded reads its parallel section
     c = OmegaConf.merge(cfg, {})
+    layouts: dict = {}  # (pp, vpp) -> the balanced layer layout: the same for every TP and EP
     for tp, pp, vpp, ep in shapes:
+        if (pp, vpp) not in layouts:
+            layouts[pp, vpp] = balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head)
         par = dict(
             base["parallel"],
             tp=tp,
             pp=pp,
             vpp=vpp if vpp > 1 else None,
             ep=ep,
-            layout=balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head),
+            layout=layouts[pp, vpp],
             first_stage_layers=None,
             last_stage_layers=None,
         )

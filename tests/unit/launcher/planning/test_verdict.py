@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from k2.launcher.plan import main
+from k2.launcher.planning import format_text
 
 NO_GPU_OVERHEADS = [
     f"plan.gpu_overheads.{k}=0"
@@ -16,6 +17,9 @@ NO_GPU_OVERHEADS = [
 
 
 def _plan(capsys, gib: float, gpus: int = 2, *extra: str) -> tuple[list[str], dict]:
+    """One ``k2-plan`` run (``output=json``): its record and the lines ``output=text`` prints first, which are
+    ``format_text`` of the same record (a second search would only repeat it: test_search_new_profiles.py's
+    ``test_the_text_output_is_format_text_of_the_json_record`` checks that the two outputs agree)."""
     base = [
         "model=k2_tiny",
         "memory=k2",
@@ -26,10 +30,9 @@ def _plan(capsys, gib: float, gpus: int = 2, *extra: str) -> tuple[list[str], di
         *NO_GPU_OVERHEADS,
         *extra,
     ]
-    assert main(base) == 0
-    text = capsys.readouterr().out.splitlines()
     assert main([*base, "output=json"]) == 0
-    return text, json.loads(capsys.readouterr().out)
+    plan = json.loads(capsys.readouterr().out)
+    return format_text(plan).splitlines(), plan
 
 
 def test_the_verdict_comes_first_and_the_plan_is_of_the_recommended_layout(capsys):
