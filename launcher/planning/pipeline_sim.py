@@ -86,7 +86,8 @@ class PipelineResult:
             self._events[transient] = _held_events(
                 self.ops, self.pp, self.ep_overlap or not self.decouple_wgrad, transient
             )
-        values = (per_stage, [-x for x in per_stage], pair_transient, [-x for x in pair_transient or ()])
+        extra = pair_transient or ()  # (codes 2 and 3 occur only in the events with the transient bytes)
+        values = (per_stage, [-x for x in per_stage], extra, [-x for x in extra])
         peak = []
         for events, ties in self._events[transient]:
             deltas = [values[code][stage] for code, stage in events]
