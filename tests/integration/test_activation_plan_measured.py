@@ -73,12 +73,15 @@ def _cases():
 def measured(tmp_path_factory, stdlib_corpus):
     """``{case: {pp_rank: figures averaged over the PP rank's ranks}}`` from one cpu4 launch."""
     from support.distributed import rank_launch_cmd, trainer_env
+    from support.zygote import PRECOMPOSE_ENV
 
     out = tmp_path_factory.mktemp("saved_bytes")
-    cmd = rank_launch_cmd(
-        4, [str(SCRIPTS / "measure_saved_bytes.py")], [*BASE, "run.wandb.mode=disabled", f"run.dir={out / 'run'}"]
-    )
-    env = trainer_env({"K2_TEST_OUT": str(out), "K2_MEASURE_CASES": json.dumps(_cases())})
+    args = [*BASE, "run.wandb.mode=disabled", f"run.dir={out / 'run'}"]
+    cmd = rank_launch_cmd(4, [str(SCRIPTS / "measure_saved_bytes.py")], args)
+    cases = _cases()
+    # (each rank composes every case's config: under the fork server, once before the fork instead)
+    precompose = json.dumps([[*args, *overrides] for _, overrides, *_ in cases])
+    env = trainer_env({"K2_TEST_OUT": str(out), "K2_MEASURE_CASES": json.dumps(cases), PRECOMPOSE_ENV: precompose})
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranks = [json.loads((out / f"saved_rank{r}.json").read_text()) for r in range(4)]

@@ -41,8 +41,8 @@ def test_everything_on_trains_like_baseline_on_cpu4(three_step_runs):
     assert k2[-1]["loss"] < k2[0]["loss"]  # it learns
 
 
-# stable ends after 2 steps (4,096 tokens): step 3 runs in the decay phase; layernorm recompute throughout,
-# the saved-bytes metric on
+# stable ends after 2 steps (4,096 tokens): step 3 runs in the decay phase; the saved-bytes metric on (the
+# phase-boundary tests of both switches)
 TWO_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=4096", "train.measure_saved_bytes=true"]
 
 
@@ -78,7 +78,9 @@ def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
         True,
     )["records"]
     always = three_step_runs([*TWO_THEN_DECAY, "memory.recompute=[layernorm,layer]"], 4, True)["records"]
-    plain = three_step_runs(["parallel=cpu4"], 4, True)["records"]  # shared with test_pipeline_wgrad.py
+    # memory=none: the plain cpu4 run of the other tests here (and of test_pipeline_wgrad.py); the split
+    # changes no number (test_pipeline_wgrad.py), so the run without it serves
+    plain = three_step_runs(["parallel=cpu4"], 4, False)["records"]
     assert [r["layer_recompute"] for r in switched] == [False, False, True]
     assert [r["layer_recompute"] for r in always] == [True, True, True]
     assert [r["phase"] for r in switched] == ["stable", "stable", "decay"]
@@ -98,45 +100,44 @@ def test_layer_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
     assert after < 0.2 * before
 
 
-# stable ends after 1 step (2,048 tokens): steps 2-3 run in the decay phase
-ONE_THEN_DECAY = ["parallel=cpu4", "schedule.phases.1.until_tokens=2048", "train.measure_saved_bytes=true"]
-
-
 def test_fp8_offload_and_op_recompute_switched_at_a_phase_boundary_on_cpu4(three_step_runs):
     """memory=none, then memory=k2's sites (FP8 storage, the four op recomputes, offload) from the decay
-    phase (schedule.phases.2.memory) on PP2 x VPP2 x EP2 x DP2: the steps after the boundary equal,
-    bitwise (losses, gradient norms, every rank's gradients and final parameters), those of a run restarted
-    from the checkpoint at the boundary with memory=k2 (built with it); before the boundary, and in the
-    first forward after it, the run is memory=none's. The bytes rank 0's layers keep per microbatch drop
-    at the boundary as the planner predicts (within 10%), to the restarted run's figure exactly."""
+    phase (schedule.phases.2.memory, from step 3) on PP2 x VPP2 x EP2 x DP2: the step after the boundary
+    equals, bitwise (loss, gradient norm, every rank's gradients and final parameters), that of a run
+    restarted from the checkpoint at the boundary (step 2) with memory=k2 (built with it); before the
+    boundary, and in the first forward after it, the run is memory=none's. The bytes rank 0's layers keep
+    per microbatch drop at the boundary as the planner predicts (within 10%), to the restarted run's figure
+    exactly."""
     from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name
 
     k2 = load_config(["memory=k2"]).memory
     sites = {key: list(k2[key]) for key in ("fp8_store", "recompute", "offload")}
-    switch = [*ONE_THEN_DECAY, *(f"schedule.phases.2.memory.{key}=[{','.join(v)}]" for key, v in sites.items())]
-    run = three_step_runs([*switch, "train.save_interval=1", "checkpoint.keep_last=3"], 4, False)
-    ckpt = checkpoints_dir(run["dump_dir"].parent / "run") / iter_name(1)
+    switch = [*TWO_THEN_DECAY, *(f"schedule.phases.2.memory.{key}=[{','.join(v)}]" for key, v in sites.items())]
+    run = three_step_runs([*switch, "train.save_interval=2"], 4, False)  # (one checkpoint: the boundary's)
+    ckpt = checkpoints_dir(run["dump_dir"].parent / "run") / iter_name(2)
     restarted = three_step_runs([*switch, "memory=k2", f"resume.from={ckpt}"], 4, False)
     plain = three_step_runs(["parallel=cpu4"], 4, False)["records"]  # shared with the test above
     switched, again = run["records"], restarted["records"]
-    assert [r["phase"] for r in switched] == ["stable", "decay", "decay"]
-    assert [r["step"] for r in again] == [2, 3]
-    for a, b in zip(switched[1:], again):
+    assert [r["phase"] for r in switched] == ["stable", "stable", "decay"]
+    assert [r["step"] for r in again] == [3]
+    for a, b in zip(switched[2:], again, strict=True):
         for key in ("loss", "grad_norm", "max_attn_logit", "moe_aux_loss"):
             assert a[key] == b[key], (a["step"], key)
     for rank, (grads, params) in run["dumps"].items():
         grads_again, params_again = restarted["dumps"][rank]
-        for got, ref in zip(grads[1:], grads_again, strict=True):  # steps 2 and 3
+        for got, ref in zip(grads[2:], grads_again, strict=True):  # step 3
             assert all(torch.equal(got[n], ref[n]) for n in ref), rank
         assert all(torch.equal(params[n], params_again[n]) for n in params_again), rank
-    # step 1 is memory=none's; step 2's forward too (same weights and LR so far), up to FP32 rounding (with
-    # moe_down_proj the routed experts multiply by the router probability after fc2, model/mlp.py); its
-    # backward is not
-    assert (switched[0]["loss"], switched[0]["grad_norm"]) == (plain[0]["loss"], plain[0]["grad_norm"])
-    assert switched[1]["loss"] == pytest.approx(plain[1]["loss"], rel=1e-6)
-    assert switched[1]["grad_norm"] != pytest.approx(plain[1]["grad_norm"], rel=1e-5)  # FP8-stored inputs
-    before, after = switched[0]["saved_bytes_per_microbatch"], switched[1]["saved_bytes_per_microbatch"]
-    assert "saved_bytes_per_microbatch" not in switched[2]
+    # steps 1-2 are memory=none's; step 3's forward too (same weights and LR so far), up to FP32 rounding
+    # (with moe_down_proj the routed experts multiply by the router probability after fc2, model/mlp.py);
+    # its backward is not
+    for step in (0, 1):
+        assert (switched[step]["loss"], switched[step]["grad_norm"]) == (plain[step]["loss"], plain[step]["grad_norm"])
+    assert switched[2]["loss"] == pytest.approx(plain[2]["loss"], rel=1e-6)
+    assert switched[2]["grad_norm"] != pytest.approx(plain[2]["grad_norm"], rel=1e-5)  # FP8-stored inputs
+    # measured on the first step of each phase (steps 1 and 3)
+    before, after = switched[0]["saved_bytes_per_microbatch"], switched[2]["saved_bytes_per_microbatch"]
+    assert "saved_bytes_per_microbatch" not in switched[1]
     assert after == again[0]["saved_bytes_per_microbatch"]
     assert before == pytest.approx(_planned_rank0_bytes(False, recompute=[]), rel=0.10)
     assert after == pytest.approx(_planned_rank0_bytes(False, **sites), rel=0.10)

@@ -117,7 +117,10 @@ def test_k2_train_spawns_its_own_ranks_with_wandb_offline(tmp_path, stdlib_corpu
     assert [name for _, name in logged] == ["load_config", "prepare_run"], logged  # not once more per rank
     assert len({pid for pid, _ in logged}) == 1, logged  # both in k2-train itself
 
-    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # (forked by the session's fork server: the same k2-train, without a fresh interpreter's imports)
+    again = subprocess.run(
+        rank_launch_cmd(1, cmd[1:3], cmd[3:]), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     assert "is at step 2, the run ends at step 2" in again.stdout and "nothing to do" in again.stdout
     assert "spawning" not in again.stdout and (run_dir / "metrics.jsonl").read_text() == metrics

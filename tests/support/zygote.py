@@ -62,22 +62,26 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 #: the test scripts (tests/support/scripts) whose arguments are not Hydra overrides
 _NOT_CONFIG_SCRIPTS = {"max_logit_kernel_cases.py", "rank_function.py"}
+#: in a launch's environment: a JSON list of further override lists that each of its ranks composes (e.g.
+#: the cases of tests/support/scripts/measure_saved_bytes.py), composed once before the fork as well
+PRECOMPOSE_ENV = "K2_TEST_PRECOMPOSE"
 
 
 def _compose_script_config(target: list[str]) -> None:
     """A test script of tests/support/scripts composes its arguments as the config (most wrap
-    ``k2.launcher.train.main``): composed once here, before the fork, each rank finds it in
-    ``load_config``'s cache instead of composing it again (~0.25 s of CPU per rank), as
-    :func:`fork_ranks.launch` does for ``-m k2.launcher.train``."""
+    ``k2.launcher.train.main``), and maybe the configs of :data:`PRECOMPOSE_ENV`: composed once here,
+    before the fork, each rank finds them in ``load_config``'s cache instead of composing them again
+    (~0.25 s of CPU per rank and config), as :func:`fork_ranks.launch` does for ``-m k2.launcher.train``."""
     from k2.config import ConfigError, load_config
 
     script = Path(target[0])
     if script.parent.resolve() != _SCRIPTS or script.name in _NOT_CONFIG_SCRIPTS:
         return
-    try:
-        load_config(target[1:])
-    except ConfigError:
-        pass  # each rank reports it as usual
+    for overrides in [target[1:], *json.loads(os.environ.get(PRECOMPOSE_ENV, "[]"))]:
+        try:
+            load_config(overrides)
+        except ConfigError:
+            pass  # each rank reports it as usual
 
 
 def _launcher(conn: socket.socket, request: dict, fds: list[int]) -> None:
