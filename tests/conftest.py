@@ -44,15 +44,15 @@ _HEAVY_FIRST = {  # (measured in a whole-suite run on 3 workers, machine load ~8
     # one test: 80 one-rank steps of k2_tiny (151-334 s in whole-suite runs); unlisted, it started last
     "tests/integration/test_expert_balance.py": 330,
     "tests/integration/test_slurm_two_nodes.py": 510,  # a 2-node Slurm job through two faults + a 4-rank reference
-    "tests/integration/test_checkpoint.py": 470,
-    # 4 runs of 6 steps on 4 ranks + a resume (alone: 107 CPU-s, 168 s wall on a loaded Xeon; unlisted, it
-    # started after every listed file)
-    "tests/integration/test_ep_overlap.py": 240,
+    "tests/integration/test_checkpoint.py": 330,  # (alone: 148 CPU-s, 120-150 s wall on a loaded Xeon)
+    # 4 runs of 3 steps (cpu4 and PP1 x EP2 x DP2, the overlap on and off) + a one-step resume (alone: 55
+    # CPU-s on a loaded Xeon; unlisted, it started after every listed file)
+    "tests/integration/test_ep_overlap.py": 150,
     "tests/integration/test_hang_progress.py": 80,  # (alone: 18 CPU-s, 71 s wall: mostly waiting)
     "tests/integration/test_preemption_cli.py": 265,
     "tests/integration/test_slurm_two_nodes_timeouts.py": 260,  # two Slurm jobs, mostly waiting on timeouts
     "tests/integration/test_hang_watchdog.py": 170,  # three cpu4 launches of k2-train, each ends in a 15 s hang
-    "tests/integration/test_interrupt_cli.py": 130,  # Ctrl-C to a cpu4 k2-train, a rerun and a reference
+    "tests/integration/test_interrupt_cli.py": 75,  # Ctrl-C to a pp2 k2-train, a rerun and a reference
     "tests/integration/test_background_writer_faults.py": 113,  # killed, stopped and full-disk writers
     # TINY=1 gpu_session.sh: its steps forked by the fork server (alone: 68 CPU-s, 170 s wall on a loaded Xeon)
     "tests/integration/test_gpu_session.py": 80,
