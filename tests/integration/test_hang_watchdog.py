@@ -131,9 +131,11 @@ def _hang_launch(
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    attempt = max(
-        (d for d in (run_dir / "hang").iterdir() if (d / "report.txt").exists()), key=lambda d: d.stat().st_mtime
-    )
+    # a launch that ended without a hang report (it failed before or instead of hanging) fails here with its
+    # own output and exit status, not with a missing directory
+    reports = [d for d in (run_dir / "hang").glob("*") if (d / "report.txt").exists()]
+    assert reports, f"exit status {p.returncode}, no hang report under {run_dir / 'hang'}:\n{out[-4000:]}"
+    attempt = max(reports, key=lambda d: d.stat().st_mtime)
     if stopped_at is None:  # the seam: the stopped rank's last heartbeat
         stopped_at = json.loads((attempt / f"rank{stop_rank}.json").read_text())["alive"]
     assert p.returncode == 42, out[-4000:]
