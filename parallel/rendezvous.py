@@ -9,6 +9,12 @@ starts torch's ``TCPStore`` (the same store ``env://`` would create; it is then 
 node name under ``k2/rendezvous/<restart>/<rank>`` and waits for all
 the others' keys. On a timeout the ranks that joined know who they are, and the job's node list
 (``SLURM_JOB_NODELIST``, expanded as Slurm does) says which nodes never showed up.
+
+Local ranks forked by k2-train's own launcher (:mod:`k2.launcher.training.fork_ranks`) get the store's
+listening socket from it, already bound to ``MASTER_PORT`` (its descriptor in ``$K2_MASTER_LISTEN_FD``):
+a port chosen free and released before rank 0 binds it again can be taken in between by another launch on
+the same machine (two runs of a sweep, a test suite's workers), and a rank then connects to a stranger's
+socket and fails at start-up.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import time
 
 from k2.parallel.hostlist import expand_hostlist
 
-__all__ = ["RendezvousTimeout", "node_name", "rendezvous"]
+__all__ = ["LISTEN_FD_ENV", "RendezvousTimeout", "node_name", "rendezvous"]
+
+#: the descriptor of the listening socket the local launcher bound for rank 0's store (module docstring)
+LISTEN_FD_ENV = "K2_MASTER_LISTEN_FD"
 
 _KEY = "k2/rendezvous/"
 
@@ -86,6 +95,18 @@ def _all_arrived(store, keys: list[str], where: str, rank: int) -> bool:
         ) from None
 
 
+def _inherited_listen_fd(is_master: bool) -> int | None:
+    """The store's listening socket inherited from the local launcher (module docstring) for rank 0; the
+    other ranks close their copy. The variable is removed, so that no process this one starts sees it."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if fd is None:
+        return None
+    if is_master:
+        return int(fd)
+    os.close(int(fd))
+    return None
+
+
 def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_s: float):
     """Meet every rank at ``MASTER_ADDR:MASTER_PORT`` (module docstring).
 
@@ -114,9 +135,17 @@ def rendezvous(rank: int, world_size: int, timeout_s: float, collective_timeout_
     # torch's env:// rendezvous), and the keys carry the agent's restart count
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     key = f"{_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    is_master = rank == 0 and not agent_store
+    listen_fd = _inherited_listen_fd(is_master)
     try:
         store = dist.TCPStore(
-            addr, port, world_size, is_master=rank == 0 and not agent_store, timeout=limit, wait_for_workers=False
+            addr,
+            port,
+            world_size,
+            is_master=is_master,
+            timeout=limit,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
     except (RuntimeError, OSError) as e:  # (torch's DistStoreError is a RuntimeError)
         raise RendezvousTimeout(

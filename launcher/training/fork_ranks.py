@@ -49,6 +49,7 @@ from pathlib import Path
 from k2.launcher.gc_pause import gc_paused
 from k2.launcher.training.preemption import PEER_FAILED_ENV
 from k2.parallel.processes import die_with_parent, free_port
+from k2.parallel.rendezvous import LISTEN_FD_ENV
 
 __all__ = [
     "cuda_probe_without_init",
@@ -243,6 +244,13 @@ def _run_rank(rank: int, nproc: int, port: int, target: Target, rank_env: bool) 
     return 0
 
 
+def _rendezvous_target(target: Target) -> bool:
+    """Whether ``target`` is the trainer (k2-train's :class:`Call`, or ``-m k2.launcher.train``), whose ranks
+    meet through :func:`k2.parallel.rendezvous.rendezvous` and take the listening socket; other targets may
+    bind ``MASTER_PORT`` themselves (``env://``), which a held socket would refuse."""
+    return isinstance(target, Call) or target[:2] == ["-m", TRAINER_MODULE]
+
+
 def _signal_all(pids, signum: int) -> None:
     for pid in list(pids):
         try:
@@ -283,8 +291,14 @@ def launch(
             load_config(target[2:])
         except ConfigError:
             pass  # each rank reports it as usual
-    # the port last, right before the fork: the less time between releasing it and rank 0's bind, the
-    # less chance another process takes it (an ephemeral port: any new connection on the host may)
+    listen = None
+    if port is None and rank_env and nproc > 1 and _rendezvous_target(target):
+        # the trainer's rank 0 serves its store on a socket bound here and inherited through the fork: no
+        # other process can take the port between its choice and rank 0's bind (k2.parallel.rendezvous)
+        listen = socket.create_server(("127.0.0.1", 0), backlog=128)
+        port = listen.getsockname()[1]
+    # else the port last, right before the fork: the less time between releasing it and rank 0's bind,
+    # the less chance another process takes it (an ephemeral port: any new connection on the host may)
     port = port or free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -295,6 +309,8 @@ def launch(
         pid = os.fork()
         if pid == 0:  # the rank
             os.environ[PEER_FAILED_ENV] = str(failed)
+            if listen is not None:
+                os.environ[LISTEN_FD_ENV] = str(listen.fileno())
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, signal.SIG_DFL)
             die_with_parent()
@@ -310,6 +326,8 @@ def launch(
                 sys.stderr.flush()
                 os._exit(code)
         children[pid] = rank
+    if listen is not None:
+        listen.close()  # (rank 0 holds its copy)
 
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # as under torchrun: every rank gets them
     previous = {sig: signal.signal(sig, lambda signum, _frame: _signal_all(children, signum)) for sig in forwarded}

@@ -160,3 +160,44 @@ def test_no_cuda_driver_call_before_the_ranks_are_forked():
     p = subprocess.run([sys.executable, "-c", src], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "driver calls before the fork: 0\n" in p.stderr, p.stderr[-3000:]
+
+
+def test_the_trainers_rank_0_serves_its_store_on_a_port_no_one_can_take_meanwhile():
+    """For the trainer's ranks (a :class:`Call`) the launcher binds the store's port itself and rank 0
+    inherits the listening socket (k2.parallel.rendezvous): while the ranks start, another process cannot
+    bind ``MASTER_PORT`` (with a port chosen free and released it could, and the ranks then met a stranger's
+    socket); the ranks meet through it; the other ranks close their copy; no rank's environment keeps the
+    descriptor. A ``-c`` target (it may bind ``MASTER_PORT`` itself, as ``env://`` does) gets no socket."""
+    src = (
+        "import os, socket, sys, time\n"
+        "from k2.launcher.training.fork_ranks import Call, launch\n"
+        "def rank():\n"
+        "    port = int(os.environ['MASTER_PORT'])\n"
+        "    held = 'K2_MASTER_LISTEN_FD' in os.environ\n"
+        "    try:\n"
+        "        socket.create_server(('127.0.0.1', port)).close(); taken = 'no'\n"
+        "    except OSError:\n"
+        "        taken = 'yes'\n"
+        "    time.sleep(0.5)  # (both ranks tried to bind before rank 0's store exists)\n"
+        "    from k2.parallel.rendezvous import rendezvous\n"
+        "    store = rendezvous(int(os.environ['RANK']), 2, 30, 30)\n"
+        "    store.set('r' + os.environ['RANK'], 'x'); store.wait(['r0', 'r1'])\n"
+        "    left = 'K2_MASTER_LISTEN_FD' in os.environ\n"
+        "    os.write(1, f\"{os.environ['RANK']} held={held} taken={taken} left={left}\\n\".encode())\n"
+        "    return 0\n"
+        "code = launch(2, Call(rank, ()))\n"
+        'probe = \'import os; os.write(1, ("c %s" % ("K2_MASTER_LISTEN_FD" in os.environ)).encode() + bytes([10]))\'\n'
+        "code += launch(2, ['-c', probe])\n"
+        "sys.exit(code)"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", src], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert sorted(out.splitlines()) == [
+        "0 held=True taken=yes left=False",
+        "1 held=True taken=yes left=False",
+        "c False",
+        "c False",
+    ], out + err[-2000:]
