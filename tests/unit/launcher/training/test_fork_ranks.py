@@ -17,12 +17,16 @@ from support import REPO
 LAUNCH = "import sys; from k2.launcher.training.fork_ranks import launch; sys.exit(launch({n}, {target!r}{port}))"
 
 
-def _launch(n: int, code: str, port: int | None = None, **kw) -> subprocess.Popen:
-    target = ["-c", code, "arg1"]
-    src = LAUNCH.format(n=n, target=target, port=f", port={port}" if port else "")
+def _python(src: str, **kw) -> subprocess.Popen:
+    """``python -c src`` (a launcher process) in the repository, its stdout and stderr piped as text."""
     return subprocess.Popen(
         [sys.executable, "-c", src], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
     )
+
+
+def _launch(n: int, code: str, port: int | None = None, **kw) -> subprocess.Popen:
+    target = ["-c", code, "arg1"]
+    return _python(LAUNCH.format(n=n, target=target, port=f", port={port}" if port else ""), **kw)
 
 
 def test_a_call_runs_in_every_rank_with_the_arguments_made_before_the_fork():
@@ -37,9 +41,7 @@ def test_a_call_runs_in_every_rank_with_the_arguments_made_before_the_fork():
         "    return 0\n"
         "sys.exit(launch(2, Call(rank, (made,))) + launch(1, Call(int, ('3',)), rank_env=False))"
     )
-    p = subprocess.Popen(
-        [sys.executable, "-c", src], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    p = _python(src)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 3, err  # the second launch's one rank returned 3
     lines = sorted(x.split() for x in out.splitlines())
@@ -190,9 +192,7 @@ def test_the_trainers_rank_0_serves_its_store_on_a_port_no_one_can_take_meanwhil
         "code += launch(2, ['-c', probe])\n"
         "sys.exit(code)"
     )
-    p = subprocess.Popen(
-        [sys.executable, "-c", src], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    p = _python(src)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-3000:]
     assert sorted(out.splitlines()) == [
