@@ -248,6 +248,8 @@ class Runner:
             print(f"{_PROG}: {task.name}: finished in {took:.0f} s{extra}", flush=True)
         elif task.rc == REQUEUE_EXIT_CODE:
             print(f"{_PROG}: {task.name}: stopped with a checkpoint (exit {task.rc})", flush=True)
+        elif self.stopping and task.rc == -signal.SIGTERM:  # still starting: no handler, nothing trained yet
+            print(f"{_PROG}: {task.name}: stopped while starting (nothing to save)", flush=True)
         else:
             print(
                 f"{_PROG}: {task.name}: FAILED (exit {task.rc}) after {took:.0f} s; its log: {task.run_dir / LOG_FILE}",

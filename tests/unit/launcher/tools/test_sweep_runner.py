@@ -50,20 +50,21 @@ def test_a_failed_trunk_is_named_its_branches_skipped_and_the_rest_run(tmp_path,
 
 def test_a_signal_stops_the_runs_in_flight_and_starts_no_other(tmp_path):
     class Slow(Runner):
-        def command(self, task):  # saves and exits 42 on SIGTERM, as k2-train does
+        def command(self, task):  # saves and exits 42 on SIGTERM, as k2-train does; says when it can
+            ready = task.run_dir / "handler_installed"
             return [
                 sys.executable,
                 "-c",
-                "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\ntime.sleep(60)",
+                "import pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
+                f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)",
             ]
 
     runner = Slow(_tasks(tmp_path), jobs=2)
     import threading
 
-    def stop():
-        while len(runner.running) < 2:
+    def stop():  # once both runs have their handler (a loaded machine may take seconds to start python)
+        while len(runner.running) < 2 or not all((t.run_dir / "handler_installed").exists() for t in runner.running):
             time.sleep(0.05)
-        time.sleep(0.5)
         runner.stop(signal.SIGTERM)
 
     threading.Thread(target=stop, daemon=True).start()
@@ -71,3 +72,23 @@ def test_a_signal_stops_the_runs_in_flight_and_starts_no_other(tmp_path):
     done = runner.run()
     assert time.time() - t0 < 30 and runner.stopping == "SIGTERM"
     assert done == {"a/trunk": 42, "b/trunk": 42}  # no branch started
+
+
+def test_a_run_stopped_while_starting_is_not_reported_as_failed(tmp_path, capsys):
+    class Starting(Runner):
+        def command(self, task):  # no SIGTERM handler yet, as a k2-train still importing
+            return [sys.executable, "-c", "import time\ntime.sleep(60)"]
+
+    runner = Starting(_tasks(tmp_path), jobs=2)
+    import threading
+
+    def stop():
+        while len(runner.running) < 2:
+            time.sleep(0.05)
+        runner.stop(signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    done = runner.run()
+    assert done == {"a/trunk": -signal.SIGTERM, "b/trunk": -signal.SIGTERM}
+    out, err = capsys.readouterr()
+    assert "FAILED" not in err and out.count("stopped while starting (nothing to save)") == 2, (out, err)
