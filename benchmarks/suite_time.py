@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 YARDSTICK = "test_expert_balance.py::test_k2_tiny_experts_leave_the_warmup_collapse"
 YARDSTICK_FILE = "tests/integration/test_expert_balance.py"
 #: pytest's last line: "==== 1 failed, 1070 passed, 1 skipped, 405 warnings in 602.40s (0:10:02) ===="
+#: a line of pytest's --durations list: "89.40s call     tests/integration/test_expert_balance.py::test_..."
+_DURATION = re.compile(r"^(?P<secs>[0-9.]+)s (?P<phase>call|setup|teardown) +(?P<test>\S+)$")
 _SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<secs>[0-9.]+)s(?: \([0-9:]+\))? =+$", re.M)
 
 
@@ -52,9 +54,14 @@ def parse_log(text: str) -> dict:
         out["pytest_s"] = float(secs)
         for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", counts):
             out["errors" if word.startswith("error") else word] = int(n)
+    slowest = []
     for line in text.splitlines():
-        if YARDSTICK in line and " call " in line:
-            out["yardstick_s"] = float(line.split("s", 1)[0])
+        m = _DURATION.match(line)
+        if m:
+            slowest.append([float(m["secs"]), m["phase"], m["test"]])
+            if YARDSTICK in line and m["phase"] == "call":
+                out["yardstick_s"] = float(m["secs"])
+    out["slowest"] = slowest  # pytest's --durations list: [seconds, phase, test]
     out["failed_tests"] = re.findall(r"^FAILED (\S+)", text, re.M)
     return out
 

@@ -39,6 +39,7 @@ def test_suite_time_reads_pytests_summary_and_judges_the_majority_of_runs():
     got = st.parse_log(log)
     assert (got["pytest_s"], got["passed"], got["failed"], got["skipped"]) == (602.4, 1070, 1, 1)
     assert got["yardstick_s"] == 89.4 and got["failed_tests"] == ["tests/unit/x.py::test_y"]
+    assert got["slowest"] == [[89.4, "call", f"tests/integration/{st.YARDSTICK}"]]
     run = {"ci_rc": 0, "pytest_s": 600.0, "yardstick_s": 90.0}
     slow, failed = {**run, "pytest_s": 800.0}, {**run, "ci_rc": 1}
     assert st.summarise([run, slow, run], 720)["goal_holds"]
