@@ -13,6 +13,7 @@ the compute nodes, and an all-to-all's host work takes ``comm_share`` of it whil
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -51,8 +52,8 @@ class Node:
     event: bool = True
     kind: str = ""
 
-    @property
-    def compute(self) -> float:
+    @functools.cached_property
+    def compute(self) -> float:  # (read once per node per pass of run_nodes: summed once)
         return sum(self.terms.values())
 
 
@@ -86,6 +87,9 @@ def _stretch(start: float, work: float, stolen: list) -> float:
     it goes elsewhere (1: the host thread's own compute, which runs first; an all-to-all on the wire: its
     ``comm_share``, :func:`run_nodes`); overlapping shares add up, to at most all of it."""
     live = [x for x in stolen if x[1] > start]
+    end = start + work
+    if all(a > start and a >= end for a, _, _ in live):  # (none starts before the work is done: full speed)
+        return end
     t, remaining = start, work
     for nxt in sorted({x for a, b, _ in live for x in (a, b) if x > start}) + [math.inf]:
         speed = 1.0 - min(1.0, sum(share for a, b, share in live if a <= t < b))
@@ -210,9 +214,9 @@ def _one_pass(
             if counts_queue_s and n.terms.get("ep_token_counts") and any(a < stop < b for a, b, _ in wires):
                 _add(terms, "ep_token_counts", counts_queue_s)  # (a wait: not the stream's own work)
                 stop += counts_queue_s
-            for t, v in n.terms.items():
-                _add(terms, t, v)
-                _add(compute, t, v)
+            for t, v in n.terms.items():  # (_add, inlined: the search's innermost loop)
+                terms[t] = terms.get(t, 0.0) + v
+                compute[t] = compute.get(t, 0.0) + v
             comp_free = stop
         end.append(stop)
         if n.event:
