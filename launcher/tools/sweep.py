@@ -11,6 +11,10 @@ the sweep then exits 42 (re-run the same command to continue).
 
 Each run writes its output to ``<run dir>/k2-train.log``; a finished cell gets ``cell.json`` (its wall-clock,
 the trunk's up to its branch point, the peak resident memory of its process, its final validation loss).
+
+Test seam: ``K2_TEST_SWEEP_PYTHON=PATH`` runs each run with that interpreter instead of this one (the tests
+point it at their fork server's client, so that a run skips a fresh interpreter's ~5 CPU-s import of torch
+and megatron-core; the peak resident memory recorded is then the client's).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from k2.model.flops import TRAINING_FACTOR, flops_per_token
 MULTIRUN_FLAGS = ("-m", "--multirun")
 LOG_FILE = "k2-train.log"
 _PROG = "k2-train -m"
+TEST_PYTHON_ENV = "K2_TEST_SWEEP_PYTHON"
 
 
 def split_multirun(argv: Sequence[str]) -> tuple[bool, list[str]]:
@@ -209,7 +214,7 @@ class Runner:
 
     def command(self, task: Task) -> list[str]:
         """The process of ``task``: ``k2-train <its overrides>`` in this interpreter."""
-        return [sys.executable, "-m", "k2.launcher.train", *task.overrides]
+        return [os.environ.get(TEST_PYTHON_ENV) or sys.executable, "-m", "k2.launcher.train", *task.overrides]
 
     def _start(self, task: Task) -> None:
         task.run_dir.mkdir(parents=True, exist_ok=True)

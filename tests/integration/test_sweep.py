@@ -24,8 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from k2.launcher.tools.sweep import TEST_PYTHON_ENV
 from support import REPO
-from support.distributed import rank_launch_cmd, trainer_env
+from support.distributed import fork_server_python, rank_launch_cmd, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +52,13 @@ SHORT = [
 CELL = Path("sparsity_4/seed_1/budget_40960")
 
 
-def _sweep(args, **kw) -> subprocess.CompletedProcess:
+def _sweep(args, forked_runs: Path | None = None) -> subprocess.CompletedProcess:
+    """``k2-train -m args``; with ``forked_runs`` (a directory for the wrapper) each of its runs is forked by
+    the session's fork server instead of a fresh interpreter (the sweep's test seam): the runs are the same
+    ``k2-train`` processes, without ~5 CPU-s of imports each."""
     cmd = rank_launch_cmd(1, ["-m", "k2.launcher.train"], ["-m", *args])
-    return subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=900, **kw)
+    env = trainer_env({TEST_PYTHON_ENV: fork_server_python(forked_runs)} if forked_runs else None)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -67,7 +72,7 @@ def _losses(run_dir: Path) -> dict[int, tuple]:
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory, stdlib_corpus):
     sweep_dir = tmp_path_factory.mktemp("sweep")
-    done = _sweep([*SHORT, f"sweep.dir={sweep_dir}"])
+    done = _sweep([*SHORT, f"sweep.dir={sweep_dir}"], forked_runs=tmp_path_factory.mktemp("python"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return sweep_dir, done
 
@@ -151,7 +156,7 @@ def test_a_branch_killed_midway_resumes_bitwise_and_a_second_run_trains_nothing(
     p.communicate(timeout=60)
     assert not (mine / CELL / "checkpoints" / "iter_0000020").exists(), "killed after its last step: retry"
     assert not (mine / CELL / "cell.json").exists()
-    again = _sweep(args)
+    again = _sweep(args, forked_runs=tmp_path)  # (the run killed above was a process of its own)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "1 partial" in again.stdout and "1 to train" in again.stdout, again.stdout
     assert _losses(mine / CELL) == _losses(sweep_dir / CELL)  # resumed from its own step 18, bit for bit
