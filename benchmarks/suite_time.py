@@ -68,8 +68,7 @@ def parse_log(text: str) -> dict:
 
 def one_run(index: int, keep: bool) -> dict:
     """Clone HEAD, run ``.ci/run`` there, and return the run's figures."""
-    clone = Path(tempfile.mkdtemp(prefix=f"k2-suite-time-{index}-"))
-    shutil.rmtree(clone)
+    clone = Path(tempfile.mkdtemp(prefix=f"k2-suite-time-{index}-"))  # (git clones into an empty directory)
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
 
     def git(*a: str) -> str:

@@ -213,7 +213,8 @@ class Runner:
         return env
 
     def command(self, task: Task) -> list[str]:
-        """The process of ``task``: ``k2-train <its overrides>`` in this interpreter."""
+        """The process of ``task``: ``k2-train <its overrides>`` in this interpreter (or the test seam's,
+        module docstring)."""
         return [os.environ.get(TEST_PYTHON_ENV) or sys.executable, "-m", "k2.launcher.train", *task.overrides]
 
     def _start(self, task: Task) -> None:

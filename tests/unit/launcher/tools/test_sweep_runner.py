@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,18 @@ def _tasks(root: Path) -> list[Task]:
             Task(f"{arm}/budget_{n}", root / arm / f"budget_{n}", (arm, "cell"), after=f"{arm}/trunk") for n in (1, 2)
         ]
     return out
+
+
+def _sigterm_when_both_run(runner: Runner, ready: str | None = None) -> None:
+    """SIGTERM to ``runner`` from another thread once two runs are in flight (and, with ``ready``, each has
+    written that file in its run dir: a loaded machine may take seconds to start python)."""
+
+    def stop():
+        while len(runner.running) < 2 or (ready and not all((t.run_dir / ready).exists() for t in runner.running)):
+            time.sleep(0.05)
+        runner.stop(signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
 
 
 class _Fake(Runner):
@@ -60,14 +73,7 @@ def test_a_signal_stops_the_runs_in_flight_and_starts_no_other(tmp_path):
             ]
 
     runner = Slow(_tasks(tmp_path), jobs=2)
-    import threading
-
-    def stop():  # once both runs have their handler (a loaded machine may take seconds to start python)
-        while len(runner.running) < 2 or not all((t.run_dir / "handler_installed").exists() for t in runner.running):
-            time.sleep(0.05)
-        runner.stop(signal.SIGTERM)
-
-    threading.Thread(target=stop, daemon=True).start()
+    _sigterm_when_both_run(runner, ready="handler_installed")
     t0 = time.time()
     done = runner.run()
     assert time.time() - t0 < 30 and runner.stopping == "SIGTERM"
@@ -80,14 +86,7 @@ def test_a_run_stopped_while_starting_is_not_reported_as_failed(tmp_path, capsys
             return [sys.executable, "-c", "import time\ntime.sleep(60)"]
 
     runner = Starting(_tasks(tmp_path), jobs=2)
-    import threading
-
-    def stop():
-        while len(runner.running) < 2:
-            time.sleep(0.05)
-        runner.stop(signal.SIGTERM)
-
-    threading.Thread(target=stop, daemon=True).start()
+    _sigterm_when_both_run(runner)
     done = runner.run()
     assert done == {"a/trunk": -signal.SIGTERM, "b/trunk": -signal.SIGTERM}
     out, err = capsys.readouterr()
