@@ -132,41 +132,46 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print("ready", flush=True)
-    while running:
-        try:
-            ready = select.select([server], [], [], 0.5)[0]
-        except InterruptedError:
-            continue
-        while launchers:  # reap the launchers that finished
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            launchers.discard(pid)
-        if not ready:
-            continue
-        conn, _ = server.accept()
-        try:
-            request, fds = _recv_request(conn)
-        except (ConnectionError, ValueError):
+    try:  # (an error in the loop still stops every launcher and removes the socket)
+        while running:
+            try:
+                ready = select.select([server], [], [], 0.5)[0]
+            except InterruptedError:
+                continue
+            while launchers:  # reap the launchers that finished
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                launchers.discard(pid)
+            if not ready:
+                continue
+            conn, _ = server.accept()
+            try:
+                request, fds = _recv_request(conn)
+            except (ConnectionError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:  # the launcher: never back into this loop or its cleanup (os._exit)
+                try:
+                    server.close()
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                    _launcher(conn, request, fds)
+                finally:
+                    os._exit(1)
+            launchers.add(pid)
+            for fd in fds:
+                os.close(fd)
             conn.close()
-            continue
-        pid = os.fork()
-        if pid == 0:
-            server.close()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            _launcher(conn, request, fds)
-        launchers.add(pid)
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-    for pid in launchers:  # the session is over: nothing it started may outlive it
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    server.close()
-    os.unlink(path)
+    finally:
+        for pid in launchers:  # the session is over: nothing it started may outlive it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.close()
+        os.unlink(path)
 
 
 if __name__ == "__main__":
