@@ -203,11 +203,16 @@ def step_nodes(f: StagePlan | None, b: StagePlan | None, decouple_wgrad: bool, o
     return nodes
 
 
-def stage_plans(model, dims, schedule_work_half_s: float, copies_s: list) -> list[StagePlan]:
+def stage_plans(
+    model, dims, schedule_work_half_s: float, copies_s: list, host_s: list | None = None
+) -> list[StagePlan]:
     """Per virtual stage its :class:`StagePlan` from ``model``
     (:class:`k2.launcher.planning.stage_model.StageModel`: layers by node, the embedding, the loss, the
-    MTP what-if), the pipeline schedule's own work per microbatch (half before each pass) and the stage's
-    activation copies (``copies_s``: seconds each way)."""
+    MTP what-if), the pipeline schedule's own work per microbatch (half before each pass), the stage's
+    activation copies (``copies_s``: seconds each way) and the host's exposed seconds of its forward and
+    backward (``host_s``: per stage ``(forward, backward)``, :mod:`k2.launcher.planning.host_bound`; None =
+    none): a pass's compute waits for the host as it does without the overlap, so the combined 1F1B charges
+    them on the compute stream too (before each pass's first node)."""
     cache: dict = {}
 
     def get(key, make):
@@ -227,12 +232,16 @@ def stage_plans(model, dims, schedule_work_half_s: float, copies_s: list) -> lis
             if tail and model.wi.mtp_layers:
                 tail += [get("mtp", model.mtp)] * model.wi.mtp_layers
             sched = {"schedule": schedule_work_half_s} if schedule_work_half_s else {}
+            host_f, host_b = host_s[v * dims.pp + r] if host_s else (0.0, 0.0)
             plans.append(
                 StagePlan(
                     layers=layers,
-                    pre_f={"F": _merged(emb["F"], sched)},
+                    pre_f={"F": _merged(emb["F"], sched, {"host": host_f} if host_f else {})},
                     post_f={"F": _merged(*(x["F"] for x in tail))},
-                    pre_b={"B": _merged(*(x["B"] for x in tail), sched), "W": _merged(*(x["W"] for x in tail))},
+                    pre_b={
+                        "B": _merged(*(x["B"] for x in tail), sched, {"host": host_b} if host_b else {}),
+                        "W": _merged(*(x["W"] for x in tail)),
+                    },
                     post_b={"B": dict(emb["B"]), "W": dict(emb["W"])},
                     offload_f=copies_s[v * dims.pp + r],
                     offload_b=copies_s[v * dims.pp + r],

@@ -146,17 +146,19 @@ def ep_comm_costs(
     what_if: WhatIf,
     schedule_work_half_s: float,
     copy_s: list[float],
+    host_s: list[tuple[float, float]] | None = None,
 ) -> OverlapCosts | None:
     """The EP all-to-alls by kind and the combined 1F1B's steps (:class:`k2.launcher.planning.ep_overlap.
     OverlapCosts`, with what an all-to-all on the wire takes from the compute beside it: on a GPU the SMs of
     its kernel, NCCL's or DeepEP's, :meth:`~k2.launcher.planning.hardware.HardwareProfile.comm_share`, on
     the host's thread the profile's ``alltoall_host_cpu_share``); None without EP or experts, and under
-    DualPipe (:func:`hide_ep_comm_dualpipe`)."""
+    DualPipe (:func:`hide_ep_comm_dualpipe`). ``host_s``: per virtual stage the ``host`` term of its forward
+    and backward (:func:`k2.launcher.planning.ep_overlap.stage_plans`)."""
     if dims.ep > 1 and model.s["E"] and not what_if.dualpipe:
         host = device.comm_stream == HOST_THREAD
         share = device.alltoall_host_cpu_share if host else device.comm_share(deepep=what_if.deepep)
         return OverlapCosts(
-            stage_plans(model, dims, schedule_work_half_s, copy_s),
+            stage_plans(model, dims, schedule_work_half_s, copy_s, host_s),
             device.comm_stream,
             bool(cfg.pipeline.decouple_wgrad),
             share,

@@ -229,7 +229,8 @@ def step_time(
     copy_s = add_offload(stages, offload_bytes, device, dims.pp * dims.vpp)
     if what_if.dualpipe:
         hide_ep_comm_dualpipe(stages)
-    ep_costs = ep_comm_costs(cfg, model, dims, device, what_if, schedule_work_half_s, copy_s)
+    host_s = [(s["F"].get(HOST_TERM, 0.0), s["B"].get(HOST_TERM, 0.0)) for s in stages]
+    ep_costs = ep_comm_costs(cfg, model, dims, device, what_if, schedule_work_half_s, copy_s, host_s)
     pp_send_s = pp_send_seconds(dims, tokens * model.s["h"] * model.a, device)
     micro = microbatch_split(num_microbatches, dims.pp, what_if.pipeline_flushes, max_microbatches)
     if ep_overlap is None:

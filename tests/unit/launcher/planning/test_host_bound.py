@@ -79,3 +79,16 @@ def test_a_grace_host_issues_operators_slower_than_a_dgx_xeon():
         assert grace.host_forward_operator_us == pytest.approx(x86.host_forward_operator_us * 37.08 / 13.48, rel=0.01)
         assert grace.host_backward_operator_us == pytest.approx(x86.host_backward_operator_us * 37.08 / 13.48, rel=0.01)
     assert load_profile("b200").host_forward_operator_us == x86.host_forward_operator_us
+
+
+def test_the_ep_overlap_keeps_the_host_term(moonlight):
+    """megatron's combined 1F1B issues the same operators from the same host thread: with
+    ``pipeline.ep_overlap`` the step keeps the host's exposed seconds (one microbatch: nothing to pair, so
+    the same step as without)."""
+    from k2.launcher.planning.published import compare_run
+
+    run, plain = moonlight
+    overlap = compare_run(run, ["pipeline.ep_overlap=true"])
+    assert "ep_comm_sms" in overlap["breakdown_s"]  # (the overlap's model ran)
+    assert overlap["breakdown_s"]["host"] == pytest.approx(plain["breakdown_s"]["host"], rel=1e-9)
+    assert overlap["step_s"] == pytest.approx(plain["step_s"], rel=1e-6)
