@@ -15,6 +15,13 @@ class ClusterConfig:
 
     nodes: int = 1
     gpus_per_node: int = 8
+    # where an NVLink domain spans hosts (an NVL72 rack: 18 trays of 4 GPUs), the job's consecutive nodes that
+    # share one domain: Slurm's --segment under its topology/block plugin. null = the whole job in one rack
+    # when it fits one, else 16 (64 GPUs per rack: NVIDIA's recommended segment for jobs of 128 GPUs and
+    # more, e.g. MoE training; "Achieving Peak System and Workload Efficiency on NVIDIA GB200 NVL72 with Slurm
+    # Block Scheduling", NVIDIA technical blog). k2-plan places PP, EP and DP groups by it: a group that
+    # straddles two segments crosses the network. Not used for profiles whose domain is one host
+    segment_nodes: int | None = None
     # memory of one GPU, GiB; null = the one plan.hardware's profile names (h800 / h100: 80, h200: 141), 80
     # for a profile without one (e.g. a CPU machine's, measured by k2-bench bench=hardware)
     gpu_memory_gib: float | None = None

@@ -28,6 +28,11 @@ def check_cluster(c: ClusterConfig) -> None:
     for key in ("nodes", "gpus_per_node"):
         if getattr(c, key) < 1:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be an integer >= 1")
+    if c.segment_nodes is not None and (c.segment_nodes < 1 or c.nodes % c.segment_nodes):
+        raise ConfigError(
+            f"cluster.segment_nodes={c.segment_nodes}: allowed: null or a divisor of cluster.nodes={c.nodes} "
+            "(Slurm's --segment: the job's nodes come in whole segments)"
+        )
     for key, allowed in _OPTIONAL_POSITIVE:
         v = getattr(c, key)
         if v is not None:

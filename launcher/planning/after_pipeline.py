@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from k2.launcher.planning.comm import crosses_nodes, fsdp_exposed, ring_seconds
+from k2.launcher.planning.comm import fsdp_exposed, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.optimizer_time import optimizer_time
+from k2.launcher.planning.placement import block_crosses
 
 if TYPE_CHECKING:
     from k2.config.schema import K2Config
@@ -56,7 +57,7 @@ def dp_comm_terms(
     ran it (the ``fsdp`` what-if): the dense gradients reduced in FP32 (reduce_dtype), the experts' in their
     BF16 dtype (no mixed-precision policy on their fully_shard), both gathered in BF16, per flush
     (:func:`k2.launcher.planning.comm.fsdp_exposed`)."""
-    cross = crosses_nodes(dims.world_size // dims.pp, device)
+    cross = block_crosses(dims.world_size, dims.pp, device.domain_gpus)
     reduce_scatter_s = ring_seconds(4 * rank.dense, dims.dp, cross, device) + ring_seconds(
         (2 if fsdp else 4) * rank.expert, dims.expert_dp, cross, device
     )

@@ -62,13 +62,48 @@ def stage_costs(fl, dims, tokens: int, tflops: float, recompute=()) -> tuple[lis
     return F, B, W
 
 
+#: nodes per NVLink segment on a multi-host domain when ``cluster.segment_nodes`` is null and the job
+#: spans racks: NVIDIA's recommended Slurm ``--segment`` for jobs of 128+ GPUs on GB200 NVL72 (16 trays)
+DEFAULT_SEGMENT_NODES = 16
+
+
 def cluster_profile(cfg: K2Config):
     """The hardware profile ``plan.hardware`` names, on ``cluster.gpus_per_node`` GPUs per host: the
     cluster's node is a host (its memory, its CPUs); the NVLink domain, which decides the links a group
-    crosses, is the profile's ``nvlink_domain_gpus`` where it gives one (an NVL72 rack), else the node."""
+    crosses, is the node, or where the profile's ``nvlink_domain_gpus`` spans hosts (an NVL72 rack) the
+    job's part of one (:func:`job_domain_gpus`).
+
+    Raises:
+        ConfigError: ``cluster.segment_nodes`` holds more GPUs than the profile's NVLink domain.
+    """
     import dataclasses
 
-    return dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_host=int(cfg.cluster.gpus_per_node))
+    gpn = int(cfg.cluster.gpus_per_node)
+    prof = dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_host=gpn)
+    if prof.nvlink_domain_gpus and prof.nvlink_domain_gpus > gpn:
+        prof = dataclasses.replace(prof, nvlink_domain_gpus=job_domain_gpus(cfg, prof.nvlink_domain_gpus))
+    return prof
+
+
+def job_domain_gpus(cfg: K2Config, domain: int) -> int:
+    """The GPUs of the job that share one NVLink domain of ``domain`` GPUs spanning hosts: ``cluster.
+    segment_nodes`` x ``cluster.gpus_per_node``; null: the whole job when it fits one domain, else segments
+    of :data:`DEFAULT_SEGMENT_NODES` nodes where they divide the job and fit a domain, else the largest
+    node count that does (18 for whole NVL72 racks of 4-GPU trays)."""
+    from k2.config.errors import ConfigError
+
+    gpn, nodes, seg = int(cfg.cluster.gpus_per_node), int(cfg.cluster.nodes), cfg.cluster.segment_nodes
+    if seg is None:
+        if nodes * gpn <= domain:
+            return domain
+        fits = [n for n in range(max(1, domain // gpn), 0, -1) if nodes % n == 0]
+        return gpn * (DEFAULT_SEGMENT_NODES if DEFAULT_SEGMENT_NODES in fits else fits[0])
+    if int(seg) * gpn > domain:
+        raise ConfigError(
+            f"cluster.segment_nodes={seg}: {seg} x cluster.gpus_per_node={gpn} GPUs exceed plan.hardware's "
+            f"NVLink domain of {domain} GPUs; allowed: 1 to {domain // gpn}, or null"
+        )
+    return int(seg) * gpn
 
 
 #: host memory per node planned with when neither ``cluster.host_memory_gib`` nor the profile names one

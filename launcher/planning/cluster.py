@@ -336,6 +336,8 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
         "ep_comm_s": st.ep_comm,
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
         "hardware": cluster_profile(cfg).name,
+        # GPUs of the job per NVLink domain (the node, or its part of an NVL72 rack: cluster.segment_nodes)
+        "nvlink_domain_gpus": cluster_profile(cfg).domain_gpus,
         # the layers' GEMMs: train.fp8_recipe's FP8 scaling, else train.precision
         "gemm_precision": str(cfg.train.fp8_recipe or cfg.train.precision),
         "what_if": st.what_if,

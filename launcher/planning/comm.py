@@ -1,12 +1,13 @@
 """Communication of one training step for ``k2-plan``'s step-time model: bytes and seconds per GPU.
 
 Placement (megatron-core's rank order ``tp-cp-ep-dp-pp``, :func:`k2.launcher.planning.analysis.pp_rank_of`)
-against the profile's NVLink domain (``domain_gpus``: one host's GPUs, or an NVL72 rack's 72): an EP group is
-``ep`` consecutive ranks (expert TP 1: megatron's expert rank order ``etp-ep-dp-pp``), so it stays on NVLink
-while ``ep <= domain_gpus``; a DP group (and an expert-DP group) lies inside one PP rank's ``world / pp``
-consecutive ranks and leaves the domain when those exceed it; consecutive PP ranks are ``world / pp`` ranks
-apart, so their activations cross domains when ``world / pp >= domain_gpus``. "Across nodes" below means
-across NVLink domains (the network).
+against the profile's NVLink domain (``domain_gpus``: one host's GPUs, or an NVL72 rack's 72), rank by rank
+(:mod:`k2.launcher.planning.placement`): an EP group is ``ep`` consecutive ranks (expert TP 1: megatron's
+expert rank order ``etp-ep-dp-pp``), on NVLink where it lies inside one domain, partly across the network
+where it straddles two (EP64 in a 72-GPU rack); a DP group (and an expert-DP group) lies inside one PP
+rank's ``world / pp`` consecutive ranks and leaves the domain when those span two; a PP send crosses
+domains wherever consecutive stages sit in different domains. "Across nodes" below means across NVLink
+domains (the network).
 
 Rates: a link carries ``bytes / achieved GB/s`` (the profile's measured all-to-all / collective figures,
 not the link peaks), plus the profile's per-message latency across nodes. An all-to-all uses the
@@ -15,7 +16,6 @@ intra-node and inter-node links at once (NCCL and DeepEP both do), so it takes t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from k2.launcher.planning.hardware import HardwareProfile
@@ -56,36 +56,51 @@ def ep_alltoall(
     bytes_per_element: float,
     deepep: bool = False,
     node_limit: int | None = None,
+    pieces: tuple[tuple[int, ...], ...] | None = None,
 ) -> AllToAll:
     """Dispatch (or combine) of ``tokens`` tokens (one GPU's), ``k`` expert copies each, over an EP group of
     ``ep`` consecutive ranks (expert TP 1).
 
-    Each copy of ``hidden`` elements goes to the rank holding its expert; balanced routing sends
-    ``(ep - 1) / ep`` of them off the rank, ``(g - 1) / ep`` inside the NVLink domain (``g = min(ep,
-    domain_gpus)`` EP ranks per domain) and ``(ep - g) / ep`` across domains, at NCCL's all-to-all rates
-    (megatron's ``alltoall`` dispatcher). ``deepep`` (megatron's ``flex`` dispatcher, a what-if): DeepEP's
-    rates, and its NVLink forwarding: a token crosses the network once per remote domain it visits
-    (:func:`expected_nodes_hit`), then NVLink fans it out.
+    Each copy of ``hidden`` elements goes to the rank holding its expert; balanced routing sends, from a
+    rank whose NVLink domain holds ``c`` of the group's ranks, ``(c - 1) / ep`` of them inside the domain
+    and ``(ep - c) / ep`` across domains, at NCCL's all-to-all rates (megatron's ``alltoall`` dispatcher).
+    ``deepep`` (megatron's ``flex`` dispatcher, a what-if): DeepEP's rates, and its NVLink forwarding: a
+    token crosses the network once per other domain it visits (a domain holding ``d`` of the ``ep`` ranks
+    is visited with probability ``1 - (1 - d / ep)^k``; at most ``node_limit`` domains in all,
+    :func:`expected_nodes_hit`), then NVLink fans it out. The all-to-all ends with its slowest rank.
+
+    Args:
+        pieces: how the layout's EP groups fall across NVLink domains, per distinct pattern the sizes of
+            its parts (:func:`k2.launcher.planning.placement.ep_group_pieces`); None: aligned, ``min(ep,
+            domain_gpus)`` ranks per domain.
 
     Returns:
-        :class:`AllToAll` (bytes and seconds per GPU).
+        :class:`AllToAll` (bytes and seconds of the slowest rank).
     """
     if ep <= 1 or tokens <= 0 or k <= 0:
         return AllToAll(0.0, 0.0, 0.0)
-    g = max(1, min(ep, profile.domain_gpus))
+    if pieces is None:
+        g = max(1, min(ep, profile.domain_gpus))
+        pieces = ((g,) * (ep // g) + ((ep % g,) if ep % g else ()),)
     per_copy = hidden * bytes_per_element
-    copies = tokens * k
-    intra = copies * (g - 1) / ep * per_copy
-    nodes = math.ceil(ep / g)
-    if nodes <= 1:
-        inter = 0.0
-    elif deepep:
-        inter = tokens * expected_nodes_hit(k, nodes, node_limit) * (nodes - 1) / nodes * per_copy
-    else:
-        inter = copies * (ep - g) / ep * per_copy
     nvlink, network = profile.alltoall_gbps(deepep)
-    seconds = max(intra / (nvlink * 1e9), inter / (network * 1e9) + (profile.network_latency_us * 1e-6 if inter else 0))
-    return AllToAll(intra, inter, seconds)
+    slowest = AllToAll(0.0, 0.0, -1.0)
+    for pattern in pieces:
+        for i, c in enumerate(pattern):
+            intra = tokens * k * (c - 1) / ep * per_copy
+            if deepep:
+                others = pattern[:i] + pattern[i + 1 :]
+                hits = sum(1 - (1 - d / ep) ** k for d in others)
+                if node_limit and others:
+                    hits = min(hits, node_limit * len(others) / len(pattern))
+                inter = tokens * hits * per_copy
+            else:
+                inter = tokens * k * (ep - c) / ep * per_copy
+            latency = profile.network_latency_us * 1e-6 if inter else 0.0
+            seconds = max(intra / (nvlink * 1e9), inter / (network * 1e9) + latency)
+            if seconds > slowest.seconds:
+                slowest = AllToAll(intra, inter, seconds)
+    return slowest
 
 
 def crosses_nodes(group_span: int, profile: HardwareProfile) -> bool:

@@ -22,9 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from k2.launcher.planning.comm import crosses_nodes, host_copy_seconds, ring_seconds
+from k2.launcher.planning.comm import host_copy_seconds, ring_seconds
 from k2.launcher.planning.hardware import HardwareProfile
 from k2.launcher.planning.kernels import KernelRates, gemm_seconds
+from k2.launcher.planning.placement import block_crosses
 from k2.optim.registry import MatrixStep, optimizer_spec
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def optimizer_time(
     kernels = 10 if fused else unfused_operators(math.ceil(tensors / dims.dp))
     update = shard * spec.main_update.update_bytes / rates.memory_bytes + kernels * rates.launch_s
     ns = gather = 0.0
-    span = dims.world_size // dims.pp
+    cross = block_crosses(dims.world_size, dims.pp, profile.domain_gpus)
     if spec.matrix_step is not None:
         dense, expert = matrices(model_cfg, layers, moe_pattern, dims.ep)
         ns = (
@@ -139,8 +140,8 @@ def optimizer_time(
         )
         dense_numel = sum(a * b for a, b in dense)
         expert_numel = sum(a * b for a, b in expert)
-        gather = ring_seconds(4 * dense_numel, dims.dp, crosses_nodes(span, profile), profile) + ring_seconds(
-            4 * expert_numel, edp, crosses_nodes(span, profile), profile
+        gather = ring_seconds(4 * dense_numel, dims.dp, cross, profile) + ring_seconds(
+            4 * expert_numel, edp, cross, profile
         )
     state = _MASTER_BYTES + spec.main_update.state_bytes
     offload = 2 * host_copy_seconds(offload_fraction * shard * state, profile)

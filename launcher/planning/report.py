@@ -39,7 +39,7 @@ def format_text(plan: dict[str, Any]) -> str:
     lines += [
         f"k2-plan: model={plan['model']} parallel={plan['parallel']} on {plan['nodes']} "
         f"node{'s' if plan['nodes'] != 1 else ''} x "
-        f"{plan['gpus_per_node']} GPUs = {plan['world_size']} ranks",
+        f"{plan['gpus_per_node']} GPUs = {plan['world_size']} ranks{_domain_note(plan)}",
         f"  tp {plan['tp']} x pp {plan['pp']} x dp {plan['dp']} (ep {plan['ep']} x expert-dp "
         f"{plan['expert_dp']}); vpp {plan['vpp']}; {plan['num_layers']} layers ({p['num_dense_layers']} "
         f"dense, {p['num_moe_layers']} MoE); layout {plan['megatron_layout'] or '(megatron default)'}",
@@ -263,11 +263,21 @@ def _overlap_cell(p: dict[str, Any]) -> str:
     return "on" if p.get("ep_overlap") else ("-" if p.get("ep_overlap_note") == NOT_REQUESTED else "off")
 
 
+def _domain_note(plan: dict[str, Any]) -> str:
+    """Where the NVLink domain spans nodes (an NVL72 rack): the job's GPUs per domain, which decide what
+    crosses the network; empty where it is one node."""
+    d, gpn = plan.get("nvlink_domain_gpus"), plan["gpus_per_node"]
+    if not d or d <= gpn:
+        return ""
+    return f"; {d // gpn} nodes = {d} GPUs per NVLink domain: cluster.segment_nodes"
+
+
 def format_verdict(plan: dict[str, Any]) -> list[str]:
     """``plan.search``'s verdict, the first lines k2-plan prints (:mod:`k2.launcher.planning.verdict`)."""
     v, world = plan["verdict"], plan["world_size"]
     best = v["recommended"]
-    where = f"{plan['model']} on {world} x {plan['hardware']} ({plan['nodes']} nodes x {plan['gpus_per_node']})"
+    nodes = f"{plan['nodes']} node{'s' if plan['nodes'] != 1 else ''}"
+    where = f"{plan['model']} on {world} x {plan['hardware']} ({nodes} x {plan['gpus_per_node']}{_domain_note(plan)})"
     if best is None:
         return [
             f"verdict: {where}: no layout can run the schedule (the global batch does not split into whole "

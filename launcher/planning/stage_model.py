@@ -28,6 +28,7 @@ from k2.launcher.planning.kernels import (
     grouped_gemm_seconds,
 )
 from k2.launcher.planning.operator_counts import ATTENTION_KERNELS, MOE_NODE_OPERATORS, OPERATORS
+from k2.launcher.planning.placement import ep_group_pieces
 from k2.launcher.planning.tp_layout import attention_gemms, collectives, up_proj_gemms
 from k2.launcher.planning.what_if import WhatIf
 
@@ -412,6 +413,7 @@ class StageModel:
                 bytes_per_element=b,
                 deepep=wi.deepep,
                 node_limit=self._node_limit(),
+                pieces=self._ep_pieces(),
             )
             for b in (dispatch_bytes, self.a)
         ]
@@ -421,8 +423,12 @@ class StageModel:
     def _token_counts_group(self) -> tuple[int, bool]:
         """The ranks of the token-count all-gather (megatron's ``tp_ep`` group: expert TP x EP, so the EP
         group with expert TP 1) and whether it crosses NVLink domains."""
-        group = self.dims.ep
-        return group, crosses_nodes(group, self.profile)
+        return self.dims.ep, any(len(p) > 1 for p in self._ep_pieces())
+
+    def _ep_pieces(self) -> tuple[tuple[int, ...], ...]:
+        """How the layout's EP groups fall across NVLink domains (:mod:`k2.launcher.planning.placement`)."""
+        d = self.dims
+        return ep_group_pieces(d.world_size, d.pp, d.ep, self.profile.domain_gpus)
 
     def token_counts_s(self) -> float:
         """Seconds of the all-gather of the token counts per expert in one MoE layer's forward

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from k2.launcher.planning.comm import host_copy_seconds, p2p_seconds
 from k2.launcher.planning.ep_overlap import OverlapCosts, stage_plans
 from k2.launcher.planning.hardware import HOST_THREAD, HardwareProfile
+from k2.launcher.planning.placement import pp_hop_crosses
 from k2.launcher.planning.stage_model import StageModel, _add
 from k2.launcher.planning.what_if import WhatIf
 
@@ -170,9 +171,9 @@ def ep_comm_costs(
 
 def pp_send_seconds(dims, activation_bytes: float, device: HardwareProfile) -> float:
     """One PP send of a microbatch's ``tokens x hidden`` activations (``activation_bytes``): consecutive PP
-    ranks are world / pp ranks apart, in other NVLink domains once that is a domain or more."""
-    world_span = dims.world_size // dims.pp
-    return p2p_seconds(activation_bytes, world_span >= device.domain_gpus, device)
+    ranks are world / pp ranks apart, priced across NVLink domains where some hop leaves its domain
+    (:func:`k2.launcher.planning.placement.pp_hop_crosses`)."""
+    return p2p_seconds(activation_bytes, pp_hop_crosses(dims.world_size, dims.pp, device.domain_gpus), device)
 
 
 def _hide_behind(comm: float, compute: float) -> float:
