@@ -124,6 +124,8 @@ def sbatch_options(cfg: K2Config) -> list[str]:
         ("submit.job_name", f"--job-name={sub.job_name}"),
         ("cluster.nodes", f"--nodes={cl.nodes}"),
         ("cluster.gpus_per_node", f"--ntasks-per-node={cl.gpus_per_node}"),
+        # the job's nodes in whole NVLink segments (Slurm's topology/block plugin; k2-plan places by them)
+        *([("cluster.segment_nodes", f"--segment={cl.segment_nodes}")] if cl.segment_nodes is not None else []),
         *([("cluster.gpus_per_node", f"--gpus-per-node={cl.gpus_per_node}")] if sub.request_gpus else []),
         *([("submit.cpus_per_task", f"--cpus-per-task={sub.cpus_per_task}")] if sub.cpus_per_task is not None else []),
         ("", "--exclusive"),

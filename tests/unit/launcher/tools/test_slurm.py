@@ -200,6 +200,15 @@ def test_render_sbatch_lines_and_run_dir(tmp_path):
     assert "K2_PYTHON" not in text
 
 
+def test_the_nvlink_segment_k2_plan_placed_by_is_asked_of_slurm(tmp_path):
+    """``cluster.segment_nodes`` (k2-plan's placement on NVL72 racks) becomes ``#SBATCH --segment``; left
+    null, no such line."""
+    ov = ["parallel=pp2", "cluster.nodes=2", "cluster.gpus_per_node=4", f"run.dir={tmp_path}/r"]
+    assert not [ln for ln in _sbatch_lines(render_sbatch(load_config(ov), ov)) if ln.startswith("--segment")]
+    ov.append("cluster.segment_nodes=2")
+    assert "--segment=2" in _sbatch_lines(render_sbatch(load_config(ov), ov))
+
+
 def test_master_port_in_bash_equals_master_port(tmp_path):
     """The script's shell arithmetic gives k2.parallel.hostlist.master_port's port."""
     line = next(ln for ln in render_sbatch(load_config([]), []).splitlines() if "MASTER_PORT=" in ln)
