@@ -57,7 +57,7 @@ from k2.launcher.planning.analysis import (
 from k2.launcher.planning.checkpoint import checkpoint_plan
 from k2.launcher.planning.pipeline_sim import PipelineResult
 from k2.launcher.planning.search import WORLD_FROM
-from k2.launcher.planning.verdict import search_verdict, with_layout
+from k2.launcher.planning.verdict import search_verdict, with_global_batch, with_layout
 from k2.model.flops import mfu
 from k2.model.params import ModelParams, count_params
 from k2.parallel.dims import ParallelDims
@@ -124,6 +124,8 @@ def plan_cluster(cfg: K2Config) -> ClusterPlan:
     if cfg.plan.search:  # the search first: the plan below is of the layout it recommends (verdict module)
         counts = _count_params(cfg)
         rows, verdict = search_verdict(cfg, world, counts)
+        if verdict["global_batch_rounded"]:  # (the search's batch: the plan below is of it too)
+            cfg = with_global_batch(cfg, verdict["global_batch_rounded"]["to"])
         if verdict["recommended"] is not None:
             cfg = with_layout(cfg, verdict["recommended"])  # (parallel.* only: the counts stand)
     check_model_parallel_group(cfg, world)
@@ -180,6 +182,11 @@ def _verdict(verdict: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
         "dominant": [list(t) for t in terms[:2]],
         "memory_per_gpu_bytes": report["memory_per_gpu_bytes"]["total"],
         "gpu_memory_bytes": report["gpu_memory_bytes"],
+        # the limits that fail, each phase's worst: GPU memory, host memory per node
+        "fits_gpu": all(p["fits_gpu"] for p in report["phases"]),
+        "fits_host": all(p["fits_host"] for p in report["phases"]),
+        "host_bytes_per_node": max(p["host_bytes_per_node"] for p in report["phases"]),
+        "host_memory_bytes_per_node": report["host_memory_bytes_per_node"],
     }
 
 

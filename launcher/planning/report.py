@@ -263,6 +263,19 @@ def _overlap_cell(p: dict[str, Any]) -> str:
     return "on" if p.get("ep_overlap") else ("-" if p.get("ep_overlap_note") == NOT_REQUESTED else "off")
 
 
+def _limits(v: dict[str, Any]) -> str:
+    """The verdict's memory line's tail where the layout does not fit: which limit fails (host memory per
+    node names its figures; the GPU's are on the line already)."""
+    if v["fits"]:
+        return ""
+    failed = ([] if v.get("fits_gpu", True) else ["GPU memory"]) + (
+        []
+        if v.get("fits_host", True)
+        else [f"host memory: {_gib(v['host_bytes_per_node'])} of {_gib(v['host_memory_bytes_per_node'])} GiB per node"]
+    )
+    return f" (over: {'; '.join(failed)})" if failed else ""
+
+
 def _domain_note(plan: dict[str, Any]) -> str:
     """Where the NVLink domain spans nodes (an NVL72 rack): the job's GPUs per domain, which decide what
     crosses the network; empty where it is one node."""
@@ -300,16 +313,21 @@ def format_verdict(plan: dict[str, Any]) -> list[str]:
         f"{'recommended' if v['fits'] else 'closest (the least memory per GPU)'} layout {shape}"
         + ("" if best.get("k2_train_runs", True) else " (k2-train runs TP 1 only)"),
         f"  step {v['step_time_s_estimated']:.4g} s (MFU {100 * v['mfu_estimated']:.1f}%), dominated by {dom}; "
-        f"{_gib(v['memory_per_gpu_bytes'])} of {_gib(v['gpu_memory_bytes'])} GiB per GPU",
+        f"{_gib(v['memory_per_gpu_bytes'])} of {_gib(v['gpu_memory_bytes'])} GiB per GPU" + _limits(v),
         f"  {settings}",
     ]
+    if r := v.get("global_batch_rounded"):
+        lines.append(
+            f"  global batch rounded: schedule.global_batch_tokens={r['to']:,} (was {r['from']:,}, which no layout "
+            f"of {world} GPUs splits into whole microbatches in every phase)"
+        )
     if not v["fits"]:
         n = v["smallest_fitting_gpus"]
         lines.append(
-            f"  smallest GPU count that fits: {n} ({n // plan['gpus_per_node']} nodes; tried "
-            f"{plan['nodes']} x 2, 4, ... 64 nodes)"
+            f"  smallest GPU count that fits: {n} ({n // plan['gpus_per_node']} nodes; "
+            f"{v['smallest_fitting_searched']})"
             if n
-            else f"  nothing fits up to {64 * world} GPUs of this kind"
+            else f"  nothing fits up to {64 * world} GPUs of this kind ({v['smallest_fitting_searched']})"
         )
     elif v["unneeded_memory_settings"]:
         step = v["step_time_s_estimated"]

@@ -5,8 +5,10 @@ what to change when nothing does or when the GPU is larger than the memory setti
   those that fit first, each group by the estimated step); when none fits, the layout needing the least
   memory per GPU (of those whose memory is computed, not bounded below). With ``plan.search`` the plan printed below the
   verdict is of that layout, not of ``parallel.*`` (which may not even divide the cluster).
-* **When nothing fits**, the smallest GPU count that does among the cluster's node count times 2, 4, ...
-  64 (each searched the same way; the layouts of a count are tried until one fits), or None past that.
+* **When nothing fits**, the smallest node count that does: the cluster's node count times 2, 4, ... 64
+  until one fits (each count searched the same way; its layouts tried until one fits), then every node
+  count between that and the last that did not, from the lowest up (bisection first where they are more
+  than :data:`_SCAN` apart); None when nothing fits up to 64 times the cluster.
 * **Memory settings a larger GPU does not need**: for the recommended layout, each group of ``memory.*``
   (``offload``, ``recompute``, ``fp8_store``; a schedule phase's own settings are kept) and
   ``optim.offload_fraction`` set to nothing, one at a time; those with which every phase still fits are
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from omegaconf import OmegaConf
 
 from k2.launcher.planning.analysis import analyse_layout
-from k2.launcher.planning.search import WORLD_FROM, layout_candidates, search_layouts
+from k2.launcher.planning.search import WORLD_FROM, _tp_pp_vpp, layout_candidates, search_layouts
 from k2.parallel.dims import ParallelDims
 from k2.schedules.resolve import resolve_schedule
 
@@ -33,11 +35,14 @@ __all__ = [
     "layout_settings",
     "search_verdict",
     "smallest_fitting_world",
+    "with_global_batch",
     "unneeded_memory_settings",
 ]
 
 #: node-count multiples tried for the smallest GPU count that fits (each is a search of its own)
 _GROW = (2, 4, 8, 16, 32, 64)
+#: node counts scanned one by one (below the first multiple that fits); a wider stretch is bisected first
+_SCAN = 32
 #: the memory settings a larger GPU may not need, each with its "off" value
 _MEMORY_SETTINGS: tuple[tuple[str, Any], ...] = (
     ("memory.offload", []),
@@ -63,6 +68,11 @@ def layout_settings(row: dict[str, Any]) -> dict[str, Any]:
 def with_layout(cfg: K2Config, row: dict[str, Any]) -> K2Config:
     """``cfg`` with the row's layout as its ``parallel.*``."""
     return _merge(cfg, {"parallel": {**layout_settings(row), "name": "search"}})
+
+
+def with_global_batch(cfg: K2Config, tokens: int) -> K2Config:
+    """``cfg`` with ``schedule.global_batch_tokens`` set to ``tokens``."""
+    return _merge(cfg, {"schedule": {"global_batch_tokens": int(tokens)}})
 
 
 def _merge(cfg: K2Config, *others: Any) -> K2Config:
@@ -127,23 +137,68 @@ def faster_memory_settings(
     return {"overrides": chosen, "step_time_s": step_s} if chosen else None
 
 
-def smallest_fitting_world(cfg: K2Config, counts) -> int | None:
-    """The smallest GPU count among ``cluster.nodes`` x :data:`_GROW` on which some layout fits (None: none
-    up to the largest)."""
-    gpn = int(cfg.cluster.gpus_per_node)
+def smallest_fitting_world(cfg: K2Config, counts) -> tuple[int | None, str]:
+    """The smallest GPU count on which some layout fits, above ``cluster.nodes`` (on which none does; module
+    docstring), and how it was searched, in words; ``(None, ...)`` when none fits up to 64 times the
+    cluster's nodes."""
+    gpn, nodes = int(cfg.cluster.gpus_per_node), int(cfg.cluster.nodes)
+
+    def fits(n: int) -> bool:
+        grown = _merge(cfg, {"cluster": {"nodes": n, "segment_nodes": None}})
+        return any(a["fits"] for _, a in layout_candidates(grown, n * gpn, counts, stop_at_fit=True))
+
+    lo, hi = nodes, None
     for k in _GROW:
-        world = int(cfg.cluster.nodes) * k * gpn
-        grown = _merge(cfg, {"cluster": {"nodes": int(cfg.cluster.nodes) * k}})
-        if any(a["fits"] for _, a in layout_candidates(grown, world, counts, stop_at_fit=True)):
-            return world
-    return None
+        if fits(nodes * k):
+            hi = nodes * k
+            break
+        lo = nodes * k
+    if hi is None:
+        return None, f"tried {nodes} x 2, 4, ... 64 nodes"
+    how = f"every node count from {lo + 1} up"
+    if hi - lo > _SCAN:
+        how = f"bisection between {lo} and {hi} nodes, then every node count up"
+    while hi - lo > _SCAN:  # (fitting is nearly monotone in the GPU count: more GPUs, less memory each)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    first = next((n for n in range(lo + 1, hi) if fits(n)), hi)
+    return first * gpn, how
+
+
+def rounded_global_batch(cfg: K2Config, world: int) -> int:
+    """The ``schedule.global_batch_tokens`` nearest to ``cfg``'s that some (TP, PP, VPP) shape of ``world``
+    GPUs can run in every phase: a multiple of every phase's ``seq_length`` and, for each phase that runs a
+    step, of its ``seq_length x micro_batch_size x dp``, times
+    ``pp`` with virtual stages (megatron's interleaved 1F1B runs whole groups of ``pp`` microbatches:
+    :func:`k2.parallel.dims.check_microbatches`); the smaller of two equally near."""
+    from math import lcm
+
+    G = int(cfg.schedule.global_batch_tokens)
+    phases = resolve_schedule(cfg).phases
+    whole = lcm(*(p.seq_length for p in phases))  # every phase's batch a whole number of sequences
+    best = None
+    for tp, pp, vpp in _tp_pp_vpp(world, int(cfg.parallel.tp or 1), int(cfg.model.num_layers)):
+        dp = world // (tp * pp)
+        unit = lcm(whole, *(p.seq_length * p.micro_batch_size * dp * (pp if vpp > 1 else 1) for p in phases if p.steps))
+        g = max(unit, round(G / unit) * unit)
+        if best is None or (abs(g - G), g) < (abs(best - G), best):
+            best = g
+    return G if best is None else best
 
 
 def search_verdict(cfg: K2Config, world: int, counts) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The search's rows and its verdict: ``fits``, ``recommended`` (the first row, or None when no layout can
-    run the schedule), ``smallest_fitting_gpus`` (when nothing fits) and ``unneeded_memory_settings`` (when the
-    recommended layout fits; ``memory_settings_set``: those it tried)."""
+    run the schedule), ``smallest_fitting_gpus`` (when nothing fits), ``unneeded_memory_settings`` (when the
+    recommended layout fits; ``memory_settings_set``: those it tried) and ``global_batch_rounded`` (``{"from",
+    "to"}`` tokens, when no layout runs the configured global batch and the search ran on the nearest one
+    that some layout does, :func:`rounded_global_batch`; else None)."""
     rows = search_layouts(cfg, world, counts)
+    rounded = None
+    if not rows:
+        G, g = int(cfg.schedule.global_batch_tokens), rounded_global_batch(cfg, world)
+        if g != G:
+            cfg = with_global_batch(cfg, g)
+            rows, rounded = search_layouts(cfg, world, counts), {"from": G, "to": g}
     best = rows[0] if rows else None
     if best is not None and not best["fits"]:  # nothing fits: the layout nearest to fitting
         best = min(rows, key=lambda r: (r["memory_lower_bound"], r["memory_per_gpu_bytes"], r["step_time_s_estimated"]))
@@ -151,12 +206,14 @@ def search_verdict(cfg: K2Config, world: int, counts) -> tuple[list[dict[str, An
         "fits": bool(best and best["fits"]),
         "recommended": best,
         "smallest_fitting_gpus": None,
+        "smallest_fitting_searched": None,
         "memory_settings_set": [],
         "unneeded_memory_settings": [],
         "faster_memory_settings": None,
+        "global_batch_rounded": rounded,
     }
     if best is None or not best["fits"]:
-        verdict["smallest_fitting_gpus"] = smallest_fitting_world(cfg, counts)
+        verdict["smallest_fitting_gpus"], verdict["smallest_fitting_searched"] = smallest_fitting_world(cfg, counts)
     else:
         verdict["memory_settings_set"] = [k for k, _ in _MEMORY_SETTINGS if _select(cfg, k)]
         chosen = with_layout(cfg, best)

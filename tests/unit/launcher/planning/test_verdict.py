@@ -125,3 +125,52 @@ def test_the_fastest_memory_settings_are_dropped_together_greedily(monkeypatch):
     assert fast == {"overrides": ["memory.offload=[]", "memory.recompute=[]"], "step_time_s": 60.0}
     # nothing shorter than the step: no recommendation
     assert verdict.faster_memory_settings(cfg, 2, None, 50.0, unneeded) is None
+
+
+def test_the_smallest_fitting_count_is_scanned_node_by_node_below_the_first_multiple(monkeypatch):
+    """From 9 nodes: 18 (x2) is the first multiple that fits, and every count from 10 up is tried below it,
+    so 13 is found (a search of doublings alone said 18); a wider stretch (from 2 nodes: 128 fits, 64 does
+    not) is bisected first (96 fits), then scanned from 65: 90."""
+    from k2.config import load_config
+    from k2.launcher.planning import verdict
+
+    tried = []
+
+    def fake_candidates(cfg, world, counts, stop_at_fit=False):
+        tried.append(int(cfg.cluster.nodes))
+        yield None, {"fits": int(cfg.cluster.nodes) >= 13}
+
+    monkeypatch.setattr(verdict, "layout_candidates", fake_candidates)
+    cfg = load_config(["model=k2_tiny", "cluster.nodes=9", "cluster.gpus_per_node=8"])
+    assert verdict.smallest_fitting_world(cfg, None) == (104, "every node count from 10 up")
+    assert tried == [18, 10, 11, 12, 13]
+    tried.clear()
+    monkeypatch.setattr(
+        verdict, "layout_candidates", lambda cfg, *a, **k: iter([(None, {"fits": int(cfg.cluster.nodes) >= 90})])
+    )
+    two = load_config(["model=k2_tiny", "cluster.nodes=2", "cluster.gpus_per_node=8"])
+    assert verdict.smallest_fitting_world(two, None) == (
+        90 * 8,
+        "bisection between 64 and 128 nodes, then every node count up",
+    )
+
+
+def test_a_verdict_that_does_not_fit_names_the_limit_that_fails(capsys):
+    """GPU memory ample, the host's too small for what the recipe offloads: the verdict's memory line says
+    host memory is the limit, with its figures per node."""
+    text, plan = _plan(capsys, 10.0, 2, "cluster.host_memory_gib=1e-6")
+    v = plan["verdict"]
+    assert not v["fits"] and v["fits_gpu"] and not v["fits_host"]
+    assert "(over: host memory: " in text[1] and " GiB per node)" in text[1]
+
+
+def test_a_global_batch_no_layout_can_run_is_rounded_to_the_nearest_one_that_some_layout_can(capsys):
+    """7 GPUs and k2_tiny's 4 layers: only PP1 x DP7 is a layout, and 2,048 tokens (16 sequences of 128,
+    then 4 of 512) split into no 7 DP ranks; the nearest batch that does in both phases is 3,584 tokens
+    (7 x 2 x 128 and 7 x 1 x 512 divide it), said in one line, and the plan is of that batch."""
+    text, plan = _plan(capsys, 10.0, 7)
+    v = plan["verdict"]
+    assert v["global_batch_rounded"] == {"from": 2048, "to": 3584} and v["recommended"]["dp"] == 7
+    assert plan["global_batch_tokens"] == 3584
+    line = next(ln for ln in text if "global batch rounded" in ln)
+    assert "schedule.global_batch_tokens=3,584 (was 2,048" in line
