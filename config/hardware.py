@@ -11,6 +11,7 @@ a YAML file ``k2-bench bench=hardware`` wrote. The file is read through
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import math
 from pathlib import Path
@@ -20,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from k2.config.choices import allowed
+from k2.config.choices import Fp8Recipe, allowed
 from k2.config.errors import ConfigError
 from k2.config.recipes import RECIPES_DIR, recipe_names
 from k2.config.schema_hardware import OPTIONAL_POSITIVE, REQUIRED_POSITIVE, CommStream, HardwareProfileConfig
@@ -98,6 +99,17 @@ def hardware_profile_from_mapping(data: dict[str, Any], origin: str, path: Path 
     for old, new in _RENAMED.items():
         if old in data:
             raise ConfigError(f"{where}: unknown key '{old}'; it is now {new}")
+    known = HardwareProfileConfig.__dataclass_fields__
+    for key in data:  # (before the required keys: a misspelt one is named, not the one it misses)
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise ConfigError(f"{where}: unknown key '{key}'; {hint}allowed: {', '.join(known)}")
+    recipes = data.get("fp8_recipes")
+    if recipes is not None and not (
+        isinstance(recipes, list) and recipes and all(r in Fp8Recipe.__members__ for r in recipes)
+    ):
+        raise ConfigError(f"{where}: 'fp8_recipes' is {recipes!r}; allowed: null or a list of {allowed(Fp8Recipe)}")
     comm = data.get("comm_stream", CommStream.device.value)
     if comm not in CommStream.__members__:
         raise ConfigError(f"{where}: 'comm_stream' is {comm!r}; allowed: {allowed(CommStream)}")

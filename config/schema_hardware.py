@@ -129,6 +129,9 @@ class HardwareProfileConfig:
     # memory of one device, GiB: the capacity k2-plan plans with unless cluster.gpu_memory_gib is set
     # (null: not given, e.g. a CPU profile)
     gpu_memory_gib: float | None = None
+    # the train.fp8_recipe values its tensor cores run (Hopper: blockwise; Blackwell: blockwise, mxfp8 --
+    # MXFP8's microscaled GEMMs are Blackwell's, Transformer Engine's MXFP8BlockScaling recipe); null = any
+    fp8_recipes: list[str] | None = None
     # host memory of one host (``gpus_per_host`` devices), GiB: what offloaded states and an asynchronous
     # checkpoint's staged copy may use unless cluster.host_memory_gib is set (null: not given)
     host_memory_gib: float | None = None

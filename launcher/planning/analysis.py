@@ -74,12 +74,23 @@ def cluster_profile(cfg: K2Config):
     job's part of one (:func:`job_domain_gpus`).
 
     Raises:
-        ConfigError: ``cluster.segment_nodes`` holds more GPUs than the profile's NVLink domain.
+        ConfigError: ``cluster.segment_nodes`` holds more GPUs than the profile's NVLink domain;
+            ``train.fp8_recipe`` is one the profile's tensor cores do not run (``fp8_recipes``: MXFP8 on
+            Hopper).
     """
     import dataclasses
 
+    from k2.config.errors import ConfigError
+
     gpn = int(cfg.cluster.gpus_per_node)
     prof = dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_host=gpn)
+    fp8 = cfg.train.fp8_recipe
+    if fp8 is not None and prof.fp8_recipes and str(fp8) not in prof.fp8_recipes:
+        runs = ", ".join(prof.fp8_recipes)
+        raise ConfigError(
+            f"train.fp8_recipe={fp8}: plan.hardware={prof.name} ({prof.gpu or 'its GPU'}) runs {runs} only; "
+            f"allowed: {runs}, or null (the GEMMs in train.precision)"
+        )
     if prof.nvlink_domain_gpus and prof.nvlink_domain_gpus > gpn:
         prof = dataclasses.replace(prof, nvlink_domain_gpus=job_domain_gpus(cfg, prof.nvlink_domain_gpus))
     return prof
@@ -125,6 +136,12 @@ def host_memory_gib(cfg: K2Config) -> float:
 
 #: GPU memory planned with when neither ``cluster.gpu_memory_gib`` nor the profile names one (GiB)
 DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+def gpu_memory_assumed(cfg: K2Config) -> bool:
+    """True when neither ``cluster.gpu_memory_gib`` nor the profile gives the GPU's memory, so that
+    :func:`gpu_memory_gib` plans with :data:`DEFAULT_GPU_MEMORY_GIB` (the plan says so)."""
+    return cfg.cluster.gpu_memory_gib is None and not cluster_profile(cfg).gpu_memory_gib
 
 
 def gpu_memory_gib(cfg: K2Config) -> float:

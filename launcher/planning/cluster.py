@@ -51,6 +51,7 @@ from k2.launcher.planning.analysis import (
     analyse_layout,
     cluster_profile,
     flops_only_step_time,
+    gpu_memory_assumed,
     gpu_memory_gib,
     host_memory_gib,
 )
@@ -204,6 +205,7 @@ def _identity(cfg: K2Config, dims: ParallelDims, counts: ModelParams) -> dict[st
             "nodes": cfg.cluster.nodes,
             "gpus_per_node": gpn,
             "gpu_memory_gib": gpu_memory_gib(cfg),
+            "gpu_memory_assumed": gpu_memory_assumed(cfg),
             "host_memory_gib": host_memory_gib(cfg),
             "peak_tflops": peak_tflops(cfg),
         },

@@ -36,6 +36,12 @@ def format_text(plan: dict[str, Any]) -> str:
     """Readable tables of :func:`make_plan`'s dict."""
     p = plan["params"]
     lines = [*format_verdict(plan), ""] if "verdict" in plan else []
+    if plan["cluster"].get("gpu_memory_assumed"):
+        lines += [
+            f"note: plan.hardware={plan['hardware']} gives no gpu_memory_gib: planned with "
+            f"{plan['cluster']['gpu_memory_gib']:g} GiB per GPU (set cluster.gpu_memory_gib)",
+            "",
+        ]
     lines += [
         f"k2-plan: model={plan['model']} parallel={plan['parallel']} on {plan['nodes']} "
         f"node{'s' if plan['nodes'] != 1 else ''} x "

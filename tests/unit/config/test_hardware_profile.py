@@ -88,6 +88,8 @@ def test_left_out_figures_are_filled_in(tmp_path):
         ({"deepep_comm_units": -1}, ["'deepep_comm_units'", "integer >= 0"]),
         ({"host_forward_operator_us": -1.0}, ["'host_forward_operator_us'", "number >= 0", "got -1.0"]),
         ({"host_backward_operator_us": "slow"}, ["'host_backward_operator_us'", "'slow'"]),
+        ({"fp8_recipes": ["nvfp4"]}, ["'fp8_recipes'", "allowed: null or a list of blockwise, mxfp8"]),
+        ({"fp8_recipes": []}, ["'fp8_recipes'", "a list of"]),
     ],
 )
 def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, needles):
@@ -99,6 +101,17 @@ def test_a_bad_key_is_one_error_naming_the_file_and_the_key(tmp_path, change, ne
     assert "\n" not in msg and f"plan.hardware={path}" in msg
     for needle in needles:
         assert needle in msg, (needle, msg)
+
+
+def test_a_misspelt_required_key_is_named_with_the_key_it_resembles(tmp_path):
+    """A required key written wrongly: the error names the misspelt key (not the required one it then lacks)
+    and the key it resembles."""
+    data = _shipped()
+    data["gemm_bf16_tflop"] = data.pop("gemm_bf16_tflops")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"unknown key 'gemm_bf16_tflop'; did you mean 'gemm_bf16_tflops'\?"):
+        load_hardware_profile(str(path))
 
 
 def test_an_unknown_name_lists_the_shipped_profiles():

@@ -74,3 +74,38 @@ def test_the_text_output_is_format_text_of_the_json_record(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.startswith(format_text(plan) + "\n\ndata per phase")
+
+
+def test_mxfp8_is_refused_on_hopper_in_one_line(capsys):
+    """MXFP8 GEMMs are Blackwell's: on an H800 profile k2-plan stops with one line naming train.fp8_recipe and
+    what the profile runs; on B200 it plans them."""
+    assert main(["model=kimi_k2", "plan.hardware=h800", "cluster.nodes=32", "train.fp8_recipe=mxfp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.count("\n") == 0
+        and "train.fp8_recipe=mxfp8: plan.hardware=h800" in err
+        and "allowed: blockwise, or null" in err
+    )
+    assert (
+        main(["model=kimi_k2", "plan.hardware=b200", "cluster.nodes=32", "train.fp8_recipe=mxfp8", "output=json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["gemm_precision"] == "mxfp8"
+
+
+def test_a_profile_without_gpu_memory_says_what_it_planned_with(tmp_path, capsys):
+    """A hand-written profile without gpu_memory_gib: the plan's first line says it planned with 80 GiB and
+    which setting gives the real figure."""
+    import yaml
+
+    from k2.config.hardware import HARDWARE_DIR
+
+    data = yaml.safe_load((HARDWARE_DIR / "b300.yaml").read_text())
+    del data["gpu_memory_gib"]
+    path = tmp_path / "nomem.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["model=kimi_k2", f"plan.hardware={path}", "cluster.nodes=32", "parallel=k2_256gpu"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (
+        first
+        == "note: plan.hardware=b300 gives no gpu_memory_gib: planned with 80 GiB per GPU (set cluster.gpu_memory_gib)"
+    )
