@@ -52,11 +52,20 @@ def error(prog: str, message: object) -> None:
 HELP_FLAGS = ("-h", "--help")
 
 
+#: folders of the config tree that are not config groups: read by a setting instead (``group=name`` does not
+#: pick them), each with the setting
+_NOT_GROUPS = {"hardware": "plan.hardware", "published": "plan.published"}
+
+
 def _recipe_groups() -> tuple[Path, dict[str, list[str]]]:
     """The config tree's directory and, per config group, its recipe names (sorted)."""
     from k2.config.recipes import RECIPES_DIR, recipe_names
 
-    groups = {d.name: list(names) for d in sorted(RECIPES_DIR.iterdir()) if (names := recipe_names(d.name))}
+    groups = {
+        d.name: list(names)
+        for d in sorted(RECIPES_DIR.iterdir())
+        if d.name not in _NOT_GROUPS and (names := recipe_names(d.name))
+    }
     return RECIPES_DIR, groups
 
 
@@ -68,9 +77,12 @@ def help_text(prog: str, usage: str) -> str:
         prog: the tool's name (``k2-plan``).
         usage: the tool's own lines, starting with a ``usage: ...`` line.
     """
+    from k2.config.hardware import available_profiles
+
     root, groups = _recipe_groups()
     width = max(len(g) for g in groups)
     group_lines = "\n".join(f"  {g:<{width}}  {', '.join(names)}" for g, names in groups.items())
+    group_lines += f"\nhardware profiles (plan.hardware=NAME, or a PATH.yaml): {', '.join(available_profiles())}"
     return (
         f"{usage.strip()}\n\n"
         "overrides (Hydra syntax, any number, in any order):\n"

@@ -36,8 +36,8 @@ anything: the layout per pipeline rank, memory per GPU and per phase (fits again
 cluster.gpu_memory_gib and, per node, cluster.host_memory_gib), the pipeline bubble, FLOPs and MFU, the
 schedule's phases and the data blend of each. output=json prints one JSON object;
 plot=PATH.png draws the pipeline timeline, plot_schedule=PATH.png the LR schedule; plan.search=true
-ranks every valid layout by the step-time model's estimate (plan.hardware=h800 | h100 | h200 | PATH.yaml:
-the hardware profile); plan.published=all compares the model with published runs.
+ranks every valid layout by the step-time model's estimate (plan.hardware=NAME | PATH.yaml: the hardware
+profile, NAME one of those listed below); plan.published=all compares the model with published runs.
 
 examples:
   k2-plan model=kimi_k2 parallel=k2_256gpu cluster.nodes=32 cluster.gpus_per_node=8 output=json

@@ -25,6 +25,17 @@ def test_help_exits_0_with_usage_config_tree_and_examples(capsys, tool, flag):
     assert str(RECIPES_DIR) in out and "k2_tiny, kimi_k2" in out  # the tree and a group's recipes
     assert "examples:" in out and f"k2-{tool} " in out.split("examples:")[1]
     assert "group.key=value" in out and "error" not in err
+    # the hardware profiles by the setting that reads them, not as a group (hardware=b200 is no group)
+    groups = out.split("recipes per group:")[1].split("exit status")[0]
+    assert "\n  hardware " not in groups and "\n  published " not in groups
+    assert "hardware profiles (plan.hardware=NAME, or a PATH.yaml): b200, b300, gb200_nvl72" in out
+
+
+def test_a_hardware_group_override_names_the_setting_that_picks_a_profile(capsys):
+    from k2.launcher.plan import main
+
+    rc, _, err = run_tool(capsys, main, ["hardware=b200"])
+    assert rc == 2 and "unknown config key 'hardware': a hardware profile is chosen with plan.hardware=NAME" in err
 
 
 def test_k2_train_refuses_a_bad_setting_without_importing_megatron():
