@@ -44,8 +44,10 @@ _MOVED = {
     "(sequences per step = global_batch_tokens / the phase's seq_length)",
     "train.seq_length": "the context length is set per phase by schedule.phases.<i>.seq_length",
     # recipes/hardware and recipes/published are read by k2-plan's settings, not composed as config groups
-    "hardware": "a hardware profile is chosen with plan.hardware=NAME (recipes/hardware/NAME.yaml) or plan.hardware=PATH.yaml",
-    "published": "published runs are compared with plan.published=all or plan.published=NAME (recipes/published/runs.yaml)",
+    "hardware": "a hardware profile is chosen with plan.hardware=NAME (recipes/hardware/NAME.yaml) or "
+    "plan.hardware=PATH.yaml",
+    "published": "published runs are compared with plan.published=all or plan.published=NAME "
+    "(recipes/published/runs.yaml)",
     "plan.optimizer_offload_fraction": "optim.offload_fraction (one setting for k2-plan and k2-train: the "
     "share of the optimizer states kept in host memory)",
     "plan.split_backward": "k2-plan plans the trainer's own setting pipeline.decouple_wgrad (decoupled weight "
