@@ -199,16 +199,21 @@ def balanced_layout(
         raise ValueError("balanced_layout needs pp, vpp >= 1 and non-negative costs")
     n, S = len(layer_costs), pp * vpp
 
-    def place(cap: float) -> list[int] | None:
+    def place(cap: float, spread: bool = False) -> list[int] | None:
         """Layers per stage when no rank carries more than ``cap``: each stage of rank r takes layers, in
         pipeline order, up to about ``(cap - fixed_r) / vpp`` (a layer goes in if at least half of it
-        fits there and all of it fits in the rank's ``cap``). None if layers are left over."""
+        fits there and all of it fits in the rank's ``cap``); ``spread``: also no more than its share of the
+        layers left, by its budget among the budgets of the stages left, so that the last stages are not
+        left empty. None if layers are left over."""
         counts, i = [0] * S, 0
         fixed = [(embedding_cost if r == 0 else 0.0) + (loss_cost if r == pp - 1 else 0.0) for r in range(pp)]
+        budgets = [max(0.0, cap - fixed[g % pp]) / vpp for g in range(S)]
         rank_load = list(fixed)
         for g in range(S):
             r = g % pp
-            budget = (cap - fixed[r]) / vpp
+            budget = budgets[g]
+            if spread and budget > 0:
+                budget = min(budget, sum(layer_costs[i:]) * budget / sum(budgets[g:]))
             load = 0.0
             while i < n and load + layer_costs[i] / 2 <= budget and rank_load[r] + layer_costs[i] <= cap:
                 load += layer_costs[i]
@@ -226,6 +231,10 @@ def balanced_layout(
             hi = mid
     counts = place(hi)
     assert counts is not None
+    if any(not any(counts[v * pp + r] for v in range(vpp)) for r in range(pp - 1)):
+        # a rank left with no layer (and no loss: not the last): the same busiest rank with the layers
+        # spread, where that places them all (K2's 61 layers over 25 ranks: 3, 2, 3, 2, ... not 3 x 20, 0 x 4)
+        counts = place(hi, spread=True) or counts
     stages = ["t" * c for c in counts]
     stages[0] = "E" + stages[0]
     stages[-1] += "L"

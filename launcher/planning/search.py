@@ -35,6 +35,14 @@ def _tp_pp_vpp(world: int, tp: int, num_layers: int):
                     yield t, pp, vpp
 
 
+def _idle_rank(layout: str, pp: int, vpp: int) -> bool:
+    """True when some PP rank of ``layout`` (explicit stages, pipeline order ``v * pp + rank``, as
+    :func:`k2.parallel.layout.balanced_layout` writes them) holds no layer, embedding or loss in any of its
+    virtual stages."""
+    stages = layout.split("|")
+    return any(all(not stages[v * pp + r] for v in range(vpp)) for r in range(pp))
+
+
 def layout_candidates(cfg: K2Config, world: int, counts, *, stop_at_fit: bool = False):
     """Every valid layout (tp, pp, vpp, ep) of ``world`` GPUs with a cost-balanced layer layout
     (:func:`k2.parallel.layout.balanced_layout`), analysed (:func:`k2.launcher.planning.analysis.analyse_layout`,
@@ -66,6 +74,8 @@ def layout_candidates(cfg: K2Config, world: int, counts, *, stop_at_fit: bool = 
     for tp, pp, vpp, ep in shapes:
         if (pp, vpp) not in layouts:
             layouts[pp, vpp] = balanced_layout(layer_costs, pp, vpp, 0.0, fl.lm_head)
+        if _idle_rank(layouts[pp, vpp], pp, vpp):
+            continue  # a PP rank with nothing to run: GPUs that wait for the others
         par = dict(
             base["parallel"],
             tp=tp,

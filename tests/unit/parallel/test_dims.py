@@ -242,6 +242,21 @@ def test_balanced_layout(megatron, monkeypatch):
         balanced_layout([1.0], 0)
 
 
+def test_balanced_layout_leaves_no_rank_without_layers():
+    """61 layers over 25 PP ranks: the busiest rank needs 3 layers; filling ranks to 3 in order left the
+    last four before the loss with none (idle GPUs). The layers are spread, 3 and 2, with the same busiest
+    rank; k2-plan's search skips any layout that still leaves a rank idle."""
+    from k2.launcher.planning.search import _idle_rank
+    from k2.parallel.layout import balanced_layout
+
+    layout = balanced_layout([1.0] * 61, 25, 1, 0.0, 2.0)
+    stages = layout.split("|")
+    assert all(stages) and max(s.count("t") + 2 * s.count("L") for s in stages) == 3
+    assert sum(s.count("t") for s in stages) == 61
+    assert _idle_rank("Et|t||L", 4, 1) and not _idle_rank(layout, 25, 1)
+    assert not _idle_rank("Et|t||t|t|tL", 3, 2)  # (rank 2's first virtual stage is empty, its second is not)
+
+
 def test_megatron_crashes_on_pp2_vpp_first_and_last(megatron, monkeypatch):
     """Why ParallelDims rejects first+last_stage_layers with pp=2, vpp>1: megatron-core 0.19.2 divides
     by the number of middle PP ranks (0). If this starts passing, megatron fixed it."""
