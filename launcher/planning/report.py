@@ -35,7 +35,7 @@ def _ranges(ids: list[int]) -> str:
 def format_text(plan: dict[str, Any]) -> str:
     """Readable tables of :func:`make_plan`'s dict."""
     p = plan["params"]
-    lines = [*format_verdict(plan), ""] if "verdict" in plan else []
+    lines = [*(format_verdict(plan) if "verdict" in plan else format_summary(plan)), ""]
     if plan["cluster"].get("gpu_memory_assumed"):
         lines += [
             f"note: plan.hardware={plan['hardware']} gives no gpu_memory_gib: planned with "
@@ -291,12 +291,37 @@ def _domain_note(plan: dict[str, Any]) -> str:
     return f"; {d // gpn} nodes = {d} GPUs per NVLink domain: cluster.segment_nodes"
 
 
+def _where(plan: dict[str, Any], what: str) -> str:
+    """``<what> on <GPUs> x <profile> (<nodes> x <per node>[; the NVLink domain])``."""
+    nodes = f"{plan['nodes']} node{'s' if plan['nodes'] != 1 else ''}"
+    return (
+        f"{what} on {plan['world_size']} x {plan['hardware']} ({nodes} x {plan['gpus_per_node']}{_domain_note(plan)})"
+    )
+
+
+def format_summary(plan: dict[str, Any]) -> list[str]:
+    """The first lines of a plan of the given layout (no ``plan.search``): whether it fits (and which limit
+    fails in which phases), its step, MFU and the two largest terms."""
+    where = _where(plan, f"{plan['model']} parallel={plan['parallel']}")
+    terms = sorted(plan["step_time_breakdown_s"].items(), key=lambda kv: -kv[1])[:2]
+    over = {
+        limit: [p["phase"] for p in plan["phases"] if not p[key]]
+        for limit, key in (("GPU memory", "fits_gpu"), ("host memory", "fits_host"))
+    }
+    why = "; ".join(f"{limit} in {', '.join(names)}" for limit, names in over.items() if names)
+    return [
+        f"plan: {where}: {'FITS' if plan['fits'] else 'does NOT fit (' + why + '; plan.search=true finds a layout)'}",
+        f"  step {plan['step_time_s_estimated']:.4g} s (MFU {100 * plan['mfu_estimated']:.1f}%), dominated by "
+        + ", ".join(f"{k} {s:.3g} s" for k, s in terms)
+        + f"; {_gib(plan['memory_per_gpu_bytes']['total'])} of {_gib(plan['gpu_memory_bytes'])} GiB per GPU",
+    ]
+
+
 def format_verdict(plan: dict[str, Any]) -> list[str]:
     """``plan.search``'s verdict, the first lines k2-plan prints (:mod:`k2.launcher.planning.verdict`)."""
     v, world = plan["verdict"], plan["world_size"]
     best = v["recommended"]
-    nodes = f"{plan['nodes']} node{'s' if plan['nodes'] != 1 else ''}"
-    where = f"{plan['model']} on {world} x {plan['hardware']} ({nodes} x {plan['gpus_per_node']}{_domain_note(plan)})"
+    where = _where(plan, plan["model"])
     if best is None:
         return [
             f"verdict: {where}: no layout can run the schedule (the global batch does not split into whole "

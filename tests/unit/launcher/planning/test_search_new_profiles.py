@@ -93,8 +93,8 @@ def test_mxfp8_is_refused_on_hopper_in_one_line(capsys):
 
 
 def test_a_profile_without_gpu_memory_says_what_it_planned_with(tmp_path, capsys):
-    """A hand-written profile without gpu_memory_gib: the plan's first line says it planned with 80 GiB and
-    which setting gives the real figure."""
+    """A hand-written profile without gpu_memory_gib: under the plan's summary, a line says it planned with
+    80 GiB and which setting gives the real figure."""
     import yaml
 
     from k2.config.hardware import HARDWARE_DIR
@@ -104,8 +104,7 @@ def test_a_profile_without_gpu_memory_says_what_it_planned_with(tmp_path, capsys
     path = tmp_path / "nomem.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["model=kimi_k2", f"plan.hardware={path}", "cluster.nodes=32", "parallel=k2_256gpu"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert (
-        first
-        == "note: plan.hardware=b300 gives no gpu_memory_gib: planned with 80 GiB per GPU (set cluster.gpu_memory_gib)"
-    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("plan: kimi_k2 parallel=k2_256gpu on 256 x b300 (32 nodes x 8): ")
+    note = "note: plan.hardware=b300 gives no gpu_memory_gib: planned with 80 GiB per GPU (set cluster.gpu_memory_gib)"
+    assert note in lines[:5]

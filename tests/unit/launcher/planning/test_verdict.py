@@ -174,3 +174,15 @@ def test_a_global_batch_no_layout_can_run_is_rounded_to_the_nearest_one_that_som
     assert plan["global_batch_tokens"] == 3584
     line = next(ln for ln in text if "global batch rounded" in ln)
     assert "schedule.global_batch_tokens=3,584 (was 2,048" in line
+
+
+def test_a_plan_without_the_search_starts_with_its_own_summary(capsys):
+    """No plan.search: the first line still says whether the given layout fits (here not: which limit, in
+    which phases, and that plan.search finds a layout), the second its step and memory."""
+    base = ["model=k2_tiny", "memory=k2", "cluster.nodes=1", "cluster.gpus_per_node=2", *NO_GPU_OVERHEADS]
+    assert main([*base, "cluster.gpu_memory_gib=0.001", "output=json"]) == 0
+    text = format_text(json.loads(capsys.readouterr().out)).splitlines()
+    assert text[0].startswith("plan: k2_tiny parallel=") and ": does NOT fit (GPU memory in " in text[0]
+    assert text[0].endswith("; plan.search=true finds a layout)") and text[1].startswith("  step ")
+    assert main([*base, "cluster.gpu_memory_gib=10", "output=json"]) == 0
+    assert format_text(json.loads(capsys.readouterr().out)).splitlines()[0].endswith(": FITS")
