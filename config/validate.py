@@ -109,6 +109,14 @@ def check_train(t: TrainConfig) -> None:
             )
     if t.iters is not None and t.iters < 1:
         raise ConfigError(f"train.iters={t.iters} must be >= 1, or null (run to the end of the schedule)")
+    # (zero validation batches would record a val_loss of 0.0 that reads as a measurement)
+    require(
+        t.eval_iters >= 1,
+        "train.eval_iters",
+        t.eval_iters,
+        "an integer >= 1 (validation batches per evaluation; train.eval_interval=0 turns evaluation off)",
+    )
+    require(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "an integer >= 0 (steps; 0: no evaluation)")
     if t.save_interval is not None and t.save_interval < 1:
         raise ConfigError(
             f"train.save_interval={t.save_interval}; allowed: an integer >= 1 (steps), or "

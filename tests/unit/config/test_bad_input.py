@@ -28,6 +28,9 @@ CASES = {
     ),
     "ep_not_dividing_dp": (["parallel=cpu4", "parallel.ep=4"], ["parallel.ep=4"]),
     "unknown_key": (["model.num_layrs=3"], ["model.num_layrs", "model.num_layers"]),
+    # zero validation batches recorded val_loss 0.0, which a sweep took for a measurement
+    "no_validation_batches": (["train.eval_iters=0"], ["train.eval_iters=0", "train.eval_interval=0"]),
+    "negative_eval_interval": (["train.eval_interval=-5"], ["train.eval_interval=-5", ">= 0"]),
     "unknown_recipe": (["parallel=cpu5"], ["parallel/cpu5", "cpu4"]),
     "schedule_phases_out_of_order": (
         ["schedule.phases.2.until_tokens=300000"],
