@@ -16,7 +16,7 @@ __all__ = ["CSV_COLUMNS", "FLOP_FORMULA", "cell_rows", "per_token_flops", "repor
 
 FLOP_FORMULA = (
     "C = sum over a cell's training steps (the trunk's up to the branch point, then the branch's) of "
-    "flopsper_token_flops(cfg.model, seq_length).training x the step's tokens, each step at its own context length "
+    "flops_per_token(cfg.model, seq_length).training x the step's tokens, each step at its own context length "
     "(k2.model.flops): training = 3 x forward; forward per token = MLA projections + causal core attention "
     "(s/2 keys per query) + dense SwiGLU FFNs + router 2 h E + the top-k routed experts + the shared expert "
     "+ LM head 2 h V, per MoE/dense layer; a [m,k]x[k,n] product counts 2mkn, element-wise work 0."
