@@ -74,7 +74,8 @@ def cluster_profile(cfg: K2Config):
     job's part of one (:func:`job_domain_gpus`).
 
     Raises:
-        ConfigError: ``cluster.segment_nodes`` holds more GPUs than the profile's NVLink domain;
+        ConfigError: ``cluster.gpus_per_node`` above the GPUs of the profile's host (8 on a GB200 tray of
+            4); ``cluster.segment_nodes`` holds more GPUs than the profile's NVLink domain;
             ``train.fp8_recipe`` is one the profile's tensor cores do not run (``fp8_recipes``: MXFP8 on
             Hopper).
     """
@@ -83,7 +84,13 @@ def cluster_profile(cfg: K2Config):
     from k2.config.errors import ConfigError
 
     gpn = int(cfg.cluster.gpus_per_node)
-    prof = dataclasses.replace(load_profile(str(cfg.plan.hardware)), gpus_per_host=gpn)
+    prof = load_profile(str(cfg.plan.hardware))
+    if prof.compute_units is not None and gpn > prof.gpus_per_host:  # (a GPU's host; a CPU profile's ranks may vary)
+        raise ConfigError(
+            f"cluster.gpus_per_node={gpn}: a host of plan.hardware={prof.name} carries {prof.gpus_per_host} GPUs; "
+            f"allowed: 1 to {prof.gpus_per_host}"
+        )
+    prof = dataclasses.replace(prof, gpus_per_host=gpn)
     fp8 = cfg.train.fp8_recipe
     if fp8 is not None and prof.fp8_recipes and str(fp8) not in prof.fp8_recipes:
         runs = ", ".join(prof.fp8_recipes)

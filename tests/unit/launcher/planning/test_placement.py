@@ -85,3 +85,12 @@ def test_smaller_segments_split_ep64_and_the_plan_pays_for_it():
     racks = plan_cluster(load_config([*base, "cluster.segment_nodes=8"])).report
     assert inside["nvlink_domain_gpus"] == 64 and racks["nvlink_domain_gpus"] == 32
     assert racks["step_time_breakdown_s"]["ep_comm"] > 3 * inside["step_time_breakdown_s"]["ep_comm"]
+
+
+def test_a_node_larger_than_the_profiles_host_is_refused():
+    """A GB200 compute tray carries 4 GPUs: 8 per node is one error line; fewer than the host's is a job
+    that uses part of each node."""
+    refused = r"^cluster.gpus_per_node=8: a host of plan.hardware=gb200_nvl72 carries 4 GPUs"
+    with pytest.raises(ConfigError, match=refused):
+        _domain("cluster.nodes=16", "cluster.gpus_per_node=8")
+    assert _domain("cluster.nodes=16", "cluster.gpus_per_node=2") == 72
