@@ -2,17 +2,30 @@
 ``sweep_cells.csv`` (:func:`cell_rows`, :data:`CSV_COLUMNS`), the whole of ``sweep.json`` (:func:`report_json`:
 the grid, the options, the FLOP formula, the cells with their curves, the fits, the multipliers, the paired
 differences, the leave-one-out check, the incomplete cells and the provisional reasons) and the training FLOPs
-per token of each arm (:func:`per_token_flops`). Plain dicts, JSON-safe (NaN and inf as None).
+per token of each arm (:func:`per_token_flops`). Plain dicts, JSON-safe (NaN and inf as None). And how the
+report's files are put in place, all or none: :func:`install_files` (:class:`ReportWriteError` names the
+file and the cause where one cannot be written).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 from k2.launcher.tools.sweep_analysis import Analysis, ArmFit, arm_label
 from k2.launcher.tools.sweep_collect import GridData
 
-__all__ = ["CSV_COLUMNS", "FLOP_FORMULA", "cell_rows", "per_token_flops", "report_json"]
+__all__ = [
+    "CSV_COLUMNS",
+    "FLOP_FORMULA",
+    "RENAME_ORDER",
+    "ReportWriteError",
+    "cell_rows",
+    "install_files",
+    "per_token_flops",
+    "report_json",
+]
 
 FLOP_FORMULA = (
     "C = sum over a cell's training steps (the trunk's up to the branch point, then the branch's) of "
@@ -176,3 +189,62 @@ def report_json(grid: GridData, analysis: Analysis) -> dict:
             "provisional": {"overall": bool(analysis.provisional), "reasons": analysis.provisional},
         }
     )
+
+
+class ReportWriteError(Exception):
+    """The report could not be written (a read-only directory, a full disk, ...): one line naming the file
+    and the cause; none of the report's files was written or replaced."""
+
+
+#: the outputs in the order they are renamed into place: ``sweep.md``, which links the figures, last
+RENAME_ORDER = ("csv", "json", "loss_png", "multiplier_png", "md")
+
+
+def _write_temporary(path: Path, data: bytes) -> None:
+    """``data`` to ``path``, flushed to the disk (a full disk may only say so at the flush)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def install_files(paths: dict[str, Path], contents: dict[str, bytes]) -> None:
+    """Every output to a temporary name beside it (``.<name>.tmp``), then, once all were written, each
+    renamed into place (:data:`RENAME_ORDER`). On any failure the temporaries are removed, and so are the
+    outputs of this run already renamed into place (a rename that fails after the others succeeded: a
+    directory in the way): no set of files that looks like a complete report but is not.
+
+    Raises:
+        ReportWriteError: naming the file and the cause (e.g. "Read-only file system", "No space left on
+            device").
+    """
+    temps = {k: p.with_name(f".{p.name}.tmp") for k, p in paths.items()}
+    placed: list[Path] = []
+    current = paths[RENAME_ORDER[0]]
+    try:
+        for k in RENAME_ORDER:
+            current = paths[k]
+            _write_temporary(temps[k], contents[k])
+        for k in RENAME_ORDER:
+            current = paths[k]
+            os.replace(temps[k], paths[k])
+            placed.append(paths[k])
+    except OSError as e:
+        removed = [p for p in placed if _remove(p)]
+        raise ReportWriteError(
+            f"{current}: cannot write it ({e.strerror or e}); the report was not written"
+            + (f" (removed again: {', '.join(p.name for p in removed)})" if removed else "")
+        ) from None
+    finally:
+        for tmp in temps.values():
+            _remove(tmp)
+
+
+def _remove(path: Path) -> bool:
+    """Remove ``path`` if it is there; False where it was not or could not be removed (a read-only
+    directory: then no temporary was written there either)."""
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False

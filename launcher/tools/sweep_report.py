@@ -2,8 +2,9 @@
 budget a WSD cooldown branch of its trunk): per-arm fits with intervals, compute multipliers against the
 reference arm at target losses, paired loss differences, a leave-one-out check and "provisional" flags.
 
-Outputs (in SWEEP_DIR or ``--out``; each written to a temporary name and renamed, so a killed report never
-leaves a file that looks complete):
+Outputs (in SWEEP_DIR or ``--out``; all five are built in memory, written to temporary names, and renamed
+into place only once every one was written, so a killed or failed report never leaves files that look
+complete; a read-only directory or a full disk is one error line naming the file and the cause):
 
 * ``sweep_cells.csv``: one row per cell (arm, sparsity, experts, seed, budget, tokens, training FLOPs,
   parameters total/active, final validation loss, fit residual, wall-clock, tokens/s, peak memory, expert
@@ -15,7 +16,8 @@ leaves a file that looks complete):
 * ``sweep_loss_vs_flops.png`` and ``sweep_multiplier.png`` (:mod:`k2.launcher.tools.sweep_plots`).
 
 Public API: :func:`report_main(argv) <report_main>` -> exit status; :func:`write_report(grid, analysis,
-out_dir) <write_report>` -> ``{kind: path}``; :func:`summary_lines`; :func:`markdown`; the pieces are
+out_dir) <write_report>` -> ``{kind: path}`` (:class:`ReportWriteError`); :func:`render_report` -> the
+outputs' bytes; :func:`summary_lines`; :func:`markdown`; the pieces are
 :func:`k2.launcher.tools.sweep_collect.collect_grid`, :func:`k2.launcher.tools.sweep_analysis.analyze` and the
 CSV rows and JSON document of :mod:`k2.launcher.tools.sweep_records`.
 """
@@ -27,16 +29,23 @@ import csv
 import io
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from k2.launcher.tools.sweep_analysis import Analysis, ReportOptions, analyze, arm_label
 from k2.launcher.tools.sweep_collect import GridData, SweepInputError, collect_grid, read_grid_spec
-from k2.launcher.tools.sweep_records import CSV_COLUMNS, FLOP_FORMULA, cell_rows, per_token_flops, report_json
+from k2.launcher.tools.sweep_records import (
+    CSV_COLUMNS,
+    FLOP_FORMULA,
+    ReportWriteError,
+    cell_rows,
+    install_files,
+    per_token_flops,
+    report_json,
+)
 
-__all__ = ["markdown", "report_main", "summary_lines", "write_report"]
+__all__ = ["ReportWriteError", "markdown", "render_report", "report_main", "summary_lines", "write_report"]
 
 #: what the intervals are worth with few seeds, as measured by the slow test
 #: tests/unit/launcher/tools/test_sweep_analysis.py::test_interval_coverage_on_synthetic_grids
@@ -304,21 +313,35 @@ def summary_lines(grid: GridData, analysis: Analysis) -> list[str]:
     return out
 
 
-def _write_atomic(path: Path, write) -> None:
-    """``write(tmp_path)``, then rename onto ``path``: a killed report leaves no half-written file there."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def render_report(grid: GridData, analysis: Analysis) -> dict[str, bytes]:
+    """The five outputs' bytes (module docstring), figures included, built in memory: ``{csv, md, json,
+    loss_png, multiplier_png}`` -> bytes. Nothing is written."""
+    from k2.launcher.tools.sweep_plots import plot_loss_vs_flops, plot_multipliers
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in cell_rows(grid, analysis))
+    figures = {"loss_png": io.BytesIO(), "multiplier_png": io.BytesIO()}
+    plot_loss_vs_flops(grid, analysis, figures["loss_png"])
+    plot_multipliers(analysis, figures["multiplier_png"])
+    return {
+        "csv": buf.getvalue().encode(),
+        "md": markdown(grid, analysis).encode(),
+        "json": (json.dumps(report_json(grid, analysis), indent=1, sort_keys=True) + "\n").encode(),
+        "loss_png": figures["loss_png"].getvalue(),
+        "multiplier_png": figures["multiplier_png"].getvalue(),
+    }
 
 
 def write_report(grid: GridData, analysis: Analysis, out_dir) -> dict[str, str]:
-    """Write the five outputs (module docstring) into ``out_dir``. Returns ``{csv, md, json, loss_png,
-    multiplier_png}`` -> path."""
-    from k2.launcher.tools.sweep_plots import plot_loss_vs_flops, plot_multipliers
+    """Write the five outputs (module docstring) into ``out_dir``, all or none
+    (:func:`~k2.launcher.tools.sweep_records.install_files`). Returns ``{csv, md, json, loss_png,
+    multiplier_png}`` -> path.
 
+    Raises:
+        ReportWriteError: an output could not be written (the file and the cause named).
+    """
     out = Path(out_dir)
     paths = {
         "csv": out / "sweep_cells.csv",
@@ -327,16 +350,7 @@ def write_report(grid: GridData, analysis: Analysis, out_dir) -> dict[str, str]:
         "loss_png": out / "sweep_loss_vs_flops.png",
         "multiplier_png": out / "sweep_multiplier.png",
     }
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
-    w.writeheader()
-    w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in cell_rows(grid, analysis))
-    _write_atomic(paths["csv"], lambda p: p.write_text(buf.getvalue()))
-    _write_atomic(paths["md"], lambda p: p.write_text(markdown(grid, analysis)))
-    text = json.dumps(report_json(grid, analysis), indent=1, sort_keys=True) + "\n"
-    _write_atomic(paths["json"], lambda p: p.write_text(text))
-    _write_atomic(paths["loss_png"], lambda p: plot_loss_vs_flops(grid, analysis, p))
-    _write_atomic(paths["multiplier_png"], lambda p: plot_multipliers(analysis, p))
+    install_files(paths, render_report(grid, analysis))
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -383,7 +397,8 @@ def _parser() -> _Parser:
             "seed-bootstrap intervals, compute multipliers against the reference arm at target losses, paired loss "
             "differences, a leave-one-out check, provisional flags. Writes sweep_cells.csv, sweep.md, sweep.json, "
             "sweep_loss_vs_flops.png and sweep_multiplier.png. Exit status: 0 done (a partial grid too: its missing "
-            "cells are named), 2 a bad argument or no grid.json / no readable cell."
+            "cells are named), 1 an output could not be written (the file and the cause named; no report file left "
+            "behind), 2 a bad argument or no grid.json / no readable cell."
         ),
     )
     p.add_argument("sweep_dir", metavar="SWEEP_DIR")
@@ -436,7 +451,9 @@ def report_main(argv: Sequence[str] | None = None, *, params_of=None) -> int:
             the parameter count, which imports megatron-core).
 
     Returns:
-        0 done (a partial grid too), 2 a bad argument, no grid.json or no readable cell (one line on stderr).
+        0 done (a partial grid too); 1 an output could not be written (a read-only directory, a full disk:
+        one line on stderr naming the file and the cause; no report file written); 2 a bad argument, no
+        grid.json or no readable cell (one line on stderr).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if any(x in ("-h", "--help") for x in args):  # anywhere, as every k2 tool (k2.launcher.cli.HELP_FLAGS)
@@ -449,7 +466,11 @@ def report_main(argv: Sequence[str] | None = None, *, params_of=None) -> int:
         print(f"k2-sweep-report: error: {e}", file=sys.stderr)
         return 2
     analysis = analyze(grid, opts)
-    paths = write_report(grid, analysis, a.out or a.sweep_dir)
+    try:
+        paths = write_report(grid, analysis, a.out or a.sweep_dir)
+    except ReportWriteError as e:
+        print(f"k2-sweep-report: error: {e}", file=sys.stderr)
+        return 1
     print("\n".join(summary_lines(grid, analysis)))
     print("written: " + ", ".join(paths.values()))
     return 0

@@ -1,17 +1,22 @@
 """``k2-sweep-report`` end to end on fake grids: the five outputs and the summary, the same bytes on a second
 run, a half-finished grid reported with its incomplete cells named by file (exit 0, provisional), bad
-arguments refused in one line (exit 2), and the parameter count of the real model."""
+arguments refused in one line (exit 2), an output directory that cannot take the report (read-only, full, a
+directory in the way) in one line with no report left behind (exit 1), and the parameter count of the real
+model."""
 
 from __future__ import annotations
 
 import csv
+import errno
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
 
 from k2.launcher.sweep_report import main as report_main
+from k2.launcher.tools import sweep_records
 from support.fake_sweep import fake_params, write_grid
 
 OUTPUTS = ("sweep_cells.csv", "sweep.md", "sweep.json", "sweep_loss_vs_flops.png", "sweep_multiplier.png")
@@ -134,3 +139,66 @@ def test_help_and_the_real_parameter_count(tmp_path, capsys):
     assert report_main([str(tmp_path), "--bootstrap", "0"]) == 0
     row = next(csv.DictReader(open(tmp_path / "sweep_cells.csv")))
     assert (row["params_total"], row["params_active"]) == ("2068992", "1626624")
+
+
+def _one_error_line(err: str, *parts: str) -> None:
+    assert err.count("\n") == 1 and err.startswith("k2-sweep-report: error: "), err
+    assert "Traceback" not in err and all(p in err for p in parts), err
+
+
+def test_an_output_that_cannot_be_renamed_into_place_leaves_no_report(grid_dir, tmp_path_factory, capsys):
+    """A directory where the last figure goes: the files renamed before it are removed again, so the
+    directory holds no report that looks complete (no sweep.md linking a figure that is not there)."""
+    out = tmp_path_factory.mktemp("out")
+    (out / "sweep_multiplier.png").mkdir()
+    (out / "sweep_multiplier.png" / "keep").write_text("x")
+    rc, stdout, err = run([grid_dir, "--bootstrap", "0", "--out", out], capsys)
+    assert rc == 1 and stdout == ""
+    _one_error_line(
+        err,
+        f"{out}/sweep_multiplier.png: cannot write it (Is a directory); the report was not written "
+        "(removed again: sweep_cells.csv, sweep.json, sweep_loss_vs_flops.png)",
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["sweep_multiplier.png"]  # no output, no temporary
+
+
+@pytest.mark.parametrize(
+    "errno_, cause, failing",
+    [
+        (errno.ENOSPC, "No space left on device", "sweep_loss_vs_flops.png"),
+        (errno.EROFS, "Read-only file system", "sweep_cells.csv"),
+    ],
+)
+def test_a_full_disk_or_read_only_dir_is_one_line_and_leaves_the_old_report(
+    grid_dir, capsys, monkeypatch, errno_, cause, failing
+):
+    """A write that fails (as on a full disk or a read-only mount) part-way through: one line naming the
+    file and the cause, exit 1; the report there before is untouched and no temporary is left."""
+    assert run([grid_dir, "--bootstrap", "0"], capsys)[0] == 0
+    before = {f: (grid_dir / f).read_bytes() for f in OUTPUTS}
+    real = sweep_records._write_temporary
+
+    def write(path, data):
+        if path.name == f".{failing}.tmp":
+            path.write_bytes(data[:10])  # a partial temporary, as a full disk leaves it
+            raise OSError(errno_, os.strerror(errno_), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(sweep_records, "_write_temporary", write)
+    rc, stdout, err = run([grid_dir, "--bootstrap", "7"], capsys)
+    assert rc == 1 and stdout == ""
+    _one_error_line(err, f"{grid_dir}/{failing}: cannot write it ({cause}); the report was not written")
+    assert {f: (grid_dir / f).read_bytes() for f in OUTPUTS} == before
+    assert not list(grid_dir.glob(".*.tmp"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a directory without write permission")
+def test_a_read_only_sweep_dir_is_one_line(grid_dir, capsys):
+    grid_dir.chmod(0o555)
+    try:
+        rc, stdout, err = run([grid_dir, "--bootstrap", "0"], capsys)
+    finally:
+        grid_dir.chmod(0o755)
+    assert rc == 1 and stdout == ""
+    _one_error_line(err, f"{grid_dir}/sweep_cells.csv: cannot write it (Permission denied)")
+    assert not any((grid_dir / f).exists() for f in OUTPUTS)
