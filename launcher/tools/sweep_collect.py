@@ -15,7 +15,9 @@ The layout (written by the grid runner, :mod:`k2.launcher.tools.sweep`):
 
 Training FLOPs of a cell: the sum over its records of ``flops_per_token(cfg.model, seq_length).training``
 (:mod:`k2.model.flops`: 3 x forward, router included) times the tokens of that step, each step at its own
-context length. Its loss at its budget: the last ``val_loss``.
+context length. Its loss at its budget: the last ``val_loss``. Its branch point: the FLOPs at the branch step
+and the loss measured there, or interpolated between two evaluations of its trunk (``<trunk_dir>/metrics.jsonl``)
+around it; no loss where neither exists (never extrapolated).
 
 Public API: :func:`collect_grid(sweep_dir) <collect_grid>` -> :class:`GridData`; :func:`read_grid_spec`;
 :class:`SweepInputError` (a grid that cannot be reported at all: no grid.json, a malformed one, no readable
@@ -101,8 +103,9 @@ class GridSpec:
 @dataclass
 class Cell:
     """One cell's row. FLOPs are training FLOPs; losses in nats; ``curve``: ``(FLOPs, val_loss)`` at each
-    evaluation after step 0; ``branch_point``: ``(FLOPs, val loss interpolated in ln FLOPs)`` at the branch
-    step. Load: ``moe_load_max_over_mean`` (1 = balanced) over the records after ``warmup_steps``."""
+    evaluation after step 0; ``branch_point``: ``(FLOPs, val loss)`` at the branch step, the loss measured
+    there or interpolated between two of the trunk's evaluations around it, ``None`` where neither exists
+    (:func:`_branch_point`). Load: ``moe_load_max_over_mean`` (1 = balanced) over the records after ``warmup_steps``."""
 
     spec: CellSpec
     status: str
@@ -254,24 +257,66 @@ def _median_after(records: list[dict], key: str, warmup: int) -> tuple[float | N
     return (statistics.median(vals), max(vals)) if vals else (None, None)
 
 
-def _branch_point(cell: Cell, records: list[dict], cum: list[float]) -> tuple[float, float] | None:
-    """(FLOPs, val loss) at the branch step: the loss interpolated in ln FLOPs between the evaluations
-    around it (the trunk need not evaluate exactly there)."""
-    at = [f for r, f in zip(records, cum) if r["step"] == cell.spec.branch_step]
-    if not at or at[0] <= 0 or not cell.curve:
+def _evaluations(records: list[dict], cum: list[float]) -> list[tuple[int, float, float]]:
+    """``(step, FLOPs, val_loss)`` of each evaluation after step 0, in step order."""
+    evals = [(r["step"], f, float(r["val_loss"])) for r, f in zip(records, cum) if r["step"] > 0 and "val_loss" in r]
+    return sorted(evals)
+
+
+def _branch_point(
+    cell: Cell, records: list[dict], cum: list[float], trunk: list[tuple[int, float, float]]
+) -> tuple[float, float | None] | None:
+    """``(FLOPs, val loss)`` at the branch step, ``None`` where the records do not reach it.
+
+    The loss is measured, never extrapolated: the evaluation at the branch step, else the loss interpolated
+    in ln FLOPs strictly between the trunk's last evaluation before the step and its first after it
+    (``trunk``: the trunk's own evaluations; the cell's records after the branch step are the cooldown's,
+    another LR schedule, and are not used). Where no evaluation precedes the step or the trunk has none
+    after it, the loss is ``None``: the point is known in FLOPs only, and the figure draws no marker."""
+    step = cell.spec.branch_step
+    at = [f for r, f in zip(records, cum) if r["step"] == step]
+    if not at or at[0] <= 0:
         return None
-    import numpy as np
+    evals = [e for e in _evaluations(records, cum) if e[0] <= step] + [e for e in trunk if e[0] > step]
+    exact = [loss for s, _, loss in evals if s == step]
+    before, after = [e for e in evals if e[0] < step], [e for e in evals if e[0] > step]
+    if exact:
+        return at[0], exact[0]
+    if not before or not after:
+        return at[0], None
+    (_, f0, l0), (_, f1, l1) = before[-1], after[0]
+    t = (math.log(at[0]) - math.log(f0)) / (math.log(f1) - math.log(f0)) if f1 > f0 else 0.0
+    return at[0], l0 + t * (l1 - l0)
 
-    xs, ys = zip(*cell.curve)
-    return at[0], float(np.interp(math.log(at[0]), np.log(xs), ys))
+
+class _Trunks:
+    """Each trunk's evaluations (:func:`_evaluations` of ``<trunk_dir>/metrics.jsonl``), read once per trunk
+    (a trunk has one branch per budget): a branch point between two of them gets its loss from the trunk's
+    own curve. A trunk that is absent or cannot be read gives none (its branch points then have a loss only
+    where the branch's records evaluate at the branch step)."""
+
+    def __init__(self, sweep_dir: Path):
+        self._dir = sweep_dir
+        self._evals: dict[str, list[tuple[int, float, float]]] = {}
+
+    def evaluations(self, trunk_dir: str, model) -> list[tuple[int, float, float]]:
+        if trunk_dir not in self._evals:
+            try:
+                records, _ = _read_records(self._dir / trunk_dir / "metrics.jsonl", trunk_dir, finished=False)
+                self._evals[trunk_dir] = _evaluations(records, _flops_curve(records, model, _flops_of)[0])
+            except (OSError, ValueError, KeyError, TypeError):
+                self._evals[trunk_dir] = []
+        return self._evals[trunk_dir]
 
 
-def _fill_from_metrics(cell: Cell, records: list[dict], model, flops_of: Callable, warmup: int) -> None:
+def _fill_from_metrics(
+    cell: Cell, records: list[dict], model, flops_of: Callable, warmup: int, trunk: list[tuple[int, float, float]]
+) -> None:
     cum, cell.tokens, cell.seq_length = _flops_curve(records, model, flops_of)
     cell.flops = cum[-1] if cum else 0.0
     cell.curve = [(f, float(r["val_loss"])) for r, f in zip(records, cum) if r["step"] > 0 and "val_loss" in r]
     cell.final_val_loss = cell.curve[-1][1] if cell.curve else None
-    cell.branch_point = _branch_point(cell, records, cum)
+    cell.branch_point = _branch_point(cell, records, cum, trunk)
     if cell.seq_length:
         cell.flops_per_token, cell.router_share = flops_of(model, cell.seq_length)
     cell.tokens_per_s = _median_after(records, "tokens_per_s", warmup)[0]
@@ -335,7 +380,7 @@ def _wall_clock(spec: CellSpec, records: list[dict]) -> tuple[float | None, floa
     return (end_s - trunk_s if trunk_s is not None and end_s is not None else None), trunk_s
 
 
-def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Configs) -> Cell:
+def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Configs, trunks: _Trunks) -> Cell:
     """One cell's row; a file that cannot be read makes the cell ``unreadable`` with ``problem`` naming it."""
     d = sweep_dir / spec.run_dir
     if not d.is_dir():
@@ -354,7 +399,8 @@ def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Config
         model, (cell.params_total, cell.params_active) = configs.load(d / "config.yaml")
         current = "metrics.jsonl"
         records, cell.notes = _read_records(d / "metrics.jsonl", f"{spec.run_dir}/metrics.jsonl", finished)
-        _fill_from_metrics(cell, records, model, _flops_of, grid.warmup_steps)
+        trunk = trunks.evaluations(spec.trunk_dir, model)
+        _fill_from_metrics(cell, records, model, _flops_of, grid.warmup_steps, trunk)
         if finished:
             current = "cell.json"
             _read_done(cell, done_path)
@@ -402,7 +448,8 @@ def collect_grid(sweep_dir, *, params_of: Callable | None = None) -> GridData:
     """
     spec = read_grid_spec(sweep_dir)
     configs = _Configs(params_of or _count_params)
-    cells = [_read_cell(c, Path(sweep_dir), spec, configs) for c in spec.cells]
+    trunks = _Trunks(Path(sweep_dir))
+    cells = [_read_cell(c, Path(sweep_dir), spec, configs, trunks) for c in spec.cells]
     if not any(c.status in ("finished", "unfinished") for c in cells):
         problems = "; ".join(c.problem for c in cells[:3] if c.problem)
         raise SweepInputError(

@@ -2,7 +2,8 @@
 
 * :func:`plot_loss_vs_flops`: validation loss against training FLOPs per arm, as K2's Figure 5 (arXiv
   2507.20534, section 2.3) draws it: every cell's evaluation curve thin (a branch shares its trunk's curve up
-  to the branch point, marked with a triangle), the finished cells' end points (an ``x``: collapsed, left
+  to the branch point, marked with a triangle where a loss was measured there or between two of the trunk's
+  evaluations around it), the finished cells' end points (an ``x``: collapsed, left
   out of the fit), and the arm's fitted ``L = A * C^(-alpha)`` over its measured FLOPs;
 * :func:`plot_multipliers`: the compute multiplier against the reference arm vs sparsity, one series per
   target loss, with the bootstrap interval as error bars.
@@ -43,7 +44,7 @@ def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
         if cell.curve:
             xs, ys = zip(*cell.curve)
             ax.plot(xs, ys, color=col, lw=0.7, alpha=0.45)
-        if cell.branch_point:
+        if cell.branch_point and cell.branch_point[1] is not None:  # a loss measured at (or around) the step
             ax.plot(*cell.branch_point, marker="^", ms=5, mfc="none", mec=col, ls="none")
         if cell.status == "finished":
             ax.plot(cell.flops, cell.final_val_loss, marker="x" if cell.collapsed else "o", ms=5, color=col, ls="none")

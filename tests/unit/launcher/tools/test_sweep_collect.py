@@ -1,5 +1,6 @@
 """Reading a sweep grid: the training-FLOPs sum (each step at its own context length, the trunk's steps
-included), the final loss, the medians after warm-up, the branch point, the collapsed flag; the cells that
+included), the final loss, the medians after warm-up, the branch point (its loss measured or interpolated
+between the trunk's evaluations, never extrapolated), the collapsed flag; the cells that
 cannot be reported (torn line, no cell.json, no dir) named with their file; grid.json's checks."""
 
 from __future__ import annotations
@@ -93,10 +94,44 @@ def test_flops_loss_medians_and_branch_point(tmp_path):
     assert cell.collapsed is False
     assert (cell.wall_clock_s, cell.trunk_wall_clock_s, cell.peak_rss_bytes) == (12.5, 30.0, 123)
     assert cell.params_total == fake_params(cfg)[0]
-    # the branch point: after step 3 (2048 short + 1024 long), its loss interpolated in ln FLOPs
+    # the branch point: after step 3 (2048 short + 1024 long); no trunk evaluation after it to interpolate to
+    # (the branch's own at step 4 follows its cooldown, not the trunk's curve): the FLOPs, no loss
     f3 = 2048 * short + 1024 * long
+    assert cell.branch_point[0] == pytest.approx(f3) and cell.branch_point[1] is None
+    # the trunk (the same records up to step 3, then its own constant-LR step 4, evaluated at 6.8): the loss
+    # interpolated in ln FLOPs between the trunk's evaluations at steps 2 and 4
+    trunk = tmp_path / "sparsity_4/seed_1/trunk"
+    trunk.mkdir()
+    recs[4]["val_loss"] = 6.8
+    (trunk / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cell = collect_grid(tmp_path, params_of=fake_params).cells[0]
     t = (math.log(f3) - math.log(2048 * short)) / (math.log(cell.flops) - math.log(2048 * short))
-    assert cell.branch_point[0] == pytest.approx(f3) and cell.branch_point[1] == pytest.approx(7.0 - 0.5 * t)
+    assert cell.branch_point[0] == pytest.approx(f3) and cell.branch_point[1] == pytest.approx(7.0 - 0.2 * t)
+
+
+@pytest.mark.parametrize("with_trunk", [False, True])
+def test_a_branch_point_loss_is_measured_never_extrapolated(tmp_path, with_trunk):
+    """Evaluations every 4 steps and at the last (step 8): a branch point at step 4 has that evaluation's
+    loss; one at step 3 has no evaluation before it (step 0 is not on the curve), so no loss, not the
+    nearest evaluation's (an extrapolation); one at step 6 lies between evaluations 4 and 8 of the trunk,
+    if there is a trunk to read (the branch's own step 8 is after its cooldown)."""
+    specs = [_spec("sparsity_1", 1, seed, 8192, branch=b) for seed, b in ((1, 4), (2, 3), (3, 6))]
+    for sp in specs:
+        write_cell(tmp_path / sp["run_dir"], model_config(2), 8, sp["branch_step"], 5.0, 1.0)
+        if with_trunk:  # a trunk evaluated at 5.3 at step 8 (up to a branch step, the branch's records are its)
+            trunk = tmp_path / sp["trunk_dir"]
+            write_cell(trunk, model_config(2), 8, 8, 5.3, 1.0)
+    _grid(tmp_path, specs)
+    cells = {c.spec.branch_step: c for c in collect_grid(tmp_path, params_of=fake_params).cells}
+    step_4 = next(loss for f, loss in cells[4].curve if f == cells[4].branch_point[0])
+    assert cells[4].branch_point[1] == step_4
+    assert cells[3].branch_point[0] > 0 and cells[3].branch_point[1] is None
+    if not with_trunk:
+        assert cells[6].branch_point[1] is None
+        return
+    (f4, l4), (f8, l8) = cells[6].curve[0], (cells[6].flops, 5.3)
+    t = (math.log(cells[6].branch_point[0]) - math.log(f4)) / (math.log(f8) - math.log(f4))
+    assert cells[6].branch_point[1] == pytest.approx(l4 + t * (l8 - l4))
 
 
 def test_incomplete_cells_are_named_with_their_files(tmp_path):
