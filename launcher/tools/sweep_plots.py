@@ -3,8 +3,9 @@
 * :func:`plot_loss_vs_flops`: validation loss against training FLOPs per arm, as K2's Figure 5 (arXiv
   2507.20534, section 2.3) draws it: every cell's evaluation curve thin (a branch shares its trunk's curve up
   to the branch point, marked with a triangle where a loss was measured there or between two of the trunk's
-  evaluations around it), the finished cells' end points (an ``x``: collapsed, left
-  out of the fit), and the arm's fitted ``L = A * C^(-alpha)`` over its measured FLOPs;
+  evaluations around it), the finished cells' end points (an ``x``: collapsed, left out of the fit), and the
+  arm's fitted ``L = A * C^(-alpha)`` over its measured FLOPs; the FLOPs ticks labelled with as many digits
+  as keep them distinct (:func:`sci_labels`);
 * :func:`plot_multipliers`: the compute multiplier against the reference arm vs sparsity, one series per
   target loss, with the bootstrap interval as error bars.
 """
@@ -16,7 +17,7 @@ import numpy as np
 from k2.launcher.tools.sweep_analysis import Analysis, arm_label
 from k2.launcher.tools.sweep_collect import GridData
 
-__all__ = ["plot_loss_vs_flops", "plot_multipliers"]
+__all__ = ["loss_vs_flops_figure", "plot_loss_vs_flops", "plot_multipliers", "sci_labels"]
 
 
 def _pyplot():
@@ -32,8 +33,37 @@ def _colors(arms: list[str]) -> dict[str, str]:
     return {a: f"C{i % 10}" for i, a in enumerate(arms)}  # matplotlib's default cycle, in sparsity order
 
 
-def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
-    """Write the loss-vs-FLOPs figure (PNG) to ``path``."""
+def _sci(v: float, digits: int) -> str:
+    mantissa, exp = f"{v:.{digits}e}".split("e")
+    return (mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa) + "e" + exp
+
+
+def sci_labels(values) -> list[str]:
+    """Tick labels in scientific notation with as few significant digits as keep them distinct (``2e+11,
+    2.5e+11, 3e+11``; trailing zeros dropped)."""
+    for digits in range(6):
+        labels = [_sci(float(v), digits) for v in values]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
+
+
+def _sci_formatter():
+    """A :class:`matplotlib.ticker.Formatter` of :func:`sci_labels` (3 digits for a single value)."""
+    from matplotlib import ticker
+
+    class _Formatter(ticker.Formatter):
+        def __call__(self, x, pos=None):
+            return _sci(x, 3)
+
+        def format_ticks(self, values):
+            return sci_labels(values)
+
+    return _Formatter()
+
+
+def loss_vs_flops_figure(grid: GridData, analysis: Analysis):
+    """The loss-vs-FLOPs figure (a matplotlib Figure; the caller saves and closes it)."""
     plt = _pyplot()
     from matplotlib import ticker
 
@@ -58,9 +88,11 @@ def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
     for t in analysis.targets:
         ax.axhline(t, color="gray", ls=":", lw=0.8)
     ax.set_xscale("log")
-    # labels at 1, 2 and 5 x 10^k: a sweep spans one or two decades, where matplotlib labels one tick or all
+    # ticks at 1, 2 and 5 x 10^k: a sweep spans one or two decades, where matplotlib labels one tick or all;
+    # over less than about a decade the locator falls back to linear ticks (2e11, 2.5e11, ...), which one
+    # significant digit would label alike: sci_labels gives them as many digits as keep them distinct
     ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.0e}"))
+    ax.xaxis.set_major_formatter(_sci_formatter())
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("training FLOPs (router included)")
     ax.set_ylabel("validation loss (nats)")
@@ -70,6 +102,13 @@ def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
     )
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
+    return fig
+
+
+def plot_loss_vs_flops(grid: GridData, analysis: Analysis, path) -> None:
+    """Write the loss-vs-FLOPs figure (PNG) to ``path`` (a file name or a binary file object)."""
+    plt = _pyplot()
+    fig = loss_vs_flops_figure(grid, analysis)
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
