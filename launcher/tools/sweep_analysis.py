@@ -22,7 +22,8 @@ Method (the sources are in :mod:`k2.launcher.tools.sweep_fit`):
 * **leave-one-out**: each arm refitted without its largest budget, which it then predicts.
 
 Public API: :class:`ReportOptions`; :func:`fit_arms(grid, options) <fit_arms>` -> ``{arm: ArmFit}``;
-:func:`analyze(grid, options) <analyze>` -> :class:`Analysis` (all of the above).
+:func:`analyze(grid, options) <analyze>` -> :class:`Analysis` (all of the above); :func:`sign_phrase` (an
+arm's multipliers in one phrase) and :func:`no_interval_reason`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ import numpy as np
 from k2.launcher.tools.sweep_collect import Cell, GridData
 from k2.launcher.tools.sweep_fit import PowerLaw, PowerLawFit, fit_power_law, percentile_interval, seed_resamples
 
-__all__ = ["Analysis", "ArmFit", "ReportOptions", "analyze", "arm_label", "fit_arms"]
+__all__ = [
+    "Analysis",
+    "ArmFit",
+    "ReportOptions",
+    "analyze",
+    "arm_label",
+    "fit_arms",
+    "no_interval_reason",
+    "sign_phrase",
+]
 
 #: where inside the overlap of the arms' loss ranges the automatic targets sit (fractions from its bottom)
 TARGET_FRACTIONS = (0.25, 0.5, 0.75)
@@ -87,9 +97,10 @@ class ArmFit:
 
 @dataclass
 class Analysis:
-    """Everything the report prints: ``arms`` by sparsity; ``comparisons`` per baseline (``reference`` and
-    ``lowest``: the lowest sparsity above 1, when it is another arm) -> multipliers, paired differences;
-    ``provisional``: overall reasons (empty = final)."""
+    """Everything the report prints: ``arms`` by sparsity; ``multipliers`` and ``paired`` per baseline
+    (``reference`` and ``lowest``: the lowest sparsity above 1, when it is another arm and an arm lies above
+    it; else None); ``seeds``: the seeds with a finished cell; ``provisional``: overall reasons (empty =
+    final)."""
 
     options: ReportOptions
     reference: str
@@ -330,13 +341,16 @@ def analyze(grid: GridData, opts: ReportOptions) -> Analysis:
     """Fits, targets, multipliers and paired differences against the reference arm and against the lowest
     sparsity above 1, leave-one-out, provisional flags (see the module docstring)."""
     ref = opts.reference or grid.spec.reference_arm
-    arms, seeds = fit_arms(grid, opts)
+    arms, _ = fit_arms(grid, opts)
     targets, note = choose_targets(arms, opts.targets)
     lowest = _lowest_sparsity(arms, ref)
-    # against the reference: every other arm; against the lowest sparsity: the arms above it
+    # against the reference: every other arm; against the lowest sparsity: the arms above it, if any
     others = {ref: [a for a in arms if a != ref]}
-    if lowest:
-        others[lowest] = [a for a in arms if arms[a].sparsity > arms[lowest].sparsity]
+    above = [a for a in arms if lowest and arms[a].sparsity > arms[lowest].sparsity]
+    if above:
+        others[lowest] = above
+    else:
+        lowest = None
     mult = {b: multipliers(arms, b, o, targets, opts.level) for b, o in others.items()}
     paired = {b: paired_differences(grid, b, o) for b, o in others.items()}
     loo = [leave_one_out(af, opts.irreducible) for af in arms.values() if af.cells]
@@ -351,7 +365,7 @@ def analyze(grid: GridData, opts: ReportOptions) -> Analysis:
         options=opts,
         reference=ref,
         lowest=lowest,
-        seeds=seeds,
+        seeds=sorted({c.spec.seed for c in grid.cells if c.status == "finished"}),
         targets=targets,
         targets_note=note,
         arms=arms,
@@ -360,3 +374,40 @@ def analyze(grid: GridData, opts: ReportOptions) -> Analysis:
         loo=loo,
         provisional=why,
     )
+
+
+def no_interval_reason(analysis: Analysis) -> str:
+    """Why the multipliers have no interval (one seed, ``--bootstrap 0``, no resample fitted)."""
+    if len(analysis.seeds) < 2:
+        return "no intervals: one seed"
+    if analysis.options.n_bootstrap == 0:
+        return "no intervals: --bootstrap 0"
+    return "no intervals: no bootstrap resample could be fitted"
+
+
+def _resolution(ivs: list, beyond, side: str, none_why: str) -> str:
+    if all(iv is None for iv in ivs):
+        return f" ({none_why})"
+    if all(iv and beyond(iv) for iv in ivs):
+        return f", every interval {side} 1"
+    if any(iv is None for iv in ivs):
+        return " (not resolved: a target has no interval)"
+    return " (not resolved: an interval reaches 1)"
+
+
+def sign_phrase(rows: list[dict], none_why: str) -> str:
+    """One phrase for an arm's multipliers (rows of :func:`multipliers`) over the targets against one
+    baseline: "fewer FLOPs at every target, every interval above 1" (resolved), "... (not resolved: an
+    interval reaches 1)", "mixed: ..." naming the targets on each side; ``none_why`` is said where there are
+    no intervals at all (:func:`no_interval_reason`)."""
+    ms = [r["multiplier"] for r in rows if math.isfinite(r["multiplier"])]
+    if not ms:
+        return "no multiplier"
+    ivs = [r["interval"] for r in rows]
+    if all(m > 1 for m in ms):
+        return "fewer FLOPs at every target" + _resolution(ivs, lambda iv: iv[0] > 1, "above", none_why)
+    if all(m < 1 for m in ms):
+        return "more FLOPs at every target" + _resolution(ivs, lambda iv: iv[1] < 1, "below", none_why)
+    fewer = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] > 1]
+    more = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] < 1]
+    return f"mixed: fewer FLOPs at L* = {', '.join(fewer)}; more at L* = {', '.join(more)}"

@@ -100,7 +100,8 @@ def loss_vs_flops_figure(grid: GridData, analysis: Analysis):
         f"{grid.spec.name}: validation loss vs training FLOPs (o finished, x collapsed, ^ branch point, : targets)",
         fontsize=9,
     )
-    ax.legend(fontsize=8, loc="upper right")
+    if ax.get_legend_handles_labels()[0]:  # no fit: nothing to name (an empty legend only warns)
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     return fig
 

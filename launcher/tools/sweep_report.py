@@ -33,7 +33,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from k2.launcher.tools.sweep_analysis import Analysis, ReportOptions, analyze, arm_label
+from k2.launcher.tools.sweep_analysis import (
+    Analysis,
+    ReportOptions,
+    analyze,
+    arm_label,
+    no_interval_reason,
+    sign_phrase,
+)
 from k2.launcher.tools.sweep_collect import GridData, SweepInputError, collect_grid, read_grid_spec
 from k2.launcher.tools.sweep_records import (
     CSV_COLUMNS,
@@ -177,8 +184,10 @@ def _md_comparisons(analysis: Analysis) -> list[str]:
                 for r in rows
             ],
         )
+        why = no_interval_reason(analysis)
         lines += [""] + [
-            f"- {arm}: {_sign([r for r in rows if r['arm'] == arm])}" for arm in dict.fromkeys(r["arm"] for r in rows)
+            f"- {arm}: {sign_phrase([r for r in rows if r['arm'] == arm], why)}"
+            for arm in dict.fromkeys(r["arm"] for r in rows)
         ]
         lines += ["", "Paired final-loss difference, arm minus baseline, per seed (nats):", ""]
         lines += _table(
@@ -258,27 +267,6 @@ def markdown(grid: GridData, analysis: Analysis) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sign(rows: list[dict]) -> str:
-    """One phrase for an arm's multipliers over the targets against one baseline."""
-    ms = [r["multiplier"] for r in rows if math.isfinite(r["multiplier"])]
-    if not ms:
-        return "no multiplier"
-    ivs = [r["interval"] for r in rows]
-    if all(m > 1 for m in ms):
-        resolved = all(iv and iv[0] > 1 for iv in ivs)
-        return "fewer FLOPs at every target" + (
-            ", every interval above 1" if resolved else " (not resolved: an interval reaches 1)"
-        )
-    if all(m < 1 for m in ms):
-        resolved = all(iv and iv[1] < 1 for iv in ivs)
-        return "more FLOPs at every target" + (
-            ", every interval below 1" if resolved else " (not resolved: an interval reaches 1)"
-        )
-    fewer = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] > 1]
-    more = [f"{r['target_loss']:g}" for r in rows if r["multiplier"] < 1]
-    return f"mixed: fewer FLOPs at L* = {', '.join(fewer)}; more at L* = {', '.join(more)}"
-
-
 def summary_lines(grid: GridData, analysis: Analysis) -> list[str]:
     """The short stdout summary: alphas, multipliers, signs against dense/reference and the lowest sparsity,
     the provisional flag."""
@@ -294,18 +282,20 @@ def summary_lines(grid: GridData, analysis: Analysis) -> list[str]:
             f"  {arm_label(af.arm, af.sparsity)}: {alpha}"
             + (f" PROVISIONAL ({'; '.join(af.provisional)})" if af.provisional else "")
         )
+    why = no_interval_reason(analysis)
     for base, rows in analysis.multipliers.items():
         label = arm_label(base, analysis.arms[base].sparsity)
         out.append(f"multipliers C_base(L*) / C_arm(L*) against {label} (> 1: fewer FLOPs):")
         for t in analysis.targets:
             at = [
                 f"{r['arm']} {_f(r['multiplier'], '.3f')}x {_iv(r['interval'], '.3f')}"
+                + ("" if r["inside_data"] else " (extrapolated: outside an arm's losses)")
                 for r in rows
                 if r["target_loss"] == t
             ]
             out.append(f"  L* = {t:g}: " + "; ".join(at))
         for arm in dict.fromkeys(r["arm"] for r in rows):
-            out.append(f"  sign: {arm} vs {label}: {_sign([r for r in rows if r['arm'] == arm])}")
+            out.append(f"  sign: {arm} vs {label}: {sign_phrase([r for r in rows if r['arm'] == arm], why)}")
     out.append(
         "provisional: "
         + (f"yes ({len(analysis.provisional)} reason(s), listed in sweep.md)" if analysis.provisional else "no")
@@ -403,12 +393,17 @@ def _parser() -> _Parser:
     )
     p.add_argument("sweep_dir", metavar="SWEEP_DIR")
     p.add_argument("--out", metavar="DIR", help="write the outputs here (default: SWEEP_DIR)")
-    p.add_argument("--reference", metavar="ARM", help="the baseline arm (default: grid.json's reference_arm)")
+    p.add_argument(
+        "--reference",
+        metavar="ARM",
+        help="the baseline arm, or dense for the sparsity-1 arm (default: grid.json's reference_arm)",
+    )
     p.add_argument(
         "--targets",
         type=_targets,
         metavar="L1,L2,...",
-        help="target losses for the multipliers (default: 3 inside the overlap of the arms' losses)",
+        help="target losses for the multipliers, inside the measured final losses (default: 3 inside the overlap "
+        "of the arms' losses)",
     )
     p.add_argument("--irreducible", action="store_true", help="fit L = E + A * C^(-alpha)")
     p.add_argument("--include-collapsed", action="store_true", help="keep collapsed cells in the fits")
@@ -423,15 +418,18 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, ReportOptions]:
     Raises _UsageError or SweepInputError."""
     a = _parser().parse_args(argv)
     spec = read_grid_spec(a.sweep_dir)
-    if a.reference is not None and a.reference not in spec.arms:
-        raise _UsageError(f"--reference={a.reference}; allowed: {', '.join(spec.arms)}")
+    dense = next((c.arm for c in spec.cells if c.sparsity == 1), None)
+    reference = dense if a.reference == "dense" and "dense" not in spec.arms else a.reference
+    if reference is not None and reference not in spec.arms:
+        allowed = ", ".join(spec.arms) + (f", dense (= {dense})" if dense else "")
+        raise _UsageError(f"--reference={a.reference}; allowed: {allowed}")
     if a.out is not None:
         try:
             Path(a.out).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _UsageError(f"--out={a.out}: cannot create it ({e.strerror})") from None
     return a, ReportOptions(
-        reference=a.reference,
+        reference=reference,
         targets=a.targets,
         irreducible=a.irreducible,
         include_collapsed=a.include_collapsed,
@@ -439,6 +437,19 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, ReportOptions]:
         level=a.level,
         rng_seed=a.seed,
     )
+
+
+def _check_targets(targets: tuple[float, ...] | None, grid: GridData) -> None:
+    """Refuse (``_UsageError``) ``--targets`` outside every finished cell's final loss: a multiplier there
+    is read off both fits beyond all the data. A target inside some arms' losses but not another's is
+    kept; its multiplier is marked extrapolated."""
+    losses = [c.final_val_loss for c in grid.cells if c.status == "finished"]
+    outside = [t for t in targets or () if losses and not min(losses) <= t <= max(losses)]
+    if outside:
+        raise _UsageError(
+            f"--targets: {', '.join(f'{t:g}' for t in outside)} outside the measured final losses "
+            f"[{min(losses):.4f}, {max(losses):.4f}] (a multiplier there would be an extrapolation)"
+        )
 
 
 def report_main(argv: Sequence[str] | None = None, *, params_of=None) -> int:
@@ -462,6 +473,7 @@ def report_main(argv: Sequence[str] | None = None, *, params_of=None) -> int:
     try:
         a, opts = _options(args)
         grid = collect_grid(a.sweep_dir, params_of=params_of)
+        _check_targets(a.targets, grid)
     except (_UsageError, SweepInputError) as e:
         print(f"k2-sweep-report: error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -114,7 +115,8 @@ def test_half_finished_grid_is_reported_with_its_incomplete_cells_named(grid_dir
         (["{d}", "--targets", "3.0,-1"], "every target loss must be a finite number > 0"),
         (["{d}", "--level", "1.5"], "argument --level: '1.5': expected a number in (0, 1)"),
         (["{d}", "--bootstrap", "-3"], "argument --bootstrap: '-3': expected an integer >= 0"),
-        (["{d}", "--reference", "dense"], "--reference=dense; allowed: sparsity_1, sparsity_4"),
+        (["{d}", "--reference", "sparse"], "--reference=sparse; allowed: sparsity_1, sparsity_4, dense (= sparsity_1)"),
+        (["{d}", "--targets", "100,200"], "--targets: 100, 200 outside the measured final losses [4."),
         (["{d}/nowhere"], "grid.json: no such file"),
     ],
 )
@@ -202,3 +204,41 @@ def test_a_read_only_sweep_dir_is_one_line(grid_dir, capsys):
     assert rc == 1 and stdout == ""
     _one_error_line(err, f"{grid_dir}/sweep_cells.csv: cannot write it (Permission denied)")
     assert not any((grid_dir / f).exists() for f in OUTPUTS)
+
+
+def test_one_seed_two_arms_no_fit_says_what_it_has(tmp_path, capsys):
+    """One seed and one budget per arm: no fit; the finished seed is still named, the figure drawn without a
+    legend warning."""
+    write_grid(tmp_path, [1, 4], [1], [4], _law)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rc, out, err = run([tmp_path, "--bootstrap", "10"], capsys)
+    assert rc == 0 and err == ""
+    assert out.splitlines()[0] == "sweep fake_sweep: 2 of 2 cells finished, seeds [1]"
+    assert "seeds [1]; reference arm" in (tmp_path / "sweep.md").read_text()
+
+
+def test_one_seed_sign_and_two_arms_compared_once(tmp_path, capsys):
+    """With one seed there are no intervals, and the sign line says so (not "an interval reaches 1"); with two
+    arms there is no second comparison against the lowest sparsity (it has no arm above it)."""
+    write_grid(tmp_path, [1, 4], [1], [4, 8, 16], _law)
+    rc, out, err = run([tmp_path, "--bootstrap", "10"], capsys)
+    assert rc == 0 and err == ""
+    assert "  sign: sparsity_4 vs dense (sparsity 1): fewer FLOPs at every target (no intervals: one seed)" in out
+    assert "against sparsity_4" not in out
+    md = (tmp_path / "sweep.md").read_text()
+    assert "- sparsity_4: fewer FLOPs at every target (no intervals: one seed)" in md
+    assert "### Against sparsity_4" not in md and md.count("### Against") == 1
+    assert list(json.loads((tmp_path / "sweep.json").read_text())["multipliers"]) == ["sparsity_1"]
+
+
+def test_reference_dense_and_a_target_outside_one_arm(grid_dir, capsys):
+    """``--reference dense`` names the sparsity-1 arm; a target inside the measured losses but outside one
+    arm's is reported, its multiplier marked extrapolated."""
+    assert run([grid_dir, "--bootstrap", "0"], capsys)[0] == 0
+    ranges = {a: f["loss_range"] for a, f in json.loads((grid_dir / "sweep.json").read_text())["fits"].items()}
+    below_dense = (ranges["sparsity_4"][0] + ranges["sparsity_1"][0]) / 2  # sparsity 4 reaches it, dense not
+    rc, out, err = run([grid_dir, "--bootstrap", "0", "--reference", "dense", "--targets", f"{below_dense}"], capsys)
+    assert rc == 0 and err == ""
+    assert "multipliers C_base(L*) / C_arm(L*) against dense (sparsity 1)" in out
+    assert "(extrapolated: outside an arm's losses)" in out
