@@ -49,6 +49,13 @@ GRID_KEYS = (
     "run.wandb.group",
     "run.wandb.name",
 )
+#: what a size of the ladder (``sweep.sizes``) may not override (a key or a section): what the grid sets, and
+#: what it derives the branch steps (the schedule, its global batch), an arm's sparsity (top-k, experts), the
+#: seeds or the data order from
+SIZE_FORBIDDEN = (*GRID_KEYS, "schedule", "model.moe_router_topk", "sweep", "experiment")
+#: settings of a size's config that must equal the base config's (a group override such as ``model=...``
+#: may change them without naming them)
+SIZE_FIXED = ("model.moe_router_topk", "schedule", "run.seed")
 GRID_FILE = "grid.json"
 CELL_FILE = "cell.json"
 
@@ -189,8 +196,13 @@ def _budgets(cfg, warmup_end: int, B: int, constant_end: int) -> list[tuple[int,
                 f"{exact // B} steps of {B:,} tokens), inside the warmup (ends at step {warmup_end}); allowed: "
                 f"budgets past {math.ceil((warmup_end + 1) * B / (1 - f)):,} tokens"
             )
-        out.append((exact, step))
-    return out
+        if out and out[-1][0] == exact:
+            raise ConfigError(
+                f"sweep.budgets_tokens: the budgets {out[-1][2]:,} and {t:,} both round up to {exact // B} steps of "
+                f"{B:,} tokens ({exact:,} tokens: one cell); allowed: budgets at least one step ({B:,} tokens) apart"
+            )
+        out.append((exact, step, t))
+    return [(exact, step) for exact, step, _ in out]
 
 
 def _base_overrides(overrides: Sequence[str]) -> list[str]:
@@ -202,6 +214,61 @@ def _base_overrides(overrides: Sequence[str]) -> list[str]:
             "(sparsities, seeds, budgets_tokens, cooldown, sizes) and any other setting"
         )
     return list(overrides)
+
+
+def check_sweep_name(name) -> None:
+    """``sweep.name`` is one directory name (``sweep.dir`` defaults to ``runs/sweeps/<name>``) and the runs'
+    wandb group, so it may not be empty, absolute, or hold a path separator or ``..`` (which would put the
+    grid into ``runs/sweeps/`` itself or outside ``runs/``).
+
+    Raises:
+        ConfigError: naming ``sweep.name`` and what is allowed.
+    """
+    text = "" if name is None else str(name)
+    if text.strip() in ("", ".") or "/" in text or "\\" in text or ".." in text or os.path.isabs(text):
+        raise ConfigError(
+            f"sweep.name={text!r}: a sweep's name is one directory under runs/sweeps/ and its wandb group; "
+            "allowed: a non-empty name without '/', '\\' or '..' (e.g. sparsity_sweep)"
+        )
+
+
+def check_sizes(cfg, base: list[str], sizes: dict) -> None:
+    """Each size's overrides change the model, never what the grid owns or derives (:data:`SIZE_FORBIDDEN`):
+    a size's own global batch would move its branch steps off the trunk's saves, its own top-k every arm's
+    sparsity. A size is also loaded, so that a group override that changes one of :data:`SIZE_FIXED` is
+    caught, and a bad setting is named with its size.
+
+    Raises:
+        ConfigError: naming the size and the key.
+    """
+    from omegaconf import OmegaConf
+
+    allowed = "allowed: the model's shape (e.g. model.hidden_size=96, model.num_layers=4) and other settings"
+    for size, overrides in sizes.items():
+        if size is None:
+            continue
+        for o in overrides:
+            key = o.split("=", 1)[0].lstrip("+~")
+            owned = next((k for k in SIZE_FORBIDDEN if key == k or key.startswith(k + ".")), None)
+            if owned is not None:
+                raise ConfigError(
+                    f"sweep.sizes.{size}: {o}: a size may not set {owned} (the grid sets it or derives the branch "
+                    f"steps, the arms' sparsity, the seeds or the data order from it); {allowed}"
+                )
+        try:
+            scfg = load_config([*base, *overrides])
+        except ConfigError as e:
+            raise ConfigError(f"sweep.sizes.{size}: {e}") from None
+        for key in SIZE_FIXED:
+            mine, theirs = OmegaConf.select(cfg, key), OmegaConf.select(scfg, key)
+            if OmegaConf.is_config(mine):
+                mine, theirs = OmegaConf.to_container(mine), OmegaConf.to_container(theirs)
+            if mine != theirs:
+                shown = f" ({mine} -> {theirs})" if not isinstance(mine, dict) else ""
+                raise ConfigError(
+                    f"sweep.sizes.{size}: {', '.join(overrides)} changes {key}{shown}, which the grid derives the "
+                    f"branch steps, the arms' sparsity or the seeds from; {allowed}"
+                )
 
 
 def build_grid(overrides: Sequence[str]) -> tuple[object, Grid]:
@@ -218,6 +285,7 @@ def build_grid(overrides: Sequence[str]) -> tuple[object, Grid]:
         raise ConfigError(
             "k2-train -m needs sweep.sparsities (e.g. +experiment=sparsity_sweep); allowed: a list of integers >= 1"
         )
+    check_sweep_name(cfg.sweep.name)
     topk, B = int(cfg.model.moe_router_topk), int(cfg.schedule.global_batch_tokens)
     warmup, constant = split_schedule(cfg)
     from k2.schedules.resolve import resolve_schedule
@@ -228,6 +296,7 @@ def build_grid(overrides: Sequence[str]) -> tuple[object, Grid]:
     top = budgets[-1][0]
     seeds = [int(s) for s in (sw.seeds or [cfg.run.seed])]
     sizes = {str(k): list(v) for k, v in (sw.sizes or {}).items()} or {None: []}
+    check_sizes(cfg, base, sizes)
     cooldown = {
         "style": str(sw.cooldown.style),
         "fraction": float(sw.cooldown.fraction),

@@ -77,10 +77,27 @@ def test_a_run_of_the_grid_loads_with_its_schedule(grid):
         (["sweep.cooldown.style=step"], "sweep.cooldown.style='step'"),
         (["sweep.sparsities=[2,2]"], "sweep.sparsities"),
         (["sweep.sparsities=[]"], "sweep.sparsities"),
+        # two budgets of the same whole number of steps would be one cell trained twice
+        (["sweep.budgets_tokens=[1392640,1392000]"], "sweep.budgets_tokens: the budgets 1,392,000 and 1,392,640"),
+        # a size may change the model's shape, never the batch (branch steps), top-k (sparsity) or seed
+        (["+sweep.sizes={big:['schedule.global_batch_tokens=32768']}"], "sweep.sizes.big: schedule.global_batch"),
+        (["+sweep.sizes={k1:['model.moe_router_topk=1']}"], "sweep.sizes.k1: model.moe_router_topk=1"),
+        (["+sweep.sizes={s:['model.num_moe_experts=4']}"], "sweep.sizes.s: model.num_moe_experts=4"),
+        (["+sweep.sizes={s:['schedule=tiny_wsd']}"], "sweep.sizes.s: schedule=tiny_wsd"),
+        (["+sweep.sizes={s:['run.seed=3']}"], "sweep.sizes.s: run.seed=3"),
+        (["+sweep.sizes={s:['model.nosuch=1']}"], "sweep.sizes.s: unknown config key 'model.nosuch'"),
+        # the name is one directory under runs/sweeps/
+        (["sweep.name="], "sweep.name=''"),
+        (["sweep.name=../../../tmp/escape"], "sweep.name='../../../tmp/escape'"),
+        (["sweep.name=/tmp/x"], "sweep.name='/tmp/x'"),
+        (["sweep.name=a/b"], "sweep.name='a/b'"),
     ],
 )
-def test_bad_sweep_is_refused_before_anything_runs(tmp_path, no_process_start, capsys, bad, named):
+def test_bad_sweep_is_refused_before_anything_runs(tmp_path, no_process_start, capsys, monkeypatch, bad, named):
+    from k2.launcher.tools.sweep import TEST_PYTHON_ENV
     from k2.launcher.train import main
+
+    monkeypatch.setenv(TEST_PYTHON_ENV, "/bin/false")  # a grid let through fails at once instead of training
 
     rc = main(["-m", *EXPERIMENT, f"sweep.dir={tmp_path / 'sweep'}", *bad])
     err = capsys.readouterr().err
