@@ -7,7 +7,14 @@ only once its trunk has saved its branch point. The command is resumable: finish
 partial ones resume from their own checkpoints, a trunk resumes from its latest. A failed run is named with
 its log while the rest go on (its branches are skipped and named); the exit status says whether all finished.
 SIGTERM / SIGUSR1 / SIGINT to the sweep are passed on as SIGTERM to the runs in flight, which save and stop;
-the sweep then exits 42 (re-run the same command to continue).
+the sweep then exits 42 (re-run the same command to continue). A sweep that dies without passing it on
+(``kill -9``) leaves no run training: on Linux each run gets SIGTERM from the kernel when the sweep dies
+(:func:`die_with_parent`). A run that another live process still trains (its run dir's owner lock) is named
+with that process's pid and not started again (nor its branches); it is no failure.
+
+Before anything trains, a re-run names each cell that cannot go on as it is, with the remedy, and goes on
+with the others: a finished cell whose files the report cannot read, and a branch whose trunk no longer has
+the checkpoint at its branch point (:mod:`k2.launcher.tools.sweep_state`).
 
 Each run writes its output to ``<run dir>/k2-train.log``; a finished cell gets ``cell.json`` (its wall-clock,
 the trunk's up to its branch point, the peak resident memory of its process, its final validation loss).
@@ -19,9 +26,10 @@ and megatron-core; the peak resident memory recorded is then the client's).
 
 from __future__ import annotations
 
-import json
+import ctypes
+import errno
+import fcntl
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -32,14 +40,16 @@ from pathlib import Path
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
-from k2.launcher.tools.sweep_grid import (
-    CELL_FILE,
-    Cell,
-    Grid,
-    Trunk,
-    build_grid,
+from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name
+from k2.launcher.checkpointing.run_lock import OWNER_LOCK
+from k2.launcher.tools.sweep_grid import CELL_FILE, Cell, Grid, Trunk, build_grid
+from k2.launcher.tools.sweep_state import (
+    cell_problem,
     cell_status,
+    check_stored_grid,
+    lost_branch_points,
     trunk_status,
+    write_cell_file,
     write_grid_manifest,
 )
 from k2.launcher.training.preemption import REQUEUE_EXIT_CODE
@@ -118,82 +128,117 @@ class Task:
     peak_rss_bytes: int | None = None
 
 
-def plan_tasks(grid: Grid) -> tuple[list[Task], dict[str, str]]:
-    """The unfinished runs in training order (each trunk, then its cells) and the status of every run."""
-    tasks, status = [], {}
+def plan_tasks(grid: Grid) -> tuple[list[Task], dict[str, str], list[str]]:
+    """The unfinished runs in training order (each trunk, then its cells), the status of every run, and one
+    line per cell that cannot go on as it is (:func:`_finished_cell`, :func:`_blocked_cells`): those are not
+    trained. A trunk trains only while a cell still needs a branch point it has not saved."""
+    tasks, status, problems = [], {}, []
 
     def rel(p: Path) -> str:
         return os.path.relpath(p, grid.dir)
 
     for trunk in grid.trunks:
         cells = grid.cells_of(trunk)
-        cstat = {rel(c.run_dir): cell_status(c) for c in cells}
-        tstat = "finished" if all(s == "finished" for s in cstat.values()) else trunk_status(trunk)
-        status[rel(trunk.run_dir)] = tstat
-        status.update(cstat)
-        if tstat != "finished":
-            tasks.append(Task(rel(trunk.run_dir), trunk.run_dir, trunk.overrides))
+        cstat = {}  # cell's name -> status
         for c in cells:
-            if cstat[rel(c.run_dir)] != "finished":
-                tasks.append(
-                    Task(
-                        rel(c.run_dir),
-                        c.run_dir,
-                        c.overrides,
-                        cell=c,
-                        after=rel(trunk.run_dir) if tstat != "finished" else None,
-                    )
-                )
-    return tasks, status
+            st, why = _finished_cell(c) if cell_status(c) == "finished" else (cell_status(c), None)
+            cstat[rel(c.run_dir)] = st
+            problems += [f"{rel(c.run_dir)}: {why}"] if why else []
+        todo = [c for c in cells if cstat[rel(c.run_dir)] not in ("finished", "damaged")]
+        for c, why in _blocked_cells(trunk, todo, rel):
+            cstat[rel(c.run_dir)] = "blocked"
+            problems.append(f"{rel(c.run_dir)}: {why}")
+        todo = [c for c in todo if cstat[rel(c.run_dir)] != "blocked"]
+        saved = checkpoints_dir(trunk.run_dir)
+        needed = any(cstat[rel(c.run_dir)] == "new" and not (saved / iter_name(c.branch_step)).is_dir() for c in todo)
+        status[rel(trunk.run_dir)] = "finished" if all(s == "finished" for s in cstat.values()) else trunk_status(trunk)
+        status.update(cstat)
+        if needed:
+            tasks.append(Task(rel(trunk.run_dir), trunk.run_dir, trunk.overrides))
+        for c in todo:
+            tasks.append(
+                Task(rel(c.run_dir), c.run_dir, c.overrides, cell=c, after=rel(trunk.run_dir) if needed else None)
+            )
+    return tasks, status, problems
 
 
-def _records(run_dir: Path) -> list[dict]:
-    out = []
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a torn last record of a killed run
-                continue
-    return out
+def _finished_cell(cell: Cell) -> tuple[str, str | None]:
+    """``("finished", None)`` for a finished cell whose files the report can read (its ``cell.json`` written
+    back if a stop took it before it was written); ``("damaged", why)`` naming the file and the remedy."""
+    has_file = (cell.run_dir / CELL_FILE).exists()
+    why = cell_problem(cell, with_cell_file=has_file)
+    if why is None and not has_file:
+        try:
+            write_cell_file(cell, None)
+        except OSError as e:
+            why = f"{cell.run_dir / CELL_FILE}: cannot be written ({e.strerror})"
+    if why is None:
+        return "finished", None
+    return "damaged", f"finished, but {why}; delete {cell.run_dir} to retrain that cell"
 
 
-def _machine(threads: str | None) -> dict:
-    """The CPU that finished a cell (``/proc/cpuinfo``'s model name), its cores, the threads per run."""
+def _blocked_cells(trunk: Trunk, todo: list[Cell], rel) -> list[tuple[Cell, str]]:
+    """The unfinished cells of ``trunk`` whose branch point's checkpoint is gone while the trunk went on past
+    it (resuming the trunk cannot save it again), each with the line that names the trunk, the step and the
+    remedy."""
+    lost = set(lost_branch_points(trunk))
+    return [
+        (
+            c,
+            f"cannot start: its trunk {rel(trunk.run_dir)} has no checkpoint at its branch point, step "
+            f"{c.branch_step} (removed after the trunk saved a later one); delete {checkpoints_dir(trunk.run_dir)} "
+            "to retrain the trunk, then re-run",
+        )
+        for c in todo
+        if c.branch_step in lost and cell_status(c) == "new"  # (a partial cell resumes from its own checkpoint)
+    ]
+
+
+#: Runner.done's status of a run that another live process is training (not started here, not failed)
+BUSY = -2
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent():
+    """A ``preexec_fn`` for a run: on Linux it asks the kernel to send the run SIGTERM (it saves and stops)
+    when the process that started it dies, even by ``kill -9``, so a killed sweep leaves no run training on
+    unseen (the runs have their own session, so a signal to the sweep's group does not reach them).
+    Elsewhere, or without ``prctl``, None (no such guard). The signal follows the death of the starting
+    *thread*: the runner starts its runs from the thread that waits for them."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the sweep died before the guard was set
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def running_owner(run_dir: Path) -> str | None:
+    """``pid N on host H`` of a live trainer that owns ``run_dir`` (its lock,
+    :mod:`k2.launcher.checkpointing.run_lock`), or None when nobody holds it. Nothing is written."""
+    try:
+        fd = os.open(run_dir / OWNER_LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        cpu = None
-    return {
-        "cpu": cpu or platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "omp_num_threads": threads,
-        "host": platform.node(),
-    }
-
-
-def write_cell_file(cell: Cell, peak_rss_bytes: int | None, threads: str | None = None) -> dict:
-    """``cell.json`` of a finished cell: its own wall-clock and the trunk's up to the branch point (from the
-    runs' goodput clocks in ``metrics.jsonl``), its process's peak resident memory, its final loss."""
-    recs = _records(cell.run_dir)
-    at_branch = next((r for r in recs if r.get("step") == cell.branch_step), {})
-    last = recs[-1] if recs else {}
-    trunk_s = at_branch.get("time_total_s")
-    info = {
-        "status": "finished",
-        "tokens": last.get("consumed_tokens"),
-        "final_val_loss": last.get("val_loss"),
-        "wall_clock_s": (last["time_total_s"] - trunk_s) if trunk_s and "time_total_s" in last else None,
-        "trunk_wall_clock_s": trunk_s,
-        "peak_rss_bytes": peak_rss_bytes,
-        "machine": _machine(threads),
-    }
-    tmp = cell.run_dir / (CELL_FILE + ".tmp")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(tmp, cell.run_dir / CELL_FILE)
-    return info
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        parts = os.pread(fd, 256, 0).decode(errors="replace").split()
+        return f"pid {parts[1]} on host {parts[0]}" if len(parts) == 2 else "a pid not recorded yet"
+    finally:
+        os.close(fd)
 
 
 class Runner:
@@ -218,10 +263,32 @@ class Runner:
         return [os.environ.get(TEST_PYTHON_ENV) or sys.executable, "-m", "k2.launcher.train", *task.overrides]
 
     def _start(self, task: Task) -> None:
-        task.run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(task.run_dir / LOG_FILE, "ab")
+        owner = running_owner(task.run_dir)
+        if owner is not None:  # e.g. a run of a sweep killed before it could stop it, or a second sweep
+            self.done[task.name] = BUSY
+            print(
+                f"{_PROG}: {task.name}: still running as {owner} (not started by this sweep); not started "
+                "again, re-run the same command once it ends",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        try:
+            task.run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(task.run_dir / LOG_FILE, "ab")
+        except OSError as e:
+            self.done[task.name] = 1
+            print(
+                f"{_PROG}: {task.name}: FAILED: cannot write {task.run_dir / LOG_FILE} ({e.strerror})", file=sys.stderr
+            )
+            return
         task.proc = subprocess.Popen(
-            self.command(task), stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True
+            self.command(task),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._env(),
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         log.close()
         task.started = time.time()
@@ -248,7 +315,12 @@ class Runner:
         if task.rc == 0:
             extra = ""
             if task.cell is not None:
-                info = write_cell_file(task.cell, task.peak_rss_bytes, self._env().get("OMP_NUM_THREADS"))
+                try:
+                    info = write_cell_file(task.cell, task.peak_rss_bytes, self._env().get("OMP_NUM_THREADS"))
+                except OSError as e:
+                    self.done[task.name] = 1
+                    print(f"{_PROG}: {task.name}: FAILED: trained, but {CELL_FILE} ({e.strerror})", file=sys.stderr)
+                    return
                 if info["final_val_loss"] is not None:
                     extra = f", val_loss {info['final_val_loss']:.4f}"
             print(f"{_PROG}: {task.name}: finished in {took:.0f} s{extra}", flush=True)
@@ -278,9 +350,11 @@ class Runner:
             if t.after and t.after not in self.done:
                 continue
             self.pending.remove(t)
-            if dep != 0:  # its trunk failed or stopped
+            if dep != 0:  # its trunk failed, stopped, or is trained by another process
                 self.done[t.name] = -1
-                if dep != REQUEUE_EXIT_CODE:
+                if dep == BUSY:
+                    print(f"{_PROG}: {t.name}: not started (its trunk {t.after} is still running)", file=sys.stderr)
+                elif dep != REQUEUE_EXIT_CODE:
                     print(f"{_PROG}: {t.name}: skipped (its trunk {t.after} did not finish)", file=sys.stderr)
                 continue
             return t
@@ -305,24 +379,34 @@ def run_sweep(overrides: Sequence[str]) -> int:
     """``k2-train -m ...``: check every run, then train the unfinished ones.
 
     Returns:
-        0 when every cell finished; 42 when stopped by a signal or a run was preempted (re-run the same
-        command to continue); 1 when a run failed (the others ran); 2 for a config error (nothing ran).
+        0 when every cell finished; 42 when stopped by a signal, a run was preempted or is still running
+        in another process (re-run the same command to continue); 1 when a run failed or a cell cannot go
+        on as it is (the others ran); 2 for a config error or an unwritable sweep.dir (nothing ran).
     """
     try:
         _, grid = build_grid(overrides)
+        check_stored_grid(grid)
         check_grid(grid, lambda c: c.launch.nproc_per_node)
+        write_grid_manifest(grid)
+        tasks, status, problems = plan_tasks(grid)
+        if tasks and not os.access(grid.dir, os.W_OK):
+            raise ConfigError(
+                f"sweep.dir={grid.dir}: not writable, and {len(tasks)} run(s) of the grid are to train there; "
+                "allowed: a directory this user can write (sweep.dir=...)"
+            )
     except ConfigError as e:
         print(f"k2-train: error: {e}", file=sys.stderr)
         return 2
-    write_grid_manifest(grid)
-    tasks, status = plan_tasks(grid)
-    counts = {s: list(status.values()).count(s) for s in ("finished", "partial", "new")}
+    counts = {s: list(status.values()).count(s) for s in ("finished", "partial", "new", "damaged", "blocked")}
     print(
         f"{_PROG}: sweep '{grid.name}' in {grid.dir}: {len(grid.trunks)} trunks, {len(grid.cells)} cells "
-        f"({counts['finished']} runs finished, {counts['partial']} partial, {counts['new']} new); "
-        f"{len(tasks)} to train, {grid.jobs} at a time",
+        f"({counts['finished']} runs finished, {counts['partial']} partial, {counts['new']} new"
+        + "".join(f", {counts[k]} {k}" for k in ("damaged", "blocked") if counts[k])
+        + f"); {len(tasks)} to train, {grid.jobs} at a time",
         flush=True,
     )
+    for line in problems:
+        print(f"{_PROG}: {line}", file=sys.stderr, flush=True)
     runner = Runner(tasks, grid.jobs)
     handlers = {s: signal.signal(s, runner.stop) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
@@ -330,23 +414,32 @@ def run_sweep(overrides: Sequence[str]) -> int:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    failed = [n for n, rc in done.items() if rc not in (0, REQUEUE_EXIT_CODE, -1)]
+    return _outcome(grid, runner, done, problems)
+
+
+def _outcome(grid: Grid, runner: Runner, done: dict[str, int], problems: list[str]) -> int:
+    """The sweep's last line and exit status (:func:`run_sweep`)."""
+    failed = [n for n, rc in done.items() if rc not in (0, REQUEUE_EXIT_CODE, -1, BUSY)]
     skipped = [n for n, rc in done.items() if rc == -1]
+    busy = [n for n, rc in done.items() if rc == BUSY]
+    again = "re-run the same command to continue the sweep"
     if runner.stopping or any(rc == REQUEUE_EXIT_CODE for rc in done.values()):
-        print(
-            f"{_PROG}: stopped ({runner.stopping or 'a run was preempted'}); re-run the same command to "
-            "continue the sweep",
-            file=sys.stderr,
-        )
+        print(f"{_PROG}: stopped ({runner.stopping or 'a run was preempted'}); {again}", file=sys.stderr)
         return REQUEUE_EXIT_CODE
-    if failed:
+    if failed or problems:
+        parts = [f"{len(failed)} run(s) failed: {', '.join(failed)}"] if failed else []
+        parts += [f"{len(problems)} cell(s) cannot go on as they are (named above)"] if problems else []
         print(
-            f"{_PROG}: {len(failed)} run(s) failed: {', '.join(failed)}"
-            + (f"; skipped (their trunk failed): {', '.join(skipped)}" if skipped else "")
+            f"{_PROG}: {'; '.join(parts)}"
+            + (f"; skipped (their trunk did not finish): {', '.join(skipped)}" if skipped else "")
+            + (f"; still running elsewhere: {', '.join(busy)}" if busy else "")
             + "; the others finished; fix the cause and re-run the same command",
             file=sys.stderr,
         )
         return 1
+    if busy:
+        print(f"{_PROG}: still running in another process: {', '.join(busy)}; once it ends, {again}", file=sys.stderr)
+        return REQUEUE_EXIT_CODE
     print(f"{_PROG}: all {len(grid.cells)} cells finished; report: k2-sweep-report {grid.dir}")
     return 0
 

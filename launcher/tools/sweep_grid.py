@@ -18,12 +18,12 @@ Every run of the grid reads the same data in the same order (``data.seed`` fixed
 evaluated on the same held-out tokens; ``run.seed`` (the model's initialisation) is the seed.
 
 Layout under ``sweep.dir``: ``<arm>[/<size>]/seed_<s>/trunk`` and ``.../budget_<T>`` (run dirs), and
-``grid.json`` (:func:`grid_manifest`), which ``k2-sweep-report`` reads.
+``grid.json`` (:func:`k2.launcher.tools.sweep_state.grid_manifest`), which ``k2-sweep-report`` reads; what
+of the grid is on disk (finished, partial, damaged runs) is :mod:`k2.launcher.tools.sweep_state`'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
-from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name, latest_checkpoint, read_state
+from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name
 
 #: overrides the grid sets itself (a user's own would be silently replaced, so they are refused)
 GRID_KEYS = (
@@ -393,73 +393,3 @@ def _trunk_and_cells(cfg, base: list[str], size_ovr: list[str], who: tuple, budg
             )
         )
     return trunk, cells
-
-
-# ---------------------------------------------------------------------------------------------- status
-
-
-def checkpoint_step(run_dir: Path) -> int:
-    """The step of ``run_dir``'s latest checkpoint (0: none)."""
-    ck = latest_checkpoint(run_dir)
-    return int(read_state(ck)["step"]) if ck is not None else 0
-
-
-def trunk_status(trunk: Trunk) -> str:
-    """``finished`` (a checkpoint at every branch point), ``partial`` (a checkpoint) or ``new``."""
-    ck = checkpoints_dir(trunk.run_dir)
-    if all((ck / iter_name(s)).is_dir() for s in trunk.branch_steps):
-        return "finished"
-    return "partial" if latest_checkpoint(trunk.run_dir) is not None else "new"
-
-
-def cell_status(cell: Cell) -> str:
-    """``finished`` (``cell.json``, or a checkpoint at its last step), ``partial`` or ``new``."""
-    if (cell.run_dir / CELL_FILE).exists():
-        return "finished"
-    step = checkpoint_step(cell.run_dir)
-    if step >= cell.last_step:
-        return "finished"
-    return "partial" if step else "new"
-
-
-def grid_manifest(grid: Grid) -> dict:
-    """``grid.json``: the grid's settings and one entry per cell, paths relative to ``sweep.dir``."""
-
-    def rel(p: Path) -> str:
-        return os.path.relpath(p, grid.dir)
-
-    return {
-        "name": grid.name,
-        "topk": grid.topk,
-        "global_batch_tokens": grid.global_batch_tokens,
-        "reference_arm": f"sparsity_{min(t.sparsity for t in grid.trunks)}",
-        "cooldown": grid.cooldown,
-        "collapsed_load": grid.collapsed_load,
-        "warmup_steps": grid.warmup_steps,
-        "cells": [
-            {
-                "cell": rel(c.run_dir),
-                "arm": c.trunk.arm,
-                "sparsity": c.trunk.sparsity,
-                "experts": c.trunk.experts,
-                "size": c.trunk.size,
-                "seed": c.trunk.seed,
-                "budget_tokens": c.budget_tokens,
-                "branch_step": c.branch_step,
-                "last_step": c.last_step,
-                "trunk_dir": rel(c.trunk.run_dir),
-                "run_dir": rel(c.run_dir),
-            }
-            for c in grid.cells
-        ],
-    }
-
-
-def write_grid_manifest(grid: Grid) -> Path:
-    """Write ``grid.json`` (atomically) into ``sweep.dir``; returns its path."""
-    grid.dir.mkdir(parents=True, exist_ok=True)
-    path = grid.dir / GRID_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(grid_manifest(grid), indent=1) + "\n")
-    os.replace(tmp, path)
-    return path

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.tools.sweep import check_grid, run_overrides_for_check
-from k2.launcher.tools.sweep_grid import Grid, build_grid, cell_status, trunk_status, write_grid_manifest
+from k2.launcher.tools.sweep_grid import Grid, build_grid
+from k2.launcher.tools.sweep_state import cell_status, check_stored_grid, trunk_status, write_grid_manifest
 
 _GIB = 2**30
 
@@ -91,6 +92,7 @@ def plan_sweep(overrides: Sequence[str]) -> tuple[Grid, list[dict]]:
         ConfigError: a bad setting, naming the run; a run that does not fit its GPUs.
     """
     _, grid = build_grid(overrides)
+    check_stored_grid(grid)
     check_grid(grid, lambda c: c.cluster.nodes * c.cluster.gpus_per_node)
     rows = sweep_costs(grid)
     bad = [r for r in rows if not r["fits"]]

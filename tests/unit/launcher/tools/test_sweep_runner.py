@@ -1,10 +1,14 @@
 """The grid's runner on one machine (launcher/tools/sweep.py ``Runner``): runs at most ``jobs`` at a time, a
 branch only after its trunk finished, a failed trunk named with its log while the other trunk's runs go on
-(its own branches skipped and named), a signal stopping the runs in flight. The runs are stand-in processes."""
+(its own branches skipped and named), a signal stopping the runs in flight, a run another live process
+trains named and not started again, the runs of a killed sweep stopped. The runs are stand-in processes."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -91,3 +95,54 @@ def test_a_run_stopped_while_starting_is_not_reported_as_failed(tmp_path, capsys
     assert done == {"a/trunk": -signal.SIGTERM, "b/trunk": -signal.SIGTERM}
     out, err = capsys.readouterr()
     assert "FAILED" not in err and out.count("stopped while starting (nothing to save)") == 2, (out, err)
+
+
+def test_a_run_still_running_in_another_process_is_named_not_failed_and_its_branches_wait(tmp_path, capsys):
+    from k2.launcher.checkpointing.run_lock import RunDirLock
+    from k2.launcher.tools.sweep import BUSY
+
+    owner = RunDirLock.acquire(tmp_path / "a" / "trunk")  # a live trainer of a/trunk: this process
+    try:
+        runner = _Fake(_tasks(tmp_path), jobs=1)
+        done = runner.run()
+    finally:
+        owner.release()
+    assert done == {"a/trunk": BUSY, "a/budget_1": -1, "a/budget_2": -1, "b/trunk": 0, "b/budget_1": 0, "b/budget_2": 0}
+    assert not any(n.startswith("a/") for n in runner.order)  # not started a second time
+    err = capsys.readouterr().err
+    assert f"a/trunk: still running as pid {os.getpid()} on host" in err and "FAILED" not in err, err
+    assert "a/budget_1: not started (its trunk a/trunk is still running)" in err
+
+
+def test_the_runs_of_a_sweep_killed_with_sigkill_are_stopped_with_sigterm(tmp_path):
+    """The runs have a session of their own (a signal to the sweep's group does not reach them); when the
+    sweep dies they get SIGTERM from the kernel, so that they save and stop rather than train on unseen."""
+    pid_file, stopped = tmp_path / "t" / "pid", tmp_path / "t" / "stopped"
+    run = (
+        "import os, pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(stopped)!r}).touch(), sys.exit(42)))\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    sweep = (
+        "import sys\nfrom pathlib import Path\nfrom k2.launcher.tools.sweep import Runner, Task\n"
+        "class R(Runner):\n"
+        f"    def command(self, task):\n        return [sys.executable, '-c', {run!r}]\n"
+        f"R([Task('t', Path({str(tmp_path / 't')!r}), ())], 1).run()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", sweep])
+    try:
+        deadline = time.time() + 60
+        while not pid_file.exists() and time.time() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        proc.kill()  # kill -9: no handler of the sweep runs
+        proc.wait()
+        deadline = time.time() + 20
+        while not stopped.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert stopped.exists(), "the run of the killed sweep is still training"
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
