@@ -115,7 +115,7 @@ class Cell:
     flops: float | None = None
     final_val_loss: float | None = None
     curve: list[tuple[float, float]] = field(default_factory=list)
-    branch_point: tuple[float, float] | None = None
+    branch_point: tuple[float, float | None] | None = None
     seq_length: int | None = None
     flops_per_token: float | None = None
     router_share: float | None = None

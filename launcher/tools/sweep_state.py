@@ -16,6 +16,7 @@ import json
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 from k2.config.errors import ConfigError
 from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name, latest_checkpoint, read_state
@@ -155,7 +156,7 @@ def write_grid_manifest(grid: Grid) -> Path:
 
 #: the settings grid.json records that change a run once trained: (the key(s) in grid.json, the setting,
 #: whether it changes the trunks too (else only the cooldown branches))
-_STORED = (
+_STORED: tuple[tuple[tuple[str, ...], str, bool], ...] = (
     (("cooldown", "style"), "sweep.cooldown.style", False),
     (("cooldown", "lr_end"), "sweep.cooldown.lr_end", False),
     (("cooldown", "fraction"), "sweep.cooldown.fraction", True),
@@ -166,14 +167,14 @@ _STORED = (
 )
 
 
-def _stored_settings(manifest: dict) -> dict:
-    out = {}
+def _stored_settings(manifest: dict) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
     for keys, _, _ in _STORED:
         if keys == ("largest_budget",):
             budgets = [c.get("budget_tokens") for c in manifest.get("cells", []) if isinstance(c, dict)]
             out[keys] = max((b for b in budgets if isinstance(b, int)), default=None)
             continue
-        v = manifest
+        v: Any = manifest
         for k in keys:
             v = v.get(k) if isinstance(v, dict) else None
         out[keys] = v
