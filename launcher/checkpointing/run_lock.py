@@ -24,7 +24,7 @@ from pathlib import Path
 
 from k2.config.errors import ConfigError
 
-__all__ = ["OWNER_LOCK", "RunDirBusy", "RunDirLock", "raise_if_busy"]
+__all__ = ["OWNER_LOCK", "RunDirBusy", "RunDirLock", "owner_of", "raise_if_busy"]
 
 #: the lock file's name inside the run directory
 OWNER_LOCK = ".owner.lock"
@@ -68,7 +68,7 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if not _held(e):
                 os.close(fd)
                 raise ConfigError(f"run.dir={run_dir}: cannot lock {path}: {e.strerror}") from None
             owner = _read_owner(fd, wait_owner_s)
@@ -103,16 +103,44 @@ def raise_if_busy(run_dir) -> None:
         RunDirLock.acquire(run_dir).release()
 
 
-def _read_owner(fd: int, wait_s: float) -> str:
-    """``host H, pid P`` from the lock file, waiting up to ``wait_s`` for a just-started owner to write."""
+def owner_of(run_dir) -> tuple[str, str] | None:
+    """``(host, pid)`` of the live process that owns ``run_dir`` (``("", "")`` while it has not written
+    them yet), or None when nobody holds the lock or there is no lock file. A shared, non-blocking probe:
+    nothing is created, written or kept locked."""
+    try:
+        fd = os.open(Path(run_dir) / OWNER_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except OSError as e:
+        if not _held(e):
+            return None
+        return _owner_parts(fd, 0.0) or ("", "")
+    finally:
+        os.close(fd)
+
+
+def _held(e: OSError) -> bool:
+    """True when a non-blocking ``flock`` failed because another process holds the lock."""
+    return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+def _owner_parts(fd: int, wait_s: float) -> tuple[str, str] | None:
+    """``(host, pid)`` from the lock file, waiting up to ``wait_s`` for a just-started owner to write them
+    (None: not written)."""
     deadline = time.monotonic() + wait_s
-    text: str | None = None
     while True:
-        text = os.pread(fd, 256, 0).decode(errors="replace").strip()
-        if text or time.monotonic() >= deadline:
+        parts = os.pread(fd, 256, 0).decode(errors="replace").split()
+        if parts or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    parts = text.split()
-    if len(parts) == 2:
-        return f"host {parts[0]}, pid {parts[1]}"
-    return "owner not recorded yet"
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+def _read_owner(fd: int, wait_s: float) -> str:
+    """``host H, pid P`` from the lock file, waiting up to ``wait_s`` for a just-started owner to write."""
+    parts = _owner_parts(fd, wait_s)
+    return f"host {parts[0]}, pid {parts[1]}" if parts else "owner not recorded yet"

@@ -27,8 +27,6 @@ and megatron-core; the peak resident memory recorded is then the client's).
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import os
 import signal
 import subprocess
@@ -41,7 +39,7 @@ from pathlib import Path
 from k2.config.errors import ConfigError
 from k2.config.load import load_config
 from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name
-from k2.launcher.checkpointing.run_lock import OWNER_LOCK
+from k2.launcher.checkpointing.run_lock import owner_of
 from k2.launcher.tools.sweep_grid import CELL_FILE, Cell, Grid, Trunk, build_grid
 from k2.launcher.tools.sweep_state import (
     cell_problem,
@@ -222,23 +220,13 @@ def die_with_parent():
 
 
 def running_owner(run_dir: Path) -> str | None:
-    """``pid N on host H`` of a live trainer that owns ``run_dir`` (its lock,
-    :mod:`k2.launcher.checkpointing.run_lock`), or None when nobody holds it. Nothing is written."""
-    try:
-        fd = os.open(run_dir / OWNER_LOCK, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    """``pid N on host H`` of a live trainer that owns ``run_dir`` (its lock:
+    :func:`k2.launcher.checkpointing.run_lock.owner_of`), or None when nobody holds it. Nothing is written."""
+    owner = owner_of(run_dir)
+    if owner is None:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        parts = os.pread(fd, 256, 0).decode(errors="replace").split()
-        return f"pid {parts[1]} on host {parts[0]}" if len(parts) == 2 else "a pid not recorded yet"
-    finally:
-        os.close(fd)
+    host, pid = owner
+    return f"pid {pid} on host {host}" if pid else "a pid not recorded yet"
 
 
 class Runner:
