@@ -207,13 +207,13 @@ def balanced_layout(
         left empty. None if layers are left over."""
         counts, i = [0] * S, 0
         fixed = [(embedding_cost if r == 0 else 0.0) + (loss_cost if r == pp - 1 else 0.0) for r in range(pp)]
-        budgets = [max(0.0, cap - fixed[g % pp]) / vpp for g in range(S)]
+        budgets = [(cap - fixed[g % pp]) / vpp for g in range(S)]
         rank_load = list(fixed)
         for g in range(S):
             r = g % pp
             budget = budgets[g]
             if spread and budget > 0:
-                budget = min(budget, sum(layer_costs[i:]) * budget / sum(budgets[g:]))
+                budget = min(budget, sum(layer_costs[i:]) * budget / sum(b for b in budgets[g:] if b > 0))
             load = 0.0
             while i < n and load + layer_costs[i] / 2 <= budget and rank_load[r] + layer_costs[i] <= cap:
                 load += layer_costs[i]

@@ -323,6 +323,7 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
     query = cfg.plan.query_tokens
     if query is not None:
         query = OmegaConf.to_container(query) if isinstance(query, ListConfig) else [query]
+    profile = cluster_profile(cfg)
     return {
         "bubble_fraction": main_res["bubble"],
         "pipeline": {
@@ -344,9 +345,9 @@ def _pipeline_and_flops(cfg: K2Config, dims: ParallelDims, schedule: Schedule, a
         "ep_overlap_note": main_res["ep_overlap_note"],
         "ep_comm_s": st.ep_comm,
         "tokens_per_s_per_gpu_estimated": tokens_per_step / est / dims.world_size,
-        "hardware": cluster_profile(cfg).name,
+        "hardware": profile.name,
         # GPUs of the job per NVLink domain (the node, or its part of an NVL72 rack: cluster.segment_nodes)
-        "nvlink_domain_gpus": cluster_profile(cfg).domain_gpus,
+        "nvlink_domain_gpus": profile.domain_gpus,
         # the layers' GEMMs: train.fp8_recipe's FP8 scaling, else train.precision
         "gemm_precision": str(cfg.train.fp8_recipe or cfg.train.precision),
         "what_if": st.what_if,
