@@ -214,7 +214,7 @@ def read_grid_spec(sweep_dir) -> GridSpec:
     )
 
 
-def _read_records(path: Path, rel: str, finished: bool) -> tuple[list[dict], list[str]]:
+def read_records(path: Path, rel: str, finished: bool) -> tuple[list[dict], list[str]]:
     """The JSON records of ``metrics.jsonl`` and notes. The last line of an unfinished cell may be torn (a
     write cut by a kill): skipped with a note. Any other bad line raises ValueError naming ``rel:line``."""
     lines = path.read_text().splitlines()
@@ -302,7 +302,7 @@ class _Trunks:
     def evaluations(self, trunk_dir: str, model) -> list[tuple[int, float, float]]:
         if trunk_dir not in self._evals:
             try:
-                records, _ = _read_records(self._dir / trunk_dir / "metrics.jsonl", trunk_dir, finished=False)
+                records, _ = read_records(self._dir / trunk_dir / "metrics.jsonl", trunk_dir, finished=False)
                 self._evals[trunk_dir] = _evaluations(records, _flops_curve(records, model, _flops_of)[0])
             except (OSError, ValueError, KeyError, TypeError):
                 self._evals[trunk_dir] = []
@@ -398,7 +398,7 @@ def _read_cell(spec: CellSpec, sweep_dir: Path, grid: GridSpec, configs: _Config
     try:
         model, (cell.params_total, cell.params_active) = configs.load(d / "config.yaml")
         current = "metrics.jsonl"
-        records, cell.notes = _read_records(d / "metrics.jsonl", f"{spec.run_dir}/metrics.jsonl", finished)
+        records, cell.notes = read_records(d / "metrics.jsonl", f"{spec.run_dir}/metrics.jsonl", finished)
         trunk = trunks.evaluations(spec.trunk_dir, model)
         _fill_from_metrics(cell, records, model, _flops_of, grid.warmup_steps, trunk)
         if finished:

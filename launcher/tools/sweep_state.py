@@ -20,6 +20,7 @@ from typing import Any
 
 from k2.config.errors import ConfigError
 from k2.launcher.checkpointing.paths import checkpoints_dir, iter_name, latest_checkpoint, read_state
+from k2.launcher.tools.sweep_collect import read_records
 from k2.launcher.tools.sweep_grid import CELL_FILE, GRID_FILE, Cell, Grid, Trunk
 
 
@@ -90,19 +91,15 @@ def lost_branch_points(trunk: Trunk) -> list[int]:
 
 
 def _metrics_problem(path: Path) -> str | None:
-    """Why ``metrics.jsonl`` of a finished cell cannot be read as the report reads it (None: it can)."""
+    """Why ``metrics.jsonl`` of a finished cell cannot be read as the report reads it
+    (:func:`k2.launcher.tools.sweep_collect.read_records`, a finished cell's; None: it can)."""
     try:
-        lines = [s for s in path.read_text().splitlines() if s.strip()]
+        records, _ = read_records(path, path.name, finished=True)
     except (OSError, UnicodeDecodeError) as e:
         return f"cannot be read ({getattr(e, 'strerror', None) or e})"
-    for n, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return f"line {n} is not a JSON record (cut mid-line?)"
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            return f"line {n} is not a record with an integer 'step'"
-    if not lines or json.loads(lines[-1]).get("val_loss") is None:
+    except ValueError as e:  # (names the line: a record cut mid-line, or one without an integer 'step')
+        return str(e)
+    if not records or records[-1].get("val_loss") is None:
         return "its last record has no val_loss"
     return None
 
